@@ -1,0 +1,177 @@
+"""The `cuda` backend: the op interface of backend.py, recorded as kernel launches.
+
+Each op forwards to its family's launcher in gptcuda/cuda_ops/ (the kernels live in
+kernels/<family>.cu). Launches are packed once into the open program; `prepare` then
+compiles nothing more (every variant was built while recording) and captures the step as
+a CUDA graph.
+"""
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from .backend import Buffers, Program
+from .runtime import DeviceView, Runtime
+
+FAMILIES = ("encoder", "layernorm", "elementwise", "loss", "optim", "data", "gemm", "attention")
+STATE_FIELDS = {"step": (0, np.int32), "lr": (1, np.float32), "loss": (2, np.float32),
+                "grad_norm": (3, np.float32), "eval_draws": (4, np.int32)}
+
+
+def family(name: str):
+    return importlib.import_module(f"gptcuda.cuda_ops.{name}")
+
+
+def workspaces(cfg) -> dict:
+    """Scratch of every op family for this config, merged (a name planned twice keeps the larger)."""
+    out = {}
+    for fam in FAMILIES:
+        ws = getattr(family(fam), "workspace", None)
+        for name, (shape, dtype) in (ws(cfg) if ws else {}).items():
+            if name in out and int(np.prod(out[name][0])) >= int(np.prod(shape)):
+                continue
+            out[name] = (tuple(shape), dtype)
+    return out
+
+
+def attention_saved(cfg) -> dict:
+    return family("attention").saved_shapes(cfg)
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, cfg, rt: Runtime | None = None):
+        self.cfg = cfg
+        self.rt = rt or Runtime(cfg.device, precision=cfg.precision, seed=cfg.seed)
+        self.f = {fam: family(fam) for fam in FAMILIES}
+
+    # ---- memory ---------------------------------------------------------------------
+    def free_bytes(self) -> int:
+        return self.rt.dev.mem_info()[0]
+
+    def allocate(self, plan, table) -> Buffers:
+        rt = self.rt
+        region = plan.region_bytes
+        flat = rt.alloc(plan.flat_bytes)
+        regions = [DeviceView(flat + i * region, (table.total,), "f32", n)
+                   for i, n in enumerate(("params", "grads", "adam_m", "adam_v"))]
+        for r in regions:
+            rt.fill(r, 0)
+
+        def named(region_view):
+            return {s.name: DeviceView(region_view.ptr + 4 * s.offset, s.shape, "f32", s.name) for s in table}
+
+        arena = rt.alloc(plan.arena_bytes)
+        acts = {e.name: DeviceView(arena + e.offset, e.shape, e.dtype, e.name) for e in plan.entries}
+        for e in plan.entries:                  # poison: an op reading what nothing wrote shows NaN
+            rt.fill(acts[e.name], 0x7FC00000 if e.dtype == "f32" else 0)
+        rt.set_workspace({e.name: acts[e.name] for e in plan.entries if e.kind == "workspace"})
+        rt.state = acts["state"]
+        rt.fill(rt.state, 0)
+        rt.synchronize()
+        return Buffers(named(regions[0]), named(regions[1]), *regions, acts)
+
+    def upload(self, view, arr):
+        self.rt.write(view, arr)
+
+    def download(self, view) -> np.ndarray:
+        return self.rt.download(view)
+
+    def read_state(self) -> dict:
+        words = self.rt.download(self.rt.state)
+        return {k: words[i:i + 1].view(t)[0].item() for k, (i, t) in STATE_FIELDS.items()}
+
+    def write_state(self, **fields):
+        words = self.rt.download(self.rt.state)
+        for k, v in fields.items():
+            i, t = STATE_FIELDS[k]
+            words[i:i + 1].view(t)[0] = v
+        self.rt.write(self.rt.state, words)
+
+    # ---- programs -------------------------------------------------------------------
+    def begin(self, name) -> Program:
+        return self.rt.begin(name)
+
+    def end(self) -> Program:
+        return self.rt.end()
+
+    def run(self, prog: Program):
+        self.rt.run(prog)
+
+    def capture(self, prog: Program):
+        return self.rt.capture(prog)
+
+    def synchronize(self):
+        self.rt.synchronize()
+
+    # ---- ops (semantics in backend.py) ----------------------------------------------
+    def zero(self, view):
+        self.rt.memset(view, 0, "zero")
+
+    def lr_schedule(self, *a):
+        self.f["optim"].lr_schedule(self.rt, *a)
+
+    def step_advance(self):
+        self.f["optim"].step_advance(self.rt)
+
+    def eval_advance(self):
+        self.f["optim"].eval_advance(self.rt)
+
+    def get_batch(self, x, y, tokens, site, counter):
+        self.f["data"].get_batch(self.rt, x, y, tokens, site, counter)
+
+    def encoder_fwd(self, *a):
+        self.f["encoder"].encoder_fwd(self.rt, *a)
+
+    def encoder_bwd(self, *a):
+        self.f["encoder"].encoder_bwd(self.rt, *a)
+
+    def dropout_fwd(self, out, x, p, site):
+        if p > 0:
+            self.f["elementwise"].dropout_fwd(self.rt, out, x, p, site)
+        elif out.ptr != x.ptr:
+            raise ValueError("dropout_fwd with p=0 must be in place")
+
+    def dropout_bwd(self, dx, dout, p, site):
+        if p > 0:
+            self.f["elementwise"].dropout_bwd(self.rt, dx, dout, p, site)
+        elif dx.ptr != dout.ptr:
+            raise ValueError("dropout_bwd with p=0 must be in place")
+
+    def residual_dropout(self, *a):
+        self.f["elementwise"].residual_dropout(self.rt, *a)
+
+    def layernorm_fwd(self, *a):
+        self.f["layernorm"].layernorm_fwd(self.rt, *a)
+
+    def layernorm_bwd(self, *a):
+        self.f["layernorm"].layernorm_bwd(self.rt, *a)
+
+    def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
+        self.f["gemm"].matmul(self.rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux)
+
+    def bias_grad(self, db, dout):
+        self.f["elementwise"].bias_grad(self.rt, db, dout)
+
+    def gelu_bwd(self, *a):
+        self.f["elementwise"].gelu_bwd(self.rt, *a)
+
+    def attention_fwd(self, *a):
+        self.f["attention"].attention_fwd(self.rt, *a)
+
+    def attention_bwd(self, *a):
+        self.f["attention"].attention_bwd(self.rt, *a)
+
+    def crossentropy(self, *a):
+        self.f["loss"].crossentropy(self.rt, *a)
+
+    def loss_reduce(self, *a):
+        self.f["loss"].loss_reduce(self.rt, *a)
+
+    def grad_norm(self, grads):
+        self.f["optim"].grad_norm(self.rt, grads)
+
+    def adamw(self, *a):
+        self.f["optim"].adamw(self.rt, *a)

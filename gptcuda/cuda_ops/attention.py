@@ -1,0 +1,242 @@
+"""Causal self-attention launchers: unfused (kernels/attention.cu + batched gemms) and fused
+(kernels/flash_attention.cu).
+
+    attention_fwd(rt, y[B,T,C], qkv[B,T,3C], saved, n_head, p, site)
+    attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site)
+
+`saved` is the per-layer dict planned from `saved_shapes(cfg)`: {"probs": [B,H,T,T]} selects the
+unfused path (the probabilities before dropout are kept for the backward), {"lse": [B,H,T]}
+the fused one (the per-row log-sum-exp of the scaled scores). Scratch shared by all layers
+comes from `workspace(cfg)`, names prefixed "attn_".
+
+Dropout on the attention probabilities uses the stream (rt.seed, state.step, site); the keep
+bit of element (b, h, i, j) is the one of row-major index ((b*H + h)*T + i)*T + j of
+[B,H,T,T], exactly as rng.dropout_mask draws it, in both paths.
+"""
+from __future__ import annotations
+
+import math
+
+from ..runtime import DeviceView, f32, i32, u32
+
+FILE = "attention.cu"
+FLASH_FILE = "flash_attention.cu"
+
+ROWS_PER_BLOCK = 8            # ATTN_ROWS_PER_BLOCK in attention.cu (one warp per row)
+ROW_THREADS = 32 * ROWS_PER_BLOCK
+PERMUTE_THREADS = 256
+MAX_GRID = 132 * 32           # grid-stride kernels: enough blocks to fill 132 SMs many times
+
+# ---- fused kernel geometry (flash_attention.cu) ----------------------------------------
+FLASH_HEAD_SIZES = (32, 64, 128)
+FLASH_THREADS = 128           # FA_THREADS in flash_attention.cu
+FLASH_BQ = 64                 # query rows per block of the forward and dQ kernels
+FLASH_BK = 64                 # key rows per block of the dK/dV kernel
+ROWSUM_THREADS = 256
+
+
+def _flash_variants():
+    out = []
+    for hs in FLASH_HEAD_SIZES:
+        for drop in ("false", "true"):
+            out.append((FLASH_FILE, f"flash_fwd<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_bwd_dq<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_bwd_dkv<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_fwd_tc<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_bwd_dq_tc<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_bwd_dkv_tc<{hs},{drop}>", {}))
+    out.append((FLASH_FILE, "flash_rowsum_do", {}))
+    return out
+
+
+VARIANTS = [
+    (FILE, "attn_permute_in<1>", {}),
+    (FILE, "attn_permute_in<4>", {}),
+    (FILE, "attn_permute_out<1>", {}),
+    (FILE, "attn_permute_out<4>", {}),
+    (FILE, "attn_softmax_fwd<false>", {}),
+    (FILE, "attn_softmax_fwd<true>", {}),
+    (FILE, "attn_dropout_probs", {}),
+    (FILE, "attn_softmax_bwd<false>", {}),
+    (FILE, "attn_softmax_bwd<true>", {}),
+]
+from ..compiler import KERNEL_DIR as _KD  # noqa: E402  (temporary: fused kernels in progress)
+if (_KD / FLASH_FILE).exists():
+    VARIANTS += _flash_variants()
+
+
+# ---------------------------------------------------------------------------- planning
+
+def _dims(cfg):
+    B, T, C, H = int(cfg.batch_size), int(cfg.block_size), int(cfg.n_embd), int(cfg.n_head)
+    return B, T, C, H, C // H
+
+
+def saved_shapes(cfg) -> dict:
+    """Per-layer tensors the forward keeps for the backward."""
+    B, T, C, H, hs = _dims(cfg)
+    if getattr(cfg, "attention", "unfused") == "fused":
+        return {"lse": ((B, H, T), "f32")}
+    return {"probs": ((B, H, T, T), "f32")}
+
+
+def workspace(cfg) -> dict:
+    """Scratch shared by all layers (name -> (shape, dtype))."""
+    B, T, C, H, hs = _dims(cfg)
+    if getattr(cfg, "attention", "unfused") == "fused":
+        return {"attn_d": ((B, H, T), "f32")}           # D = rowsum(dO * O) of the backward
+    heads = ((B, H, T, hs), "f32")
+    return {
+        "attn_q": heads, "attn_k": heads, "attn_v": heads,
+        "attn_yh": heads,                                # yh in the forward, dyh in the backward
+        "attn_att": ((B, H, T, T), "f32"),               # dropped probs (fwd, p > 0); pd, then dpd -> dS (bwd)
+        "attn_dq": heads, "attn_dk": heads, "attn_dv": heads,
+    }
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _split(qkv: DeviceView, n_head: int):
+    B, T, C3 = (int(s) for s in qkv.shape)
+    if C3 % 3:
+        raise ValueError(f"attention: qkv width {C3} is not 3*C")
+    C = C3 // 3
+    if C % n_head:
+        raise ValueError(f"attention: C={C} does not split into {n_head} heads")
+    return B, T, C, int(n_head), C // n_head
+
+
+def _view(ws: DeviceView, shape) -> DeviceView:
+    """The leading part of a workspace, viewed with `shape` (workspaces are sized for the config)."""
+    v = DeviceView(ws.ptr, tuple(int(s) for s in shape), ws.dtype, ws.name)
+    if v.numel > ws.numel:
+        raise ValueError(f"workspace {ws.name}{ws.shape} is smaller than {v.shape}")
+    return v
+
+
+def _aligned(*views) -> bool:
+    return all(v is None or v.ptr % 16 == 0 for v in views)
+
+
+def _grid_1d(n: int, threads: int) -> int:
+    return max(1, min((n + threads - 1) // threads, MAX_GRID))
+
+
+def _dropout_args(rt, p: float, site: int):
+    p = float(p)
+    threshold = min(int(p * 4294967296.0), 0xFFFFFFFF)
+    inv_keep = 1.0 / (1.0 - p) if p > 0 else 1.0
+    return [rt.state, u32(int(rt.seed) & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF), u32(threshold), f32(inv_keep)]
+
+
+def permute_in(rt, outs, x: DeviceView, B, T, H, hs):
+    """x [B,T,nmat*C] -> nmat views [B,H,T,hs] (nmat = len(outs))."""
+    nmat = len(outs)
+    o = list(outs) + [None] * (3 - nmat)
+    vec = 4 if hs % 4 == 0 and _aligned(x, *o) else 1
+    fn = rt.function(FILE, f"attn_permute_in<{vec}>")
+    n = B * T * nmat * H * hs // vec
+    rt.launch(fn, (_grid_1d(n, PERMUTE_THREADS),), (PERMUTE_THREADS,),
+              [o[0], o[1], o[2], x, i32(B), i32(T), i32(H), i32(hs), i32(nmat)],
+              label="attn_permute_in")
+
+
+def permute_out(rt, out: DeviceView, ins, B, T, H, hs):
+    """nmat views [B,H,T,hs] -> out [B,T,nmat*C]."""
+    nmat = len(ins)
+    v = list(ins) + [None] * (3 - nmat)
+    vec = 4 if hs % 4 == 0 and _aligned(out, *v) else 1
+    fn = rt.function(FILE, f"attn_permute_out<{vec}>")
+    n = B * T * nmat * H * hs // vec
+    rt.launch(fn, (_grid_1d(n, PERMUTE_THREADS),), (PERMUTE_THREADS,),
+              [out, v[0], v[1], v[2], i32(B), i32(T), i32(H), i32(hs), i32(nmat)],
+              label="attn_permute_out")
+
+
+# ---------------------------------------------------------------------------- ops
+
+def attention_fwd(rt, y, qkv, saved, n_head, p, site):
+    if "probs" in saved:
+        return _unfused_fwd(rt, y, qkv, saved["probs"], n_head, p, site)
+    if "lse" in saved:
+        return _fused_fwd(rt, y, qkv, saved["lse"], n_head, p, site)
+    raise KeyError(f"attention_fwd: saved has neither 'probs' nor 'lse' ({sorted(saved)})")
+
+
+def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site):
+    if "probs" in saved:
+        return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site)
+    if "lse" in saved:
+        return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site)
+    raise KeyError(f"attention_bwd: saved has neither 'probs' nor 'lse' ({sorted(saved)})")
+
+
+# ---- unfused
+
+def _unfused_fwd(rt, y, qkv, probs, n_head, p, site):
+    from .gemm import matmul_batched
+
+    B, T, C, H, hs = _split(qkv, n_head)
+    heads = (B, H, T, hs)
+    q = _view(rt.workspace("attn_q"), heads)
+    k = _view(rt.workspace("attn_k"), heads)
+    v = _view(rt.workspace("attn_v"), heads)
+    yh = _view(rt.workspace("attn_yh"), heads)
+    probs = _view(probs, (B, H, T, T))
+    permute_in(rt, (q, k, v), qkv, B, T, H, hs)
+    matmul_batched(rt, probs, q, k, trans_a=False, trans_b=True, alpha=1.0 / math.sqrt(hs))
+    rows = B * H * T
+    grid = ((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,)
+    drop = float(p) > 0
+    pd = _view(rt.workspace("attn_att"), (B, H, T, T)) if drop else None
+    fn = rt.function(FILE, f"attn_softmax_fwd<{'true' if drop else 'false'}>")
+    rt.launch(fn, grid, (ROW_THREADS,),
+              [probs, pd] + _dropout_args(rt, p, site) + [i32(rows), i32(T)],
+              label="attn_softmax_fwd")
+    matmul_batched(rt, yh, pd if drop else probs, v)
+    permute_out(rt, y, (yh,), B, T, H, hs)
+
+
+def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site):
+    from .gemm import matmul_batched
+
+    B, T, C, H, hs = _split(qkv, n_head)
+    heads = (B, H, T, hs)
+    q = _view(rt.workspace("attn_q"), heads)
+    k = _view(rt.workspace("attn_k"), heads)
+    v = _view(rt.workspace("attn_v"), heads)
+    dyh = _view(rt.workspace("attn_yh"), heads)
+    att = _view(rt.workspace("attn_att"), (B, H, T, T))
+    dq = _view(rt.workspace("attn_dq"), heads)
+    dk = _view(rt.workspace("attn_dk"), heads)
+    dv = _view(rt.workspace("attn_dv"), heads)
+    probs = _view(probs, (B, H, T, T))
+    rows = B * H * T
+    grid = ((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,)
+    drop = float(p) > 0
+    dargs = _dropout_args(rt, p, site)
+
+    permute_in(rt, (q, k, v), qkv, B, T, H, hs)      # later layers' forwards overwrote q, k, v
+    permute_in(rt, (dyh,), dy, B, T, H, hs)
+    if drop:                                         # att = pd, used for dv, then reused for dpd
+        rt.launch(rt.function(FILE, "attn_dropout_probs"), grid, (ROW_THREADS,),
+                  [att, probs] + dargs + [i32(rows), i32(T)], label="attn_dropout_probs")
+    matmul_batched(rt, dv, att if drop else probs, dyh, trans_a=True)      # dv = pd^T dyh
+    matmul_batched(rt, att, dyh, v, trans_b=True)                          # dpd = dyh v^T
+    fn = rt.function(FILE, f"attn_softmax_bwd<{'true' if drop else 'false'}>")
+    rt.launch(fn, grid, (ROW_THREADS,),
+              [att, probs] + dargs + [f32(1.0 / math.sqrt(hs)), i32(rows), i32(T)],
+              label="attn_softmax_bwd")
+    matmul_batched(rt, dq, att, k)                                         # dq = dS k
+    matmul_batched(rt, dk, att, q, trans_a=True)                           # dk = dS^T q
+    permute_out(rt, dqkv, (dq, dk, dv), B, T, H, hs)
+
+
+# ---- fused
+
+def _fused_fwd(rt, y, qkv, lse, n_head, p, site):
+    raise NotImplementedError("fused attention is not written yet")
+
+
+def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
+    raise NotImplementedError("fused attention is not written yet")

@@ -1,0 +1,161 @@
+"""A training session: plan, allocate, initialise, record the programs, run steps.
+
+    eng = Engine(cfg, dataset)        # prints nothing; eng.plan.format() is the memory plan
+    eng.train_step()                  # one optimizer step (graph replay or eager launches)
+    eng.evaluate()                    # {"train": loss, "val": loss}
+    eng.state_dict() / eng.load_state_dict(arrays, meta)
+
+Used by train.py, sample.py, gradcheck.py and the tests, with either backend.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from . import compiler
+from .memory import check_fits, plan_memory
+from .model import GPT
+from .params import init_params, param_table, unflatten
+
+
+def make_backend(cfg):
+    if cfg.backend == "reference":
+        from .reference.backend import ReferenceBackend, attention_saved
+        return ReferenceBackend(cfg), attention_saved(cfg), {}
+    from . import cuda_backend
+    return cuda_backend.CudaBackend(cfg), cuda_backend.attention_saved(cfg), cuda_backend.workspaces(cfg)
+
+
+def plan_for(cfg, vocab_size: int, n_train: int, n_val: int):
+    """The memory plan of a config without touching a GPU (train.py --plan)."""
+    cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
+    table = param_table(cfg, vocab_size)
+    if cfg.backend == "reference":
+        from .reference.backend import attention_saved
+        saved, ws = attention_saved(cfg), {}
+    else:
+        from . import cuda_backend
+        saved, ws = cuda_backend.attention_saved(cfg), cuda_backend.workspaces(cfg)
+    return plan_memory(cfg, table, vocab_size, n_train, n_val, saved, ws, cfg.max_iters + 1)
+
+
+class Engine:
+    def __init__(self, cfg, train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int,
+                 backend=None, programs=("train", "eval")):
+        cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
+        self.cfg = cfg
+        self.table = param_table(cfg, vocab_size)
+        if backend is None:
+            backend, saved, ws = make_backend(cfg)
+        else:
+            saved, ws = (backend.attention_saved(cfg), backend.workspaces(cfg))
+        self.be = backend
+        self.plan = plan_memory(cfg, self.table, vocab_size, len(train_tokens), len(val_tokens), saved, ws,
+                                cfg.max_iters + 1)
+        check_fits(self.plan, backend.free_bytes(), cfg)
+        self.bufs = backend.allocate(self.plan, self.table)
+        a = self.bufs.acts
+        backend.upload(a["train_tokens"], train_tokens.astype(np.int32))
+        backend.upload(a["val_tokens"], val_tokens.astype(np.int32))
+        backend.upload(self.bufs.flat_params, init_params(self.table, cfg, cfg.seed))
+        for r in (self.bufs.flat_grads, self.bufs.flat_m, self.bufs.flat_v):
+            backend.upload(r, np.zeros(self.table.total, np.float32))
+        backend.write_state(step=0, eval_draws=0)
+        self.model = GPT(cfg, backend, self.bufs, self.table)
+        t = time.perf_counter()
+        self.programs = {}
+        if "train" in programs:
+            self.programs["train"] = self._record("train", self.model.record_train_step)
+        if "eval" in programs:
+            self.programs["eval_train"] = self._record("eval_train", lambda: self.model.record_eval_batch("train"))
+            self.programs["eval_val"] = self._record("eval_val", lambda: self.model.record_eval_batch("val"))
+        self.programs["fwdbwd"] = self._record("fwdbwd", self.model.record_forward_backward)
+        self.programs["forward"] = self._record("forward", self.model.record_forward)
+        self.graphs = {}
+        if cfg.graph and cfg.backend == "cuda":
+            for name in ("train", "eval_train", "eval_val"):
+                if name in self.programs:
+                    self.graphs[name] = backend.capture(self.programs[name])
+        self.setup_seconds = time.perf_counter() - t
+
+    def _record(self, name, fn):
+        self.be.begin(name)
+        try:
+            fn()
+        finally:
+            prog = self.be.end()
+        return prog
+
+    def run(self, name: str):
+        """Run a recorded program: its graph when captured, else its launches one by one."""
+        with compiler.forbid_compiles():
+            g = self.graphs.get(name)
+            if g is not None:
+                g.launch()
+            else:
+                self.be.run(self.programs[name])
+
+    def train_step(self):
+        self.run("train")
+
+    def evaluate(self) -> dict:
+        out = {}
+        for split in ("train", "val"):
+            losses = []
+            for _ in range(self.cfg.eval_iters):
+                self.run(f"eval_{split}")
+                losses.append(self.be.read_state()["loss"])
+            out[split] = float(np.mean(losses))
+        return out
+
+    def state(self) -> dict:
+        return self.be.read_state()
+
+    def loss_history(self, upto: int) -> np.ndarray:
+        h = self.be.download(self.bufs.acts["history"])
+        return np.asarray(h[:upto], dtype=np.float64)
+
+    # ---- parameters and checkpoints ----------------------------------------------------
+    def params(self) -> dict:
+        return unflatten(self.table, self.be.download(self.bufs.flat_params))
+
+    def grads(self) -> dict:
+        return unflatten(self.table, self.be.download(self.bufs.flat_grads))
+
+    def set_params(self, named: dict):
+        flat = np.zeros(self.table.total, np.float32)
+        for s in self.table:
+            flat[s.offset:s.offset + s.numel] = np.asarray(named[s.name], np.float32).reshape(-1)
+        self.be.upload(self.bufs.flat_params, flat)
+
+    def set_batch(self, x: np.ndarray, y: np.ndarray):
+        self.be.upload(self.bufs.acts["idx"], x.astype(np.int32))
+        self.be.upload(self.bufs.acts["targets"], y.astype(np.int32))
+
+    def state_dict(self):
+        b = self.bufs
+        arrays = {
+            "params": np.asarray(self.be.download(b.flat_params), np.float32),
+            "adam_m": np.asarray(self.be.download(b.flat_m), np.float32),
+            "adam_v": np.asarray(self.be.download(b.flat_v), np.float32),
+            "history": np.asarray(self.be.download(b.acts["history"]), np.float32),
+        }
+        st = self.be.read_state()
+        meta = {"step": int(st["step"]), "eval_draws": int(st["eval_draws"]),
+                "param_shapes": {k: list(v) for k, v in self.table.shapes().items()},
+                "n_slots": self.table.total}
+        return arrays, meta
+
+    def expected_shapes(self) -> dict:
+        n = self.table.total
+        return {"params": (n,), "adam_m": (n,), "adam_v": (n,), "history": (self.cfg.max_iters + 1,)}
+
+    def load_state_dict(self, arrays: dict, meta: dict):
+        b = self.bufs
+        self.be.upload(b.flat_params, arrays["params"])
+        self.be.upload(b.flat_m, arrays["adam_m"])
+        self.be.upload(b.flat_v, arrays["adam_v"])
+        self.be.upload(b.acts["history"], arrays["history"])
+        self.be.write_state(step=int(meta["step"]), eval_draws=int(meta["eval_draws"]))

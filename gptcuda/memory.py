@@ -1,0 +1,164 @@
+"""The memory plan: every byte the run will use, decided from the config before allocating.
+
+Two device allocations:
+  * the flat buffer  params | grads | Adam m | Adam v  (four regions of the parameter table's size)
+  * the arena        activations (saved for the backward), backward scratch, op workspaces,
+                     the token data, the step state and the loss history
+
+`plan_memory` is pure arithmetic (no GPU), so `train.py CONFIG --plan` prints it anywhere,
+and a plan larger than the device's free memory is refused before anything is allocated.
+Every entry starts on a 256-byte boundary (16-byte vector access needs only 16).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .params import ParamTable
+
+ARENA_ALIGN = 256
+ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
+STATE_WORDS = 16
+KINDS = ("activation", "backward", "workspace", "data", "state")
+
+
+@dataclass
+class Entry:
+    name: str
+    shape: tuple
+    dtype: str
+    kind: str
+    comment: str = ""
+    offset: int = 0     # bytes from the arena's start
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+
+@dataclass
+class MemoryPlan:
+    table: ParamTable
+    entries: list = field(default_factory=list)
+    arena_bytes: int = 0
+
+    @property
+    def region_bytes(self) -> int:
+        return self.table.total * 4
+
+    @property
+    def flat_bytes(self) -> int:
+        return 4 * self.region_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.flat_bytes + self.arena_bytes
+
+    def add(self, name, shape, dtype="f32", kind="activation", comment=""):
+        if kind not in KINDS:
+            raise ValueError(kind)
+        if any(e.name == name for e in self.entries):
+            raise ValueError(f"memory plan: {name} planned twice")
+        e = Entry(name, tuple(int(s) for s in shape), dtype, kind, comment, self.arena_bytes)
+        self.entries.append(e)
+        self.arena_bytes += (e.nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+        return e
+
+    def by_kind(self) -> dict:
+        out = {k: 0 for k in KINDS}
+        for e in self.entries:
+            out[e.kind] += (e.nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+        return out
+
+    def __getitem__(self, name) -> Entry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    def format(self, detail: bool = False) -> str:
+        def gib(n):
+            return f"{n / 2**30:9.3f} GiB" if n >= 2**30 else f"{n / 2**20:9.2f} MiB"
+        rb = self.region_bytes
+        lines = ["memory plan",
+                 f"  parameters       {gib(rb)}  ({self.table.n_params:,} parameters, {self.table.total:,} slots)",
+                 f"  gradients        {gib(rb)}",
+                 f"  adam m           {gib(rb)}",
+                 f"  adam v           {gib(rb)}"]
+        kinds = self.by_kind()
+        label = {"activation": "activations", "backward": "backward scratch", "workspace": "op workspace",
+                 "data": "token data", "state": "step state"}
+        for k in KINDS:
+            lines.append(f"  {label[k]:<17}{gib(kinds[k])}")
+        if detail:
+            for e in self.entries:
+                lines.append(f"    {e.name:<28} {str(list(e.shape)):<22} {e.dtype} {gib(e.nbytes)}  {e.comment}")
+        lines.append(f"  total            {gib(self.total_bytes)}")
+        return "\n".join(lines)
+
+
+class PlanTooLarge(RuntimeError):
+    pass
+
+
+def check_fits(plan: MemoryPlan, free_bytes: int, cfg) -> None:
+    """Refuse a plan that does not fit, with the plan and what to change."""
+    if plan.total_bytes <= free_bytes:
+        return
+    hints = [f"--batch_size={max(1, cfg.batch_size // 2)}", f"--block_size={max(1, cfg.block_size // 2)}"]
+    if cfg.attention == "unfused":
+        hints.insert(0, "--attention=fused (no [B,H,T,T] probabilities saved)")
+    raise PlanTooLarge(
+        f"{plan.format()}\nthe plan needs {plan.total_bytes / 2**30:.2f} GiB but the GPU has "
+        f"{free_bytes / 2**30:.2f} GiB free; try " + ", or ".join(hints))
+
+
+def plan_memory(cfg, table: ParamTable, vocab_size: int, n_train: int, n_val: int,
+                attention_saved: dict, workspaces: dict, history: int) -> MemoryPlan:
+    """The whole arena for training at cfg.batch_size x cfg.block_size.
+
+    attention_saved: per-layer saved tensors of the attention implementation {name: (shape, dtype)}
+    workspaces: scratch shared by all layers {name: (shape, dtype)} from the op families
+    """
+    B, T, C, L, V = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer, vocab_size
+    p = MemoryPlan(table)
+    p.add("idx", (B, T), "i32", "activation", "input tokens [B, T]")
+    p.add("targets", (B, T), "i32", "activation", "target tokens [B, T]")
+    p.add("res", (L + 1, B, T, C), "f32", "activation", "residual stream into each block and out of the last")
+    p.add("mid", (L, B, T, C), "f32", "activation", "residual stream after each attention half")
+    p.add("ln1", (L, B, T, C), "f32", "activation", "layernorm 1 outputs")
+    p.add("ln1_mean", (L, B, T), "f32", "activation")
+    p.add("ln1_rstd", (L, B, T), "f32", "activation")
+    p.add("qkv", (L, B, T, 3 * C), "f32", "activation", "q|k|v projections [B, T, 3C]")
+    p.add("atty", (L, B, T, C), "f32", "activation", "attention outputs, heads interleaved [B, T, C]")
+    for name, (shape, dtype) in attention_saved.items():
+        p.add(f"attn_{name}", (L, *shape), dtype, "activation", f"attention saves {name} per layer")
+    p.add("ln2", (L, B, T, C), "f32", "activation", "layernorm 2 outputs")
+    p.add("ln2_mean", (L, B, T), "f32", "activation")
+    p.add("ln2_rstd", (L, B, T), "f32", "activation")
+    p.add("fc_pre", (L, B, T, 4 * C), "f32", "activation", "mlp pre-activation (for GELU backward)")
+    p.add("fc_act", (L, B, T, 4 * C), "f32", "activation", "mlp GELU output")
+    p.add("lnf", (B, T, C), "f32", "activation", "final layernorm output")
+    p.add("lnf_mean", (B, T), "f32", "activation")
+    p.add("lnf_rstd", (B, T), "f32", "activation")
+    p.add("logits", (B, T, V), "f32", "activation", "logits, turned into their gradient in place")
+    p.add("losses", (B, T), "f32", "activation", "per-token losses")
+    p.add("branch", (B, T, C), "f32", "backward", "a branch output before dropout + residual")
+    p.add("dres", (B, T, C), "f32", "backward", "gradient of the residual stream")
+    p.add("dbranch", (B, T, C), "f32", "backward", "gradient of a branch output")
+    p.add("dln", (B, T, C), "f32", "backward", "gradient of a layernorm output")
+    p.add("datty", (B, T, C), "f32", "backward", "gradient of the attention output")
+    p.add("dqkv", (B, T, 3 * C), "f32", "backward", "gradient of qkv")
+    p.add("dfc", (B, T, 4 * C), "f32", "backward", "gradient of the mlp activation / pre-activation")
+    for name, (shape, dtype) in sorted(workspaces.items()):
+        p.add(name, shape, dtype, "workspace", "op scratch, shared by all layers")
+    p.add("train_tokens", (n_train,), "i32", "data", "training split on the device")
+    p.add("val_tokens", (n_val,), "i32", "data", "validation split on the device")
+    p.add("state", (STATE_WORDS,), "i32", "state", "StepState (kernels/common.cuh)")
+    p.add("history", (max(history, 1),), "f32", "state", "training loss of every step")
+    return p

@@ -1,0 +1,141 @@
+"""The GPT's forward and backward launch sequence, written once for both backends.
+
+Reads top to bottom like the model: embed, L blocks of (layernorm, attention, residual,
+layernorm, MLP, residual), final layernorm, tied head, cross-entropy; then the same in
+reverse. Every call records an op into the backend's open program (see backend.py); the
+buffers are the memory plan's views, so nothing is allocated here.
+
+Shapes: B batch, T block_size, C n_embd, H n_head, V vocab, L n_layer, N = B*T.
+"""
+from __future__ import annotations
+
+from . import rng
+
+
+class GPT:
+    def __init__(self, cfg, ops, bufs, table):
+        self.cfg, self.ops, self.b, self.table = cfg, ops, bufs, table
+        self.p = bufs.params      # name -> view
+        self.g = bufs.grads       # name -> view
+        self.a = bufs.acts        # plan entry name -> view
+
+    def _pb(self, name):
+        return self.p.get(name)   # None when the config has no biases
+
+    def forward(self, train: bool, grad_scale: float):
+        """Logits, per-token losses, and (grad_scale != 0) the logits' gradient in place."""
+        o, a, p, cfg = self.ops, self.a, self.p, self.cfg
+        drop = cfg.dropout if train else 0.0
+        H = cfg.n_head
+        o.encoder_fwd(a["res"][0], a["idx"], p["wte"], p["wpe"])                 # [B,T,C]
+        o.dropout_fwd(a["res"][0], a["res"][0], drop, rng.DROPOUT_EMB)
+        for l in range(cfg.n_layer):
+            x, mid, out = a["res"][l], a["mid"][l], a["res"][l + 1]              # [B,T,C] each
+            h = f"h{l}."
+            o.layernorm_fwd(a["ln1"][l], a["ln1_mean"][l], a["ln1_rstd"][l], x, p[h + "ln1.w"], self._pb(h + "ln1.b"))
+            o.matmul(a["qkv"][l], a["ln1"][l], p[h + "attn.w"], False, True, bias=self._pb(h + "attn.b"))  # [B,T,3C]
+            o.attention_fwd(a["atty"][l], a["qkv"][l], self.saved(l), H, drop, rng.dropout_site(l, 0))
+            self._residual(mid, x, a["atty"][l], p[h + "proj.w"], self._pb(h + "proj.b"), drop, rng.dropout_site(l, 1))
+            o.layernorm_fwd(a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l], mid, p[h + "ln2.w"], self._pb(h + "ln2.b"))
+            o.matmul(a["fc_act"][l], a["ln2"][l], p[h + "fc.w"], False, True, bias=self._pb(h + "fc.b"),
+                     epilogue="gelu", aux=a["fc_pre"][l])                       # [B,T,4C]
+            self._residual(out, mid, a["fc_act"][l], p[h + "fcproj.w"], self._pb(h + "fcproj.b"), drop,
+                           rng.dropout_site(l, 2))
+        L = cfg.n_layer
+        o.layernorm_fwd(a["lnf"], a["lnf_mean"], a["lnf_rstd"], a["res"][L], p["lnf.w"], self._pb("lnf.b"))
+        o.matmul(a["logits"], a["lnf"], p["wte"], False, True)                   # [B,T,V], tied head
+        o.crossentropy(a["losses"], a["logits"] if grad_scale else None, a["logits"], a["targets"], grad_scale)
+
+    def _residual(self, out, resid, x, w, bias, drop, site):
+        """out = resid + dropout(x @ w^T + bias): fused into the GEMM epilogue when there is no dropout."""
+        if drop > 0:
+            self.ops.matmul(self.b.acts["branch"], x, w, False, True, bias=bias)
+            self.ops.residual_dropout(out, resid, self.b.acts["branch"], drop, site)
+        else:
+            self.ops.matmul(out, x, w, False, True, bias=bias, epilogue="residual", aux=resid)
+
+    def saved(self, l):
+        return {k[len("attn_"):]: v[l] for k, v in self.a.items() if k.startswith("attn_")}
+
+    def backward(self):
+        """Every parameter gradient, from the logits' gradient left by forward(grad_scale=1/N)."""
+        o, a, p, g, cfg = self.ops, self.a, self.p, self.g, self.cfg
+        drop, H, L = cfg.dropout, cfg.n_head, cfg.n_layer
+        dres, dln, dbranch, dfc, dqkv, datty = (a[k] for k in ("dres", "dln", "dbranch", "dfc", "dqkv", "datty"))
+        # head: logits = lnf @ wte^T
+        o.matmul(dln, a["logits"], p["wte"], False, False)                        # dlnf [B,T,C]
+        o.matmul(g["wte"], a["logits"], a["lnf"], True, False)                    # dwte [V,C] =
+        o.zero(dres)
+        o.layernorm_bwd(dres, g["lnf.w"], g.get("lnf.b"), dln, a["res"][L], a["lnf_mean"], a["lnf_rstd"], p["lnf.w"])
+        for l in reversed(range(L)):
+            h = f"h{l}."
+            # mlp half: res[l+1] = mid + drop(fc_act @ fcproj^T + b)
+            d = self._branch_grad(dres, drop, rng.dropout_site(l, 2))
+            o.matmul(dfc, d, p[h + "fcproj.w"], False, False)                     # d fc_act [B,T,4C]
+            o.matmul(g[h + "fcproj.w"], d, a["fc_act"][l], True, False)
+            self._bias_grad(g, h + "fcproj.b", d)
+            o.gelu_bwd(dfc, dfc, a["fc_pre"][l])
+            o.matmul(dln, dfc, p[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
+            o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False)
+            self._bias_grad(g, h + "fc.b", dfc)
+            o.layernorm_bwd(dres, g[h + "ln2.w"], g.get(h + "ln2.b"), dln, a["mid"][l], a["ln2_mean"][l],
+                            a["ln2_rstd"][l], p[h + "ln2.w"])
+            # attention half: mid = res[l] + drop(atty @ proj^T + b)
+            d = self._branch_grad(dres, drop, rng.dropout_site(l, 1))
+            o.matmul(datty, d, p[h + "proj.w"], False, False)
+            o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False)
+            self._bias_grad(g, h + "proj.b", d)
+            o.attention_bwd(dqkv, datty, a["qkv"][l], a["atty"][l], self.saved(l), H, drop, rng.dropout_site(l, 0))
+            o.matmul(dln, dqkv, p[h + "attn.w"], False, False)                    # d ln1 [B,T,C]
+            o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False)
+            self._bias_grad(g, h + "attn.b", dqkv)
+            o.layernorm_bwd(dres, g[h + "ln1.w"], g.get(h + "ln1.b"), dln, a["res"][l], a["ln1_mean"][l],
+                            a["ln1_rstd"][l], p[h + "ln1.w"])
+        d = self._branch_grad(dres, drop, rng.DROPOUT_EMB)
+        o.encoder_bwd(g["wte"], g["wpe"], d, a["idx"])
+
+    def _branch_grad(self, dres, drop, site):
+        """Gradient of a branch output before dropout (dres itself when there is no dropout)."""
+        if drop > 0:
+            self.ops.dropout_bwd(self.a["dbranch"], dres, drop, site)
+            return self.a["dbranch"]
+        return dres
+
+    def _bias_grad(self, g, name, d):
+        if name in g:
+            self.ops.bias_grad(g[name], d)
+
+    # ---- whole programs -----------------------------------------------------------------
+    def record_train_step(self):
+        """batch -> forward -> backward -> clip -> AdamW -> step += 1, with nothing per step baked in."""
+        o, cfg, b = self.ops, self.cfg, self.b
+        o.lr_schedule(cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
+        o.get_batch(self.a["idx"], self.a["targets"], self.a["train_tokens"], rng.SITE_BATCH_TRAIN, "step")
+        n_tok = cfg.batch_size * cfg.block_size
+        self.forward(train=True, grad_scale=1.0 / n_tok)
+        o.loss_reduce(self.a["losses"], self.a["history"])
+        self.backward()
+        o.grad_norm(b.flat_grads)
+        o.adamw(b.flat_params, b.flat_grads, b.flat_m, b.flat_v, self.table.n_decay, cfg.beta1, cfg.beta2,
+                cfg.eps, cfg.weight_decay, cfg.grad_clip)
+        o.step_advance()
+
+    def record_eval_batch(self, split: str):
+        """One evaluation batch of a split: draw, forward without dropout, mean loss into the state."""
+        tokens = self.a["train_tokens"] if split == "train" else self.a["val_tokens"]
+        site = rng.SITE_BATCH_EVAL_TRAIN if split == "train" else rng.SITE_BATCH_VAL
+        self.ops.get_batch(self.a["idx"], self.a["targets"], tokens, site, "eval_draws")
+        self.forward(train=False, grad_scale=0.0)
+        self.ops.loss_reduce(self.a["losses"], None)
+        self.ops.eval_advance()
+
+    def record_forward_backward(self):
+        """Forward and backward on the batch already in idx/targets (gradcheck, golden tests)."""
+        n_tok = self.cfg.batch_size * self.cfg.block_size
+        self.forward(train=True, grad_scale=1.0 / n_tok)
+        self.ops.loss_reduce(self.a["losses"], None)
+        self.backward()
+
+    def record_forward(self, train: bool = False):
+        self.forward(train=train, grad_scale=0.0)
+        self.ops.loss_reduce(self.a["losses"], None)

@@ -1,0 +1,218 @@
+"""The `reference` backend: the op interface of backend.py in float64 numpy.
+
+Each op records a closure that calls the functions of reference/ops.py on the plan's
+arrays; running the program calls them in order. Dropout masks and batches come from the
+same counter-based RNG as the GPU's, so both backends take the same random choices.
+Runs anywhere (CI has no GPU); slow, so meant for tiny configs and for checking the GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import rng
+from ..backend import Buffers, Program, rows
+from ..data import get_batch
+from . import ops as R
+
+
+def attention_saved(cfg) -> dict:
+    B, T, H = cfg.batch_size, cfg.block_size, cfg.n_head
+    return {"probs": ((B, H, T, T), "f32")}
+
+
+def _2d(x):
+    return x.reshape(rows(x.shape), x.shape[-1])
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.seed = cfg.seed
+        self.state = {"step": 0, "lr": 0.0, "loss": 0.0, "grad_norm": 0.0, "eval_draws": 0}
+        self._prog: Program | None = None
+
+    # ---- memory ---------------------------------------------------------------------
+    def free_bytes(self) -> int:
+        return 1 << 62
+
+    def allocate(self, plan, table) -> Buffers:
+        regions = [np.zeros(table.total, dtype=np.float64) for _ in range(4)]
+
+        def named(flat):
+            return {s.name: flat[s.offset:s.offset + s.numel].reshape(s.shape) for s in table}
+
+        acts = {}
+        for e in plan.entries:
+            if e.dtype == "f32":
+                acts[e.name] = np.full(e.shape, np.nan, dtype=np.float64)
+            else:
+                acts[e.name] = np.zeros(e.shape, dtype=np.int64)
+        return Buffers(named(regions[0]), named(regions[1]), *regions, acts)
+
+    def upload(self, view, arr):
+        view[...] = np.asarray(arr).reshape(view.shape)
+
+    def download(self, view) -> np.ndarray:
+        return np.array(view)
+
+    def read_state(self) -> dict:
+        return dict(self.state)
+
+    def write_state(self, **fields):
+        for k, v in fields.items():
+            if k not in self.state:
+                raise KeyError(k)
+            self.state[k] = v
+
+    # ---- programs -------------------------------------------------------------------
+    def begin(self, name) -> Program:
+        self._prog = Program(name)
+        return self._prog
+
+    def end(self) -> Program:
+        prog, self._prog = self._prog, None
+        return prog
+
+    def run(self, prog: Program):
+        for fn in prog.items:
+            fn()
+
+    def capture(self, prog):
+        return None
+
+    def synchronize(self):
+        pass
+
+    def _rec(self, fn):
+        if self._prog is None:
+            fn()
+        else:
+            self._prog.items.append(fn)
+
+    def _keep(self, site, shape, p):
+        return rng.dropout_mask(self.seed, self.state["step"], site, int(np.prod(shape)), p).reshape(shape)
+
+    # ---- ops (semantics in backend.py) ----------------------------------------------
+    def zero(self, view):
+        self._rec(lambda: view.fill(0.0))
+
+    def lr_schedule(self, lr, min_lr, warmup, decay_iters):
+        def f():
+            self.state["lr"] = R.lr_at(self.state["step"], lr, min_lr, warmup, decay_iters)
+        self._rec(f)
+
+    def step_advance(self):
+        self._rec(lambda: self.state.__setitem__("step", self.state["step"] + 1))
+
+    def eval_advance(self):
+        self._rec(lambda: self.state.__setitem__("eval_draws", self.state["eval_draws"] + 1))
+
+    def get_batch(self, x, y, tokens, site, counter):
+        def f():
+            bx, by = get_batch(tokens, self.seed, self.state[counter], site, x.shape[0], x.shape[1])
+            x[...], y[...] = bx, by
+        self._rec(f)
+
+    def encoder_fwd(self, out, idx, wte, wpe):
+        self._rec(lambda: out.__setitem__(Ellipsis, R.encoder_forward(idx, wte, wpe)))
+
+    def encoder_bwd(self, dwte, dwpe, dout, idx):
+        def f():
+            gw, gp = R.encoder_backward(dout, idx, dwte.shape[0], dwpe.shape[0])
+            dwte[...] += gw
+            dwpe[...] = gp
+        self._rec(f)
+
+    def dropout_fwd(self, out, x, p, site):
+        if p > 0:
+            self._rec(lambda: out.__setitem__(Ellipsis, R.dropout_forward(x, self._keep(site, x.shape, p), p)))
+
+    def dropout_bwd(self, dx, dout, p, site):
+        if p > 0:
+            self._rec(lambda: dx.__setitem__(Ellipsis, R.dropout_backward(dout, self._keep(site, dout.shape, p), p)))
+
+    def residual_dropout(self, out, resid, x, p, site):
+        def f():
+            d = R.dropout_forward(x, self._keep(site, x.shape, p), p) if p > 0 else x
+            out[...] = resid + d
+        self._rec(f)
+
+    def layernorm_fwd(self, out, mean, rstd, x, w, b):
+        def f():
+            o, m, r = R.layernorm_forward(x, w, b)
+            out[...], mean[...], rstd[...] = o, m, r
+        self._rec(f)
+
+    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w):
+        def f():
+            gx, gw, gb = R.layernorm_backward(dout, x, mean, rstd, w)
+            dx[...] += gx
+            dw[...] = gw
+            if db is not None:
+                db[...] = gb
+        self._rec(f)
+
+    def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
+        def f():
+            r = R.matmul_forward(_2d(a), _2d(b), trans_a, trans_b, bias)
+            o = _2d(out)
+            if epilogue == "gelu":
+                _2d(aux)[...] = r
+                o[...] = R.gelu_forward(r)
+            elif epilogue == "residual":
+                o[...] = _2d(aux) + r
+            else:
+                o[...] = r
+        self._rec(f)
+
+    def bias_grad(self, db, dout):
+        self._rec(lambda: db.__setitem__(Ellipsis, _2d(dout).sum(axis=0)))
+
+    def gelu_bwd(self, dpre, dout, pre):
+        self._rec(lambda: dpre.__setitem__(Ellipsis, R.gelu_backward(dout, pre)))
+
+    def attention_fwd(self, y, qkv, saved, n_head, p, site):
+        def f():
+            B, T = qkv.shape[0], qkv.shape[1]
+            keep = self._keep(site, (B, n_head, T, T), p) if p > 0 else None
+            out, probs = R.attention_forward(qkv, n_head, keep, p)
+            y[...] = out
+            saved["probs"][...] = probs
+        self._rec(f)
+
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site):
+        def f():
+            B, T = qkv.shape[0], qkv.shape[1]
+            keep = self._keep(site, (B, n_head, T, T), p) if p > 0 else None
+            dqkv[...] = R.attention_backward(dy, qkv, saved["probs"], n_head, keep, p)
+        self._rec(f)
+
+    def crossentropy(self, losses, dlogits, logits, targets, grad_scale):
+        def f():
+            lo, probs = R.crossentropy_forward(_2d(logits), targets.reshape(-1))
+            losses[...] = lo.reshape(losses.shape)
+            if grad_scale and dlogits is not None:
+                _2d(dlogits)[...] = R.crossentropy_backward(probs, targets.reshape(-1), grad_scale)
+        self._rec(f)
+
+    def loss_reduce(self, losses, history):
+        def f():
+            self.state["loss"] = float(np.mean(losses))
+            if history is not None and self.state["step"] < history.shape[0]:
+                history[self.state["step"]] = self.state["loss"]
+        self._rec(f)
+
+    def grad_norm(self, grads):
+        self._rec(lambda: self.state.__setitem__("grad_norm", R.global_norm([grads])))
+
+    def adamw(self, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
+        decay = np.arange(params.shape[0]) < n_decay
+
+        def f():
+            g = grads * R.clip_scale(self.state["grad_norm"], grad_clip)
+            p2, m2, v2 = R.adamw_update(params, g, m, v, self.state["lr"], beta1, beta2, eps, weight_decay,
+                                        self.state["step"] + 1, decay)
+            params[...], m[...], v[...] = p2, m2, v2
+        self._rec(f)

@@ -1,0 +1,66 @@
+"""Counter-based random numbers shared bit for bit by the CUDA kernels and the numpy reference.
+
+Nothing random is stored: a dropout mask or a batch offset is a pure function of
+(seed, step, site, element index), so the backward pass recomputes the mask, a
+resumed run draws the same batches, and the reference backend reproduces the GPU's
+choices exactly. The same arithmetic lives in kernels/common.cuh (`gc_hash32`,
+`gc_key`, `gc_keep`); tests/test_rng.py pins known values so the two cannot drift.
+"""
+import numpy as np
+
+M32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+
+# Site ids: every random consumer has its own stream. Dropout sites are per layer:
+# DROPOUT_BASE + 4*layer + {0: attention probabilities, 1: attention residual, 2: mlp residual};
+# the embedding dropout is site DROPOUT_EMB.
+SITE_BATCH_TRAIN = 1
+SITE_BATCH_VAL = 2
+SITE_BATCH_EVAL_TRAIN = 3
+DROPOUT_EMB = 15
+DROPOUT_BASE = 16
+
+
+def dropout_site(layer: int, which: int) -> int:
+    """which: 0 attention probabilities, 1 attention-output residual, 2 mlp-output residual."""
+    return DROPOUT_BASE + 4 * layer + which
+
+
+def hash32(x):
+    """A 32-bit integer mixer (xorshift-multiply, 'lowbias32'). Works on ints and uint32 arrays."""
+    x = np.asarray(x, dtype=np.uint64) & M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    x ^= x >> 16
+    return x
+
+
+def key(seed: int, step: int, site: int) -> int:
+    """The 32-bit key of one random stream: key = H(H(H(seed) ^ site) + step * GOLDEN)."""
+    k = hash32(hash32(seed & M32) ^ (site & M32))
+    return int(hash32((int(k) + (step & M32) * GOLDEN) & M32))
+
+
+def uniform_u32(k: int, idx):
+    """The random word of element idx (uint32 array) in stream k: H(idx ^ k) then once more with k."""
+    idx = np.asarray(idx, dtype=np.uint64) & M32
+    return hash32((hash32(idx ^ k) + k) & M32)
+
+
+def keep_threshold(p: float) -> int:
+    """An element is kept when its word >= threshold; p is the drop probability."""
+    return min(int(p * 4294967296.0), M32)
+
+
+def dropout_mask(seed: int, step: int, site: int, n: int, p: float) -> np.ndarray:
+    """Boolean keep-mask of n elements (row-major element index)."""
+    return uniform_u32(key(seed, step, site), np.arange(n, dtype=np.uint64)) >= keep_threshold(p)
+
+
+def batch_offsets(seed: int, counter: int, site: int, batch: int, n_tokens: int, block: int) -> np.ndarray:
+    """Start offsets of a batch of `batch` windows of block+1 tokens in a split of n_tokens tokens."""
+    span = n_tokens - block  # valid starts: 0 .. n_tokens-block-1 (y needs one token more)
+    w = uniform_u32(key(seed, counter, site), np.arange(batch, dtype=np.uint64))
+    return (w % np.uint64(span)).astype(np.int64)

@@ -1,0 +1,278 @@
+"""The CUDA runtime of gptcuda: kernels registry, argument blocks, programs and CUDA graphs.
+
+Launchers in gptcuda/cuda_ops/ use three things:
+
+    fn = rt.function("layernorm.cu", "layernorm_fwd<4>", {"BLOCK": 256})   # compiled once, cached
+    rt.launch(fn, grid, block, [out, mean, x, w, None, i32(N), f32(eps)], smem=0)
+    rt.workspace("att_q")                                                  # a planned scratch view
+
+Arguments are DeviceViews (passed as pointers), None (a null pointer) or typed scalars
+(i32, u32, f32, u64). `launch` packs the argument block once into a `Launch` and either
+runs it now (eager) or appends it to the program being recorded; a program replays its
+launches with no packing, or is captured once into a CUDA graph and replayed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import compiler
+from .backend import Program
+from .driver import Device
+
+NAN_WORD = 0x7FC00000
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """A typed window into device memory. Only `.shape` matters to model code."""
+    ptr: int
+    shape: tuple
+    dtype: str = "f32"       # f32 | i32 | u8
+    name: str = ""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * np.dtype(NP_DTYPES[self.dtype]).itemsize
+
+    def __getitem__(self, i: int) -> "DeviceView":
+        """Index the leading dimension: a contiguous sub-view."""
+        inner = self.numel // int(self.shape[0])
+        if not 0 <= i < self.shape[0]:
+            raise IndexError(f"{self.name}[{i}] out of range {self.shape}")
+        item = np.dtype(NP_DTYPES[self.dtype]).itemsize
+        return DeviceView(self.ptr + i * inner * item, tuple(self.shape[1:]), self.dtype, f"{self.name}[{i}]")
+
+
+NP_DTYPES = {"f32": np.float32, "i32": np.int32, "u8": np.uint8}
+
+
+class _Scalar:
+    __slots__ = ("value",)
+    np_type = None
+
+    def __init__(self, value):
+        self.value = value
+
+
+class i32(_Scalar):
+    np_type = np.int32
+
+
+class u32(_Scalar):
+    np_type = np.uint32
+
+
+class f32(_Scalar):
+    np_type = np.float32
+
+
+class u64(_Scalar):
+    np_type = np.uint64
+
+
+@dataclass
+class Function:
+    handle: object
+    name: str
+    file: str
+    attrs: dict = field(default_factory=dict)
+    max_smem: int = 0
+
+
+class Launch:
+    """One kernel launch with its argument block packed once."""
+    __slots__ = ("fn", "grid", "block", "smem", "slots", "ptrs", "params", "label")
+
+    def __init__(self, fn: Function, grid, block, args, smem: int, label: str):
+        self.fn, self.smem, self.label = fn, int(smem), label
+        self.grid = tuple(int(g) for g in (tuple(grid) + (1, 1))[:3])
+        self.block = tuple(int(b) for b in (tuple(block) + (1, 1))[:3])
+        if min(self.grid) < 1 or min(self.block) < 1:
+            raise ValueError(f"{label}: empty launch grid={self.grid} block={self.block}")
+        self.slots = np.zeros(max(len(args), 1), dtype=np.uint64)    # one 8-byte slot per argument
+        raw = self.slots.view(np.uint8)
+        for i, a in enumerate(args):
+            if isinstance(a, DeviceView):
+                self.slots[i] = a.ptr
+            elif a is None:
+                self.slots[i] = 0
+            elif isinstance(a, _Scalar):
+                b = np.array([a.value], dtype=a.np_type).view(np.uint8)
+                raw[8 * i: 8 * i + b.size] = b
+            else:
+                raise TypeError(f"{label}: argument {i} is {type(a).__name__}; "
+                                "pass a DeviceView, None or a typed scalar (i32, u32, f32, u64)")
+        base = self.slots.ctypes.data
+        self.ptrs = np.array([base + 8 * i for i in range(len(args))] or [0], dtype=np.uint64)
+        self.params = self.ptrs.ctypes.data
+
+    def run(self, dev, stream):
+        dev.launch(self.fn.handle, self.grid, self.block, self.smem, stream, self.params)
+
+
+class Memset:
+    """Fill a view with one 32-bit word (recorded like a launch; captured as a memset node)."""
+    __slots__ = ("ptr", "word", "count", "label")
+
+    def __init__(self, view, word: int, label: str):
+        self.ptr, self.word, self.count, self.label = view.ptr, word, view.nbytes // 4, label
+
+    def run(self, dev, stream):
+        dev.memset32(self.ptr, self.word, self.count, stream)
+
+
+class Runtime:
+    """One GPU: compiled functions, a stream, the program being recorded, graphs, memory."""
+
+    def __init__(self, device: int = 0, precision: str = "fp32", seed: int = 0):
+        self.dev = Device(device)
+        self.info = self.dev.info
+        self.arch = self.info.arch
+        self.precision = precision
+        self.seed = seed
+        self.stream = self.dev.stream()
+        self._functions: dict = {}
+        self._recording: Program | None = None
+        self._workspace: dict = {}
+        self._allocs: list = []
+        self.state = None            # DeviceView of the StepState, set by the backend
+        self.compile_seconds = 0.0
+
+    # ---- kernels ------------------------------------------------------------------
+    def function(self, file: str, name: str, defines: dict | None = None) -> Function:
+        key = (file, name, tuple(sorted((defines or {}).items())))
+        fn = self._functions.get(key)
+        if fn is None:
+            t = time.perf_counter()
+            c = compiler.compile_kernel(file, [name], defines, arch=self.arch)
+            module = self.dev.load_module(c.cubin)
+            handle = self.dev.get_function(module, c.lowered[name])
+            fn = Function(handle, name, file, self.dev.function_attrs(handle))
+            self._functions[key] = fn
+            self.compile_seconds += time.perf_counter() - t
+        return fn
+
+    def set_max_smem(self, fn: Function, nbytes: int):
+        if nbytes > 48 * 1024 and nbytes > fn.max_smem:
+            if nbytes > self.info.smem_per_block_optin:
+                raise ValueError(f"{fn.name} asks {nbytes} B of shared memory; the device allows "
+                                 f"{self.info.smem_per_block_optin}")
+            self.dev.set_max_dynamic_smem(fn.handle, nbytes)
+            fn.max_smem = nbytes
+
+    def launch(self, fn: Function, grid, block, args, smem: int = 0, label: str | None = None):
+        self.set_max_smem(fn, smem)
+        return self._submit(Launch(fn, grid, block, args, smem, label or fn.name))
+
+    def memset(self, view: DeviceView, word: int = 0, label: str = "memset"):
+        """view[:] = word (a 32-bit pattern); recorded into the open program like a launch."""
+        return self._submit(Memset(view, word, label))
+
+    def _submit(self, rec):
+        if self._recording is not None:
+            self._recording.items.append(rec)
+        else:
+            rec.run(self.dev, self.stream)
+        return rec
+
+    # ---- programs and graphs ------------------------------------------------------
+    def begin(self, name: str) -> Program:
+        if self._recording is not None:
+            raise RuntimeError(f"already recording {self._recording.name}")
+        self._recording = Program(name)
+        return self._recording
+
+    def end(self) -> Program:
+        prog, self._recording = self._recording, None
+        return prog
+
+    def run(self, prog: Program):
+        dev, stream = self.dev, self.stream
+        for rec in prog.items:
+            rec.run(dev, stream)
+
+    def capture(self, prog: Program) -> "Graph":
+        self.dev.begin_capture(self.stream)
+        try:
+            self.run(prog)
+        finally:
+            graph, exe = self.dev.end_capture(self.stream)
+        return Graph(self, graph, exe, prog)
+
+    def synchronize(self):
+        self.dev.sync(self.stream)
+
+    # ---- memory -------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> int:
+        ptr = self.dev.malloc(nbytes)
+        self._allocs.append(ptr)
+        return ptr
+
+    def empty(self, shape, dtype: str = "f32", poison: bool = True, name: str = "") -> DeviceView:
+        """A fresh allocation (for tests and tools); poisoned with NaN so unwritten outputs show."""
+        shape = tuple(int(s) for s in shape)
+        v = DeviceView(0, shape, dtype, name)
+        v = DeviceView(self.alloc(v.nbytes), shape, dtype, name)
+        if poison:
+            self.fill(v, NAN_WORD if dtype == "f32" else 0x7FFFFFFF)
+        return v
+
+    def fill(self, view: DeviceView, word: int):
+        """Fill now, outside any program."""
+        assert view.nbytes % 4 == 0
+        self.dev.memset32(view.ptr, word, view.nbytes // 4, self.stream)
+
+    def upload(self, arr, dtype: str | None = None, name: str = "") -> DeviceView:
+        arr = np.asarray(arr)
+        dtype = dtype or {"f": "f32", "i": "i32", "u": "u8"}[arr.dtype.kind]
+        v = self.empty(arr.shape, dtype, poison=False, name=name)
+        self.write(v, arr)
+        return v
+
+    def write(self, view: DeviceView, arr):
+        host = np.ascontiguousarray(arr, dtype=NP_DTYPES[view.dtype])
+        if host.size != view.numel:
+            raise ValueError(f"write {host.shape} into {view.name}{view.shape}")
+        self.synchronize()
+        self.dev.htod(view.ptr, host)
+
+    def download(self, view: DeviceView) -> np.ndarray:
+        host = np.empty(view.shape, dtype=NP_DTYPES[view.dtype])
+        self.synchronize()
+        self.dev.dtoh(host, view.ptr)
+        return host
+
+    def set_workspace(self, views: dict):
+        self._workspace = dict(views)
+
+    def workspace(self, name: str) -> DeviceView:
+        try:
+            return self._workspace[name]
+        except KeyError:
+            raise KeyError(f"workspace {name!r} was not planned (memory.py plans it from the config)") from None
+
+    def close(self):
+        self.synchronize()
+        for p in self._allocs:
+            self.dev.free(p)
+        self._allocs.clear()
+
+
+class Graph:
+    """An instantiated CUDA graph of one program."""
+
+    def __init__(self, rt: Runtime, graph, exe, prog: Program):
+        self.rt, self.graph, self.exe, self.program = rt, graph, exe, prog
+
+    def launch(self):
+        self.rt.dev.graph_launch(self.exe, self.rt.stream)

@@ -1,0 +1,146 @@
+"""The training loop behind train.py: logging, evaluation, checkpoints, resume, interrupts."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+from .checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, save_checkpoint
+from .config import format_config, save_config, validate_against_data
+from .data import CharTokenizer, TextDataset
+from .engine import Engine, plan_for
+
+PEAK_TFLOPS = {"fp32": 67.0, "tf32": 495.0}   # H100/H200 SXM dense datasheet rates, for MFU
+
+
+def flops_per_token(cfg, n_params: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus attention (nanoGPT / PaLM estimate)."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class Trainer:
+    def __init__(self, cfg, resume: bool = False, log=print):
+        self.log = log
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        tok_path = os.path.join(cfg.out_dir, "tokenizer.json")
+        ckpt = os.path.join(cfg.out_dir, "last.ckpt")
+        tokenizer = None
+        if resume:
+            if not os.path.exists(ckpt):
+                raise CheckpointError(f"--resume: no checkpoint at {ckpt}")
+            tokenizer = CharTokenizer.load(tok_path)
+        self.data = TextDataset(cfg.data, tokenizer=tokenizer)
+        V = self.data.vocab_size if not cfg.vocab_size else cfg.vocab_size
+        validate_against_data(cfg, len(self.data.train), len(self.data.val), self.data.vocab_size)
+        self.cfg = cfg
+        log(format_config(cfg))
+        log(plan_for(cfg, V, len(self.data.train), len(self.data.val)).format())
+        self.eng = Engine(cfg, self.data.train, self.data.val, V)
+        self.cfg = self.eng.cfg
+        self.best_val = math.inf
+        self.start_step = 0
+        if resume:
+            arrays, meta = load_checkpoint(ckpt, self.eng.expected_shapes())
+            self.eng.load_state_dict(arrays, meta)
+            self.best_val = float(meta.get("best_val", math.inf))
+            self.start_step = int(meta["step"])
+            log(f"resumed from {ckpt} at step {self.start_step}")
+        else:
+            self.data.tokenizer.save(tok_path)
+        save_config(self.cfg, os.path.join(cfg.out_dir, "config.yaml"))
+        self.metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
+        n_params = self.eng.table.n_params
+        self.flops_tok = flops_per_token(self.cfg, n_params)
+        log(f"{n_params / 1e6:.2f}M parameters; setup (compile + record + capture) {self.eng.setup_seconds:.1f} s")
+
+    def write_metrics(self, **rec):
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+
+    def save(self, name: str, step: int):
+        arrays, meta = self.eng.state_dict()
+        if int(meta["step"]) != step:
+            raise RuntimeError(f"state step {meta['step']} != loop step {step}")
+        meta.update(format_version=FORMAT_VERSION, best_val=self.best_val,
+                    config=self.cfg.to_dict(), tokenizer=self.data.tokenizer.to_json())
+        save_checkpoint(os.path.join(self.cfg.out_dir, f"{name}.ckpt"), arrays, meta)
+
+    def train(self, bar=True):
+        cfg, eng = self.cfg, self.eng
+        tokens_step = cfg.batch_size * cfg.block_size
+        step = self.start_step
+        t_last, step_last = time.perf_counter(), step
+        pbar = None
+        if bar:
+            from tqdm import tqdm
+            pbar = tqdm(total=cfg.max_iters, initial=step, dynamic_ncols=True, unit="step")
+        try:
+            while True:
+                if step % cfg.eval_interval == 0 or step == cfg.max_iters:
+                    self._evaluate(step)
+                    t_last, step_last = time.perf_counter(), step
+                if step >= cfg.max_iters:
+                    break
+                eng.train_step()
+                step += 1
+                if step % cfg.log_interval == 0 or step == cfg.max_iters:
+                    st = eng.state()     # synchronises
+                    now = time.perf_counter()
+                    ms = (now - t_last) * 1e3 / max(step - step_last, 1)
+                    t_last, step_last = now, step
+                    if not math.isfinite(st["loss"]) or not math.isfinite(st["grad_norm"]):
+                        raise NonFiniteLoss(f"loss became {st['loss']} (grad norm {st['grad_norm']}) at step "
+                                            f"{step}; stopped, the last good checkpoint is left as it was")
+                    tok_s = tokens_step / ms * 1e3
+                    mfu = self.flops_tok * tok_s / (PEAK_TFLOPS[cfg.precision] * 1e12) if cfg.backend == "cuda" else 0.0
+                    rec = dict(step=step, loss=st["loss"], lr=st["lr"], grad_norm=st["grad_norm"], ms=ms,
+                               tok_s=tok_s, mfu=mfu)
+                    self.write_metrics(**rec)
+                    if pbar is not None:
+                        pbar.set_postfix(loss=f"{st['loss']:.4f}", ms=f"{ms:.2f}", tok_s=f"{tok_s:,.0f}",
+                                         mfu=f"{100 * mfu:.1f}%")
+                        pbar.update(step - pbar.n)
+                    else:
+                        self.log(f"step {step:6d} loss {st['loss']:.4f} lr {st['lr']:.2e} {ms:7.2f} ms "
+                                 f"{tok_s:,.0f} tok/s mfu {100 * mfu:.1f}%")
+        except KeyboardInterrupt:
+            st = eng.state()
+            if cfg.checkpoint and math.isfinite(st["loss"]):
+                self.save("last", step)
+                self.log(f"\ninterrupted at step {step}; saved {cfg.out_dir}/last.ckpt (resume with --resume)")
+            return self.best_val
+        finally:
+            if pbar is not None:
+                pbar.close()
+            self.metrics.close()
+        return self.best_val
+
+    def _evaluate(self, step):
+        losses = self.eng.evaluate()
+        if not all(math.isfinite(v) for v in losses.values()):
+            raise NonFiniteLoss(f"evaluation loss became {losses} at step {step}; stopped, the last good "
+                                "checkpoint is left as it was")
+        self.write_metrics(step=step, eval_train=losses["train"], eval_val=losses["val"])
+        self.log(f"\nstep {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        if self.cfg.checkpoint:
+            if losses["val"] < self.best_val:
+                self.best_val = losses["val"]
+                self.save("best", step)
+            self.save("last", step)
+        else:
+            self.best_val = min(self.best_val, losses["val"])
+
+
+def print_plan(cfg, log=print):
+    data = TextDataset(cfg.data)
+    validate_against_data(cfg, len(data.train), len(data.val), data.vocab_size)
+    V = cfg.vocab_size or data.vocab_size
+    log(format_config(cfg))
+    log(plan_for(cfg, V, len(data.train), len(data.val)).format(detail=True))

@@ -1,0 +1,51 @@
+// Shared by every kernel: the step state layout, the counter-based RNG, small helpers.
+// The RNG is mirrored bit for bit by gptcuda/rng.py; tests/test_rng.py pins it.
+#pragma once
+
+// Device-resident step state (one per training run). Kernels read the step, the learning
+// rate and the clipping norm from here, so a captured CUDA graph bakes in nothing that
+// changes from step to step. Layout mirrors gptcuda/state.py (STATE_FIELDS).
+struct StepState {
+    int   step;        // 0-based index of the step being run; advanced by step_advance at its end
+    float lr;          // learning rate of this step (written by lr_schedule at the start)
+    float loss;        // mean loss of the last forward pass
+    float grad_norm;   // global L2 norm of the gradients of this step (before clipping)
+    int   eval_draws;  // counter of evaluation batches drawn so far
+    int   pad[11];
+};
+
+typedef unsigned int u32;
+
+__device__ __forceinline__ u32 gc_hash32(u32 x) {
+    x ^= x >> 16; x *= 0x7feb352du;
+    x ^= x >> 15; x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+// key of one random stream: H(H(H(seed) ^ site) + step * golden)
+__device__ __forceinline__ u32 gc_key(u32 seed, u32 step, u32 site) {
+    return gc_hash32(gc_hash32(gc_hash32(seed) ^ site) + step * 0x9e3779b9u);
+}
+
+// random word of element idx in stream k
+__device__ __forceinline__ u32 gc_uniform(u32 k, u32 idx) {
+    return gc_hash32(gc_hash32(idx ^ k) + k);
+}
+
+// keep-test for dropout with threshold = min(floor(p * 2^32), 2^32-1)
+__device__ __forceinline__ bool gc_keep(u32 k, u32 idx, u32 threshold) {
+    return gc_uniform(k, idx) >= threshold;
+}
+
+__device__ __forceinline__ float gc_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float gc_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}

@@ -1,0 +1,289 @@
+// fp32 SIMT GEMM (CUDA cores): C = alpha * op(A) op(B) (+ bias) (+ epilogue), row-major.
+//
+//   op(A) is [M, K]: A stored [M, K], or [K, M] when TA (read transposed in place)
+//   op(B) is [K, N]: B stored [K, N], or [N, K] when TB
+//
+// Template parameters (launcher: gptcuda/cuda_ops/gemm.py):
+//   BM, BN    block tile (128x128 / 128x64 / 64x64); BK = 8; every thread owns an 8x8 tile of C
+//             made of 2x2 sub-tiles of 4x4 (rows tr*4.. and BM/2 + tr*4.., same for columns),
+//             so its shared-memory fragment reads are 128-bit and a warp's reads are broadcasts.
+//   TA, TB    transpose flags (the four cases share one body; only the staging differs).
+//   EPI       0 none, 1 bias, 2 GELU(tanh) (aux = pre-activation, C = gelu(pre)),
+//             3 residual (C = aux + result; aux may alias C).
+//   HAS_BIAS  add bias[n] (EPI 1 requires it; optional for 0 is meaningless, for 2 and 3 allowed).
+//   VEC       128-bit global loads of A and B: requires lda, ldb, the batch strides, k_chunk and the
+//             base pointers to be multiples of 4 floats / 16 bytes. Tails are still guarded
+//             element by element, so any M, N, K works on both paths.
+//
+// Batching and split-K share gridDim.z: z = batch * splits + split. Block (x, y, z) computes the
+// tile (n0 = x*BN, m0 = y*BM) of batch z / splits over k in [split*k_chunk, min(K, +k_chunk)) and
+// writes C + z*sC (split-K partials land in a workspace [splits, M, N] with EPI 0, and
+// gemm_splitk_reduce sums them in a fixed order and applies the epilogue: deterministic).
+//
+// Pipeline: two shared-memory stages; the global loads of tile k+1 are issued into registers
+// before the FMAs of tile k and stored to the other stage after them; one barrier per tile.
+// Shared layout: As[stage][k][m] (+4 floats of padding per row so that the transposing scalar
+// stores of the k-contiguous cases hit 32 distinct banks), Bs[stage][k][n] likewise.
+#include "common.cuh"
+
+#define GEMM_EPI_NONE 0
+#define GEMM_EPI_BIAS 1
+#define GEMM_EPI_GELU 2
+#define GEMM_EPI_RESID 3
+
+__device__ __forceinline__ float gemm_gelu(float x) {
+    const float s = 0.7978845608028654f;   // sqrt(2/pi)
+    float u = s * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}
+
+// The epilogue of one value: pre = alpha*acc + bias, then the epilogue. Returns the value for C;
+// for GELU, *pre_out gets the pre-activation.
+template <int EPI, bool HAS_BIAS>
+__device__ __forceinline__ float gemm_epi_value(float acc, float alpha, float b, float resid,
+                                                float* pre_out) {
+    float v = alpha * acc;
+    if constexpr (HAS_BIAS) v += b;
+    if constexpr (EPI == GEMM_EPI_GELU) {
+        *pre_out = v;
+        return gemm_gelu(v);
+    } else if constexpr (EPI == GEMM_EPI_RESID) {
+        return resid + v;
+    } else {
+        return v;
+    }
+}
+
+// Store four consecutive values v[0..3] of row r at columns c..c+3 with the epilogue applied.
+// C, aux rows have stride ldc. vec: 16-byte accesses allowed (alignment checked by the caller).
+template <int EPI, bool HAS_BIAS>
+__device__ __forceinline__ void gemm_store4(float* C, float* aux, const float* bias, int r, int c,
+                                            int M, int N, int ldc, float alpha, bool vec,
+                                            const float (&v)[4]) {
+    if (r >= M) return;
+    long long off = (long long)r * ldc + c;
+    if (vec && c + 3 < N) {
+        float4 b4 = make_float4(0.f, 0.f, 0.f, 0.f);
+        if constexpr (HAS_BIAS) b4 = *reinterpret_cast<const float4*>(bias + c);
+        float4 res = make_float4(0.f, 0.f, 0.f, 0.f);
+        if constexpr (EPI == GEMM_EPI_RESID) res = *reinterpret_cast<const float4*>(aux + off);
+        float4 pre, out;
+        out.x = gemm_epi_value<EPI, HAS_BIAS>(v[0], alpha, b4.x, res.x, &pre.x);
+        out.y = gemm_epi_value<EPI, HAS_BIAS>(v[1], alpha, b4.y, res.y, &pre.y);
+        out.z = gemm_epi_value<EPI, HAS_BIAS>(v[2], alpha, b4.z, res.z, &pre.z);
+        out.w = gemm_epi_value<EPI, HAS_BIAS>(v[3], alpha, b4.w, res.w, &pre.w);
+        if constexpr (EPI == GEMM_EPI_GELU) *reinterpret_cast<float4*>(aux + off) = pre;
+        *reinterpret_cast<float4*>(C + off) = out;
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (c + e < N) {
+                float b = 0.f, res = 0.f, pre;
+                if constexpr (HAS_BIAS) b = bias[c + e];
+                if constexpr (EPI == GEMM_EPI_RESID) res = aux[off + e];
+                float o = gemm_epi_value<EPI, HAS_BIAS>(v[e], alpha, b, res, &pre);
+                if constexpr (EPI == GEMM_EPI_GELU) aux[off + e] = pre;
+                C[off + e] = o;
+            }
+        }
+    }
+}
+
+// Load the 4 consecutive elements p[0], p[s], p[2s], p[3s] ... here always unit stride: p[0..3],
+// element e valid when e < n_valid (n_valid <= 0: all zero). VEC: one 16-byte load when all 4 valid.
+template <bool VEC>
+__device__ __forceinline__ float4 gemm_ld4(const float* __restrict__ p, bool row_ok, int n_valid) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (!row_ok) return v;
+    if (VEC && n_valid >= 4) {
+        v = __ldg(reinterpret_cast<const float4*>(p));
+    } else {
+        if (n_valid > 0) v.x = __ldg(p);
+        if (n_valid > 1) v.y = __ldg(p + 1);
+        if (n_valid > 2) v.z = __ldg(p + 2);
+        if (n_valid > 3) v.w = __ldg(p + 3);
+    }
+    return v;
+}
+
+template <int BM, int BN, bool TA, bool TB, int EPI, bool HAS_BIAS, bool VEC>
+__global__ void __launch_bounds__((BM / 8) * (BN / 8), 512 / ((BM / 8) * (BN / 8)))
+gemm_simt(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
+          float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C)
+          const float* __restrict__ A,     // A [batch, M, K] or [batch, K, M] (TA), stride sA
+          const float* __restrict__ B,     // B [batch, K, N] or [batch, N, K] (TB), stride sB
+          const float* __restrict__ bias,  // bias [N] or null
+          int M, int N, int K, int lda, int ldb, int ldc,
+          long long sA, long long sB, long long sC,
+          float alpha, int splits, int k_chunk) {
+    constexpr int BK = 8;
+    constexpr int PAD = 4;
+    constexpr int THREADS = (BM / 8) * (BN / 8);
+    constexpr int TC = BN / 8;             // thread columns
+    constexpr int WARPS_C = TC / 8;        // a warp is 4 thread rows x 8 thread columns
+    constexpr int LA = BM * BK / (4 * THREADS);   // float4 loads of A per thread per tile
+    constexpr int LB = BN * BK / (4 * THREADS);
+    static_assert(BN >= 64 && BM >= 32 && LA >= 1 && LB >= 1, "tile shape");
+    static_assert(THREADS % 32 == 0, "whole warps");
+
+    __shared__ __align__(16) float As[2][BK][BM + PAD];
+    __shared__ __align__(16) float Bs[2][BK][BN + PAD];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int tr = (warp / WARPS_C) * 4 + (lane >> 3);   // 0 .. BM/8-1
+    const int tc = (warp % WARPS_C) * 8 + (lane & 7);    // 0 .. BN/8-1
+
+    const int z = blockIdx.z;
+    const int split = z % splits;
+    const int batch = z / splits;
+    const int m0 = blockIdx.y * BM;
+    const int n0 = blockIdx.x * BN;
+    const int kb = split * k_chunk;
+    const int klen = min(K, kb + k_chunk) - kb;          // may be <= 0 for an empty last split
+
+    A += batch * sA + (TA ? (long long)kb * lda : (long long)kb);
+    B += batch * sB + (TB ? (long long)kb : (long long)kb * ldb);
+    C += z * sC;
+    if constexpr (EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_RESID) aux += z * sC;
+
+    // Per-thread staging coordinates (fixed over the k loop).
+    // !TA: A tile is BM rows x BK k (k contiguous): float4 f -> row f/2, k (f%2)*4
+    //  TA: A tile is BK k rows x BM m (m contiguous): float4 f -> k f/(BM/4), m (f%(BM/4))*4
+    int a_r[LA], a_c[LA];
+#pragma unroll
+    for (int j = 0; j < LA; ++j) {
+        int f = tid + j * THREADS;
+        if constexpr (!TA) { a_r[j] = f >> 1; a_c[j] = (f & 1) * 4; }
+        else { a_r[j] = f / (BM / 4); a_c[j] = (f % (BM / 4)) * 4; }
+    }
+    int b_r[LB], b_c[LB];
+#pragma unroll
+    for (int j = 0; j < LB; ++j) {
+        int f = tid + j * THREADS;
+        if constexpr (TB) { b_r[j] = f >> 1; b_c[j] = (f & 1) * 4; }        // n row, k col
+        else { b_r[j] = f / (BN / 4); b_c[j] = (f % (BN / 4)) * 4; }        // k row, n col
+    }
+
+    float4 ra[LA], rb[LB];
+    auto load_global = [&](int k0) {
+#pragma unroll
+        for (int j = 0; j < LA; ++j) {
+            if constexpr (!TA) {
+                int gm = m0 + a_r[j], gk = k0 + a_c[j];
+                ra[j] = gemm_ld4<VEC>(A + (long long)gm * lda + gk, gm < M, klen - gk);
+            } else {
+                int gk = k0 + a_r[j], gm = m0 + a_c[j];
+                ra[j] = gemm_ld4<VEC>(A + (long long)gk * lda + gm, gk < klen, M - gm);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < LB; ++j) {
+            if constexpr (TB) {
+                int gn = n0 + b_r[j], gk = k0 + b_c[j];
+                rb[j] = gemm_ld4<VEC>(B + (long long)gn * ldb + gk, gn < N, klen - gk);
+            } else {
+                int gk = k0 + b_r[j], gn = n0 + b_c[j];
+                rb[j] = gemm_ld4<VEC>(B + (long long)gk * ldb + gn, gk < klen, N - gn);
+            }
+        }
+    };
+    auto store_shared = [&](int s) {
+#pragma unroll
+        for (int j = 0; j < LA; ++j) {
+            if constexpr (!TA) {
+                As[s][a_c[j] + 0][a_r[j]] = ra[j].x;
+                As[s][a_c[j] + 1][a_r[j]] = ra[j].y;
+                As[s][a_c[j] + 2][a_r[j]] = ra[j].z;
+                As[s][a_c[j] + 3][a_r[j]] = ra[j].w;
+            } else {
+                *reinterpret_cast<float4*>(&As[s][a_r[j]][a_c[j]]) = ra[j];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < LB; ++j) {
+            if constexpr (TB) {
+                Bs[s][b_c[j] + 0][b_r[j]] = rb[j].x;
+                Bs[s][b_c[j] + 1][b_r[j]] = rb[j].y;
+                Bs[s][b_c[j] + 2][b_r[j]] = rb[j].z;
+                Bs[s][b_c[j] + 3][b_r[j]] = rb[j].w;
+            } else {
+                *reinterpret_cast<float4*>(&Bs[s][b_r[j]][b_c[j]]) = rb[j];
+            }
+        }
+    };
+
+    float acc[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+
+    const int nk = klen > 0 ? (klen + BK - 1) / BK : 0;
+    if (nk > 0) {
+        load_global(0);
+        store_shared(0);
+        __syncthreads();
+    }
+    for (int kt = 0; kt < nk; ++kt) {
+        const int s = kt & 1;
+        const bool more = kt + 1 < nk;
+        if (more) load_global((kt + 1) * BK);
+#pragma unroll
+        for (int k = 0; k < BK; ++k) {
+            float4 a0 = *reinterpret_cast<const float4*>(&As[s][k][tr * 4]);
+            float4 a1 = *reinterpret_cast<const float4*>(&As[s][k][BM / 2 + tr * 4]);
+            float4 b0 = *reinterpret_cast<const float4*>(&Bs[s][k][tc * 4]);
+            float4 b1 = *reinterpret_cast<const float4*>(&Bs[s][k][BN / 2 + tc * 4]);
+            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        if (more) store_shared(s ^ 1);
+        __syncthreads();
+    }
+
+    // Epilogue: 16-byte stores when C (and aux, bias) rows are 16-byte aligned.
+    bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & 15) == 0);
+    if constexpr (HAS_BIAS) vec = vec && ((reinterpret_cast<unsigned long long>(bias) & 15) == 0);
+    if constexpr (EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_RESID)
+        vec = vec && ((reinterpret_cast<unsigned long long>(aux) & 15) == 0);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int r = m0 + (i < 4 ? tr * 4 + i : BM / 2 + tr * 4 + (i - 4));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int c = n0 + h * (BN / 2) + tc * 4;
+            const float v[4] = {acc[i][h * 4 + 0], acc[i][h * 4 + 1], acc[i][h * 4 + 2], acc[i][h * 4 + 3]};
+            gemm_store4<EPI, HAS_BIAS>(C, aux, bias, r, c, M, N, ldc, alpha, vec, v);
+        }
+    }
+}
+
+// Deterministic split-K reduction: C[m, n] = epilogue(alpha * sum_{s=0..splits-1} ws[s, m, n]),
+// summed in increasing s for every element. C, aux: [M, N] with row stride ldc.
+template <int EPI, bool HAS_BIAS>
+__global__ void __launch_bounds__(256)
+gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
+                   float* aux,                      // aux [M, N] (row stride ldc) or null
+                   const float* __restrict__ ws,    // ws [splits, M, N] (contiguous)
+                   const float* __restrict__ bias,  // bias [N] or null
+                   int M, int N, int ldc, int splits, float alpha) {
+    const long long total = (long long)M * N;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        float s = 0.f;
+        for (int p = 0; p < splits; ++p) s += __ldg(ws + (long long)p * total + i);
+        const int m = (int)(i / N), n = (int)(i - (long long)m * N);
+        const long long off = (long long)m * ldc + n;
+        float b = 0.f, res = 0.f, pre;
+        if constexpr (HAS_BIAS) b = __ldg(bias + n);
+        if constexpr (EPI == GEMM_EPI_RESID) res = aux[off];
+        float o = gemm_epi_value<EPI, HAS_BIAS>(s, alpha, b, res, &pre);
+        if constexpr (EPI == GEMM_EPI_GELU) aux[off] = pre;
+        C[off] = o;
+    }
+}

@@ -1,0 +1,66 @@
+"""Shared fixtures. GPU tests carry @pytest.mark.gpu and skip themselves, with the reason, when no GPU is found."""
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+_gpu_reason = None
+
+
+def _gpu_available():
+    global _gpu_reason
+    try:
+        from gptcuda.driver import Device
+        Device(0)
+        return True
+    except Exception as e:  # NoDeviceError, missing library
+        _gpu_reason = str(e).splitlines()[0]
+        return False
+
+
+_HAS_GPU = None
+
+
+def has_gpu():
+    global _HAS_GPU
+    if _HAS_GPU is None:
+        _HAS_GPU = _gpu_available()
+    return _HAS_GPU
+
+
+def pytest_collection_modifyitems(config, items):
+    if any("gpu" in item.keywords for item in items) and not has_gpu():
+        skip = pytest.mark.skip(reason=f"no GPU: {_gpu_reason}")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def rt():
+    """One Runtime for the whole GPU session (fp32 precision; tests switch rt.precision as needed)."""
+    from gptcuda.runtime import Runtime
+    r = Runtime(0, precision="fp32", seed=1234)
+    yield r
+    r.close()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Every test session compiles into its own cache unless GPTCUDA_CACHE is set by the caller."""
+    if "GPTCUDA_CACHE" not in os.environ:
+        monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path_factory.getbasetemp() / "kcache"))
+
+
+def rel_err(out, ref):
+    """max|out - ref| / max|ref| (nan-safe: NaN anywhere gives inf)."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))

@@ -1,0 +1,163 @@
+"""GPU tests of causal self-attention (unfused and fused) against the float64 reference."""
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gptcuda import rng
+from gptcuda.cuda_ops import attention as attn
+from gptcuda.reference import ops as ref
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+STEP = 7
+SITE = rng.dropout_site(2, 0)
+FP32_FWD, FP32_BWD = 2e-5, 5e-5
+TF32_FWD, TF32_BWD = 2e-3, 3e-3
+
+
+@pytest.fixture
+def env(rt):
+    """Save and restore what the tests change on the shared runtime."""
+    saved = (rt.state, rt.precision, dict(getattr(rt, "_workspace", {})))
+    yield rt
+    rt.state, rt.precision = saved[0], saved[1]
+    rt.set_workspace(saved[2])
+
+
+def _setup(rt, B, T, C, H, kind, p, precision="fp32"):
+    cfg = SimpleNamespace(batch_size=B, block_size=T, n_embd=C, n_head=H, n_layer=1, vocab_size=65,
+                          attention=kind, dropout=p, precision=precision, bias=True)
+    plan = dict(attn.workspace(cfg))
+    try:
+        from gptcuda.cuda_ops import gemm
+        if hasattr(gemm, "workspace"):
+            plan.update(gemm.workspace(cfg))
+    except ImportError:
+        pass
+    views = {name: rt.empty(shape, dtype, name=name) for name, (shape, dtype) in plan.items()}
+    rt.set_workspace({**getattr(rt, "_workspace", {}), **views})
+    st = np.zeros(16, np.int32)
+    st[0] = STEP
+    rt.state = rt.upload(st)
+    rt.precision = precision
+    saved = {name: rt.empty(shape, dtype, name=name) for name, (shape, dtype) in attn.saved_shapes(cfg).items()}
+    return saved
+
+
+def _keep(rt, B, H, T, p):
+    if p == 0:
+        return None
+    return rng.dropout_mask(rt.seed, STEP, SITE, B * H * T * T, p).reshape(B, H, T, T)
+
+
+def _ref_lse(qkv, H):
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // H
+    q = qkv[..., :C].reshape(B, T, H, hs).transpose(0, 2, 1, 3).astype(np.float64)
+    k = qkv[..., C:2 * C].reshape(B, T, H, hs).transpose(0, 2, 1, 3).astype(np.float64)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) / math.sqrt(hs)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    return (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
+
+
+def _run(rt, B, T, C, H, kind, p, precision="fp32", seed=0):
+    r = np.random.default_rng(seed + 1000 * T + C)
+    qkv_h = r.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dy_h = r.standard_normal((B, T, C)).astype(np.float32)
+    saved = _setup(rt, B, T, C, H, kind, p, precision)
+    qkv = rt.upload(qkv_h)
+    dy = rt.upload(dy_h)
+    y = rt.empty((B, T, C))
+    dqkv = rt.empty((B, T, 3 * C))
+    attn.attention_fwd(rt, y, qkv, saved, H, p, SITE)
+    attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, SITE)
+    rt.synchronize()
+    keep = _keep(rt, B, H, T, p)
+    y_ref, probs_ref = ref.attention_forward(qkv_h, H, keep, p)
+    dqkv_ref = ref.attention_backward(dy_h, qkv_h, probs_ref, H, keep, p)
+    out = {"y": (rt.download(y), y_ref), "dqkv": (rt.download(dqkv), dqkv_ref)}
+    if "probs" in saved:
+        out["probs"] = (rt.download(saved["probs"]), probs_ref)
+    if "lse" in saved:
+        out["lse"] = (rt.download(saved["lse"]), _ref_lse(qkv_h, H))
+    return out
+
+
+def _check(out, fwd_tol, bwd_tol):
+    errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
+    for k, e in errs.items():
+        tol = bwd_tol if k == "dqkv" else fwd_tol
+        assert e < tol, f"{k}: rel_err {e:.3g} >= {tol:g} (all: {errs})"
+
+
+# B, T, C, H: head sizes 32 and 64, T not a multiple of any tile, and long rows
+SHAPES = [
+    (2, 67, 64, 2),      # hs 32
+    (1, 256, 128, 2),    # hs 64
+    (1, 1000, 64, 1),    # hs 64, long rows, tail
+    (3, 5, 64, 2),       # tiny T
+]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("B,T,C,H", SHAPES)
+def test_unfused_fp32(env, B, T, C, H, p):
+    _check(_run(env, B, T, C, H, "unfused", p), FP32_FWD, FP32_BWD)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_unfused_odd_head_size(env, p):
+    # hs = 10: no 16-byte vector path in the permutes
+    _check(_run(env, 2, 33, 30, 3, "unfused", p), FP32_FWD, FP32_BWD)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("B,T,C,H", [(2, 67, 64, 2), (1, 256, 128, 2)])
+def test_unfused_tf32(env, B, T, C, H, p):
+    _check(_run(env, B, T, C, H, "unfused", p, "tf32"), TF32_FWD, TF32_BWD)
+
+
+def test_unfused_probs_causal_zero(env):
+    out = _run(env, 1, 40, 64, 2, "unfused", 0.0)
+    probs = out["probs"][0]
+    upper = np.triu(np.ones((40, 40), bool), 1)
+    assert np.all(probs[..., upper] == 0.0)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+
+
+FUSED_SHAPES = SHAPES + [
+    (1, 130, 256, 2),    # hs 128
+    (2, 64, 128, 4),     # exactly one tile
+]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("B,T,C,H", FUSED_SHAPES)
+def test_fused_fp32(env, B, T, C, H, p):
+    _check(_run(env, B, T, C, H, "fused", p), FP32_FWD, FP32_BWD)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("B,T,C,H", FUSED_SHAPES)
+def test_fused_tf32(env, B, T, C, H, p):
+    _check(_run(env, B, T, C, H, "fused", p, "tf32"), TF32_FWD, TF32_BWD)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_fused_equals_unfused(env, p):
+    a = _run(env, 2, 77, 128, 2, "unfused", p)
+    b = _run(env, 2, 77, 128, 2, "fused", p)
+    assert rel_err(b["y"][0], a["y"][0]) < FP32_FWD
+    assert rel_err(b["dqkv"][0], a["dqkv"][0]) < FP32_BWD
+
+
+def test_fused_deterministic(env):
+    a = _run(env, 1, 200, 128, 2, "fused", 0.1)
+    b = _run(env, 1, 200, 128, 2, "fused", 0.1)
+    assert np.array_equal(a["y"][0], b["y"][0])
+    assert np.array_equal(a["dqkv"][0], b["dqkv"][0])
