@@ -65,14 +65,18 @@ class Engine:
         backend.write_state(step=0, eval_draws=0)
         self.model = GPT(cfg, backend, self.bufs, self.table)
         t = time.perf_counter()
-        self.programs = {}
-        if "train" in programs:
-            self.programs["train"] = self._record("train", self.model.record_train_step)
-        if "eval" in programs:
-            self.programs["eval_train"] = self._record("eval_train", lambda: self.model.record_eval_batch("train"))
-            self.programs["eval_val"] = self._record("eval_val", lambda: self.model.record_eval_batch("val"))
-        self.programs["fwdbwd"] = self._record("fwdbwd", self.model.record_forward_backward)
-        self.programs["forward"] = self._record("forward", self.model.record_forward)
+        m = self.model
+        recorders = {
+            "train": m.record_train_step,
+            "eval_train": lambda: m.record_eval_batch("train"),
+            "eval_val": lambda: m.record_eval_batch("val"),
+            "fwdbwd": m.record_forward_backward,
+            "forward": m.record_forward,
+            "forward_train": lambda: m.record_forward(train=True),
+        }
+        wanted = {"train": ["train"], "eval": ["eval_train", "eval_val"]}
+        names = [n for p in programs for n in wanted.get(p, [p])] + ["fwdbwd", "forward"]
+        self.programs = {n: self._record(n, recorders[n]) for n in dict.fromkeys(names)}
         self.graphs = {}
         if cfg.graph and cfg.backend == "cuda":
             for name in ("train", "eval_train", "eval_val"):
@@ -125,9 +129,9 @@ class Engine:
         return unflatten(self.table, self.be.download(self.bufs.flat_grads))
 
     def set_params(self, named: dict):
-        flat = np.zeros(self.table.total, np.float32)
+        flat = np.zeros(self.table.total, np.float64)     # the backend stores it at its own precision
         for s in self.table:
-            flat[s.offset:s.offset + s.numel] = np.asarray(named[s.name], np.float32).reshape(-1)
+            flat[s.offset:s.offset + s.numel] = np.asarray(named[s.name], np.float64).reshape(-1)
         self.be.upload(self.bufs.flat_params, flat)
 
     def set_batch(self, x: np.ndarray, y: np.ndarray):

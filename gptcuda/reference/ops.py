@@ -80,8 +80,11 @@ def layernorm_forward(x, w, b, eps=1e-5):
     return out, mean, rstd
 
 
-def layernorm_backward(dout, x, mean, rstd, w):
-    """(dx, dw, db); dw and db are summed over all leading dims."""
+def layernorm_backward(dout, x, mean, rstd, w, drop_xhat_term=False):
+    """(dx, dw, db); dw and db are summed over all leading dims.
+
+    drop_xhat_term=True deletes the x_hat * mean(dx_hat * x_hat) term: a deliberately wrong
+    backward that gradcheck.py --break=layernorm must catch."""
     dout = _f64(dout)
     x = _f64(x)
     mean = _f64(mean)
@@ -93,9 +96,8 @@ def layernorm_backward(dout, x, mean, rstd, w):
     db = dout.sum(axis=lead) if lead else dout.copy()
     dw = (dout * norm).sum(axis=lead) if lead else dout * norm
     dnorm = dout * w
-    dx = rstd[..., None] * (dnorm
-                            - dnorm.mean(axis=-1, keepdims=True)
-                            - norm * (dnorm * norm).mean(axis=-1, keepdims=True))
+    xhat_term = 0.0 if drop_xhat_term else norm * (dnorm * norm).mean(axis=-1, keepdims=True)
+    dx = rstd[..., None] * (dnorm - dnorm.mean(axis=-1, keepdims=True) - xhat_term)
     assert dw.shape == (C,) and db.shape == (C,)
     return dx, dw, db
 
