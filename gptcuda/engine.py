@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from . import compiler
+from .checkpoint import CheckpointError
 from .memory import check_fits, plan_memory
 from .model import GPT
 from .params import init_params, param_table, unflatten
@@ -153,13 +154,24 @@ class Engine:
         return arrays, meta
 
     def expected_shapes(self) -> dict:
+        """Shapes a checkpoint must have (the loss history may differ: max_iters can change on resume)."""
         n = self.table.total
-        return {"params": (n,), "adam_m": (n,), "adam_v": (n,), "history": (self.cfg.max_iters + 1,)}
+        return {"params": (n,), "adam_m": (n,), "adam_v": (n,)}
+
+    def check_shapes(self, arrays: dict, path: str):
+        for name, shape in self.expected_shapes().items():
+            have = tuple(arrays[name].shape) if name in arrays else None
+            if have != shape:
+                raise CheckpointError(f"checkpoint {path}: tensor {name!r} has shape {have}, this model expects "
+                                      f"{shape}: from another model shape")
 
     def load_state_dict(self, arrays: dict, meta: dict):
         b = self.bufs
         self.be.upload(b.flat_params, arrays["params"])
         self.be.upload(b.flat_m, arrays["adam_m"])
         self.be.upload(b.flat_v, arrays["adam_v"])
-        self.be.upload(b.acts["history"], arrays["history"])
+        hist = np.zeros(b.acts["history"].shape[0], np.float32)
+        old = np.asarray(arrays.get("history", hist))[:hist.size]
+        hist[:old.size] = old
+        self.be.upload(b.acts["history"], hist)
         self.be.write_state(step=int(meta["step"]), eval_draws=int(meta["eval_draws"]))

@@ -47,7 +47,8 @@ class Trainer:
         self.best_val = math.inf
         self.start_step = 0
         if resume:
-            arrays, meta = load_checkpoint(ckpt, self.eng.expected_shapes())
+            arrays, meta = load_checkpoint(ckpt)
+            self.eng.check_shapes(arrays, ckpt)
             self.eng.load_state_dict(arrays, meta)
             self.best_val = float(meta.get("best_val", math.inf))
             self.start_step = int(meta["step"])

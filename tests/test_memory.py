@@ -1,0 +1,96 @@
+"""The parameter table and the memory plan: offsets, alignment, totals, refusal. No GPU."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from gptcuda.config import load_config
+from gptcuda.memory import ARENA_ALIGN, MemoryPlan, PlanTooLarge, check_fits, plan_memory
+from gptcuda.params import init_params, param_table
+
+
+def cfg_small(**kw):
+    return dataclasses.replace(load_config("configs/tiny.yaml"), **kw)
+
+
+def test_param_count_matches_nanogpt_shakespeare():
+    cfg = load_config("configs/shakespeare_char_fp32.yaml")
+    t = param_table(cfg, 65)
+    L, C, V, T = 6, 384, 65, 256
+    # per block: 12 C^2 weights + 13 C biases and layernorm parameters; embeddings; final layernorm
+    assert t.n_params == 12 * L * C * C + 13 * L * C + (V + T) * C + 2 * C == 10_770_816
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_table_offsets_aligned_disjoint_and_decay_first(bias):
+    cfg = cfg_small(bias=bias)
+    t = param_table(cfg, 65)
+    end = 0
+    for s in t:
+        assert s.offset % 4 == 0 and s.offset >= end      # 16-byte aligned, in order, no overlap
+        end = s.offset + s.numel
+        assert (s.offset < t.n_decay) == s.decay           # the 2-D weights first, contiguously
+        assert s.decay == (len(s.shape) == 2)
+    assert end <= t.total and t.total % 4 == 0
+    assert any(s.name.endswith(".b") for s in t) == bias
+
+
+def test_init_statistics():
+    cfg = load_config("configs/shakespeare_char_fp32.yaml")
+    t = param_table(cfg, 65)
+    flat = init_params(t, cfg, 0)
+    get = lambda n: flat[t[n].offset:t[n].offset + t[n].numel]
+    assert abs(get("h0.attn.w").std() - 0.02) < 1e-3
+    assert abs(get("h0.proj.w").std() - 0.02 / np.sqrt(12)) < 5e-4     # residual projections scaled
+    assert np.all(get("h0.ln1.w") == 1) and np.all(get("h0.attn.b") == 0)
+    assert np.array_equal(flat, init_params(t, cfg, 0)) and not np.array_equal(flat, init_params(t, cfg, 1))
+
+
+def _plan(cfg, V=65, saved=None):
+    t = param_table(cfg, V)
+    saved = saved or {"probs": ((cfg.batch_size, cfg.n_head, cfg.block_size, cfg.block_size), "f32")}
+    return plan_memory(cfg, t, V, 1000, 100, saved, {"ws_a": ((7,), "f32")}, cfg.max_iters + 1)
+
+
+def test_plan_arithmetic():
+    cfg = cfg_small()
+    p = _plan(cfg)
+    B, T, C, L, H = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head
+    assert p.flat_bytes == 4 * 4 * p.table.total
+    assert p["qkv"].shape == (L, B, T, 3 * C) and p["qkv"].nbytes == L * B * T * 3 * C * 4
+    assert p["attn_probs"].shape == (L, B, H, T, T)
+    # entries are aligned and disjoint; totals add up
+    spans = sorted((e.offset, e.offset + e.nbytes) for e in p.entries)
+    assert all(o % ARENA_ALIGN == 0 for o, _ in spans)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert sum(p.by_kind().values()) == p.arena_bytes
+    assert p.total_bytes == p.flat_bytes + p.arena_bytes
+    text = p.format(detail=True)
+    for word in ("parameters", "gradients", "adam m", "adam v", "activations", "op workspace", "total", "ws_a"):
+        assert word in text
+
+
+def test_fused_plan_is_smaller_and_scales_with_context():
+    cfg = load_config("configs/ctx2048_tf32.yaml")
+    B, H, T = cfg.batch_size, cfg.n_head, cfg.block_size
+    unfused = _plan(cfg, saved={"probs": ((B, H, T, T), "f32")})
+    fused = _plan(cfg, saved={"lse": ((B, H, T), "f32")})
+    assert unfused.total_bytes - fused.total_bytes >= cfg.n_layer * B * H * T * (T - 1) * 4
+
+
+def test_plan_refused_when_too_large():
+    cfg = load_config("configs/ctx8192_tf32.yaml", ["--attention=unfused"])
+    B, H, T = cfg.batch_size, cfg.n_head, cfg.block_size
+    p = _plan(cfg, saved={"probs": ((B, H, T, T), "f32")})
+    with pytest.raises(PlanTooLarge) as e:
+        check_fits(p, 139 * 2**30, cfg)
+    msg = str(e.value)
+    assert "memory plan" in msg and "--attention=fused" in msg and "--batch_size=8" in msg
+    check_fits(_plan(cfg_small()), 139 * 2**30, cfg_small())      # a small one passes
+
+
+def test_duplicate_entry_rejected():
+    p = MemoryPlan(param_table(cfg_small(), 65))
+    p.add("x", (2,))
+    with pytest.raises(ValueError):
+        p.add("x", (3,))

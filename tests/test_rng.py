@@ -1,0 +1,55 @@
+"""The counter-based RNG: pinned values (the CUDA mirror in kernels/common.cuh is checked
+against these on the GPU), independence of streams, and dropout/batch statistics."""
+import numpy as np
+
+from gptcuda import rng
+
+
+def py_hash32(x):
+    """The same mixer in plain Python integers, written independently of the numpy version."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x ^= x >> 16
+    return x
+
+
+def test_hash_pinned_and_matches_plain_python():
+    xs = [0, 1, 2, 12345, 0xFFFFFFFF, 0x9E3779B9]
+    assert [int(rng.hash32(x)) for x in xs] == [py_hash32(x) for x in xs]
+    assert [int(rng.hash32(x)) for x in (1, 2, 12345, 0xFFFFFFFF)] == [1753845952, 3507691905, 2435775735, 1734902346]
+
+
+def test_key_and_uniform_pinned():
+    k = rng.key(1337, 5, 16)
+    assert k == py_hash32(py_hash32(py_hash32(1337) ^ 16) + 5 * 0x9E3779B9)
+    assert k == 2422660739
+    assert rng.uniform_u32(rng.key(1, 2, 3), [0, 1, 7]).tolist() == [325781674, 1121573400, 1170260028]
+
+
+def test_batch_offsets_pinned_and_in_range():
+    assert rng.batch_offsets(1337, 0, 1, 4, 1003854, 256).tolist() == [14779, 520193, 805717, 930999]
+    o = rng.batch_offsets(7, 3, 1, 4096, 300, 16)
+    assert o.min() >= 0 and o.max() <= 300 - 16 - 1
+    assert len(set(o.tolist())) > 200          # spread over the whole range
+
+
+def test_dropout_mask_rate_and_streams():
+    n, p = 200_000, 0.2
+    m = rng.dropout_mask(1, 10, rng.dropout_site(0, 1), n, p)
+    assert abs(1 - m.mean() - p) < 0.005
+    same = rng.dropout_mask(1, 10, rng.dropout_site(0, 1), n, p)
+    assert np.array_equal(m, same)
+    for other in (rng.dropout_mask(1, 11, rng.dropout_site(0, 1), n, p),     # next step
+                  rng.dropout_mask(1, 10, rng.dropout_site(0, 2), n, p),     # other site
+                  rng.dropout_mask(2, 10, rng.dropout_site(0, 1), n, p)):    # other seed
+        agree = (m == other).mean()
+        assert 0.6 < agree < 0.72            # independent masks agree on p^2 + (1-p)^2 = 0.68
+
+
+def test_sites_are_distinct():
+    sites = {rng.SITE_BATCH_TRAIN, rng.SITE_BATCH_VAL, rng.SITE_BATCH_EVAL_TRAIN, rng.DROPOUT_EMB}
+    sites |= {rng.dropout_site(l, w) for l in range(12) for w in range(3)}
+    assert len(sites) == 4 + 36

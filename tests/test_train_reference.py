@@ -1,0 +1,120 @@
+"""End to end on the float64 reference backend (what CI can run): train, resume bitwise,
+non-finite loss, checkpoints, sampling, gradcheck and its deliberate failure, CLI errors."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gptcuda.checkpoint import load_checkpoint
+from gptcuda.config import load_config
+from gptcuda.trainer import NonFiniteLoss, Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--backend=reference", "--max_iters=12", "--eval_interval=6", "--log_interval=1", "--dropout=0.1"]
+
+
+def run(*args, check=True):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return p
+
+
+def history(out_dir):
+    arrays, meta = load_checkpoint(os.path.join(out_dir, "last.ckpt"))
+    return arrays["history"][:meta["step"]], meta
+
+
+def quiet(*a, **k):
+    pass
+
+
+def test_train_loss_falls_and_resume_is_bitwise(tmp_path):
+    full = str(tmp_path / "full")
+    cfg = load_config("configs/tiny.yaml", TINY + [f"--out_dir={full}"])
+    Trainer(cfg, log=quiet).train(bar=False)
+    h_full, meta = history(full)
+    assert meta["step"] == 12 and len(h_full) == 12
+    assert h_full[-3:].mean() < h_full[:3].mean() - 0.05             # it learns
+    recs = [json.loads(l) for l in open(os.path.join(full, "metrics.jsonl"))]
+    assert any("eval_val" in r for r in recs) and any("tok_s" in r for r in recs)
+    for f in ("config.yaml", "tokenizer.json", "best.ckpt", "last.ckpt"):
+        assert os.path.exists(os.path.join(full, f))
+
+    part = str(tmp_path / "part")
+    cfg6 = load_config("configs/tiny.yaml", TINY + [f"--out_dir={part}", "--max_iters=12"])
+    t = Trainer(cfg6, log=quiet)
+    t.cfg.max_iters = 6          # stop at the step-6 evaluation, as an interrupted run would
+    t.train(bar=False)
+    assert history(part)[1]["step"] == 6
+    Trainer(cfg6, resume=True, log=quiet).train(bar=False)
+    h_res, _ = history(part)
+    assert np.array_equal(h_res, h_full)                               # bit for bit
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    out = str(tmp_path / "nan")
+    cfg = load_config("configs/tiny.yaml", TINY + [f"--out_dir={out}", "--max_iters=8", "--eval_interval=4"])
+    t = Trainer(cfg, log=quiet)
+    real_step = t.eng.train_step
+    calls = []
+
+    def poisoned_step():
+        calls.append(1)
+        if len(calls) == 6:                  # after the step-4 checkpoint, make the weights non-finite
+            p = t.eng.params()
+            p["lnf.w"] = p["lnf.w"] * np.nan
+            t.eng.set_params(p)
+        real_step()
+
+    t.eng.train_step = poisoned_step
+    with pytest.raises(NonFiniteLoss):
+        t.train(bar=False)
+    arrays, meta = load_checkpoint(os.path.join(out, "last.ckpt"))
+    assert meta["step"] == 4 and np.all(np.isfinite(arrays["params"]))
+
+
+def test_cli_train_resume_sample_gradcheck(tmp_path):
+    out = str(tmp_path / "cli")
+    run("train.py", "configs/tiny.yaml", *TINY, "--max_iters=4", "--eval_interval=2", f"--out_dir={out}")
+    p = run("train.py", "configs/tiny.yaml", *TINY, "--max_iters=6", "--eval_interval=2", f"--out_dir={out}",
+            "--resume")
+    assert "resumed from" in p.stdout
+    s = run("sample.py", "--out_dir", out, "--max_new_tokens", "20", "--num_samples", "2", "--prompt", "ROMEO:",
+            "--backend", "reference")
+    lines = [l for l in s.stdout.splitlines() if l.startswith("ROMEO:")]
+    assert len(lines) == 2
+    bad = run("sample.py", "--out_dir", out, "--prompt", "naïve", "--backend", "reference", check=False)
+    assert bad.returncode == 2 and "'ï'" in bad.stderr and "Traceback" not in bad.stderr
+
+    g = run("gradcheck.py", "configs/tiny.yaml", "--backend=reference", "--dropout=0.1")
+    assert "gradcheck PASSED" in g.stdout and " FAIL" not in g.stdout
+    b = run("gradcheck.py", "configs/tiny.yaml", "--backend=reference", "--break=layernorm", check=False)
+    assert b.returncode == 1 and "gradcheck FAILED" in b.stdout
+    verdict = {l.split()[0]: l.split()[-1] for l in b.stdout.splitlines() if l.startswith(("h0.", "h1.", "wte", "wpe", "lnf"))}
+    assert verdict["lnf.w"] == "pass" and verdict["lnf.b"] == "pass"
+    for upstream in ("wte", "wpe", "h0.attn.w", "h1.fc.w", "h0.ln1.w"):
+        assert verdict[upstream] == "FAIL", upstream
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    p = run("train.py", "configs/tiny.yaml", "--n_layr=3", check=False)
+    assert p.returncode == 2 and "n_layr" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = run("train.py", "configs/tiny.yaml", "--n_embd=30", check=False)
+    assert p.returncode == 2 and "n_embd" in p.stderr and "Traceback" not in p.stderr
+    p = run("train.py", "configs/tiny.yaml", "--plan")
+    assert "memory plan" in p.stdout and "total" in p.stdout
+
+
+def test_train_without_gpu_stops_with_one_line(tmp_path):
+    from conftest import has_gpu
+    if has_gpu():
+        pytest.skip("a GPU is present: the no-GPU message cannot be shown here")
+    p = run("train.py", "configs/tiny.yaml", f"--out_dir={tmp_path / 'x'}", check=False)
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and "no NVIDIA GPU" in p.stderr, p.stderr
