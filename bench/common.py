@@ -1,0 +1,41 @@
+"""Shared by the benchmarks: event timing, SM-clock labels, the median."""
+from __future__ import annotations
+
+import statistics
+
+from gptcuda.driver import sm_clock_mhz
+
+
+def event_times_ms(rt, fn, iters: int, warmup: int = 3) -> list:
+    """Time fn() (which enqueues work on rt.stream) with CUDA events, one pair per run."""
+    dev = rt.dev
+    for _ in range(warmup):
+        fn()
+    rt.synchronize()
+    evs = [(dev.event(), dev.event()) for _ in range(iters)]
+    for a, b in evs:
+        dev.record(a, rt.stream)
+        fn()
+        dev.record(b, rt.stream)
+    rt.synchronize()
+    return [dev.elapsed_ms(a, b) for a, b in evs]
+
+
+def median_ms(rt, fn, iters: int = 50, warmup: int = 5) -> float:
+    return statistics.median(event_times_ms(rt, fn, iters, warmup))
+
+
+class ClockWatch:
+    """Read the SM clock before and after a timed region; label the result THROTTLED if it moved."""
+
+    def __init__(self, ordinal: int = 0):
+        self.ordinal = ordinal
+        self.before = sm_clock_mhz(ordinal)
+        self.after = None
+
+    def stop(self) -> str:
+        self.after = sm_clock_mhz(self.ordinal)
+        if self.before is None or self.after is None:
+            return "clock: unknown (no NVML)"
+        moved = abs(self.after - self.before) > 0.05 * max(self.before, 1)
+        return f"SM clock {self.before} -> {self.after} MHz" + ("  THROTTLED" if moved else "")

@@ -1,0 +1,107 @@
+"""Time the training step and show where its time goes.
+
+    python bench/step.py configs/shakespeare_char_fp32.yaml [--key=value ...] [--iters 50]
+
+Prints the median ms/step and tokens/s with the step replayed as a CUDA graph and with eager
+launches, the host time per step, then a phase table: every launch of one step timed with
+CUDA events captured between the kernels (inside a graph, so no host gaps), summed by kernel
+and by group (GEMM, attention, layernorm, ...).
+"""
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.common import ClockWatch, event_times_ms  # noqa: E402
+from gptcuda.cli import split_args  # noqa: E402
+from gptcuda.config import load_config  # noqa: E402
+from gptcuda.data import TextDataset  # noqa: E402
+from gptcuda.engine import Engine  # noqa: E402
+
+GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "flash_attention": "attention",
+          "layernorm": "layernorm", "elementwise": "elementwise", "loss": "loss", "optim": "optimizer",
+          "encoder": "embedding", "data": "data"}
+
+
+def phase_table(eng, iters=5):
+    """Per-launch device time inside a graph with event records between the launches."""
+    rt = eng.be.rt
+    prog = eng.programs["train"]
+    dev = rt.dev
+    events = [dev.event() for _ in range(len(prog.items) + 1)]
+    dev.begin_capture(rt.stream)
+    try:
+        for ev, rec in zip(events, prog.items):
+            dev.record(ev, rt.stream)
+            rec.run(dev, rt.stream)
+        dev.record(events[-1], rt.stream)
+    finally:
+        graph, exe = dev.end_capture(rt.stream)
+    per = [[] for _ in prog.items]
+    for _ in range(iters):
+        dev.graph_launch(exe, rt.stream)
+        rt.synchronize()
+        for i in range(len(prog.items)):
+            per[i].append(dev.elapsed_ms(events[i], events[i + 1]))
+    dev.graph_destroy(graph, exe)
+    return [(rec, statistics.median(t)) for rec, t in zip(prog.items, per)]
+
+
+def main(argv):
+    path, overrides, _, opts = split_args(argv, options=("iters", "json"))
+    iters = int(opts.get("iters", 50))
+    cfg = load_config(path, overrides + ["--max_iters=100000"])
+    data = TextDataset(cfg.data)
+    eng = Engine(cfg, data.train, data.val, data.vocab_size, programs=("train",))
+    rt = eng.be.rt
+    tokens = cfg.batch_size * cfg.block_size
+    graph = eng.be.capture(eng.programs["train"]) if "train" not in eng.graphs else eng.graphs["train"]
+    watch = ClockWatch(cfg.device)
+    t_graph = event_times_ms(rt, graph.launch, iters, warmup=5)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        graph.launch()
+    host_graph = (time.perf_counter() - t0) / iters * 1e3
+    rt.synchronize()
+    t_eager = event_times_ms(rt, lambda: eng.be.run(eng.programs["train"]), max(iters // 2, 5), warmup=3)
+    t0 = time.perf_counter()
+    n = 10
+    for _ in range(n):
+        eng.be.run(eng.programs["train"])
+    host_eager = (time.perf_counter() - t0) / n * 1e3
+    rt.synchronize()
+    clock = watch.stop()
+    mg, me = statistics.median(t_graph), statistics.median(t_eager)
+    print(f"{cfg.precision} attention={cfg.attention} B{cfg.batch_size} T{cfg.block_size} "
+          f"L{cfg.n_layer} C{cfg.n_embd} dropout {cfg.dropout}: {len(eng.programs['train'])} launches/step")
+    print(f"graph : {mg:8.3f} ms/step  {tokens / mg * 1e3:12,.0f} tok/s   host {host_graph:.3f} ms/step "
+          f"({100 * host_graph / mg:.1f}% of the step)")
+    print(f"eager : {me:8.3f} ms/step  {tokens / me * 1e3:12,.0f} tok/s   host {host_eager:.3f} ms/step")
+    print(clock)
+    rows = phase_table(eng)
+    by_kernel, by_group = defaultdict(lambda: [0.0, 0]), defaultdict(float)
+    for rec, ms in rows:
+        file = getattr(getattr(rec, "fn", None), "file", "memset.cu")
+        name = getattr(getattr(rec, "fn", None), "name", "memset")
+        by_kernel[(file, name)][0] += ms
+        by_kernel[(file, name)][1] += 1
+        by_group[GROUPS.get(file.replace(".cu", ""), file.replace(".cu", ""))] += ms
+    total = sum(ms for _, ms in rows)
+    print(f"\nphase table (sum of per-launch times {total:.3f} ms)")
+    for g, ms in sorted(by_group.items(), key=lambda kv: -kv[1]):
+        print(f"  {g:<14} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
+    print("\nby kernel")
+    for (file, name), (ms, cnt) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {ms:8.3f} ms {cnt:4d}x  {file}:{name}")
+    if "json" in opts:
+        with open(opts["json"], "w") as f:
+            json.dump({"config": cfg.to_dict(), "graph_ms": mg, "eager_ms": me, "host_graph_ms": host_graph,
+                       "groups": by_group, "clock": clock}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
