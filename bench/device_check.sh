@@ -18,7 +18,7 @@ python3 -c "import cuda.bindings, numpy; from gptcuda.compiler import nvrtc_vers
 
 if has tests; then
   log "GPU test suite: python3 -m pytest tests -q -m gpu"
-  python3 -m pytest tests -q -m gpu -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
+  python3 -m pytest tests -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
   tail -1 "$OUT/tests.log" >> "$OUT/summary.txt"
 fi
 if has gradcheck; then

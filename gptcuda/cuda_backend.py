@@ -47,6 +47,9 @@ class CudaBackend:
         self.rt = rt or Runtime(cfg.device, precision=cfg.precision, seed=cfg.seed)
         self.f = {fam: family(fam) for fam in FAMILIES}
 
+    attention_saved = staticmethod(attention_saved)
+    workspaces = staticmethod(workspaces)
+
     # ---- memory ---------------------------------------------------------------------
     def free_bytes(self) -> int:
         return self.rt.dev.mem_info()[0]

@@ -21,25 +21,20 @@ from .model import GPT
 from .params import init_params, param_table, unflatten
 
 
-def make_backend(cfg):
+def backend_class(cfg):
     if cfg.backend == "reference":
-        from .reference.backend import ReferenceBackend, attention_saved
-        return ReferenceBackend(cfg), attention_saved(cfg), {}
-    from . import cuda_backend
-    return cuda_backend.CudaBackend(cfg), cuda_backend.attention_saved(cfg), cuda_backend.workspaces(cfg)
+        from .reference.backend import ReferenceBackend
+        return ReferenceBackend
+    from .cuda_backend import CudaBackend
+    return CudaBackend
 
 
-def plan_for(cfg, vocab_size: int, n_train: int, n_val: int):
-    """The memory plan of a config without touching a GPU (train.py --plan)."""
+def plan_for(cfg, vocab_size: int, n_train: int, n_val: int, backend=None):
+    """The memory plan of a config; pure arithmetic, no GPU touched (train.py --plan)."""
     cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
-    table = param_table(cfg, vocab_size)
-    if cfg.backend == "reference":
-        from .reference.backend import attention_saved
-        saved, ws = attention_saved(cfg), {}
-    else:
-        from . import cuda_backend
-        saved, ws = cuda_backend.attention_saved(cfg), cuda_backend.workspaces(cfg)
-    return plan_memory(cfg, table, vocab_size, n_train, n_val, saved, ws, cfg.max_iters + 1)
+    be = backend or backend_class(cfg)
+    return plan_memory(cfg, param_table(cfg, vocab_size), vocab_size, n_train, n_val,
+                       be.attention_saved(cfg), be.workspaces(cfg), cfg.max_iters + 1)
 
 
 class Engine:
@@ -47,14 +42,9 @@ class Engine:
                  backend=None, programs=("train", "eval")):
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
         self.cfg = cfg
-        self.table = param_table(cfg, vocab_size)
-        if backend is None:
-            backend, saved, ws = make_backend(cfg)
-        else:
-            saved, ws = (backend.attention_saved(cfg), backend.workspaces(cfg))
-        self.be = backend
-        self.plan = plan_memory(cfg, self.table, vocab_size, len(train_tokens), len(val_tokens), saved, ws,
-                                cfg.max_iters + 1)
+        self.be = backend = backend or backend_class(cfg)(cfg)
+        self.plan = plan_for(cfg, vocab_size, len(train_tokens), len(val_tokens), backend)
+        self.table = self.plan.table
         check_fits(self.plan, backend.free_bytes(), cfg)
         self.bufs = backend.allocate(self.plan, self.table)
         a = self.bufs.acts

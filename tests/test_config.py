@@ -253,7 +253,7 @@ def test_shakespeare_and_tiny_recipes():
     s = load_config(os.path.join(ROOT, "configs", "shakespeare_char_fp32.yaml"), [])
     assert s == Config(out_dir="out/shakespeare_char_fp32")
     t = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [])
-    assert (t.n_layer, t.n_head, t.n_embd, t.block_size, t.batch_size, t.max_iters) == (2, 2, 32, 16, 4, 20)
+    assert (t.n_layer, t.n_head, t.n_embd, t.block_size, t.batch_size, t.max_iters) == (2, 2, 64, 16, 4, 20)
     assert (t.eval_interval, t.eval_iters, t.log_interval, t.dropout) == (10, 2, 1, 0.0)
     assert (t.warmup_iters, t.lr_decay_iters, t.learning_rate, t.min_lr) == (2, 20, 3e-3, 3e-4)
     assert t.out_dir == "out/tiny"

@@ -10,6 +10,7 @@ workspace "layernorm_partials" [MAX_BLOCKS, 2*C] and a second kernel sums them i
 """
 from __future__ import annotations
 
+from .. import faults
 from ..backend import rows
 from ..runtime import i32
 
@@ -27,6 +28,9 @@ VARIANTS = (
     + [(FILE, f"layernorm_bwd_loop<{b}>", {}) for b in ("true", "false")]
     + [(FILE, "layernorm_bwd_reduce", {})]
 )
+# the deliberately wrong backward of gradcheck.py --break=layernorm (gptcuda/faults.py)
+BROKEN = {"GC_BREAK_LAYERNORM": 1}
+VARIANTS += [(f, n, BROKEN) for f, n, _ in VARIANTS if n.startswith("layernorm_bwd_") and "reduce" not in n]
 
 
 def workspace(cfg) -> dict:
@@ -80,7 +84,8 @@ def layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w):
         name = f"layernorm_bwd_loop<{_bias(db)}>"
     if part.numel < G * 2 * C:
         raise ValueError(f"workspace {WORKSPACE} {part.shape} is too small for {G} blocks x 2*{C}")
-    rt.launch(rt.function(FILE, name), (G,), (THREADS,),
+    defines = BROKEN if "layernorm" in faults.broken else {}
+    rt.launch(rt.function(FILE, name, defines), (G,), (THREADS,),
               [dx, part, dout, x, mean, rstd, w, i32(N), i32(C)], label="layernorm_bwd")
     ncols = 2 * C if db is not None else C
     rt.launch(rt.function(FILE, "layernorm_bwd_reduce"), (_cdiv(ncols, 32),), (THREADS,),

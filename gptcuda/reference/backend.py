@@ -27,6 +27,12 @@ def _2d(x):
 class ReferenceBackend:
     name = "reference"
 
+    attention_saved = staticmethod(attention_saved)
+
+    @staticmethod
+    def workspaces(cfg) -> dict:
+        return {}
+
     def __init__(self, cfg):
         self.cfg = cfg
         self.seed = cfg.seed

@@ -1,0 +1,295 @@
+// LayerNorm over the last dimension (biased variance, eps 1e-5), forward and backward.
+//
+//   layernorm_fwd_reg<NV, BIAS>   one warp per row, the row in registers as NV float4 per lane
+//                                 (C % 4 == 0, C <= 128*NV, 16-byte aligned pointers)
+//   layernorm_fwd_loop<BIAS>      one warp per row, any C (three passes over the row)
+//   layernorm_bwd_reg<NV, BIAS>   dx += ; per-block partial sums of dw (and db) -> partials
+//   layernorm_bwd_loop<BIAS>      the same for any C: one block per row
+//   layernorm_bwd_reduce          dw = sum of partials over the blocks, in block order (and db)
+//
+// Partials layout: partials[g, 0:C] = sum over block g's rows of dout * norm, partials[g, C:2C]
+// = sum of dout (only with BIAS). Every sum runs in a fixed order: bitwise reproducible.
+#include "common.cuh"
+
+// GC_BREAK_LAYERNORM=1 builds the deliberately wrong backward that gradcheck.py --break=layernorm
+// must catch: the x_hat * mean(dx_hat * x_hat) term of dx is deleted.
+#ifndef GC_BREAK_LAYERNORM
+#define GC_BREAK_LAYERNORM 0
+#endif
+
+#define LN_EPS 1e-5f
+#define LN_WARPS 8                 // rows per block in the warp-per-row kernels
+#define LN_THREADS (LN_WARPS * 32)
+
+__device__ __forceinline__ float4 ln_f4(float a) { return make_float4(a, a, a, a); }
+__device__ __forceinline__ float ln_hsum(float4 a) { return (a.x + a.y) + (a.z + a.w); }
+
+template <int NV, bool BIAS>
+__global__ void __launch_bounds__(LN_THREADS)
+layernorm_fwd_reg(float* __restrict__ out,        // out  [N, C]
+                  float* __restrict__ mean,       // mean [N]   (may be null)
+                  float* __restrict__ rstd,       // rstd [N]   (may be null)
+                  const float* __restrict__ x,    // x    [N, C]
+                  const float* __restrict__ w,    // w    [C]
+                  const float* __restrict__ b,    // b    [C]   (BIAS only)
+                  int N, int C) {
+    const int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const int C4 = C >> 2;
+    const float4* xr = reinterpret_cast<const float4*>(x + (long long)row * C);
+    float4 v[NV];
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int k = j * 32 + lane;
+        v[j] = k < C4 ? xr[k] : ln_f4(0.f);
+        s += ln_hsum(v[j]);
+    }
+    const float mu = gc_warp_sum(s) / (float)C;
+    float q = 0.f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int k = j * 32 + lane;
+        if (k < C4) {
+            const float4 d = make_float4(v[j].x - mu, v[j].y - mu, v[j].z - mu, v[j].w - mu);
+            q += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);
+        }
+    }
+    const float rs = 1.0f / sqrtf(gc_warp_sum(q) / (float)C + LN_EPS);
+    float4* o = reinterpret_cast<float4*>(out + (long long)row * C);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    const float4* b4 = reinterpret_cast<const float4*>(b);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int k = j * 32 + lane;
+        if (k < C4) {
+            const float4 ww = w4[k];
+            float4 r = make_float4((v[j].x - mu) * rs * ww.x, (v[j].y - mu) * rs * ww.y,
+                                   (v[j].z - mu) * rs * ww.z, (v[j].w - mu) * rs * ww.w);
+            if constexpr (BIAS) {
+                const float4 bb = b4[k];
+                r.x += bb.x; r.y += bb.y; r.z += bb.z; r.w += bb.w;
+            }
+            o[k] = r;
+        }
+    }
+    if (lane == 0) {
+        if (mean) mean[row] = mu;
+        if (rstd) rstd[row] = rs;
+    }
+}
+
+template <bool BIAS>
+__global__ void __launch_bounds__(LN_THREADS)
+layernorm_fwd_loop(float* __restrict__ out,        // out  [N, C]
+                   float* __restrict__ mean,       // mean [N]   (may be null)
+                   float* __restrict__ rstd,       // rstd [N]   (may be null)
+                   const float* __restrict__ x,    // x    [N, C]
+                   const float* __restrict__ w,    // w    [C]
+                   const float* __restrict__ b,    // b    [C]   (BIAS only)
+                   int N, int C) {
+    const int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const float* xr = x + (long long)row * C;
+    float s = 0.f;
+    for (int c = lane; c < C; c += 32) s += xr[c];
+    const float mu = gc_warp_sum(s) / (float)C;
+    float q = 0.f;
+    for (int c = lane; c < C; c += 32) {
+        const float d = xr[c] - mu;
+        q += d * d;
+    }
+    const float rs = 1.0f / sqrtf(gc_warp_sum(q) / (float)C + LN_EPS);
+    float* o = out + (long long)row * C;
+    for (int c = lane; c < C; c += 32) {
+        float r = (xr[c] - mu) * rs * w[c];
+        if constexpr (BIAS) r += b[c];
+        o[c] = r;
+    }
+    if (lane == 0) {
+        if (mean) mean[row] = mu;
+        if (rstd) rstd[row] = rs;
+    }
+}
+
+// grid G blocks (G <= the workspace rows); warp gw = blockIdx.x*8 + warp takes rows gw, gw + 8G, ...
+template <int NV, bool BIAS>
+__global__ void __launch_bounds__(LN_THREADS)
+layernorm_bwd_reg(float* __restrict__ dx,              // dx       [N, C]   (+=)
+                  float* __restrict__ partials,        // partials [G, 2C]
+                  const float* __restrict__ dout,      // dout     [N, C]
+                  const float* __restrict__ x,         // x        [N, C]
+                  const float* __restrict__ mean,      // mean     [N]
+                  const float* __restrict__ rstd,      // rstd     [N]
+                  const float* __restrict__ w,         // w        [C]
+                  int N, int C) {
+    __shared__ float4 red_w[NV * 32];
+    __shared__ float4 red_b[BIAS ? NV * 32 : 1];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int C4 = C >> 2;
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    float4 wv[NV], aw[NV], ab[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int k = j * 32 + lane;
+        wv[j] = k < C4 ? w4[k] : ln_f4(0.f);
+        aw[j] = ln_f4(0.f);
+        ab[j] = ln_f4(0.f);
+    }
+    const float invC = 1.0f / (float)C;
+    for (int row = blockIdx.x * LN_WARPS + warp; row < N; row += gridDim.x * LN_WARPS) {
+        const float mu = mean[row], rs = rstd[row];
+        const float4* dr = reinterpret_cast<const float4*>(dout + (long long)row * C);
+        const float4* xr = reinterpret_cast<const float4*>(x + (long long)row * C);
+        float4 d[NV], nv[NV];
+        float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int k = j * 32 + lane;
+            if (k < C4) {
+                d[j] = dr[k];
+                const float4 xx = xr[k];
+                nv[j] = make_float4((xx.x - mu) * rs, (xx.y - mu) * rs, (xx.z - mu) * rs, (xx.w - mu) * rs);
+            } else {
+                d[j] = ln_f4(0.f);
+                nv[j] = ln_f4(0.f);
+            }
+            const float4 dn = make_float4(d[j].x * wv[j].x, d[j].y * wv[j].y, d[j].z * wv[j].z, d[j].w * wv[j].w);
+            s1 += ln_hsum(dn);
+            s2 += (dn.x * nv[j].x + dn.y * nv[j].y) + (dn.z * nv[j].z + dn.w * nv[j].w);
+        }
+        const float m1 = gc_warp_sum(s1) * invC;
+        const float m2 = GC_BREAK_LAYERNORM ? 0.0f : gc_warp_sum(s2) * invC;
+        float4* dxr = reinterpret_cast<float4*>(dx + (long long)row * C);
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int k = j * 32 + lane;
+            if (k < C4) {
+                float4 g = dxr[k];
+                g.x += rs * (d[j].x * wv[j].x - m1 - nv[j].x * m2);
+                g.y += rs * (d[j].y * wv[j].y - m1 - nv[j].y * m2);
+                g.z += rs * (d[j].z * wv[j].z - m1 - nv[j].z * m2);
+                g.w += rs * (d[j].w * wv[j].w - m1 - nv[j].w * m2);
+                dxr[k] = g;
+                aw[j].x += d[j].x * nv[j].x; aw[j].y += d[j].y * nv[j].y;
+                aw[j].z += d[j].z * nv[j].z; aw[j].w += d[j].w * nv[j].w;
+                if constexpr (BIAS) {
+                    ab[j].x += d[j].x; ab[j].y += d[j].y; ab[j].z += d[j].z; ab[j].w += d[j].w;
+                }
+            }
+        }
+    }
+    // Sum the warps' accumulators in warp order 0, 1, ..., 7.
+    for (int wv_i = 0; wv_i < LN_WARPS; ++wv_i) {
+        if (warp == wv_i) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int k = j * 32 + lane;
+                if (wv_i == 0) {
+                    red_w[k] = aw[j];
+                    if constexpr (BIAS) red_b[k] = ab[j];
+                } else {
+                    float4 r = red_w[k];
+                    r.x += aw[j].x; r.y += aw[j].y; r.z += aw[j].z; r.w += aw[j].w;
+                    red_w[k] = r;
+                    if constexpr (BIAS) {
+                        float4 q = red_b[k];
+                        q.x += ab[j].x; q.y += ab[j].y; q.z += ab[j].z; q.w += ab[j].w;
+                        red_b[k] = q;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float4* pw = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 2 * C);
+    float4* pb = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 2 * C + C);
+    for (int k = threadIdx.x; k < C4; k += LN_THREADS) {
+        pw[k] = red_w[k];
+        if constexpr (BIAS) pb[k] = red_b[k];
+    }
+}
+
+// Block sum of one float, the same value returned to every thread; fixed order.
+__device__ __forceinline__ float ln_block_sum(float v, float* sm /* [LN_WARPS] */) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    v = gc_warp_sum(v);
+    if (lane == 0) sm[warp] = v;
+    __syncthreads();
+    float s = sm[0];
+#pragma unroll
+    for (int i = 1; i < LN_WARPS; ++i) s += sm[i];
+    __syncthreads();                               // sm may be rewritten right after
+    return s;
+}
+
+// grid G blocks; block g takes rows g, g + G, ...; thread tid owns columns tid, tid + 256, ...
+// and accumulates their dw (db) directly in its partials row (no other thread touches them).
+template <bool BIAS>
+__global__ void __launch_bounds__(LN_THREADS)
+layernorm_bwd_loop(float* __restrict__ dx,              // dx       [N, C]   (+=)
+                   float* __restrict__ partials,        // partials [G, 2C]
+                   const float* __restrict__ dout,      // dout     [N, C]
+                   const float* __restrict__ x,         // x        [N, C]
+                   const float* __restrict__ mean,      // mean     [N]
+                   const float* __restrict__ rstd,      // rstd     [N]
+                   const float* __restrict__ w,         // w        [C]
+                   int N, int C) {
+    __shared__ float sm[2][LN_WARPS];
+    float* pw = partials + (long long)blockIdx.x * 2 * C;
+    float* pb = pw + C;
+    for (int c = threadIdx.x; c < C; c += LN_THREADS) {
+        pw[c] = 0.f;
+        if constexpr (BIAS) pb[c] = 0.f;
+    }
+    const float invC = 1.0f / (float)C;
+    for (int row = blockIdx.x; row < N; row += gridDim.x) {
+        const float mu = mean[row], rs = rstd[row];
+        const float* dr = dout + (long long)row * C;
+        const float* xr = x + (long long)row * C;
+        float s1 = 0.f, s2 = 0.f;
+        for (int c = threadIdx.x; c < C; c += LN_THREADS) {
+            const float dn = dr[c] * w[c];
+            s1 += dn;
+            s2 += dn * ((xr[c] - mu) * rs);
+        }
+        const float m1 = ln_block_sum(s1, sm[0]) * invC;
+        const float m2 = GC_BREAK_LAYERNORM ? 0.0f : ln_block_sum(s2, sm[1]) * invC;
+        float* dxr = dx + (long long)row * C;
+        for (int c = threadIdx.x; c < C; c += LN_THREADS) {
+            const float d = dr[c];
+            const float n = (xr[c] - mu) * rs;
+            dxr[c] += rs * (d * w[c] - m1 - n * m2);
+            pw[c] += d * n;
+            if constexpr (BIAS) pb[c] += d;
+        }
+    }
+}
+
+// dw[c] = sum over g of partials[g, c]; db[c] = sum of partials[g, C + c] (when db is given).
+// grid ceil(ncols / 32), block 256: warp w sums the rows w, w + 8, ... of 32 columns, then the
+// 8 warp sums are added in warp order.
+__global__ void __launch_bounds__(LN_THREADS)
+layernorm_bwd_reduce(float* __restrict__ dw,                // dw       [C]  (=)
+                     float* __restrict__ db,                // db       [C]  (=, may be null)
+                     const float* __restrict__ partials,    // partials [G, 2C]
+                     int G, int C) {
+    __shared__ float red[LN_WARPS][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ncols = db ? 2 * C : C;
+    const int col = blockIdx.x * 32 + lane;
+    float s = 0.f;
+    if (col < ncols)
+        for (int g = warp; g < G; g += LN_WARPS) s += partials[(long long)g * 2 * C + col];
+    red[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && col < ncols) {
+        float t = red[0][lane];
+#pragma unroll
+        for (int i = 1; i < LN_WARPS; ++i) t += red[i][lane];
+        if (col < C) dw[col] = t;
+        else db[col - C] = t;
+    }
+}
