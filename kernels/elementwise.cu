@@ -1,0 +1,175 @@
+// Elementwise ops: tanh-GELU forward/backward, dropout (forward, backward, fused residual add)
+// and the deterministic bias gradient (column sums).
+//
+// Elementwise kernels take VEC = 4 (16-byte aligned pointers; any n: thread i < n/4 handles
+// the float4 i, the next n % 4 threads one tail element each) or VEC = 1 (one element a thread).
+// Outputs may alias inputs: every thread reads its elements before writing them.
+#include "common.cuh"
+
+#define EW_THREADS 256
+#define BG_WARPS 8
+#define BG_THREADS (BG_WARPS * 32)
+
+#define GELU_K0 0.7978845608028654f   // sqrt(2/pi)
+#define GELU_K1 0.044715f
+
+__device__ __forceinline__ float gelu_f(float x) {
+    const float u = GELU_K0 * (x + GELU_K1 * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_grad(float x) {
+    const float x2 = x * x;
+    const float u = GELU_K0 * (x + GELU_K1 * x2 * x);
+    const float th = tanhf(u);
+    const float du = GELU_K0 * (1.0f + 3.0f * GELU_K1 * x2);
+    return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
+}
+
+// Element range of this thread: returns the count (VEC, 1 or 0) and the first element index.
+template <int VEC>
+__device__ __forceinline__ int ew_slot(long long n, long long& e) {
+    const long long i = (long long)blockIdx.x * EW_THREADS + threadIdx.x;
+    if constexpr (VEC == 1) {
+        e = i;
+        return i < n ? 1 : 0;
+    } else {
+        const long long nv = n / VEC;
+        if (i < nv) { e = i * VEC; return VEC; }
+        e = nv * VEC + (i - nv);
+        return e < n ? 1 : 0;
+    }
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(EW_THREADS)
+gelu_fwd(float* out,            // out [n]  (may be x)
+         const float* x,        // x   [n]
+         int n) {
+    long long e;
+    const int cnt = ew_slot<VEC>(n, e);
+    if (cnt == 4) {
+        float4 v = *reinterpret_cast<const float4*>(x + e);
+        v.x = gelu_f(v.x); v.y = gelu_f(v.y); v.z = gelu_f(v.z); v.w = gelu_f(v.w);
+        *reinterpret_cast<float4*>(out + e) = v;
+    } else if (cnt == 1) {
+        out[e] = gelu_f(x[e]);
+    }
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(EW_THREADS)
+gelu_bwd(float* dpre,           // dpre [n]  (may be dout)
+         const float* dout,     // dout [n]
+         const float* pre,      // pre  [n]  (the GELU input)
+         int n) {
+    long long e;
+    const int cnt = ew_slot<VEC>(n, e);
+    if (cnt == 4) {
+        const float4 d = *reinterpret_cast<const float4*>(dout + e);
+        const float4 p = *reinterpret_cast<const float4*>(pre + e);
+        *reinterpret_cast<float4*>(dpre + e) =
+            make_float4(d.x * gelu_grad(p.x), d.y * gelu_grad(p.y), d.z * gelu_grad(p.z), d.w * gelu_grad(p.w));
+    } else if (cnt == 1) {
+        dpre[e] = dout[e] * gelu_grad(pre[e]);
+    }
+}
+
+// out = (RESID ? resid : 0) + (DROP ? (keep(e) ? x * scale : 0) : x),
+// keep(e) = gc_keep(gc_key(seed, st->step, site), e, threshold), e the row-major element index.
+template <int VEC, bool RESID, bool DROP>
+__global__ void __launch_bounds__(EW_THREADS)
+dropout_apply(float* out,                 // out   [n]  (may be x or resid)
+              const float* resid,         // resid [n]  (RESID only)
+              const float* x,             // x     [n]
+              int n,
+              const StepState* st,
+              u32 seed, u32 site, u32 threshold, float scale) {
+    long long e;
+    const int cnt = ew_slot<VEC>(n, e);
+    if (cnt == 0) return;
+    u32 k = 0;
+    if constexpr (DROP) k = gc_key(seed, (u32)st->step, site);
+    auto f = [&](float v, u32 idx, float r) -> float {
+        float y = v;
+        if constexpr (DROP) y = gc_keep(k, idx, threshold) ? v * scale : 0.f;
+        if constexpr (RESID) y = r + y;
+        return y;
+    };
+    if (cnt == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(x + e);
+        float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+        if constexpr (RESID) r = *reinterpret_cast<const float4*>(resid + e);
+        const u32 i0 = (u32)e;
+        *reinterpret_cast<float4*>(out + e) =
+            make_float4(f(v.x, i0, r.x), f(v.y, i0 + 1, r.y), f(v.z, i0 + 2, r.z), f(v.w, i0 + 3, r.w));
+    } else {
+        const float r = RESID ? resid[e] : 0.f;
+        out[e] = f(x[e], (u32)e, r);
+    }
+}
+
+// Bias gradient, pass 1. grid (ceil(N / (32*VEC)), chunks), block 256.
+// Block (tile, ch) sums rows [ch*rpc, min(M, (ch+1)*rpc)) of its 32*VEC columns: warp w takes
+// rows w, w + 8, ... of the chunk in order, then the 8 warp sums are added in warp order.
+template <int VEC>
+__global__ void __launch_bounds__(BG_THREADS)
+bias_grad_partial(float* __restrict__ partials,     // partials [chunks, N]
+                  const float* __restrict__ dout,   // dout     [M, N]
+                  int M, int N, int rpc) {
+    constexpr int TILE = 32 * VEC;
+    __shared__ float red[BG_WARPS][TILE];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int c = blockIdx.x * TILE + lane * VEC;
+    const int r0 = blockIdx.y * rpc;
+    const int r1 = min(M, r0 + rpc);
+    float acc[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] = 0.f;
+    if (c < N) {
+#pragma unroll 4
+        for (int r = r0 + warp; r < r1; r += BG_WARPS) {
+            const float* p = dout + (long long)r * N + c;
+            if constexpr (VEC == 4) {
+                const float4 v = *reinterpret_cast<const float4*>(p);
+                acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
+            } else {
+                acc[0] += p[0];
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) red[warp][lane * VEC + k] = acc[k];
+    __syncthreads();
+    for (int k = threadIdx.x; k < TILE; k += BG_THREADS) {
+        const int col = blockIdx.x * TILE + k;
+        if (col < N) {
+            float s = red[0][k];
+#pragma unroll
+            for (int w = 1; w < BG_WARPS; ++w) s += red[w][k];
+            partials[(long long)blockIdx.y * N + col] = s;
+        }
+    }
+}
+
+// Bias gradient, pass 2: db[c] = sum over chunks of partials[ch, c], in a fixed order.
+// grid ceil(N / 32), block 256: warp w sums chunks w, w + 8, ...; the warp sums in warp order.
+__global__ void __launch_bounds__(BG_THREADS)
+bias_grad_reduce(float* __restrict__ db,                // db       [N]  (=)
+                 const float* __restrict__ partials,    // partials [chunks, N]
+                 int chunks, int N) {
+    __shared__ float red[BG_WARPS][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int col = blockIdx.x * 32 + lane;
+    float s = 0.f;
+    if (col < N)
+        for (int g = warp; g < chunks; g += BG_WARPS) s += partials[(long long)g * N + col];
+    red[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && col < N) {
+        float t = red[0][lane];
+#pragma unroll
+        for (int i = 1; i < BG_WARPS; ++i) t += red[i][lane];
+        db[col] = t;
+    }
+}

@@ -1,0 +1,161 @@
+// Optimizer and step-state kernels.
+//
+//   lr_schedule          st->lr = nanoGPT warmup + cosine schedule at st->step (float64 math)
+//   step_advance         st->step += 1
+//   eval_advance         st->eval_draws += 1
+//   grad_norm_partial<VEC>  per-block sums of squares (double) -> partials[G]
+//   grad_norm_final      st->grad_norm = sqrt(sum of partials in a fixed order)
+//   adamw<VEC>           one pass of PyTorch AdamW over the flat buffers, gradient clipping by
+//                        st->grad_norm, decoupled weight decay on the first n_decay elements
+//
+// VEC = 4 needs 16-byte aligned buffers (any n: the last n % 4 elements go one per thread).
+#include "common.cuh"
+
+#define NORM_THREADS 512
+#define FINAL_THREADS 256
+#define ADAM_THREADS 256
+
+__global__ void __launch_bounds__(1)
+lr_schedule(StepState* st, double learning_rate, double min_lr, int warmup_iters, int lr_decay_iters) {
+    const int it = st->step;
+    double lr;
+    if (it < warmup_iters) {
+        lr = learning_rate * (double)(it + 1) / (double)(warmup_iters + 1);
+    } else if (it > lr_decay_iters || lr_decay_iters - warmup_iters <= 0) {
+        lr = min_lr;
+    } else {
+        const double ratio = (double)(it - warmup_iters) / (double)(lr_decay_iters - warmup_iters);
+        const double coeff = 0.5 * (1.0 + cos(3.141592653589793 * ratio));
+        lr = min_lr + coeff * (learning_rate - min_lr);
+    }
+    st->lr = (float)lr;
+}
+
+__global__ void __launch_bounds__(1) step_advance(StepState* st) { st->step += 1; }
+
+__global__ void __launch_bounds__(1) eval_advance(StepState* st) { st->eval_draws += 1; }
+
+// grid G, block 512. Thread (b, t) takes the vectors b*512 + t + k*G*512 in order; the block
+// sum is a fixed butterfly + warp-order sum; partial b goes to partials[b].
+template <int VEC>
+__global__ void __launch_bounds__(NORM_THREADS)
+grad_norm_partial(double* __restrict__ partials,   // partials [G]
+                  const float* __restrict__ g,     // g        [n]
+                  int n) {
+    __shared__ double red[NORM_THREADS / 32];
+    const long long gt = (long long)blockIdx.x * NORM_THREADS + threadIdx.x;
+    const long long stride = (long long)gridDim.x * NORM_THREADS;
+    float acc = 0.f;
+    if constexpr (VEC == 4) {
+        const long long nv = n / 4;
+        const float4* g4 = reinterpret_cast<const float4*>(g);
+#pragma unroll 4
+        for (long long i = gt; i < nv; i += stride) {
+            const float4 v = g4[i];
+            acc = fmaf(v.x, v.x, acc);
+            acc = fmaf(v.y, v.y, acc);
+            acc = fmaf(v.z, v.z, acc);
+            acc = fmaf(v.w, v.w, acc);
+        }
+        if (gt < n - nv * 4) {
+            const float v = g[nv * 4 + gt];
+            acc = fmaf(v, v, acc);
+        }
+    } else {
+#pragma unroll 4
+        for (long long i = gt; i < n; i += stride) {
+            const float v = g[i];
+            acc = fmaf(v, v, acc);
+        }
+    }
+    double s = (double)acc;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) red[warp] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double t = red[0];
+#pragma unroll
+        for (int w = 1; w < NORM_THREADS / 32; ++w) t += red[w];
+        partials[blockIdx.x] = t;
+    }
+}
+
+__global__ void __launch_bounds__(FINAL_THREADS)
+grad_norm_final(StepState* st, const double* __restrict__ partials /* [G] */, int G) {
+    __shared__ double red[FINAL_THREADS];
+    double s = 0.0;
+    for (int i = threadIdx.x; i < G; i += FINAL_THREADS) s += partials[i];
+    red[threadIdx.x] = s;
+    __syncthreads();
+    for (int o = FINAL_THREADS / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) st->grad_norm = (float)sqrt(red[0]);
+}
+
+struct AdamCoef {
+    float lr, beta1, beta2, omb1, omb2, rbc1, rbc2, eps, decay_mul, gscale;
+};
+
+__device__ __forceinline__ void adam_one(float& p, float g, float& m, float& v, bool decay, const AdamCoef& c) {
+    g *= c.gscale;
+    if (decay) p *= c.decay_mul;
+    m = c.beta1 * m + c.omb1 * g;
+    v = c.beta2 * v + c.omb2 * (g * g);
+    const float mhat = m * c.rbc1;
+    const float vhat = v * c.rbc2;
+    p -= c.lr * mhat / (sqrtf(vhat) + c.eps);
+}
+
+// Grid-stride over vectors: thread gt takes vectors gt, gt + stride, ...; element e decays iff e < n_decay.
+template <int VEC>
+__global__ void __launch_bounds__(ADAM_THREADS)
+adamw(float* __restrict__ params,        // params [n]
+      const float* __restrict__ grads,   // grads  [n]
+      float* __restrict__ m,             // m      [n]
+      float* __restrict__ v,             // v      [n]
+      int n, int n_decay,
+      float beta1, float beta2, float eps, float weight_decay, float grad_clip,
+      const StepState* st) {
+    AdamCoef c;
+    c.lr = st->lr;
+    const int t = st->step + 1;
+    c.beta1 = beta1;
+    c.beta2 = beta2;
+    c.omb1 = 1.0f - beta1;
+    c.omb2 = 1.0f - beta2;
+    c.rbc1 = (float)(1.0 / (1.0 - pow((double)beta1, (double)t)));
+    c.rbc2 = (float)(1.0 / (1.0 - pow((double)beta2, (double)t)));
+    c.eps = eps;
+    c.decay_mul = 1.0f - c.lr * weight_decay;
+    c.gscale = grad_clip > 0.f ? fminf(1.0f, grad_clip / (st->grad_norm + 1e-6f)) : 1.0f;
+
+    const long long gt = (long long)blockIdx.x * ADAM_THREADS + threadIdx.x;
+    const long long stride = (long long)gridDim.x * ADAM_THREADS;
+    if constexpr (VEC == 4) {
+        const long long nv = n / 4;
+        float4* p4 = reinterpret_cast<float4*>(params);
+        const float4* g4 = reinterpret_cast<const float4*>(grads);
+        float4* m4 = reinterpret_cast<float4*>(m);
+        float4* v4 = reinterpret_cast<float4*>(v);
+        for (long long i = gt; i < nv; i += stride) {
+            float4 p = p4[i], mm = m4[i], vv = v4[i];
+            const float4 g = g4[i];
+            const long long e = i * 4;
+            adam_one(p.x, g.x, mm.x, vv.x, e + 0 < n_decay, c);
+            adam_one(p.y, g.y, mm.y, vv.y, e + 1 < n_decay, c);
+            adam_one(p.z, g.z, mm.z, vv.z, e + 2 < n_decay, c);
+            adam_one(p.w, g.w, mm.w, vv.w, e + 3 < n_decay, c);
+            p4[i] = p; m4[i] = mm; v4[i] = vv;
+        }
+        if (gt < n - nv * 4) {
+            const long long e = nv * 4 + gt;
+            adam_one(params[e], grads[e], m[e], v[e], e < n_decay, c);
+        }
+    } else {
+        for (long long e = gt; e < n; e += stride) adam_one(params[e], grads[e], m[e], v[e], e < n_decay, c);
+    }
+}

@@ -1,0 +1,172 @@
+"""GPU tests of kernels/elementwise.cu: GELU, dropout (exact masks), residual dropout, bias gradient."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gptcuda import rng
+from gptcuda.cuda_ops import elementwise as ew
+from gptcuda.reference import ops as ref
+from gptcuda.runtime import DeviceView
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+STEP = 11
+SITE = rng.dropout_site(1, 2)
+SIZES = [(64, 256, 384), (4099,), (3, 5, 7), (1,), (6,)]
+
+
+@pytest.fixture
+def env(rt):
+    saved = (rt.state, dict(getattr(rt, "_workspace", {})))
+    st = np.zeros(16, np.int32)
+    st[0] = STEP
+    rt.state = rt.upload(st)
+    yield rt
+    rt.state = saved[0]
+    rt.set_workspace(saved[1])
+
+
+def _randn(r, *shape):
+    x = r.standard_normal(shape).astype(np.float32)
+    x[x == 0] = 0.5
+    return x
+
+
+def _upload(rt, arr, misalign=False):
+    """Upload arr; with misalign the view starts 4 bytes into its allocation (forces the scalar kernels)."""
+    if not misalign:
+        return rt.upload(arr)
+    flat = np.concatenate([np.full(1, 9.0, np.float32), np.asarray(arr, np.float32).reshape(-1)])
+    base = rt.upload(flat)
+    return DeviceView(base.ptr + 4, tuple(arr.shape), "f32", "misaligned")
+
+
+def _empty(rt, shape, misalign=False):
+    if not misalign:
+        return rt.empty(shape)
+    base = rt.empty((int(np.prod(shape)) + 1,))
+    return DeviceView(base.ptr + 4, tuple(shape), "f32", "misaligned")
+
+
+@pytest.mark.parametrize("misalign", [False, True])
+@pytest.mark.parametrize("shape", SIZES)
+def test_gelu(env, shape, misalign):
+    rt = env
+    r = np.random.default_rng(len(shape) + int(np.prod(shape)))
+    x_h = _randn(r, *shape) * 2.0
+    d_h = _randn(r, *shape)
+    x = _upload(rt, x_h, misalign)
+    out = _empty(rt, shape, misalign)
+    ew.gelu_fwd(rt, out, x)
+    assert rel_err(rt.download(out), ref.gelu_forward(x_h)) < 1e-5
+    dpre = _empty(rt, shape, misalign)
+    dout = _upload(rt, d_h, misalign)
+    ew.gelu_bwd(rt, dpre, dout, x)
+    want = ref.gelu_backward(d_h, x_h)
+    assert rel_err(rt.download(dpre), want) < 1e-5
+    ew.gelu_bwd(rt, dout, dout, x)                   # in place
+    assert rel_err(rt.download(dout), want) < 1e-5
+
+
+def _keep(rt, n, p):
+    return rng.dropout_mask(rt.seed, STEP, SITE, n, p)
+
+
+@pytest.mark.parametrize("misalign", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
+@pytest.mark.parametrize("shape", SIZES)
+def test_dropout(env, shape, p, misalign):
+    rt = env
+    r = np.random.default_rng(int(np.prod(shape)) + int(p * 10))
+    x_h = _randn(r, *shape)
+    n = x_h.size
+    keep = _keep(rt, n, p).reshape(shape)
+    want = ref.dropout_forward(x_h, keep, p)
+    x = _upload(rt, x_h, misalign)
+    out = _empty(rt, shape, misalign)
+    ew.dropout_fwd(rt, out, x, p, SITE)
+    got = rt.download(out)
+    assert rel_err(got, want) < 1e-6
+    if p > 0:
+        assert np.array_equal(got != 0, keep)        # the exact mask (x has no zeros)
+    # backward, in place
+    d_h = _randn(r, *shape)
+    d = _upload(rt, d_h, misalign)
+    ew.dropout_bwd(rt, d, d, p, SITE)
+    got = rt.download(d)
+    assert rel_err(got, ref.dropout_backward(d_h, keep, p)) < 1e-6
+    if p > 0:
+        assert np.array_equal(got != 0, keep)
+    # forward in place (p == 0: nothing to do)
+    ew.dropout_fwd(rt, x, x, p, SITE)
+    assert rel_err(rt.download(x), want) < 1e-6
+
+
+@pytest.mark.parametrize("misalign", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("shape", SIZES)
+def test_residual_dropout(env, shape, p, misalign):
+    rt = env
+    r = np.random.default_rng(5 + int(np.prod(shape)))
+    x_h, res_h = _randn(r, *shape), _randn(r, *shape)
+    keep = _keep(rt, x_h.size, p).reshape(shape)
+    want = res_h.astype(np.float64) + ref.dropout_forward(x_h, keep, p)
+    x, res = _upload(rt, x_h, misalign), _upload(rt, res_h, misalign)
+    out = _empty(rt, shape, misalign)
+    ew.residual_dropout(rt, out, res, x, p, SITE)
+    assert rel_err(rt.download(out), want) < 1e-6
+    ew.residual_dropout(rt, res, res, x, p, SITE)     # out aliases resid (the model's x = x + drop(f))
+    assert rel_err(rt.download(res), want) < 1e-6
+    res2 = _upload(rt, res_h, misalign)
+    ew.residual_dropout(rt, x, res2, x, p, SITE)      # out aliases x
+    assert rel_err(rt.download(x), want) < 1e-6
+
+
+def test_dropout_other_step_other_mask(env):
+    rt = env
+    n = 4096
+    x = rt.upload(np.ones(n, np.float32))
+    out = rt.empty((n,))
+    st = np.zeros(16, np.int32)
+    st[0] = STEP + 1
+    rt.state = rt.upload(st)
+    ew.dropout_fwd(rt, out, x, 0.5, SITE)
+    got = rt.download(out) != 0
+    assert np.array_equal(got, rng.dropout_mask(rt.seed, STEP + 1, SITE, n, 0.5))
+    assert not np.array_equal(got, rng.dropout_mask(rt.seed, STEP, SITE, n, 0.5))
+
+
+def _plan_bias(rt, width):
+    cfg = SimpleNamespace(batch_size=1, block_size=1, n_embd=(width + 3) // 4, n_head=1, n_layer=1,
+                          vocab_size=width, attention="unfused")
+    views = {n: rt.empty(shape, dtype, name=n) for n, (shape, dtype) in ew.workspace(cfg).items()}
+    rt.set_workspace({**getattr(rt, "_workspace", {}), **views})
+
+
+@pytest.mark.parametrize("misalign", [False, True])
+@pytest.mark.parametrize("M,N", [(16384, 384), (2048, 1536), (37, 13), (1000, 1155), (1, 4), (300, 1)])
+def test_bias_grad(env, M, N, misalign):
+    rt = env
+    _plan_bias(rt, N)
+    r = np.random.default_rng(M + N)
+    d_h = _randn(r, M, N)
+    d = _upload(rt, d_h, misalign)
+    outs = []
+    for _ in range(2):
+        db = rt.empty((N,))
+        ew.bias_grad(rt, db, d)
+        outs.append(rt.download(db))
+    assert rel_err(outs[0], d_h.astype(np.float64).sum(0)) < 2e-5
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
+def test_bias_grad_3d(env):
+    rt = env
+    _plan_bias(rt, 96)
+    r = np.random.default_rng(1)
+    d_h = _randn(r, 4, 33, 96)
+    db = rt.empty((96,))
+    ew.bias_grad(rt, db, rt.upload(d_h))
+    assert rel_err(rt.download(db), d_h.astype(np.float64).reshape(-1, 96).sum(0)) < 1e-5

@@ -1,0 +1,130 @@
+"""GPU tests of kernels/optim.cu: lr schedule, step counters, gradient norm, AdamW."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gptcuda.cuda_ops import optim
+from gptcuda.reference import ops as ref
+from gptcuda.runtime import DeviceView
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def env(rt):
+    saved = (rt.state, dict(getattr(rt, "_workspace", {})))
+    cfg = SimpleNamespace(batch_size=1, block_size=1, n_embd=8, n_head=1, n_layer=1, vocab_size=65,
+                          attention="unfused")
+    views = {n: rt.empty(shape, dtype, name=n) for n, (shape, dtype) in optim.workspace(cfg).items()}
+    rt.set_workspace({**saved[1], **views})
+    yield rt
+    rt.state = saved[0]
+    rt.set_workspace(saved[1])
+
+
+def _state(rt, step=0, lr=0.0, grad_norm=0.0, eval_draws=0):
+    st = np.zeros(16, np.int32)
+    st[0] = step
+    st[4] = eval_draws
+    f = st.view(np.float32)
+    f[1] = lr
+    f[3] = grad_norm
+    rt.state = rt.upload(st)
+
+
+def _read(rt):
+    s = rt.download(rt.state)
+    return s, s.view(np.float32)
+
+
+def _randn(r, *shape):
+    x = r.standard_normal(shape).astype(np.float32)
+    x[x == 0] = 0.5
+    return x
+
+
+SCHEDULES = [(1e-3, 1e-4, 100, 5000), (6e-4, 6e-5, 0, 2000), (1e-3, 1e-4, 50, 50), (3e-4, 0.0, 10, 5)]
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_lr_schedule(env, sched):
+    rt = env
+    for step in [0, 1, 5, 9, 10, 11, 49, 50, 51, 99, 100, 101, 1000, 1999, 2000, 2001, 2500, 4999, 5000, 5001, 7000]:
+        _state(rt, step=step, lr=float("nan"))
+        optim.lr_schedule(rt, *sched)
+        s, f = _read(rt)
+        want = np.float32(ref.lr_at(step, *sched))
+        assert abs(float(f[1]) - float(want)) <= 1e-6 * abs(float(want)) + 1e-12, (step, f[1], want)
+        assert s[0] == step
+
+
+def test_counters(env):
+    rt = env
+    _state(rt, step=5, lr=0.25, grad_norm=1.5, eval_draws=2)
+    for _ in range(3):
+        optim.step_advance(rt)
+    optim.eval_advance(rt)
+    s, f = _read(rt)
+    assert s[0] == 8 and s[4] == 3
+    assert f[1] == np.float32(0.25) and f[3] == np.float32(1.5)
+
+
+def _upload(rt, arr, misalign):
+    if not misalign:
+        return rt.upload(arr)
+    base = rt.upload(np.concatenate([np.zeros(1, np.float32), arr.reshape(-1)]))
+    return DeviceView(base.ptr + 4, tuple(arr.shape), "f32", "misaligned")
+
+
+@pytest.mark.parametrize("misalign", [False, True])
+@pytest.mark.parametrize("P", [10_800_003, 1_000_000, 4099, 7, 1])
+def test_grad_norm(env, P, misalign):
+    rt = env
+    r = np.random.default_rng(P)
+    g_h = _randn(r, P) * 0.01
+    g = _upload(rt, g_h, misalign)
+    _state(rt, step=3, lr=0.5)
+    optim.grad_norm(rt, g)
+    s, f = _read(rt)
+    want = ref.global_norm([g_h])
+    assert abs(float(f[3]) - want) <= 1e-6 * want
+    assert s[0] == 3 and f[1] == np.float32(0.5)
+    first = f[3]
+    optim.grad_norm(rt, g)
+    assert _read(rt)[1][3] == first                      # bitwise reproducible
+
+
+@pytest.mark.parametrize("misalign", [False, True])
+@pytest.mark.parametrize("P,n_decay,step,norm,clip,wd", [
+    (100_003, 60_001, 4, 3.0, 1.0, 0.1),      # clipping active, decay boundary inside a float4
+    (100_003, 60_002, 0, 0.5, 1.0, 0.1),      # norm below clip: no scaling; t = 1
+    (4099, 4099, 999, 7.0, 0.0, 0.1),         # clipping disabled, everything decays
+    (4099, 0, 12, 2.0, 1.0, 0.3),             # nothing decays
+    (5, 3, 2, 1.5, 1.0, 0.1),
+])
+def test_adamw(env, P, n_decay, step, norm, clip, wd, misalign):
+    rt = env
+    r = np.random.default_rng(P + n_decay + step)
+    p_h = _randn(r, P)
+    g_h = _randn(r, P)
+    m_h = _randn(r, P) * 0.1
+    v_h = (np.abs(_randn(r, P)) * 0.01).astype(np.float32)
+    lr = np.float32(3e-3)
+    beta1, beta2, eps = 0.9, 0.99, 1e-8
+    _state(rt, step=step, lr=float(lr), grad_norm=norm)
+    p, g, m, v = (_upload(rt, a, misalign) for a in (p_h, g_h, m_h, v_h))
+    optim.adamw(rt, p, g, m, v, n_decay, beta1, beta2, eps, wd, clip)
+    scale = ref.clip_scale(float(np.float32(norm)), clip)
+    decay = np.arange(P) < n_decay
+    rp, rm, rv = ref.adamw_update(p_h, g_h.astype(np.float64) * scale, m_h, v_h, float(lr), beta1, beta2, eps,
+                                  wd, step + 1, decay)
+    gp, gm, gv = rt.download(p), rt.download(m), rt.download(v)
+    assert rel_err(gm, rm) < 1e-5
+    assert rel_err(gv, rv) < 1e-5
+    assert rel_err(gp - p_h, rp - p_h) < 1e-3          # the update itself
+    assert rel_err(gp, rp) < 1e-6
+    assert np.array_equal(rt.download(g), g_h)           # grads untouched
+    s, f = _read(rt)
+    assert s[0] == step                                  # the step is advanced elsewhere
