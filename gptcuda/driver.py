@@ -157,8 +157,14 @@ class Device:
     def event(self):
         return call(self.drv.cuEventCreate, self.drv.CUevent_flags.CU_EVENT_DEFAULT)
 
-    def record(self, event, stream):
-        call(self.drv.cuEventRecord, event, stream)
+    def record(self, event, stream, external: bool = False):
+        """Record an event; external=True inside a stream capture makes it a graph node that
+        really records (a plain record there is only a dependency marker)."""
+        if external:
+            call(self.drv.cuEventRecordWithFlags, event, stream,
+                 self.drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)
+        else:
+            call(self.drv.cuEventRecord, event, stream)
 
     def elapsed_ms(self, start, end) -> float:
         call(self.drv.cuEventSynchronize, end)

@@ -137,7 +137,7 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, n_train: int, n_val: in
     p.add("qkv", (L, B, T, 3 * C), "f32", "activation", "q|k|v projections [B, T, 3C]")
     p.add("atty", (L, B, T, C), "f32", "activation", "attention outputs, heads interleaved [B, T, C]")
     for name, (shape, dtype) in attention_saved.items():
-        p.add(f"attn_{name}", (L, *shape), dtype, "activation", f"attention saves {name} per layer")
+        p.add(f"saved_{name}", (L, *shape), dtype, "activation", f"attention saves {name} per layer")
     p.add("ln2", (L, B, T, C), "f32", "activation", "layernorm 2 outputs")
     p.add("ln2_mean", (L, B, T), "f32", "activation")
     p.add("ln2_rstd", (L, B, T), "f32", "activation")

@@ -55,7 +55,8 @@ class GPT:
             self.ops.matmul(out, x, w, False, True, bias=bias, epilogue="residual", aux=resid)
 
     def saved(self, l):
-        return {k[len("attn_"):]: v[l] for k, v in self.a.items() if k.startswith("attn_")}
+        """Layer l's tensors saved by the attention implementation for its backward (plan entries saved_*)."""
+        return {k[len("saved_"):]: v[l] for k, v in self.a.items() if k.startswith("saved_")}
 
     def backward(self):
         """Every parameter gradient, from the logits' gradient left by forward(grad_scale=1/N)."""

@@ -58,7 +58,7 @@ def test_plan_arithmetic():
     B, T, C, L, H = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head
     assert p.flat_bytes == 4 * 4 * p.table.total
     assert p["qkv"].shape == (L, B, T, 3 * C) and p["qkv"].nbytes == L * B * T * 3 * C * 4
-    assert p["attn_probs"].shape == (L, B, H, T, T)
+    assert p["saved_probs"].shape == (L, B, H, T, T)
     # entries are aligned and disjoint; totals add up
     spans = sorted((e.offset, e.offset + e.nbytes) for e in p.entries)
     assert all(o % ARENA_ALIGN == 0 for o, _ in spans)
