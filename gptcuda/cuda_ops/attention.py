@@ -7,7 +7,8 @@
 `saved` is the per-layer dict planned from `saved_shapes(cfg)`: {"probs": [B,H,T,T]} selects the
 unfused path (the probabilities before dropout are kept for the backward), {"lse": [B,H,T]}
 the fused one (the per-row log-sum-exp of the scaled scores). Scratch shared by all layers
-comes from `workspace(cfg)`, names prefixed "attn_".
+comes from `workspace(cfg)`, names prefixed "attention_" (not "attn_": the memory plan names the
+per-layer saved tensors "attn_<name>" and model.saved() collects every "attn_*" entry).
 
 Dropout on the attention probabilities uses the stream (rt.seed, state.step, site); the keep
 bit of element (b, h, i, j) is the one of row-major index ((b*H + h)*T + i)*T + j of
@@ -59,10 +60,7 @@ VARIANTS = [
     (FILE, "attn_dropout_probs", {}),
     (FILE, "attn_softmax_bwd<false>", {}),
     (FILE, "attn_softmax_bwd<true>", {}),
-]
-from ..compiler import KERNEL_DIR as _KD  # noqa: E402  (temporary: fused kernels in progress)
-if (_KD / FLASH_FILE).exists():
-    VARIANTS += _flash_variants()
+] + _flash_variants()
 
 
 # ---------------------------------------------------------------------------- planning
@@ -84,13 +82,13 @@ def workspace(cfg) -> dict:
     """Scratch shared by all layers (name -> (shape, dtype))."""
     B, T, C, H, hs = _dims(cfg)
     if getattr(cfg, "attention", "unfused") == "fused":
-        return {"attn_d": ((B, H, T), "f32")}           # D = rowsum(dO * O) of the backward
+        return {"attention_d": ((B, H, T), "f32")}           # D = rowsum(dO * O) of the backward
     heads = ((B, H, T, hs), "f32")
     return {
-        "attn_q": heads, "attn_k": heads, "attn_v": heads,
-        "attn_yh": heads,                                # yh in the forward, dyh in the backward
-        "attn_att": ((B, H, T, T), "f32"),               # dropped probs (fwd, p > 0); pd, then dpd -> dS (bwd)
-        "attn_dq": heads, "attn_dk": heads, "attn_dv": heads,
+        "attention_q": heads, "attention_k": heads, "attention_v": heads,
+        "attention_yh": heads,                                # yh in the forward, dyh in the backward
+        "attention_att": ((B, H, T, T), "f32"),               # dropped probs (fwd, p > 0); pd, then dpd -> dS (bwd)
+        "attention_dq": heads, "attention_dk": heads, "attention_dv": heads,
     }
 
 
@@ -178,17 +176,17 @@ def _unfused_fwd(rt, y, qkv, probs, n_head, p, site):
 
     B, T, C, H, hs = _split(qkv, n_head)
     heads = (B, H, T, hs)
-    q = _view(rt.workspace("attn_q"), heads)
-    k = _view(rt.workspace("attn_k"), heads)
-    v = _view(rt.workspace("attn_v"), heads)
-    yh = _view(rt.workspace("attn_yh"), heads)
+    q = _view(rt.workspace("attention_q"), heads)
+    k = _view(rt.workspace("attention_k"), heads)
+    v = _view(rt.workspace("attention_v"), heads)
+    yh = _view(rt.workspace("attention_yh"), heads)
     probs = _view(probs, (B, H, T, T))
     permute_in(rt, (q, k, v), qkv, B, T, H, hs)
     matmul_batched(rt, probs, q, k, trans_a=False, trans_b=True, alpha=1.0 / math.sqrt(hs))
     rows = B * H * T
     grid = ((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,)
     drop = float(p) > 0
-    pd = _view(rt.workspace("attn_att"), (B, H, T, T)) if drop else None
+    pd = _view(rt.workspace("attention_att"), (B, H, T, T)) if drop else None
     fn = rt.function(FILE, f"attn_softmax_fwd<{'true' if drop else 'false'}>")
     rt.launch(fn, grid, (ROW_THREADS,),
               [probs, pd] + _dropout_args(rt, p, site) + [i32(rows), i32(T)],
@@ -202,14 +200,14 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site):
 
     B, T, C, H, hs = _split(qkv, n_head)
     heads = (B, H, T, hs)
-    q = _view(rt.workspace("attn_q"), heads)
-    k = _view(rt.workspace("attn_k"), heads)
-    v = _view(rt.workspace("attn_v"), heads)
-    dyh = _view(rt.workspace("attn_yh"), heads)
-    att = _view(rt.workspace("attn_att"), (B, H, T, T))
-    dq = _view(rt.workspace("attn_dq"), heads)
-    dk = _view(rt.workspace("attn_dk"), heads)
-    dv = _view(rt.workspace("attn_dv"), heads)
+    q = _view(rt.workspace("attention_q"), heads)
+    k = _view(rt.workspace("attention_k"), heads)
+    v = _view(rt.workspace("attention_v"), heads)
+    dyh = _view(rt.workspace("attention_yh"), heads)
+    att = _view(rt.workspace("attention_att"), (B, H, T, T))
+    dq = _view(rt.workspace("attention_dq"), heads)
+    dk = _view(rt.workspace("attention_dk"), heads)
+    dv = _view(rt.workspace("attention_dv"), heads)
     probs = _view(probs, (B, H, T, T))
     rows = B * H * T
     grid = ((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,)
@@ -234,9 +232,61 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site):
 
 # ---- fused
 
+def flash_smem_bytes(kind: str, hs: int, tc: bool) -> int:
+    """Dynamic shared memory of a flash kernel; mirrors FaSmem in flash_attention.cu (which
+    traps if it gets less)."""
+    ld = hs + 4
+    bkf = 32 if hs >= 128 else 64          # FaTiles::BKF: key tile of fwd / dq
+    bqb = 32                               # FaTiles::BQB: query tile of dkv
+    br = FLASH_BQ
+    if kind == "fwd":
+        n = (br + 2 * bkf) * ld + (0 if tc else br * (bkf + 4))
+    elif kind == "dq":
+        n = (2 * br + 2 * bkf) * ld + (0 if tc else br * (bkf + 4))
+    elif kind == "dkv":
+        n = (2 * br + 2 * bqb) * ld + 2 * bqb + (0 if tc else br * (bqb + 4))
+    else:
+        raise ValueError(kind)
+    return 4 * n
+
+
+def _fused_check(hs, *views):
+    if hs not in FLASH_HEAD_SIZES:
+        raise ValueError(f"fused attention supports head sizes {FLASH_HEAD_SIZES}, got {hs}; "
+                         "use attention: unfused")
+    if not _aligned(*views):
+        raise ValueError("fused attention needs 16-byte aligned qkv / y / dy / dqkv")
+
+
+def _flash_name(kind: str, rt, hs: int, p: float) -> str:
+    tc = "_tc" if rt.precision == "tf32" else ""
+    return f"flash_{kind}{tc}<{hs},{'true' if float(p) > 0 else 'false'}>"
+
+
 def _fused_fwd(rt, y, qkv, lse, n_head, p, site):
-    raise NotImplementedError("fused attention is not written yet")
+    B, T, C, H, hs = _split(qkv, n_head)
+    _fused_check(hs, qkv, y)
+    lse = _view(lse, (B, H, T))
+    tc = rt.precision == "tf32"
+    fn = rt.function(FLASH_FILE, _flash_name("fwd", rt, hs, p))
+    rt.launch(fn, ((T + FLASH_BQ - 1) // FLASH_BQ, B * H), (FLASH_THREADS,),
+              [y, lse, qkv] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
+              smem=flash_smem_bytes("fwd", hs, tc), label="flash_fwd")
 
 
 def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
-    raise NotImplementedError("fused attention is not written yet")
+    B, T, C, H, hs = _split(qkv, n_head)
+    _fused_check(hs, qkv, y, dy, dqkv)
+    lse = _view(lse, (B, H, T))
+    D = _view(rt.workspace("attention_d"), (B, H, T))
+    tc = rt.precision == "tf32"
+    rows = B * T * H
+    rt.launch(rt.function(FLASH_FILE, "flash_rowsum_do"), ((rows + 7) // 8,), (ROWSUM_THREADS,),
+              [D, dy, y, i32(rows), i32(T), i32(H), i32(hs)], label="flash_rowsum_do")
+    args = [dqkv, qkv, dy, lse, D] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
+    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", rt, hs, p)),
+              ((T + FLASH_BQ - 1) // FLASH_BQ, B * H), (FLASH_THREADS,), args,
+              smem=flash_smem_bytes("dq", hs, tc), label="flash_bwd_dq")
+    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dkv", rt, hs, p)),
+              ((T + FLASH_BK - 1) // FLASH_BK, B * H), (FLASH_THREADS,), args,
+              smem=flash_smem_bytes("dkv", hs, tc), label="flash_bwd_dkv")

@@ -30,13 +30,7 @@ def env(rt):
 def _setup(rt, B, T, C, H, kind, p, precision="fp32"):
     cfg = SimpleNamespace(batch_size=B, block_size=T, n_embd=C, n_head=H, n_layer=1, vocab_size=65,
                           attention=kind, dropout=p, precision=precision, bias=True)
-    plan = dict(attn.workspace(cfg))
-    try:
-        from gptcuda.cuda_ops import gemm
-        if hasattr(gemm, "workspace"):
-            plan.update(gemm.workspace(cfg))
-    except ImportError:
-        pass
+    plan = dict(attn.workspace(cfg))       # matmul_batched needs no workspace
     views = {name: rt.empty(shape, dtype, name=name) for name, (shape, dtype) in plan.items()}
     rt.set_workspace({**getattr(rt, "_workspace", {}), **views})
     st = np.zeros(16, np.int32)

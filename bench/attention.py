@@ -1,0 +1,231 @@
+"""Benchmark causal self-attention: fused (flash) vs unfused, forward and backward.
+
+    python bench/attention.py [--B 16] [--T 256,1024,2048,8192] [--n_embd 768] [--n_head 12]
+                              [--precision fp32,tf32] [--dropout 0.0] [--iters 20] [--json out.json]
+
+Per T: median time (CUDA events, after warm-up) of attention_fwd and attention_bwd of each
+implementation and precision, plus PyTorch's scaled_dot_product_attention (fp32 inputs, causal)
+when torch with CUDA is importable (benchmark only; nothing else uses torch). An unfused case
+whose [B,H,T,T] buffers do not fit in free device memory is skipped; the unfused T=8192 case is
+run last since it is the largest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gptcuda import rng  # noqa: E402
+from gptcuda.cuda_ops import attention as attn  # noqa: E402
+from gptcuda.runtime import DeviceView, Runtime  # noqa: E402
+
+
+def _timer():
+    """time_ms(rt, fn, warmup, iters) -> median ms: bench/timing.py if present, else bench/common.py,
+    else a local CUDA-event loop."""
+    try:
+        from bench.timing import time_ms
+        return time_ms
+    except ImportError:
+        pass
+    try:
+        from bench.common import median_ms
+
+        def time_ms(rt, fn, warmup, iters):
+            return median_ms(rt, fn, iters=iters, warmup=warmup)
+        return time_ms
+    except ImportError:
+        pass
+
+    def time_ms(rt, fn, warmup, iters):
+        dev = rt.dev
+        for _ in range(warmup):
+            fn()
+        rt.synchronize()
+        evs = [(dev.event(), dev.event()) for _ in range(iters)]
+        for a, b in evs:
+            dev.record(a, rt.stream)
+            fn()
+            dev.record(b, rt.stream)
+        rt.synchronize()
+        return statistics.median(dev.elapsed_ms(a, b) for a, b in evs)
+    return time_ms
+
+
+time_ms = _timer()
+
+
+class Arena:
+    """Device buffers of one case, freed together (so the next T starts from a clean device)."""
+
+    def __init__(self, rt):
+        self.rt, self.ptrs = rt, []
+
+    def empty(self, shape, name=""):
+        shape = tuple(int(s) for s in shape)
+        n = max(1, int(np.prod(shape)))
+        ptr = self.rt.dev.malloc(4 * n)
+        self.ptrs.append(ptr)
+        return DeviceView(ptr, shape, "f32", name)
+
+    def random(self, shape, seed, name=""):
+        v = self.empty(shape, name)
+        self.rt.write(v, np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
+        return v
+
+    def free(self):
+        self.rt.synchronize()
+        for p in self.ptrs:
+            self.rt.dev.free(p)
+        self.ptrs.clear()
+
+
+def case_bytes(cfg) -> int:
+    n = sum(int(np.prod(s)) for s, _ in attn.workspace(cfg).values())
+    n += sum(int(np.prod(s)) for s, _ in attn.saved_shapes(cfg).values())
+    B, T, C = cfg.batch_size, cfg.block_size, cfg.n_embd
+    n += 2 * B * T * 3 * C + 3 * B * T * C
+    return 4 * n
+
+
+def flops(B, H, T, hs):
+    """Useful (causal) FLOPs: forward QK^T and PV on the lower triangle; backward 2.5x that."""
+    fwd = 4.0 * B * H * hs * T * (T + 1) / 2
+    return fwd, 2.5 * fwd
+
+
+def bench_ours(rt, kind, precision, B, T, C, H, p, warmup, iters):
+    cfg = SimpleNamespace(batch_size=B, block_size=T, n_embd=C, n_head=H, attention=kind, dropout=p)
+    free = rt.dev.mem_info()[0]
+    need = case_bytes(cfg)
+    if need > 0.9 * free:
+        return {"skipped": f"needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"}
+    ar = Arena(rt)
+    try:
+        rt.precision = precision
+        rt.set_workspace({k: ar.empty(s, k) for k, (s, _) in attn.workspace(cfg).items()})
+        saved = {k: ar.empty(s, k) for k, (s, _) in attn.saved_shapes(cfg).items()}
+        qkv = ar.random((B, T, 3 * C), 1, "qkv")
+        dy = ar.random((B, T, C), 2, "dy")
+        y = ar.empty((B, T, C), "y")
+        dqkv = ar.empty((B, T, 3 * C), "dqkv")
+        site = rng.dropout_site(0, 0)
+        fwd = lambda: attn.attention_fwd(rt, y, qkv, saved, H, p, site)  # noqa: E731
+        bwd = lambda: attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, site)  # noqa: E731
+        t_f = time_ms(rt, fwd, warmup, iters)
+        fwd()
+        t_b = time_ms(rt, bwd, warmup, iters)
+        return {"fwd_ms": t_f, "bwd_ms": t_b}
+    finally:
+        ar.free()
+
+
+def bench_torch(B, T, C, H, warmup, iters):
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    hs = C // H
+    dev = torch.device("cuda")
+    q, k, v = (torch.randn(B, H, T, hs, device=dev, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    dy = torch.randn(B, H, T, hs, device=dev, dtype=torch.float32)
+
+    def timed(fn):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            ts.append((a, b))
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in ts)
+
+    try:
+        with torch.no_grad():
+            t_f = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        t_b = timed(lambda: torch.autograd.grad(out, (q, k, v), dy, retain_graph=True))
+    except RuntimeError as e:          # out of memory, no kernel for the case
+        return {"skipped": str(e).splitlines()[0][:80]}
+    finally:
+        torch.cuda.empty_cache()
+    return {"fwd_ms": t_f, "bwd_ms": t_b}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--T", default="256,1024,2048,8192")
+    ap.add_argument("--n_embd", type=int, default=768)
+    ap.add_argument("--n_head", type=int, default=12)
+    ap.add_argument("--precision", default="fp32,tf32")
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--impl", default="fused,unfused,torch")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    Ts = [int(t) for t in a.T.split(",")]
+    precisions = a.precision.split(",")
+    impls = a.impl.split(",")
+    B, C, H = a.B, a.n_embd, a.n_head
+    hs = C // H
+    rt = Runtime(0, precision="fp32", seed=1234)
+    st = np.zeros(16, np.int32)
+    rt.state = rt.upload(st)
+
+    # every case, the largest unfused one last (it is the most likely to exhaust the device)
+    cases = []
+    for T in Ts:
+        for kind in ("fused", "unfused"):
+            if kind in impls:
+                cases += [(T, kind, prec) for prec in precisions]
+        if "torch" in impls:
+            cases.append((T, "torch", "fp32"))
+    cases.sort(key=lambda c: (c[1] == "unfused" and c[0] == max(Ts), 0))
+
+    print(f"# causal attention, B={B} C={C} H={H} hs={hs} dropout={a.dropout}; median of {a.iters} "
+          f"after {a.warmup} warm-up; {rt.info.name}")
+    print(f"{'T':>6} {'impl':>8} {'prec':>5} {'fwd ms':>9} {'bwd ms':>9} {'fwd TF/s':>9} {'bwd TF/s':>9}")
+    results = []
+    for T, kind, prec in cases:
+        if kind == "torch":
+            r = bench_torch(B, T, C, H, a.warmup, a.iters)
+            if r is None:
+                continue
+        else:
+            try:
+                r = bench_ours(rt, kind, prec, B, T, C, H, a.dropout, a.warmup, a.iters)
+            except Exception as e:   # noqa: BLE001 - report and go on with the other cases
+                r = {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"}
+        r.update(T=T, impl=kind, precision=prec, B=B, C=C, H=H, dropout=a.dropout)
+        results.append(r)
+        if "skipped" in r:
+            print(f"{T:>6} {kind:>8} {prec:>5}  skipped: {r['skipped']}", flush=True)
+            continue
+        ff, fb = flops(B, H, T, hs)
+        print(f"{T:>6} {kind:>8} {prec:>5} {r['fwd_ms']:9.3f} {r['bwd_ms']:9.3f} "
+              f"{ff / r['fwd_ms'] / 1e9:9.2f} {fb / r['bwd_ms'] / 1e9:9.2f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    rt.close()
+
+
+if __name__ == "__main__":
+    main()
