@@ -31,10 +31,12 @@
 #define GEMM_EPI_GELU 2
 #define GEMM_EPI_RESID 3
 
+// GELU, tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), evaluated as
+// x * sigmoid(2u) (the same function) which keeps full relative accuracy where tanh(u) -> -1.
 __device__ __forceinline__ float gemm_gelu(float x) {
     const float s = 0.7978845608028654f;   // sqrt(2/pi)
     float u = s * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.0f + tanhf(u));
+    return x / (1.0f + expf(-2.0f * u));
 }
 
 // The epilogue of one value: pre = alpha*acc + bias, then the epilogue. Returns the value for C;
@@ -106,8 +108,13 @@ __device__ __forceinline__ float4 gemm_ld4(const float* __restrict__ p, bool row
     return v;
 }
 
+// Resident blocks per SM asked of the register allocator: 128x128 -> 2 (<= 128 registers);
+// the smaller tiles stage two float4 per operand and get up to 168 registers (3 and 6 blocks).
+template <int THREADS>
+struct GemmSimtMinBlocks { static constexpr int value = THREADS >= 256 ? 2 : (THREADS >= 128 ? 3 : 6); };
+
 template <int BM, int BN, bool TA, bool TB, int EPI, bool HAS_BIAS, bool VEC>
-__global__ void __launch_bounds__((BM / 8) * (BN / 8), 512 / ((BM / 8) * (BN / 8)))
+__global__ void __launch_bounds__((BM / 8) * (BN / 8), GemmSimtMinBlocks<(BM / 8) * (BN / 8)>::value)
 gemm_simt(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
           float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C)
           const float* __restrict__ A,     // A [batch, M, K] or [batch, K, M] (TA), stride sA
@@ -131,8 +138,14 @@ gemm_simt(float* C,                        // C [batch*splits, M, N], row stride
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
-    const int tr = (warp / WARPS_C) * 4 + (lane >> 3);   // 0 .. BM/8-1
-    const int tc = (warp % WARPS_C) * 8 + (lane & 7);    // 0 .. BN/8-1
+    // A warp is 4 thread rows x 8 thread columns. The row index takes lane bits 1 and 4, the
+    // column index lane bits 0, 2, 3: then lanes n and n^1 read the same A fragment address and
+    // lanes n and n^2 the same B address, which lets the shared-memory unit pack the broadcast
+    // and return an LDS.128 in 2 passes instead of 4 (its return path is 128 B per cycle).
+    const int lr = ((lane >> 1) & 1) | ((lane >> 3) & 2);        // lane bits 1, 4
+    const int lc = (lane & 1) | ((lane >> 1) & 6);               // lane bits 0, 2, 3
+    const int tr = (warp / WARPS_C) * 4 + lr;   // 0 .. BM/8-1
+    const int tc = (warp % WARPS_C) * 8 + lc;   // 0 .. BN/8-1
 
     const int z = blockIdx.z;
     const int split = z % splits;
@@ -286,4 +299,97 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
         if constexpr (EPI == GEMM_EPI_GELU) aux[off] = pre;
         C[off] = o;
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ladder: teaching kernels for bench/gemm.py --ladder (not used by training). Each is
+// C[M, N] = A[M, K] @ B[K, N], row-major, any size; each step fixes the main problem of the last.
+// ---------------------------------------------------------------------------------------------
+
+// 1. naive: one thread per output, threadIdx.x walks down a column of C, so neighbouring
+//    threads read A rows K apart and write C N apart (uncoalesced). block (16, 16)
+__global__ void gemm_ladder_naive(float* C, const float* A, const float* B, int M, int N, int K) {
+    const int row = blockIdx.y * 16 + threadIdx.x;
+    const int col = blockIdx.x * 16 + threadIdx.y;
+    if (row >= M || col >= N) return;
+    float s = 0.f;
+    for (int k = 0; k < K; ++k) s = fmaf(A[(long long)row * K + k], B[(long long)k * N + col], s);
+    C[(long long)row * N + col] = s;
+}
+
+// 2. coalesced: threadIdx.x walks along a row of C: B and C accesses are coalesced, A is a
+//    broadcast. block (32, 8)
+__global__ void gemm_ladder_coalesced(float* C, const float* A, const float* B, int M, int N, int K) {
+    const int col = blockIdx.x * 32 + threadIdx.x;
+    const int row = blockIdx.y * 8 + threadIdx.y;
+    if (row >= M || col >= N) return;
+    float s = 0.f;
+    for (int k = 0; k < K; ++k) s = fmaf(A[(long long)row * K + k], B[(long long)k * N + col], s);
+    C[(long long)row * N + col] = s;
+}
+
+// 3. shared-memory tiles: each TS x TS tile of A and B is read from global memory once per
+//    block instead of once per thread. block (TS, TS)
+template <int TS>
+__global__ void __launch_bounds__(TS * TS)
+gemm_ladder_smem(float* C, const float* A, const float* B, int M, int N, int K) {
+    __shared__ float As[TS][TS];
+    __shared__ float Bs[TS][TS + 1];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int row = blockIdx.y * TS + ty, col = blockIdx.x * TS + tx;
+    float s = 0.f;
+    for (int k0 = 0; k0 < K; k0 += TS) {
+        As[ty][tx] = (row < M && k0 + tx < K) ? A[(long long)row * K + k0 + tx] : 0.f;
+        Bs[ty][tx] = (k0 + ty < K && col < N) ? B[(long long)(k0 + ty) * N + col] : 0.f;
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < TS; ++k) s = fmaf(As[ty][k], Bs[k][tx], s);
+        __syncthreads();
+    }
+    if (row < M && col < N) C[(long long)row * N + col] = s;
+}
+
+// 4. register tiles: each thread computes TM x TN outputs from TM + TN shared-memory reads per
+//    k, so the FMA : shared-load ratio grows from 1:2 to TM*TN : TM+TN. block (BM/TM * BN/TN)
+template <int BM, int BN, int BK, int TM, int TN>
+__global__ void __launch_bounds__((BM / TM) * (BN / TN))
+gemm_ladder_regtile(float* C, const float* A, const float* B, int M, int N, int K) {
+    constexpr int THREADS = (BM / TM) * (BN / TN);
+    __shared__ float As[BK][BM];
+    __shared__ float Bs[BK][BN];
+    const int tid = threadIdx.x;
+    const int tr = tid / (BN / TN), tc = tid % (BN / TN);
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    float acc[TM][TN] = {};
+    for (int k0 = 0; k0 < K; k0 += BK) {
+        for (int i = tid; i < BM * BK; i += THREADS) {
+            const int r = i / BK, k = i % BK;
+            As[k][r] = (m0 + r < M && k0 + k < K) ? A[(long long)(m0 + r) * K + k0 + k] : 0.f;
+        }
+        for (int i = tid; i < BK * BN; i += THREADS) {
+            const int k = i / BN, c = i % BN;
+            Bs[k][c] = (k0 + k < K && n0 + c < N) ? B[(long long)(k0 + k) * N + n0 + c] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < BK; ++k) {
+            float a[TM], b[TN];
+#pragma unroll
+            for (int i = 0; i < TM; ++i) a[i] = As[k][tr * TM + i];
+#pragma unroll
+            for (int j = 0; j < TN; ++j) b[j] = Bs[k][tc * TN + j];
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            const int r = m0 + tr * TM + i, c = n0 + tc * TN + j;
+            if (r < M && c < N) C[(long long)r * N + c] = acc[i][j];
+        }
 }

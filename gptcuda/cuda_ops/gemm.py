@@ -29,13 +29,24 @@ EPI_NONE, EPI_BIAS, EPI_GELU, EPI_RESID = 0, 1, 2, 3
 EPI_COMBOS = ((EPI_NONE, False), (EPI_BIAS, True), (EPI_GELU, False), (EPI_GELU, True),
               (EPI_RESID, False), (EPI_RESID, True))
 
-# SIMT block tiles (BM, BN): threads = BM*BN/64, blocks resident per SM (register bound, 128 regs).
+# SIMT block tiles (BM, BN): threads = BM*BN/64; blocks resident per SM (register bound: the
+# kernel's __launch_bounds__ asks for 2 / 3 / 6, see GemmSimtMinBlocks in gemm_simt.cu).
 SIMT_TILES = ((128, 128), (128, 64), (64, 64))
+SIMT_BLOCKS_PER_SM = {256: 2, 128: 3, 64: 6}
 SIMT_EFFICIENCY = {(128, 128): 1.0, (128, 64): 0.9, (64, 64): 0.8}
 
-# TF32 block tiles: (BM, BN, BK, warps_m, warps_n, stages); see gemm_tf32.cu.
-TF32_TILES = ()
-TF32_EFFICIENCY = {}
+# TF32 block tiles: (BM, BN, BK, warps_m, warps_n, stages); warp tiles 64x64 / 64x32 / 32x32,
+# BK = 32 (the shared layouts of gemm_tf32.cu assume it). The unaligned fallback (VEC = false,
+# 4-byte cp.async, element guards) is only instantiated for TF32_FALLBACK_TILES.
+TF32_TILES = ((256, 128, 32, 4, 2, 3), (128, 128, 32, 2, 2, 3), (128, 64, 32, 2, 2, 4),
+              (64, 64, 32, 2, 2, 4))
+TF32_FALLBACK_TILES = ((64, 64, 32, 2, 2, 4),)
+TF32_EFFICIENCY = {TF32_TILES[0]: 1.0, TF32_TILES[1]: 0.9, TF32_TILES[2]: 0.75, TF32_TILES[3]: 0.6}
+SMEM_PER_SM = 228 * 1024       # H100/H200; GemmTf32MinBlocks in gemm_tf32.cu uses the same
+
+# Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
+LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
+                "gemm_ladder_regtile<64,64,8,4,4>")
 
 SPLIT_ALIGN = 32          # k_chunk is a multiple of this (keeps 16-byte alignment and whole BK tiles)
 MAX_SPLITS = 32
@@ -67,9 +78,14 @@ def _variants():
         out.append((SIMT_FILE, simt_name(bm, bn, ta, tb, epi, hb, vec), {}))
     for tile, ta, tb, (epi, hb), vec in itertools.product(
             TF32_TILES, (False, True), (False, True), EPI_COMBOS, (False, True)):
-        out.append((TF32_FILE, tf32_name(tile, ta, tb, epi, hb, vec), {}))
+        if vec or tile in TF32_FALLBACK_TILES:
+            out.append((TF32_FILE, tf32_name(tile, ta, tb, epi, hb, vec), {}))
     for epi, hb in EPI_COMBOS:
         out.append((SIMT_FILE, reduce_name(epi, hb), {}))
+    for name in LADDER_NAMES:
+        out.append((SIMT_FILE, name, {}))
+    out.append((TF32_FILE, "mma_probe", {}))
+    out.append((TF32_FILE, "tf32_round_probe", {}))
     return out
 
 
@@ -109,20 +125,24 @@ _BYTES_PER_S = 3.5e12
 _LAUNCH_S = 3e-6
 
 
-def _candidates(family):
+def _candidates(family, vec=True):
     if family == "tf32" and TF32_TILES:
-        return [(t, t[3] * t[4] * 32, _tf32_blocks_per_sm(t), TF32_EFFICIENCY[t], _tf32_smem(t))
-                for t in TF32_TILES]
-    return [(t, t[0] * t[1] // 64, 512 // (t[0] * t[1] // 64), SIMT_EFFICIENCY[t], 0)
+        tiles = TF32_TILES if vec else TF32_FALLBACK_TILES
+        return [(t, t[3] * t[4] * 32, tf32_blocks_per_sm(t), TF32_EFFICIENCY[t], tf32_smem(t))
+                for t in tiles]
+    return [(t, t[0] * t[1] // 64, SIMT_BLOCKS_PER_SM[t[0] * t[1] // 64], SIMT_EFFICIENCY[t], 0)
             for t in SIMT_TILES]
 
 
-def _tf32_blocks_per_sm(tile):      # replaced once the TF32 kernel exists
-    return 1
+def tf32_smem(tile) -> int:
+    """Dynamic shared memory of a TF32 tile: stages x (BM + BN) x BK floats."""
+    bm, bn, bk, _, _, stages = tile
+    return stages * (bm + bn) * bk * 4
 
 
-def _tf32_smem(tile):
-    return 0
+def tf32_blocks_per_sm(tile) -> int:
+    """Mirrors GemmTf32MinBlocks: as many as shared memory allows, 1..3."""
+    return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
 
 
 def _util(warps):
@@ -141,17 +161,24 @@ def _model_time(blocks, work_per_block, threads, bps, eff, rate, sm_count):
     return t
 
 
-def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=True) -> Plan:
+def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=True,
+         vec=True, tiles=None, splits=None) -> Plan:
     """The tile and split count with the lowest modelled time. max_ws: floats available for
-    split-K partials (0 disables split-K)."""
+    split-K partials (0 disables split-K); vec: whether 16-byte loads are possible (TF32 has
+    its guarded fallback for fewer tiles); tiles / splits: restrict the candidates to these
+    tiles / this split count (benchmarks and sweeps)."""
     use_tf32 = family == "tf32" and bool(TF32_TILES)
     rate = _TF32_FLOPS_PER_SM if use_tf32 else _FLOPS_PER_SM
     best = None
-    for tile, threads, bps, eff, smem in _candidates("tf32" if use_tf32 else "simt"):
+    for tile, threads, bps, eff, smem in _candidates("tf32" if use_tf32 else "simt", vec):
+        if tiles is not None and tile not in tiles:
+            continue
         bm, bn = tile[0], tile[1]
         blocks = _cdiv(M, bm) * _cdiv(N, bn) * batch
         split_opts = [1]
-        if allow_split and batch == 1 and max_ws > 0 and K >= 2 * SPLIT_ALIGN \
+        if splits is not None:
+            split_opts = [splits]
+        elif allow_split and batch == 1 and max_ws > 0 and K >= 2 * SPLIT_ALIGN \
                 and blocks < sm_count * bps:
             split_opts = range(1, min(MAX_SPLITS, _cdiv(K, SPLIT_ALIGN)) + 1)
         for s in split_opts:
@@ -170,6 +197,9 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
             if best is None or key < best[0]:
                 best = (key, Plan("tf32" if use_tf32 else "simt", tile, threads, bps, s_eff,
                                   chunk if s_eff > 1 else K, smem))
+    if best is None:
+        raise ValueError(f"no GEMM plan for M={M} N={N} K={K} batch={batch} {family} tiles={tiles} "
+                         f"split={allow_split}")
     return best[1]
 
 
@@ -219,10 +249,17 @@ def _ws_capacity(rt):
     return ws, ws.numel
 
 
+def _vec_ok(a, b, lda, ldb, sA, sB):
+    """16-byte loads of A and B: aligned bases, row and batch strides multiples of 4 floats
+    (split k_chunk is a multiple of SPLIT_ALIGN, so split offsets keep the alignment)."""
+    return a.ptr % 16 == 0 and b.ptr % 16 == 0 and _aligned(lda, ldb, sA, sB)
+
+
 def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, sB, sC,
                  alpha, ta, tb, epi, has_bias, batch, ws=None, label="gemm"):
-    vec = (a.ptr % 16 == 0 and b.ptr % 16 == 0 and _aligned(lda, ldb, sA, sB)
-           and (p.splits == 1 or p.k_chunk % 4 == 0))
+    vec = _vec_ok(a, b, lda, ldb, sA, sB) and (p.splits == 1 or p.k_chunk % 4 == 0)
+    if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
+        raise AssertionError(f"{label}: TF32 tile {p.tile} has no unaligned variant")
     if p.splits > 1:
         # partials: plain store into ws [splits, M, N], then the fixed-order reduction + epilogue
         name = _kernel_name(p, ta, tb, EPI_NONE, False, vec)
@@ -267,6 +304,29 @@ def _family(rt):
     raise ValueError(f"matmul: unknown precision {prec!r} (fp32 | tf32)")
 
 
+def matmul_plan(rt, p: Plan, out, a, b, trans_a=False, trans_b=False):
+    """out = op(a) @ op(b) with a given plan (benchmarks and tile sweeps; no epilogue).
+    Split-K plans read rt.workspace("gemm_splitk")."""
+    M, N = rows(out.shape), int(out.shape[-1])
+    K = rows(a.shape) if trans_a else int(a.shape[-1])
+    lda = M if trans_a else K
+    ldb = N if not trans_b else K
+    ws = rt.workspace("gemm_splitk") if p.splits > 1 else None
+    if ws is not None and ws.numel < p.splits * M * N:
+        raise ValueError(f"matmul_plan: workspace {ws.numel} < {p.splits} x {M} x {N}")
+    _launch_gemm(rt, p, out, None, a, b, None, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
+                 trans_a, trans_b, EPI_NONE, False, 1, ws=ws, label=f"matmul[{M}x{N}x{K}]")
+
+
+def kernel_label(p: Plan, trans_a, trans_b, vec=True) -> str:
+    """Short description of a plan: family, tile, split."""
+    tile = "x".join(str(x) for x in p.tile[:2])
+    if p.family == "tf32":
+        tile += f"x{p.tile[2]} w{p.tile[3]}x{p.tile[4]} s{p.tile[5]}"
+    t = ("T" if trans_a else "N") + ("T" if trans_b else "N")
+    return f"{p.family} {tile} {t}{'' if vec else ' unaligned'}" + (f" splitK={p.splits}" if p.splits > 1 else "")
+
+
 def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
     """out[M, N] = op(a) @ op(b) (+ bias), then the epilogue (see module docstring)."""
     if epilogue not in EPILOGUES:
@@ -305,9 +365,10 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
 
     family = _family(rt)
     ws, cap = _ws_capacity(rt)
-    p = plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap)
     lda = M if trans_a else K
     ldb = N if not trans_b else K
+    p = plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap,
+             vec=_vec_ok(a, b, lda, ldb, 0, 0))
     _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
                  trans_a, trans_b, epi, has_bias, 1, ws=ws, label=f"matmul[{M}x{N}x{K}]")
 
@@ -338,12 +399,14 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0):
     if batch > MAX_GRID_Z:
         raise ValueError(f"matmul_batched: batch {batch} exceeds {MAX_GRID_Z}")
     family = _family(rt)
-    p = plan(M, N, K, batch, rt.info.sm_count, family, max_ws=0, allow_split=False)
     lda = M if trans_a else K
     ldb = N if not trans_b else K
+    p = plan(M, N, K, batch, rt.info.sm_count, family, max_ws=0, allow_split=False,
+             vec=_vec_ok(a, b, lda, ldb, M * K, K * N))
     _launch_gemm(rt, p, out, None, a, b, None, M, N, K, lda, ldb, N, M * K, K * N, M * N,
                  float(alpha), trans_a, trans_b, EPI_NONE, False, batch,
                  label=f"matmul_batched[{batch}x{M}x{N}x{K}]")
 
 
-__all__ = ["matmul", "matmul_batched", "workspace", "plan", "VARIANTS", "Plan"]
+__all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kernel_label",
+           "VARIANTS", "Plan"]

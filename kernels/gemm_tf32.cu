@@ -1,0 +1,377 @@
+// TF32 tensor-core GEMM: C = alpha * op(A) op(B) (+ bias) (+ epilogue), row-major, fp32 in and out.
+// Same arguments, transpose cases, epilogues, batching and split-K as gemm_simt (gemm_simt.cu is
+// included for the epilogue helpers and the split-K reduction).
+//
+// Instruction: mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, operands rounded with
+// cvt.rna.tf32.f32. Fragment ownership (lane = 4 g + t; PTX ISA, checked by mma_probe):
+//   A (16x8): a0 (g, t)  a1 (g+8, t)  a2 (g, t+4)  a3 (g+8, t+4)
+//   B (8x8):  b0 (k=t, n=g)  b1 (k=t+4, n=g)
+//   C (16x8): c0 (g, 2t)  c1 (g, 2t+1)  c2 (g+8, 2t)  c3 (g+8, 2t+1)
+//
+// Index permutations (free, because they are applied consistently):
+//   k:  within a 16-wide k block kb of the 32-wide k tile, mma step j (0, 1), the logical
+//       fragment column t (hi = 0) or t+4 (hi = 1) is the physical k = 16 kb + 4 t + 2 j + hi;
+//   m:  the fragment rows g (h = 0) / g+8 (h = 1) of m16 tile mi of a warp are the physical row
+//       32 (mi / 2) + 4 g + 2 (mi % 2) + h of the warp tile;
+//   n:  the fragment column c of n8 tile ni is the physical column 32 (ni / 4) + 4 c + ni % 4.
+// So every fragment load is one 128-bit shared load holding 4 useful values:
+//   k-contiguous operand (A !TA, B TB): row r, k = 16 kb + 4 t .. +3 -> both mma steps j, hi
+//   m/n-contiguous (A TA, B !TB):       k row, 4 consecutive m (n) -> 2 m16 tiles x h (4 n8 tiles)
+// and every thread's accumulators for 4 n8 tiles are 4 consecutive columns (16-byte stores).
+//
+// Shared layout per stage (floats; 16-byte chunks XOR-swizzled; tools/smem_banks.py proves it):
+//   K-major  [R][32]:  (r, k) -> r*32 + ((k/4) ^ (((r/4) & 1) * 4)) * 4 + k%4
+//   MN-major [32][R]:  (k, c) -> k*R + ((c/4) ^ (((k/4) & 3) * 2)) * 4 + c%4
+// Fragment loads are conflict-free (each quarter warp covers the 8 chunk positions of 128
+// bytes); cp.async staging stores of a quarter warp are 8 consecutive chunks of one row, so
+// conflict-free too. The unaligned fallback (VEC = false) stages element by element with 4-byte
+// cp.async (32 consecutive floats per warp: conflict-free) and guards every element.
+//
+// Pipeline: STAGES-deep cp.async ring (cp.async.cg 16 B with zero-fill for the tails), one
+// __syncthreads per 32-wide k tile.
+#include "gemm_simt.cu"
+
+#define GEMM_TF32_BK 32
+
+// Must match gptcuda/cuda_ops/gemm.py (TF32 layouts are mirrored in tools/smem_banks.py).
+__device__ __forceinline__ int tf32_off_kmajor(int r, int k) {
+    return r * 32 + ((((k >> 2) ^ (((r >> 2) & 1) << 2))) << 2) + (k & 3);
+}
+template <int R>
+__device__ __forceinline__ int tf32_off_mnmajor(int k, int c) {
+    return k * R + ((((c >> 2) ^ (((k >> 2) & 3) << 1))) << 2) + (c & 3);
+}
+
+__device__ __forceinline__ unsigned tf32_smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void tf32_cp_async16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void tf32_cp_async4(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void tf32_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void tf32_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// fp32 -> tf32, round to nearest, ties away from zero: the PTX instruction.
+__device__ __forceinline__ unsigned tf32_round_cvt(float x) {
+    unsigned u;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(u) : "f"(x));
+    return u;
+}
+
+// The same rounding as one integer add (used in the GEMM main loops): adding half a tf32 ulp
+// (bit 12) to the sign-magnitude pattern and letting the tensor core ignore the 13 low bits is
+// exactly cvt.rna.tf32.f32 for every finite input (overflow rounds to inf, as cvt.rna does) and
+// keeps inf and quiet NaN. On sm_90 cvt.rna.tf32.f32 becomes a compare + predicated add + a move
+// into the mma operand registers (3 instructions per element, more than the mma themselves);
+// tf32_round_probe / tests/gpu/test_gemm.py check the two agree bit for bit in the top 19 bits.
+__device__ __forceinline__ unsigned tf32_round(float x) {
+    return __float_as_uint(x) + 0x1000u;
+}
+
+// d += a (16x8, row) * b (8x8, col)
+__device__ __forceinline__ void tf32_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Stage one operand tile (R rows of m or n, 32 of k) into shared memory `sm`.
+// G points at the operand of this batch / split; ld its row stride. The tile covers
+// rc in [rc0, rc0 + R) (bounded by rcmax) and k in [k0, k0 + 32) (bounded by klen).
+// KMAJOR: element (rc, k) at G[rc*ld + k]; otherwise at G[k*ld + rc].
+template <bool KMAJOR, int R, int THREADS, bool VEC>
+__device__ __forceinline__ void tf32_stage(float* sm, const float* __restrict__ G, int ld, int rc0,
+                                           int rcmax, int k0, int klen, int tid) {
+    if constexpr (VEC) {
+        if constexpr (KMAJOR) {
+            // 8 chunks per row; thread tid copies chunk (tid % 8) of rows tid/8 + i*RSTEP
+            constexpr int RSTEP = THREADS / 8, CH = R / RSTEP;
+            static_assert(CH * RSTEP == R && RSTEP % 8 == 0, "tile/threads");
+            const int rc = tid >> 3, kc = (tid & 7) << 2;
+            const int soff = tf32_off_kmajor(rc, kc);   // + i*RSTEP*32: the swizzle bit is unchanged
+            const int nbk = min(max(klen - (k0 + kc), 0), 4) * 4;
+            const float* gp = G + (long long)(rc0 + rc) * ld + (k0 + kc);
+#pragma unroll
+            for (int i = 0; i < CH; ++i) {
+                const int nb = rc0 + rc + i * RSTEP < rcmax ? nbk : 0;
+                const float* src = nb > 0 ? gp + (long long)i * RSTEP * ld : G;
+                tf32_cp_async16(tf32_smem_addr(sm + soff + i * RSTEP * 32), src, nb);
+            }
+        } else {
+            // R/4 chunks per k row; thread tid copies chunk (tid % CPR) of k rows tid/CPR + i*KSTEP
+            constexpr int CPR = R / 4, KSTEP = THREADS / CPR, CH = 32 / KSTEP;
+            static_assert(KSTEP * CPR == THREADS && CH * KSTEP == 32, "tile/threads");
+            static_assert(KSTEP % 4 == 0, "k rows of one thread step by whole swizzle groups");
+            const int k = tid / CPR, c = (tid % CPR) << 2;
+            const int nbc = min(max(rcmax - (rc0 + c), 0), 4) * 4;
+            const float* gp = G + (long long)(k0 + k) * ld + (rc0 + c);
+            // tf32_off_mnmajor(k + i*KSTEP, c) with the swizzle group ((k >> 2) + i*KSTEP/4) & 3
+            const int kq = k >> 2, c4 = c >> 2, sbase = k * R + (c & 3);
+#pragma unroll
+            for (int i = 0; i < CH; ++i) {
+                const int nb = k0 + k + i * KSTEP < klen ? nbc : 0;
+                const float* src = nb > 0 ? gp + (long long)i * KSTEP * ld : G;
+                const int sw = ((kq + i * (KSTEP / 4)) & 3) << 1;
+                tf32_cp_async16(tf32_smem_addr(sm + sbase + i * KSTEP * R + ((c4 ^ sw) << 2)), src, nb);
+            }
+        }
+    } else {
+        // element by element: 32 consecutive floats of one row per warp (coalesced, conflict-free)
+        constexpr int EL = R * 32 / THREADS;
+        static_assert(EL * THREADS == R * 32, "tile/threads");
+#pragma unroll 8
+        for (int i = 0; i < EL; ++i) {
+            const int idx = tid + i * THREADS;
+            if constexpr (KMAJOR) {
+                const int rc = idx >> 5, k = idx & 31;
+                const bool ok = rc0 + rc < rcmax && k0 + k < klen;
+                const float* src = ok ? G + (long long)(rc0 + rc) * ld + (k0 + k) : G;
+                tf32_cp_async4(tf32_smem_addr(sm + tf32_off_kmajor(rc, k)), src, ok ? 4 : 0);
+            } else {
+                const int k = idx / R, c = idx % R;
+                const bool ok = k0 + k < klen && rc0 + c < rcmax;
+                const float* src = ok ? G + (long long)(k0 + k) * ld + (rc0 + c) : G;
+                tf32_cp_async4(tf32_smem_addr(sm + tf32_off_mnmajor<R>(k, c)), src, ok ? 4 : 0);
+            }
+        }
+    }
+}
+
+template <int THREADS, int SMEM_BYTES>
+struct GemmTf32MinBlocks {
+    // as many blocks as shared memory allows (228 KB per SM, 1 KB reserved per block), at most 3
+    static constexpr int by_smem = (228 * 1024) / (SMEM_BYTES + 1024);
+    static constexpr int value = by_smem < 1 ? 1 : (by_smem > 3 ? 3 : by_smem);
+};
+
+template <int BM, int BN, int BK, int WM, int WN, int STAGES>
+struct GemmTf32Shape {
+    static constexpr int THREADS = WM * WN * 32;
+    static constexpr int STAGE_FLOATS = (BM + BN) * BK;
+    static constexpr int SMEM_BYTES = STAGES * STAGE_FLOATS * 4;
+};
+
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB, int EPI, bool HAS_BIAS,
+          bool VEC>
+__global__ void __launch_bounds__(WM * WN * 32,
+                                  GemmTf32MinBlocks<WM * WN * 32,
+                                                    GemmTf32Shape<BM, BN, BK, WM, WN, STAGES>::SMEM_BYTES>::value)
+gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
+          float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C)
+          const float* __restrict__ A,     // A [batch, M, K] or [batch, K, M] (TA), stride sA
+          const float* __restrict__ B,     // B [batch, K, N] or [batch, N, K] (TB), stride sB
+          const float* __restrict__ bias,  // bias [N] or null
+          int M, int N, int K, int lda, int ldb, int ldc,
+          long long sA, long long sB, long long sC,
+          float alpha, int splits, int k_chunk) {
+    static_assert(BK == GEMM_TF32_BK, "the layouts assume a 32-wide k tile");
+    constexpr int THREADS = WM * WN * 32;
+    constexpr int WTM = BM / WM, WTN = BN / WN;     // warp tile
+    constexpr int MT = WTM / 16, NT = WTN / 8;      // m16 / n8 tiles per warp
+    static_assert(WTM % 32 == 0 && WTN % 32 == 0, "warp tile must be a multiple of 32x32");
+    constexpr int A_FLOATS = BM * BK;
+    constexpr int STAGE = (BM + BN) * BK;
+
+    extern __shared__ __align__(16) float smem[];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm0 = (warp / WN) * WTM, wn0 = (warp % WN) * WTN;
+
+    const int z = blockIdx.z;
+    const int split = z % splits;
+    const int batch = z / splits;
+    const int m0 = blockIdx.y * BM;
+    const int n0 = blockIdx.x * BN;
+    const int kb0 = split * k_chunk;
+    const int klen = min(K, kb0 + k_chunk) - kb0;
+
+    A += batch * sA + (TA ? (long long)kb0 * lda : (long long)kb0);
+    B += batch * sB + (TB ? (long long)kb0 : (long long)kb0 * ldb);
+    C += z * sC;
+    if constexpr (EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_RESID) aux += z * sC;
+
+    auto stage_tiles = [&](int s, int k0) {
+        float* sa = smem + s * STAGE;
+        float* sb = sa + A_FLOATS;
+        tf32_stage<!TA, BM, THREADS, VEC>(sa, A, lda, m0, M, k0, klen, tid);
+        tf32_stage<TB, BN, THREADS, VEC>(sb, B, ldb, n0, N, k0, klen, tid);
+    };
+
+    // Per-thread fragment base offsets (floats, within a stage). With the permutations above the
+    // swizzle term is a per-thread constant, so every fragment load is base + immediate:
+    //   K-major row r = w0 + 32 a + 4 g + b (b < 4): ((r/4) & 1) = g & 1, so the chunk of
+    //     k = 16 kb + 4 t is (4 kb + t) ^ 4 (g & 1) = 4 (kb ^ (g & 1)) + t;
+    //   MN-major k = 16 kb + 4 t + 2 j + hi: ((k/4) & 3) = t, so the chunk of c = w0 + 32 p + 4 g
+    //     is w0/4 + 8 p + (g ^ 2 t).
+    int a_frag0, a_frag1, b_frag0, b_frag1;
+    if constexpr (!TA) {
+        a_frag0 = (wm0 + 4 * g) * 32 + 16 * (0 ^ (g & 1)) + 4 * t;
+        a_frag1 = (wm0 + 4 * g) * 32 + 16 * (1 ^ (g & 1)) + 4 * t;
+    } else {
+        a_frag0 = a_frag1 = 4 * t * BM + wm0 + 4 * (g ^ (2 * t));
+    }
+    if constexpr (TB) {
+        b_frag0 = (wn0 + 4 * g) * 32 + 16 * (0 ^ (g & 1)) + 4 * t;
+        b_frag1 = (wn0 + 4 * g) * 32 + 16 * (1 ^ (g & 1)) + 4 * t;
+    } else {
+        b_frag0 = b_frag1 = 4 * t * BN + wn0 + 4 * (g ^ (2 * t));
+    }
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+    const int nk = klen > 0 ? (klen + BK - 1) / BK : 0;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nk) stage_tiles(s, s * BK);
+        tf32_cp_commit();
+    }
+
+    for (int kt = 0; kt < nk; ++kt) {
+        tf32_cp_wait<STAGES - 2>();
+        __syncthreads();   // tile kt visible to all; everyone is done with tile kt-1's stage
+        {
+            const int nxt = kt + STAGES - 1;
+            if (nxt < nk) stage_tiles(nxt % STAGES, nxt * BK);
+            tf32_cp_commit();
+        }
+        const float* sa = smem + (kt % STAGES) * STAGE;
+        const float* sb = sa + A_FLOATS;
+#pragma unroll
+        for (int kb = 0; kb < BK / 16; ++kb) {
+            unsigned fa[MT][2][4];   // [m16 tile][mma step j][a0..a3]
+            unsigned fb[NT][2][2];   // [n8 tile][mma step j][b0, b1]
+            if constexpr (!TA) {     // K-major A: row r, k = 16 kb + 4 t .. +3
+                const float* base = sa + (kb == 0 ? a_frag0 : a_frag1);
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const float4 v = *reinterpret_cast<const float4*>(
+                            base + (32 * (mi >> 1) + 2 * (mi & 1) + h) * 32);
+                        fa[mi][0][h] = tf32_round(v.x);
+                        fa[mi][0][h + 2] = tf32_round(v.y);
+                        fa[mi][1][h] = tf32_round(v.z);
+                        fa[mi][1][h + 2] = tf32_round(v.w);
+                    }
+            } else {                 // MN-major A: k row, m = 32 p + 4 g .. +3
+#pragma unroll
+                for (int p = 0; p < MT / 2; ++p)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+#pragma unroll
+                        for (int hi = 0; hi < 2; ++hi) {
+                            const float4 v = *reinterpret_cast<const float4*>(
+                                sa + a_frag0 + (16 * kb + 2 * j + hi) * BM + 32 * p);
+                            fa[2 * p][j][0 + 2 * hi] = tf32_round(v.x);
+                            fa[2 * p][j][1 + 2 * hi] = tf32_round(v.y);
+                            fa[2 * p + 1][j][0 + 2 * hi] = tf32_round(v.z);
+                            fa[2 * p + 1][j][1 + 2 * hi] = tf32_round(v.w);
+                        }
+            }
+            if constexpr (TB) {      // K-major B: row n, k = 16 kb + 4 t .. +3
+                const float* base = sb + (kb == 0 ? b_frag0 : b_frag1);
+#pragma unroll
+                for (int ni = 0; ni < NT; ++ni) {
+                    const float4 v = *reinterpret_cast<const float4*>(
+                        base + (32 * (ni >> 2) + (ni & 3)) * 32);
+                    fb[ni][0][0] = tf32_round(v.x);
+                    fb[ni][0][1] = tf32_round(v.y);
+                    fb[ni][1][0] = tf32_round(v.z);
+                    fb[ni][1][1] = tf32_round(v.w);
+                }
+            } else {                 // MN-major B: k row, n = 32 q + 4 g .. +3 -> n8 tiles 4q..4q+3
+#pragma unroll
+                for (int q = 0; q < NT / 4; ++q)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+#pragma unroll
+                        for (int hi = 0; hi < 2; ++hi) {
+                            const float4 v = *reinterpret_cast<const float4*>(
+                                sb + b_frag0 + (16 * kb + 2 * j + hi) * BN + 32 * q);
+                            fb[4 * q + 0][j][hi] = tf32_round(v.x);
+                            fb[4 * q + 1][j][hi] = tf32_round(v.y);
+                            fb[4 * q + 2][j][hi] = tf32_round(v.z);
+                            fb[4 * q + 3][j][hi] = tf32_round(v.w);
+                        }
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NT; ++ni) tf32_mma(acc[mi][ni], fa[mi][j], fb[ni][j]);
+        }
+    }
+    tf32_cp_wait<0>();
+
+    // Epilogue: thread (g, t) holds, for m16 tile mi, half h, n8 group q and e in {0, 1}, the four
+    // consecutive columns wn0 + 32 q + 8 t + 4 e .. +3 of row wm0 + 32 (mi/2) + 4 g + 2 (mi%2) + h.
+    bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & 15) == 0);
+    if constexpr (HAS_BIAS) vec = vec && ((reinterpret_cast<unsigned long long>(bias) & 15) == 0);
+    if constexpr (EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_RESID)
+        vec = vec && ((reinterpret_cast<unsigned long long>(aux) & 15) == 0);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = m0 + wm0 + 32 * (mi >> 1) + 4 * g + 2 * (mi & 1) + h;
+#pragma unroll
+            for (int q = 0; q < NT / 4; ++q)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = n0 + wn0 + 32 * q + 8 * t + 4 * e;
+                    const float v[4] = {acc[mi][4 * q + 0][2 * h + e], acc[mi][4 * q + 1][2 * h + e],
+                                        acc[mi][4 * q + 2][2 * h + e], acc[mi][4 * q + 3][2 * h + e]};
+                    gemm_store4<EPI, HAS_BIAS>(C, aux, bias, r, c, M, N, ldc, alpha, vec, v);
+                }
+        }
+}
+
+// One m16n8k8 on one warp with the fragment ownership assumed above (tests/gpu/test_gemm.py).
+// d [16, 8] = a [16, 8] @ b [8, 8] (row-major, values rounded to tf32);
+// raw [32, 4]: the accumulator registers c0..c3 of every lane, as they come out of the mma.
+__global__ void __launch_bounds__(32) mma_probe(float* d,              // d [16, 8]
+                                                float* raw,            // raw [32, 4]
+                                                const float* a,        // a [16, 8]
+                                                const float* b) {      // b [8, 8]
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const unsigned fa[4] = {tf32_round_cvt(a[g * 8 + t]), tf32_round_cvt(a[(g + 8) * 8 + t]),
+                            tf32_round_cvt(a[g * 8 + t + 4]), tf32_round_cvt(a[(g + 8) * 8 + t + 4])};
+    const unsigned fb[2] = {tf32_round_cvt(b[t * 8 + g]), tf32_round_cvt(b[(t + 4) * 8 + g])};
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    tf32_mma(c, fa, fb);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) raw[lane * 4 + i] = c[i];
+    d[g * 8 + 2 * t] = c[0];
+    d[g * 8 + 2 * t + 1] = c[1];
+    d[(g + 8) * 8 + 2 * t] = c[2];
+    d[(g + 8) * 8 + 2 * t + 1] = c[3];
+}
+
+// Rounding probe: out_cvt[i] = cvt.rna.tf32.f32(x[i]), out_add[i] = tf32_round(x[i]) (raw bits).
+__global__ void __launch_bounds__(256) tf32_round_probe(unsigned* out_cvt,       // out_cvt [n]
+                                                        unsigned* out_add,       // out_add [n]
+                                                        const float* x, int n) { // x [n]
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        out_cvt[i] = tf32_round_cvt(x[i]);
+        out_add[i] = tf32_round(x[i]);
+    }
+}

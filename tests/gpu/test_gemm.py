@@ -1,0 +1,423 @@
+"""GEMM kernels (kernels/gemm_simt.cu, kernels/gemm_tf32.cu) against the float64 reference.
+
+GPU tests carry @pytest.mark.gpu; the few CPU tests at the bottom drive the launchers with a
+recording stand-in for the runtime (shape validation, VARIANTS coverage, split-K planning).
+"""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gptcuda.cuda_ops import gemm
+from gptcuda.reference import ops as ref
+from gptcuda.runtime import DeviceView, i32
+from tests.conftest import rel_err
+
+gpu = pytest.mark.gpu
+
+TOL = {"fp32": 1e-5, "tf32": 2e-3}
+EPIS = ["none", "bias", "gelu", "gelu_nobias", "residual", "residual_bias", "residual_alias"]
+TRANS = [(False, False), (False, True), (True, False), (True, True)]
+
+
+@pytest.fixture
+def precision(rt, request):
+    old = rt.precision
+    rt.precision = request.param
+    yield request.param
+    rt.precision = old
+
+
+@pytest.fixture(scope="module")
+def _splitk_buffer(rt):
+    return rt.empty((8 << 20,), name="gemm_splitk")      # 32 MB, once per module
+
+
+@pytest.fixture
+def splitk_ws(rt, _splitk_buffer):
+    """Plan a generous split-K workspace for the test, restore the previous set afterwards."""
+    old = dict(rt._workspace)
+    ws = _splitk_buffer
+    rt.set_workspace({**old, "gemm_splitk": ws})
+    yield ws
+    rt.set_workspace(old)
+
+
+@pytest.fixture
+def no_ws(rt):
+    old = dict(rt._workspace)
+    rt.set_workspace({k: v for k, v in old.items() if k != "gemm_splitk"})
+    yield
+    rt.set_workspace(old)
+
+
+def _operands(rng, M, N, K, ta, tb, scale=1.0):
+    a = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32) * scale
+    b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32) * scale
+    return a, b
+
+
+def tf32_round(x):
+    """numpy mirror of cvt.rna.tf32.f32 (finite inputs): round to 10 mantissa bits, ties away."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _close(precision, out, ref_fn, a, b, what):
+    """rel err against the float64 reference of the fp32 inputs below TOL[precision]; for tf32
+    also accepted: 1e-4 against the reference of the tf32-rounded inputs (degenerate tiny K)."""
+    e = rel_err(out, ref_fn(a, b))
+    if e < TOL[precision]:
+        return e
+    if precision == "tf32":
+        e2 = rel_err(out, ref_fn(tf32_round(a), tf32_round(b)))
+        if e2 < 1e-4:
+            return e2
+        what += f" (vs tf32-rounded inputs: {e2:.3g})"
+    raise AssertionError(f"{what}: rel err {e:.3g} >= {TOL[precision]}")
+
+
+def _check_matmul(rt, M, N, K, ta, tb, epi, seed=0):
+    """Run one matmul with epilogue spec `epi` (see EPIS) and compare every output."""
+    rng = np.random.default_rng(seed)
+    a, b = _operands(rng, M, N, K, ta, tb)
+    with_bias = epi in ("bias", "gelu", "residual_bias")
+    bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
+    da, db = rt.upload(a), rt.upload(b)
+    dbias = rt.upload(bias) if with_bias else None
+    out = rt.empty((M, N))
+    what = f"M={M} N={N} K={K} ta={ta} tb={tb} {epi} {rt.precision}"
+
+    def mm(x, y):
+        return ref.matmul_forward(x, y, ta, tb, bias)
+
+    if epi in ("none", "bias"):
+        gemm.matmul(rt, out, da, db, ta, tb, bias=dbias)
+        _close(rt.precision, rt.download(out), mm, a, b, what)
+    elif epi.startswith("gelu"):
+        pre = rt.empty((M, N))
+        gemm.matmul(rt, out, da, db, ta, tb, bias=dbias, epilogue="gelu", aux=pre)
+        _close(rt.precision, rt.download(pre), mm, a, b, what + " pre")
+        _close(rt.precision, rt.download(out), lambda x, y: ref.gelu_forward(mm(x, y)), a, b,
+               what + " gelu")
+    else:
+        resid = rng.standard_normal((M, N)).astype(np.float32)
+        if epi == "residual_alias":
+            out = rt.upload(resid)
+            gemm.matmul(rt, out, da, db, ta, tb, epilogue="residual", aux=out)
+        else:
+            aux = rt.upload(resid)
+            gemm.matmul(rt, out, da, db, ta, tb, bias=dbias, epilogue="residual", aux=aux)
+            assert np.array_equal(rt.download(aux), resid), "residual input was modified"
+        _close(rt.precision, rt.download(out), lambda x, y: resid + mm(x, y), a, b, what)
+
+
+# ---- every transpose case x every epilogue, odd shapes (tails everywhere) --------------
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
+@pytest.mark.parametrize("ta,tb", TRANS)
+@pytest.mark.parametrize("epi", EPIS)
+@pytest.mark.parametrize("M,N,K", [(67, 65, 33), (1, 1, 1), (130, 129, 17), (200, 72, 132)])
+def test_matmul_odd_shapes(rt, precision, no_ws, M, N, K, ta, tb, epi):
+    _check_matmul(rt, M, N, K, ta, tb, epi, seed=M * 7 + N + K)
+
+
+# ---- aligned shapes (16-byte vector path) with partial tiles -------------------------
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
+@pytest.mark.parametrize("ta,tb", TRANS)
+@pytest.mark.parametrize("M,N,K", [(260, 132, 68), (64, 64, 8), (384, 256, 200), (1000, 516, 36)])
+def test_matmul_aligned_tails(rt, precision, no_ws, M, N, K, ta, tb):
+    _check_matmul(rt, M, N, K, ta, tb, "bias", seed=M + N + K)
+    _check_matmul(rt, M, N, K, ta, tb, "gelu", seed=M + N + K + 1)
+
+
+# ---- misaligned base pointers force the scalar path although ld % 4 == 0 -----------------
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
+@pytest.mark.parametrize("ta,tb", TRANS)
+def test_matmul_misaligned_pointers(rt, precision, no_ws, ta, tb):
+    M, N, K = 96, 80, 40
+    rng = np.random.default_rng(5)
+    a, b = _operands(rng, M, N, K, ta, tb)
+    da0 = rt.upload(np.concatenate([[1.0], a.ravel()]).astype(np.float32))
+    db0 = rt.upload(np.concatenate([[2.0], b.ravel()]).astype(np.float32))
+    da = DeviceView(da0.ptr + 4, a.shape, "f32", "a+1")
+    db = DeviceView(db0.ptr + 4, b.shape, "f32", "b+1")
+    out0 = rt.empty((M * N + 1,))
+    out = DeviceView(out0.ptr + 4, (M, N), "f32", "out+1")
+    gemm.matmul(rt, out, da, db, ta, tb)
+    _close(precision, rt.download(out), lambda x, y: ref.matmul_forward(x, y, ta, tb), a, b,
+           f"misaligned ta={ta} tb={tb}")
+
+
+# ---- the model's shapes (GPT B=64 T=256 C=384 V=65 has M=16384 tokens; smaller B here) ----
+MODEL_FWD = [(4096, 1152, 384), (4096, 384, 384), (4096, 1536, 384), (4096, 384, 1536),
+             (4096, 65, 384)]
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
+@pytest.mark.parametrize("M,N,K", MODEL_FWD)
+def test_matmul_model_forward(rt, precision, splitk_ws, M, N, K):
+    # forward x @ W^T (weights stored [N, K]) with bias; the GELU and residual forms of the MLP
+    _check_matmul(rt, M, N, K, False, True, "bias", seed=N)
+    _check_matmul(rt, M, N, K, False, True, "gelu", seed=N + 1)
+    _check_matmul(rt, M, N, K, False, True, "residual_alias", seed=N + 2)
+    # backward dX = dout @ W (NN)
+    _check_matmul(rt, M, K, N, False, False, "none", seed=N + 3)
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
+@pytest.mark.parametrize("M,N", [(1152, 384), (384, 384), (1536, 384), (384, 1536), (65, 384)])
+def test_matmul_weight_grad_splitk(rt, precision, splitk_ws, M, N):
+    # dW[M, N] = dout^T @ x with K = tokens (TN): long K, small output -> split-K
+    K = 16384
+    p = gemm.plan(M, N, K, 1, rt.info.sm_count, "tf32" if precision == "tf32" else "simt",
+                  max_ws=splitk_ws.numel)
+    assert p.splits > 1, p
+    _check_matmul(rt, M, N, K, True, False, "none", seed=M + N)
+    _check_matmul(rt, N, M, K, True, False, "bias", seed=M + N + 1)   # dW^T orientation + bias
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
+@pytest.mark.parametrize("ta,tb", TRANS)
+@pytest.mark.parametrize("epi", ["none", "gelu", "residual_bias", "residual_alias"])
+def test_splitk_epilogues_odd(rt, precision, splitk_ws, ta, tb, epi):
+    M, N, K = 67, 65, 4133
+    p = gemm.plan(M, N, K, 1, rt.info.sm_count, "tf32" if precision == "tf32" else "simt",
+                  max_ws=splitk_ws.numel)
+    assert p.splits > 1, p
+    _check_matmul(rt, M, N, K, ta, tb, epi, seed=K)
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
+def test_splitk_deterministic(rt, precision, splitk_ws):
+    M, N, K = 384, 1152, 16384
+    rng = np.random.default_rng(3)
+    a, b = _operands(rng, M, N, K, True, False)
+    da, db = rt.upload(a), rt.upload(b)
+    outs = []
+    for _ in range(3):
+        out = rt.empty((M, N))
+        gemm.matmul(rt, out, da, db, True, False)
+        outs.append(rt.download(out))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    _close(precision, outs[0], lambda x, y: ref.matmul_forward(x, y, True, False), a, b, "splitk")
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
+def test_matmul_square_4096(rt, precision, no_ws):
+    _check_matmul(rt, 1024, 1024, 4096, False, False, "none", seed=11)
+
+
+# ---- batched (attention: scores = q @ k^T * scale, y = att @ v, and their backward) ------
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
+@pytest.mark.parametrize("ta,tb", TRANS)
+@pytest.mark.parametrize("lead,M,N,K", [((2, 3), 67, 65, 33), ((4, 6), 256, 256, 64),
+                                        ((3, 2), 256, 64, 256), ((5,), 1, 7, 3)])
+def test_matmul_batched(rt, precision, lead, M, N, K, ta, tb):
+    rng = np.random.default_rng(M + N + K + len(lead))
+    a = rng.standard_normal(lead + ((K, M) if ta else (M, K))).astype(np.float32)
+    b = rng.standard_normal(lead + ((N, K) if tb else (K, N))).astype(np.float32)
+    alpha = 0.125
+    out = rt.empty(lead + (M, N))
+    gemm.matmul_batched(rt, out, rt.upload(a), rt.upload(b), ta, tb, alpha=alpha)
+    _close(precision, rt.download(out), lambda x, y: alpha * ref.matmul_forward(x, y, ta, tb),
+           a, b, f"batched {lead} {M}x{N}x{K} ta={ta} tb={tb}")
+
+
+@gpu
+def test_batched_misaligned_stride(rt):
+    # per-batch stride M*K = 3*5 floats is not a multiple of 4: the scalar path must be used
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((7, 3, 5)).astype(np.float32)
+    b = rng.standard_normal((7, 5, 4)).astype(np.float32)
+    out = rt.empty((7, 3, 4))
+    gemm.matmul_batched(rt, out, rt.upload(a), rt.upload(b))
+    assert rel_err(rt.download(out), ref.matmul_forward(a, b)) < 1e-5
+
+
+@gpu
+def test_leading_dims_flatten(rt, no_ws):
+    # out [B, T, N] = x [B, T, K] @ W^T, W [N, K]; dW [N, K] = dout^T @ x with [B, T, .] views
+    rng = np.random.default_rng(2)
+    B, T, K, N = 3, 37, 24, 40
+    x = rng.standard_normal((B, T, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    out = rt.empty((B, T, N))
+    gemm.matmul(rt, out, rt.upload(x), rt.upload(w), False, True)
+    want = x.reshape(-1, K) @ w.astype(np.float64).T
+    assert rel_err(rt.download(out).reshape(-1, N), want) < 1e-5
+    dout = rng.standard_normal((B, T, N)).astype(np.float32)
+    dw = rt.empty((N, K))
+    gemm.matmul(rt, dw, rt.upload(dout), rt.upload(x), True, False)
+    want = dout.reshape(-1, N).astype(np.float64).T @ x.reshape(-1, K)
+    assert rel_err(rt.download(dw), want) < 1e-5
+
+
+# ---- the mma.sync fragment mapping and the tf32 rounding the TF32 kernel assumes ------------
+def _frag_c(r, n):
+    """(lane, register) that holds D[r, n] of an m16n8k8 (gemm_tf32.cu's assumption)."""
+    return 4 * (r % 8) + n // 2, n % 2 + 2 * (r // 8)
+
+
+@gpu
+def test_mma_probe_fragment_mapping(rt):
+    fn = rt.function(gemm.TF32_FILE, "mma_probe")
+    rng = np.random.default_rng(0)
+    b = rng.integers(1, 64, size=(8, 8)).astype(np.float32)      # exact in tf32
+    db = rt.upload(b)
+    d, raw = rt.empty((16, 8)), rt.empty((32, 4))
+    for r in range(16):
+        for k in range(8):
+            a = np.zeros((16, 8), np.float32)
+            a[r, k] = 1.0                                           # one-hot A: D = e_r b[k, :]
+            rt.launch(fn, (1,), (32,), [d, raw, rt.upload(a), db])
+            got_d, got_raw = rt.download(d), rt.download(raw)
+            want = np.zeros((16, 8), np.float32)
+            want[r] = b[k]
+            assert np.array_equal(got_d, want), (r, k)
+            want_raw = np.zeros((32, 4), np.float32)
+            for n in range(8):
+                lane, reg = _frag_c(r, n)
+                want_raw[lane, reg] = b[k, n]
+            assert np.array_equal(got_raw, want_raw), (r, k)
+    # a general product of small integers is exact
+    a = rng.integers(-8, 8, size=(16, 8)).astype(np.float32)
+    rt.launch(fn, (1,), (32,), [d, raw, rt.upload(a), db])
+    assert np.array_equal(rt.download(d), a @ b)
+
+
+@gpu
+def test_tf32_rounding_matches_cvt_rna(rt):
+    fn = rt.function(gemm.TF32_FILE, "tf32_round_probe")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(1 << 16).astype(np.float32) * np.float32(10.0) ** rng.integers(-30, 30, 1 << 16)
+    bits = x.view(np.uint32).copy()
+    # exact ties, just below / above a tie, the largest finite values, zeros and infinities
+    hi = bits[:4096] & np.uint32(0xFFFFE000)
+    extra = np.concatenate([hi | np.uint32(0x1000), hi | np.uint32(0x0FFF), hi | np.uint32(0x1001),
+                            np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F7FF000, 0, 0x80000000,
+                                      0x7F800000, 0xFF800000, 0x00800000], np.uint32)])
+    bits = np.concatenate([bits, extra])
+    exp = (bits >> np.uint32(23)) & np.uint32(0xFF)
+    normal_or_zero = (exp != 0) | ((bits & np.uint32(0x7FFFFFFF)) == 0)   # denormals left out
+    not_nan = ~((exp == 0xFF) & ((bits & np.uint32(0x7FFFFF)) != 0))
+    x = bits[normal_or_zero & not_nan].view(np.float32)
+    n = x.size
+    out_cvt, out_add = rt.empty((n,), "i32"), rt.empty((n,), "i32")
+    rt.launch(fn, ((n + 255) // 256,), (256,), [out_cvt, out_add, rt.upload(x), i32(n)])
+    c = rt.download(out_cvt).view(np.uint32) >> 13
+    a = rt.download(out_add).view(np.uint32) >> 13
+    bad = np.nonzero(c != a)[0]
+    assert bad.size == 0, [(hex(x.view(np.uint32)[i]), hex(c[i]), hex(a[i])) for i in bad[:5]]
+    assert np.array_equal(a, tf32_round(x).view(np.uint32) >> 13)
+
+
+# =========================================================================================
+# CPU tests: the launchers driven by a recording stand-in for the runtime
+# =========================================================================================
+class _FakeRT:
+    def __init__(self, precision="fp32", ws=0, sm_count=132):
+        self.precision = precision
+        self.info = SimpleNamespace(sm_count=sm_count)
+        self.names = set()
+        self.launches = []
+        self._ws = {"gemm_splitk": DeviceView(1 << 20, (ws,), "f32", "ws")} if ws else {}
+
+    def function(self, file, name, defines=None):
+        self.names.add((file, name, tuple(sorted((defines or {}).items()))))
+        return SimpleNamespace(name=name)
+
+    def launch(self, fn, grid, block, args, smem=0, label=None):
+        self.launches.append((fn.name, tuple(grid), tuple(block), smem))
+
+    def workspace(self, name):
+        try:
+            return self._ws[name]
+        except KeyError:
+            raise KeyError(name) from None
+
+
+def _v(shape, ptr=1 << 30):
+    return DeviceView(ptr, tuple(shape), "f32", "v")
+
+
+def test_launcher_names_are_in_variants():
+    variants = {(f, n, tuple(sorted(d.items()))) for f, n, d in gemm.VARIANTS}
+    for prec in ("fp32", "tf32"):
+        rt = _FakeRT(prec, ws=1 << 24)
+        shapes = [(67, 65, 33), (16384, 1152, 384), (16384, 65, 384), (1152, 384, 16384),
+                  (65, 384, 16384), (4096, 4096, 4096), (64, 64, 64), (8, 8, 8)]
+        for (M, N, K) in shapes:
+            for ta, tb in TRANS:
+                a = _v((K, M) if ta else (M, K))
+                b = _v((N, K) if tb else (K, N))
+                for epi in ("none", "gelu", "residual"):
+                    for bias in (None, _v((N,))):
+                        aux = None if epi == "none" else _v((M, N))
+                        gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=bias, epilogue=epi, aux=aux)
+                # misaligned pointers -> scalar variants
+                gemm.matmul(rt, _v((M, N)), _v(a.shape, (1 << 30) + 4), b, ta, tb)
+                gemm.matmul_batched(rt, _v((3, M, N)), _v((3,) + a.shape), _v((3,) + b.shape), ta, tb)
+        missing = rt.names - variants
+        assert not missing, f"launched but not in VARIANTS: {sorted(missing)[:5]}"
+        # every launch has a legal geometry
+        for name, grid, block, smem in rt.launches:
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            assert 1 <= grid[0] and 1 <= grid[1] <= 65535 and 1 <= grid[2] <= 65535, (name, grid)
+            assert block[0] in (64, 128, 256, 512), (name, block)
+
+
+def test_matmul_shape_errors():
+    rt = _FakeRT()
+    with pytest.raises(ValueError, match="rows"):
+        gemm.matmul(rt, _v((4, 5)), _v((3, 6)), _v((6, 5)))
+    with pytest.raises(ValueError, match="K="):
+        gemm.matmul(rt, _v((4, 5)), _v((4, 6)), _v((7, 5)))
+    with pytest.raises(ValueError, match="trans_a"):
+        gemm.matmul(rt, _v((4, 5)), _v((6, 3)), _v((6, 5)), trans_a=True)
+    with pytest.raises(ValueError, match="bias"):
+        gemm.matmul(rt, _v((4, 5)), _v((4, 6)), _v((6, 5)), bias=_v((4,)))
+    with pytest.raises(ValueError, match="aux"):
+        gemm.matmul(rt, _v((4, 5)), _v((4, 6)), _v((6, 5)), epilogue="gelu")
+    with pytest.raises(ValueError, match="epilogue"):
+        gemm.matmul(rt, _v((4, 5)), _v((4, 6)), _v((6, 5)), epilogue="relu")
+    with pytest.raises(ValueError, match="batch"):
+        gemm.matmul_batched(rt, _v((2, 4, 5)), _v((3, 4, 6)), _v((2, 6, 5)))
+    with pytest.raises(ValueError, match=">= 3"):
+        gemm.matmul_batched(rt, _v((4, 5)), _v((4, 6)), _v((6, 5)))
+    assert not rt.launches
+
+
+def test_splitk_plan_and_workspace():
+    cfg = SimpleNamespace(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6,
+                          vocab_size=65, attention="unfused")
+    ws = gemm.workspace(cfg)
+    (shape, dtype), = ws.values()
+    assert "gemm_splitk" in ws and dtype == "f32"
+    cap = shape[0]
+    K = cfg.batch_size * cfg.block_size
+    for fam in ("simt", "tf32"):
+        for (M, N) in [(1152, 384), (384, 384), (1536, 384), (384, 1536), (65, 384),
+                       (384, 1152), (384, 65)]:
+            p = gemm.plan(M, N, K, 1, 132, fam, max_ws=cap)
+            assert p.splits > 1 and p.splits * M * N <= cap, (M, N, p)
+            assert p.k_chunk % gemm.SPLIT_ALIGN == 0
+            assert (p.splits - 1) * p.k_chunk < K <= p.splits * p.k_chunk
+    # without a workspace there is no split, and the big forward GEMMs never split
+    assert gemm.plan(1152, 384, K, 1, 132, "simt", max_ws=0).splits == 1
+    assert gemm.plan(16384, 1152, 384, 1, 132, "simt", max_ws=cap).splits == 1
+
+
+def test_splitk_launch_sequence():
+    rt = _FakeRT(ws=1 << 24)
+    gemm.matmul(rt, _v((1152, 384)), _v((16384, 1152)), _v((16384, 384)), True, False, bias=_v((384,)))
+    assert len(rt.launches) == 2
+    assert "splitk_reduce<1,true>" in rt.launches[1][0]
