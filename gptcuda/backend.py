@@ -12,6 +12,7 @@ where an op says [N, C] (N = B*T).
 
 Ops (shapes; "+=" means the op accumulates into its destination, "=" that it overwrites):
 
+  zero(view)                                 view = 0
   lr_schedule(state)                         state.lr = schedule(state.step)
   step_advance(state)                        state.step += 1
   get_batch(x[B,T]i32, y[B,T]i32, tokens, split, counter)
@@ -29,6 +30,7 @@ Ops (shapes; "+=" means the op accumulates into its destination, "=" that it ove
       out = op(a) @ op(b) + bias; "gelu": aux = that pre-activation, out = gelu_tanh(aux);
       "residual": out = aux + op(a) @ op(b) + bias (aux may be out).
   bias_grad(db[N], dout[M,N])                db = dout.sum(0)   (deterministic)
+  gelu_fwd(out, x)                           out = gelu_tanh(x)
   gelu_bwd(dpre, dout, pre)                  dpre = dout * gelu_tanh'(pre) (dpre may be dout)
   attention_fwd(y[B,T,C], qkv[B,T,3C], saved, n_head, p, site)
   attention_bwd(dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site)     dqkv =

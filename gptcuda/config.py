@@ -58,6 +58,7 @@ class Config:
     attention: str = "unfused"  # unfused | fused
     backend: str = "cuda"  # cuda | reference
     graph: bool = True  # capture the training step in a CUDA graph
+    recompute: bool = False  # recompute the MLP's GELU output in the backward instead of storing it
     device: int = 0
     # recipe
     batch_size: int = 64

@@ -158,6 +158,9 @@ class CudaBackend:
     def bias_grad(self, db, dout):
         self.f["elementwise"].bias_grad(self.rt, db, dout)
 
+    def gelu_fwd(self, *a):
+        self.f["elementwise"].gelu_fwd(self.rt, *a)
+
     def gelu_bwd(self, *a):
         self.f["elementwise"].gelu_bwd(self.rt, *a)
 

@@ -142,19 +142,20 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, n_train: int, n_val: in
     p.add("ln2_mean", (L, B, T), "f32", "activation")
     p.add("ln2_rstd", (L, B, T), "f32", "activation")
     p.add("fc_pre", (L, B, T, 4 * C), "f32", "activation", "mlp pre-activation (for GELU backward)")
-    p.add("fc_act", (L, B, T, 4 * C), "f32", "activation", "mlp GELU output")
+    if not cfg.recompute:
+        p.add("fc_act", (L, B, T, 4 * C), "f32", "activation", "mlp GELU output")
     p.add("lnf", (B, T, C), "f32", "activation", "final layernorm output")
     p.add("lnf_mean", (B, T), "f32", "activation")
     p.add("lnf_rstd", (B, T), "f32", "activation")
     p.add("logits", (B, T, V), "f32", "activation", "logits, turned into their gradient in place")
     p.add("losses", (B, T), "f32", "activation", "per-token losses")
-    p.add("branch", (B, T, C), "f32", "backward", "a branch output before dropout + residual")
+    p.add("branch", (B, T, C), "f32", "backward",
+          "a branch output before dropout + residual (forward); its gradient (backward)")
     p.add("dres", (B, T, C), "f32", "backward", "gradient of the residual stream")
-    p.add("dbranch", (B, T, C), "f32", "backward", "gradient of a branch output")
-    p.add("dln", (B, T, C), "f32", "backward", "gradient of a layernorm output")
-    p.add("datty", (B, T, C), "f32", "backward", "gradient of the attention output")
+    p.add("dln", (B, T, C), "f32", "backward", "gradient of a layernorm output, or of the attention output")
     p.add("dqkv", (B, T, 3 * C), "f32", "backward", "gradient of qkv")
-    p.add("dfc", (B, T, 4 * C), "f32", "backward", "gradient of the mlp activation / pre-activation")
+    p.add("dfc", (B, T, 4 * C), "f32", "backward",
+          "gradient of the mlp activation; with recompute also the GELU output of the layer at hand")
     for name, (shape, dtype) in sorted(workspaces.items()):
         p.add(name, shape, dtype, "workspace", "op scratch, shared by all layers")
     p.add("train_tokens", (n_train,), "i32", "data", "training split on the device")

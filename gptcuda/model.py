@@ -37,10 +37,10 @@ class GPT:
             o.attention_fwd(a["atty"][l], a["qkv"][l], self.saved(l), H, drop, rng.dropout_site(l, 0))
             self._residual(mid, x, a["atty"][l], p[h + "proj.w"], self._pb(h + "proj.b"), drop, rng.dropout_site(l, 1))
             o.layernorm_fwd(a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l], mid, p[h + "ln2.w"], self._pb(h + "ln2.b"))
-            o.matmul(a["fc_act"][l], a["ln2"][l], p[h + "fc.w"], False, True, bias=self._pb(h + "fc.b"),
-                     epilogue="gelu", aux=a["fc_pre"][l])                       # [B,T,4C]
-            self._residual(out, mid, a["fc_act"][l], p[h + "fcproj.w"], self._pb(h + "fcproj.b"), drop,
-                           rng.dropout_site(l, 2))
+            act = self.fc_act(l)                                                   # [B,T,4C]
+            o.matmul(act, a["ln2"][l], p[h + "fc.w"], False, True, bias=self._pb(h + "fc.b"),
+                     epilogue="gelu", aux=a["fc_pre"][l])
+            self._residual(out, mid, act, p[h + "fcproj.w"], self._pb(h + "fcproj.b"), drop, rng.dropout_site(l, 2))
         L = cfg.n_layer
         o.layernorm_fwd(a["lnf"], a["lnf_mean"], a["lnf_rstd"], a["res"][L], p["lnf.w"], self._pb("lnf.b"))
         o.matmul(a["logits"], a["lnf"], p["wte"], False, True)                   # [B,T,V], tied head
@@ -54,6 +54,11 @@ class GPT:
         else:
             self.ops.matmul(out, x, w, False, True, bias=bias, epilogue="residual", aux=resid)
 
+    def fc_act(self, l):
+        """Where layer l's GELU output lives: stored per layer, or (recompute) in the shared dfc
+        buffer, rebuilt from fc_pre in the backward."""
+        return self.a["dfc"] if self.cfg.recompute else self.a["fc_act"][l]
+
     def saved(self, l):
         """Layer l's tensors saved by the attention implementation for its backward (plan entries saved_*)."""
         return {k[len("saved_"):]: v[l] for k, v in self.a.items() if k.startswith("saved_")}
@@ -62,7 +67,8 @@ class GPT:
         """Every parameter gradient, from the logits' gradient left by forward(grad_scale=1/N)."""
         o, a, p, g, cfg = self.ops, self.a, self.p, self.g, self.cfg
         drop, H, L = cfg.dropout, cfg.n_head, cfg.n_layer
-        dres, dln, dbranch, dfc, dqkv, datty = (a[k] for k in ("dres", "dln", "dbranch", "dfc", "dqkv", "datty"))
+        dres, dln, dfc, dqkv = a["dres"], a["dln"], a["dfc"], a["dqkv"]
+        datty = dln         # the attention output's gradient is dead before dln is written again
         # head: logits = lnf @ wte^T
         o.matmul(dln, a["logits"], p["wte"], False, False)                        # dlnf [B,T,C]
         o.matmul(g["wte"], a["logits"], a["lnf"], True, False)                    # dwte [V,C] =
@@ -72,8 +78,10 @@ class GPT:
             h = f"h{l}."
             # mlp half: res[l+1] = mid + drop(fc_act @ fcproj^T + b)
             d = self._branch_grad(dres, drop, rng.dropout_site(l, 2))
+            if cfg.recompute:
+                o.gelu_fwd(dfc, a["fc_pre"][l])                                    # rebuild the GELU output
+            o.matmul(g[h + "fcproj.w"], d, self.fc_act(l), True, False)          # before dfc is overwritten
             o.matmul(dfc, d, p[h + "fcproj.w"], False, False)                     # d fc_act [B,T,4C]
-            o.matmul(g[h + "fcproj.w"], d, a["fc_act"][l], True, False)
             self._bias_grad(g, h + "fcproj.b", d)
             o.gelu_bwd(dfc, dfc, a["fc_pre"][l])
             o.matmul(dln, dfc, p[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
@@ -98,8 +106,8 @@ class GPT:
     def _branch_grad(self, dres, drop, site):
         """Gradient of a branch output before dropout (dres itself when there is no dropout)."""
         if drop > 0:
-            self.ops.dropout_bwd(self.a["dbranch"], dres, drop, site)
-            return self.a["dbranch"]
+            self.ops.dropout_bwd(self.a["branch"], dres, drop, site)
+            return self.a["branch"]
         return dres
 
     def _bias_grad(self, g, name, d):

@@ -88,13 +88,15 @@ class RecordingRuntime(Runtime):
         assert np.asarray(arr).size == view.numel, view.name
 
 
-CASES = list(itertools.product(["fp32", "tf32"], ["unfused", "fused"], [0.0, 0.1], [True, False]))
+CASES = [c + (r,) for c in itertools.product(["fp32", "tf32"], ["unfused", "fused"], [0.0, 0.1], [True, False])
+         for r in (False, True)]
 
 
-@pytest.mark.parametrize("precision,attention,dropout,bias", CASES)
-def test_record_whole_training_step(precision, attention, dropout, bias):
+@pytest.mark.parametrize("precision,attention,dropout,bias,recompute", CASES)
+def test_record_whole_training_step(precision, attention, dropout, bias, recompute):
     cfg = load_config("configs/tiny.yaml", [f"--precision={precision}", f"--attention={attention}",
-                                            f"--dropout={dropout}", f"--bias={str(bias).lower()}"])
+                                            f"--dropout={dropout}", f"--bias={str(bias).lower()}",
+                                            f"--recompute={str(recompute).lower()}"])
     rt = RecordingRuntime(precision)
     be = CudaBackend(cfg, rt=rt)
     toks = np.arange(1000, dtype=np.int32) % 65

@@ -118,3 +118,19 @@ def test_train_without_gpu_stops_with_one_line(tmp_path):
     p = run("train.py", "configs/tiny.yaml", f"--out_dir={tmp_path / 'x'}", check=False)
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1 and "no NVIDIA GPU" in p.stderr, p.stderr
+
+
+def test_recompute_changes_memory_not_results():
+    from gptcuda.data import TextDataset
+    from gptcuda.engine import Engine
+    data = TextDataset("data/tinyshakespeare/input.txt")
+    hist = {}
+    for rc in (False, True):
+        cfg = load_config("configs/tiny.yaml", ["--backend=reference", "--dropout=0.1", "--max_iters=4",
+                                                f"--recompute={str(rc).lower()}"])
+        e = Engine(cfg, data.train, data.val, data.vocab_size, programs=("train",))
+        for _ in range(4):
+            e.train_step()
+        hist[rc] = (e.loss_history(4), e.plan.total_bytes, "fc_act" in e.bufs.acts)
+    assert np.array_equal(hist[False][0], hist[True][0])
+    assert hist[True][1] < hist[False][1] and hist[False][2] and not hist[True][2]

@@ -178,6 +178,9 @@ class ReferenceBackend:
     def bias_grad(self, db, dout):
         self._rec(lambda: db.__setitem__(Ellipsis, _2d(dout).sum(axis=0)))
 
+    def gelu_fwd(self, out, x):
+        self._rec(lambda: out.__setitem__(Ellipsis, R.gelu_forward(x)))
+
     def gelu_bwd(self, dpre, dout, pre):
         self._rec(lambda: dpre.__setitem__(Ellipsis, R.gelu_backward(dout, pre)))
 

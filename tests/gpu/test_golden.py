@@ -35,6 +35,7 @@ CASES = [
     (["--precision=fp32", "--attention=fused", "--dropout=0.1"], 1e-5, 1e-2),
     (["--precision=tf32", "--dropout=0.1"], 2e-3, 5e-2),
     (["--precision=tf32", "--attention=fused", "--dropout=0.1"], 2e-3, 5e-2),
+    (["--precision=fp32", "--attention=fused", "--dropout=0.1", "--recompute=true"], 1e-5, 1e-2),
 ]
 
 
