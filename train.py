@@ -5,6 +5,7 @@
     python train.py configs/ctx2048_tf32.yaml --plan       # print the memory plan, touch no GPU
     python train.py configs/tiny.yaml --resume             # continue from out_dir/last.ckpt
     python train.py configs/tiny.yaml --backend=reference  # float64 numpy, no GPU needed
+    python train.py configs/ctx2048_tf32.yaml --profile    # the phase table of one step, then exit
 
 Settings: defaults < the YAML file < --key=value overrides (see gptcuda/config.py).
 The run directory (out_dir) gets config.yaml, tokenizer.json, metrics.jsonl, best.ckpt, last.ckpt.
@@ -19,13 +20,16 @@ from gptcuda.config import load_config
 
 @guarded
 def main(argv):
-    path, overrides, flags, _ = split_args(argv, flags=("plan", "resume", "no-bar"))
+    path, overrides, flags, _ = split_args(argv, flags=("plan", "resume", "no-bar", "profile"))
     cfg = load_config(path, overrides)
     from gptcuda.trainer import NonFiniteLoss, Trainer, print_plan
     if "plan" in flags:
         print_plan(cfg)
         return 0
     trainer = Trainer(cfg, resume="resume" in flags)
+    if "profile" in flags:
+        print(trainer.profile())
+        return 0
     try:
         best = trainer.train(bar="no-bar" not in flags and sys.stderr.isatty())
     except NonFiniteLoss as e:

@@ -12,7 +12,6 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -21,35 +20,7 @@ from gptcuda.cli import split_args  # noqa: E402
 from gptcuda.config import load_config  # noqa: E402
 from gptcuda.data import TextDataset  # noqa: E402
 from gptcuda.engine import Engine  # noqa: E402
-
-GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "flash_attention": "attention",
-          "layernorm": "layernorm", "elementwise": "elementwise", "loss": "loss", "optim": "optimizer",
-          "encoder": "embedding", "data": "data"}
-
-
-def phase_table(eng, iters=5):
-    """Per-launch device time inside a graph with event records between the launches."""
-    rt = eng.be.rt
-    prog = eng.programs["train"]
-    dev = rt.dev
-    events = [dev.event() for _ in range(len(prog.items) + 1)]
-    dev.begin_capture(rt.stream)
-    try:
-        for ev, rec in zip(events, prog.items):
-            dev.record(ev, rt.stream, external=True)
-            rec.run(dev, rt.stream)
-        dev.record(events[-1], rt.stream, external=True)
-    finally:
-        graph, exe = dev.end_capture(rt.stream)
-    per = [[] for _ in prog.items]
-    for _ in range(iters):
-        dev.graph_launch(exe, rt.stream)
-        rt.synchronize()
-        for i in range(len(prog.items)):
-            per[i].append(dev.elapsed_ms(events[i], events[i + 1]))
-    dev.graph_destroy(graph, exe)
-    return [(rec, statistics.median(t)) for rec, t in zip(prog.items, per)]
-
+from gptcuda.profile import phase_table  # noqa: E402
 
 def host_ms(rt, fn, reps=7):
     """Host time to submit one step, from an idle queue (so that no back-pressure is counted)."""
@@ -85,25 +56,12 @@ def main(argv):
           f"({100 * host_graph / mg:.1f}% of the step)")
     print(f"eager : {me:8.3f} ms/step  {tokens / me * 1e3:12,.0f} tok/s   host {host_eager:.3f} ms/step")
     print(clock)
-    rows = phase_table(eng)
-    by_kernel, by_group = defaultdict(lambda: [0.0, 0]), defaultdict(float)
-    for rec, ms in rows:
-        file = getattr(getattr(rec, "fn", None), "file", "memset.cu")
-        name = getattr(getattr(rec, "fn", None), "name", "memset")
-        by_kernel[(file, name)][0] += ms
-        by_kernel[(file, name)][1] += 1
-        by_group[GROUPS.get(file.replace(".cu", ""), file.replace(".cu", ""))] += ms
-    total = sum(ms for _, ms in rows)
-    print(f"\nphase table (sum of per-launch times {total:.3f} ms)")
-    for g, ms in sorted(by_group.items(), key=lambda kv: -kv[1]):
-        print(f"  {g:<14} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
-    print("\nby kernel")
-    for (file, name), (ms, cnt) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0]):
-        print(f"  {ms:8.3f} ms {cnt:4d}x  {file}:{name}")
+    print()
+    print(phase_table(rt, eng.programs["train"]))
     if "json" in opts:
         with open(opts["json"], "w") as f:
             json.dump({"config": cfg.to_dict(), "graph_ms": mg, "eager_ms": me, "host_graph_ms": host_graph,
-                       "groups": by_group, "clock": clock}, f, indent=1)
+                       "clock": clock}, f, indent=1)
 
 
 if __name__ == "__main__":

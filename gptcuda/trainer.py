@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from .cli import UsageError
 from .checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, save_checkpoint
 from .config import format_config, save_config, validate_against_data
 from .data import CharTokenizer, TextDataset
@@ -60,6 +61,15 @@ class Trainer:
         n_params = self.eng.table.n_params
         self.flops_tok = flops_per_token(self.cfg, n_params)
         log(f"{n_params / 1e6:.2f}M parameters; setup (compile + record + capture) {self.eng.setup_seconds:.1f} s")
+
+    def profile(self) -> str:
+        """The phase table of one training step (CUDA backend), after a few warm-up steps."""
+        if self.cfg.backend != "cuda":
+            raise UsageError("--profile needs the cuda backend")
+        from .profile import phase_table
+        for _ in range(3):
+            self.eng.train_step()
+        return phase_table(self.eng.be.rt, self.eng.programs["train"])
 
     def write_metrics(self, **rec):
         self.metrics.write(json.dumps(rec) + "\n")
