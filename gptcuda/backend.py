@@ -44,6 +44,12 @@ Ops (shapes; "+=" means the op accumulates into its destination, "=" that it ove
       one pass over the flat buffer: g *= min(1, clip / (norm + 1e-6)) when clip > 0;
       decoupled decay lr*wd*p on the first n_decay elements only; bias correction with t = step+1.
 
+Generation with a KV cache (S sequences, one position per step, pos a device int):
+  decode_embed(out[S,C], tok[S], wte, wpe, pos)      out = wte[tok] + wpe[pos]
+  decode_attention(y[S,C], qkv[S,3C], kcache, vcache, n_head, pos)
+      k, v of qkv appended to kcache/vcache [S,H,Tmax,hs] at pos; y = causal attention of q over 0..pos
+  pos_advance(pos)                                   pos += 1
+
 Each backend also provides: `allocate(plan)` -> dict of views, `upload`/`download`,
 `begin()`/`end()` -> Program, `run(program)`, `synchronize()`.
 """

@@ -14,7 +14,7 @@ import numpy as np
 from .backend import Buffers, Program
 from .runtime import DeviceView, Runtime
 
-FAMILIES = ("encoder", "layernorm", "elementwise", "loss", "optim", "data", "gemm", "attention")
+FAMILIES = ("encoder", "layernorm", "elementwise", "loss", "optim", "data", "gemm", "attention", "decode")
 STATE_FIELDS = {"step": (0, np.int32), "lr": (1, np.float32), "loss": (2, np.float32),
                 "grad_norm": (3, np.float32), "eval_draws": (4, np.int32)}
 
@@ -66,15 +66,22 @@ class CudaBackend:
         def named(region_view):
             return {s.name: DeviceView(region_view.ptr + 4 * s.offset, s.shape, "f32", s.name) for s in table}
 
-        arena = rt.alloc(plan.arena_bytes)
-        acts = {e.name: DeviceView(arena + e.offset, e.shape, e.dtype, e.name) for e in plan.entries}
-        for e in plan.entries:                  # poison: an op reading what nothing wrote shows NaN
-            rt.fill(acts[e.name], 0x7FC00000 if e.dtype == "f32" else 0)
+        acts = self.allocate_arena(plan)
         rt.set_workspace({e.name: acts[e.name] for e in plan.entries if e.kind == "workspace"})
         rt.state = acts["state"]
         rt.fill(rt.state, 0)
         rt.synchronize()
         return Buffers(named(regions[0]), named(regions[1]), *regions, acts)
+
+    def allocate_arena(self, plan) -> dict:
+        """One allocation holding every entry of the plan; poisoned, so that an op reading what
+        nothing wrote shows NaN."""
+        rt = self.rt
+        arena = rt.alloc(plan.arena_bytes)
+        acts = {e.name: DeviceView(arena + e.offset, e.shape, e.dtype, e.name) for e in plan.entries}
+        for e in plan.entries:
+            rt.fill(acts[e.name], 0x7FC00000 if e.dtype == "f32" else 0)
+        return acts
 
     def upload(self, view, arr):
         self.rt.write(view, arr)
@@ -181,3 +188,12 @@ class CudaBackend:
 
     def adamw(self, *a):
         self.f["optim"].adamw(self.rt, *a)
+
+    def decode_embed(self, *a):
+        self.f["decode"].decode_embed(self.rt, *a)
+
+    def decode_attention(self, *a):
+        self.f["decode"].decode_attention(self.rt, *a)
+
+    def pos_advance(self, pos):
+        self.f["decode"].pos_advance(self.rt, pos)

@@ -163,3 +163,23 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, n_train: int, n_val: in
     p.add("state", (STATE_WORDS,), "i32", "state", "StepState (kernels/common.cuh)")
     p.add("history", (max(history, 1),), "f32", "state", "training loss of every step")
     return p
+
+
+def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int) -> MemoryPlan:
+    """Buffers of generation with a KV cache: S sequences, one position a step, up to block_size."""
+    S, T, C, L, H = n_seq, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head
+    p = MemoryPlan(table)
+    p.add("tok", (S,), "i32", "activation", "the current token of each sequence")
+    p.add("pos", (1,), "i32", "state", "the position being decoded")
+    p.add("x", (S, C), "f32", "activation", "residual stream at this position")
+    p.add("h", (S, C), "f32", "activation", "a layernorm output")
+    p.add("h_mean", (S,), "f32", "activation")
+    p.add("h_rstd", (S,), "f32", "activation")
+    p.add("qkv", (S, 3 * C), "f32", "activation")
+    p.add("y", (S, C), "f32", "activation", "attention output")
+    p.add("fc_pre", (S, 4 * C), "f32", "activation")
+    p.add("fc_act", (S, 4 * C), "f32", "activation")
+    p.add("logits", (S, vocab_size), "f32", "activation")
+    p.add("kcache", (L, S, H, T, C // H), "f32", "activation", "keys of every layer, head and position")
+    p.add("vcache", (L, S, H, T, C // H), "f32", "activation", "values")
+    return p

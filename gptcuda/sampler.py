@@ -10,7 +10,9 @@ from .checkpoint import CheckpointError, load_checkpoint
 from .cli import UsageError, latest_run
 from .config import load_config
 from .data import CharTokenizer
+from . import compiler
 from .engine import Engine
+from .memory import plan_decode
 from .params import unflatten
 
 
@@ -22,7 +24,7 @@ def _num(opts, key, cast, default):
 
 
 class Sampler:
-    """A forward-only engine at batch num_samples that generates token by token."""
+    """Generation with a KV cache: one recorded decode step (a CUDA graph on the GPU) per token."""
 
     def __init__(self, run_dir: str, num_samples: int, backend: str | None = None, ckpt: str | None = None):
         cfg = load_config(os.path.join(run_dir, "config.yaml"))
@@ -33,41 +35,68 @@ class Sampler:
             raise CheckpointError(f"no checkpoint in {run_dir}")
         cfg = dataclasses.replace(cfg, batch_size=num_samples, max_iters=0, dropout=0.0,
                                   backend=backend or cfg.backend, graph=False)
-        T = cfg.block_size
-        dummy = np.zeros(T + 1, np.int32)
-        self.eng = Engine(cfg, dummy, dummy, cfg.vocab_size or self.tok.vocab_size, programs=())
+        dummy = np.zeros(cfg.block_size + 1, np.int32)
+        self.eng = eng = Engine(cfg, dummy, dummy, cfg.vocab_size or self.tok.vocab_size, programs=())
         arrays, meta = load_checkpoint(path, None)
-        if arrays["params"].shape != (self.eng.table.total,):
+        if arrays["params"].shape != (eng.table.total,):
             raise CheckpointError(f"{path} is from another model shape")
-        self.eng.set_params(unflatten(self.eng.table, arrays["params"]))
-        self.cfg, self.path, self.step = self.eng.cfg, path, int(meta["step"])
+        eng.set_params(unflatten(eng.table, arrays["params"]))
+        self.cfg, self.path, self.step = eng.cfg, path, int(meta["step"])
+        self.V = eng.table["wte"].shape[0]
+        plan = plan_decode(eng.cfg, eng.table, self.V, num_samples)
+        self.d = eng.be.allocate_arena(plan)
+        eng.be.begin("decode")
+        eng.model.record_decode_step(self.d)
+        self.program = eng.be.end()
+        self.graph = eng.be.capture(self.program) if eng.cfg.backend == "cuda" else None
+        self.pos = 0
+
+    def _feed(self, tokens: np.ndarray) -> np.ndarray:
+        """Run the decode step over columns of tokens [S, n]; the logits [S, V] after the last."""
+        be = self.eng.be
+        for j in range(tokens.shape[1]):
+            be.upload(self.d["tok"], tokens[:, j].astype(np.int32))
+            with compiler.forbid_compiles():
+                if self.graph is not None:
+                    self.graph.launch()
+                else:
+                    be.run(self.program)
+            self.pos += 1
+        return np.asarray(be.download(self.d["logits"]), np.float64)
+
+    def _restart(self, context: np.ndarray) -> np.ndarray:
+        self.pos = 0
+        self.eng.be.upload(self.d["pos"], np.zeros(1, np.int32))
+        return self._feed(context)
 
     def generate(self, prompt_ids: np.ndarray, max_new_tokens: int, temp: float, top_k: int | None,
                  rng: np.random.Generator) -> np.ndarray:
-        """[S, len(prompt) + max_new_tokens] tokens; the context slides once it exceeds block_size."""
-        S, T, V = self.cfg.batch_size, self.cfg.block_size, self.eng.table["wte"].shape[0]
+        """[S, len(prompt) + max_new_tokens] tokens. Past block_size positions the cache restarts
+        from the last half window (positions are absolute, so a window cannot slide in place)."""
+        S, T, V = self.cfg.batch_size, self.cfg.block_size, self.V
         seqs = np.tile(prompt_ids.astype(np.int64), (S, 1))
-        acts = self.eng.bufs.acts
-        for _ in range(max_new_tokens):
-            ctx = seqs[:, -T:]
-            n = ctx.shape[1]
-            x = np.zeros((S, T), np.int32)
-            x[:, :n] = ctx
-            self.eng.set_batch(x, x)
-            self.eng.run("forward")
-            logits = np.asarray(self.eng.be.download(acts["logits"]), np.float64)[:, n - 1, :V]
-            if temp <= 0:
-                nxt = logits.argmax(-1)
-            else:
-                logits = logits / temp
-                if top_k:
-                    kth = np.sort(logits, axis=-1)[:, -min(top_k, V)][:, None]
-                    logits = np.where(logits < kth, -np.inf, logits)
-                p = np.exp(logits - logits.max(-1, keepdims=True))
-                p /= p.sum(-1, keepdims=True)
-                nxt = np.array([rng.choice(V, p=row) for row in p])
+        logits = self._restart(seqs[:, -T:])
+        for i in range(max_new_tokens):
+            nxt = sample_logits(logits, temp, top_k, rng)
             seqs = np.concatenate([seqs, nxt[:, None]], axis=1)
+            if i + 1 == max_new_tokens:
+                break
+            logits = self._restart(seqs[:, -(T // 2):]) if self.pos >= T else self._feed(nxt[:, None])
         return seqs
+
+
+def sample_logits(logits: np.ndarray, temp: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
+    """One token per row: greedy at temp 0, else softmax(logits / temp) over the top_k."""
+    if temp <= 0:
+        return logits.argmax(-1)
+    logits = logits / temp
+    V = logits.shape[-1]
+    if top_k:
+        kth = np.sort(logits, axis=-1)[:, -min(top_k, V)][:, None]
+        logits = np.where(logits < kth, -np.inf, logits)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.array([rng.choice(V, p=row) for row in p])
 
 
 def sample_main(opts) -> int:

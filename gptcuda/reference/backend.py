@@ -49,13 +49,11 @@ class ReferenceBackend:
         def named(flat):
             return {s.name: flat[s.offset:s.offset + s.numel].reshape(s.shape) for s in table}
 
-        acts = {}
-        for e in plan.entries:
-            if e.dtype == "f32":
-                acts[e.name] = np.full(e.shape, np.nan, dtype=np.float64)
-            else:
-                acts[e.name] = np.zeros(e.shape, dtype=np.int64)
-        return Buffers(named(regions[0]), named(regions[1]), *regions, acts)
+        return Buffers(named(regions[0]), named(regions[1]), *regions, self.allocate_arena(plan))
+
+    def allocate_arena(self, plan) -> dict:
+        return {e.name: (np.full(e.shape, np.nan, dtype=np.float64) if e.dtype == "f32"
+                         else np.zeros(e.shape, dtype=np.int64)) for e in plan.entries}
 
     def upload(self, view, arr):
         view[...] = np.asarray(arr).reshape(view.shape)
@@ -217,6 +215,24 @@ class ReferenceBackend:
 
     def grad_norm(self, grads):
         self._rec(lambda: self.state.__setitem__("grad_norm", R.global_norm([grads])))
+
+    def decode_embed(self, out, tok, wte, wpe, pos):
+        self._rec(lambda: out.__setitem__(Ellipsis, wte[tok] + wpe[pos[0]]))
+
+    def decode_attention(self, y, qkv, kcache, vcache, n_head, pos):
+        def f():
+            S, C = y.shape
+            hs, t = C // n_head, int(pos[0])
+            q, k, v = (qkv[:, i * C:(i + 1) * C].reshape(S, n_head, hs) for i in range(3))
+            kcache[:, :, t], vcache[:, :, t] = k, v
+            att = np.einsum("shd,shjd->shj", q, kcache[:, :, :t + 1]) / np.sqrt(hs)
+            att = np.exp(att - att.max(-1, keepdims=True))
+            att /= att.sum(-1, keepdims=True)
+            y[...] = np.einsum("shj,shjd->shd", att, vcache[:, :, :t + 1]).reshape(S, C)
+        self._rec(f)
+
+    def pos_advance(self, pos):
+        self._rec(lambda: pos.__setitem__(0, pos[0] + 1))
 
     def adamw(self, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
         decay = np.arange(params.shape[0]) < n_decay
