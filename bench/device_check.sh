@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session's check-and-benchmark, driven from the repo so that it is repeatable.
-#   bash bench/device_check.sh [tests] [gradcheck] [bench] [torch] [train_fp32] [train_tf32] [long]
+#   bash bench/device_check.sh [tests] [gradcheck] [bench] [attention] [long] [torch] [gemm] [tune]
+#                              [train_fp32] [train_tf32]
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
 # .devcarry/reference/ (a copy of the reference scripts carried along; never imported by gptcuda).
 set -uo pipefail
@@ -33,9 +34,30 @@ if has bench; then
   log "launch overhead"
   python3 bench/launch.py 2>&1 | tee -a "$OUT/summary.txt"
   for p in fp32 tf32; do
-    log "step $p"
-    python3 bench/step.py configs/shakespeare_char_fp32.yaml --precision=$p --json "$OUT/step_$p.json" 2>&1 | tee "$OUT/step_$p.log" | head -40
+    for a in unfused fused; do
+      log "step $p $a"
+      python3 bench/step.py configs/shakespeare_char_fp32.yaml --precision=$p --attention=$a \
+        --json "$OUT/step_${p}_$a.json" > "$OUT/step_${p}_$a.log" 2>&1
+      sed -n '1,18p' "$OUT/step_${p}_$a.log"
+    done
   done
+fi
+if has attention; then
+  log "attention benchmark"
+  python3 bench/attention.py --n_embd 384 --n_head 6 --B 16 --T 256,1024,2048,8192 2>&1 | tee "$OUT/attention.log" | tail -30
+fi
+if has long; then
+  log "long context: ctx2048 tf32 fused (60 steps) and ctx8192 (6 steps)"
+  python3 bench/step.py configs/ctx2048_tf32.yaml --iters 10 2>&1 | tee "$OUT/step_ctx2048.log" | sed -n '1,14p'
+  python3 train.py configs/ctx2048_tf32.yaml --max_iters=60 --eval_interval=30 --eval_iters=4 --log_interval=10 \
+    --out_dir="$OUT/ctx2048" --no-bar 2>&1 | grep -E "^step|total|error" | tail -14
+  python3 train.py configs/ctx8192_tf32.yaml --max_iters=6 --eval_interval=3 --eval_iters=1 --log_interval=2 \
+    --out_dir="$OUT/ctx8192" --no-bar 2>&1 | grep -E "^step|total|error" | tail -8
+  python3 train.py configs/ctx8192_tf32.yaml --attention=unfused --out_dir="$OUT/ctx8192u" 2>&1 | tail -4
+  rm -rf "$OUT"/ctx*/*.ckpt
+  if [ -f .devcarry/reference/torch_reference.py ]; then
+    (cd "$OUT" && LONG_T=2048,8192 OUT="$OUT" python3 "$OLDPWD/.devcarry/reference/torch_reference.py" long 2>&1 | tail -4) | tee -a "$OUT/summary.txt"
+  fi
 fi
 if has torch; then
   log "PyTorch anchors (same run)"
@@ -50,4 +72,19 @@ for p in fp32 tf32; do
     rm -f "$OUT/run_$p"/*.ckpt
   fi
 done
+if has gemm; then
+  log "GEMM benchmark (cuBLAS through torch in the same process, benchmark only)"
+  python3 bench/gemm.py --precision both 2>&1 | tee "$OUT/gemm.log" | tail -45
+fi
+if has tune; then
+  for p in tf32 fp32; do
+    log "measured GEMM dispatch $p"
+    python3 bench/tune.py configs/shakespeare_char_fp32.yaml --precision=$p 2>&1 | tee "$OUT/tune_$p.log" | tail -25
+  done
+fi
 log "end: $(nvidia-smi --query-gpu=clocks.sm,memory.used --format=csv,noheader)"
+# at most a few files come back: keep the summary, pack everything else
+find "$OUT" -name "*.ckpt" -delete
+tar czf /tmp/logs.tgz -C "$OUT" --exclude=summary.txt . \
+  && find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.txt -exec rm -rf {} + \
+  && mv /tmp/logs.tgz "$OUT/logs.tgz"
