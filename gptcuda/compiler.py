@@ -77,8 +77,9 @@ def _check(err, what, prog=None):
         raise CompileError(f"{what} failed: {msg}")
 
 
-def expand_source(filename: str, kernel_dir: Path = KERNEL_DIR, _seen=None) -> str:
+def expand_source(filename: str, kernel_dir: Path | None = None, _seen=None) -> str:
     """The source with every local include inlined (for the cache key; NVRTC gets the include path)."""
+    kernel_dir = KERNEL_DIR if kernel_dir is None else kernel_dir
     seen = set() if _seen is None else _seen
     path = kernel_dir / filename
     if not path.exists():

@@ -59,7 +59,8 @@ class Config:
     backend: str = "cuda"  # cuda | reference
     graph: bool = True  # capture the training step in a CUDA graph
     recompute: bool = False  # recompute the MLP's GELU output in the backward instead of storing it
-    device: int = 0
+    device: int = 0  # data parallel: each rank takes LOCAL_RANK instead
+    zero: int = 0  # data parallel: 1 shards the Adam state over the ranks (ZeRO-1)
     # recipe
     batch_size: int = 64
     max_iters: int = 5000
@@ -299,6 +300,8 @@ def validate(cfg: Config) -> Config:
         raise err("attention", f"must be one of {'|'.join(ATTENTIONS)}, got {cfg.attention!r}")
     if cfg.backend not in BACKENDS:
         raise err("backend", f"must be one of {'|'.join(BACKENDS)}, got {cfg.backend!r}")
+    if cfg.zero not in (0, 1):
+        raise err("zero", f"must be 0 (every rank keeps the whole Adam state) or 1 (ZeRO-1: sharded), got {cfg.zero}")
     if cfg.min_lr < 0:
         raise err("min_lr", f"must be >= 0, got {cfg.min_lr}")
     if cfg.learning_rate < cfg.min_lr:

@@ -174,13 +174,19 @@ class TextDataset:
         raise ValueError(f"unknown split {name!r} (train|val)")
 
 
-def get_batch(tokens: np.ndarray, seed: int, counter: int, site: int, batch: int, block: int):
-    """(x, y) int32 [batch, block]: windows at rng.batch_offsets; y is x shifted by one token."""
+def get_batch(tokens: np.ndarray, seed: int, counter: int, site: int, batch: int, block: int,
+              row_offset: int = 0):
+    """(x, y) int32 [batch, block]: windows at rng.batch_offsets; y is x shifted by one token.
+
+    row_offset: the first row of a larger batch to draw (rank r of a data-parallel run draws rows
+    [r*batch, (r+1)*batch) of the world's batch); 0 draws rows 0..batch-1."""
     tokens = np.asarray(tokens)
     n = len(tokens)
     if n < block + 1:
         raise ValueError(f"a split of {n} tokens cannot hold a window of block_size+1 = {block + 1} tokens")
-    offs = rng.batch_offsets(seed, counter, site, batch, n, block)
+    if row_offset < 0:
+        raise ValueError(f"row_offset must be >= 0, got {row_offset}")
+    offs = rng.batch_offsets(seed, counter, site, row_offset + batch, n, block)[row_offset:]
     idx = offs[:, None] + np.arange(block + 1, dtype=np.int64)[None, :]
     win = tokens[idx].astype(np.int32, copy=False)
     x = np.ascontiguousarray(win[:, :-1])

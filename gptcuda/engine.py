@@ -5,7 +5,9 @@
     eng.evaluate()                    # {"train": loss, "val": loss}
     eng.state_dict() / eng.load_state_dict(arrays, meta)
 
-Used by train.py, sample.py, gradcheck.py and the tests, with either backend.
+Used by train.py, sample.py, gradcheck.py and the tests, with either backend. With a
+gptcuda.dist.Group (one rank of a data-parallel run) the training step also all-reduces
+(eng.dp, gptcuda/dist.py); evaluation losses are the mean over the ranks.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def plan_for(cfg, vocab_size: int, n_train: int, n_val: int, backend=None):
 
 class Engine:
     def __init__(self, cfg, train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int,
-                 backend=None, programs=("train", "eval")):
+                 backend=None, programs=("train", "eval"), group=None):
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
         self.cfg = cfg
         self.be = backend = backend or backend_class(cfg)(cfg)
@@ -55,6 +57,10 @@ class Engine:
             backend.upload(r, np.zeros(self.table.total, np.float32))
         backend.write_state(step=0, eval_draws=0)
         self.model = GPT(cfg, backend, self.bufs, self.table)
+        self.dp = None
+        if group is not None:
+            from .dist import DataParallel
+            self.dp = self.model.dp = DataParallel(group, backend, self.bufs, self.table, cfg)
         t = time.perf_counter()
         m = self.model
         recorders = {
@@ -70,6 +76,8 @@ class Engine:
         self.programs = {n: self._record(n, recorders[n]) for n in dict.fromkeys(names)}
         self.graphs = {}
         if cfg.graph and cfg.backend == "cuda":
+            if self.dp is not None and "train" in self.programs:
+                self.dp.warmup(self.programs["train"])       # NCCL connects before the capture
             for name in ("train", "eval_train", "eval_val"):
                 if name in self.programs:
                     self.graphs[name] = backend.capture(self.programs[name])
@@ -103,6 +111,8 @@ class Engine:
                 self.run(f"eval_{split}")
                 losses.append(self.be.read_state()["loss"])
             out[split] = float(np.mean(losses))
+        if self.dp is not None:
+            out = dict(zip(out, self.dp.host_mean(list(out.values()))))
         return out
 
     def state(self) -> dict:
@@ -130,7 +140,10 @@ class Engine:
         self.be.upload(self.bufs.acts["targets"], y.astype(np.int32))
 
     def state_dict(self):
+        """Every rank must call this in a data-parallel run (ZeRO-1 gathers the Adam state first)."""
         b = self.bufs
+        if self.dp is not None:
+            self.dp.gather_optimizer_state()
         arrays = {
             "params": np.asarray(self.be.download(b.flat_params), np.float32),
             "adam_m": np.asarray(self.be.download(b.flat_m), np.float32),

@@ -74,6 +74,7 @@ class GPT:
         o.matmul(g["wte"], a["logits"], a["lnf"], True, False)                    # dwte [V,C] =
         o.zero(dres)
         o.layernorm_bwd(dres, g["lnf.w"], g.get("lnf.b"), dln, a["res"][L], a["lnf_mean"], a["lnf_rstd"], p["lnf.w"])
+        self._grads_ready("head")
         for l in reversed(range(L)):
             h = f"h{l}."
             # mlp half: res[l+1] = mid + drop(fc_act @ fcproj^T + b)
@@ -100,8 +101,10 @@ class GPT:
             self._bias_grad(g, h + "attn.b", dqkv)
             o.layernorm_bwd(dres, g[h + "ln1.w"], g.get(h + "ln1.b"), dln, a["res"][l], a["ln1_mean"][l],
                             a["ln1_rstd"][l], p[h + "ln1.w"])
+            self._grads_ready(l)
         d = self._branch_grad(dres, drop, rng.DROPOUT_EMB)
         o.encoder_bwd(g["wte"], g["wpe"], d, a["idx"])
+        self._grads_ready("embed")
 
     def _branch_grad(self, dres, drop, site):
         """Gradient of a branch output before dropout (dres itself when there is no dropout)."""
@@ -115,18 +118,40 @@ class GPT:
             self.ops.bias_grad(g[name], d)
 
     # ---- whole programs -----------------------------------------------------------------
+    dp = None               # gptcuda.dist.DataParallel of a data-parallel rank (set by Engine)
+    on_grads_ready = None   # while recording the training step: dp.record_grads_ready
+
+    def _grads_ready(self, point):
+        """Hook of the backward: every gradient of `point` ("head", a layer index, "embed") is final."""
+        if self.on_grads_ready is not None:
+            self.on_grads_ready(point)
+
     def record_train_step(self):
-        """batch -> forward -> backward -> clip -> AdamW -> step += 1, with nothing per step baked in."""
-        o, cfg, b = self.ops, self.cfg, self.b
+        """batch -> forward -> backward -> clip -> AdamW -> step += 1, with nothing per step baked in.
+        Data parallel (self.dp): the ranks' mean loss and the gradient buckets are all-reduced on the
+        communication stream while the backward runs; the history gets the mean over ranks."""
+        o, cfg, b, dp = self.ops, self.cfg, self.b, self.dp
         o.lr_schedule(cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
         o.get_batch(self.a["idx"], self.a["targets"], self.a["train_tokens"], rng.SITE_BATCH_TRAIN, "step")
         n_tok = cfg.batch_size * cfg.block_size
         self.forward(train=True, grad_scale=1.0 / n_tok)
-        o.loss_reduce(self.a["losses"], self.a["history"])
-        self.backward()
-        o.grad_norm(b.flat_grads)
-        o.adamw(b.flat_params, b.flat_grads, b.flat_m, b.flat_v, self.table.n_decay, cfg.beta1, cfg.beta2,
-                cfg.eps, cfg.weight_decay, cfg.grad_clip)
+        if dp is None:
+            o.loss_reduce(self.a["losses"], self.a["history"])
+            self.backward()
+            o.grad_norm(b.flat_grads)
+            o.adamw(b.flat_params, b.flat_grads, b.flat_m, b.flat_v, self.table.n_decay, cfg.beta1, cfg.beta2,
+                    cfg.eps, cfg.weight_decay, cfg.grad_clip)
+        else:
+            o.loss_reduce(self.a["losses"], None)                 # this rank's mean
+            dp.record_loss_mean()
+            self.on_grads_ready = dp.record_grads_ready
+            try:
+                self.backward()
+            finally:
+                self.on_grads_ready = None
+            dp.record_join()
+            o.loss_reduce(dp.loss_mean, self.a["history"])        # state.loss, history[step]: the world's mean
+            dp.record_update(o)
         o.step_advance()
 
     def record_eval_batch(self, split: str):

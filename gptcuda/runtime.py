@@ -20,7 +20,7 @@ import numpy as np
 
 from . import compiler
 from .backend import Program
-from .driver import Device
+from .driver import Device, call
 
 NAN_WORD = 0x7FC00000
 
@@ -131,6 +131,69 @@ class Memset:
         dev.memset32(self.ptr, self.word, self.count, stream)
 
 
+def _wait(dev, stream, event):
+    call(dev.drv.cuStreamWaitEvent, stream, event, 0)
+
+
+def _mark(dev, event, stream):
+    """Record a timing event; inside a stream capture as a real event-record node (a plain record
+    there would only be a dependency marker)."""
+    status = call(dev.drv.cuStreamIsCapturing, stream)
+    capturing = int(status) != int(dev.drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
+    dev.record(event, stream, external=capturing)
+
+
+class StreamFork:
+    """Everything recorded so far on the main stream happens before what follows on the side stream
+    (an event recorded on the main stream, waited for by the side stream). Captured into a graph, the
+    wait pulls the side stream into the capture."""
+    __slots__ = ("side", "event", "label", "fn")
+
+    def __init__(self, side, event, label: str = "fork"):
+        self.side, self.event, self.label = side, event, label
+        self.fn = Function(None, label, "stream")          # how profile.phase_table names it
+
+    def run(self, dev, stream):
+        dev.record(self.event, stream)
+        _wait(dev, self.side, self.event)
+
+
+class StreamJoin:
+    """Everything recorded so far on the side stream happens before what follows on the main stream.
+    marks: optional (main, side) timing events recorded when each stream reaches the join."""
+    __slots__ = ("side", "event", "label", "marks", "fn")
+
+    def __init__(self, side, event, label: str = "join", marks=None):
+        self.side, self.event, self.label, self.marks = side, event, label, marks
+        self.fn = Function(None, label, "stream")
+
+    def run(self, dev, stream):
+        if self.marks:
+            _mark(dev, self.marks[0], stream)
+            _mark(dev, self.marks[1], self.side)
+        dev.record(self.event, self.side)
+        _wait(dev, stream, self.event)
+
+
+class StreamCall:
+    """A library call that enqueues its own work on a stream (an NCCL collective): `call(handle)`
+    gets the integer CUstream of the side stream when one is given, else of the main stream.
+    marks: optional (start, end) timing events recorded on that stream around the call."""
+    __slots__ = ("call", "side", "label", "nbytes", "marks", "fn")
+
+    def __init__(self, call_fn, label: str, side=None, nbytes: int = 0, marks=None):
+        self.call, self.side, self.label, self.nbytes, self.marks = call_fn, side, label, int(nbytes), marks
+        self.fn = Function(None, label, "nccl")
+
+    def run(self, dev, stream):
+        s = self.side if self.side is not None else stream
+        if self.marks:
+            _mark(dev, self.marks[0], s)
+        self.call(int(s))
+        if self.marks:
+            _mark(dev, self.marks[1], s)
+
+
 class Runtime:
     """One GPU: compiled functions, a stream, the program being recorded, graphs, memory."""
 
@@ -147,6 +210,9 @@ class Runtime:
         self._allocs: list = []
         self.state = None            # DeviceView of the StepState, set by the backend
         self.compile_seconds = 0.0
+        self.row_offset = 0          # data parallel: this rank's first row of the world's batch
+        self.batch_seed = None       # data parallel: the world's batch seed (None: self.seed)
+        self._side = None            # the communication stream, made on first use
 
     # ---- kernels ------------------------------------------------------------------
     def function(self, file: str, name: str, defines: dict | None = None) -> Function:
@@ -177,6 +243,10 @@ class Runtime:
     def memset(self, view: DeviceView, word: int = 0, label: str = "memset"):
         """view[:] = word (a 32-bit pattern); recorded into the open program like a launch."""
         return self._submit(Memset(view, word, label))
+
+    def add(self, rec):
+        """Record anything with run(dev, stream) (StreamFork, StreamJoin, StreamCall) like a launch."""
+        return self._submit(rec)
 
     def _submit(self, rec):
         if self._recording is not None:
@@ -211,6 +281,21 @@ class Runtime:
 
     def synchronize(self):
         self.dev.sync(self.stream)
+
+    # ---- a second stream and events (data-parallel communication) ------------------
+    def side_stream(self):
+        """The communication stream: non-blocking, at the device's highest priority, made once."""
+        if self._side is None:
+            drv = self.dev.drv
+            _least, greatest = call(drv.cuCtxGetStreamPriorityRange)
+            self._side = call(drv.cuStreamCreateWithPriority, drv.CUstream_flags.CU_STREAM_NON_BLOCKING,
+                              greatest)
+        return self._side
+
+    def new_event(self, timing: bool = False):
+        drv = self.dev.drv
+        flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return call(drv.cuEventCreate, flags)
 
     # ---- memory -------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:

@@ -1,4 +1,7 @@
-"""The training loop behind train.py: logging, evaluation, checkpoints, resume, interrupts."""
+"""The training loop behind train.py: logging, evaluation, checkpoints, resume, interrupts.
+
+In a data-parallel run (a gptcuda.dist.Group) every rank runs this loop in step; only rank 0
+logs and writes files (metrics, checkpoints, config, tokenizer)."""
 from __future__ import annotations
 
 import json
@@ -26,10 +29,19 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+def _quiet(*a, **k):
+    pass
+
+
 class Trainer:
-    def __init__(self, cfg, resume: bool = False, log=print):
-        self.log = log
-        os.makedirs(cfg.out_dir, exist_ok=True)
+    def __init__(self, cfg, resume: bool = False, log=print, group=None):
+        self.group = group
+        self.rank = group.rank if group is not None else 0
+        self.world = group.world_size if group is not None else 1
+        self.main = self.rank == 0
+        self.log = log = log if self.main else _quiet
+        if self.main:
+            os.makedirs(cfg.out_dir, exist_ok=True)
         tok_path = os.path.join(cfg.out_dir, "tokenizer.json")
         ckpt = os.path.join(cfg.out_dir, "last.ckpt")
         tokenizer = None
@@ -43,21 +55,29 @@ class Trainer:
         self.cfg = cfg
         log(format_config(cfg))
         log(plan_for(cfg, V, len(self.data.train), len(self.data.val)).format())
-        self.eng = Engine(cfg, self.data.train, self.data.val, V)
+        self.eng = Engine(cfg, self.data.train, self.data.val, V, group=group)
+        if self.eng.dp is not None:
+            log(self.eng.dp.describe())
         self.cfg = self.eng.cfg
         self.best_val = math.inf
         self.start_step = 0
         if resume:
             arrays, meta = load_checkpoint(ckpt)
             self.eng.check_shapes(arrays, ckpt)
+            ranks = int(meta.get("world_size", 1))
+            if ranks != self.world:
+                raise CheckpointError(f"--resume: {ckpt} was written by a run on {ranks} GPU(s) and this run has "
+                                      f"{self.world}; resume it with the same number (the global batch would change)")
             self.eng.load_state_dict(arrays, meta)
             self.best_val = float(meta.get("best_val", math.inf))
             self.start_step = int(meta["step"])
             log(f"resumed from {ckpt} at step {self.start_step}")
-        else:
+        elif self.main:
             self.data.tokenizer.save(tok_path)
-        save_config(self.cfg, os.path.join(cfg.out_dir, "config.yaml"))
-        self.metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
+        self.metrics = None
+        if self.main:
+            save_config(self.cfg, os.path.join(cfg.out_dir, "config.yaml"))
+            self.metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
         n_params = self.eng.table.n_params
         self.flops_tok = flops_per_token(self.cfg, n_params)
         log(f"{n_params / 1e6:.2f}M parameters; setup (compile + record + capture) {self.eng.setup_seconds:.1f} s")
@@ -72,24 +92,30 @@ class Trainer:
         return phase_table(self.eng.be.rt, self.eng.programs["train"])
 
     def write_metrics(self, **rec):
+        if self.metrics is None:
+            return
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
 
     def save(self, name: str, step: int):
-        arrays, meta = self.eng.state_dict()
+        arrays, meta = self.eng.state_dict()          # every rank: ZeRO-1 gathers the Adam state
+        if not self.main:
+            return
         if int(meta["step"]) != step:
             raise RuntimeError(f"state step {meta['step']} != loop step {step}")
         meta.update(format_version=FORMAT_VERSION, best_val=self.best_val,
                     config=self.cfg.to_dict(), tokenizer=self.data.tokenizer.to_json())
+        if self.group is not None:
+            meta["world_size"] = self.world           # --resume needs as many GPUs (absent: one)
         save_checkpoint(os.path.join(self.cfg.out_dir, f"{name}.ckpt"), arrays, meta)
 
     def train(self, bar=True):
         cfg, eng = self.cfg, self.eng
-        tokens_step = cfg.batch_size * cfg.block_size
+        tokens_step = cfg.batch_size * cfg.block_size * self.world
         step = self.start_step
         t_last, step_last = time.perf_counter(), step
         pbar = None
-        if bar:
+        if bar and self.main:
             from tqdm import tqdm
             pbar = tqdm(total=cfg.max_iters, initial=step, dynamic_ncols=True, unit="step")
         try:
@@ -110,7 +136,8 @@ class Trainer:
                         raise NonFiniteLoss(f"loss became {st['loss']} (grad norm {st['grad_norm']}) at step "
                                             f"{step}; stopped, the last good checkpoint is left as it was")
                     tok_s = tokens_step / ms * 1e3
-                    mfu = self.flops_tok * tok_s / (PEAK_TFLOPS[cfg.precision] * 1e12) if cfg.backend == "cuda" else 0.0
+                    mfu = (self.flops_tok * tok_s / (PEAK_TFLOPS[cfg.precision] * 1e12 * self.world)
+                           if cfg.backend == "cuda" else 0.0)
                     rec = dict(step=step, loss=st["loss"], lr=st["lr"], grad_norm=st["grad_norm"], ms=ms,
                                tok_s=tok_s, mfu=mfu)
                     self.write_metrics(**rec)
@@ -122,6 +149,12 @@ class Trainer:
                         self.log(f"step {step:6d} loss {st['loss']:.4f} lr {st['lr']:.2e} {ms:7.2f} ms "
                                  f"{tok_s:,.0f} tok/s mfu {100 * mfu:.1f}%")
         except KeyboardInterrupt:
+            if eng.dp is not None:
+                # the other ranks may be a step ahead or behind: no collective (checkpoint) can be
+                # trusted to complete, and a pending one must not keep the GPU
+                self.log(f"\ninterrupted at step {step}; a multi-GPU run keeps its last evaluation checkpoint")
+                eng.dp.abort()
+                return self.best_val
             st = eng.state()
             if cfg.checkpoint and math.isfinite(st["loss"]):
                 self.save("last", step)
@@ -130,7 +163,8 @@ class Trainer:
         finally:
             if pbar is not None:
                 pbar.close()
-            self.metrics.close()
+            if self.metrics is not None:
+                self.metrics.close()
         return self.best_val
 
     def _evaluate(self, step):

@@ -2,8 +2,10 @@
 
     get_batch(rt, x[B,T] i32, y[B,T] i32, tokens[n] i32, site, counter)
         counter "step" or "eval_draws": the StepState field that keys the draw;
-        row b starts at gc_uniform(gc_key(seed, counter, site), b) % (n - T), exactly
-        gptcuda.rng.batch_offsets(seed, counter, site, B, n, T).
+        row b starts at gc_uniform(gc_key(seed, counter, site), row_offset + b) % (n - T), exactly
+        gptcuda.data.get_batch(tokens, seed, counter, site, B, T, row_offset).
+        seed is rt.batch_seed when set (a data-parallel rank: the world's seed), else rt.seed;
+        row_offset is rt.row_offset (rank * B in a data-parallel run, else 0).
 """
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ def get_batch(rt, x, y, tokens, site, counter):
         raise ValueError(f"get_batch: {n} tokens exceed int32")
     if B > 65535:
         raise ValueError(f"get_batch: batch {B} exceeds the grid's y limit")
+    seed = getattr(rt, "batch_seed", None)
+    seed = rt.seed if seed is None else seed
+    row_offset = int(getattr(rt, "row_offset", 0))
+    if not (0 <= row_offset and row_offset + B <= 2 ** 32):
+        raise ValueError(f"get_batch: row offset {row_offset} outside 0..2**32 - B")
     rt.launch(rt.function(FILE, f"get_batch<{COUNTERS[counter]}>"), (-(-T // THREADS), B), (THREADS,),
-              [x, y, tokens, i32(n), i32(T), rt.state, u32(rt.seed & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF)],
+              [x, y, tokens, i32(n), i32(T), rt.state, u32(seed & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF),
+               u32(row_offset)],
               label="get_batch")

@@ -36,6 +36,7 @@ class ReferenceBackend:
     def __init__(self, cfg):
         self.cfg = cfg
         self.seed = cfg.seed
+        self.row_offset = 0          # first row of the world's batch this backend draws (data parallel)
         self.state = {"step": 0, "lr": 0.0, "loss": 0.0, "grad_norm": 0.0, "eval_draws": 0}
         self._prog: Program | None = None
 
@@ -115,7 +116,8 @@ class ReferenceBackend:
 
     def get_batch(self, x, y, tokens, site, counter):
         def f():
-            bx, by = get_batch(tokens, self.seed, self.state[counter], site, x.shape[0], x.shape[1])
+            bx, by = get_batch(tokens, self.seed, self.state[counter], site, x.shape[0], x.shape[1],
+                               self.row_offset)
             x[...], y[...] = bx, by
         self._rec(f)
 
