@@ -9,7 +9,8 @@ K = 16384). Per shape and precision: the kernel the planner picks, median time (
 the GEMM replayed back to back inside a CUDA graph), TFLOP/s, relative error against a float64
 numpy reference on sampled rows (max|out-ref| / max|ref|), and cuBLAS through torch (or cupy)
 when importable, with the ratio ours / cuBLAS. --sweep also times every candidate tile (and
-split) of the family, marking the planner's choice, to tune gptcuda/cuda_ops/gemm.py.
+split) of the family, marking the chosen plan (the measured table of bench/tune.py when it has
+the shape, else the cost model).
 --ladder adds the teaching kernels of kernels/gemm_simt.cu (naive, coalesced, shared-memory
 tiled, register tiled) before the production ones (square shapes only).
 """
@@ -26,7 +27,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.timing import time_graphed_ms  # noqa: E402
+from bench.common import ClockWatch  # noqa: E402
+from bench.timing import time_graphed_ms  # noqa: E402  (graph replay on bench.common's event timing)
 from gptcuda.cuda_ops import gemm  # noqa: E402
 from gptcuda.runtime import DeviceView, Runtime, i32  # noqa: E402
 
@@ -191,7 +193,9 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         for prec in precisions:
             rt.precision = prec
             family = "tf32" if prec == "tf32" else "simt"
-            chosen = gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec)
+            # what gemm.matmul launches: the measured table's entry (bench/tune.py), else the cost model
+            chosen = gemm.tuned_plan(rt, gemm.tune_key(prec, ta, tb, "none", False, M, N, K), vec, ws_floats, M, N) \
+                or gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec)
             cands = [(chosen, True)]
             if args.sweep:
                 tiles = gemm.TF32_TILES if family == "tf32" else gemm.SIMT_TILES
@@ -332,8 +336,10 @@ def main(argv=None):
         results += bench_ladder(rt, n, n, n, args)
         print()
     print(HEADER)
+    watch = ClockWatch(0)
     for label, M, N, K, trans in shapes:
         results += bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats)
+    print(watch.stop())
     chosen = [r for r in results if r.get("chosen") and "ratio" in r]
     for prec in precisions:
         rs = [r for r in chosen if r["precision"] == prec]

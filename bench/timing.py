@@ -1,30 +1,28 @@
-"""CUDA-event timing for the benchmarks.
+"""CUDA-event timing for the benchmarks: bench/common.py's event timing, plus CUDA-graph replay.
 
     time_ms(rt, fn, warmup=5, iters=50, batch=1) -> median ms of one fn() call
+    time_graphed_ms(rt, record_fn, warmup=3, iters=20, reps=10) -> median ms of one record_fn()
 
-fn enqueues device work on rt.stream (a launcher call, rt.run(prog), graph.launch). Each of the
-`iters` samples is one pair of events around `batch` back-to-back calls, divided by batch, so
-work shorter than the host's launch cost can be timed in batches (or captured into a graph
-first: `graphed(rt, record_fn, reps)`).
+fn enqueues device work on rt.stream (a launcher call, rt.run(prog), graph.launch); the samples
+are bench.common.event_times_ms's (one pair of events per sample). `batch` back-to-back calls per
+sample, or `graphed(rt, record_fn, reps)` (reps recorded launches replayed as one CUDA graph),
+time work shorter than the host's launch cost.
 """
 from __future__ import annotations
 
 import statistics
 
+from bench.common import event_times_ms, median_ms  # noqa: F401  (re-exported)
+
 
 def time_ms(rt, fn, warmup: int = 5, iters: int = 50, batch: int = 1) -> float:
-    dev = rt.dev
-    for _ in range(warmup):
-        fn()
-    rt.synchronize()
-    events = [(dev.event(), dev.event()) for _ in range(iters)]
-    for start, end in events:
-        dev.record(start, rt.stream)
+    if batch == 1:
+        return median_ms(rt, fn, iters, warmup)
+
+    def many():
         for _ in range(batch):
             fn()
-        dev.record(end, rt.stream)
-    rt.synchronize()
-    return statistics.median(dev.elapsed_ms(s, e) for s, e in events) / batch
+    return statistics.median(event_times_ms(rt, many, iters, warmup)) / batch
 
 
 def graphed(rt, record_fn, reps: int = 1):
@@ -43,7 +41,7 @@ def graphed(rt, record_fn, reps: int = 1):
 def time_graphed_ms(rt, record_fn, warmup: int = 3, iters: int = 20, reps: int = 10) -> float:
     """Median ms of one record_fn() when `reps` of them run back to back inside a CUDA graph."""
     launch, _ = graphed(rt, record_fn, reps)
-    return time_ms(rt, launch, warmup, iters) / reps
+    return median_ms(rt, launch, iters, warmup) / reps
 
 
-__all__ = ["time_ms", "graphed", "time_graphed_ms"]
+__all__ = ["time_ms", "graphed", "time_graphed_ms", "event_times_ms", "median_ms"]

@@ -25,13 +25,13 @@ Ops (shapes; "+=" means the op accumulates into its destination, "=" that it ove
   residual_dropout(out, resid, x, p, site)   out = resid + dropout(x)  (element index = row-major index of x)
   layernorm_fwd(out[N,C], mean[N], rstd[N], x[N,C], w[C], b[C]|None)
   layernorm_bwd(dx[N,C], dw[C], db[C]|None, dout[N,C], x, mean, rstd, w)   dx += ; dw = ; db =
-  matmul(out[M,N], a, b, trans_a, trans_b, bias=None, epilogue="none"|"gelu"|"residual", aux=None)
+  matmul(out[M,N], a, b, trans_a, trans_b, bias=None, epilogue="none"|"gelu"|"residual"|"dgelu", aux=None)
       a is [M,K] (stored [K,M] when trans_a), b is [K,N] (stored [N,K] when trans_b), row-major;
       out = op(a) @ op(b) + bias; "gelu": aux = that pre-activation, out = gelu_tanh(aux);
-      "residual": out = aux + op(a) @ op(b) + bias (aux may be out).
+      "residual": out = aux + op(a) @ op(b) + bias (aux may be out);
+      "dgelu": out = (op(a) @ op(b)) * gelu_tanh'(aux) (no bias; the GELU backward folded in).
   bias_grad(db[N], dout[M,N])                db = dout.sum(0)   (deterministic)
   gelu_fwd(out, x)                           out = gelu_tanh(x)
-  gelu_bwd(dpre, dout, pre)                  dpre = dout * gelu_tanh'(pre) (dpre may be dout)
   attention_fwd(y[B,T,C], qkv[B,T,3C], saved, n_head, p, site)
   attention_bwd(dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site)     dqkv =
       `saved` is the dict of views `memory.attention_saved(cfg)` plans for the layer
@@ -55,7 +55,7 @@ Each backend also provides: `allocate(plan)` -> dict of views, `upload`/`downloa
 """
 
 ATTENTION_KINDS = ("unfused", "fused")
-EPILOGUES = ("none", "gelu", "residual")
+EPILOGUES = ("none", "gelu", "residual", "dgelu")
 
 
 class Program:

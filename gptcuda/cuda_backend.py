@@ -168,9 +168,6 @@ class CudaBackend:
     def gelu_fwd(self, *a):
         self.f["elementwise"].gelu_fwd(self.rt, *a)
 
-    def gelu_bwd(self, *a):
-        self.f["elementwise"].gelu_bwd(self.rt, *a)
-
     def attention_fwd(self, *a):
         self.f["attention"].attention_fwd(self.rt, *a)
 

@@ -82,9 +82,8 @@ class GPT:
             if cfg.recompute:
                 o.gelu_fwd(dfc, a["fc_pre"][l])                                    # rebuild the GELU output
             o.matmul(g[h + "fcproj.w"], d, self.fc_act(l), True, False)          # before dfc is overwritten
-            o.matmul(dfc, d, p[h + "fcproj.w"], False, False)                     # d fc_act [B,T,4C]
-            self._bias_grad(g, h + "fcproj.b", d)
-            o.gelu_bwd(dfc, dfc, a["fc_pre"][l])
+            o.matmul(dfc, d, p[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
+            self._bias_grad(g, h + "fcproj.b", d)                                  # dfc: d fc_pre [B,T,4C]
             o.matmul(dln, dfc, p[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
             o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False)
             self._bias_grad(g, h + "fc.b", dfc)

@@ -9,8 +9,11 @@
 //             so its shared-memory fragment reads are 128-bit and a warp's reads are broadcasts.
 //   TA, TB    transpose flags (the four cases share one body; only the staging differs).
 //   EPI       0 none, 1 bias, 2 GELU(tanh) (aux = pre-activation, C = gelu(pre)),
-//             3 residual (C = aux + result; aux may alias C).
-//   HAS_BIAS  add bias[n] (EPI 1 requires it; optional for 0 is meaningless, for 2 and 3 allowed).
+//             3 residual (C = aux + result; aux may alias C),
+//             4 GELU backward (C = result * gelu_tanh'(aux); aux = the saved pre-activation, read
+//               only; C must not alias aux: the MLP backward dfc = (d @ W) * gelu'(fc_pre)).
+//   HAS_BIAS  add bias[n] (EPI 1 requires it; optional for 0 is meaningless, for 2 and 3 allowed;
+//             the launcher never pairs it with 4).
 //   VEC       128-bit global loads of A and B: requires lda, ldb, the batch strides, k_chunk and the
 //             base pointers to be multiples of 4 floats / 16 bytes. Tails are still guarded
 //             element by element, so any M, N, K works on both paths.
@@ -30,6 +33,11 @@
 #define GEMM_EPI_BIAS 1
 #define GEMM_EPI_GELU 2
 #define GEMM_EPI_RESID 3
+#define GEMM_EPI_DGELU 4
+
+// Epilogues that read aux (residual input, saved pre-activation) / that touch aux at all.
+#define GEMM_EPI_READS_AUX(E) ((E) == GEMM_EPI_RESID || (E) == GEMM_EPI_DGELU)
+#define GEMM_EPI_USES_AUX(E) ((E) == GEMM_EPI_GELU || GEMM_EPI_READS_AUX(E))
 
 // GELU, tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), evaluated as
 // x * sigmoid(2u) (the same function) which keeps full relative accuracy where tanh(u) -> -1.
@@ -39,10 +47,29 @@ __device__ __forceinline__ float gemm_gelu(float x) {
     return x / (1.0f + expf(-2.0f * u));
 }
 
-// The epilogue of one value: pre = alpha*acc + bias, then the epilogue. Returns the value for C;
-// for GELU, *pre_out gets the pre-activation.
+// d/dx of gemm_gelu (the tanh form's exact derivative): with s = sigmoid(2u) = 0.5 (1 + tanh u)
+// and e = exp(-2u), 1 - tanh^2 u = 4 s (1 - s) and 1 - s = e s, so
+//   gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u' = s (1 + 2 x u' e s),
+//   u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+// No cancellation where tanh u -> +-1. Beyond |u| = 40 the result is 1 (u > 0) or 0 (u < 0) to
+// fp32 precision (the remainder is below 1e-32); selecting those keeps e = exp(-2u) <= e^80
+// finite, so e * s never becomes inf * 0 (x^3 overflowing to -inf gives 0, NaN stays NaN).
+__device__ __forceinline__ float gemm_gelu_grad(float x) {
+    const float k = 0.7978845608028654f;   // sqrt(2/pi)
+    const float x2 = x * x;
+    const float u = k * (x + 0.044715f * x2 * x);
+    const float du = k * (1.0f + 3.0f * 0.044715f * x2);
+    const float e = expf(-2.0f * fmaxf(fminf(u, 40.0f), -40.0f));
+    const float s = 1.0f / (1.0f + e);
+    const float g = s * (1.0f + 2.0f * x * du * e * s);
+    return u > 40.0f ? 1.0f : (u < -40.0f ? 0.0f : g);
+}
+
+// The epilogue of one value: pre = alpha*acc + bias, then the epilogue. `in` is the aux value
+// the epilogue reads (residual input, or the saved pre-activation of DGELU). Returns the value
+// for C; for GELU, *pre_out gets the pre-activation.
 template <int EPI, bool HAS_BIAS>
-__device__ __forceinline__ float gemm_epi_value(float acc, float alpha, float b, float resid,
+__device__ __forceinline__ float gemm_epi_value(float acc, float alpha, float b, float in,
                                                 float* pre_out) {
     float v = alpha * acc;
     if constexpr (HAS_BIAS) v += b;
@@ -50,10 +77,30 @@ __device__ __forceinline__ float gemm_epi_value(float acc, float alpha, float b,
         *pre_out = v;
         return gemm_gelu(v);
     } else if constexpr (EPI == GEMM_EPI_RESID) {
-        return resid + v;
+        return in + v;
+    } else if constexpr (EPI == GEMM_EPI_DGELU) {
+        return v * gemm_gelu_grad(in);
     } else {
         return v;
     }
+}
+
+// Four consecutive values v[0..3] stored at C[off .. off+3] (columns c..c+3) with the epilogue
+// applied, as 16-byte accesses: the caller has checked the range and the 16-byte alignment.
+template <int EPI, bool HAS_BIAS>
+__device__ __forceinline__ void gemm_store4_vec(float* C, float* aux, const float* bias, long long off,
+                                                int c, float alpha, const float (&v)[4]) {
+    float4 b4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (HAS_BIAS) b4 = *reinterpret_cast<const float4*>(bias + c);
+    float4 res = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (GEMM_EPI_READS_AUX(EPI)) res = *reinterpret_cast<const float4*>(aux + off);
+    float4 pre, out;
+    out.x = gemm_epi_value<EPI, HAS_BIAS>(v[0], alpha, b4.x, res.x, &pre.x);
+    out.y = gemm_epi_value<EPI, HAS_BIAS>(v[1], alpha, b4.y, res.y, &pre.y);
+    out.z = gemm_epi_value<EPI, HAS_BIAS>(v[2], alpha, b4.z, res.z, &pre.z);
+    out.w = gemm_epi_value<EPI, HAS_BIAS>(v[3], alpha, b4.w, res.w, &pre.w);
+    if constexpr (EPI == GEMM_EPI_GELU) *reinterpret_cast<float4*>(aux + off) = pre;
+    *reinterpret_cast<float4*>(C + off) = out;
 }
 
 // Store four consecutive values v[0..3] of row r at columns c..c+3 with the epilogue applied.
@@ -65,24 +112,14 @@ __device__ __forceinline__ void gemm_store4(float* C, float* aux, const float* b
     if (r >= M) return;
     long long off = (long long)r * ldc + c;
     if (vec && c + 3 < N) {
-        float4 b4 = make_float4(0.f, 0.f, 0.f, 0.f);
-        if constexpr (HAS_BIAS) b4 = *reinterpret_cast<const float4*>(bias + c);
-        float4 res = make_float4(0.f, 0.f, 0.f, 0.f);
-        if constexpr (EPI == GEMM_EPI_RESID) res = *reinterpret_cast<const float4*>(aux + off);
-        float4 pre, out;
-        out.x = gemm_epi_value<EPI, HAS_BIAS>(v[0], alpha, b4.x, res.x, &pre.x);
-        out.y = gemm_epi_value<EPI, HAS_BIAS>(v[1], alpha, b4.y, res.y, &pre.y);
-        out.z = gemm_epi_value<EPI, HAS_BIAS>(v[2], alpha, b4.z, res.z, &pre.z);
-        out.w = gemm_epi_value<EPI, HAS_BIAS>(v[3], alpha, b4.w, res.w, &pre.w);
-        if constexpr (EPI == GEMM_EPI_GELU) *reinterpret_cast<float4*>(aux + off) = pre;
-        *reinterpret_cast<float4*>(C + off) = out;
+        gemm_store4_vec<EPI, HAS_BIAS>(C, aux, bias, off, c, alpha, v);
     } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             if (c + e < N) {
                 float b = 0.f, res = 0.f, pre;
                 if constexpr (HAS_BIAS) b = bias[c + e];
-                if constexpr (EPI == GEMM_EPI_RESID) res = aux[off + e];
+                if constexpr (GEMM_EPI_READS_AUX(EPI)) res = aux[off + e];
                 float o = gemm_epi_value<EPI, HAS_BIAS>(v[e], alpha, b, res, &pre);
                 if constexpr (EPI == GEMM_EPI_GELU) aux[off + e] = pre;
                 C[off + e] = o;
@@ -116,7 +153,8 @@ struct GemmSimtMinBlocks { static constexpr int value = THREADS >= 256 ? 2 : (TH
 template <int BM, int BN, bool TA, bool TB, int EPI, bool HAS_BIAS, bool VEC>
 __global__ void __launch_bounds__((BM / 8) * (BN / 8), GemmSimtMinBlocks<(BM / 8) * (BN / 8)>::value)
 gemm_simt(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
-          float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C)
+          float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C;
+                                           //   DGELU: pre-activation in, not C)
           const float* __restrict__ A,     // A [batch, M, K] or [batch, K, M] (TA), stride sA
           const float* __restrict__ B,     // B [batch, K, N] or [batch, N, K] (TB), stride sB
           const float* __restrict__ bias,  // bias [N] or null
@@ -158,7 +196,7 @@ gemm_simt(float* C,                        // C [batch*splits, M, N], row stride
     A += batch * sA + (TA ? (long long)kb * lda : (long long)kb);
     B += batch * sB + (TB ? (long long)kb : (long long)kb * ldb);
     C += z * sC;
-    if constexpr (EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_RESID) aux += z * sC;
+    if constexpr (GEMM_EPI_USES_AUX(EPI)) aux += z * sC;
 
     // Per-thread staging coordinates (fixed over the k loop).
     // !TA: A tile is BM rows x BK k (k contiguous): float4 f -> row f/2, k (f%2)*4
@@ -262,7 +300,7 @@ gemm_simt(float* C,                        // C [batch*splits, M, N], row stride
     // Epilogue: 16-byte stores when C (and aux, bias) rows are 16-byte aligned.
     bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & 15) == 0);
     if constexpr (HAS_BIAS) vec = vec && ((reinterpret_cast<unsigned long long>(bias) & 15) == 0);
-    if constexpr (EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_RESID)
+    if constexpr (GEMM_EPI_USES_AUX(EPI))
         vec = vec && ((reinterpret_cast<unsigned long long>(aux) & 15) == 0);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -294,7 +332,7 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
         const long long off = (long long)m * ldc + n;
         float b = 0.f, res = 0.f, pre;
         if constexpr (HAS_BIAS) b = __ldg(bias + n);
-        if constexpr (EPI == GEMM_EPI_RESID) res = aux[off];
+        if constexpr (GEMM_EPI_READS_AUX(EPI)) res = aux[off];
         float o = gemm_epi_value<EPI, HAS_BIAS>(s, alpha, b, res, &pre);
         if constexpr (EPI == GEMM_EPI_GELU) aux[off] = pre;
         C[off] = o;

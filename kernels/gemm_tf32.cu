@@ -27,8 +27,13 @@
 // conflict-free too. The unaligned fallback (VEC = false) stages element by element with 4-byte
 // cp.async (32 consecutive floats per warp: conflict-free) and guards every element.
 //
-// Pipeline: STAGES-deep cp.async ring (cp.async.cg 16 B with zero-fill for the tails), one
-// __syncthreads per 32-wide k tile.
+// Pipeline: STAGES-deep cp.async ring, one __syncthreads per 32-wide k tile. Each thread's 16-byte
+// copies are planned once (Tf32Stager: one global address and one shared offset, a constant step
+// per k tile); tiles entirely inside the matrix are copied with no guard, edge tiles zero-fill
+// (cp.async src-size) what lies outside. After the barrier a warp issues the shared loads of its
+// first fragments, then the copies of the tile STAGES-1 ahead, then the mma.sync of the tile.
+// Epilogue: blocks entirely inside C with 16-byte aligned rows store with no guard.
+// Epilogue codes as in gemm_simt.cu (0 none, 1 bias, 2 GELU, 3 residual, 4 GELU backward).
 #include "gemm_simt.cu"
 
 #define GEMM_TF32_BK 32
@@ -84,64 +89,117 @@ __device__ __forceinline__ void tf32_mma(float (&d)[4], const unsigned (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Stage one operand tile (R rows of m or n, 32 of k) into shared memory `sm`.
-// G points at the operand of this batch / split; ld its row stride. The tile covers
-// rc in [rc0, rc0 + R) (bounded by rcmax) and k in [k0, k0 + 32) (bounded by klen).
-// KMAJOR: element (rc, k) at G[rc*ld + k]; otherwise at G[k*ld + rc].
-template <bool KMAJOR, int R, int THREADS, bool VEC>
-__device__ __forceinline__ void tf32_stage(float* sm, const float* __restrict__ G, int ld, int rc0,
-                                           int rcmax, int k0, int klen, int tid) {
-    if constexpr (VEC) {
+__device__ __forceinline__ void tf32_cp_async16_full(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
+// 16-byte staging of one operand tile (R rows of m or n, 32 of k) with cp.async (VEC).
+// The tile is R*8 chunks of 4 floats; thread tid copies chunks f = tid + i*THREADS, i < CH:
+//   K-major  (element (rc, k) at G[rc*ld + k]): chunk f is row f/8, k 4*(f%8) .. +3
+//   MN-major (element (k, rc) at G[k*ld + rc]): chunk f is k row f/CPR, columns 4*(f%CPR) .. +3
+// (CPR = R/4). THREADS is a multiple of the chunks per row (8 or CPR), so chunk i of a thread is
+// chunk 0 moved STEP rows on: one 64-bit global address and one shared offset per thread are
+// computed once, and each k tile adds a constant. Interior tiles (every row and k in range) are
+// copied with no guard at all; edge tiles zero-fill what lies outside the matrix.
+template <bool KMAJOR, int R, int THREADS>
+struct Tf32Stager {
+    static constexpr int CHUNKS = R * 8;
+    static constexpr int CH = (CHUNKS + THREADS - 1) / THREADS;
+    static constexpr bool EXACT = CHUNKS % THREADS == 0;
+    static constexpr int CPR = KMAJOR ? 8 : R / 4;
+    static constexpr int STEP = THREADS / CPR;       // K-major: m/n rows per pass; MN-major: k rows
+    static_assert(THREADS % CPR == 0, "a pass of the block must cover whole rows");
+    static_assert(!KMAJOR || STEP % 8 == 0, "K-major passes keep the swizzle bit ((r / 4) & 1)");
+    static_assert(R % 32 == 0, "tile rows are whole 32-float groups");
+
+    const float* src;   // this thread's chunk 0 at the next k tile to stage
+    long long ld;       // row stride of the operand in global memory (floats)
+    int r_t, c_t;       // chunk 0: K-major (row, k); MN-major (k row, column), within the tile
+    int soff;           // shared offset of chunk 0 within the operand tile (floats)
+    bool last_ok;       // chunk CH-1 exists for this thread (the last pass may be partial)
+
+    __device__ __forceinline__ Tf32Stager(const float* G, int ld_, int rc0, int tid) : ld(ld_) {
         if constexpr (KMAJOR) {
-            // 8 chunks per row; thread tid copies chunk (tid % 8) of rows tid/8 + i*RSTEP
-            constexpr int RSTEP = THREADS / 8, CH = R / RSTEP;
-            static_assert(CH * RSTEP == R && RSTEP % 8 == 0, "tile/threads");
-            const int rc = tid >> 3, kc = (tid & 7) << 2;
-            const int soff = tf32_off_kmajor(rc, kc);   // + i*RSTEP*32: the swizzle bit is unchanged
-            const int nbk = min(max(klen - (k0 + kc), 0), 4) * 4;
-            const float* gp = G + (long long)(rc0 + rc) * ld + (k0 + kc);
-#pragma unroll
-            for (int i = 0; i < CH; ++i) {
-                const int nb = rc0 + rc + i * RSTEP < rcmax ? nbk : 0;
-                const float* src = nb > 0 ? gp + (long long)i * RSTEP * ld : G;
-                tf32_cp_async16(tf32_smem_addr(sm + soff + i * RSTEP * 32), src, nb);
-            }
+            r_t = tid >> 3;
+            c_t = (tid & 7) << 2;
+            src = G + (long long)(rc0 + r_t) * ld + c_t;
+            soff = tf32_off_kmajor(r_t, c_t);
         } else {
-            // R/4 chunks per k row; thread tid copies chunk (tid % CPR) of k rows tid/CPR + i*KSTEP
-            constexpr int CPR = R / 4, KSTEP = THREADS / CPR, CH = 32 / KSTEP;
-            static_assert(KSTEP * CPR == THREADS && CH * KSTEP == 32, "tile/threads");
-            static_assert(KSTEP % 4 == 0, "k rows of one thread step by whole swizzle groups");
-            const int k = tid / CPR, c = (tid % CPR) << 2;
-            const int nbc = min(max(rcmax - (rc0 + c), 0), 4) * 4;
-            const float* gp = G + (long long)(k0 + k) * ld + (rc0 + c);
-            // tf32_off_mnmajor(k + i*KSTEP, c) with the swizzle group ((k >> 2) + i*KSTEP/4) & 3
-            const int kq = k >> 2, c4 = c >> 2, sbase = k * R + (c & 3);
+            r_t = tid / CPR;
+            c_t = (tid % CPR) << 2;
+            src = G + (long long)r_t * ld + (rc0 + c_t);
+            soff = tf32_off_mnmajor<R>(r_t, c_t);
+        }
+        last_ok = EXACT || tid + (CH - 1) * THREADS < CHUNKS;
+    }
+
+    // shared offset of chunk i (floats, within the operand tile)
+    __device__ __forceinline__ int chunk_off(int i) const {
+        if constexpr (KMAJOR) {
+            return soff + i * STEP * 32;                 // same swizzle bit: STEP % 8 == 0
+        } else if constexpr (STEP % 16 == 0) {
+            return soff + i * STEP * R;                  // same swizzle group
+        } else {
+            const int k = r_t + i * STEP;
+            return k * R + (((c_t >> 2) ^ (((k >> 2) & 3) << 1)) << 2);
+        }
+    }
+
+    // global offset of chunk i from chunk 0 (floats)
+    __device__ __forceinline__ long long chunk_step(int i) const { return (long long)i * STEP * ld; }
+
+    // Stage the k tile [k0, k0 + 32) into sm; `full`: every row and k of it lies in the matrix.
+    // G: the operand base (a safe address for zero-filled chunks); rc0/rcmax: rows of the tile
+    // and of the matrix; klen: k extent of this split. Then move on to the next k tile.
+    __device__ __forceinline__ void stage(float* sm, bool full, const float* G, int rc0, int rcmax,
+                                          int k0, int klen) {
+        const unsigned base = tf32_smem_addr(sm);
+        if (full) {
+#pragma unroll
+            for (int i = 0; i < CH; ++i)
+                if (i < CH - 1 || last_ok)
+                    tf32_cp_async16_full(base + 4u * chunk_off(i), src + chunk_step(i));
+        } else {
 #pragma unroll
             for (int i = 0; i < CH; ++i) {
-                const int nb = k0 + k + i * KSTEP < klen ? nbc : 0;
-                const float* src = nb > 0 ? gp + (long long)i * KSTEP * ld : G;
-                const int sw = ((kq + i * (KSTEP / 4)) & 3) << 1;
-                tf32_cp_async16(tf32_smem_addr(sm + sbase + i * KSTEP * R + ((c4 ^ sw) << 2)), src, nb);
+                if (i < CH - 1 || last_ok) {
+                    int nb;
+                    if constexpr (KMAJOR) {
+                        const bool row_ok = rc0 + r_t + i * STEP < rcmax;
+                        nb = row_ok ? min(max(klen - (k0 + c_t), 0), 4) * 4 : 0;
+                    } else {
+                        const bool k_ok = k0 + r_t + i * STEP < klen;
+                        nb = k_ok ? min(max(rcmax - (rc0 + c_t), 0), 4) * 4 : 0;
+                    }
+                    const float* p = nb > 0 ? src + chunk_step(i) : G;
+                    tf32_cp_async16(base + 4u * chunk_off(i), p, nb);
+                }
             }
         }
-    } else {
-        // element by element: 32 consecutive floats of one row per warp (coalesced, conflict-free)
-        constexpr int EL = R * 32 / THREADS;
-        static_assert(EL * THREADS == R * 32, "tile/threads");
+        src += KMAJOR ? 32LL : 32LL * ld;
+    }
+};
+
+// Element-by-element staging for unaligned operands (VEC = false): 4-byte cp.async, every element
+// guarded; 32 consecutive floats of one row per warp (coalesced, conflict-free).
+template <bool KMAJOR, int R, int THREADS>
+__device__ __forceinline__ void tf32_stage_scalar(float* sm, const float* __restrict__ G, int ld, int rc0,
+                                                  int rcmax, int k0, int klen, int tid) {
+    constexpr int EL = R * 32 / THREADS;
+    static_assert(EL * THREADS == R * 32, "tile/threads");
 #pragma unroll 8
-        for (int i = 0; i < EL; ++i) {
-            const int idx = tid + i * THREADS;
-            if constexpr (KMAJOR) {
-                const int rc = idx >> 5, k = idx & 31;
-                const bool ok = rc0 + rc < rcmax && k0 + k < klen;
-                const float* src = ok ? G + (long long)(rc0 + rc) * ld + (k0 + k) : G;
-                tf32_cp_async4(tf32_smem_addr(sm + tf32_off_kmajor(rc, k)), src, ok ? 4 : 0);
-            } else {
-                const int k = idx / R, c = idx % R;
-                const bool ok = k0 + k < klen && rc0 + c < rcmax;
-                const float* src = ok ? G + (long long)(k0 + k) * ld + (rc0 + c) : G;
-                tf32_cp_async4(tf32_smem_addr(sm + tf32_off_mnmajor<R>(k, c)), src, ok ? 4 : 0);
-            }
+    for (int i = 0; i < EL; ++i) {
+        const int idx = tid + i * THREADS;
+        if constexpr (KMAJOR) {
+            const int rc = idx >> 5, k = idx & 31;
+            const bool ok = rc0 + rc < rcmax && k0 + k < klen;
+            const float* src = ok ? G + (long long)(rc0 + rc) * ld + (k0 + k) : G;
+            tf32_cp_async4(tf32_smem_addr(sm + tf32_off_kmajor(rc, k)), src, ok ? 4 : 0);
+        } else {
+            const int k = idx / R, c = idx % R;
+            const bool ok = k0 + k < klen && rc0 + c < rcmax;
+            const float* src = ok ? G + (long long)(k0 + k) * ld + (rc0 + c) : G;
+            tf32_cp_async4(tf32_smem_addr(sm + tf32_off_mnmajor<R>(k, c)), src, ok ? 4 : 0);
         }
     }
 }
@@ -166,7 +224,8 @@ __global__ void __launch_bounds__(WM * WN * 32,
                                   GemmTf32MinBlocks<WM * WN * 32,
                                                     GemmTf32Shape<BM, BN, BK, WM, WN, STAGES>::SMEM_BYTES>::value)
 gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
-          float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C)
+          float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C;
+                                           //   DGELU: pre-activation in, not C)
           const float* __restrict__ A,     // A [batch, M, K] or [batch, K, M] (TA), stride sA
           const float* __restrict__ B,     // B [batch, K, N] or [batch, N, K] (TB), stride sB
           const float* __restrict__ bias,  // bias [N] or null
@@ -199,13 +258,23 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
     A += batch * sA + (TA ? (long long)kb0 * lda : (long long)kb0);
     B += batch * sB + (TB ? (long long)kb0 : (long long)kb0 * ldb);
     C += z * sC;
-    if constexpr (EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_RESID) aux += z * sC;
+    if constexpr (GEMM_EPI_USES_AUX(EPI)) aux += z * sC;
 
+    // Staging of the k tiles in order 0, 1, 2, ... (each call moves the stagers on by one tile).
+    Tf32Stager<!TA, BM, THREADS> stA(A, lda, m0, tid);
+    Tf32Stager<TB, BN, THREADS> stB(B, ldb, n0, tid);
+    const bool a_rows_in = m0 + BM <= M, b_rows_in = n0 + BN <= N;
     auto stage_tiles = [&](int s, int k0) {
         float* sa = smem + s * STAGE;
         float* sb = sa + A_FLOATS;
-        tf32_stage<!TA, BM, THREADS, VEC>(sa, A, lda, m0, M, k0, klen, tid);
-        tf32_stage<TB, BN, THREADS, VEC>(sb, B, ldb, n0, N, k0, klen, tid);
+        if constexpr (VEC) {
+            const bool k_in = k0 + BK <= klen;
+            stA.stage(sa, a_rows_in && k_in, A, m0, M, k0, klen);
+            stB.stage(sb, b_rows_in && k_in, B, n0, N, k0, klen);
+        } else {
+            tf32_stage_scalar<!TA, BM, THREADS>(sa, A, lda, m0, M, k0, klen, tid);
+            tf32_stage_scalar<TB, BN, THREADS>(sb, B, ldb, n0, N, k0, klen, tid);
+        }
     };
 
     // Per-thread fragment base offsets (floats, within a stage). With the permutations above the
@@ -243,80 +312,90 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
         tf32_cp_commit();
     }
 
+    // Fragments of one 16-wide k block kb of a stage: A [m16 tile][mma step j][a0..a3], B [n8 tile][j][b0, b1].
+    auto load_frags = [&](const float* sa, const float* sb, int kb, unsigned (&fa)[MT][2][4],
+                          unsigned (&fb)[NT][2][2]) {
+        if constexpr (!TA) {     // K-major A: row r, k = 16 kb + 4 t .. +3
+            const float* base = sa + (kb == 0 ? a_frag0 : a_frag1);
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float4 v = *reinterpret_cast<const float4*>(
+                        base + (32 * (mi >> 1) + 2 * (mi & 1) + h) * 32);
+                    fa[mi][0][h] = tf32_round(v.x);
+                    fa[mi][0][h + 2] = tf32_round(v.y);
+                    fa[mi][1][h] = tf32_round(v.z);
+                    fa[mi][1][h + 2] = tf32_round(v.w);
+                }
+        } else {                 // MN-major A: k row, m = 32 p + 4 g .. +3
+#pragma unroll
+            for (int p = 0; p < MT / 2; ++p)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int hi = 0; hi < 2; ++hi) {
+                        const float4 v = *reinterpret_cast<const float4*>(
+                            sa + a_frag0 + (16 * kb + 2 * j + hi) * BM + 32 * p);
+                        fa[2 * p][j][0 + 2 * hi] = tf32_round(v.x);
+                        fa[2 * p][j][1 + 2 * hi] = tf32_round(v.y);
+                        fa[2 * p + 1][j][0 + 2 * hi] = tf32_round(v.z);
+                        fa[2 * p + 1][j][1 + 2 * hi] = tf32_round(v.w);
+                    }
+        }
+        if constexpr (TB) {      // K-major B: row n, k = 16 kb + 4 t .. +3
+            const float* base = sb + (kb == 0 ? b_frag0 : b_frag1);
+#pragma unroll
+            for (int ni = 0; ni < NT; ++ni) {
+                const float4 v = *reinterpret_cast<const float4*>(
+                    base + (32 * (ni >> 2) + (ni & 3)) * 32);
+                fb[ni][0][0] = tf32_round(v.x);
+                fb[ni][0][1] = tf32_round(v.y);
+                fb[ni][1][0] = tf32_round(v.z);
+                fb[ni][1][1] = tf32_round(v.w);
+            }
+        } else {                 // MN-major B: k row, n = 32 q + 4 g .. +3 -> n8 tiles 4q..4q+3
+#pragma unroll
+            for (int q = 0; q < NT / 4; ++q)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int hi = 0; hi < 2; ++hi) {
+                        const float4 v = *reinterpret_cast<const float4*>(
+                            sb + b_frag0 + (16 * kb + 2 * j + hi) * BN + 32 * q);
+                        fb[4 * q + 0][j][hi] = tf32_round(v.x);
+                        fb[4 * q + 1][j][hi] = tf32_round(v.y);
+                        fb[4 * q + 2][j][hi] = tf32_round(v.z);
+                        fb[4 * q + 3][j][hi] = tf32_round(v.w);
+                    }
+        }
+    };
+    auto mma_block = [&](const unsigned (&fa)[MT][2][4], const unsigned (&fb)[NT][2][2]) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NT; ++ni) tf32_mma(acc[mi][ni], fa[mi][j], fb[ni][j]);
+    };
+
     for (int kt = 0; kt < nk; ++kt) {
         tf32_cp_wait<STAGES - 2>();
         __syncthreads();   // tile kt visible to all; everyone is done with tile kt-1's stage
+        const float* sa = smem + (kt % STAGES) * STAGE;
+        const float* sb = sa + A_FLOATS;
+        unsigned fa[MT][2][4], fb[NT][2][2];
+        load_frags(sa, sb, 0, fa, fb);     // first fragments in flight before the copies are issued
         {
             const int nxt = kt + STAGES - 1;
             if (nxt < nk) stage_tiles(nxt % STAGES, nxt * BK);
             tf32_cp_commit();
         }
-        const float* sa = smem + (kt % STAGES) * STAGE;
-        const float* sb = sa + A_FLOATS;
+        mma_block(fa, fb);
 #pragma unroll
-        for (int kb = 0; kb < BK / 16; ++kb) {
-            unsigned fa[MT][2][4];   // [m16 tile][mma step j][a0..a3]
-            unsigned fb[NT][2][2];   // [n8 tile][mma step j][b0, b1]
-            if constexpr (!TA) {     // K-major A: row r, k = 16 kb + 4 t .. +3
-                const float* base = sa + (kb == 0 ? a_frag0 : a_frag1);
-#pragma unroll
-                for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const float4 v = *reinterpret_cast<const float4*>(
-                            base + (32 * (mi >> 1) + 2 * (mi & 1) + h) * 32);
-                        fa[mi][0][h] = tf32_round(v.x);
-                        fa[mi][0][h + 2] = tf32_round(v.y);
-                        fa[mi][1][h] = tf32_round(v.z);
-                        fa[mi][1][h + 2] = tf32_round(v.w);
-                    }
-            } else {                 // MN-major A: k row, m = 32 p + 4 g .. +3
-#pragma unroll
-                for (int p = 0; p < MT / 2; ++p)
-#pragma unroll
-                    for (int j = 0; j < 2; ++j)
-#pragma unroll
-                        for (int hi = 0; hi < 2; ++hi) {
-                            const float4 v = *reinterpret_cast<const float4*>(
-                                sa + a_frag0 + (16 * kb + 2 * j + hi) * BM + 32 * p);
-                            fa[2 * p][j][0 + 2 * hi] = tf32_round(v.x);
-                            fa[2 * p][j][1 + 2 * hi] = tf32_round(v.y);
-                            fa[2 * p + 1][j][0 + 2 * hi] = tf32_round(v.z);
-                            fa[2 * p + 1][j][1 + 2 * hi] = tf32_round(v.w);
-                        }
-            }
-            if constexpr (TB) {      // K-major B: row n, k = 16 kb + 4 t .. +3
-                const float* base = sb + (kb == 0 ? b_frag0 : b_frag1);
-#pragma unroll
-                for (int ni = 0; ni < NT; ++ni) {
-                    const float4 v = *reinterpret_cast<const float4*>(
-                        base + (32 * (ni >> 2) + (ni & 3)) * 32);
-                    fb[ni][0][0] = tf32_round(v.x);
-                    fb[ni][0][1] = tf32_round(v.y);
-                    fb[ni][1][0] = tf32_round(v.z);
-                    fb[ni][1][1] = tf32_round(v.w);
-                }
-            } else {                 // MN-major B: k row, n = 32 q + 4 g .. +3 -> n8 tiles 4q..4q+3
-#pragma unroll
-                for (int q = 0; q < NT / 4; ++q)
-#pragma unroll
-                    for (int j = 0; j < 2; ++j)
-#pragma unroll
-                        for (int hi = 0; hi < 2; ++hi) {
-                            const float4 v = *reinterpret_cast<const float4*>(
-                                sb + b_frag0 + (16 * kb + 2 * j + hi) * BN + 32 * q);
-                            fb[4 * q + 0][j][hi] = tf32_round(v.x);
-                            fb[4 * q + 1][j][hi] = tf32_round(v.y);
-                            fb[4 * q + 2][j][hi] = tf32_round(v.z);
-                            fb[4 * q + 3][j][hi] = tf32_round(v.w);
-                        }
-            }
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-                    for (int ni = 0; ni < NT; ++ni) tf32_mma(acc[mi][ni], fa[mi][j], fb[ni][j]);
+        for (int kb = 1; kb < BK / 16; ++kb) {
+            load_frags(sa, sb, kb, fa, fb);
+            mma_block(fa, fb);
         }
     }
     tf32_cp_wait<0>();
@@ -325,8 +404,29 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
     // consecutive columns wn0 + 32 q + 8 t + 4 e .. +3 of row wm0 + 32 (mi/2) + 4 g + 2 (mi%2) + h.
     bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & 15) == 0);
     if constexpr (HAS_BIAS) vec = vec && ((reinterpret_cast<unsigned long long>(bias) & 15) == 0);
-    if constexpr (EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_RESID)
+    if constexpr (GEMM_EPI_USES_AUX(EPI))
         vec = vec && ((reinterpret_cast<unsigned long long>(aux) & 15) == 0);
+    if (vec && m0 + BM <= M && n0 + BN <= N) {
+        // interior block, aligned rows: 16-byte stores with no guard
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = m0 + wm0 + 32 * (mi >> 1) + 4 * g + 2 * (mi & 1) + h;
+                const int c0 = n0 + wn0 + 8 * t;
+                const long long row = (long long)r * ldc + c0;
+#pragma unroll
+                for (int q = 0; q < NT / 4; ++q)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float v[4] = {acc[mi][4 * q + 0][2 * h + e], acc[mi][4 * q + 1][2 * h + e],
+                                            acc[mi][4 * q + 2][2 * h + e], acc[mi][4 * q + 3][2 * h + e]};
+                        gemm_store4_vec<EPI, HAS_BIAS>(C, aux, bias, row + 32 * q + 4 * e, c0 + 32 * q + 4 * e,
+                                                       alpha, v);
+                    }
+            }
+        return;
+    }
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll

@@ -72,3 +72,16 @@ def test_block_emulation_matches_numpy(sb):
     got, want = sb.emulate_block(tile, True, True, tile[0] + 3, tile[1] + 1, 37, False,
                                  m0=tile[0], n0=0, seed=3)
     assert got.shape == want.shape and abs(got - want).max() < 1e-9
+
+
+def test_partial_last_pass_192_threads(sb):
+    # 192 threads stage a 128-row operand in 5 1/3 passes: the last pass has inactive lanes,
+    # every element is still written once, and one block computes the right product
+    tile = next(t for t in sb.TF32_TILES if t[3] * t[4] == 6)
+    insts = sb.staging_instructions(True, 128, 192, True)
+    assert len(insts) == 6 * 6 - 4 and min(len(i) for _, i in insts) == 32   # 2 of 6 warps in the last pass
+    rep = sb.Report()
+    staging, frag = sb.check_tile(rep, tile, False, False, True)
+    assert not rep.fail and staging <= 2 and frag == 1
+    got, want = sb.emulate_block(tile, True, False, tile[0] + 7, tile[1] - 9, 40, True, m0=tile[0], n0=0, seed=5)
+    assert abs(got - want).max() < 1e-9

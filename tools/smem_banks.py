@@ -5,8 +5,9 @@ For every TF32 block tile (gptcuda.cuda_ops.gemm.TF32_TILES) and every transpose
 tool replays, thread by thread, what the kernel does with shared memory:
 
   1. the layout of each operand tile is a bijection of (row, k) onto the stage's floats;
-  2. staging (cp.async 16 B, and the 4-byte unaligned fallback) writes every element of the
-     tile exactly once, at the offset the kernel computes (its strength-reduced forms included);
+  2. staging (Tf32Stager's 16-byte cp.async, partial last passes of 192-thread tiles included,
+     and the 4-byte unaligned fallback) writes every element of the tile exactly once, at the
+     offset the kernel computes (its strength-reduced forms included);
   3. every fragment load (LDS.128) reads the element the mma.sync.m16n8k8 fragment ownership
      of the PTX ISA asks for, under the kernel's m / n / k index permutations, and the
      epilogue writes each accumulator register to the matching (row, column);
@@ -16,7 +17,8 @@ tool replays, thread by thread, what the kernel does with shared memory:
      4-byte access: staging must be <= 2-way, fragment loads 1-way (conflict-free).
 
 Exits non-zero when any check fails. The layout formulas are mirrored from gemm_tf32.cu
-(tf32_off_kmajor, tf32_off_mnmajor, tf32_stage, the a_frag / b_frag bases): keep them in sync.
+(tf32_off_kmajor, tf32_off_mnmajor, Tf32Stager, tf32_stage_scalar, the a_frag / b_frag bases):
+keep them in sync.
 
     python tools/smem_banks.py [-v]
 """
@@ -66,10 +68,11 @@ def ways(word_addrs, width):
     worst = 0
     for p0 in range(0, 32, phase):
         banks = {}
-        for lane in range(p0, p0 + phase):
+        for lane in range(p0, min(p0 + phase, len(word_addrs))):
             for w in word_addrs[lane]:
                 banks.setdefault(w % BANKS, set()).add(w)
-        worst = max(worst, max(len(s) for s in banks.values()))
+        if banks:
+            worst = max(worst, max(len(s) for s in banks.values()))
     return worst
 
 
@@ -77,36 +80,35 @@ def ways(word_addrs, width):
 # staging (mirror of tf32_stage): list of warp instructions, each [(lane, rc, k, offset)]
 # --------------------------------------------------------------------------------------
 def staging_instructions(kmajor, R, threads, vec):
+    """Tf32Stager (vec) / tf32_stage_scalar: per warp instruction, (width, [(lane, rc, k, offset)]);
+    lanes whose chunk does not exist (a partial last pass) are inactive."""
     insts = []
     if vec:
-        if kmajor:
-            rstep = threads // 8
-            ch = R // rstep
-            assert ch * rstep == R and rstep % 8 == 0
-            for i in range(ch):
-                for w in range(threads // 32):
-                    inst = []
-                    for lane in range(32):
-                        tid = 32 * w + lane
-                        rc, kc = tid >> 3, (tid & 7) << 2
-                        soff = off_kmajor(rc, kc) + i * rstep * 32       # the kernel's form
-                        inst.append((lane, rc + i * rstep, kc, soff))
-                    insts.append((4, inst))
-        else:
-            cpr = R // 4
-            kstep = threads // cpr
-            ch = 32 // kstep
-            assert kstep * cpr == threads and ch * kstep == 32 and kstep % 4 == 0
-            for i in range(ch):
-                for w in range(threads // 32):
-                    inst = []
-                    for lane in range(32):
-                        tid = 32 * w + lane
-                        k, c = tid // cpr, (tid % cpr) << 2
-                        kq, c4, sbase = k >> 2, c >> 2, k * R + (c & 3)
-                        sw = ((kq + i * (kstep // 4)) & 3) << 1
-                        soff = sbase + i * kstep * R + ((c4 ^ sw) << 2)  # the kernel's form
-                        inst.append((lane, c, k + i * kstep, soff))
+        chunks = R * 8
+        ch = -(-chunks // threads)
+        cpr = 8 if kmajor else R // 4
+        step = threads // cpr
+        assert threads % cpr == 0 and (not kmajor or step % 8 == 0) and R % 32 == 0
+        for i in range(ch):
+            for w in range(threads // 32):
+                inst = []
+                for lane in range(32):
+                    tid = 32 * w + lane
+                    if i == ch - 1 and tid + i * threads >= chunks:          # last_ok
+                        continue
+                    if kmajor:
+                        r_t, c_t = tid >> 3, (tid & 7) << 2
+                        soff = off_kmajor(r_t, c_t) + i * step * 32          # chunk_off, the kernel's form
+                        inst.append((lane, r_t + i * step, c_t, soff))
+                    else:
+                        r_t, c_t = tid // cpr, (tid % cpr) << 2
+                        if step % 16 == 0:
+                            soff = off_mnmajor(R, r_t, c_t) + i * step * R
+                        else:
+                            k = r_t + i * step
+                            soff = k * R + (((c_t >> 2) ^ (((k >> 2) & 3) << 1)) << 2)
+                        inst.append((lane, c_t, r_t + i * step, soff))
+                if inst:
                     insts.append((4, inst))
     else:
         el = R * 32 // threads
@@ -256,7 +258,7 @@ def check_tile(rep: Report, tile, ta, tb, vec):
         # staging: each element once, at the layout offset; conflicts
         seen = np.zeros((R, BK), np.int64)
         for width, inst in staging_instructions(kmajor, R, threads, vec):
-            words = []
+            words = [[] for _ in range(32)]       # per lane (inactive lanes touch nothing)
             for lane, r_, k_, off in inst:
                 span = range(width)
                 for e in span:
@@ -266,7 +268,7 @@ def check_tile(rep: Report, tile, ta, tb, vec):
                         seen[r_, k_ + e] += 1
                     else:
                         seen[r_ + e, k_] += 1
-                words.append([off + e for e in span])
+                words[lane] = [off + e for e in span]
             worst_stage = max(worst_stage, ways(words, width))
         rep.check(np.all(seen == 1), f"{name}: {op} staging does not write every element once")
     rep.check(worst_stage <= MAX_STAGING_WAYS, f"{name}: staging {worst_stage}-way > {MAX_STAGING_WAYS}")
@@ -399,14 +401,20 @@ def main(argv=None):
                 for vec in ((True, False) if tile in TF32_FALLBACK_TILES else (True,)):
                     s, f = check_tile(rep, tile, ta, tb, vec)
                     rows.append((tile, ta, tb, vec, s, f))
-    # end-to-end emulation of one block per transpose case on the smallest tile, with tails
+    # end-to-end emulation of one block per transpose case on the smallest tile, with tails, and
+    # on tiles whose staging ends in a partial pass (192 threads: 1024 chunks are 5 1/3 passes)
     small = min(TF32_TILES, key=lambda t: t[0] * t[1])
-    shapes = [(small[0], small[1], 2 * BK, True, 0, 0), (small[0] + 5, small[1] + 3, 45, False, small[0], small[1])]
+    shapes = [(small, small[0], small[1], 2 * BK, True, 0, 0),
+              (small, small[0] + 5, small[1] + 3, 45, False, small[0], small[1])]
+    for tile in TF32_TILES:
+        threads = tile[3] * tile[4] * 32
+        if (tile[0] * 8) % threads or (tile[1] * 8) % threads:
+            shapes.append((tile, tile[0] + 100, tile[1] + 5, 45, True, tile[0], 0))
     if quick:
         shapes = shapes[:1]
     for ta in (False, True):
         for tb in (False, True):
-            for (M, N, K, vec, m0, n0) in shapes:
+            for (small, M, N, K, vec, m0, n0) in shapes:
                 got, want = emulate_block(small, ta, tb, M, N, K, vec, m0, n0, seed=M + N + K)
                 err = np.max(np.abs(got - want)) if got.size else 0.0
                 rep.check(err < 1e-9, f"emulated block {small} ta={ta} tb={tb} M={M} N={N} K={K} "
@@ -415,7 +423,7 @@ def main(argv=None):
                          f"M={M} N={N} K={K} at ({m0}, {n0}): max err {err:.2g}")
     print(f"{'tile':>24} {'case':>4} {'vec':>5} {'staging':>8} {'fragment':>8}")
     for tile, ta, tb, vec, s, f in rows:
-        print(f"{str(tile[:2]) + ' w' + str(tile[3:5]):>24} {('T' if ta else 'N') + ('T' if tb else 'N'):>4} "
+        print(f"{str(tile[:2]) + ' w' + str(tile[3:5]) + ' s' + str(tile[5]):>24} {('T' if ta else 'N') + ('T' if tb else 'N'):>4} "
               f"{str(vec):>5} {s:>7}-way {f:>7}-way")
     if rep.fail:
         print(f"FAILED: {len(rep.fail)} check(s)", file=sys.stderr)

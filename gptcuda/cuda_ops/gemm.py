@@ -3,31 +3,47 @@
     matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None)
         out[M, N] = op(a) @ op(b) (+ bias) (+ epilogue); a is [M, K] or stored [K, M] (trans_a),
         b is [K, N] or stored [N, K] (trans_b). Leading dims of every view flatten into rows.
-        "gelu": aux = pre-activation, out = gelu_tanh(aux); "residual": out = aux + ... (aux may be out).
+        "gelu": aux = pre-activation, out = gelu_tanh(aux); "residual": out = aux + ... (aux may be out);
+        "dgelu": out = (op(a) @ op(b)) * gelu_tanh'(aux), aux = the saved pre-activation (read only,
+        out must not alias it; no bias).
     matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0)
         out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch.
 
 rt.precision picks the kernel family: "fp32" -> SIMT, "tf32" -> tensor cores. The block tile
-and the split-K factor are chosen per shape from rt.info.sm_count (`plan`). Split-K writes
-partials into the workspace "gemm_splitk" [splits, M, N] and a fixed-order reduction applies
-the epilogue, so results are deterministic and do not depend on timing.
+and the split-K factor of a shape come from the measured table of bench/tune.py when it has
+an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel
+sources (`tuned_plan`), else from a cost model (`plan`) fed with rt.info.sm_count. Split-K
+writes partials into the workspace "gemm_splitk" [splits, M, N] and a fixed-order reduction
+applies the epilogue, so results are deterministic and do not depend on timing at run time
+(which plan a shape gets is fixed once the table is written; GPTCUDA_GEMM_TUNE=0 ignores it).
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import os
+import re
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
-from ..backend import EPILOGUES, rows
+from ..backend import rows
 from ..runtime import f32, i32, u64
 
 SIMT_FILE = "gemm_simt.cu"
 TF32_FILE = "gemm_tf32.cu"
 
 # Epilogue codes shared with the kernels (GEMM_EPI_* in gemm_simt.cu / gemm_tf32.cu).
-EPI_NONE, EPI_BIAS, EPI_GELU, EPI_RESID = 0, 1, 2, 3
-# (EPI, HAS_BIAS) pairs a launcher can ask for.
+EPI_NONE, EPI_BIAS, EPI_GELU, EPI_RESID, EPI_DGELU = 0, 1, 2, 3, 4
+# The op interface's epilogue names (backend.EPILOGUES plus "dgelu") -> kernel code without bias.
+EPILOGUE_CODES = {"none": EPI_NONE, "gelu": EPI_GELU, "residual": EPI_RESID, "dgelu": EPI_DGELU}
+AUX_EPILOGUES = ("gelu", "residual", "dgelu")
+# (EPI, HAS_BIAS) pairs a launcher can ask for (dgelu never takes a bias).
 EPI_COMBOS = ((EPI_NONE, False), (EPI_BIAS, True), (EPI_GELU, False), (EPI_GELU, True),
-              (EPI_RESID, False), (EPI_RESID, True))
+              (EPI_RESID, False), (EPI_RESID, True), (EPI_DGELU, False))
+# [M, N] arrays an epilogue moves through DRAM: the output, plus aux written (GELU) or read.
+EPI_IO = {EPI_NONE: 1, EPI_BIAS: 1, EPI_GELU: 2, EPI_RESID: 2, EPI_DGELU: 2}
 
 # SIMT block tiles (BM, BN): threads = BM*BN/64; blocks resident per SM (register bound: the
 # kernel's __launch_bounds__ asks for 2 / 3 / 6, see GemmSimtMinBlocks in gemm_simt.cu).
@@ -38,10 +54,20 @@ SIMT_EFFICIENCY = {(128, 128): 1.0, (128, 64): 0.9, (64, 64): 0.8}
 # TF32 block tiles: (BM, BN, BK, warps_m, warps_n, stages); warp tiles 64x64 / 64x32 / 32x32,
 # BK = 32 (the shared layouts of gemm_tf32.cu assume it). The unaligned fallback (VEC = false,
 # 4-byte cp.async, element guards) is only instantiated for TF32_FALLBACK_TILES.
+#   256x128 s3: 1 block/SM (147 KB), 8 warps of 64x64: the fewest operand bytes per flop.
+#   128x128 s3: 2 blocks/SM (96 KB each): one block's epilogue and pipeline fill overlap the
+#               other's main loop (GELU / residual / dgelu epilogues, short K).
+#   256x128 s4: a 4-deep cp.async ring (193 KB, 1 block/SM).
+#   192x128 s3: 6 warps of 64x64, 1 block/SM: M = 16384 rows make 86 row tiles, so N = 384
+#               (3 column tiles) is 258 blocks = 1.95 waves of 132 SMs instead of 1.45 (73%).
 TF32_TILES = ((256, 128, 32, 4, 2, 3), (128, 128, 32, 2, 2, 3), (128, 64, 32, 2, 2, 4),
-              (64, 64, 32, 2, 2, 4))
+              (64, 64, 32, 2, 2, 4), (256, 128, 32, 4, 2, 4), (192, 128, 32, 3, 2, 3))
 TF32_FALLBACK_TILES = ((64, 64, 32, 2, 2, 4),)
-TF32_EFFICIENCY = {TF32_TILES[0]: 1.0, TF32_TILES[1]: 0.9, TF32_TILES[2]: 0.75, TF32_TILES[3]: 0.6}
+# The cost model (`plan`, used without a measured table) only picks among these; the others are
+# candidates for bench/tune.py, whose measurements decide.
+TF32_PLAN_TILES = TF32_TILES[:4]
+TF32_EFFICIENCY = {TF32_TILES[0]: 1.0, TF32_TILES[1]: 0.9, TF32_TILES[2]: 0.75, TF32_TILES[3]: 0.6,
+                   TF32_TILES[4]: 1.0, TF32_TILES[5]: 0.95}
 SMEM_PER_SM = 228 * 1024       # H100/H200; GemmTf32MinBlocks in gemm_tf32.cu uses the same
 
 # Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
@@ -122,16 +148,23 @@ def _cdiv(a, b):
 _FLOPS_PER_SM = 128 * 2 * 1.75e9      # fp32 FMA lanes x 2 x clock
 _TF32_FLOPS_PER_SM = 1024 * 2 * 1.75e9 / 2
 _BYTES_PER_S = 3.5e12
+_L2_BYTES_PER_S = 6e12                # L2 -> SM operand streaming, all SMs together (rough)
 _LAUNCH_S = 3e-6
+_FILL_S = 1.5e-6                      # a block's pipeline fill: latency of its first operand tiles
+_HIDDEN = 0.25                        # share of fill + epilogue not hidden when another block is resident
 
 
-def _candidates(family, vec=True):
+def _candidates(family, vec=True, tiles=None):
+    """(tile, threads, blocks/SM, efficiency, smem) of the family's tiles (`tiles`: restrict to
+    these; default: the cost model's own set)."""
     if family == "tf32" and TF32_TILES:
-        tiles = TF32_TILES if vec else TF32_FALLBACK_TILES
+        pool = TF32_TILES if vec else TF32_FALLBACK_TILES
+        if tiles is None:
+            pool = [t for t in pool if t in TF32_PLAN_TILES]
         return [(t, t[3] * t[4] * 32, tf32_blocks_per_sm(t), TF32_EFFICIENCY[t], tf32_smem(t))
-                for t in tiles]
+                for t in pool if tiles is None or t in tiles]
     return [(t, t[0] * t[1] // 64, SIMT_BLOCKS_PER_SM[t[0] * t[1] // 64], SIMT_EFFICIENCY[t], 0)
-            for t in SIMT_TILES]
+            for t in SIMT_TILES if tiles is None or t in tiles]
 
 
 def tf32_smem(tile) -> int:
@@ -161,20 +194,64 @@ def _model_time(blocks, work_per_block, threads, bps, eff, rate, sm_count):
     return t
 
 
+def split_chunk(K, splits):
+    """k_chunk of a split count (a multiple of SPLIT_ALIGN), or None when `splits` chunks of that
+    size would leave one empty."""
+    if splits == 1:
+        return K
+    chunk = _cdiv(_cdiv(K, splits), SPLIT_ALIGN) * SPLIT_ALIGN
+    return chunk if _cdiv(K, chunk) == splits else None
+
+
+def make_plan(family, tile, splits, K) -> Plan | None:
+    """The Plan of a family / tile / split count for reduction length K (None: no such plan)."""
+    if family not in ("simt", "tf32") or not 1 <= splits <= MAX_SPLITS or K < 1:
+        return None
+    chunk = split_chunk(K, splits)
+    if chunk is None:
+        return None
+    for t, threads, bps, _eff, smem in _candidates(family, True, tiles=[tile]) or \
+            _candidates(family, False, tiles=[tile]):
+        return Plan(family, t, threads, bps, splits, chunk, smem)
+    return None
+
+
+def _efficiency(p: Plan) -> float:
+    return TF32_EFFICIENCY[p.tile] if p.family == "tf32" else SIMT_EFFICIENCY[p.tile]
+
+
+def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
+    """Modelled seconds of one launch (split-K: both kernels): the busiest SM's main loops, plus
+    per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's
+    main loop when blocks_per_sm >= 2), at least the DRAM traffic and the operand panels every
+    block streams from L2; split-K adds its partials and the reduction."""
+    rate = _TF32_FLOPS_PER_SM if p.family == "tf32" else _FLOPS_PER_SM
+    blocks = _cdiv(M, p.bm) * _cdiv(N, p.bn) * batch * p.splits
+    t = _model_time(blocks, 2.0 * p.bm * p.bn * max(p.k_chunk, 1), p.threads, p.blocks_per_sm,
+                    _efficiency(p), rate, sm_count)
+    io = 1 if p.splits > 1 else EPI_IO[epi]
+    per_block = _FILL_S + p.bm * p.bn * 4 * io / (_BYTES_PER_S / sm_count)
+    per_sm = _cdiv(blocks, sm_count)
+    t += per_sm * per_block * (_HIDDEN if p.blocks_per_sm >= 2 else 1.0)
+    t = max(t, 4.0 * batch * (M * K + K * N + M * N * io) / _BYTES_PER_S,
+            4.0 * blocks * (p.bm + p.bn) * max(p.k_chunk, 1) / _L2_BYTES_PER_S)
+    if p.splits > 1:
+        t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
+    return t
+
+
 def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=True,
-         vec=True, tiles=None, splits=None) -> Plan:
-    """The tile and split count with the lowest modelled time. max_ws: floats available for
-    split-K partials (0 disables split-K); vec: whether 16-byte loads are possible (TF32 has
-    its guarded fallback for fewer tiles); tiles / splits: restrict the candidates to these
-    tiles / this split count (benchmarks and sweeps)."""
+         vec=True, tiles=None, splits=None, epi=EPI_NONE) -> Plan:
+    """The tile and split count with the lowest modelled time (`estimate_s`). max_ws: floats
+    available for split-K partials (0 disables split-K); vec: whether 16-byte loads are possible
+    (TF32 has its guarded fallback for fewer tiles); tiles / splits: restrict the candidates to
+    these tiles / this split count (benchmarks, sweeps, tuning); epi: the epilogue code (its
+    [M, N] traffic weighs on the choice)."""
     use_tf32 = family == "tf32" and bool(TF32_TILES)
-    rate = _TF32_FLOPS_PER_SM if use_tf32 else _FLOPS_PER_SM
+    fam = "tf32" if use_tf32 else "simt"
     best = None
-    for tile, threads, bps, eff, smem in _candidates("tf32" if use_tf32 else "simt", vec):
-        if tiles is not None and tile not in tiles:
-            continue
-        bm, bn = tile[0], tile[1]
-        blocks = _cdiv(M, bm) * _cdiv(N, bn) * batch
+    for tile, threads, bps, _eff, smem in _candidates(fam, vec, tiles):
+        blocks = _cdiv(M, tile[0]) * _cdiv(N, tile[1]) * batch
         split_opts = [1]
         if splits is not None:
             split_opts = [splits]
@@ -182,25 +259,53 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
                 and blocks < sm_count * bps:
             split_opts = range(1, min(MAX_SPLITS, _cdiv(K, SPLIT_ALIGN)) + 1)
         for s in split_opts:
-            if s == 1:
-                chunk, s_eff = K, 1
-            else:
-                chunk = _cdiv(_cdiv(K, s), SPLIT_ALIGN) * SPLIT_ALIGN
-                s_eff = _cdiv(K, chunk)
-                if s_eff != s or s_eff * M * N > max_ws or s_eff > MAX_GRID_Z:
-                    continue
-            t = _model_time(blocks * s_eff, 2.0 * bm * bn * max(chunk, 1), threads, bps, eff,
-                            rate, sm_count)
-            if s_eff > 1:
-                t += _LAUNCH_S + (2 * s_eff + 1) * M * N * 4 / _BYTES_PER_S
-            key = (t, s_eff, -bm * bn)
+            chunk = split_chunk(K, s)
+            if chunk is None or (s > 1 and (s * M * N > max_ws or s > MAX_GRID_Z)):
+                continue
+            p = Plan(fam, tile, threads, bps, s, chunk, smem)
+            key = (estimate_s(p, M, N, K, batch, epi, sm_count), s, -tile[0] * tile[1])
             if best is None or key < best[0]:
-                best = (key, Plan("tf32" if use_tf32 else "simt", tile, threads, bps, s_eff,
-                                  chunk if s_eff > 1 else K, smem))
+                best = (key, p)
     if best is None:
         raise ValueError(f"no GEMM plan for M={M} N={N} K={K} batch={batch} {family} tiles={tiles} "
                          f"split={allow_split}")
     return best[1]
+
+
+# Split counts the tuner tries (besides the cost model's own choice).
+TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0) -> list:
+    """Every plan bench/tune.py may time for a shape: each tile of the family that can run it
+    (unaligned operands: the fallback tiles only) x each split count that fits the workspace."""
+    fam = "tf32" if family == "tf32" and TF32_TILES else "simt"
+    tiles = (TF32_TILES if vec else TF32_FALLBACK_TILES) if fam == "tf32" else SIMT_TILES
+    out = []
+    for tile in tiles:
+        for s in TUNE_SPLITS:
+            if s > 1 and (batch != 1 or s * M * N > max_ws or K < 2 * SPLIT_ALIGN):
+                continue
+            p = make_plan(fam, tile, s, K)
+            if p is not None and p not in out:
+                out.append(p)
+    return out
+
+
+def prune_candidates(cands, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, keep=1.6, max_n=6,
+                     always=()):
+    """The candidates worth timing: modelled time (`estimate_s`) within `keep` x the best, at most
+    max_n of them, fastest first; plans in `always` (the cost model's choice) are kept."""
+    scored = sorted(((estimate_s(p, M, N, K, batch, epi, sm_count), i, p) for i, p in enumerate(cands)),
+                    key=lambda x: (x[0], x[1]))
+    if not scored:
+        return []
+    best = scored[0][0]
+    out = [p for t, _, p in scored if t <= keep * best][:max_n]
+    for p in always:
+        if p not in out:
+            out.append(p)
+    return out
 
 
 def _weight_grad_shapes(cfg):
@@ -214,7 +319,8 @@ def _weight_grad_shapes(cfg):
 
 def workspace(cfg) -> dict:
     """Split-K partials for the weight-gradient GEMMs (K = batch_size * block_size tokens),
-    sized for both orientations (dW and dW^T) and both kernel families at 132 SMs."""
+    sized for both orientations (dW and dW^T) and both kernel families at 132 SMs. bench/tune.py
+    only times splits that fit this size."""
     K = cfg.batch_size * cfg.block_size
     need = 0
     for (m, n) in _weight_grad_shapes(cfg):
@@ -226,6 +332,132 @@ def workspace(cfg) -> dict:
     if need == 0:
         return {}
     return {"gemm_splitk": ((need,), "f32")}
+
+
+# ---------------------------------------------------------------------------------------
+# the measured table (written by bench/tune.py)
+# ---------------------------------------------------------------------------------------
+TUNE_FORMAT = 1
+_tables: dict = {}           # path -> {key: Plan}
+_source_hash = None
+
+
+def source_hash() -> str:
+    """sha256 of the GEMM kernel sources with their includes expanded: a table measured on other
+    sources is not used."""
+    global _source_hash
+    if _source_hash is None:
+        from .. import compiler
+        h = hashlib.sha256()
+        for f in (SIMT_FILE, TF32_FILE):
+            h.update(f.encode() + b"\0" + compiler.expand_source(f).encode() + b"\0")
+        _source_hash = h.hexdigest()
+    return _source_hash
+
+
+def tune_key(precision, trans_a, trans_b, epilogue, has_bias, M, N, K, batch=1) -> str:
+    """Table key: precision, transposes, the op's epilogue (+bias), the shape and the batch."""
+    return (f"{precision}:{'T' if trans_a else 'N'}{'T' if trans_b else 'N'}:"
+            f"{epilogue}{'+bias' if has_bias else ''}:{int(M)}x{int(N)}x{int(K)}:b{int(batch)}")
+
+
+def table_path(gpu_name: str, src_hash: str | None = None) -> Path:
+    """<compile cache>/tune/<gpu>-<first 16 hex of the source hash>.json"""
+    from .. import compiler
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-") or "gpu"
+    return compiler.cache_dir() / "tune" / f"{slug}-{(src_hash or source_hash())[:16]}.json"
+
+
+def plan_to_json(p: Plan) -> dict:
+    return {"family": p.family, "tile": list(p.tile), "splits": p.splits, "k_chunk": p.k_chunk}
+
+
+def plan_from_json(d: dict, K: int) -> Plan | None:
+    """The Plan an entry names, rebuilt for reduction length K (None if it is not a valid plan)."""
+    try:
+        tile = tuple(int(x) for x in d["tile"])
+        p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if p is None or p.k_chunk != int(d.get("k_chunk", p.k_chunk)):
+        return None
+    return p
+
+
+def _key_K(key: str) -> int:
+    return int(key.split(":")[3].split("x")[2])
+
+
+def load_table(gpu_name: str, src_hash: str | None = None, refresh: bool = False) -> dict:
+    """{key: Plan} of the table for this GPU and these kernel sources ({} when there is none, or
+    it is unreadable, or was written for another GPU / other sources). Read once per process."""
+    path = table_path(gpu_name, src_hash)
+    cached = _tables.get(str(path))
+    if cached is not None and not refresh:
+        return cached
+    table = {}
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("format") == TUNE_FORMAT and doc.get("gpu") == gpu_name and \
+                doc.get("source_hash") == (src_hash or source_hash()):
+            for key, entry in doc.get("entries", {}).items():
+                p = plan_from_json(entry, _key_K(key))
+                if p is not None:
+                    table[key] = p
+    except (OSError, ValueError, AttributeError, IndexError):
+        table = {}
+    _tables[str(path)] = table
+    return table
+
+
+def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: dict | None = None,
+               merge: bool = True) -> Path:
+    """Write {key: entry dict (plan_to_json + anything else)} atomically, merged over the entries
+    already there; the process's cached copy is refreshed."""
+    src_hash = src_hash or source_hash()
+    path = table_path(gpu_name, src_hash)
+    doc = {"format": TUNE_FORMAT, "gpu": gpu_name, "source_hash": src_hash, "entries": {}}
+    if merge:
+        try:
+            old = json.loads(path.read_text())
+            if old.get("format") == TUNE_FORMAT and old.get("source_hash") == src_hash:
+                doc["entries"].update(old.get("entries", {}))
+        except (OSError, ValueError, AttributeError):
+            pass
+    doc["entries"].update(entries)
+    if meta:
+        doc["meta"] = meta
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _tables.pop(str(path), None)
+    load_table(gpu_name, src_hash)
+    return path
+
+
+def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int) -> Plan | None:
+    """The table's plan for `key` if there is one this launch can use (its alignment allows the
+    tile, the workspace holds its split), else None."""
+    if os.environ.get("GPTCUDA_GEMM_TUNE", "1") == "0":
+        return None
+    name = getattr(getattr(rt, "info", None), "name", None)
+    if not isinstance(name, str):
+        return None
+    p = load_table(name).get(key)
+    if p is None or p.family != _family(rt):
+        return None
+    if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
+        return None
+    if p.splits > 1 and p.splits * M * N > ws_floats:
+        return None
+    return p
 
 
 # ---------------------------------------------------------------------------------------
@@ -304,18 +536,26 @@ def _family(rt):
     raise ValueError(f"matmul: unknown precision {prec!r} (fp32 | tf32)")
 
 
-def matmul_plan(rt, p: Plan, out, a, b, trans_a=False, trans_b=False):
-    """out = op(a) @ op(b) with a given plan (benchmarks and tile sweeps; no epilogue).
-    Split-K plans read rt.workspace("gemm_splitk")."""
-    M, N = rows(out.shape), int(out.shape[-1])
-    K = rows(a.shape) if trans_a else int(a.shape[-1])
-    lda = M if trans_a else K
-    ldb = N if not trans_b else K
-    ws = rt.workspace("gemm_splitk") if p.splits > 1 else None
-    if ws is not None and ws.numel < p.splits * M * N:
-        raise ValueError(f"matmul_plan: workspace {ws.numel} < {p.splits} x {M} x {N}")
-    _launch_gemm(rt, p, out, None, a, b, None, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
-                 trans_a, trans_b, EPI_NONE, False, 1, ws=ws, label=f"matmul[{M}x{N}x{K}]")
+def _check_plan(label, p: Plan, family, vec, batch, cap, M, N, K):
+    """A plan given by the caller must be runnable here."""
+    if p.family != family:
+        raise ValueError(f"{label}: plan family {p.family} but rt.precision wants {family}")
+    if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
+        raise ValueError(f"{label}: TF32 tile {p.tile} needs 16-byte aligned operands")
+    if p.splits > 1:
+        if batch != 1:
+            raise ValueError(f"{label}: split-K is not available for batched GEMMs")
+        if cap < p.splits * M * N:
+            raise ValueError(f"{label}: workspace gemm_splitk holds {cap} floats < {p.splits} x {M} x {N}")
+        if split_chunk(K, p.splits) != p.k_chunk:
+            raise ValueError(f"{label}: k_chunk {p.k_chunk} does not split K={K} into {p.splits}")
+
+
+def matmul_plan(rt, p: Plan, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none",
+                aux=None):
+    """matmul with a given plan (benchmarks, tile sweeps, bench/tune.py). Split-K plans read
+    rt.workspace("gemm_splitk")."""
+    matmul(rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, plan=p)
 
 
 def kernel_label(p: Plan, trans_a, trans_b, vec=True) -> str:
@@ -327,10 +567,16 @@ def kernel_label(p: Plan, trans_a, trans_b, vec=True) -> str:
     return f"{p.family} {tile} {t}{'' if vec else ' unaligned'}" + (f" splitK={p.splits}" if p.splits > 1 else "")
 
 
-def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
-    """out[M, N] = op(a) @ op(b) (+ bias), then the epilogue (see module docstring)."""
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"matmul: epilogue {epilogue!r} is not one of {EPILOGUES}")
+def plan_label(p: Plan) -> str:
+    """Compact plan name for tables: tf32 256x128s3, simt 128x128, + /splitK."""
+    tile = f"{p.tile[0]}x{p.tile[1]}" + (f"s{p.tile[5]}" if p.family == "tf32" else "")
+    return f"{p.family} {tile}" + (f" split{p.splits}" if p.splits > 1 else "")
+
+
+def matmul_dims(out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
+    """Validate a matmul's views; returns (M, N, K, lda, ldb, epi code, has_bias)."""
+    if epilogue not in EPILOGUE_CODES:
+        raise ValueError(f"matmul: epilogue {epilogue!r} is not one of {tuple(EPILOGUE_CODES)}")
     _check_f32("matmul", out=out, a=a, b=b, bias=bias, aux=aux)
     if len(out.shape) < 2 or len(a.shape) < 2 or len(b.shape) < 2:
         raise ValueError(f"matmul: out {out.shape}, a {a.shape}, b {b.shape} must have >= 2 dims")
@@ -353,28 +599,55 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
                          f"op(a) has K={K} and out has N={N}")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"matmul: bias {bias.shape} must be ({N},)")
-    if epilogue in ("gelu", "residual"):
+    if epilogue in AUX_EPILOGUES:
         if aux is None:
             raise ValueError(f"matmul: epilogue {epilogue!r} needs aux")
         if aux.numel != M * N or int(aux.shape[-1]) != N:
             raise ValueError(f"matmul: aux {aux.shape} must hold [M={M}, N={N}] like out {out.shape}")
     elif aux is not None:
-        raise ValueError("matmul: aux is only used by the 'gelu' and 'residual' epilogues")
+        raise ValueError(f"matmul: aux is only used by the {AUX_EPILOGUES} epilogues")
+    if epilogue == "dgelu":
+        if bias is not None:
+            raise ValueError("matmul: the 'dgelu' epilogue takes no bias")
+        if _overlap(out, aux):
+            raise ValueError("matmul: 'dgelu' reads aux while writing out: they must not overlap")
     has_bias = bias is not None
-    epi = {"none": EPI_BIAS if has_bias else EPI_NONE, "gelu": EPI_GELU, "residual": EPI_RESID}[epilogue]
-
-    family = _family(rt)
-    ws, cap = _ws_capacity(rt)
+    epi = EPI_BIAS if (epilogue == "none" and has_bias) else EPILOGUE_CODES[epilogue]
     lda = M if trans_a else K
     ldb = N if not trans_b else K
-    p = plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap,
-             vec=_vec_ok(a, b, lda, ldb, 0, 0))
+    return M, N, K, lda, ldb, epi, has_bias
+
+
+def _overlap(x, y):
+    ptr_x, ptr_y = int(getattr(x, "ptr", 0)), int(getattr(y, "ptr", 0))
+    return ptr_x < ptr_y + y.nbytes and ptr_y < ptr_x + x.nbytes
+
+
+def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, plan=None):
+    """out[M, N] = op(a) @ op(b) (+ bias), then the epilogue (see module docstring). `plan`
+    forces a plan (benchmarks, bench/tune.py); otherwise the measured table, else the cost model."""
+    M, N, K, lda, ldb, epi, has_bias = matmul_dims(out, a, b, trans_a, trans_b, bias, epilogue, aux)
+    family = _family(rt)
+    ws, cap = _ws_capacity(rt)
+    vec = _vec_ok(a, b, lda, ldb, 0, 0)
+    label = f"matmul[{M}x{N}x{K}]"
+    p = plan
+    if p is not None:
+        _check_plan(label, p, family, vec, 1, cap, M, N, K)
+    else:
+        key = tune_key(rt.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1)
+        p = tuned_plan(rt, key, vec, cap, M, N)
+    if p is None:
+        p = _plan_fn(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi)
     _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
-                 trans_a, trans_b, epi, has_bias, 1, ws=ws, label=f"matmul[{M}x{N}x{K}]")
+                 trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label)
 
 
-def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0):
-    """out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch."""
+_plan_fn = plan      # `matmul(..., plan=)` shadows the function's name inside matmul
+
+
+def matmul_batched_dims(out, a, b, trans_a=False, trans_b=False):
+    """Validate a batched matmul's views; returns (batch, M, N, K, lda, ldb)."""
     _check_f32("matmul_batched", out=out, a=a, b=b)
     for nm, v in (("out", out), ("a", a), ("b", b)):
         if len(v.shape) < 3:
@@ -398,15 +671,28 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0):
                          f"a {a.shape[:-2]}, b {b.shape[:-2]}")
     if batch > MAX_GRID_Z:
         raise ValueError(f"matmul_batched: batch {batch} exceeds {MAX_GRID_Z}")
-    family = _family(rt)
     lda = M if trans_a else K
     ldb = N if not trans_b else K
-    p = plan(M, N, K, batch, rt.info.sm_count, family, max_ws=0, allow_split=False,
-             vec=_vec_ok(a, b, lda, ldb, M * K, K * N))
+    return batch, M, N, K, lda, ldb
+
+
+def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=None):
+    """out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch."""
+    batch, M, N, K, lda, ldb = matmul_batched_dims(out, a, b, trans_a, trans_b)
+    family = _family(rt)
+    vec = _vec_ok(a, b, lda, ldb, M * K, K * N)
+    label = f"matmul_batched[{batch}x{M}x{N}x{K}]"
+    p = plan
+    if p is not None:
+        _check_plan(label, p, family, vec, batch, 0, M, N, K)
+    else:
+        p = tuned_plan(rt, tune_key(rt.precision, trans_a, trans_b, "none", False, M, N, K, batch), vec, 0, M, N)
+    if p is None:
+        p = _plan_fn(M, N, K, batch, rt.info.sm_count, family, max_ws=0, allow_split=False, vec=vec)
     _launch_gemm(rt, p, out, None, a, b, None, M, N, K, lda, ldb, N, M * K, K * N, M * N,
-                 float(alpha), trans_a, trans_b, EPI_NONE, False, batch,
-                 label=f"matmul_batched[{batch}x{M}x{N}x{K}]")
+                 float(alpha), trans_a, trans_b, EPI_NONE, False, batch, label=label)
 
 
 __all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kernel_label",
-           "VARIANTS", "Plan"]
+           "VARIANTS", "Plan", "tune_key", "tuned_plan", "load_table", "save_table", "table_path",
+           "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan"]

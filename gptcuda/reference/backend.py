@@ -171,6 +171,8 @@ class ReferenceBackend:
                 o[...] = R.gelu_forward(r)
             elif epilogue == "residual":
                 o[...] = _2d(aux) + r
+            elif epilogue == "dgelu":
+                o[...] = R.gelu_backward(r, _2d(aux))
             else:
                 o[...] = r
         self._rec(f)
@@ -180,9 +182,6 @@ class ReferenceBackend:
 
     def gelu_fwd(self, out, x):
         self._rec(lambda: out.__setitem__(Ellipsis, R.gelu_forward(x)))
-
-    def gelu_bwd(self, dpre, dout, pre):
-        self._rec(lambda: dpre.__setitem__(Ellipsis, R.gelu_backward(dout, pre)))
 
     def attention_fwd(self, y, qkv, saved, n_head, p, site):
         def f():

@@ -16,7 +16,7 @@ from tests.conftest import rel_err
 gpu = pytest.mark.gpu
 
 TOL = {"fp32": 1e-5, "tf32": 2e-3}
-EPIS = ["none", "bias", "gelu", "gelu_nobias", "residual", "residual_bias", "residual_alias"]
+EPIS = ["none", "bias", "gelu", "gelu_nobias", "residual", "residual_bias", "residual_alias", "dgelu"]
 TRANS = [(False, False), (False, True), (True, False), (True, True)]
 
 
@@ -77,8 +77,9 @@ def _close(precision, out, ref_fn, a, b, what):
     raise AssertionError(f"{what}: rel err {e:.3g} >= {TOL[precision]}")
 
 
-def _check_matmul(rt, M, N, K, ta, tb, epi, seed=0):
-    """Run one matmul with epilogue spec `epi` (see EPIS) and compare every output."""
+def _check_matmul(rt, M, N, K, ta, tb, epi, seed=0, plan=None):
+    """Run one matmul with epilogue spec `epi` (see EPIS) and compare every output (`plan`: force
+    a plan instead of the table / cost model's)."""
     rng = np.random.default_rng(seed)
     a, b = _operands(rng, M, N, K, ta, tb)
     with_bias = epi in ("bias", "gelu", "residual_bias")
@@ -86,28 +87,37 @@ def _check_matmul(rt, M, N, K, ta, tb, epi, seed=0):
     da, db = rt.upload(a), rt.upload(b)
     dbias = rt.upload(bias) if with_bias else None
     out = rt.empty((M, N))
-    what = f"M={M} N={N} K={K} ta={ta} tb={tb} {epi} {rt.precision}"
+    what = f"M={M} N={N} K={K} ta={ta} tb={tb} {epi} {rt.precision}" + (f" {gemm.plan_label(plan)}" if plan else "")
 
     def mm(x, y):
         return ref.matmul_forward(x, y, ta, tb, bias)
 
     if epi in ("none", "bias"):
-        gemm.matmul(rt, out, da, db, ta, tb, bias=dbias)
+        gemm.matmul(rt, out, da, db, ta, tb, bias=dbias, plan=plan)
         _close(rt.precision, rt.download(out), mm, a, b, what)
     elif epi.startswith("gelu"):
         pre = rt.empty((M, N))
-        gemm.matmul(rt, out, da, db, ta, tb, bias=dbias, epilogue="gelu", aux=pre)
+        gemm.matmul(rt, out, da, db, ta, tb, bias=dbias, epilogue="gelu", aux=pre, plan=plan)
         _close(rt.precision, rt.download(pre), mm, a, b, what + " pre")
         _close(rt.precision, rt.download(out), lambda x, y: ref.gelu_forward(mm(x, y)), a, b,
                what + " gelu")
+    elif epi == "dgelu":
+        # the MLP backward: out = (dout @ W) * gelu'(pre), pre = the saved pre-activation
+        # (scaled to reach both tails of gelu', where tanh saturates)
+        pre = (rng.standard_normal((M, N)) * 3.0).astype(np.float32)
+        dpre = rt.upload(pre)
+        gemm.matmul(rt, out, da, db, ta, tb, epilogue="dgelu", aux=dpre, plan=plan)
+        assert np.array_equal(rt.download(dpre), pre), "dgelu's pre-activation was modified"
+        _close(rt.precision, rt.download(out), lambda x, y: ref.gelu_backward(mm(x, y), pre), a, b,
+               what)
     else:
         resid = rng.standard_normal((M, N)).astype(np.float32)
         if epi == "residual_alias":
             out = rt.upload(resid)
-            gemm.matmul(rt, out, da, db, ta, tb, epilogue="residual", aux=out)
+            gemm.matmul(rt, out, da, db, ta, tb, epilogue="residual", aux=out, plan=plan)
         else:
             aux = rt.upload(resid)
-            gemm.matmul(rt, out, da, db, ta, tb, bias=dbias, epilogue="residual", aux=aux)
+            gemm.matmul(rt, out, da, db, ta, tb, bias=dbias, epilogue="residual", aux=aux, plan=plan)
             assert np.array_equal(rt.download(aux), resid), "residual input was modified"
         _close(rt.precision, rt.download(out), lambda x, y: resid + mm(x, y), a, b, what)
 
@@ -164,8 +174,10 @@ def test_matmul_model_forward(rt, precision, splitk_ws, M, N, K):
     _check_matmul(rt, M, N, K, False, True, "bias", seed=N)
     _check_matmul(rt, M, N, K, False, True, "gelu", seed=N + 1)
     _check_matmul(rt, M, N, K, False, True, "residual_alias", seed=N + 2)
-    # backward dX = dout @ W (NN)
+    # backward dX = dout @ W (NN), and the MLP's fused form dfc = (dout @ W_fcproj) * gelu'(fc_pre)
     _check_matmul(rt, M, K, N, False, False, "none", seed=N + 3)
+    if (N, K) == (384, 1536):
+        _check_matmul(rt, M, K, N, False, False, "dgelu", seed=N + 4)
 
 
 @gpu
@@ -184,13 +196,64 @@ def test_matmul_weight_grad_splitk(rt, precision, splitk_ws, M, N):
 @gpu
 @pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
 @pytest.mark.parametrize("ta,tb", TRANS)
-@pytest.mark.parametrize("epi", ["none", "gelu", "residual_bias", "residual_alias"])
+@pytest.mark.parametrize("epi", ["none", "gelu", "residual_bias", "residual_alias", "dgelu"])
 def test_splitk_epilogues_odd(rt, precision, splitk_ws, ta, tb, epi):
     M, N, K = 67, 65, 4133
     p = gemm.plan(M, N, K, 1, rt.info.sm_count, "tf32" if precision == "tf32" else "simt",
                   max_ws=splitk_ws.numel)
     assert p.splits > 1, p
     _check_matmul(rt, M, N, K, ta, tb, epi, seed=K)
+
+
+# ---- every tile the tuner may pick, forced (the cost model never picks some of them) --------
+def _tile_shapes(p):
+    """Interior blocks only (the unguarded fast paths), then ragged edges in m, n and k."""
+    bm, bn = p.tile[0], p.tile[1]
+    return [(2 * bm, 2 * bn, 96), (bm + 36, 2 * bn - 44, 132)]
+
+
+@gpu
+@pytest.mark.parametrize("tile", [t for t in gemm.TF32_TILES] + [t for t in gemm.SIMT_TILES],
+                         ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("ta,tb", TRANS)
+def test_every_tile_forced(rt, splitk_ws, tile, ta, tb):
+    old = rt.precision
+    rt.precision = "tf32" if len(tile) == 6 else "fp32"
+    fam = "tf32" if len(tile) == 6 else "simt"
+    try:
+        for i, (M, N, K) in enumerate(_tile_shapes(gemm.make_plan(fam, tile, 1, 64))):
+            p = gemm.make_plan(fam, tile, 1, K)
+            for epi in ("bias", "gelu", "residual_alias", "dgelu"):
+                _check_matmul(rt, M, N, K, ta, tb, epi, seed=i * 10 + len(epi), plan=p)
+        # split-K partials through the same tile (k chunks of 256, 256 and a ragged 228)
+        M, N, K = tile[0] + 4, tile[1] + 8, 740
+        _check_matmul(rt, M, N, K, ta, tb, "bias", seed=7, plan=gemm.make_plan(fam, tile, 3, K))
+    finally:
+        rt.precision = old
+
+
+@gpu
+def test_tuned_table_is_used(rt, splitk_ws, tmp_path, monkeypatch):
+    """A table entry (as bench/tune.py writes it) changes the kernel matmul launches; results agree."""
+    monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
+    gemm._tables.clear()
+    old = rt.precision
+    rt.precision = "tf32"
+    try:
+        M, N, K = 1000, 384, 200
+        p = gemm.make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, K)
+        gemm.save_table(rt.info.name, {gemm.tune_key("tf32", False, True, "gelu", True, M, N, K): gemm.plan_to_json(p)})
+        prog = rt.begin("probe")
+        try:
+            gemm.matmul(rt, rt.empty((M, N)), rt.empty((M, K)), rt.empty((N, K)), False, True,
+                        bias=rt.empty((N,)), epilogue="gelu", aux=rt.empty((M, N)))
+        finally:
+            rt.end()
+        assert prog.items[0].fn.name == gemm.tf32_name(p.tile, False, True, gemm.EPI_GELU, True, True)
+        _check_matmul(rt, M, N, K, False, True, "gelu", seed=3)
+    finally:
+        rt.precision = old
+        gemm._tables.clear()
 
 
 @gpu
@@ -359,20 +422,28 @@ def test_launcher_names_are_in_variants():
             for ta, tb in TRANS:
                 a = _v((K, M) if ta else (M, K))
                 b = _v((N, K) if tb else (K, N))
-                for epi in ("none", "gelu", "residual"):
-                    for bias in (None, _v((N,))):
-                        aux = None if epi == "none" else _v((M, N))
+                for epi in ("none", "gelu", "residual", "dgelu"):
+                    for bias in ((None,) if epi == "dgelu" else (None, _v((N,)))):
+                        aux = None if epi == "none" else _v((M, N), 1 << 33)
                         gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=bias, epilogue=epi, aux=aux)
                 # misaligned pointers -> scalar variants
                 gemm.matmul(rt, _v((M, N)), _v(a.shape, (1 << 30) + 4), b, ta, tb)
                 gemm.matmul_batched(rt, _v((3, M, N)), _v((3,) + a.shape), _v((3,) + b.shape), ta, tb)
+        # every plan the tuner may force
+        for (M, N, K) in [(16384, 384, 1536), (384, 1152, 16384)]:
+            for p in gemm.tune_candidates(M, N, K, 1, "tf32" if prec == "tf32" else "simt", True, 1 << 24):
+                for ta, tb in TRANS:
+                    a = _v((K, M) if ta else (M, K))
+                    b = _v((N, K) if tb else (K, N))
+                    gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)), plan=p)
+                    gemm.matmul(rt, _v((M, N)), a, b, ta, tb, epilogue="dgelu", aux=_v((M, N), 1 << 33), plan=p)
         missing = rt.names - variants
         assert not missing, f"launched but not in VARIANTS: {sorted(missing)[:5]}"
         # every launch has a legal geometry
         for name, grid, block, smem in rt.launches:
             grid = tuple(grid) + (1,) * (3 - len(grid))
             assert 1 <= grid[0] and 1 <= grid[1] <= 65535 and 1 <= grid[2] <= 65535, (name, grid)
-            assert block[0] in (64, 128, 256, 512), (name, block)
+            assert block[0] in (64, 128, 192, 256, 512), (name, block)
 
 
 def test_matmul_shape_errors():
@@ -389,6 +460,14 @@ def test_matmul_shape_errors():
         gemm.matmul(rt, _v((4, 5)), _v((4, 6)), _v((6, 5)), epilogue="gelu")
     with pytest.raises(ValueError, match="epilogue"):
         gemm.matmul(rt, _v((4, 5)), _v((4, 6)), _v((6, 5)), epilogue="relu")
+    with pytest.raises(ValueError, match="aux"):
+        gemm.matmul(rt, _v((4, 5)), _v((4, 6)), _v((6, 5)), epilogue="dgelu")
+    with pytest.raises(ValueError, match="no bias"):
+        gemm.matmul(rt, _v((4, 5)), _v((4, 6)), _v((6, 5)), bias=_v((5,)), epilogue="dgelu", aux=_v((4, 5), 1 << 33))
+    with pytest.raises(ValueError, match="overlap"):      # out aliases the pre-activation it reads
+        gemm.matmul(rt, _v((4, 5)), _v((4, 6)), _v((6, 5)), epilogue="dgelu", aux=_v((4, 5)))
+    with pytest.raises(ValueError, match="overlap"):      # partial overlap
+        gemm.matmul(rt, _v((4, 5)), _v((4, 6)), _v((6, 5)), epilogue="dgelu", aux=_v((4, 5), (1 << 30) + 40))
     with pytest.raises(ValueError, match="batch"):
         gemm.matmul_batched(rt, _v((2, 4, 5)), _v((3, 4, 6)), _v((2, 6, 5)))
     with pytest.raises(ValueError, match=">= 3"):

@@ -1,0 +1,335 @@
+"""Measured GEMM dispatch without a GPU: the table's keys, its file per GPU and kernel-source hash,
+matmul's lookup and its fallbacks, candidate generation and pruning, and bench/tune.py's
+selection driven by a fake timing function."""
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from bench import tune
+from gptcuda.config import load_config
+from gptcuda.cuda_ops import gemm
+from gptcuda.runtime import DeviceView
+
+GPU = "NVIDIA H200 (test)"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
+    monkeypatch.delenv("GPTCUDA_GEMM_TUNE", raising=False)
+    gemm._tables.clear()
+    yield tmp_path / "kc"
+    gemm._tables.clear()
+
+
+class FakeRT:
+    """Records launches; no device."""
+
+    def __init__(self, precision="tf32", ws=0, name=GPU, sm_count=132):
+        self.precision = precision
+        self.info = SimpleNamespace(sm_count=sm_count, name=name)
+        self.launches = []
+        self._ws = {"gemm_splitk": DeviceView(1 << 20, (ws,), "f32", "ws")} if ws else {}
+
+    def function(self, file, name, defines=None):
+        return SimpleNamespace(name=name)
+
+    def launch(self, fn, grid, block, args, smem=0, label=None):
+        self.launches.append((fn.name, tuple(grid), tuple(block), smem))
+
+    def workspace(self, name):
+        try:
+            return self._ws[name]
+        except KeyError:
+            raise KeyError(name) from None
+
+
+def _v(shape, ptr=1 << 30):
+    return DeviceView(ptr, tuple(shape), "f32", "v")
+
+
+def _run(rt, M, N, K, ta=False, tb=True, epilogue="none", bias=False, a_ptr=1 << 30):
+    rt.launches.clear()
+    a = _v((K, M) if ta else (M, K), a_ptr)
+    b = _v((N, K) if tb else (K, N), 1 << 31)
+    aux = _v((M, N), 1 << 33) if epilogue != "none" else None
+    gemm.matmul(rt, _v((M, N), 1 << 32), a, b, ta, tb, bias=_v((N,), 1 << 34) if bias else None,
+                epilogue=epilogue, aux=aux)
+    return [name for name, *_ in rt.launches]
+
+
+# ---- keys and the table file ------------------------------------------------------------
+def test_key_names_every_field():
+    base = ("tf32", False, True, "gelu", True, 16384, 1536, 384, 1)
+    k = gemm.tune_key(*base)
+    assert k == "tf32:NT:gelu+bias:16384x1536x384:b1"
+    variants = {k}
+    for i, alt in enumerate(["fp32", True, False, "none", False, 16383, 1535, 385, 2]):
+        args = list(base)
+        args[i] = alt
+        variants.add(gemm.tune_key(*args))
+    assert len(variants) == 10                       # every field changes the key
+    assert gemm._key_K(k) == 384
+
+
+def test_table_path_per_gpu_and_source(cache):
+    p = gemm.table_path(GPU)
+    assert p.parent == cache / "tune"
+    assert p.name.startswith("NVIDIA-H200-test-") and p.name.endswith(gemm.source_hash()[:16] + ".json")
+    assert gemm.table_path("other") != p
+    assert gemm.table_path(GPU, "0" * 64) != p
+    assert len(gemm.source_hash()) == 64
+
+
+def test_save_load_roundtrip_and_merge(cache):
+    p1 = gemm.make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, 384)
+    p2 = gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 8, 16384)
+    k1 = gemm.tune_key("tf32", False, True, "none", True, 16384, 384, 384)
+    k2 = gemm.tune_key("tf32", True, False, "none", False, 384, 384, 16384)
+    path = gemm.save_table(GPU, {k1: {**gemm.plan_to_json(p1), "ms": 0.04}})
+    assert path.exists()
+    gemm.save_table(GPU, {k2: gemm.plan_to_json(p2)})                  # merged with k1
+    gemm._tables.clear()
+    t = gemm.load_table(GPU)
+    assert t == {k1: p1, k2: p2}
+    assert p2.k_chunk == 2048 and p2.splits == 8
+    # another GPU, other kernel sources: no table
+    assert gemm.load_table("NVIDIA A100") == {}
+    assert gemm.load_table(GPU, "f" * 64) == {}
+    # a document written for another source hash under this name is ignored
+    doc = json.loads(path.read_text())
+    doc["source_hash"] = "0" * 64
+    path.write_text(json.dumps(doc))
+    assert gemm.load_table(GPU, refresh=True) == {}
+    # a corrupt file is no table (and no crash)
+    path.write_text("{not json")
+    assert gemm.load_table(GPU, refresh=True) == {}
+
+
+def test_invalid_entries_are_dropped(cache):
+    good = gemm.make_plan("tf32", (256, 128, 32, 4, 2, 4), 1, 384)
+    entries = {
+        gemm.tune_key("tf32", False, True, "none", False, 4096, 384, 384): gemm.plan_to_json(good),
+        gemm.tune_key("tf32", False, True, "none", False, 4096, 768, 384): {"family": "tf32", "tile": [96, 96, 32, 1, 1, 3],
+                                                                          "splits": 1, "k_chunk": 384},
+        gemm.tune_key("tf32", True, False, "none", False, 384, 384, 16384): {"family": "tf32",
+                                                                          "tile": [128, 128, 32, 2, 2, 3],
+                                                                          "splits": 8, "k_chunk": 999},
+        gemm.tune_key("tf32", True, False, "none", False, 384, 384, 100): {"family": "tf32",
+                                                                        "tile": [128, 128, 32, 2, 2, 3],
+                                                                        "splits": 40, "k_chunk": 32},
+        gemm.tune_key("fp32", False, False, "none", False, 64, 64, 64): {"tile": [128, 128]},
+    }
+    gemm.save_table(GPU, entries)
+    gemm._tables.clear()
+    assert list(gemm.load_table(GPU).values()) == [good]
+
+
+# ---- lookup in matmul ---------------------------------------------------------------------
+def test_matmul_uses_the_table_else_the_cost_model(cache, monkeypatch):
+    rt = FakeRT("tf32", ws=1 << 24)
+    M, N, K = 16384, 384, 1536
+    heur = _run(rt, M, N, K, bias=True)
+    assert len(heur) == 1
+    forced = gemm.make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, K)
+    assert gemm.tf32_name(forced.tile, False, True, gemm.EPI_BIAS, True, True) != heur[0]
+    key = gemm.tune_key("tf32", False, True, "none", True, M, N, K)
+    gemm.save_table(GPU, {key: gemm.plan_to_json(forced)})
+    assert _run(rt, M, N, K, bias=True) == [gemm.tf32_name(forced.tile, False, True, gemm.EPI_BIAS, True, True)]
+    assert rt.launches[0][2] == (192,) and rt.launches[0][3] == gemm.tf32_smem(forced.tile)
+    # other epilogue / no bias / other precision / other GPU: not this entry
+    assert _run(rt, M, N, K, bias=False) != [gemm.tf32_name(forced.tile, False, True, gemm.EPI_NONE, False, True)]
+    assert _run(rt, M, N, K, epilogue="residual", bias=True)[0].startswith("gemm_tf32<128,128")
+    assert _run(FakeRT("fp32", ws=1 << 24), M, N, K, bias=True)[0].startswith("gemm_simt<")
+    assert _run(FakeRT("tf32", ws=1 << 24, name="other"), M, N, K, bias=True) == heur
+    # switched off
+    monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "0")
+    assert _run(rt, M, N, K, bias=True) == heur
+
+
+def test_table_entry_that_cannot_run_falls_back(cache):
+    M, N, K = 384, 384, 16384
+    split = gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 24, K)
+    key = gemm.tune_key("tf32", True, False, "none", False, M, N, K)
+    gemm.save_table(GPU, {key: gemm.plan_to_json(split)})
+    big = FakeRT("tf32", ws=24 * M * N)
+    names = _run(big, M, N, K, ta=True, tb=False)
+    assert len(names) == 2 and "splitk_reduce" in names[1] and big.launches[0][1][2] == 24
+    small = FakeRT("tf32", ws=8 * M * N)                     # workspace too small for 24 splits
+    names = _run(small, M, N, K, ta=True, tb=False)
+    assert small.launches[0][1][2] != 24
+    # an aligned-only tile for a misaligned operand: the cost model's fallback tile instead
+    M, N, K = 4096, 384, 384
+    key = gemm.tune_key("tf32", False, True, "none", False, M, N, K)
+    gemm.save_table(GPU, {key: gemm.plan_to_json(gemm.make_plan("tf32", (256, 128, 32, 4, 2, 4), 1, K))})
+    rt = FakeRT("tf32")
+    assert _run(rt, M, N, K)[0].startswith("gemm_tf32<256,128,32,4,2,4,")
+    assert _run(rt, M, N, K, a_ptr=(1 << 30) + 4)[0].startswith("gemm_tf32<64,64,32,2,2,4,false,true,0,false,false>")
+
+
+def test_batched_lookup(cache):
+    rt = FakeRT("tf32")
+    p = gemm.make_plan("tf32", (64, 64, 32, 2, 2, 4), 1, 64)
+    gemm.save_table(GPU, {gemm.tune_key("tf32", False, True, "none", False, 256, 256, 64, 24): gemm.plan_to_json(p)})
+    gemm.matmul_batched(rt, _v((24, 256, 256)), _v((24, 256, 64)), _v((24, 256, 64), 1 << 31), False, True)
+    assert rt.launches[-1][0].startswith("gemm_tf32<64,64,") and rt.launches[-1][1][2] == 24
+
+
+def test_forced_plan_is_checked():
+    rt = FakeRT("tf32", ws=1 << 20)
+    p = gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 8, 16384)
+    with pytest.raises(ValueError, match="workspace"):
+        gemm.matmul_plan(rt, p, _v((384, 384)), _v((16384, 384)), _v((16384, 384), 1 << 31), True, False)
+    with pytest.raises(ValueError, match="family"):
+        gemm.matmul_plan(FakeRT("fp32"), gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, 64),
+                         _v((64, 64)), _v((64, 64)), _v((64, 64), 1 << 31))
+
+
+# ---- candidates and pruning -----------------------------------------------------------------
+def test_candidates_respect_alignment_workspace_and_batch():
+    c = gemm.tune_candidates(384, 384, 16384, 1, "tf32", True, max_ws=8 * 384 * 384)
+    assert {p.tile for p in c} == set(gemm.TF32_TILES)
+    assert max(p.splits for p in c) == 8 and all(p.splits * 384 * 384 <= 8 * 384 * 384 for p in c)
+    assert all(p.k_chunk == gemm.split_chunk(16384, p.splits) and p.k_chunk % gemm.SPLIT_ALIGN == 0 for p in c)
+    assert {p.tile for p in gemm.tune_candidates(384, 384, 16384, 1, "tf32", False, 1 << 24)} == \
+        set(gemm.TF32_FALLBACK_TILES)
+    assert all(p.splits == 1 for p in gemm.tune_candidates(256, 256, 64, 24, "tf32", True, 1 << 24))
+    simt = gemm.tune_candidates(16384, 384, 384, 1, "simt", True, 0)
+    assert {p.tile for p in simt} == set(gemm.SIMT_TILES) and all(p.splits == 1 for p in simt)
+
+
+def test_prune_keeps_the_close_ones_and_the_cost_model_choice():
+    M, N, K = 384, 1152, 16384
+    cands = gemm.tune_candidates(M, N, K, 1, "tf32", True, 1 << 24)
+    est = {p: gemm.estimate_s(p, M, N, K) for p in cands}
+    best = min(est.values())
+    kept = gemm.prune_candidates(cands, M, N, K, keep=1.3, max_n=100)
+    assert kept == sorted((p for p in cands if est[p] <= 1.3 * best), key=lambda p: est[p])
+    assert len(kept) < len(cands)
+    top3 = gemm.prune_candidates(cands, M, N, K, keep=10, max_n=3)
+    assert top3 == kept[:3]
+    worst = max(cands, key=lambda p: est[p])
+    assert gemm.prune_candidates(cands, M, N, K, keep=1.3, max_n=2, always=[worst])[-1] == worst
+    assert gemm.prune_candidates([], M, N, K) == []
+
+
+def test_estimate_prefers_hidden_epilogues_and_full_waves():
+    # GELU writes two [M, N] arrays: with two resident blocks the stores hide behind the other's main loop
+    big = gemm.make_plan("tf32", (256, 128, 32, 4, 2, 3), 1, 384)
+    two = gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, 384)
+    assert big.blocks_per_sm == 1 and two.blocks_per_sm == 2
+    e = lambda p, epi: gemm.estimate_s(p, 16384, 1536, 384, 1, epi)  # noqa: E731
+    assert e(two, gemm.EPI_GELU) < e(big, gemm.EPI_GELU)
+    assert e(big, gemm.EPI_GELU) - e(big, gemm.EPI_BIAS) > e(two, gemm.EPI_GELU) - e(two, gemm.EPI_BIAS)
+    # never below the DRAM floor
+    p = gemm.make_plan("tf32", (64, 64, 32, 2, 2, 4), 1, 8)
+    assert gemm.estimate_s(p, 65536, 4096, 8) >= 4.0 * (65536 * 8 + 8 * 4096 + 65536 * 4096) / gemm._BYTES_PER_S
+
+
+# ---- bench/tune.py driven by a fake timing function --------------------------------------------
+def _cfg(**over):
+    return load_config("configs/tiny.yaml", [f"--{k}={v}" for k, v in over.items()])
+
+
+def test_model_gemms_cover_the_model():
+    cfg = _cfg(batch_size=8, block_size=32, n_embd=64, n_head=2, dropout=0.1, attention="unfused")
+    ops = tune.model_gemms(cfg, 65)
+    keys = [o.key("tf32") for o in ops]
+    assert len(keys) == len(set(keys))
+    by = {o.label.split(" / ")[0]: o for o in ops}
+    N, C, L = 8 * 32, 64, cfg.n_layer
+    assert (by["fwd qkv"].M, by["fwd qkv"].N, by["fwd qkv"].K, by["fwd qkv"].tb) == (N, 3 * C, C, True)
+    assert by["fwd fc +gelu"].epilogue == "gelu" and by["fwd fc +gelu"].bias
+    assert by["dX fcproj +dgelu"].epilogue == "dgelu" and (by["dX fcproj +dgelu"].M, by["dX fcproj +dgelu"].N) == (N, 4 * C)
+    assert (by["dW qkv"].M, by["dW qkv"].N, by["dW qkv"].K, by["dW qkv"].ta) == (3 * C, C, N, True)
+    assert by["fwd attn proj"].epilogue == "none" and by["eval attn proj"].epilogue == "residual"
+    assert not by["dX head"].vec and by["fwd head"].vec                 # V = 65: unaligned lda
+    assert by["att scores"].batch == 8 * 2 and (by["att scores"].M, by["att scores"].K) == (32, 32)
+    # dX attn proj and fwd attn proj differ in transposes; dX proj (N x C x C NN) merges nothing else
+    assert by["dX attn proj"].count == L
+    # no dropout: residual fused into the forward, no eval-only shapes; fused attention: no batched GEMMs
+    ops2 = tune.model_gemms(_cfg(dropout=0.0, attention="fused", bias=False), 65)
+    labels = " ".join(o.label for o in ops2)
+    assert "eval" not in labels and "att " not in labels
+    assert all(not o.bias for o in ops2)
+    assert {o.epilogue for o in ops2 if o.label.startswith("fwd attn proj")} == {"residual"}
+
+
+def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
+    cfg = _cfg(batch_size=64, block_size=256, n_embd=384, n_head=6, dropout=0.2)
+    ops = [o for o in tune.model_gemms(cfg, 65) if o.label in ("fwd qkv", "dW qkv", "dX fc")]
+    assert len(ops) == 3
+    ws = tune.ws_floats_of(cfg, 65)
+    calls = []
+
+    def fake_timer(op, plans):
+        calls.append((op, list(plans)))
+        # pretend: split plans fastest with 8 splits, otherwise 192-row tiles, otherwise by index;
+        # the very fastest candidate of "dX fc" produces a wrong result
+        def ms(i, p):
+            t = 1.0 + 0.01 * i
+            if p.tile[0] == 192:
+                t -= 0.5
+            if p.splits == 8:
+                t -= 0.7
+            return t
+        samples = [[ms(i, p) * f for f in (1.0, 3.0, 0.9, 1.1, 1.05)] for i, p in enumerate(plans)]
+        ok = [True] * len(plans)
+        if op.label == "dX fc":
+            fastest = min(range(len(plans)), key=lambda i: ms(i, plans[i]))
+            ok[fastest] = False
+        return samples, ok
+
+    out = []
+    import io
+    buf = io.StringIO()
+    results = tune.run(cfg, ops, "tf32", fake_timer, 132, ws, keep=1.6, max_n=6, out=buf)
+    assert [c[0] for c in calls] == ops
+    for r in results:
+        op, plans, times = r["op"], r["plans"], r["times_ms"]
+        assert plans[0] == gemm.plan(op.M, op.N, op.K, 1, 132, "tf32", max_ws=ws, vec=op.vec, epi=op.epi)
+        assert len(plans) <= 7 and len(set(plans)) == len(plans)
+        assert times[0] == pytest.approx(1.05 * (1.0 - (0.5 if plans[0].tile[0] == 192 else 0)
+                                                 - (0.7 if plans[0].splits == 8 else 0)))   # the median
+        w = r["winner"]
+        assert r["ok"] is None or r["ok"][w]
+        assert all(times[w] <= t for i, t in enumerate(times) if r["ok"] is None or r["ok"][i])
+        out.append((op, plans[w]))
+    wins = {op.label: p for op, p in out}
+    assert wins["dW qkv"].splits == 8                 # 8 splits of 16384 are in the candidates
+    text = buf.getvalue()
+    assert "winner" in text and "x floor" in text and "MISMATCH" in text and "tuned" in text
+    entries = tune.table_entries(results, "tf32")
+    gemm.save_table(GPU, entries)
+    gemm._tables.clear()
+    table = gemm.load_table(GPU)
+    for op, p in out:
+        assert table[op.key("tf32")] == p
+    # and matmul launches the winner
+    rt = FakeRT("tf32", ws=ws)
+    op = next(o for o in ops if o.label == "dW qkv")
+    names = _run(rt, op.M, op.N, op.K, op.ta, op.tb)
+    assert rt.launches[0][1][2] == 8 and "splitk_reduce" in names[1]
+
+
+def test_pick_winner_ignores_failed_and_unmeasured():
+    assert tune.pick_winner([0, 1, 2], [3.0, 1.0, 2.0]) == 1
+    assert tune.pick_winner([0, 1, 2], [3.0, 1.0, 2.0], ok=[True, False, True]) == 2
+    assert tune.pick_winner([0, 1], [math.inf, 2.0]) == 1
+    assert tune.pick_winner([0], [1.0], ok=[False]) is None
+    assert tune.rounds_median([]) == math.inf
+
+
+def test_floor():
+    op = tune.GemmOp("x", 4096, 4096, 4096, False, False)
+    assert tune.floor_s(op, "tf32") == pytest.approx(2 * 4096 ** 3 / 495e12)
+    op = tune.GemmOp("y", 16384, 1536, 8, False, True, "gelu", True)
+    assert tune.floor_s(op, "fp32") == pytest.approx(4 * (16384 * 8 + 8 * 1536 + 2 * 16384 * 1536) / 4.2e12)
+
+
+def test_dry_run_cli(capsys):
+    assert tune.main(["configs/tiny.yaml", "--precision=tf32", "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert "fwd qkv" in out and "model" in out and "tf32" in out
