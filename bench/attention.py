@@ -5,9 +5,12 @@
 
 Per T: median time (CUDA events, after warm-up) of attention_fwd and attention_bwd of each
 implementation and precision, plus PyTorch's scaled_dot_product_attention (fp32 inputs, causal)
-when torch with CUDA is importable (benchmark only; nothing else uses torch). An unfused case
-whose [B,H,T,T] buffers do not fit in free device memory is skipped; the unfused T=8192 case is
-run last since it is the largest.
+when torch with CUDA is importable (benchmark only; nothing else uses torch). The torch case runs
+in a separate Python process (a self-contained snippet whose last output line is JSON): importing
+torch into a process whose CUDA runtime this package already set up can fail, and a fresh process
+also keeps torch's allocator and kernels out of our measurements. An unfused case whose [B,H,T,T]
+buffers do not fit in free device memory is skipped; the unfused T=8192 case is run last since it
+is the largest.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -127,43 +131,60 @@ def bench_ours(rt, kind, precision, B, T, C, H, p, warmup, iters):
         ar.free()
 
 
-def bench_torch(B, T, C, H, warmup, iters):
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    hs = C // H
-    dev = torch.device("cuda")
+# Run as `python -c TORCH_SNIPPET B T H hs warmup iters`; prints one JSON line: null when torch or
+# CUDA is missing, {"skipped": reason} when the case fails, else {"fwd_ms": .., "bwd_ms": ..}.
+TORCH_SNIPPET = r"""
+import json, statistics, sys
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:
+    print(json.dumps(None)); sys.exit(0)
+if not torch.cuda.is_available():
+    print(json.dumps(None)); sys.exit(0)
+B, T, H, hs, warmup, iters = (int(a) for a in sys.argv[1:7])
+dev = torch.device("cuda")
+def timed(fn):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        ts.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ts)
+try:
     q, k, v = (torch.randn(B, H, T, hs, device=dev, dtype=torch.float32, requires_grad=True) for _ in range(3))
     dy = torch.randn(B, H, T, hs, device=dev, dtype=torch.float32)
+    with torch.no_grad():
+        t_f = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    t_b = timed(lambda: torch.autograd.grad(out, (q, k, v), dy, retain_graph=True))
+    res = {"fwd_ms": t_f, "bwd_ms": t_b}
+except RuntimeError as e:          # out of memory, no kernel for the case
+    res = {"skipped": str(e).splitlines()[0][:80]}
+print(json.dumps(res))
+"""
 
-    def timed(fn):
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            ts.append((a, b))
-        torch.cuda.synchronize()
-        return statistics.median(a.elapsed_time(b) for a, b in ts)
 
+def bench_torch(B, T, C, H, warmup, iters, timeout=1200):
+    """PyTorch SDPA (fp32, causal) in a fresh Python process; None when torch / CUDA is unavailable."""
+    cmd = [sys.executable, "-c", TORCH_SNIPPET] + [str(x) for x in (B, T, H, C // H, warmup, iters)]
     try:
-        with torch.no_grad():
-            t_f = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        t_b = timed(lambda: torch.autograd.grad(out, (q, k, v), dy, retain_graph=True))
-    except RuntimeError as e:          # out of memory, no kernel for the case
-        return {"skipped": str(e).splitlines()[0][:80]}
-    finally:
-        torch.cuda.empty_cache()
-    return {"fwd_ms": t_f, "bwd_ms": t_b}
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"torch subprocess timed out after {timeout} s"}
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    try:
+        res = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        err = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"skipped": f"torch subprocess failed (rc {r.returncode}): {err[:100]}"}
+    return res
 
 
 def main(argv=None):
@@ -201,7 +222,8 @@ def main(argv=None):
 
     print(f"# causal attention, B={B} C={C} H={H} hs={hs} dropout={a.dropout}; median of {a.iters} "
           f"after {a.warmup} warm-up; {rt.info.name}")
-    print(f"{'T':>6} {'impl':>8} {'prec':>5} {'fwd ms':>9} {'bwd ms':>9} {'fwd TF/s':>9} {'bwd TF/s':>9}")
+    print(f"{'T':>6} {'impl':>8} {'prec':>5} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'fwd TF/s':>9} "
+          f"{'bwd TF/s':>9}")
     results = []
     for T, kind, prec in cases:
         if kind == "torch":
@@ -219,7 +241,7 @@ def main(argv=None):
             print(f"{T:>6} {kind:>8} {prec:>5}  skipped: {r['skipped']}", flush=True)
             continue
         ff, fb = flops(B, H, T, hs)
-        print(f"{T:>6} {kind:>8} {prec:>5} {r['fwd_ms']:9.3f} {r['bwd_ms']:9.3f} "
+        print(f"{T:>6} {kind:>8} {prec:>5} {r['fwd_ms']:9.3f} {r['bwd_ms']:9.3f} {r['fwd_ms'] + r['bwd_ms']:9.3f} "
               f"{ff / r['fwd_ms'] / 1e9:9.2f} {fb / r['bwd_ms'] / 1e9:9.2f}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -1,58 +1,41 @@
 // Fused causal self-attention ("flash" attention): the T x T scores never reach global memory.
 //
-//   flash_fwd*       one block per (query tile of 64 rows, b*H + h); loops over the key tiles up to
-//                    the diagonal (causality is the loop bound; only tiles that cross the diagonal
-//                    are masked), online softmax (running max m and sum l per row, O rescaled when
-//                    the max rises, divided by l once at the end). Reads q, k, v straight from
-//                    qkv [B,T,3C], writes y [B,T,C] and lse [B,H,T] = m + log(l) (scaled scores).
+//   flash_fwd*       one block per (b*H + h, query tile); loops over the key tiles up to the diagonal
+//                    (causality is the loop bound; only tiles that cross the diagonal are masked),
+//                    online softmax (running max m and sum l per row, O rescaled when the max rises,
+//                    divided by l once at the end). Reads q, k, v straight from qkv [B,T,3C], writes
+//                    y [B,T,C] and lse [B,H,T] = m + log(l) (natural log of the scaled scores).
 //   flash_rowsum_do  D[b,h,t] = sum_d dy * y over the head's columns (= rowsum(P * dP), also with dropout)
-//   flash_bwd_dq*    one block per (query tile, b*H + h): P = exp(S*scale - lse) rebuilt per key tile,
+//   flash_bwd_dq*    one block per (b*H + h, query tile): P = exp(S*scale - lse) rebuilt per key tile,
 //                    dS = P * (dP - D) * scale, dQ += dS K.
-//   flash_bwd_dkv*   one block per (key tile, b*H + h): S^T = K Q^T computed directly, loops over the
+//   flash_bwd_dkv*   one block per (b*H + h, key tile): S^T = K Q^T computed directly, loops over the
 //                    query tiles from the diagonal down: dV += Pd^T dO, dK += dS^T Q.
+//   Grids are (B*H, tiles) with the tile index ordered by decreasing work, so the blocks start
+//   longest first across all heads (the short diagonal-only blocks fill the tail).
 //   No atomics: every output element is written by exactly one thread; deterministic.
 //
 // Dropout (DROP): the keep bit of probability (b,h,i,j) is gc_keep(gc_key(seed, step, site), idx),
 // idx = ((b*H + h)*T + i)*T + j mod 2^32, the same as the unfused path and rng.dropout_mask.
 // The forward applies it to P before P V (the row sum l is of the undropped P); the backward
 // uses Pd = P*keep/(1-p) for dV and dP = dPd*keep/(1-p) for dS.
+// Exponentials run in base 2 (scores in units of log2 e); lse is stored in natural log.
 //
-// Two compute policies share the kernel bodies:
-//   FaSimt  fp32 FMAs. 128 threads = 16 row groups x 8 column groups; a thread owns RM rows
-//           (g*RM + rr) and RN columns (c + 8*jj) of a tile product; P goes through a per-warp
-//           slice of shared memory for P V.
-//   FaTc    TF32 tensor cores, mma.sync.m16n8k8 (operands rounded with cvt.rna.tf32.f32: tiles once
-//           when they are stored to shared memory, P in registers before each P V). 4 warps
-//           of 16 rows; a thread owns the accumulator fragment (rows g, g+8; columns 8n + 2t + {0,1}).
-//           The S accumulator is the A operand of P V straight from registers: the k index of the
-//           A fragment is permuted (k = t <-> column 2t, k = t+4 <-> column 2t+1) and the V
-//           fragment is read with the same permutation, so no data moves between lanes at all
-//           (a zero-shuffle register transpose); P never touches shared memory.
-// Tiles live in shared memory row-major with a row stride of HS+4 floats: conflict-free for the
-// access patterns of both policies. Rows past T are zero-filled and their scores masked.
-// Exponentials run in base 2 (scores pre-multiplied by scale*log2(e)); lse is stored in natural log.
+// Two implementations:
+//   flash_fwd, flash_bwd_dq, flash_bwd_dkv (fp32)     FaSimt policy, fp32 FMAs: 128 threads =
+//           16 row groups x 8 column groups; a thread owns RM rows (g*RM + rr) and RN columns
+//           (c + 8*jj) of a tile product; P goes through a per-warp slice of shared memory for P V.
+//           64-row tiles (queries in fwd/dq, keys in dkv), synchronous tile loads; shared-memory
+//           tiles are row-major with a row stride of HS+4 floats (conflict-free for its patterns).
+//   flash_fwd_tc, flash_bwd_dq_tc, flash_bwd_dkv_tc (tf32)   mma.sync.m16n8k8 tensor cores: 4 warps
+//           of 32 rows (16 for head size 128), streamed tiles through a 2-3 stage cp.async ring,
+//           ldmatrix fragments, resident operands in registers where they fit; see the
+//           "TF32 tensor cores" section below for the tile plan of each kernel.
 #include "common.cuh"
 
 #define FA_THREADS 128
 #define FA_BR 64            // rows of a block's tile (queries in fwd/dq, keys in dkv)
 
 // ------------------------------------------------------------------------------- helpers
-
-__device__ __forceinline__ u32 fa_tf32(float x) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
-// d += a * b on a 16x8x8 tile (row.col, tf32 inputs, f32 accumulate)
-__device__ __forceinline__ void fa_mma(float& d0, float& d1, float& d2, float& d3,
-                                       u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ void fa_check_smem(unsigned need_bytes) {
     unsigned have;
@@ -62,8 +45,7 @@ __device__ __forceinline__ void fa_check_smem(unsigned need_bytes) {
 
 // ROWS x HS tile, global row-major with row stride `stride` floats, into shared memory with row
 // stride HS+4; rows >= nvalid are zero-filled (so masked products stay finite).
-// With CVT the values are stored already rounded to tf32 (cvt.rna), so the mma loops only load.
-template <int ROWS, int HS, bool CVT>
+template <int ROWS, int HS>
 __device__ __forceinline__ void fa_load_tile(float* __restrict__ dst, const float* __restrict__ src,
                                              long long stride, int nvalid) {
     constexpr int V = HS / 4;
@@ -72,12 +54,6 @@ __device__ __forceinline__ void fa_load_tile(float* __restrict__ dst, const floa
         int c = (e - r * V) * 4;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (r < nvalid) v = __ldg(reinterpret_cast<const float4*>(src + r * stride + c));
-        if (CVT) {
-            v.x = __uint_as_float(fa_tf32(v.x));
-            v.y = __uint_as_float(fa_tf32(v.y));
-            v.z = __uint_as_float(fa_tf32(v.z));
-            v.w = __uint_as_float(fa_tf32(v.w));
-        }
         *reinterpret_cast<float4*>(dst + r * (HS + 4) + c) = v;
     }
 }
@@ -93,7 +69,6 @@ struct FaSimt {
     static constexpr int RM = BR / 16;
     static constexpr int RN = BC / 8;
     static constexpr bool USES_PBUF = true;
-    static constexpr bool CVT = false;      // tiles stay fp32
     static constexpr int OCDIV = 8;     // accumulator columns of a PV row: HS / OCDIV
 
     __device__ static int row(int rr) { return (threadIdx.x >> 3) * RM + rr; }
@@ -186,76 +161,6 @@ struct FaSimt {
     }
 };
 
-template <int BR, int BC>
-struct FaTc {
-    static_assert(BR == 16 * (FA_THREADS / 32) && BC % 8 == 0, "tile");
-    static constexpr int RM = 2;
-    static constexpr int RN = BC / 4;
-    static constexpr bool USES_PBUF = false;
-    static constexpr bool CVT = true;       // tiles are stored rounded to tf32
-    static constexpr int OCDIV = 4;
-
-    __device__ static int row(int rr) { return (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2) + 8 * rr; }
-    __device__ static int col(int jj) { return (jj >> 1) * 8 + 2 * (threadIdx.x & 3) + (jj & 1); }
-    __device__ static bool leader() { return (threadIdx.x & 3) == 0; }
-    __device__ static float rmax(float x) {
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-        return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-    }
-    __device__ static float rsum(float x) {
-        x += __shfl_xor_sync(0xffffffffu, x, 1);
-        return x + __shfl_xor_sync(0xffffffffu, x, 2);
-    }
-
-    // acc (16 x BC per warp) += A (warp's 16 rows x HS) * B^T (B: BC x HS); smem stride HS+4
-    template <int HS>
-    __device__ static void abt(float (&acc)[RM][RN], const float* __restrict__ A, const float* __restrict__ B) {
-        constexpr int LD = HS + 4;
-        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-        const float* a = A + ((threadIdx.x >> 5) * 16 + g) * LD + t;
-        const float* b = B + g * LD + t;
-#pragma unroll
-        for (int k = 0; k < HS; k += 8) {
-            u32 a0 = __float_as_uint(a[k]), a1 = __float_as_uint(a[8 * LD + k]);
-            u32 a2 = __float_as_uint(a[k + 4]), a3 = __float_as_uint(a[8 * LD + k + 4]);
-#pragma unroll
-            for (int n = 0; n < BC / 8; ++n) {
-                u32 b0 = __float_as_uint(b[n * 8 * LD + k]), b1 = __float_as_uint(b[n * 8 * LD + k + 4]);
-                fa_mma(acc[0][2 * n], acc[0][2 * n + 1], acc[1][2 * n], acc[1][2 * n + 1], a0, a1, a2, a3, b0, b1);
-            }
-        }
-    }
-
-    // acc (16 x HS per warp) += P (16 x BC, this thread's accumulator fragment) * V (BC x HS, smem)
-    template <int HS>
-    __device__ static void pv(float (&acc)[RM][HS / 4], const float (&p)[RM][RN], float* /*pbuf*/,
-                              const float* __restrict__ V) {
-        constexpr int LD = HS + 4;
-        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-        const float* v = V + (2 * t) * LD + g;
-#pragma unroll
-        for (int n = 0; n < BC / 8; ++n) {
-            // A fragment k = t <-> P column 8n + 2t, k = t + 4 <-> column 8n + 2t + 1
-            u32 a0 = fa_tf32(p[0][2 * n]), a1 = fa_tf32(p[1][2 * n]);
-            u32 a2 = fa_tf32(p[0][2 * n + 1]), a3 = fa_tf32(p[1][2 * n + 1]);
-            const float* vn = v + n * 8 * LD;
-#pragma unroll
-            for (int d = 0; d < HS / 8; ++d) {
-                u32 b0 = __float_as_uint(vn[d * 8]), b1 = __float_as_uint(vn[LD + d * 8]);
-                fa_mma(acc[0][2 * d], acc[0][2 * d + 1], acc[1][2 * d], acc[1][2 * d + 1], a0, a1, a2, a3, b0, b1);
-            }
-        }
-    }
-
-    template <int HS>
-    __device__ static void store_row(float* __restrict__ dst, const float (&acc)[HS / 4], float s) {
-        const int t = threadIdx.x & 3;
-#pragma unroll
-        for (int d = 0; d < HS / 8; ++d)
-            *reinterpret_cast<float2*>(dst + d * 8 + 2 * t) = make_float2(acc[2 * d] * s, acc[2 * d + 1] * s);
-    }
-};
-
 // key-tile width of the forward and dQ kernels, query-tile width of the dK/dV kernel
 template <int HS> struct FaTiles {
     static constexpr int BKF = HS >= 128 ? 32 : 64;
@@ -288,8 +193,8 @@ __device__ __forceinline__ void fa_fwd_body(float* __restrict__ y, float* __rest
 
     const int C = H * HS;
     const long long rs = 3LL * C;
-    const int qt = gridDim.x - 1 - blockIdx.x;        // the longest (most key tiles) first
-    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int qt = gridDim.y - 1 - blockIdx.y;        // grid (B*H, tiles): the longest blocks of all heads first
+    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
     const int q0 = qt * BR;
     const float* qb = qkv + (long long)b * T * rs + h * HS;
     const float* kb = qb + C;
@@ -297,7 +202,7 @@ __device__ __forceinline__ void fa_fwd_body(float* __restrict__ y, float* __rest
     const float ninf = __int_as_float(0xff800000);
     const float sl2 = scale * FA_LOG2E;
 
-    fa_load_tile<BR, HS, P::CVT>(Qs, qb + q0 * rs, rs, T - q0);
+    fa_load_tile<BR, HS>(Qs, qb + q0 * rs, rs, T - q0);
 
     float m[RM], l[RM], o[RM][OC];
     u32 rbase[RM];
@@ -315,8 +220,8 @@ __device__ __forceinline__ void fa_fwd_body(float* __restrict__ y, float* __rest
     const int qlast = min(q0 + BR, T) - 1;             // keys beyond the last query row are never visited
     for (int k0 = 0; k0 <= qlast; k0 += BC) {
         __syncthreads();
-        fa_load_tile<BC, HS, P::CVT>(Ks, kb + k0 * rs, rs, T - k0);
-        fa_load_tile<BC, HS, P::CVT>(Vs, vb + k0 * rs, rs, T - k0);
+        fa_load_tile<BC, HS>(Ks, kb + k0 * rs, rs, T - k0);
+        fa_load_tile<BC, HS>(Vs, vb + k0 * rs, rs, T - k0);
         __syncthreads();
 
         float s[RM][RN];
@@ -382,11 +287,6 @@ __global__ void __launch_bounds__(FA_THREADS) flash_fwd(FA_ARGS_FWD) {
     fa_fwd_body<FaSimt<FA_BR, FaTiles<HS>::BKF>, HS, DROP>(y, lse, qkv, st, seed, site, threshold, inv_keep, scale, T, H);
 }
 
-template <int HS, bool DROP>
-__global__ void __launch_bounds__(FA_THREADS) flash_fwd_tc(FA_ARGS_FWD) {
-    fa_fwd_body<FaTc<FA_BR, FaTiles<HS>::BKF>, HS, DROP>(y, lse, qkv, st, seed, site, threshold, inv_keep, scale, T, H);
-}
-
 // ------------------------------------------------------------------------------- D = rowsum(dO * O)
 
 // one warp per (b, t, h) row, in that order (neighbouring warps read neighbouring heads)
@@ -427,16 +327,16 @@ __device__ __forceinline__ void fa_dq_body(float* __restrict__ dqkv, const float
 
     const int C = H * HS;
     const long long rs = 3LL * C;
-    const int qt = gridDim.x - 1 - blockIdx.x;
-    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int qt = gridDim.y - 1 - blockIdx.y;        // grid (B*H, tiles): the longest blocks of all heads first
+    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
     const int q0 = qt * BR;
     const float* qb = qkv + (long long)b * T * rs + h * HS;
     const float* kb = qb + C;
     const float* vb = qb + 2 * C;
     const float sl2 = scale * FA_LOG2E;
 
-    fa_load_tile<BR, HS, P::CVT>(Qs, qb + q0 * rs, rs, T - q0);
-    fa_load_tile<BR, HS, P::CVT>(dOs, dy + ((long long)b * T + q0) * C + h * HS, C, T - q0);
+    fa_load_tile<BR, HS>(Qs, qb + q0 * rs, rs, T - q0);
+    fa_load_tile<BR, HS>(dOs, dy + ((long long)b * T + q0) * C + h * HS, C, T - q0);
 
     float lr[RM], dr[RM], dq[RM][OC];
     u32 rbase[RM];
@@ -455,8 +355,8 @@ __device__ __forceinline__ void fa_dq_body(float* __restrict__ dqkv, const float
     const int qlast = min(q0 + BR, T) - 1;
     for (int k0 = 0; k0 <= qlast; k0 += BC) {
         __syncthreads();
-        fa_load_tile<BC, HS, P::CVT>(Ks, kb + k0 * rs, rs, T - k0);
-        fa_load_tile<BC, HS, P::CVT>(Vs, vb + k0 * rs, rs, T - k0);
+        fa_load_tile<BC, HS>(Ks, kb + k0 * rs, rs, T - k0);
+        fa_load_tile<BC, HS>(Vs, vb + k0 * rs, rs, T - k0);
         __syncthreads();
 
         float s[RM][RN], dp[RM][RN];
@@ -505,12 +405,6 @@ __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dq(FA_ARGS_BWD) {
                                                           inv_keep, scale, T, H);
 }
 
-template <int HS, bool DROP>
-__global__ void __launch_bounds__(FA_THREADS) flash_bwd_dq_tc(FA_ARGS_BWD) {
-    fa_dq_body<FaTc<FA_BR, FaTiles<HS>::BKF>, HS, DROP>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold,
-                                                        inv_keep, scale, T, H);
-}
-
 // ------------------------------------------------------------------------------- backward: dK, dV
 
 template <class P, int HS, bool DROP>
@@ -532,16 +426,16 @@ __device__ __forceinline__ void fa_dkv_body(float* __restrict__ dqkv, const floa
 
     const int C = H * HS;
     const long long rs = 3LL * C;
-    const int k0 = blockIdx.x * BR;                    // key tiles near the start see the most queries
-    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int k0 = blockIdx.y * BR;                    // grid (B*H, tiles): the key tiles that see the
+    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;    // most queries, of all heads, first
     const float* qb = qkv + (long long)b * T * rs + h * HS;
     const float* kb = qb + C;
     const float* vb = qb + 2 * C;
     const float* dob = dy + (long long)b * T * C + h * HS;
     const float sl2 = scale * FA_LOG2E;
 
-    fa_load_tile<BR, HS, P::CVT>(Ks, kb + k0 * rs, rs, T - k0);
-    fa_load_tile<BR, HS, P::CVT>(Vs, vb + k0 * rs, rs, T - k0);
+    fa_load_tile<BR, HS>(Ks, kb + k0 * rs, rs, T - k0);
+    fa_load_tile<BR, HS>(Vs, vb + k0 * rs, rs, T - k0);
 
     float dk[RM][OC], dv[RM][OC];
 #pragma unroll
@@ -553,8 +447,8 @@ __device__ __forceinline__ void fa_dkv_body(float* __restrict__ dqkv, const floa
 
     for (int q0 = (k0 / BC) * BC; q0 < T; q0 += BC) {  // query tiles from the diagonal to the end
         __syncthreads();
-        fa_load_tile<BC, HS, P::CVT>(Qs, qb + q0 * rs, rs, T - q0);
-        fa_load_tile<BC, HS, P::CVT>(dOs, dob + (long long)q0 * C, C, T - q0);
+        fa_load_tile<BC, HS>(Qs, qb + q0 * rs, rs, T - q0);
+        fa_load_tile<BC, HS>(dOs, dob + (long long)q0 * C, C, T - q0);
         for (int e = threadIdx.x; e < BC; e += FA_THREADS) {
             const int i = q0 + e;
             Ls[e] = i < T ? lse[(long long)bh * T + i] * FA_LOG2E : 0.f;     // log2 units
@@ -611,8 +505,787 @@ __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dkv(FA_ARGS_BWD) {
                                                            inv_keep, scale, T, H);
 }
 
+
+// =============================================================================== TF32 tensor cores
+//
+// mma.sync.m16n8k8 (tf32 in, f32 accumulate), fragments as in the PTX ISA (g = lane/4, t = lane%4):
+//   A 16x8 row: a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4]
+//   B 8x8 col:  b0 = B[t][g], b1 = B[t+4][g]
+//   C 16x8:     c0 = C[g][2t], c1 = C[g][2t+1], c2 = C[g+8][2t], c3 = C[g+8][2t+1]
+// Shared-memory tiles are row-major with a row stride of LD = HS+4 floats (16-byte aligned rows).
+// * A tile [n][k] is a ready B operand of X * tile^T: one ldmatrix.x4 (four b16 8x8 matrices = four
+//   blocks of 8 rows x 4 floats) hands a lane b0/b1 of two consecutive k-steps; the same instruction
+//   loads A fragments (a0..a3). Conflict-free: 8 rows of 16 bytes at LD = 4 mod 32.
+// * Products whose A operand is an accumulator (P V, dS K, P^T dO, dS^T Q) permute the k index
+//   (k = t <-> column 2t, k = t+4 <-> column 2t+1): the accumulator registers are the A fragment as
+//   they are, and the B operand is tile[2t][g], tile[2t+1][g] (scalar loads, conflict-free).
+// * The first k-step of a score product takes its C operand from a per-row / per-column offset, so
+//   the tensor cores return S - m (fwd), S - lse (dQ, dK/dV) and dP - D directly.
+// Streamed tiles go through a ring of NS (2 or 3) cp.async stages with one __syncthreads per tile:
+// at step j the block waits for tile j, syncs (so everyone is also done with tile j-1), then issues
+// tile j+NS-1 into the stage tile j-1 used. After its copies land, each thread rounds its own
+// 16-byte chunks to tf32 in place (applying a scale where one is folded in), so the mma loops only
+// load. The softmax scale
+// times log2 e is folded into Q (rounded once, the same way in all three kernels, so the backward's
+// P is consistent with the forward's lse): scores come out in log2 units and exponentials are
+// single ex2.approx.ftz instructions.
+// A warp owns MT m16 tiles of rows (queries in fwd / dQ, keys in dK/dV): every B fragment loaded
+// from shared memory feeds MT mma. Warps that cannot see a tile (causality) skip its math; only
+// tiles reaching past a warp's first row take the masking path (a separate instantiation).
+
+#define FA_TC_THREADS 128
+#define FA_RESCALE_LOG2 8.f   // fwd: O and l move to a new row max only when it grows by > 2^8
+
+template <bool B> struct FaBool { static constexpr bool value = B; };
+
+__device__ __forceinline__ float fa_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// d += a * b on a 16x8x8 tile (row.col, tf32 inputs, f32 accumulate)
+__device__ __forceinline__ void fa_mma4(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// d = a * b + c
+__device__ __forceinline__ void fa_mma4c(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1, const float (&c)[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+__device__ __forceinline__ u32 fa_smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16-byte async copy global -> shared; bytes = 0 zero-fills the destination (the source is not read)
+__device__ __forceinline__ void fa_cp16(float* dst, const float* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fa_smem_u32(dst)), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void fa_cp4(float* dst, const float* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(fa_smem_u32(dst)), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void fa_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void fa_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// four 8x8 b16 matrices (= 8 rows x 4 floats each); lane l gives the row address of matrix l/8, row l%8
+__device__ __forceinline__ void fa_ldsm4(u32 (&r)[4], const float* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fa_smem_u32(p)));
+}
+
+// lane's row address for A fragments (16 rows x 8 k) of a row-major tile: a0..a3 in one ldmatrix.x4
+template <int LD>
+__device__ __forceinline__ const float* fa_a_lane(const float* base) {
+    const int lane = threadIdx.x & 31;
+    return base + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 4 * (lane >> 4);
+}
+// lane's row address for B fragments of two k-steps (8 rows x 16 k): {b0, b1} of k-step 2kp, 2kp+1
+template <int LD>
+__device__ __forceinline__ const float* fa_b_lane(const float* base) {
+    const int lane = threadIdx.x & 31;
+    return base + (lane & 7) * LD + 4 * (lane >> 3);
+}
+
+// ROWS x HS floats (global row stride `stride`) -> shared (row stride HS+4) by cp.async; rows >= nvalid
+// (nvalid >= 1) are zero-filled. Thread x owns the 16-byte chunks (x / V + it * RPI, x % V).
+template <int ROWS, int HS>
+__device__ __forceinline__ void fa_cp_tile(float* __restrict__ dst, const float* __restrict__ src,
+                                           long long stride, int nvalid) {
+    constexpr int V = HS / 4, LD = HS + 4, RPI = FA_TC_THREADS / V, N = ROWS / RPI;
+    static_assert(FA_TC_THREADS % V == 0 && ROWS % RPI == 0, "tile chunks");
+    const int r0 = threadIdx.x / V, c = (threadIdx.x % V) * 4;
+    float* d = dst + r0 * LD + c;
+    const float* s = src + r0 * stride + c;
+    if (nvalid >= ROWS) {
+#pragma unroll
+        for (int it = 0; it < N; ++it) fa_cp16(d + it * RPI * LD, s + it * RPI * stride, 16);
+    } else {
+#pragma unroll
+        for (int it = 0; it < N; ++it) {
+            const bool ok = r0 + it * RPI < nvalid;
+            fa_cp16(d + it * RPI * LD, ok ? s + it * RPI * stride : src, ok ? 16 : 0);
+        }
+    }
+}
+
+// tf32 rounding for operands that only the tensor cores read: the mma ignores the low 13 mantissa
+// bits of a tf32 operand (ptxas itself drops the mask of cvt.rna before an HMMA), so adding half a
+// tf32 ulp is all that is left of round-to-nearest (ties away from zero, = cvt.rna.tf32.f32)
+__device__ __forceinline__ u32 fa_tf32_mma(float x) { return __float_as_uint(x) + 0x1000u; }
+
+// the same thread's chunks of a landed tile: x -> tf32(x * mul) (SCALE) or tf32(x) in place, in the
+// mma-only form of fa_tf32_mma (every tile that goes through here is read by mma only)
+template <int ROWS, int HS, bool SCALE>
+__device__ __forceinline__ void fa_round_tile(float* dst, float mul) {
+    constexpr int V = HS / 4, LD = HS + 4, RPI = FA_TC_THREADS / V, N = ROWS / RPI;
+    float* d = dst + (threadIdx.x / V) * LD + (threadIdx.x % V) * 4;
+#pragma unroll
+    for (int it = 0; it < N; ++it) {
+        float4* p = reinterpret_cast<float4*>(d + it * RPI * LD);
+        float4 v = *p;
+        if (SCALE) { v.x *= mul; v.y *= mul; v.z *= mul; v.w *= mul; }
+        v.x = __uint_as_float(fa_tf32_mma(v.x));
+        v.y = __uint_as_float(fa_tf32_mma(v.y));
+        v.z = __uint_as_float(fa_tf32_mma(v.z));
+        v.w = __uint_as_float(fa_tf32_mma(v.w));
+        *p = v;
+    }
+}
+
+// N floats by 4-byte cp.async, entries >= nvalid zero-filled; entry e belongs to thread FIRST + e
+template <int N, int FIRST>
+__device__ __forceinline__ void fa_cp_vec(float* dst, const float* src, int nvalid) {
+    static_assert(FIRST + N <= FA_TC_THREADS, "one entry per thread");
+    const int e = threadIdx.x - FIRST;
+    if (e >= 0 && e < N) fa_cp4(dst + e, e < nvalid ? src + e : src, e < nvalid ? 4 : 0);
+}
+
+// acc[mt][nt] (16 x 8 each) = A[mt] (16 x 8*KS) * Bt^T + c[mt][nt], Bt = NT*8 rows x 8*KS (shared,
+// row stride LD). A fragments come from registers (AREG: af[mt][ks]) or by ldmatrix from `a` (lane
+// address from fa_a_lane, m-tile mt at + 16*mt*LD); `b` is the lane address from fa_b_lane.
+template <int MT, int NT, int KS, int LD, bool AREG, int AKS>
+__device__ __forceinline__ void fa_mma_abt(float (&acc)[MT][NT][4], const float (&c)[MT][NT][4],
+                                           const u32 (&af)[MT][AKS][4], const float* a, const float* b) {
+    static_assert(!AREG || AKS == KS, "register A fragments cover every k-step");
+#pragma unroll
+    for (int kp = 0; kp < KS / 2; ++kp) {
+        u32 a0[MT][4], a1[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            if constexpr (AREG) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    a0[mt][r] = af[mt][2 * kp][r];
+                    a1[mt][r] = af[mt][2 * kp + 1][r];
+                }
+            } else {
+                fa_ldsm4(a0[mt], a + mt * 16 * LD + 16 * kp);
+                fa_ldsm4(a1[mt], a + mt * 16 * LD + 16 * kp + 8);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            u32 bb[4];
+            fa_ldsm4(bb, b + nt * 8 * LD + 16 * kp);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (kp == 0) fa_mma4c(acc[mt][nt], a0[mt], bb[0], bb[1], c[mt][nt]);
+                else fa_mma4(acc[mt][nt], a0[mt], bb[0], bb[1]);
+                fa_mma4(acc[mt][nt], a1[mt], bb[2], bb[3]);
+            }
+        }
+    }
+}
+
+// A fragments of MT m-tiles x KS k-steps of a row-major tile into registers (lane address from fa_a_lane)
+template <int MT, int KS, int LD>
+__device__ __forceinline__ void fa_load_afrag(u32 (&af)[MT][KS][4], const float* a) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) fa_ldsm4(af[mt][ks], a + mt * 16 * LD + ks * 8);
+}
+
+// acc[mt][dt] (16 x 8 each, dt < HS/8) += P[mt] (16 x 8*NK, accumulator fragments p[mt][kk]) * V
+// (8*NK rows x HS, shared, row stride LD), permuted k index: the B operand is V[8kk+2t][8dt+g],
+// V[8kk+2t+1][8dt+g]. p is rounded to tf32 here (fa_tf32_mma).
+template <int MT, int NK, int HS>
+__device__ __forceinline__ void fa_mma_pv(float (&acc)[MT][HS / 8][4], const float (&p)[MT][NK][4],
+                                          const float* __restrict__ V) {
+    constexpr int LD = HS + 4;
+    const int lane = threadIdx.x & 31;
+    const float* v = V + 2 * (lane & 3) * LD + (lane >> 2);
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            a[mt][0] = fa_tf32_mma(p[mt][kk][0]);
+            a[mt][1] = fa_tf32_mma(p[mt][kk][2]);
+            a[mt][2] = fa_tf32_mma(p[mt][kk][1]);
+            a[mt][3] = fa_tf32_mma(p[mt][kk][3]);
+        }
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; ++dt) {
+            const u32 b0 = __float_as_uint(v[kk * 8 * LD + dt * 8]);
+            const u32 b1 = __float_as_uint(v[kk * 8 * LD + LD + dt * 8]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) fa_mma4(acc[mt][dt], a[mt], b0, b1);
+        }
+    }
+}
+
+template <int MT, int N>
+__device__ __forceinline__ void fa_zero(float (&x)[MT][N][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[mt][n][e] = 0.f;
+}
+
+// c[mt][n] = {r[mt][0], r[mt][0], r[mt][1], r[mt][1]}: a per-row value as an accumulator fragment
+template <int MT, int N>
+__device__ __forceinline__ void fa_rows_frag(float (&c)[MT][N][4], const float (&r)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            c[mt][n][0] = c[mt][n][1] = r[mt][0];
+            c[mt][n][2] = c[mt][n][3] = r[mt][1];
+        }
+}
+
+// one row's accumulator fragment (columns 8dt + 2t + {0,1}, e = 0: row g, e = 2: row g+8) * s
+template <int HS>
+__device__ __forceinline__ void fa_store_frag_row(float* __restrict__ dst, const float (&acc)[HS / 8][4], int e,
+                                                  float s) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int dt = 0; dt < HS / 8; ++dt)
+        *reinterpret_cast<float2*>(dst + dt * 8 + 2 * t) = make_float2(acc[dt][e] * s, acc[dt][e + 1] * s);
+}
+
+// ------------------------------------------------------------------------------- TC forward
+
+// 4 warps x WR = 16*MT query rows; key tiles of BC through the K/V ring. The Q tile (scaled by
+// scale*log2 e) is staged through ring stages 1.. before the loop and then held in registers.
+// Online softmax with a lazily moved reference max m per row: p = exp2(s - m) <= 2^FA_RESCALE_LOG2,
+// O and l are rescaled only when some row of the warp outgrows its m by more than that.
+template <int HS> struct FaFwdTc {
+    static constexpr int MT = HS <= 64 ? 2 : 1;
+    static constexpr int WR = 16 * MT;
+    static constexpr int BR = 4 * WR;
+    static constexpr int BC = HS <= 64 ? 64 : 32;
+    static constexpr int NS = 3;
+    static constexpr int LD = HS + 4;
+    static constexpr int STAGE = 2 * BC * LD;                   // K, V
+    static constexpr int QBUF = BR * LD;
+    static constexpr int SMEM = NS * STAGE > STAGE + QBUF ? NS * STAGE : STAGE + QBUF;
+};
+
 template <int HS, bool DROP>
-__global__ void __launch_bounds__(FA_THREADS) flash_bwd_dkv_tc(FA_ARGS_BWD) {
-    fa_dkv_body<FaTc<FA_BR, FaTiles<HS>::BQB>, HS, DROP>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold,
-                                                         inv_keep, scale, T, H);
+__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
+    using F = FaFwdTc<HS>;
+    constexpr int MT = F::MT, WR = F::WR, BR = F::BR, BC = F::BC, LD = F::LD, NS = F::NS;
+    constexpr int KS = HS / 8, NT = BC / 8, DT = HS / 8, STAGE = F::STAGE;
+    fa_check_smem(F::SMEM * 4);
+    extern __shared__ float4 fa_smem4[];
+    float* sm = reinterpret_cast<float*>(fa_smem4);
+    float* Qb = sm + STAGE;
+
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int C = H * HS;
+    const long long rs = 3LL * C;
+    const int qt = gridDim.y - 1 - blockIdx.y;        // grid (B*H, tiles): the longest blocks of all heads first
+    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
+    const int q0 = qt * BR;
+    const int wr0 = q0 + w * WR;                       // first query row of this warp
+    const float* qb = qkv + (long long)b * T * rs + h * HS;
+    const float* kb = qb + C;
+    const float* vb = qb + 2 * C;
+    const float ninf = __int_as_float(0xff800000);
+    const int nkt = (min(q0 + BR, T) + BC - 1) / BC;   // key tiles up to the block's last row
+
+    fa_cp_tile<BR, HS>(Qb, qb + (long long)q0 * rs, rs, T - q0);
+    fa_cp_commit();
+    fa_cp_tile<BC, HS>(sm, kb, rs, T);
+    fa_cp_tile<BC, HS>(sm + BC * LD, vb, rs, T);
+    fa_cp_commit();
+    fa_cp_wait<0>();
+    fa_round_tile<BR, HS, true>(Qb, scale * FA_LOG2E);
+    fa_round_tile<2 * BC, HS, false>(sm, 1.f);
+    __syncthreads();
+    u32 qf[MT][KS][4];
+    fa_load_afrag<MT, KS, LD>(qf, fa_a_lane<LD>(Qb + w * WR * LD));
+    __syncthreads();                                   // Q is read: its space is ring stage 1..
+    if (NS == 3) {
+        if (nkt > 1) {
+            fa_cp_tile<BC, HS>(sm + STAGE, kb + BC * rs, rs, T - BC);
+            fa_cp_tile<BC, HS>(sm + STAGE + BC * LD, vb + BC * rs, rs, T - BC);
+        }
+        fa_cp_commit();
+    }
+
+    float m[MT][2], l[MT][2], o[MT][DT][4];
+    u32 rbase[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            m[mt][hh] = ninf;                          // the reference max of the row's p, l and O
+            l[mt][hh] = 0.f;
+            rbase[mt][hh] = (u32)(bh * T + wr0 + 16 * mt + g + 8 * hh) * (u32)T;
+        }
+    fa_zero(o);
+    u32 key = 0;
+    if (DROP) key = gc_key(seed, (u32)st->step, site);
+
+    // one key tile: S - m on the tensor cores, (mask), online softmax, O += P V
+    auto tile = [&](const float* Ks, const float* Vs, int k0, auto edge_tag) {
+        constexpr bool EDGE = decltype(edge_tag)::value;
+        float mref[MT][2], c[MT][NT][4], s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) mref[mt][hh] = k0 == 0 ? 0.f : -m[mt][hh];   // m = -inf before tile 0
+        fa_rows_frag(c, mref);
+        fa_mma_abt<MT, NT, KS, LD, true>(s, c, qf, nullptr, fa_b_lane<LD>(Ks));   // s = S - m (log2 units)
+        if (EDGE) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (k0 + 8 * nt + 2 * t + (e & 1) > wr0 + 16 * mt + g + 8 * (e >> 1)) s[mt][nt][e] = ninf;
+        }
+        float mx[MT][2];
+        bool grow = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float x = ninf;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) x = fmaxf(x, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+                x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+                mx[mt][hh] = x - mref[mt][hh];         // the row max of S: finite (key k0 <= every row)
+                grow |= mx[mt][hh] > m[mt][hh] + FA_RESCALE_LOG2;
+            }
+        if (__any_sync(0xffffffffu, grow)) {           // move the reference max (always on tile 0)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const float mnew = fmaxf(m[mt][hh], mx[mt][hh]);
+                    const float alpha = fa_exp2(m[mt][hh] - mnew);
+                    const float shift = mnew + mref[mt][hh];   // s holds S + mref
+                    m[mt][hh] = mnew;
+                    l[mt][hh] *= alpha;
+#pragma unroll
+                    for (int dt = 0; dt < DT; ++dt) {
+                        o[mt][dt][2 * hh] *= alpha;
+                        o[mt][dt][2 * hh + 1] *= alpha;
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        s[mt][nt][2 * hh] -= shift;
+                        s[mt][nt][2 * hh + 1] -= shift;
+                    }
+                }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float rsum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float p = fa_exp2(s[mt][nt][2 * hh + e]);   // exp2(S - m) <= 2^FA_RESCALE_LOG2
+                        rsum += p;
+                        if (DROP)
+                            p = gc_keep(key, rbase[mt][hh] + (u32)(k0 + 8 * nt + 2 * t + e), threshold) ? p * inv_keep : 0.f;
+                        s[mt][nt][2 * hh + e] = p;
+                    }
+                l[mt][hh] += rsum;                     // thread-partial; reduced once at the end
+            }
+        fa_mma_pv<MT, NT, HS>(o, s, Vs);               // O += P V
+    };
+
+    int stage = 0;
+    for (int j = 0; j < nkt; ++j) {
+        float* cur = sm + stage * STAGE;
+        if (j > 0) {
+            fa_cp_wait<NS - 2>();
+            fa_round_tile<2 * BC, HS, false>(cur, 1.f);
+            __syncthreads();                           // tile j visible; everyone is done with tile j-1
+        }
+        if (j + NS - 1 < nkt) {
+            float* nxt = sm + (stage == 0 ? NS - 1 : stage - 1) * STAGE;   // the stage of tile j-1
+            const int k2 = (j + NS - 1) * BC;
+            fa_cp_tile<BC, HS>(nxt, kb + k2 * rs, rs, T - k2);
+            fa_cp_tile<BC, HS>(nxt + BC * LD, vb + k2 * rs, rs, T - k2);
+        }
+        fa_cp_commit();
+        stage = stage == NS - 1 ? 0 : stage + 1;
+
+        const int k0 = j * BC;
+        if (wr0 >= T || k0 > wr0 + WR - 1) continue;  // warp-uniform: no row of the warp sees the tile
+        if (k0 + BC - 1 > wr0) tile(cur, cur + BC * LD, k0, FaBool<true>());   // reaches past the first row
+        else tile(cur, cur + BC * LD, k0, FaBool<false>());
+    }
+    fa_cp_wait<0>();
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float L = l[mt][hh];
+            L += __shfl_xor_sync(0xffffffffu, L, 1);
+            L += __shfl_xor_sync(0xffffffffu, L, 2);
+            const int i = wr0 + 16 * mt + g + 8 * hh;
+            if (i < T) {
+                fa_store_frag_row<HS>(y + ((long long)b * T + i) * C + h * HS, o[mt], 2 * hh, 1.f / L);
+                if (t == 0) lse[(long long)bh * T + i] = m[mt][hh] * FA_LN2 + logf(L);
+            }
+        }
+}
+
+// ------------------------------------------------------------------------------- TC backward: dQ
+
+// 4 warps x WR = 16*MT query rows; key tiles of BC through the K/V ring. Q (scaled by scale*log2 e)
+// and dO are A operands: in registers (AREG; staged through ring stages 1..) or a resident tile.
+template <int HS> struct FaDqTc {
+    static constexpr int MT = HS <= 64 ? 2 : 1;
+    static constexpr int WR = 16 * MT;
+    static constexpr int BR = 4 * WR;
+    static constexpr int BC = HS <= 64 ? 32 : 16;
+    static constexpr bool AREG = HS * MT <= 64;
+    static constexpr int NS = AREG ? 3 : 2;
+    static constexpr int LD = HS + 4;
+    static constexpr int STAGE = 2 * BC * LD;                   // K, V
+    static constexpr int QBUF = 2 * BR * LD;                    // Q, dO
+    static constexpr int QOFF = AREG ? STAGE : NS * STAGE;
+    static constexpr int SMEM = AREG ? (NS * STAGE > STAGE + QBUF ? NS * STAGE : STAGE + QBUF) : NS * STAGE + QBUF;
+};
+
+template <int HS, bool DROP>
+__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD) {
+    using F = FaDqTc<HS>;
+    constexpr int MT = F::MT, WR = F::WR, BR = F::BR, BC = F::BC, LD = F::LD, NS = F::NS;
+    constexpr int KS = HS / 8, NT = BC / 8, DT = HS / 8, STAGE = F::STAGE;
+    constexpr bool AREG = F::AREG;
+    constexpr int AK = AREG ? KS : 1;
+    fa_check_smem(F::SMEM * 4);
+    extern __shared__ float4 fa_smem4[];
+    float* sm = reinterpret_cast<float*>(fa_smem4);
+    float* Qb = sm + F::QOFF;
+    float* dOb = Qb + BR * LD;
+
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int C = H * HS;
+    const long long rs = 3LL * C;
+    const int qt = gridDim.y - 1 - blockIdx.y;        // grid (B*H, tiles): the longest blocks of all heads first
+    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
+    const int q0 = qt * BR;
+    const int wr0 = q0 + w * WR;
+    const float* qb = qkv + (long long)b * T * rs + h * HS;
+    const float* kb = qb + C;
+    const float* vb = qb + 2 * C;
+    const float ninf = __int_as_float(0xff800000);
+    const int nkt = (min(q0 + BR, T) + BC - 1) / BC;
+
+    fa_cp_tile<BR, HS>(Qb, qb + (long long)q0 * rs, rs, T - q0);
+    fa_cp_tile<BR, HS>(dOb, dy + ((long long)b * T + q0) * C + h * HS, C, T - q0);
+    fa_cp_commit();
+    fa_cp_tile<BC, HS>(sm, kb, rs, T);
+    fa_cp_tile<BC, HS>(sm + BC * LD, vb, rs, T);
+    fa_cp_commit();
+
+    float nl[MT][2], nd[MT][2];                        // -lse (log2 units), -D per row
+    u32 rbase[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int i = wr0 + 16 * mt + g + 8 * hh;
+            nl[mt][hh] = i < T ? -lse[(long long)bh * T + i] * FA_LOG2E : 0.f;
+            nd[mt][hh] = i < T ? -Dg[(long long)bh * T + i] : 0.f;
+            rbase[mt][hh] = (u32)(bh * T + i) * (u32)T;
+        }
+    float cl[MT][NT][4], cd[MT][NT][4];
+    fa_rows_frag(cl, nl);
+    if (DROP) fa_zero(cd);
+    else fa_rows_frag(cd, nd);
+    u32 key = 0;
+    if (DROP) key = gc_key(seed, (u32)st->step, site);
+
+    fa_cp_wait<0>();
+    fa_round_tile<BR, HS, true>(Qb, scale * FA_LOG2E);
+    fa_round_tile<BR, HS, false>(dOb, 1.f);
+    fa_round_tile<2 * BC, HS, false>(sm, 1.f);
+    __syncthreads();
+    u32 qf[MT][AK][4], df[MT][AK][4];
+    const float* qa = fa_a_lane<LD>(Qb + w * WR * LD);
+    const float* da = fa_a_lane<LD>(dOb + w * WR * LD);
+    if constexpr (AREG) {
+        fa_load_afrag<MT, KS, LD>(qf, qa);
+        fa_load_afrag<MT, KS, LD>(df, da);
+        __syncthreads();                               // Q and dO are read: their space is ring stage 1..
+    }
+    if (NS == 3) {
+        if (nkt > 1) {
+            fa_cp_tile<BC, HS>(sm + STAGE, kb + BC * rs, rs, T - BC);
+            fa_cp_tile<BC, HS>(sm + STAGE + BC * LD, vb + BC * rs, rs, T - BC);
+        }
+        fa_cp_commit();
+    }
+
+    float dq[MT][DT][4];
+    fa_zero(dq);
+
+    // one key tile: S - lse and dPd - D on the tensor cores, (mask), dS, dQ += dS K
+    auto tile = [&](const float* Ks, const float* Vs, int k0, auto edge_tag) {
+        constexpr bool EDGE = decltype(edge_tag)::value;
+        float s[MT][NT][4], dp[MT][NT][4];
+        fa_mma_abt<MT, NT, KS, LD, AREG>(s, cl, qf, qa, fa_b_lane<LD>(Ks));    // S - lse (log2 units)
+        fa_mma_abt<MT, NT, KS, LD, AREG>(dp, cd, df, da, fa_b_lane<LD>(Vs));   // dPd (- D without dropout)
+        if (EDGE) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (k0 + 8 * nt + 2 * t + (e & 1) > wr0 + 16 * mt + g + 8 * (e >> 1)) s[mt][nt][e] = ninf;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float pe = fa_exp2(s[mt][nt][e]);
+                    float gv = dp[mt][nt][e];
+                    if (DROP) {
+                        const bool kp = gc_keep(key, rbase[mt][(e >> 1)] + (u32)(k0 + 8 * nt + 2 * t + (e & 1)), threshold);
+                        gv = (kp ? gv * inv_keep : 0.f) + nd[mt][(e >> 1)];
+                    }
+                    s[mt][nt][e] = pe * gv;                // dS / scale
+                }
+        fa_mma_pv<MT, NT, HS>(dq, s, Ks);              // dQ += dS K
+    };
+
+    int stage = 0;
+    for (int j = 0; j < nkt; ++j) {
+        float* cur = sm + stage * STAGE;
+        if (j > 0) {
+            fa_cp_wait<NS - 2>();
+            fa_round_tile<2 * BC, HS, false>(cur, 1.f);
+            __syncthreads();
+        }
+        if (j + NS - 1 < nkt) {
+            float* nxt = sm + (stage == 0 ? NS - 1 : stage - 1) * STAGE;
+            const int k2 = (j + NS - 1) * BC;
+            fa_cp_tile<BC, HS>(nxt, kb + k2 * rs, rs, T - k2);
+            fa_cp_tile<BC, HS>(nxt + BC * LD, vb + k2 * rs, rs, T - k2);
+        }
+        fa_cp_commit();
+        stage = stage == NS - 1 ? 0 : stage + 1;
+
+        const int k0 = j * BC;
+        if (wr0 >= T || k0 > wr0 + WR - 1) continue;
+        if (k0 + BC - 1 > wr0) tile(cur, cur + BC * LD, k0, FaBool<true>());
+        else tile(cur, cur + BC * LD, k0, FaBool<false>());
+    }
+    fa_cp_wait<0>();
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int i = wr0 + 16 * mt + g + 8 * hh;
+            if (i < T) fa_store_frag_row<HS>(dqkv + ((long long)b * T + i) * rs + h * HS, dq[mt], 2 * hh, scale);
+        }
+}
+
+// ------------------------------------------------------------------------------- TC backward: dK, dV
+
+// 4 warps x WR = 16*MT key rows; query tiles of BQ (Q scaled by scale*log2 e, dO, -lse*log2 e, -D)
+// through the ring, from the diagonal to the end. K and V are A operands: in registers (AREG; staged
+// through ring stages 1..) or a resident tile (V's fragments still go to registers when VREG).
+// dK and dV accumulate in registers. The scores are
+// tf32(Q*scale*log2 e) . tf32(K) as in the forward and dQ kernels, so P matches the saved lse.
+template <int HS> struct FaDkvTc {
+    static constexpr int MT = HS <= 64 ? 2 : 1;
+    static constexpr int WR = 16 * MT;
+    static constexpr int BK = 4 * WR;
+    static constexpr int BQ = 16;
+    static constexpr bool AREG = HS * MT <= 64;                 // K and V fragments in registers
+    static constexpr bool VREG = HS <= 64;                      // V fragments in registers (K's too if AREG)
+    static constexpr int NS = HS <= 64 ? 3 : 2;
+    static constexpr int LD = HS + 4;
+    static constexpr int STAGE = 2 * BQ * LD + 2 * BQ;          // Q, dO, -L, -D
+    static constexpr int KBUF = 2 * BK * LD;                    // K, V
+    static constexpr int KOFF = AREG ? STAGE : NS * STAGE;
+    static constexpr int SMEM = AREG ? (NS * STAGE > STAGE + KBUF ? NS * STAGE : STAGE + KBUF) : NS * STAGE + KBUF;
+};
+
+template <int HS, int BQ>
+__device__ __forceinline__ void fa_dkv_issue(float* stg, const float* qb, const float* dob, const float* lse,
+                                             const float* Dg, int q0, long long rs, int C, int T, long long bhT) {
+    constexpr int LD = HS + 4;
+    fa_cp_tile<BQ, HS>(stg, qb + q0 * rs, rs, T - q0);
+    fa_cp_tile<BQ, HS>(stg + BQ * LD, dob + (long long)q0 * C, C, T - q0);
+    fa_cp_vec<BQ, 0>(stg + 2 * BQ * LD, lse + bhT + q0, T - q0);            // threads 0..BQ-1
+    fa_cp_vec<BQ, BQ>(stg + 2 * BQ * LD + BQ, Dg + bhT + q0, T - q0);      // threads BQ..2BQ-1
+}
+
+template <int HS, int BQ>
+__device__ __forceinline__ void fa_dkv_round(float* stg, float sl2) {
+    constexpr int LD = HS + 4;
+    fa_round_tile<BQ, HS, true>(stg, sl2);                                 // Q * scale * log2 e
+    fa_round_tile<BQ, HS, false>(stg + BQ * LD, 1.f);                      // dO
+    // each thread's own entry (fa_dkv_issue): -lse in log2 units, -D
+    if (threadIdx.x < 2 * BQ) stg[2 * BQ * LD + threadIdx.x] *= threadIdx.x < BQ ? -FA_LOG2E : -1.f;
+}
+
+template <int HS, bool DROP>
+__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD) {
+    using F = FaDkvTc<HS>;
+    constexpr int MT = F::MT, WR = F::WR, BK = F::BK, BQ = F::BQ, LD = F::LD, NS = F::NS;
+    constexpr int KS = HS / 8, NT = BQ / 8, DT = HS / 8, STAGE = F::STAGE;
+    constexpr bool AREG = F::AREG, VREG = F::VREG;
+    constexpr int AK = AREG ? KS : 1, VK = VREG ? KS : 1;
+    fa_check_smem(F::SMEM * 4);
+    extern __shared__ float4 fa_smem4[];
+    float* sm = reinterpret_cast<float*>(fa_smem4);
+    float* Kb = sm + F::KOFF;
+    float* Vb = Kb + BK * LD;
+
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int C = H * HS;
+    const long long rs = 3LL * C;
+    const int k0 = blockIdx.y * BK;                    // grid (B*H, tiles): the key tiles that see the
+    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;    // most queries, of all heads, first
+    const int wk0 = k0 + w * WR;                       // first key row of this warp
+    const long long bhT = (long long)bh * T;
+    const float* qb = qkv + (long long)b * T * rs + h * HS;
+    const float* kb = qb + C;
+    const float* vb = qb + 2 * C;
+    const float* dob = dy + (long long)b * T * C + h * HS;
+    const float ninf = __int_as_float(0xff800000);
+    const int nqt = (T - k0 + BQ - 1) / BQ;            // query tiles from the diagonal (q0 = k0) to the end
+
+    fa_cp_tile<BK, HS>(Kb, kb + k0 * rs, rs, T - k0);
+    fa_cp_tile<BK, HS>(Vb, vb + k0 * rs, rs, T - k0);
+    fa_cp_commit();
+    fa_dkv_issue<HS, BQ>(sm, qb, dob, lse, Dg, k0, rs, C, T, bhT);
+    fa_cp_commit();
+    fa_cp_wait<0>();
+    fa_round_tile<BK, HS, false>(Kb, 1.f);
+    fa_round_tile<BK, HS, false>(Vb, 1.f);
+    fa_dkv_round<HS, BQ>(sm, scale * FA_LOG2E);
+    __syncthreads();
+    u32 kf[MT][AK][4], vf[MT][VK][4];
+    const float* ka = fa_a_lane<LD>(Kb + w * WR * LD);
+    const float* va = fa_a_lane<LD>(Vb + w * WR * LD);
+    if constexpr (AREG) {
+        fa_load_afrag<MT, KS, LD>(kf, ka);
+        fa_load_afrag<MT, KS, LD>(vf, va);
+        __syncthreads();                               // K and V are read: their space is ring stage 1..
+    } else if constexpr (VREG) {
+        fa_load_afrag<MT, KS, LD>(vf, va);             // K stays resident in shared memory
+    }
+    if (NS == 3) {
+        if (nqt > 1) fa_dkv_issue<HS, BQ>(sm + STAGE, qb, dob, lse, Dg, k0 + BQ, rs, C, T, bhT);
+        fa_cp_commit();
+    }
+
+    float dk[MT][DT][4], dv[MT][DT][4];
+    fa_zero(dk);
+    fa_zero(dv);
+    u32 key = 0;
+    if (DROP) key = gc_key(seed, (u32)st->step, site);
+
+    // one query tile: S^T - lse and dPd^T - D on the tensor cores, (mask), dV += Pd^T dO, dK += dS^T Q
+    auto tile = [&](const float* stg, int q0, auto edge_tag) {
+        constexpr bool EDGE = decltype(edge_tag)::value;
+        const float* Qs = stg;
+        const float* dOs = stg + BQ * LD;
+        const float* nLs = stg + 2 * BQ * LD;
+        const float* nDs = nLs + BQ;
+        float cl[MT][NT][4], cd[MT][NT][4], s[MT][NT][4], dp[MT][NT][4];   // rows keys, columns queries
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const float2 l2 = *reinterpret_cast<const float2*>(nLs + 8 * nt + 2 * t);
+            const float2 d2 = *reinterpret_cast<const float2*>(nDs + 8 * nt + 2 * t);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                cl[mt][nt][0] = cl[mt][nt][2] = l2.x;
+                cl[mt][nt][1] = cl[mt][nt][3] = l2.y;
+                cd[mt][nt][0] = cd[mt][nt][2] = DROP ? 0.f : d2.x;
+                cd[mt][nt][1] = cd[mt][nt][3] = DROP ? 0.f : d2.y;
+            }
+        }
+        fa_mma_abt<MT, NT, KS, LD, AREG>(s, cl, kf, ka, fa_b_lane<LD>(Qs));    // S^T - lse
+        fa_mma_abt<MT, NT, KS, LD, VREG>(dp, cd, vf, va, fa_b_lane<LD>(dOs));  // dPd^T (- D without dropout)
+        if (EDGE) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int iq = q0 + 8 * nt + 2 * t + (e & 1);
+                        if (wk0 + 16 * mt + g + 8 * (e >> 1) > iq || iq >= T) s[mt][nt][e] = ninf;
+                    }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float pe = fa_exp2(s[mt][nt][e]);
+                    float gv = dp[mt][nt][e];
+                    float pd = pe;
+                    if (DROP) {
+                        const int jk = wk0 + 16 * mt + g + 8 * (e >> 1);
+                        const int iq = q0 + 8 * nt + 2 * t + (e & 1);
+                        const bool kp = gc_keep(key, (u32)(bhT + iq) * (u32)T + (u32)jk, threshold);
+                        gv = (kp ? gv * inv_keep : 0.f) + nDs[8 * nt + 2 * t + (e & 1)];
+                        pd = kp ? pe * inv_keep : 0.f;
+                    }
+                    s[mt][nt][e] = pd;
+                    dp[mt][nt][e] = pe * gv;               // dS^T / scale
+                }
+        fa_mma_pv<MT, NT, HS>(dv, s, dOs);             // dV += Pd^T dO
+        fa_mma_pv<MT, NT, HS>(dk, dp, Qs);             // dK += dS^T Q
+    };
+
+    int stage = 0;
+    for (int jq = 0; jq < nqt; ++jq) {
+        float* cur = sm + stage * STAGE;
+        if (jq > 0) {
+            fa_cp_wait<NS - 2>();
+            fa_dkv_round<HS, BQ>(cur, scale * FA_LOG2E);
+            __syncthreads();
+        }
+        if (jq + NS - 1 < nqt)
+            fa_dkv_issue<HS, BQ>(sm + (stage == 0 ? NS - 1 : stage - 1) * STAGE, qb, dob, lse, Dg,
+                                 k0 + (jq + NS - 1) * BQ, rs, C, T, bhT);
+        fa_cp_commit();
+        stage = stage == NS - 1 ? 0 : stage + 1;
+
+        const int q0 = k0 + jq * BQ;
+        if (wk0 >= T || q0 + BQ - 1 < wk0) continue;  // no query of the tile sees a key of the warp
+        if (q0 < wk0 + WR - 1 || q0 + BQ > T) tile(cur, q0, FaBool<true>());   // a query before a key, or past T
+        else tile(cur, q0, FaBool<false>());
+    }
+    fa_cp_wait<0>();
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int j = wk0 + 16 * mt + g + 8 * hh;
+            if (j < T) {
+                float* row = dqkv + ((long long)b * T + j) * rs + h * HS;
+                fa_store_frag_row<HS>(row + C, dk[mt], 2 * hh, FA_LN2);   // scale / (scale*log2 e): Q was scaled
+                fa_store_frag_row<HS>(row + 2 * C, dv[mt], 2 * hh, 1.f);
+            }
+        }
 }

@@ -30,9 +30,9 @@ MAX_GRID = 132 * 32           # grid-stride kernels: enough blocks to fill 132 S
 
 # ---- fused kernel geometry (flash_attention.cu) ----------------------------------------
 FLASH_HEAD_SIZES = (32, 64, 128)
-FLASH_THREADS = 128           # FA_THREADS in flash_attention.cu
-FLASH_BQ = 64                 # query rows per block of the forward and dQ kernels
-FLASH_BK = 64                 # key rows per block of the dK/dV kernel
+FLASH_THREADS = 128           # FA_THREADS / FA_TC_THREADS in flash_attention.cu
+FLASH_BQ = 64                 # query rows per block of the fp32 forward and dQ kernels (FA_BR)
+FLASH_BK = 64                 # key rows per block of the fp32 dK/dV kernel (FA_BR)
 ROWSUM_THREADS = 256
 
 
@@ -232,22 +232,56 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site):
 
 # ---- fused
 
+def flash_tc_plan(kind: str, hs: int) -> dict:
+    """Tile plan of a tf32 flash kernel: rows per block and dynamic shared memory (bytes).
+    Mirrors FaFwdTc / FaDqTc / FaDkvTc in flash_attention.cu (the kernels trap on less smem):
+    4 warps of mt m16 row tiles each; a ring of ns cp.async stages of streamed tiles; the resident
+    operands either staged through ring stages 1.. into registers (areg) or kept in their own buffer."""
+    ld = hs + 4
+    mt = 2 if hs <= 64 else 1
+    rows = 64 * mt
+    if kind == "fwd":                      # ring: K, V tiles of bc keys; Q staged -> registers
+        bc = 64 if hs <= 64 else 32
+        ns, stage, resident, areg = 3, 2 * bc * ld, rows * ld, True
+    elif kind == "dq":                     # ring: K, V tiles of bc keys; resident Q, dO
+        bc = 32 if hs <= 64 else 16
+        areg = hs * mt <= 64
+        ns, stage, resident = (3 if areg else 2), 2 * bc * ld, 2 * rows * ld
+    elif kind == "dkv":                    # ring: Q, dO tiles of 16 queries + lse, D; resident K, V
+        bq = 16
+        areg = hs * mt <= 64
+        ns, stage, resident = (3 if hs <= 64 else 2), 2 * bq * ld + 2 * bq, 2 * rows * ld
+    else:
+        raise ValueError(kind)
+    n = max(ns * stage, stage + resident) if areg else ns * stage + resident
+    return {"rows": rows, "smem": 4 * n}
+
+
 def flash_smem_bytes(kind: str, hs: int, tc: bool) -> int:
-    """Dynamic shared memory of a flash kernel; mirrors FaSmem in flash_attention.cu (which
-    traps if it gets less)."""
+    """Dynamic shared memory of a flash kernel; mirrors FaSmem (fp32) and the Fa*Tc plans (tf32) in
+    flash_attention.cu (which trap if they get less)."""
+    if tc:
+        return flash_tc_plan(kind, hs)["smem"]
     ld = hs + 4
     bkf = 32 if hs >= 128 else 64          # FaTiles::BKF: key tile of fwd / dq
     bqb = 32                               # FaTiles::BQB: query tile of dkv
     br = FLASH_BQ
-    if kind == "fwd":
-        n = (br + 2 * bkf) * ld + (0 if tc else br * (bkf + 4))
+    if kind == "fwd":                      # + the P staging buffer of the fp32 policy
+        n = (br + 2 * bkf) * ld + br * (bkf + 4)
     elif kind == "dq":
-        n = (2 * br + 2 * bkf) * ld + (0 if tc else br * (bkf + 4))
+        n = (2 * br + 2 * bkf) * ld + br * (bkf + 4)
     elif kind == "dkv":
-        n = (2 * br + 2 * bqb) * ld + 2 * bqb + (0 if tc else br * (bqb + 4))
+        n = (2 * br + 2 * bqb) * ld + 2 * bqb + br * (bqb + 4)
     else:
         raise ValueError(kind)
     return 4 * n
+
+
+def flash_rows(kind: str, hs: int, tc: bool) -> int:
+    """Rows (queries for fwd / dq, keys for dkv) of one block of a flash kernel."""
+    if tc:
+        return flash_tc_plan(kind, hs)["rows"]
+    return FLASH_BK if kind == "dkv" else FLASH_BQ
 
 
 def _fused_check(hs, *views):
@@ -269,7 +303,8 @@ def _fused_fwd(rt, y, qkv, lse, n_head, p, site):
     lse = _view(lse, (B, H, T))
     tc = rt.precision == "tf32"
     fn = rt.function(FLASH_FILE, _flash_name("fwd", rt, hs, p))
-    rt.launch(fn, ((T + FLASH_BQ - 1) // FLASH_BQ, B * H), (FLASH_THREADS,),
+    br = flash_rows("fwd", hs, tc)
+    rt.launch(fn, (B * H, (T + br - 1) // br), (FLASH_THREADS,),
               [y, lse, qkv] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
               smem=flash_smem_bytes("fwd", hs, tc), label="flash_fwd")
 
@@ -284,9 +319,10 @@ def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     rt.launch(rt.function(FLASH_FILE, "flash_rowsum_do"), ((rows + 7) // 8,), (ROWSUM_THREADS,),
               [D, dy, y, i32(rows), i32(T), i32(H), i32(hs)], label="flash_rowsum_do")
     args = [dqkv, qkv, dy, lse, D] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
+    bq, bk = flash_rows("dq", hs, tc), flash_rows("dkv", hs, tc)
     rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", rt, hs, p)),
-              ((T + FLASH_BQ - 1) // FLASH_BQ, B * H), (FLASH_THREADS,), args,
+              (B * H, (T + bq - 1) // bq), (FLASH_THREADS,), args,
               smem=flash_smem_bytes("dq", hs, tc), label="flash_bwd_dq")
     rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dkv", rt, hs, p)),
-              ((T + FLASH_BK - 1) // FLASH_BK, B * H), (FLASH_THREADS,), args,
+              (B * H, (T + bk - 1) // bk), (FLASH_THREADS,), args,
               smem=flash_smem_bytes("dkv", hs, tc), label="flash_bwd_dkv")

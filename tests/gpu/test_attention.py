@@ -127,6 +127,8 @@ def test_unfused_probs_causal_zero(env):
 FUSED_SHAPES = SHAPES + [
     (1, 130, 256, 2),    # hs 128
     (2, 64, 128, 4),     # exactly one tile
+    (1, 300, 64, 2),     # hs 32: three 128-row blocks, tails in every kernel's last tile
+    (1, 300, 256, 2),    # hs 128: five 64-row blocks, tails
 ]
 
 
