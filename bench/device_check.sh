@@ -19,7 +19,7 @@ python3 -c "import cuda.bindings, numpy; from gptcuda.compiler import nvrtc_vers
 
 if has tests; then
   log "GPU test suite: python3 -m pytest tests -q -m gpu"
-  python3 -m pytest tests -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
+  python3 -m pytest tests -q -m gpu -p no:cacheprovider -n ${TEST_PROCS:-8} 2>&1 | tee "$OUT/tests.log" | tail -25
   tail -1 "$OUT/tests.log" >> "$OUT/summary.txt"
 fi
 if has gradcheck; then
@@ -72,6 +72,12 @@ for p in fp32 tf32; do
     rm -f "$OUT/run_$p"/*.ckpt
   fi
 done
+if has dist; then
+  log "data parallel: NCCL $(python3 -c 'from gptcuda import dist; print(dist.nccl_version())' 2>&1 | tail -1)"
+  python3 -m pytest tests/gpu/test_dist_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/dist.log" | tail -6
+  python3 bench/scaling.py configs/gpt2_124m_t1024.yaml --worlds 1,2 --iters 10 --json "$OUT/scaling.json" 2>&1 \
+    | tee -a "$OUT/dist.log" | tail -12
+fi
 if has gemm; then
   log "GEMM benchmark (cuBLAS through torch in the same process, benchmark only)"
   python3 bench/gemm.py --precision both 2>&1 | tee "$OUT/gemm.log" | tail -45
