@@ -66,7 +66,8 @@ fi
 for p in fp32 tf32; do
   if has train_$p; then
     log "5000-step shakespeare $p"
-    python3 train.py configs/shakespeare_char_fp32.yaml --precision=$p --out_dir="$OUT/run_$p" --no-bar 2>&1 \
+    python3 train.py configs/shakespeare_char_fp32.yaml --precision=$p --attention=${TRAIN_ATTN:-unfused} \
+      --out_dir="$OUT/run_$p" --no-bar 2>&1 \
       | tee "$OUT/train_$p.log" | grep -E "^step [0-9]+:|best val|error" | tail -30
     python3 sample.py --out_dir "$OUT/run_$p" --max_new_tokens 300 --seed 1 2>&1 | tail -12 | tee -a "$OUT/summary.txt"
     rm -f "$OUT/run_$p"/*.ckpt
