@@ -24,7 +24,7 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 CACHE_FORMAT = 1
 MAGIC = b"GCCUBIN1"
-BASE_OPTIONS = ("-std=c++17", "--device-int128")
+BASE_OPTIONS = ("-std=c++17", "--device-int128", "-default-device")  # kernels hold no host code
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 
 

@@ -33,8 +33,10 @@ class Sampler:
                              if os.path.exists(os.path.join(run_dir, f))), None)
         if path is None:
             raise CheckpointError(f"no checkpoint in {run_dir}")
+        # generation runs in fp32 whatever the run trained in: a few small GEMMs a token, where
+        # TF32 would buy nothing and cost accuracy
         cfg = dataclasses.replace(cfg, batch_size=num_samples, max_iters=0, dropout=0.0,
-                                  backend=backend or cfg.backend, graph=False)
+                                  backend=backend or cfg.backend, graph=False, precision="fp32")
         dummy = np.zeros(cfg.block_size + 1, np.int32)
         self.eng = eng = Engine(cfg, dummy, dummy, cfg.vocab_size or self.tok.vocab_size, programs=())
         arrays, meta = load_checkpoint(path, None)
