@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -29,41 +28,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gptcuda import rng  # noqa: E402
 from gptcuda.cuda_ops import attention as attn  # noqa: E402
 from gptcuda.runtime import DeviceView, Runtime  # noqa: E402
+from bench.timing import time_ms  # noqa: E402
 
 
-def _timer():
-    """time_ms(rt, fn, warmup, iters) -> median ms: bench/timing.py if present, else bench/common.py,
-    else a local CUDA-event loop."""
-    try:
-        from bench.timing import time_ms
-        return time_ms
-    except ImportError:
-        pass
-    try:
-        from bench.common import median_ms
 
-        def time_ms(rt, fn, warmup, iters):
-            return median_ms(rt, fn, iters=iters, warmup=warmup)
-        return time_ms
-    except ImportError:
-        pass
-
-    def time_ms(rt, fn, warmup, iters):
-        dev = rt.dev
-        for _ in range(warmup):
-            fn()
-        rt.synchronize()
-        evs = [(dev.event(), dev.event()) for _ in range(iters)]
-        for a, b in evs:
-            dev.record(a, rt.stream)
-            fn()
-            dev.record(b, rt.stream)
-        rt.synchronize()
-        return statistics.median(dev.elapsed_ms(a, b) for a, b in evs)
-    return time_ms
-
-
-time_ms = _timer()
 
 
 class Arena:
