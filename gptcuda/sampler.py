@@ -75,7 +75,7 @@ class Sampler:
                  rng: np.random.Generator) -> np.ndarray:
         """[S, len(prompt) + max_new_tokens] tokens. Past block_size positions the cache restarts
         from the last half window (positions are absolute, so a window cannot slide in place)."""
-        S, T, V = self.cfg.batch_size, self.cfg.block_size, self.V
+        S, T = self.cfg.batch_size, self.cfg.block_size
         seqs = np.tile(prompt_ids.astype(np.int64), (S, 1))
         logits = self._restart(seqs[:, -T:])
         for i in range(max_new_tokens):

@@ -9,8 +9,6 @@ import math
 import os
 import time
 
-import numpy as np
-
 from .cli import UsageError
 from .checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, save_checkpoint
 from .config import format_config, save_config, validate_against_data

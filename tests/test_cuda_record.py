@@ -4,7 +4,6 @@ A fake runtime compiles every kernel the launchers ask for with NVRTC (sm_90) an
 every argument block, but hands out fake device addresses and launches nothing. This runs
 the model's launch sequence, the launchers' shape checks, argument typing and workspace
 lookups for each precision and attention kind, so a mistake there shows in CI, not on the GPU."""
-import dataclasses
 import itertools
 
 import numpy as np

@@ -579,7 +579,7 @@ def test_recorded_zero1_step(rank):
     from gptcuda.runtime import Launch, StreamCall
     eng, rt, comm = _record_dp(zero=1, rank=rank, world=3)
     items, dp = eng.programs["train"].items, eng.dp
-    sh, P = dp.shards, eng.table.total
+    sh = dp.shards
     assert sh.tail and not dp.buckets
     main_calls = [r for r in items if isinstance(r, StreamCall) and r.side is None]
     comm.calls.clear()

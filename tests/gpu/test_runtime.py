@@ -1,6 +1,5 @@
 """The runtime on a real GPU: compile + launch + compare with the reference, graph replay equals
 eager launches, the planned views do not overlap, the device's properties are sane."""
-import dataclasses
 
 import numpy as np
 import pytest
@@ -9,7 +8,6 @@ from conftest import rel_err
 from gptcuda import compiler
 from gptcuda.config import load_config
 from gptcuda.reference import ops as R
-from gptcuda.runtime import f32, i32
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +58,6 @@ def test_function_cache_and_forbidden_compiles(rt):
 
 
 def test_engine_views_do_not_overlap(rt):
-    from gptcuda.cuda_backend import CudaBackend
     from gptcuda.engine import Engine
     cfg = load_config("configs/tiny.yaml", ["--max_iters=3"])
     toks = np.random.default_rng(0).integers(0, 65, 4000).astype(np.int32)
