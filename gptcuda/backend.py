@@ -50,8 +50,9 @@ Generation with a KV cache (S sequences, one position per step, pos a device int
       k, v of qkv appended to kcache/vcache [S,H,Tmax,hs] at pos; y = causal attention of q over 0..pos
   pos_advance(pos)                                   pos += 1
 
-Each backend also provides: `allocate(plan)` -> dict of views, `upload`/`download`,
-`begin()`/`end()` -> Program, `run(program)`, `synchronize()`.
+Each backend also provides: `allocate(plan, table)` -> Buffers, `allocate_arena(plan)` -> views,
+`upload`/`download`, `read_state`/`write_state`, `begin()`/`end()` -> Program, `run(program)`,
+`capture(program)`, `synchronize()`, and the plan's inputs `attention_saved(cfg)`, `workspaces(cfg)`.
 """
 
 ATTENTION_KINDS = ("unfused", "fused")

@@ -40,6 +40,10 @@ def plan_for(cfg, vocab_size: int, n_train: int, n_val: int, backend=None):
 
 
 class Engine:
+    """programs: what to record (each compiled and packed once): "train" (the optimizer step),
+    "eval" (one evaluation batch of each split), "fwdbwd" (forward and backward on the batch in
+    place), "forward" (logits and losses without dropout), "forward_train" (with dropout)."""
+
     def __init__(self, cfg, train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int,
                  backend=None, programs=("train", "eval"), group=None):
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
@@ -72,7 +76,7 @@ class Engine:
             "forward_train": lambda: m.record_forward(train=True),
         }
         wanted = {"train": ["train"], "eval": ["eval_train", "eval_val"]}
-        names = [n for p in programs for n in wanted.get(p, [p])] + ["fwdbwd", "forward"]
+        names = [n for p in programs for n in wanted.get(p, [p])]
         self.programs = {n: self._record(n, recorders[n]) for n in dict.fromkeys(names)}
         self.graphs = {}
         if cfg.graph and cfg.backend == "cuda":

@@ -29,7 +29,7 @@ def run_gradcheck(cfg, broken=(), only=(), log=print) -> bool:
         raise UsageError(str(e)) from None
     data = TextDataset(cfg.data)
     cfg = dataclasses.replace(cfg, max_iters=0)
-    eng = Engine(cfg, data.train, data.val, cfg.vocab_size or data.vocab_size, programs=("forward_train",))
+    eng = Engine(cfg, data.train, data.val, cfg.vocab_size or data.vocab_size, programs=("fwdbwd", "forward_train"))
     x, y = get_batch(data.train, cfg.seed, 0, rng.SITE_BATCH_TRAIN, cfg.batch_size, cfg.block_size)
     eng.set_batch(x, y)
     s = settings_for(cfg)

@@ -11,7 +11,7 @@ from gptcuda.sampler import sample_logits
 def decode_vs_forward(backend, atol):
     cfg = load_config("configs/tiny.yaml", [f"--backend={backend}", "--batch_size=3", "--max_iters=0"])
     toks = (np.arange(2000) * 7 % 65).astype(np.int32)
-    eng = Engine(cfg, toks, toks[:300], 65, programs=())
+    eng = Engine(cfg, toks, toks[:300], 65, programs=("forward",))
     rng = np.random.default_rng(0)
     p = eng.params()
     eng.set_params({k: v + rng.normal(0, 0.05, v.shape) for k, v in p.items()})   # not the symmetric init

@@ -20,7 +20,7 @@ def engines(overrides):
     out = []
     for backend in ("cuda", "reference"):
         cfg = load_config("configs/tiny.yaml", overrides + [f"--backend={backend}", "--max_iters=10"])
-        out.append(Engine(cfg, DATA.train, DATA.val, DATA.vocab_size, programs=("train",)))
+        out.append(Engine(cfg, DATA.train, DATA.val, DATA.vocab_size, programs=("train", "forward", "fwdbwd")))
     return out
 
 
