@@ -148,11 +148,12 @@ class Engine:
         b = self.bufs
         if self.dp is not None:
             self.dp.gather_optimizer_state()
+        # at the backend's own precision (float64 for the reference), so a resume is exact there too
         arrays = {
-            "params": np.asarray(self.be.download(b.flat_params), np.float32),
-            "adam_m": np.asarray(self.be.download(b.flat_m), np.float32),
-            "adam_v": np.asarray(self.be.download(b.flat_v), np.float32),
-            "history": np.asarray(self.be.download(b.acts["history"]), np.float32),
+            "params": self.be.download(b.flat_params),
+            "adam_m": self.be.download(b.flat_m),
+            "adam_v": self.be.download(b.flat_v),
+            "history": self.be.download(b.acts["history"]),
         }
         st = self.be.read_state()
         meta = {"step": int(st["step"]), "eval_draws": int(st["eval_draws"]),
@@ -177,7 +178,7 @@ class Engine:
         self.be.upload(b.flat_params, arrays["params"])
         self.be.upload(b.flat_m, arrays["adam_m"])
         self.be.upload(b.flat_v, arrays["adam_v"])
-        hist = np.zeros(b.acts["history"].shape[0], np.float32)
+        hist = np.zeros(b.acts["history"].shape[0], np.float64)
         old = np.asarray(arrays.get("history", hist))[:hist.size]
         hist[:old.size] = old
         self.be.upload(b.acts["history"], hist)

@@ -59,6 +59,7 @@ class Trainer:
         self.cfg = self.eng.cfg
         self.best_val = math.inf
         self.start_step = 0
+        self.evaluated_step = -1      # the step whose evaluation is done (and in the checkpoint)
         if resume:
             arrays, meta = load_checkpoint(ckpt)
             self.eng.check_shapes(arrays, ckpt)
@@ -69,6 +70,7 @@ class Trainer:
             self.eng.load_state_dict(arrays, meta)
             self.best_val = float(meta.get("best_val", math.inf))
             self.start_step = int(meta["step"])
+            self.evaluated_step = int(meta.get("evaluated_step", -1))
             log(f"resumed from {ckpt} at step {self.start_step}")
         elif self.main:
             self.data.tokenizer.save(tok_path)
@@ -101,7 +103,7 @@ class Trainer:
             return
         if int(meta["step"]) != step:
             raise RuntimeError(f"state step {meta['step']} != loop step {step}")
-        meta.update(format_version=FORMAT_VERSION, best_val=self.best_val,
+        meta.update(format_version=FORMAT_VERSION, best_val=self.best_val, evaluated_step=self.evaluated_step,
                     config=self.cfg.to_dict(), tokenizer=self.data.tokenizer.to_json())
         if self.group is not None:
             meta["world_size"] = self.world           # --resume needs as many GPUs (absent: one)
@@ -118,7 +120,9 @@ class Trainer:
             pbar = tqdm(total=cfg.max_iters, initial=step, dynamic_ncols=True, unit="step")
         try:
             while True:
-                if step % cfg.eval_interval == 0 or step == cfg.max_iters:
+                # a resumed run does not repeat the evaluation its checkpoint was written after:
+                # that would draw extra evaluation batches and shift every later estimate
+                if (step % cfg.eval_interval == 0 or step == cfg.max_iters) and step != self.evaluated_step:
                     self._evaluate(step)
                     t_last, step_last = time.perf_counter(), step
                 if step >= cfg.max_iters:
@@ -170,6 +174,7 @@ class Trainer:
         if not all(math.isfinite(v) for v in losses.values()):
             raise NonFiniteLoss(f"evaluation loss became {losses} at step {step}; stopped, the last good "
                                 "checkpoint is left as it was")
+        self.evaluated_step = step
         self.write_metrics(step=step, eval_train=losses["train"], eval_val=losses["val"])
         self.log(f"\nstep {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         if self.cfg.checkpoint:

@@ -55,6 +55,9 @@ def test_train_loss_falls_and_resume_is_bitwise(tmp_path):
     Trainer(cfg6, resume=True, log=quiet).train(bar=False)
     h_res, _ = history(part)
     assert np.array_equal(h_res, h_full)                               # bit for bit
+    evals = [[(r["step"], r["eval_train"], r["eval_val"]) for r in map(json.loads, open(os.path.join(d, "metrics.jsonl")))
+              if "eval_val" in r] for d in (full, part)]
+    assert evals[0] == evals[1]                 # the same evaluations, none repeated at the resume step
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
