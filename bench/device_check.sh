@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device session's check-and-benchmark, driven from the repo so that it is repeatable.
+# The GPU check-and-benchmark, driven from the repo so that it is repeatable.
 #   bash bench/device_check.sh [tests] [gradcheck] [bench] [attention] [long] [torch] [gemm] [tune]
 #                              [train_fp32] [train_tf32]
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests gradcheck bench)
 T0=$(date +%s)
-# a step starts only while the session's budget (BUDGET_S seconds, default 480) is not spent, so the
+# a step starts only while the run's budget (BUDGET_S seconds, default 480) is not spent, so the
 # logs are always packed before the device call's own time limit
 has() {
   local s
