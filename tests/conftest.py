@@ -3,6 +3,8 @@ import os
 import sys
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -65,3 +67,35 @@ def rel_err(out, ref):
     if not np.all(np.isfinite(out)):
         return float("inf")
     return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+class FakeGemmRT:
+    """A recording stand-in for the runtime, for driving launchers on a machine without a GPU:
+    it records the kernels asked for and the launches, and lends a split-K workspace."""
+
+    def __init__(self, precision="fp32", ws=0, name="NVIDIA H200 (test)", sm_count=132):
+        from gptcuda.runtime import DeviceView
+        self.precision = precision
+        self.info = SimpleNamespace(sm_count=sm_count, name=name)
+        self.names = set()
+        self.launches = []
+        self._ws = {"gemm_splitk": DeviceView(1 << 20, (ws,), "f32", "ws")} if ws else {}
+
+    def function(self, file, name, defines=None):
+        self.names.add((file, name, tuple(sorted((defines or {}).items()))))
+        return SimpleNamespace(name=name)
+
+    def launch(self, fn, grid, block, args, smem=0, label=None):
+        self.launches.append((fn.name, tuple(grid), tuple(block), smem))
+
+    def workspace(self, name):
+        try:
+            return self._ws[name]
+        except KeyError:
+            raise KeyError(name) from None
+
+
+def fake_view(shape, ptr=1 << 30):
+    """A DeviceView at a fake address (16-byte aligned unless ptr says otherwise)."""
+    from gptcuda.runtime import DeviceView
+    return DeviceView(ptr, tuple(shape), "f32", "v")

@@ -3,14 +3,13 @@ matmul's lookup and its fallbacks, candidate generation and pruning, and bench/t
 selection driven by a fake timing function."""
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 
 from bench import tune
 from gptcuda.config import load_config
 from gptcuda.cuda_ops import gemm
-from gptcuda.runtime import DeviceView
+from tests.conftest import FakeGemmRT, fake_view
 
 GPU = "NVIDIA H200 (test)"
 
@@ -24,30 +23,7 @@ def cache(tmp_path, monkeypatch):
     gemm._tables.clear()
 
 
-class FakeRT:
-    """Records launches; no device."""
-
-    def __init__(self, precision="tf32", ws=0, name=GPU, sm_count=132):
-        self.precision = precision
-        self.info = SimpleNamespace(sm_count=sm_count, name=name)
-        self.launches = []
-        self._ws = {"gemm_splitk": DeviceView(1 << 20, (ws,), "f32", "ws")} if ws else {}
-
-    def function(self, file, name, defines=None):
-        return SimpleNamespace(name=name)
-
-    def launch(self, fn, grid, block, args, smem=0, label=None):
-        self.launches.append((fn.name, tuple(grid), tuple(block), smem))
-
-    def workspace(self, name):
-        try:
-            return self._ws[name]
-        except KeyError:
-            raise KeyError(name) from None
-
-
-def _v(shape, ptr=1 << 30):
-    return DeviceView(ptr, tuple(shape), "f32", "v")
+FakeRT, _v = FakeGemmRT, fake_view
 
 
 def _run(rt, M, N, K, ta=False, tb=True, epilogue="none", bias=False, a_ptr=1 << 30):

@@ -11,7 +11,7 @@ import pytest
 from gptcuda.cuda_ops import gemm
 from gptcuda.reference import ops as ref
 from gptcuda.runtime import DeviceView, i32
-from tests.conftest import rel_err
+from tests.conftest import FakeGemmRT, fake_view, rel_err
 
 gpu = pytest.mark.gpu
 
@@ -386,30 +386,7 @@ def test_tf32_rounding_matches_cvt_rna(rt):
 # =========================================================================================
 # CPU tests: the launchers driven by a recording stand-in for the runtime
 # =========================================================================================
-class _FakeRT:
-    def __init__(self, precision="fp32", ws=0, sm_count=132):
-        self.precision = precision
-        self.info = SimpleNamespace(sm_count=sm_count)
-        self.names = set()
-        self.launches = []
-        self._ws = {"gemm_splitk": DeviceView(1 << 20, (ws,), "f32", "ws")} if ws else {}
-
-    def function(self, file, name, defines=None):
-        self.names.add((file, name, tuple(sorted((defines or {}).items()))))
-        return SimpleNamespace(name=name)
-
-    def launch(self, fn, grid, block, args, smem=0, label=None):
-        self.launches.append((fn.name, tuple(grid), tuple(block), smem))
-
-    def workspace(self, name):
-        try:
-            return self._ws[name]
-        except KeyError:
-            raise KeyError(name) from None
-
-
-def _v(shape, ptr=1 << 30):
-    return DeviceView(ptr, tuple(shape), "f32", "v")
+_FakeRT, _v = FakeGemmRT, fake_view
 
 
 def test_launcher_names_are_in_variants():
