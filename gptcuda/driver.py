@@ -129,11 +129,16 @@ class Device:
         call(self.drv.cuMemFree, ptr)
 
     def htod(self, dst: int, host, stream=None):
-        """Copy a contiguous numpy array to device address dst."""
+        """Copy a contiguous numpy array to device address dst; the data is in device memory when
+        this returns. (cuMemcpyHtoD from pageable memory may return while its DMA is still in
+        flight, and work on a non-blocking stream is not ordered after it: a kernel launched
+        next could read, or have its output overwritten by, the copy still landing.)"""
         if stream is None:
             call(self.drv.cuMemcpyHtoD, dst, host.ctypes.data, host.nbytes)
+            call(self.drv.cuCtxSynchronize)
         else:
             call(self.drv.cuMemcpyHtoDAsync, dst, host.ctypes.data, host.nbytes, stream)
+            call(self.drv.cuStreamSynchronize, stream)
 
     def dtoh(self, host, src: int):
         call(self.drv.cuMemcpyDtoH, host.ctypes.data, src, host.nbytes)

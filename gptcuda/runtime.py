@@ -328,8 +328,7 @@ class Runtime:
         host = np.ascontiguousarray(arr, dtype=NP_DTYPES[view.dtype])
         if host.size != view.numel:
             raise ValueError(f"write {host.shape} into {view.name}{view.shape}")
-        self.synchronize()
-        self.dev.htod(view.ptr, host)
+        self.dev.htod(view.ptr, host, self.stream)     # ordered after the stream's work, complete on return
 
     def download(self, view: DeviceView) -> np.ndarray:
         host = np.empty(view.shape, dtype=NP_DTYPES[view.dtype])

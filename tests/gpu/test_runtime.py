@@ -48,6 +48,19 @@ def test_launch_matches_reference_and_graph_equals_eager(rt):
         assert np.array_equal(a, b) and np.all(np.isfinite(a))
 
 
+def test_upload_is_complete_before_the_next_launch(rt):
+    """An upload has landed before later work on the runtime's stream: a fill right after it must
+    win. (A pageable cuMemcpyHtoD may return with its DMA still in flight, unordered with a
+    non-blocking stream; a GEMM test whose output was a fresh upload saw the copy land over it.)"""
+    x = np.random.default_rng(1).standard_normal(16 << 20).astype(np.float32)    # 64 MB
+    v = rt.empty(x.shape, poison=False)
+    for i in range(4):
+        rt.write(v, x)
+        rt.fill(v, 0)
+        got = rt.download(v)
+        assert not got.any(), f"round {i}: {np.count_nonzero(got)} words of the upload landed after the fill"
+
+
 def test_function_cache_and_forbidden_compiles(rt):
     from gptcuda.cuda_ops import elementwise
     f1 = rt.function(*elementwise.VARIANTS[0][:2], elementwise.VARIANTS[0][2])
