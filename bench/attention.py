@@ -27,36 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from gptcuda import rng  # noqa: E402
 from gptcuda.cuda_ops import attention as attn  # noqa: E402
-from gptcuda.runtime import DeviceView, Runtime  # noqa: E402
+from gptcuda.runtime import Runtime  # noqa: E402
+from bench.common import Arena, write_results  # noqa: E402
 from bench.timing import time_ms  # noqa: E402
-
-
-
-
-
-class Arena:
-    """Device buffers of one case, freed together (so the next T starts from a clean device)."""
-
-    def __init__(self, rt):
-        self.rt, self.ptrs = rt, []
-
-    def empty(self, shape, name=""):
-        shape = tuple(int(s) for s in shape)
-        n = max(1, int(np.prod(shape)))
-        ptr = self.rt.dev.malloc(4 * n)
-        self.ptrs.append(ptr)
-        return DeviceView(ptr, shape, "f32", name)
-
-    def random(self, shape, seed, name=""):
-        v = self.empty(shape, name)
-        self.rt.write(v, np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
-        return v
-
-    def free(self):
-        self.rt.synchronize()
-        for p in self.ptrs:
-            self.rt.dev.free(p)
-        self.ptrs.clear()
 
 
 def case_bytes(cfg) -> int:
@@ -84,8 +57,8 @@ def bench_ours(rt, kind, precision, B, T, C, H, p, warmup, iters):
         rt.precision = precision
         rt.set_workspace({k: ar.empty(s, k) for k, (s, _) in attn.workspace(cfg).items()})
         saved = {k: ar.empty(s, k) for k, (s, _) in attn.saved_shapes(cfg).items()}
-        qkv = ar.random((B, T, 3 * C), 1, "qkv")
-        dy = ar.random((B, T, C), 2, "dy")
+        qkv = ar.upload(np.random.default_rng(1).standard_normal((B, T, 3 * C), dtype=np.float32), "qkv")
+        dy = ar.upload(np.random.default_rng(2).standard_normal((B, T, C), dtype=np.float32), "dy")
         y = ar.empty((B, T, C), "y")
         dqkv = ar.empty((B, T, 3 * C), "dqkv")
         site = rng.dropout_site(0, 0)
@@ -211,9 +184,7 @@ def main(argv=None):
         ff, fb = flops(B, H, T, hs)
         print(f"{T:>6} {kind:>8} {prec:>5} {r['fwd_ms']:9.3f} {r['bwd_ms']:9.3f} {r['fwd_ms'] + r['bwd_ms']:9.3f} "
               f"{ff / r['fwd_ms'] / 1e9:9.2f} {fb / r['bwd_ms'] / 1e9:9.2f}", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_results(a.json, results)
     rt.close()
 
 

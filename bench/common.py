@@ -1,9 +1,14 @@
-"""Shared by the benchmarks: event timing, SM-clock labels, the median."""
+"""Shared by the benchmarks: event timing, SM-clock labels, the median, device buffers of a case,
+the --json results file."""
 from __future__ import annotations
 
+import json
 import statistics
 
+import numpy as np
+
 from gptcuda.driver import sm_clock_mhz
+from gptcuda.runtime import DeviceView
 
 
 def event_times_ms(rt, fn, iters: int, warmup: int = 3) -> list:
@@ -39,3 +44,35 @@ class ClockWatch:
             return "clock: unknown (no NVML)"
         moved = abs(self.after - self.before) > 0.05 * max(self.before, 1)
         return f"SM clock {self.before} -> {self.after} MHz" + ("  THROTTLED" if moved else "")
+
+
+class Arena:
+    """f32 device buffers of one case, freed together (so the next case starts from a clean device)."""
+
+    def __init__(self, rt):
+        self.rt, self.ptrs = rt, []
+
+    def empty(self, shape, name: str = "bench") -> DeviceView:
+        shape = tuple(int(s) for s in shape)
+        n = max(1, int(np.prod(shape)))
+        ptr = self.rt.dev.malloc(4 * n)
+        self.ptrs.append(ptr)
+        return DeviceView(ptr, shape, "f32", name)
+
+    def upload(self, arr, name: str = "bench") -> DeviceView:
+        v = self.empty(arr.shape, name)
+        self.rt.write(v, arr)
+        return v
+
+    def free(self):
+        self.rt.synchronize()
+        for p in self.ptrs:
+            self.rt.dev.free(p)
+        self.ptrs.clear()
+
+
+def write_results(path, results) -> None:
+    """Write the result rows to `path` as indented JSON; nothing when path is empty (no --json)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)

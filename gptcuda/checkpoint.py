@@ -19,6 +19,7 @@ crash never leaves a half-written checkpoint under the real name.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -48,8 +49,9 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _canonical(header_without_sha: dict) -> bytes:
-    return json.dumps(header_without_sha, sort_keys=True, separators=(",", ":")).encode("utf-8")
+def _canonical(header: dict) -> bytes:
+    """Compact key-sorted JSON: the header as stored, and (without "sha256") what the checksum covers."""
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
 def _layout(arrays: Mapping[str, np.ndarray]):
@@ -95,50 +97,40 @@ def _serialise(arrays: Mapping[str, np.ndarray], meta: dict):
         for e, r in zip(table, rel):
             e["offset"] = base + r
         body = {"version": FORMAT_VERSION, "meta": meta, "arrays": table}
-        start = _data_start(len(_dump({**body, "sha256": "0" * 64})))
+        start = _data_start(len(_canonical({**body, "sha256": "0" * 64})))
         if start == base:
             break
         base = start
     else:  # pragma: no cover
         raise CheckpointError("could not lay out checkpoint header")
     h = hashlib.sha256(_canonical(body))
-    pos = start
-    for a, e in zip(items, table):
-        if e["offset"] > pos:
-            h.update(b"\0" * (e["offset"] - pos))
-        if a.nbytes:
-            h.update(_bytes(a))
-        pos = e["offset"] + e["nbytes"]
-    header = _dump({**body, "sha256": h.hexdigest()})
+    for chunk in _data_chunks(items, table, start):
+        h.update(chunk)
+    header = _canonical({**body, "sha256": h.hexdigest()})
     assert _data_start(len(header)) == start
     return header, start, items, table
 
 
-def _dump(header: dict) -> bytes:
-    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+def _data_chunks(items, table, start: int):
+    """The file's bytes from the data start on: each array's zero padding, then its bytes."""
+    pos = start
+    for a, e in zip(items, table):
+        if e["offset"] > pos:
+            yield b"\0" * (e["offset"] - pos)
+        if a.nbytes:
+            yield _bytes(a)
+        pos = e["offset"] + e["nbytes"]
 
 
-def save_checkpoint(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], meta: dict) -> None:
-    """Write arrays and meta to `path` atomically (temp file, fsync, os.replace)."""
-    path = os.fspath(path)
-    header, start, items, table = _serialise(arrays, meta)
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "w", sync_dir: bool = False):
+    """A file to write `path` through: a temp file beside it, fsync'd and renamed over it on success."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
-            pos = _PREFIX + len(header)
-            f.write(b"\0" * (start - pos))
-            pos = start
-            for a, e in zip(items, table):
-                if e["offset"] > pos:
-                    f.write(b"\0" * (e["offset"] - pos))
-                if a.nbytes:
-                    f.write(_bytes(a))
-                pos = e["offset"] + e["nbytes"]
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -148,14 +140,28 @@ def save_checkpoint(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], m
         except OSError:
             pass
         raise
-    try:  # make the rename itself durable
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    if sync_dir:
+        try:  # make the rename itself durable
+            dfd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+
+
+def save_checkpoint(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], meta: dict) -> None:
+    """Write arrays and meta to `path` atomically (temp file, fsync, os.replace)."""
+    path = os.fspath(path)
+    header, start, items, table = _serialise(arrays, meta)
+    with atomic_open(path, "wb", sync_dir=True) as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        f.write(b"\0" * (start - _PREFIX - len(header)))
+        for chunk in _data_chunks(items, table, start):
+            f.write(chunk)
 
 
 def _read_header(path: str, f, size: int) -> dict:

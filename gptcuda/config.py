@@ -17,11 +17,12 @@ import difflib
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
 import yaml
+
+from .checkpoint import atomic_open
 
 __all__ = [
     "Config", "ConfigError", "load_config", "apply_overrides", "save_config",
@@ -344,24 +345,10 @@ def validate_against_data(cfg: Config, n_train_tokens: int, n_val_tokens: int, v
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write cfg as YAML, atomically (temporary file in the same directory + os.replace)."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
     text = yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False, default_flow_style=False,
                      allow_unicode=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_open(os.fspath(path)) as f:
+        f.write(text)
 
 
 def format_config(cfg: Config) -> str:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import numpy as np
 
 from . import rng
+from .checkpoint import atomic_open
 
 __all__ = ["CharTokenizer", "TextDataset", "get_batch"]
 
@@ -100,7 +100,8 @@ class CharTokenizer:
         return cls(d["chars"])
 
     def save(self, path: str | os.PathLike) -> None:
-        _atomic_write_text(os.fspath(path), self.to_json())
+        with atomic_open(os.fspath(path)) as f:
+            f.write(self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CharTokenizer":
@@ -112,24 +113,6 @@ class CharTokenizer:
             raise FileNotFoundError(f"tokenizer file not found: {path}") from None
         except (ValueError, json.JSONDecodeError) as e:
             raise ValueError(f"bad tokenizer file {path}: {' '.join(str(e).split())}") from None
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class TextDataset:

@@ -112,6 +112,11 @@ def _view(ws: DeviceView, shape) -> DeviceView:
     return v
 
 
+def _workspaces(rt, shape, *names) -> list:
+    """The workspaces attention_<name>, each viewed with `shape`."""
+    return [_view(rt.workspace("attention_" + n), shape) for n in names]
+
+
 def _aligned(*views) -> bool:
     return all(v is None or v.ptr % 16 == 0 for v in views)
 
@@ -127,28 +132,27 @@ def _dropout_args(rt, p: float, site: int):
     return [rt.state, u32(int(rt.seed) & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF), u32(threshold), f32(inv_keep)]
 
 
+def _permute(rt, to_heads: bool, wide: DeviceView, heads, B, T, H, hs):
+    """Copy wide [B,T,nmat*C] into nmat heads [B,H,T,hs] (to_heads), or the heads back into wide."""
+    kernel = "attn_permute_in" if to_heads else "attn_permute_out"
+    nmat = len(heads)
+    h = list(heads) + [None] * (3 - nmat)
+    vec = 4 if hs % 4 == 0 and _aligned(wide, *h) else 1
+    fn = rt.function(FILE, f"{kernel}<{vec}>")
+    n = B * T * nmat * H * hs // vec
+    views = h + [wide] if to_heads else [wide] + h   # both kernels take the destination first
+    rt.launch(fn, (_grid_1d(n, PERMUTE_THREADS),), (PERMUTE_THREADS,),
+              views + [i32(B), i32(T), i32(H), i32(hs), i32(nmat)], label=kernel)
+
+
 def permute_in(rt, outs, x: DeviceView, B, T, H, hs):
     """x [B,T,nmat*C] -> nmat views [B,H,T,hs] (nmat = len(outs))."""
-    nmat = len(outs)
-    o = list(outs) + [None] * (3 - nmat)
-    vec = 4 if hs % 4 == 0 and _aligned(x, *o) else 1
-    fn = rt.function(FILE, f"attn_permute_in<{vec}>")
-    n = B * T * nmat * H * hs // vec
-    rt.launch(fn, (_grid_1d(n, PERMUTE_THREADS),), (PERMUTE_THREADS,),
-              [o[0], o[1], o[2], x, i32(B), i32(T), i32(H), i32(hs), i32(nmat)],
-              label="attn_permute_in")
+    _permute(rt, True, x, outs, B, T, H, hs)
 
 
 def permute_out(rt, out: DeviceView, ins, B, T, H, hs):
     """nmat views [B,H,T,hs] -> out [B,T,nmat*C]."""
-    nmat = len(ins)
-    v = list(ins) + [None] * (3 - nmat)
-    vec = 4 if hs % 4 == 0 and _aligned(out, *v) else 1
-    fn = rt.function(FILE, f"attn_permute_out<{vec}>")
-    n = B * T * nmat * H * hs // vec
-    rt.launch(fn, (_grid_1d(n, PERMUTE_THREADS),), (PERMUTE_THREADS,),
-              [out, v[0], v[1], v[2], i32(B), i32(T), i32(H), i32(hs), i32(nmat)],
-              label="attn_permute_out")
+    _permute(rt, False, out, ins, B, T, H, hs)
 
 
 # ---------------------------------------------------------------------------- ops
@@ -176,10 +180,7 @@ def _unfused_fwd(rt, y, qkv, probs, n_head, p, site):
 
     B, T, C, H, hs = _split(qkv, n_head)
     heads = (B, H, T, hs)
-    q = _view(rt.workspace("attention_q"), heads)
-    k = _view(rt.workspace("attention_k"), heads)
-    v = _view(rt.workspace("attention_v"), heads)
-    yh = _view(rt.workspace("attention_yh"), heads)
+    q, k, v, yh = _workspaces(rt, heads, "q", "k", "v", "yh")
     probs = _view(probs, (B, H, T, T))
     permute_in(rt, (q, k, v), qkv, B, T, H, hs)
     matmul_batched(rt, probs, q, k, trans_a=False, trans_b=True, alpha=1.0 / math.sqrt(hs))
@@ -200,14 +201,8 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site):
 
     B, T, C, H, hs = _split(qkv, n_head)
     heads = (B, H, T, hs)
-    q = _view(rt.workspace("attention_q"), heads)
-    k = _view(rt.workspace("attention_k"), heads)
-    v = _view(rt.workspace("attention_v"), heads)
-    dyh = _view(rt.workspace("attention_yh"), heads)
+    q, k, v, dyh, dq, dk, dv = _workspaces(rt, heads, "q", "k", "v", "yh", "dq", "dk", "dv")
     att = _view(rt.workspace("attention_att"), (B, H, T, T))
-    dq = _view(rt.workspace("attention_dq"), heads)
-    dk = _view(rt.workspace("attention_dk"), heads)
-    dv = _view(rt.workspace("attention_dv"), heads)
     probs = _view(probs, (B, H, T, T))
     rows = B * H * T
     grid = ((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,)

@@ -389,46 +389,38 @@ def gpt_forward_backward(params, idx, targets, cfg, seed=0, step=0, with_grad=Tr
 
     # ---- backward
     G = {}
+
+    def take(name, dinput, dw, db):
+        """Store a layer's weight grad (and bias grad, when the model has biases); return dinput."""
+        G[name + ".w"] = dw
+        if bias:
+            G[name + ".b"] = db
+        return dinput
+
     dlogits = crossentropy_backward(probs, targets, 1.0 / (B * T)).reshape(B, T, V)
     dlnf, dwte_head, _ = matmul_backward(dlogits, lnf, P["wte"], trans_b=True)
-    dx, G["lnf.w"], dlnf_b = layernorm_backward(dlnf, x, lnf_mean, lnf_rstd, P["lnf.w"])
-    if bias:
-        G["lnf.b"] = dlnf_b
+    dx = take("lnf", *layernorm_backward(dlnf, x, lnf_mean, lnf_rstd, P["lnf.w"]))
     for l in reversed(range(L)):
         h = f"h{l}."
         c = cache[l]
         # MLP: x = x_mid + drop(fcproj(gelu(fc(ln2(x_mid)))))
         dfco = dropout_backward(dx, c["keep_r2"], p)
-        dact, G[h + "fcproj.w"], dbias = matmul_backward(dfco, c["act"], P[h + "fcproj.w"],
-                                                         trans_b=True, has_bias=bias)
-        if bias:
-            G[h + "fcproj.b"] = dbias
+        dact = take(h + "fcproj", *matmul_backward(dfco, c["act"], P[h + "fcproj.w"],
+                                                   trans_b=True, has_bias=bias))
         dpre = gelu_backward(dact, c["pre"])
-        dln2, G[h + "fc.w"], dbias = matmul_backward(dpre, c["ln2"], P[h + "fc.w"],
-                                                     trans_b=True, has_bias=bias)
-        if bias:
-            G[h + "fc.b"] = dbias
-        dxm, G[h + "ln2.w"], dbias = layernorm_backward(dln2, c["x_mid"], c["ln2_mean"],
-                                                        c["ln2_rstd"], P[h + "ln2.w"])
-        if bias:
-            G[h + "ln2.b"] = dbias
-        dx = dx + dxm
+        dln2 = take(h + "fc", *matmul_backward(dpre, c["ln2"], P[h + "fc.w"],
+                                               trans_b=True, has_bias=bias))
+        dx = dx + take(h + "ln2", *layernorm_backward(dln2, c["x_mid"], c["ln2_mean"],
+                                                      c["ln2_rstd"], P[h + "ln2.w"]))
         # attention: x_mid = x_in + drop(proj(attn(ln1(x_in))))
         dproj = dropout_backward(dx, c["keep_r1"], p)
-        datt, G[h + "proj.w"], dbias = matmul_backward(dproj, c["att"], P[h + "proj.w"],
-                                                       trans_b=True, has_bias=bias)
-        if bias:
-            G[h + "proj.b"] = dbias
+        datt = take(h + "proj", *matmul_backward(dproj, c["att"], P[h + "proj.w"],
+                                                 trans_b=True, has_bias=bias))
         dqkv = attention_backward(datt, c["qkv"], c["probs"], H, c["keep_att"], p)
-        dln1, G[h + "attn.w"], dbias = matmul_backward(dqkv, c["ln1"], P[h + "attn.w"],
-                                                       trans_b=True, has_bias=bias)
-        if bias:
-            G[h + "attn.b"] = dbias
-        dxi, G[h + "ln1.w"], dbias = layernorm_backward(dln1, c["x_in"], c["ln1_mean"],
-                                                        c["ln1_rstd"], P[h + "ln1.w"])
-        if bias:
-            G[h + "ln1.b"] = dbias
-        dx = dx + dxi
+        dln1 = take(h + "attn", *matmul_backward(dqkv, c["ln1"], P[h + "attn.w"],
+                                                 trans_b=True, has_bias=bias))
+        dx = dx + take(h + "ln1", *layernorm_backward(dln1, c["x_in"], c["ln1_mean"],
+                                                      c["ln1_rstd"], P[h + "ln1.w"]))
     dx0 = dropout_backward(dx, keep_emb, p)
     dwte_enc, G["wpe"] = encoder_backward(dx0, idx, V, Tmax)
     G["wte"] = dwte_head + dwte_enc
