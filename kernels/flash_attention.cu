@@ -43,6 +43,62 @@ __device__ __forceinline__ void fa_check_smem(unsigned need_bytes) {
     if (have < need_bytes) __trap();      // launcher and kernel disagree on the tile plan
 }
 
+// How blockIdx.y picks the block's tile of ROWS rows: REV, in reverse (gridDim.y-1-blockIdx.y), so
+// that the longest blocks (the last query tiles, which see the most keys) of all heads start first;
+// else in order (the first key tiles see the most queries).
+template <int ROWS, bool REV> struct FaGridY {};
+
+// One block's place in grids of (B*H, tiles): blockIdx.x = b*H + h. Rows of qkv [B,T,3C] hold q, k, v
+// of all heads; head h's q, k and v columns start at h*HS, C + h*HS, 2C + h*HS.
+template <int HS>
+struct FaBlock {
+    int T, C;                // sequence length, H * HS
+    long long rs;            // row stride of qkv (and dqkv): 3C
+    int bh, b, h;
+    int r0;                  // first row of the block's tile (queries in fwd/dq, keys in dkv)
+    long long bhT;           // bh * T: the head's row 0 in [B,H,T] (lse, D)
+    const float* qb;         // q, k, v of (b, h) at t = 0
+    const float* kb;
+    const float* vb;
+
+    // statements in the order the kernels had them before this fold: ptxas's schedule and register
+    // allocation depend on it (the SASS stayed the same)
+    template <int ROWS, bool REV>
+    __device__ __forceinline__ FaBlock(const float* qkv, int T_, int H, FaGridY<ROWS, REV>) {
+        T = T_;
+        C = H * HS;
+        rs = 3LL * C;
+        int y;                                     // the tile (REV) or its first row
+        if constexpr (REV) y = gridDim.y - 1 - blockIdx.y;
+        else y = blockIdx.y * ROWS;
+        bh = blockIdx.x, b = bh / H, h = bh - b * H;
+        r0 = REV ? y * ROWS : y;
+        bhT = (long long)bh * T;
+        qb = qkv + (long long)b * T * rs + h * HS;
+        kb = qb + C;
+        vb = qb + 2 * C;
+    }
+
+    // q, k, v of the head's row t
+    __device__ __forceinline__ const float* q(int t) const { return qb + t * rs; }
+    __device__ __forceinline__ const float* k(int t) const { return kb + t * rs; }
+    __device__ __forceinline__ const float* v(int t) const { return vb + t * rs; }
+    // the head's columns of row t of a [B,T,3C] tensor (dqkv) / of a [B,T,C] tensor (y, dy)
+    __device__ __forceinline__ float* row3(float* x, int t) const { return x + ((long long)b * T + t) * rs + h * HS; }
+    template <class F>
+    __device__ __forceinline__ F* row(F* x, int t) const { return x + ((long long)b * T + t) * C + h * HS; }
+    // row(x, 0) formed as the dK/dV kernels form it (they add q0 * C per query tile)
+    __device__ __forceinline__ const float* row0(const float* x) const { return x + (long long)b * T * C + h * HS; }
+};
+
+// the dropout stream of this step (unused, and st not read, without DROP)
+template <bool DROP>
+__device__ __forceinline__ u32 fa_drop_key(const StepState* __restrict__ st, u32 seed, u32 site) {
+    u32 key = 0;
+    if (DROP) key = gc_key(seed, (u32)st->step, site);
+    return key;
+}
+
 // ROWS x HS tile, global row-major with row stride `stride` floats, into shared memory with row
 // stride HS+4; rows >= nvalid are zero-filled (so masked products stay finite).
 template <int ROWS, int HS>
@@ -56,6 +112,13 @@ __device__ __forceinline__ void fa_load_tile(float* __restrict__ dst, const floa
         if (r < nvalid) v = __ldg(reinterpret_cast<const float4*>(src + r * stride + c));
         *reinterpret_cast<float4*>(dst + r * (HS + 4) + c) = v;
     }
+}
+
+// the ROWS x HS tiles of K and V from key row k0 of the block's head
+template <int ROWS, int HS>
+__device__ __forceinline__ void fa_load_kv(float* Ks, float* Vs, const FaBlock<HS>& fb, int k0) {
+    fa_load_tile<ROWS, HS>(Ks, fb.k(k0), fb.rs, fb.T - k0);
+    fa_load_tile<ROWS, HS>(Vs, fb.v(k0), fb.rs, fb.T - k0);
 }
 
 #define FA_LOG2E 1.4426950408889634f
@@ -110,6 +173,19 @@ struct FaSimt {
                 }
             }
         }
+    }
+
+    // s = A1 B1^T and dp = A2 B2^T, from zero (the two score products of the backward kernels)
+    template <int HS>
+    __device__ __forceinline__ static void abt2(float (&s)[RM][RN], float (&dp)[RM][RN], const float* __restrict__ A1,
+                                                const float* __restrict__ B1, const float* __restrict__ A2,
+                                                const float* __restrict__ B2) {
+#pragma unroll
+        for (int rr = 0; rr < RM; ++rr)
+#pragma unroll
+            for (int jj = 0; jj < RN; ++jj) s[rr][jj] = dp[rr][jj] = 0.f;
+        abt<HS>(s, A1, B1);
+        abt<HS>(dp, A2, B2);
     }
 
     // acc[rr][o] += sum_j P[row(rr)][j] * V[j][ocol(o)]; P is this thread's part of a BR x BC tile,
@@ -176,13 +252,27 @@ template <int HS, bool PBUF> struct FaSmem {
     static constexpr int dkv = (2 * FA_BR + 2 * BQB) * LD + 2 * BQB + (PBUF ? FA_BR * (BQB + 4) : 0);
 };
 
+// arguments of the forward / backward kernels (and of the fp32 kernels' bodies)
+#define FA_ARGS_FWD                                                                                  \
+    float* __restrict__ y,               /* [B,T,C] */                                               \
+    float* __restrict__ lse,             /* [B,H,T] log-sum-exp of the scaled scores */              \
+    const float* __restrict__ qkv,       /* [B,T,3C] */                                              \
+    const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float inv_keep, float scale, \
+    int T, int H
+
+#define FA_ARGS_BWD                                                                                  \
+    float* __restrict__ dqkv,            /* [B,T,3C] */                                              \
+    const float* __restrict__ qkv,       /* [B,T,3C] */                                              \
+    const float* __restrict__ dy,        /* [B,T,C] */                                               \
+    const float* __restrict__ lse,       /* [B,H,T] */                                               \
+    const float* __restrict__ Dg,        /* [B,H,T] rowsum(dy * y) */                                \
+    const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float inv_keep, float scale, \
+    int T, int H
+
 // ------------------------------------------------------------------------------- forward
 
 template <class P, int HS, bool DROP>
-__device__ __forceinline__ void fa_fwd_body(float* __restrict__ y, float* __restrict__ lse,
-                                            const float* __restrict__ qkv, const StepState* __restrict__ st,
-                                            u32 seed, u32 site, u32 threshold, float inv_keep, float scale,
-                                            int T, int H) {
+__device__ __forceinline__ void fa_fwd_body(FA_ARGS_FWD) {
     constexpr int BR = FA_BR, BC = FaTiles<HS>::BKF, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
     fa_check_smem(FaSmem<HS, P::USES_PBUF>::fwd * 4);
     extern __shared__ float4 fa_smem4[];
@@ -191,18 +281,12 @@ __device__ __forceinline__ void fa_fwd_body(float* __restrict__ y, float* __rest
     float* Vs = Ks + BC * LD;
     float* Pb = Vs + BC * LD;
 
-    const int C = H * HS;
-    const long long rs = 3LL * C;
-    const int qt = gridDim.y - 1 - blockIdx.y;        // grid (B*H, tiles): the longest blocks of all heads first
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-    const int q0 = qt * BR;
-    const float* qb = qkv + (long long)b * T * rs + h * HS;
-    const float* kb = qb + C;
-    const float* vb = qb + 2 * C;
+    const FaBlock<HS> fb(qkv, T, H, FaGridY<BR, true>());
+    const int bh = fb.bh, q0 = fb.r0;
     const float ninf = __int_as_float(0xff800000);
     const float sl2 = scale * FA_LOG2E;
 
-    fa_load_tile<BR, HS>(Qs, qb + q0 * rs, rs, T - q0);
+    fa_load_tile<BR, HS>(Qs, fb.q(q0), fb.rs, T - q0);
 
     float m[RM], l[RM], o[RM][OC];
     u32 rbase[RM];
@@ -214,14 +298,12 @@ __device__ __forceinline__ void fa_fwd_body(float* __restrict__ y, float* __rest
 #pragma unroll
         for (int e = 0; e < OC; ++e) o[rr][e] = 0.f;
     }
-    u32 key = 0;
-    if (DROP) key = gc_key(seed, (u32)st->step, site);
+    const u32 key = fa_drop_key<DROP>(st, seed, site);
 
     const int qlast = min(q0 + BR, T) - 1;             // keys beyond the last query row are never visited
     for (int k0 = 0; k0 <= qlast; k0 += BC) {
         __syncthreads();
-        fa_load_tile<BC, HS>(Ks, kb + k0 * rs, rs, T - k0);
-        fa_load_tile<BC, HS>(Vs, vb + k0 * rs, rs, T - k0);
+        fa_load_kv<BC, HS>(Ks, Vs, fb, k0);
         __syncthreads();
 
         float s[RM][RN];
@@ -263,24 +345,16 @@ __device__ __forceinline__ void fa_fwd_body(float* __restrict__ y, float* __rest
         P::template pv<HS>(o, s, Pb, Vs);
     }
 
-    const int C1 = H * HS;
 #pragma unroll
     for (int rr = 0; rr < RM; ++rr) {
         const float L = P::rsum(l[rr]);
         const int i = q0 + P::row(rr);
         if (i < T) {
-            P::template store_row<HS>(y + ((long long)b * T + i) * C1 + h * HS, o[rr], 1.f / L);
+            P::template store_row<HS>(fb.row(y, i), o[rr], 1.f / L);
             if (P::leader()) lse[(long long)bh * T + i] = m[rr] * FA_LN2 + logf(L);
         }
     }
 }
-
-#define FA_ARGS_FWD                                                                                  \
-    float* __restrict__ y,               /* [B,T,C] */                                               \
-    float* __restrict__ lse,             /* [B,H,T] log-sum-exp of the scaled scores */              \
-    const float* __restrict__ qkv,       /* [B,T,3C] */                                              \
-    const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float inv_keep, float scale, \
-    int T, int H
 
 template <int HS, bool DROP>
 __global__ void __launch_bounds__(FA_THREADS) flash_fwd(FA_ARGS_FWD) {
@@ -311,11 +385,7 @@ flash_rowsum_do(float* __restrict__ D,          // [B,H,T]
 // ------------------------------------------------------------------------------- backward: dQ
 
 template <class P, int HS, bool DROP>
-__device__ __forceinline__ void fa_dq_body(float* __restrict__ dqkv, const float* __restrict__ qkv,
-                                           const float* __restrict__ dy, const float* __restrict__ lse,
-                                           const float* __restrict__ Dg, const StepState* __restrict__ st,
-                                           u32 seed, u32 site, u32 threshold, float inv_keep, float scale,
-                                           int T, int H) {
+__device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
     constexpr int BR = FA_BR, BC = FaTiles<HS>::BKF, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
     fa_check_smem(FaSmem<HS, P::USES_PBUF>::dq * 4);
     extern __shared__ float4 fa_smem4[];
@@ -325,18 +395,12 @@ __device__ __forceinline__ void fa_dq_body(float* __restrict__ dqkv, const float
     float* Vs = Ks + BC * LD;
     float* Pb = Vs + BC * LD;
 
-    const int C = H * HS;
-    const long long rs = 3LL * C;
-    const int qt = gridDim.y - 1 - blockIdx.y;        // grid (B*H, tiles): the longest blocks of all heads first
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-    const int q0 = qt * BR;
-    const float* qb = qkv + (long long)b * T * rs + h * HS;
-    const float* kb = qb + C;
-    const float* vb = qb + 2 * C;
+    const FaBlock<HS> fb(qkv, T, H, FaGridY<BR, true>());
+    const int bh = fb.bh, q0 = fb.r0;
     const float sl2 = scale * FA_LOG2E;
 
-    fa_load_tile<BR, HS>(Qs, qb + q0 * rs, rs, T - q0);
-    fa_load_tile<BR, HS>(dOs, dy + ((long long)b * T + q0) * C + h * HS, C, T - q0);
+    fa_load_tile<BR, HS>(Qs, fb.q(q0), fb.rs, T - q0);
+    fa_load_tile<BR, HS>(dOs, fb.row(dy, q0), fb.C, T - q0);
 
     float lr[RM], dr[RM], dq[RM][OC];
     u32 rbase[RM];
@@ -349,23 +413,16 @@ __device__ __forceinline__ void fa_dq_body(float* __restrict__ dqkv, const float
 #pragma unroll
         for (int e = 0; e < OC; ++e) dq[rr][e] = 0.f;
     }
-    u32 key = 0;
-    if (DROP) key = gc_key(seed, (u32)st->step, site);
+    const u32 key = fa_drop_key<DROP>(st, seed, site);
 
     const int qlast = min(q0 + BR, T) - 1;
     for (int k0 = 0; k0 <= qlast; k0 += BC) {
         __syncthreads();
-        fa_load_tile<BC, HS>(Ks, kb + k0 * rs, rs, T - k0);
-        fa_load_tile<BC, HS>(Vs, vb + k0 * rs, rs, T - k0);
+        fa_load_kv<BC, HS>(Ks, Vs, fb, k0);
         __syncthreads();
 
         float s[RM][RN], dp[RM][RN];
-#pragma unroll
-        for (int rr = 0; rr < RM; ++rr)
-#pragma unroll
-            for (int jj = 0; jj < RN; ++jj) s[rr][jj] = dp[rr][jj] = 0.f;
-        P::template abt<HS>(s, Qs, Ks);
-        P::template abt<HS>(dp, dOs, Vs);
+        P::template abt2<HS>(s, dp, Qs, Ks, dOs, Vs);
 
 #pragma unroll
         for (int rr = 0; rr < RM; ++rr) {
@@ -386,18 +443,9 @@ __device__ __forceinline__ void fa_dq_body(float* __restrict__ dqkv, const float
 #pragma unroll
     for (int rr = 0; rr < RM; ++rr) {
         const int i = q0 + P::row(rr);
-        if (i < T) P::template store_row<HS>(dqkv + ((long long)b * T + i) * rs + h * HS, dq[rr], 1.f);
+        if (i < T) P::template store_row<HS>(fb.row3(dqkv, i), dq[rr], 1.f);
     }
 }
-
-#define FA_ARGS_BWD                                                                                  \
-    float* __restrict__ dqkv,            /* [B,T,3C] */                                              \
-    const float* __restrict__ qkv,       /* [B,T,3C] */                                              \
-    const float* __restrict__ dy,        /* [B,T,C] */                                               \
-    const float* __restrict__ lse,       /* [B,H,T] */                                               \
-    const float* __restrict__ Dg,        /* [B,H,T] rowsum(dy * y) */                                \
-    const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float inv_keep, float scale, \
-    int T, int H
 
 template <int HS, bool DROP>
 __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dq(FA_ARGS_BWD) {
@@ -408,11 +456,7 @@ __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dq(FA_ARGS_BWD) {
 // ------------------------------------------------------------------------------- backward: dK, dV
 
 template <class P, int HS, bool DROP>
-__device__ __forceinline__ void fa_dkv_body(float* __restrict__ dqkv, const float* __restrict__ qkv,
-                                            const float* __restrict__ dy, const float* __restrict__ lse,
-                                            const float* __restrict__ Dg, const StepState* __restrict__ st,
-                                            u32 seed, u32 site, u32 threshold, float inv_keep, float scale,
-                                            int T, int H) {
+__device__ __forceinline__ void fa_dkv_body(FA_ARGS_BWD) {
     constexpr int BR = FA_BR, BC = FaTiles<HS>::BQB, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
     fa_check_smem(FaSmem<HS, P::USES_PBUF>::dkv * 4);
     extern __shared__ float4 fa_smem4[];
@@ -424,31 +468,24 @@ __device__ __forceinline__ void fa_dkv_body(float* __restrict__ dqkv, const floa
     float* Ds = Ls + BC;
     float* Pb = Ds + BC;
 
-    const int C = H * HS;
-    const long long rs = 3LL * C;
-    const int k0 = blockIdx.y * BR;                    // grid (B*H, tiles): the key tiles that see the
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;    // most queries, of all heads, first
-    const float* qb = qkv + (long long)b * T * rs + h * HS;
-    const float* kb = qb + C;
-    const float* vb = qb + 2 * C;
-    const float* dob = dy + (long long)b * T * C + h * HS;
+    const FaBlock<HS> fb(qkv, T, H, FaGridY<BR, false>());
+    const int bh = fb.bh, k0 = fb.r0;
+    const float* dob = fb.row0(dy);
     const float sl2 = scale * FA_LOG2E;
 
-    fa_load_tile<BR, HS>(Ks, kb + k0 * rs, rs, T - k0);
-    fa_load_tile<BR, HS>(Vs, vb + k0 * rs, rs, T - k0);
+    fa_load_kv<BR, HS>(Ks, Vs, fb, k0);
 
     float dk[RM][OC], dv[RM][OC];
 #pragma unroll
     for (int rr = 0; rr < RM; ++rr)
 #pragma unroll
         for (int e = 0; e < OC; ++e) dk[rr][e] = dv[rr][e] = 0.f;
-    u32 key = 0;
-    if (DROP) key = gc_key(seed, (u32)st->step, site);
+    const u32 key = fa_drop_key<DROP>(st, seed, site);
 
     for (int q0 = (k0 / BC) * BC; q0 < T; q0 += BC) {  // query tiles from the diagonal to the end
         __syncthreads();
-        fa_load_tile<BC, HS>(Qs, qb + q0 * rs, rs, T - q0);
-        fa_load_tile<BC, HS>(dOs, dob + (long long)q0 * C, C, T - q0);
+        fa_load_tile<BC, HS>(Qs, fb.q(q0), fb.rs, T - q0);
+        fa_load_tile<BC, HS>(dOs, dob + (long long)q0 * fb.C, fb.C, T - q0);
         for (int e = threadIdx.x; e < BC; e += FA_THREADS) {
             const int i = q0 + e;
             Ls[e] = i < T ? lse[(long long)bh * T + i] * FA_LOG2E : 0.f;     // log2 units
@@ -457,12 +494,7 @@ __device__ __forceinline__ void fa_dkv_body(float* __restrict__ dqkv, const floa
         __syncthreads();
 
         float s[RM][RN], dp[RM][RN];                   // S^T and dPd^T: rows keys, columns queries
-#pragma unroll
-        for (int rr = 0; rr < RM; ++rr)
-#pragma unroll
-            for (int jj = 0; jj < RN; ++jj) s[rr][jj] = dp[rr][jj] = 0.f;
-        P::template abt<HS>(s, Ks, Qs);
-        P::template abt<HS>(dp, Vs, dOs);
+        P::template abt2<HS>(s, dp, Ks, Qs, Vs, dOs);
 
 #pragma unroll
         for (int rr = 0; rr < RM; ++rr) {
@@ -492,9 +524,9 @@ __device__ __forceinline__ void fa_dkv_body(float* __restrict__ dqkv, const floa
     for (int rr = 0; rr < RM; ++rr) {
         const int j = k0 + P::row(rr);
         if (j < T) {
-            float* row = dqkv + ((long long)b * T + j) * rs + h * HS;
-            P::template store_row<HS>(row + C, dk[rr], 1.f);
-            P::template store_row<HS>(row + 2 * C, dv[rr], 1.f);
+            float* row = fb.row3(dqkv, j);
+            P::template store_row<HS>(row + fb.C, dk[rr], 1.f);
+            P::template store_row<HS>(row + 2 * fb.C, dv[rr], 1.f);
         }
     }
 }
@@ -613,6 +645,13 @@ __device__ __forceinline__ void fa_cp_tile(float* __restrict__ dst, const float*
             fa_cp16(d + it * RPI * LD, ok ? s + it * RPI * stride : src, ok ? 16 : 0);
         }
     }
+}
+
+// cp.async of the ROWS x HS tiles of K (to dst) and V (to dst + ROWS*LD) from key row k0 of the head
+template <int ROWS, int HS>
+__device__ __forceinline__ void fa_cp_kv(float* dst, const FaBlock<HS>& fb, int k0) {
+    fa_cp_tile<ROWS, HS>(dst, fb.k(k0), fb.rs, fb.T - k0);
+    fa_cp_tile<ROWS, HS>(dst + ROWS * (HS + 4), fb.v(k0), fb.rs, fb.T - k0);
 }
 
 // tf32 rounding for operands that only the tensor cores read: the mma ignores the low 13 mantissa
@@ -754,6 +793,48 @@ __device__ __forceinline__ void fa_store_frag_row(float* __restrict__ dst, const
         *reinterpret_cast<float2*>(dst + dt * 8 + 2 * t) = make_float2(acc[dt][e] * s, acc[dt][e + 1] * s);
 }
 
+// causal mask of a score tile of the forward / dQ kernels: s = -inf where the key (column
+// k0 + 8nt + 2t + (e&1)) comes after the query (row wr0 + 16mt + g + 8(e>>1))
+template <int MT, int NT>
+__device__ __forceinline__ void fa_mask_causal(float (&s)[MT][NT][4], int k0, int wr0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float ninf = __int_as_float(0xff800000);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (k0 + 8 * nt + 2 * t + (e & 1) > wr0 + 16 * mt + g + 8 * (e >> 1)) s[mt][nt][e] = ninf;
+}
+
+// The K/V ring of the forward and dQ kernels (F: FaFwdTc / FaDqTc): key tiles 0..nkt-1 through NS
+// stages of sm, tiles 0 and (NS = 3) 1 already issued. tile(K, V, k0, FaBool<EDGE>) runs on the
+// tiles that a row of the warp (wr0..wr0+WR-1) sees, EDGE where the tile reaches past row wr0.
+template <class F, int HS, class Tile>
+__device__ __forceinline__ void fa_kv_ring(float* sm, const FaBlock<HS>& fb, int nkt, int wr0, Tile& tile) {
+    constexpr int BC = F::BC, LD = F::LD, NS = F::NS, STAGE = F::STAGE, WR = F::WR;
+    int stage = 0;
+    for (int j = 0; j < nkt; ++j) {
+        float* cur = sm + stage * STAGE;
+        if (j > 0) {
+            fa_cp_wait<NS - 2>();
+            fa_round_tile<2 * BC, HS, false>(cur, 1.f);
+            __syncthreads();                           // tile j visible; everyone is done with tile j-1
+        }
+        if (j + NS - 1 < nkt)                          // into the stage of tile j-1
+            fa_cp_kv<BC, HS>(sm + (stage == 0 ? NS - 1 : stage - 1) * STAGE, fb, (j + NS - 1) * BC);
+        fa_cp_commit();
+        stage = stage == NS - 1 ? 0 : stage + 1;
+
+        const int k0 = j * BC;
+        if (wr0 >= fb.T || k0 > wr0 + WR - 1) continue;   // warp-uniform: no row of the warp sees the tile
+        if (k0 + BC - 1 > wr0) tile(cur, cur + BC * LD, k0, FaBool<true>());   // reaches past the first row
+        else tile(cur, cur + BC * LD, k0, FaBool<false>());
+    }
+    fa_cp_wait<0>();
+}
+
 // ------------------------------------------------------------------------------- TC forward
 
 // 4 warps x WR = 16*MT query rows; key tiles of BC through the K/V ring. The Q tile (scaled by
@@ -783,22 +864,15 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
     float* Qb = sm + STAGE;
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int C = H * HS;
-    const long long rs = 3LL * C;
-    const int qt = gridDim.y - 1 - blockIdx.y;        // grid (B*H, tiles): the longest blocks of all heads first
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-    const int q0 = qt * BR;
+    const FaBlock<HS> fb(qkv, T, H, FaGridY<BR, true>());
+    const int bh = fb.bh, q0 = fb.r0;
     const int wr0 = q0 + w * WR;                       // first query row of this warp
-    const float* qb = qkv + (long long)b * T * rs + h * HS;
-    const float* kb = qb + C;
-    const float* vb = qb + 2 * C;
     const float ninf = __int_as_float(0xff800000);
     const int nkt = (min(q0 + BR, T) + BC - 1) / BC;   // key tiles up to the block's last row
 
-    fa_cp_tile<BR, HS>(Qb, qb + (long long)q0 * rs, rs, T - q0);
+    fa_cp_tile<BR, HS>(Qb, fb.q(q0), fb.rs, T - q0);
     fa_cp_commit();
-    fa_cp_tile<BC, HS>(sm, kb, rs, T);
-    fa_cp_tile<BC, HS>(sm + BC * LD, vb, rs, T);
+    fa_cp_kv<BC, HS>(sm, fb, 0);
     fa_cp_commit();
     fa_cp_wait<0>();
     fa_round_tile<BR, HS, true>(Qb, scale * FA_LOG2E);
@@ -808,10 +882,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
     fa_load_afrag<MT, KS, LD>(qf, fa_a_lane<LD>(Qb + w * WR * LD));
     __syncthreads();                                   // Q is read: its space is ring stage 1..
     if (NS == 3) {
-        if (nkt > 1) {
-            fa_cp_tile<BC, HS>(sm + STAGE, kb + BC * rs, rs, T - BC);
-            fa_cp_tile<BC, HS>(sm + STAGE + BC * LD, vb + BC * rs, rs, T - BC);
-        }
+        if (nkt > 1) fa_cp_kv<BC, HS>(sm + STAGE, fb, BC);
         fa_cp_commit();
     }
 
@@ -826,8 +897,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
             rbase[mt][hh] = (u32)(bh * T + wr0 + 16 * mt + g + 8 * hh) * (u32)T;
         }
     fa_zero(o);
-    u32 key = 0;
-    if (DROP) key = gc_key(seed, (u32)st->step, site);
+    const u32 key = fa_drop_key<DROP>(st, seed, site);
 
     // one key tile: S - m on the tensor cores, (mask), online softmax, O += P V
     auto tile = [&](const float* Ks, const float* Vs, int k0, auto edge_tag) {
@@ -839,15 +909,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
             for (int hh = 0; hh < 2; ++hh) mref[mt][hh] = k0 == 0 ? 0.f : -m[mt][hh];   // m = -inf before tile 0
         fa_rows_frag(c, mref);
         fa_mma_abt<MT, NT, KS, LD, true>(s, c, qf, nullptr, fa_b_lane<LD>(Ks));   // s = S - m (log2 units)
-        if (EDGE) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (k0 + 8 * nt + 2 * t + (e & 1) > wr0 + 16 * mt + g + 8 * (e >> 1)) s[mt][nt][e] = ninf;
-        }
+        if (EDGE) fa_mask_causal(s, k0, wr0);
         float mx[MT][2];
         bool grow = false;
 #pragma unroll
@@ -903,30 +965,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
             }
         fa_mma_pv<MT, NT, HS>(o, s, Vs);               // O += P V
     };
-
-    int stage = 0;
-    for (int j = 0; j < nkt; ++j) {
-        float* cur = sm + stage * STAGE;
-        if (j > 0) {
-            fa_cp_wait<NS - 2>();
-            fa_round_tile<2 * BC, HS, false>(cur, 1.f);
-            __syncthreads();                           // tile j visible; everyone is done with tile j-1
-        }
-        if (j + NS - 1 < nkt) {
-            float* nxt = sm + (stage == 0 ? NS - 1 : stage - 1) * STAGE;   // the stage of tile j-1
-            const int k2 = (j + NS - 1) * BC;
-            fa_cp_tile<BC, HS>(nxt, kb + k2 * rs, rs, T - k2);
-            fa_cp_tile<BC, HS>(nxt + BC * LD, vb + k2 * rs, rs, T - k2);
-        }
-        fa_cp_commit();
-        stage = stage == NS - 1 ? 0 : stage + 1;
-
-        const int k0 = j * BC;
-        if (wr0 >= T || k0 > wr0 + WR - 1) continue;  // warp-uniform: no row of the warp sees the tile
-        if (k0 + BC - 1 > wr0) tile(cur, cur + BC * LD, k0, FaBool<true>());   // reaches past the first row
-        else tile(cur, cur + BC * LD, k0, FaBool<false>());
-    }
-    fa_cp_wait<0>();
+    fa_kv_ring<F>(sm, fb, nkt, wr0, tile);
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -937,7 +976,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
             L += __shfl_xor_sync(0xffffffffu, L, 2);
             const int i = wr0 + 16 * mt + g + 8 * hh;
             if (i < T) {
-                fa_store_frag_row<HS>(y + ((long long)b * T + i) * C + h * HS, o[mt], 2 * hh, 1.f / L);
+                fa_store_frag_row<HS>(fb.row(y, i), o[mt], 2 * hh, 1.f / L);
                 if (t == 0) lse[(long long)bh * T + i] = m[mt][hh] * FA_LN2 + logf(L);
             }
         }
@@ -975,23 +1014,15 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
     float* dOb = Qb + BR * LD;
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int C = H * HS;
-    const long long rs = 3LL * C;
-    const int qt = gridDim.y - 1 - blockIdx.y;        // grid (B*H, tiles): the longest blocks of all heads first
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-    const int q0 = qt * BR;
+    const FaBlock<HS> fb(qkv, T, H, FaGridY<BR, true>());
+    const int bh = fb.bh, q0 = fb.r0;
     const int wr0 = q0 + w * WR;
-    const float* qb = qkv + (long long)b * T * rs + h * HS;
-    const float* kb = qb + C;
-    const float* vb = qb + 2 * C;
-    const float ninf = __int_as_float(0xff800000);
     const int nkt = (min(q0 + BR, T) + BC - 1) / BC;
 
-    fa_cp_tile<BR, HS>(Qb, qb + (long long)q0 * rs, rs, T - q0);
-    fa_cp_tile<BR, HS>(dOb, dy + ((long long)b * T + q0) * C + h * HS, C, T - q0);
+    fa_cp_tile<BR, HS>(Qb, fb.q(q0), fb.rs, T - q0);
+    fa_cp_tile<BR, HS>(dOb, fb.row(dy, q0), fb.C, T - q0);
     fa_cp_commit();
-    fa_cp_tile<BC, HS>(sm, kb, rs, T);
-    fa_cp_tile<BC, HS>(sm + BC * LD, vb, rs, T);
+    fa_cp_kv<BC, HS>(sm, fb, 0);
     fa_cp_commit();
 
     float nl[MT][2], nd[MT][2];                        // -lse (log2 units), -D per row
@@ -1009,8 +1040,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
     fa_rows_frag(cl, nl);
     if (DROP) fa_zero(cd);
     else fa_rows_frag(cd, nd);
-    u32 key = 0;
-    if (DROP) key = gc_key(seed, (u32)st->step, site);
+    const u32 key = fa_drop_key<DROP>(st, seed, site);
 
     fa_cp_wait<0>();
     fa_round_tile<BR, HS, true>(Qb, scale * FA_LOG2E);
@@ -1026,10 +1056,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
         __syncthreads();                               // Q and dO are read: their space is ring stage 1..
     }
     if (NS == 3) {
-        if (nkt > 1) {
-            fa_cp_tile<BC, HS>(sm + STAGE, kb + BC * rs, rs, T - BC);
-            fa_cp_tile<BC, HS>(sm + STAGE + BC * LD, vb + BC * rs, rs, T - BC);
-        }
+        if (nkt > 1) fa_cp_kv<BC, HS>(sm + STAGE, fb, BC);
         fa_cp_commit();
     }
 
@@ -1042,15 +1069,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
         float s[MT][NT][4], dp[MT][NT][4];
         fa_mma_abt<MT, NT, KS, LD, AREG>(s, cl, qf, qa, fa_b_lane<LD>(Ks));    // S - lse (log2 units)
         fa_mma_abt<MT, NT, KS, LD, AREG>(dp, cd, df, da, fa_b_lane<LD>(Vs));   // dPd (- D without dropout)
-        if (EDGE) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (k0 + 8 * nt + 2 * t + (e & 1) > wr0 + 16 * mt + g + 8 * (e >> 1)) s[mt][nt][e] = ninf;
-        }
+        if (EDGE) fa_mask_causal(s, k0, wr0);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1067,37 +1086,14 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
                 }
         fa_mma_pv<MT, NT, HS>(dq, s, Ks);              // dQ += dS K
     };
-
-    int stage = 0;
-    for (int j = 0; j < nkt; ++j) {
-        float* cur = sm + stage * STAGE;
-        if (j > 0) {
-            fa_cp_wait<NS - 2>();
-            fa_round_tile<2 * BC, HS, false>(cur, 1.f);
-            __syncthreads();
-        }
-        if (j + NS - 1 < nkt) {
-            float* nxt = sm + (stage == 0 ? NS - 1 : stage - 1) * STAGE;
-            const int k2 = (j + NS - 1) * BC;
-            fa_cp_tile<BC, HS>(nxt, kb + k2 * rs, rs, T - k2);
-            fa_cp_tile<BC, HS>(nxt + BC * LD, vb + k2 * rs, rs, T - k2);
-        }
-        fa_cp_commit();
-        stage = stage == NS - 1 ? 0 : stage + 1;
-
-        const int k0 = j * BC;
-        if (wr0 >= T || k0 > wr0 + WR - 1) continue;
-        if (k0 + BC - 1 > wr0) tile(cur, cur + BC * LD, k0, FaBool<true>());
-        else tile(cur, cur + BC * LD, k0, FaBool<false>());
-    }
-    fa_cp_wait<0>();
+    fa_kv_ring<F>(sm, fb, nkt, wr0, tile);
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int i = wr0 + 16 * mt + g + 8 * hh;
-            if (i < T) fa_store_frag_row<HS>(dqkv + ((long long)b * T + i) * rs + h * HS, dq[mt], 2 * hh, scale);
+            if (i < T) fa_store_frag_row<HS>(fb.row3(dqkv, i), dq[mt], 2 * hh, scale);
         }
 }
 
@@ -1124,11 +1120,12 @@ template <int HS> struct FaDkvTc {
 };
 
 template <int HS, int BQ>
-__device__ __forceinline__ void fa_dkv_issue(float* stg, const float* qb, const float* dob, const float* lse,
-                                             const float* Dg, int q0, long long rs, int C, int T, long long bhT) {
+__device__ __forceinline__ void fa_dkv_issue(float* stg, const FaBlock<HS>& fb, const float* dob, const float* lse,
+                                             const float* Dg, int q0, long long bhT) {
     constexpr int LD = HS + 4;
-    fa_cp_tile<BQ, HS>(stg, qb + q0 * rs, rs, T - q0);
-    fa_cp_tile<BQ, HS>(stg + BQ * LD, dob + (long long)q0 * C, C, T - q0);
+    const int T = fb.T;
+    fa_cp_tile<BQ, HS>(stg, fb.q(q0), fb.rs, T - q0);
+    fa_cp_tile<BQ, HS>(stg + BQ * LD, dob + (long long)q0 * fb.C, fb.C, T - q0);
     fa_cp_vec<BQ, 0>(stg + 2 * BQ * LD, lse + bhT + q0, T - q0);            // threads 0..BQ-1
     fa_cp_vec<BQ, BQ>(stg + 2 * BQ * LD + BQ, Dg + bhT + q0, T - q0);      // threads BQ..2BQ-1
 }
@@ -1156,23 +1153,17 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
     float* Vb = Kb + BK * LD;
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int C = H * HS;
-    const long long rs = 3LL * C;
-    const int k0 = blockIdx.y * BK;                    // grid (B*H, tiles): the key tiles that see the
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;    // most queries, of all heads, first
+    const FaBlock<HS> fb(qkv, T, H, FaGridY<BK, false>());
+    const int k0 = fb.r0;
     const int wk0 = k0 + w * WR;                       // first key row of this warp
-    const long long bhT = (long long)bh * T;
-    const float* qb = qkv + (long long)b * T * rs + h * HS;
-    const float* kb = qb + C;
-    const float* vb = qb + 2 * C;
-    const float* dob = dy + (long long)b * T * C + h * HS;
+    const long long bhT = fb.bhT;
+    const float* dob = fb.row0(dy);
     const float ninf = __int_as_float(0xff800000);
     const int nqt = (T - k0 + BQ - 1) / BQ;            // query tiles from the diagonal (q0 = k0) to the end
 
-    fa_cp_tile<BK, HS>(Kb, kb + k0 * rs, rs, T - k0);
-    fa_cp_tile<BK, HS>(Vb, vb + k0 * rs, rs, T - k0);
+    fa_cp_kv<BK, HS>(Kb, fb, k0);
     fa_cp_commit();
-    fa_dkv_issue<HS, BQ>(sm, qb, dob, lse, Dg, k0, rs, C, T, bhT);
+    fa_dkv_issue<HS, BQ>(sm, fb, dob, lse, Dg, k0, bhT);
     fa_cp_commit();
     fa_cp_wait<0>();
     fa_round_tile<BK, HS, false>(Kb, 1.f);
@@ -1190,15 +1181,14 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
         fa_load_afrag<MT, KS, LD>(vf, va);             // K stays resident in shared memory
     }
     if (NS == 3) {
-        if (nqt > 1) fa_dkv_issue<HS, BQ>(sm + STAGE, qb, dob, lse, Dg, k0 + BQ, rs, C, T, bhT);
+        if (nqt > 1) fa_dkv_issue<HS, BQ>(sm + STAGE, fb, dob, lse, Dg, k0 + BQ, bhT);
         fa_cp_commit();
     }
 
     float dk[MT][DT][4], dv[MT][DT][4];
     fa_zero(dk);
     fa_zero(dv);
-    u32 key = 0;
-    if (DROP) key = gc_key(seed, (u32)st->step, site);
+    const u32 key = fa_drop_key<DROP>(st, seed, site);
 
     // one query tile: S^T - lse and dPd^T - D on the tensor cores, (mask), dV += Pd^T dO, dK += dS^T Q
     auto tile = [&](const float* stg, int q0, auto edge_tag) {
@@ -1265,8 +1255,8 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
             __syncthreads();
         }
         if (jq + NS - 1 < nqt)
-            fa_dkv_issue<HS, BQ>(sm + (stage == 0 ? NS - 1 : stage - 1) * STAGE, qb, dob, lse, Dg,
-                                 k0 + (jq + NS - 1) * BQ, rs, C, T, bhT);
+            fa_dkv_issue<HS, BQ>(sm + (stage == 0 ? NS - 1 : stage - 1) * STAGE, fb, dob, lse, Dg,
+                                 k0 + (jq + NS - 1) * BQ, bhT);
         fa_cp_commit();
         stage = stage == NS - 1 ? 0 : stage + 1;
 
@@ -1283,9 +1273,9 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
         for (int hh = 0; hh < 2; ++hh) {
             const int j = wk0 + 16 * mt + g + 8 * hh;
             if (j < T) {
-                float* row = dqkv + ((long long)b * T + j) * rs + h * HS;
-                fa_store_frag_row<HS>(row + C, dk[mt], 2 * hh, FA_LN2);   // scale / (scale*log2 e): Q was scaled
-                fa_store_frag_row<HS>(row + 2 * C, dv[mt], 2 * hh, 1.f);
+                float* row = fb.row3(dqkv, j);
+                fa_store_frag_row<HS>(row + fb.C, dk[mt], 2 * hh, FA_LN2);   // scale / (scale*log2 e): Q was scaled
+                fa_store_frag_row<HS>(row + 2 * fb.C, dv[mt], 2 * hh, 1.f);
             }
         }
 }

@@ -24,15 +24,29 @@
 __device__ __forceinline__ float4 ln_f4(float a) { return make_float4(a, a, a, a); }
 __device__ __forceinline__ float ln_hsum(float4 a) { return (a.x + a.y) + (a.z + a.w); }
 
+// 1 / sqrt(var + eps) from this lane's part q of the row's sum of squared deviations
+__device__ __forceinline__ float ln_rstd(float q, int C) { return 1.0f / sqrtf(gc_warp_sum(q) / (float)C + LN_EPS); }
+
+// lane 0 of the row's warp saves the statistics the backward reads (where asked for)
+__device__ __forceinline__ void ln_save_stats(float* __restrict__ mean, float* __restrict__ rstd, int row, float mu,
+                                              float rs) {
+    if ((threadIdx.x & 31) == 0) {
+        if (mean) mean[row] = mu;
+        if (rstd) rstd[row] = rs;
+    }
+}
+
+#define LN_ARGS_FWD                                                                       \
+    float* __restrict__ out,        /* out  [N, C] */                                     \
+    float* __restrict__ mean,       /* mean [N]   (may be null) */                        \
+    float* __restrict__ rstd,       /* rstd [N]   (may be null) */                        \
+    const float* __restrict__ x,    /* x    [N, C] */                                     \
+    const float* __restrict__ w,    /* w    [C] */                                        \
+    const float* __restrict__ b,    /* b    [C]   (BIAS only) */                          \
+    int N, int C
+
 template <int NV, bool BIAS>
-__global__ void __launch_bounds__(LN_THREADS)
-layernorm_fwd_reg(float* __restrict__ out,        // out  [N, C]
-                  float* __restrict__ mean,       // mean [N]   (may be null)
-                  float* __restrict__ rstd,       // rstd [N]   (may be null)
-                  const float* __restrict__ x,    // x    [N, C]
-                  const float* __restrict__ w,    // w    [C]
-                  const float* __restrict__ b,    // b    [C]   (BIAS only)
-                  int N, int C) {
+__global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_reg(LN_ARGS_FWD) {
     const int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
@@ -56,7 +70,7 @@ layernorm_fwd_reg(float* __restrict__ out,        // out  [N, C]
             q += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);
         }
     }
-    const float rs = 1.0f / sqrtf(gc_warp_sum(q) / (float)C + LN_EPS);
+    const float rs = ln_rstd(q, C);
     float4* o = reinterpret_cast<float4*>(out + (long long)row * C);
     const float4* w4 = reinterpret_cast<const float4*>(w);
     const float4* b4 = reinterpret_cast<const float4*>(b);
@@ -74,21 +88,11 @@ layernorm_fwd_reg(float* __restrict__ out,        // out  [N, C]
             o[k] = r;
         }
     }
-    if (lane == 0) {
-        if (mean) mean[row] = mu;
-        if (rstd) rstd[row] = rs;
-    }
+    ln_save_stats(mean, rstd, row, mu, rs);
 }
 
 template <bool BIAS>
-__global__ void __launch_bounds__(LN_THREADS)
-layernorm_fwd_loop(float* __restrict__ out,        // out  [N, C]
-                   float* __restrict__ mean,       // mean [N]   (may be null)
-                   float* __restrict__ rstd,       // rstd [N]   (may be null)
-                   const float* __restrict__ x,    // x    [N, C]
-                   const float* __restrict__ w,    // w    [C]
-                   const float* __restrict__ b,    // b    [C]   (BIAS only)
-                   int N, int C) {
+__global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_loop(LN_ARGS_FWD) {
     const int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
@@ -101,30 +105,29 @@ layernorm_fwd_loop(float* __restrict__ out,        // out  [N, C]
         const float d = xr[c] - mu;
         q += d * d;
     }
-    const float rs = 1.0f / sqrtf(gc_warp_sum(q) / (float)C + LN_EPS);
+    const float rs = ln_rstd(q, C);
     float* o = out + (long long)row * C;
     for (int c = lane; c < C; c += 32) {
         float r = (xr[c] - mu) * rs * w[c];
         if constexpr (BIAS) r += b[c];
         o[c] = r;
     }
-    if (lane == 0) {
-        if (mean) mean[row] = mu;
-        if (rstd) rstd[row] = rs;
-    }
+    ln_save_stats(mean, rstd, row, mu, rs);
 }
+
+#define LN_ARGS_BWD                                                                       \
+    float* __restrict__ dx,              /* dx       [N, C]   (+=) */                     \
+    float* __restrict__ partials,        /* partials [G, 2C] */                           \
+    const float* __restrict__ dout,      /* dout     [N, C] */                            \
+    const float* __restrict__ x,         /* x        [N, C] */                            \
+    const float* __restrict__ mean,      /* mean     [N] */                               \
+    const float* __restrict__ rstd,      /* rstd     [N] */                               \
+    const float* __restrict__ w,         /* w        [C] */                               \
+    int N, int C
 
 // grid G blocks (G <= the workspace rows); warp gw = blockIdx.x*8 + warp takes rows gw, gw + 8G, ...
 template <int NV, bool BIAS>
-__global__ void __launch_bounds__(LN_THREADS)
-layernorm_bwd_reg(float* __restrict__ dx,              // dx       [N, C]   (+=)
-                  float* __restrict__ partials,        // partials [G, 2C]
-                  const float* __restrict__ dout,      // dout     [N, C]
-                  const float* __restrict__ x,         // x        [N, C]
-                  const float* __restrict__ mean,      // mean     [N]
-                  const float* __restrict__ rstd,      // rstd     [N]
-                  const float* __restrict__ w,         // w        [C]
-                  int N, int C) {
+__global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_reg(LN_ARGS_BWD) {
     __shared__ float4 red_w[NV * 32];
     __shared__ float4 red_b[BIAS ? NV * 32 : 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -228,15 +231,7 @@ __device__ __forceinline__ float ln_block_sum(float v, float* sm /* [LN_WARPS] *
 // grid G blocks; block g takes rows g, g + G, ...; thread tid owns columns tid, tid + 256, ...
 // and accumulates their dw (db) directly in its partials row (no other thread touches them).
 template <bool BIAS>
-__global__ void __launch_bounds__(LN_THREADS)
-layernorm_bwd_loop(float* __restrict__ dx,              // dx       [N, C]   (+=)
-                   float* __restrict__ partials,        // partials [G, 2C]
-                   const float* __restrict__ dout,      // dout     [N, C]
-                   const float* __restrict__ x,         // x        [N, C]
-                   const float* __restrict__ mean,      // mean     [N]
-                   const float* __restrict__ rstd,      // rstd     [N]
-                   const float* __restrict__ w,         // w        [C]
-                   int N, int C) {
+__global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_loop(LN_ARGS_BWD) {
     __shared__ float sm[2][LN_WARPS];
     float* pw = partials + (long long)blockIdx.x * 2 * C;
     float* pb = pw + C;

@@ -33,77 +33,73 @@ __device__ __forceinline__ void ce_push(float& m, float& s, float v) {
     }
 }
 
-template <bool GRAD>
-__global__ void __launch_bounds__(CE_THREADS)
-crossentropy_warp(float* __restrict__ losses,     // losses  [N]
-                  float* dlogits,                 // dlogits [N, V] (GRAD only; may be logits)
-                  const float* logits,            // logits  [N, V]
-                  const int* __restrict__ targets,// targets [N]
-                  int N, int V, float grad_scale) {
-    const int row = blockIdx.x * CE_WARPS + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= N) return;
-    const float* lr = logits + (long long)row * V;
-    const int tg = targets[row];
-    const bool valid = (unsigned)tg < (unsigned)V;
-    const float xt = valid ? lr[tg] : 0.f;
-    float m = CE_LOWEST, s = 0.f;
-    for (int i = lane; i < V; i += 32) ce_push(m, s, lr[i]);
+// One row of the logits and its target; this thread's elements are first, first + STRIDE, ...
+template <int STRIDE>
+struct CeRow {
+    const float* lr;     // logits[row, :]
+    int tg;
+    bool valid;          // 0 <= tg < V: an out-of-range target reads no logit
+    float xt;            // logits[row, tg] (0 when not valid)
+    float m, s;          // (max, sum of exp(x - max)): this thread's, then merged
+
+    __device__ __forceinline__ CeRow(const float* logits, const int* __restrict__ targets, int row, int V, int first)
+        : lr(logits + (long long)row * V), tg(targets[row]), valid((unsigned)tg < (unsigned)V),
+          xt(valid ? lr[tg] : 0.f), m(CE_LOWEST), s(0.f) {
+        for (int i = first; i < V; i += STRIDE) ce_push(m, s, lr[i]);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float mo = __shfl_xor_sync(0xffffffffu, m, o);
-        const float so = __shfl_xor_sync(0xffffffffu, s, o);
-        ce_merge(m, s, mo, so);
+        for (int o = 16; o > 0; o >>= 1) {      // merged over the warp
+            const float mo = __shfl_xor_sync(0xffffffffu, m, o);
+            const float so = __shfl_xor_sync(0xffffffffu, s, o);
+            ce_merge(m, s, mo, so);
+        }
     }
-    if (lane == 0) losses[row] = valid ? (m + logf(s)) - xt : __int_as_float(0x7fc00000);
-    if constexpr (GRAD) {
-        __syncwarp();                              // every lane's reads precede any write
+
+    __device__ __forceinline__ float loss() const { return valid ? (m + logf(s)) - xt : __int_as_float(0x7fc00000); }
+
+    // dr [V] = (softmax - one-hot) * grad_scale; dr may be lr (each element is read before it is written)
+    __device__ __forceinline__ void grad(float* dr, int V, float grad_scale, int first) const {
         const float rs = 1.0f / s;
-        float* dr = dlogits + (long long)row * V;
-        for (int i = lane; i < V; i += 32) {
+        for (int i = first; i < V; i += STRIDE) {
             const float p = expf(lr[i] - m) * rs;
             dr[i] = (p - (i == tg ? 1.0f : 0.0f)) * grad_scale;
         }
+    }
+};
+
+#define CE_ARGS                                                                           \
+    float* __restrict__ losses,     /* losses  [N] */                                     \
+    float* dlogits,                 /* dlogits [N, V] (GRAD only; may be logits) */       \
+    const float* logits,            /* logits  [N, V] */                                  \
+    const int* __restrict__ targets,/* targets [N] */                                     \
+    int N, int V, float grad_scale
+
+template <bool GRAD>
+__global__ void __launch_bounds__(CE_THREADS) crossentropy_warp(CE_ARGS) {
+    const int row = blockIdx.x * CE_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const CeRow<32> r(logits, targets, row, V, lane);
+    if (lane == 0) losses[row] = r.loss();
+    if constexpr (GRAD) {
+        __syncwarp();                              // every lane's reads precede any write
+        r.grad(dlogits + (long long)row * V, V, grad_scale, lane);
     }
 }
 
 template <bool GRAD>
-__global__ void __launch_bounds__(CE_THREADS)
-crossentropy_block(float* __restrict__ losses,     // losses  [N]
-                   float* dlogits,                 // dlogits [N, V] (GRAD only; may be logits)
-                   const float* logits,            // logits  [N, V]
-                   const int* __restrict__ targets,// targets [N]
-                   int N, int V, float grad_scale) {
+__global__ void __launch_bounds__(CE_THREADS) crossentropy_block(CE_ARGS) {
     __shared__ float sm_m[CE_WARPS], sm_s[CE_WARPS];
     const int row = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float* lr = logits + (long long)row * V;
-    const int tg = targets[row];
-    const bool valid = (unsigned)tg < (unsigned)V;
-    const float xt = valid ? lr[tg] : 0.f;
-    float m = CE_LOWEST, s = 0.f;
-    for (int i = threadIdx.x; i < V; i += CE_THREADS) ce_push(m, s, lr[i]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float mo = __shfl_xor_sync(0xffffffffu, m, o);
-        const float so = __shfl_xor_sync(0xffffffffu, s, o);
-        ce_merge(m, s, mo, so);
-    }
-    if (lane == 0) { sm_m[warp] = m; sm_s[warp] = s; }
+    CeRow<CE_THREADS> r(logits, targets, row, V, threadIdx.x);
+    if (lane == 0) { sm_m[warp] = r.m; sm_s[warp] = r.s; }
     __syncthreads();                               // also orders all reads before the writes
-    m = sm_m[0];
-    s = sm_s[0];
+    r.m = sm_m[0];
+    r.s = sm_s[0];
 #pragma unroll
-    for (int w = 1; w < CE_WARPS; ++w) ce_merge(m, s, sm_m[w], sm_s[w]);
-    if (threadIdx.x == 0) losses[row] = valid ? (m + logf(s)) - xt : __int_as_float(0x7fc00000);
-    if constexpr (GRAD) {
-        const float rs = 1.0f / s;
-        float* dr = dlogits + (long long)row * V;
-        for (int i = threadIdx.x; i < V; i += CE_THREADS) {
-            const float p = expf(lr[i] - m) * rs;
-            dr[i] = (p - (i == tg ? 1.0f : 0.0f)) * grad_scale;
-        }
-    }
+    for (int w = 1; w < CE_WARPS; ++w) ce_merge(r.m, r.s, sm_m[w], sm_s[w]);
+    if (threadIdx.x == 0) losses[row] = r.loss();
+    if constexpr (GRAD) r.grad(dlogits + (long long)row * V, V, grad_scale, threadIdx.x);
 }
 
 // One block: thread t sums losses t, t + 1024, ... in double, then a fixed tree.
