@@ -2,6 +2,8 @@
 # The GPU check-and-benchmark, driven from the repo so that it is repeatable.
 #   bash bench/device_check.sh [tests] [gradcheck] [bench] [attention] [long] [torch] [gemm] [tune]
 #                              [train_fp32] [train_tf32]
+# Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
+# GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts).
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
 # .devcarry/reference/ (a copy of the reference scripts carried along; never imported by gptcuda).
 set -uo pipefail
@@ -25,8 +27,8 @@ log "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used 
 python3 -c "import cuda.bindings, numpy; from gptcuda.compiler import nvrtc_version; print('cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc_version(), 'numpy', numpy.__version__)" | tee -a "$OUT/summary.txt"
 
 if has tests; then
-  log "GPU test suite: python3 -m pytest tests -q -m gpu"
-  python3 -m pytest tests -q -m gpu -p no:cacheprovider -n ${TEST_PROCS:-8} 2>&1 | tee "$OUT/tests.log" | tail -25
+  log "GPU test suite: python3 -m pytest ${TESTS:-tests} -q -m gpu"
+  python3 -m pytest ${TESTS:-tests} -q -m gpu -p no:cacheprovider -n ${TEST_PROCS:-8} 2>&1 | tee "$OUT/tests.log" | tail -25
   tail -1 "$OUT/tests.log" >> "$OUT/summary.txt"
 fi
 if has gradcheck; then
@@ -40,13 +42,14 @@ fi
 if has bench; then
   log "launch overhead"
   python3 bench/launch.py 2>&1 | tee -a "$OUT/summary.txt"
-  for p in fp32 tf32; do
-    for a in unfused fused; do
+  for pa in ${STEP_CASES:-fp32:unfused fp32:fused tf32:unfused tf32:fused}; do
+    p=${pa%%:*} a=${pa##*:}
+    {
       log "step $p $a"
       python3 bench/step.py configs/shakespeare_char_fp32.yaml --precision=$p --attention=$a \
         --json "$OUT/step_${p}_$a.json" > "$OUT/step_${p}_$a.log" 2>&1
       sed -n '1,18p' "$OUT/step_${p}_$a.log"
-    done
+    }
   done
 fi
 if has attention; then
@@ -91,7 +94,7 @@ if has dist; then
 fi
 if has gemm; then
   log "GEMM benchmark (cuBLAS through torch in the same process, benchmark only)"
-  python3 bench/gemm.py --precision ${GEMM_PRECISION:-both} 2>&1 | tee "$OUT/gemm.log" | tail -45
+  python3 bench/gemm.py --precision ${GEMM_PRECISION:-both} ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.log" | tail -60
 fi
 if has tune; then
   for p in tf32 fp32; do

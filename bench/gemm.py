@@ -3,7 +3,7 @@
     python bench/gemm.py [--mnk M,N,K ...] [--trans NN|NT|TN|TT] [--precision fp32|tf32|both]
                          [--sweep] [--ladder] [--iters 30] [--json out.json]
 
-Default shapes: 4096^3, and every GEMM of the model at B64 T256 (M = 16384 tokens), C=384, V=65:
+Default shapes: 4096^3 (NN and NT), and every GEMM of the model at B64 T256 (M = 16384 tokens), C=384, V=65:
 forward (x @ W^T, NT), backward data (dout @ W, NN) and weight gradients (dout^T @ x, TN,
 K = 16384). Per shape and precision: the kernel the planner picks, median time (CUDA events,
 the GEMM replayed back to back inside a CUDA graph), TFLOP/s, relative error against a float64
@@ -17,7 +17,6 @@ tiled, register tiled) before the production ones (square shapes only).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -27,10 +26,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import ClockWatch  # noqa: E402
+from bench.common import Arena, ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402  (graph replay on bench.common's event timing)
 from gptcuda.cuda_ops import gemm  # noqa: E402
-from gptcuda.runtime import DeviceView, Runtime, i32  # noqa: E402
+from gptcuda.runtime import Runtime, i32  # noqa: E402
 
 B, T, C, V = 64, 256, 384, 65
 TOKENS = B * T
@@ -50,30 +49,6 @@ def model_shapes():
 
 
 # ---------------------------------------------------------------------------------------
-class Arena:
-    """Device buffers of one shape, freed together."""
-
-    def __init__(self, rt):
-        self.rt, self.ptrs = rt, []
-
-    def empty(self, shape):
-        n = max(1, int(np.prod(shape)))
-        ptr = self.rt.dev.malloc(4 * n)
-        self.ptrs.append(ptr)
-        return DeviceView(ptr, tuple(int(s) for s in shape), "f32", "bench")
-
-    def upload(self, arr):
-        v = self.empty(arr.shape)
-        self.rt.write(v, arr)
-        return v
-
-    def free(self):
-        self.rt.synchronize()
-        for p in self.ptrs:
-            self.rt.dev.free(p)
-        self.ptrs.clear()
-
-
 def sampled_rel_err(out, a, b, ta, tb, rows):
     """max|out - ref| / max|ref| over the sampled rows of out, float64 reference."""
     opa = a.T if ta else a
@@ -186,26 +161,29 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         da, db = ar.upload(a), ar.upload(b)
         out = ar.empty((M, N))
         ws = ar.empty((ws_floats,))
-        rt.set_workspace({"gemm_splitk": ws})
+        # as memory.py plans it for training: the wgmma kernel's B^T scratch for the A @ B shapes
+        rt.set_workspace({"gemm_splitk": ws, "gemm_bT": ar.empty((K * N if trans == "NN" else 1,))})
         lda = M if ta else K
         ldb = K if tb else N
         vec = gemm._vec_ok(da, db, lda, ldb, 0, 0)
         for prec in precisions:
             rt.precision = prec
             family = "tf32" if prec == "tf32" else "simt"
+            wg = gemm.wgmma_ok(rt, ta, tb, vec)
             # what gemm.matmul launches: the measured table's entry (bench/tune.py), else the cost model
-            chosen = gemm.tuned_plan(rt, gemm.tune_key(prec, ta, tb, "none", False, M, N, K), vec, ws_floats, M, N) \
-                or gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec)
+            chosen = gemm.tuned_plan(rt, gemm.tune_key(prec, ta, tb, "none", False, M, N, K), vec, ws_floats,
+                                     M, N, wg) \
+                or gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec, wgmma=wg)
             cands = [(chosen, True)]
             if args.sweep:
                 tiles = gemm.TF32_TILES if family == "tf32" else gemm.SIMT_TILES
                 if family == "tf32" and not vec:
                     tiles = gemm.TF32_FALLBACK_TILES
-                for tile in tiles:
+                for tile in list(tiles) + (list(gemm.WGMMA_TILES) if wg else []):
                     for sp in sorted({1, gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats,
-                                                   vec=vec, tiles=[tile]).splits}):
+                                                   vec=vec, tiles=[tile], wgmma=wg).splits}):
                         p = gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec,
-                                      tiles=[tile], splits=sp)
+                                      tiles=[tile], splits=sp, wgmma=wg)
                         if p != chosen:
                             cands.append((p, False))
             reps = reps_for(flop, 150.0 if prec == "tf32" else 30.0)
@@ -313,7 +291,8 @@ def main(argv=None):
             M, N, K = (int(x) for x in s.split(","))
             shapes.append((f"{M}x{N}x{K}", M, N, K, args.trans or "NN"))
     else:
-        shapes = [("square", 4096, 4096, 4096, args.trans or "NN")]
+        # 4096^3 as A @ B (NN) and as x @ W^T (NT: the only case the wgmma kernel serves)
+        shapes = [("square", 4096, 4096, 4096, t) for t in ([args.trans] if args.trans else ["NN", "NT"])]
         shapes += [(l, M, N, K, args.trans or t) for l, M, N, K, t in model_shapes()]
     precisions = ["fp32", "tf32"] if args.precision == "both" else [args.precision]
 
@@ -337,15 +316,14 @@ def main(argv=None):
     print(watch.stop())
     chosen = [r for r in results if r.get("chosen") and "ratio" in r]
     for prec in precisions:
-        rs = [r for r in chosen if r["precision"] == prec]
+        # the geomean is over the model's shapes (the squares are reported row by row above)
+        rs = [r for r in chosen if r["precision"] == prec and r["shape"] != "square"]
         if rs:
             geo = math.exp(sum(math.log(r["ratio"]) for r in rs) / len(rs))
             tf = math.exp(sum(math.log(r["tflops"]) for r in rs) / len(rs))
             cb = math.exp(sum(math.log(r["cublas_tflops"]) for r in rs) / len(rs))
             print(f"{prec}: geomean {tf:.1f} TFLOP/s, cuBLAS {cb:.1f}, ratio {geo:.2f} over {len(rs)} shapes")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_results(args.json, results)
     rt.close()
 
 

@@ -186,10 +186,22 @@ def _nvrtc_compile(filename: str, source: str, names, options):
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+# Files using instructions of one architecture only (wgmma: sm_90a), compiled for the "a" target
+# of that architecture; their kernels trap elsewhere and the launchers never pick them there.
+ARCH_SPECIFIC = {"gemm_wgmma.cu": ("sm_90",)}
+
+
+def target_arch(filename: str, arch: str) -> str:
+    """The architecture a file is compiled for on a device of `arch` (sm_90 -> sm_90a for the files
+    of ARCH_SPECIFIC)."""
+    return arch + "a" if arch in ARCH_SPECIFIC.get(filename, ()) else arch
+
+
 def compile_kernel(filename: str, names, defines: dict | None = None, arch: str = "sm_90",
                    use_cache: bool = True) -> Compiled:
     """Compile (or fetch from the disk cache) one kernel file with the given name expressions."""
     names = list(names)
+    arch = target_arch(filename, arch)
     source = expand_source(filename)
     options = options_for(arch, defines)
     version = nvrtc_version()

@@ -6,8 +6,8 @@ Launchers in gptcuda/cuda_ops/ use three things:
     rt.launch(fn, grid, block, [out, mean, x, w, None, i32(N), f32(eps)], smem=0)
     rt.workspace("att_q")                                                  # a planned scratch view
 
-Arguments are DeviceViews (passed as pointers), None (a null pointer) or typed scalars
-(i32, u32, f32, u64). `launch` packs the argument block once into a `Launch` and either
+Arguments are DeviceViews (passed as pointers), None (a null pointer), typed scalars
+(i32, u32, f32, u64) or a Blob (an opaque by-value struct: a TMA tensor map). `launch` packs the argument block once into a `Launch` and either
 runs it now (eager) or appends it to the program being recorded; a program replays its
 launches with no packing, or is captured once into a CUDA graph and replayed.
 """
@@ -80,6 +80,17 @@ class u64(_Scalar):
     np_type = np.uint64
 
 
+class Blob:
+    """An opaque by-value kernel parameter (a CUtensorMap: 128 bytes, 64-byte aligned)."""
+    __slots__ = ("data",)
+    ALIGN = 64
+
+    def __init__(self, data: bytes):
+        if len(data) % 8:
+            raise ValueError(f"Blob of {len(data)} bytes: a multiple of 8 expected")
+        self.data = bytes(data)
+
+
 @dataclass
 class Function:
     handle: object
@@ -91,7 +102,7 @@ class Function:
 
 class Launch:
     """One kernel launch with its argument block packed once."""
-    __slots__ = ("fn", "grid", "block", "smem", "slots", "ptrs", "params", "label")
+    __slots__ = ("fn", "grid", "block", "smem", "slots", "ptrs", "params", "label", "blobs")
 
     def __init__(self, fn: Function, grid, block, args, smem: int, label: str):
         self.fn, self.smem, self.label = fn, int(smem), label
@@ -101,8 +112,14 @@ class Launch:
             raise ValueError(f"{label}: empty launch grid={self.grid} block={self.block}")
         self.slots = np.zeros(max(len(args), 1), dtype=np.uint64)    # one 8-byte slot per argument
         raw = self.slots.view(np.uint8)
+        self.blobs = {}          # argument index -> (buffer kept alive, aligned address)
         for i, a in enumerate(args):
-            if isinstance(a, DeviceView):
+            if isinstance(a, Blob):
+                buf = np.zeros(len(a.data) + Blob.ALIGN, dtype=np.uint8)
+                off = (-buf.ctypes.data) % Blob.ALIGN
+                buf[off:off + len(a.data)] = np.frombuffer(a.data, dtype=np.uint8)
+                self.blobs[i] = (buf, buf.ctypes.data + off)
+            elif isinstance(a, DeviceView):
                 self.slots[i] = a.ptr
             elif a is None:
                 self.slots[i] = 0
@@ -111,9 +128,10 @@ class Launch:
                 raw[8 * i: 8 * i + b.size] = b
             else:
                 raise TypeError(f"{label}: argument {i} is {type(a).__name__}; "
-                                "pass a DeviceView, None or a typed scalar (i32, u32, f32, u64)")
+                                "pass a DeviceView, None, a typed scalar (i32, u32, f32, u64) or a Blob")
         base = self.slots.ctypes.data
-        self.ptrs = np.array([base + 8 * i for i in range(len(args))] or [0], dtype=np.uint64)
+        self.ptrs = np.array([self.blobs[i][1] if i in self.blobs else base + 8 * i for i in range(len(args))]
+                             or [0], dtype=np.uint64)
         self.params = self.ptrs.ctypes.data
 
     def run(self, dev, stream):
@@ -227,6 +245,11 @@ class Runtime:
             self._functions[key] = fn
             self.compile_seconds += time.perf_counter() - t
         return fn
+
+    def tensor_map(self, view, dims, strides_bytes, box) -> Blob:
+        """A TMA tensor map over the fp32 tensor at view.ptr (see Device.tensor_map_f32), as the
+        by-value argument of a launch."""
+        return Blob(self.dev.tensor_map_f32(view.ptr, dims, strides_bytes, box))
 
     def set_max_smem(self, fn: Function, nbytes: int):
         if nbytes > 48 * 1024 and nbytes > fn.max_smem:

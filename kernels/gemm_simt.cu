@@ -103,6 +103,16 @@ __device__ __forceinline__ void gemm_store4_vec(float* C, float* aux, const floa
     *reinterpret_cast<float4*>(C + off) = out;
 }
 
+// Whether the epilogue may use 16-byte accesses: C rows (and aux, bias) 16-byte aligned.
+template <int EPI, bool HAS_BIAS>
+__device__ __forceinline__ bool gemm_epi_vec_ok(const float* C, const float* aux, const float* bias, int ldc,
+                                                long long sC) {
+    bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & 15) == 0);
+    if constexpr (HAS_BIAS) vec = vec && ((reinterpret_cast<unsigned long long>(bias) & 15) == 0);
+    if constexpr (GEMM_EPI_USES_AUX(EPI)) vec = vec && ((reinterpret_cast<unsigned long long>(aux) & 15) == 0);
+    return vec;
+}
+
 // Store four consecutive values v[0..3] of row r at columns c..c+3 with the epilogue applied.
 // C, aux rows have stride ldc. vec: 16-byte accesses allowed (alignment checked by the caller).
 template <int EPI, bool HAS_BIAS>
@@ -298,10 +308,7 @@ gemm_simt(float* C,                        // C [batch*splits, M, N], row stride
     }
 
     // Epilogue: 16-byte stores when C (and aux, bias) rows are 16-byte aligned.
-    bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & 15) == 0);
-    if constexpr (HAS_BIAS) vec = vec && ((reinterpret_cast<unsigned long long>(bias) & 15) == 0);
-    if constexpr (GEMM_EPI_USES_AUX(EPI))
-        vec = vec && ((reinterpret_cast<unsigned long long>(aux) & 15) == 0);
+    const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS>(C, aux, bias, ldc, sC);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int r = m0 + (i < 4 ? tr * 4 + i : BM / 2 + tr * 4 + (i - 4));
@@ -337,6 +344,25 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
         if constexpr (EPI == GEMM_EPI_GELU) aux[off] = pre;
         C[off] = o;
     }
+}
+
+// out [N, K] = in [K, N] (row-major): the B operand of a transpose_b plan (the wgmma kernel reads
+// only K-major operands). 32 x 32 tiles through shared memory, rows padded to 33 floats so that
+// the column reads hit 32 distinct banks; reads and writes are both coalesced. Block 256 threads
+// (8 rows of 32 per pass), grid (ceil(N / 32), ceil(K / 32)).
+__global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,       // out [N, K]
+                                                      const float* __restrict__ in,  // in [K, N]
+                                                      int K, int N) {
+    __shared__ float tile[32][33];
+    const int n0 = blockIdx.x * 32, k0 = blockIdx.y * 32;
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = ty; i < 32; i += 8)
+        if (k0 + i < K && n0 + tx < N) tile[i][tx] = in[(long long)(k0 + i) * N + n0 + tx];
+    __syncthreads();
+#pragma unroll
+    for (int i = ty; i < 32; i += 8)
+        if (n0 + i < N && k0 + tx < K) out[(long long)(n0 + i) * K + k0 + tx] = tile[tx][i];
 }
 
 // ---------------------------------------------------------------------------------------------

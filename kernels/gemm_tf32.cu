@@ -402,10 +402,7 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
 
     // Epilogue: thread (g, t) holds, for m16 tile mi, half h, n8 group q and e in {0, 1}, the four
     // consecutive columns wn0 + 32 q + 8 t + 4 e .. +3 of row wm0 + 32 (mi/2) + 4 g + 2 (mi%2) + h.
-    bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & 15) == 0);
-    if constexpr (HAS_BIAS) vec = vec && ((reinterpret_cast<unsigned long long>(bias) & 15) == 0);
-    if constexpr (GEMM_EPI_USES_AUX(EPI))
-        vec = vec && ((reinterpret_cast<unsigned long long>(aux) & 15) == 0);
+    const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS>(C, aux, bias, ldc, sC);
     if (vec && m0 + BM <= M && n0 + BN <= N) {
         // interior block, aligned rows: 16-byte stores with no guard
 #pragma unroll

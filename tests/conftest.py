@@ -73,13 +73,16 @@ class FakeGemmRT:
     """A recording stand-in for the runtime, for driving launchers on a machine without a GPU:
     it records the kernels asked for and the launches, and lends a split-K workspace."""
 
-    def __init__(self, precision="fp32", ws=0, name="NVIDIA H200 (test)", sm_count=132):
+    def __init__(self, precision="fp32", ws=0, name="NVIDIA H200 (test)", sm_count=132, arch=None, bt=0):
         from gptcuda.runtime import DeviceView
         self.precision = precision
+        self.arch = arch             # None: no arch-specific kernels (wgmma) are candidates
         self.info = SimpleNamespace(sm_count=sm_count, name=name)
         self.names = set()
         self.launches = []
         self._ws = {"gemm_splitk": DeviceView(1 << 20, (ws,), "f32", "ws")} if ws else {}
+        if bt:                       # the wgmma kernel's transposed-B scratch
+            self._ws["gemm_bT"] = DeviceView(1 << 40, (bt,), "f32", "bT")
 
     def function(self, file, name, defines=None):
         self.names.add((file, name, tuple(sorted((defines or {}).items()))))
@@ -87,6 +90,12 @@ class FakeGemmRT:
 
     def launch(self, fn, grid, block, args, smem=0, label=None):
         self.launches.append((fn.name, tuple(grid), tuple(block), smem))
+
+    def tensor_map(self, view, dims, strides_bytes, box):
+        from gptcuda.runtime import Blob
+        assert len(dims) == len(box) == len(strides_bytes) + 1 and all(int(b) <= 256 for b in box), (dims, box)
+        assert all(int(s) % 16 == 0 for s in strides_bytes) and view.ptr % 16 == 0, (strides_bytes, view)
+        return Blob(bytes(128))
 
     def workspace(self, name):
         try:

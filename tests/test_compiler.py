@@ -102,3 +102,20 @@ def test_forbid_compiles(tmp_path, monkeypatch):
         assert compiler.compile_kernel("probe.cu", ["k<2>"]).from_cache     # a hit is fine
         with pytest.raises(compiler.CompileForbidden):
             compiler.compile_kernel("probe.cu", ["k<5>"])
+
+
+def test_wgmma_kernels_keep_their_pipeline():
+    """ptxas's report for every wgmma tile (each loader, the widest epilogue): the wgmma stay
+    asynchronous (no C7514 "wgmma ... serialized" note: accumulators pinned by wg_fence_acc), no
+    spills, and sm_90a is the target."""
+    from gptcuda.cuda_ops import gemm
+    names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]
+    arch = compiler.target_arch(gemm.WGMMA_FILE, "sm_90")
+    assert arch == "sm_90a"
+    options = compiler.options_for(arch, None) + ["--ptxas-options=-v"]
+    _, lowered, log = compiler._nvrtc_compile(gemm.WGMMA_FILE, compiler.expand_source(gemm.WGMMA_FILE),
+                                              names, options)
+    assert set(lowered) == set(names)
+    assert "C7514" not in log and "serialized" not in log, log
+    spills = [ln for ln in log.splitlines() if "spill" in ln]
+    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills), log

@@ -1,4 +1,5 @@
-"""GEMM launchers: fp32 SIMT (kernels/gemm_simt.cu) and TF32 tensor cores (kernels/gemm_tf32.cu).
+"""GEMM launchers: fp32 SIMT (kernels/gemm_simt.cu) and TF32 tensor cores (kernels/gemm_tf32.cu,
+mma.sync; kernels/gemm_wgmma.cu, Hopper's warpgroup MMA for the x @ W^T case).
 
     matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None)
         out[M, N] = op(a) @ op(b) (+ bias) (+ epilogue); a is [M, K] or stored [K, M] (trans_a),
@@ -9,7 +10,11 @@
     matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0)
         out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch.
 
-rt.precision picks the kernel family: "fp32" -> SIMT, "tf32" -> tensor cores. The block tile
+rt.precision picks the kernel family: "fp32" -> SIMT, "tf32" -> tensor cores (the "wgmma" family
+joins the candidates when the device is sm_90 and both operands are K-major: trans_a = False,
+trans_b = True, 16-byte aligned; or, for trans_b = False, after B is transposed into the
+workspace "gemm_bT" (one small launch: the backward's dX = dY @ W with W a weight; `wgmma_ok`;
+GPTCUDA_WGMMA=0 leaves it out). The block tile
 and the split-K factor of a shape come from the measured table of bench/tune.py when it has
 an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel
 sources (`tuned_plan`), else from a cost model (`plan`) fed with rt.info.sm_count. Split-K
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..backend import rows
-from ..runtime import f32, i32, u64
+from ..runtime import DeviceView, f32, i32, u64
 
 SIMT_FILE = "gemm_simt.cu"
 TF32_FILE = "gemm_tf32.cu"
@@ -70,6 +75,24 @@ TF32_EFFICIENCY = {TF32_TILES[0]: 1.0, TF32_TILES[1]: 0.9, TF32_TILES[2]: 0.75, 
                    TF32_TILES[4]: 1.0, TF32_TILES[5]: 0.95}
 SMEM_PER_SM = 228 * 1024       # H100/H200; GemmTf32MinBlocks in gemm_tf32.cu uses the same
 
+# Warpgroup-MMA tiles (kernels/gemm_wgmma.cu; sm_90a; A [M, K] and B [N, K] both K-major):
+# (BM, BN, STAGES, LOADER), BM / 64 warpgroups of 128 threads, each computing 64 x BN; LOADER 0:
+# every thread stages with cp.async (gemm_wgmma), 1: the bulk tensor copy engine (gemm_wgmma_tma).
+#   128x128 s3: 97 KB, 2 blocks/SM: one block's epilogue overlaps the other's main loop (short K).
+#   128x192 s4: N = 384 / 1152 / 1536 are 2 / 6 / 8 column tiles; 161 KB, 1 block/SM.
+#   128x256 s4, 256x128 s4: the large tiles (193 KB), fewest operand bytes per flop.
+#   128x64 s4: narrow outputs (the head's N = 65), 2 blocks/SM.
+WGMMA_FILE = "gemm_wgmma.cu"
+WGMMA_LOADERS = ("cp.async", "tma")
+WGMMA_TILES = ((128, 128, 3, 0), (128, 192, 4, 0), (128, 256, 4, 0), (256, 128, 4, 0), (128, 64, 4, 0),
+               (128, 128, 3, 1), (128, 192, 4, 1), (128, 256, 4, 1), (256, 128, 4, 1))
+# rate relative to the mma.sync 256x128 tile (wgmma's dense TF32 peak is ~1.6x mma.sync's); set from
+# bench/gemm.py --sweep on the H200: TMA beats cp.async by 5-20% at 192- and 256-wide tiles
+WGMMA_EFFICIENCY = dict(zip(WGMMA_TILES, (1.35, 1.5, 1.5, 1.5, 1.1, 1.4, 1.65, 1.75, 1.7)))
+WGMMA_ARCHS = ("sm_90",)       # compiled for sm_90a (compiler.ARCH_SPECIFIC)
+
+TRANSPOSE_NAME = "gemm_transpose"     # gemm_simt.cu: B [K, N] -> [N, K] for transpose_b plans
+
 # Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
 LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
                 "gemm_ladder_regtile<64,64,8,4,4>")
@@ -97,6 +120,12 @@ def tf32_name(tile, ta, tb, epi, has_bias, vec) -> str:
     return f"gemm_tf32<{bm},{bn},{bk},{wm},{wn},{st},{_b(ta)},{_b(tb)},{epi},{_b(has_bias)},{_b(vec)}>"
 
 
+def wgmma_name(tile, epi, has_bias) -> str:
+    bm, bn, st, loader = tile
+    kernel = "gemm_wgmma_tma" if loader else "gemm_wgmma"
+    return f"{kernel}<{bm},{bn},{st},{epi},{_b(has_bias)}>"
+
+
 def _variants():
     out = []
     for (bm, bn), ta, tb, (epi, hb), vec in itertools.product(
@@ -106,10 +135,13 @@ def _variants():
             TF32_TILES, (False, True), (False, True), EPI_COMBOS, (False, True)):
         if vec or tile in TF32_FALLBACK_TILES:
             out.append((TF32_FILE, tf32_name(tile, ta, tb, epi, hb, vec), {}))
+    for tile, (epi, hb) in itertools.product(WGMMA_TILES, EPI_COMBOS):
+        out.append((WGMMA_FILE, wgmma_name(tile, epi, hb), {}))
     for epi, hb in EPI_COMBOS:
         out.append((SIMT_FILE, reduce_name(epi, hb), {}))
     for name in LADDER_NAMES:
         out.append((SIMT_FILE, name, {}))
+    out.append((SIMT_FILE, TRANSPOSE_NAME, {}))
     out.append((TF32_FILE, "mma_probe", {}))
     out.append((TF32_FILE, "tf32_round_probe", {}))
     return out
@@ -123,13 +155,14 @@ VARIANTS = _variants()
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Plan:
-    family: str          # "simt" | "tf32"
-    tile: tuple          # (BM, BN) for simt, TF32_TILES entry for tf32
+    family: str          # "simt" | "tf32" | "wgmma"
+    tile: tuple          # (BM, BN) for simt, a TF32_TILES / WGMMA_TILES entry
     threads: int
     blocks_per_sm: int
     splits: int
     k_chunk: int
     smem: int = 0
+    transpose_b: bool = False   # wgmma on B [K, N]: B is first transposed into "gemm_bT" [N, K]
 
     @property
     def bm(self):
@@ -148,7 +181,8 @@ def _cdiv(a, b):
 _FLOPS_PER_SM = 128 * 2 * 1.75e9      # fp32 FMA lanes x 2 x clock
 _TF32_FLOPS_PER_SM = 1024 * 2 * 1.75e9 / 2
 _BYTES_PER_S = 3.5e12
-_L2_BYTES_PER_S = 6e12                # L2 -> SM operand streaming, all SMs together (rough)
+_L2_BYTES_PER_S = 9e12                # L2 -> SM operand streaming, all SMs together: the wgmma TMA kernel
+                                      # streamed 3.2 GB of operand panels in 0.365 ms at 4096^3 (8.8 TB/s)
 _LAUNCH_S = 3e-6
 _FILL_S = 1.5e-6                      # a block's pipeline fill: latency of its first operand tiles
 _HIDDEN = 0.25                        # share of fill + epilogue not hidden when another block is resident
@@ -157,6 +191,9 @@ _HIDDEN = 0.25                        # share of fill + epilogue not hidden when
 def _candidates(family, vec=True, tiles=None):
     """(tile, threads, blocks/SM, efficiency, smem) of the family's tiles (`tiles`: restrict to
     these; default: the cost model's own set)."""
+    if family == "wgmma":
+        return [(t, t[0] // 64 * 128, wgmma_blocks_per_sm(t), WGMMA_EFFICIENCY[t], wgmma_smem(t))
+                for t in WGMMA_TILES if vec and (tiles is None or t in tiles)]
     if family == "tf32" and TF32_TILES:
         pool = TF32_TILES if vec else TF32_FALLBACK_TILES
         if tiles is None:
@@ -176,6 +213,38 @@ def tf32_smem(tile) -> int:
 def tf32_blocks_per_sm(tile) -> int:
     """Mirrors GemmTf32MinBlocks: as many as shared memory allows, 1..3."""
     return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
+
+
+def wgmma_smem(tile) -> int:
+    """Dynamic shared memory of a wgmma tile: stages x (BM + BN) rows of 128 bytes, plus 1 KB the
+    kernel may skip to align its tiles to 1024 bytes (the swizzle's period)."""
+    bm, bn, stages, _ = tile
+    return stages * (bm + bn) * 128 + 1024
+
+
+def wgmma_blocks_per_sm(tile) -> int:
+    return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile) + 1024)))
+
+
+def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1):
+    """How the warpgroup-MMA kernel can run this product here: "direct" (TF32 on an sm_90 device, A
+    and B K-major: trans_a = False, trans_b = True, 16-byte aligned operands), "transpose" (trans_b
+    = False, one product, K % 4 == 0 and the workspace "gemm_bT" holds B^T [N, K]), else False.
+    GPTCUDA_WGMMA=0: never."""
+    if not (getattr(rt, "precision", "fp32") == "tf32" and getattr(rt, "arch", None) in WGMMA_ARCHS
+            and not trans_a and vec and os.environ.get("GPTCUDA_WGMMA", "1") != "0"):
+        return False
+    if trans_b:
+        return "direct"
+    return "transpose" if batch == 1 and K % 4 == 0 and 0 < K * N <= _bt_capacity(rt)[1] else False
+
+
+def _bt_capacity(rt):
+    try:
+        ws = rt.workspace("gemm_bT")
+    except (KeyError, AttributeError):
+        return None, 0
+    return ws, ws.numel
 
 
 def _util(warps):
@@ -203,21 +272,24 @@ def split_chunk(K, splits):
     return chunk if _cdiv(K, chunk) == splits else None
 
 
-def make_plan(family, tile, splits, K) -> Plan | None:
-    """The Plan of a family / tile / split count for reduction length K (None: no such plan)."""
-    if family not in ("simt", "tf32") or not 1 <= splits <= MAX_SPLITS or K < 1:
+def make_plan(family, tile, splits, K, transpose_b=False) -> Plan | None:
+    """The Plan of a family / tile / split count for reduction length K (None: no such plan);
+    transpose_b: a wgmma plan that first transposes B."""
+    if family not in ("simt", "tf32", "wgmma") or not 1 <= splits <= MAX_SPLITS or K < 1:
+        return None
+    if transpose_b and family != "wgmma":
         return None
     chunk = split_chunk(K, splits)
     if chunk is None:
         return None
     for t, threads, bps, _eff, smem in _candidates(family, True, tiles=[tile]) or \
             _candidates(family, False, tiles=[tile]):
-        return Plan(family, t, threads, bps, splits, chunk, smem)
+        return Plan(family, t, threads, bps, splits, chunk, smem, transpose_b)
     return None
 
 
 def _efficiency(p: Plan) -> float:
-    return TF32_EFFICIENCY[p.tile] if p.family == "tf32" else SIMT_EFFICIENCY[p.tile]
+    return {"tf32": TF32_EFFICIENCY, "wgmma": WGMMA_EFFICIENCY}.get(p.family, SIMT_EFFICIENCY)[p.tile]
 
 
 def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
@@ -225,7 +297,7 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
     per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's
     main loop when blocks_per_sm >= 2), at least the DRAM traffic and the operand panels every
     block streams from L2; split-K adds its partials and the reduction."""
-    rate = _TF32_FLOPS_PER_SM if p.family == "tf32" else _FLOPS_PER_SM
+    rate = _FLOPS_PER_SM if p.family == "simt" else _TF32_FLOPS_PER_SM
     blocks = _cdiv(M, p.bm) * _cdiv(N, p.bn) * batch * p.splits
     t = _model_time(blocks, 2.0 * p.bm * p.bn * max(p.k_chunk, 1), p.threads, p.blocks_per_sm,
                     _efficiency(p), rate, sm_count)
@@ -237,20 +309,24 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
             4.0 * blocks * (p.bm + p.bn) * max(p.k_chunk, 1) / _L2_BYTES_PER_S)
     if p.splits > 1:
         t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
+    if p.transpose_b:
+        t += _LAUNCH_S / 3 + 8.0 * batch * K * N / _BYTES_PER_S
     return t
 
 
 def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=True,
-         vec=True, tiles=None, splits=None, epi=EPI_NONE) -> Plan:
+         vec=True, tiles=None, splits=None, epi=EPI_NONE, wgmma=False) -> Plan:
     """The tile and split count with the lowest modelled time (`estimate_s`). max_ws: floats
     available for split-K partials (0 disables split-K); vec: whether 16-byte loads are possible
     (TF32 has its guarded fallback for fewer tiles); tiles / splits: restrict the candidates to
     these tiles / this split count (benchmarks, sweeps, tuning); epi: the epilogue code (its
-    [M, N] traffic weighs on the choice)."""
+    [M, N] traffic weighs on the choice); wgmma: `wgmma_ok`'s answer, the warpgroup-MMA tiles
+    compete too ("transpose": their plans transpose B first)."""
     use_tf32 = family == "tf32" and bool(TF32_TILES)
-    fam = "tf32" if use_tf32 else "simt"
+    fams = ["tf32", "wgmma"] if use_tf32 and wgmma else ["tf32" if use_tf32 else "simt"]
+    tb = wgmma == "transpose"
     best = None
-    for tile, threads, bps, _eff, smem in _candidates(fam, vec, tiles):
+    for fam, (tile, threads, bps, _eff, smem) in ((f, c) for f in fams for c in _candidates(f, vec, tiles)):
         blocks = _cdiv(M, tile[0]) * _cdiv(N, tile[1]) * batch
         split_opts = [1]
         if splits is not None:
@@ -262,7 +338,7 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
             chunk = split_chunk(K, s)
             if chunk is None or (s > 1 and (s * M * N > max_ws or s > MAX_GRID_Z)):
                 continue
-            p = Plan(fam, tile, threads, bps, s, chunk, smem)
+            p = Plan(fam, tile, threads, bps, s, chunk, smem, tb and fam == "wgmma")
             key = (estimate_s(p, M, N, K, batch, epi, sm_count), s, -tile[0] * tile[1])
             if best is None or key < best[0]:
                 best = (key, p)
@@ -276,17 +352,20 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
 TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
-def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0) -> list:
+def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0, wgmma=False) -> list:
     """Every plan bench/tune.py may time for a shape: each tile of the family that can run it
-    (unaligned operands: the fallback tiles only) x each split count that fits the workspace."""
+    (unaligned operands: the fallback tiles only; wgmma: the warpgroup-MMA tiles too) x each split
+    count that fits the workspace."""
     fam = "tf32" if family == "tf32" and TF32_TILES else "simt"
     tiles = (TF32_TILES if vec else TF32_FALLBACK_TILES) if fam == "tf32" else SIMT_TILES
+    pool = [(fam, t) for t in tiles] + ([("wgmma", t) for t in WGMMA_TILES] if fam == "tf32" and wgmma and vec else [])
     out = []
-    for tile in tiles:
+    for fam, tile in pool:
+        tb = fam == "wgmma" and wgmma == "transpose"
         for s in TUNE_SPLITS:
             if s > 1 and (batch != 1 or s * M * N > max_ws or K < 2 * SPLIT_ALIGN):
                 continue
-            p = make_plan(fam, tile, s, K)
+            p = make_plan(fam, tile, s, K, tb)
             if p is not None and p not in out:
                 out.append(p)
     return out
@@ -329,9 +408,11 @@ def workspace(cfg) -> dict:
                 p = plan(M, N, K, 1, 132, fam, max_ws=MAX_SPLITS * M * N)
                 if p.splits > 1:
                     need = max(need, p.splits * M * N)
-    if need == 0:
-        return {}
-    return {"gemm_splitk": ((need,), "f32")}
+    out = {"gemm_splitk": ((need,), "f32")} if need else {}
+    if getattr(cfg, "precision", "fp32") == "tf32":
+        # B^T of the backward's dX = dY @ W (W [out, in]: [C, 4C] the largest), for the wgmma kernel
+        out["gemm_bT"] = ((max(m * n for m, n in _weight_grad_shapes(cfg)),), "f32")
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -349,7 +430,7 @@ def source_hash() -> str:
     if _source_hash is None:
         from .. import compiler
         h = hashlib.sha256()
-        for f in (SIMT_FILE, TF32_FILE):
+        for f in (SIMT_FILE, TF32_FILE, WGMMA_FILE):
             h.update(f.encode() + b"\0" + compiler.expand_source(f).encode() + b"\0")
         _source_hash = h.hexdigest()
     return _source_hash
@@ -369,14 +450,17 @@ def table_path(gpu_name: str, src_hash: str | None = None) -> Path:
 
 
 def plan_to_json(p: Plan) -> dict:
-    return {"family": p.family, "tile": list(p.tile), "splits": p.splits, "k_chunk": p.k_chunk}
+    d = {"family": p.family, "tile": list(p.tile), "splits": p.splits, "k_chunk": p.k_chunk}
+    if p.transpose_b:
+        d["transpose_b"] = True
+    return d
 
 
 def plan_from_json(d: dict, K: int) -> Plan | None:
     """The Plan an entry names, rebuilt for reduction length K (None if it is not a valid plan)."""
     try:
         tile = tuple(int(x) for x in d["tile"])
-        p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K))
+        p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K), bool(d.get("transpose_b", False)))
     except (KeyError, TypeError, ValueError):
         return None
     if p is None or p.k_chunk != int(d.get("k_chunk", p.k_chunk)):
@@ -442,16 +526,18 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
     return path
 
 
-def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int) -> Plan | None:
+def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma: bool = False) -> Plan | None:
     """The table's plan for `key` if there is one this launch can use (its alignment allows the
-    tile, the workspace holds its split), else None."""
+    tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch), else None."""
     if os.environ.get("GPTCUDA_GEMM_TUNE", "1") == "0":
         return None
     name = getattr(getattr(rt, "info", None), "name", None)
     if not isinstance(name, str):
         return None
     p = load_table(name).get(key)
-    if p is None or p.family != _family(rt):
+    if p is None or p.family != _family(rt) and not (p.family == "wgmma" and wgmma):
+        return None
+    if p.transpose_b != (p.family == "wgmma" and wgmma == "transpose"):
         return None
     if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
         return None
@@ -492,14 +578,19 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
     vec = _vec_ok(a, b, lda, ldb, sA, sB) and (p.splits == 1 or p.k_chunk % 4 == 0)
     if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
         raise AssertionError(f"{label}: TF32 tile {p.tile} has no unaligned variant")
+    if p.family == "wgmma" and (ta or not tb or not vec):
+        raise AssertionError(f"{label}: the wgmma kernel needs K-major, 16-byte aligned A and B")
+    operands = [a, b]
+    if p.family == "wgmma" and p.tile[3]:       # TMA: tensor maps {K, rows, batch} in place of pointers
+        operands = [rt.tensor_map(x, (K, rows, batch), (4 * ld, 4 * max(stride, rows * ld)), (32, box, 1))
+                    for x, rows, ld, stride, box in ((a, M, lda, sA, p.bm), (b, N, ldb, sB, p.bn))]
     if p.splits > 1:
         # partials: plain store into ws [splits, M, N], then the fixed-order reduction + epilogue
         name = _kernel_name(p, ta, tb, EPI_NONE, False, vec)
         fn = rt.function(_file(p), name)
         grid = (_cdiv(N, p.bn), _cdiv(M, p.bm), p.splits)
-        rt.launch(fn, grid, (p.threads,), [ws, None, a, b, None, i32(M), i32(N), i32(K),
-                                           i32(lda), i32(ldb), i32(N), u64(0), u64(0), u64(M * N),
-                                           f32(1.0), i32(p.splits), i32(p.k_chunk)],
+        rt.launch(fn, grid, (p.threads,), _gemm_args(p, ws, None, operands, None, M, N, K, lda, ldb, N,
+                                                      0, 0, M * N, 1.0, p.splits, p.k_chunk),
                   smem=p.smem, label=f"{label}:splitk{p.splits}")
         rfn = rt.function(SIMT_FILE, reduce_name(epi, has_bias))
         total = M * N
@@ -511,17 +602,27 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
     name = _kernel_name(p, ta, tb, epi, has_bias, vec)
     fn = rt.function(_file(p), name)
     grid = (_cdiv(N, p.bn), _cdiv(M, p.bm), batch)
-    rt.launch(fn, grid, (p.threads,), [out, aux, a, b, bias, i32(M), i32(N), i32(K),
-                                       i32(lda), i32(ldb), i32(ldc), u64(sA), u64(sB), u64(sC),
-                                       f32(alpha), i32(1), i32(max(K, 1))],
+    rt.launch(fn, grid, (p.threads,), _gemm_args(p, out, aux, operands, bias, M, N, K, lda, ldb, ldc,
+                                                  sA, sB, sC, alpha, 1, max(K, 1)),
               smem=p.smem, label=label)
 
 
+def _gemm_args(p: Plan, C, aux, operands, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, k_chunk):
+    """The argument block of a GEMM kernel (the TMA kernel takes tensor maps and no A/B strides)."""
+    if p.family == "wgmma" and p.tile[3]:
+        return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(ldc), u64(sC), f32(alpha),
+                i32(splits), i32(k_chunk)]
+    return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(lda), i32(ldb), i32(ldc),
+            u64(sA), u64(sB), u64(sC), f32(alpha), i32(splits), i32(k_chunk)]
+
+
 def _file(p: Plan):
-    return TF32_FILE if p.family == "tf32" else SIMT_FILE
+    return {"tf32": TF32_FILE, "wgmma": WGMMA_FILE}.get(p.family, SIMT_FILE)
 
 
 def _kernel_name(p: Plan, ta, tb, epi, has_bias, vec):
+    if p.family == "wgmma":
+        return wgmma_name(p.tile, epi, has_bias)
     if p.family == "tf32":
         return tf32_name(p.tile, ta, tb, epi, has_bias, vec)
     return simt_name(p.bm, p.bn, ta, tb, epi, has_bias, vec)
@@ -536,9 +637,14 @@ def _family(rt):
     raise ValueError(f"matmul: unknown precision {prec!r} (fp32 | tf32)")
 
 
-def _check_plan(label, p: Plan, family, vec, batch, cap, M, N, K):
-    """A plan given by the caller must be runnable here."""
-    if p.family != family:
+def _check_plan(label, p: Plan, family, vec, batch, cap, M, N, K, wgmma=False):
+    """A plan given by the caller must be runnable here (wgmma: `wgmma_ok` for this launch)."""
+    if p.family == "wgmma" and not wgmma:
+        raise ValueError(f"{label}: a wgmma plan needs TF32 on sm_90 with K-major, aligned A and B")
+    if p.family == "wgmma" and p.transpose_b != (wgmma == "transpose"):
+        raise ValueError(f"{label}: a wgmma plan {'with' if p.transpose_b else 'without'} transpose_b "
+                         f"does not fit trans_b here")
+    if p.family != family and p.family != "wgmma":
         raise ValueError(f"{label}: plan family {p.family} but rt.precision wants {family}")
     if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
         raise ValueError(f"{label}: TF32 tile {p.tile} needs 16-byte aligned operands")
@@ -563,14 +669,20 @@ def kernel_label(p: Plan, trans_a, trans_b, vec=True) -> str:
     tile = "x".join(str(x) for x in p.tile[:2])
     if p.family == "tf32":
         tile += f"x{p.tile[2]} w{p.tile[3]}x{p.tile[4]} s{p.tile[5]}"
+    elif p.family == "wgmma":
+        tile += f"x32 s{p.tile[2]} {WGMMA_LOADERS[p.tile[3]]}" + (" B^T first" if p.transpose_b else "")
     t = ("T" if trans_a else "N") + ("T" if trans_b else "N")
     return f"{p.family} {tile} {t}{'' if vec else ' unaligned'}" + (f" splitK={p.splits}" if p.splits > 1 else "")
 
 
 def plan_label(p: Plan) -> str:
     """Compact plan name for tables: tf32 256x128s3, simt 128x128, + /splitK."""
-    tile = f"{p.tile[0]}x{p.tile[1]}" + (f"s{p.tile[5]}" if p.family == "tf32" else "")
-    return f"{p.family} {tile}" + (f" split{p.splits}" if p.splits > 1 else "")
+    tile = f"{p.tile[0]}x{p.tile[1]}"
+    if p.family == "tf32":
+        tile += f"s{p.tile[5]}"
+    elif p.family == "wgmma":
+        tile += f"s{p.tile[2]}" + ("tma" if p.tile[3] else "")
+    return f"{p.family} {tile}" + (" +bT" if p.transpose_b else "") + (f" split{p.splits}" if p.splits > 1 else "")
 
 
 def matmul_dims(out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
@@ -630,20 +742,34 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     family = _family(rt)
     ws, cap = _ws_capacity(rt)
     vec = _vec_ok(a, b, lda, ldb, 0, 0)
+    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N)
     label = f"matmul[{M}x{N}x{K}]"
     p = plan
     if p is not None:
-        _check_plan(label, p, family, vec, 1, cap, M, N, K)
+        _check_plan(label, p, family, vec, 1, cap, M, N, K, wg)
     else:
         key = tune_key(rt.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1)
-        p = tuned_plan(rt, key, vec, cap, M, N)
+        p = tuned_plan(rt, key, vec, cap, M, N, wg)
     if p is None:
-        p = _plan_fn(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi)
+        p = _plan_fn(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg)
+    if p.transpose_b:
+        b, trans_b, ldb = _transpose_b(rt, b, K, N, label), True, K
     _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
                  trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label)
 
 
 _plan_fn = plan      # `matmul(..., plan=)` shadows the function's name inside matmul
+
+
+def _transpose_b(rt, b, K, N, label):
+    """B [K, N] -> the workspace "gemm_bT" as [N, K] (the operand of a transpose_b plan)."""
+    ws, cap = _bt_capacity(rt)
+    if ws is None or cap < K * N:
+        raise ValueError(f"{label}: a transpose_b plan needs the workspace gemm_bT of {K * N} floats")
+    bt = DeviceView(ws.ptr, (N, K), "f32", "gemm_bT")
+    rt.launch(rt.function(SIMT_FILE, TRANSPOSE_NAME), (_cdiv(N, 32), _cdiv(K, 32)), (256,),
+              [bt, b, i32(K), i32(N)], label=f"{label}:B^T")
+    return bt
 
 
 def matmul_batched_dims(out, a, b, trans_a=False, trans_b=False):
@@ -681,18 +807,19 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
     batch, M, N, K, lda, ldb = matmul_batched_dims(out, a, b, trans_a, trans_b)
     family = _family(rt)
     vec = _vec_ok(a, b, lda, ldb, M * K, K * N)
+    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, batch)
     label = f"matmul_batched[{batch}x{M}x{N}x{K}]"
     p = plan
     if p is not None:
-        _check_plan(label, p, family, vec, batch, 0, M, N, K)
+        _check_plan(label, p, family, vec, batch, 0, M, N, K, wg)
     else:
-        p = tuned_plan(rt, tune_key(rt.precision, trans_a, trans_b, "none", False, M, N, K, batch), vec, 0, M, N)
+        p = tuned_plan(rt, tune_key(rt.precision, trans_a, trans_b, "none", False, M, N, K, batch), vec, 0, M, N, wg)
     if p is None:
-        p = _plan_fn(M, N, K, batch, rt.info.sm_count, family, max_ws=0, allow_split=False, vec=vec)
+        p = _plan_fn(M, N, K, batch, rt.info.sm_count, family, max_ws=0, allow_split=False, vec=vec, wgmma=wg)
     _launch_gemm(rt, p, out, None, a, b, None, M, N, K, lda, ldb, N, M * K, K * N, M * N,
                  float(alpha), trans_a, trans_b, EPI_NONE, False, batch, label=label)
 
 
 __all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kernel_label",
            "VARIANTS", "Plan", "tune_key", "tuned_plan", "load_table", "save_table", "table_path",
-           "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan"]
+           "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan", "wgmma_ok"]

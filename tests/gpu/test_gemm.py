@@ -232,6 +232,99 @@ def test_every_tile_forced(rt, splitk_ws, tile, ta, tb):
         rt.precision = old
 
 
+def _wgmma_rt(rt):
+    if rt.arch not in gemm.WGMMA_ARCHS:
+        pytest.skip(f"the wgmma kernel needs {gemm.WGMMA_ARCHS}, this device is {rt.arch}")
+
+
+@gpu
+@pytest.mark.parametrize("tile", gemm.WGMMA_TILES, ids=lambda t: "x".join(map(str, t)))
+def test_wgmma_tile_forced(rt, splitk_ws, tile):
+    """Every warpgroup-MMA tile (x @ W^T only), forced: interior blocks, ragged edges in m, n and k,
+    every epilogue, split-K partials, and a batched product."""
+    _wgmma_rt(rt)
+    old = rt.precision
+    rt.precision = "tf32"
+    try:
+        for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
+                                       (tile[0] - 3, tile[1] + 8, 36)]):
+            p = gemm.make_plan("wgmma", tile, 1, K)
+            for epi in ("none", "bias", "gelu", "residual_alias", "residual_bias", "dgelu"):
+                _check_matmul(rt, M, N, K, False, True, epi, seed=i * 10 + len(epi), plan=p)
+        M, N, K = tile[0] + 4, tile[1] + 8, 740
+        _check_matmul(rt, M, N, K, False, True, "gelu", seed=7, plan=gemm.make_plan("wgmma", tile, 3, K))
+        rng = np.random.default_rng(9)
+        a = rng.standard_normal((3, 100, 64)).astype(np.float32)
+        b = rng.standard_normal((3, tile[1] - 8, 64)).astype(np.float32)
+        out = rt.empty((3, 100, tile[1] - 8))
+        gemm.matmul_batched(rt, out, rt.upload(a), rt.upload(b), False, True, alpha=0.5,
+                            plan=gemm.make_plan("wgmma", tile, 1, 64))
+        _close("tf32", rt.download(out), lambda x, y: 0.5 * ref.matmul_forward(x, y, False, True), a, b,
+               f"batched wgmma {tile}")
+    finally:
+        rt.precision = old
+
+
+@pytest.fixture
+def bt_ws(rt):
+    """The wgmma kernel's transposed-B scratch, as memory.py plans it for TF32 (restored afterwards)."""
+    old = dict(rt._workspace)
+    ws = rt.empty((1 << 20,), name="gemm_bT")
+    rt.set_workspace({**old, "gemm_bT": ws})
+    yield ws
+    rt.set_workspace(old)
+
+
+@gpu
+@pytest.mark.parametrize("tile", [t for t in gemm.WGMMA_TILES if t[:2] in ((128, 128), (128, 256))],
+                         ids=lambda t: "x".join(map(str, t)))
+def test_wgmma_transposed_b(rt, splitk_ws, bt_ws, tile):
+    """A @ B with B [K, N] (the backward's dX = dY @ W): B^T into the scratch, then the wgmma kernel;
+    ragged shapes, the epilogues the backward uses, split-K."""
+    _wgmma_rt(rt)
+    old = rt.precision
+    rt.precision = "tf32"
+    try:
+        for i, (M, N, K) in enumerate([(2 * tile[0], tile[1], 96), (tile[0] + 36, tile[1] + 44, 132)]):
+            p = gemm.make_plan("wgmma", tile, 1, K, transpose_b=True)
+            for epi in ("none", "bias", "dgelu", "residual_alias"):
+                _check_matmul(rt, M, N, K, False, False, epi, seed=i * 10 + len(epi), plan=p)
+        _check_matmul(rt, 300, 200, 740, False, False, "none", seed=5,
+                      plan=gemm.make_plan("wgmma", tile, 3, 740, transpose_b=True))
+    finally:
+        rt.precision = old
+
+
+@gpu
+def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
+    """On sm_90 the cost model sends the model's x @ W^T products to the wgmma kernel and its
+    dY @ W products there through B^T (when the scratch is planned), never the other transposes;
+    a wgmma plan is refused where the kernel cannot run."""
+    _wgmma_rt(rt)
+    old = rt.precision
+    rt.precision = "tf32"
+    try:
+        prog = rt.begin("probe")
+        try:
+            x, w, out = rt.empty((16384, 384)), rt.empty((1152, 384)), rt.empty((16384, 1152))
+            gemm.matmul(rt, out, x, w, False, True, bias=rt.empty((1152,)))
+            gemm.matmul(rt, rt.empty((16384, 384)), out, w, False, False)
+            gemm.matmul(rt, rt.empty((1152, 384)), out, x, True, False)
+        finally:
+            rt.end()
+        names = [it.fn.name for it in prog.items]
+        assert names[0].startswith("gemm_wgmma"), names           # gemm_wgmma / gemm_wgmma_tma
+        assert names[1] == gemm.TRANSPOSE_NAME and names[2].startswith("gemm_wgmma"), names
+        assert all(n.startswith(("gemm_tf32<", "gemm_splitk")) for n in names[3:]), names
+        p = gemm.make_plan("wgmma", gemm.WGMMA_TILES[0], 1, 64)
+        with pytest.raises(ValueError, match="wgmma"):
+            gemm.matmul(rt, rt.empty((64, 64)), rt.empty((64, 64)), rt.empty((64, 64)), False, False, plan=p)
+        with pytest.raises(ValueError, match="wgmma"):
+            gemm.matmul(rt, rt.empty((64, 64)), rt.empty((64, 64)), rt.empty((64, 64)), True, True, plan=p)
+    finally:
+        rt.precision = old
+
+
 @gpu
 def test_tuned_table_is_used(rt, splitk_ws, tmp_path, monkeypatch):
     """A table entry (as bench/tune.py writes it) changes the kernel matmul launches; results agree."""
@@ -391,8 +484,8 @@ _FakeRT, _v = FakeGemmRT, fake_view
 
 def test_launcher_names_are_in_variants():
     variants = {(f, n, tuple(sorted(d.items()))) for f, n, d in gemm.VARIANTS}
-    for prec in ("fp32", "tf32"):
-        rt = _FakeRT(prec, ws=1 << 24)
+    for prec, arch in (("fp32", None), ("tf32", None), ("tf32", "sm_90")):
+        rt = _FakeRT(prec, ws=1 << 24, arch=arch, bt=1 << 25 if arch else 0)
         shapes = [(67, 65, 33), (16384, 1152, 384), (16384, 65, 384), (1152, 384, 16384),
                   (65, 384, 16384), (4096, 4096, 4096), (64, 64, 64), (8, 8, 8)]
         for (M, N, K) in shapes:
@@ -408,14 +501,19 @@ def test_launcher_names_are_in_variants():
                 gemm.matmul_batched(rt, _v((3, M, N)), _v((3,) + a.shape), _v((3,) + b.shape), ta, tb)
         # every plan the tuner may force
         for (M, N, K) in [(16384, 384, 1536), (384, 1152, 16384)]:
-            for p in gemm.tune_candidates(M, N, K, 1, "tf32" if prec == "tf32" else "simt", True, 1 << 24):
-                for ta, tb in TRANS:
-                    a = _v((K, M) if ta else (M, K))
-                    b = _v((N, K) if tb else (K, N))
-                    gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)), plan=p)
-                    gemm.matmul(rt, _v((M, N)), a, b, ta, tb, epilogue="dgelu", aux=_v((M, N), 1 << 33), plan=p)
+            for mode in (("direct", "transpose") if arch else (False,)):
+                for p in gemm.tune_candidates(M, N, K, 1, "tf32" if prec == "tf32" else "simt", True, 1 << 24,
+                                              wgmma=mode):
+                    for ta, tb in (TRANS if p.family != "wgmma" else [(False, mode == "direct")]):
+                        a = _v((K, M) if ta else (M, K))
+                        b = _v((N, K) if tb else (K, N))
+                        gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)), plan=p)
+                        gemm.matmul(rt, _v((M, N)), a, b, ta, tb, epilogue="dgelu", aux=_v((M, N), 1 << 33),
+                                    plan=p)
         missing = rt.names - variants
         assert not missing, f"launched but not in VARIANTS: {sorted(missing)[:5]}"
+        assert (arch is not None) == any(n[0] == gemm.WGMMA_FILE for n in rt.names), (prec, arch)
+        assert (arch is not None) == any(n[1] == gemm.TRANSPOSE_NAME for n in rt.names), (prec, arch)
         # every launch has a legal geometry
         for name, grid, block, smem in rt.launches:
             grid = tuple(grid) + (1,) * (3 - len(grid))

@@ -1,0 +1,450 @@
+// TF32 GEMM on Hopper's warpgroup MMA (wgmma, sm_90a): C = alpha * A B^T (+ bias) (+ epilogue).
+// A [batch, M, K] and B [batch, N, K] are both K-major (row-major with k contiguous): wgmma reads
+// 32-bit operands from shared memory only in that orientation, so this kernel serves the
+// x @ W^T products (trans_a = false, trans_b = true); the other cases stay on gemm_tf32.cu.
+// Arguments, epilogues, batching and split-K are those of gemm_tf32 / gemm_simt (gemm_simt.cu is
+// included for the epilogue helpers), so the launcher treats it as one more tile family.
+//
+// Block: BM / 64 warpgroups of 128 threads; warpgroup w computes rows 64 w .. 64 w + 63 of the
+// BM x BN tile with wgmma.mma_async m64nBNk8 (one instruction per 8-wide k step, BN / 2 fp32
+// accumulators per thread). The tensor core reads the operands' top 19 bits (tf32, truncated):
+// nothing converts them on the way from global memory to the instruction.
+//
+// Shared layout: per stage, the A tile [BM][32] then the B tile [BN][32] (k contiguous, 128 bytes
+// a row), in the 128-byte swizzle the instruction's descriptor names: the 16-byte chunk c of
+// row r sits at r * 128 + ((c ^ (r % 8)) * 16), with every tile 1024-byte aligned (the swizzle
+// acts on address bits 4-6 xor 7-9). The descriptor of k step s starts 32 s bytes into row 0;
+// 8-row groups are 1024 bytes apart (stride byte offset). cp.async stages 16-byte chunks: a
+// quarter warp writes the 8 chunks of one row (8 distinct bank groups: conflict-free).
+//
+// Pipeline: a STAGES-deep ring; at most one wgmma group in flight per warpgroup. Iteration kt:
+// wait for tile kt's copies, fence them into the async proxy, barrier; refill the slot of tile
+// kt - 2 (every warpgroup's wgmma on it finished before the barrier: each waited for all but its
+// newest group) with tile kt + STAGES - 2; issue the 4 wgmma of tile kt; commit; wait for the
+// group of tile kt - 1. Epilogue: a lane-pair shuffle turns the accumulator pairs into 4
+// consecutive columns per thread, stored with the shared epilogue helpers.
+#include "gemm_simt.cu"
+
+#define GEMM_WG_BK 32
+
+__device__ __forceinline__ unsigned wg_smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle (PTX ISA, "Matrix
+// Descriptor Format"): start address / 16 in bits 0-13, leading byte offset / 16 in bits 16-29
+// (not used by swizzled K-major layouts: 1), stride byte offset / 16 in bits 32-45 (1024: the
+// next 8 rows), base offset 0 (tiles are 1024-byte aligned), swizzle mode 1 (128 B) in bits 62-63.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
+    return static_cast<unsigned long long>((addr & 0x3FFFFu) >> 4) | (1ull << 16) |
+           (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// Pins the accumulators across the asynchronous section: without it the compiler may copy them
+// between the wgmma of a group (ptxas then serializes every wgmma: warning C7514).
+template <int N>
+__device__ __forceinline__ void wg_fence_acc(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// this thread's completed cp.async writes, made visible to the async proxy wgmma reads through
+__device__ __forceinline__ void wg_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wg_cp16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void wg_cp16_full(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void wg_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// d[BN/2] += A (64 x 8, descriptor da) * B^T (8 x BN, descriptor db): one wgmma of the warpgroup.
+// Accumulator ownership (thread t of the warpgroup, warp w = t / 32, lane = 4 g + q): d[4 j + e]
+// is row 16 w + g + 8 (e / 2), column 8 j + 2 q + e % 2 (the mma.sync C layout per n8 block).
+// The register lists are written out: an asm operand list cannot be an array.
+template <int BN>
+__device__ __forceinline__ void wg_mma_tf32(float (&d)[BN / 2], unsigned long long da, unsigned long long db);
+
+template <>
+__device__ __forceinline__ void wg_mma_tf32<64>(float (&d)[32], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wg_mma_tf32<128>(float (&d)[64], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wg_mma_tf32<192>(float (&d)[96], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wg_mma_tf32<256>(float (&d)[128], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+// Block coordinates shared by both kernels: batching and split-K share gridDim.z (z = batch *
+// splits + split); the block's tile starts at (m0, n0) and its k range at kb0, klen long (nk tiles).
+template <int BM, int BN>
+struct WgBlock {
+    int split, batch, m0, n0, kb0, klen, nk;
+    __device__ __forceinline__ WgBlock(int K, int splits, int k_chunk) {
+        split = blockIdx.z % splits;
+        batch = blockIdx.z / splits;
+        m0 = blockIdx.y * BM;
+        n0 = blockIdx.x * BN;
+        kb0 = split * k_chunk;
+        klen = min(K, kb0 + k_chunk) - kb0;
+        nk = klen > 0 ? (klen + GEMM_WG_BK - 1) / GEMM_WG_BK : 0;
+    }
+};
+
+// Epilogue of both kernels: the warpgroup's accumulators (layout of wg_mma_tf32) through the shared
+// epilogue helpers. Lanes q and q ^ 1 swap halves so that each thread holds 4 consecutive columns:
+// even q keeps row g, columns 2q .. 2q + 3 of each n8 block; odd q gets row g + 8, 2 (q - 1) .. + 3.
+template <int BM, int BN, int EPI, bool HAS_BIAS>
+__device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], float* C, float* aux, const float* bias,
+                                              int M, int N, int ldc, long long sC, int m0, int n0, float alpha) {
+    const int tid = threadIdx.x;
+    const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, q = lane & 3;
+    const bool odd = q & 1;
+    const int r = m0 + wg * 64 + warp * 16 + g + (odd ? 8 : 0);
+    const int c0 = n0 + 2 * (q & 2);
+    const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS>(C, aux, bias, ldc, sC);
+    const bool interior = vec && m0 + BM <= M && n0 + BN <= N;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const float s0 = odd ? acc[4 * j] : acc[4 * j + 2];
+        const float s1 = odd ? acc[4 * j + 1] : acc[4 * j + 3];
+        const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+        const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+        float v[4];
+        v[0] = odd ? r0 : acc[4 * j];
+        v[1] = odd ? r1 : acc[4 * j + 1];
+        v[2] = odd ? acc[4 * j + 2] : r0;
+        v[3] = odd ? acc[4 * j + 3] : r1;
+        const int c = c0 + 8 * j;
+        if (interior)
+            gemm_store4_vec<EPI, HAS_BIAS>(C, aux, bias, (long long)r * ldc + c, c, alpha, v);
+        else
+            gemm_store4<EPI, HAS_BIAS>(C, aux, bias, r, c, M, N, ldc, alpha, vec, v);
+    }
+}
+
+// 16-byte staging of a K-major operand tile (R rows, 32 k) into the swizzled layout. Thread tid
+// copies chunk (tid % 8) of rows tid / 8 + i * STEP (STEP = THREADS / 8, a multiple of 8, so the
+// swizzle term r % 8 is the same for all of a thread's rows): one global address and one shared
+// offset per thread, a constant step per k tile. Interior tiles copy with no guard; edge tiles
+// zero-fill (cp.async src-size) what lies outside the matrix.
+template <int R, int THREADS>
+struct WgStager {
+    static constexpr int STEP = THREADS / 8;
+    static constexpr int CH = R / STEP;
+    static_assert(R % STEP == 0 && STEP % 8 == 0, "whole passes of the block, swizzle-invariant");
+
+    const float* src;
+    long long ld;
+    int row, kc;
+    unsigned soff;
+
+    __device__ __forceinline__ WgStager(const float* G, int ld_, int rc0, int tid) : ld(ld_) {
+        row = tid >> 3;
+        kc = (tid & 7) << 2;
+        src = G + (long long)(rc0 + row) * ld + kc;
+        soff = row * 128 + ((((tid & 7) ^ (row & 7))) << 4);
+    }
+
+    // Stage the k tile [k0, k0 + 32) into the tile at shared byte address base; `full`: every row
+    // and k of it lies in the matrix. G: a safe address for zero-filled chunks.
+    __device__ __forceinline__ void stage(unsigned base, bool full, const float* G, int rc0, int rcmax,
+                                          int k0, int klen) {
+        if (full) {
+#pragma unroll
+            for (int i = 0; i < CH; ++i) wg_cp16_full(base + soff + i * STEP * 128, src + i * STEP * ld);
+        } else {
+            const int nk = min(max(klen - (k0 + kc), 0), 4) * 4;
+#pragma unroll
+            for (int i = 0; i < CH; ++i) {
+                const int nb = rc0 + row + i * STEP < rcmax ? nk : 0;
+                wg_cp16(base + soff + i * STEP * 128, nb > 0 ? src + i * STEP * ld : G, nb);
+            }
+        }
+        src += GEMM_WG_BK;
+    }
+};
+
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
+__global__ void __launch_bounds__(BM / 64 * 128, 1)
+gemm_wgmma(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
+           float* aux,                      // aux: as in gemm_tf32 (GELU: pre out; RESID: in, may be C;
+                                            //   DGELU: pre-activation in, not C)
+           const float* __restrict__ A,     // A [batch, M, K], row stride lda, stride sA
+           const float* __restrict__ B,     // B [batch, N, K], row stride ldb, stride sB
+           const float* __restrict__ bias,  // bias [N] or null
+           int M, int N, int K, int lda, int ldb, int ldc,
+           long long sA, long long sB, long long sC,
+           float alpha, int splits, int k_chunk) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int THREADS = BM / 64 * 128;
+    constexpr int A_BYTES = BM * 128;
+    constexpr int STAGE_BYTES = (BM + BN) * 128;
+    static_assert(BM % 64 == 0 && BN % 8 == 0 && BN <= 256, "wgmma m64nBNk8 tiles");
+    static_assert(STAGES >= 3, "a slot is refilled two tiles after its wgmma was issued");
+
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    const unsigned smem0 = (wg_smem_addr(wg_smem) + 1023u) & ~1023u;   // the launcher adds 1 KB
+
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const WgBlock<BM, BN> blk(K, splits, k_chunk);
+    const int m0 = blk.m0, n0 = blk.n0, klen = blk.klen, nk = blk.nk;
+
+    A += blk.batch * sA + blk.kb0;
+    B += blk.batch * sB + blk.kb0;
+    C += blockIdx.z * sC;
+    if constexpr (GEMM_EPI_USES_AUX(EPI)) aux += blockIdx.z * sC;
+
+    WgStager<BM, THREADS> stA(A, lda, m0, tid);
+    WgStager<BN, THREADS> stB(B, ldb, n0, tid);
+    const bool a_rows_in = m0 + BM <= M, b_rows_in = n0 + BN <= N;
+    auto stage_tiles = [&](int s, int k0) {
+        const unsigned sa = smem0 + s * STAGE_BYTES;
+        const bool k_in = k0 + GEMM_WG_BK <= klen;
+        stA.stage(sa, a_rows_in && k_in, A, m0, M, k0, klen);
+        stB.stage(sa + A_BYTES, b_rows_in && k_in, B, n0, N, k0, klen);
+    };
+
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+        if (s < nk) stage_tiles(s, s * GEMM_WG_BK);
+        wg_cp_commit();
+    }
+    for (int kt = 0; kt < nk; ++kt) {
+        wg_cp_wait<STAGES - 3>();      // this thread's copies of tile kt have landed
+        wg_fence_async_smem();
+        __syncthreads();               // everyone's copies of tile kt; every wgmma on tile kt - 2 done
+        {
+            const int nxt = kt + STAGES - 2;
+            if (nxt < nk) stage_tiles(nxt % STAGES, nxt * GEMM_WG_BK);
+            wg_cp_commit();
+        }
+        const unsigned sa = smem0 + (kt % STAGES) * STAGE_BYTES;
+        const unsigned a_wg = sa + wg * 64 * 128, b_t = sa + A_BYTES;
+        wg_fence_acc(acc);
+        wg_fence();
+#pragma unroll
+        for (int s = 0; s < GEMM_WG_BK / 8; ++s) wg_mma_tf32<BN>(acc, wg_desc(a_wg + 32 * s), wg_desc(b_t + 32 * s));
+        wg_commit();
+        wg_fence_acc(acc);
+        wg_wait<1>();
+    }
+    wg_wait<0>();
+    wg_fence_acc(acc);
+    wg_cp_wait<0>();
+
+    wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C, aux, bias, M, N, ldc, sC, blk.m0, blk.n0, alpha);
+#else
+    __trap();   // wgmma exists on sm_90a only; the launcher never picks this kernel elsewhere
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same product with the operand tiles brought in by the bulk tensor copy engine (TMA):
+// gemm_wgmma_tma. One thread issues two cp.async.bulk.tensor per k tile (the copy engine writes
+// the 128-byte swizzled layout above by itself and zero-fills what lies outside the tensor), so no
+// thread spends issue slots or registers on staging, and a slot is refilled as soon as every
+// warpgroup has released it instead of at a block-wide barrier.
+//
+// Tensor maps (host: cuTensorMapEncodeTiled, passed by value as __grid_constant__ parameters):
+// rank 3, dims {K, rows, batch}, box {32, BM or BN, 1}, 128-byte swizzle, out-of-bounds zeros.
+// Barriers per slot s: full[s] (1 arrival: the issuing lane's expect_tx; completes when the copy
+// engine has delivered the tile's bytes) and empty[s] (one arrival per consumer thread once its
+// warpgroup's wgmma on the slot have completed). Use u of slot s waits for parity u & 1 of each.
+//
+// Iteration kt (slot s = kt % STAGES): every thread waits for full[s]; the warpgroup issues the 4
+// wgmma of tile kt, commits, and waits for its group of tile kt - 1, then every thread releases
+// that tile's slot (empty); warp 0 waits for the slot to be released by everyone and its lane 0
+// refills it with tile kt - 1 + STAGES. Nothing diverges inside a warp while a wgmma is in flight. Split-K chunks are multiples of 32 (the launcher's
+// SPLIT_ALIGN), so a tile never spans two splits; the last tile's k beyond K reads zeros.
+struct __align__(64) TmaMap {
+    unsigned long long v[16];     // CUtensorMap: 128 opaque bytes
+};
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// Lane 0 of the calling warp only (a predicate inside the asm, not a branch: the warp stays
+// converged, which keeps ptxas from serializing the wgmma in flight around it):
+// expect `bytes` on bar, then the tiles (k0, row0a / row0b, batch) of the two tensor maps into
+// shared memory at dsta / dstb, completing on bar.
+__device__ __forceinline__ void tma_load_pair(int lane, unsigned bar, unsigned bytes, unsigned dsta,
+                                              const TmaMap* mapa, int row0a, unsigned dstb, const TmaMap* mapb,
+                                              int row0b, int k0, int batch) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
+        "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n"
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%3], [%4, {%9, %5, %10}], [%1];\n"
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%6], [%7, {%9, %8, %10}], [%1];\n}\n"
+        ::"r"(lane), "r"(bar), "r"(bytes), "r"(dsta), "l"(reinterpret_cast<unsigned long long>(mapa)), "r"(row0a),
+          "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(row0b), "r"(k0), "r"(batch)
+        : "memory");
+}
+
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
+__global__ void __launch_bounds__(BM / 64 * 128, 1)
+gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], row stride ldc, matrix stride sC
+               float* aux,                         // aux: as in gemm_wgmma
+               const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major)
+               const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major)
+               const float* __restrict__ bias,     // bias [N] or null
+               int M, int N, int K, int ldc, long long sC,
+               float alpha, int splits, int k_chunk) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int WG = BM / 64;
+    constexpr int A_BYTES = BM * 128;
+    constexpr int STAGE_BYTES = (BM + BN) * 128;
+    static_assert(BM % 64 == 0 && BM <= 256 && BN % 8 == 0 && BN <= 256, "wgmma m64nBNk8 tiles, TMA boxes <= 256");
+    static_assert(STAGES >= 2, "a ring");
+
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    __shared__ __align__(8) unsigned long long bars[2 * STAGES];     // full[0..S), empty[0..S)
+    const unsigned smem0 = (wg_smem_addr(wg_smem) + 1023u) & ~1023u;   // the launcher adds 1 KB
+    const unsigned full0 = wg_smem_addr(bars), empty0 = full0 + 8 * STAGES;
+
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+    const WgBlock<BM, BN> blk(K, splits, k_chunk);
+    const int nk = blk.nk;
+    C += blockIdx.z * sC;
+    if constexpr (GEMM_EPI_USES_AUX(EPI)) aux += blockIdx.z * sC;
+
+    auto issue = [&](int kt) {      // warp 0 (lane 0 acts): tile kt into its slot
+        const int s = kt % STAGES;
+        const unsigned sa = smem0 + s * STAGE_BYTES;
+        tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, blk.m0, sa + A_BYTES, &mapB, blk.n0,
+                      blk.kb0 + kt * GEMM_WG_BK, blk.batch);
+    };
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, WG * 128);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (tid < 32) {
+        for (int kt = 0; kt < STAGES && kt < nk; ++kt) issue(kt);
+    }
+
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+
+    for (int kt = 0; kt < nk; ++kt) {
+        const int s = kt % STAGES;
+        mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
+        const unsigned sa = smem0 + s * STAGE_BYTES;
+        const unsigned a_wg = sa + wg * 64 * 128, b_t = sa + A_BYTES;
+        wg_fence_acc(acc);
+        wg_fence();
+#pragma unroll
+        for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8)
+            wg_mma_tf32<BN>(acc, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
+        wg_commit();
+        wg_fence_acc(acc);
+        wg_wait<1>();                                   // this warpgroup's tile kt - 1 is done
+        if (kt >= 1) {
+            const int sp = (kt - 1) % STAGES;
+            mbar_arrive(empty0 + 8 * sp);
+            if (tid < 32 && kt - 1 + STAGES < nk) {
+                mbar_wait(empty0 + 8 * sp, ((kt - 1) / STAGES) & 1);
+                issue(kt - 1 + STAGES);
+            }
+        }
+    }
+    wg_wait<0>();
+    wg_fence_acc(acc);
+
+    wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C, aux, bias, M, N, ldc, sC, blk.m0, blk.n0, alpha);
+#else
+    __trap();
+#endif
+}
