@@ -169,7 +169,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         for prec in precisions:
             rt.precision = prec
             family = "tf32" if prec == "tf32" else "simt"
-            wg = gemm.wgmma_ok(rt, ta, tb, vec)
+            wg = gemm.wgmma_ok(rt, ta, tb, vec, K, N)
             # what gemm.matmul launches: the measured table's entry (bench/tune.py), else the cost model
             chosen = gemm.tuned_plan(rt, gemm.tune_key(prec, ta, tb, "none", False, M, N, K), vec, ws_floats,
                                      M, N, wg) \

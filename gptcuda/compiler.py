@@ -166,15 +166,18 @@ def _nvrtc_compile(filename: str, source: str, names, options):
         opts = [o.encode() for o in options]
         (cerr,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        # NVRTC writes into the buffers: they must be fresh mutable objects. (b" " * size for an
+        # empty log, size 1, is CPython's shared one-byte b" ": the NUL written into it turned
+        # every later b" " / " " of the process into "\0", and broke PyTorch imported afterwards.)
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
-        log = log.rstrip(b"\0 ").decode(errors="replace")
+        log = bytes(log).rstrip(b"\0 ").decode(errors="replace")
         if cerr != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"NVRTC could not compile kernels/{filename} "
                                f"[{' '.join(o for o in options if not o.startswith('--include'))}]:\n{log}")
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN")
         lowered = {}
         for n in names:

@@ -119,3 +119,14 @@ def test_wgmma_kernels_keep_their_pipeline():
     assert "C7514" not in log and "serialized" not in log, log
     spills = [ln for ln in log.splitlines() if "spill" in ln]
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills), log
+
+
+def test_compile_leaves_python_objects_alone(tmp_path, monkeypatch):
+    """A compile with an empty log (NVRTC's log size is 1: the NUL) must not write into a shared
+    Python object: b" " * 1 is CPython's cached b" ", and writing the NUL there once turned every
+    later space of the process into a NUL."""
+    _write_kernel(tmp_path, monkeypatch, "__global__ void quiet(float* x) { x[threadIdx.x] = 1.f; }\n",
+                  "quiet.cu")
+    c = compiler.compile_kernel("quiet.cu", ["quiet"], arch="sm_90", use_cache=False)
+    assert c.cubin[:4] == b"\x7fELF"
+    assert b" "[0] == 32 and bytes([32]).decode() == " " and b"a b".split() == [b"a", b"b"]
