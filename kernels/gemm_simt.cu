@@ -155,6 +155,23 @@ __device__ __forceinline__ float4 gemm_ld4(const float* __restrict__ p, bool row
     return v;
 }
 
+// The block's place in the grid, shared by the GEMM kernels: batching and split-K share
+// gridDim.z (z = batch * splits + split); the block computes the tile at (m0, n0) over k in
+// [kb0, kb0 + klen).
+template <int BM, int BN>
+struct GemmBlock {
+    int split, batch, m0, n0, kb0, klen;
+    __device__ __forceinline__ GemmBlock(int K, int splits, int k_chunk) {
+        const int z = blockIdx.z;
+        split = z % splits;
+        batch = z / splits;
+        m0 = blockIdx.y * BM;
+        n0 = blockIdx.x * BN;
+        kb0 = split * k_chunk;
+        klen = min(K, kb0 + k_chunk) - kb0;
+    }
+};
+
 // Resident blocks per SM asked of the register allocator: 128x128 -> 2 (<= 128 registers);
 // the smaller tiles stage two float4 per operand and get up to 168 registers (3 and 6 blocks).
 template <int THREADS>
@@ -195,13 +212,9 @@ gemm_simt(float* C,                        // C [batch*splits, M, N], row stride
     const int tr = (warp / WARPS_C) * 4 + lr;   // 0 .. BM/8-1
     const int tc = (warp % WARPS_C) * 8 + lc;   // 0 .. BN/8-1
 
-    const int z = blockIdx.z;
-    const int split = z % splits;
-    const int batch = z / splits;
-    const int m0 = blockIdx.y * BM;
-    const int n0 = blockIdx.x * BN;
-    const int kb = split * k_chunk;
-    const int klen = min(K, kb + k_chunk) - kb;          // may be <= 0 for an empty last split
+    const GemmBlock<BM, BN> blk(K, splits, k_chunk);
+    const int z = blockIdx.z, batch = blk.batch, m0 = blk.m0, n0 = blk.n0;
+    const int kb = blk.kb0, klen = blk.klen;             // klen may be <= 0 for an empty last split
 
     A += batch * sA + (TA ? (long long)kb * lda : (long long)kb);
     B += batch * sB + (TB ? (long long)kb : (long long)kb * ldb);

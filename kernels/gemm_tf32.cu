@@ -47,23 +47,6 @@ __device__ __forceinline__ int tf32_off_mnmajor(int k, int c) {
     return k * R + ((((c >> 2) ^ (((k >> 2) & 3) << 1))) << 2) + (c & 3);
 }
 
-__device__ __forceinline__ unsigned tf32_smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void tf32_cp_async16(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
-__device__ __forceinline__ void tf32_cp_async4(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
-__device__ __forceinline__ void tf32_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void tf32_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 // fp32 -> tf32, round to nearest, ties away from zero: the PTX instruction.
 __device__ __forceinline__ unsigned tf32_round_cvt(float x) {
     unsigned u;
@@ -87,10 +70,6 @@ __device__ __forceinline__ void tf32_mma(float (&d)[4], const unsigned (&a)[4], 
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-__device__ __forceinline__ void tf32_cp_async16_full(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
 // 16-byte staging of one operand tile (R rows of m or n, 32 of k) with cp.async (VEC).
@@ -153,12 +132,12 @@ struct Tf32Stager {
     // and of the matrix; klen: k extent of this split. Then move on to the next k tile.
     __device__ __forceinline__ void stage(float* sm, bool full, const float* G, int rc0, int rcmax,
                                           int k0, int klen) {
-        const unsigned base = tf32_smem_addr(sm);
+        const unsigned base = smem_u32(sm);
         if (full) {
 #pragma unroll
             for (int i = 0; i < CH; ++i)
                 if (i < CH - 1 || last_ok)
-                    tf32_cp_async16_full(base + 4u * chunk_off(i), src + chunk_step(i));
+                    cp_async16_full(base + 4u * chunk_off(i), src + chunk_step(i));
         } else {
 #pragma unroll
             for (int i = 0; i < CH; ++i) {
@@ -172,7 +151,7 @@ struct Tf32Stager {
                         nb = k_ok ? min(max(rcmax - (rc0 + c_t), 0), 4) * 4 : 0;
                     }
                     const float* p = nb > 0 ? src + chunk_step(i) : G;
-                    tf32_cp_async16(base + 4u * chunk_off(i), p, nb);
+                    cp_async16(base + 4u * chunk_off(i), p, nb);
                 }
             }
         }
@@ -194,12 +173,12 @@ __device__ __forceinline__ void tf32_stage_scalar(float* sm, const float* __rest
             const int rc = idx >> 5, k = idx & 31;
             const bool ok = rc0 + rc < rcmax && k0 + k < klen;
             const float* src = ok ? G + (long long)(rc0 + rc) * ld + (k0 + k) : G;
-            tf32_cp_async4(tf32_smem_addr(sm + tf32_off_kmajor(rc, k)), src, ok ? 4 : 0);
+            cp_async4(smem_u32(sm + tf32_off_kmajor(rc, k)), src, ok ? 4 : 0);
         } else {
             const int k = idx / R, c = idx % R;
             const bool ok = k0 + k < klen && rc0 + c < rcmax;
             const float* src = ok ? G + (long long)(k0 + k) * ld + (rc0 + c) : G;
-            tf32_cp_async4(tf32_smem_addr(sm + tf32_off_mnmajor<R>(k, c)), src, ok ? 4 : 0);
+            cp_async4(smem_u32(sm + tf32_off_mnmajor<R>(k, c)), src, ok ? 4 : 0);
         }
     }
 }
@@ -247,13 +226,9 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
     const int g = lane >> 2, t = lane & 3;
     const int wm0 = (warp / WN) * WTM, wn0 = (warp % WN) * WTN;
 
-    const int z = blockIdx.z;
-    const int split = z % splits;
-    const int batch = z / splits;
-    const int m0 = blockIdx.y * BM;
-    const int n0 = blockIdx.x * BN;
-    const int kb0 = split * k_chunk;
-    const int klen = min(K, kb0 + k_chunk) - kb0;
+    const GemmBlock<BM, BN> blk(K, splits, k_chunk);
+    const int z = blockIdx.z, batch = blk.batch, m0 = blk.m0, n0 = blk.n0;
+    const int kb0 = blk.kb0, klen = blk.klen;
 
     A += batch * sA + (TA ? (long long)kb0 * lda : (long long)kb0);
     B += batch * sB + (TB ? (long long)kb0 : (long long)kb0 * ldb);
@@ -309,7 +284,7 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < nk) stage_tiles(s, s * BK);
-        tf32_cp_commit();
+        cp_async_commit();
     }
 
     // Fragments of one 16-wide k block kb of a stage: A [m16 tile][mma step j][a0..a3], B [n8 tile][j][b0, b1].
@@ -380,7 +355,7 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
     };
 
     for (int kt = 0; kt < nk; ++kt) {
-        tf32_cp_wait<STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();   // tile kt visible to all; everyone is done with tile kt-1's stage
         const float* sa = smem + (kt % STAGES) * STAGE;
         const float* sb = sa + A_FLOATS;
@@ -389,7 +364,7 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
         {
             const int nxt = kt + STAGES - 1;
             if (nxt < nk) stage_tiles(nxt % STAGES, nxt * BK);
-            tf32_cp_commit();
+            cp_async_commit();
         }
         mma_block(fa, fb);
 #pragma unroll
@@ -398,7 +373,7 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
             mma_block(fa, fb);
         }
     }
-    tf32_cp_wait<0>();
+    cp_async_wait<0>();
 
     // Epilogue: thread (g, t) holds, for m16 tile mi, half h, n8 group q and e in {0, 1}, the four
     // consecutive columns wn0 + 32 q + 8 t + 4 e .. +3 of row wm0 + 32 (mi/2) + 4 g + 2 (mi%2) + h.

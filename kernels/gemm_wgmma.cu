@@ -27,9 +27,6 @@
 
 #define GEMM_WG_BK 32
 
-__device__ __forceinline__ unsigned wg_smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 
 // Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle (PTX ISA, "Matrix
 // Descriptor Format"): start address / 16 in bits 0-13, leading byte offset / 16 in bits 16-29
@@ -53,16 +50,6 @@ template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // this thread's completed cp.async writes, made visible to the async proxy wgmma reads through
 __device__ __forceinline__ void wg_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-__device__ __forceinline__ void wg_cp16(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void wg_cp16_full(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void wg_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // d[BN/2] += A (64 x 8, descriptor da) * B^T (8 x BN, descriptor db): one wgmma of the warpgroup.
 // Accumulator ownership (thread t of the warpgroup, warp w = t / 32, lane = 4 g + q): d[4 j + e]
@@ -104,21 +91,8 @@ WG_MMA_TF32(256, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2 ", " WG_REGS_3, 128, 12
 #undef WG_REGS_2
 #undef WG_REGS_3
 
-// Block coordinates shared by both kernels: batching and split-K share gridDim.z (z = batch *
-// splits + split); the block's tile starts at (m0, n0) and its k range at kb0, klen long (nk tiles).
-template <int BM, int BN>
-struct WgBlock {
-    int split, batch, m0, n0, kb0, klen, nk;
-    __device__ __forceinline__ WgBlock(int K, int splits, int k_chunk) {
-        split = blockIdx.z % splits;
-        batch = blockIdx.z / splits;
-        m0 = blockIdx.y * BM;
-        n0 = blockIdx.x * BN;
-        kb0 = split * k_chunk;
-        klen = min(K, kb0 + k_chunk) - kb0;
-        nk = klen > 0 ? (klen + GEMM_WG_BK - 1) / GEMM_WG_BK : 0;
-    }
-};
+// The number of 32-wide k tiles of the block's k range (GemmBlock, gemm_simt.cu).
+__device__ __forceinline__ int wg_k_tiles(int klen) { return klen > 0 ? (klen + GEMM_WG_BK - 1) / GEMM_WG_BK : 0; }
 
 // Epilogue of both kernels: the warpgroup's accumulators (layout of wg_mma_tf32) through the shared
 // epilogue helpers. Lanes q and q ^ 1 swap halves so that each thread holds 4 consecutive columns:
@@ -182,13 +156,13 @@ struct WgStager {
                                           int k0, int klen) {
         if (full) {
 #pragma unroll
-            for (int i = 0; i < CH; ++i) wg_cp16_full(base + soff + i * STEP * 128, src + i * STEP * ld);
+            for (int i = 0; i < CH; ++i) cp_async16_full(base + soff + i * STEP * 128, src + i * STEP * ld);
         } else {
             const int nk = min(max(klen - (k0 + kc), 0), 4) * 4;
 #pragma unroll
             for (int i = 0; i < CH; ++i) {
                 const int nb = rc0 + row + i * STEP < rcmax ? nk : 0;
-                wg_cp16(base + soff + i * STEP * 128, nb > 0 ? src + i * STEP * ld : G, nb);
+                cp_async16(base + soff + i * STEP * 128, nb > 0 ? src + i * STEP * ld : G, nb);
             }
         }
         src += GEMM_WG_BK;
@@ -214,11 +188,11 @@ gemm_wgmma(float* C,                        // C [batch*splits, M, N], row strid
     static_assert(STAGES >= 3, "a slot is refilled two tiles after its wgmma was issued");
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
-    const unsigned smem0 = (wg_smem_addr(wg_smem) + 1023u) & ~1023u;   // the launcher adds 1 KB
+    const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;   // the launcher adds 1 KB
 
     const int tid = threadIdx.x, wg = tid >> 7;
-    const WgBlock<BM, BN> blk(K, splits, k_chunk);
-    const int m0 = blk.m0, n0 = blk.n0, klen = blk.klen, nk = blk.nk;
+    const GemmBlock<BM, BN> blk(K, splits, k_chunk);
+    const int m0 = blk.m0, n0 = blk.n0, klen = blk.klen, nk = wg_k_tiles(klen);
 
     A += blk.batch * sA + blk.kb0;
     B += blk.batch * sB + blk.kb0;
@@ -242,16 +216,16 @@ gemm_wgmma(float* C,                        // C [batch*splits, M, N], row strid
 #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
         if (s < nk) stage_tiles(s, s * GEMM_WG_BK);
-        wg_cp_commit();
+        cp_async_commit();
     }
     for (int kt = 0; kt < nk; ++kt) {
-        wg_cp_wait<STAGES - 3>();      // this thread's copies of tile kt have landed
+        cp_async_wait<STAGES - 3>();      // this thread's copies of tile kt have landed
         wg_fence_async_smem();
         __syncthreads();               // everyone's copies of tile kt; every wgmma on tile kt - 2 done
         {
             const int nxt = kt + STAGES - 2;
             if (nxt < nk) stage_tiles(nxt % STAGES, nxt * GEMM_WG_BK);
-            wg_cp_commit();
+            cp_async_commit();
         }
         const unsigned sa = smem0 + (kt % STAGES) * STAGE_BYTES;
         const unsigned a_wg = sa + wg * 64 * 128, b_t = sa + A_BYTES;
@@ -265,7 +239,7 @@ gemm_wgmma(float* C,                        // C [batch*splits, M, N], row strid
     }
     wg_wait<0>();
     wg_fence_acc(acc);
-    wg_cp_wait<0>();
+    cp_async_wait<0>();
 
     wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C, aux, bias, M, N, ldc, sC, blk.m0, blk.n0, alpha);
 #else
@@ -343,12 +317,12 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[2 * STAGES];     // full[0..S), empty[0..S)
-    const unsigned smem0 = (wg_smem_addr(wg_smem) + 1023u) & ~1023u;   // the launcher adds 1 KB
-    const unsigned full0 = wg_smem_addr(bars), empty0 = full0 + 8 * STAGES;
+    const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;   // the launcher adds 1 KB
+    const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
 
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
-    const WgBlock<BM, BN> blk(K, splits, k_chunk);
-    const int nk = blk.nk;
+    const GemmBlock<BM, BN> blk(K, splits, k_chunk);
+    const int nk = wg_k_tiles(blk.klen);
     C += blockIdx.z * sC;
     if constexpr (GEMM_EPI_USES_AUX(EPI)) aux += blockIdx.z * sC;
 
