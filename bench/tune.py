@@ -146,13 +146,8 @@ def floor_s(op: GemmOp, precision: str) -> float:
 
 
 def op_wgmma(op: GemmOp, bt_floats: int):
-    """How the warpgroup-MMA kernel can run the op (gemm.wgmma_ok on a device that has it):
-    "direct" (x @ W^T), "transpose" (dY @ W, B^T fits the scratch of bt_floats), else False."""
-    if op.ta or not op.vec:
-        return False
-    if op.tb:
-        return "direct"
-    return "transpose" if op.batch == 1 and op.K % 4 == 0 and op.K * op.N <= bt_floats else False
+    """How the warpgroup-MMA kernel can run the op on a device that has it (gemm.wgmma_mode)."""
+    return gemm.wgmma_mode(op.ta, op.tb, op.vec, op.K, op.N, op.batch, bt_floats)
 
 
 def candidates_for(op: GemmOp, precision: str, sm_count: int, ws_floats: int, keep=1.6, max_n=6,

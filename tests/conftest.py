@@ -53,6 +53,14 @@ def rt():
     r.close()
 
 
+@pytest.fixture
+def env(rt):
+    """The session runtime for a test that points rt.state at its own StepState (restored after)."""
+    saved = rt.state
+    yield rt
+    rt.state = saved
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Every test session compiles into its own cache unless GPTCUDA_CACHE is set by the caller."""

@@ -226,25 +226,24 @@ def wgmma_blocks_per_sm(tile) -> int:
     return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile) + 1024)))
 
 
-def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1):
-    """How the warpgroup-MMA kernel can run this product here: "direct" (TF32 on an sm_90 device, A
-    and B K-major: trans_a = False, trans_b = True, 16-byte aligned operands), "transpose" (trans_b
-    = False, one product, K % 4 == 0 and the workspace "gemm_bT" holds B^T [N, K]), else False.
-    GPTCUDA_WGMMA=0: never."""
-    if not (getattr(rt, "precision", "fp32") == "tf32" and getattr(rt, "arch", None) in WGMMA_ARCHS
-            and not trans_a and vec and os.environ.get("GPTCUDA_WGMMA", "1") != "0"):
+def wgmma_mode(trans_a, trans_b, vec, K, N, batch, bt_floats):
+    """How the warpgroup-MMA kernel can run a product of this layout: "direct" (A and B K-major:
+    trans_a = False, trans_b = True, 16-byte aligned operands), "transpose" (trans_b = False, one
+    product, K % 4 == 0 and a B^T scratch of bt_floats holds [N, K]), else False."""
+    if trans_a or not vec:
         return False
     if trans_b:
         return "direct"
-    return "transpose" if batch == 1 and K % 4 == 0 and 0 < K * N <= _bt_capacity(rt)[1] else False
+    return "transpose" if batch == 1 and K % 4 == 0 and 0 < K * N <= bt_floats else False
 
 
-def _bt_capacity(rt):
-    try:
-        ws = rt.workspace("gemm_bT")
-    except (KeyError, AttributeError):
-        return None, 0
-    return ws, ws.numel
+def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1):
+    """`wgmma_mode` of this launch where the kernel exists: TF32 on an sm_90 device, with the
+    workspace "gemm_bT" as the B^T scratch; else False. GPTCUDA_WGMMA=0: never."""
+    if not (getattr(rt, "precision", "fp32") == "tf32" and getattr(rt, "arch", None) in WGMMA_ARCHS
+            and os.environ.get("GPTCUDA_WGMMA", "1") != "0"):
+        return False
+    return wgmma_mode(trans_a, trans_b, vec, K, N, batch, _ws_capacity(rt, "gemm_bT")[1])
 
 
 def _util(warps):
@@ -526,7 +525,7 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
     return path
 
 
-def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma: bool = False) -> Plan | None:
+def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=False) -> Plan | None:
     """The table's plan for `key` if there is one this launch can use (its alignment allows the
     tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch), else None."""
     if os.environ.get("GPTCUDA_GEMM_TUNE", "1") == "0":
@@ -535,11 +534,7 @@ def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma: b
     if not isinstance(name, str):
         return None
     p = load_table(name).get(key)
-    if p is None or p.family != _family(rt) and not (p.family == "wgmma" and wgmma):
-        return None
-    if p.transpose_b != (p.family == "wgmma" and wgmma == "transpose"):
-        return None
-    if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
+    if p is None or _plan_unfit(p, _family(rt), vec, wgmma):
         return None
     if p.splits > 1 and p.splits * M * N > ws_floats:
         return None
@@ -559,9 +554,11 @@ def _aligned(*xs):
     return all(int(x) % 4 == 0 for x in xs)
 
 
-def _ws_capacity(rt):
+def _ws_capacity(rt, name="gemm_splitk"):
+    """(view, floats) of a planned GEMM workspace: split-K partials or the wgmma kernel's B^T
+    ((None, 0) when the plan has none)."""
     try:
-        ws = rt.workspace("gemm_splitk")
+        ws = rt.workspace(name)
     except KeyError:
         return None, 0
     return ws, ws.numel
@@ -637,17 +634,27 @@ def _family(rt):
     raise ValueError(f"matmul: unknown precision {prec!r} (fp32 | tf32)")
 
 
+def _plan_unfit(p: Plan, family, vec, wgmma) -> str | None:
+    """Why plan p cannot run a launch of kernel family `family` (rt.precision's), alignment `vec`
+    and `wgmma_ok` answer `wgmma`; None when it can. (A table entry that does not fit is skipped; a
+    plan the caller forces is refused with this reason.)"""
+    if p.family == "wgmma":
+        if not wgmma:
+            return "a wgmma plan needs TF32 on sm_90 with K-major, aligned A and B"
+        if p.transpose_b != (wgmma == "transpose"):
+            return f"a wgmma plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
+    elif p.family != family:
+        return f"plan family {p.family} but rt.precision wants {family}"
+    if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
+        return f"TF32 tile {p.tile} needs 16-byte aligned operands"
+    return None
+
+
 def _check_plan(label, p: Plan, family, vec, batch, cap, M, N, K, wgmma=False):
     """A plan given by the caller must be runnable here (wgmma: `wgmma_ok` for this launch)."""
-    if p.family == "wgmma" and not wgmma:
-        raise ValueError(f"{label}: a wgmma plan needs TF32 on sm_90 with K-major, aligned A and B")
-    if p.family == "wgmma" and p.transpose_b != (wgmma == "transpose"):
-        raise ValueError(f"{label}: a wgmma plan {'with' if p.transpose_b else 'without'} transpose_b "
-                         f"does not fit trans_b here")
-    if p.family != family and p.family != "wgmma":
-        raise ValueError(f"{label}: plan family {p.family} but rt.precision wants {family}")
-    if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
-        raise ValueError(f"{label}: TF32 tile {p.tile} needs 16-byte aligned operands")
+    why = _plan_unfit(p, family, vec, wgmma)
+    if why:
+        raise ValueError(f"{label}: {why}")
     if p.splits > 1:
         if batch != 1:
             raise ValueError(f"{label}: split-K is not available for batched GEMMs")
@@ -763,7 +770,7 @@ _plan_fn = plan      # `matmul(..., plan=)` shadows the function's name inside m
 
 def _transpose_b(rt, b, K, N, label):
     """B [K, N] -> the workspace "gemm_bT" as [N, K] (the operand of a transpose_b plan)."""
-    ws, cap = _bt_capacity(rt)
+    ws, cap = _ws_capacity(rt, "gemm_bT")
     if ws is None or cap < K * N:
         raise ValueError(f"{label}: a transpose_b plan needs the workspace gemm_bT of {K * N} floats")
     bt = DeviceView(ws.ptr, (N, K), "f32", "gemm_bT")
@@ -822,4 +829,5 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
 
 __all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kernel_label",
            "VARIANTS", "Plan", "tune_key", "tuned_plan", "load_table", "save_table", "table_path",
-           "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan", "wgmma_ok"]
+           "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan", "wgmma_ok",
+           "wgmma_mode"]

@@ -8,13 +8,6 @@ from gptcuda.cuda_ops import data as gdata
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def env(rt):
-    saved = rt.state
-    yield rt
-    rt.state = saved
-
-
 def _state(rt, step, eval_draws):
     st = np.zeros(16, np.int32)
     st[0] = step

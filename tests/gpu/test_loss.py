@@ -9,13 +9,6 @@ from tests.conftest import rel_err
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def env(rt):
-    saved = rt.state
-    yield rt
-    rt.state = saved
-
-
 def _randn(r, *shape):
     x = r.standard_normal(shape).astype(np.float32)
     x[x == 0] = 0.5
