@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check-and-benchmark, driven from the repo so that it is repeatable.
 #   bash bench/device_check.sh [tests] [gradcheck] [bench] [attention] [long] [torch] [gemm] [tune]
-#                              [train_fp32] [train_tf32]
+#                              [train_fp32] [train_tf32] [dist]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
-# GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts).
+# GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
+# DIST_WORLDS ("1,2"), DIST_ZERO ("0 1").
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
 # .devcarry/reference/ (a copy of the reference scripts carried along; never imported by gptcuda).
 set -uo pipefail
@@ -87,10 +88,17 @@ for p in fp32 tf32; do
   fi
 done
 if has dist; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  if ! python3 -c "import nccl.bindings" 2>/dev/null && ls .devcarry/whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install --no-deps --no-index -q --target /tmp/site .devcarry/whl/*.whl   # nccl4py, carried
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
   log "data parallel: NCCL $(python3 -c 'from gptcuda import dist; print(dist.nccl_version())' 2>&1 | tail -1)"
-  python3 -m pytest tests/gpu/test_dist_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/dist.log" | tail -6
-  python3 bench/scaling.py configs/gpt2_124m_t1024.yaml --worlds 1,2 --iters 10 --json "$OUT/scaling.json" 2>&1 \
-    | tee -a "$OUT/dist.log" | tail -12
+  timeout 360 python3 -m pytest tests/gpu/test_dist_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/dist.log" | tail -6
+  for z in ${DIST_ZERO:-0}; do
+    timeout 240 python3 bench/scaling.py configs/gpt2_124m_t1024.yaml --worlds ${DIST_WORLDS:-1,2} --iters 10 \
+      --zero=$z --json "$OUT/scaling_zero$z.json" 2>&1 | tee -a "$OUT/dist.log" | tail -8
+  done
 fi
 if has gemm; then
   log "GEMM benchmark (cuBLAS through torch in the same process, benchmark only)"

@@ -327,8 +327,7 @@ class EventTimer:
                     destroy(e0)
                     destroy(e1)
             for g in graphs:
-                if hasattr(dev, "graph_destroy"):
-                    dev.graph_destroy(g.graph, g.exe)
+                g.destroy()
             ok = None
             if self.check:
                 ok, ref = [], None

@@ -643,6 +643,7 @@ class Group:
         self.selftest = True
         self._factory = comm_factory or (lambda: NcclComm(self.uid, self.world_size, self.rank))
         self.comm = None
+        self.before_close = []         # callables run before the communicator is destroyed
 
     @property
     def is_main(self) -> bool:
@@ -658,13 +659,24 @@ class Group:
                     pass
         return self.comm
 
+    def _release(self):
+        """Run the before_close hooks: DataParallel registers its runtime's destroy_graphs, since
+        NCCL's communicator destroy (and abort) waits for every graph that captured one of its
+        collectives to be destroyed, and would otherwise hang at the end of a run."""
+        while self.before_close:
+            self.before_close.pop()()
+
     def close(self):
         if self.comm is not None:
+            self._release()
             self.comm.close()
 
     def abort(self):
         if self.comm is not None:
-            self.comm.abort()
+            try:
+                self._release()
+            finally:
+                self.comm.abort()
 
 
 def init_group(env: DistEnv | None = None, make_id=None) -> Group | None:
@@ -706,6 +718,7 @@ class DataParallel:
         rt.batch_seed = cfg.seed
         rt.seed = rank_seed(cfg.seed, self.rank)
         self.comm = group.connect()
+        group.before_close.append(rt.destroy_graphs)
         self.side = rt.side_stream()
         self.timing = bool(group.comm_timing)
         self.cap = max(int(group.bucket_mb * 2 ** 20) // 4, 1)

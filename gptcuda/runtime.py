@@ -226,6 +226,7 @@ class Runtime:
         self._recording: Program | None = None
         self._workspace: dict = {}
         self._allocs: list = []
+        self._graphs: list = []      # captured graphs still alive (destroy_graphs)
         self.state = None            # DeviceView of the StepState, set by the backend
         self.compile_seconds = 0.0
         self.row_offset = 0          # data parallel: this rank's first row of the world's batch
@@ -300,7 +301,18 @@ class Runtime:
             self.run(prog)
         finally:
             graph, exe = self.dev.end_capture(self.stream)
-        return Graph(self, graph, exe, prog)
+        g = Graph(self, graph, exe, prog)
+        self._graphs.append(g)
+        return g
+
+    def destroy_graphs(self):
+        """Destroy every graph captured here and still alive. NCCL counts each graph that captured
+        one of its collectives and destroying its communicator waits until they are gone, so this
+        runs before a communicator is closed (dist.Group.close)."""
+        if self._graphs:
+            self.synchronize()
+        while self._graphs:
+            self._graphs.pop().destroy()
 
     def synchronize(self):
         self.dev.sync(self.stream)
@@ -369,6 +381,7 @@ class Runtime:
             raise KeyError(f"workspace {name!r} was not planned (memory.py plans it from the config)") from None
 
     def close(self):
+        self.destroy_graphs()
         self.synchronize()
         for p in self._allocs:
             self.dev.free(p)
@@ -382,4 +395,11 @@ class Graph:
         self.rt, self.graph, self.exe, self.program = rt, graph, exe, prog
 
     def launch(self):
+        if self.exe is None:
+            raise RuntimeError(f"graph of {self.program.name!r} launched after it was destroyed")
         self.rt.dev.graph_launch(self.exe, self.rt.stream)
+
+    def destroy(self):
+        if self.exe is not None:
+            self.rt.dev.graph_destroy(self.graph, self.exe)
+            self.graph = self.exe = None

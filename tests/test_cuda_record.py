@@ -55,6 +55,7 @@ class RecordingRuntime(Runtime):
         self.dev, self.info, self.arch = FakeDev(), FakeInfo(), "sm_90"
         self.precision, self.seed, self.stream = precision, seed, None
         self._functions, self._recording, self._workspace, self._allocs = {}, None, {}, []
+        self._graphs = []
         self.state, self.compile_seconds = None, 0.0
         self.launched = []
 

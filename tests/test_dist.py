@@ -608,6 +608,33 @@ def test_recorded_zero1_step(rank):
     assert "ZeRO-1" in dp.describe()
 
 
+@pytest.mark.parametrize("how", ["close", "abort"])
+def test_group_destroys_the_captured_graphs_before_the_communicator(how):
+    # NCCL's destroy and abort wait for every graph that captured a collective of the communicator:
+    # the graphs must go first, or the run hangs at its very end
+    order = []
+
+    class Comm(FakeComm):
+        def close(self):
+            order.append("comm.close")
+
+        def abort(self):
+            order.append("comm.abort")
+
+    group = dist.Group(dist.DistEnv(rank=0, world_size=2), b"u" * 128, comm_factory=Comm)
+    group.connect()
+    group.before_close.append(lambda: order.append("graphs"))
+    getattr(group, how)()
+    assert order == ["graphs", f"comm.{how}"]
+    getattr(group, how)()                          # the hooks run once
+    assert order.count("graphs") == 1
+
+
+def test_data_parallel_registers_its_graphs_for_release():
+    eng, rt, comm = _record_dp(0)
+    assert rt.destroy_graphs in eng.dp.group.before_close
+
+
 def test_data_parallel_needs_the_cuda_backend():
     from gptcuda.engine import Engine
     cfg = load_config("configs/tiny.yaml", ["--backend=reference"])

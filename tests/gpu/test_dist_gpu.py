@@ -147,7 +147,7 @@ def two_ranks_or_skip():
         pytest.skip("needs 2 GPUs")
 
 
-def launch2(args, tmp_path, timeout=900):
+def launch2(args, tmp_path, timeout=300):
     env = child_env(GPTCUDA_BUCKET_MB=str(BUCKET_MB))
     return subprocess.run([sys.executable, "-m", "gptcuda.launch", "--nproc", "2", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
