@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check-and-benchmark, driven from the repo so that it is repeatable.
-#   bash bench/device_check.sh [tests] [gradcheck] [bench] [attention] [long] [torch] [gemm] [tune]
-#                              [train_fp32] [train_tf32] [dist]
+#   bash bench/device_check.sh [tests] [gradcheck] [tune] [bench] [attention] [long] [torch] [gemm]
+#                              [train_fp32] [train_tf32] [train_config] [dist]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
-# DIST_WORLDS ("1,2"), DIST_ZERO ("0 1").
+# TRAIN_CONFIG (for train_config), DIST_WORLDS ("1,2"), DIST_ZERO ("0 1"), TORCH_WHICH ("steps compile"), TUNE_PRECISIONS ("tf32 fp32").
+# A STEP_CASES entry may carry overrides: fp32:fused:fp32_gemm=ffma,batch_size=32.
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
 # .devcarry/reference/ (a copy of the reference scripts carried along; never imported by gptcuda).
 set -uo pipefail
@@ -40,16 +41,25 @@ if has gradcheck; then
   log "gradcheck --break=layernorm (must fail upstream of lnf)"
   python3 gradcheck.py configs/tiny.yaml --break=layernorm 2>&1 | tee -a "$OUT/gradcheck.log" | grep -E "lnf|wte|FAILED|PASSED"
 fi
+# the measured GEMM table first: the step benchmarks below use it, as training does
+if has tune; then
+  for p in ${TUNE_PRECISIONS:-tf32 fp32}; do
+    log "measured GEMM dispatch $p"
+    python3 bench/tune.py configs/shakespeare_char_fp32.yaml --precision=$p 2>&1 | tee "$OUT/tune_$p.log" | tail -25
+  done
+fi
 if has bench; then
   log "launch overhead"
   python3 bench/launch.py 2>&1 | tee -a "$OUT/summary.txt"
   for pa in ${STEP_CASES:-fp32:unfused fp32:fused tf32:unfused tf32:fused}; do
-    p=${pa%%:*} a=${pa##*:}
+    IFS=: read -r p a o <<< "$pa"          # precision:attention[:key=value,key=value]
+    tag=${p}_$a${o:+_${o//[=,]/_}}
     {
-      log "step $p $a"
+      log "step $p $a ${o:-}"
       python3 bench/step.py configs/shakespeare_char_fp32.yaml --precision=$p --attention=$a \
-        --json "$OUT/step_${p}_$a.json" > "$OUT/step_${p}_$a.log" 2>&1
-      sed -n '1,18p' "$OUT/step_${p}_$a.log"
+        $(for kv in ${o//,/ }; do printf -- "--%s " "$kv"; done) \
+        --json "$OUT/step_$tag.json" > "$OUT/step_$tag.log" 2>&1
+      sed -n '1,18p' "$OUT/step_$tag.log"
     }
   done
 fi
@@ -75,7 +85,7 @@ if has long_train; then
 fi
 if has torch; then
   log "PyTorch anchors (same run)"
-  (cd "$OUT" && DROPOUT=0.2 OUT="$OUT" python3 "$OLDPWD/.devcarry/reference/torch_reference.py" steps compile 2>&1 | tail -8) | tee -a "$OUT/summary.txt"
+  (cd "$OUT" && DROPOUT=0.2 OUT="$OUT" python3 "$OLDPWD/.devcarry/reference/torch_reference.py" ${TORCH_WHICH:-steps compile} 2>&1 | tail -8) | tee -a "$OUT/summary.txt"
 fi
 for p in fp32 tf32; do
   if has train_$p; then
@@ -87,6 +97,13 @@ for p in fp32 tf32; do
     rm -f "$OUT/run_$p"/*.ckpt
   fi
 done
+if has train_config; then                  # a shipped config as it is, e.g. TRAIN_CONFIG=configs/ctx256_tf32.yaml
+  log "5000-step $TRAIN_CONFIG"
+  python3 train.py "$TRAIN_CONFIG" --out_dir="$OUT/run_config" --no-bar 2>&1 \
+    | tee "$OUT/train_config.log" | grep -E "^step [0-9]+:|best val|error" | tail -30
+  python3 sample.py --out_dir "$OUT/run_config" --max_new_tokens 300 --seed 1 2>&1 | tail -12 | tee -a "$OUT/summary.txt"
+  rm -f "$OUT/run_config"/*.ckpt
+fi
 if has dist; then
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   if ! python3 -c "import nccl.bindings" 2>/dev/null && ls .devcarry/whl/*.whl >/dev/null 2>&1; then
@@ -103,12 +120,6 @@ fi
 if has gemm; then
   log "GEMM benchmark (cuBLAS through torch in the same process, benchmark only)"
   python3 bench/gemm.py --precision ${GEMM_PRECISION:-both} ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.log" | tail -60
-fi
-if has tune; then
-  for p in tf32 fp32; do
-    log "measured GEMM dispatch $p"
-    python3 bench/tune.py configs/shakespeare_char_fp32.yaml --precision=$p 2>&1 | tee "$OUT/tune_$p.log" | tail -25
-  done
 fi
 log "end: $(nvidia-smi --query-gpu=clocks.sm,memory.used --format=csv,noheader)"
 # at most a few files come back: keep the summary, pack everything else

@@ -161,25 +161,29 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         da, db = ar.upload(a), ar.upload(b)
         out = ar.empty((M, N))
         ws = ar.empty((ws_floats,))
-        # as memory.py plans it for training: the wgmma kernel's B^T scratch for the A @ B shapes
-        rt.set_workspace({"gemm_splitk": ws, "gemm_bT": ar.empty((K * N if trans == "NN" else 1,))})
+        # as memory.py plans them for training: the wgmma kernel's B^T scratch for the A @ B shapes,
+        # the 3xTF32 kernel's split operands (fp32_gemm: 3xtf32)
+        rt.set_workspace({"gemm_splitk": ws, "gemm_bT": ar.empty((K * N if trans == "NN" else 1,)),
+                          "gemm_split_a": ar.empty((2 * M * K,)), "gemm_split_b": ar.empty((2 * N * K,))})
         lda = M if ta else K
         ldb = K if tb else N
         vec = gemm._vec_ok(da, db, lda, ldb, 0, 0)
         for prec in precisions:
             rt.precision = prec
             family = "tf32" if prec == "tf32" else "simt"
-            wg = gemm.wgmma_ok(rt, ta, tb, vec, K, N)
+            wg = gemm.wgmma_ok(rt, ta, tb, vec, K, N, 1, M)
             # what gemm.matmul launches: the measured table's entry (bench/tune.py), else the cost model
             chosen = gemm.tuned_plan(rt, gemm.tune_key(prec, ta, tb, "none", False, M, N, K), vec, ws_floats,
                                      M, N, wg) \
                 or gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec, wgmma=wg)
             cands = [(chosen, True)]
+            if chosen.family == "wgmma3":          # the FMA kernel beside it (fp32_gemm: ffma)
+                cands.append((gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec), False))
             if args.sweep:
                 tiles = gemm.TF32_TILES if family == "tf32" else gemm.SIMT_TILES
                 if family == "tf32" and not vec:
                     tiles = gemm.TF32_FALLBACK_TILES
-                for tile in list(tiles) + (list(gemm.WGMMA_TILES) if wg else []):
+                for tile in list(tiles) + (list(gemm.WGMMA_TILES if prec == "tf32" else gemm.WGMMA3_TILES) if wg else []):
                     for sp in sorted({1, gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats,
                                                    vec=vec, tiles=[tile], wgmma=wg).splits}):
                         p = gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec,

@@ -145,17 +145,24 @@ def floor_s(op: GemmOp, precision: str) -> float:
     return max(flops / PEAK_FLOPS[precision], nbytes / PEAK_BYTES)
 
 
-def op_wgmma(op: GemmOp, bt_floats: int):
-    """How the warpgroup-MMA kernel can run the op on a device that has it (gemm.wgmma_mode)."""
-    return gemm.wgmma_mode(op.ta, op.tb, op.vec, op.K, op.N, op.batch, bt_floats)
+SCRATCH = ("gemm_bT", "gemm_split_a", "gemm_split_b")     # the wgmma kernels' planned scratch
+
+
+def op_wgmma(op: GemmOp, precision: str, scratch: dict):
+    """How the warpgroup-MMA kernel can run the op on a device that has it: gemm.wgmma_mode (TF32)
+    or gemm.wgmma3_mode (fp32 as 3xTF32), given the floats of each planned scratch workspace."""
+    if precision == "tf32":
+        return gemm.wgmma_mode(op.ta, op.tb, op.vec, op.K, op.N, op.batch, scratch.get("gemm_bT", 0))
+    return gemm.wgmma3_mode(op.ta, op.tb, op.vec, op.M, op.N, op.K, op.batch, scratch.get("gemm_split_a", 0),
+                            scratch.get("gemm_split_b", 0))
 
 
 def candidates_for(op: GemmOp, precision: str, sm_count: int, ws_floats: int, keep=1.6, max_n=6,
-                   wgmma=False, bt_floats=0):
+                   wgmma=False, scratch=None):
     """(cost-model plan, pruned candidate plans with it first); wgmma: the device runs the
-    warpgroup-MMA kernel (sm_90), so it competes for the ops it can run (bt_floats: the
-    transposed-B scratch)."""
-    mode = wgmma and op_wgmma(op, bt_floats)
+    warpgroup-MMA kernels (sm_90), so they compete for the ops they can run (scratch: floats of
+    the planned workspaces they need, {name: floats})."""
+    mode = wgmma and op_wgmma(op, precision, scratch or {})
     fam = FAMILY[precision]
     heur = gemm.plan(op.M, op.N, op.K, op.batch, sm_count, fam, max_ws=ws_floats if op.batch == 1 else 0,
                      allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode)
@@ -183,10 +190,10 @@ def pick_winner(plans, times_ms, ok=None):
 
 
 def tune_op(op: GemmOp, precision: str, timer, sm_count=132, ws_floats=0, keep=1.6, max_n=6, wgmma=False,
-            bt_floats=0):
+            scratch=None):
     """Time one op's candidates with timer(op, plans) -> (samples per plan [ms lists], ok per plan
     or None); returns a result dict."""
-    heur, plans = candidates_for(op, precision, sm_count, ws_floats, keep, max_n, wgmma, bt_floats)
+    heur, plans = candidates_for(op, precision, sm_count, ws_floats, keep, max_n, wgmma, scratch)
     samples, ok = timer(op, plans)
     times = [rounds_median(s) for s in samples]
     w = pick_winner(plans, times, ok)
@@ -245,11 +252,11 @@ class EventTimer:
     `rounds` rounds of one replay each in a rotated order between CUDA events (so every candidate
     sees the same clocks and temperature), then one eager run each whose output is compared."""
 
-    def __init__(self, rt, ws_floats, rounds=7, target_ms=0.5, check=True, seed=0, bt_floats=0):
+    def __init__(self, rt, ws_floats, rounds=7, target_ms=0.5, check=True, seed=0, scratch=None):
         self.rt, self.rounds, self.target_ms, self.check = rt, rounds, target_ms, check
         self.rng = np.random.default_rng(seed)
         self.ws = self._alloc((max(ws_floats, 1),)) if ws_floats else None
-        self.bt = self._alloc((bt_floats,)) if bt_floats else None
+        self.scratch = {name: self._alloc((n,)) for name, n in (scratch or {}).items() if n}
         self.ws_floats = ws_floats
 
     def _alloc(self, shape):
@@ -283,8 +290,7 @@ class EventTimer:
             ws = dict(old_ws)
             if self.ws is not None:
                 ws["gemm_splitk"] = self.ws
-            if self.bt is not None:
-                ws["gemm_bT"] = self.bt
+            ws.update(self.scratch)
             rt.set_workspace(ws)
 
             def record(p):
@@ -339,7 +345,8 @@ class EventTimer:
                         scale = max(float(np.max(np.abs(ref))), 1e-30)
                     err = float(np.max(np.abs(got - ref))) / scale if np.all(np.isfinite(got)) else math.inf
                     # TF32: the wgmma kernel truncates operands to tf32 where mma.sync rounds them,
-                    # so two correct candidates differ by up to ~1e-3 (tests/gpu/test_gemm.py TOL)
+                    # so two correct candidates differ by up to ~1e-3 (tests/gpu/test_gemm.py TOL);
+                    # fp32: SIMT and 3xTF32 agree to ~1e-7
                     ok.append(err < (2e-3 if rt.precision == "tf32" else 1e-5))
             rt.set_workspace(old_ws)
             return samples, ok
@@ -349,11 +356,10 @@ class EventTimer:
                 rt.dev.free(v.ptr)
 
     def close(self):
-        for name in ("ws", "bt"):
-            v = getattr(self, name)
+        for v in [self.ws, *self.scratch.values()]:
             if v is not None:
                 self.rt.dev.free(v.ptr)
-                setattr(self, name, None)
+        self.ws, self.scratch = None, {}
 
 
 # ---------------------------------------------------------------------------------------
@@ -372,10 +378,10 @@ def ws_floats_of(cfg, vocab, name="gemm_splitk") -> int:
 
 
 def run(cfg, ops, precision, timer, sm_count, ws_floats, keep, max_n, out=sys.stdout, wgmma=False,
-        bt_floats=0):
+        scratch=None):
     results = []
     for op in ops:
-        r = tune_op(op, precision, timer, sm_count, ws_floats, keep, max_n, wgmma, bt_floats)
+        r = tune_op(op, precision, timer, sm_count, ws_floats, keep, max_n, wgmma, scratch)
         print_result(r, file=out)
         out.flush()
         results.append(r)
@@ -401,14 +407,14 @@ def main(argv=None):
     keep = float(opts.get("keep", 1.6))
     max_n = int(opts.get("max_candidates", 6))
     ws_floats = ws_floats_of(cfg, vocab)
-    bt_floats = ws_floats_of(cfg, vocab, "gemm_bT")
+    scratch = {name: ws_floats_of(cfg, vocab, name) for name in SCRATCH}
     precision = cfg.precision
     print(f"{path}: {precision}, {len(ops)} GEMM shapes, tokens {cfg.batch_size * cfg.block_size}, "
           f"C {cfg.n_embd}, V {vocab}, split-K workspace {ws_floats} floats")
     if "dry_run" in flags:
         for op in ops:
             heur, plans = candidates_for(op, precision, 132, ws_floats, keep, max_n,   # as on an H200
-                                         wgmma=os.environ.get("GPTCUDA_WGMMA", "1") != "0", bt_floats=bt_floats)
+                                         wgmma=os.environ.get("GPTCUDA_WGMMA", "1") != "0", scratch=scratch)
             print(f"{op.label}: {op.M}x{op.N}x{op.K} b{op.batch} {op.trans()} {op.epilogue}"
                   f"{'+bias' if op.bias else ''} floor {floor_s(op, precision) * 1e3:.4f} ms")
             for p in plans:
@@ -420,12 +426,12 @@ def main(argv=None):
     from gptcuda.runtime import Runtime
     rt = Runtime(cfg.device, precision=precision, seed=cfg.seed)
     print(f"{rt.info.name}, {rt.info.sm_count} SMs; table {gemm.table_path(rt.info.name)}")
-    timer = EventTimer(rt, ws_floats, rounds=int(opts.get("rounds", 7)), bt_floats=bt_floats,
+    timer = EventTimer(rt, ws_floats, rounds=int(opts.get("rounds", 7)), scratch=scratch,
                        target_ms=float(opts.get("target_ms", 0.5)), check="no_check" not in flags)
     watch = ClockWatch(cfg.device)
     try:
         results = run(cfg, ops, precision, timer, rt.info.sm_count, ws_floats, keep, max_n,
-                      wgmma=bool(gemm.wgmma_ok(rt, False, True, True)), bt_floats=bt_floats)
+                      wgmma=gemm.wgmma_device(rt), scratch=scratch)
     finally:
         timer.close()
     print(watch.stop())

@@ -32,6 +32,7 @@ __all__ = [
 
 PRECISIONS = ("fp32", "tf32")
 ATTENTIONS = ("unfused", "fused")
+FP32_GEMMS = ("3xtf32", "ffma")
 BACKENDS = ("cuda", "reference")
 
 
@@ -56,6 +57,7 @@ class Config:
     vocab_size: int = 0  # 0: taken from the data's tokenizer
     # execution
     precision: str = "fp32"  # fp32 | tf32
+    fp32_gemm: str = "3xtf32"  # fp32's GEMMs: 3xtf32 (three TF32 tensor-core products, sm_90) | ffma (SIMT)
     attention: str = "unfused"  # unfused | fused
     backend: str = "cuda"  # cuda | reference
     graph: bool = True  # capture the training step in a CUDA graph
@@ -297,6 +299,8 @@ def validate(cfg: Config) -> Config:
         raise err("dropout", f"must be in [0, 1), got {cfg.dropout}")
     if cfg.precision not in PRECISIONS:
         raise err("precision", f"must be one of {'|'.join(PRECISIONS)}, got {cfg.precision!r}")
+    if cfg.fp32_gemm not in FP32_GEMMS:
+        raise err("fp32_gemm", f"must be one of {'|'.join(FP32_GEMMS)}, got {cfg.fp32_gemm!r}")
     if cfg.attention not in ATTENTIONS:
         raise err("attention", f"must be one of {'|'.join(ATTENTIONS)}, got {cfg.attention!r}")
     if cfg.backend not in BACKENDS:

@@ -359,11 +359,27 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
     }
 }
 
-// out [N, K] = in [K, N] (row-major): the B operand of a transpose_b plan (the wgmma kernel reads
-// only K-major operands). 32 x 32 tiles through shared memory, rows padded to 33 floats so that
-// the column reads hit 32 distinct banks; reads and writes are both coalesced. Block 256 threads
-// (8 rows of 32 per pass), grid (ceil(N / 32), ceil(K / 32)).
-__global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,       // out [N, K]
+// ---------------------------------------------------------------------------------------------
+// Operand preparation for the wgmma kernels (gemm_wgmma.cu reads K-major operands only, and its
+// 3xTF32 form reads them split in two).
+//
+// x = hi + lo with hi = tf32(x) and lo = tf32(x - hi), both rounded to nearest (ties away from
+// zero, as cvt.rna.tf32.f32) and stored with the 13 low mantissa bits cleared, so the tensor core,
+// which reads only the top 19 bits, sees them exactly. x - hi is exact in fp32; hi and lo together
+// carry 22 of x's 24 significand bits (the rest: |x - hi - lo| <= 2^-22 |x|). Then
+// a b = ahi bhi + ahi blo + alo bhi + alo blo, and the 3xTF32 product drops the last term
+// (<= 2^-22 |a b|). Non-finite x give non-finite halves; |x| within half a tf32 ulp of FLT_MAX
+// rounds hi to inf (as cvt.rna does), so its lo is -inf and products with it are NaN.
+__device__ __forceinline__ float tf32_hi(float x) {
+    return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xFFFFE000u);
+}
+
+// out [N, K] = in [K, N] (row-major): the B operand of a transpose_b plan. SPLIT: out [2, N, K],
+// the hi then the lo half of each element. 32 x 32 tiles through shared memory, rows padded to 33
+// floats so that the column reads hit 32 distinct banks; reads and writes are both coalesced.
+// Block 256 threads (8 rows of 32 per pass), grid (ceil(N / 32), ceil(K / 32)).
+template <bool SPLIT>
+__global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,       // out [N, K] / [2, N, K]
                                                       const float* __restrict__ in,  // in [K, N]
                                                       int K, int N) {
     __shared__ float tile[32][33];
@@ -375,7 +391,50 @@ __global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,  
     __syncthreads();
 #pragma unroll
     for (int i = ty; i < 32; i += 8)
-        if (n0 + i < N && k0 + tx < K) out[(long long)(n0 + i) * K + k0 + tx] = tile[tx][i];
+        if (n0 + i < N && k0 + tx < K) {
+            const long long o = (long long)(n0 + i) * K + k0 + tx;
+            const float x = tile[tx][i];
+            if constexpr (SPLIT) {
+                const float hi = tf32_hi(x);
+                out[o] = hi;
+                out[(long long)N * K + o] = tf32_hi(x - hi);
+            } else {
+                out[o] = x;
+            }
+        }
+}
+
+// out [2, rows, cols] = the hi and lo halves of in [rows, cols] (row stride ld): the A (or B) operand
+// of a 3xTF32 product. VEC: cols and ld multiples of 4 and 16-byte aligned rows (float4 accesses).
+// Grid-stride over 4-element groups; a block of 256 threads.
+template <bool VEC>
+__global__ void __launch_bounds__(256) tf32_split(float* __restrict__ out,        // out [2, rows, cols]
+                                                  const float* __restrict__ in,   // in [rows, ld]
+                                                  int rows, int cols, int ld) {
+    const long long n = (long long)rows * cols;
+    const int cg = (cols + 3) / 4;
+    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < (long long)rows * cg;
+         g += (long long)gridDim.x * blockDim.x) {
+        const int r = (int)(g / cg), c = (int)(g % cg) * 4;
+        const float* src = in + (long long)r * ld + c;
+        float* hi = out + (long long)r * cols + c;
+        if constexpr (VEC) {
+            const float4 v = *reinterpret_cast<const float4*>(src);
+            float4 h, l;
+            h.x = tf32_hi(v.x); l.x = tf32_hi(v.x - h.x);
+            h.y = tf32_hi(v.y); l.y = tf32_hi(v.y - h.y);
+            h.z = tf32_hi(v.z); l.z = tf32_hi(v.z - h.z);
+            h.w = tf32_hi(v.w); l.w = tf32_hi(v.w - h.w);
+            *reinterpret_cast<float4*>(hi) = h;
+            *reinterpret_cast<float4*>(hi + n) = l;
+        } else {
+            for (int j = 0; j < 4 && c + j < cols; ++j) {
+                const float x = src[j], h = tf32_hi(x);
+                hi[j] = h;
+                hi[n + j] = tf32_hi(x - h);
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

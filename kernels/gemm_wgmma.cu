@@ -56,8 +56,10 @@ __device__ __forceinline__ void wg_fence_async_smem() { asm volatile("fence.prox
 // is row 16 w + g + 8 (e / 2), column 8 j + 2 q + e % 2 (the mma.sync C layout per n8 block).
 // An asm operand list cannot be an array: the BN / 2 accumulators are named one by one, through
 // the macros below (register numbers in groups of 32, operands in groups of 8).
+// scale_d = 0: d = A B^T (the accumulators' old values are ignored).
 template <int BN>
-__device__ __forceinline__ void wg_mma_tf32(float (&d)[BN / 2], unsigned long long da, unsigned long long db);
+__device__ __forceinline__ void wg_mma_tf32(float (&d)[BN / 2], unsigned long long da, unsigned long long db,
+                                            int scale_d = 1);
 
 #define WG_REGS_0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define WG_REGS_1 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
@@ -71,12 +73,12 @@ __device__ __forceinline__ void wg_mma_tf32(float (&d)[BN / 2], unsigned long lo
 #define WG_MMA_TF32(N, REGS, IA, IB, IP, ...)                                                          \
     template <>                                                                                        \
     __device__ __forceinline__ void wg_mma_tf32<N>(float (&d)[N / 2], unsigned long long da,           \
-                                                   unsigned long long db) {                            \
+                                                   unsigned long long db, int scale_d) {               \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                 \
                      "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 "                         \
                      "{" REGS "}, %" #IA ", %" #IB ", p, 1, 1;\n}\n"                                  \
                      : __VA_ARGS__                                                                     \
-                     : "l"(da), "l"(db), "r"(1));                                                      \
+                     : "l"(da), "l"(db), "r"(scale_d));                                                \
     }
 WG_MMA_TF32(64, WG_REGS_0, 32, 33, 34, WG_ACC32(0))
 WG_MMA_TF32(128, WG_REGS_0 ", " WG_REGS_1, 64, 65, 66, WG_ACC32(0), WG_ACC32(32))
@@ -298,22 +300,45 @@ __device__ __forceinline__ void tma_load_pair(int lane, unsigned bar, unsigned b
           "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(row0b), "r"(k0), "r"(batch)
         : "memory");
 }
+// The 3xTF32 form (PRODUCTS = 3): each tensor map covers {K, rows, 2} (the hi and lo halves of a
+// split operand, tf32_split below); expect `bytes` on bar, then the hi and lo tiles of A to dsta and
+// dsta + a_half, those of B to dstb and dstb + b_half. Lane 0 only, converged as above.
+__device__ __forceinline__ void tma_load_split(int lane, unsigned bar, unsigned bytes, unsigned dsta, unsigned a_half,
+                                               const TmaMap* mapa, int row0a, unsigned dstb, unsigned b_half,
+                                               const TmaMap* mapb, int row0b, int k0) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
+        "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n"
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%3], [%4, {%9, %5, 0}], [%1];\n"
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%10], [%4, {%9, %5, 1}], [%1];\n"
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%6], [%7, {%9, %8, 0}], [%1];\n"
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%11], [%7, {%9, %8, 1}], [%1];\n}\n"
+        ::"r"(lane), "r"(bar), "r"(bytes), "r"(dsta), "l"(reinterpret_cast<unsigned long long>(mapa)), "r"(row0a),
+          "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(row0b), "r"(k0), "r"(dsta + a_half),
+          "r"(dstb + b_half)
+        : "memory");
+}
 
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
+// PRODUCTS = 3: fp32 accuracy from three TF32 products (3xTF32). A and B arrive split, hi and lo
+// (tensor maps {K, rows, 2}, batch 1); each slot holds A hi, A lo, B hi, B lo and every k step
+// issues lo x hi, hi x lo, then hi x hi into the same accumulators (smallest terms first).
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS>
 __global__ void __launch_bounds__(BM / 64 * 128, 1)
 gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], row stride ldc, matrix stride sC
                float* aux,                         // aux: as in gemm_wgmma
-               const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major)
-               const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major)
+               const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major); PRODUCTS 3: [2 (hi, lo), M, K]
+               const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major); PRODUCTS 3: [2 (hi, lo), N, K]
                const float* __restrict__ bias,     // bias [N] or null
                int M, int N, int K, int ldc, long long sC,
                float alpha, int splits, int k_chunk) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int WG = BM / 64;
-    constexpr int A_BYTES = BM * 128;
-    constexpr int STAGE_BYTES = (BM + BN) * 128;
+    constexpr int HALVES = PRODUCTS == 3 ? 2 : 1;        // operand tiles per slot and matrix: hi (, lo)
+    constexpr int A_BYTES = HALVES * BM * 128;
+    constexpr int STAGE_BYTES = HALVES * (BM + BN) * 128;
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 8 == 0 && BN <= 256, "wgmma m64nBNk8 tiles, TMA boxes <= 256");
     static_assert(STAGES >= 2, "a ring");
+    static_assert(PRODUCTS == 1 || PRODUCTS == 3, "TF32 or 3xTF32");
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[2 * STAGES];     // full[0..S), empty[0..S)
@@ -329,8 +354,12 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
     auto issue = [&](int kt) {      // warp 0 (lane 0 acts): tile kt into its slot
         const int s = kt % STAGES;
         const unsigned sa = smem0 + s * STAGE_BYTES;
-        tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, blk.m0, sa + A_BYTES, &mapB, blk.n0,
-                      blk.kb0 + kt * GEMM_WG_BK, blk.batch);
+        if constexpr (PRODUCTS == 3)
+            tma_load_split(lane, full0 + 8 * s, STAGE_BYTES, sa, BM * 128, &mapA, blk.m0, sa + A_BYTES, BN * 128,
+                           &mapB, blk.n0, blk.kb0 + kt * GEMM_WG_BK);
+        else
+            tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, blk.m0, sa + A_BYTES, &mapB, blk.n0,
+                          blk.kb0 + kt * GEMM_WG_BK, blk.batch);
     };
     if (tid == 0) {
 #pragma unroll
@@ -345,34 +374,62 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
         for (int kt = 0; kt < STAGES && kt < nk; ++kt) issue(kt);
     }
 
-    float acc[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-
-    for (int kt = 0; kt < nk; ++kt) {
+    // Tile kt's wgmma into d (3xTF32: d is the tile's own partial sum, its first product issued
+    // with scale-d 0), commit, then wait: TF32 for the group before (tile kt - 1, whose slot is
+    // then released and refilled), 3xTF32 for this one (tile kt's slot is released at once).
+    constexpr int DONE = PRODUCTS == 3 ? 0 : 1;
+    auto mma_tile = [&](int kt, float (&d)[BN / 2]) {
         const int s = kt % STAGES;
         mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
         const unsigned sa = smem0 + s * STAGE_BYTES;
         const unsigned a_wg = sa + wg * 64 * 128, b_t = sa + A_BYTES;
-        wg_fence_acc(acc);
+        wg_fence_acc(d);
         wg_fence();
 #pragma unroll
-        for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8)
-            wg_mma_tf32<BN>(acc, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
+        for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) {
+            if constexpr (PRODUCTS == 3) {
+                wg_mma_tf32<BN>(d, wg_desc(a_wg + BM * 128 + 32 * k8), wg_desc(b_t + 32 * k8), k8 > 0);  // lo x hi
+                wg_mma_tf32<BN>(d, wg_desc(a_wg + 32 * k8), wg_desc(b_t + BN * 128 + 32 * k8));          // hi x lo
+            }
+            wg_mma_tf32<BN>(d, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));                         // hi x hi
+        }
         wg_commit();
-        wg_fence_acc(acc);
-        wg_wait<1>();                                   // this warpgroup's tile kt - 1 is done
-        if (kt >= 1) {
-            const int sp = (kt - 1) % STAGES;
+        wg_fence_acc(d);
+        wg_wait<DONE>();
+        const int kr = kt - DONE;                       // every wgmma of this warpgroup on tile kr is done
+        if (kr >= 0) {
+            const int sp = kr % STAGES;
             mbar_arrive(empty0 + 8 * sp);
-            if (tid < 32 && kt - 1 + STAGES < nk) {
-                mbar_wait(empty0 + 8 * sp, ((kt - 1) / STAGES) & 1);
-                issue(kt - 1 + STAGES);
+            if (tid < 32 && kr + STAGES < nk) {
+                mbar_wait(empty0 + 8 * sp, (kr / STAGES) & 1);
+                issue(kr + STAGES);
             }
         }
+    };
+
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+
+    if constexpr (PRODUCTS == 1) {
+        for (int kt = 0; kt < nk; ++kt) mma_tile(kt, acc);
+        wg_wait<0>();
+        wg_fence_acc(acc);
+    } else {
+        // The tensor core accumulates with truncation (round toward zero), which biases a long
+        // sum by about an ulp per addition: each 32-wide k tile is summed on its own (12 products
+        // into the partial) and the partials are added into acc on the FMA pipe, rounded to
+        // nearest. (Reading a partial while the next tile's wgmma run would be the better
+        // pipeline, but ptxas then serializes every wgmma: C7514.)
+        float part[BN / 2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) part[i] = 0.f;
+        for (int kt = 0; kt < nk; ++kt) {
+            mma_tile(kt, part);
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
+        }
     }
-    wg_wait<0>();
-    wg_fence_acc(acc);
 
     wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C, aux, bias, M, N, ldc, sC, blk.m0, blk.n0, alpha);
 #else

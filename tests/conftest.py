@@ -81,7 +81,8 @@ class FakeGemmRT:
     """A recording stand-in for the runtime, for driving launchers on a machine without a GPU:
     it records the kernels asked for and the launches, and lends a split-K workspace."""
 
-    def __init__(self, precision="fp32", ws=0, name="NVIDIA H200 (test)", sm_count=132, arch=None, bt=0):
+    def __init__(self, precision="fp32", ws=0, name="NVIDIA H200 (test)", sm_count=132, arch=None, bt=0,
+                 split=0):
         from gptcuda.runtime import DeviceView
         self.precision = precision
         self.arch = arch             # None: no arch-specific kernels (wgmma) are candidates
@@ -91,6 +92,9 @@ class FakeGemmRT:
         self._ws = {"gemm_splitk": DeviceView(1 << 20, (ws,), "f32", "ws")} if ws else {}
         if bt:                       # the wgmma kernel's transposed-B scratch
             self._ws["gemm_bT"] = DeviceView(1 << 40, (bt,), "f32", "bT")
+        if split:                    # the 3xTF32 kernel's split operands (fp32_gemm: 3xtf32)
+            self._ws["gemm_split_a"] = DeviceView(1 << 41, (split,), "f32", "split_a")
+            self._ws["gemm_split_b"] = DeviceView(1 << 42, (split,), "f32", "split_b")
 
     def function(self, file, name, defines=None):
         self.names.add((file, name, tuple(sorted((defines or {}).items()))))

@@ -105,11 +105,12 @@ def test_forbid_compiles(tmp_path, monkeypatch):
 
 
 def test_wgmma_kernels_keep_their_pipeline():
-    """ptxas's report for every wgmma tile (each loader, the widest epilogue): the wgmma stay
+    """ptxas's report for every wgmma tile (each loader, TF32 and 3xTF32, the widest epilogue): the wgmma stay
     asynchronous (no C7514 "wgmma ... serialized" note: accumulators pinned by wg_fence_acc), no
     spills, and sm_90a is the target."""
     from gptcuda.cuda_ops import gemm
     names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]
+    names += [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]       # 3xTF32
     arch = compiler.target_arch(gemm.WGMMA_FILE, "sm_90")
     assert arch == "sm_90a"
     options = compiler.options_for(arch, None) + ["--ptxas-options=-v"]

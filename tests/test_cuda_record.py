@@ -45,6 +45,10 @@ class FakeDev:
     def set_max_dynamic_smem(self, *a):
         pass
 
+    def tensor_map_f32(self, ptr, dims, strides_bytes, box):
+        assert ptr % 16 == 0 and all(int(s) % 16 == 0 for s in strides_bytes), (ptr, strides_bytes)
+        return bytes(128)
+
 
 class FakeInfo:
     sm_count, smem_per_block_optin, smem_per_block, cc, name = 132, 227 * 1024, 48 * 1024, (9, 0), "fake H200"

@@ -90,8 +90,16 @@ WGMMA_TILES = ((128, 128, 3, 0), (128, 192, 4, 0), (128, 256, 4, 0), (256, 128, 
 # bench/gemm.py --sweep on the H200: TMA beats cp.async by 5-20% at 192- and 256-wide tiles
 WGMMA_EFFICIENCY = dict(zip(WGMMA_TILES, (1.35, 1.5, 1.5, 1.5, 1.1, 1.4, 1.65, 1.75, 1.7)))
 WGMMA_ARCHS = ("sm_90",)       # compiled for sm_90a (compiler.ARCH_SPECIFIC)
+# fp32 through three TF32 products (family "wgmma3", the TMA kernel with PRODUCTS = 3): each slot
+# holds hi and lo tiles of both operands, twice a TF32 slot, so fewer stages fit: (BM, BN, STAGES, 1).
+# A thread keeps two sets of BN / 2 accumulators (the sum and the k tile's partial), so only two
+# warpgroups (BM 128, up to 255 registers a thread) fit without spilling.
+WGMMA3_TILES = ((128, 128, 3, 1), (128, 192, 2, 1), (128, 64, 4, 1))
+WGMMA3_EFFICIENCY = dict(zip(WGMMA3_TILES, (2.0, 2.1, 1.5)))
 
-TRANSPOSE_NAME = "gemm_transpose"     # gemm_simt.cu: B [K, N] -> [N, K] for transpose_b plans
+TRANSPOSE_NAMES = {False: "gemm_transpose<false>", True: "gemm_transpose<true>"}   # gemm_simt.cu: B [K, N]
+                                      # -> [N, K] for transpose_b plans (true: hi and lo halves, wgmma3)
+SPLIT_NAMES = {False: "tf32_split<false>", True: "tf32_split<true>"}   # gemm_simt.cu: the halves of an operand
 
 # Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
 LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
@@ -120,10 +128,12 @@ def tf32_name(tile, ta, tb, epi, has_bias, vec) -> str:
     return f"gemm_tf32<{bm},{bn},{bk},{wm},{wn},{st},{_b(ta)},{_b(tb)},{epi},{_b(has_bias)},{_b(vec)}>"
 
 
-def wgmma_name(tile, epi, has_bias) -> str:
+def wgmma_name(tile, epi, has_bias, products=1) -> str:
     bm, bn, st, loader = tile
-    kernel = "gemm_wgmma_tma" if loader else "gemm_wgmma"
-    return f"{kernel}<{bm},{bn},{st},{epi},{_b(has_bias)}>"
+    if loader:
+        return f"gemm_wgmma_tma<{bm},{bn},{st},{epi},{_b(has_bias)},{products}>"
+    assert products == 1, "3xTF32 runs on the TMA kernel only"
+    return f"gemm_wgmma<{bm},{bn},{st},{epi},{_b(has_bias)}>"
 
 
 def _variants():
@@ -137,11 +147,13 @@ def _variants():
             out.append((TF32_FILE, tf32_name(tile, ta, tb, epi, hb, vec), {}))
     for tile, (epi, hb) in itertools.product(WGMMA_TILES, EPI_COMBOS):
         out.append((WGMMA_FILE, wgmma_name(tile, epi, hb), {}))
+    for tile, (epi, hb) in itertools.product(WGMMA3_TILES, EPI_COMBOS):
+        out.append((WGMMA_FILE, wgmma_name(tile, epi, hb, 3), {}))
     for epi, hb in EPI_COMBOS:
         out.append((SIMT_FILE, reduce_name(epi, hb), {}))
     for name in LADDER_NAMES:
         out.append((SIMT_FILE, name, {}))
-    out.append((SIMT_FILE, TRANSPOSE_NAME, {}))
+    out += [(SIMT_FILE, n, {}) for n in (*TRANSPOSE_NAMES.values(), *SPLIT_NAMES.values())]
     out.append((TF32_FILE, "mma_probe", {}))
     out.append((TF32_FILE, "tf32_round_probe", {}))
     return out
@@ -155,14 +167,15 @@ VARIANTS = _variants()
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Plan:
-    family: str          # "simt" | "tf32" | "wgmma"
-    tile: tuple          # (BM, BN) for simt, a TF32_TILES / WGMMA_TILES entry
+    family: str          # "simt" | "tf32" | "wgmma" | "wgmma3" (fp32 as 3xTF32)
+    tile: tuple          # (BM, BN) for simt, a TF32_TILES / WGMMA_TILES / WGMMA3_TILES entry
     threads: int
     blocks_per_sm: int
     splits: int
     k_chunk: int
     smem: int = 0
     transpose_b: bool = False   # wgmma on B [K, N]: B is first transposed into "gemm_bT" [N, K]
+                                # (wgmma3: into "gemm_split_b" [2, N, K])
 
     @property
     def bm(self):
@@ -191,9 +204,11 @@ _HIDDEN = 0.25                        # share of fill + epilogue not hidden when
 def _candidates(family, vec=True, tiles=None):
     """(tile, threads, blocks/SM, efficiency, smem) of the family's tiles (`tiles`: restrict to
     these; default: the cost model's own set)."""
-    if family == "wgmma":
-        return [(t, t[0] // 64 * 128, wgmma_blocks_per_sm(t), WGMMA_EFFICIENCY[t], wgmma_smem(t))
-                for t in WGMMA_TILES if vec and (tiles is None or t in tiles)]
+    if family in ("wgmma", "wgmma3"):
+        pool, eff, prod = ((WGMMA_TILES, WGMMA_EFFICIENCY, 1) if family == "wgmma" else
+                           (WGMMA3_TILES, WGMMA3_EFFICIENCY, 3))
+        return [(t, t[0] // 64 * 128, wgmma_blocks_per_sm(t, prod), eff[t], wgmma_smem(t, prod))
+                for t in pool if vec and (tiles is None or t in tiles)]
     if family == "tf32" and TF32_TILES:
         pool = TF32_TILES if vec else TF32_FALLBACK_TILES
         if tiles is None:
@@ -215,15 +230,15 @@ def tf32_blocks_per_sm(tile) -> int:
     return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
 
 
-def wgmma_smem(tile) -> int:
-    """Dynamic shared memory of a wgmma tile: stages x (BM + BN) rows of 128 bytes, plus 1 KB the
-    kernel may skip to align its tiles to 1024 bytes (the swizzle's period)."""
+def wgmma_smem(tile, products=1) -> int:
+    """Dynamic shared memory of a wgmma tile: stages x (BM + BN) rows of 128 bytes (3xTF32: twice,
+    hi and lo), plus 1 KB the kernel may skip to align its tiles to 1024 bytes (the swizzle's period)."""
     bm, bn, stages, _ = tile
-    return stages * (bm + bn) * 128 + 1024
+    return stages * (bm + bn) * 128 * (2 if products == 3 else 1) + 1024
 
 
-def wgmma_blocks_per_sm(tile) -> int:
-    return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile) + 1024)))
+def wgmma_blocks_per_sm(tile, products=1) -> int:
+    return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile, products) + 1024)))
 
 
 def wgmma_mode(trans_a, trans_b, vec, K, N, batch, bt_floats):
@@ -237,13 +252,34 @@ def wgmma_mode(trans_a, trans_b, vec, K, N, batch, bt_floats):
     return "transpose" if batch == 1 and K % 4 == 0 and 0 < K * N <= bt_floats else False
 
 
-def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1):
-    """`wgmma_mode` of this launch where the kernel exists: TF32 on an sm_90 device, with the
-    workspace "gemm_bT" as the B^T scratch; else False. GPTCUDA_WGMMA=0: never."""
-    if not (getattr(rt, "precision", "fp32") == "tf32" and getattr(rt, "arch", None) in WGMMA_ARCHS
-            and os.environ.get("GPTCUDA_WGMMA", "1") != "0"):
+def wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, a_floats, b_floats):
+    """`wgmma_mode` for the 3xTF32 kernel: one product (batch 1: the tensor maps' third dim is hi /
+    lo), whose split operands fit the workspaces: A's halves [2, M, K] in a_floats, B's [2, N, K]
+    in b_floats (B is split in either layout, transposed for "transpose")."""
+    if batch != 1 or not 0 < 2 * M * K <= a_floats or not 0 < 2 * N * K <= b_floats:
         return False
-    return wgmma_mode(trans_a, trans_b, vec, K, N, batch, _ws_capacity(rt, "gemm_bT")[1])
+    return wgmma_mode(trans_a, trans_b, vec, K, N, batch, b_floats)
+
+
+def wgmma_device(rt) -> bool:
+    """Whether rt's device runs the warpgroup-MMA kernels (sm_90; GPTCUDA_WGMMA=0: never)."""
+    return getattr(rt, "arch", None) in WGMMA_ARCHS and os.environ.get("GPTCUDA_WGMMA", "1") != "0"
+
+
+def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0):
+    """`wgmma_mode` of this launch where the kernel exists (an sm_90 device): TF32 with the workspace
+    "gemm_bT" as the B^T scratch, or fp32 as 3xTF32 (`wgmma3_mode`) when the config planned the
+    split workspaces "gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32); else False.
+    GPTCUDA_WGMMA=0: never."""
+    prec = getattr(rt, "precision", "fp32")
+    if not wgmma_device(rt):
+        return False
+    if prec == "tf32":
+        return wgmma_mode(trans_a, trans_b, vec, K, N, batch, _ws_capacity(rt, "gemm_bT")[1])
+    if prec == "fp32":
+        return wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, _ws_capacity(rt, "gemm_split_a")[1],
+                           _ws_capacity(rt, "gemm_split_b")[1])
+    return False
 
 
 def _util(warps):
@@ -274,9 +310,9 @@ def split_chunk(K, splits):
 def make_plan(family, tile, splits, K, transpose_b=False) -> Plan | None:
     """The Plan of a family / tile / split count for reduction length K (None: no such plan);
     transpose_b: a wgmma plan that first transposes B."""
-    if family not in ("simt", "tf32", "wgmma") or not 1 <= splits <= MAX_SPLITS or K < 1:
+    if family not in ("simt", "tf32", "wgmma", "wgmma3") or not 1 <= splits <= MAX_SPLITS or K < 1:
         return None
-    if transpose_b and family != "wgmma":
+    if transpose_b and family not in ("wgmma", "wgmma3"):
         return None
     chunk = split_chunk(K, splits)
     if chunk is None:
@@ -288,7 +324,8 @@ def make_plan(family, tile, splits, K, transpose_b=False) -> Plan | None:
 
 
 def _efficiency(p: Plan) -> float:
-    return {"tf32": TF32_EFFICIENCY, "wgmma": WGMMA_EFFICIENCY}.get(p.family, SIMT_EFFICIENCY)[p.tile]
+    return {"tf32": TF32_EFFICIENCY, "wgmma": WGMMA_EFFICIENCY,
+            "wgmma3": WGMMA3_EFFICIENCY}.get(p.family, SIMT_EFFICIENCY)[p.tile]
 
 
 def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
@@ -296,7 +333,7 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
     per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's
     main loop when blocks_per_sm >= 2), at least the DRAM traffic and the operand panels every
     block streams from L2; split-K adds its partials and the reduction."""
-    rate = _FLOPS_PER_SM if p.family == "simt" else _TF32_FLOPS_PER_SM
+    rate = {"simt": _FLOPS_PER_SM, "wgmma3": _TF32_FLOPS_PER_SM / 3}.get(p.family, _TF32_FLOPS_PER_SM)
     blocks = _cdiv(M, p.bm) * _cdiv(N, p.bn) * batch * p.splits
     t = _model_time(blocks, 2.0 * p.bm * p.bn * max(p.k_chunk, 1), p.threads, p.blocks_per_sm,
                     _efficiency(p), rate, sm_count)
@@ -304,11 +341,14 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
     per_block = _FILL_S + p.bm * p.bn * 4 * io / (_BYTES_PER_S / sm_count)
     per_sm = _cdiv(blocks, sm_count)
     t += per_sm * per_block * (_HIDDEN if p.blocks_per_sm >= 2 else 1.0)
-    t = max(t, 4.0 * batch * (M * K + K * N + M * N * io) / _BYTES_PER_S,
-            4.0 * blocks * (p.bm + p.bn) * max(p.k_chunk, 1) / _L2_BYTES_PER_S)
+    halves = 2 if p.family == "wgmma3" else 1
+    t = max(t, 4.0 * batch * (halves * (M * K + K * N) + M * N * io) / _BYTES_PER_S,
+            4.0 * halves * blocks * (p.bm + p.bn) * max(p.k_chunk, 1) / _L2_BYTES_PER_S)
     if p.splits > 1:
         t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
-    if p.transpose_b:
+    if p.family == "wgmma3":           # the split passes: read 4 bytes, write 8, per element of A and B
+        t += 2 * _LAUNCH_S / 3 + 12.0 * (M * K + K * N) / _BYTES_PER_S
+    elif p.transpose_b:
         t += _LAUNCH_S / 3 + 8.0 * batch * K * N / _BYTES_PER_S
     return t
 
@@ -320,9 +360,11 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
     (TF32 has its guarded fallback for fewer tiles); tiles / splits: restrict the candidates to
     these tiles / this split count (benchmarks, sweeps, tuning); epi: the epilogue code (its
     [M, N] traffic weighs on the choice); wgmma: `wgmma_ok`'s answer, the warpgroup-MMA tiles
-    compete too ("transpose": their plans transpose B first)."""
+    compete too ("transpose": their plans transpose B first; for the simt family: the 3xTF32 tiles)."""
     use_tf32 = family == "tf32" and bool(TF32_TILES)
-    fams = ["tf32", "wgmma"] if use_tf32 and wgmma else ["tf32" if use_tf32 else "simt"]
+    fams = ["tf32" if use_tf32 else "simt"]
+    if wgmma:
+        fams.append("wgmma" if use_tf32 else "wgmma3")
     tb = wgmma == "transpose"
     best = None
     for fam, (tile, threads, bps, _eff, smem) in ((f, c) for f in fams for c in _candidates(f, vec, tiles)):
@@ -337,7 +379,7 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
             chunk = split_chunk(K, s)
             if chunk is None or (s > 1 and (s * M * N > max_ws or s > MAX_GRID_Z)):
                 continue
-            p = Plan(fam, tile, threads, bps, s, chunk, smem, tb and fam == "wgmma")
+            p = Plan(fam, tile, threads, bps, s, chunk, smem, tb and fam in ("wgmma", "wgmma3"))
             key = (estimate_s(p, M, N, K, batch, epi, sm_count), s, -tile[0] * tile[1])
             if best is None or key < best[0]:
                 best = (key, p)
@@ -357,10 +399,12 @@ def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0, wgmma=F
     count that fits the workspace."""
     fam = "tf32" if family == "tf32" and TF32_TILES else "simt"
     tiles = (TF32_TILES if vec else TF32_FALLBACK_TILES) if fam == "tf32" else SIMT_TILES
-    pool = [(fam, t) for t in tiles] + ([("wgmma", t) for t in WGMMA_TILES] if fam == "tf32" and wgmma and vec else [])
+    pool = [(fam, t) for t in tiles]
+    if wgmma and vec:
+        pool += [("wgmma", t) for t in WGMMA_TILES] if fam == "tf32" else [("wgmma3", t) for t in WGMMA3_TILES]
     out = []
     for fam, tile in pool:
-        tb = fam == "wgmma" and wgmma == "transpose"
+        tb = fam in ("wgmma", "wgmma3") and wgmma == "transpose"
         for s in TUNE_SPLITS:
             if s > 1 and (batch != 1 or s * M * N > max_ws or K < 2 * SPLIT_ALIGN):
                 continue
@@ -408,9 +452,15 @@ def workspace(cfg) -> dict:
                 if p.splits > 1:
                     need = max(need, p.splits * M * N)
     out = {"gemm_splitk": ((need,), "f32")} if need else {}
+    w_max = max(m * n for m, n in _weight_grad_shapes(cfg))
     if getattr(cfg, "precision", "fp32") == "tf32":
         # B^T of the backward's dX = dY @ W (W [out, in]: [C, 4C] the largest), for the wgmma kernel
-        out["gemm_bT"] = ((max(m * n for m, n in _weight_grad_shapes(cfg)),), "f32")
+        out["gemm_bT"] = ((w_max,), "f32")
+    elif getattr(cfg, "fp32_gemm", "ffma") == "3xtf32":
+        # the hi and lo halves of the 3xTF32 operands: A up to [tokens, 4C] (the MLP's second
+        # product and the backward's dY of the first), B a weight or its transpose
+        out["gemm_split_a"] = ((2 * K * 4 * cfg.n_embd,), "f32")
+        out["gemm_split_b"] = ((2 * w_max,), "f32")
     return out
 
 
@@ -575,10 +625,13 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
     vec = _vec_ok(a, b, lda, ldb, sA, sB) and (p.splits == 1 or p.k_chunk % 4 == 0)
     if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
         raise AssertionError(f"{label}: TF32 tile {p.tile} has no unaligned variant")
-    if p.family == "wgmma" and (ta or not tb or not vec):
+    if p.family in ("wgmma", "wgmma3") and (ta or not tb or not vec):
         raise AssertionError(f"{label}: the wgmma kernel needs K-major, 16-byte aligned A and B")
     operands = [a, b]
-    if p.family == "wgmma" and p.tile[3]:       # TMA: tensor maps {K, rows, batch} in place of pointers
+    if p.family == "wgmma3":     # TMA over the split halves: {K, rows, 2 (hi, lo)}, dense
+        operands = [rt.tensor_map(x, (K, rows, 2), (4 * K, 4 * rows * K), (32, box, 1))
+                    for x, rows, box in ((a, M, p.bm), (b, N, p.bn))]
+    elif p.family == "wgmma" and p.tile[3]:       # TMA: tensor maps {K, rows, batch} in place of pointers
         operands = [rt.tensor_map(x, (K, rows, batch), (4 * ld, 4 * max(stride, rows * ld)), (32, box, 1))
                     for x, rows, ld, stride, box in ((a, M, lda, sA, p.bm), (b, N, ldb, sB, p.bn))]
     if p.splits > 1:
@@ -606,7 +659,7 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
 
 def _gemm_args(p: Plan, C, aux, operands, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, k_chunk):
     """The argument block of a GEMM kernel (the TMA kernel takes tensor maps and no A/B strides)."""
-    if p.family == "wgmma" and p.tile[3]:
+    if p.family == "wgmma3" or (p.family == "wgmma" and p.tile[3]):
         return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(ldc), u64(sC), f32(alpha),
                 i32(splits), i32(k_chunk)]
     return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(lda), i32(ldb), i32(ldc),
@@ -614,12 +667,12 @@ def _gemm_args(p: Plan, C, aux, operands, bias, M, N, K, lda, ldb, ldc, sA, sB, 
 
 
 def _file(p: Plan):
-    return {"tf32": TF32_FILE, "wgmma": WGMMA_FILE}.get(p.family, SIMT_FILE)
+    return {"tf32": TF32_FILE, "wgmma": WGMMA_FILE, "wgmma3": WGMMA_FILE}.get(p.family, SIMT_FILE)
 
 
 def _kernel_name(p: Plan, ta, tb, epi, has_bias, vec):
-    if p.family == "wgmma":
-        return wgmma_name(p.tile, epi, has_bias)
+    if p.family in ("wgmma", "wgmma3"):
+        return wgmma_name(p.tile, epi, has_bias, 3 if p.family == "wgmma3" else 1)
     if p.family == "tf32":
         return tf32_name(p.tile, ta, tb, epi, has_bias, vec)
     return simt_name(p.bm, p.bn, ta, tb, epi, has_bias, vec)
@@ -638,9 +691,13 @@ def _plan_unfit(p: Plan, family, vec, wgmma) -> str | None:
     """Why plan p cannot run a launch of kernel family `family` (rt.precision's), alignment `vec`
     and `wgmma_ok` answer `wgmma`; None when it can. (A table entry that does not fit is skipped; a
     plan the caller forces is refused with this reason.)"""
-    if p.family == "wgmma":
+    if p.family in ("wgmma", "wgmma3"):
+        base = "tf32" if p.family == "wgmma" else "simt"
+        if family != base:
+            return f"plan family {p.family} but rt.precision wants {family}"
         if not wgmma:
-            return "a wgmma plan needs TF32 on sm_90 with K-major, aligned A and B"
+            return (f"a {p.family} plan needs sm_90 with K-major, aligned A and B" +
+                    ("" if p.family == "wgmma" else ", one product and the gemm_split_a/_b workspaces"))
         if p.transpose_b != (wgmma == "transpose"):
             return f"a wgmma plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
     elif p.family != family:
@@ -676,7 +733,7 @@ def kernel_label(p: Plan, trans_a, trans_b, vec=True) -> str:
     tile = "x".join(str(x) for x in p.tile[:2])
     if p.family == "tf32":
         tile += f"x{p.tile[2]} w{p.tile[3]}x{p.tile[4]} s{p.tile[5]}"
-    elif p.family == "wgmma":
+    elif p.family in ("wgmma", "wgmma3"):
         tile += f"x32 s{p.tile[2]} {WGMMA_LOADERS[p.tile[3]]}" + (" B^T first" if p.transpose_b else "")
     t = ("T" if trans_a else "N") + ("T" if trans_b else "N")
     return f"{p.family} {tile} {t}{'' if vec else ' unaligned'}" + (f" splitK={p.splits}" if p.splits > 1 else "")
@@ -687,7 +744,7 @@ def plan_label(p: Plan) -> str:
     tile = f"{p.tile[0]}x{p.tile[1]}"
     if p.family == "tf32":
         tile += f"s{p.tile[5]}"
-    elif p.family == "wgmma":
+    elif p.family in ("wgmma", "wgmma3"):
         tile += f"s{p.tile[2]}" + ("tma" if p.tile[3] else "")
     return f"{p.family} {tile}" + (" +bT" if p.transpose_b else "") + (f" split{p.splits}" if p.splits > 1 else "")
 
@@ -749,7 +806,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     family = _family(rt)
     ws, cap = _ws_capacity(rt)
     vec = _vec_ok(a, b, lda, ldb, 0, 0)
-    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N)
+    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, 1, M)
     label = f"matmul[{M}x{N}x{K}]"
     p = plan
     if p is not None:
@@ -759,7 +816,9 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         p = tuned_plan(rt, key, vec, cap, M, N, wg)
     if p is None:
         p = _plan_fn(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg)
-    if p.transpose_b:
+    if p.family == "wgmma3":
+        a, b, trans_b, lda, ldb = *_split_operands(rt, a, b, trans_b, M, N, K, lda, ldb, label), True, K, K
+    elif p.transpose_b:
         b, trans_b, ldb = _transpose_b(rt, b, K, N, label), True, K
     _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
                  trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label)
@@ -768,15 +827,47 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
 _plan_fn = plan      # `matmul(..., plan=)` shadows the function's name inside matmul
 
 
+def _scratch(rt, name, shape, label):
+    ws, cap = _ws_capacity(rt, name)
+    n = 1
+    for d in shape:
+        n *= d
+    if ws is None or cap < n:
+        raise ValueError(f"{label}: this plan needs the workspace {name} of {n} floats")
+    return DeviceView(ws.ptr, tuple(shape), "f32", name)
+
+
+def _transpose_into(rt, out, b, K, N, split, label):
+    rt.launch(rt.function(SIMT_FILE, TRANSPOSE_NAMES[split]), (_cdiv(N, 32), _cdiv(K, 32)), (256,),
+              [out, b, i32(K), i32(N)], label=f"{label}:B^T")
+
+
 def _transpose_b(rt, b, K, N, label):
     """B [K, N] -> the workspace "gemm_bT" as [N, K] (the operand of a transpose_b plan)."""
-    ws, cap = _ws_capacity(rt, "gemm_bT")
-    if ws is None or cap < K * N:
-        raise ValueError(f"{label}: a transpose_b plan needs the workspace gemm_bT of {K * N} floats")
-    bt = DeviceView(ws.ptr, (N, K), "f32", "gemm_bT")
-    rt.launch(rt.function(SIMT_FILE, TRANSPOSE_NAME), (_cdiv(N, 32), _cdiv(K, 32)), (256,),
-              [bt, b, i32(K), i32(N)], label=f"{label}:B^T")
+    bt = _scratch(rt, "gemm_bT", (N, K), label)
+    _transpose_into(rt, bt, b, K, N, False, label)
     return bt
+
+
+def _split_into(rt, out, x, rows_, cols, ld, label, what):
+    vec = x.ptr % 16 == 0 and cols % 4 == 0 and ld % 4 == 0
+    groups = rows_ * _cdiv(cols, 4)
+    blocks = max(1, min(_cdiv(groups, 256), rt.info.sm_count * 8))
+    rt.launch(rt.function(SIMT_FILE, SPLIT_NAMES[vec]), (blocks,), (256,),
+              [out, x, i32(rows_), i32(cols), i32(ld)], label=f"{label}:split {what}")
+
+
+def _split_operands(rt, a, b, trans_b, M, N, K, lda, ldb, label):
+    """The operands of a 3xTF32 plan: A [M, K] -> "gemm_split_a" [2, M, K] (hi, lo); B, [N, K]
+    (trans_b) or [K, N] (transposed on the way), -> "gemm_split_b" [2, N, K]."""
+    sa = _scratch(rt, "gemm_split_a", (2, M, K), label)
+    sb = _scratch(rt, "gemm_split_b", (2, N, K), label)
+    _split_into(rt, sa, a, M, K, lda, label, "A")
+    if trans_b:
+        _split_into(rt, sb, b, N, K, ldb, label, "B")
+    else:
+        _transpose_into(rt, sb, b, K, N, True, label)
+    return sa, sb
 
 
 def matmul_batched_dims(out, a, b, trans_a=False, trans_b=False):
@@ -830,4 +921,4 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
 __all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kernel_label",
            "VARIANTS", "Plan", "tune_key", "tuned_plan", "load_table", "save_table", "table_path",
            "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan", "wgmma_ok",
-           "wgmma_mode"]
+           "wgmma_mode", "wgmma3_mode", "wgmma_device"]

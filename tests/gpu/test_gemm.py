@@ -295,6 +295,98 @@ def test_wgmma_transposed_b(rt, splitk_ws, bt_ws, tile):
         rt.precision = old
 
 
+# ---- fp32 as three TF32 products (3xTF32, family "wgmma3") ------------------------------------
+@pytest.fixture(scope="module")
+def _split_buffers(rt):
+    return (rt.empty((2 * 4096 * 1536,), name="gemm_split_a"),     # 50 MB, once per module
+            rt.empty((2 * 1536 * 1536,), name="gemm_split_b"))
+
+
+@pytest.fixture
+def split_ws(rt, _split_buffers):
+    """The 3xTF32 kernel's split operands, as memory.py plans them for fp32 (restored afterwards)."""
+    old = dict(rt._workspace)
+    rt.set_workspace({**old, "gemm_split_a": _split_buffers[0], "gemm_split_b": _split_buffers[1]})
+    yield
+    rt.set_workspace(old)
+
+
+@pytest.fixture
+def fp32(rt):
+    old = rt.precision
+    rt.precision = "fp32"
+    yield
+    rt.precision = old
+
+
+@gpu
+@pytest.mark.parametrize("tile", gemm.WGMMA3_TILES, ids=lambda t: "x".join(map(str, t)))
+def test_wgmma3_tile_forced(rt, fp32, splitk_ws, split_ws, tile):
+    """Every 3xTF32 tile, forced, at fp32's tolerance: x @ W^T with interior blocks and ragged
+    edges in m, n and k, every epilogue, split-K partials; A @ B through the split transpose."""
+    _wgmma_rt(rt)
+    for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
+                                   (tile[0] - 3, tile[1] + 8, 36)]):
+        p = gemm.make_plan("wgmma3", tile, 1, K)
+        for epi in ("none", "bias", "gelu", "residual_alias", "residual_bias", "dgelu"):
+            _check_matmul(rt, M, N, K, False, True, epi, seed=i * 10 + len(epi), plan=p)
+        pt = gemm.make_plan("wgmma3", tile, 1, K, transpose_b=True)
+        for epi in ("none", "dgelu", "residual_alias"):
+            _check_matmul(rt, M, N, K, False, False, epi, seed=i * 10 + len(epi), plan=pt)
+    M, N, K = tile[0] + 4, tile[1] + 8, 740
+    _check_matmul(rt, M, N, K, False, True, "gelu", seed=7, plan=gemm.make_plan("wgmma3", tile, 3, K))
+    _check_matmul(rt, M, N, K, False, False, "none", seed=8,
+                  plan=gemm.make_plan("wgmma3", tile, 3, K, transpose_b=True))
+
+
+@gpu
+@pytest.mark.parametrize("M,N,K,tb", [(4096, 1536, 384, True), (4096, 384, 1536, True), (4096, 384, 1536, False),
+                                      (4096, 1152, 384, True)])
+def test_3xtf32_is_as_accurate_as_simt(rt, fp32, no_ws, split_ws, M, N, K, tb):
+    """The model's products in fp32: 3xTF32 (the cost model's best 3xTF32 plan) against float64 is
+    within 2x of the SIMT FMA kernel's error (both ~1e-7 relative to max|ref|)."""
+    _wgmma_rt(rt)
+    rng = np.random.default_rng(M + N + K)
+    a, b = _operands(rng, M, N, K, False, tb)
+    want = ref.matmul_forward(a, b, False, tb)
+    da, db = rt.upload(a), rt.upload(b)
+    errs = {}
+    for fam in ("wgmma3", "simt"):
+        p = gemm.plan(M, N, K, 1, rt.info.sm_count, "simt", tiles=gemm.WGMMA3_TILES,
+                      wgmma="direct" if tb else "transpose")
+        if fam == "simt":
+            p = gemm.plan(M, N, K, 1, rt.info.sm_count, "simt")
+        assert p.family == fam, p
+        out = rt.empty((M, N))
+        rt.memset(out, 0x7FC00000)                       # poison: NaN
+        gemm.matmul(rt, out, da, db, False, tb, plan=p)
+        errs[fam] = rel_err(rt.download(out), want)
+    assert errs["wgmma3"] < 2e-6 and errs["wgmma3"] <= 2.0 * errs["simt"], errs
+
+
+@gpu
+@pytest.mark.parametrize("rows,cols,ld", [(37, 388, 388), (5, 7, 9), (64, 64, 68)])
+def test_tf32_split_halves(rt, rows, cols, ld):
+    """tf32_split: hi = tf32(x) and lo = tf32(x - hi), round to nearest (the numpy mirror of
+    cvt.rna), 13 low bits clear; hi + lo within 2^-22 |x|; zeros, subnormals, huge values, ties."""
+    rng = np.random.default_rng(rows * cols)
+    x = (rng.standard_normal((rows, ld)) * 10.0 ** rng.integers(-30, 30, (rows, ld))).astype(np.float32)
+    flat = x.reshape(-1)
+    flat[:6] = [0.0, -0.0, 1e-41, -3e-39, 1.0 + 2.0 ** -11, -(1.0 + 3 * 2.0 ** -11)]   # subnormals, ties
+    out = rt.empty((2, rows, cols))
+    rt.memset(out, 0x7FC00000)
+    gemm._split_into(rt, out, rt.upload(x), rows, cols, ld, "test", "x")
+    hi, lo = rt.download(out)
+    xs = x[:, :cols]
+    assert np.array_equal(hi, tf32_round(xs)), "hi is not tf32(x)"
+    assert np.array_equal(lo, tf32_round(xs - hi)), "lo is not tf32(x - hi)"
+    for h in (hi, lo):
+        assert not np.any(h.view(np.uint32) & np.uint32(0x1FFF)), "low 13 bits set"
+    x64 = xs.astype(np.float64)
+    normal = np.abs(xs) > 1e-30
+    assert np.all(np.abs(x64 - hi - lo)[normal] <= 2.0 ** -22 * np.abs(x64)[normal])
+
+
 @gpu
 def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
     """On sm_90 the cost model sends the model's x @ W^T products to the wgmma kernel and its
@@ -314,7 +406,7 @@ def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
             rt.end()
         names = [it.fn.name for it in prog.items]
         assert names[0].startswith("gemm_wgmma"), names           # gemm_wgmma / gemm_wgmma_tma
-        assert names[1] == gemm.TRANSPOSE_NAME and names[2].startswith("gemm_wgmma"), names
+        assert names[1] == gemm.TRANSPOSE_NAMES[False] and names[2].startswith("gemm_wgmma"), names
         assert all(n.startswith(("gemm_tf32<", "gemm_splitk")) for n in names[3:]), names
         p = gemm.make_plan("wgmma", gemm.WGMMA_TILES[0], 1, 64)
         with pytest.raises(ValueError, match="wgmma"):
@@ -484,8 +576,8 @@ _FakeRT, _v = FakeGemmRT, fake_view
 
 def test_launcher_names_are_in_variants():
     variants = {(f, n, tuple(sorted(d.items()))) for f, n, d in gemm.VARIANTS}
-    for prec, arch in (("fp32", None), ("tf32", None), ("tf32", "sm_90")):
-        rt = _FakeRT(prec, ws=1 << 24, arch=arch, bt=1 << 25 if arch else 0)
+    for prec, arch in (("fp32", None), ("tf32", None), ("tf32", "sm_90"), ("fp32", "sm_90")):
+        rt = _FakeRT(prec, ws=1 << 24, arch=arch, bt=1 << 25 if arch else 0, split=1 << 30 if arch else 0)
         shapes = [(67, 65, 33), (16384, 1152, 384), (16384, 65, 384), (1152, 384, 16384),
                   (65, 384, 16384), (4096, 4096, 4096), (64, 64, 64), (8, 8, 8)]
         for (M, N, K) in shapes:
@@ -504,7 +596,7 @@ def test_launcher_names_are_in_variants():
             for mode in (("direct", "transpose") if arch else (False,)):
                 for p in gemm.tune_candidates(M, N, K, 1, "tf32" if prec == "tf32" else "simt", True, 1 << 24,
                                               wgmma=mode):
-                    for ta, tb in (TRANS if p.family != "wgmma" else [(False, mode == "direct")]):
+                    for ta, tb in (TRANS if not p.family.startswith("wgmma") else [(False, mode == "direct")]):
                         a = _v((K, M) if ta else (M, K))
                         b = _v((N, K) if tb else (K, N))
                         gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)), plan=p)
@@ -513,7 +605,8 @@ def test_launcher_names_are_in_variants():
         missing = rt.names - variants
         assert not missing, f"launched but not in VARIANTS: {sorted(missing)[:5]}"
         assert (arch is not None) == any(n[0] == gemm.WGMMA_FILE for n in rt.names), (prec, arch)
-        assert (arch is not None) == any(n[1] == gemm.TRANSPOSE_NAME for n in rt.names), (prec, arch)
+        assert (arch is not None) == any(n[1] == gemm.TRANSPOSE_NAMES[prec == "fp32"] for n in rt.names), (prec, arch)
+        assert (arch is not None and prec == "fp32") == any(n[1] in gemm.SPLIT_NAMES.values() for n in rt.names)
         # every launch has a legal geometry
         for name, grid, block, smem in rt.launches:
             grid = tuple(grid) + (1,) * (3 - len(grid))
