@@ -42,8 +42,12 @@ class ClockWatch:
         self.after = sm_clock_mhz(self.ordinal)
         if self.before is None or self.after is None:
             return "clock: unknown (no NVML)"
-        moved = abs(self.after - self.before) > 0.05 * max(self.before, 1)
-        return f"SM clock {self.before} -> {self.after} MHz" + ("  THROTTLED" if moved else "")
+        return f"SM clock {self.before} -> {self.after} MHz" + ("  THROTTLED" if self.moved else "")
+
+    @property
+    def moved(self) -> bool:
+        """Any change counts: a clock that moved during a timed region makes its numbers suspect."""
+        return self.before is not None and self.after is not None and self.after != self.before
 
 
 class Arena:
