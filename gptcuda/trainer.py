@@ -18,6 +18,14 @@ from .engine import Engine, plan_for
 PEAK_TFLOPS = {"fp32": 67.0, "tf32": 495.0}   # H100/H200 SXM dense datasheet rates, for MFU
 
 
+def peak_tflops(cfg) -> float:
+    """The MFU denominator: the datasheet rate of the precision, and for fp32 with fp32_gemm 3xtf32
+    a third of TF32's (three tensor-core products per multiply), which is above the FMA rate."""
+    if cfg.precision == "fp32" and getattr(cfg, "fp32_gemm", "ffma") == "3xtf32":
+        return PEAK_TFLOPS["tf32"] / 3
+    return PEAK_TFLOPS[cfg.precision]
+
+
 def flops_per_token(cfg, n_params: int) -> float:
     """Training FLOPs per token: 6N for the matmuls plus attention (nanoGPT / PaLM estimate)."""
     return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
@@ -138,7 +146,7 @@ class Trainer:
                         raise NonFiniteLoss(f"loss became {st['loss']} (grad norm {st['grad_norm']}) at step "
                                             f"{step}; stopped, the last good checkpoint is left as it was")
                     tok_s = tokens_step / ms * 1e3
-                    mfu = (self.flops_tok * tok_s / (PEAK_TFLOPS[cfg.precision] * 1e12 * self.world)
+                    mfu = (self.flops_tok * tok_s / (peak_tflops(cfg) * 1e12 * self.world)
                            if cfg.backend == "cuda" else 0.0)
                     rec = dict(step=step, loss=st["loss"], lr=st["lr"], grad_norm=st["grad_norm"], ms=ms,
                                tok_s=tok_s, mfu=mfu)

@@ -141,6 +141,7 @@ def test_hyphenated_override_key():
     (["--dropout=-0.1"], "dropout"),
     (["--precision=fp16"], "precision"),
     (["--attention=flash"], "attention"),
+    (["--fp32_gemm=tf32x3"], "fp32_gemm"),
     (["--backend=cpu"], "backend"),
     (["--learning_rate=1e-5"], "learning_rate"),  # below min_lr
     (["--min_lr=-1", "--learning_rate=0"], "min_lr"),

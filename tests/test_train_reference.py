@@ -137,3 +137,12 @@ def test_recompute_changes_memory_not_results():
         hist[rc] = (e.loss_history(4), e.plan.total_bytes, "fc_act" in e.bufs.acts)
     assert np.array_equal(hist[False][0], hist[True][0])
     assert hist[True][1] < hist[False][1] and hist[False][2] and not hist[True][2]
+
+
+def test_mfu_peak_follows_the_gemm_kind():
+    from gptcuda.config import load_config
+    from gptcuda.trainer import PEAK_TFLOPS, peak_tflops
+    assert peak_tflops(load_config("configs/tiny.yaml", ["--precision=tf32"])) == PEAK_TFLOPS["tf32"]
+    assert peak_tflops(load_config("configs/tiny.yaml", ["--fp32_gemm=ffma"])) == PEAK_TFLOPS["fp32"]
+    # 3xTF32: three tensor-core products per multiply, a higher ceiling than the FMA pipe's
+    assert peak_tflops(load_config("configs/tiny.yaml", [])) == PEAK_TFLOPS["tf32"] / 3 > PEAK_TFLOPS["fp32"]
