@@ -50,6 +50,10 @@ class CudaBackend:
     attention_saved = staticmethod(attention_saved)
     workspaces = staticmethod(workspaces)
 
+    def device_workspaces(self, ws: dict) -> dict:
+        """The entries of workspaces(cfg) this device reads (gemm.device_workspaces)."""
+        return self.f["gemm"].device_workspaces(ws, self.rt)
+
     # ---- memory ---------------------------------------------------------------------
     def free_bytes(self) -> int:
         return self.rt.dev.mem_info()[0]

@@ -32,11 +32,15 @@ def backend_class(cfg):
 
 
 def plan_for(cfg, vocab_size: int, n_train: int, n_val: int, backend=None):
-    """The memory plan of a config; pure arithmetic, no GPU touched (train.py --plan)."""
+    """The memory plan of a config; pure arithmetic, no GPU touched (train.py --plan: the plan of an
+    sm_90 device; an Engine's backend leaves out the scratch its device never reads)."""
     cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     be = backend or backend_class(cfg)
+    ws = be.workspaces(cfg)
+    if backend is not None and hasattr(backend, "device_workspaces"):
+        ws = backend.device_workspaces(ws)         # a backend on a device: only the scratch it reads
     return plan_memory(cfg, param_table(cfg, vocab_size), vocab_size, n_train, n_val,
-                       be.attention_saved(cfg), be.workspaces(cfg), cfg.max_iters + 1)
+                       be.attention_saved(cfg), ws, cfg.max_iters + 1)
 
 
 class Engine:

@@ -94,3 +94,23 @@ def test_duplicate_entry_rejected():
     p.add("x", (2,))
     with pytest.raises(ValueError):
         p.add("x", (3,))
+
+
+@pytest.mark.parametrize("arch,env", [("sm_90", "1"), ("sm_80", "1"), ("sm_90", "0")])
+def test_wgmma_scratch_only_where_the_device_reads_it(arch, env, monkeypatch):
+    """train.py --plan shows the sm_90 plan; an Engine's backend leaves out the transposed-B and
+    3xTF32 scratch where the wgmma kernels cannot run (not sm_90, or GPTCUDA_WGMMA=0)."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from test_cuda_record import RecordingRuntime
+    from gptcuda.cuda_backend import CudaBackend
+    from gptcuda.engine import plan_for
+    monkeypatch.setenv("GPTCUDA_WGMMA", env)
+    for prec, names in (("fp32", {"gemm_split_a", "gemm_split_b"}), ("tf32", {"gemm_bT"})):
+        cfg = load_config("configs/tiny.yaml", [f"--precision={prec}"])
+        rt = RecordingRuntime(prec)
+        rt.arch = arch
+        on_device = {e.name for e in plan_for(cfg, 65, 3000, 300, CudaBackend(cfg, rt=rt)).entries}
+        printed = {e.name for e in plan_for(cfg, 65, 3000, 300).entries}
+        assert names <= printed
+        assert (names <= on_device) == (arch == "sm_90" and env == "1"), (prec, arch, env, on_device)
+        assert not names & on_device or names <= on_device

@@ -266,6 +266,17 @@ def wgmma_device(rt) -> bool:
     return getattr(rt, "arch", None) in WGMMA_ARCHS and os.environ.get("GPTCUDA_WGMMA", "1") != "0"
 
 
+WGMMA_WORKSPACES = ("gemm_bT", "gemm_split_a", "gemm_split_b")   # scratch only the wgmma kernels read
+
+
+def device_workspaces(ws: dict, rt) -> dict:
+    """`workspace(cfg)`'s entries that rt's device uses: without the wgmma kernels (not sm_90, or
+    GPTCUDA_WGMMA=0) the transposed-B and 3xTF32 scratch would never be read."""
+    if wgmma_device(rt):
+        return dict(ws)
+    return {k: v for k, v in ws.items() if k not in WGMMA_WORKSPACES}
+
+
 def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0):
     """`wgmma_mode` of this launch where the kernel exists (an sm_90 device): TF32 with the workspace
     "gemm_bT" as the B^T scratch, or fp32 as 3xTF32 (`wgmma3_mode`) when the config planned the
