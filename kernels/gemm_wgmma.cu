@@ -8,7 +8,10 @@
 // Block: BM / 64 warpgroups of 128 threads; warpgroup w computes rows 64 w .. 64 w + 63 of the
 // BM x BN tile with wgmma.mma_async m64nBNk8 (one instruction per 8-wide k step, BN / 2 fp32
 // accumulators per thread). The tensor core reads the operands' top 19 bits (tf32, truncated):
-// nothing converts them on the way from global memory to the instruction.
+// nothing converts them on the way from global memory to the instruction. Its fp32 accumulation
+// truncates too (round toward zero). gemm_wgmma_tma with PRODUCTS = 3 is the fp32 form (3xTF32):
+// operands split into TF32 hi and lo halves beforehand (gemm_simt.cu tf32_split), three products
+// per k step, each k tile's partial added into the sum on the FMA pipe.
 //
 // Shared layout: per stage, the A tile [BM][32] then the B tile [BN][32] (k contiguous, 128 bytes
 // a row), in the 128-byte swizzle the instruction's descriptor names: the 16-byte chunk c of
@@ -396,6 +399,7 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
         wg_commit();
         wg_fence_acc(d);
         wg_wait<DONE>();
+        if constexpr (DONE == 0) wg_fence_acc(d);       // d is read next (3xTF32): not before the wait
         const int kr = kt - DONE;                       // every wgmma of this warpgroup on tile kr is done
         if (kr >= 0) {
             const int sp = kr % STAGES;
