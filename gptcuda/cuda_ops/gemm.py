@@ -1,5 +1,5 @@
 """GEMM launchers: fp32 SIMT (kernels/gemm_simt.cu) and TF32 tensor cores (kernels/gemm_tf32.cu,
-mma.sync; kernels/gemm_wgmma.cu, Hopper's warpgroup MMA for the x @ W^T case).
+mma.sync; kernels/gemm_wgmma.cu, Hopper's warpgroup MMA for the x @ W^T case, also fp32 as 3xTF32).
 
     matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None)
         out[M, N] = op(a) @ op(b) (+ bias) (+ epilogue); a is [M, K] or stored [K, M] (trans_a),
@@ -14,7 +14,9 @@ rt.precision picks the kernel family: "fp32" -> SIMT, "tf32" -> tensor cores (th
 joins the candidates when the device is sm_90 and both operands are K-major: trans_a = False,
 trans_b = True, 16-byte aligned; or, for trans_b = False, after B is transposed into the
 workspace "gemm_bT" (one small launch: the backward's dX = dY @ W with W a weight; `wgmma_ok`;
-GPTCUDA_WGMMA=0 leaves it out). The block tile
+GPTCUDA_WGMMA=0 leaves it out). For "fp32" the same layouts may run as 3xTF32 (family "wgmma3")
+when the config planned the split scratch "gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32): A
+and B are split into TF32 hi and lo halves by a pre-pass, then three products. The block tile
 and the split-K factor of a shape come from the measured table of bench/tune.py when it has
 an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel
 sources (`tuned_plan`), else from a cost model (`plan`) fed with rt.info.sm_count. Split-K
