@@ -21,7 +21,7 @@ PEAK_TFLOPS = {"fp32": 67.0, "tf32": 495.0}   # H100/H200 SXM dense datasheet ra
 def peak_tflops(cfg) -> float:
     """The MFU denominator: the datasheet rate of the precision, and for fp32 with fp32_gemm 3xtf32
     a third of TF32's (three tensor-core products per multiply), which is above the FMA rate."""
-    if cfg.precision == "fp32" and getattr(cfg, "fp32_gemm", "ffma") == "3xtf32":
+    if cfg.precision == "fp32" and cfg.fp32_gemm == "3xtf32":
         return PEAK_TFLOPS["tf32"] / 3
     return PEAK_TFLOPS[cfg.precision]
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import tempfile
@@ -842,9 +843,7 @@ _plan_fn = plan      # `matmul(..., plan=)` shadows the function's name inside m
 
 def _scratch(rt, name, shape, label):
     ws, cap = _ws_capacity(rt, name)
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     if ws is None or cap < n:
         raise ValueError(f"{label}: this plan needs the workspace {name} of {n} floats")
     return DeviceView(ws.ptr, tuple(shape), "f32", name)

@@ -3,6 +3,7 @@
 GPU tests carry @pytest.mark.gpu; the few CPU tests at the bottom drive the launchers with a
 recording stand-in for the runtime (shape validation, VARIANTS coverage, split-K planning).
 """
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,22 +34,28 @@ def _splitk_buffer(rt):
     return rt.empty((8 << 20,), name="gemm_splitk")      # 32 MB, once per module
 
 
+@contextmanager
+def _workspaces(rt, drop=(), **add):
+    """rt's planned workspaces for one test: `add` set, `drop` removed; the previous set restored."""
+    old = dict(rt._workspace)
+    rt.set_workspace({**{k: v for k, v in old.items() if k not in drop}, **add})
+    try:
+        yield
+    finally:
+        rt.set_workspace(old)
+
+
 @pytest.fixture
 def splitk_ws(rt, _splitk_buffer):
-    """Plan a generous split-K workspace for the test, restore the previous set afterwards."""
-    old = dict(rt._workspace)
-    ws = _splitk_buffer
-    rt.set_workspace({**old, "gemm_splitk": ws})
-    yield ws
-    rt.set_workspace(old)
+    """Plan a generous split-K workspace for the test."""
+    with _workspaces(rt, gemm_splitk=_splitk_buffer):
+        yield _splitk_buffer
 
 
 @pytest.fixture
 def no_ws(rt):
-    old = dict(rt._workspace)
-    rt.set_workspace({k: v for k, v in old.items() if k != "gemm_splitk"})
-    yield
-    rt.set_workspace(old)
+    with _workspaces(rt, drop=("gemm_splitk",)):
+        yield
 
 
 def _operands(rng, M, N, K, ta, tb, scale=1.0):
@@ -267,12 +274,10 @@ def test_wgmma_tile_forced(rt, splitk_ws, tile):
 
 @pytest.fixture
 def bt_ws(rt):
-    """The wgmma kernel's transposed-B scratch, as memory.py plans it for TF32 (restored afterwards)."""
-    old = dict(rt._workspace)
+    """The wgmma kernel's transposed-B scratch, as memory.py plans it for TF32."""
     ws = rt.empty((1 << 20,), name="gemm_bT")
-    rt.set_workspace({**old, "gemm_bT": ws})
-    yield ws
-    rt.set_workspace(old)
+    with _workspaces(rt, gemm_bT=ws):
+        yield ws
 
 
 @gpu
@@ -304,24 +309,15 @@ def _split_buffers(rt):
 
 @pytest.fixture
 def split_ws(rt, _split_buffers):
-    """The 3xTF32 kernel's split operands, as memory.py plans them for fp32 (restored afterwards)."""
-    old = dict(rt._workspace)
-    rt.set_workspace({**old, "gemm_split_a": _split_buffers[0], "gemm_split_b": _split_buffers[1]})
-    yield
-    rt.set_workspace(old)
-
-
-@pytest.fixture
-def fp32(rt):
-    old = rt.precision
-    rt.precision = "fp32"
-    yield
-    rt.precision = old
+    """The 3xTF32 kernel's split operands, as memory.py plans them for fp32."""
+    with _workspaces(rt, gemm_split_a=_split_buffers[0], gemm_split_b=_split_buffers[1]):
+        yield
 
 
 @gpu
+@pytest.mark.parametrize("precision", ["fp32"], indirect=True)
 @pytest.mark.parametrize("tile", gemm.WGMMA3_TILES, ids=lambda t: "x".join(map(str, t)))
-def test_wgmma3_tile_forced(rt, fp32, splitk_ws, split_ws, tile):
+def test_wgmma3_tile_forced(rt, precision, splitk_ws, split_ws, tile):
     """Every 3xTF32 tile, forced, at fp32's tolerance: x @ W^T with interior blocks and ragged
     edges in m, n and k, every epilogue, split-K partials; A @ B through the split transpose."""
     _wgmma_rt(rt)
@@ -342,7 +338,8 @@ def test_wgmma3_tile_forced(rt, fp32, splitk_ws, split_ws, tile):
 @gpu
 @pytest.mark.parametrize("M,N,K,tb", [(4096, 1536, 384, True), (4096, 384, 1536, True), (4096, 384, 1536, False),
                                       (4096, 1152, 384, True)])
-def test_3xtf32_is_as_accurate_as_simt(rt, fp32, no_ws, split_ws, M, N, K, tb):
+@pytest.mark.parametrize("precision", ["fp32"], indirect=True)
+def test_3xtf32_is_as_accurate_as_simt(rt, precision, no_ws, split_ws, M, N, K, tb):
     """The model's products in fp32: 3xTF32 (the cost model's best 3xTF32 plan) against float64 is
     within 2x of the SIMT FMA kernel's error (both ~1e-7 relative to max|ref|)."""
     _wgmma_rt(rt)
