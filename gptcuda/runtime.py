@@ -311,8 +311,8 @@ class Runtime:
         runs before a communicator is closed (dist.Group.close)."""
         if self._graphs:
             self.synchronize()
-        while self._graphs:
-            self._graphs.pop().destroy()
+        for g in list(self._graphs):
+            g.destroy()
 
     def synchronize(self):
         self.dev.sync(self.stream)
@@ -400,6 +400,8 @@ class Graph:
         self.rt.dev.graph_launch(self.exe, self.rt.stream)
 
     def destroy(self):
+        """Free the graph now (it leaves the runtime's list of live graphs); a second call does nothing."""
         if self.exe is not None:
             self.rt.dev.graph_destroy(self.graph, self.exe)
             self.graph = self.exe = None
+            self.rt._graphs.remove(self)

@@ -45,6 +45,9 @@ class FakeDev:
     def set_max_dynamic_smem(self, *a):
         pass
 
+    def graph_destroy(self, graph, exe):
+        self.destroyed = getattr(self, "destroyed", []) + [exe]
+
     def tensor_map_f32(self, ptr, dims, strides_bytes, box):
         assert ptr % 16 == 0 and all(int(s) % 16 == 0 for s in strides_bytes), (ptr, strides_bytes)
         return bytes(128)
@@ -114,3 +117,20 @@ def test_record_whole_training_step(precision, attention, dropout, bias, recompu
         if isinstance(rec, Launch):
             assert rec.grid[0] <= 2**31 - 1 and rec.grid[1] <= 65535 and rec.grid[2] <= 65535, rec.label
             assert rec.block[0] * rec.block[1] * rec.block[2] <= 1024, rec.label
+
+
+def test_graphs_leave_the_live_list_once_destroyed():
+    # bench/tune.py destroys its graphs one by one; Runtime.destroy_graphs (run before an NCCL
+    # communicator is closed) frees the rest, each exactly once
+    from gptcuda.backend import Program
+    from gptcuda.runtime import Graph
+    rt = RecordingRuntime("fp32")
+    graphs = [Graph(rt, f"g{i}", f"e{i}", Program(f"p{i}")) for i in range(3)]
+    rt._graphs.extend(graphs)
+    graphs[1].destroy()
+    graphs[1].destroy()
+    assert rt._graphs == [graphs[0], graphs[2]] and rt.dev.destroyed == ["e1"]
+    rt.destroy_graphs()
+    assert rt._graphs == [] and sorted(rt.dev.destroyed) == ["e0", "e1", "e2"]
+    with pytest.raises(RuntimeError, match="destroyed"):
+        graphs[0].launch()
