@@ -80,3 +80,14 @@ def write_results(path, results) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def visible_gpus() -> int:
+    """How many GPUs the driver sees (0 without a driver or a GPU)."""
+    from gptcuda.driver import NoDeviceError, _load, call
+    try:
+        drv = _load()
+        call(drv.cuInit, 0)
+        return int(call(drv.cuDeviceGetCount))
+    except (NoDeviceError, Exception):
+        return 0

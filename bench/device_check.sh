@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check-and-benchmark, driven from the repo so that it is repeatable.
 #   bash bench/device_check.sh [tests] [gradcheck] [tune] [bench] [attention] [long] [torch] [gemm]
-#                              [train_fp32] [train_tf32] [train_config] [dist]
+#                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
+# SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S (for seeds: bench/seeds.py),
 # TRAIN_CONFIG (for train_config), DIST_WORLDS ("1,2"), DIST_ZERO ("0 1"), TORCH_WHICH ("steps compile"), TUNE_PRECISIONS ("tf32 fp32").
 # A STEP_CASES entry may carry overrides: fp32:fused:fp32_gemm=ffma,batch_size=32.
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
@@ -24,11 +25,20 @@ has() {
   for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1
 }
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+# NCCL for the data-parallel tests and runs: nccl4py from the carried wheels when the image lacks it
+nccl_env() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  if ! python3 -c "import nccl.bindings" 2>/dev/null && ls .devcarry/whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install --no-deps --no-index -q --target /tmp/site .devcarry/whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+}
 
 log "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader)"
 python3 -c "import cuda.bindings, numpy; from gptcuda.compiler import nvrtc_version; print('cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc_version(), 'numpy', numpy.__version__)" | tee -a "$OUT/summary.txt"
 
 if has tests; then
+  nccl_env
   log "GPU test suite: python3 -m pytest ${TESTS:-tests} -q -m gpu"
   python3 -m pytest ${TESTS:-tests} -q -m gpu -p no:cacheprovider -n ${TEST_PROCS:-8} 2>&1 | tee "$OUT/tests.log" | tail -25
   tail -1 "$OUT/tests.log" >> "$OUT/summary.txt"
@@ -105,17 +115,20 @@ if has train_config; then                  # a shipped config as it is, e.g. TRA
   rm -f "$OUT/run_config"/*.ckpt
 fi
 if has dist; then
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  if ! python3 -c "import nccl.bindings" 2>/dev/null && ls .devcarry/whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install --no-deps --no-index -q --target /tmp/site .devcarry/whl/*.whl   # nccl4py, carried
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  fi
+  nccl_env
   log "data parallel: NCCL $(python3 -c 'from gptcuda import dist; print(dist.nccl_version())' 2>&1 | tail -1)"
   timeout 360 python3 -m pytest tests/gpu/test_dist_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/dist.log" | tail -6
   for z in ${DIST_ZERO:-0}; do
     timeout 240 python3 bench/scaling.py configs/gpt2_124m_t1024.yaml --worlds ${DIST_WORLDS:-1,2} --iters 10 \
       --zero=$z --json "$OUT/scaling_zero$z.json" 2>&1 | tee -a "$OUT/dist.log" | tail -8
   done
+fi
+if has seeds; then          # best val over seeds, e.g. SEEDS_GROUPS="tf32=configs/ctx256_tf32.yaml:1-8"
+  log "best val over seeds: ${SEEDS_GROUPS}"
+  python3 bench/seeds.py ${SEEDS_GROUPS} --per-gpu ${SEEDS_PER_GPU:-2} ${SEEDS_UNTIL:+--until $SEEDS_UNTIL} \
+    --budget-s ${SEEDS_BUDGET_S:-300} --out "$OUT/seeds" --json "$OUT/seeds.json" 2>&1 \
+    | tee "$OUT/seeds.log" | tail -40 | tee -a "$OUT/summary.txt"
+  find "$OUT/seeds" -name "*.ckpt" -delete
 fi
 if has gemm; then
   log "GEMM benchmark (cuBLAS through torch in the same process, benchmark only)"

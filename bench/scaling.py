@@ -28,17 +28,8 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import visible_gpus  # noqa: E402
 from gptcuda.cli import split_args  # noqa: E402
-
-
-def visible_gpus() -> int:
-    from gptcuda.driver import NoDeviceError, _load, call
-    try:
-        drv = _load()
-        call(drv.cuInit, 0)
-        return int(call(drv.cuDeviceGetCount))
-    except (NoDeviceError, Exception):
-        return 0
 
 
 def worker(path, overrides, iters, warmup, out):
