@@ -14,9 +14,10 @@ rt.precision picks the kernel family: "fp32" -> SIMT, "tf32" -> tensor cores (th
 joins the candidates when the device is sm_90 and both operands are K-major: trans_a = False,
 trans_b = True, 16-byte aligned; or, for trans_b = False, after B is transposed into the
 workspace "gemm_bT" (one small launch: the backward's dX = dY @ W with W a weight; `wgmma_ok`;
-GPTCUDA_WGMMA=0 leaves it out). For "fp32" the same layouts may run as 3xTF32 (family "wgmma3")
-when the config planned the split scratch "gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32): A
-and B are split into TF32 hi and lo halves by a pre-pass, then three products. The block tile
+GPTCUDA_WGMMA=0 leaves it out). For "fp32" these layouts, and trans_a = True (the weight gradient
+dY^T @ X), may run as 3xTF32 (family "wgmma3") when the config planned the split scratch
+"gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32): A and B are split into TF32 hi and lo halves
+by a pre-pass (transposing a [K, rows] operand on the way), then three products. The block tile
 and the split-K factor of a shape come from the measured table of bench/tune.py when it has
 an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel
 sources (`tuned_plan`), else from a cost model (`plan`) fed with rt.info.sm_count. Split-K
@@ -257,11 +258,14 @@ def wgmma_mode(trans_a, trans_b, vec, K, N, batch, bt_floats):
 
 def wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, a_floats, b_floats):
     """`wgmma_mode` for the 3xTF32 kernel: one product (batch 1: the tensor maps' third dim is hi /
-    lo), whose split operands fit the workspaces: A's halves [2, M, K] in a_floats, B's [2, N, K]
-    in b_floats (B is split in either layout, transposed for "transpose")."""
-    if batch != 1 or not 0 < 2 * M * K <= a_floats or not 0 < 2 * N * K <= b_floats:
+    lo), K % 4 == 0 (the split rows are the tensor maps' 16-byte strides), whose split operands fit
+    the workspaces: A's halves [2, M, K] in a_floats, B's [2, N, K] in b_floats. Both operands are
+    split in either layout: A stored [K, M] (trans_a) is transposed by its split, B stored [K, N]
+    by its split for "transpose"."""
+    if batch != 1 or K % 4 or not 0 < 2 * M * K <= a_floats or not 0 < 2 * N * K <= b_floats:
         return False
-    return wgmma_mode(trans_a, trans_b, vec, K, N, batch, b_floats)
+    # the split passes write both operands densely and read them at any alignment: vec is moot
+    return wgmma_mode(False, trans_b, True, K, N, batch, b_floats)
 
 
 def wgmma_device(rt) -> bool:
@@ -471,10 +475,11 @@ def workspace(cfg) -> dict:
         # B^T of the backward's dX = dY @ W (W [out, in]: [C, 4C] the largest), for the wgmma kernel
         out["gemm_bT"] = ((w_max,), "f32")
     elif getattr(cfg, "fp32_gemm", "ffma") == "3xtf32":
-        # the hi and lo halves of the 3xTF32 operands: A up to [tokens, 4C] (the MLP's second
-        # product and the backward's dY of the first), B a weight or its transpose
+        # the hi and lo halves of the 3xTF32 operands, up to [tokens, 4C] each: A the MLP's second
+        # product's input, the backward's dY of the first or, transposed, a weight gradient's dY;
+        # B a weight (or its transpose) or, transposed, a weight gradient's input activation
         out["gemm_split_a"] = ((2 * K * 4 * cfg.n_embd,), "f32")
-        out["gemm_split_b"] = ((2 * w_max,), "f32")
+        out["gemm_split_b"] = ((2 * max(w_max, K * 4 * cfg.n_embd),), "f32")
     return out
 
 
@@ -831,7 +836,8 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     if p is None:
         p = _plan_fn(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg)
     if p.family == "wgmma3":
-        a, b, trans_b, lda, ldb = *_split_operands(rt, a, b, trans_b, M, N, K, lda, ldb, label), True, K, K
+        a, b = _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label)
+        trans_a, trans_b, lda, ldb = False, True, K, K
     elif p.transpose_b:
         b, trans_b, ldb = _transpose_b(rt, b, K, N, label), True, K
     _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
@@ -849,9 +855,10 @@ def _scratch(rt, name, shape, label):
     return DeviceView(ws.ptr, tuple(shape), "f32", name)
 
 
-def _transpose_into(rt, out, b, K, N, split, label):
+def _transpose_into(rt, out, x, K, N, split, label, what="B^T"):
+    """x [K, N] (dense) -> out [N, K], or its hi and lo halves [2, N, K] when split."""
     rt.launch(rt.function(SIMT_FILE, TRANSPOSE_NAMES[split]), (_cdiv(N, 32), _cdiv(K, 32)), (256,),
-              [out, b, i32(K), i32(N)], label=f"{label}:B^T")
+              [out, x, i32(K), i32(N)], label=f"{label}:{what}")
 
 
 def _transpose_b(rt, b, K, N, label):
@@ -869,16 +876,20 @@ def _split_into(rt, out, x, rows_, cols, ld, label, what):
               [out, x, i32(rows_), i32(cols), i32(ld)], label=f"{label}:split {what}")
 
 
-def _split_operands(rt, a, b, trans_b, M, N, K, lda, ldb, label):
-    """The operands of a 3xTF32 plan: A [M, K] -> "gemm_split_a" [2, M, K] (hi, lo); B, [N, K]
-    (trans_b) or [K, N] (transposed on the way), -> "gemm_split_b" [2, N, K]."""
+def _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label):
+    """The operands of a 3xTF32 plan: A, [M, K] or [K, M] (trans_a: transposed on the way), ->
+    "gemm_split_a" [2, M, K] (hi, lo); B, [N, K] (trans_b) or [K, N] (transposed on the way), ->
+    "gemm_split_b" [2, N, K]."""
     sa = _scratch(rt, "gemm_split_a", (2, M, K), label)
     sb = _scratch(rt, "gemm_split_b", (2, N, K), label)
-    _split_into(rt, sa, a, M, K, lda, label, "A")
+    if trans_a:
+        _transpose_into(rt, sa, a, K, M, True, label, "split A^T")
+    else:
+        _split_into(rt, sa, a, M, K, lda, label, "A")
     if trans_b:
         _split_into(rt, sb, b, N, K, ldb, label, "B")
     else:
-        _transpose_into(rt, sb, b, K, N, True, label)
+        _transpose_into(rt, sb, b, K, N, True, label, "split B^T")
     return sa, sb
 
 

@@ -304,7 +304,7 @@ def test_wgmma_transposed_b(rt, splitk_ws, bt_ws, tile):
 @pytest.fixture(scope="module")
 def _split_buffers(rt):
     return (rt.empty((2 * 4096 * 1536,), name="gemm_split_a"),     # 50 MB, once per module
-            rt.empty((2 * 1536 * 1536,), name="gemm_split_b"))
+            rt.empty((2 * 4096 * 1536,), name="gemm_split_b"))
 
 
 @pytest.fixture
@@ -319,7 +319,8 @@ def split_ws(rt, _split_buffers):
 @pytest.mark.parametrize("tile", gemm.WGMMA3_TILES, ids=lambda t: "x".join(map(str, t)))
 def test_wgmma3_tile_forced(rt, precision, splitk_ws, split_ws, tile):
     """Every 3xTF32 tile, forced, at fp32's tolerance: x @ W^T with interior blocks and ragged
-    edges in m, n and k, every epilogue, split-K partials; A @ B through the split transpose."""
+    edges in m, n and k, every epilogue, split-K partials; A @ B through the split transpose; the
+    weight gradient A^T @ B (and A^T @ B^T) with A transposed by its split."""
     _wgmma_rt(rt)
     for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
                                    (tile[0] - 3, tile[1] + 8, 36)]):
@@ -329,23 +330,29 @@ def test_wgmma3_tile_forced(rt, precision, splitk_ws, split_ws, tile):
         pt = gemm.make_plan("wgmma3", tile, 1, K, transpose_b=True)
         for epi in ("none", "dgelu", "residual_alias"):
             _check_matmul(rt, M, N, K, False, False, epi, seed=i * 10 + len(epi), plan=pt)
+        _check_matmul(rt, M, N, K, True, False, "none", seed=i + 50, plan=pt)
+        _check_matmul(rt, M, N, K, True, True, "bias", seed=i + 60, plan=p)
     M, N, K = tile[0] + 4, tile[1] + 8, 740
     _check_matmul(rt, M, N, K, False, True, "gelu", seed=7, plan=gemm.make_plan("wgmma3", tile, 3, K))
     _check_matmul(rt, M, N, K, False, False, "none", seed=8,
                   plan=gemm.make_plan("wgmma3", tile, 3, K, transpose_b=True))
+    _check_matmul(rt, M - 1, N + 3, K, True, False, "none", seed=9,            # split-K weight gradient
+                  plan=gemm.make_plan("wgmma3", tile, 3, K, transpose_b=True))
 
 
 @gpu
-@pytest.mark.parametrize("M,N,K,tb", [(4096, 1536, 384, True), (4096, 384, 1536, True), (4096, 384, 1536, False),
-                                      (4096, 1152, 384, True)])
+@pytest.mark.parametrize("M,N,K,ta,tb", [(4096, 1536, 384, False, True), (4096, 384, 1536, False, True),
+                                         (4096, 384, 1536, False, False), (4096, 1152, 384, False, True),
+                                         (1152, 384, 4096, True, False), (384, 1536, 4096, True, False)])
 @pytest.mark.parametrize("precision", ["fp32"], indirect=True)
-def test_3xtf32_is_as_accurate_as_simt(rt, precision, no_ws, split_ws, M, N, K, tb):
-    """The model's products in fp32: 3xTF32 (the cost model's best 3xTF32 plan) against float64 is
-    within 2x of the SIMT FMA kernel's error (both ~1e-7 relative to max|ref|)."""
+def test_3xtf32_is_as_accurate_as_simt(rt, precision, no_ws, split_ws, M, N, K, ta, tb):
+    """The model's products in fp32 (the weight gradients with K = 4096 tokens): 3xTF32 (the cost
+    model's best 3xTF32 plan) against float64 is within 2x of the SIMT FMA kernel's error (both
+    ~1e-7 relative to max|ref|)."""
     _wgmma_rt(rt)
     rng = np.random.default_rng(M + N + K)
-    a, b = _operands(rng, M, N, K, False, tb)
-    want = ref.matmul_forward(a, b, False, tb)
+    a, b = _operands(rng, M, N, K, ta, tb)
+    want = ref.matmul_forward(a, b, ta, tb)
     da, db = rt.upload(a), rt.upload(b)
     errs = {}
     for fam in ("wgmma3", "simt"):
@@ -356,7 +363,7 @@ def test_3xtf32_is_as_accurate_as_simt(rt, precision, no_ws, split_ws, M, N, K, 
         assert p.family == fam, p
         out = rt.empty((M, N))
         rt.memset(out, 0x7FC00000)                       # poison: NaN
-        gemm.matmul(rt, out, da, db, False, tb, plan=p)
+        gemm.matmul(rt, out, da, db, ta, tb, plan=p)
         errs[fam] = rel_err(rt.download(out), want)
     assert errs["wgmma3"] < 2e-6 and errs["wgmma3"] <= 2.0 * errs["simt"], errs
 
@@ -665,3 +672,26 @@ def test_splitk_launch_sequence():
     gemm.matmul(rt, _v((1152, 384)), _v((16384, 1152)), _v((16384, 384)), True, False, bias=_v((384,)))
     assert len(rt.launches) == 2
     assert "splitk_reduce<1,true>" in rt.launches[1][0]
+
+
+def test_3xtf32_weight_gradient_launch_sequence():
+    """fp32 as 3xTF32 on sm_90 (the workspaces memory.py plans for fp32): the weight gradient
+    dW = dY^T @ X splits both operands through the transposing split, then runs the wgmma kernel
+    with three products on the K-major halves; without the split workspaces it stays on SIMT."""
+    cfg = SimpleNamespace(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6,
+                          vocab_size=65, attention="unfused", precision="fp32", fp32_gemm="3xtf32")
+    ws = {k: v[0][0] for k, v in gemm.workspace(cfg).items()}
+    M, N, K = 384, 1536, 16384                         # the MLP's second weight: N = 4C inputs
+    assert 2 * N * K <= ws["gemm_split_b"] and 2 * M * K <= ws["gemm_split_a"]
+    assert gemm.wgmma3_mode(True, False, True, M, N, K, 1, ws["gemm_split_a"], ws["gemm_split_b"]) == "transpose"
+    assert not gemm.wgmma3_mode(True, False, True, M, N, K - 2, 1, 1 << 30, 1 << 30)    # K % 4: no TMA rows
+    rt = _FakeRT(ws=ws["gemm_splitk"], arch="sm_90", split=ws["gemm_split_a"])
+    p = gemm.make_plan("wgmma3", gemm.WGMMA3_TILES[0], 4, K, transpose_b=True)
+    gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N)), True, False, plan=p)
+    names = [n for n, *_ in rt.launches]
+    assert names[:2] == [gemm.TRANSPOSE_NAMES[True]] * 2, names
+    assert names[2].startswith("gemm_wgmma_tma") and names[2].endswith(",3>") and "splitk_reduce" in names[3], names
+    assert rt.launches[0][1] == (M // 32, K // 32) and rt.launches[1][1] == (N // 32, K // 32)
+    rt = _FakeRT(ws=ws["gemm_splitk"], arch="sm_90")
+    gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N)), True, False)
+    assert all(not n.startswith(("gemm_wgmma", "gemm_transpose")) for n, *_ in rt.launches), rt.launches
