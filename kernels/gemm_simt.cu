@@ -374,34 +374,68 @@ __device__ __forceinline__ float tf32_hi(float x) {
     return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xFFFFE000u);
 }
 
-// out [N, K] = in [K, N] (row-major): the B operand of a transpose_b plan. SPLIT: out [2, N, K],
-// the hi then the lo half of each element. 32 x 32 tiles through shared memory, rows padded to 33
-// floats so that the column reads hit 32 distinct banks; reads and writes are both coalesced.
-// Block 256 threads (8 rows of 32 per pass), grid (ceil(N / 32), ceil(K / 32)).
-template <bool SPLIT>
+// out [N, K] = in [K, N] (row-major, dense rows): the B operand of a transpose_b plan, or with
+// SPLIT out [2, N, K], the hi then the lo half of each element (the 3xTF32 split of an operand
+// stored [K, rows]: B [K, N], or A [K, M] of a weight gradient). A block of 256 threads moves a
+// 64 (k) x 64 (n) tile through shared memory, rows padded to 65 floats (column reads: at most
+// 2-way bank conflicts); each thread loads four 4-wide row pieces and stores four 4-wide pieces
+// per output half, so reads and writes are coalesced and several loads are in flight per thread.
+// VEC: K and N multiples of 4, in and out 16-byte aligned: float4 loads and stores; else the same
+// tile with guarded scalar accesses. Grid (ceil(N / 64), ceil(K / 64)).
+#define TR_TILE 64
+template <bool SPLIT, bool VEC>
 __global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,       // out [N, K] / [2, N, K]
                                                       const float* __restrict__ in,  // in [K, N]
                                                       int K, int N) {
-    __shared__ float tile[32][33];
-    const int n0 = blockIdx.x * 32, k0 = blockIdx.y * 32;
-    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    __shared__ float tile[TR_TILE][TR_TILE + 1];                 // tile[k - k0][n - n0]
+    const int n0 = blockIdx.x * TR_TILE, k0 = blockIdx.y * TR_TILE;
+    const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 4;
 #pragma unroll
-    for (int i = ty; i < 32; i += 8)
-        if (k0 + i < K && n0 + tx < N) tile[i][tx] = in[(long long)(k0 + i) * N + n0 + tx];
-    __syncthreads();
-#pragma unroll
-    for (int i = ty; i < 32; i += 8)
-        if (n0 + i < N && k0 + tx < K) {
-            const long long o = (long long)(n0 + i) * K + k0 + tx;
-            const float x = tile[tx][i];
-            if constexpr (SPLIT) {
-                const float hi = tf32_hi(x);
-                out[o] = hi;
-                out[(long long)N * K + o] = tf32_hi(x - hi);
+    for (int i = 0; i < 4; ++i) {                                // rows k0 + r of in, columns n0 + col ..
+        const int r = row + 16 * i, k = k0 + r, n = n0 + col;
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        if (k < K) {
+            const float* src = in + (long long)k * N + n;
+            if constexpr (VEC) {
+                if (n < N) {
+                    const float4 q = *reinterpret_cast<const float4*>(src);
+                    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+                }
             } else {
-                out[o] = x;
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (n + e < N) v[e] = src[e];
             }
         }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) tile[r][col + e] = v[e];
+    }
+    __syncthreads();
+    const long long half = (long long)N * K;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {                                // rows n0 + r of out, columns k0 + col ..
+        const int r = row + 16 * i, n = n0 + r, k = k0 + col;
+        if (n >= N || k >= K) continue;
+        float v[4], lo[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float x = tile[col + e][r];
+            v[e] = SPLIT ? tf32_hi(x) : x;
+            lo[e] = SPLIT ? tf32_hi(x - v[e]) : 0.f;
+        }
+        float* dst = out + (long long)n * K + k;
+        if constexpr (VEC) {
+            *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+            if constexpr (SPLIT) *reinterpret_cast<float4*>(dst + half) = make_float4(lo[0], lo[1], lo[2], lo[3]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (k + e < K) {
+                    dst[e] = v[e];
+                    if constexpr (SPLIT) dst[half + e] = lo[e];
+                }
+        }
+    }
 }
 
 // out [2, rows, cols] = the hi and lo halves of in [rows, cols] (row stride ld): the A (or B) operand

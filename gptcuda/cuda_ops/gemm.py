@@ -101,8 +101,10 @@ WGMMA_ARCHS = ("sm_90",)       # compiled for sm_90a (compiler.ARCH_SPECIFIC)
 WGMMA3_TILES = ((128, 128, 3, 1), (128, 192, 2, 1), (128, 64, 4, 1))
 WGMMA3_EFFICIENCY = dict(zip(WGMMA3_TILES, (2.0, 2.1, 1.5)))
 
-TRANSPOSE_NAMES = {False: "gemm_transpose<false>", True: "gemm_transpose<true>"}   # gemm_simt.cu: B [K, N]
-                                      # -> [N, K] for transpose_b plans (true: hi and lo halves, wgmma3)
+# gemm_simt.cu's transpose [K, N] -> [N, K] of transpose_b plans (split: the hi and lo halves of a
+# wgmma3 operand), by (split, vec: float4 accesses)
+TRANSPOSE_NAMES = {(split, vec): f"gemm_transpose<{str(split).lower()}, {str(vec).lower()}>"
+                   for split in (False, True) for vec in (False, True)}
 SPLIT_NAMES = {False: "tf32_split<false>", True: "tf32_split<true>"}   # gemm_simt.cu: the halves of an operand
 
 # Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
@@ -855,9 +857,14 @@ def _scratch(rt, name, shape, label):
     return DeviceView(ws.ptr, tuple(shape), "f32", name)
 
 
+TRANSPOSE_TILE = 64     # gemm_transpose's square tile
+
+
 def _transpose_into(rt, out, x, K, N, split, label, what="B^T"):
     """x [K, N] (dense) -> out [N, K], or its hi and lo halves [2, N, K] when split."""
-    rt.launch(rt.function(SIMT_FILE, TRANSPOSE_NAMES[split]), (_cdiv(N, 32), _cdiv(K, 32)), (256,),
+    vec = K % 4 == 0 and N % 4 == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0
+    rt.launch(rt.function(SIMT_FILE, TRANSPOSE_NAMES[split, vec]),
+              (_cdiv(N, TRANSPOSE_TILE), _cdiv(K, TRANSPOSE_TILE)), (256,),
               [out, x, i32(K), i32(N)], label=f"{label}:{what}")
 
 

@@ -392,6 +392,25 @@ def test_tf32_split_halves(rt, rows, cols, ld):
 
 
 @gpu
+@pytest.mark.parametrize("K,N", [(64, 128), (300, 388), (37, 5), (130, 66), (4, 2049)])
+@pytest.mark.parametrize("split", [False, True])
+def test_transpose_and_split(rt, K, N, split):
+    """gemm_transpose: x [K, N] -> x^T [N, K], or with split tf32(x^T) and tf32(x^T - hi) [2, N, K],
+    bit for bit; full tiles, ragged tiles and the scalar fallback (K or N not a multiple of 4)."""
+    rng = np.random.default_rng(K * N + split)
+    x = (rng.standard_normal((K, N)) * 10.0 ** rng.integers(-3, 3, (K, N))).astype(np.float32)
+    out = rt.empty((2, N, K) if split else (N, K))
+    rt.memset(out, 0x7FC00000)
+    gemm._transpose_into(rt, out, rt.upload(x), K, N, split, "test")
+    got = rt.download(out)
+    if split:
+        hi = tf32_round(x.T)
+        assert np.array_equal(got[0], hi) and np.array_equal(got[1], tf32_round(x.T - hi))
+    else:
+        assert np.array_equal(got, x.T)
+
+
+@gpu
 def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
     """On sm_90 the cost model sends the model's x @ W^T products to the wgmma kernel and its
     dY @ W products there through B^T (when the scratch is planned), never the other transposes;
@@ -410,7 +429,7 @@ def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
             rt.end()
         names = [it.fn.name for it in prog.items]
         assert names[0].startswith("gemm_wgmma"), names           # gemm_wgmma / gemm_wgmma_tma
-        assert names[1] == gemm.TRANSPOSE_NAMES[False] and names[2].startswith("gemm_wgmma"), names
+        assert names[1] == gemm.TRANSPOSE_NAMES[False, True] and names[2].startswith("gemm_wgmma"), names
         assert all(n.startswith(("gemm_tf32<", "gemm_splitk")) for n in names[3:]), names
         p = gemm.make_plan("wgmma", gemm.WGMMA_TILES[0], 1, 64)
         with pytest.raises(ValueError, match="wgmma"):
@@ -609,7 +628,7 @@ def test_launcher_names_are_in_variants():
         missing = rt.names - variants
         assert not missing, f"launched but not in VARIANTS: {sorted(missing)[:5]}"
         assert (arch is not None) == any(n[0] == gemm.WGMMA_FILE for n in rt.names), (prec, arch)
-        assert (arch is not None) == any(n[1] == gemm.TRANSPOSE_NAMES[prec == "fp32"] for n in rt.names), (prec, arch)
+        assert (arch is not None) == any(n[1] == gemm.TRANSPOSE_NAMES[prec == "fp32", True] for n in rt.names), (prec, arch)
         assert (arch is not None and prec == "fp32") == any(n[1] in gemm.SPLIT_NAMES.values() for n in rt.names)
         # every launch has a legal geometry
         for name, grid, block, smem in rt.launches:
@@ -689,9 +708,9 @@ def test_3xtf32_weight_gradient_launch_sequence():
     p = gemm.make_plan("wgmma3", gemm.WGMMA3_TILES[0], 4, K, transpose_b=True)
     gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N)), True, False, plan=p)
     names = [n for n, *_ in rt.launches]
-    assert names[:2] == [gemm.TRANSPOSE_NAMES[True]] * 2, names
+    assert names[:2] == [gemm.TRANSPOSE_NAMES[True, True]] * 2, names
     assert names[2].startswith("gemm_wgmma_tma") and names[2].endswith(",3>") and "splitk_reduce" in names[3], names
-    assert rt.launches[0][1] == (M // 32, K // 32) and rt.launches[1][1] == (N // 32, K // 32)
+    assert rt.launches[0][1] == (M // 64, K // 64) and rt.launches[1][1] == (N // 64, K // 64)
     rt = _FakeRT(ws=ws["gemm_splitk"], arch="sm_90")
     gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N)), True, False)
     assert all(not n.startswith(("gemm_wgmma", "gemm_transpose")) for n, *_ in rt.launches), rt.launches
