@@ -145,24 +145,13 @@ def floor_s(op: GemmOp, precision: str) -> float:
     return max(flops / PEAK_FLOPS[precision], nbytes / PEAK_BYTES)
 
 
-SCRATCH = ("gemm_bT", "gemm_split_a", "gemm_split_b")     # the wgmma kernels' planned scratch
-
-
-def op_wgmma(op: GemmOp, precision: str, scratch: dict):
-    """How the warpgroup-MMA kernel can run the op on a device that has it: gemm.wgmma_mode (TF32)
-    or gemm.wgmma3_mode (fp32 as 3xTF32), given the floats of each planned scratch workspace."""
-    if precision == "tf32":
-        return gemm.wgmma_mode(op.ta, op.tb, op.vec, op.K, op.N, op.batch, scratch.get("gemm_bT", 0))
-    return gemm.wgmma3_mode(op.ta, op.tb, op.vec, op.M, op.N, op.K, op.batch, scratch.get("gemm_split_a", 0),
-                            scratch.get("gemm_split_b", 0))
-
-
 def candidates_for(op: GemmOp, precision: str, sm_count: int, ws_floats: int, keep=1.6, max_n=6,
                    wgmma=False, scratch=None):
     """(cost-model plan, pruned candidate plans with it first); wgmma: the device runs the
     warpgroup-MMA kernels (sm_90), so they compete for the ops they can run (scratch: floats of
     the planned workspaces they need, {name: floats})."""
-    mode = wgmma and op_wgmma(op, precision, scratch or {})
+    mode = wgmma and gemm.wgmma_layout_mode(precision, op.ta, op.tb, op.vec, op.M, op.N, op.K, op.batch,
+                                            scratch or {})
     fam = FAMILY[precision]
     heur = gemm.plan(op.M, op.N, op.K, op.batch, sm_count, fam, max_ws=ws_floats if op.batch == 1 else 0,
                      allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode)
@@ -407,7 +396,7 @@ def main(argv=None):
     keep = float(opts.get("keep", 1.6))
     max_n = int(opts.get("max_candidates", 6))
     ws_floats = ws_floats_of(cfg, vocab)
-    scratch = {name: ws_floats_of(cfg, vocab, name) for name in SCRATCH}
+    scratch = {name: ws_floats_of(cfg, vocab, name) for name in gemm.WGMMA_WORKSPACES}
     precision = cfg.precision
     print(f"{path}: {precision}, {len(ops)} GEMM shapes, tokens {cfg.batch_size * cfg.block_size}, "
           f"C {cfg.n_embd}, V {vocab}, split-K workspace {ws_floats} floats")

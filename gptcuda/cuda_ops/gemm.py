@@ -266,7 +266,8 @@ def wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, a_floats, b_floats):
     by its split for "transpose"."""
     if batch != 1 or K % 4 or not 0 < 2 * M * K <= a_floats or not 0 < 2 * N * K <= b_floats:
         return False
-    # the split passes write both operands densely and read them at any alignment: vec is moot
+    # the split passes read both operands at any alignment and write them densely, so a forced plan
+    # runs on unaligned operands too (the cost model and bench/tune.py offer 3xTF32 for aligned ones)
     return wgmma_mode(False, trans_b, True, K, N, batch, b_floats)
 
 
@@ -286,20 +287,26 @@ def device_workspaces(ws: dict, rt) -> dict:
     return {k: v for k, v in ws.items() if k not in WGMMA_WORKSPACES}
 
 
+def wgmma_layout_mode(precision, trans_a, trans_b, vec, M, N, K, batch, scratch: dict):
+    """How a device that runs the warpgroup-MMA kernels can run this product: TF32 `wgmma_mode` with
+    "gemm_bT" as the B^T scratch, fp32 as 3xTF32 (`wgmma3_mode`) with the split scratch
+    "gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32); scratch: {name: floats} of the planned
+    WGMMA_WORKSPACES (a missing one: none). False: not at all."""
+    if precision == "tf32":
+        return wgmma_mode(trans_a, trans_b, vec, K, N, batch, scratch.get("gemm_bT", 0))
+    if precision == "fp32":
+        return wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, scratch.get("gemm_split_a", 0),
+                           scratch.get("gemm_split_b", 0))
+    return False
+
+
 def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0):
-    """`wgmma_mode` of this launch where the kernel exists (an sm_90 device): TF32 with the workspace
-    "gemm_bT" as the B^T scratch, or fp32 as 3xTF32 (`wgmma3_mode`) when the config planned the
-    split workspaces "gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32); else False.
-    GPTCUDA_WGMMA=0: never."""
-    prec = getattr(rt, "precision", "fp32")
+    """`wgmma_layout_mode` of this launch with rt's planned workspaces where the kernels exist (an
+    sm_90 device; GPTCUDA_WGMMA=0: never), else False."""
     if not wgmma_device(rt):
         return False
-    if prec == "tf32":
-        return wgmma_mode(trans_a, trans_b, vec, K, N, batch, _ws_capacity(rt, "gemm_bT")[1])
-    if prec == "fp32":
-        return wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, _ws_capacity(rt, "gemm_split_a")[1],
-                           _ws_capacity(rt, "gemm_split_b")[1])
-    return False
+    return wgmma_layout_mode(getattr(rt, "precision", "fp32"), trans_a, trans_b, vec, M, N, K, batch,
+                             {name: _ws_capacity(rt, name)[1] for name in WGMMA_WORKSPACES})
 
 
 def _util(warps):
@@ -717,8 +724,8 @@ def _plan_unfit(p: Plan, family, vec, wgmma) -> str | None:
         if family != base:
             return f"plan family {p.family} but rt.precision wants {family}"
         if not wgmma:
-            return (f"a {p.family} plan needs sm_90 with K-major, aligned A and B" +
-                    ("" if p.family == "wgmma" else ", one product and the gemm_split_a/_b workspaces"))
+            return ("a wgmma plan needs sm_90 with K-major, aligned A and B" if p.family == "wgmma" else
+                    "a wgmma3 plan needs sm_90, K % 4 == 0, one product and the gemm_split_a/_b workspaces")
         if p.transpose_b != (wgmma == "transpose"):
             return f"a wgmma plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
     elif p.family != family:
@@ -951,4 +958,4 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
 __all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kernel_label",
            "VARIANTS", "Plan", "tune_key", "tuned_plan", "load_table", "save_table", "table_path",
            "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan", "wgmma_ok",
-           "wgmma_mode", "wgmma3_mode", "wgmma_device"]
+           "wgmma_mode", "wgmma3_mode", "wgmma_layout_mode", "wgmma_device"]
