@@ -7,9 +7,10 @@ Launchers in gptcuda/cuda_ops/ use three things:
     rt.workspace("att_q")                                                  # a planned scratch view
 
 Arguments are DeviceViews (passed as pointers), None (a null pointer), typed scalars
-(i32, u32, f32, u64) or a Blob (an opaque by-value struct: a TMA tensor map). `launch` packs the argument block once into a `Launch` and either
-runs it now (eager) or appends it to the program being recorded; a program replays its
-launches with no packing, or is captured once into a CUDA graph and replayed.
+(i32, u32, f32, u64) or a Blob (an opaque by-value struct: a TMA tensor map). `launch` packs the
+argument block once into a `Launch` and either runs it now (eager) or appends it to the program
+being recorded; a program replays its launches with no packing, or is captured once into a CUDA
+graph and replayed.
 """
 from __future__ import annotations
 
