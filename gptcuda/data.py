@@ -6,113 +6,14 @@ exactly the same batches as the original run.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
 from . import rng
-from .checkpoint import atomic_open
+from .tokenizers import CharTokenizer
 
 __all__ = ["CharTokenizer", "TextDataset", "get_batch"]
-
-
-class CharTokenizer:
-    """Maps each of a fixed list of characters to its index."""
-
-    def __init__(self, chars: list[str]):
-        chars = list(chars)
-        seen: dict[str, int] = {}
-        for i, c in enumerate(chars):
-            if not isinstance(c, str) or len(c) != 1:
-                raise ValueError(f"tokenizer entry {i} must be a single character, got {c!r}")
-            if c in seen:
-                raise ValueError(f"tokenizer character {c!r} appears twice (entries {seen[c]} and {i})")
-            seen[c] = i
-        if not chars:
-            raise ValueError("tokenizer needs at least one character")
-        self.chars = chars
-        self.stoi = seen
-        # code point -> id lookup table (-1: not in the vocabulary)
-        cps = np.array([ord(c) for c in chars], dtype=np.int64)
-        self._lut = np.full(int(cps.max()) + 1, -1, dtype=np.int32)
-        self._lut[cps] = np.arange(len(chars), dtype=np.int32)
-        self._chars_arr = np.array(chars, dtype="<U1")
-
-    @classmethod
-    def from_text(cls, text: str) -> "CharTokenizer":
-        return cls(sorted(set(text)))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
-
-    def __len__(self) -> int:
-        return len(self.chars)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, CharTokenizer) and self.chars == other.chars
-
-    def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={self.vocab_size})"
-
-    def encode(self, text: str) -> np.ndarray:
-        """int32 ids of text; a character outside the vocabulary raises ValueError."""
-        if not text:
-            return np.zeros(0, dtype=np.int32)
-        cps = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype="<u4")
-        in_range = cps < len(self._lut)
-        ids = np.where(in_range, self._lut[np.where(in_range, cps, 0)], -1).astype(np.int32)
-        bad = np.flatnonzero(ids < 0)
-        if bad.size:
-            pos = int(bad[0])
-            raise ValueError(
-                f"character {text[pos]!r} at position {pos} is not in the tokenizer's vocabulary "
-                f"({self.vocab_size} characters)")
-        return ids
-
-    def decode(self, ids) -> str:
-        ids = np.asarray(ids).reshape(-1)
-        if ids.size == 0:
-            return ""
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
-        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"token id {int(ids[i])} at position {i} is outside the vocabulary "
-                             f"(0..{self.vocab_size - 1})")
-        return "".join(self._chars_arr[ids].tolist())
-
-    # --- serialisation
-    def to_dict(self) -> dict:
-        return {"type": "char", "chars": list(self.chars)}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    @classmethod
-    def from_json(cls, obj) -> "CharTokenizer":
-        """From to_json()'s string (or the equivalent dict)."""
-        d = json.loads(obj) if isinstance(obj, (str, bytes)) else obj
-        if not isinstance(d, dict) or d.get("type", "char") != "char" or not isinstance(d.get("chars"), list):
-            raise ValueError("not a character tokenizer description")
-        return cls(d["chars"])
-
-    def save(self, path: str | os.PathLike) -> None:
-        with atomic_open(os.fspath(path)) as f:
-            f.write(self.to_json())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "CharTokenizer":
-        path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                return cls.from_json(f.read())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"tokenizer file not found: {path}") from None
-        except (ValueError, json.JSONDecodeError) as e:
-            raise ValueError(f"bad tokenizer file {path}: {' '.join(str(e).split())}") from None
 
 
 class TextDataset:
