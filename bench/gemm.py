@@ -162,8 +162,10 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         out = ar.empty((M, N))
         ws = ar.empty((ws_floats,))
         # as memory.py plans them for training: the wgmma kernel's B^T scratch for the A @ B shapes,
-        # the 3xTF32 kernel's split operands (fp32_gemm: 3xtf32)
+        # A^T (+ B^T) of the weight gradients A^T @ B (all of K at once), the 3xTF32 kernel's split
+        # operands (fp32_gemm: 3xtf32)
         rt.set_workspace({"gemm_splitk": ws, "gemm_bT": ar.empty((K * N if trans == "NN" else 1,)),
+                          "gemm_aT": ar.empty(((M + N) * K if ta else 1,)),
                           "gemm_split_a": ar.empty((2 * M * K,)), "gemm_split_b": ar.empty((2 * N * K,))})
         lda = M if ta else K
         ldb = K if tb else N
@@ -295,7 +297,7 @@ def main(argv=None):
             M, N, K = (int(x) for x in s.split(","))
             shapes.append((f"{M}x{N}x{K}", M, N, K, args.trans or "NN"))
     else:
-        # 4096^3 as A @ B (NN) and as x @ W^T (NT: the only case the wgmma kernel serves)
+        # 4096^3 as A @ B (NN: wgmma through B^T) and as x @ W^T (NT: wgmma directly)
         shapes = [("square", 4096, 4096, 4096, t) for t in ([args.trans] if args.trans else ["NN", "NT"])]
         shapes += [(l, M, N, K, args.trans or t) for l, M, N, K, t in model_shapes()]
     precisions = ["fp32", "tf32"] if args.precision == "both" else [args.precision]

@@ -9,7 +9,9 @@ eval forward's residual epilogue, the MLP backward both as "none" and fused "dge
 unfused attention's batched GEMMs). For each shape:
 
   1. candidates: every tile of the precision's kernel family x every split-K count that fits the
-     workspace memory.py plans (gemm.workspace(cfg)) (gemm.tune_candidates);
+     workspace memory.py plans (gemm.workspace(cfg)) (gemm.tune_candidates); on sm_90 the wgmma
+     tiles too, through the planned scratch where a layout needs it (B^T in gemm_bT; the weight
+     gradients' A^T and B^T in gemm_aT, in k slabs where it cannot hold all of K);
   2. pruned by the cost model (roofline + occupancy + waves, gemm.estimate_s): those within
      --keep x the best estimate, at most --max_candidates, plus the cost model's own choice;
   3. timed paired in one window: each candidate's launches are captured back to back in a CUDA
@@ -152,10 +154,17 @@ def candidates_for(op: GemmOp, precision: str, sm_count: int, ws_floats: int, ke
     the planned workspaces they need, {name: floats})."""
     mode = wgmma and gemm.wgmma_layout_mode(precision, op.ta, op.tb, op.vec, op.M, op.N, op.K, op.batch,
                                             scratch or {})
+    if op.batch > 1 and mode != "direct":      # matmul_batched re-lays nothing out
+        mode = False
+    slab = 0                                   # transpose_a: k rows per slab of "gemm_aT" (0: all of K)
+    if mode in ("transpose_ab", "transpose_a"):
+        slab = gemm.transpose_a_slab(op.M, op.N, op.K, op.tb, (scratch or {}).get("gemm_aT", 0))
+        slab = 0 if slab >= op.K else slab
     fam = FAMILY[precision]
     heur = gemm.plan(op.M, op.N, op.K, op.batch, sm_count, fam, max_ws=ws_floats if op.batch == 1 else 0,
-                     allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode)
-    cands = gemm.tune_candidates(op.M, op.N, op.K, op.batch, fam, op.vec, ws_floats, wgmma=mode)
+                     allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode, k_slab=slab)
+    cands = gemm.tune_candidates(op.M, op.N, op.K, op.batch, fam, op.vec, ws_floats, wgmma=mode, epi=op.epi,
+                                 k_slab=slab)
     pruned = gemm.prune_candidates(cands, op.M, op.N, op.K, op.batch, op.epi, sm_count, keep=keep,
                                    max_n=max_n, always=[heur])
     return heur, [heur] + [p for p in pruned if p != heur]

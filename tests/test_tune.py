@@ -309,3 +309,30 @@ def test_dry_run_cli(capsys):
     assert tune.main(["configs/tiny.yaml", "--precision=tf32", "--dry_run"]) == 0
     out = capsys.readouterr().out
     assert "fwd qkv" in out and "model" in out and "tf32" in out
+
+
+def test_candidates_for_weight_grads_on_wgmma():
+    """bench/tune.py with the workspaces memory.py plans (sm_90): the weight gradients get the
+    transpose_a wgmma candidates beside mma.sync (GPT-2 small's dwte in k slabs of gemm_aT, never
+    split), the cost model's choice first; without the wgmma kernels none of them."""
+    cfg = _cfg(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12, precision="tf32",
+               attention="fused", dropout=0.0)
+    V = 50304
+    ws = tune.ws_floats_of(cfg, V)
+    scratch = {name: tune.ws_floats_of(cfg, V, name) for name in gemm.WGMMA_WORKSPACES}
+    assert scratch["gemm_aT"] == 5 * 768 * 8192 and not scratch["gemm_split_a"]
+    ops = {o.label.split(" / ")[0]: o for o in tune.model_gemms(cfg, V)}
+    for label in ("dW wte", "dW fc", "dW qkv", "dW attn proj", "dW fcproj"):
+        heur, plans = tune.candidates_for(ops[label], "tf32", 132, ws, wgmma=True, scratch=scratch)
+        assert heur.family == "wgmma" and heur.transpose_a and plans[0] == heur, (label, heur)
+        assert any(p.family == "tf32" for p in
+                   tune.candidates_for(ops[label], "tf32", 132, ws, keep=100, max_n=100, wgmma=True,
+                                       scratch=scratch)[1])
+        slabbed = [p for p in plans if p.k_slab]
+        assert bool(slabbed) == (label == "dW wte") and all(p.splits == 1 for p in slabbed)
+        assert all(not p.transpose_a for p in tune.candidates_for(ops[label], "tf32", 132, ws)[1])
+    heur, _ = tune.candidates_for(ops["dX head"], "tf32", 132, ws, wgmma=True, scratch=scratch)
+    assert heur.transpose_b and heur.splits == 2 and heur.tile[3] == 1, heur
+    # and the dry run lists them (as on an H200)
+    assert tune.main(["configs/gpt2_124m_t1024.yaml", "--precision=tf32", f"--vocab_size={V}", "--dry_run",
+                      "--only=dW"]) == 0

@@ -14,7 +14,11 @@ rt.precision picks the kernel family: "fp32" -> SIMT, "tf32" -> tensor cores (th
 joins the candidates when the device is sm_90 and both operands are K-major: trans_a = False,
 trans_b = True, 16-byte aligned; or, for trans_b = False, after B is transposed into the
 workspace "gemm_bT" (one small launch: the backward's dX = dY @ W with W a weight; `wgmma_ok`;
-GPTCUDA_WGMMA=0 leaves it out). For "fp32" these layouts, and trans_a = True (the weight gradient
+GPTCUDA_WGMMA=0 leaves it out); for trans_a = True (the weight gradient dW = dY^T @ X, K = tokens)
+after A [K, M] (and B [K, N]) are transposed into the workspace "gemm_aT" as [M, k] (and [N, k]):
+when the scratch cannot hold the whole of them the product runs as k slabs in a fixed order,
+the first writing out and the others adding to it (the residual epilogue with aux = out; linear
+epilogues only). For "fp32" these layouts, and trans_a = True (the weight gradient
 dY^T @ X), may run as 3xTF32 (family "wgmma3") when the config planned the split scratch
 "gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32): A and B are split into TF32 hi and lo halves
 by a pre-pass (transposing a [K, rows] operand on the way), then three products. The block tile
@@ -181,7 +185,12 @@ class Plan:
     k_chunk: int
     smem: int = 0
     transpose_b: bool = False   # wgmma on B [K, N]: B is first transposed into "gemm_bT" [N, K]
-                                # (wgmma3: into "gemm_split_b" [2, N, K])
+                                # (wgmma3: into "gemm_split_b" [2, N, K]; transpose_a: into
+                                # "gemm_aT" after A^T, as [N, k slab])
+    transpose_a: bool = False   # wgmma on A stored [K, M] (trans_a, the weight gradients): A is first
+                                # transposed into "gemm_aT" [M, k slab] (TF32 only; wgmma3 splits it)
+    k_slab: int = 0             # transpose_a: k rows per slab (a multiple of SPLIT_ALIGN, splits == 1);
+                                # 0: the whole K at once
 
     @property
     def bm(self):
@@ -203,6 +212,9 @@ _BYTES_PER_S = 3.5e12
 _L2_BYTES_PER_S = 9e12                # L2 -> SM operand streaming, all SMs together: the wgmma TMA kernel
                                       # streamed 3.2 GB of operand panels in 0.365 ms at 4096^3 (8.8 TB/s)
 _LAUNCH_S = 3e-6
+_TRANSPOSE_BYTES_PER_S = 3e12         # gemm_transpose<false> measured ~3.2 TB/s (bench/NOTES.md)
+_L2_RESIDENT_BYTES = 40e6             # an operand above this (H200: 50 MB of L2) is re-read from DRAM
+                                      # by every row of output tiles that sweeps it (see estimate_s)
 _FILL_S = 1.5e-6                      # a block's pipeline fill: latency of its first operand tiles
 _HIDDEN = 0.25                        # share of fill + epilogue not hidden when another block is resident
 
@@ -247,11 +259,31 @@ def wgmma_blocks_per_sm(tile, products=1) -> int:
     return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile, products) + 1024)))
 
 
-def wgmma_mode(trans_a, trans_b, vec, K, N, batch, bt_floats):
+def transpose_a_slab(M, N, K, trans_b, floats) -> int:
+    """k rows per slab of a transpose_a plan whose scratch "gemm_aT" holds `floats`: K when A^T
+    [M, K] (and B^T [N, K] after it, unless trans_b) fit, else the most whole 32-wide k tiles
+    that do (0: not even one)."""
+    per_k = M + (0 if trans_b else N)
+    if per_k <= 0 or K <= 0:
+        return 0
+    if per_k * K <= floats:
+        return K
+    return min(K, floats // per_k // SPLIT_ALIGN * SPLIT_ALIGN)
+
+
+def wgmma_mode(trans_a, trans_b, vec, K, N, batch, bt_floats, M=0, at_floats=0):
     """How the warpgroup-MMA kernel can run a product of this layout: "direct" (A and B K-major:
     trans_a = False, trans_b = True, 16-byte aligned operands), "transpose" (trans_b = False, one
-    product, K % 4 == 0 and a B^T scratch of bt_floats holds [N, K]), else False."""
-    if trans_a or not vec:
+    product, K % 4 == 0 and a B^T scratch of bt_floats holds [N, K]); trans_a (A stored [K, M]):
+    one product, K % 4 == 0 (the slabs' rows are the tensor maps' 16-byte strides) and at least one
+    32-wide k slab of A^T [M, k] (+ B^T [N, k]) fits the scratch "gemm_aT" of at_floats
+    (`transpose_a_slab`): "transpose_ab" (trans_b = False: both operands transposed, at any
+    alignment) or "transpose_a" (trans_b = True: B read in place, 16-byte aligned); else False."""
+    if trans_a:
+        if batch != 1 or K % 4 or (trans_b and not vec) or not transpose_a_slab(M, N, K, trans_b, at_floats):
+            return False
+        return "transpose_a" if trans_b else "transpose_ab"
+    if not vec:
         return False
     if trans_b:
         return "direct"
@@ -276,12 +308,12 @@ def wgmma_device(rt) -> bool:
     return getattr(rt, "arch", None) in WGMMA_ARCHS and os.environ.get("GPTCUDA_WGMMA", "1") != "0"
 
 
-WGMMA_WORKSPACES = ("gemm_bT", "gemm_split_a", "gemm_split_b")   # scratch only the wgmma kernels read
+WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT", "gemm_split_a", "gemm_split_b")   # scratch only the wgmma kernels read
 
 
 def device_workspaces(ws: dict, rt) -> dict:
     """`workspace(cfg)`'s entries that rt's device uses: without the wgmma kernels (not sm_90, or
-    GPTCUDA_WGMMA=0) the transposed-B and 3xTF32 scratch would never be read."""
+    GPTCUDA_WGMMA=0) the transposed-B / -A and 3xTF32 scratch would never be read."""
     if wgmma_device(rt):
         return dict(ws)
     return {k: v for k, v in ws.items() if k not in WGMMA_WORKSPACES}
@@ -289,11 +321,13 @@ def device_workspaces(ws: dict, rt) -> dict:
 
 def wgmma_layout_mode(precision, trans_a, trans_b, vec, M, N, K, batch, scratch: dict):
     """How a device that runs the warpgroup-MMA kernels can run this product: TF32 `wgmma_mode` with
-    "gemm_bT" as the B^T scratch, fp32 as 3xTF32 (`wgmma3_mode`) with the split scratch
+    "gemm_bT" as the B^T scratch and "gemm_aT" as the A^T (+ B^T) slabs of trans_a products (the
+    slab size: `transpose_a_slab`), fp32 as 3xTF32 (`wgmma3_mode`) with the split scratch
     "gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32); scratch: {name: floats} of the planned
     WGMMA_WORKSPACES (a missing one: none). False: not at all."""
     if precision == "tf32":
-        return wgmma_mode(trans_a, trans_b, vec, K, N, batch, scratch.get("gemm_bT", 0))
+        return wgmma_mode(trans_a, trans_b, vec, K, N, batch, scratch.get("gemm_bT", 0), M,
+                          scratch.get("gemm_aT", 0))
     if precision == "fp32":
         return wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, scratch.get("gemm_split_a", 0),
                            scratch.get("gemm_split_b", 0))
@@ -334,19 +368,24 @@ def split_chunk(K, splits):
     return chunk if _cdiv(K, chunk) == splits else None
 
 
-def make_plan(family, tile, splits, K, transpose_b=False) -> Plan | None:
+def make_plan(family, tile, splits, K, transpose_b=False, transpose_a=False, k_slab=0) -> Plan | None:
     """The Plan of a family / tile / split count for reduction length K (None: no such plan);
-    transpose_b: a wgmma plan that first transposes B."""
+    transpose_b: a wgmma plan that first transposes B; transpose_a: a TF32 wgmma plan that first
+    transposes A (stored [K, M]; with transpose_b B too) into "gemm_aT", in slabs of k_slab k rows
+    (0 or >= K: all of K at once; else a multiple of SPLIT_ALIGN, and no split-K)."""
     if family not in ("simt", "tf32", "wgmma", "wgmma3") or not 1 <= splits <= MAX_SPLITS or K < 1:
         return None
     if transpose_b and family not in ("wgmma", "wgmma3"):
+        return None
+    k_slab = 0 if not transpose_a or k_slab >= K else int(k_slab)
+    if transpose_a and (family != "wgmma" or k_slab < 0 or k_slab % SPLIT_ALIGN or (k_slab and splits > 1)):
         return None
     chunk = split_chunk(K, splits)
     if chunk is None:
         return None
     for t, threads, bps, _eff, smem in _candidates(family, True, tiles=[tile]) or \
             _candidates(family, False, tiles=[tile]):
-        return Plan(family, t, threads, bps, splits, chunk, smem, transpose_b)
+        return Plan(family, t, threads, bps, splits, chunk, smem, transpose_b, transpose_a, k_slab)
     return None
 
 
@@ -355,24 +394,57 @@ def _efficiency(p: Plan) -> float:
             "wgmma3": WGMMA3_EFFICIENCY}.get(p.family, SIMT_EFFICIENCY)[p.tile]
 
 
-def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
-    """Modelled seconds of one launch (split-K: both kernels): the busiest SM's main loops, plus
-    per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's
-    main loop when blocks_per_sm >= 2), at least the DRAM traffic and the operand panels every
-    block streams from L2; split-K adds its partials and the reduction."""
+def b_reads(p: Plan, M, N, k_chunk, sm_count=132) -> int:
+    """How often B comes from DRAM: the grid's x (N tiles) runs fastest, so a wave of sm_count x
+    blocks_per_sm blocks covers a few rows of output tiles (or part of one), each sweeping all of
+    B's panels; when B's part of one split, N x k_chunk floats (x2: 3xTF32 halves), is more than the
+    L2 keeps, every later wave re-reads it: min(row tiles, waves) reads (the head's logits = lnf @
+    wte^T, wte 154 MB: 64 reads of wte with 128-row tiles, 32 with 256-row tiles), else one."""
+    halves = 2 if p.family == "wgmma3" else 1
+    if 4.0 * halves * N * max(k_chunk, 1) <= _L2_RESIDENT_BYTES:
+        return 1
+    rows_, tiles = _cdiv(M, p.bm), _cdiv(M, p.bm) * _cdiv(N, p.bn)
+    return max(1, min(rows_, _cdiv(tiles, sm_count * p.blocks_per_sm)))
+
+
+def _gemm_estimate(p: Plan, M, N, K, k_chunk, batch, epi, sm_count) -> float:
+    """estimate_s of the GEMM kernel (and split-K reduction) alone, reduction length K."""
     rate = {"simt": _FLOPS_PER_SM, "wgmma3": _TF32_FLOPS_PER_SM / 3}.get(p.family, _TF32_FLOPS_PER_SM)
     blocks = _cdiv(M, p.bm) * _cdiv(N, p.bn) * batch * p.splits
-    t = _model_time(blocks, 2.0 * p.bm * p.bn * max(p.k_chunk, 1), p.threads, p.blocks_per_sm,
+    t = _model_time(blocks, 2.0 * p.bm * p.bn * max(k_chunk, 1), p.threads, p.blocks_per_sm,
                     _efficiency(p), rate, sm_count)
     io = 1 if p.splits > 1 else EPI_IO[epi]
     per_block = _FILL_S + p.bm * p.bn * 4 * io / (_BYTES_PER_S / sm_count)
     per_sm = _cdiv(blocks, sm_count)
     t += per_sm * per_block * (_HIDDEN if p.blocks_per_sm >= 2 else 1.0)
     halves = 2 if p.family == "wgmma3" else 1
-    t = max(t, 4.0 * batch * (halves * (M * K + K * N) + M * N * io) / _BYTES_PER_S,
-            4.0 * halves * blocks * (p.bm + p.bn) * max(p.k_chunk, 1) / _L2_BYTES_PER_S)
+    t = max(t, 4.0 * batch * (halves * (M * K + b_reads(p, M, N, k_chunk, sm_count) * K * N) + M * N * io)
+            / _BYTES_PER_S,
+            4.0 * halves * blocks * (p.bm + p.bn) * max(k_chunk, 1) / _L2_BYTES_PER_S)
     if p.splits > 1:
         t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
+    return t
+
+
+def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
+    """Modelled seconds of one launch (split-K: both kernels): the busiest SM's main loops, plus
+    per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's
+    main loop when blocks_per_sm >= 2), at least the DRAM traffic (B re-read where it outgrows
+    the L2: `b_reads`) and the operand panels every block streams from L2; split-K adds its
+    partials and the reduction; the re-layout passes (transposes, 3xTF32 splits) their bytes.
+    transpose_a plans: the transposes of A (and B) at ~3 TB/s, then one GEMM per k slab, every
+    slab after the first reading out back (the residual epilogue)."""
+    if p.transpose_a:
+        kc = p.k_slab or K
+        n, last = _cdiv(K, kc), K - (_cdiv(K, kc) - 1) * kc
+        t = _gemm_estimate(p, M, N, kc if n > 1 else K, kc if n > 1 else p.k_chunk, batch, epi, sm_count)
+        if n > 1:
+            t += (n - 2) * _gemm_estimate(p, M, N, kc, kc, batch, EPI_RESID, sm_count)
+            t += _gemm_estimate(p, M, N, last, last, batch, EPI_RESID, sm_count)
+        ops = 2 if p.transpose_b else 1
+        return t + n * ops * _LAUNCH_S / 3 + \
+            8.0 * batch * K * (M + (N if p.transpose_b else 0)) / _TRANSPOSE_BYTES_PER_S
+    t = _gemm_estimate(p, M, N, K, p.k_chunk, batch, epi, sm_count)
     if p.family == "wgmma3":           # the split passes: read 4 bytes, write 8, per element of A and B
         t += 2 * _LAUNCH_S / 3 + 12.0 * (M * K + K * N) / _BYTES_PER_S
     elif p.transpose_b:
@@ -380,36 +452,67 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
     return t
 
 
+# wgmma modes (`wgmma_mode`) -> (transpose_b, transpose_a) of the family's plans
+_MODE_FLAGS = {"direct": (False, False), "transpose": (True, False), "transpose_ab": (True, True),
+               "transpose_a": (False, True)}
+
+
+def mode_flags(family, wgmma):
+    """(transpose_b, transpose_a) of a `family` plan for a launch whose `wgmma_ok` answer is wgmma
+    (the 3xTF32 family re-lays A [K, M] out in its split pass: no transpose_a)."""
+    if family not in ("wgmma", "wgmma3") or not wgmma:
+        return False, False
+    tb, ta = _MODE_FLAGS.get(wgmma, (False, False))
+    return (tb, ta) if family == "wgmma" else (wgmma == "transpose", False)
+
+
+def _slab_epi_ok(epi) -> bool:
+    """Whether a product in k slabs can apply this epilogue (linear ones: bias and residual on the
+    first slab, the later ones add to out)."""
+    return epi in (EPI_NONE, EPI_BIAS, EPI_RESID)
+
+
 def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=True,
-         vec=True, tiles=None, splits=None, epi=EPI_NONE, wgmma=False) -> Plan:
+         vec=True, tiles=None, splits=None, epi=EPI_NONE, wgmma=False, k_slab=0) -> Plan:
     """The tile and split count with the lowest modelled time (`estimate_s`). max_ws: floats
     available for split-K partials (0 disables split-K); vec: whether 16-byte loads are possible
     (TF32 has its guarded fallback for fewer tiles); tiles / splits: restrict the candidates to
     these tiles / this split count (benchmarks, sweeps, tuning); epi: the epilogue code (its
     [M, N] traffic weighs on the choice); wgmma: `wgmma_ok`'s answer, the warpgroup-MMA tiles
-    compete too ("transpose": their plans transpose B first; for the simt family: the 3xTF32 tiles)."""
+    compete too ("transpose": their plans transpose B first; "transpose_ab" / "transpose_a": A
+    (and B) first, in slabs of k_slab k rows (`transpose_a_slab`; 0: all of K), no split-K when
+    that is less than K; for the simt family: the 3xTF32 tiles). A wgmma tile's tie with its TMA
+    twin goes to the TMA loader (5-20% faster where measured)."""
     use_tf32 = family == "tf32" and bool(TF32_TILES)
     fams = ["tf32" if use_tf32 else "simt"]
     if wgmma:
         fams.append("wgmma" if use_tf32 else "wgmma3")
-    tb = wgmma == "transpose"
     best = None
-    for fam, (tile, threads, bps, _eff, smem) in ((f, c) for f in fams for c in _candidates(f, vec, tiles)):
-        blocks = _cdiv(M, tile[0]) * _cdiv(N, tile[1]) * batch
-        split_opts = [1]
-        if splits is not None:
-            split_opts = [splits]
-        elif allow_split and batch == 1 and max_ws > 0 and K >= 2 * SPLIT_ALIGN \
-                and blocks < sm_count * bps:
-            split_opts = range(1, min(MAX_SPLITS, _cdiv(K, SPLIT_ALIGN)) + 1)
-        for s in split_opts:
-            chunk = split_chunk(K, s)
-            if chunk is None or (s > 1 and (s * M * N > max_ws or s > MAX_GRID_Z)):
-                continue
-            p = Plan(fam, tile, threads, bps, s, chunk, smem, tb and fam in ("wgmma", "wgmma3"))
-            key = (estimate_s(p, M, N, K, batch, epi, sm_count), s, -tile[0] * tile[1])
-            if best is None or key < best[0]:
-                best = (key, p)
+    for fam in fams:
+        tb, ta = mode_flags(fam, wgmma)
+        slab = k_slab if ta and 0 < k_slab < K else 0
+        if slab and (not _slab_epi_ok(epi) or slab % SPLIT_ALIGN):
+            continue
+        # transpose_ab re-lays both operands out densely: the tiles' 16-byte loads read the scratch
+        for tile, threads, bps, _eff, smem in _candidates(fam, vec or (ta and tb), tiles):
+            blocks = _cdiv(M, tile[0]) * _cdiv(N, tile[1]) * batch
+            split_opts = [1]
+            if splits is not None:
+                split_opts = [splits]
+            elif allow_split and batch == 1 and max_ws > 0 and K >= 2 * SPLIT_ALIGN and not slab \
+                    and blocks < (4 if fam == "wgmma" else 1) * sm_count * bps:
+                # wgmma: also past one wave (a long K over few output tiles, the head's dlnf =
+                # dlogits @ wte: 192 256x128 tiles, 1.45 waves; split 2: 2.9)
+                split_opts = range(1, min(MAX_SPLITS, _cdiv(K, SPLIT_ALIGN)) + 1)
+            for s in split_opts:
+                chunk = split_chunk(K, s)
+                if chunk is None or (s > 1 and (s * M * N > max_ws or s > MAX_GRID_Z or slab)):
+                    continue
+                p = Plan(fam, tile, threads, bps, s, chunk, smem, tb, ta, slab)
+                cp_async = fam == "wgmma" and tile[3] == 0      # a tie with its TMA twin: TMA
+                key = (estimate_s(p, M, N, K, batch, epi, sm_count), s, -tile[0] * tile[1], cp_async)
+                if best is None or key < best[0]:
+                    best = (key, p)
     if best is None:
         raise ValueError(f"no GEMM plan for M={M} N={N} K={K} batch={batch} {family} tiles={tiles} "
                          f"split={allow_split}")
@@ -420,22 +523,27 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
 TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
-def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0, wgmma=False) -> list:
+def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0, wgmma=False, epi=EPI_NONE,
+                    k_slab=0) -> list:
     """Every plan bench/tune.py may time for a shape: each tile of the family that can run it
-    (unaligned operands: the fallback tiles only; wgmma: the warpgroup-MMA tiles too) x each split
-    count that fits the workspace."""
+    (unaligned operands: the fallback tiles only; wgmma: the warpgroup-MMA tiles too, transpose_a
+    ones in slabs of k_slab (0: all of K; no split-K and only linear epilogues `epi` when less)) x
+    each split count that fits the workspace."""
     fam = "tf32" if family == "tf32" and TF32_TILES else "simt"
     tiles = (TF32_TILES if vec else TF32_FALLBACK_TILES) if fam == "tf32" else SIMT_TILES
     pool = [(fam, t) for t in tiles]
-    if wgmma and vec:
+    if wgmma and (vec or wgmma == "transpose_ab" and fam == "tf32"):
         pool += [("wgmma", t) for t in WGMMA_TILES] if fam == "tf32" else [("wgmma3", t) for t in WGMMA3_TILES]
     out = []
     for fam, tile in pool:
-        tb = fam in ("wgmma", "wgmma3") and wgmma == "transpose"
+        tb, ta = mode_flags(fam, wgmma)
+        slab = k_slab if ta and 0 < k_slab < K else 0
+        if slab and not _slab_epi_ok(epi):
+            continue
         for s in TUNE_SPLITS:
-            if s > 1 and (batch != 1 or s * M * N > max_ws or K < 2 * SPLIT_ALIGN):
+            if s > 1 and (batch != 1 or s * M * N > max_ws or K < 2 * SPLIT_ALIGN or slab):
                 continue
-            p = make_plan(fam, tile, s, K, tb)
+            p = make_plan(fam, tile, s, K, tb, ta, slab)
             if p is not None and p not in out:
                 out.append(p)
     return out
@@ -466,10 +574,15 @@ def _weight_grad_shapes(cfg):
     return shapes
 
 
+HEAD_SLABS = 4
+
+
 def workspace(cfg) -> dict:
     """Split-K partials for the weight-gradient GEMMs (K = batch_size * block_size tokens),
-    sized for both orientations (dW and dW^T) and both kernel families at 132 SMs. bench/tune.py
-    only times splits that fit this size."""
+    sized for both orientations (dW and dW^T) and both kernel families at 132 SMs; the wgmma
+    kernels' re-laid operands (WGMMA_WORKSPACES: TF32 "gemm_bT" and "gemm_aT", fp32 with
+    fp32_gemm 3xtf32 "gemm_split_a" / "gemm_split_b"). bench/tune.py only times splits that fit
+    this size."""
     K = cfg.batch_size * cfg.block_size
     need = 0
     for (m, n) in _weight_grad_shapes(cfg):
@@ -483,6 +596,14 @@ def workspace(cfg) -> dict:
     if getattr(cfg, "precision", "fp32") == "tf32":
         # B^T of the backward's dX = dY @ W (W [out, in]: [C, 4C] the largest), for the wgmma kernel
         out["gemm_bT"] = ((w_max,), "f32")
+        # A^T and B^T of a weight gradient dW = dY^T @ X (trans_a) for the wgmma kernel, [out + in,
+        # tokens] of the per-layer weights (the MLP's 4C + C the largest: 126 MB at C 768 and 8192
+        # tokens); the tied head's dwte (V + C rows) runs in k slabs of it, at most HEAD_SLABS
+        # (every slab after the first reads and writes dwte [V, C] once more: 0.3 GB at GPT-2's V)
+        layer_shapes = _weight_grad_shapes(cfg)[:4]
+        V = int(getattr(cfg, "vocab_size", 0) or 0)
+        head = (V + cfg.n_embd) * _cdiv(K, HEAD_SLABS) if V else 0
+        out["gemm_aT"] = ((max(max((m + n) * K for m, n in layer_shapes), head),), "f32")
     elif getattr(cfg, "fp32_gemm", "ffma") == "3xtf32":
         # the hi and lo halves of the 3xTF32 operands, up to [tokens, 4C] each: A the MLP's second
         # product's input, the backward's dY of the first or, transposed, a weight gradient's dY;
@@ -530,6 +651,10 @@ def plan_to_json(p: Plan) -> dict:
     d = {"family": p.family, "tile": list(p.tile), "splits": p.splits, "k_chunk": p.k_chunk}
     if p.transpose_b:
         d["transpose_b"] = True
+    if p.transpose_a:
+        d["transpose_a"] = True
+        if p.k_slab:
+            d["k_slab"] = p.k_slab
     return d
 
 
@@ -537,7 +662,8 @@ def plan_from_json(d: dict, K: int) -> Plan | None:
     """The Plan an entry names, rebuilt for reduction length K (None if it is not a valid plan)."""
     try:
         tile = tuple(int(x) for x in d["tile"])
-        p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K), bool(d.get("transpose_b", False)))
+        p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K), bool(d.get("transpose_b", False)),
+                      bool(d.get("transpose_a", False)), int(d.get("k_slab", 0)))
     except (KeyError, TypeError, ValueError):
         return None
     if p is None or p.k_chunk != int(d.get("k_chunk", p.k_chunk)):
@@ -605,14 +731,24 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
 
 def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=False) -> Plan | None:
     """The table's plan for `key` if there is one this launch can use (its alignment allows the
-    tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch), else None."""
+    tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch; transpose_a: rt's
+    "gemm_aT" holds its k slab, and its epilogue is linear where it runs in slabs), else None."""
     if os.environ.get("GPTCUDA_GEMM_TUNE", "1") == "0":
         return None
     name = getattr(getattr(rt, "info", None), "name", None)
     if not isinstance(name, str):
         return None
     p = load_table(name).get(key)
-    if p is None or _plan_unfit(p, _family(rt), vec, wgmma):
+    if p is None:
+        return None
+    slab = 0
+    if p.transpose_a:            # the key names the layout, K and the epilogue
+        _, trans, epilogue, _, _ = key.split(":")
+        K = _key_K(key)
+        slab = rt_transpose_a_slab(rt, M, N, K, trans[1] == "T")
+        if p.k_slab and not _slab_epi_ok(EPILOGUE_CODES.get(epilogue.split("+")[0], -1)):
+            return None
+    if _plan_unfit(p, _family(rt), vec, wgmma, slab):
         return None
     if p.splits > 1 and p.splits * M * N > ws_floats:
         return None
@@ -633,8 +769,8 @@ def _aligned(*xs):
 
 
 def _ws_capacity(rt, name="gemm_splitk"):
-    """(view, floats) of a planned GEMM workspace: split-K partials or the wgmma kernel's B^T
-    ((None, 0) when the plan has none)."""
+    """(view, floats) of a planned GEMM workspace: split-K partials or the wgmma kernels' scratch
+    (WGMMA_WORKSPACES) ((None, 0) when the plan has none)."""
     try:
         ws = rt.workspace(name)
     except KeyError:
@@ -715,19 +851,28 @@ def _family(rt):
     raise ValueError(f"matmul: unknown precision {prec!r} (fp32 | tf32)")
 
 
-def _plan_unfit(p: Plan, family, vec, wgmma) -> str | None:
+def _plan_unfit(p: Plan, family, vec, wgmma, slab=0) -> str | None:
     """Why plan p cannot run a launch of kernel family `family` (rt.precision's), alignment `vec`
-    and `wgmma_ok` answer `wgmma`; None when it can. (A table entry that does not fit is skipped; a
+    and `wgmma_ok` answer `wgmma` (slab: the k rows per slab rt's "gemm_aT" holds for it, 0: all
+    of K, `rt_transpose_a_slab`); None when it can. (A table entry that does not fit is skipped; a
     plan the caller forces is refused with this reason.)"""
     if p.family in ("wgmma", "wgmma3"):
         base = "tf32" if p.family == "wgmma" else "simt"
         if family != base:
             return f"plan family {p.family} but rt.precision wants {family}"
         if not wgmma:
-            return ("a wgmma plan needs sm_90 with K-major, aligned A and B" if p.family == "wgmma" else
+            return ("a wgmma plan needs sm_90 with K-major, aligned A and B, or their transposes in the "
+                    "gemm_bT / gemm_aT workspaces" if p.family == "wgmma" else
                     "a wgmma3 plan needs sm_90, K % 4 == 0, one product and the gemm_split_a/_b workspaces")
-        if p.transpose_b != (wgmma == "transpose"):
+        want_tb, want_ta = mode_flags(p.family, wgmma)
+        if p.transpose_a != want_ta:
+            return (f"a wgmma plan {'with' if p.transpose_a else 'without'} transpose_a does not fit "
+                    f"trans_a here")
+        if p.transpose_b != want_tb:
             return f"a wgmma plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
+        if p.transpose_a and slab and (p.k_slab == 0 or p.k_slab > slab):
+            return (f"the gemm_aT workspace holds k slabs of {slab or 'all'} rows here, the plan needs "
+                    f"{p.k_slab or 'all of K'}")
     elif p.family != family:
         return f"plan family {p.family} but rt.precision wants {family}"
     if p.family == "tf32" and not vec and p.tile not in TF32_FALLBACK_TILES:
@@ -735,11 +880,15 @@ def _plan_unfit(p: Plan, family, vec, wgmma) -> str | None:
     return None
 
 
-def _check_plan(label, p: Plan, family, vec, batch, cap, M, N, K, wgmma=False):
-    """A plan given by the caller must be runnable here (wgmma: `wgmma_ok` for this launch)."""
-    why = _plan_unfit(p, family, vec, wgmma)
+def _check_plan(label, p: Plan, family, vec, batch, cap, M, N, K, wgmma=False, slab=0, epi=EPI_NONE):
+    """A plan given by the caller must be runnable here (wgmma: `wgmma_ok` for this launch;
+    transpose_a: slab as in `_plan_unfit`, a linear epilogue when it runs in k slabs)."""
+    why = _plan_unfit(p, family, vec, wgmma, slab)
     if why:
         raise ValueError(f"{label}: {why}")
+    if p.k_slab and not _slab_epi_ok(epi):
+        raise ValueError(f"{label}: a plan in k slabs adds them through the residual epilogue: "
+                         f"epilogue {epi} cannot run in slabs")
     if p.splits > 1:
         if batch != 1:
             raise ValueError(f"{label}: split-K is not available for batched GEMMs")
@@ -762,7 +911,12 @@ def kernel_label(p: Plan, trans_a, trans_b, vec=True) -> str:
     if p.family == "tf32":
         tile += f"x{p.tile[2]} w{p.tile[3]}x{p.tile[4]} s{p.tile[5]}"
     elif p.family in ("wgmma", "wgmma3"):
-        tile += f"x32 s{p.tile[2]} {WGMMA_LOADERS[p.tile[3]]}" + (" B^T first" if p.transpose_b else "")
+        tile += f"x32 s{p.tile[2]} {WGMMA_LOADERS[p.tile[3]]}"
+        if p.transpose_a:
+            tile += (" A^T, B^T first" if p.transpose_b else " A^T first") + \
+                (f" in k slabs of {p.k_slab}" if p.k_slab else "")
+        elif p.transpose_b:
+            tile += " B^T first"
     t = ("T" if trans_a else "N") + ("T" if trans_b else "N")
     return f"{p.family} {tile} {t}{'' if vec else ' unaligned'}" + (f" splitK={p.splits}" if p.splits > 1 else "")
 
@@ -774,7 +928,11 @@ def plan_label(p: Plan) -> str:
         tile += f"s{p.tile[5]}"
     elif p.family in ("wgmma", "wgmma3"):
         tile += f"s{p.tile[2]}" + ("tma" if p.tile[3] else "")
-    return f"{p.family} {tile}" + (" +bT" if p.transpose_b else "") + (f" split{p.splits}" if p.splits > 1 else "")
+    if p.transpose_a:
+        tile += (" +aT" if p.transpose_b else " +aT,b") + (f" slab{p.k_slab}" if p.k_slab else "")
+    elif p.transpose_b:
+        tile += " +bT"
+    return f"{p.family} {tile}" + (f" split{p.splits}" if p.splits > 1 else "")
 
 
 def matmul_dims(out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
@@ -835,15 +993,19 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     ws, cap = _ws_capacity(rt)
     vec = _vec_ok(a, b, lda, ldb, 0, 0)
     wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, 1, M)
+    slab = rt_transpose_a_slab(rt, M, N, K, trans_b) if wg in ("transpose_ab", "transpose_a") else 0
     label = f"matmul[{M}x{N}x{K}]"
     p = plan
     if p is not None:
-        _check_plan(label, p, family, vec, 1, cap, M, N, K, wg)
+        _check_plan(label, p, family, vec, 1, cap, M, N, K, wg, slab, epi)
     else:
         key = tune_key(rt.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1)
         p = tuned_plan(rt, key, vec, cap, M, N, wg)
     if p is None:
-        p = _plan_fn(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg)
+        p = _plan_fn(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab)
+    if p.transpose_a:
+        _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label)
+        return
     if p.family == "wgmma3":
         a, b = _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label)
         trans_a, trans_b, lda, ldb = False, True, K, K
@@ -858,6 +1020,7 @@ _plan_fn = plan      # `matmul(..., plan=)` shadows the function's name inside m
 
 def _scratch(rt, name, shape, label):
     ws, cap = _ws_capacity(rt, name)
+    shape = (shape,) if isinstance(shape, int) else shape
     n = math.prod(shape)
     if ws is None or cap < n:
         raise ValueError(f"{label}: this plan needs the workspace {name} of {n} floats")
@@ -873,6 +1036,38 @@ def _transpose_into(rt, out, x, K, N, split, label, what="B^T"):
     rt.launch(rt.function(SIMT_FILE, TRANSPOSE_NAMES[split, vec]),
               (_cdiv(N, TRANSPOSE_TILE), _cdiv(K, TRANSPOSE_TILE)), (256,),
               [out, x, i32(K), i32(N)], label=f"{label}:{what}")
+
+
+def rt_transpose_a_slab(rt, M, N, K, trans_b) -> int:
+    """k rows per slab of a transpose_a plan in rt's "gemm_aT" (`transpose_a_slab`), 0 when all of
+    K fits at once (or not even one slab: then `wgmma_ok` answers False)."""
+    slab = transpose_a_slab(M, N, K, trans_b, _ws_capacity(rt, "gemm_aT")[1])
+    return 0 if slab >= K else slab
+
+
+def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label):
+    """A transpose_a plan: per k slab [k0, k0 + kc) (all of K when p.k_slab is 0), A's rows k0 ..
+    of [K, M] (a contiguous sub-view) -> "gemm_aT" as [M, kc], B's rows of [K, N] -> after it as
+    [N, kc] (trans_b: B [N, K] is read in place, columns k0 ..), then the K-major wgmma product;
+    the first slab applies the epilogue, the later ones add to out (residual with aux = out), in
+    slab order: deterministic."""
+    kc = p.k_slab or K
+    at = _scratch(rt, "gemm_aT", (M + (0 if trans_b else N)) * min(kc, K), label)
+    for k0 in range(0, K, kc):
+        kl = min(kc, K - k0)
+        a_t = DeviceView(at.ptr, (M, kl), "f32", "gemm_aT")
+        _transpose_into(rt, a_t, DeviceView(a.ptr + 4 * k0 * M, (kl, M), "f32", "A slab"), kl, M, False,
+                        label, "A^T")
+        if trans_b:
+            b_op, ldb = DeviceView(b.ptr + 4 * k0, (N, kl), "f32", "B slab"), K
+        else:
+            b_op, ldb = DeviceView(at.ptr + 4 * M * kl, (N, kl), "f32", "gemm_aT"), kl
+            _transpose_into(rt, b_op, DeviceView(b.ptr + 4 * k0 * N, (kl, N), "f32", "B slab"), kl, N, False,
+                            label, "B^T")
+        first = k0 == 0
+        _launch_gemm(rt, p, out, aux if first else out, a_t, b_op, bias if first else None, M, N, kl, kl, ldb,
+                     N, 0, 0, M * N, 1.0, False, True, epi if first else EPI_RESID, has_bias and first, 1,
+                     ws=ws, label=label if K == kl else f"{label}:k{k0}")
 
 
 def _transpose_b(rt, b, K, N, label):
@@ -942,7 +1137,8 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
     batch, M, N, K, lda, ldb = matmul_batched_dims(out, a, b, trans_a, trans_b)
     family = _family(rt)
     vec = _vec_ok(a, b, lda, ldb, M * K, K * N)
-    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, batch)
+    # the batched launch re-lays nothing out: K-major operands only
+    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, batch) == "direct" and "direct"
     label = f"matmul_batched[{batch}x{M}x{N}x{K}]"
     p = plan
     if p is not None:
@@ -958,4 +1154,5 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
 __all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kernel_label",
            "VARIANTS", "Plan", "tune_key", "tuned_plan", "load_table", "save_table", "table_path",
            "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan", "wgmma_ok",
-           "wgmma_mode", "wgmma3_mode", "wgmma_layout_mode", "wgmma_device"]
+           "wgmma_mode", "wgmma3_mode", "wgmma_layout_mode", "wgmma_device", "transpose_a_slab",
+           "mode_flags"]

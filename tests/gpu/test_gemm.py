@@ -300,6 +300,118 @@ def test_wgmma_transposed_b(rt, splitk_ws, bt_ws, tile):
         rt.precision = old
 
 
+# ---- weight gradients A^T @ B on wgmma: A^T (and B^T) into "gemm_aT", whole K or k slabs ---------
+@pytest.fixture(scope="module")
+def _at_buffer(rt):
+    return rt.empty((8 << 20,), name="gemm_aT")      # 32 MB, once per module
+
+
+@contextmanager
+def _at_ws(rt, buf, floats=None):
+    """The transpose_a scratch "gemm_aT", limited to its first `floats` (None: all of buf)."""
+    view = buf if floats is None else DeviceView(buf.ptr, (int(floats),), "f32", "gemm_aT")
+    with _workspaces(rt, gemm_aT=view):
+        yield view
+
+
+TA_TILES = [t for t in gemm.WGMMA_TILES if t[:2] in ((128, 128), (256, 128))]
+
+
+@gpu
+@pytest.mark.parametrize("tile", TA_TILES, ids=lambda t: "x".join(map(str, t)))
+def test_wgmma_transposed_a(rt, splitk_ws, _at_buffer, tile):
+    """dW = A^T @ B with A [K, M], B [K, N] (and A^T @ B^T, B [N, K] read in place) on the wgmma
+    kernel through gemm_aT, all of K at once: ragged M and N (the transposes' scalar fallback at
+    M = 67), the epilogues a weight gradient may take, split-K partials."""
+    _wgmma_rt(rt)
+    old = rt.precision
+    rt.precision = "tf32"
+    try:
+        with _at_ws(rt, _at_buffer):
+            for i, (M, N, K) in enumerate([(2 * tile[0], tile[1], 96), (tile[0] + 36, tile[1] + 44, 132),
+                                           (67, 65, 36)]):
+                for tb in (False, True):
+                    if tb and M % 4:
+                        continue                 # A^T @ B^T reads B in place: 16-byte aligned only
+                    p = gemm.make_plan("wgmma", tile, 1, K, transpose_b=not tb, transpose_a=True)
+                    for epi in ("none", "bias", "residual_alias", "residual_bias"):
+                        _check_matmul(rt, M, N, K, True, tb, epi, seed=i * 10 + len(epi) + tb, plan=p)
+            for tb in (False, True):
+                _check_matmul(rt, 300, 200, 740, True, tb, "none", seed=5 + tb,
+                              plan=gemm.make_plan("wgmma", tile, 3, 740, transpose_b=not tb, transpose_a=True))
+    finally:
+        rt.precision = old
+
+
+@gpu
+@pytest.mark.parametrize("tile", TA_TILES, ids=lambda t: "x".join(map(str, t)))
+def test_wgmma_transposed_a_slabs(rt, _at_buffer, no_ws, tile):
+    """A K too long for the scratch: gemm_aT shrunk to 64 k rows of A^T (+ B^T), so K = 740 runs
+    as 11 slabs of 64 and a ragged last one of 36, the first writing the (NaN-poisoned) output and
+    each later one adding to it; bias and residual applied once; bit-identical when repeated;
+    the cost model's own plan with this scratch slabs too and agrees."""
+    _wgmma_rt(rt)
+    old = rt.precision
+    rt.precision = "tf32"
+    M, N, K = tile[0] + 36, tile[1] + 44, 740
+    try:
+        for tb in (False, True):
+            with _at_ws(rt, _at_buffer, (M + (0 if tb else N)) * 64 + 100):
+                assert gemm.rt_transpose_a_slab(rt, M, N, K, tb) == 64
+                p = gemm.make_plan("wgmma", tile, 1, K, transpose_b=not tb, transpose_a=True, k_slab=64)
+                for epi in ("none", "bias", "residual_bias", "residual_alias"):
+                    _check_matmul(rt, M, N, K, True, tb, epi, seed=len(epi) + tb, plan=p)
+                rng = np.random.default_rng(17 + tb)
+                a, b = _operands(rng, M, N, K, True, tb)
+                da, db = rt.upload(a), rt.upload(b)
+                outs = []
+                for _ in range(2):
+                    out = rt.empty((M, N))
+                    gemm.matmul(rt, out, da, db, True, tb, plan=p)
+                    outs.append(rt.download(out))
+                assert np.array_equal(outs[0], outs[1]), "k slabs are not deterministic"
+                mode = gemm.wgmma_ok(rt, True, tb, True, K, N, 1, M)
+                chosen = gemm.plan(M, N, K, 1, rt.info.sm_count, "tf32", wgmma=mode, k_slab=64, tiles=[tile])
+                assert chosen.transpose_a and chosen.k_slab == 64, chosen
+                out = rt.empty((M, N))
+                gemm.matmul(rt, out, da, db, True, tb, plan=chosen)
+                _close("tf32", rt.download(out), lambda x, y: ref.matmul_forward(x, y, True, tb), a, b,
+                       f"slabs chosen {gemm.plan_label(chosen)}")
+    finally:
+        rt.precision = old
+
+
+@gpu
+def test_wgmma_transposed_a_is_chosen_for_weight_grads(rt, splitk_ws, monkeypatch):
+    """On sm_90 with the workspaces memory.py plans for GPT-2 small (B8 T1024, TF32), the cost
+    model (no measured table) sends every per-layer weight gradient dW = dY^T @ X to the wgmma
+    kernel through gemm_aT (A^T, B^T, then the product); the MLP's is checked against float64."""
+    _wgmma_rt(rt)
+    monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "0")
+    cfg = SimpleNamespace(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12,
+                          vocab_size=50304, precision="tf32")
+    K = 8192
+    ws = gemm.workspace(cfg)
+    old = rt.precision
+    rt.precision = "tf32"
+    at = rt.empty(ws["gemm_aT"][0], poison=False, name="gemm_aT")
+    try:
+        with _at_ws(rt, at):
+            for M, N in [(2304, 768), (768, 768), (3072, 768), (768, 3072)]:
+                prog = rt.begin("probe")
+                try:
+                    gemm.matmul(rt, rt.empty((M, N), poison=False), rt.empty((K, M), poison=False),
+                                rt.empty((K, N), poison=False), True, False)
+                finally:
+                    rt.end()
+                names = [it.fn.name for it in prog.items]
+                assert names[:2] == [gemm.TRANSPOSE_NAMES[False, True]] * 2, (M, N, names)
+                assert names[2].startswith("gemm_wgmma"), (M, N, names)
+            _check_matmul(rt, 3072, 768, K, True, False, "none", seed=1)
+    finally:
+        rt.precision = old
+
+
 # ---- fp32 as three TF32 products (3xTF32, family "wgmma3") ------------------------------------
 @pytest.fixture(scope="module")
 def _split_buffers(rt):

@@ -1,0 +1,428 @@
+"""TF32 weight gradients dW = dY^T @ X (trans_a) on the wgmma kernel without a GPU: the layout
+decision (`wgmma_mode`), the scratch "gemm_aT" (`workspace`, bounded; k slabs beyond it), the
+cost model's choices at GPT-2 small's (B8 T1024 C768 V50304) and the char model's (B64 T256 C384
+V65) shapes, and the launch sequence, driven by the recording stand-in for the runtime."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gptcuda.cuda_ops import gemm
+from gptcuda.runtime import DeviceView
+from tests.conftest import FakeGemmRT, fake_view as _v
+
+HEAD_SLAB = 8192 // gemm.HEAD_SLABS      # the tied head's dwte k slab at GPT-2 B8 T1024 (the planned gemm_aT)
+GPT2 = SimpleNamespace(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12, vocab_size=50304,
+                       precision="tf32", attention="fused")
+CHAR = SimpleNamespace(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6, vocab_size=65,
+                       precision="tf32", attention="fused")
+TRANSPOSE = gemm.TRANSPOSE_NAMES[False, True]
+
+
+def _floats(cfg):
+    return {k: v[0][0] for k, v in gemm.workspace(cfg).items()}
+
+
+def _rt(cfg, arch="sm_90", at=None):
+    """A recording runtime with the workspaces memory.py plans for cfg (at: gemm_aT's floats)."""
+    ws = _floats(cfg)
+    rt = FakeGemmRT("tf32", ws=ws["gemm_splitk"], arch=arch, bt=ws["gemm_bT"])
+    rt._ws["gemm_aT"] = DeviceView(1 << 43, (ws["gemm_aT"] if at is None else at,), "f32", "aT")
+    return rt
+
+
+@pytest.fixture(autouse=True)
+def _no_table(monkeypatch):
+    monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "0")
+    monkeypatch.delenv("GPTCUDA_WGMMA", raising=False)
+
+
+def _weight_grads(cfg):
+    C, K = cfg.n_embd, cfg.batch_size * cfg.block_size
+    return K, [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C), (cfg.vocab_size, C)]
+
+
+def _plan(cfg, M, N, K, ta=True, tb=False, epi=gemm.EPI_NONE):
+    """The cost model's plan on an sm_90 H200 with cfg's workspaces (what matmul picks)."""
+    ws = _floats(cfg)
+    scratch = {n: ws.get(n, 0) for n in gemm.WGMMA_WORKSPACES}
+    vec = (M if ta else K) % 4 == 0 and (K if tb else N) % 4 == 0
+    mode = gemm.wgmma_layout_mode("tf32", ta, tb, vec, M, N, K, 1, scratch)
+    slab = 0
+    if mode in ("transpose_ab", "transpose_a"):
+        slab = gemm.transpose_a_slab(M, N, K, tb, scratch["gemm_aT"])
+        slab = 0 if slab >= K else slab
+    return gemm.plan(M, N, K, 1, 132, "tf32", max_ws=ws["gemm_splitk"], vec=vec, epi=epi, wgmma=mode,
+                     k_slab=slab)
+
+
+# ---- the layout decision -----------------------------------------------------------------------
+def test_wgmma_mode_for_trans_a():
+    M, N, K = 3072, 768, 8192
+    big = (M + N) * K
+    assert gemm.wgmma_mode(True, False, True, K, N, 1, 0, M, big) == "transpose_ab"
+    assert gemm.wgmma_mode(True, False, False, K, N, 1, 0, M, big) == "transpose_ab"   # any alignment
+    assert gemm.wgmma_mode(True, True, True, K, N, 1, 0, M, M * K) == "transpose_a"    # B read in place
+    assert not gemm.wgmma_mode(True, True, False, K, N, 1, 0, M, big)                 # ... aligned only
+    assert not gemm.wgmma_mode(True, False, True, K, N, 1, 0, M, 0)                   # no scratch
+    assert not gemm.wgmma_mode(True, False, True, K, N, 1, 0, M, (M + N) * 32 - 1)    # not one slab
+    assert gemm.wgmma_mode(True, False, True, K, N, 1, 0, M, (M + N) * 32) == "transpose_ab"
+    assert not gemm.wgmma_mode(True, False, True, K - 2, N, 1, 0, M, big)             # K % 4: TMA strides
+    assert not gemm.wgmma_mode(True, False, True, K, N, 2, 0, M, big)                 # batched
+    # the other layouts are decided as before
+    assert gemm.wgmma_mode(False, True, True, K, N, 1, 0, M, big) == "direct"
+    assert gemm.wgmma_mode(False, False, True, K, N, 1, K * N, M, big) == "transpose"
+    # fp32 (3xTF32) ignores gemm_aT
+    assert gemm.wgmma_layout_mode("fp32", True, False, True, M, N, K, 1, {"gemm_aT": big}) is False
+    assert gemm.wgmma_layout_mode("tf32", True, False, True, M, N, K, 1, {"gemm_aT": big}) == "transpose_ab"
+
+
+def test_transpose_a_slab():
+    assert gemm.transpose_a_slab(3072, 768, 8192, False, 3840 * 8192) == 8192
+    assert gemm.transpose_a_slab(3072, 768, 8192, True, 3072 * 8192) == 8192
+    s = gemm.transpose_a_slab(50304, 768, 8192, False, 3840 * 8192)
+    assert s % gemm.SPLIT_ALIGN == 0 and (50304 + 768) * s <= 3840 * 8192 < (50304 + 768) * (s + 32)
+    assert s == 608
+    assert gemm.transpose_a_slab(100, 100, 740, False, 200 * 64 + 100) == 64
+    assert gemm.transpose_a_slab(100, 100, 740, False, 200 * 31) == 0
+
+
+# ---- the workspace -----------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", [GPT2, CHAR], ids=["gpt2", "char"])
+def test_gemm_aT_is_bounded(cfg):
+    """gemm_aT holds A^T and B^T of the largest per-layer weight gradient ([4C + C, tokens]) or a
+    HEAD_SLABS-th of the head's [V + C, tokens], whichever is larger: never the whole head (dwte's
+    A^T alone would be 1.65 GB at GPT-2's V and 8192 tokens)."""
+    K = cfg.batch_size * cfg.block_size
+    ws = _floats(cfg)
+    head = (cfg.vocab_size + cfg.n_embd) * -(-K // gemm.HEAD_SLABS)
+    assert ws["gemm_aT"] == max(5 * cfg.n_embd * K, head)
+    assert ws["gemm_aT"] < (cfg.vocab_size + cfg.n_embd) * K or cfg.vocab_size < 4 * cfg.n_embd
+    assert ws["gemm_aT"] * 4 <= 420e6
+    s = gemm.transpose_a_slab(cfg.vocab_size, cfg.n_embd, K, False, ws["gemm_aT"])
+    assert s * gemm.HEAD_SLABS >= K or cfg.vocab_size < 4 * cfg.n_embd    # the head in <= HEAD_SLABS slabs
+    assert "gemm_aT" in gemm.WGMMA_WORKSPACES
+    assert "gemm_aT" not in gemm.workspace(SimpleNamespace(**{**vars(cfg), "precision": "fp32",
+                                                               "fp32_gemm": "3xtf32"}))
+
+
+@pytest.mark.parametrize("arch,env", [("sm_90", "1"), ("sm_80", "1"), ("sm_90", "0")])
+def test_gemm_aT_only_where_wgmma_runs(arch, env, monkeypatch):
+    monkeypatch.setenv("GPTCUDA_WGMMA", env)
+    ws = gemm.workspace(GPT2)
+    dev = gemm.device_workspaces(ws, SimpleNamespace(arch=arch))
+    assert ("gemm_aT" in dev) == (arch == "sm_90" and env == "1")
+    # and without the wgmma kernels the weight gradients stay on mma.sync
+    rt = _rt(GPT2, arch=arch)
+    K = 8192
+    gemm.matmul(rt, _v((3072, 768)), _v((K, 3072)), _v((K, 768), 1 << 31), True, False)
+    names = [n for n, *_ in rt.launches]
+    if arch == "sm_90" and env == "1":
+        assert names[:2] == [TRANSPOSE] * 2 and names[2].startswith("gemm_wgmma"), names
+    else:
+        assert names[0].startswith("gemm_tf32<") and TRANSPOSE not in names, names
+
+
+# ---- the cost model's choices -------------------------------------------------------------------
+def test_gpt2_weight_grads_choose_wgmma():
+    """GPT-2 small: every weight gradient runs on the wgmma kernel through gemm_aT (modelled
+    faster than mma.sync with the transposes' bytes at 3 TB/s); the head's dwte in k slabs."""
+    K, shapes = _weight_grads(GPT2)
+    base = {}
+    for M, N in shapes:
+        p = _plan(GPT2, M, N, K)
+        old = gemm.plan(M, N, K, 1, 132, "tf32", max_ws=_floats(GPT2)["gemm_splitk"])
+        assert old.family == "tf32"
+        base[M, N] = (gemm.estimate_s(old, M, N, K), gemm.estimate_s(p, M, N, K))
+        assert p.family == "wgmma" and p.transpose_a and p.transpose_b and p.tile[3] == 1, (M, N, p)
+        assert base[M, N][1] <= base[M, N][0], (M, N, base[M, N])
+        if M == GPT2.vocab_size:
+            assert p.k_slab == HEAD_SLAB and p.splits == 1
+        else:
+            assert p.k_slab == 0
+    # the per-layer products together: modelled >= 15% faster than on mma.sync
+    old = sum(base[s][0] for s in shapes[:4])
+    new = sum(base[s][1] for s in shapes[:4])
+    assert new < 0.85 * old, (old, new)
+
+
+def test_gpt2_head_products():
+    """logits = lnf @ wte^T (N = V): wte (154 MB) is re-read from DRAM by every row of output
+    tiles, so the 256-row TMA tile (half the re-reads of a 128-row tile) wins; dlnf = dlogits @
+    wte (K = V, 192 tiles of 256x128 = 1.45 waves) splits K in two."""
+    Ntok, C, V = 8192, 768, 50304
+    p = _plan(GPT2, Ntok, V, C, ta=False, tb=True)
+    assert p.family == "wgmma" and p.tile == (256, 128, 4, 1) and p.splits == 1, p
+    small = gemm.make_plan("wgmma", (128, 128, 3, 0), 1, C)
+    assert gemm.b_reads(small, Ntok, V, C) == 64 and gemm.b_reads(p, Ntok, V, C) == 32
+    assert gemm.estimate_s(small, Ntok, V, C) > 1.4 * gemm.estimate_s(p, Ntok, V, C)
+    d = _plan(GPT2, Ntok, C, V, ta=False, tb=False)
+    assert d.family == "wgmma" and d.transpose_b and not d.transpose_a and d.tile[3] == 1 and d.splits == 2, d
+    assert _floats(GPT2)["gemm_splitk"] >= d.splits * Ntok * C
+
+
+def test_ties_go_to_tma():
+    # DRAM-bound: a cp.async tile and its TMA twin model the same time
+    M, N, K = 16384, 65, 384
+    p = gemm.plan(M, N, K, 1, 132, "tf32", vec=True, wgmma="direct")
+    assert p.family == "wgmma" and p.tile[3] == 1, p
+
+
+def test_char_model_choices():
+    """B64 T256 C384: the transposes (8 bytes per element of dY and X) cost more than wgmma saves
+    on these small products, so the weight gradients stay on mma.sync with split-K."""
+    K, shapes = _weight_grads(CHAR)
+    for M, N in shapes:
+        p = _plan(CHAR, M, N, K)
+        assert p.family == "tf32" and p.splits > 1, (M, N, p)
+        assert p == gemm.plan(M, N, K, 1, 132, "tf32", max_ws=_floats(CHAR)["gemm_splitk"],
+                              vec=M % 4 == 0 and N % 4 == 0)
+    # ... but the wgmma candidates are there for bench/tune.py to time
+    c = gemm.tune_candidates(1536, 384, K, 1, "tf32", True, _floats(CHAR)["gemm_splitk"], wgmma="transpose_ab")
+    assert any(q.transpose_a for q in c) and all(q.transpose_b for q in c if q.transpose_a)
+
+
+def test_slabs_only_for_linear_epilogues():
+    M, N, K = 50304, 768, 8192
+    for epi in (gemm.EPI_NONE, gemm.EPI_BIAS, gemm.EPI_RESID):
+        assert _plan(GPT2, M, N, K, epi=epi).k_slab == HEAD_SLAB
+    for epi in (gemm.EPI_GELU, gemm.EPI_DGELU):
+        assert not _plan(GPT2, M, N, K, epi=epi).transpose_a
+        assert not any(p.k_slab for p in gemm.tune_candidates(M, N, K, 1, "tf32", True, 1 << 24,
+                                                              wgmma="transpose_ab", epi=epi, k_slab=HEAD_SLAB))
+    assert all(p.splits == 1 for p in gemm.tune_candidates(M, N, K, 1, "tf32", True, 1 << 24,
+                                                           wgmma="transpose_ab", k_slab=HEAD_SLAB) if p.k_slab)
+
+
+def test_estimate_counts_the_transposes_and_slabs():
+    M, N, K = 3072, 768, 8192
+    p = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, transpose_b=True, transpose_a=True)
+    direct = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K)
+    moved = 8.0 * K * (M + N) / gemm._TRANSPOSE_BYTES_PER_S
+    assert gemm.estimate_s(p, M, N, K) == pytest.approx(gemm.estimate_s(direct, M, N, K) + moved
+                                                        + 2 * gemm._LAUNCH_S / 3)
+    only_a = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, transpose_a=True)
+    assert gemm.estimate_s(only_a, M, N, K) < gemm.estimate_s(p, M, N, K)
+    slabs = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, transpose_b=True, transpose_a=True, k_slab=1024)
+    assert gemm.estimate_s(slabs, M, N, K) > gemm.estimate_s(p, M, N, K)     # 7 more passes over out
+
+
+def test_make_plan_rules():
+    K = 8192
+    t = (128, 128, 3, 1)
+    assert gemm.make_plan("wgmma", t, 1, K, True, True, 608).k_slab == 608
+    assert gemm.make_plan("wgmma", t, 1, K, True, True, K).k_slab == 0           # all of K: no slabs
+    assert gemm.make_plan("wgmma", t, 4, K, True, True).splits == 4              # whole K may split
+    assert gemm.make_plan("wgmma", t, 2, K, True, True, 608) is None             # slabs never split
+    assert gemm.make_plan("wgmma", t, 1, K, True, True, 600) is None             # whole BK tiles
+    assert gemm.make_plan("wgmma3", t, 1, K, True, True) is None                 # 3xTF32 splits A itself
+    assert gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K, False, True) is None
+
+
+def test_table_roundtrip_and_fit(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
+    monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "1")
+    gemm._tables.clear()
+    try:
+        M, N, K = 50304, 768, 8192
+        p = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, True, True, 256)
+        d = gemm.plan_to_json(p)
+        assert d["transpose_a"] and d["k_slab"] == 256 and gemm.plan_from_json(d, K) == p
+        key = gemm.tune_key("tf32", True, False, "none", False, M, N, K)
+        gemm.save_table("NVIDIA H200 (test)", {key: d})
+        rt = _rt(GPT2)
+        gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
+        assert sum(n.startswith("gemm_wgmma") for n, *_ in rt.launches) == K // 256
+        # a scratch that holds less than the entry's slab: the cost model's plan instead
+        rt = _rt(GPT2, at=(M + N) * 128)
+        gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
+        assert sum(n.startswith("gemm_wgmma") for n, *_ in rt.launches) in (0, K // 128)
+    finally:
+        gemm._tables.clear()
+
+
+# ---- the launches -------------------------------------------------------------------------------
+def test_weight_grad_launch_sequence():
+    """dW fc [3072, 768] = dY^T @ X: A^T [3072, 8192] and B^T [768, 8192] into gemm_aT (one
+    transpose each), then the TMA kernel on the K-major copies (split-K: partials + reduction)."""
+    rt = _rt(GPT2)
+    M, N, K = 3072, 768, 8192
+    gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
+    names = [n for n, *_ in rt.launches]
+    p = _plan(GPT2, M, N, K)
+    assert names[:2] == [TRANSPOSE, TRANSPOSE], names
+    assert rt.launches[0][1] == (M // 64, K // 64) and rt.launches[1][1] == (N // 64, K // 64)
+    assert names[2] == gemm.wgmma_name(p.tile, gemm.EPI_NONE, False)
+    assert rt.launches[2][1] == (N // p.bn, M // p.bm, p.splits)
+    assert len(names) == (4 if p.splits > 1 else 3) and (p.splits == 1 or "splitk_reduce" in names[3])
+
+
+def test_head_weight_grad_in_slabs():
+    """dwte [V, C] = dlogits^T @ lnf: HEAD_SLABS slabs of K / HEAD_SLABS rows in a fixed order; the
+    first writes out (bias there, once), the others add to it through the residual epilogue."""
+    rt = _rt(GPT2)
+    M, N, K = 50304, 768, 8192
+    gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False, bias=_v((N,), 1 << 34))
+    names = [n for n, *_ in rt.launches]
+    p = _plan(GPT2, M, N, K, epi=gemm.EPI_BIAS)
+    n = -(-K // HEAD_SLAB)
+    assert p.k_slab == HEAD_SLAB and len(names) == 3 * n
+    assert names[0::3] == [TRANSPOSE] * n and names[1::3] == [TRANSPOSE] * n
+    assert names[2] == gemm.wgmma_name(p.tile, gemm.EPI_BIAS, True)
+    assert names[5::3] == [gemm.wgmma_name(p.tile, gemm.EPI_RESID, False)] * (n - 1)
+    assert rt.launches[-3][1] == (gemm._cdiv(M, 64), gemm._cdiv(K - (n - 1) * HEAD_SLAB, 64))
+    # a non-linear epilogue cannot be split into slabs: refused when forced
+    with pytest.raises(ValueError, match="slabs"):
+        gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False, epilogue="gelu",
+                    aux=_v((M, N), 1 << 33), plan=p)
+    # a plan asking for bigger slabs than the scratch holds is refused
+    big = gemm.make_plan("wgmma", p.tile, 1, K, True, True, 2 * HEAD_SLAB)
+    with pytest.raises(ValueError, match="gemm_aT"):
+        gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False, plan=big)
+
+
+def test_trans_a_trans_b_reads_b_in_place():
+    rt = _rt(GPT2)
+    M, N, K = 768, 3072, 8192
+    p = gemm.make_plan("wgmma", (128, 128, 3, 1), 1, K, transpose_a=True, k_slab=2048)
+    gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((N, K), 1 << 31), True, True, plan=p)
+    names = [n for n, *_ in rt.launches]
+    assert names == [TRANSPOSE, gemm.wgmma_name(p.tile, 0, False)] + \
+        [TRANSPOSE, gemm.wgmma_name(p.tile, gemm.EPI_RESID, False)] * 3, names
+    # the transpose_a plan does not fit A^T @ B (B must be transposed too) nor A @ B
+    with pytest.raises(ValueError, match="transpose"):
+        gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False, plan=p)
+    with pytest.raises(ValueError, match="transpose"):
+        gemm.matmul(rt, _v((M, N)), _v((M, K)), _v((K, N), 1 << 31), False, False, plan=p)
+
+
+def test_launched_names_are_in_variants():
+    variants = {(f, n) for f, n, _ in gemm.VARIANTS}
+    for cfg in (GPT2, CHAR):
+        K, shapes = _weight_grads(cfg)
+        for at in (None, 5000 * 64):
+            rt = _rt(cfg, at=at)
+            for M, N in shapes + [(67, 65)]:
+                for tb in (False, True):
+                    mode = gemm.wgmma_ok(rt, True, tb, M % 4 == 0 and (tb or N % 4 == 0), K, N, 1, M)
+                    if not mode:
+                        continue
+                    assert mode == ("transpose_a" if tb else "transpose_ab")
+                    for p in gemm.tune_candidates(M, N, K, 1, "tf32", True, _floats(cfg)["gemm_splitk"], wgmma=mode,
+                                                  k_slab=gemm.rt_transpose_a_slab(rt, M, N, K, tb)):
+                        if not p.transpose_a:
+                            continue
+                        for bias in (None, _v((N,), 1 << 34)):
+                            gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((N, K) if tb else (K, N), 1 << 31),
+                                        True, tb, bias=bias, plan=p)
+            missing = {(f, n) for f, n, _ in rt.names} - variants
+            assert not missing, sorted(missing)[:5]
+            for name, grid, block, smem in rt.launches:
+                assert all(1 <= g <= 65535 for g in grid[1:]) and grid[0] >= 1, (name, grid)
+
+
+# ---- the launch sequence executed by numpy stand-ins for the kernels ------------------------------
+class _NumpyRT(FakeGemmRT):
+    """FakeGemmRT whose launches run: gemm_transpose, the wgmma kernels (both loaders, split-K
+    partials, the none / bias / residual epilogues) and the split-K reduction, on a float32 heap."""
+    BASE = 1 << 20
+
+    def __init__(self, floats, **kw):
+        super().__init__("tf32", arch="sm_90", **kw)
+        self.heap = np.full(floats, np.nan, np.float32)
+        self.top = self.BASE
+
+    def alloc(self, shape, name=""):
+        n = int(np.prod(shape))
+        v = DeviceView(self.top, tuple(shape), "f32", name)
+        self.top += 4 * (-(-n // 64) * 64 + 64)     # 256-byte aligned, a NaN gap between views
+        return v
+
+    def at(self, ptr, n):
+        o = (ptr - self.BASE) // 4
+        return self.heap[o:o + n]
+
+    def tensor_map(self, view, dims, strides_bytes, box):
+        super().tensor_map(view, dims, strides_bytes, box)
+        return SimpleNamespace(ptr=view.ptr, ld=strides_bytes[0] // 4)
+
+    def _mat(self, ptr, rows, cols, ld):
+        return np.stack([self.at(ptr + 4 * r * ld, cols) for r in range(rows)]).astype(np.float64)
+
+    def launch(self, fn, grid, block, args, smem=0, label=None):
+        super().launch(fn, grid, block, args, smem, label)
+        v = [a.value if hasattr(a, "value") else a for a in args]
+        name = fn.name
+        if name.startswith("gemm_transpose<false"):
+            out, x, K, N = v
+            self.at(out.ptr, N * K)[:] = self.at(x.ptr, K * N).reshape(K, N).T.ravel()
+        elif name.startswith("gemm_wgmma"):
+            params = name[name.index("<") + 1:-1].split(",")
+            epi, hb = int(params[3]), params[4] == "true"
+            if name.startswith("gemm_wgmma_tma"):
+                C, aux, ma, mb, bias, M, N, K, ldc, sC, alpha, splits, kc = v
+                (pa, lda), (pb, ldb) = (ma.ptr, ma.ld), (mb.ptr, mb.ld)
+            else:
+                C, aux, A, B, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, kc = v
+                pa, pb = A.ptr, B.ptr
+            a, b = self._mat(pa, M, K, lda), self._mat(pb, N, K, ldb)
+            for z in range(splits):
+                acc = a[:, z * kc:(z + 1) * kc] @ b[:, z * kc:(z + 1) * kc].T
+                if hb:
+                    acc = acc + self.at(bias.ptr, N)
+                if epi == gemm.EPI_RESID:
+                    acc = acc + self._mat(aux.ptr, M, N, ldc)
+                assert epi in (gemm.EPI_NONE, gemm.EPI_BIAS, gemm.EPI_RESID), name
+                for r in range(M):
+                    self.at(C.ptr + 4 * (z * sC + r * ldc), N)[:] = acc[r]
+        elif name.startswith("gemm_splitk_reduce"):
+            out, aux, ws, bias, M, N, ldc, splits, alpha = v
+            params = name[name.index("<") + 1:-1].split(",")
+            acc = self.at(ws.ptr, splits * M * N).reshape(splits, M, N).astype(np.float64).sum(0)
+            if params[1] == "true":
+                acc = acc + self.at(bias.ptr, N)
+            if int(params[0]) == gemm.EPI_RESID:
+                acc = acc + self._mat(aux.ptr, M, N, ldc)
+            for r in range(M):
+                self.at(out.ptr + 4 * r * ldc, N)[:] = acc[r]
+        else:
+            raise AssertionError(f"no stand-in for {name}")
+
+
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("tile", [(128, 128, 3, 0), (256, 128, 4, 1)], ids=["cpasync", "tma"])
+@pytest.mark.parametrize("epilogue", ["none", "bias", "residual_alias"])
+@pytest.mark.parametrize("slab,splits", [(0, 1), (0, 3), (64, 1)])
+def test_transpose_a_sequence_computes_the_product(tb, tile, epilogue, slab, splits):
+    """The launches of a transpose_a plan, run by numpy stand-ins: the slab views' offsets, the
+    transposes into gemm_aT, B^T beside A^T or B read in place, the first slab's epilogue and the
+    later slabs' accumulation give A^T @ op(B) (+ bias) (+ out)."""
+    M, N, K = 68, 36, 740
+    rng = np.random.default_rng(M + N + K + tb + splits + slab)
+    rt = _NumpyRT(1 << 21)
+    at_floats = (M + (0 if tb else N)) * (slab or K) + 7
+    rt._ws = {"gemm_aT": rt.alloc((at_floats,), "gemm_aT"), "gemm_splitk": rt.alloc((splits * M * N,), "ws")}
+    a, b = rng.standard_normal((K, M)), rng.standard_normal((N, K) if tb else (K, N))
+    bias = rng.standard_normal(N) if epilogue == "bias" else None
+    out0 = rng.standard_normal((M, N))
+    da, db, out = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N))
+    for view, x in ((da, a), (db, b), (out, out0)):
+        rt.at(view.ptr, x.size)[:] = x.ravel()
+    kw = {}
+    if bias is not None:
+        kw["bias"] = rt.alloc((N,))
+        rt.at(kw["bias"].ptr, N)[:] = bias
+    if epilogue == "residual_alias":
+        kw.update(epilogue="residual", aux=out)
+    p = gemm.make_plan("wgmma", tile, splits, K, transpose_b=not tb, transpose_a=True, k_slab=slab)
+    gemm.matmul(rt, out, da, db, True, tb, plan=p, **kw)
+    a32, b32 = a.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64)
+    want = a32.T @ (b32.T if tb else b32)
+    if bias is not None:
+        want += bias.astype(np.float32)
+    if epilogue == "residual_alias":
+        want += out0.astype(np.float32)
+    got = rt.at(out.ptr, M * N).reshape(M, N)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+    n_gemm = sum(n.startswith("gemm_wgmma") for n, *_ in rt.launches)
+    assert n_gemm == (-(-K // slab) if slab else 1)
