@@ -1,12 +1,33 @@
 // Token + position embedding: forward gather and deterministic backward scatter.
 //
-//   encoder_fwd<VEC>      out[n, :] = wte[idx[n], :] + wpe[n % T, :]
-//   encoder_bwd_wte<VEC>  dwte[v, :] += sum of dout[n, :] over the tokens n with idx[n] == v
-//   encoder_bwd_wpe<VEC>  dwpe[t, :]  = sum over b of dout[b, t, :] (t < T), 0 for t >= T
+//   encoder_fwd<VEC>          out[n, :] = wte[idx[n], :] + wpe[n % T, :]
+//   encoder_bwd_wte<VEC>      dwte[v, :] += sum of dout[n, :] over the tokens n with idx[n] == v
+//                             ("scan": small vocabularies; every block scans every id)
+//   encoder_bwd_sort<E>       bucket the token positions by id (one block, a stable radix sort in
+//                             shared memory) into the workspace: runs of equal id, positions increasing
+//   encoder_bwd_wte_seg<VEC>  dwte[v, :] += the sum of one run's dout rows ("sort": large vocabularies)
+//   encoder_bwd_wpe<VEC>      dwpe[t, :]  = sum over b of dout[b, t, :] (t < T), 0 for t >= T
 //
 // VEC is 4 (float4 loads/stores; needs C % 4 == 0 and 16-byte aligned pointers) or 1.
-// The backward uses no atomics: a block owns one (vocabulary row, column tile) of dwte and
-// scans every token id in a fixed order, so the sum order never depends on scheduling.
+// The backward uses no float atomics and sums in an order fixed by the inputs alone, so it is
+// bitwise reproducible whatever the scheduling:
+//   * scan (grid (V, C / (32*VEC))): a block owns one (vocabulary row, column tile) of dwte and
+//     scans every token id; warp w sums the matches of its token chunks, then the warps' partials
+//     are added in warp order. Costs V * tiles * N id reads: fine for V = 65, not for 50K.
+//   * sort: encoder_bwd_sort sorts the keys (id << nbits) | n (n < 2^nbits, (V+1) << nbits <= 2^32;
+//     ids outside [0, V) are dropped) of all N tokens by id in one block, stably (so n increases
+//     within an id), and writes the workspace (i32)
+//         pos[N]        token positions, grouped by id (ids increasing), n increasing in a group
+//         seg_id[N]     the id of run u (u < U; runs of equal id = the ids present)
+//         seg_start[N+1] where run u starts in pos; seg_start[U] = the number of valid tokens
+//         nseg[1]       U
+//     (3N + 2 ints, at ws[0], ws[N], ws[2N], ws[3N+1]). encoder_bwd_wte_seg then gives one warp
+//     to each (run, 32*VEC-column tile): it sums the run's dout rows sequentially in increasing n
+//     (acc = 0; acc += dout[n0]; acc += dout[n1]; ...) and does dwte[v] = dwte[v] + acc once.
+//     Rows of absent ids are never read or written; the cost is N*C floats of dout plus the rows
+//     of the ids present, independent of V. The sort (4-bit digits, ceil(bits(V)/4) passes: 4 for
+//     GPT-2) is ~100 shared-memory accesses a thread a pass: ~8 us at N = 8192 on one SM.
+//     E = 32 (16384 < N <= 32768) spills ~200 bytes a thread (64 registers at 1024 threads).
 #include "common.cuh"
 
 #define ENC_THREADS 256
@@ -125,6 +146,213 @@ encoder_bwd_wte(float* __restrict__ dwte,         // dwte [V, C]   (+=)
             for (int w = 1; w < ENC_BWD_WARPS; ++w) s += red[w][k];
             float* d = dwte + (long long)v * C + col;
             *d = *d + s;
+        }
+    }
+}
+
+// ---- the sorted path ---------------------------------------------------------------------
+#define ENC_SORT_THREADS 1024
+#define ENC_SEG_WARPS 8
+#define ENC_SEG_UNROLL 8          // dout rows in flight per lane (a power of two dividing 32)
+#define ENC_SORT_DIGIT 4          // radix bits a pass
+#define ENC_SORT_BINS 16
+static_assert(ENC_SORT_THREADS == 1024, "enc_block_scan: 32 warps");
+
+__device__ __forceinline__ int enc_pad(int i) { return i + (i >> 5); }   // a word skipped every 32
+
+// Exclusive scan of x over the ENC_SORT_THREADS threads (all must call); tot[31] is the total after.
+__device__ __forceinline__ int enc_block_scan(int x, int* tot) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) tot[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int w = tot[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        tot[lane] = w;                                            // inclusive over the warps
+    }
+    __syncthreads();
+    return (warp ? tot[warp - 1] : 0) + incl - x;
+}
+
+// grid 1, block ENC_SORT_THREADS (= 32 warps: enc_block_scan), dynamic shared memory
+// 4 * (enc_pad(E * ENC_SORT_THREADS) + enc_pad(ENC_SORT_BINS * ENC_SORT_THREADS)) bytes.
+// A stable LSD radix sort (4-bit digits, `passes` of them: bits of V) of the keys
+// (id << nbits) | n, n < 2^nbits, by their id (ids outside [0, V) become V: sorted last, dropped).
+// Thread t owns the slots [t*E, t*E + E) (E a power of two, E * ENC_SORT_THREADS >= N): keys in
+// registers, digit counters in the column t of cnt[digit][thread], scanned digit-major so that
+// a digit's keys keep the order of their slots: stable, so ids increasing and n increasing in an
+// id. The padded layouts (enc_pad) keep the column and row accesses free of bank conflicts.
+// Then the runs of equal id are compacted into the workspace (layout at the top of the file).
+template <int E>
+__global__ void __launch_bounds__(ENC_SORT_THREADS)
+encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
+                 const int* __restrict__ idx,     // idx [N]
+                 int N, int V, int nbits, int passes) {
+    constexpr int TH = ENC_SORT_THREADS;
+    extern __shared__ u32 enc_smem[];
+    u32* keys = enc_smem;                                         // [enc_pad(E * TH)]
+    int* cnt = reinterpret_cast<int*>(enc_smem + enc_pad(E * TH)); // [enc_pad(BINS * TH)]
+    __shared__ int tot[32];
+    __shared__ int s_valid;
+    const int tid = threadIdx.x;
+    const int first = tid * E;
+    if (tid == 0) s_valid = 0;
+    u32 kk[E];
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+        const int i = first + k;
+        kk[k] = 0u;
+        if (i < N) {
+            int id = idx[i];
+            if ((unsigned)id >= (unsigned)V) id = V;
+            kk[k] = ((u32)id << nbits) | (u32)i;
+        }
+    }
+    for (int pass = 0; pass < passes; ++pass) {
+        const int shift = nbits + ENC_SORT_DIGIT * pass;
+#pragma unroll
+        for (int d = 0; d < ENC_SORT_BINS; ++d) cnt[enc_pad(d * TH + tid)] = 0;
+#pragma unroll
+        for (int k = 0; k < E; ++k)
+            if (first + k < N) cnt[enc_pad((int)((kk[k] >> shift) & (ENC_SORT_BINS - 1)) * TH + tid)] += 1;
+        __syncthreads();
+        // exclusive scan of cnt in digit-major order: thread t owns the flat entries [t*BINS, t*BINS + BINS)
+        int s = 0;
+#pragma unroll
+        for (int j = 0; j < ENC_SORT_BINS; ++j) s += cnt[enc_pad(tid * ENC_SORT_BINS + j)];
+        int pre = enc_block_scan(s, tot);
+#pragma unroll
+        for (int j = 0; j < ENC_SORT_BINS; ++j) {
+            const int f = enc_pad(tid * ENC_SORT_BINS + j);
+            const int c = cnt[f];
+            cnt[f] = pre;
+            pre += c;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < E; ++k) {
+            if (first + k < N) {
+                const int f = enc_pad((int)((kk[k] >> shift) & (ENC_SORT_BINS - 1)) * TH + tid);
+                const int p = cnt[f];
+                cnt[f] = p + 1;
+                keys[enc_pad(p)] = kk[k];
+            }
+        }
+        __syncthreads();
+        if (pass + 1 < passes) {
+#pragma unroll
+            for (int k = 0; k < E; ++k)
+                if (first + k < N) kk[k] = keys[enc_pad(first + k)];
+        }
+    }
+    // keys: sorted; runs of equal id start at the heads (read back from shared memory, not kk:
+    // fewer live registers)
+    const u32 vkey = (u32)V << nbits;                             // keys >= vkey: dropped ids
+    int heads = 0;
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+        const int i = first + k;
+        const u32 key = i < N ? keys[enc_pad(i)] : vkey;
+        if (key < vkey) {
+            if (i == 0 || (keys[enc_pad(i - 1)] >> nbits) != (key >> nbits)) ++heads;
+            if (i + 1 == N || keys[enc_pad(i + 1)] >= vkey) s_valid = i + 1;   // one writer
+        }
+    }
+    int u = enc_block_scan(heads, tot);
+    int* pos = ws;
+    int* seg_id = ws + N;
+    int* seg_start = ws + 2 * N;
+    const u32 mask = (1u << nbits) - 1u;
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+        const int i = first + k;
+        const u32 key = i < N ? keys[enc_pad(i)] : vkey;
+        if (key < vkey) {
+            pos[i] = (int)(key & mask);
+            if (i == 0 || (keys[enc_pad(i - 1)] >> nbits) != (key >> nbits)) {
+                seg_id[u] = (int)(key >> nbits);
+                seg_start[u] = i;
+                ++u;
+            }
+        }
+    }
+    if (tid == 0) {
+        const int U = tot[31];
+        seg_start[U] = s_valid;
+        ws[3 * N + 1] = U;
+    }
+}
+
+// grid G (any; the launcher: a few blocks an SM), block ENC_SEG_WARPS*32. Warp-items it = u * tiles + tile over the U runs of the
+// workspace, taken grid-stride by the warps. Lane l owns columns tile*32*VEC + l*VEC .. +VEC; the
+// run's positions come 32 at a time (one load a lane, the next batch prefetched), ENC_SEG_UNROLL
+// rows are loaded together, then added in increasing n.
+template <int VEC>
+__global__ void __launch_bounds__(ENC_SEG_WARPS * 32)
+encoder_bwd_wte_seg(float* __restrict__ dwte,         // dwte [V, C]   (+=, rows of present ids)
+                    const float* __restrict__ dout,   // dout [N, C]
+                    const int* __restrict__ ws,       // encoder_bwd_sort's output
+                    int N, int C, int tiles) {
+    const int* pos = ws;
+    const int* seg_id = ws + N;
+    const int* seg_start = ws + 2 * N;
+    const int U = ws[3 * N + 1];
+    const int lane = threadIdx.x & 31;
+    const long long items = (long long)U * tiles;
+    const long long step = (long long)gridDim.x * ENC_SEG_WARPS;
+    for (long long it = (long long)blockIdx.x * ENC_SEG_WARPS + (threadIdx.x >> 5); it < items; it += step) {
+        const int u = (int)(it / tiles);
+        const int tile = (int)(it - (long long)u * tiles);
+        const int c = tile * 32 * VEC + lane * VEC;
+        const bool active = c < C;               // VEC == 4 implies C % 4 == 0: all or nothing
+        const int s0 = seg_start[u], s1 = seg_start[u + 1];
+        const int v = seg_id[u];
+        float* d = dwte + (long long)v * C + c;
+        float r[VEC];
+        if (active) enc_load<VEC>(r, d);                         // in flight during the sum
+        float acc[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] = 0.f;
+        int mine = s0 + lane < s1 ? pos[s0 + lane] : 0;
+        for (int b = s0; b < s1; b += 32) {                      // warp-uniform bounds
+            const int m = min(32, s1 - b);
+            const int next = b + 32 + lane < s1 ? pos[b + 32 + lane] : 0;
+            for (int k0 = 0; k0 < m; k0 += ENC_SEG_UNROLL) {
+                float a[ENC_SEG_UNROLL][VEC];
+#pragma unroll
+                for (int k = 0; k < ENC_SEG_UNROLL; ++k) {
+                    const int n = __shfl_sync(0xffffffffu, mine, k0 + k);
+                    if (active && k0 + k < m) {
+                        enc_load<VEC>(a[k], dout + (long long)n * C + c);
+                    } else {
+#pragma unroll
+                        for (int q = 0; q < VEC; ++q) a[k][q] = 0.f;
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < ENC_SEG_UNROLL; ++k) {
+                    if (k0 + k < m) {
+#pragma unroll
+                        for (int q = 0; q < VEC; ++q) acc[q] += a[k][q];
+                    }
+                }
+            }
+            mine = next;
+        }
+        if (active) {
+#pragma unroll
+            for (int q = 0; q < VEC; ++q) r[q] = r[q] + acc[q];
+            enc_store<VEC>(d, r);
         }
     }
 }

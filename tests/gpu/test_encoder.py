@@ -1,12 +1,16 @@
-"""GPU tests of kernels/encoder.cu against the float64 reference (deterministic backward)."""
+"""Tests of kernels/encoder.cu against the float64 reference (deterministic backward), on the GPU;
+the launchers' path choice and workspace handling also without one (the unmarked tests)."""
+from contextlib import contextmanager
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from gptcuda.cuda_ops import encoder as enc
 from gptcuda.reference import ops as ref
-from tests.conftest import rel_err
+from tests.conftest import FakeGemmRT, fake_view, rel_err
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 
 # (B, T, C, V, Tmax): float4 paths, scalar paths (C % 4 != 0), tails everywhere
 SHAPES = [
@@ -17,6 +21,9 @@ SHAPES = [
     (5, 50, 1000, 300, 64),
     (16, 256, 384, 65, 256),
 ]
+# GPT-2 scale (the sorted path's reason to be): 2 and 8 sequences of 1024 tokens, and the most
+# tokens one sort block takes (E = 32, 16384 < N <= 32768)
+GPT2 = [(2, 1024, 768, 50304, 1024), (8, 1024, 768, 50304, 1024), (32, 1024, 768, 50304, 1024)]
 
 
 def _randn(r, *shape):
@@ -32,6 +39,62 @@ def _ids(r, B, T, V):
     return idx
 
 
+def _skewed_ids(r, B, T, V):
+    """Like text: a few ids hundreds of times (EOT, " the", ...), a long tail of rare ones, most of
+    V absent, 0 and V - 1 present (V = 50304: ids of all four 4-bit radix digits)."""
+    N = B * T
+    hot = np.array([0, 11, 13, 198, 262, V - 1, 50256 % V], dtype=np.int64)
+    x = np.empty(N, dtype=np.int64)
+    kind = r.random(N)
+    x[:] = r.integers(0, V, size=N)                               # uniform tail
+    zipf = np.minimum(r.zipf(1.3, size=N) - 1, 3000)              # frequent small ids
+    x[kind < 0.5] = zipf[kind < 0.5]
+    x[kind < 0.15] = hot[r.integers(0, len(hot), size=N)][kind < 0.15]
+    x[N // 2:N // 2 + 300] = 262                                  # a run of one id
+    return x.astype(np.int32).reshape(B, T)
+
+
+@contextmanager
+def _workspace(rt, N):
+    """The sorted path's planned workspace for N tokens (poisoned), the previous set restored."""
+    old = dict(rt._workspace)
+    ws = rt.empty((enc.workspace_ints(N),), "i32")
+    rt.set_workspace({**old, enc.WORKSPACE: ws})
+    try:
+        yield ws
+    finally:
+        rt.set_workspace(old)
+
+
+def _sequential_dwte(dwte0, dout, idx, V):
+    """float32 dwte0[v] + ((0 + dout[n0]) + dout[n1]) + ... over the tokens n0 < n1 < ... of id v:
+    the sorted path's exact summation order. Rows of absent ids are dwte0's, bitwise."""
+    C = dout.shape[-1]
+    d = dout.reshape(-1, C)
+    ids = idx.reshape(-1).astype(np.int64)
+    keep = (ids >= 0) & (ids < V)
+    n = np.nonzero(keep)[0]
+    order = n[np.argsort(ids[n], kind="stable")]                 # by id, n increasing within an id
+    sid = ids[order]
+    starts = np.r_[0, np.nonzero(np.diff(sid))[0] + 1]
+    counts = np.diff(np.r_[starts, len(order)])
+    acc = np.zeros((len(starts), C), dtype=np.float32)
+    for k in range(int(counts.max()) if len(counts) else 0):
+        live = counts > k
+        acc[live] = acc[live] + d[order[starts[live] + k]]        # float32 adds, one token a round
+    out = dwte0.copy()
+    out[sid[starts]] = dwte0[sid[starts]] + acc
+    return out
+
+
+def _run_bwd(rt, dwte0, dout, idx, Tmax, method):
+    dwte = rt.upload(dwte0)
+    dwpe = rt.empty((Tmax, dout.shape[-1]))       # overwritten entirely (rows >= T zeroed)
+    enc.encoder_bwd(rt, dwte, dwpe, dout, idx, method=method)
+    return rt.download(dwte), rt.download(dwpe)
+
+
+@gpu
 @pytest.mark.parametrize("B,T,C,V,Tmax", SHAPES)
 def test_encoder_fwd(rt, B, T, C, V, Tmax):
     r = np.random.default_rng(B * 1000 + C)
@@ -44,21 +107,18 @@ def test_encoder_fwd(rt, B, T, C, V, Tmax):
     assert rel_err(got, ref.encoder_forward(idx_h, wte_h, wpe_h)) < 1e-6
 
 
+@gpu
+@pytest.mark.parametrize("method", ["scan", "sort"])
 @pytest.mark.parametrize("B,T,C,V,Tmax", SHAPES)
-def test_encoder_bwd(rt, B, T, C, V, Tmax):
+def test_encoder_bwd(rt, B, T, C, V, Tmax, method):
     r = np.random.default_rng(B * 7 + C)
     idx_h = _ids(r, B, T, V)
     dout_h = _randn(r, B, T, C)
     dwte0 = _randn(r, V, C)                      # dwte accumulates
     idx, dout = rt.upload(idx_h), rt.upload(dout_h)
     ref_dwte, ref_dwpe = ref.encoder_backward(dout_h, idx_h, V, Tmax)
-    results = []
-    for _ in range(2):
-        dwte = rt.upload(dwte0)
-        dwpe = rt.empty((Tmax, C))               # overwritten entirely (rows >= T zeroed)
-        enc.encoder_bwd(rt, dwte, dwpe, dout, idx)
-        results.append((rt.download(dwte), rt.download(dwpe)))
-    (g_wte, g_wpe), (g_wte2, g_wpe2) = results
+    with _workspace(rt, B * T):
+        (g_wte, g_wpe), (g_wte2, g_wpe2) = [_run_bwd(rt, dwte0, dout, idx, Tmax, method) for _ in range(2)]
     assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
     assert rel_err(g_wpe, ref_dwpe) < 1e-5
     assert np.all(g_wpe[T:] == 0)
@@ -67,3 +127,113 @@ def test_encoder_bwd(rt, B, T, C, V, Tmax):
     # bitwise reproducible
     assert np.array_equal(g_wte.view(np.uint32), g_wte2.view(np.uint32))
     assert np.array_equal(g_wpe.view(np.uint32), g_wpe2.view(np.uint32))
+    if method == "sort":                         # tokens summed one by one in increasing n
+        assert np.array_equal(g_wte.view(np.uint32), _sequential_dwte(dwte0, dout_h, idx_h, V).view(np.uint32))
+
+
+@gpu
+@pytest.mark.parametrize("B,T,C,V,Tmax", GPT2)
+def test_encoder_bwd_gpt2_scale(rt, B, T, C, V, Tmax):
+    N = B * T
+    assert enc.bwd_wte_method(N, C, V) == "sort"
+    r = np.random.default_rng(N)
+    idx_h = _skewed_ids(r, B, T, V)
+    present = np.unique(idx_h)
+    counts = np.bincount(idx_h.reshape(-1), minlength=V)
+    assert counts.max() >= 300 and counts[V - 1] > 0 and len(present) < V // 2    # skewed, mostly absent
+    dout_h = _randn(r, B, T, C)
+    dwte0 = _randn(r, V, C)
+    dwte0[V - 2] = -0.0                          # untouched rows keep even a negative zero
+    assert counts[V - 2] == 0
+    idx, dout = rt.upload(idx_h), rt.upload(dout_h)
+    ref_dwte, ref_dwpe = ref.encoder_backward(dout_h, idx_h, V, Tmax)
+    with _workspace(rt, N):
+        (g_wte, g_wpe), (g_wte2, g_wpe2) = [_run_bwd(rt, dwte0, dout, idx, Tmax, None) for _ in range(2)]
+    assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
+    assert rel_err(g_wpe, ref_dwpe) < 1e-5
+    absent = counts == 0
+    assert np.array_equal(g_wte[absent].view(np.uint32), dwte0[absent].view(np.uint32))
+    assert np.array_equal(g_wte.view(np.uint32), g_wte2.view(np.uint32))
+    assert np.array_equal(g_wpe.view(np.uint32), g_wpe2.view(np.uint32))
+    assert np.array_equal(g_wte.view(np.uint32), _sequential_dwte(dwte0, dout_h, idx_h, V).view(np.uint32))
+
+
+@gpu
+@pytest.mark.parametrize("method", ["scan", "sort"])
+def test_encoder_bwd_drops_out_of_range_ids(rt, method):
+    B, T, C, V, Tmax = 3, 100, 132, 1000, 128
+    r = np.random.default_rng(5)
+    idx_h = _ids(r, B, T, V)
+    idx_h[0, :7] = [-1, V, V + 5, 2 ** 31 - 1, -(2 ** 31), 3, 3]     # the first five: no row
+    dout_h = _randn(r, B, T, C)
+    dwte0 = _randn(r, V, C)
+    idx, dout = rt.upload(idx_h), rt.upload(dout_h)
+    ok = idx_h.copy()
+    ok[0, :5] = V - 1                            # stand-ins on a row of its own, then forgotten
+    ref_dwte, _ = ref.encoder_backward(dout_h * (ok != V - 1)[..., None], ok, V, Tmax)
+    with _workspace(rt, B * T):
+        g_wte, _ = _run_bwd(rt, dwte0, dout, idx, Tmax, method)
+    assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
+    if method == "sort":
+        assert np.array_equal(g_wte.view(np.uint32), _sequential_dwte(dwte0, dout_h, idx_h, V).view(np.uint32))
+        assert np.array_equal(g_wte[V - 1].view(np.uint32), dwte0[V - 1].view(np.uint32))
+
+
+@gpu
+def test_encoder_bwd_sorted_graph_equals_eager(rt):
+    """The sorted path captured in a CUDA graph (no host sync, nothing allocated) equals eager runs,
+    replay after replay (dwte reset between: it accumulates)."""
+    B, T, C, V, Tmax = 2, 1024, 768, 50304, 1024
+    r = np.random.default_rng(11)
+    idx_h = _skewed_ids(r, B, T, V)
+    dout_h = _randn(r, B, T, C)
+    dwte0 = _randn(r, V, C)
+    idx, dout = rt.upload(idx_h), rt.upload(dout_h)
+    with _workspace(rt, B * T):
+        eager, _ = _run_bwd(rt, dwte0, dout, idx, Tmax, None)
+        dwte, dwpe = rt.upload(dwte0), rt.empty((Tmax, C))
+        prog = rt.begin("encoder_bwd")
+        enc.encoder_bwd(rt, dwte, dwpe, dout, idx)
+        rt.end()
+        g = rt.capture(prog)
+        for _ in range(2):
+            rt.write(dwte, dwte0)
+            g.launch()
+            assert np.array_equal(rt.download(dwte).view(np.uint32), eager.view(np.uint32))
+
+
+# ---- no GPU needed: the launchers' choices -------------------------------------------------
+
+def test_method_choice():
+    assert enc.bwd_wte_method(64 * 256, 384, 65) == "scan"             # the char model keeps the scan
+    assert enc.bwd_wte_method(8192, 768, 50304) == "sort"
+    assert enc.bwd_wte_method(32768, 768, 50304) == "sort"
+    assert enc.bwd_wte_method(32769, 768, 50304) == "scan"             # more than one sort block takes
+    assert enc.bwd_wte_method(32768, 768, 1 << 17) == "scan"           # (V+1) << 15 > 2^32
+    cfg = SimpleNamespace(batch_size=8, block_size=1024, n_embd=768, vocab_size=0)
+    assert enc.workspace(cfg) == {enc.WORKSPACE: ((3 * 8192 + 2,), "i32")}
+    assert enc.workspace(SimpleNamespace(batch_size=64, block_size=1024, n_embd=768, vocab_size=50304)) == {}
+    for N, e in ((1, 1), (1024, 1), (1025, 2), (8192, 8), (16385, 32), (32768, 32)):
+        name, smem, nbits, passes = enc.sort_plan(N, 50304)
+        assert name == f"encoder_bwd_sort<{e}>" and smem <= 227 * 1024 and passes == 4
+        assert (N - 1) < 2 ** nbits and (enc.FILE, name, {}) in enc.VARIANTS
+
+
+def test_sorted_path_launches_and_needs_its_workspace():
+    from gptcuda.runtime import DeviceView
+    B, T, C, V = 8, 1024, 768, 50304
+    args = (fake_view((V, C)), fake_view((T, C), 1 << 34), fake_view((B, T, C), 1 << 35),
+            DeviceView(1 << 36, (B, T), "i32", "idx"))
+    rt = FakeGemmRT()
+    with pytest.raises(KeyError, match=enc.WORKSPACE):
+        enc.encoder_bwd(rt, *args)
+    rt._ws[enc.WORKSPACE] = DeviceView(1 << 37, (3 * B * T + 1,), "i32", "ws")
+    with pytest.raises(ValueError, match="must hold"):
+        enc.encoder_bwd(rt, *args)
+    rt._ws[enc.WORKSPACE] = DeviceView(1 << 37, (3 * B * T + 2,), "i32", "ws")
+    enc.encoder_bwd(rt, *args)
+    assert [x[0] for x in rt.launches] == ["encoder_bwd_sort<8>", "encoder_bwd_wte_seg<4>", "encoder_bwd_wpe<4>"]
+    assert rt.launches[0][1:3] == ((1,), (enc.SORT_THREADS,)) and rt.launches[0][3] > 48 * 1024
+    rt.launches.clear()
+    enc.encoder_bwd(rt, *args, method="scan")
+    assert rt.launches[0][:2] == ("encoder_bwd_wte<4>", (V, 6))
