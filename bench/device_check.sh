@@ -2,10 +2,14 @@
 # The GPU check-and-benchmark, driven from the repo so that it is repeatable.
 #   bash bench/device_check.sh [tests] [gradcheck] [tune] [bench] [attention] [long] [torch] [gemm]
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
+#                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S (for seeds: bench/seeds.py),
-# TRAIN_CONFIG (for train_config), DIST_WORLDS ("1,2"), DIST_ZERO ("0 1"), TORCH_WHICH ("steps compile"), TUNE_PRECISIONS ("tf32 fp32").
+# TRAIN_CONFIG (for train_config), DIST_WORLDS ("1,2"), DIST_ZERO ("0 1"), TORCH_WHICH ("steps compile"), TUNE_PRECISIONS ("tf32 fp32"),
+# GPT2_BATCHES ("8 16": bench/step.py of configs/gpt2_124m.yaml and the PyTorch / llm.c anchors at these
+# micro-batches), ACCUM_STEPS (50: gpt2_accum's steps of 524288 tokens). llm.c (karpathy/llm.c f1e2ace:
+# Makefile, train_gpt2.cu, llmc/) is read from .devcarry/llmc.
 # A STEP_CASES entry may carry overrides: fp32:fused:fp32_gemm=ffma,batch_size=32.
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
 # .devcarry/reference/ (a copy of the reference scripts carried along; never imported by gptcuda).
@@ -122,6 +126,49 @@ if has dist; then
     timeout 240 python3 bench/scaling.py configs/gpt2_124m_t1024.yaml --worlds ${DIST_WORLDS:-1,2} --iters 10 \
       --zero=$z --json "$OUT/scaling_zero$z.json" 2>&1 | tee -a "$OUT/dist.log" | tail -8
   done
+fi
+# GPT-2 BPE token data: tiny Shakespeare through prepare.py (the shards every gpt2_* step below reads)
+GPT2_DATA=/tmp/shakespeare_gpt2
+if has gpt2_data; then
+  log "prepare.py tiny Shakespeare -> GPT-2 BPE shards"
+  python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 --out $GPT2_DATA 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+  python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 --out $GPT2_DATA 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+  ls -l $GPT2_DATA | tee -a "$OUT/summary.txt"
+fi
+if has gpt2_step; then
+  for b in ${GPT2_BATCHES:-8 16}; do
+    log "step GPT-2 124M B$b T1024 tf32 (vocabulary 50304)"
+    python3 bench/step.py configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 \
+      --batch_size=$b --iters 20 --json "$OUT/step_gpt2_b$b.json" > "$OUT/step_gpt2_b$b.log" 2>&1
+    sed -n '1,40p' "$OUT/step_gpt2_b$b.log"
+  done
+  if [ -f .devcarry/reference/torch_reference.py ]; then
+    log "PyTorch GPT-2 124M (same run)"
+    shapes=$(for b in ${GPT2_BATCHES:-8 16}; do printf "%s;" "$b,1024,12,12,768,50304"; done)
+    (cd "$OUT" && SHAPES="${shapes%;}" DROPOUT=0 OUT="$OUT" python3 "$OLDPWD/.devcarry/reference/torch_reference.py" shape 2>&1 | tail -12) | tee -a "$OUT/summary.txt"
+  fi
+fi
+if has llmc; then
+  log "llm.c GPT-2 124M anchor (FP32 = TF32 cuBLAS, and BF16)"
+  rm -rf /tmp/llmc && cp -r .devcarry/llmc /tmp/llmc
+  bash .devcarry/reference/llmc_anchor.sh /tmp/llmc ${GPT2_BATCHES:-8 16} 2>&1 | tee "$OUT/llmc.log" | tail -20
+  if [ -x /tmp/llmc/train_gpt2cu ] && [ -f $GPT2_DATA/train_000000.bin ]; then
+    log "llm.c train_gpt2cu on our prepare.py shards"
+    (cd /tmp/llmc && ./train_gpt2cu -i $GPT2_DATA/train_000000.bin -j $GPT2_DATA/val_000000.bin -e d12 -b 4 -t 1024 \
+      -x 10 -v 5 -s 0 -r 0 2>&1 | grep -E "train data|val data|num_tokens|val loss|^step +(1|5|10)/" | tee -a "$OUT/summary.txt")
+  fi
+fi
+if has gpt2_train; then
+  log "configs/shakespeare_gpt2.yaml end to end, then sample.py"
+  python3 train.py configs/shakespeare_gpt2.yaml --out_dir="$OUT/sg2" --no-bar 2>&1 \
+    | tee "$OUT/train_sg2.log" | grep -E "^step [0-9]+:|best val|error|parameters" | tail -14
+  python3 sample.py --out_dir "$OUT/sg2" --max_new_tokens 120 --seed 1 --num_samples 2 2>&1 | tail -14 | tee -a "$OUT/summary.txt"
+fi
+if has gpt2_accum; then
+  log "configs/gpt2_124m.yaml, total_batch_tokens 524288, ${ACCUM_STEPS:-50} steps on the shards, straight and resumed"
+  python3 bench/resume_check.py configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --max_iters=${ACCUM_STEPS:-50} \
+    --lr_decay_iters=${ACCUM_STEPS:-50} --warmup_iters=5 --eval_interval=1000 --eval_iters=4 --out /tmp/resume_check 2>&1 \
+    | tee "$OUT/gpt2_accum.log" | grep -vE "^ *[a-z_0-9]+: " | tail -30
 fi
 if has seeds; then          # best val over seeds, e.g. SEEDS_GROUPS="tf32=configs/ctx256_tf32.yaml:1-8"
   log "best val over seeds: ${SEEDS_GROUPS}"

@@ -15,8 +15,6 @@ Ops (shapes; "+=" means the op accumulates into its destination, "=" that it ove
   zero(view)                                 view = 0
   lr_schedule(state)                         state.lr = schedule(state.step)
   step_advance(state)                        state.step += 1
-  get_batch(x[B,T]i32, y[B,T]i32, tokens, split, counter)
-                                             windows at rng.batch_offsets(seed, state.<counter>, site)
   eval_advance(state)                        state.eval_draws += 1
   encoder_fwd(out[B,T,C], idx[B,T], wte[V,C], wpe[Tmax,C])     out = wte[idx] + wpe[t]
   encoder_bwd(dwte[V,C], dwpe[Tmax,C], dout[B,T,C], idx[B,T])  dwte += ; dwpe = (rows >= T zeroed)
@@ -35,9 +33,10 @@ Ops (shapes; "+=" means the op accumulates into its destination, "=" that it ove
   attention_fwd(y[B,T,C], qkv[B,T,3C], saved, n_head, p, site)
   attention_bwd(dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site)     dqkv =
       `saved` is the dict of views `memory.attention_saved(cfg)` plans for the layer
-  crossentropy(losses[N], dlogits[N,V], logits[N,V], targets[N], grad_scale)
-      losses = -log softmax(logits)[target]; dlogits = (softmax - onehot) * grad_scale
-      (dlogits may be logits; with grad_scale 0 no gradient is written)
+  crossentropy(losses[N], dlogits[N,V], logits[N,V], targets[N], grad_scale, n_vocab=None)
+      losses = -log softmax(logits[:, :n_vocab])[target]; dlogits = (softmax - onehot) * grad_scale,
+      0 in the padded columns n_vocab.. (dlogits may be logits; with grad_scale 0 no gradient is written)
+  accumulate(dst, src, first)                dst = src (first) or dst += src (gradient accumulation)
   loss_reduce(state, losses[N], history)      state.loss = mean(losses); history[state.step] = it
   grad_norm(state, grads)                    state.grad_norm = ||grads||_2 (deterministic)
   adamw(params, grads, m, v, state, n_decay, beta1, beta2, eps, weight_decay, grad_clip)
@@ -49,6 +48,10 @@ Generation with a KV cache (S sequences, one position per step, pos a device int
   decode_attention(y[S,C], qkv[S,3C], kcache, vcache, n_head, pos)
       k, v of qkv appended to kcache/vcache [S,H,Tmax,hs] at pos; y = causal attention of q over 0..pos
   pos_advance(pos)                                   pos += 1
+
+Batches are not an op: `batch_feeder(x, y, rows, T)` returns an object whose `put(rows, fill)` has
+fill(x_host, y_host) write [rows, T] ids and queues them into x / y ahead of the next run
+(gptcuda/batches.py decides which windows).
 
 Each backend also provides: `allocate(plan, table)` -> Buffers, `allocate_arena(plan)` -> views,
 `upload`/`download`, `read_state`/`write_state`, `begin()`/`end()` -> Program, `run(program)`,

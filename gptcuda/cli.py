@@ -9,6 +9,7 @@ from .checkpoint import CheckpointError
 from .config import ConfigError
 from .driver import CudaError, NoDeviceError
 from .memory import PlanTooLarge
+from .shards import DataError
 
 
 class UsageError(Exception):
@@ -59,7 +60,7 @@ def guarded(main):
             return main(sys.argv[1:] if argv is None else argv)
         except NoDeviceError as e:
             fatal(f"{e}. Use --backend=reference to run on the CPU.")
-        except (ConfigError, CheckpointError, UsageError, PlanTooLarge, FileNotFoundError) as e:
+        except (ConfigError, CheckpointError, UsageError, PlanTooLarge, DataError, FileNotFoundError) as e:
             fatal(str(e))
         except CudaError as e:
             fatal(f"CUDA: {e}")

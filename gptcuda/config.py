@@ -26,7 +26,7 @@ from .checkpoint import atomic_open
 
 __all__ = [
     "Config", "ConfigError", "load_config", "apply_overrides", "save_config",
-    "format_config", "validate", "validate_against_data",
+    "format_config", "validate", "validate_against_data", "accum_steps", "model_vocab",
     "PRECISIONS", "ATTENTIONS", "BACKENDS",
 ]
 
@@ -54,7 +54,8 @@ class Config:
     block_size: int = 256
     dropout: float = 0.2
     bias: bool = True
-    vocab_size: int = 0  # 0: taken from the data's tokenizer
+    vocab_size: int = 0  # the model's vocabulary; 0: the tokenizer's, rounded up to vocab_multiple
+    vocab_multiple: int = 1  # round the tokenizer's vocabulary up to this (GPT-2: 128, 50257 -> 50304)
     # execution
     precision: str = "fp32"  # fp32 | tf32
     fp32_gemm: str = "3xtf32"  # fp32's GEMMs: 3xtf32 (three TF32 tensor-core products, sm_90) | ffma (SIMT)
@@ -65,7 +66,8 @@ class Config:
     device: int = 0  # data parallel: each rank takes LOCAL_RANK instead
     zero: int = 0  # data parallel: 1 shards the Adam state over the ranks (ZeRO-1)
     # recipe
-    batch_size: int = 64
+    batch_size: int = 64  # sequences per micro-batch and GPU
+    total_batch_tokens: int = 0  # tokens per optimizer step; 0: one micro-batch (batch_size x block_size x GPUs)
     max_iters: int = 5000
     learning_rate: float = 1e-3
     min_lr: float = 1e-4
@@ -82,7 +84,9 @@ class Config:
     seed: int = 1337
     init_std: float = 0.02
     # io
-    data: str = "data/tinyshakespeare/input.txt"
+    data: str = "data/tinyshakespeare/input.txt"  # a text file, a directory of token shards, or a glob of them
+    val_data: str = ""  # the validation shards (a file or glob); "": from data (see gptcuda/dataset.py)
+    tokenizer: str = "char"  # char | gpt2 | bpe:N (for a text file; token shards carry their own)
     out_dir: str = "out/shakespeare_char"
     checkpoint: bool = True  # save checkpoints to out_dir
 
@@ -239,7 +243,10 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
         if key not in _FIELD_TYPES:
             raise _unknown_key(key, f"override {raw!r}")
         where = f"override {raw!r}"
-        value = _yaml_load(text, where) if text.strip() else None
+        if text.strip():
+            value = _yaml_load(text, where)
+        else:                                  # --key= : the empty string for a string key
+            value = "" if _FIELD_TYPES[key] is str else None
         _apply(cfg, key, value, where)
     return cfg
 
@@ -325,10 +332,38 @@ def validate(cfg: Config) -> Config:
     if not cfg.init_std > 0:
         raise err("init_std", f"must be > 0, got {cfg.init_std}")
     if not cfg.data:
-        raise err("data", "must name a text file")
+        raise err("data", "must name a text file, a directory of token shards or a glob of them")
+    if not re.fullmatch(r"char|gpt2|bpe:[1-9][0-9]*", cfg.tokenizer):
+        raise err("tokenizer", f"must be char, gpt2 or bpe:N (N a vocabulary size), got {cfg.tokenizer!r}")
+    if cfg.vocab_multiple < 1:
+        raise err("vocab_multiple", f"must be >= 1, got {cfg.vocab_multiple}")
+    if cfg.total_batch_tokens < 0:
+        raise err("total_batch_tokens", f"must be >= 0 (0: one micro-batch a step), got {cfg.total_batch_tokens}")
     if not cfg.out_dir:
         raise err("out_dir", "must name a directory")
     return cfg
+
+
+def accum_steps(cfg: Config, world: int = 1) -> int:
+    """Micro-batches per optimizer step: total_batch_tokens / (batch_size x block_size x GPUs)."""
+    micro = cfg.batch_size * cfg.block_size * world
+    if not cfg.total_batch_tokens:
+        return 1
+    if cfg.total_batch_tokens % micro:
+        gpus = f" x {world} GPUs" if world > 1 else ""
+        raise ConfigError(
+            f"config key 'total_batch_tokens' ({cfg.total_batch_tokens}) must be a multiple of batch_size x "
+            f"block_size{gpus} = {micro}", "total_batch_tokens")
+    return cfg.total_batch_tokens // micro
+
+
+def model_vocab(cfg: Config, tokenizer_vocab: int) -> int:
+    """The model's vocabulary: vocab_size when set, else the tokenizer's rounded up to vocab_multiple.
+    Rows past the tokenizer's are padding: masked out of the loss and of sampling."""
+    if cfg.vocab_size:
+        return cfg.vocab_size
+    m = cfg.vocab_multiple
+    return (tokenizer_vocab + m - 1) // m * m
 
 
 def validate_against_data(cfg: Config, n_train_tokens: int, n_val_tokens: int, vocab_size: int) -> None:

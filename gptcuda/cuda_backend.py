@@ -14,7 +14,7 @@ import numpy as np
 from .backend import Buffers, Program
 from .runtime import DeviceView, Runtime
 
-FAMILIES = ("encoder", "layernorm", "elementwise", "loss", "optim", "data", "gemm", "attention", "decode")
+FAMILIES = ("encoder", "layernorm", "elementwise", "loss", "optim", "gemm", "attention", "decode")
 STATE_FIELDS = {"step": (0, np.int32), "lr": (1, np.float32), "loss": (2, np.float32),
                 "grad_norm": (3, np.float32), "eval_draws": (4, np.int32)}
 
@@ -133,8 +133,8 @@ class CudaBackend:
     def eval_advance(self):
         self.f["optim"].eval_advance(self.rt)
 
-    def get_batch(self, x, y, tokens, site, counter):
-        self.f["data"].get_batch(self.rt, x, y, tokens, site, counter)
+    def batch_feeder(self, x, y, rows: int, block: int) -> "BatchFeeder":
+        return BatchFeeder(self.rt, x, y, rows, block)
 
     def encoder_fwd(self, *a):
         self.f["encoder"].encoder_fwd(self.rt, *a)
@@ -178,8 +178,11 @@ class CudaBackend:
     def attention_bwd(self, *a):
         self.f["attention"].attention_bwd(self.rt, *a)
 
-    def crossentropy(self, *a):
-        self.f["loss"].crossentropy(self.rt, *a)
+    def crossentropy(self, *a, n_vocab=None):
+        self.f["loss"].crossentropy(self.rt, *a, n_vocab=n_vocab)
+
+    def accumulate(self, dst, src, first):
+        self.f["elementwise"].accumulate(self.rt, dst, src, first)
 
     def loss_reduce(self, *a):
         self.f["loss"].loss_reduce(self.rt, *a)
@@ -198,3 +201,41 @@ class CudaBackend:
 
     def pos_advance(self, pos):
         self.f["decode"].pos_advance(self.rt, pos)
+
+
+class BatchFeeder:
+    """Copies each program's batch into x / y [rows, T] on the training stream, from page-locked
+    host buffers the host fills while the GPU still runs the previous step.
+
+    SLOTS buffers take turns; before a buffer is refilled the host waits for the event recorded
+    after its last copy, so at most SLOTS - 1 batches are in flight and none is overwritten early.
+    The copies are stream-ordered with the replays: the step before has finished reading x / y
+    when the next copy lands."""
+
+    SLOTS = 2
+
+    def __init__(self, rt: Runtime, x, y, rows: int, block: int):
+        if x.dtype != "i32" or y.dtype != "i32" or x.numel < rows * block or y.numel < rows * block:
+            raise ValueError(f"batch feeder: x {x.shape} {x.dtype} and y {y.shape} {y.dtype} must hold "
+                             f"{rows} x {block} int32 ids")
+        self.rt, self.x, self.y, self.T = rt, x, y, int(block)
+        self.bufs = [rt.pinned((2, rows, block), np.int32) for _ in range(self.SLOTS)]
+        self.events = [rt.new_event() for _ in range(self.SLOTS)]
+        self.used = [False] * self.SLOTS
+        self.next = 0
+
+    def put(self, rows: int, fill):
+        """fill(x, y) writes [rows, T] ids into host arrays; they reach the device's x / y in order
+        with the stream's work."""
+        s = self.next
+        self.next = (s + 1) % self.SLOTS
+        dev = self.rt.dev
+        if self.used[s]:
+            dev.event_sync(self.events[s])
+        buf = self.bufs[s]
+        fill(buf[0, :rows], buf[1, :rows])
+        nbytes = rows * self.T * 4
+        dev.htod_async(self.x.ptr, buf[0].ctypes.data, nbytes, self.rt.stream)
+        dev.htod_async(self.y.ptr, buf[1].ctypes.data, nbytes, self.rt.stream)
+        dev.record(self.events[s], self.rt.stream)
+        self.used[s] = True

@@ -11,11 +11,13 @@ What a rank does (train.py -> Trainer -> Engine -> DataParallel):
                          file in a shared directory; bounded retries and timeouts, one-line errors
   * DataParallel(...)    the communicator (nccl4py's bindings, imported here and only here), the
                          start-up self-test, and the data-parallel part of the recorded step:
-        - rank r draws rows [r*B, (r+1)*B) of the world's batch (rt.row_offset), with its own
-          dropout stream (rt.seed mixed with the rank; rank 0 keeps the seed);
+        - rank r reads rows [r*B, (r+1)*B) of each micro-batch of the world's batch (the Engine's
+          batches.Batches gets the rank), with its own dropout stream (rt.seed mixed with the
+          rank; rank 0 keeps the seed);
         - the loss mean and the gradients are all-reduced (ncclAvg: the sum divided by the world
           size, so each rank keeps grad_scale 1/(B*T)) in buckets on a second stream, each bucket
-          as soon as the backward has written its last tensor (plan_buckets); the main stream
+          as soon as the backward has written its last tensor (plan_buckets; with gradient
+          accumulation, after the last micro-batch's backward has added the others'); the main stream
           waits for the communication stream before the gradient norm and AdamW;
         - zero: 1 instead reduce-scatters the gradients after the backward, takes the norm of this
           rank's shard (partial sums all-reduced), updates its shard with its share of the Adam
@@ -714,9 +716,7 @@ class DataParallel:
         self.rank, self.world = group.rank, group.world_size
         self.zero = int(getattr(cfg, "zero", 0))
         rt = self.rt
-        rt.row_offset = self.rank * cfg.batch_size
-        rt.batch_seed = cfg.seed
-        rt.seed = rank_seed(cfg.seed, self.rank)
+        rt.seed = rank_seed(cfg.seed, self.rank)      # dropout; the batches keep the world's seed (Engine)
         self.comm = group.connect()
         group.before_close.append(rt.destroy_graphs)
         self.side = rt.side_stream()

@@ -140,6 +140,21 @@ class Device:
             call(self.drv.cuMemcpyHtoDAsync, dst, host.ctypes.data, host.nbytes, stream)
             call(self.drv.cuStreamSynchronize, stream)
 
+    def htod_async(self, dst: int, src_host: int, nbytes: int, stream):
+        """Enqueue a copy from host address src_host (page-locked: host_alloc) to dst on the stream;
+        the host memory must stay unchanged until the copy ran (record an event after it)."""
+        call(self.drv.cuMemcpyHtoDAsync, dst, src_host, nbytes, stream)
+
+    def host_alloc(self, nbytes: int) -> int:
+        """Page-locked host memory (async copies from it overlap the GPU's work)."""
+        return int(call(self.drv.cuMemHostAlloc, max(int(nbytes), 1), 0))
+
+    def host_free(self, ptr: int):
+        call(self.drv.cuMemFreeHost, ptr)
+
+    def event_sync(self, event):
+        call(self.drv.cuEventSynchronize, event)
+
     def dtoh(self, host, src: int):
         call(self.drv.cuMemcpyDtoH, host.ctypes.data, src, host.nbytes)
 

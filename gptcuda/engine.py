@@ -1,8 +1,11 @@
 """A training session: plan, allocate, initialise, record the programs, run steps.
 
-    eng = Engine(cfg, dataset)        # prints nothing; eng.plan.format() is the memory plan
+    eng = Engine(cfg, train, val, V)  # prints nothing; eng.plan.format() is the memory plan
     eng.train_step()                  # one optimizer step (graph replay or eager launches)
     eng.evaluate()                    # {"train": loss, "val": loss}
+
+train / val are token streams (gptcuda/dataset.py: memory-mapped shards) or numpy arrays; the
+batches of each program are gathered on the host and fed before its replay (gptcuda/batches.py).
     eng.state_dict() / eng.load_state_dict(arrays, meta)
 
 Used by train.py, sample.py, gradcheck.py and the tests, with either backend. With a
@@ -18,6 +21,7 @@ import numpy as np
 
 from . import compiler
 from .checkpoint import CheckpointError
+from .batches import Batches
 from .memory import check_fits, plan_memory
 from .model import GPT
 from .params import init_params, param_table, unflatten
@@ -31,7 +35,7 @@ def backend_class(cfg):
     return CudaBackend
 
 
-def plan_for(cfg, vocab_size: int, n_train: int, n_val: int, backend=None):
+def plan_for(cfg, vocab_size: int, backend=None, accum: int = 1):
     """The memory plan of a config; pure arithmetic, no GPU touched (train.py --plan: the plan of an
     sm_90 device; an Engine's backend leaves out the scratch its device never reads)."""
     cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
@@ -39,32 +43,43 @@ def plan_for(cfg, vocab_size: int, n_train: int, n_val: int, backend=None):
     ws = be.workspaces(cfg)
     if backend is not None and hasattr(backend, "device_workspaces"):
         ws = backend.device_workspaces(ws)         # a backend on a device: only the scratch it reads
-    return plan_memory(cfg, param_table(cfg, vocab_size), vocab_size, n_train, n_val,
+    return plan_memory(cfg, param_table(cfg, vocab_size), vocab_size, accum,
                        be.attention_saved(cfg), ws, cfg.max_iters + 1)
 
 
 class Engine:
     """programs: what to record (each compiled and packed once): "train" (the optimizer step),
     "eval" (one evaluation batch of each split), "fwdbwd" (forward and backward on the batch in
-    place), "forward" (logits and losses without dropout), "forward_train" (with dropout)."""
+    place), "forward" (logits and losses without dropout), "forward_train" (with dropout).
 
-    def __init__(self, cfg, train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int,
-                 backend=None, programs=("train", "eval"), group=None):
+    vocab_size: the model's (padded) vocabulary; n_vocab: the tokenizer's (None: the same), the loss
+    masks the rest. accum: micro-batches per training step (gradient accumulation)."""
+
+    def __init__(self, cfg, train_tokens, val_tokens, vocab_size: int,
+                 backend=None, programs=("train", "eval"), group=None, n_vocab: int | None = None,
+                 accum: int = 1):
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
         self.cfg = cfg
+        self.n_vocab = vocab_size if n_vocab is None else int(n_vocab)
+        if not 0 < self.n_vocab <= vocab_size:
+            raise ValueError(f"the tokenizer's vocabulary ({self.n_vocab}) exceeds the model's ({vocab_size})")
+        self.accum = int(accum)
         self.be = backend = backend or backend_class(cfg)(cfg)
-        self.plan = plan_for(cfg, vocab_size, len(train_tokens), len(val_tokens), backend)
+        self.plan = plan_for(cfg, vocab_size, backend, self.accum)
         self.table = self.plan.table
+        world, rank = (group.world_size, group.rank) if group is not None else (1, 0)
+        self.batches = Batches(train_tokens, val_tokens, cfg.batch_size, cfg.block_size, cfg.seed, self.accum,
+                               world, rank)
         check_fits(self.plan, backend.free_bytes(), cfg)
         self.bufs = backend.allocate(self.plan, self.table)
         a = self.bufs.acts
-        backend.upload(a["train_tokens"], train_tokens.astype(np.int32))
-        backend.upload(a["val_tokens"], val_tokens.astype(np.int32))
+        self.feeder = backend.batch_feeder(a["idx"], a["targets"], self.batches.rows("train"), cfg.block_size)
         backend.upload(self.bufs.flat_params, init_params(self.table, cfg, cfg.seed))
         for r in (self.bufs.flat_grads, self.bufs.flat_m, self.bufs.flat_v):
             backend.upload(r, np.zeros(self.table.total, np.float32))
         backend.write_state(step=0, eval_draws=0)
-        self.model = GPT(cfg, backend, self.bufs, self.table)
+        self.counters = {"step": 0, "eval_draws": 0}   # the host's copy of the StepState's counters
+        self.model = GPT(cfg, backend, self.bufs, self.table, n_vocab=self.n_vocab, accum=self.accum)
         self.dp = None
         if group is not None:
             from .dist import DataParallel
@@ -108,15 +123,27 @@ class Engine:
             else:
                 self.be.run(self.programs[name])
 
+    def feed(self, program: str, counter: int):
+        """Gather the batch of `program` ("train", "eval_train", "eval_val") at the counter's value
+        on the host and queue its copy into idx / targets, ahead of the program's replay."""
+        b = self.batches
+        self.feeder.put(b.rows(program), lambda x, y: b.fill(program, counter, x, y))
+
     def train_step(self):
+        step = self.counters["step"]
+        self.feed("train", step)
         self.run("train")
+        self.counters["step"] = step + 1
 
     def evaluate(self) -> dict:
         out = {}
         for split in ("train", "val"):
             losses = []
             for _ in range(self.cfg.eval_iters):
+                draw = self.counters["eval_draws"]
+                self.feed(f"eval_{split}", draw)
                 self.run(f"eval_{split}")
+                self.counters["eval_draws"] = draw + 1
                 losses.append(self.be.read_state()["loss"])
             out[split] = float(np.mean(losses))
         if self.dp is not None:
@@ -144,8 +171,9 @@ class Engine:
         self.be.upload(self.bufs.flat_params, flat)
 
     def set_batch(self, x: np.ndarray, y: np.ndarray):
-        self.be.upload(self.bufs.acts["idx"], x.astype(np.int32))
-        self.be.upload(self.bufs.acts["targets"], y.astype(np.int32))
+        """[B, T] ids into micro-batch 0 (the programs forward, fwdbwd, forward_train read it)."""
+        self.be.upload(self.bufs.acts["idx"][0], x.astype(np.int32))
+        self.be.upload(self.bufs.acts["targets"][0], y.astype(np.int32))
 
     def state_dict(self):
         """Every rank must call this in a data-parallel run (ZeRO-1 gathers the Adam state first)."""
@@ -187,3 +215,4 @@ class Engine:
         hist[:old.size] = old
         self.be.upload(b.acts["history"], hist)
         self.be.write_state(step=int(meta["step"]), eval_draws=int(meta["eval_draws"]))
+        self.counters = {"step": int(meta["step"]), "eval_draws": int(meta["eval_draws"])}

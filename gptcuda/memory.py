@@ -3,7 +3,10 @@
 Two device allocations:
   * the flat buffer  params | grads | Adam m | Adam v  (four regions of the parameter table's size)
   * the arena        activations (saved for the backward), backward scratch, op workspaces,
-                     the token data, the step state and the loss history
+                     the step's batch of token ids, the step state and the loss history
+
+The dataset itself never reaches the GPU: each step's windows are gathered on the host and
+copied into `idx` / `targets` (gptcuda/batches.py).
 
 `plan_memory` is pure arithmetic (no GPU), so `train.py CONFIG --plan` prints it anywhere,
 and a plan larger than the device's free memory is refused before anything is allocated.
@@ -92,7 +95,7 @@ class MemoryPlan:
                  f"  adam v           {gib(rb)}"]
         kinds = self.by_kind()
         label = {"activation": "activations", "backward": "backward scratch", "workspace": "op workspace",
-                 "data": "token data", "state": "step state"}
+                 "data": "batch tokens", "state": "step state"}
         for k in KINDS:
             lines.append(f"  {label[k]:<17}{gib(kinds[k])}")
         if detail:
@@ -118,17 +121,19 @@ def check_fits(plan: MemoryPlan, free_bytes: int, cfg) -> None:
         f"{free_bytes / 2**30:.2f} GiB free; try " + ", or ".join(hints))
 
 
-def plan_memory(cfg, table: ParamTable, vocab_size: int, n_train: int, n_val: int,
+def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
                 attention_saved: dict, workspaces: dict, history: int) -> MemoryPlan:
-    """The whole arena for training at cfg.batch_size x cfg.block_size.
+    """The whole arena for training at cfg.batch_size x cfg.block_size, `accum` micro-batches a step.
 
     attention_saved: per-layer saved tensors of the attention implementation {name: (shape, dtype)}
     workspaces: scratch shared by all layers {name: (shape, dtype)} from the op families
+    The activations serve one micro-batch at a time; only the token ids and the per-token losses
+    are kept for every micro-batch of the step.
     """
-    B, T, C, L, V = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer, vocab_size
+    B, T, C, L, V, A = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer, vocab_size, accum
     p = MemoryPlan(table)
-    p.add("idx", (B, T), "i32", "activation", "input tokens [B, T]")
-    p.add("targets", (B, T), "i32", "activation", "target tokens [B, T]")
+    p.add("idx", (A, B, T), "i32", "data", "input tokens of each micro-batch [A, B, T]")
+    p.add("targets", (A, B, T), "i32", "data", "target tokens of each micro-batch [A, B, T]")
     p.add("res", (L + 1, B, T, C), "f32", "activation", "residual stream into each block and out of the last")
     p.add("mid", (L, B, T, C), "f32", "activation", "residual stream after each attention half")
     p.add("ln1", (L, B, T, C), "f32", "activation", "layernorm 1 outputs")
@@ -148,7 +153,7 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, n_train: int, n_val: in
     p.add("lnf_mean", (B, T), "f32", "activation")
     p.add("lnf_rstd", (B, T), "f32", "activation")
     p.add("logits", (B, T, V), "f32", "activation", "logits, turned into their gradient in place")
-    p.add("losses", (B, T), "f32", "activation", "per-token losses")
+    p.add("losses", (A, B, T), "f32", "activation", "per-token losses of each micro-batch")
     p.add("branch", (B, T, C), "f32", "backward",
           "a branch output before dropout + residual (forward); its gradient (backward)")
     p.add("dres", (B, T, C), "f32", "backward", "gradient of the residual stream")
@@ -158,8 +163,9 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, n_train: int, n_val: in
           "gradient of the mlp activation; with recompute also the GELU output of the layer at hand")
     for name, (shape, dtype) in sorted(workspaces.items()):
         p.add(name, shape, dtype, "workspace", "op scratch, shared by all layers")
-    p.add("train_tokens", (n_train,), "i32", "data", "training split on the device")
-    p.add("val_tokens", (n_val,), "i32", "data", "validation split on the device")
+    if A > 1:
+        p.add("grad_acc", (table.total,), "f32", "backward",
+              "gradient accumulation: the sum of the step's earlier micro-batches")
     p.add("state", (STATE_WORDS,), "i32", "state", "StepState (kernels/common.cuh)")
     p.add("history", (max(history, 1),), "f32", "state", "training loss of every step")
     return p

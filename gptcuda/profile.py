@@ -8,7 +8,7 @@ from collections import defaultdict
 
 GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "flash_attention": "attention",
           "layernorm": "layernorm", "elementwise": "elementwise", "loss": "loss", "optim": "optimizer",
-          "encoder": "embedding", "data": "data"}
+          "encoder": "embedding"}
 
 
 def launch_times(rt, prog, iters: int = 5):

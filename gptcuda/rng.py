@@ -26,6 +26,12 @@ def dropout_site(layer: int, which: int) -> int:
     return DROPOUT_BASE + 4 * layer + which
 
 
+def micro_site(site: int, micro: int) -> int:
+    """A dropout site in micro-batch `micro` of a step (gradient accumulation): micro-batch 0 keeps
+    the site, so a run without accumulation draws what it always drew."""
+    return site + (micro << 16)
+
+
 def hash32(x):
     """A 32-bit integer mixer (xorshift-multiply, 'lowbias32'). Works on ints and uint32 arrays."""
     x = np.asarray(x, dtype=np.uint64) & M32
@@ -62,5 +68,8 @@ def dropout_mask(seed: int, step: int, site: int, n: int, p: float) -> np.ndarra
 def batch_offsets(seed: int, counter: int, site: int, batch: int, n_tokens: int, block: int) -> np.ndarray:
     """Start offsets of a batch of `batch` windows of block+1 tokens in a split of n_tokens tokens."""
     span = n_tokens - block  # valid starts: 0 .. n_tokens-block-1 (y needs one token more)
-    w = uniform_u32(key(seed, counter, site), np.arange(batch, dtype=np.uint64))
+    k = key(seed, counter, site)
+    w = uniform_u32(k, np.arange(batch, dtype=np.uint64))
+    if span > 2**32:  # a split of over 4G tokens: a second word (element 2**31 + row) for the high bits
+        w = (uniform_u32(k, np.arange(batch, dtype=np.uint64) | np.uint64(2**31)) << np.uint64(32)) | w
     return (w % np.uint64(span)).astype(np.int64)

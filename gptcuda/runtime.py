@@ -14,6 +14,7 @@ graph and replayed.
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass, field
 
@@ -230,8 +231,7 @@ class Runtime:
         self._graphs: list = []      # captured graphs still alive (destroy_graphs)
         self.state = None            # DeviceView of the StepState, set by the backend
         self.compile_seconds = 0.0
-        self.row_offset = 0          # data parallel: this rank's first row of the world's batch
-        self.batch_seed = None       # data parallel: the world's batch seed (None: self.seed)
+        self._host_allocs: list = []  # page-locked host buffers (pinned)
         self._side = None            # the communication stream, made on first use
 
     # ---- kernels ------------------------------------------------------------------
@@ -339,6 +339,15 @@ class Runtime:
         self._allocs.append(ptr)
         return ptr
 
+    def pinned(self, shape, dtype=np.int32) -> np.ndarray:
+        """A numpy array in page-locked host memory, freed by close()."""
+        shape = tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        ptr = self.dev.host_alloc(nbytes)
+        self._host_allocs.append(ptr)
+        buf = (ctypes.c_char * max(nbytes, 1)).from_address(ptr)
+        return np.frombuffer(buf, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
     def empty(self, shape, dtype: str = "f32", poison: bool = True, name: str = "") -> DeviceView:
         """A fresh allocation (for tests and tools); poisoned with NaN so unwritten outputs show."""
         shape = tuple(int(s) for s in shape)
@@ -387,6 +396,9 @@ class Runtime:
         for p in self._allocs:
             self.dev.free(p)
         self._allocs.clear()
+        for p in self._host_allocs:
+            self.dev.host_free(p)
+        self._host_allocs.clear()
 
 
 class Graph:

@@ -9,11 +9,11 @@ import numpy as np
 from .checkpoint import CheckpointError, load_checkpoint
 from .cli import UsageError, latest_run
 from .config import load_config
-from .data import CharTokenizer
 from . import compiler
 from .engine import Engine
 from .memory import plan_decode
 from .params import unflatten
+from .tokenizers import load_tokenizer
 
 
 def _num(opts, key, cast, default):
@@ -28,7 +28,7 @@ class Sampler:
 
     def __init__(self, run_dir: str, num_samples: int, backend: str | None = None, ckpt: str | None = None):
         cfg = load_config(os.path.join(run_dir, "config.yaml"))
-        self.tok = CharTokenizer.load(os.path.join(run_dir, "tokenizer.json"))
+        self.tok = load_tokenizer(os.path.join(run_dir, "tokenizer.json"))
         path = ckpt or next((os.path.join(run_dir, f) for f in ("best.ckpt", "last.ckpt")
                              if os.path.exists(os.path.join(run_dir, f))), None)
         if path is None:
@@ -38,7 +38,8 @@ class Sampler:
         cfg = dataclasses.replace(cfg, batch_size=num_samples, max_iters=0, dropout=0.0,
                                   backend=backend or cfg.backend, graph=False, precision="fp32")
         dummy = np.zeros(cfg.block_size + 1, np.int32)
-        self.eng = eng = Engine(cfg, dummy, dummy, cfg.vocab_size or self.tok.vocab_size, programs=())
+        self.eng = eng = Engine(cfg, dummy, dummy, cfg.vocab_size or self.tok.vocab_size, programs=(),
+                                n_vocab=self.tok.vocab_size)
         arrays, meta = load_checkpoint(path, None)
         if arrays["params"].shape != (eng.table.total,):
             raise CheckpointError(f"{path} is from another model shape")
@@ -64,7 +65,9 @@ class Sampler:
                 else:
                     be.run(self.program)
             self.pos += 1
-        return np.asarray(be.download(self.d["logits"]), np.float64)
+        logits = np.asarray(be.download(self.d["logits"]), np.float64)
+        logits[:, self.tok.vocab_size:] = -np.inf           # a padded vocabulary's rows are no tokens
+        return logits
 
     def _restart(self, context: np.ndarray) -> np.ndarray:
         self.pos = 0

@@ -11,9 +11,10 @@ import time
 
 from .cli import UsageError
 from .checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, save_checkpoint
-from .config import format_config, save_config, validate_against_data
-from .data import CharTokenizer, TextDataset
+from .config import accum_steps, format_config, model_vocab, save_config, validate_against_data
+from .dataset import open_dataset
 from .engine import Engine, plan_for
+from .tokenizers import load_tokenizer
 
 PEAK_TFLOPS = {"fp32": 67.0, "tf32": 495.0}   # H100/H200 SXM dense datasheet rates, for MFU
 
@@ -50,18 +51,21 @@ class Trainer:
             os.makedirs(cfg.out_dir, exist_ok=True)
         tok_path = os.path.join(cfg.out_dir, "tokenizer.json")
         ckpt = os.path.join(cfg.out_dir, "last.ckpt")
-        tokenizer = None
+        saved = None
         if resume:
             if not os.path.exists(ckpt):
                 raise CheckpointError(f"--resume: no checkpoint at {ckpt}")
-            tokenizer = CharTokenizer.load(tok_path)
-        self.data = TextDataset(cfg.data, tokenizer=tokenizer)
-        V = self.data.vocab_size if not cfg.vocab_size else cfg.vocab_size
-        validate_against_data(cfg, len(self.data.train), len(self.data.val), self.data.vocab_size)
+            saved = load_tokenizer(tok_path).to_dict()
+        self.data, V, self.accum = open_run_data(cfg, self.world, saved)
         self.cfg = cfg
         log(format_config(cfg))
-        log(plan_for(cfg, V, len(self.data.train), len(self.data.val)).format())
-        self.eng = Engine(cfg, self.data.train, self.data.val, V, group=group)
+        log(self.data.describe())
+        if self.accum > 1:
+            log(f"gradient accumulation: {self.accum} micro-batches of {cfg.batch_size} x {cfg.block_size} tokens"
+                + (f" on each of {self.world} GPUs" if self.world > 1 else "") + " a step")
+        log(plan_for(cfg, V, accum=self.accum).format())
+        self.eng = Engine(cfg, self.data.train, self.data.val, V, group=group, n_vocab=self.data.vocab_size,
+                          accum=self.accum)
         if self.eng.dp is not None:
             log(self.eng.dp.describe())
         self.cfg = self.eng.cfg
@@ -112,14 +116,14 @@ class Trainer:
         if int(meta["step"]) != step:
             raise RuntimeError(f"state step {meta['step']} != loop step {step}")
         meta.update(format_version=FORMAT_VERSION, best_val=self.best_val, evaluated_step=self.evaluated_step,
-                    config=self.cfg.to_dict(), tokenizer=self.data.tokenizer.to_json())
+                    config=self.cfg.to_dict(), tokenizer=json.dumps(self.data.tokenizer.to_dict()))
         if self.group is not None:
             meta["world_size"] = self.world           # --resume needs as many GPUs (absent: one)
         save_checkpoint(os.path.join(self.cfg.out_dir, f"{name}.ckpt"), arrays, meta)
 
     def train(self, bar=True):
         cfg, eng = self.cfg, self.eng
-        tokens_step = cfg.batch_size * cfg.block_size * self.world
+        tokens_step = cfg.batch_size * cfg.block_size * self.world * self.accum
         step = self.start_step
         t_last, step_last = time.perf_counter(), step
         pbar = None
@@ -194,9 +198,15 @@ class Trainer:
             self.best_val = min(self.best_val, losses["val"])
 
 
-def print_plan(cfg, log=print):
-    data = TextDataset(cfg.data)
+def open_run_data(cfg, world: int = 1, saved_tokenizer: dict | None = None):
+    """(dataset, the model's vocabulary, micro-batches a step) of a config, checked against each other."""
+    data = open_dataset(cfg.data, cfg.tokenizer, saved_tokenizer=saved_tokenizer, val_data=cfg.val_data)
     validate_against_data(cfg, len(data.train), len(data.val), data.vocab_size)
-    V = cfg.vocab_size or data.vocab_size
+    return data, model_vocab(cfg, data.vocab_size), accum_steps(cfg, world)
+
+
+def print_plan(cfg, log=print):
+    data, V, accum = open_run_data(cfg)
     log(format_config(cfg))
-    log(plan_for(cfg, V, len(data.train), len(data.val)).format(detail=True))
+    log(data.describe())
+    log(plan_for(cfg, V, accum=accum).format(detail=True))

@@ -1,5 +1,5 @@
-// Elementwise ops: tanh-GELU forward/backward, dropout (forward, backward, fused residual add)
-// and the deterministic bias gradient (column sums).
+// Elementwise ops: tanh-GELU forward/backward, dropout (forward, backward, fused residual add),
+// the deterministic bias gradient (column sums) and the gradient accumulation dst (+)= src.
 //
 // Elementwise kernels take VEC = 4 (16-byte aligned pointers; any n: thread i < n/4 handles
 // the float4 i, the next n % 4 threads one tail element each) or VEC = 1 (one element a thread).
@@ -77,6 +77,27 @@ gelu_bwd(float* dpre,           // dpre [n]  (may be dout)
 
 // out = (RESID ? resid : 0) + (DROP ? (keep(e) ? x * scale : 0) : x),
 // keep(e) = gc_keep(gc_key(seed, st->step, site), e, threshold), e the row-major element index.
+// dst = src (FIRST) or dst = dst + src: the gradients of a step's micro-batches summed in
+// micro-batch order (gradient accumulation). dst may not alias src.
+template <int VEC, bool FIRST>
+__global__ void __launch_bounds__(EW_THREADS)
+accumulate(float* __restrict__ dst,        // dst [n]
+           const float* __restrict__ src,  // src [n]
+           int n) {
+    long long e;
+    const int cnt = ew_slot<VEC>(n, e);
+    if (cnt == 4) {
+        float4 v = *reinterpret_cast<const float4*>(src + e);
+        if constexpr (!FIRST) {
+            const float4 d = *reinterpret_cast<const float4*>(dst + e);
+            v.x = d.x + v.x; v.y = d.y + v.y; v.z = d.z + v.z; v.w = d.w + v.w;
+        }
+        *reinterpret_cast<float4*>(dst + e) = v;
+    } else if (cnt == 1) {
+        dst[e] = FIRST ? src[e] : dst[e] + src[e];
+    }
+}
+
 template <int VEC, bool RESID, bool DROP>
 __global__ void __launch_bounds__(EW_THREADS)
 dropout_apply(float* out,                 // out   [n]  (may be x or resid)

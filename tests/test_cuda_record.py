@@ -48,6 +48,23 @@ class FakeDev:
     def graph_destroy(self, graph, exe):
         self.destroyed = getattr(self, "destroyed", []) + [exe]
 
+    def host_alloc(self, n):
+        buf = (__import__("ctypes").c_char * max(int(n), 1))()
+        self.host = getattr(self, "host", []) + [buf]             # kept alive while the fake runs
+        return __import__("ctypes").addressof(buf)
+
+    def host_free(self, ptr):
+        pass
+
+    def htod_async(self, dst, src, nbytes, stream):
+        self.copies = getattr(self, "copies", []) + [(dst, nbytes)]
+
+    def record(self, *a):
+        pass
+
+    def event_sync(self, *a):
+        pass
+
     def tensor_map_f32(self, ptr, dims, strides_bytes, box):
         assert ptr % 16 == 0 and all(int(s) % 16 == 0 for s in strides_bytes), (ptr, strides_bytes)
         return bytes(128)
@@ -62,7 +79,7 @@ class RecordingRuntime(Runtime):
         self.dev, self.info, self.arch = FakeDev(), FakeInfo(), "sm_90"
         self.precision, self.seed, self.stream = precision, seed, None
         self._functions, self._recording, self._workspace, self._allocs = {}, None, {}, []
-        self._graphs = []
+        self._graphs, self._host_allocs = [], []
         self.state, self.compile_seconds = None, 0.0
         self.launched = []
 
@@ -84,6 +101,9 @@ class RecordingRuntime(Runtime):
 
     def run(self, prog):
         self.launched.extend(prog.items)
+
+    def new_event(self, timing=False):
+        return object()
 
     def capture(self, prog):
         return None
@@ -117,6 +137,29 @@ def test_record_whole_training_step(precision, attention, dropout, bias, recompu
         if isinstance(rec, Launch):
             assert rec.grid[0] <= 2**31 - 1 and rec.grid[1] <= 65535 and rec.grid[2] <= 65535, rec.label
             assert rec.block[0] * rec.block[1] * rec.block[2] <= 1024, rec.label
+
+
+def test_record_training_step_with_accumulation():
+    """total_batch_tokens = 3 micro-batches: three forwards and backwards in one program, the first two
+    summed into grad_acc, the last adding it into the gradients before one optimizer update; the
+    host feeds all three micro-batches' ids in one pair of copies before the program runs."""
+    cfg = load_config("configs/tiny.yaml", ["--total_batch_tokens=" + str(3 * 4 * 16), "--batch_size=4",
+                                            "--block_size=16", "--precision=tf32", "--attention=fused"])
+    rt = RecordingRuntime("tf32")
+    be = CudaBackend(cfg, rt=rt)
+    toks = np.arange(1000, dtype=np.int32) % 65
+    eng = Engine(cfg, toks, toks[:200], 128, backend=be, programs=("train",), n_vocab=65, accum=3)
+    labels = [getattr(r, "label", "") for r in eng.programs["train"].items]
+    assert labels.count("accumulate") == 3 and labels.count("adamw") == 1
+    assert labels.count("encoder_fwd") == 3 and labels.count("loss_reduce") == 1
+    acc = eng.bufs.acts["grad_acc"]
+    accs = [r for r in eng.programs["train"].items if getattr(r, "label", "") == "accumulate"]
+    assert [int(a.slots[0]) for a in accs] == [acc.ptr, acc.ptr, eng.bufs.flat_grads.ptr]
+    ce = [r for r in eng.programs["train"].items if getattr(r, "label", "") == "crossentropy"]
+    assert len(ce) == 3 and all(c.slots[5] == 128 and c.slots[6] == 65 for c in ce)   # row length V, n_vocab
+    eng.train_step()
+    idx, tg = eng.bufs.acts["idx"], eng.bufs.acts["targets"]
+    assert rt.dev.copies[-2:] == [(idx.ptr, idx.nbytes), (tg.ptr, tg.nbytes)]
 
 
 def test_graphs_leave_the_live_list_once_destroyed():

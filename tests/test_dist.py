@@ -483,7 +483,7 @@ class FakeComm:
         pass
 
 
-def _record_dp(zero, rank=1, world=2, over=()):
+def _record_dp(zero, rank=1, world=2, over=(), accum=1):
     pytest.importorskip("cuda.bindings.nvrtc")
     from test_cuda_record import RecordingRuntime
     from gptcuda.cuda_backend import CudaBackend
@@ -513,7 +513,7 @@ def _record_dp(zero, rank=1, world=2, over=()):
     group = dist.Group(env, b"u" * 128, comm_factory=lambda: comm)
     group.selftest = False
     toks = (np.arange(3000) % 65).astype(np.int32)
-    eng = Engine(cfg, toks, toks[:300], 65, backend=be, programs=("train",), group=group)
+    eng = Engine(cfg, toks, toks[:300], 65, backend=be, programs=("train",), group=group, accum=accum)
     comm.calls.clear()                          # the warm-up's calls
     return eng, rt, comm
 
@@ -533,7 +533,8 @@ def test_recorded_step_allreduces_each_bucket_after_its_last_write_and_before_an
     from gptcuda.runtime import Launch, StreamCall, StreamFork, StreamJoin
     eng, rt, comm = _record_dp(zero=0, over=over)
     dp, items = eng.dp, eng.programs["train"].items
-    assert rt.row_offset == eng.cfg.batch_size and rt.batch_seed == eng.cfg.seed      # rank 1 of 2
+    b = eng.batches                                                   # rank 1 of 2: the world's seed
+    assert (b.rank, b.world, b.seed) == (1, 2, eng.cfg.seed)
     assert rt.seed == dist.rank_seed(eng.cfg.seed, 1)
     assert len(dp.buckets) >= 3                               # the tiny model in 16K-element buckets
     joins = [i for i, r in enumerate(items) if isinstance(r, StreamJoin)]
@@ -572,6 +573,23 @@ def test_recorded_step_allreduces_each_bucket_after_its_last_write_and_before_an
     loss.call(0)
     assert comm.calls == [("all_reduce", rt.state.ptr + 8, dp.loss_mean.ptr, 1, "f32", "avg")]
     assert "2 ranks" in dp.describe() and "buckets" in dp.describe()
+
+
+def test_recorded_step_with_accumulation_reduces_the_sum_once():
+    """Gradient accumulation on 2 ranks: the earlier micro-batches add into grad_acc with no
+    collective; after the last backward adds grad_acc into the gradients, every bucket is
+    all-reduced once (after that add), then the join and one update."""
+    from gptcuda.runtime import StreamCall, StreamJoin
+    eng, rt, comm = _record_dp(zero=0, accum=3)
+    dp, items = eng.dp, eng.programs["train"].items
+    labels = [getattr(r, "label", "") for r in items]
+    adds = [i for i, lab in enumerate(labels) if lab == "accumulate"]
+    assert len(adds) == 3 and labels.count("adamw") == 1 and labels.count("encoder_fwd") == 3
+    calls = [i for i, r in enumerate(items) if isinstance(r, StreamCall) and r.label.startswith("allreduce bucket")]
+    assert len(calls) == len(dp.buckets) and min(calls) > adds[-1]
+    join = next(i for i, r in enumerate(items) if isinstance(r, StreamJoin))
+    assert max(calls) < join < labels.index("adamw")
+    assert int(items[adds[-1]].slots[0]) == eng.bufs.flat_grads.ptr
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2])

@@ -46,10 +46,10 @@ def test_init_statistics():
     assert np.array_equal(flat, init_params(t, cfg, 0)) and not np.array_equal(flat, init_params(t, cfg, 1))
 
 
-def _plan(cfg, V=65, saved=None):
+def _plan(cfg, V=65, saved=None, accum=1):
     t = param_table(cfg, V)
     saved = saved or {"probs": ((cfg.batch_size, cfg.n_head, cfg.block_size, cfg.block_size), "f32")}
-    return plan_memory(cfg, t, V, 1000, 100, saved, {"ws_a": ((7,), "f32")}, cfg.max_iters + 1)
+    return plan_memory(cfg, t, V, accum, saved, {"ws_a": ((7,), "f32")}, cfg.max_iters + 1)
 
 
 def test_plan_arithmetic():
@@ -66,8 +66,23 @@ def test_plan_arithmetic():
     assert sum(p.by_kind().values()) == p.arena_bytes
     assert p.total_bytes == p.flat_bytes + p.arena_bytes
     text = p.format(detail=True)
-    for word in ("parameters", "gradients", "adam m", "adam v", "activations", "op workspace", "total", "ws_a"):
+    for word in ("parameters", "gradients", "adam m", "adam v", "activations", "op workspace", "total", "ws_a",
+                 "batch tokens"):
         assert word in text
+    assert "grad_acc" not in text and "train_tokens" not in text      # no dataset on the device
+
+
+def test_plan_with_gradient_accumulation():
+    """A micro-batches: ids, targets and losses for each, one accumulation region, activations once."""
+    cfg = cfg_small()
+    one, four = _plan(cfg), _plan(cfg, accum=4)
+    B, T = cfg.batch_size, cfg.block_size
+    for name in ("idx", "targets", "losses"):
+        assert one[name].shape == (1, B, T) and four[name].shape == (4, B, T)
+    assert four["grad_acc"].shape == (four.table.total,) and four["grad_acc"].kind == "backward"
+    assert four["qkv"].shape == one["qkv"].shape
+    extra = four.arena_bytes - one.arena_bytes
+    assert four["grad_acc"].nbytes <= extra <= four["grad_acc"].nbytes + 3 * 3 * B * T * 4 + 6 * 256
 
 
 def test_fused_plan_is_smaller_and_scales_with_context():
@@ -109,8 +124,8 @@ def test_wgmma_scratch_only_where_the_device_reads_it(arch, env, monkeypatch):
         cfg = load_config("configs/tiny.yaml", [f"--precision={prec}"])
         rt = RecordingRuntime(prec)
         rt.arch = arch
-        on_device = {e.name for e in plan_for(cfg, 65, 3000, 300, CudaBackend(cfg, rt=rt)).entries}
-        printed = {e.name for e in plan_for(cfg, 65, 3000, 300).entries}
+        on_device = {e.name for e in plan_for(cfg, 65, CudaBackend(cfg, rt=rt)).entries}
+        printed = {e.name for e in plan_for(cfg, 65).entries}
         assert names <= printed
         assert (names <= on_device) == (arch == "sm_90" and env == "1"), (prec, arch, env, on_device)
         assert not names & on_device or names <= on_device

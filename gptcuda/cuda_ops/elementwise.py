@@ -6,6 +6,7 @@
     dropout_bwd(rt, dx, dout, p, site)          dx = dout * keep / (1-p)      (dx may be dout)
     residual_dropout(rt, out, resid, x, p, site) out = resid + x * keep / (1-p) (out may alias)
     bias_grad(rt, db[N], dout[M,N])             db = dout.sum(0), deterministic, two passes
+    accumulate(rt, dst, src, first)             dst = src (first) or dst + src (gradient accumulation)
 
 keep(e) = gc_keep(gc_key(rt.seed, state.step, site), e, threshold) with e the row-major
 element index and threshold = min(floor(p * 2^32), 2^32 - 1) (rng.keep_threshold); p == 0
@@ -31,6 +32,7 @@ VARIANTS = (
     + [(FILE, f"gelu_bwd<{v}>", {}) for v in (4, 1)]
     + [(FILE, f"dropout_apply<{v}, {r}, {d}>", {}) for v in (4, 1) for r in _B for d in _B]
     + [(FILE, f"bias_grad_partial<{v}>", {}) for v in (4, 1)]
+    + [(FILE, f"accumulate<{v}, {f}>", {}) for v in (4, 1) for f in _B]
     + [(FILE, "bias_grad_reduce", {})]
 )
 
@@ -127,3 +129,17 @@ def bias_grad(rt, db, dout):
               [part, dout, i32(M), i32(N), i32(rpc)], label="bias_grad_partial")
     rt.launch(rt.function(FILE, "bias_grad_reduce"), (_cdiv(N, 32),), (BG_WARPS * 32,),
               [db, part, i32(chunks), i32(N)], label="bias_grad_reduce")
+
+
+def accumulate(rt, dst, src, first):
+    n = _check_same("accumulate", dst, src)
+    if _overlap(dst, src):
+        raise ValueError("accumulate: dst and src overlap")
+    vec = 4 if _aligned(dst, src) else 1
+    grid, block = _ew_geometry(n, vec)
+    rt.launch(rt.function(FILE, f"accumulate<{vec}, {'true' if first else 'false'}>"), grid, block,
+              [dst, src, i32(n)], label="accumulate")
+
+
+def _overlap(x, y) -> bool:
+    return x.ptr < y.ptr + y.nbytes and y.ptr < x.ptr + x.nbytes

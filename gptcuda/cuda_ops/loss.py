@@ -1,8 +1,10 @@
 """Launchers of kernels/loss.cu: fused softmax cross-entropy and the mean loss.
 
-    crossentropy(rt, losses[N], dlogits[N,V]|None, logits[N,V], targets[N] i32, grad_scale)
-        losses = logsumexp(logits) - logits[target]
-        grad_scale != 0: dlogits = (softmax(logits) - onehot(target)) * grad_scale (dlogits may be logits)
+    crossentropy(rt, losses[N], dlogits[N,V]|None, logits[N,V], targets[N] i32, grad_scale, n_vocab=None)
+        over the first n_vocab columns (None: all V; fewer: a padded vocabulary, columns n_vocab.. masked):
+        losses = logsumexp(logits[:, :n_vocab]) - logits[target]
+        grad_scale != 0: dlogits = (softmax(logits[:, :n_vocab]) - onehot(target)) * grad_scale, 0 in the
+        padded columns (dlogits may be logits)
         grad_scale == 0: no gradient is written (dlogits may be None)
     loss_reduce(rt, losses[N], history[max_steps]|None)
         state.loss = mean(losses) (deterministic, one block); history[state.step] = the same value
@@ -33,9 +35,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def crossentropy(rt, losses, dlogits, logits, targets, grad_scale):
+def crossentropy(rt, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
     V = int(logits.shape[-1])
     N = rows(logits.shape)
+    Vr = V if n_vocab is None else int(n_vocab)
+    if not 0 < Vr <= V:
+        raise ValueError(f"crossentropy: n_vocab {Vr} outside 1..{V} (the logits' row length)")
     if targets.dtype != "i32":
         raise TypeError(f"crossentropy: targets must be i32, got {targets.dtype}")
     if targets.numel != N or losses.numel != N:
@@ -45,7 +50,7 @@ def crossentropy(rt, losses, dlogits, logits, targets, grad_scale):
     if grad and (dlogits is None or dlogits.numel != N * V):
         raise ValueError(f"crossentropy: a gradient needs dlogits of {N}x{V} elements")
     g = "true" if grad else "false"
-    args = [losses, dlogits if grad else None, logits, targets, i32(N), i32(V), f32(grad_scale)]
+    args = [losses, dlogits if grad else None, logits, targets, i32(N), i32(V), i32(Vr), f32(grad_scale)]
     if V <= WARP_MAX_V:
         rt.launch(rt.function(FILE, f"crossentropy_warp<{g}>"), (_cdiv(N, WARPS),), (THREADS,), args,
                   label="crossentropy")

@@ -11,7 +11,6 @@ import numpy as np
 
 from .. import faults, rng
 from ..backend import Buffers, Program, rows
-from ..data import get_batch
 from . import ops as R
 
 
@@ -36,7 +35,6 @@ class ReferenceBackend:
     def __init__(self, cfg):
         self.cfg = cfg
         self.seed = cfg.seed
-        self.row_offset = 0          # first row of the world's batch this backend draws (data parallel)
         self.state = {"step": 0, "lr": 0.0, "loss": 0.0, "grad_norm": 0.0, "eval_draws": 0}
         self._prog: Program | None = None
 
@@ -114,11 +112,15 @@ class ReferenceBackend:
     def eval_advance(self):
         self._rec(lambda: self.state.__setitem__("eval_draws", self.state["eval_draws"] + 1))
 
-    def get_batch(self, x, y, tokens, site, counter):
+    def batch_feeder(self, x, y, rows: int, block: int):
+        return _Feeder(x.reshape(-1, block), y.reshape(-1, block))
+
+    def accumulate(self, dst, src, first):
         def f():
-            bx, by = get_batch(tokens, self.seed, self.state[counter], site, x.shape[0], x.shape[1],
-                               self.row_offset)
-            x[...], y[...] = bx, by
+            if first:
+                dst[...] = src
+            else:
+                dst[...] += src
         self._rec(f)
 
     def encoder_fwd(self, out, idx, wte, wpe):
@@ -199,12 +201,16 @@ class ReferenceBackend:
             dqkv[...] = R.attention_backward(dy, qkv, saved["probs"], n_head, keep, p)
         self._rec(f)
 
-    def crossentropy(self, losses, dlogits, logits, targets, grad_scale):
+    def crossentropy(self, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
         def f():
-            lo, probs = R.crossentropy_forward(_2d(logits), targets.reshape(-1))
+            V = logits.shape[-1]
+            Vr = V if n_vocab is None else n_vocab       # columns Vr.. are padding: masked out
+            lo, probs = R.crossentropy_forward(_2d(logits)[:, :Vr], targets.reshape(-1))
             losses[...] = lo.reshape(losses.shape)
             if grad_scale and dlogits is not None:
-                _2d(dlogits)[...] = R.crossentropy_backward(probs, targets.reshape(-1), grad_scale)
+                d = _2d(dlogits)
+                d[:, :Vr] = R.crossentropy_backward(probs, targets.reshape(-1), grad_scale)
+                d[:, Vr:] = 0.0
         self._rec(f)
 
     def loss_reduce(self, losses, history):
@@ -244,3 +250,13 @@ class ReferenceBackend:
                                         self.state["step"] + 1, decay)
             params[...], m[...], v[...] = p2, m2, v2
         self._rec(f)
+
+
+class _Feeder:
+    """The reference backend's batch feeder: the host arrays are the device arrays."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def put(self, rows: int, fill):
+        fill(self.x[:rows], self.y[:rows])

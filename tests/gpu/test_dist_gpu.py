@@ -93,27 +93,6 @@ def test_selftest_and_identity_allreduce_at_world_size_1(rt):
     group.close()
 
 
-@pytest.mark.parametrize("offset", [0, 3, 64])
-def test_device_draws_a_ranks_rows(rt, offset):
-    tokens_h = (np.arange(20_011) * 31 % 65).astype(np.int32)
-    tokens = rt.upload(tokens_h)
-    saved = rt.state, rt.row_offset
-    try:
-        st = np.zeros(16, np.int32)
-        st[0] = 17
-        rt.state = rt.upload(st)
-        rt.row_offset = offset
-        x, y = rt.empty((5, 40), "i32"), rt.empty((5, 40), "i32")
-        from gptcuda.cuda_ops import data as gdata
-        gdata.get_batch(rt, x, y, tokens, rng.SITE_BATCH_TRAIN, "step")
-        wx, wy = data.get_batch(tokens_h, rt.seed, 17, rng.SITE_BATCH_TRAIN, 5, 40, row_offset=offset)
-        gx, _ = data.get_batch(tokens_h, rt.seed, 17, rng.SITE_BATCH_TRAIN, offset + 5, 40)
-        assert np.array_equal(rt.download(x), wx) and np.array_equal(rt.download(y), wy)
-        assert np.array_equal(wx, gx[offset:])
-    finally:
-        rt.state, rt.row_offset = saved
-
-
 @pytest.mark.parametrize("zero", [0, 1])
 @pytest.mark.parametrize("graph", ["true", "false"])
 def test_world1_data_parallel_step_is_the_single_gpu_step(zero, graph):

@@ -49,6 +49,43 @@ def test_crossentropy(env, lead, V, inplace):
     assert rel_err(rt.download(dlogits), rd) < 1e-5
 
 
+# (leading dims, real vocabulary, padded row length): GPT-2's 50257 -> 50304, a char vocabulary padded
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("lead,Vr,V", [((3, 5), 50257, 50304), ((4, 16), 65, 128), ((7,), 1000, 1025)])
+def test_crossentropy_padded_vocab(env, lead, Vr, V, inplace):
+    """Columns Vr.. are padding: the loss and softmax see only the first Vr, their gradient is 0
+    (whatever the padded logits hold, even huge values)."""
+    rt = env
+    r = np.random.default_rng(Vr)
+    logits_h = _randn(r, *lead, V) * 3.0
+    logits_h[..., Vr:] = 1e4
+    tg_h = r.integers(0, Vr, size=lead).astype(np.int32)
+    tg_h.reshape(-1)[0] = Vr - 1
+    scale = 0.37
+    rl, probs = ref.crossentropy_forward(logits_h[..., :Vr], tg_h)
+    rd = np.zeros((*lead, V))
+    rd[..., :Vr] = ref.crossentropy_backward(probs, tg_h, scale).reshape(*lead, Vr)
+    logits, tg = rt.upload(logits_h), rt.upload(tg_h)
+    losses = rt.empty(lead)
+    dlogits = logits if inplace else rt.empty((*lead, V))
+    L.crossentropy(rt, losses, dlogits, logits, tg, scale, n_vocab=Vr)
+    assert rel_err(rt.download(losses), rl.reshape(lead)) < 1e-5
+    got = rt.download(dlogits)
+    assert rel_err(got, rd) < 1e-5
+    assert np.all(got[..., Vr:] == 0)
+
+
+def test_crossentropy_padded_target_is_nan(env):
+    """A target in the padding (>= the real vocabulary) is out of range: NaN loss, no one-hot term."""
+    rt = env
+    logits = rt.upload(np.ones((2, 8), np.float32))
+    tg = rt.upload(np.array([1, 6], np.int32))
+    losses = rt.empty((2,))
+    L.crossentropy(rt, losses, None, logits, tg, 0.0, n_vocab=6)
+    lo = rt.download(losses)
+    assert np.isclose(lo[0], np.log(6.0)) and np.isnan(lo[1])
+
+
 @pytest.mark.parametrize("lead,V", [((4, 64), 65), ((3,), 5003)])
 def test_crossentropy_no_grad(env, lead, V):
     rt = env
