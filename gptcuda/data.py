@@ -17,34 +17,18 @@ __all__ = ["CharTokenizer", "TextDataset", "get_batch"]
 
 
 class TextDataset:
-    """One UTF-8 text file, tokenized by characters: first 90% train, last 10% val.
+    """One UTF-8 text file, tokenized by characters, as in-memory arrays (tests, gradcheck): the
+    split of dataset.open_dataset for a text file, first 90% train, last 10% val.
 
-    Attributes: text, tokenizer, train, val (int32 arrays), path.
-    A tokenizer may be passed (e.g. restored from a checkpoint); otherwise it is
-    built from the text's sorted unique characters.
+    Attributes: tokenizer, train, val (int32 arrays), path. A tokenizer may be passed (e.g.
+    restored from a checkpoint); otherwise it is built from the text's sorted unique characters.
     """
 
-    TRAIN_FRACTION = 0.9
-
     def __init__(self, path: str | os.PathLike, tokenizer: CharTokenizer | None = None):
-        self.path = os.fspath(path)
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
-            raise FileNotFoundError(f"data file not found: {self.path}") from None
-        except IsADirectoryError:
-            raise IsADirectoryError(f"data path is a directory, not a text file: {self.path}") from None
-        except UnicodeDecodeError as e:
-            raise ValueError(f"data file {self.path} is not valid UTF-8 (byte {e.start})") from None
-        if not text:
-            raise ValueError(f"data file {self.path} is empty")
-        self.text = text
-        self.tokenizer = tokenizer if tokenizer is not None else CharTokenizer.from_text(text)
-        ids = self.tokenizer.encode(text)
-        n = int(self.TRAIN_FRACTION * len(ids))
-        self.train = np.ascontiguousarray(ids[:n])
-        self.val = np.ascontiguousarray(ids[n:])
+        from .dataset import open_text
+        ds = open_text(os.fspath(path), "char", tokenizer)
+        self.path, self.tokenizer = ds.source, ds.tokenizer
+        self.train, self.val = ds.train.pieces[0], ds.val.pieces[0]
 
     @property
     def vocab_size(self) -> int:

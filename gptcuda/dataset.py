@@ -164,7 +164,9 @@ def _read_text(path: str) -> str:
         raise DataError(f"data file {path} is not valid UTF-8 (byte {e.start})") from None
 
 
-def _open_text(path: str, spec: str, saved) -> Dataset:
+def open_text(path: str, spec: str, saved=None) -> Dataset:
+    """A text file's Dataset: encoded with `saved` (a tokenizer object) or a new `spec` tokenizer,
+    then split 90/10."""
     text = _read_text(path)
     try:
         tok = saved if saved is not None else make_tokenizer(spec, [text])
@@ -324,7 +326,7 @@ def open_dataset(data: str, tokenizer: str = "char", saved_tokenizer: dict | Non
     else:
         if saved is not None and spec.strip() != saved.name:
             raise DataError(f"{data}: the run being resumed used tokenizer {saved.name} but tokenizer: {spec} is set")
-        return _open_text(data, spec, saved)
+        return open_text(data, spec, saved)
     if saved is not None and saved != tok:
         what = tok.name if tok.name != saved.name else f"a different {tok.name}"
         raise DataError(f"{data}: the run being resumed used tokenizer {saved.name} ({saved.vocab_size} tokens) "

@@ -16,12 +16,18 @@ pytestmark = pytest.mark.gpu
 DATA = TextDataset("data/tinyshakespeare/input.txt")
 
 
-def losses(overrides, steps=20):
+def run_steps(overrides, steps=20, vocab=None, accum=1):
+    """(loss history, engine) of `steps` training steps of the tiny config; vocab: a padded vocabulary."""
     cfg = load_config("configs/tiny.yaml", overrides + [f"--max_iters={steps}"])
-    e = Engine(cfg, DATA.train, DATA.val, DATA.vocab_size, programs=("train",))
+    e = Engine(cfg, DATA.train, DATA.val, vocab or DATA.vocab_size, programs=("train",), n_vocab=DATA.vocab_size,
+               accum=accum)
     for _ in range(steps):
         e.train_step()
-    return e.loss_history(steps)
+    return e.loss_history(steps), e
+
+
+def losses(overrides, steps=20):
+    return run_steps(overrides, steps)[0]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
@@ -58,13 +64,8 @@ def test_resume_is_bitwise_on_gpu(tmp_path):
 def test_accumulation_and_padded_vocab_on_gpu(tmp_path):
     """Two micro-batches of 2 rows equal one batch of 4 (float32 summation order aside), graph and eager
     launches agree bit for bit, and a padded vocabulary (65 -> 128) trains like the unpadded one."""
-    def hist(over, accum, vocab=None, steps=8):
-        cfg = load_config("configs/tiny.yaml", over + [f"--max_iters={steps}", "--dropout=0.0"])
-        e = Engine(cfg, DATA.train, DATA.val, vocab or DATA.vocab_size, programs=("train",),
-                   n_vocab=DATA.vocab_size, accum=accum)
-        for _ in range(steps):
-            e.train_step()
-        return e.loss_history(steps), e
+    def hist(over, accum, vocab=None):
+        return run_steps(over + ["--dropout=0.0"], 8, vocab, accum)
     big, _ = hist(["--batch_size=4"], 1)
     acc, eng = hist(["--batch_size=2"], 2)
     acc_eager, _ = hist(["--batch_size=2", "--graph=false"], 2)
