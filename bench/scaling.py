@@ -36,8 +36,8 @@ def worker(path, overrides, iters, warmup, out):
     """One rank (started by gptcuda.launch)."""
     from gptcuda import dist
     from gptcuda.config import load_config
-    from gptcuda.data import TextDataset
     from gptcuda.engine import Engine
+    from gptcuda.trainer import open_run_data
     cfg = load_config(path, overrides + ["--max_iters=100000"])
     env = dist.parse_env()
     group = None
@@ -45,8 +45,10 @@ def worker(path, overrides, iters, warmup, out):
         cfg.device = env.local_rank
         group = dist.init_group(env)
         group.comm_timing = True
-    data = TextDataset(cfg.data)
-    eng = Engine(cfg, data.train, data.val, data.vocab_size, programs=("train",), group=group)
+    W = group.world_size if group is not None else 1
+    data, V, accum = open_run_data(cfg, W)
+    eng = Engine(cfg, data.train, data.val, V, programs=("train",), group=group, n_vocab=data.vocab_size,
+                 accum=accum)
     rt, dev = eng.be.rt, eng.be.rt.dev
     for _ in range(warmup):
         eng.train_step()
@@ -63,8 +65,7 @@ def worker(path, overrides, iters, warmup, out):
             t = eng.dp.comm_times()
             busy.append(t["busy"])
             exposed.append(t.get("exposed", 0.0))
-    W = group.world_size if group is not None else 1
-    tokens = W * cfg.batch_size * cfg.block_size
+    tokens = W * accum * cfg.batch_size * cfg.block_size
     ms = statistics.median(step_ms)
     res = {"world": W, "ms": ms, "ms_all": step_ms, "tok_s": tokens / ms * 1e3,
            "comm_busy_ms": statistics.median(busy) if busy else 0.0,

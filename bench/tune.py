@@ -362,10 +362,11 @@ class EventTimer:
 
 # ---------------------------------------------------------------------------------------
 def vocab_of(cfg) -> int:
+    """The model's vocabulary, as train.py resolves it (the data's tokenizer, vocab_multiple)."""
     if cfg.vocab_size:
         return cfg.vocab_size
-    from gptcuda.data import TextDataset
-    return TextDataset(cfg.data).vocab_size
+    from gptcuda.trainer import open_run_data
+    return open_run_data(cfg)[1]
 
 
 def ws_floats_of(cfg, vocab, name="gemm_splitk") -> int:
