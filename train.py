@@ -1,32 +1,47 @@
-"""Train a character-level GPT on the GPU.
+"""Train a GPT on the GPU: characters or BPE tokens (gpt2, bpe:N), from a text file or token shards.
 
     python train.py configs/shakespeare_char_fp32.yaml
+    python train.py configs/gpt2_124m.yaml --data=data/mycorpus --val_data=   # shards from prepare.py
     python train.py configs/tiny.yaml --max_iters=100 --learning_rate=3e-3
     python train.py configs/ctx2048_tf32.yaml --plan       # print the memory plan, touch no GPU
     python train.py configs/tiny.yaml --resume             # continue from out_dir/last.ckpt
+    python train.py configs/tiny.yaml --overwrite          # start afresh where a run already is
     python train.py configs/tiny.yaml --backend=reference  # float64 numpy, no GPU needed
     python train.py configs/ctx2048_tf32.yaml --profile    # the phase table of one step, then exit
     python -m gptcuda.launch --nproc 2 train.py configs/tiny.yaml   # data parallel on 2 GPUs
 
 Settings: defaults < the YAML file < --key=value overrides (see gptcuda/config.py).
-The run directory (out_dir) gets config.yaml, tokenizer.json, metrics.jsonl, best.ckpt, last.ckpt.
-Ctrl-C saves last.ckpt and exits. Exit codes: 0 done, 1 the loss went non-finite, 2 a usage,
-config, data, checkpoint, device or data-parallel setup error (one line on stderr).
+The run directory (out_dir) gets config.yaml, tokenizer.json, metrics.jsonl, best.ckpt, last.ckpt;
+an out_dir that already holds a run is refused unless --resume (continue it: the model and
+tokenizer settings must match the checkpoint's, recipe changes are logged) or --overwrite.
+Ctrl-C (SIGINT) or SIGTERM saves last.ckpt and exits (130, 143); a second one waits for the save.
+Exit codes: 0 done, 1 the loss went non-finite, 2 a usage, config, data, checkpoint, run
+directory, device or data-parallel setup error (one line on stderr), 130 / 143 interrupted.
 With RANK and WORLD_SIZE set (gptcuda.launch, mpirun, srun: README "Several GPUs") each process
 trains on GPU LOCAL_RANK with batch_size rows of the world's batch; rank 0 logs and writes files.
 """
 import sys
 
-from gptcuda.cli import fatal, guarded, split_args
+from gptcuda.cli import RunError, guarded, print_help, split_args
 from gptcuda.config import load_config
+
+FLAGS = {
+    "--plan": "print the config, the data and the memory plan; touch no GPU and no file",
+    "--resume": "continue the run in out_dir from its last.ckpt",
+    "--overwrite": "start a new run in an out_dir that holds one, replacing its files",
+    "--no-bar": "log a line a step instead of the progress bar",
+    "--profile": "print the phase table of one training step (cuda backend), then exit",
+}
 
 
 @guarded
 def main(argv):
-    path, overrides, flags, _ = split_args(argv, flags=("plan", "resume", "no-bar", "profile"))
+    path, overrides, flags, _ = split_args(argv, flags=tuple(f[2:] for f in FLAGS))
+    if "help" in flags:
+        return print_help(__doc__, FLAGS)
     cfg = load_config(path, overrides)
     from gptcuda import dist
-    from gptcuda.trainer import NonFiniteLoss, Trainer, print_plan
+    from gptcuda.trainer import EXIT_CODES, NonFiniteLoss, Trainer, check_device, print_plan
     if "plan" in flags:
         print_plan(cfg)
         return 0
@@ -35,8 +50,11 @@ def main(argv):
         env = dist.parse_env()
         if env.enabled:
             cfg.device = env.local_rank
+        check_device(cfg)                                 # no GPU: one line, before anything else
+        if env.enabled:
             group = dist.init_group(env)                  # the rendezvous; NCCL is imported here only
-        trainer = Trainer(cfg, resume="resume" in flags, group=group)
+        trainer = Trainer(cfg, resume="resume" in flags, overwrite="overwrite" in flags, group=group,
+                          files="profile" not in flags)
         if "profile" in flags:
             table = trainer.profile()
             if trainer.main:
@@ -45,14 +63,17 @@ def main(argv):
         try:
             best = trainer.train(bar="no-bar" not in flags and sys.stderr.isatty())
         except NonFiniteLoss as e:
+            sys.stdout.flush()
             print(f"error: {e}", file=sys.stderr)
             return 1
     except dist.DistError as e:
         if group is not None:
             group.abort()
-        fatal(str(e))
+        raise RunError(str(e)) from None
     if group is not None:
         group.close()
+    if trainer.interrupted is not None:
+        return EXIT_CODES.get(trainer.interrupted, 128 + int(trainer.interrupted))
     if trainer.main:
         print(f"best val loss {best:.4f}")
     return 0

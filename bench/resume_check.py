@@ -28,11 +28,11 @@ def main(argv):
     cfg = load_config(path, overrides + [f"--out_dir={out}/straight"])
     n = cfg.max_iters
     t0 = time.perf_counter()
-    t = Trainer(cfg, log=print)
+    t = Trainer(cfg, log=print, overwrite=True)
     t.train(bar=False)
     straight_s = time.perf_counter() - t0
     cfg2 = load_config(path, overrides + [f"--out_dir={out}/resumed"])
-    t = Trainer(cfg2, log=quiet)
+    t = Trainer(cfg2, log=quiet, overwrite=True)
     t.cfg.max_iters = n // 2
     t.train(bar=False)
     Trainer(cfg2, resume=True, log=quiet).train(bar=False)

@@ -27,7 +27,7 @@ from .checkpoint import atomic_open
 __all__ = [
     "Config", "ConfigError", "load_config", "apply_overrides", "save_config",
     "format_config", "validate", "validate_against_data", "accum_steps", "model_vocab",
-    "PRECISIONS", "ATTENTIONS", "BACKENDS",
+    "PRECISIONS", "ATTENTIONS", "BACKENDS", "config_keys", "MODEL_KEYS", "compare_for_resume",
 ]
 
 PRECISIONS = ("fp32", "tf32")
@@ -96,6 +96,23 @@ class Config:
     @property
     def head_size(self) -> int:
         return self.n_embd // self.n_head
+
+
+def config_keys() -> list[tuple[str, str, Any, str]]:
+    """(key, type name, default, comment) of every Config field, in declaration order; the comment is
+    the one beside the field in this file ("" where there is none or the source is unavailable)."""
+    import inspect
+    try:
+        src = inspect.getsource(Config)
+    except (OSError, TypeError):  # pragma: no cover - no source (a frozen build)
+        src = ""
+    comments = {m.group(1): m.group(2).strip()
+                for m in re.finditer(r"^\s+(\w+)\s*:[^=\n]*=[^#\n]*#(.*)$", src, re.M)}
+    out = []
+    for f in fields(Config):
+        t = f.type if isinstance(f.type, str) else f.type.__name__
+        out.append((f.name, t, f.default, comments.get(f.name, "")))
+    return out
 
 
 # ----------------------------------------------------------------------------
@@ -364,6 +381,33 @@ def model_vocab(cfg: Config, tokenizer_vocab: int) -> int:
         return cfg.vocab_size
     m = cfg.vocab_multiple
     return (tokenizer_vocab + m - 1) // m * m
+
+
+# what a checkpoint's weights mean: a resumed run must have the same (the tokenizer, and the model's
+# vocabulary as resolved from it, included); every other key may change on --resume, and is logged
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "tokenizer")
+# where this run happens, not what it is: neither compared nor logged
+_PLACE_KEYS = ("out_dir", "device")
+
+
+def compare_for_resume(saved: dict, cfg: Config, vocab: int) -> tuple[list[str], list[str]]:
+    """(model differences, other changes) between a checkpoint's config (saved: a to_dict(), with the
+    resolved vocab_size) and cfg, whose model vocabulary resolves to `vocab`; each a "key old -> new"."""
+    now = cfg.to_dict()
+    now["vocab_size"] = vocab
+    model, other = [], []
+    for key in now:
+        if key in _PLACE_KEYS or key == "vocab_multiple" or key not in saved:
+            continue
+        old, new = saved[key], now[key]
+        if old == new or (isinstance(old, (int, float)) and isinstance(new, (int, float))
+                          and not isinstance(old, bool) and float(old) == float(new)):
+            continue
+        text = f"{key} {old!r} -> {new!r}" if isinstance(new, str) else f"{key} {old} -> {new}"
+        if key == "vocab_size" and cfg.vocab_size == 0:
+            text += f" (vocab_multiple {cfg.vocab_multiple})"
+        (model if key in MODEL_KEYS else other).append(text)
+    return model, other
 
 
 def validate_against_data(cfg: Config, n_train_tokens: int, n_val_tokens: int, vocab_size: int) -> None:

@@ -153,6 +153,20 @@ class Engine:
     def state(self) -> dict:
         return self.be.read_state()
 
+    def sync_counters(self) -> dict:
+        """Take the device's StepState counters as the host's (Engine.counters) and return them: after
+        a program was interrupted in Python (KeyboardInterrupt) the device may have run it while the
+        host copy was not advanced yet. (Reading the state waits for the launched work.)"""
+        st = self.be.read_state()
+        self.counters = {"step": int(st["step"]), "eval_draws": int(st["eval_draws"])}
+        return dict(self.counters)
+
+    def set_counters(self, step: int, eval_draws: int):
+        """Set the counters on the device and on the host alike (an interrupted evaluation is undone
+        by putting eval_draws back to its value before the evaluation)."""
+        self.be.write_state(step=int(step), eval_draws=int(eval_draws))
+        self.counters = {"step": int(step), "eval_draws": int(eval_draws)}
+
     def loss_history(self, upto: int) -> np.ndarray:
         h = self.be.download(self.bufs.acts["history"])
         return np.asarray(h[:upto], dtype=np.float64)

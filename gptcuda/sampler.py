@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -16,11 +17,38 @@ from .params import unflatten
 from .tokenizers import load_tokenizer
 
 
-def _num(opts, key, cast, default):
+MIN_TEMP = 1e-3     # below this (but above 0) logits / temp can overflow; 0 is greedy
+SEED_LIMIT = 2 ** 32
+
+
+def _num(opts, key, cast, default, ok, allowed):
+    """opts[key] as cast (else default), checked by ok(value); a UsageError naming the key and `allowed`."""
+    if key not in opts:
+        return default
+    raw = opts[key]
     try:
-        return cast(opts[key]) if key in opts else default
-    except ValueError:
-        raise UsageError(f"--{key} expects a {cast.__name__}, got {opts[key]!r}") from None
+        v = cast(raw)
+    except (TypeError, ValueError, OverflowError):
+        v = None
+    if v is None or not ok(v):
+        raise UsageError(f"--{key} must be {allowed}, got {raw!r}")
+    return v
+
+
+def parse_options(opts) -> dict:
+    """The checked sampling options: num_samples, max_new_tokens, temp, top_k (None: all), seed, backend."""
+    out = dict(
+        num_samples=_num(opts, "num_samples", int, 1, lambda v: v >= 1, "an integer >= 1"),
+        max_new_tokens=_num(opts, "max_new_tokens", int, 500, lambda v: v >= 0, "an integer >= 0"),
+        temp=_num(opts, "temp", float, 0.8, lambda v: v == 0 or (math.isfinite(v) and v >= MIN_TEMP),
+                  f"0 (greedy) or a finite number >= {MIN_TEMP}"),
+        top_k=_num(opts, "top_k", int, 0, lambda v: v >= 0, "an integer >= 0 (0: every token)") or None,
+        seed=_num(opts, "seed", int, 1337, lambda v: 0 <= v < SEED_LIMIT, "an integer in [0, 2**32)"),
+        backend=opts.get("backend"),
+    )
+    if out["backend"] not in (None, "cuda", "reference"):
+        raise UsageError(f"--backend must be cuda or reference, got {out['backend']!r}")
+    return out
 
 
 class Sampler:
@@ -28,7 +56,11 @@ class Sampler:
 
     def __init__(self, run_dir: str, num_samples: int, backend: str | None = None, ckpt: str | None = None):
         cfg = load_config(os.path.join(run_dir, "config.yaml"))
-        self.tok = load_tokenizer(os.path.join(run_dir, "tokenizer.json"))
+        tok_path = os.path.join(run_dir, "tokenizer.json")
+        try:
+            self.tok = load_tokenizer(tok_path)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
         path = ckpt or next((os.path.join(run_dir, f) for f in ("best.ckpt", "last.ckpt")
                              if os.path.exists(os.path.join(run_dir, f))), None)
         if path is None:
@@ -91,34 +123,37 @@ class Sampler:
 
 
 def sample_logits(logits: np.ndarray, temp: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
-    """One token per row: greedy at temp 0, else softmax(logits / temp) over the top_k."""
-    if temp <= 0:
+    """One token per row: greedy at temp 0, else softmax(logits / temp) over the top_k (None or 0: all)."""
+    if temp == 0:
         return logits.argmax(-1)
-    logits = logits / temp
+    if not (math.isfinite(temp) and temp > 0) or (top_k is not None and top_k < 0):
+        raise ValueError(f"temp must be 0 or > 0 and top_k >= 0, got temp {temp}, top_k {top_k}")
     V = logits.shape[-1]
     if top_k:
         kth = np.sort(logits, axis=-1)[:, -min(top_k, V)][:, None]
         logits = np.where(logits < kth, -np.inf, logits)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
+    z = (logits - logits.max(-1, keepdims=True)) / temp       # <= 0: nothing overflows
+    p = np.exp(z)
     p /= p.sum(-1, keepdims=True)
     return np.array([rng.choice(V, p=row) for row in p])
 
 
 def sample_main(opts) -> int:
-    run_dir = opts.get("out_dir") or latest_run()
-    if run_dir is None or not os.path.isdir(run_dir):
-        raise UsageError("no trained run found under out/; train one (python train.py CONFIG) or pass --out_dir")
-    S = _num(opts, "num_samples", int, 1)
-    n_new = _num(opts, "max_new_tokens", int, 500)
-    temp = _num(opts, "temp", float, 0.8)
-    top_k = _num(opts, "top_k", int, 0) or None
-    seed = _num(opts, "seed", int, 1337)
-    backend = opts.get("backend")
-    if backend not in (None, "cuda", "reference"):
-        raise UsageError(f"--backend must be cuda or reference, not {backend!r}")
-    if S < 1 or n_new < 0:
-        raise UsageError("--num_samples must be >= 1 and --max_new_tokens >= 0")
-    s = Sampler(run_dir, S, backend, opts.get("ckpt"))
+    o = parse_options(opts)                    # every argument checked before anything is loaded
+    run_dir = opts.get("out_dir")
+    if run_dir is not None:
+        if not os.path.isdir(run_dir):
+            raise UsageError(f"--out_dir {run_dir}: " + ("not a directory" if os.path.exists(run_dir)
+                                                          else "no such directory"))
+    else:
+        run_dir = latest_run()
+        if run_dir is None:
+            raise UsageError("no trained run found under out/; train one (python train.py CONFIG) or pass --out_dir")
+    ckpt = opts.get("ckpt")
+    if ckpt is not None and not os.path.isfile(ckpt):
+        raise UsageError(f"--ckpt {ckpt}: no such file")
+    S, n_new, temp, top_k, seed = o["num_samples"], o["max_new_tokens"], o["temp"], o["top_k"], o["seed"]
+    s = Sampler(run_dir, S, o["backend"], ckpt)
     prompt = opts.get("prompt", "\n")
     try:
         ids = s.tok.encode(prompt) if prompt else np.zeros(1, np.int32)
@@ -127,7 +162,8 @@ def sample_main(opts) -> int:
     if len(ids) == 0:
         ids = np.zeros(1, np.int32)
     out = s.generate(ids, n_new, temp, top_k, np.random.default_rng(seed))
-    print(f"# {s.path} (step {s.step}), temperature {temp}, top_k {top_k}, seed {seed}")
+    print(f"# {s.path} (step {s.step}), temperature {temp}{' (greedy)' if temp == 0 else ''}, top_k {top_k}, "
+          f"seed {seed}")
     for i, row in enumerate(out):
         print(s.tok.decode(row))
         if i + 1 < len(out):

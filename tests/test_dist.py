@@ -438,13 +438,13 @@ def test_zero_config_key():
 
 def test_one_gpu_never_imports_nccl(tmp_path):
     code = ("import sys, runpy; sys.argv = ['train.py', 'configs/tiny.yaml', '--backend=reference', '--max_iters=2', "
-            f"'--eval_interval=2', '--eval_iters=1', '--out_dir={tmp_path / 'o'}']\n"
+            "'--eval_interval=2', '--eval_iters=1', '--out_dir=' + sys.argv[1]]\n"
             "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
             "except SystemExit as e:\n    assert not e.code, e.code\n"
             "print('NCCL', sorted(m for m in sys.modules if m == 'nccl' or m.startswith('nccl.')))\n")
-    for extra in ({}, {"RANK": "0", "WORLD_SIZE": "1"}):
-        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=penv(**extra), capture_output=True, text=True,
-                           timeout=300)
+    for i, extra in enumerate(({}, {"RANK": "0", "WORLD_SIZE": "1"})):
+        p = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"o{i}")], cwd=ROOT, env=penv(**extra),
+                           capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
         assert "NCCL []" in p.stdout, p.stdout
 
