@@ -4,20 +4,37 @@
     python gradcheck.py configs/tiny.yaml --backend=reference
     python gradcheck.py configs/tiny.yaml --precision=tf32 --attention=fused
     python gradcheck.py --break=layernorm                 # must FAIL upstream of the final layernorm
+    python gradcheck.py --tensors=h0.attn.w,lnf.w         # only these tensors
 
 For each tensor W with gradient g (one forward + backward on a fixed batch, dropout masks
 fixed by the step), step along u = g/||g||: the central difference
 (L(W + h u) - L(W - h u)) / 2h must equal ||g||. A table lists tensor, ||g||, measured,
 relative error and the verdict; the exit code is 1 when any tensor fails.
+
+With --precision=tf32 the finite differences are taken on an fp32 forward (3xTF32 GEMMs) of the
+same weights, batch and dropout masks, against a tolerance from TF32's error model, and the two
+largest entries of each tensor are checked as well (gptcuda/gradcheck.py says why and how much).
 """
 import sys
 
-from gptcuda.cli import guarded, split_args
+from gptcuda.cli import guarded, print_help, split_args
 from gptcuda.config import load_config
+
+OPTIONS = {
+    "CONFIG.yaml": "the model (default configs/tiny.yaml)",
+    "--break NAME[,NAME]": "deliberately break a backward op (gptcuda/faults.py: layernorm); must FAIL",
+    "--tensors NAME[,NAME]": "check only these parameter tensors (wte, h0.attn.w, lnf.b, ...)",
+}
+
+
+def print_usage() -> int:
+    return print_help(__doc__, OPTIONS)
 
 
 @guarded
 def main(argv):
+    if "-h" in argv or "--help" in argv:
+        return print_usage()
     path, overrides, _, opts = split_args(argv, options=("break", "tensors"))
     cfg = load_config(path or "configs/tiny.yaml", overrides)
     from gptcuda.gradcheck import run_gradcheck
