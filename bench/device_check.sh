@@ -54,6 +54,13 @@ if has gradcheck; then
   done
   log "gradcheck --break=layernorm (must fail upstream of lnf)"
   python3 gradcheck.py configs/tiny.yaml --break=layernorm 2>&1 | tee -a "$OUT/gradcheck.log" | grep -E "lnf|wte|FAILED|PASSED"
+  for a in fused unfused; do           # widths, heads and T off the tile sizes, in TF32
+    log "gradcheck tf32 $a, 3 layers, C 96, 3 heads, T 23, B 3"
+    python3 gradcheck.py --precision=tf32 --attention=$a --n_layer=3 --n_embd=96 --n_head=3 --block_size=23 \
+      --batch_size=3 --dropout=0.1 2>&1 | tee -a "$OUT/gradcheck.log" | tail -1
+  done
+  log "gradcheck tf32 --break=layernorm (must fail)"
+  python3 gradcheck.py --precision=tf32 --break=layernorm 2>&1 | tee -a "$OUT/gradcheck.log" | tail -1
 fi
 # the measured GEMM table first: the step benchmarks below use it, as training does
 if has tune; then

@@ -5,8 +5,14 @@
 
 Key: sha256 over the source with its `#include "..."` files expanded, the name expressions,
 the full option list (defines included), the NVRTC version and the target architecture,
-and the cache format. Entries are written atomically (temporary file, then rename) and
-carry a sha256 of their payload, so a corrupt entry is detected, removed and rebuilt.
+and the cache format. Entries are written atomically (temporary file, then rename, with the
+permissions the umask gives a new file) and carry a sha256 of the WHOLE entry (the header
+with its key, name table and log, and the cubin), so a corrupt entry (a flipped byte anywhere,
+a truncated file, an entry filed under another key) is detected, removed and rebuilt. An entry
+path that cannot be read or written (a directory, no permission, a full disk) is a miss: the
+kernel is compiled and returned all the same, with a CacheWarning saying what was not cached.
+Processes sharing a cache (data-parallel ranks, a test session's workers) take a per-key lock
+while compiling, so one compiles a kernel and the others wait and read its entry.
 `forbid_compiles()` turns any compile (a cache miss) into an error: the training loop runs
 under it, so a kernel variant first needed mid-run cannot stall a step.
 """
@@ -17,13 +23,16 @@ import json
 import os
 import re
 import tempfile
+import uuid
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
-CACHE_FORMAT = 1
-MAGIC = b"GCCUBIN1"
+CACHE_FORMAT = 2
+MAGIC = b"GCCUBIN2"   # then: sha256 of everything after it (32 bytes), header length (8), header, cubin
+PTXAS_INFO = "--ptxas-options=-v"   # ptxas's per-kernel report in the log; the machine code is unchanged
 BASE_OPTIONS = ("-std=c++17", "--device-int128", "-default-device")  # kernels hold no host code
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 
@@ -36,13 +45,18 @@ class CompileForbidden(RuntimeError):
     """A compile was needed while compiles are forbidden (inside the training loop)."""
 
 
+class CacheWarning(RuntimeWarning):
+    """A compile-cache entry was corrupt, or could not be read or written: the kernel was
+    (re)compiled all the same."""
+
+
 @dataclass
 class Compiled:
     cubin: bytes
     lowered: dict        # name expression -> mangled name
     key: str
     from_cache: bool
-    log: str = ""
+    log: str = ""        # NVRTC's log (kept in the cache entry, so a hit returns it too)
 
 
 _forbidden = 0
@@ -116,44 +130,138 @@ def cache_key(source: str, names, options, version, arch) -> str:
     return h.hexdigest()
 
 
-def _read_entry(path: Path):
+def _warn(msg):
+    warnings.warn(msg, CacheWarning, stacklevel=3)
+
+
+def _discard(path: Path):
+    """Take a bad entry out of the way: a file is removed; anything else (a directory) is renamed
+    aside, not deleted, so nothing that someone put there is lost."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            path.rename(path.with_name(f"{path.name}.bad-{uuid.uuid4().hex[:8]}"))
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        _warn(f"compile cache: could not remove the bad entry {path}: {e}")
+
+
+def _read_entry(path: Path, key: str | None = None, names=None):
+    """(cubin, lowered, header) of a valid entry, else None (a miss). Every byte after the magic is
+    covered by the checksum; the header must name this key and exactly these name expressions."""
     try:
         blob = path.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):    # no entry (or no cache directory): a miss
         return None
-    try:
-        if not blob.startswith(MAGIC):
-            raise ValueError("magic")
-        hlen = int.from_bytes(blob[8:16], "little")
-        header = json.loads(blob[16:16 + hlen])
-        payload = blob[16 + hlen:]
-        if len(payload) != header["size"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
-            raise ValueError("checksum")
-        return payload, header["lowered"]
-    except Exception:
+    except OSError as e:        # a directory, no permission, an I/O error: a miss, rebuilt
         stats["corrupt"] += 1
-        try:
-            path.unlink()
-        except OSError:
-            pass
+        _warn(f"compile cache: entry {path} cannot be read ({e.__class__.__name__}: {e}); rebuilding it")
+        _discard(path)
+        return None
+    try:
+        if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 40:
+            raise ValueError("bad magic or truncated")
+        body = blob[len(MAGIC) + 32:]
+        if hashlib.sha256(body).digest() != blob[len(MAGIC):len(MAGIC) + 32]:
+            raise ValueError("checksum mismatch")
+        hlen = int.from_bytes(body[:8], "little")
+        header = json.loads(body[8:8 + hlen])
+        cubin = body[8 + hlen:]
+        lowered = header["lowered"]
+        if len(cubin) != header["size"] or not cubin.startswith(b"\x7fELF"):
+            raise ValueError("payload size")
+        if key is not None and header["key"] != key:
+            raise ValueError("entry of another key")
+        if not isinstance(lowered, dict) or not all(isinstance(v, str) and v for v in lowered.values()):
+            raise ValueError("name table")
+        if names is not None and set(lowered) != set(names):
+            raise ValueError("name table")
+        return cubin, lowered, header
+    except Exception as e:
+        stats["corrupt"] += 1
+        _warn(f"compile cache: entry {path} is corrupt ({e}); rebuilding it")
+        _discard(path)
         return None
 
 
-def _write_entry(path: Path, cubin: bytes, lowered: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = json.dumps({"size": len(cubin), "sha256": hashlib.sha256(cubin).hexdigest(),
-                         "lowered": lowered}).encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
+def _umask() -> int:
     try:
+        with open("/proc/self/status") as f:       # read without changing it (threads may be running)
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _encode_entry(key: str, cubin: bytes, lowered: dict, log: str = "", ptxas_info: bool = False) -> bytes:
+    header = json.dumps({"key": key, "size": len(cubin), "lowered": lowered, "log": log,
+                         "ptxas_info": bool(ptxas_info)}).encode()
+    body = len(header).to_bytes(8, "little") + header + cubin
+    return MAGIC + hashlib.sha256(body).digest() + body
+
+
+def _write_entry(path: Path, key: str, cubin: bytes, lowered: dict, log: str = "",
+                 ptxas_info: bool = False) -> bool:
+    """Write atomically; a cache that cannot be written is a warning, not an error (the caller has
+    its kernel). Returns whether the entry was written."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir() and not path.is_symlink():
+            _discard(path)                                    # renamed aside, then replaced
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + len(header).to_bytes(8, "little") + header + cubin)
+            f.write(_encode_entry(key, cubin, lowered, log, ptxas_info))
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())       # mkstemp's 0600 would hide it from others
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        tmp = None
+        return True
+    except OSError as e:
+        _warn(f"compile cache: could not write {path} ({e.__class__.__name__}: {e}); "
+              "the kernel is compiled but not cached")
+        return False
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+@contextmanager
+def _key_lock(path: Path):
+    """An exclusive lock on `path`.lock while a key is compiled, so processes sharing the cache
+    compile each kernel once. Best effort: without a usable lock file the compile just runs."""
+    lock = str(path) + ".lock"
+    try:
+        import fcntl
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        # Removed before it is released: a process already waiting on it finds the entry; one that
+        # races in afterwards locks a new file and at worst compiles the kernel a second time.
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+        os.close(fd)
 
 
 def _nvrtc_compile(filename: str, source: str, names, options):
@@ -201,8 +309,13 @@ def target_arch(filename: str, arch: str) -> str:
 
 
 def compile_kernel(filename: str, names, defines: dict | None = None, arch: str = "sm_90",
-                   use_cache: bool = True) -> Compiled:
-    """Compile (or fetch from the disk cache) one kernel file with the given name expressions."""
+                   use_cache: bool = True, ptxas_info: bool = True) -> Compiled:
+    """Compile (or fetch from the disk cache) one kernel file with the given name expressions.
+
+    ptxas_info: the log (kept in the entry, returned on a hit too) holds ptxas's report for every
+    kernel: registers, stack, spills, notes such as C7514 (wgmma serialized). It leaves the machine
+    code alone (only the tool-info note of the cubin records the option), so it is not part of the
+    key; an entry written without the report is rebuilt when one is asked for."""
     names = list(names)
     arch = target_arch(filename, arch)
     source = expand_source(filename)
@@ -210,16 +323,84 @@ def compile_kernel(filename: str, names, defines: dict | None = None, arch: str 
     version = nvrtc_version()
     key = cache_key(source, names, options, version, arch)
     path = cache_dir() / f"{key}.cubin"
-    if use_cache:
-        entry = _read_entry(path)
-        if entry is not None:
+
+    def lookup():
+        entry = _read_entry(path, key, names)
+        if entry is not None and (entry[2].get("ptxas_info") or not ptxas_info):
             stats["hits"] += 1
-            return Compiled(entry[0], entry[1], key, True)
+            return Compiled(entry[0], entry[1], key, True, entry[2].get("log", ""))
+        return None
+
+    if use_cache:
+        hit = lookup()
+        if hit is not None:
+            return hit
     if _forbidden:
         raise CompileForbidden(f"kernels/{filename} {names} {defines or {}} needed a compile inside the "
                                "training loop; every variant must be built before the first step")
-    stats["misses"] += 1
-    cubin, lowered, log = _nvrtc_compile(filename, (KERNEL_DIR / filename).read_text(), names, options)
-    if use_cache:
-        _write_entry(path, cubin, lowered)
+    nvrtc_options = options + [PTXAS_INFO] if ptxas_info else options
+    if not use_cache:
+        stats["misses"] += 1
+        cubin, lowered, log = _nvrtc_compile(filename, (KERNEL_DIR / filename).read_text(), names, nvrtc_options)
+        return Compiled(cubin, lowered, key, False, log)
+    with _key_lock(path):
+        hit = lookup()                    # another process may have built it while we waited
+        if hit is not None:
+            return hit
+        stats["misses"] += 1
+        cubin, lowered, log = _nvrtc_compile(filename, (KERNEL_DIR / filename).read_text(), names, nvrtc_options)
+        _write_entry(path, key, cubin, lowered, log, ptxas_info)
     return Compiled(cubin, lowered, key, False, log)
+
+
+# ---- building many variants at once ------------------------------------------------------------
+def _compile_job(job):
+    """One variant in a worker process: (filename, name, defines, arch, cache dir)."""
+    filename, name, defines, arch, cache = job
+    os.environ["GPTCUDA_CACHE"] = cache
+    try:
+        compile_kernel(filename, [name], dict(defines), arch=arch)
+        return None
+    except Exception as e:                       # CompileError: NVRTC's log, for the caller to raise
+        return f"{e.__class__.__name__}: {e}"
+
+
+def _worker_init(nice: int = 0):
+    """A worker dies with the process that started it (Linux), instead of compiling on for nobody;
+    nice > 0 lowers its priority (it then uses what the starting process leaves idle)."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if nice:
+        try:
+            os.nice(nice)
+        except (OSError, AttributeError):
+            pass
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def build_in_background(jobs, workers: int | None = None, cache: str | Path | None = None, nice: int = 0):
+    """Compile jobs, each (filename, name, defines, arch), into the disk cache in
+    `workers` processes, in the order given. Returns (executor, futures), a future per job whose
+    result is None, or the error text of a variant that did not compile. A later compile_kernel of
+    the same variant, in this process or another, reads its entry (or waits on the worker's lock,
+    then reads it). executor.shutdown(cancel_futures=True) drops what has not started. nice > 0: the
+    workers run at that lower priority, so they take only the CPU the caller leaves idle."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    cache = str(cache if cache is not None else cache_dir())
+    pool = ProcessPoolExecutor(max_workers=workers or default_workers(),
+                               mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                               initargs=(nice,))
+    futures = [pool.submit(_compile_job, (f, n, tuple(sorted((d or {}).items())), arch, cache))
+               for f, n, d, arch in jobs]
+    return pool, futures

@@ -35,6 +35,11 @@ def has_gpu():
     return _HAS_GPU
 
 
+PREBUILT = "prebuilt_kernels"
+# Heaviest first (most of NVRTC's time is ptxas on the GEMM tiles), so the pool's tail is short.
+_HEAVY_FIRST = ("gemm_tf32.cu", "flash_attention.cu", "gemm_wgmma.cu", "gemm_simt.cu")
+
+
 def pytest_collection_modifyitems(config, items):
     # the marker, not the keyword: "gpu" is also a keyword of everything under tests/gpu/
     marked = [item for item in items if item.get_closest_marker("gpu") is not None]
@@ -42,6 +47,86 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=f"no GPU: {_gpu_reason}")
         for item in marked:
             item.add_marker(skip)
+    # Tests on the kernels built in the background (the `prebuilt_kernels` fixture) run last: worker
+    # processes compile their variants into this session's cache while the other tests run.
+    late = [item for item in items if PREBUILT in getattr(item, "fixturenames", ())]
+    if late:
+        ids = {id(item) for item in late}
+        rank = {f: i for i, f in enumerate(_HEAVY_FIRST)}
+        late.sort(key=lambda item: rank.get(getattr(getattr(item, "callspec", None), "params", {}).get("file"),
+                                            len(rank)))          # in the order the workers build them
+        items[:] = [item for item in items if id(item) not in ids] + late
+
+
+def _prebuild_jobs(items):
+    """(file, name, defines, arch) of the variants the selected tests wait for, heaviest first."""
+    jobs = {}
+    for item in items:
+        if PREBUILT not in getattr(item, "fixturenames", ()):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        wanted = [(params["file"], params["name"], params["defines"])] if {"file", "name", "defines"} <= set(
+            params) else []
+        for mark in item.iter_markers("prebuild"):          # @pytest.mark.prebuild((file, name, defines), ...)
+            wanted += mark.args
+        for file, name, defines in wanted:
+            jobs.setdefault((file, name, tuple(sorted(dict(defines).items())), "sm_90"))
+    rank = {f: i for i, f in enumerate(_HEAVY_FIRST)}
+    return sorted(jobs, key=lambda j: rank.get(j[0], len(rank)))
+
+
+class PrebuiltKernels:
+    """The kernel variants that worker processes compile into the session's cache (in the
+    background, from the session's first test on). wait() returns once a variant is in the cache,
+    or raises NVRTC's error for one that did not compile; the test then compiles it again through
+    compiler.compile_kernel, which reads the entry."""
+
+    def __init__(self, jobs, cache):
+        from gptcuda import compiler
+        self.cache, self.pool, self.futures = cache, None, {}
+        if jobs:
+            workers = int(os.environ.get("GPTCUDA_TEST_COMPILE_WORKERS", 0)) or compiler.default_workers()
+            # niced: the tests running meanwhile (numpy's BLAS threads among them) keep the CPU they
+            # want, and the workers take the rest; not niced, 3+ busy processes on 2 cores made
+            # BLAS-heavy tests many times slower
+            self.pool, futures = compiler.build_in_background(
+                [(f, n, dict(d), arch) for f, n, d, arch in jobs], workers=workers, cache=cache, nice=19)
+            self.futures = dict(zip(jobs, futures))
+
+    def wait(self, file, name, defines=None, arch="sm_90"):
+        from gptcuda import compiler
+        fut = self.futures.get((file, name, tuple(sorted((defines or {}).items())), arch))
+        if fut is not None:
+            err = fut.result()
+            if err:
+                raise compiler.CompileError(f"(compiled in a worker) {err}")
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_prebuild(request, tmp_path_factory):
+    """Starts the background compiles at the session's first test when any selected test needs them.
+    Not under pytest-xdist: its workers are the parallelism there (and each would build them all)."""
+    jobs = None if os.environ.get("PYTEST_XDIST_WORKER") else _prebuild_jobs(request.session.items)
+    pre = None
+    if jobs:
+        try:
+            import cuda.bindings.nvrtc  # noqa: F401
+        except ImportError:
+            jobs = None
+        cache = os.environ.get("GPTCUDA_CACHE") or str(tmp_path_factory.getbasetemp() / "kcache")
+        pre = PrebuiltKernels(jobs, cache)
+    yield pre
+    if pre is not None:
+        pre.close()
+
+
+@pytest.fixture(scope="session")
+def prebuilt_kernels(_kernel_prebuild):
+    return _kernel_prebuild or PrebuiltKernels(None, None)
 
 
 @pytest.fixture(scope="session")
