@@ -10,7 +10,7 @@ batches of each program are gathered on the host and fed before its replay (gptc
 
 Used by train.py, sample.py, gradcheck.py and the tests, with either backend. With a
 gptcuda.dist.Group (one rank of a data-parallel run) the training step also all-reduces
-(eng.dp, gptcuda/dist.py); evaluation losses are the mean over the ranks.
+(eng.dp, gptcuda/dist/); evaluation losses are the mean over the ranks.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 //   op(A) is [M, K]: A stored [M, K], or [K, M] when TA (read transposed in place)
 //   op(B) is [K, N]: B stored [K, N], or [N, K] when TB
 //
-// Template parameters (launcher: gptcuda/cuda_ops/gemm.py):
+// Template parameters (launcher: gptcuda/cuda_ops/gemm/):
 //   BM, BN    block tile (128x128 / 128x64 / 64x64); BK = 8; every thread owns an 8x8 tile of C
 //             made of 2x2 sub-tiles of 4x4 (rows tr*4.. and BM/2 + tr*4.., same for columns),
 //             so its shared-memory fragment reads are 128-bit and a warp's reads are broadcasts.
@@ -27,116 +27,7 @@
 // before the FMAs of tile k and stored to the other stage after them; one barrier per tile.
 // Shared layout: As[stage][k][m] (+4 floats of padding per row so that the transposing scalar
 // stores of the k-contiguous cases hit 32 distinct banks), Bs[stage][k][n] likewise.
-#include "common.cuh"
-
-#define GEMM_EPI_NONE 0
-#define GEMM_EPI_BIAS 1
-#define GEMM_EPI_GELU 2
-#define GEMM_EPI_RESID 3
-#define GEMM_EPI_DGELU 4
-
-// Epilogues that read aux (residual input, saved pre-activation) / that touch aux at all.
-#define GEMM_EPI_READS_AUX(E) ((E) == GEMM_EPI_RESID || (E) == GEMM_EPI_DGELU)
-#define GEMM_EPI_USES_AUX(E) ((E) == GEMM_EPI_GELU || GEMM_EPI_READS_AUX(E))
-
-// GELU, tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), evaluated as
-// x * sigmoid(2u) (the same function) which keeps full relative accuracy where tanh(u) -> -1.
-__device__ __forceinline__ float gemm_gelu(float x) {
-    const float s = 0.7978845608028654f;   // sqrt(2/pi)
-    float u = s * (x + 0.044715f * x * x * x);
-    return x / (1.0f + expf(-2.0f * u));
-}
-
-// d/dx of gemm_gelu (the tanh form's exact derivative): with s = sigmoid(2u) = 0.5 (1 + tanh u)
-// and e = exp(-2u), 1 - tanh^2 u = 4 s (1 - s) and 1 - s = e s, so
-//   gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u' = s (1 + 2 x u' e s),
-//   u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2).
-// No cancellation where tanh u -> +-1. Beyond |u| = 40 the result is 1 (u > 0) or 0 (u < 0) to
-// fp32 precision (the remainder is below 1e-32); selecting those keeps e = exp(-2u) <= e^80
-// finite, so e * s never becomes inf * 0 (x^3 overflowing to -inf gives 0, NaN stays NaN).
-__device__ __forceinline__ float gemm_gelu_grad(float x) {
-    const float k = 0.7978845608028654f;   // sqrt(2/pi)
-    const float x2 = x * x;
-    const float u = k * (x + 0.044715f * x2 * x);
-    const float du = k * (1.0f + 3.0f * 0.044715f * x2);
-    const float e = expf(-2.0f * fmaxf(fminf(u, 40.0f), -40.0f));
-    const float s = 1.0f / (1.0f + e);
-    const float g = s * (1.0f + 2.0f * x * du * e * s);
-    return u > 40.0f ? 1.0f : (u < -40.0f ? 0.0f : g);
-}
-
-// The epilogue of one value: pre = alpha*acc + bias, then the epilogue. `in` is the aux value
-// the epilogue reads (residual input, or the saved pre-activation of DGELU). Returns the value
-// for C; for GELU, *pre_out gets the pre-activation.
-template <int EPI, bool HAS_BIAS>
-__device__ __forceinline__ float gemm_epi_value(float acc, float alpha, float b, float in,
-                                                float* pre_out) {
-    float v = alpha * acc;
-    if constexpr (HAS_BIAS) v += b;
-    if constexpr (EPI == GEMM_EPI_GELU) {
-        *pre_out = v;
-        return gemm_gelu(v);
-    } else if constexpr (EPI == GEMM_EPI_RESID) {
-        return in + v;
-    } else if constexpr (EPI == GEMM_EPI_DGELU) {
-        return v * gemm_gelu_grad(in);
-    } else {
-        return v;
-    }
-}
-
-// Four consecutive values v[0..3] stored at C[off .. off+3] (columns c..c+3) with the epilogue
-// applied, as 16-byte accesses: the caller has checked the range and the 16-byte alignment.
-template <int EPI, bool HAS_BIAS>
-__device__ __forceinline__ void gemm_store4_vec(float* C, float* aux, const float* bias, long long off,
-                                                int c, float alpha, const float (&v)[4]) {
-    float4 b4 = make_float4(0.f, 0.f, 0.f, 0.f);
-    if constexpr (HAS_BIAS) b4 = *reinterpret_cast<const float4*>(bias + c);
-    float4 res = make_float4(0.f, 0.f, 0.f, 0.f);
-    if constexpr (GEMM_EPI_READS_AUX(EPI)) res = *reinterpret_cast<const float4*>(aux + off);
-    float4 pre, out;
-    out.x = gemm_epi_value<EPI, HAS_BIAS>(v[0], alpha, b4.x, res.x, &pre.x);
-    out.y = gemm_epi_value<EPI, HAS_BIAS>(v[1], alpha, b4.y, res.y, &pre.y);
-    out.z = gemm_epi_value<EPI, HAS_BIAS>(v[2], alpha, b4.z, res.z, &pre.z);
-    out.w = gemm_epi_value<EPI, HAS_BIAS>(v[3], alpha, b4.w, res.w, &pre.w);
-    if constexpr (EPI == GEMM_EPI_GELU) *reinterpret_cast<float4*>(aux + off) = pre;
-    *reinterpret_cast<float4*>(C + off) = out;
-}
-
-// Whether the epilogue may use 16-byte accesses: C rows (and aux, bias) 16-byte aligned.
-template <int EPI, bool HAS_BIAS>
-__device__ __forceinline__ bool gemm_epi_vec_ok(const float* C, const float* aux, const float* bias, int ldc,
-                                                long long sC) {
-    bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & 15) == 0);
-    if constexpr (HAS_BIAS) vec = vec && ((reinterpret_cast<unsigned long long>(bias) & 15) == 0);
-    if constexpr (GEMM_EPI_USES_AUX(EPI)) vec = vec && ((reinterpret_cast<unsigned long long>(aux) & 15) == 0);
-    return vec;
-}
-
-// Store four consecutive values v[0..3] of row r at columns c..c+3 with the epilogue applied.
-// C, aux rows have stride ldc. vec: 16-byte accesses allowed (alignment checked by the caller).
-template <int EPI, bool HAS_BIAS>
-__device__ __forceinline__ void gemm_store4(float* C, float* aux, const float* bias, int r, int c,
-                                            int M, int N, int ldc, float alpha, bool vec,
-                                            const float (&v)[4]) {
-    if (r >= M) return;
-    long long off = (long long)r * ldc + c;
-    if (vec && c + 3 < N) {
-        gemm_store4_vec<EPI, HAS_BIAS>(C, aux, bias, off, c, alpha, v);
-    } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            if (c + e < N) {
-                float b = 0.f, res = 0.f, pre;
-                if constexpr (HAS_BIAS) b = bias[c + e];
-                if constexpr (GEMM_EPI_READS_AUX(EPI)) res = aux[off + e];
-                float o = gemm_epi_value<EPI, HAS_BIAS>(v[e], alpha, b, res, &pre);
-                if constexpr (EPI == GEMM_EPI_GELU) aux[off + e] = pre;
-                C[off + e] = o;
-            }
-        }
-    }
-}
+#include "gemm_epilogue.cuh"
 
 // Load the 4 consecutive elements p[0], p[s], p[2s], p[3s] ... here always unit stride: p[0..3],
 // element e valid when e < n_valid (n_valid <= 0: all zero). VEC: one 16-byte load when all 4 valid.
@@ -154,23 +45,6 @@ __device__ __forceinline__ float4 gemm_ld4(const float* __restrict__ p, bool row
     }
     return v;
 }
-
-// The block's place in the grid, shared by the GEMM kernels: batching and split-K share
-// gridDim.z (z = batch * splits + split); the block computes the tile at (m0, n0) over k in
-// [kb0, kb0 + klen).
-template <int BM, int BN>
-struct GemmBlock {
-    int split, batch, m0, n0, kb0, klen;
-    __device__ __forceinline__ GemmBlock(int K, int splits, int k_chunk) {
-        const int z = blockIdx.z;
-        split = z % splits;
-        batch = z / splits;
-        m0 = blockIdx.y * BM;
-        n0 = blockIdx.x * BN;
-        kb0 = split * k_chunk;
-        klen = min(K, kb0 + k_chunk) - kb0;
-    }
-};
 
 // Resident blocks per SM asked of the register allocator: 128x128 -> 2 (<= 128 registers);
 // the smaller tiles stage two float4 per operand and get up to 168 registers (3 and 6 blocks).

@@ -1,6 +1,7 @@
 // TF32 tensor-core GEMM: C = alpha * op(A) op(B) (+ bias) (+ epilogue), row-major, fp32 in and out.
-// Same arguments, transpose cases, epilogues, batching and split-K as gemm_simt (gemm_simt.cu is
-// included for the epilogue helpers and the split-K reduction).
+// Same arguments, transpose cases, epilogues, batching and split-K as gemm_simt (the epilogue
+// helpers come from gemm_epilogue.cuh; split-K partials are reduced by gemm_simt.cu's
+// gemm_splitk_reduce).
 //
 // Instruction: mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, operands rounded with
 // cvt.rna.tf32.f32. Fragment ownership (lane = 4 g + t; PTX ISA, checked by mma_probe):
@@ -33,12 +34,12 @@
 // (cp.async src-size) what lies outside. After the barrier a warp issues the shared loads of its
 // first fragments, then the copies of the tile STAGES-1 ahead, then the mma.sync of the tile.
 // Epilogue: blocks entirely inside C with 16-byte aligned rows store with no guard.
-// Epilogue codes as in gemm_simt.cu (0 none, 1 bias, 2 GELU, 3 residual, 4 GELU backward).
-#include "gemm_simt.cu"
+// Epilogue codes as in gemm_epilogue.cuh (0 none, 1 bias, 2 GELU, 3 residual, 4 GELU backward).
+#include "gemm_epilogue.cuh"
 
 #define GEMM_TF32_BK 32
 
-// Must match gptcuda/cuda_ops/gemm.py (TF32 layouts are mirrored in tools/smem_banks.py).
+// Must match gptcuda/cuda_ops/gemm/families.py (TF32 layouts are mirrored in tools/smem_banks.py).
 __device__ __forceinline__ int tf32_off_kmajor(int r, int k) {
     return r * 32 + ((((k >> 2) ^ (((r >> 2) & 1) << 2))) << 2) + (k & 3);
 }

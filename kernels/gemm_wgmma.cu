@@ -2,8 +2,8 @@
 // A [batch, M, K] and B [batch, N, K] are both K-major (row-major with k contiguous): wgmma reads
 // 32-bit operands from shared memory only in that orientation, so this kernel serves the
 // x @ W^T products (trans_a = false, trans_b = true); the other cases stay on gemm_tf32.cu.
-// Arguments, epilogues, batching and split-K are those of gemm_tf32 / gemm_simt (gemm_simt.cu is
-// included for the epilogue helpers), so the launcher treats it as one more tile family.
+// Arguments, epilogues, batching and split-K are those of gemm_tf32 / gemm_simt (the epilogue
+// helpers come from gemm_epilogue.cuh), so the launcher treats it as one more tile family.
 //
 // Block: BM / 64 warpgroups of 128 threads; warpgroup w computes rows 64 w .. 64 w + 63 of the
 // BM x BN tile with wgmma.mma_async m64nBNk8 (one instruction per 8-wide k step, BN / 2 fp32
@@ -26,7 +26,7 @@
 // newest group) with tile kt + STAGES - 2; issue the 4 wgmma of tile kt; commit; wait for the
 // group of tile kt - 1. Epilogue: a lane-pair shuffle turns the accumulator pairs into 4
 // consecutive columns per thread, stored with the shared epilogue helpers.
-#include "gemm_simt.cu"
+#include "gemm_epilogue.cuh"
 
 #define GEMM_WG_BK 32
 
@@ -96,7 +96,7 @@ WG_MMA_TF32(256, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2 ", " WG_REGS_3, 128, 12
 #undef WG_REGS_2
 #undef WG_REGS_3
 
-// The number of 32-wide k tiles of the block's k range (GemmBlock, gemm_simt.cu).
+// The number of 32-wide k tiles of the block's k range (GemmBlock, gemm_epilogue.cuh).
 __device__ __forceinline__ int wg_k_tiles(int klen) { return klen > 0 ? (klen + GEMM_WG_BK - 1) / GEMM_WG_BK : 0; }
 
 // Epilogue of both kernels: the warpgroup's accumulators (layout of wg_mma_tf32) through the shared

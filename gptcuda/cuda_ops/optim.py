@@ -4,6 +4,8 @@
     step_advance(rt)                                                      state.step += 1
     eval_advance(rt)                                                      state.eval_draws += 1
     grad_norm(rt, grads[P])                       state.grad_norm = ||grads||_2 (deterministic)
+        = grad_norm_partial (NORM_BLOCKS-bounded partials) then grad_norm_final (gptcuda/dist
+        all-reduces the partials of ZeRO-1 shards in between)
     adamw(rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip)
         one launch over the flat buffers [P]; clip scale min(1, clip / (state.grad_norm + 1e-6))
         when grad_clip > 0; decoupled decay on elements < n_decay; bias correction t = step + 1.
@@ -70,7 +72,21 @@ def eval_advance(rt):
 
 
 def grad_norm(rt, grads):
-    st = _state(rt, "grad_norm")
+    _state(rt, "grad_norm")
+    part, G = grad_norm_partial(rt, grads)
+    grad_norm_final(rt, part, G)
+
+
+def norm_blocks(n: int, vec: int = 4) -> int:
+    """Blocks of the norm's first pass over n elements read vec at a time (at most NORM_BLOCKS)."""
+    return max(1, min(NORM_BLOCKS, _cdiv(max(n // vec, 1), NORM_THREADS)))
+
+
+def grad_norm_partial(rt, grads, blocks: int | None = None):
+    """The norm's first pass: per-block double partial sums of grads^2 into the workspace; `blocks`
+    (default `norm_blocks` of grads) fixes their number, e.g. the same on every rank of a
+    data-parallel run that all-reduces the partials before `grad_norm_final`. Returns (the
+    workspace view, blocks)."""
     n = grads.numel
     if n >= 2 ** 31:
         raise ValueError(f"grad_norm: {n} elements exceed int32")
@@ -78,10 +94,17 @@ def grad_norm(rt, grads):
     if part.numel < 2 * NORM_BLOCKS or part.ptr % 8:
         raise ValueError(f"workspace {WORKSPACE} {part.shape} must hold {NORM_BLOCKS} doubles (8-byte aligned)")
     vec = 4 if _aligned(grads) else 1
-    G = max(1, min(NORM_BLOCKS, _cdiv(max(n // vec, 1), NORM_THREADS)))
+    G = norm_blocks(n, vec) if blocks is None else int(blocks)
     rt.launch(rt.function(FILE, f"grad_norm_partial<{vec}>"), (G,), (NORM_THREADS,),
               [part, grads, i32(n)], label="grad_norm_partial")
-    rt.launch(rt.function(FILE, "grad_norm_final"), (1,), (256,), [st, part, i32(G)], label="grad_norm_final")
+    return part, G
+
+
+def grad_norm_final(rt, part, blocks: int):
+    """The norm's second pass: state.grad_norm = sqrt of the sum of the first `blocks` partials of
+    `part`, in a fixed order."""
+    rt.launch(rt.function(FILE, "grad_norm_final"), (1,), (256,), [_state(rt, "grad_norm"), part, i32(blocks)],
+              label="grad_norm_final")
 
 
 def adamw(rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
