@@ -3,12 +3,14 @@
 #   bash bench/device_check.sh [tests] [gradcheck] [tune] [bench] [attention] [long] [torch] [gemm]
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
+#                              [interop] [finetune] [generate]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S (for seeds: bench/seeds.py),
 # TRAIN_CONFIG (for train_config), DIST_WORLDS ("1,2"), DIST_ZERO ("0 1"), TORCH_WHICH ("steps compile"), TUNE_PRECISIONS ("tf32 fp32"),
 # GPT2_BATCHES ("8 16": bench/step.py of configs/gpt2_124m.yaml and the PyTorch / llm.c anchors at these
-# micro-batches), ACCUM_STEPS (50: gpt2_accum's steps of 524288 tokens). llm.c (karpathy/llm.c f1e2ace:
+# micro-batches), ACCUM_STEPS (50: gpt2_accum's steps of 524288 tokens), GEN_BATCHES ("1,16,64,256"),
+# GEN_TORCH_MODES ("eager,compile"), GEN_ARGS (more bench/generate.py options). llm.c (karpathy/llm.c f1e2ace:
 # Makefile, train_gpt2.cu, llmc/) is read from .devcarry/llmc.
 # A STEP_CASES entry may carry overrides: fp32:fused:fp32_gemm=ffma,batch_size=32.
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
@@ -176,6 +178,37 @@ if has gpt2_accum; then
   python3 bench/resume_check.py configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --max_iters=${ACCUM_STEPS:-50} \
     --lr_decay_iters=${ACCUM_STEPS:-50} --warmup_iters=5 --eval_interval=1000 --eval_iters=4 --out /tmp/resume_check 2>&1 \
     | tee "$OUT/gpt2_accum.log" | grep -vE "^ *[a-z_0-9]+: " | tail -30
+fi
+# llm.c's FP32 build (cuBLAS, TF32 off with -f 0) reads our --to llmc export: interop_check (c) compares its
+# first val loss with ours; (a) and (b) are the Hugging Face logits gates
+if has interop; then
+  log "interop: HF import / export logits, llm.c -e on our export"
+  if [ ! -x /tmp/llmc_fp32/train_gpt2cu ]; then
+    rm -rf /tmp/llmc_fp32 && cp -r .devcarry/llmc /tmp/llmc_fp32
+    sed -i 's/cudaCheck_(cudaMemAdvise(\*out, bytes, cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId), file, line);/{ cudaMemLocation loc_{}; loc_.type = cudaMemLocationTypeHost; loc_.id = 0; cudaCheck_(cudaMemAdvise(*out, bytes, cudaMemAdviseSetPreferredLocation, loc_), file, line); }/' /tmp/llmc_fp32/llmc/cuda_utils.cuh
+    (cd /tmp/llmc_fp32 && make train_gpt2cu PRECISION=FP32 USE_CUDNN=0 NO_MULTI_GPU=1 NO_USE_MPI=1 \
+      GPU_COMPUTE_CAPABILITY=90 > build.log 2>&1) || tail -5 /tmp/llmc_fp32/build.log
+  fi
+  [ -f $GPT2_DATA/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 --out $GPT2_DATA > /dev/null 2>&1
+  python3 bench/interop_check.py --data $GPT2_DATA --llmc_bin /tmp/llmc_fp32/train_gpt2cu --out /tmp/interop 2>&1 \
+    | tee "$OUT/interop.log" | grep -vE "^ *[a-z_0-9]+: " | tail -40
+  cp /tmp/interop/run/metrics.jsonl "$OUT/interop_run_metrics.jsonl" 2>/dev/null
+fi
+# fine-tuning from imported weights: a random GPT2LMHeadModel-shaped export of a run trained here, then train.py
+# --init_from it on the GPT-2 shards (loss falls), then sample.py --init_from the Hugging Face directory
+if has finetune; then
+  log "fine-tune: train.py --init_from=hf:DIR, then sample.py --init_from"
+  python3 export.py /tmp/interop/run --to hf /tmp/ft_hf --overwrite 2>&1 | tail -1
+  python3 train.py configs/shakespeare_gpt2.yaml --init_from=hf:/tmp/ft_hf --block_size=64 --attention=unfused --data=$GPT2_DATA --val_data= \
+    --max_iters=60 --eval_interval=30 --eval_iters=10 --warmup_iters=5 --lr_decay_iters=60 --learning_rate=1e-3 \
+    --out_dir=/tmp/ft_run --overwrite --no-bar 2>&1 | tee "$OUT/finetune.log" | grep -E "^step [0-9]+:|init_from|initialised|best val|error" | tee -a "$OUT/summary.txt"
+  python3 sample.py --out_dir /tmp/ft_run --max_new_tokens 60 --seed 1 --num_samples 2 --top_p 0.9 2>&1 | tail -8 | tee -a "$OUT/summary.txt"
+  python3 sample.py --init_from hf:/tmp/ft_hf --prompt "ROMEO:" --max_new_tokens 40 --temp 0 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+fi
+if has generate; then
+  log "generation beside HF transformers: batches ${GEN_BATCHES:-1,16,64,256}, torch modes ${GEN_TORCH_MODES:-eager,static,compile}"
+  python3 bench/generate.py --batches ${GEN_BATCHES:-1,16,64,256} --torch_modes ${GEN_TORCH_MODES:-eager,static,compile} \
+    ${GEN_ARGS:-} --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" | tail -16 | tee -a "$OUT/summary.txt"
 fi
 if has seeds; then          # best val over seeds, e.g. SEEDS_GROUPS="tf32=configs/ctx256_tf32.yaml:1-8"
   log "best val over seeds: ${SEEDS_GROUPS}"

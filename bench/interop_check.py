@@ -169,7 +169,7 @@ def part_b(run, out):
             failures.append("tokenizer ids")
 
 
-def part_c(run, out, data, B, M):
+def part_c(run, out, data, B, M, llmc_bin=None):
     print(f"(c) gptcuda -> llm.c: export.py {run} --to llmc")
     dest = os.path.abspath(os.path.join(out, "run.bin"))
     if not export(run, "llmc", dest):
@@ -181,28 +181,48 @@ def part_c(run, out, data, B, M):
     if not os.path.exists(val):
         print(f"  no {val}: make llm.c shards first with\n    python prepare.py data/tinyshakespeare/input.txt "
               f"--tokenizer gpt2 --out {data}")
-    else:
-        from gptcuda.shards import open_shard
-        toks = np.asarray(open_shard(val), np.int64)
-        M = min(M, (len(toks) - 1) // (B * T))
-        cfg = dataclasses.replace(r.cfg, backend="cuda", dropout=0.0, batch_size=B, precision="fp32")
-        dummy = np.zeros(T + 1, np.int32)
-        eng = Engine(cfg, dummy, dummy, r.vocab_size, programs=("forward",), n_vocab=r.n_vocab)
-        eng.set_params(r.named)
-        losses = []
-        for i in range(M):                     # llm.c's val loader: consecutive B*T windows from token 0
-            w = toks[i * B * T: i * B * T + B * T + 1]
-            eng.set_batch(w[:-1].reshape(B, T), w[1:].reshape(B, T))
-            eng.run("forward")
-            losses.append(eng.state()["loss"])
-        print(f"  ours: val loss over llm.c's first {M} val batches of {B} x {T} = {np.mean(losses):.6f}")
-    print("  llm.c (github.com/karpathy/llm.c; fp32 build, no cuDNN, TF32 off, learning rate 0) must print the same"
-          " `val loss` at step 0:")
-    print("    make train_gpt2cu PRECISION=FP32 USE_CUDNN=0")
-    print(f"    ./train_gpt2cu -e {dest} -i {os.path.abspath(train)} -j {os.path.abspath(val)} "
-          f"-b {B} -t {T} -x 1 -v 1 -m {M} -s 0 -l 0.0 -f 0 -ge 0 -r 0")
-    print("  (or the CPU build: make train_gpt2 && ./train_gpt2 reads the same fp32 file; its -e-less main loads "
-          "gpt2_124M.bin, so copy the file there)")
+        failures.append("llm.c shards missing")
+        return
+    from gptcuda.shards import open_shard
+    toks = np.asarray(open_shard(val), np.int64)
+    M = min(M, (len(toks) - 1) // (B * T))
+    cfg = dataclasses.replace(r.cfg, backend="cuda", dropout=0.0, batch_size=B, precision="fp32")
+    dummy = np.zeros(T + 1, np.int32)
+    eng = Engine(cfg, dummy, dummy, r.vocab_size, programs=("forward",), n_vocab=r.n_vocab)
+    eng.set_params(r.named)
+    losses = []
+    for i in range(M):                     # llm.c's val loader: consecutive B*T windows from token 0
+        w = toks[i * B * T: i * B * T + B * T + 1]
+        eng.set_batch(w[:-1].reshape(B, T), w[1:].reshape(B, T))
+        eng.run("forward")
+        losses.append(eng.state()["loss"])
+    ours = float(np.mean(losses))
+    print(f"  ours: val loss over llm.c's first {M} val batches of {B} x {T} = {ours:.6f}")
+    cmd = [os.path.abspath(llmc_bin) if llmc_bin else "./train_gpt2cu", "-e", dest, "-i", os.path.abspath(train),
+           "-j", os.path.abspath(val), "-b", str(B), "-t", str(T), "-x", "1", "-v", "1", "-m", str(M), "-s", "0",
+           "-l", "0.0", "-f", "0", "-ge", "0", "-r", "0"]
+    if not llmc_bin:
+        print("  llm.c (github.com/karpathy/llm.c; fp32 build, no cuDNN, TF32 off, learning rate 0) must print the "
+              "same `val loss` at step 0:")
+        print("    make train_gpt2cu PRECISION=FP32 USE_CUDNN=0")
+        print("    " + " ".join(cmd))
+        return
+    print("  " + " ".join(cmd))
+    p = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(llmc_bin)), capture_output=True, text=True,
+                       timeout=300)
+    vals = [float(ln.split()[-1]) for ln in p.stdout.splitlines() if ln.startswith("val loss")]
+    for ln in p.stdout.splitlines():
+        if ln.startswith(("precision", "val loss", "num_parameters", "max_seq_len", "padded_vocab_size")):
+            print("  llm.c: " + ln)
+    if p.returncode != 0 or not vals:
+        print(f"  llm.c exited {p.returncode} without a val loss: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+        failures.append("llm.c val loss")
+        return
+    d = abs(vals[0] - ours)
+    ok = d <= 1e-3
+    print(f"  llm.c's first val loss {vals[0]:.6f}, ours {ours:.6f}: |d| = {d:.2e} (<= 1e-3)  {'PASS' if ok else 'FAIL'}")
+    if not ok:
+        failures.append("llm.c val loss")
 
 
 def main(argv=None):
@@ -214,6 +234,7 @@ def main(argv=None):
     ap.add_argument("--skip_a", action="store_true")
     ap.add_argument("--llmc_batch", type=int, default=4)
     ap.add_argument("--llmc_batches", type=int, default=20)
+    ap.add_argument("--llmc_bin", help="llm.c's train_gpt2cu (FP32 build): run it on the export and compare")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
@@ -221,7 +242,7 @@ def main(argv=None):
         part_a(a.out)
     run = a.run or train_tiny(a.out)
     part_b(run, a.out)
-    part_c(run, a.out, a.data, a.llmc_batch, a.llmc_batches)
+    part_c(run, a.out, a.data, a.llmc_batch, a.llmc_batches, a.llmc_bin)
     print("ALL PASS" if not failures else f"FAILED: {failures}")
     return 1 if failures else 0
 

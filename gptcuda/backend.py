@@ -10,44 +10,9 @@ Tensors are the backend's views: numpy float64 arrays for `reference`, `DeviceVi
 `cuda`. Model code only reads `.shape`. A view's leading dimensions flatten into rows
 where an op says [N, C] (N = B*T).
 
-Ops (shapes; "+=" means the op accumulates into its destination, "=" that it overwrites):
-
-  zero(view)                                 view = 0
-  lr_schedule(state)                         state.lr = schedule(state.step)
-  step_advance(state)                        state.step += 1
-  eval_advance(state)                        state.eval_draws += 1
-  encoder_fwd(out[B,T,C], idx[B,T], wte[V,C], wpe[Tmax,C])     out = wte[idx] + wpe[t]
-  encoder_bwd(dwte[V,C], dwpe[Tmax,C], dout[B,T,C], idx[B,T])  dwte += ; dwpe = (rows >= T zeroed)
-  dropout_fwd(out, x, p, site)               out = x * keep / (1-p)  (out may be x)
-  dropout_bwd(dx, dout, p, site)             dx = dout * keep / (1-p) (dx may be dout)
-  residual_dropout(out, resid, x, p, site)   out = resid + dropout(x)  (element index = row-major index of x)
-  layernorm_fwd(out[N,C], mean[N], rstd[N], x[N,C], w[C], b[C]|None)
-  layernorm_bwd(dx[N,C], dw[C], db[C]|None, dout[N,C], x, mean, rstd, w)   dx += ; dw = ; db =
-  matmul(out[M,N], a, b, trans_a, trans_b, bias=None, epilogue="none"|"gelu"|"residual"|"dgelu", aux=None)
-      a is [M,K] (stored [K,M] when trans_a), b is [K,N] (stored [N,K] when trans_b), row-major;
-      out = op(a) @ op(b) + bias; "gelu": aux = that pre-activation, out = gelu_tanh(aux);
-      "residual": out = aux + op(a) @ op(b) + bias (aux may be out);
-      "dgelu": out = (op(a) @ op(b)) * gelu_tanh'(aux) (no bias; the GELU backward folded in).
-  bias_grad(db[N], dout[M,N])                db = dout.sum(0)   (deterministic)
-  gelu_fwd(out, x)                           out = gelu_tanh(x)
-  attention_fwd(y[B,T,C], qkv[B,T,3C], saved, n_head, p, site)
-  attention_bwd(dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site)     dqkv =
-      `saved` is the dict of views `memory.attention_saved(cfg)` plans for the layer
-  crossentropy(losses[N], dlogits[N,V], logits[N,V], targets[N], grad_scale, n_vocab=None)
-      losses = -log softmax(logits[:, :n_vocab])[target]; dlogits = (softmax - onehot) * grad_scale,
-      0 in the padded columns n_vocab.. (dlogits may be logits; with grad_scale 0 no gradient is written)
-  accumulate(dst, src, first)                dst = src (first) or dst += src (gradient accumulation)
-  loss_reduce(state, losses[N], history)      state.loss = mean(losses); history[state.step] = it
-  grad_norm(state, grads)                    state.grad_norm = ||grads||_2 (deterministic)
-  adamw(params, grads, m, v, state, n_decay, beta1, beta2, eps, weight_decay, grad_clip)
-      one pass over the flat buffer: g *= min(1, clip / (norm + 1e-6)) when clip > 0;
-      decoupled decay lr*wd*p on the first n_decay elements only; bias correction with t = step+1.
-
-Generation with a KV cache (S sequences, one position per step, pos a device int):
-  decode_embed(out[S,C], tok[S], wte, wpe, pos)      out = wte[tok] + wpe[pos]
-  decode_attention(y[S,C], qkv[S,3C], kcache, vcache, n_head, pos)
-      k, v of qkv appended to kcache/vcache [S,H,Tmax,hs] at pos; y = causal attention of q over 0..pos
-  pos_advance(pos)                                   pos += 1
+The ops, with their shapes and meaning, are the methods of `Ops` below (a Protocol: both backends
+implement every one with the same parameters; tests/test_ops_protocol.py checks it). "+=" means an op
+accumulates into its destination, "=" that it overwrites.
 
 Batches are not an op: `batch_feeder(x, y, rows, T)` returns an object whose `put(rows, fill)` has
 fill(x_host, y_host) write [rows, T] ids and queues them into x / y ahead of the next run
@@ -57,6 +22,9 @@ Each backend also provides: `allocate(plan, table)` -> Buffers, `allocate_arena(
 `upload`/`download`, `read_state`/`write_state`, `begin()`/`end()` -> Program, `run(program)`,
 `capture(program)`, `synchronize()`, and the plan's inputs `attention_saved(cfg)`, `workspaces(cfg)`.
 """
+from __future__ import annotations
+
+from typing import Protocol
 
 ATTENTION_KINDS = ("unfused", "fused")
 EPILOGUES = ("none", "gelu", "residual", "dgelu")
@@ -89,3 +57,103 @@ class Buffers:
         self.params, self.grads = params, grads
         self.flat_params, self.flat_grads, self.flat_m, self.flat_v = flat_params, flat_grads, flat_m, flat_v
         self.acts = acts
+
+
+class Ops(Protocol):
+    """The ops of a backend. Views: numpy float64 arrays (reference) or DeviceViews (cuda); the
+    step state (StepState) is the backend's own. Shapes as [rows, columns]; [N, C] takes any
+    leading dimensions as rows."""
+
+    # ---- the step state -------------------------------------------------------------------------
+    def zero(self, view) -> None:
+        """view = 0"""
+
+    def lr_schedule(self, learning_rate: float, min_lr: float, warmup_iters: int, lr_decay_iters: int) -> None:
+        """state.lr = the warmup-then-cosine schedule at state.step"""
+
+    def step_advance(self) -> None:
+        """state.step += 1"""
+
+    def eval_advance(self) -> None:
+        """state.eval_draws += 1"""
+
+    # ---- the model ------------------------------------------------------------------------------
+    def encoder_fwd(self, out, idx, wte, wpe) -> None:
+        """out[B,T,C] = wte[idx[B,T]] + wpe[t]"""
+
+    def encoder_bwd(self, dwte, dwpe, dout, idx) -> None:
+        """dwte[V,C] += the rows of dout[B,T,C] gathered by idx; dwpe[Tmax,C] = sum over B (rows >= T zeroed)"""
+
+    def dropout_fwd(self, out, x, p: float, site: int) -> None:
+        """out = x * keep / (1 - p) (out may be x; with p = 0 it must be)"""
+
+    def dropout_bwd(self, dx, dout, p: float, site: int) -> None:
+        """dx = dout * keep / (1 - p) (dx may be dout; with p = 0 it must be)"""
+
+    def residual_dropout(self, out, resid, x, p: float, site: int) -> None:
+        """out = resid + dropout(x) (the mask's element index: the row-major index of x)"""
+
+    def layernorm_fwd(self, out, mean, rstd, x, w, b) -> None:
+        """out[N,C] = (x - mean) * rstd * w + b (b may be None); mean[N], rstd[N] saved"""
+
+    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w) -> None:
+        """dx[N,C] += ; dw[C] = ; db[C] = (db may be None)"""
+
+    def matmul(self, out, a, b, trans_a: bool = False, trans_b: bool = False, bias=None,
+               epilogue: str = "none", aux=None) -> None:
+        """out[M,N] = op(a) @ op(b) + bias; a is [M,K] (stored [K,M] when trans_a), b is [K,N] (stored
+        [N,K] when trans_b). "gelu": aux = that pre-activation, out = gelu_tanh(aux); "residual":
+        out = aux + op(a) @ op(b) + bias (aux may be out); "dgelu": out = (op(a) @ op(b)) *
+        gelu_tanh'(aux) (no bias; the GELU backward folded in)."""
+
+    def bias_grad(self, db, dout) -> None:
+        """db[N] = dout[M,N].sum(0), deterministic"""
+
+    def gelu_fwd(self, out, x) -> None:
+        """out = gelu_tanh(x)"""
+
+    def attention_fwd(self, y, qkv, saved, n_head: int, p: float, site: int) -> None:
+        """y[B,T,C] = causal softmax attention of qkv[B,T,3C]; `saved` is the dict of views
+        memory.attention_saved(cfg) plans for the layer (probabilities or log-sum-exp)"""
+
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head: int, p: float, site: int) -> None:
+        """dqkv[B,T,3C] ="""
+
+    def crossentropy(self, losses, dlogits, logits, targets, grad_scale: float, n_vocab: int | None = None) -> None:
+        """losses[N] = -log softmax(logits[:, :n_vocab])[target]; dlogits[N,V] = (softmax - onehot) *
+        grad_scale, 0 in the padded columns n_vocab.. (dlogits may be logits; grad_scale 0: no gradient)"""
+
+    def accumulate(self, dst, src, first: bool) -> None:
+        """dst = src (first) or dst += src (gradient accumulation)"""
+
+    def loss_reduce(self, losses, history) -> None:
+        """state.loss = mean(losses[N]); history[state.step] = it (history may be None)"""
+
+    def grad_norm(self, grads) -> None:
+        """state.grad_norm = ||grads||_2, deterministic"""
+
+    def adamw(self, params, grads, m, v, n_decay: int, beta1: float, beta2: float, eps: float,
+              weight_decay: float, grad_clip: float) -> None:
+        """One pass over the flat buffers: g *= min(1, clip / (norm + 1e-6)) when clip > 0; decoupled
+        decay lr*wd*p on the first n_decay elements only; bias correction with t = step + 1."""
+
+    # ---- generation (S sequences, one position a step; `g` the views of memory.plan_decode) ------
+    def decode_embed(self, out, ctx, wte, wpe, pos) -> None:
+        """out[S,C] = wte[ctx[:, pos]] + wpe[pos] (ctx [S,T+1] the windows, pos [1] a device int)"""
+
+    def decode_attention(self, y, qkv, kcache, vcache, n_head: int, pos, part=None) -> None:
+        """k, v of qkv[S,3C] appended to kcache/vcache [S,H,Tmax,hs] at pos; y[S,C] = causal attention
+        of q over keys 0..pos (part: scratch of a backend that splits the keys into chunks)"""
+
+    def decode_linear(self, out, a, w, bias=None, epilogue: str = "none", aux=None) -> None:
+        """matmul(out[S,N], a[S,K], w[N,K], trans_b=True, ...) for the few rows of a decode step
+        (epilogue none, gelu or residual)"""
+
+    def decode_sample(self, g, logits, pos, n_vocab: int) -> None:
+        """Each sequence past its prompt draws its next token from logits[S, :n_vocab] (greedy,
+        temperature, top-k, top-p: reference/ops.py draw_token) into ctx and out, and is done at
+        max_new tokens or the stop sequence; at the end of the window the last T/2 tokens move to
+        its start."""
+
+    def decode_advance(self, pos, T: int) -> None:
+        """pos = (pos + 1) % T"""

@@ -88,6 +88,7 @@ class Config:
     val_data: str = ""  # the validation shards (a file or glob); "": from data (see gptcuda/dataset.py)
     tokenizer: str = "char"  # char | gpt2 | bpe:N (for a text file; token shards carry their own)
     out_dir: str = "out/shakespeare_char"
+    init_from: str = ""  # start from these weights: hf:DIR, llmc:FILE or a run directory (fresh optimizer)
     checkpoint: bool = True  # save checkpoints to out_dir
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,33 +1,27 @@
-"""The `cuda` backend: the op interface of backend.py, recorded as kernel launches.
+"""The `cuda` backend: the op interface of backend.py (`Ops`), recorded as kernel launches.
 
 Each op forwards to its family's launcher in gptcuda/cuda_ops/ (the kernels live in
-kernels/<family>.cu). Launches are packed once into the open program; `prepare` then
-compiles nothing more (every variant was built while recording) and captures the step as
-a CUDA graph.
+kernels/<family>.cu). Launches are packed once into the open program; nothing is compiled
+when a recorded program runs (every variant was built while recording), and a program can be
+captured as a CUDA graph.
 """
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 
+from . import state
 from .backend import Buffers, Program
+from .cuda_ops import attention, decode, elementwise, encoder, gemm, layernorm, loss, optim
 from .runtime import DeviceView, Runtime
 
-FAMILIES = ("encoder", "layernorm", "elementwise", "loss", "optim", "gemm", "attention", "decode")
-STATE_FIELDS = {"step": (0, np.int32), "lr": (1, np.float32), "loss": (2, np.float32),
-                "grad_norm": (3, np.float32), "eval_draws": (4, np.int32)}
-
-
-def family(name: str):
-    return importlib.import_module(f"gptcuda.cuda_ops.{name}")
+FAMILIES = (encoder, layernorm, elementwise, loss, optim, gemm, attention, decode)
 
 
 def workspaces(cfg) -> dict:
     """Scratch of every op family for this config, merged (a name planned twice keeps the larger)."""
     out = {}
     for fam in FAMILIES:
-        ws = getattr(family(fam), "workspace", None)
+        ws = getattr(fam, "workspace", None)
         for name, (shape, dtype) in (ws(cfg) if ws else {}).items():
             if name in out and int(np.prod(out[name][0])) >= int(np.prod(shape)):
                 continue
@@ -36,7 +30,7 @@ def workspaces(cfg) -> dict:
 
 
 def attention_saved(cfg) -> dict:
-    return family("attention").saved_shapes(cfg)
+    return attention.saved_shapes(cfg)
 
 
 class CudaBackend:
@@ -45,14 +39,13 @@ class CudaBackend:
     def __init__(self, cfg, rt: Runtime | None = None):
         self.cfg = cfg
         self.rt = rt or Runtime(cfg.device, precision=cfg.precision, seed=cfg.seed)
-        self.f = {fam: family(fam) for fam in FAMILIES}
 
     attention_saved = staticmethod(attention_saved)
     workspaces = staticmethod(workspaces)
 
     def device_workspaces(self, ws: dict) -> dict:
         """The entries of workspaces(cfg) this device reads (gemm.device_workspaces)."""
-        return self.f["gemm"].device_workspaces(ws, self.rt)
+        return gemm.device_workspaces(ws, self.rt)
 
     # ---- memory ---------------------------------------------------------------------
     def free_bytes(self) -> int:
@@ -94,15 +87,10 @@ class CudaBackend:
         return self.rt.download(view)
 
     def read_state(self) -> dict:
-        words = self.rt.download(self.rt.state)
-        return {k: words[i:i + 1].view(t)[0].item() for k, (i, t) in STATE_FIELDS.items()}
+        return state.unpack(self.rt.download(self.rt.state))
 
     def write_state(self, **fields):
-        words = self.rt.download(self.rt.state)
-        for k, v in fields.items():
-            i, t = STATE_FIELDS[k]
-            words[i:i + 1].view(t)[0] = v
-        self.rt.write(self.rt.state, words)
+        self.rt.write(self.rt.state, state.pack_into(self.rt.download(self.rt.state), **fields))
 
     # ---- programs -------------------------------------------------------------------
     def begin(self, name) -> Program:
@@ -120,87 +108,93 @@ class CudaBackend:
     def synchronize(self):
         self.rt.synchronize()
 
-    # ---- ops (semantics in backend.py) ----------------------------------------------
+    # ---- ops (their meaning: backend.Ops) -------------------------------------------
     def zero(self, view):
         self.rt.memset(view, 0, "zero")
 
-    def lr_schedule(self, *a):
-        self.f["optim"].lr_schedule(self.rt, *a)
+    def lr_schedule(self, learning_rate, min_lr, warmup_iters, lr_decay_iters):
+        optim.lr_schedule(self.rt, learning_rate, min_lr, warmup_iters, lr_decay_iters)
 
     def step_advance(self):
-        self.f["optim"].step_advance(self.rt)
+        optim.step_advance(self.rt)
 
     def eval_advance(self):
-        self.f["optim"].eval_advance(self.rt)
+        optim.eval_advance(self.rt)
 
     def batch_feeder(self, x, y, rows: int, block: int) -> "BatchFeeder":
         return BatchFeeder(self.rt, x, y, rows, block)
 
-    def encoder_fwd(self, *a):
-        self.f["encoder"].encoder_fwd(self.rt, *a)
+    def encoder_fwd(self, out, idx, wte, wpe):
+        encoder.encoder_fwd(self.rt, out, idx, wte, wpe)
 
-    def encoder_bwd(self, *a):
-        self.f["encoder"].encoder_bwd(self.rt, *a)
+    def encoder_bwd(self, dwte, dwpe, dout, idx):
+        encoder.encoder_bwd(self.rt, dwte, dwpe, dout, idx)
 
     def dropout_fwd(self, out, x, p, site):
         if p > 0:
-            self.f["elementwise"].dropout_fwd(self.rt, out, x, p, site)
+            elementwise.dropout_fwd(self.rt, out, x, p, site)
         elif out.ptr != x.ptr:
             raise ValueError("dropout_fwd with p=0 must be in place")
 
     def dropout_bwd(self, dx, dout, p, site):
         if p > 0:
-            self.f["elementwise"].dropout_bwd(self.rt, dx, dout, p, site)
+            elementwise.dropout_bwd(self.rt, dx, dout, p, site)
         elif dx.ptr != dout.ptr:
             raise ValueError("dropout_bwd with p=0 must be in place")
 
-    def residual_dropout(self, *a):
-        self.f["elementwise"].residual_dropout(self.rt, *a)
+    def residual_dropout(self, out, resid, x, p, site):
+        elementwise.residual_dropout(self.rt, out, resid, x, p, site)
 
-    def layernorm_fwd(self, *a):
-        self.f["layernorm"].layernorm_fwd(self.rt, *a)
+    def layernorm_fwd(self, out, mean, rstd, x, w, b):
+        layernorm.layernorm_fwd(self.rt, out, mean, rstd, x, w, b)
 
-    def layernorm_bwd(self, *a):
-        self.f["layernorm"].layernorm_bwd(self.rt, *a)
+    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w):
+        layernorm.layernorm_bwd(self.rt, dx, dw, db, dout, x, mean, rstd, w)
 
     def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
-        self.f["gemm"].matmul(self.rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux)
+        gemm.matmul(self.rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux)
 
     def bias_grad(self, db, dout):
-        self.f["elementwise"].bias_grad(self.rt, db, dout)
+        elementwise.bias_grad(self.rt, db, dout)
 
-    def gelu_fwd(self, *a):
-        self.f["elementwise"].gelu_fwd(self.rt, *a)
+    def gelu_fwd(self, out, x):
+        elementwise.gelu_fwd(self.rt, out, x)
 
-    def attention_fwd(self, *a):
-        self.f["attention"].attention_fwd(self.rt, *a)
+    def attention_fwd(self, y, qkv, saved, n_head, p, site):
+        attention.attention_fwd(self.rt, y, qkv, saved, n_head, p, site)
 
-    def attention_bwd(self, *a):
-        self.f["attention"].attention_bwd(self.rt, *a)
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site):
+        attention.attention_bwd(self.rt, dqkv, dy, qkv, y, saved, n_head, p, site)
 
-    def crossentropy(self, *a, n_vocab=None):
-        self.f["loss"].crossentropy(self.rt, *a, n_vocab=n_vocab)
+    def crossentropy(self, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
+        loss.crossentropy(self.rt, losses, dlogits, logits, targets, grad_scale, n_vocab=n_vocab)
 
     def accumulate(self, dst, src, first):
-        self.f["elementwise"].accumulate(self.rt, dst, src, first)
+        elementwise.accumulate(self.rt, dst, src, first)
 
-    def loss_reduce(self, *a):
-        self.f["loss"].loss_reduce(self.rt, *a)
+    def loss_reduce(self, losses, history):
+        loss.loss_reduce(self.rt, losses, history)
 
     def grad_norm(self, grads):
-        self.f["optim"].grad_norm(self.rt, grads)
+        optim.grad_norm(self.rt, grads)
 
-    def adamw(self, *a):
-        self.f["optim"].adamw(self.rt, *a)
+    def adamw(self, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
+        optim.adamw(self.rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip)
 
-    def decode_embed(self, *a):
-        self.f["decode"].decode_embed(self.rt, *a)
+    def decode_embed(self, out, ctx, wte, wpe, pos):
+        decode.decode_embed(self.rt, out, ctx, wte, wpe, pos)
 
-    def decode_attention(self, *a):
-        self.f["decode"].decode_attention(self.rt, *a)
+    def decode_attention(self, y, qkv, kcache, vcache, n_head, pos, part=None):
+        decode.decode_attention(self.rt, y, qkv, kcache, vcache, n_head, pos, part)
 
-    def pos_advance(self, pos):
-        self.f["decode"].pos_advance(self.rt, pos)
+    def decode_linear(self, out, a, w, bias=None, epilogue="none", aux=None):
+        decode.decode_linear(self.rt, out, a, w, bias, epilogue, aux)
+
+    def decode_sample(self, g, logits, pos, n_vocab):
+        decode.decode_sample(self.rt, g, logits, pos, n_vocab)
+
+    def decode_advance(self, pos, T):
+        decode.decode_advance(self.rt, pos, T)
 
 
 class BatchFeeder:

@@ -158,6 +158,11 @@ class Device:
     def dtoh(self, host, src: int):
         call(self.drv.cuMemcpyDtoH, host.ctypes.data, src, host.nbytes)
 
+    def dtoh_async(self, dst_host: int, src: int, nbytes: int, stream):
+        """Enqueue a copy from src to host address dst_host (page-locked: host_alloc) on the stream;
+        the data is there once an event recorded after it has completed."""
+        call(self.drv.cuMemcpyDtoHAsync, dst_host, src, nbytes, stream)
+
     def memset32(self, ptr: int, word: int, count: int, stream=None):
         if stream is None:
             call(self.drv.cuMemsetD32, ptr, word & 0xFFFFFFFF, count)
@@ -201,6 +206,20 @@ class Device:
         A = self.drv.CUfunction_attribute
         call(self.drv.cuFuncSetAttribute, fn,
              A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+
+    def param_sizes(self, fn) -> tuple[int, ...] | None:
+        """The byte size of each of a kernel's parameters (cuFuncGetParamInfo), or None where the
+        driver cannot say (then launches go unchecked)."""
+        get = getattr(self.drv, "cuFuncGetParamInfo", None)
+        if get is None:
+            return None
+        sizes = []
+        while True:
+            out = get(fn, len(sizes))
+            if int(out[0]) != 0:
+                # past the last parameter (INVALID_VALUE); none read at all: the driver cannot say
+                return tuple(sizes) if sizes and out[0] == self.drv.CUresult.CUDA_ERROR_INVALID_VALUE else None
+            sizes.append(int(out[2]))
 
     def function_attrs(self, fn) -> dict:
         A = self.drv.CUfunction_attribute

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import state
 from .params import ParamTable
 
 ARENA_ALIGN = 256
 ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
-STATE_WORDS = 16
 KINDS = ("activation", "backward", "workspace", "data", "state")
 
 
@@ -166,16 +166,24 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
     if A > 1:
         p.add("grad_acc", (table.total,), "f32", "backward",
               "gradient accumulation: the sum of the step's earlier micro-batches")
-    p.add("state", (STATE_WORDS,), "i32", "state", "StepState (kernels/common.cuh)")
+    p.add("state", (state.WORDS,), "i32", "state", "StepState (gptcuda/state.py)")
     p.add("history", (max(history, 1),), "f32", "state", "training loss of every step")
     return p
 
 
-def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int) -> MemoryPlan:
-    """Buffers of generation with a KV cache: S sequences, one position a step, up to block_size."""
+def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int, max_new: int = 1) -> MemoryPlan:
+    """Buffers of generation with a KV cache: S sequences, one position a step, up to block_size,
+    and the device-side state of drawing up to max_new tokens each (kernels/decode.cu)."""
     S, T, C, L, H = n_seq, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head
     p = MemoryPlan(table)
-    p.add("tok", (S,), "i32", "activation", "the current token of each sequence")
+    p.add("ctx", (S, T + 1), "i32", "state", "the tokens of each sequence's cache window")
+    p.add("fill", (S,), "i32", "state", "how many tokens of ctx are known (prompt, then drawn)")
+    p.add("out", (S, max(max_new, 1)), "i32", "state", "the tokens drawn, in order")
+    p.add("n_out", (S,), "i32", "state", "how many tokens were drawn")
+    p.add("done", (S,), "i32", "state", "1 once a sequence drew max_new tokens or the stop sequence")
+    p.add("emit", (2, S), "i32", "state", "this step's draw (-1: none) and done, for the host")
+    p.add("opts", (GEN_OPTS_WORDS,), "i32", "state", "the sampling options (pack_gen_opts)")
+    p.add("stop", (STOP_MAX,), "i32", "state", "the stop sequence")
     p.add("pos", (1,), "i32", "state", "the position being decoded")
     p.add("x", (S, C), "f32", "activation", "residual stream at this position")
     p.add("h", (S, C), "f32", "activation", "a layernorm output")
@@ -183,9 +191,33 @@ def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int) -> MemoryPl
     p.add("h_rstd", (S,), "f32", "activation")
     p.add("qkv", (S, 3 * C), "f32", "activation")
     p.add("y", (S, C), "f32", "activation", "attention output")
+    p.add("attn_part", (S, H, -(-T // DECODE_ATT_CHUNK), C // H + 2), "f32", "activation",
+          "the split attention's partial results, a chunk of keys each")
     p.add("fc_pre", (S, 4 * C), "f32", "activation")
     p.add("fc_act", (S, 4 * C), "f32", "activation")
     p.add("logits", (S, vocab_size), "f32", "activation")
     p.add("kcache", (L, S, H, T, C // H), "f32", "activation", "keys of every layer, head and position")
     p.add("vcache", (L, S, H, T, C // H), "f32", "activation", "values")
     return p
+
+
+DECODE_ATT_CHUNK = 64  # kernels/decode.cu ATT_CHUNK: keys a block of the split decode attention
+
+# kernels/decode.cu GenOpts: the words of the `opts` buffer
+GEN_OPTS_WORDS = 8
+STOP_MAX = 16          # kernels/decode.cu STOP_MAX
+
+
+def pack_gen_opts(seed: int, top_k: int, temp: float, top_p: float, max_new: int, n_stop: int) -> np.ndarray:
+    """GenOpts as int32 words: seed, top_k, 1/temp (0: greedy), top_p, max_new, n_stop, 0, 0."""
+    words = np.zeros(GEN_OPTS_WORDS, np.int32)
+    words[[0, 1, 4, 5]] = [np.uint32(seed).view(np.int32), top_k, max_new, n_stop]
+    words[2:4] = np.array([0.0 if temp == 0 else 1.0 / temp, top_p], np.float32).view(np.int32)
+    return words
+
+
+def unpack_gen_opts(words) -> dict:
+    w = np.asarray(words).astype(np.int64).astype(np.int32)
+    f = w[2:4].view(np.float32)
+    return dict(seed=int(w[0].view(np.uint32)), top_k=int(w[1]), inv_temp=float(f[0]), top_p=float(f[1]),
+                max_new=int(w[4]), n_stop=int(w[5]))

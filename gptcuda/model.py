@@ -203,27 +203,28 @@ class GPT:
         self.ops.loss_reduce(self.a["losses"][0], None)
         self.backward()
 
-    def record_decode_step(self, d):
+    def record_decode_step(self, d, n_vocab: int):
         """One position of every sequence with the KV cache (d: the views of memory.plan_decode):
-        the logits of the token at d["pos"], then pos += 1. Nothing here depends on the position,
-        so the recorded step serves every token."""
+        the logits of the token at ctx[:, pos], the next token drawn where the prompt is read,
+        then pos advances. Nothing here depends on the position, so the recorded step serves
+        every token."""
         o, p, cfg = self.ops, self.p, self.cfg
         x, h = d["x"], d["h"]
-        o.decode_embed(x, d["tok"], p["wte"], p["wpe"], d["pos"])                # [S,C]
+        o.decode_embed(x, d["ctx"], p["wte"], p["wpe"], d["pos"])                # [S,C]
         for l in range(cfg.n_layer):
             n = f"h{l}."
             o.layernorm_fwd(h, d["h_mean"], d["h_rstd"], x, p[n + "ln1.w"], self._pb(n + "ln1.b"))
-            o.matmul(d["qkv"], h, p[n + "attn.w"], False, True, bias=self._pb(n + "attn.b"))
-            o.decode_attention(d["y"], d["qkv"], d["kcache"][l], d["vcache"][l], cfg.n_head, d["pos"])
-            o.matmul(x, d["y"], p[n + "proj.w"], False, True, bias=self._pb(n + "proj.b"), epilogue="residual", aux=x)
+            o.decode_linear(d["qkv"], h, p[n + "attn.w"], self._pb(n + "attn.b"))
+            o.decode_attention(d["y"], d["qkv"], d["kcache"][l], d["vcache"][l], cfg.n_head, d["pos"],
+                               d["attn_part"])
+            o.decode_linear(x, d["y"], p[n + "proj.w"], self._pb(n + "proj.b"), "residual", x)
             o.layernorm_fwd(h, d["h_mean"], d["h_rstd"], x, p[n + "ln2.w"], self._pb(n + "ln2.b"))
-            o.matmul(d["fc_act"], h, p[n + "fc.w"], False, True, bias=self._pb(n + "fc.b"), epilogue="gelu",
-                     aux=d["fc_pre"])
-            o.matmul(x, d["fc_act"], p[n + "fcproj.w"], False, True, bias=self._pb(n + "fcproj.b"),
-                     epilogue="residual", aux=x)
+            o.decode_linear(d["fc_act"], h, p[n + "fc.w"], self._pb(n + "fc.b"), "gelu", d["fc_pre"])
+            o.decode_linear(x, d["fc_act"], p[n + "fcproj.w"], self._pb(n + "fcproj.b"), "residual", x)
         o.layernorm_fwd(h, d["h_mean"], d["h_rstd"], x, p["lnf.w"], self._pb("lnf.b"))
-        o.matmul(d["logits"], h, p["wte"], False, True)                            # [S,V]
-        o.pos_advance(d["pos"])
+        o.decode_linear(d["logits"], h, p["wte"])                                   # [S,V]
+        o.decode_sample(d, d["logits"], d["pos"], n_vocab)
+        o.decode_advance(d["pos"], cfg.block_size)
 
     def record_forward(self, train: bool = False):
         self.forward(train=train, grad_scale=0.0)

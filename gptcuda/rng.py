@@ -17,6 +17,7 @@ GOLDEN = 0x9E3779B9
 SITE_BATCH_TRAIN = 1
 SITE_BATCH_VAL = 2
 SITE_BATCH_EVAL_TRAIN = 3
+SITE_SAMPLE = 7          # generation: key(seed, draw number, SITE_SAMPLE), element = 2 * sequence (+1)
 DROPOUT_EMB = 15
 DROPOUT_BASE = 16
 

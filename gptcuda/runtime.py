@@ -100,6 +100,16 @@ class Function:
     file: str
     attrs: dict = field(default_factory=dict)
     max_smem: int = 0
+    params: tuple | None = None      # the kernel's parameter sizes in bytes (None: not known)
+
+
+def arg_size(a) -> int:
+    """The bytes a launch argument occupies as a kernel parameter."""
+    if isinstance(a, Blob):
+        return len(a.data)
+    if isinstance(a, _Scalar):
+        return np.dtype(a.np_type).itemsize
+    return 8                         # a DeviceView or None: a pointer
 
 
 class Launch:
@@ -108,6 +118,11 @@ class Launch:
 
     def __init__(self, fn: Function, grid, block, args, smem: int, label: str):
         self.fn, self.smem, self.label = fn, int(smem), label
+        if fn.params is not None:
+            sizes = tuple(arg_size(a) for a in args)
+            if sizes != fn.params:
+                raise ValueError(f"{label}: {fn.file}:{fn.name} takes {len(fn.params)} parameters of "
+                                 f"{list(fn.params)} bytes; the launch passes {len(sizes)} of {list(sizes)}")
         self.grid = tuple(int(g) for g in (tuple(grid) + (1, 1))[:3])
         self.block = tuple(int(b) for b in (tuple(block) + (1, 1))[:3])
         if min(self.grid) < 1 or min(self.block) < 1:
@@ -243,7 +258,7 @@ class Runtime:
             c = compiler.compile_kernel(file, [name], defines, arch=self.arch)
             module = self.dev.load_module(c.cubin)
             handle = self.dev.get_function(module, c.lowered[name])
-            fn = Function(handle, name, file, self.dev.function_attrs(handle))
+            fn = Function(handle, name, file, self.dev.function_attrs(handle), params=self.dev.param_sizes(handle))
             self._functions[key] = fn
             self.compile_seconds += time.perf_counter() - t
         return fn

@@ -5,6 +5,7 @@ logs and writes files (metrics, checkpoints, config, tokenizer)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -133,6 +134,9 @@ class Trainer:
         if resume and overwrite:
             raise UsageError("--resume continues the run in out_dir and --overwrite replaces it: pass one")
         check_device(cfg)
+        init = resolve_init(cfg) if cfg.init_from else None
+        if init is not None:
+            cfg = init.cfg
         self.group = group
         self.rank = group.rank if group is not None else 0
         self.world = group.world_size if group is not None else 1
@@ -159,9 +163,12 @@ class Trainer:
             if held and not overwrite:
                 raise RunError(f"out_dir {out} already holds a run ({', '.join(held)}): continue it with --resume, "
                                f"or start over with --overwrite (replaces its files), or choose another out_dir")
-        self.data, V, self.accum = open_run_data(cfg, self.world, saved.to_dict() if saved is not None else None)
+        tok_dict = saved.to_dict() if saved is not None else init.tokenizer if init is not None else None
+        self.data, V, self.accum = open_run_data(cfg, self.world, tok_dict)
         self.cfg = cfg
         log(format_config(cfg))
+        if init is not None and init.changes:
+            log(f"init_from {cfg.init_from} sets " + "; ".join(init.changes))
         log(self.data.describe())
         if self.accum > 1:
             log(f"gradient accumulation: {self.accum} micro-batches of {cfg.batch_size} x {cfg.block_size} tokens"
@@ -186,6 +193,9 @@ class Trainer:
             self.best_val = float(meta.get("best_val", math.inf))
             self.start_step = int(meta["step"])
             self.evaluated_step = int(meta.get("evaluated_step", -1))
+        elif init is not None:
+            self.eng.set_params(init.named)            # the optimizer state starts at zero
+            log(f"initialised from {cfg.init_from}")
         self.metrics = None
         if self.writes:
             self._create_files(resume, overwrite)
@@ -440,6 +450,35 @@ def cut_metrics(path: str, step: int, evaluated_step: int) -> int:
         with atomic_open(path, "wb") as f:
             f.write("".join(l + "\n" for l in keep).encode("utf-8", "surrogateescape"))
     return dropped
+
+
+@dataclasses.dataclass
+class Init:
+    cfg: object            # the config with the model settings the weights fix
+    named: dict            # the parameters, our names and layouts
+    tokenizer: dict | None # a run's own tokenizer (its ids), None: cfg.tokenizer says it
+    changes: list          # "key config -> weights" for each setting the weights changed
+
+
+def resolve_init(cfg) -> Init:
+    """The weights of cfg.init_from (hf:DIR, llmc:FILE, a run directory or .ckpt) and the config they
+    imply: n_layer, n_head, n_embd, bias, vocabulary and tokenizer come from the weights; block_size
+    stays the config's and crops the position embedding (at most the weights' positions)."""
+    from .interop import InteropError, _parse_spec, load_init, load_run
+    try:
+        named, over = load_init(cfg.init_from, cfg, block_size=cfg.block_size)
+        kind, where = _parse_spec(cfg.init_from)
+        tok = None
+        if kind in ("run", "ckpt"):
+            run_dir = where if kind == "run" else os.path.dirname(os.path.abspath(where))
+            tok = load_run(run_dir, where if kind == "ckpt" else None).tokenizer
+    except InteropError as e:
+        raise CheckpointError(f"init_from: {e}") from None
+    except FileNotFoundError as e:
+        raise CheckpointError(f"init_from {cfg.init_from}: {e}") from None
+    changes = [f"{k} {getattr(cfg, k)!r} -> {v!r}" for k, v in over.items()
+               if k != "vocab_size" and getattr(cfg, k) != v]
+    return Init(dataclasses.replace(cfg, **over), named, tok, changes)
 
 
 def open_run_data(cfg, world: int = 1, saved_tokenizer: dict | None = None):

@@ -4,7 +4,8 @@
 
 // Device-resident step state (one per training run). Kernels read the step, the learning
 // rate and the clipping norm from here, so a captured CUDA graph bakes in nothing that
-// changes from step to step. Layout mirrors gptcuda/state.py (STATE_FIELDS).
+// changes from step to step. Its layout is defined in gptcuda/state.py (tests/test_state.py checks
+// this struct against it).
 struct StepState {
     int   step;        // 0-based index of the step being run; advanced by step_advance at its end
     float lr;          // learning rate of this step (written by lr_schedule at the start)

@@ -1,17 +1,21 @@
 """Record the CUDA backend's whole training step on a machine without a GPU.
 
-A fake runtime compiles every kernel the launchers ask for with NVRTC (sm_90) and packs
-every argument block, but hands out fake device addresses and launches nothing. This runs
+A fake runtime checks that every kernel the launchers ask for is a listed variant (each launcher's
+VARIANTS, all compiled by tests/test_compiler.py) and packs every argument block, but hands out fake
+device addresses and launches nothing. This runs
 the model's launch sequence, the launchers' shape checks, argument typing and workspace
-lookups for each precision and attention kind, so a mistake there shows in CI, not on the GPU."""
+lookups for each precision and attention kind, so a mistake there shows in CI, not on the GPU.
+Every launch's arguments are checked against the kernel's parameters as its source declares them
+(the check a real runtime makes with cuFuncGetParamInfo)."""
 import itertools
+import re
 
 import numpy as np
 import pytest
 
 from gptcuda import compiler
 from gptcuda.config import load_config
-from gptcuda.cuda_backend import CudaBackend
+from gptcuda.cuda_backend import FAMILIES, CudaBackend
 from gptcuda.engine import Engine
 from gptcuda.runtime import Function, Launch, Memset, Runtime
 
@@ -74,6 +78,45 @@ class FakeInfo:
     sm_count, smem_per_block_optin, smem_per_block, cc, name = 132, 227 * 1024, 48 * 1024, (9, 0), "fake H200"
 
 
+_SIZES = [("CUtensorMap", 128), ("TmaMap", 128), ("long long", 8), ("size_t", 8), ("u64", 8), ("double", 8), ("int", 4),
+          ("unsigned", 4), ("float", 4), ("u32", 4), ("bool", 1)]
+
+
+def kernel_param_sizes(file, name):
+    """The parameter sizes of __global__ `name` (template arguments dropped) read from its source, as
+    the driver would report them (cuFuncGetParamInfo): a pointer 8 bytes, int / float 4, ..."""
+    src = compiler.expand_source(file)
+    base = name.split("<")[0]
+    def declares(m):                        # `__global__ void __launch_bounds__(...) name(`, nothing between
+        head = src[:m.start()]
+        g = head.rfind("__global__")
+        return g >= 0 and not re.search(r"[;{}]", head[g:])
+    m = next((m for m in re.finditer(r"\b" + re.escape(base) + r"\s*\(", src) if declares(m)), None)
+    assert m, f"{file}: no __global__ {base}"
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        i += 1
+    text = re.sub(r"//[^\n]*", "", src[m.end():i - 1])
+    macros = {k: v.replace("\\\n", " ") for k, v in
+              re.findall(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+((?:[^\n]*\\\n)*[^\n]*)", src, re.M)}
+    for _ in range(4):                      # parameter lists written as macros (LN_ARGS_FWD, ...)
+        text = re.sub(r"\b(\w+)\b", lambda w: macros.get(w.group(1), w.group(1)), text)
+    text = re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", text), flags=re.S)
+    sizes = []
+    for param in (p.strip() for p in text.split(",") if p.strip()):
+        if "*" in param:
+            sizes.append(8)
+            continue
+        size = next((n for t, n in _SIZES if re.search(r"\b" + t + r"\b", param)), None)
+        assert size is not None, f"{file}:{base}: parameter {param!r} of unknown size"
+        sizes.append(size)
+    return tuple(sizes)
+
+
+LISTED = {(file, name, tuple(sorted(dict(defines).items()))) for fam in FAMILIES for file, name, defines in fam.VARIANTS}
+
+
 class RecordingRuntime(Runtime):
     def __init__(self, precision, seed=0):
         self.dev, self.info, self.arch = FakeDev(), FakeInfo(), "sm_90"
@@ -86,9 +129,9 @@ class RecordingRuntime(Runtime):
     def function(self, file, name, defines=None):
         key = (file, name, tuple(sorted((defines or {}).items())))
         if key not in self._functions:
-            c = compiler.compile_kernel(file, [name], defines, arch=self.arch)
-            assert c.lowered[name]
-            self._functions[key] = Function(None, name, file)
+            # a listed variant (tests/test_compiler.py compiles every one of them)
+            assert key in LISTED, f"{file}:{name} {defines or ''} is launched but in no launcher's VARIANTS"
+            self._functions[key] = Function(None, name, file, params=kernel_param_sizes(file, name))
         return self._functions[key]
 
     def _submit(self, rec):
@@ -177,3 +220,16 @@ def test_graphs_leave_the_live_list_once_destroyed():
     assert rt._graphs == [] and sorted(rt.dev.destroyed) == ["e0", "e1", "e2"]
     with pytest.raises(RuntimeError, match="destroyed"):
         graphs[0].launch()
+
+
+def test_launch_arguments_checked_against_the_kernel():
+    """A launch whose arguments disagree with the kernel's parameters (count or size) is an error
+    naming the kernel, raised when the launch is recorded; unknown parameters go unchecked."""
+    from gptcuda.runtime import Function, Launch, i32, u64
+    fn = Function(None, "k", "x.cu", params=(8, 4))
+    Launch(fn, (1,), (32,), [None, i32(3)], 0, "k")
+    with pytest.raises(ValueError, match=r"x.cu:k takes 2 parameters of \[8, 4\] bytes; the launch passes 3"):
+        Launch(fn, (1,), (32,), [None, i32(3), i32(4)], 0, "k")
+    with pytest.raises(ValueError, match="passes 2 of \\[8, 8\\]"):
+        Launch(fn, (1,), (32,), [None, u64(3)], 0, "k")
+    Launch(Function(None, "k", "x.cu"), (1,), (32,), [None, u64(3), i32(1)], 0, "k")

@@ -5,6 +5,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from .. import state
 from .buckets import plan_buckets, zero_shards
 from .env import DistError, rank_seed
 from .nccl import nccl_version, selftest
@@ -87,7 +88,8 @@ class DataParallel:
     def record_loss_mean(self):
         st, out, comm = self.rt.state.ptr, self.loss_mean.ptr, self.comm
         self._fork("fork loss")
-        self._call(lambda s: comm.all_reduce(st + 8, out, 1, "f32", "avg", s), "allreduce loss", 4)
+        loss = st + state.byte_offset("loss")
+        self._call(lambda s: comm.all_reduce(loss, out, 1, "f32", "avg", s), "allreduce loss", 4)
 
     def record_grads_ready(self, point):
         """Called by model.backward() at each hook point; issues the buckets that became ready."""

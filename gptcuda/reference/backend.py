@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import faults, rng
+from .. import faults, rng, state
 from ..backend import Buffers, Program, rows
+from ..memory import unpack_gen_opts
 from . import ops as R
 
 
@@ -35,7 +36,7 @@ class ReferenceBackend:
     def __init__(self, cfg):
         self.cfg = cfg
         self.seed = cfg.seed
-        self.state = {"step": 0, "lr": 0.0, "loss": 0.0, "grad_norm": 0.0, "eval_draws": 0}
+        self.state = state.initial()          # the StepState's fields (gptcuda/state.py)
         self._prog: Program | None = None
 
     # ---- memory ---------------------------------------------------------------------
@@ -101,9 +102,9 @@ class ReferenceBackend:
     def zero(self, view):
         self._rec(lambda: view.fill(0.0))
 
-    def lr_schedule(self, lr, min_lr, warmup, decay_iters):
+    def lr_schedule(self, learning_rate, min_lr, warmup_iters, lr_decay_iters):
         def f():
-            self.state["lr"] = R.lr_at(self.state["step"], lr, min_lr, warmup, decay_iters)
+            self.state["lr"] = R.lr_at(self.state["step"], learning_rate, min_lr, warmup_iters, lr_decay_iters)
         self._rec(f)
 
     def step_advance(self):
@@ -223,10 +224,10 @@ class ReferenceBackend:
     def grad_norm(self, grads):
         self._rec(lambda: self.state.__setitem__("grad_norm", R.global_norm([grads])))
 
-    def decode_embed(self, out, tok, wte, wpe, pos):
-        self._rec(lambda: out.__setitem__(Ellipsis, wte[tok] + wpe[pos[0]]))
+    def decode_embed(self, out, ctx, wte, wpe, pos):
+        self._rec(lambda: out.__setitem__(Ellipsis, wte[ctx[:, int(pos[0])]] + wpe[int(pos[0])]))
 
-    def decode_attention(self, y, qkv, kcache, vcache, n_head, pos):
+    def decode_attention(self, y, qkv, kcache, vcache, n_head, pos, part=None):
         def f():
             S, C = y.shape
             hs, t = C // n_head, int(pos[0])
@@ -238,8 +239,36 @@ class ReferenceBackend:
             y[...] = np.einsum("shj,shjd->shd", att, vcache[:, :, :t + 1]).reshape(S, C)
         self._rec(f)
 
-    def pos_advance(self, pos):
-        self._rec(lambda: pos.__setitem__(0, pos[0] + 1))
+    def decode_linear(self, out, a, w, bias=None, epilogue="none", aux=None):
+        self.matmul(out, a, w, False, True, bias=bias, epilogue=epilogue, aux=aux)
+
+    def decode_sample(self, g, logits, pos, n_vocab):
+        """kernels/decode.cu decode_sample, one sequence at a time."""
+        def f():
+            o = unpack_gen_opts(g["opts"])
+            p, T = int(pos[0]), g["ctx"].shape[1] - 1
+            S = logits.shape[0]
+            stop = [int(v) for v in g["stop"][:o["n_stop"]]]
+            for s in range(S):
+                was_done = bool(g["done"][s])
+                if not was_done and p + 1 >= g["fill"][s]:
+                    k = int(g["n_out"][s])
+                    x = R.draw_token(logits[s], n_vocab, o["inv_temp"], o["top_k"], o["top_p"], o["seed"], k, s)
+                    g["ctx"][s, p + 1], g["fill"][s] = x, p + 2
+                    g["out"][s, k], g["n_out"][s] = x, k + 1
+                    tail = [int(v) for v in g["out"][s, k + 1 - len(stop):k + 1]] if k + 1 >= len(stop) else None
+                    d = int(k + 1 >= o["max_new"] or (bool(stop) and tail == stop))
+                    g["done"][s], g["emit"][0, s], g["emit"][1, s] = d, x, d
+                else:
+                    g["emit"][0, s], g["emit"][1, s] = -1, int(was_done)
+                if p + 1 == T and not was_done:
+                    f_, K = int(g["fill"][s]), max(T // 2, 1)
+                    g["ctx"][s, :K] = g["ctx"][s, f_ - K:f_].copy()
+                    g["fill"][s] = K
+        self._rec(f)
+
+    def decode_advance(self, pos, T):
+        self._rec(lambda: pos.__setitem__(0, 0 if pos[0] + 1 == T else pos[0] + 1))
 
     def adamw(self, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
         decay = np.arange(params.shape[0]) < n_decay

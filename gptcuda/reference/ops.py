@@ -312,6 +312,30 @@ def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, t, decay):
     return np.broadcast_to(p_new, p.shape).copy(), m_new, v_new
 
 
+def draw_token(logits, n_vocab, inv_temp, top_k, top_p, seed, draw, seq) -> int:
+    """The token kernels/decode.cu decode_sample draws from one row of logits (same rules, same
+    random word; the integer weights come from float64 exp here, so a draw on a boundary may differ).
+    inv_temp 0: argmax (the lowest index among equals)."""
+    row = np.asarray(logits, np.float64)[:n_vocab]
+    if inv_temp == 0:
+        return int(np.argmax(row))
+    w = np.floor(np.exp((row - row.max()) * inv_temp) * 2.0 ** 32).astype(np.uint64)
+    keep = np.ones(n_vocab, bool)
+    if 0 < top_k < n_vocab:
+        keep = row >= np.sort(row)[-top_k]                       # the k-th largest, ties kept
+    if top_p < 1:
+        tot = int(w[keep].sum())
+        need = min(max(math.ceil(tot * float(top_p)), 1), tot)
+        order = np.argsort(-row[keep], kind="stable")
+        vals, cum = row[keep][order], np.cumsum(w[keep][order])
+        keep &= row >= vals[int(np.searchsorted(cum, need))]    # the fewest most likely reaching need
+    cum = np.cumsum(np.where(keep, w, 0).astype(np.uint64))
+    k = rng.key(seed, draw, rng.SITE_SAMPLE)
+    hi, lo = (int(v) for v in rng.uniform_u32(k, np.array([2 * seq, 2 * seq + 1], np.uint64)))
+    target = (((hi << 32) | lo) * int(cum[-1])) >> 64              # in [0, total)
+    return int(np.searchsorted(cum, target, side="right"))
+
+
 def lr_at(step, learning_rate, min_lr, warmup_iters, lr_decay_iters) -> float:
     """nanoGPT's warmup + cosine schedule at 0-based iteration `step`."""
     it = step

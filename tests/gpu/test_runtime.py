@@ -85,3 +85,16 @@ def test_engine_views_do_not_overlap(rt):
     regions = [eng.bufs.flat_params, eng.bufs.flat_grads, eng.bufs.flat_m, eng.bufs.flat_v]
     for r0, r1 in zip(regions, regions[1:]):
         assert r0.ptr + r0.nbytes <= r1.ptr
+
+
+def test_kernel_parameters_known_and_checked(rt):
+    """The driver reports each kernel's parameter sizes; a launch that disagrees fails by name before
+    it runs (a pointer and an int: decode_advance(int* pos, int T))."""
+    from gptcuda.runtime import i32
+    fn = rt.function("decode.cu", "decode_advance")
+    assert fn.params == (8, 4)
+    pos = rt.upload(np.array([3], np.int32))
+    with pytest.raises(ValueError, match="decode.cu:decode_advance takes 2 parameters"):
+        rt.launch(fn, (1,), (1,), [pos])
+    rt.launch(fn, (1,), (1,), [pos, i32(4)])
+    assert rt.download(pos)[0] == 0
