@@ -15,6 +15,8 @@ Processes sharing a cache (data-parallel ranks, a test session's workers) take a
 while compiling, so one compiles a kernel and the others wait and read its entry.
 `forbid_compiles()` turns any compile (a cache miss) into an error: the training loop runs
 under it, so a kernel variant first needed mid-run cannot stall a step.
+`check_compile` is for tests without a GPU only: many variants in one program at NVRTC's
+fast-compile level, through ptxas to machine code, never cached and never run.
 """
 from __future__ import annotations
 
@@ -353,6 +355,46 @@ def compile_kernel(filename: str, names, defines: dict | None = None, arch: str 
     return Compiled(cubin, lowered, key, False, log)
 
 
+# ---- checking that variants compile, without a GPU ----------------------------------------------
+# NVRTC's fast-compile level: NVVM and ptxas leave out their costly optimizations (inlining,
+# scheduling), a GEMM tile takes ~0.1 CPU-second instead of ~3. Only check_compile uses it: what
+# runs on a GPU is compiled by compile_kernel, with options_for's options alone.
+CHECK_OPTIONS = ("--Ofast-compile=max",)
+
+
+def check_compile(filename: str, names, defines: dict | None = None, arch: str = "sm_90"):
+    """Compile variants of one file in ONE NVRTC program with CHECK_OPTIONS: the front end
+    instantiates every name expression from the file's source and defines, and NVVM and ptxas build
+    each to machine code for the file's target architecture, as compile_kernel does, for a fraction
+    of the CPU time. For a machine without a GPU (the CPU suite): the cubin is not the runtime's
+    binary (other optimizations) and is never cached. Returns (cubin, lowered, log), ptxas's report
+    in the log; raises CompileError."""
+    arch = target_arch(filename, arch)
+    options = options_for(arch, defines) + list(CHECK_OPTIONS) + [PTXAS_INFO]
+    return _nvrtc_compile(filename, (KERNEL_DIR / filename).read_text(), list(names), options)
+
+
+def check_group(filename: str, names, defines=(), arch: str = "sm_90") -> dict:
+    """check_compile of `names` as one program, for a worker process too (defines: a dict or its
+    items). Returns {name: (cubin, lowered name, log), or the error text}: a program that does not
+    compile is compiled again a name at a time, so that each variant gets its own verdict and error."""
+    def one(group):
+        cubin, lowered, log = check_compile(filename, group, dict(defines), arch)
+        return {n: (cubin, lowered[n], log) for n in group}
+
+    try:
+        return one(list(names))
+    except Exception:
+        pass
+    out = {}
+    for n in names:
+        try:
+            out.update(one([n]))
+        except Exception as e:                   # CompileError: NVRTC's log, for the test to raise
+            out[n] = f"{e.__class__.__name__}: {e}"
+    return out
+
+
 # ---- building many variants at once ------------------------------------------------------------
 def _compile_job(job):
     """One variant in a worker process: (filename, name, defines, arch, cache dir)."""
@@ -388,19 +430,33 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def build_in_background(jobs, workers: int | None = None, cache: str | Path | None = None, nice: int = 0):
-    """Compile jobs, each (filename, name, defines, arch), into the disk cache in
-    `workers` processes, in the order given. Returns (executor, futures), a future per job whose
-    result is None, or the error text of a variant that did not compile. A later compile_kernel of
-    the same variant, in this process or another, reads its entry (or waits on the worker's lock,
-    then reads it). executor.shutdown(cancel_futures=True) drops what has not started. nice > 0: the
-    workers run at that lower priority, so they take only the CPU the caller leaves idle."""
+def compile_pool(workers: int | None = None, nice: int = 0):
+    """A pool of `workers` spawned processes for build_in_background and check_in_background. nice > 0:
+    the workers run at that lower priority, so they take only the CPU the caller leaves idle.
+    pool.shutdown(cancel_futures=True) drops what has not started."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
-    cache = str(cache if cache is not None else cache_dir())
-    pool = ProcessPoolExecutor(max_workers=workers or default_workers(),
+    return ProcessPoolExecutor(max_workers=workers or default_workers(),
                                mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
                                initargs=(nice,))
+
+
+def build_in_background(jobs, workers: int | None = None, cache: str | Path | None = None, nice: int = 0,
+                        pool=None):
+    """Compile jobs, each (filename, name, defines, arch), into the disk cache in a compile_pool
+    (`pool`, or a new one of `workers`, `nice`), in the order given. Returns (pool, futures), a future
+    per job whose result is None, or the error text of a variant that did not compile. A later
+    compile_kernel of the same variant, in this process or another, reads its entry (or waits on the
+    worker's lock, then reads it)."""
+    cache = str(cache if cache is not None else cache_dir())
+    pool = pool or compile_pool(workers, nice)
     futures = [pool.submit(_compile_job, (f, n, tuple(sorted((d or {}).items())), arch, cache))
                for f, n, d, arch in jobs]
     return pool, futures
+
+
+def check_in_background(groups, pool):
+    """check_compile each group, (filename, names, defines, arch), in `pool` (a compile_pool), in the
+    order given. Returns a future per group whose result is check_group's {name: verdict}."""
+    return [pool.submit(check_group, f, tuple(names), tuple(sorted((d or {}).items())), arch)
+            for f, names, d, arch in groups]

@@ -36,8 +36,17 @@ def has_gpu():
 
 
 PREBUILT = "prebuilt_kernels"
+CHECKED = "checked_variants"
 # Heaviest first (most of NVRTC's time is ptxas on the GEMM tiles), so the pool's tail is short.
-_HEAVY_FIRST = ("gemm_tf32.cu", "flash_attention.cu", "gemm_wgmma.cu", "gemm_simt.cu")
+_HEAVY_FIRST = ("gemm_tf32.cu", "gemm_simt.cu", "gemm_wgmma.cu", "flash_attention.cu")
+
+
+def _file_rank(file):
+    return {f: i for i, f in enumerate(_HEAVY_FIRST)}.get(file, len(_HEAVY_FIRST))
+
+
+def _uses_background(item):
+    return bool({PREBUILT, CHECKED} & set(getattr(item, "fixturenames", ())))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,59 +56,98 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=f"no GPU: {_gpu_reason}")
         for item in marked:
             item.add_marker(skip)
-    # Tests on the kernels built in the background (the `prebuilt_kernels` fixture) run last: worker
-    # processes compile their variants into this session's cache while the other tests run.
-    late = [item for item in items if PREBUILT in getattr(item, "fixturenames", ())]
+    # Tests on the kernels built in the background (the `prebuilt_kernels` and `checked_variants`
+    # fixtures) run last: worker processes compile their variants while the other tests run.
+    late = [item for item in items if _uses_background(item)]
     if late:
         ids = {id(item) for item in late}
-        rank = {f: i for i, f in enumerate(_HEAVY_FIRST)}
-        late.sort(key=lambda item: rank.get(getattr(getattr(item, "callspec", None), "params", {}).get("file"),
-                                            len(rank)))          # in the order the workers build them
-        items[:] = [item for item in items if id(item) not in ids] + late
+        late.sort(key=lambda item: _file_rank(getattr(getattr(item, "callspec", None), "params", {}).get("file")))
+        items[:] = [item for item in items if id(item) not in ids] + late     # in the order the workers build them
+
+
+def _variant_param(item):
+    """(file, name, defines) of a test parametrized by file, name and defines, else None."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return (params["file"], params["name"], params["defines"]) if {"file", "name", "defines"} <= set(params) else None
 
 
 def _prebuild_jobs(items):
-    """(file, name, defines, arch) of the variants the selected tests wait for, heaviest first."""
+    """(file, name, defines, arch) of the variants the selected `prebuilt_kernels` tests wait for,
+    heaviest first."""
     jobs = {}
     for item in items:
         if PREBUILT not in getattr(item, "fixturenames", ()):
             continue
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        wanted = [(params["file"], params["name"], params["defines"])] if {"file", "name", "defines"} <= set(
-            params) else []
+        wanted = [_variant_param(item)] if _variant_param(item) else []
         for mark in item.iter_markers("prebuild"):          # @pytest.mark.prebuild((file, name, defines), ...)
             wanted += mark.args
         for file, name, defines in wanted:
             jobs.setdefault((file, name, tuple(sorted(dict(defines).items())), "sm_90"))
-    rank = {f: i for i, f in enumerate(_HEAVY_FIRST)}
-    return sorted(jobs, key=lambda j: rank.get(j[0], len(rank)))
+    return sorted(jobs, key=lambda j: _file_rank(j[0]))
 
 
-class PrebuiltKernels:
-    """The kernel variants that worker processes compile into the session's cache (in the
-    background, from the session's first test on). wait() returns once a variant is in the cache,
-    or raises NVRTC's error for one that did not compile; the test then compiles it again through
-    compiler.compile_kernel, which reads the entry."""
+def _check_groups(items):
+    """{(file, defines, arch): [names]} of the variants the selected `checked_variants` tests check,
+    heaviest file first: each group is one NVRTC program (compiler.check_compile)."""
+    groups = {}
+    for item in items:
+        if CHECKED in getattr(item, "fixturenames", ()) and _variant_param(item):
+            file, name, defines = _variant_param(item)
+            names = groups.setdefault((file, tuple(sorted(dict(defines).items())), "sm_90"), [])
+            if name not in names:
+                names.append(name)
+    return dict(sorted(groups.items(), key=lambda g: _file_rank(g[0][0])))
 
-    def __init__(self, jobs, cache):
+
+class BackgroundCompiles:
+    """Kernel variants compiled by worker processes (niced) in the background, from the session's first
+    test on: `prebuild` jobs with compiler.compile_kernel into the session's cache, and `check` groups
+    with compiler.check_compile (every variant of a file, with the same defines, in one program).
+    Without workers (under pytest-xdist) a check group is compiled in this process when first needed."""
+
+    def __init__(self, prebuild=(), checks=None, cache=None, workers=0):
         from gptcuda import compiler
-        self.cache, self.pool, self.futures = cache, None, {}
-        if jobs:
-            workers = int(os.environ.get("GPTCUDA_TEST_COMPILE_WORKERS", 0)) or compiler.default_workers()
+        self.cache, self.pool, self.built, self.checks = cache, None, {}, dict(checks or {})
+        self.checked = {}           # (file, defines, arch) -> {name: verdict}, or the future of one
+        if workers and (prebuild or checks):
             # niced: the tests running meanwhile (numpy's BLAS threads among them) keep the CPU they
             # want, and the workers take the rest; not niced, 3+ busy processes on 2 cores made
             # BLAS-heavy tests many times slower
-            self.pool, futures = compiler.build_in_background(
-                [(f, n, dict(d), arch) for f, n, d, arch in jobs], workers=workers, cache=cache, nice=19)
-            self.futures = dict(zip(jobs, futures))
+            self.pool = compiler.compile_pool(workers, nice=19)
+            # the real compiles first: a variant costs them ~20x its check
+            _, futures = compiler.build_in_background(
+                [(f, n, dict(d), arch) for f, n, d, arch in prebuild], cache=cache, pool=self.pool)
+            self.built = dict(zip(prebuild, futures))
+            groups = [(f, names, dict(d), arch) for (f, d, arch), names in self.checks.items()]
+            self.checked = dict(zip(self.checks, compiler.check_in_background(groups, self.pool)))
 
     def wait(self, file, name, defines=None, arch="sm_90"):
+        """Returns once a `prebuild` variant is in the cache, or raises NVRTC's error for one that did not
+        compile; the test then compiles it again through compiler.compile_kernel, which reads the entry."""
         from gptcuda import compiler
-        fut = self.futures.get((file, name, tuple(sorted((defines or {}).items())), arch))
+        fut = self.built.get((file, name, tuple(sorted((defines or {}).items())), arch))
         if fut is not None:
             err = fut.result()
             if err:
                 raise compiler.CompileError(f"(compiled in a worker) {err}")
+
+    def check(self, file, name, defines=None, arch="sm_90"):
+        """(cubin, lowered name, log) of the variant's check compile; raises NVRTC's error for a variant
+        that did not compile."""
+        from gptcuda import compiler
+        key = (file, tuple(sorted((defines or {}).items())), arch)
+        got = self.checked.get(key)
+        if got is None:
+            names = self.checks.get(key) or [name]
+            got = self.checked[key] = compiler.check_group(file, names, key[1], arch)
+        elif not isinstance(got, dict):
+            got = self.checked[key] = got.result()
+        if name not in got:             # not among the selected variants: a program of its own
+            got.update(compiler.check_group(file, [name], key[1], arch))
+        verdict = got[name]
+        if isinstance(verdict, str):
+            raise compiler.CompileError(verdict)
+        return verdict
 
     def close(self):
         if self.pool is not None:
@@ -109,24 +157,32 @@ class PrebuiltKernels:
 @pytest.fixture(scope="session", autouse=True)
 def _kernel_prebuild(request, tmp_path_factory):
     """Starts the background compiles at the session's first test when any selected test needs them.
-    Not under pytest-xdist: its workers are the parallelism there (and each would build them all)."""
-    jobs = None if os.environ.get("PYTEST_XDIST_WORKER") else _prebuild_jobs(request.session.items)
-    pre = None
-    if jobs:
-        try:
-            import cuda.bindings.nvrtc  # noqa: F401
-        except ImportError:
-            jobs = None
-        cache = os.environ.get("GPTCUDA_CACHE") or str(tmp_path_factory.getbasetemp() / "kcache")
-        pre = PrebuiltKernels(jobs, cache)
+    Not under pytest-xdist: its workers are the parallelism there (each would build everything); a
+    `prebuilt_kernels` test then compiles its variants itself, a check group is compiled by the
+    first test of the group that a worker runs."""
+    from gptcuda import compiler
+    items = request.session.items
+    jobs, checks = _prebuild_jobs(items), _check_groups(items)
+    try:
+        import cuda.bindings.nvrtc  # noqa: F401
+    except ImportError:
+        jobs, checks = [], {}
+    workers = 0 if os.environ.get("PYTEST_XDIST_WORKER") else (
+        int(os.environ.get("GPTCUDA_TEST_COMPILE_WORKERS", 0)) or compiler.default_workers())
+    cache = os.environ.get("GPTCUDA_CACHE") or str(tmp_path_factory.getbasetemp() / "kcache")
+    pre = BackgroundCompiles(jobs if workers else [], checks, cache, workers)
     yield pre
-    if pre is not None:
-        pre.close()
+    pre.close()
 
 
 @pytest.fixture(scope="session")
 def prebuilt_kernels(_kernel_prebuild):
-    return _kernel_prebuild or PrebuiltKernels(None, None)
+    return _kernel_prebuild
+
+
+@pytest.fixture(scope="session")
+def checked_variants(_kernel_prebuild):
+    return _kernel_prebuild
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """NVRTC: every kernel variant compiles for sm_90; the disk cache hits, misses, and rebuilds a
 corrupt entry; a compile error shows file and line; compiles can be forbidden. No GPU needed."""
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -27,14 +28,22 @@ def test_every_family_lists_variants():
     assert fams == {_family(mod) for mod in FAMILIES}
 
 
-@pytest.mark.parametrize("fam,file,name,defines", VARIANTS,
-                         ids=[f"{v[1]}:{v[2]}:{','.join(f'{k}={x}' for k, x in sorted(v[3].items()))}"
-                              for v in VARIANTS])
-def test_variant_compiles_for_sm90(fam, file, name, defines, prebuilt_kernels):
-    prebuilt_kernels.wait(file, name, defines)     # compiled by a worker of the session (conftest)
-    c = compiler.compile_kernel(file, [name], defines, arch="sm_90")
-    assert c.cubin[:4] == b"\x7fELF"
-    assert c.lowered[name]
+# xdist_group: under pytest-xdist's --dist loadgroup, one worker checks a file's variants, in one program
+@pytest.mark.parametrize("fam,file,name,defines", [
+    pytest.param(*v, id=f"{v[1]}:{v[2]}:{','.join(f'{k}={x}' for k, x in sorted(v[3].items()))}",
+                 marks=pytest.mark.xdist_group(f"check:{v[1]}")) for v in VARIANTS])
+def test_variant_compiles_for_sm90(fam, file, name, defines, checked_variants):
+    """The variant's source, name expression and defines go through NVRTC's front end, NVVM and ptxas
+    to machine code for sm_90 (sm_90a: gemm_wgmma.cu). compiler.check_compile, in the background
+    (conftest): all the variants of a file with the same defines in one program, at the fast-compile
+    level, so NVVM's and ptxas's optimizations are the runtime compile's only steps left out."""
+    cubin, lowered, log = checked_variants.check(file, name, defines)
+    assert cubin[:4] == b"\x7fELF" and lowered
+    arch = compiler.target_arch(file, "sm_90")
+    assert f"Compiling entry function '{lowered}' for '{arch}'" in log, f"ptxas did not build {lowered}"
+    report = re.search(rf"Function properties for {re.escape(lowered)}\n.*\n.*Used (\d+) registers", log)
+    assert report and int(report[1]) <= 255, f"no resource report for {lowered}"     # ptxas's, of the kernel
+    assert _sections(cubin).get(f".text.{lowered}"), f"no machine code for {name} ({lowered})"
 
 
 def _write_kernel(tmp_path, monkeypatch, text, fname="probe.cu"):
@@ -296,3 +305,31 @@ def test_worker_job_reports_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "cache"))
     err = compiler._compile_job(("no_such_file.cu", "k", (), "sm_90", str(tmp_path / "cache")))
     assert err.startswith("CompileError:") and "no_such_file.cu" in err
+
+
+def test_check_compile_differs_from_the_runtime_compile_in_optimization_only(tmp_path, monkeypatch):
+    """check_compile (the CPU suite's compile of every variant) takes the runtime's source, name
+    expressions and options, and adds the fast-compile level; the runtime's compile (compile_kernel)
+    never gets that level (its key and cubin say so), and a check caches nothing."""
+    kdir = _write_kernel(tmp_path, monkeypatch, SRC)
+    (kdir / "inc.cuh").write_text("#define SCALE 2.0f\n")
+    cubin, lowered, log = compiler.check_compile("probe.cu", ["k<1>", "k<2>"], {"X": 1})
+    assert not Path(os.environ["GPTCUDA_CACHE"]).exists()
+    real = compiler.compile_kernel("probe.cu", ["k<1>"], {"X": 1})
+    assert lowered["k<1>"] == real.lowered["k<1>"] and lowered["k<2>"]
+    assert real.key == compiler.cache_key(compiler.expand_source("probe.cu"), ["k<1>"],
+                                          compiler.options_for("sm_90", {"X": 1}), compiler.nvrtc_version(), "sm_90")
+    tool_info = lambda elf: _sections(elf)[".note.nv.tkinfo"]          # noqa: E731  (ptxas's options)
+    assert b"-Ofc" in tool_info(cubin) and b"-Ofc" not in tool_info(real.cubin)
+
+
+def test_check_group_gives_each_variant_its_verdict(tmp_path, monkeypatch):
+    """A variant that does not compile fails alone, with its own error (file and line); the other
+    variants of its program still pass."""
+    _write_kernel(tmp_path, monkeypatch, "template <int N> __global__ void k(float* x) {\n"
+                  "  static_assert(N != 2, \"no two\");\n  x[0] = N;\n}\n", "some.cu")
+    got = compiler.check_group("some.cu", ["k<1>", "k<2>", "k<3>"])
+    assert isinstance(got["k<2>"], str) and "kernels/some.cu(2)" in got["k<2>"] and "no two" in got["k<2>"]
+    for n in ("k<1>", "k<3>"):
+        cubin, lowered, log = got[n]
+        assert f"Compiling entry function '{lowered}' for 'sm_90'" in log and _sections(cubin).get(f".text.{lowered}")
