@@ -47,7 +47,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gptcuda import tokenizers as toks  # noqa: E402
-from gptcuda.checkpoint import atomic_open  # noqa: E402
+from gptcuda.checkpoint import atomic_open, current_umask  # noqa: E402
 from gptcuda.dataset import PREPARE_MARKER as MARKER  # noqa: E402  (lists the files of an install into DIR)
 from gptcuda.shards import HEADER_BYTES, MAGIC, VERSIONS, DataError, shard_version, write_shard  # noqa: E402
 
@@ -374,8 +374,7 @@ def _install(tmp: str, out: str, old_owned: set[str]) -> None:
 
 def _permissions(tmp: str) -> None:
     """Give the temp directory and its files (made private by mkdtemp/mkstemp) the usual umask modes."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask()
     os.chmod(tmp, 0o777 & ~umask)
     for name in os.listdir(tmp):
         os.chmod(os.path.join(tmp, name), 0o666 & ~umask)

@@ -15,7 +15,9 @@ The sha256 covers the header (serialised canonically without its "sha256" field)
 and every byte from the data start to the end of the file, so any flipped bit, in the metadata or the
 tensors, and any truncation is reported as corruption. Files are written to a
 temporary file in the same directory, fsync'd and renamed over the target, so a
-crash never leaves a half-written checkpoint under the real name.
+crash never leaves a half-written checkpoint under the real name. That write, `atomic_open`, is the one
+every file written atomically goes through (configs, metrics, tokenizers, shards, llm.c exports, compile cache
+entries, the GEMM tune table, the rendezvous file).
 """
 from __future__ import annotations
 
@@ -123,7 +125,15 @@ def _data_chunks(items, table, start: int):
         pos = e["offset"] + e["nbytes"]
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask, read without changing it where /proc allows (threads may be creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -163,7 +173,7 @@ def atomic_open(path: str, mode: str = "w", sync_dir: bool = False):
         raise type(e)(e.errno, e.strerror, path) from None
     try:
         try:
-            os.fchmod(fd, 0o666 & ~_umask())
+            os.fchmod(fd, 0o666 & ~current_umask())
         except OSError:
             pass
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:

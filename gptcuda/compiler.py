@@ -24,12 +24,13 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import uuid
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from .checkpoint import atomic_open
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 CACHE_FORMAT = 2
@@ -188,19 +189,6 @@ def _read_entry(path: Path, key: str | None = None, names=None):
         return None
 
 
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as f:       # read without changing it (threads may be running)
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _encode_entry(key: str, cubin: bytes, lowered: dict, log: str = "", ptxas_info: bool = False) -> bytes:
     header = json.dumps({"key": key, "size": len(cubin), "lowered": lowered, "log": log,
                          "ptxas_info": bool(ptxas_info)}).encode()
@@ -210,32 +198,19 @@ def _encode_entry(key: str, cubin: bytes, lowered: dict, log: str = "", ptxas_in
 
 def _write_entry(path: Path, key: str, cubin: bytes, lowered: dict, log: str = "",
                  ptxas_info: bool = False) -> bool:
-    """Write atomically; a cache that cannot be written is a warning, not an error (the caller has
-    its kernel). Returns whether the entry was written."""
-    tmp = None
+    """Write atomically (checkpoint.atomic_open: the umask's permissions); a cache that cannot be written
+    is a warning, not an error (the caller has its kernel). Returns whether the entry was written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_dir() and not path.is_symlink():
             _discard(path)                                    # renamed aside, then replaced
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
-        with os.fdopen(fd, "wb") as f:
+        with atomic_open(os.fspath(path), "wb") as f:
             f.write(_encode_entry(key, cubin, lowered, log, ptxas_info))
-            f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~_umask())       # mkstemp's 0600 would hide it from others
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
         return True
     except OSError as e:
         _warn(f"compile cache: could not write {path} ({e.__class__.__name__}: {e}); "
               "the kernel is compiled but not cached")
         return False
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import state
+from . import execution, state
 from .backend import Buffers, Program
 from .cuda_ops import attention, decode, elementwise, encoder, gemm, layernorm, loss, optim
 from .runtime import DeviceView, Runtime
@@ -39,6 +39,7 @@ class CudaBackend:
     def __init__(self, cfg, rt: Runtime | None = None):
         self.cfg = cfg
         self.rt = rt or Runtime(cfg.device, precision=cfg.precision, seed=cfg.seed)
+        self.rt.exec = self.exec = execution.resolve(cfg, arch=self.rt.arch)    # which kernels run
 
     attention_saved = staticmethod(attention_saved)
     workspaces = staticmethod(workspaces)

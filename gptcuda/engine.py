@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from . import compiler
+from . import compiler, execution
 from .checkpoint import CheckpointError
 from .batches import Batches
 from .memory import check_fits, plan_memory
@@ -65,6 +65,8 @@ class Engine:
             raise ValueError(f"the tokenizer's vocabulary ({self.n_vocab}) exceeds the model's ({vocab_size})")
         self.accum = int(accum)
         self.be = backend = backend or backend_class(cfg)(cfg)
+        # which kernels run (gptcuda/execution.py): the CUDA backend resolved it for its device
+        self.exec = getattr(backend, "exec", None) or execution.resolve(cfg)
         self.plan = plan_for(cfg, vocab_size, backend, self.accum)
         self.table = self.plan.table
         world, rank = (group.world_size, group.rank) if group is not None else (1, 0)

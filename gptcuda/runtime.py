@@ -2,15 +2,16 @@
 
 Launchers in gptcuda/cuda_ops/ use three things:
 
-    fn = rt.function("layernorm.cu", "layernorm_fwd<4>", {"BLOCK": 256})   # compiled once, cached
-    rt.launch(fn, grid, block, [out, mean, x, w, None, i32(N), f32(eps)], smem=0)
-    rt.workspace("att_q")                                                  # a planned scratch view
+    fn = rt.function("decode.cu", "decode_attention<64>")               # compiled once, cached
+    rt.launch(fn, grid, block, [part, qkv, kc, vc, pos, i32(H), i32(T), f32(scale)])
+    rt.workspace("attention_d")                                         # a planned scratch view
 
-Arguments are DeviceViews (passed as pointers), None (a null pointer), typed scalars
-(i32, u32, f32, u64) or a Blob (an opaque by-value struct: a TMA tensor map). `launch` packs the
-argument block once into a `Launch` and either runs it now (eager) or appends it to the program
-being recorded; a program replays its launches with no packing, or is captured once into a CUDA
-graph and replayed.
+and read which kernels to run from `rt.exec` (gptcuda/execution.py, resolved once). Arguments are
+DeviceViews (passed as pointers), None (a null pointer), typed scalars (i32, u32, f32, u64) or a
+Blob (an opaque by-value struct: a TMA tensor map); their sizes are checked against the kernel's
+parameters (cuFuncGetParamInfo). `launch` packs the argument block once into a `Launch` and either
+runs it now (eager) or appends it to the program being recorded; a program replays its launches
+with no packing, or is captured once into a CUDA graph and replayed.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import compiler
+from . import compiler, execution
 from .backend import Program
 from .driver import Device, call
 
@@ -232,11 +233,13 @@ class StreamCall:
 class Runtime:
     """One GPU: compiled functions, a stream, the program being recorded, graphs, memory."""
 
-    def __init__(self, device: int = 0, precision: str = "fp32", seed: int = 0):
+    def __init__(self, device: int = 0, precision: str = "fp32", seed: int = 0, plan=None):
         self.dev = Device(device)
         self.info = self.dev.info
         self.arch = self.info.arch
-        self.precision = precision
+        # which kernels run (gptcuda/execution.py): the backend sets the config's plan; a runtime made
+        # alone (tests, benchmarks) gets the plan of its device and precision
+        self.exec = plan or execution.resolve(arch=self.arch, precision=precision)
         self.seed = seed
         self.stream = self.dev.stream()
         self._functions: dict = {}
@@ -248,6 +251,17 @@ class Runtime:
         self.compile_seconds = 0.0
         self._host_allocs: list = []  # page-locked host buffers (pinned)
         self._side = None            # the communication stream, made on first use
+
+    @property
+    def precision(self) -> str:
+        return self.exec.precision
+
+    @precision.setter
+    def precision(self, value: str):
+        """Switch the GEMM and attention precision (tests, benchmarks): the plan follows."""
+        plan = self.__dict__.get("exec")
+        self.exec = plan.with_precision(value) if plan is not None else execution.resolve(
+            arch=getattr(self, "arch", None), precision=value)
 
     # ---- kernels ------------------------------------------------------------------
     def function(self, file: str, name: str, defines: dict | None = None) -> Function:

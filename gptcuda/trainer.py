@@ -5,7 +5,6 @@ logs and writes files (metrics, checkpoints, config, tokenizer)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import signal
 import threading
 import time
 
+from . import execution
 from .cli import RunError, UsageError, describe_os_error
 from .checkpoint import (FORMAT_VERSION, CheckpointError, atomic_open, load_checkpoint, read_checkpoint_meta,
                          save_checkpoint, temp_files)
@@ -21,6 +21,7 @@ from .config import (accum_steps, compare_for_resume, format_config, model_vocab
                      validate_against_data)
 from .dataset import open_dataset
 from .engine import Engine, plan_for
+from .interop import init_for_training
 from .tokenizers import load_tokenizer
 
 PEAK_TFLOPS = {"fp32": 67.0, "tf32": 495.0}   # H100/H200 SXM dense datasheet rates, for MFU
@@ -47,7 +48,7 @@ def _quiet(*a, **k):
     pass
 
 
-RUN_FILES = ("last.ckpt", "best.ckpt", "metrics.jsonl", "config.yaml", "tokenizer.json")
+RUN_FILES = ("last.ckpt", "best.ckpt", "metrics.jsonl", "config.yaml", "tokenizer.json", "execution.json")
 RUN_MARKERS = ("last.ckpt", "best.ckpt", "metrics.jsonl")      # a directory holding one of these holds a run
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}        # 128 + the signal, as a shell reports it
 
@@ -134,7 +135,7 @@ class Trainer:
         if resume and overwrite:
             raise UsageError("--resume continues the run in out_dir and --overwrite replaces it: pass one")
         check_device(cfg)
-        init = resolve_init(cfg) if cfg.init_from else None
+        init = init_for_training(cfg) if cfg.init_from else None
         if init is not None:
             cfg = init.cfg
         self.group = group
@@ -176,6 +177,7 @@ class Trainer:
         log(plan_for(cfg, V, accum=self.accum).format())
         self.eng = Engine(cfg, self.data.train, self.data.val, V, group=group, n_vocab=self.data.vocab_size,
                           accum=self.accum)
+        log(self.eng.exec.format())
         if self.eng.dp is not None:
             log(self.eng.dp.describe())
         self.cfg = self.eng.cfg
@@ -260,6 +262,8 @@ class Trainer:
                     pass
                 self.data.tokenizer.save(os.path.join(out, "tokenizer.json"))
             save_config(self.cfg, os.path.join(out, "config.yaml"))
+            with atomic_open(os.path.join(out, "execution.json")) as f:     # which kernels run (execution.py)
+                f.write(json.dumps(self.eng.exec.to_dict(), indent=1) + "\n")
             self.metrics = open(mpath, "a", encoding="utf-8")
         except BaseException as e:          # an OSError, or Ctrl-C while setting up
             if self.metrics is not None:
@@ -452,35 +456,6 @@ def cut_metrics(path: str, step: int, evaluated_step: int) -> int:
     return dropped
 
 
-@dataclasses.dataclass
-class Init:
-    cfg: object            # the config with the model settings the weights fix
-    named: dict            # the parameters, our names and layouts
-    tokenizer: dict | None # a run's own tokenizer (its ids), None: cfg.tokenizer says it
-    changes: list          # "key config -> weights" for each setting the weights changed
-
-
-def resolve_init(cfg) -> Init:
-    """The weights of cfg.init_from (hf:DIR, llmc:FILE, a run directory or .ckpt) and the config they
-    imply: n_layer, n_head, n_embd, bias, vocabulary and tokenizer come from the weights; block_size
-    stays the config's and crops the position embedding (at most the weights' positions)."""
-    from .interop import InteropError, _parse_spec, load_init, load_run
-    try:
-        named, over = load_init(cfg.init_from, cfg, block_size=cfg.block_size)
-        kind, where = _parse_spec(cfg.init_from)
-        tok = None
-        if kind in ("run", "ckpt"):
-            run_dir = where if kind == "run" else os.path.dirname(os.path.abspath(where))
-            tok = load_run(run_dir, where if kind == "ckpt" else None).tokenizer
-    except InteropError as e:
-        raise CheckpointError(f"init_from: {e}") from None
-    except FileNotFoundError as e:
-        raise CheckpointError(f"init_from {cfg.init_from}: {e}") from None
-    changes = [f"{k} {getattr(cfg, k)!r} -> {v!r}" for k, v in over.items()
-               if k != "vocab_size" and getattr(cfg, k) != v]
-    return Init(dataclasses.replace(cfg, **over), named, tok, changes)
-
-
 def open_run_data(cfg, world: int = 1, saved_tokenizer: dict | None = None):
     """(dataset, the model's vocabulary, micro-batches a step) of a config, checked against each other."""
     data = open_dataset(cfg.data, cfg.tokenizer, saved_tokenizer=saved_tokenizer, val_data=cfg.val_data)
@@ -493,3 +468,5 @@ def print_plan(cfg, log=print):
     log(format_config(cfg))
     log(data.describe())
     log(plan_for(cfg, V, accum=accum).format(detail=True))
+    log(execution.resolve(cfg, arch="sm_90").format() + ("\n  (for an sm_90 device; a run logs its own and saves it "
+                                                         "as execution.json)" if cfg.backend == "cuda" else ""))

@@ -1,4 +1,4 @@
-// Unfused causal self-attention: the pieces around the batched matmuls (gemm.cu).
+// Unfused causal self-attention: the pieces around the batched matmuls (gemm_*.cu).
 //
 //   forward:  qkv [B,T,3C] --attn_permute_in--> q,k,v [B,H,T,hs]
 //             probs = (q k^T) * scale                (gemm, into the saved probs [B,H,T,T])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gptcuda import compiler
+from gptcuda import checkpoint, compiler
 from gptcuda.cuda_backend import FAMILIES
 
 pytest.importorskip("cuda.bindings.nvrtc")
@@ -92,7 +92,7 @@ def test_corrupt_entry_is_detected_and_rebuilt(tmp_path, monkeypatch):
     assert compiler.stats["corrupt"] == before + 1
     assert not b.from_cache and b.cubin == a.cubin
     assert compiler.compile_kernel("probe.cu", ["k<1>"]).from_cache
-    assert not list(path.parent.glob(".tmp-*"))        # atomic writes leave no temporaries
+    assert not list(path.parent.glob(".*.tmp"))        # atomic writes leave no temporaries
 
 
 def test_compile_error_shows_file_and_line(tmp_path, monkeypatch):
@@ -241,12 +241,12 @@ def test_unwritable_cache_still_compiles(tmp_path, monkeypatch):
 def test_entries_follow_the_umask(tmp_path, monkeypatch, umask):
     old = os.umask(umask)
     try:
-        assert compiler._umask() == umask
+        assert checkpoint.current_umask() == umask
         _, path = _probe(tmp_path, monkeypatch)
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
-    assert not list(path.parent.glob(".tmp-*")) and not list(path.parent.glob("*.lock"))
+    assert not list(path.parent.glob(".*.tmp")) and not list(path.parent.glob("*.lock"))
 
 
 def _sections(elf: bytes) -> dict:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+from .. import execution
+from . import cdiv
 from ..runtime import DeviceView, f32, i32, u32
 
 FILE = "attention.cu"
@@ -122,7 +124,7 @@ def _aligned(*views) -> bool:
 
 
 def _grid_1d(n: int, threads: int) -> int:
-    return max(1, min((n + threads - 1) // threads, MAX_GRID))
+    return max(1, min(cdiv(n, threads), MAX_GRID))
 
 
 def _dropout_args(rt, p: float, site: int):
@@ -157,20 +159,27 @@ def permute_out(rt, out: DeviceView, ins, B, T, H, hs):
 
 # ---------------------------------------------------------------------------- ops
 
+def _path(rt, saved, op):
+    """The attention path of the execution plan (unfused | flash | flash_tc), checked against the
+    tensors the memory plan saved for it; a runtime without a config's plan: as `saved` says."""
+    path = execution.of(rt).attention
+    want = "probs" if path == "unfused" else "lse" if path is not None else ("probs" if "probs" in saved else "lse")
+    if want not in saved:
+        raise KeyError(f"{op}: the plan's attention {path or 'path'} needs the saved {want!r}, the memory plan "
+                       f"saved {sorted(saved)}")
+    return want
+
+
 def attention_fwd(rt, y, qkv, saved, n_head, p, site):
-    if "probs" in saved:
+    if _path(rt, saved, "attention_fwd") == "probs":
         return _unfused_fwd(rt, y, qkv, saved["probs"], n_head, p, site)
-    if "lse" in saved:
-        return _fused_fwd(rt, y, qkv, saved["lse"], n_head, p, site)
-    raise KeyError(f"attention_fwd: saved has neither 'probs' nor 'lse' ({sorted(saved)})")
+    return _fused_fwd(rt, y, qkv, saved["lse"], n_head, p, site)
 
 
 def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site):
-    if "probs" in saved:
+    if _path(rt, saved, "attention_bwd") == "probs":
         return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site)
-    if "lse" in saved:
-        return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site)
-    raise KeyError(f"attention_bwd: saved has neither 'probs' nor 'lse' ({sorted(saved)})")
+    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site)
 
 
 # ---- unfused
@@ -185,7 +194,7 @@ def _unfused_fwd(rt, y, qkv, probs, n_head, p, site):
     permute_in(rt, (q, k, v), qkv, B, T, H, hs)
     matmul_batched(rt, probs, q, k, trans_a=False, trans_b=True, alpha=1.0 / math.sqrt(hs))
     rows = B * H * T
-    grid = ((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,)
+    grid = (cdiv(rows, ROWS_PER_BLOCK),)
     drop = float(p) > 0
     pd = _view(rt.workspace("attention_att"), (B, H, T, T)) if drop else None
     fn = rt.function(FILE, f"attn_softmax_fwd<{'true' if drop else 'false'}>")
@@ -205,7 +214,7 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site):
     att = _view(rt.workspace("attention_att"), (B, H, T, T))
     probs = _view(probs, (B, H, T, T))
     rows = B * H * T
-    grid = ((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK,)
+    grid = (cdiv(rows, ROWS_PER_BLOCK),)
     drop = float(p) > 0
     dargs = _dropout_args(rt, p, site)
 
@@ -287,8 +296,14 @@ def _fused_check(hs, *views):
         raise ValueError("fused attention needs 16-byte aligned qkv / y / dy / dqkv")
 
 
+def _tc(rt) -> bool:
+    """Flash attention on tensor cores (the execution plan's flash_tc: tf32)."""
+    path = execution.of(rt).attention
+    return path == "flash_tc" if path is not None else execution.of(rt).precision == "tf32"
+
+
 def _flash_name(kind: str, rt, hs: int, p: float) -> str:
-    tc = "_tc" if rt.precision == "tf32" else ""
+    tc = "_tc" if _tc(rt) else ""
     return f"flash_{kind}{tc}<{hs},{'true' if float(p) > 0 else 'false'}>"
 
 
@@ -296,10 +311,10 @@ def _fused_fwd(rt, y, qkv, lse, n_head, p, site):
     B, T, C, H, hs = _split(qkv, n_head)
     _fused_check(hs, qkv, y)
     lse = _view(lse, (B, H, T))
-    tc = rt.precision == "tf32"
+    tc = _tc(rt)
     fn = rt.function(FLASH_FILE, _flash_name("fwd", rt, hs, p))
     br = flash_rows("fwd", hs, tc)
-    rt.launch(fn, (B * H, (T + br - 1) // br), (FLASH_THREADS,),
+    rt.launch(fn, (B * H, cdiv(T, br)), (FLASH_THREADS,),
               [y, lse, qkv] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
               smem=flash_smem_bytes("fwd", hs, tc), label="flash_fwd")
 
@@ -309,15 +324,15 @@ def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     _fused_check(hs, qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))
-    tc = rt.precision == "tf32"
+    tc = _tc(rt)
     rows = B * T * H
     rt.launch(rt.function(FLASH_FILE, "flash_rowsum_do"), ((rows + 7) // 8,), (ROWSUM_THREADS,),
               [D, dy, y, i32(rows), i32(T), i32(H), i32(hs)], label="flash_rowsum_do")
     args = [dqkv, qkv, dy, lse, D] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     bq, bk = flash_rows("dq", hs, tc), flash_rows("dkv", hs, tc)
     rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", rt, hs, p)),
-              (B * H, (T + bq - 1) // bq), (FLASH_THREADS,), args,
+              (B * H, cdiv(T, bq)), (FLASH_THREADS,), args,
               smem=flash_smem_bytes("dq", hs, tc), label="flash_bwd_dq")
     rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dkv", rt, hs, p)),
-              (B * H, (T + bk - 1) // bk), (FLASH_THREADS,), args,
+              (B * H, cdiv(T, bk)), (FLASH_THREADS,), args,
               smem=flash_smem_bytes("dkv", hs, tc), label="flash_bwd_dkv")

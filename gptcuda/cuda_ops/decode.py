@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from . import gemm
+from . import cdiv, gemm
 from ..memory import DECODE_ATT_CHUNK as ATT_CHUNK
 from ..runtime import f32, i32
 
@@ -38,13 +38,13 @@ VARIANTS = ([(FILE, "decode_embed", {}), (FILE, "decode_sample", {}), (FILE, "de
 def decode_embed(rt, out, ctx, wte, wpe, pos):
     S, C = int(out.shape[0]), int(out.shape[-1])
     T = int(ctx.shape[1]) - 1
-    rt.launch(rt.function(FILE, "decode_embed"), (-(-S * C // 256),), (256,),
+    rt.launch(rt.function(FILE, "decode_embed"), (cdiv(S * C, 256),), (256,),
               [out, ctx, wte, wpe, pos, i32(S), i32(C), i32(T)], label="decode_embed")
 
 
 def attention_chunks(Tmax: int) -> int:
     """Key chunks of the split attention (kernels/decode.cu ATT_CHUNK keys each)."""
-    return -(-int(Tmax) // ATT_CHUNK)
+    return cdiv(int(Tmax), ATT_CHUNK)
 
 
 def decode_attention(rt, y, qkv, kcache, vcache, n_head, pos, part):
@@ -90,5 +90,5 @@ def decode_linear(rt, out, a, w, bias=None, epilogue="none", aux=None):
                          f"aux {'given' if aux is not None else 'none'}")
     mt = next(r for r in LINEAR_ROWS if M <= r)
     cols = LINEAR_BLOCK_COLS[mt]
-    rt.launch(rt.function(FILE, f"decode_linear<{mt}, {LINEAR_EPILOGUES[epilogue]}>"), (-(-N // cols),),
+    rt.launch(rt.function(FILE, f"decode_linear<{mt}, {LINEAR_EPILOGUES[epilogue]}>"), (cdiv(N, cols),),
               (32 * LINEAR_WARPS,), [out, aux, a, w, bias, i32(M), i32(N), i32(K)], label="decode_linear")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from .. import rng
 from ..backend import rows
 from ..runtime import f32, i32, u32
+from . import cdiv
 
 FILE = "elementwise.cu"
 THREADS = 256
@@ -44,17 +45,13 @@ def workspace(cfg) -> dict:
     return {WORKSPACE: ((MAX_CHUNKS, width), "f32")}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _aligned(*views) -> bool:
     return all(v is None or v.ptr % 16 == 0 for v in views)
 
 
 def _ew_geometry(n: int, vec: int):
     threads = n // 4 + n % 4 if vec == 4 else n
-    return (_cdiv(threads, THREADS),), (THREADS,)
+    return (cdiv(threads, THREADS),), (THREADS,)
 
 
 def _check_same(label, *views):
@@ -120,14 +117,14 @@ def bias_grad(rt, db, dout):
     if db.numel != N:
         raise ValueError(f"bias_grad: db {db.shape} does not match dout {dout.shape}")
     part = rt.workspace(WORKSPACE)
-    rpc = max(MIN_CHUNK_ROWS, _cdiv(M, MAX_CHUNKS))
-    chunks = _cdiv(M, rpc)
+    rpc = max(MIN_CHUNK_ROWS, cdiv(M, MAX_CHUNKS))
+    chunks = cdiv(M, rpc)
     if part.numel < chunks * N:
         raise ValueError(f"workspace {WORKSPACE} {part.shape} is too small for {chunks} chunks x {N} columns")
     vec = 4 if N % 4 == 0 and _aligned(dout) else 1
-    rt.launch(rt.function(FILE, f"bias_grad_partial<{vec}>"), (_cdiv(N, 32 * vec), chunks), (BG_WARPS * 32,),
+    rt.launch(rt.function(FILE, f"bias_grad_partial<{vec}>"), (cdiv(N, 32 * vec), chunks), (BG_WARPS * 32,),
               [part, dout, i32(M), i32(N), i32(rpc)], label="bias_grad_partial")
-    rt.launch(rt.function(FILE, "bias_grad_reduce"), (_cdiv(N, 32),), (BG_WARPS * 32,),
+    rt.launch(rt.function(FILE, "bias_grad_reduce"), (cdiv(N, 32),), (BG_WARPS * 32,),
               [db, part, i32(chunks), i32(N)], label="bias_grad_reduce")
 
 

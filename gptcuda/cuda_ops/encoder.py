@@ -21,6 +21,7 @@ that no token uses are left bitwise as they were by the sorted path. Two ways (`
 from __future__ import annotations
 
 from ..runtime import i32
+from . import cdiv
 
 FILE = "encoder.cu"
 THREADS = 256
@@ -71,23 +72,19 @@ def sort_plan(N: int, V: int):
     """(kernel name, dynamic shared bytes, nbits, passes) of encoder_bwd_sort for N tokens."""
     e = next(e for e in SORT_KEYS if e * SORT_THREADS >= N)
     smem = 4 * (_pad(e * SORT_THREADS) + _pad(SORT_BINS * SORT_THREADS))
-    return f"encoder_bwd_sort<{e}>", smem, _key_bits(N), -(-V.bit_length() // 4)
+    return f"encoder_bwd_sort<{e}>", smem, _key_bits(N), cdiv(V.bit_length(), 4)
 
 
 def bwd_wte_method(N: int, C: int, V: int, vec: int = 4) -> str:
     """"scan" or "sort" for dwte (see the module docstring)."""
     if not _sortable(N, V):
         return "scan"
-    tiles = _cdiv(C, 32 * vec)
+    tiles = cdiv(C, 32 * vec)
     return "scan" if V * tiles * N <= SCAN_MAX_WORK else "sort"
 
 
 def _aligned(*views) -> bool:
     return all(v is None or v.ptr % 16 == 0 for v in views)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_idx(idx, out_lead):
@@ -110,7 +107,7 @@ def encoder_fwd(rt, out, idx, wte, wpe):
     vec = 4 if C % 4 == 0 and _aligned(out, wte, wpe) else 1
     fn = rt.function(FILE, f"encoder_fwd<{vec}>")
     total = N * (C // vec)
-    rt.launch(fn, (_cdiv(total, THREADS),), (THREADS,),
+    rt.launch(fn, (cdiv(total, THREADS),), (THREADS,),
               [out, idx, wte, wpe, i32(N), i32(T), i32(C), i32(V)], label="encoder_fwd")
 
 
@@ -139,7 +136,7 @@ def encoder_bwd(rt, dwte, dwpe, dout, idx, *, method=None):
         raise ValueError(f"encoder_bwd: sequence length {T} exceeds wpe rows {Tmax}")
     N = B * T
     vec = 4 if C % 4 == 0 and _aligned(dwte, dout) else 1
-    tiles = _cdiv(C, 32 * vec)
+    tiles = cdiv(C, 32 * vec)
     method = method or bwd_wte_method(N, C, V, vec)
     if method == "sort":
         if not _sortable(N, V):
@@ -150,7 +147,7 @@ def encoder_bwd(rt, dwte, dwpe, dout, idx, *, method=None):
         rt.launch(rt.function(FILE, name), (1,), (SORT_THREADS,),
                   [ws, idx, i32(N), i32(V), i32(nbits), i32(passes)], smem=smem, label="encoder_bwd_sort")
         sms = int(getattr(getattr(rt, "info", None), "sm_count", 132))
-        grid = max(1, min(SEG_BLOCKS_PER_SM * sms, _cdiv(N * tiles, SEG_WARPS)))
+        grid = max(1, min(SEG_BLOCKS_PER_SM * sms, cdiv(N * tiles, SEG_WARPS)))
         rt.launch(rt.function(FILE, f"encoder_bwd_wte_seg<{vec}>"), (grid,), (SEG_WARPS * 32,),
                   [dwte, dout, ws, i32(N), i32(C), i32(tiles)], label="encoder_bwd_wte_seg")
     elif method == "scan":
@@ -162,5 +159,5 @@ def encoder_bwd(rt, dwte, dwpe, dout, idx, *, method=None):
     vec = 4 if C % 4 == 0 and _aligned(dwpe, dout) else 1
     fn = rt.function(FILE, f"encoder_bwd_wpe<{vec}>")
     total = Tmax * (C // vec)
-    rt.launch(fn, (_cdiv(total, THREADS),), (THREADS,),
+    rt.launch(fn, (cdiv(total, THREADS),), (THREADS,),
               [dwpe, dout, i32(B), i32(T), i32(Tmax), i32(C)], label="encoder_bwd_wpe")

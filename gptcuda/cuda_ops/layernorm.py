@@ -13,6 +13,7 @@ from __future__ import annotations
 from .. import faults
 from ..backend import rows
 from ..runtime import i32
+from . import cdiv
 
 FILE = "layernorm.cu"
 WARPS = 8
@@ -38,10 +39,6 @@ def workspace(cfg) -> dict:
     return {WORKSPACE: ((MAX_BLOCKS, 2 * int(cfg.n_embd)), "f32")}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _aligned(*views) -> bool:
     return all(v is None or v.ptr % 16 == 0 for v in views)
 
@@ -49,7 +46,7 @@ def _aligned(*views) -> bool:
 def _nv(C: int, *views) -> int:
     """Register-path float4 count per lane, or 0 for the loop kernels."""
     if C % 4 == 0 and C <= 128 * MAX_NV and _aligned(*views):
-        return _cdiv(C, 128)
+        return cdiv(C, 128)
     return 0
 
 
@@ -65,7 +62,7 @@ def layernorm_fwd(rt, out, mean, rstd, x, w, b):
     nv = _nv(C, out, x, w, b)
     name = f"layernorm_fwd_reg<{nv}, {_bias(b)}>" if nv else f"layernorm_fwd_loop<{_bias(b)}>"
     fn = rt.function(FILE, name)
-    rt.launch(fn, (_cdiv(N, WARPS),), (THREADS,), [out, mean, rstd, x, w, b, i32(N), i32(C)],
+    rt.launch(fn, (cdiv(N, WARPS),), (THREADS,), [out, mean, rstd, x, w, b, i32(N), i32(C)],
               label="layernorm_fwd")
 
 
@@ -77,7 +74,7 @@ def layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w):
     part = rt.workspace(WORKSPACE)
     nv = _nv(C, dx, dout, x, w, part)
     if nv:
-        G = min(_cdiv(N, WARPS), MAX_BLOCKS)
+        G = min(cdiv(N, WARPS), MAX_BLOCKS)
         name = f"layernorm_bwd_reg<{nv}, {_bias(db)}>"
     else:
         G = min(N, MAX_BLOCKS)
@@ -88,5 +85,5 @@ def layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w):
     rt.launch(rt.function(FILE, name, defines), (G,), (THREADS,),
               [dx, part, dout, x, mean, rstd, w, i32(N), i32(C)], label="layernorm_bwd")
     ncols = 2 * C if db is not None else C
-    rt.launch(rt.function(FILE, "layernorm_bwd_reduce"), (_cdiv(ncols, 32),), (THREADS,),
+    rt.launch(rt.function(FILE, "layernorm_bwd_reduce"), (cdiv(ncols, 32),), (THREADS,),
               [dw, db, part, i32(G), i32(C)], label="layernorm_bwd_reduce")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..backend import rows
 from ..runtime import f32, i32
+from . import cdiv
 
 FILE = "loss.cu"
 WARPS = 8
@@ -29,10 +30,6 @@ VARIANTS = (
 
 def workspace(cfg) -> dict:
     return {}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def crossentropy(rt, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
@@ -52,7 +49,7 @@ def crossentropy(rt, losses, dlogits, logits, targets, grad_scale, n_vocab=None)
     g = "true" if grad else "false"
     args = [losses, dlogits if grad else None, logits, targets, i32(N), i32(V), i32(Vr), f32(grad_scale)]
     if V <= WARP_MAX_V:
-        rt.launch(rt.function(FILE, f"crossentropy_warp<{g}>"), (_cdiv(N, WARPS),), (THREADS,), args,
+        rt.launch(rt.function(FILE, f"crossentropy_warp<{g}>"), (cdiv(N, WARPS),), (THREADS,), args,
                   label="crossentropy")
     else:
         rt.launch(rt.function(FILE, f"crossentropy_block<{g}>"), (N,), (THREADS,), args, label="crossentropy")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import f32, i32, u64
+from . import cdiv
 
 FILE = "optim.cu"
 NORM_THREADS = 512
@@ -36,10 +37,6 @@ VARIANTS = (
 def workspace(cfg) -> dict:
     """NORM_BLOCKS double partials (stored as 2 * NORM_BLOCKS f32 words)."""
     return {WORKSPACE: ((2 * NORM_BLOCKS,), "f32")}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _aligned(*views) -> bool:
@@ -79,7 +76,7 @@ def grad_norm(rt, grads):
 
 def norm_blocks(n: int, vec: int = 4) -> int:
     """Blocks of the norm's first pass over n elements read vec at a time (at most NORM_BLOCKS)."""
-    return max(1, min(NORM_BLOCKS, _cdiv(max(n // vec, 1), NORM_THREADS)))
+    return max(1, min(NORM_BLOCKS, cdiv(max(n // vec, 1), NORM_THREADS)))
 
 
 def grad_norm_partial(rt, grads, blocks: int | None = None):
@@ -120,7 +117,7 @@ def adamw(rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, gra
     vec = 4 if _aligned(params, grads, m, v) else 1
     units = n // 4 + n % 4 if vec == 4 else n
     sms = int(getattr(getattr(rt, "info", None), "sm_count", 132) or 132)
-    G = max(1, min(_cdiv(units, ADAM_THREADS), sms * ADAM_BLOCKS_PER_SM))
+    G = max(1, min(cdiv(units, ADAM_THREADS), sms * ADAM_BLOCKS_PER_SM))
     rt.launch(rt.function(FILE, f"adamw<{vec}>"), (G,), (ADAM_THREADS,),
               [params, grads, m, v, i32(n), i32(n_decay), f32(beta1), f32(beta2), f32(eps),
                f32(weight_decay), f32(grad_clip), st], label="adamw")

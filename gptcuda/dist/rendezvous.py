@@ -9,6 +9,7 @@ import struct
 import time
 import zlib
 
+from ..checkpoint import atomic_open
 from .env import DistEnv, DistError, parse_env
 from .nccl import NcclComm, load_nccl
 
@@ -125,15 +126,9 @@ def rdzv_path(env: DistEnv) -> str:
 
 
 def _write_file(env: DistEnv, payload: bytes):
-    path = rdzv_path(env)
-    os.makedirs(env.rdzv_dir, exist_ok=True)
     blob = MAGIC + struct.pack(">iII", env.world_size, zlib.crc32(payload), len(payload)) + payload
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
+    with atomic_open(rdzv_path(env), "wb") as f:          # makes rdzv_dir; readers never see a partial file
         f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _read_file(env: DistEnv, deadline: float) -> bytes:

@@ -780,8 +780,8 @@ def test_matmul_shape_errors():
 
 def test_splitk_plan_and_workspace():
     cfg = SimpleNamespace(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6,
-                          vocab_size=65, attention="unfused")
-    ws = gemm.workspace(cfg)
+                          vocab_size=65, attention="unfused", precision="fp32", fp32_gemm="ffma")
+    ws = gemm.workspace(cfg)                     # SIMT only: the split-K partials alone
     (shape, dtype), = ws.values()
     assert "gemm_splitk" in ws and dtype == "f32"
     cap = shape[0]

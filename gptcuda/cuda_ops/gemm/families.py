@@ -17,6 +17,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
+from ...execution import GEMM_FAMILIES, WGMMA_ARCHS
+from .. import cdiv  # noqa: F401 (plan.py, launch.py and gemm/__init__ import it from here)
+
 SIMT_FILE = "gemm_simt.cu"
 TF32_FILE = "gemm_tf32.cu"
 WGMMA_FILE = "gemm_wgmma.cu"
@@ -70,7 +73,7 @@ WGMMA_TILES = ((128, 128, 3, 0), (128, 192, 4, 0), (128, 256, 4, 0), (256, 128, 
 # rate relative to the mma.sync 256x128 tile (wgmma's dense TF32 peak is ~1.6x mma.sync's); set from
 # bench/gemm.py --sweep on the H200: TMA beats cp.async by 5-20% at 192- and 256-wide tiles
 WGMMA_EFFICIENCY = dict(zip(WGMMA_TILES, (1.35, 1.5, 1.5, 1.5, 1.1, 1.4, 1.65, 1.75, 1.7)))
-WGMMA_ARCHS = ("sm_90",)       # compiled for sm_90a (compiler.ARCH_SPECIFIC)
+# the warpgroup-MMA kernels' devices (compiled for sm_90a: compiler.ARCH_SPECIFIC): gptcuda/execution.py
 # fp32 through three TF32 products (family "wgmma3", the TMA kernel with PRODUCTS = 3): each slot
 # holds hi and lo tiles of both operands, twice a TF32 slot, so fewer stages fit: (BM, BN, STAGES, 1).
 # A thread keeps two sets of BN / 2 accumulators (the sum and the k tile's partial), so only two
@@ -96,10 +99,6 @@ SPLIT_ALIGN = 32          # k_chunk is a multiple of this (keeps 16-byte alignme
 MAX_SPLITS = 32
 MAX_GRID_Z = 65535
 REDUCE_THREADS = 256
-
-
-def cdiv(a, b):
-    return -(-a // b)
 
 
 def _b(x: bool) -> str:
@@ -230,7 +229,7 @@ FAMILIES = {f.name: f for f in (
            tma=lambda t: True, k_major=True, products=3, base="simt",
            needs="sm_90, K % 4 == 0, one product and the gemm_split_a/_b workspaces"),
 )}
-PRECISION_FAMILIES = {"fp32": "simt", "tf32": "tf32"}     # rt.precision -> its base family
+PRECISION_FAMILIES = GEMM_FAMILIES     # precision -> its base family (gptcuda/execution.py decides)
 
 
 def _variants():

@@ -1,12 +1,12 @@
 """Which operand layouts the warpgroup-MMA families (K-major A and B only) can run, and with which
 re-layout: B transposed first ("transpose"), A (and B) transposed first in k slabs
 ("transpose_a" / "transpose_ab"), or, for 3xTF32, both split into hi and lo halves; on which device
-(`wgmma_device`) and with which planned scratch (WGMMA_WORKSPACES) of a runtime."""
+(`wgmma_device`: the runtime's execution plan, gptcuda/execution.py) and with which planned scratch
+(WGMMA_WORKSPACES) of a runtime."""
 from __future__ import annotations
 
-import os
-
-from .families import FAMILIES, PRECISION_FAMILIES, SPLIT_ALIGN, WGMMA_ARCHS
+from ... import execution
+from .families import FAMILIES, SPLIT_ALIGN
 
 WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT", "gemm_split_a", "gemm_split_b")   # scratch only the wgmma kernels read
 
@@ -87,11 +87,8 @@ def mode_flags(family, wgmma):
 
 # ---- a runtime's device and planned workspaces ----------------------------------------------------
 def precision_family(rt) -> str:
-    """The base family rt.precision runs on (FAMILIES key)."""
-    prec = getattr(rt, "precision", "fp32")
-    if prec not in PRECISION_FAMILIES:
-        raise ValueError(f"matmul: unknown precision {prec!r} (fp32 | tf32)")
-    return PRECISION_FAMILIES[prec]
+    """The base family the execution plan runs on (FAMILIES key)."""
+    return execution.of(rt).gemm_family
 
 
 def ws_capacity(rt, name="gemm_splitk"):
@@ -105,8 +102,8 @@ def ws_capacity(rt, name="gemm_splitk"):
 
 
 def wgmma_device(rt) -> bool:
-    """Whether rt's device runs the warpgroup-MMA kernels (sm_90; GPTCUDA_WGMMA=0: never)."""
-    return getattr(rt, "arch", None) in WGMMA_ARCHS and os.environ.get("GPTCUDA_WGMMA", "1") != "0"
+    """Whether the warpgroup-MMA kernels run (the execution plan's `wgmma`: sm_90, GPTCUDA_WGMMA != 0)."""
+    return execution.of(rt).wgmma
 
 
 def device_workspaces(ws: dict, rt) -> dict:
@@ -120,9 +117,10 @@ def device_workspaces(ws: dict, rt) -> dict:
 def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0):
     """`wgmma_layout_mode` of this launch with rt's planned workspaces where the kernels exist (an
     sm_90 device; GPTCUDA_WGMMA=0: never), else False."""
-    if not wgmma_device(rt):
+    plan = execution.of(rt)
+    if not plan.wgmma or (plan.precision == "fp32" and not plan.fp32_as_3xtf32):
         return False
-    return wgmma_layout_mode(getattr(rt, "precision", "fp32"), trans_a, trans_b, vec, M, N, K, batch,
+    return wgmma_layout_mode(plan.precision, trans_a, trans_b, vec, M, N, K, batch,
                              {name: ws_capacity(rt, name)[1] for name in WGMMA_WORKSPACES})
 
 

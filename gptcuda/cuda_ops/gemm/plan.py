@@ -309,7 +309,7 @@ def workspace(cfg) -> dict:
         V = int(getattr(cfg, "vocab_size", 0) or 0)
         head = (V + cfg.n_embd) * cdiv(K, HEAD_SLABS) if V else 0
         out["gemm_aT"] = ((max(max((m + n) * K for m, n in layer_shapes), head),), "f32")
-    elif getattr(cfg, "fp32_gemm", "ffma") == "3xtf32":
+    elif getattr(cfg, "fp32_gemm", "3xtf32") == "3xtf32":      # the Config default
         # the hi and lo halves of the 3xTF32 operands, up to [tokens, 4C] each: A the MLP's second
         # product's input, the backward's dY of the first or, transposed, a weight gradient's dY;
         # B a weight (or its transpose) or, transposed, a weight gradient's input activation

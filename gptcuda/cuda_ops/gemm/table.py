@@ -7,9 +7,10 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
+from ... import execution
+from ...checkpoint import atomic_open
 from .families import EPILOGUE_CODES, FAMILIES
 from .layout import precision_family, rt_transpose_a_slab
 from .plan import Plan, make_plan, plan_unfit, slab_epi_ok
@@ -112,16 +113,8 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
     doc["entries"].update(entries)
     if meta:
         doc["meta"] = meta
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(os.fspath(path)) as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
     _tables.pop(str(path), None)
     load_table(gpu_name, src_hash)
     return path
@@ -131,7 +124,7 @@ def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=Fa
     """The table's plan for `key` if there is one this launch can use (its alignment allows the
     tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch; transpose_a: rt's
     "gemm_aT" holds its k slab, and its epilogue is linear where it runs in slabs), else None."""
-    if os.environ.get("GPTCUDA_GEMM_TUNE", "1") == "0":
+    if not execution.of(rt).gemm_table:                 # GPTCUDA_GEMM_TUNE=0
         return None
     name = getattr(getattr(rt, "info", None), "name", None)
     if not isinstance(name, str):

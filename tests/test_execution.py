@@ -1,0 +1,67 @@
+"""The execution plan (gptcuda/execution.py): its rules, that train.py --plan prints it without a GPU
+and a run saves it, and that the recorded step follows it (no kernel outside what it allows)."""
+import json
+
+import numpy as np
+import pytest
+
+import train
+from gptcuda import execution
+from gptcuda.config import load_config
+
+
+def cfg_of(*over):
+    return load_config("configs/tiny.yaml", list(over))
+
+
+@pytest.mark.parametrize("precision,fp32_gemm,arch,env,family,wgmma,three", [
+    ("tf32", "3xtf32", "sm_90", {}, "tf32", True, False),
+    ("fp32", "3xtf32", "sm_90", {}, "simt", True, True),
+    ("fp32", "ffma", "sm_90", {}, "simt", True, False),
+    ("fp32", "3xtf32", "sm_80", {}, "simt", False, False),
+    ("tf32", "3xtf32", "sm_90", {"GPTCUDA_WGMMA": "0"}, "tf32", False, False),
+])
+def test_rules(precision, fp32_gemm, arch, env, family, wgmma, three):
+    p = execution.resolve(cfg_of(f"--precision={precision}", f"--fp32_gemm={fp32_gemm}"), arch=arch, env=env)
+    assert (p.gemm_family, p.wgmma, p.fp32_as_3xtf32) == (family, wgmma, three)
+    assert p.env == tuple(env.items())
+    assert p.gemm_table and not execution.resolve(cfg_of(), env={"GPTCUDA_GEMM_TUNE": "0"}).gemm_table
+
+
+def test_attention_paths_and_precision_switch():
+    assert execution.resolve(cfg_of("--attention=unfused")).attention == "unfused"
+    assert execution.resolve(cfg_of("--attention=fused")).attention == "flash"
+    p = execution.resolve(cfg_of("--attention=fused", "--precision=tf32"))
+    assert p.attention == "flash_tc" and p.with_precision("fp32").attention == "flash"
+    assert execution.resolve(cfg_of("--backend=reference")).format().startswith("execution plan\n  reference")
+
+
+def test_plan_flag_prints_it(capsys):
+    assert train.main(["configs/tiny.yaml", "--plan", "--precision=tf32", "--attention=fused"]) == 0
+    out = capsys.readouterr().out
+    assert "execution plan" in out and "TF32 mma.sync" in out and "flash on tensor cores" in out
+
+
+def test_run_saves_it(tmp_path):
+    out = tmp_path / "run"
+    assert train.main(["configs/tiny.yaml", "--backend=reference", "--max_iters=1", "--eval_interval=1",
+                       "--eval_iters=1", f"--out_dir={out}", "--no-bar"]) == 0
+    assert json.loads((out / "execution.json").read_text())["arch"] == "cpu"
+
+
+@pytest.mark.parametrize("fp32_gemm,env,wgmma_kernels", [("3xtf32", "1", True), ("ffma", "1", False),
+                                                          ("3xtf32", "0", False)])
+def test_recorded_step_follows_the_plan(fp32_gemm, env, wgmma_kernels, monkeypatch):
+    """fp32: the warpgroup-MMA kernels run (as 3xTF32) only where the plan allows them."""
+    from test_cuda_record import RecordingRuntime
+    from gptcuda.cuda_backend import CudaBackend
+    from gptcuda.engine import Engine
+    from gptcuda.runtime import Launch
+    monkeypatch.setenv("GPTCUDA_WGMMA", env)
+    cfg = cfg_of("--precision=fp32", f"--fp32_gemm={fp32_gemm}")
+    be = CudaBackend(cfg, rt=RecordingRuntime("fp32"))
+    toks = np.arange(1000, dtype=np.int32) % 65
+    eng = Engine(cfg, toks, toks[:200], 65, backend=be, programs=("train",))
+    files = {r.fn.file for r in eng.programs["train"].items if isinstance(r, Launch)}
+    assert ("gemm_wgmma.cu" in files) == wgmma_kernels
+    assert eng.exec.fp32_as_3xtf32 == wgmma_kernels
