@@ -13,7 +13,7 @@ relative error and the verdict; the exit code is 1 when any tensor fails.
 
 With --precision=tf32 the finite differences are taken on an fp32 forward (3xTF32 GEMMs) of the
 same weights, batch and dropout masks, against a tolerance from TF32's error model, and the two
-largest entries of each tensor are checked as well (gptcuda/gradcheck.py says why and how much).
+largest entries of each tensor are checked as well (gptcuda/training/gradcheck.py says why and how much).
 """
 import sys
 
@@ -37,7 +37,7 @@ def main(argv):
         return print_usage()
     path, overrides, _, opts = split_args(argv, options=("break", "tensors"))
     cfg = load_config(path or "configs/tiny.yaml", overrides)
-    from gptcuda.gradcheck import run_gradcheck
+    from gptcuda.training.gradcheck import run_gradcheck
     broken = [b for b in opts.get("break", "").split(",") if b]
     only = [t for t in opts.get("tensors", "").split(",") if t]
     ok = run_gradcheck(cfg, broken=broken, only=only)

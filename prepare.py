@@ -1,4 +1,4 @@
-"""Tokenize text into the token shards train.py reads (llm.c's format, see gptcuda/shards.py).
+"""Tokenize text into the token shards train.py reads (llm.c's format, see gptcuda/data/shards.py).
 
 usage: python prepare.py INPUT [INPUT ...] --out DIR [--tokenizer gpt2|char|bpe:N] [--val_fraction F]
                          [--shard_tokens N] [--workers N]
@@ -46,10 +46,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gptcuda import tokenizers as toks  # noqa: E402
-from gptcuda.checkpoint import atomic_open, current_umask  # noqa: E402
-from gptcuda.dataset import PREPARE_MARKER as MARKER  # noqa: E402  (lists the files of an install into DIR)
-from gptcuda.shards import HEADER_BYTES, MAGIC, VERSIONS, DataError, shard_version, write_shard  # noqa: E402
+from gptcuda.data import tokenizers as toks  # noqa: E402
+from gptcuda.files import atomic_open, current_umask  # noqa: E402
+from gptcuda.data.dataset import PREPARE_MARKER as MARKER  # noqa: E402  (lists the files of an install into DIR)
+from gptcuda.data.shards import HEADER_BYTES, MAGIC, VERSIONS, DataError, shard_version, write_shard  # noqa: E402
 
 FORMAT = 1                       # prepare.json's format
 READ_BYTES = 1 << 20             # bytes read from an input at a time
@@ -180,7 +180,7 @@ def _check_input(path: str, bar) -> dict:
 
 def _read_pieces(path: str, sha256: str | None = None):
     """Yield (text, bytes) pieces of a document: its text cut at safe boundaries (about CHUNK_CHARS
-    characters each; see gptcuda/tokenizers.py) and the input bytes read for it. With sha256, a file whose
+    characters each; see gptcuda/data/tokenizers.py) and the input bytes read for it. With sha256, a file whose
     content no longer has that hash is a PrepError."""
     h = hashlib.sha256()
     dec = codecs.getincrementaldecoder("utf-8")()

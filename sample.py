@@ -45,7 +45,7 @@ def main(argv):
     if overrides:
         raise UsageError(f"unknown option {overrides[0]} (options: {', '.join('--' + o for o in NAMES)}; "
                          f"--help describes them)")
-    from gptcuda.sampler import sample_main
+    from gptcuda.generate.sampler import sample_main
     return sample_main(opts)
 
 

@@ -41,7 +41,7 @@ def main(argv):
         return print_help(__doc__, FLAGS)
     cfg = load_config(path, overrides)
     from gptcuda import dist
-    from gptcuda.trainer import EXIT_CODES, NonFiniteLoss, Trainer, check_device, print_plan
+    from gptcuda.training.trainer import EXIT_CODES, NonFiniteLoss, Trainer, check_device, print_plan
     if "plan" in flags:
         print_plan(cfg)
         return 0

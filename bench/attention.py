@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gptcuda import rng  # noqa: E402
-from gptcuda.cuda_ops import attention as attn  # noqa: E402
+from gptcuda.model import rng  # noqa: E402
+from gptcuda.ops.cuda import attention as attn  # noqa: E402
 from gptcuda.runtime import Runtime  # noqa: E402
 from bench.common import Arena, write_results  # noqa: E402
 from bench.timing import time_ms  # noqa: E402

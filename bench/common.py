@@ -7,7 +7,7 @@ import statistics
 
 import numpy as np
 
-from gptcuda.driver import sm_clock_mhz
+from gptcuda.runtime.driver import sm_clock_mhz
 from gptcuda.runtime import DeviceView
 
 
@@ -84,7 +84,7 @@ def write_results(path, results) -> None:
 
 def visible_gpus() -> int:
     """How many GPUs the driver sees (0 without a driver or a GPU)."""
-    from gptcuda.driver import NoDeviceError, _load, call
+    from gptcuda.runtime.driver import NoDeviceError, _load, call
     try:
         drv = _load()
         call(drv.cuInit, 0)

@@ -41,7 +41,7 @@ nccl_env() {
 }
 
 log "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader)"
-python3 -c "import cuda.bindings, numpy; from gptcuda.compiler import nvrtc_version; print('cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc_version(), 'numpy', numpy.__version__)" | tee -a "$OUT/summary.txt"
+python3 -c "import cuda.bindings, numpy; from gptcuda.runtime.compiler import nvrtc_version; print('cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc_version(), 'numpy', numpy.__version__)" | tee -a "$OUT/summary.txt"
 
 if has tests; then
   nccl_env

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.common import Arena, ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402  (graph replay on bench.common's event timing)
-from gptcuda.cuda_ops import gemm  # noqa: E402
+from gptcuda.ops.cuda import gemm  # noqa: E402
 from gptcuda.runtime import Runtime, i32  # noqa: E402
 
 B, T, C, V = 64, 256, 384, 65

@@ -50,9 +50,9 @@ def sm_clock() -> str:
 
 def our_model(args):
     from gptcuda.config import Config
-    from gptcuda.params import init_params, param_table, unflatten
-    from gptcuda.sampler import Model, load_model
-    from gptcuda.tokenizers import tokenizer_from_dict
+    from gptcuda.model.params import init_params, param_table, unflatten
+    from gptcuda.generate.sampler import Model, load_model
+    from gptcuda.data.tokenizers import tokenizer_from_dict
     if args.init_from:
         return load_model(args.init_from)
     cfg = Config(n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=True, dropout=0.0,
@@ -63,7 +63,7 @@ def our_model(args):
 
 
 def time_ours(model, batch, args):
-    from gptcuda.sampler import Generator, steps_needed
+    from gptcuda.generate.sampler import Generator, steps_needed
     prompts = prompts_for(batch, args.prompt, model.n_vocab)
     t0 = time.perf_counter()
     gen = Generator(model, batch, args.new, "cuda", args.precision)
@@ -78,7 +78,7 @@ def time_ours(model, batch, args):
     res = dict(side="gptcuda", mode=f"graph, {args.precision}", batch=batch, seconds=statistics.median(times),
                all=times, steps=steps, setup_s=setup, tokens=[o[:args.check].tolist() for o in out[:2]])
     if args.profile:                 # where a step's time goes, at the position the last run ended
-        from gptcuda.profile import phase_table
+        from gptcuda.runtime.profile import phase_table
         print(f"batch {batch}: " + phase_table(gen.eng.be.rt, gen.program, top=12), flush=True)
     gen.eng.be.rt.close()
     return res

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from gptcuda.config import Config, load_config  # noqa: E402
-from gptcuda.engine import Engine  # noqa: E402
+from gptcuda.training.engine import Engine  # noqa: E402
 from gptcuda.interop import load_init, load_run  # noqa: E402
 
 FP32_TOL = 1e-5
@@ -86,7 +86,7 @@ SETTINGS = [("fp32, 3xtf32 GEMMs, unfused attention", {"fp32_gemm": "3xtf32"}, F
 
 
 def compare(named, ov, model, x, n_vocab, label):
-    from gptcuda.cuda_ops.attention import FLASH_HEAD_SIZES
+    from gptcuda.ops.cuda.attention import FLASH_HEAD_SIZES
     ref = hf_logits(model, x, torch.float64, "cpu")
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -129,7 +129,7 @@ def part_a_model(out, n_head):
 
 def train_tiny(out):
     run = os.path.join(out, "run")
-    from gptcuda.trainer import Trainer
+    from gptcuda.training.trainer import Trainer
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
                       ["--tokenizer=gpt2", "--vocab_multiple=128", "--n_head=4", "--block_size=64",
                        "--batch_size=8", "--max_iters=50", "--eval_interval=50", "--lr_decay_iters=50",
@@ -160,7 +160,7 @@ def part_b(run, out):
     x = np.random.default_rng(1).integers(0, r.n_vocab, (4, T))
     compare(named, ov, model, x, r.n_vocab, f"exported run, B=4 T={T}")
     if r.tokenizer.get("type") == "gpt2":
-        from gptcuda.tokenizers import GPT2Tokenizer
+        from gptcuda.data.tokenizers import GPT2Tokenizer
         tok = transformers.AutoTokenizer.from_pretrained(d)
         text = open(os.path.join(ROOT, "data", "tinyshakespeare", "input.txt"), encoding="utf-8").read()[:5000]
         same = tok(text)["input_ids"] == GPT2Tokenizer().encode(text).tolist()
@@ -183,7 +183,7 @@ def part_c(run, out, data, B, M, llmc_bin=None):
               f"--tokenizer gpt2 --out {data}")
         failures.append("llm.c shards missing")
         return
-    from gptcuda.shards import open_shard
+    from gptcuda.data.shards import open_shard
     toks = np.asarray(open_shard(val), np.int64)
     M = min(M, (len(toks) - 1) // (B * T))
     cfg = dataclasses.replace(r.cfg, backend="cuda", dropout=0.0, batch_size=B, precision="fp32")

@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gptcuda.cuda_ops import elementwise  # noqa: E402
+from gptcuda.ops.cuda import elementwise  # noqa: E402
 from gptcuda.runtime import Runtime  # noqa: E402
 
 

@@ -36,8 +36,8 @@ def worker(path, overrides, iters, warmup, out):
     """One rank (started by gptcuda.launch)."""
     from gptcuda import dist
     from gptcuda.config import load_config
-    from gptcuda.engine import Engine
-    from gptcuda.trainer import open_run_data
+    from gptcuda.training.engine import Engine
+    from gptcuda.training.trainer import open_run_data
     cfg = load_config(path, overrides + ["--max_iters=100000"])
     env = dist.parse_env()
     group = None

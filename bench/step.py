@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.common import ClockWatch, event_times_ms  # noqa: E402
 from gptcuda.cli import split_args  # noqa: E402
 from gptcuda.config import load_config  # noqa: E402
-from gptcuda.engine import Engine  # noqa: E402
-from gptcuda.profile import phase_table  # noqa: E402
-from gptcuda.trainer import open_run_data  # noqa: E402
+from gptcuda.training.engine import Engine  # noqa: E402
+from gptcuda.runtime.profile import phase_table  # noqa: E402
+from gptcuda.training.trainer import open_run_data  # noqa: E402
 
 def host_ms(rt, fn, reps=7):
     """Host time to submit one step, from an idle queue (so that no back-pressure is counted)."""

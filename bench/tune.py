@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gptcuda.cuda_ops import gemm  # noqa: E402
+from gptcuda.ops.cuda import gemm  # noqa: E402
 
 PEAK_FLOPS = {"tf32": 495e12, "fp32": 67e12}     # H200 dense
 PEAK_BYTES = 4.2e12
@@ -365,7 +365,7 @@ def vocab_of(cfg) -> int:
     """The model's vocabulary, as train.py resolves it (the data's tokenizer, vocab_multiple)."""
     if cfg.vocab_size:
         return cfg.vocab_size
-    from gptcuda.trainer import open_run_data
+    from gptcuda.training.trainer import open_run_data
     return open_run_data(cfg)[1]
 
 

@@ -6,11 +6,11 @@ import glob
 import os
 import sys
 
-from .checkpoint import CheckpointError
-from .config import ConfigError
-from .driver import CudaError, NoDeviceError
-from .memory import PlanTooLarge
-from .shards import DataError
+from gptcuda.training.checkpoint import CheckpointError
+from gptcuda.config import ConfigError
+from gptcuda.runtime.driver import CudaError, NoDeviceError
+from gptcuda.model.memory import PlanTooLarge
+from gptcuda.data.shards import DataError
 
 HELP_FLAGS = ("-h", "--help")
 
@@ -76,7 +76,7 @@ def _yaml_value(v) -> str:
 
 def config_help() -> str:
     """Every config key with its type, default and (from gptcuda/config.py) its comment, one a line."""
-    from .config import config_keys
+    from gptcuda.config import config_keys
     rows = [(f"--{k}", t, _yaml_value(d), doc) for k, t, d, doc in config_keys()]
     wk = max(len(r[0]) for r in rows)
     wt = max(len(r[1]) for r in rows)

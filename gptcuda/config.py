@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from .checkpoint import atomic_open
+from gptcuda.files import atomic_open
 
 __all__ = [
     "Config", "ConfigError", "load_config", "apply_overrides", "save_config",
@@ -85,7 +85,7 @@ class Config:
     init_std: float = 0.02
     # io
     data: str = "data/tinyshakespeare/input.txt"  # a text file, a directory of token shards, or a glob of them
-    val_data: str = ""  # the validation shards (a file or glob); "": from data (see gptcuda/dataset.py)
+    val_data: str = ""  # the validation shards (a file or glob); "": from data (see gptcuda/data/dataset.py)
     tokenizer: str = "char"  # char | gpt2 | bpe:N (for a text file; token shards carry their own)
     out_dir: str = "out/shakespeare_char"
     init_from: str = ""  # start from these weights: hf:DIR, llmc:FILE or a run directory (fresh optimizer)

@@ -1,10 +1,10 @@
 // Shared by every kernel: the step state layout, the counter-based RNG, small helpers.
-// The RNG is mirrored bit for bit by gptcuda/rng.py; tests/test_rng.py pins it.
+// The RNG is mirrored bit for bit by gptcuda/model/rng.py; tests/test_rng.py pins it.
 #pragma once
 
 // Device-resident step state (one per training run). Kernels read the step, the learning
 // rate and the clipping norm from here, so a captured CUDA graph bakes in nothing that
-// changes from step to step. Its layout is defined in gptcuda/state.py (tests/test_state.py checks
+// changes from step to step. Its layout is defined in gptcuda/model/state.py (tests/test_state.py checks
 // this struct against it).
 struct StepState {
     int   step;        // 0-based index of the step being run; advanced by step_advance at its end

@@ -3,7 +3,7 @@
 // sequence's window of tokens, the sampling options), so one recorded step is replayed unchanged
 // for every token and the host only reads back what was drawn.
 //
-// Per-sequence state (int32; gptcuda/memory.py plan_decode):
+// Per-sequence state (int32; gptcuda/model/memory.py plan_decode):
 //   ctx   [S, T+1]  the tokens of the cache window: the prompt, then what was drawn
 //   fill  [S]       how many entries of ctx are known: the step at position pos draws a token
 //                   only when pos + 1 >= fill (before that it reads the prompt)
@@ -16,7 +16,7 @@
 #include "gemm_epilogue.cuh"
 
 #define STOP_MAX 16
-#define SITE_SAMPLE 7u                  // gptcuda/rng.py SITE_SAMPLE
+#define SITE_SAMPLE 7u                  // gptcuda/model/rng.py SITE_SAMPLE
 
 // The options of a generation, as the words of opts [8].
 struct GenOpts {

@@ -1,5 +1,5 @@
 // The GEMM epilogue, shared by the GEMM kernels (gemm_simt.cu, gemm_tf32.cu, gemm_wgmma.cu): the
-// epilogue codes (GEMM_EPI_*, the launchers' EPI_* in gptcuda/cuda_ops/gemm/families.py), GELU
+// epilogue codes (GEMM_EPI_*, the launchers' EPI_* in gptcuda/ops/cuda/gemm/families.py), GELU
 // and its derivative, the value and store helpers (4 consecutive columns of a row, 16-byte
 // accesses where aligned), and GemmBlock, a block's place in the grid (batching and split-K).
 #pragma once

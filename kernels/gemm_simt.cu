@@ -3,7 +3,7 @@
 //   op(A) is [M, K]: A stored [M, K], or [K, M] when TA (read transposed in place)
 //   op(B) is [K, N]: B stored [K, N], or [N, K] when TB
 //
-// Template parameters (launcher: gptcuda/cuda_ops/gemm/):
+// Template parameters (launcher: gptcuda/ops/cuda/gemm/):
 //   BM, BN    block tile (128x128 / 128x64 / 64x64); BK = 8; every thread owns an 8x8 tile of C
 //             made of 2x2 sub-tiles of 4x4 (rows tr*4.. and BM/2 + tr*4.., same for columns),
 //             so its shared-memory fragment reads are 128-bit and a warp's reads are broadcasts.

@@ -39,7 +39,7 @@
 
 #define GEMM_TF32_BK 32
 
-// Must match gptcuda/cuda_ops/gemm/families.py (TF32 layouts are mirrored in tools/smem_banks.py).
+// Must match gptcuda/ops/cuda/gemm/families.py (TF32 layouts are mirrored in tools/smem_banks.py).
 __device__ __forceinline__ int tf32_off_kmajor(int r, int k) {
     return r * 32 + ((((k >> 2) ^ (((r >> 2) & 1) << 2))) << 2) + (k & 3);
 }

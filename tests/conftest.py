@@ -17,7 +17,7 @@ _gpu_reason = None
 def _gpu_available():
     global _gpu_reason
     try:
-        from gptcuda.driver import Device
+        from gptcuda.runtime.driver import Device
         Device(0)
         return True
     except Exception as e:  # NoDeviceError, missing library
@@ -106,7 +106,7 @@ class BackgroundCompiles:
     Without workers (under pytest-xdist) a check group is compiled in this process when first needed."""
 
     def __init__(self, prebuild=(), checks=None, cache=None, workers=0):
-        from gptcuda import compiler
+        from gptcuda.runtime import compiler
         self.cache, self.pool, self.built, self.checks = cache, None, {}, dict(checks or {})
         self.checked = {}           # (file, defines, arch) -> {name: verdict}, or the future of one
         if workers and (prebuild or checks):
@@ -124,7 +124,7 @@ class BackgroundCompiles:
     def wait(self, file, name, defines=None, arch="sm_90"):
         """Returns once a `prebuild` variant is in the cache, or raises NVRTC's error for one that did not
         compile; the test then compiles it again through compiler.compile_kernel, which reads the entry."""
-        from gptcuda import compiler
+        from gptcuda.runtime import compiler
         fut = self.built.get((file, name, tuple(sorted((defines or {}).items())), arch))
         if fut is not None:
             err = fut.result()
@@ -134,7 +134,7 @@ class BackgroundCompiles:
     def check(self, file, name, defines=None, arch="sm_90"):
         """(cubin, lowered name, log) of the variant's check compile; raises NVRTC's error for a variant
         that did not compile."""
-        from gptcuda import compiler
+        from gptcuda.runtime import compiler
         key = (file, tuple(sorted((defines or {}).items())), arch)
         got = self.checked.get(key)
         if got is None:
@@ -160,7 +160,7 @@ def _kernel_prebuild(request, tmp_path_factory):
     Not under pytest-xdist: its workers are the parallelism there (each would build everything); a
     `prebuilt_kernels` test then compiles its variants itself, a check group is compiled by the
     first test of the group that a worker runs."""
-    from gptcuda import compiler
+    from gptcuda.runtime import compiler
     items = request.session.items
     jobs, checks = _prebuild_jobs(items), _check_groups(items)
     try:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from gptcuda.config import ConfigError, accum_steps, load_config, model_vocab
-from gptcuda.engine import Engine
-from gptcuda.trainer import Trainer
+from gptcuda.training.engine import Engine
+from gptcuda.training.trainer import Trainer
 
 TOKS = (np.arange(4000) * 7919 % 65).astype(np.int32)
 
@@ -36,7 +36,7 @@ def test_accumulated_step_equals_one_big_batch():
 def test_micro_batches_draw_their_own_dropout():
     """Each micro-batch's dropout (forward and backward alike) uses its own random sites; micro-batch 0
     keeps the sites of a run without accumulation."""
-    from gptcuda import rng
+    from gptcuda.model import rng
     e = _engine(3, 2, dropout=0.2)
     calls = []
 
@@ -115,7 +115,7 @@ def test_gpt2_bpe_training_with_accumulation_resumes_bitwise(tmp_path):
     p.train(bar=False)
     Trainer(load_config("configs/tiny.yaml", over + [f"--out_dir={part}"]), resume=True,
             log=lambda *a, **k: None).train(bar=False)
-    from gptcuda.checkpoint import load_checkpoint
+    from gptcuda.training.checkpoint import load_checkpoint
     ha, ma = load_checkpoint(os.path.join(full, "last.ckpt"))
     hb, mb = load_checkpoint(os.path.join(part, "last.ckpt"))
     assert ma["step"] == mb["step"] == 6

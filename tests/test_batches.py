@@ -1,10 +1,10 @@
-"""The host half of the batch pipeline (gptcuda/batches.py): which windows each program reads."""
+"""The host half of the batch pipeline (gptcuda/data/batches.py): which windows each program reads."""
 import numpy as np
 import pytest
 
-from gptcuda import rng
-from gptcuda.batches import ArrayStream, Batches
-from gptcuda.data import get_batch
+from gptcuda.model import rng
+from gptcuda.data.batches import ArrayStream, Batches
+from gptcuda.data.text import get_batch
 
 TOKENS = (np.arange(7000) * 13 % 101).astype(np.int32)
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gptcuda import checkpoint, compiler
-from gptcuda.cuda_backend import FAMILIES
+from gptcuda.training import checkpoint
+from gptcuda.runtime import compiler
+from gptcuda.ops.cuda_backend import FAMILIES
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
@@ -114,7 +115,7 @@ def test_forbid_compiles(tmp_path, monkeypatch):
 
 
 def _wgmma_pipeline_names():
-    from gptcuda.cuda_ops import gemm
+    from gptcuda.ops.cuda import gemm
     names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]
     return names + [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]       # 3xTF32
 
@@ -125,7 +126,7 @@ def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels):
     asynchronous (no C7514 "wgmma ... serialized" note: accumulators pinned by wg_fence_acc), no
     spills, and sm_90a is the target. The report is the one the session's compile of each variant
     left in its cache entry (compile_kernel keeps ptxas's report in the log)."""
-    from gptcuda.cuda_ops import gemm
+    from gptcuda.ops.cuda import gemm
     names = _wgmma_pipeline_names()
     assert gemm.WGMMA_FILE == "gemm_wgmma.cu"
     arch = compiler.target_arch(gemm.WGMMA_FILE, "sm_90")

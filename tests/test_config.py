@@ -5,8 +5,7 @@ import re
 import pytest
 import yaml
 
-from gptcuda.config import (Config, ConfigError, format_config, load_config, save_config,
-                            validate_against_data)
+from gptcuda.config import Config, ConfigError, format_config, load_config, save_config, validate_against_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

@@ -13,10 +13,10 @@ import re
 import numpy as np
 import pytest
 
-from gptcuda import compiler
+from gptcuda.runtime import compiler
 from gptcuda.config import load_config
-from gptcuda.cuda_backend import FAMILIES, CudaBackend
-from gptcuda.engine import Engine
+from gptcuda.ops.cuda_backend import FAMILIES, CudaBackend
+from gptcuda.training.engine import Engine
 from gptcuda.runtime import Function, Launch, Memset, Runtime
 
 pytest.importorskip("cuda.bindings.nvrtc")
@@ -208,7 +208,7 @@ def test_record_training_step_with_accumulation():
 def test_graphs_leave_the_live_list_once_destroyed():
     # bench/tune.py destroys its graphs one by one; Runtime.destroy_graphs (run before an NCCL
     # communicator is closed) frees the rest, each exactly once
-    from gptcuda.backend import Program
+    from gptcuda.ops.backend import Program
     from gptcuda.runtime import Graph
     rt = RecordingRuntime("fp32")
     graphs = [Graph(rt, f"g{i}", f"e{i}", Program(f"p{i}")) for i in range(3)]

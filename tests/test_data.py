@@ -3,8 +3,8 @@ import os
 import numpy as np
 import pytest
 
-from gptcuda import rng
-from gptcuda.data import CharTokenizer, TextDataset, get_batch
+from gptcuda.model import rng
+from gptcuda.data.text import CharTokenizer, TextDataset, get_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(ROOT, "data", "tinyshakespeare", "input.txt")

@@ -3,12 +3,12 @@ live in tests/gpu/test_decode_gpu.py and call the helpers here)."""
 import numpy as np
 import pytest
 
-from gptcuda import rng
+from gptcuda.model import rng
 from gptcuda.config import load_config
-from gptcuda.engine import Engine
-from gptcuda.memory import pack_gen_opts, plan_decode, unpack_gen_opts
-from gptcuda.reference.ops import draw_token
-from gptcuda.sampler import Generator, Model, steps_needed
+from gptcuda.training.engine import Engine
+from gptcuda.model.memory import pack_gen_opts, plan_decode, unpack_gen_opts
+from gptcuda.ops.reference.ops import draw_token
+from gptcuda.generate.sampler import Generator, Model, steps_needed
 
 V = 65
 
@@ -196,8 +196,8 @@ def test_printer_streams_in_order():
     """sample.py's printer: sample 0 streams as its tokens come, sample 1 follows once 0 is done, and
     nothing is printed twice or lost (char tokenizer: one character a token)."""
     import io
-    from gptcuda.sampler import _Printer
-    from gptcuda.tokenizers import CharTokenizer
+    from gptcuda.generate.sampler import _Printer
+    from gptcuda.data.tokenizers import CharTokenizer
     tok = CharTokenizer(list("abcdef"))
     buf = io.StringIO()
     pr = _Printer(tok, ["A:", "B:"], buf)

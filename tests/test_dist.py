@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gptcuda import dist, launch, rng
+from gptcuda import dist, launch
+from gptcuda.model import rng
 from gptcuda.config import ConfigError, load_config
-from gptcuda.data import get_batch
-from gptcuda.params import param_table
+from gptcuda.data.text import get_batch
+from gptcuda.model.params import param_table
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = [sys.executable, "-m", "gptcuda.launch"]
@@ -486,8 +487,8 @@ class FakeComm:
 def _record_dp(zero, rank=1, world=2, over=(), accum=1):
     pytest.importorskip("cuda.bindings.nvrtc")
     from test_cuda_record import RecordingRuntime
-    from gptcuda.cuda_backend import CudaBackend
-    from gptcuda.engine import Engine
+    from gptcuda.ops.cuda_backend import CudaBackend
+    from gptcuda.training.engine import Engine
 
     class DPRuntime(RecordingRuntime):
         def __init__(self, precision):
@@ -654,7 +655,7 @@ def test_data_parallel_registers_its_graphs_for_release():
 
 
 def test_data_parallel_needs_the_cuda_backend():
-    from gptcuda.engine import Engine
+    from gptcuda.training.engine import Engine
     cfg = load_config("configs/tiny.yaml", ["--backend=reference"])
     group = dist.Group(dist.DistEnv(rank=0, world_size=2), b"u" * 128, comm_factory=FakeComm)
     toks = (np.arange(3000) % 65).astype(np.int32)
@@ -664,8 +665,8 @@ def test_data_parallel_needs_the_cuda_backend():
 
 
 def test_resume_refuses_another_world_size(tmp_path):
-    from gptcuda.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from gptcuda.trainer import Trainer
+    from gptcuda.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from gptcuda.training.trainer import Trainer
     out = str(tmp_path / "run")
     cfg = load_config("configs/tiny.yaml", ["--backend=reference", "--max_iters=2", "--eval_interval=2",
                                             "--eval_iters=1", f"--out_dir={out}"])

@@ -1,4 +1,4 @@
-"""The execution plan (gptcuda/execution.py): its rules, that train.py --plan prints it without a GPU
+"""The execution plan (gptcuda/runtime/execution.py): its rules, that train.py --plan prints it without a GPU
 and a run saves it, and that the recorded step follows it (no kernel outside what it allows)."""
 import json
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import train
-from gptcuda import execution
+from gptcuda.runtime import execution
 from gptcuda.config import load_config
 
 
@@ -54,8 +54,8 @@ def test_run_saves_it(tmp_path):
 def test_recorded_step_follows_the_plan(fp32_gemm, env, wgmma_kernels, monkeypatch):
     """fp32: the warpgroup-MMA kernels run (as 3xTF32) only where the plan allows them."""
     from test_cuda_record import RecordingRuntime
-    from gptcuda.cuda_backend import CudaBackend
-    from gptcuda.engine import Engine
+    from gptcuda.ops.cuda_backend import CudaBackend
+    from gptcuda.training.engine import Engine
     from gptcuda.runtime import Launch
     monkeypatch.setenv("GPTCUDA_WGMMA", env)
     cfg = cfg_of("--precision=fp32", f"--fp32_gemm={fp32_gemm}")

@@ -21,9 +21,10 @@ import pytest
 
 import sample
 import train
-from gptcuda import checkpoint
-from gptcuda.checkpoint import load_checkpoint
-from gptcuda.engine import Engine
+from gptcuda import files
+from gptcuda.training import checkpoint
+from gptcuda.training.checkpoint import load_checkpoint
+from gptcuda.training.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = (ROOT / "data" / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:3000]
@@ -221,7 +222,7 @@ def test_a_write_failing_at_start_leaves_nothing(tmp_path, data, capsys, monkeyp
     directory made for the run is gone again."""
     def denied(*a, **k):
         raise PermissionError(errno.EACCES, "Permission denied", k.get("dir"))
-    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", denied)
+    monkeypatch.setattr(files.tempfile, "mkstemp", denied)
     out = tmp_path / "new" / "run"
     rc, _, err = call(train.main, args(data, str(out)), capsys)
     one_line_error(rc, err, str(out), "Permission denied")

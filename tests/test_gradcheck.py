@@ -13,11 +13,11 @@ import pytest
 
 from conftest import ROOT
 from gptcuda import faults
-from gptcuda import gradcheck as gc
+from gptcuda.training import gradcheck as gc
 from gptcuda.config import load_config
-from gptcuda.data import TextDataset
-from gptcuda.engine import Engine
-import gptcuda.reference.ops as R
+from gptcuda.data.text import TextDataset
+from gptcuda.training.engine import Engine
+import gptcuda.ops.reference.ops as R
 
 U = 2.0 ** -11
 DATA = TextDataset(str(ROOT / "data/tinyshakespeare/input.txt"))
@@ -158,8 +158,8 @@ def test_emulation_moves_the_gradient():
     cfg = cfg_of(*SMALL, "--precision=tf32")
     plain = Engine(cfg, DATA.train, DATA.val, DATA.vocab_size, programs=("fwdbwd",))
     emu = emulating_engines(cfg, ("fwdbwd",))
-    from gptcuda import rng
-    from gptcuda.data import get_batch
+    from gptcuda.model import rng
+    from gptcuda.data.text import get_batch
     x, y = get_batch(DATA.train, cfg.seed, 0, rng.SITE_BATCH_TRAIN, cfg.batch_size, cfg.block_size)
     for e in (plain, emu):
         e.set_batch(x, y)

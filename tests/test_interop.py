@@ -17,12 +17,12 @@ import pytest
 pytest.importorskip("safetensors")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from gptcuda.checkpoint import load_checkpoint  # noqa: E402
+from gptcuda.training.checkpoint import load_checkpoint  # noqa: E402
 from gptcuda.config import Config, load_config  # noqa: E402
-from gptcuda.engine import Engine  # noqa: E402
+from gptcuda.training.engine import Engine  # noqa: E402
 from gptcuda.interop import InteropError, load_init, load_run, read_llmc, write_llmc  # noqa: E402
-from gptcuda.params import param_table, unflatten  # noqa: E402
-from gptcuda.trainer import Trainer  # noqa: E402
+from gptcuda.model.params import param_table, unflatten  # noqa: E402
+from gptcuda.training.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures"

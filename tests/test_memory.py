@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from gptcuda.config import load_config
-from gptcuda.memory import ARENA_ALIGN, MemoryPlan, PlanTooLarge, check_fits, plan_memory
-from gptcuda.params import init_params, param_table
+from gptcuda.model.memory import ARENA_ALIGN, MemoryPlan, PlanTooLarge, check_fits, plan_memory
+from gptcuda.model.params import init_params, param_table
 
 
 def cfg_small(**kw):
@@ -117,8 +117,8 @@ def test_wgmma_scratch_only_where_the_device_reads_it(arch, env, monkeypatch):
     3xTF32 scratch where the wgmma kernels cannot run (not sm_90, or GPTCUDA_WGMMA=0)."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from test_cuda_record import RecordingRuntime
-    from gptcuda.cuda_backend import CudaBackend
-    from gptcuda.engine import plan_for
+    from gptcuda.ops.cuda_backend import CudaBackend
+    from gptcuda.training.engine import plan_for
     monkeypatch.setenv("GPTCUDA_WGMMA", env)
     for prec, names in (("fp32", {"gemm_split_a", "gemm_split_b"}), ("tf32", {"gemm_bT"})):
         cfg = load_config("configs/tiny.yaml", [f"--precision={prec}"])

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gptcuda.backend import Ops
-from gptcuda.cuda_backend import CudaBackend
-from gptcuda.reference.backend import ReferenceBackend
+from gptcuda.ops.backend import Ops
+from gptcuda.ops.cuda_backend import CudaBackend
+from gptcuda.ops.reference.backend import ReferenceBackend
 
 OPS = [name for name, fn in vars(Ops).items() if inspect.isfunction(fn) and not name.startswith("_")]
 
@@ -26,6 +26,6 @@ def test_backend_implements_op(backend, op):
 
 
 def test_model_calls_only_ops():
-    src = (Path(__file__).resolve().parent.parent / "gptcuda" / "model.py").read_text()
+    src = (Path(__file__).resolve().parent.parent / "gptcuda" / "model" / "gpt.py").read_text()
     called = set(re.findall(r"\bo\.([a-z_]+)\(", src)) | set(re.findall(r"self\.ops\.([a-z_]+)\(", src))
     assert called and called <= set(OPS) | {"batch_feeder"}, called - set(OPS)

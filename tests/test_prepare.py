@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import prepare
-from gptcuda.data import TextDataset
-from gptcuda.dataset import DataError, open_dataset
-from gptcuda.shards import open_shard
-from gptcuda.tokenizers import BPETokenizer, GPT2Tokenizer, load_tokenizer
+from gptcuda.data.text import TextDataset
+from gptcuda.data.dataset import DataError, open_dataset
+from gptcuda.data.shards import open_shard
+from gptcuda.data.tokenizers import BPETokenizer, GPT2Tokenizer, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(ROOT, "data", "tinyshakespeare", "input.txt")

@@ -1,4 +1,4 @@
-"""Tests of the float64 numpy reference ops (gptcuda/reference/ops.py).
+"""Tests of the float64 numpy reference ops (gptcuda/ops/reference/ops.py).
 
 Every backward is checked against central finite differences in float64; forwards are
 checked against independent, loop-based implementations or known values.
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gptcuda import rng
-from gptcuda.reference import ops
+from gptcuda.model import rng
+from gptcuda.ops.reference import ops
 
 TOL = 1e-6
 

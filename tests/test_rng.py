@@ -2,7 +2,7 @@
 against these on the GPU), independence of streams, and dropout/batch statistics."""
 import numpy as np
 
-from gptcuda import rng
+from gptcuda.model import rng
 
 
 def py_hash32(x):

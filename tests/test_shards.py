@@ -4,10 +4,10 @@ import os
 import numpy as np
 import pytest
 
-from gptcuda.data import TextDataset
-from gptcuda.dataset import Dataset, TokenStream, open_dataset
-from gptcuda.shards import DataError, is_shard, open_raw, open_shard, write_shard
-from gptcuda.tokenizers import CharTokenizer, GPT2Tokenizer
+from gptcuda.data.text import TextDataset
+from gptcuda.data.dataset import Dataset, TokenStream, open_dataset
+from gptcuda.data.shards import DataError, is_shard, open_raw, open_shard, write_shard
+from gptcuda.data.tokenizers import CharTokenizer, GPT2Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(ROOT, "data", "tinyshakespeare", "input.txt")

@@ -22,7 +22,7 @@ def test_layouts_pass(sb, capsys):
 
 
 def test_every_tile_and_case_is_checked(sb):
-    from gptcuda.cuda_ops.gemm import TF32_FALLBACK_TILES, TF32_TILES
+    from gptcuda.ops.cuda.gemm import TF32_FALLBACK_TILES, TF32_TILES
     rep = sb.Report()
     for tile in TF32_TILES:
         for ta in (False, True):

@@ -1,10 +1,11 @@
-"""The StepState has one definition (gptcuda/state.py): kernels/common.cuh's struct agrees with it
+"""The StepState has one definition (gptcuda/model/state.py): kernels/common.cuh's struct agrees with it
 field by field, and the CUDA backend's pack / unpack round-trips every field."""
 import re
 
 import numpy as np
 
-from gptcuda import compiler, state
+from gptcuda.runtime import compiler
+from gptcuda.model import state
 
 
 def test_cuda_struct_matches_state_py():

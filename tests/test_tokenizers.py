@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from gptcuda import data, tokenizers as toks
-from gptcuda.tokenizers import (BPETokenizer, CharTokenizer, GPT2Tokenizer, load_tokenizer, make_tokenizer,
-                                parse_spec, safe_chunks, tokenizer_from_dict)
+from gptcuda.data import text as data, tokenizers as toks
+from gptcuda.data.tokenizers import (BPETokenizer, CharTokenizer, GPT2Tokenizer, load_tokenizer,
+                                     make_tokenizer, parse_spec, safe_chunks, tokenizer_from_dict)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(ROOT, "data", "tinyshakespeare", "input.txt")

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gptcuda.checkpoint import load_checkpoint
+from gptcuda.training.checkpoint import load_checkpoint
 from gptcuda.config import load_config
-from gptcuda.trainer import NonFiniteLoss, Trainer
+from gptcuda.training.trainer import NonFiniteLoss, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--backend=reference", "--max_iters=12", "--eval_interval=6", "--log_interval=1", "--dropout=0.1"]
@@ -124,8 +124,8 @@ def test_train_without_gpu_stops_with_one_line(tmp_path):
 
 
 def test_recompute_changes_memory_not_results():
-    from gptcuda.data import TextDataset
-    from gptcuda.engine import Engine
+    from gptcuda.data.text import TextDataset
+    from gptcuda.training.engine import Engine
     data = TextDataset("data/tinyshakespeare/input.txt")
     hist = {}
     for rc in (False, True):
@@ -141,7 +141,7 @@ def test_recompute_changes_memory_not_results():
 
 def test_mfu_peak_follows_the_gemm_kind():
     from gptcuda.config import load_config
-    from gptcuda.trainer import PEAK_TFLOPS, peak_tflops
+    from gptcuda.training.trainer import PEAK_TFLOPS, peak_tflops
     assert peak_tflops(load_config("configs/tiny.yaml", ["--precision=tf32"])) == PEAK_TFLOPS["tf32"]
     assert peak_tflops(load_config("configs/tiny.yaml", ["--fp32_gemm=ffma"])) == PEAK_TFLOPS["fp32"]
     # 3xTF32: three tensor-core products per multiply, a higher ceiling than the FMA pipe's

@@ -8,7 +8,7 @@ import pytest
 
 from bench import tune
 from gptcuda.config import load_config
-from gptcuda.cuda_ops import gemm
+from gptcuda.ops.cuda import gemm
 from tests.conftest import FakeGemmRT, fake_view
 
 GPU = "NVIDIA H200 (test)"

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gptcuda.cuda_ops.gemm import TF32_FALLBACK_TILES, TF32_TILES  # noqa: E402
+from gptcuda.ops.cuda.gemm import TF32_FALLBACK_TILES, TF32_TILES  # noqa: E402
 
 BK = 32                    # GEMM_TF32_BK
 BANKS = 32

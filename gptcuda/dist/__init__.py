@@ -32,14 +32,14 @@ zero_shards), parallel.py (DataParallel).
 """
 from __future__ import annotations
 
-from .buckets import (ALIGN, Bucket, ZeroShards, _merge, plan_buckets, production_order, tensor_extents,
-                      zero_shards)
-from .env import (DEFAULT_BUCKET_MB, DEFAULT_PORT, DEFAULT_TIMEOUT_S, DistEnv, DistError, parse_env,
-                  rank_seed)
-from .nccl import (DTYPES, ITEMSIZE, OPS, UID_BYTES, NcclComm, check_selftest, load_nccl, nccl_version,
-                   selftest, selftest_vectors)
-from .parallel import DataParallel
-from .rendezvous import MAGIC, Group, init_group, rdzv_path, share_unique_id
+from gptcuda.dist.buckets import (ALIGN, Bucket, ZeroShards, _merge, plan_buckets, production_order,
+                                  tensor_extents, zero_shards)
+from gptcuda.dist.env import (DEFAULT_BUCKET_MB, DEFAULT_PORT, DEFAULT_TIMEOUT_S, DistEnv, DistError,
+                              parse_env, rank_seed)
+from gptcuda.dist.nccl import (DTYPES, ITEMSIZE, OPS, UID_BYTES, NcclComm, check_selftest, load_nccl,
+                               nccl_version, selftest, selftest_vectors)
+from gptcuda.dist.parallel import DataParallel
+from gptcuda.dist.rendezvous import MAGIC, Group, init_group, rdzv_path, share_unique_id
 
 __all__ = ["DistError", "DistEnv", "parse_env", "share_unique_id", "init_group", "Group", "NcclComm",
            "Bucket", "tensor_extents", "production_order", "plan_buckets", "ZeroShards", "zero_shards",

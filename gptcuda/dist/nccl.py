@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from .env import DistError
+from gptcuda.dist.env import DistError
 
 UID_BYTES = 128             # sizeof(ncclUniqueId)
 

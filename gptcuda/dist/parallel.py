@@ -5,11 +5,11 @@ from collections import defaultdict
 
 import numpy as np
 
-from .. import state
-from .buckets import plan_buckets, zero_shards
-from .env import DistError, rank_seed
-from .nccl import nccl_version, selftest
-from .rendezvous import Group
+from gptcuda.model import state
+from gptcuda.dist.buckets import plan_buckets, zero_shards
+from gptcuda.dist.env import DistError, rank_seed
+from gptcuda.dist.nccl import nccl_version, selftest
+from gptcuda.dist.rendezvous import Group
 
 
 class DataParallel:
@@ -43,7 +43,7 @@ class DataParallel:
             self._by_point[b.point].append(b)
         self.shards = zero_shards(table.total, self.world) if self.zero else None
         self._scratch = rt.alloc(256)                 # [0]: the world's mean loss; [64:]: host means (f64)
-        from ..runtime import DeviceView
+        from gptcuda.runtime import DeviceView
         self.loss_mean = DeviceView(self._scratch, (1,), "f32", "loss_mean")
         self.timed = []                               # (label, start event, end event)
         self.marks = None                             # (main reached the join, comm stream done)
@@ -78,11 +78,11 @@ class DataParallel:
         return m
 
     def _call(self, fn, label, nbytes, side=True):
-        from ..runtime import StreamCall
+        from gptcuda.runtime import StreamCall
         self.rt.add(StreamCall(fn, label, self.side if side else None, nbytes, self._marks(label)))
 
     def _fork(self, label):
-        from ..runtime import StreamFork
+        from gptcuda.runtime import StreamFork
         self.rt.add(StreamFork(self.side, self.rt.new_event(), label))
 
     def record_loss_mean(self):
@@ -111,13 +111,13 @@ class DataParallel:
             self._call(run, f"allreduce bucket {b.index}", 4 * b.numel)
 
     def record_join(self):
-        from ..runtime import StreamJoin
+        from gptcuda.runtime import StreamJoin
         if self.timing:
             self.marks = (self.rt.new_event(timing=True), self.rt.new_event(timing=True))
         self.rt.add(StreamJoin(self.side, self.rt.new_event(), "join comm", self.marks))
 
     def _sub(self, region, a, b):
-        from ..runtime import DeviceView
+        from gptcuda.runtime import DeviceView
         return DeviceView(region.ptr + 4 * a, (b - a,), "f32", f"{region.name}[{a}:{b}]")
 
     def record_update(self, o):
@@ -155,7 +155,7 @@ class DataParallel:
         """state.grad_norm of the whole reduced gradient from this rank's shard: optim's norm kernel's
         per-block partial sums (double) are all-reduced before its final pass. Every rank launches the
         same number of blocks (from the longest shard), so the partials line up."""
-        from ..cuda_ops import optim
+        from gptcuda.ops.cuda import optim
         comm = self.comm
         part, G = optim.grad_norm_partial(self.rt, owned, blocks=optim.norm_blocks(n_max))
         self._call(lambda s: comm.all_reduce(part.ptr, part.ptr, G, "f64", "sum", s), "allreduce norm partials",
@@ -167,7 +167,7 @@ class DataParallel:
         """Run the program's collectives once, eagerly, before it is captured: NCCL connects its
         channels on first use, which must not happen inside a capture. Harmless on a fresh engine:
         the gradients are zero, and ZeRO's all-gather returns the parameters every rank already has."""
-        from ..runtime import StreamCall
+        from gptcuda.runtime import StreamCall
         dev, main = self.rt.dev, self.rt.stream
         self.rt.synchronize()
         for rec in prog.items:

@@ -9,9 +9,9 @@ import struct
 import time
 import zlib
 
-from ..checkpoint import atomic_open
-from .env import DistEnv, DistError, parse_env
-from .nccl import NcclComm, load_nccl
+from gptcuda.files import atomic_open
+from gptcuda.dist.env import DistEnv, DistError, parse_env
+from gptcuda.dist.nccl import NcclComm, load_nccl
 
 MAGIC = b"GPTCUDA\x01"
 

@@ -13,7 +13,7 @@ Import (train.py / sample.py --init_from=...):
 
     named, overrides = load_init("hf:DIR" | "llmc:FILE" | RUN_DIR, cfg)
 
-gives the parameters in our names and layouts (gptcuda/params.py) and the model settings the weights imply
+gives the parameters in our names and layouts (gptcuda/model/params.py) and the model settings the weights imply
 (n_layer, n_head, n_embd, block_size, bias, vocab_size and, where the vocabulary is GPT-2's 50257, tokenizer
 "gpt2"). The model's vocabulary is cfg.vocab_size when set, else the rows the source stores (hf: the
 tokenizer's; llmc: Vp; a run: its padded vocabulary) rounded up to cfg.vocab_multiple. Rows past the
@@ -32,12 +32,14 @@ from __future__ import annotations
 
 # the public API (__all__), plus what other modules import (_parse_spec: trainer.py, sampler.py) and the
 # formats' other constants
-from .common import GPT2_EOT, GPT2_VOCAB, LN_EPS, InteropError, check_expressible  # noqa: F401
-from .hf import ENDOFTEXT, HF_ACTIVATIONS, from_hf, hf_config, hf_name_map, hf_tensors, read_hf, write_hf  # noqa: F401
-from .init import Init, _parse_spec, init_for_training, load_init  # noqa: F401
-from .llmc import (LLMC_BF16, LLMC_FP32, LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_ORDER, LLMC_VP_MULTIPLE,  # noqa: F401
-                   from_llmc, llmc_header, llmc_tensors, read_llmc, write_llmc)
-from .run import Run, export_run, load_run
+from gptcuda.interop.common import GPT2_EOT, GPT2_VOCAB, LN_EPS, InteropError, check_expressible  # noqa: F401
+from gptcuda.interop.hf import (ENDOFTEXT, HF_ACTIVATIONS, from_hf, hf_config, hf_name_map, hf_tensors,
+                                read_hf, write_hf)  # noqa: F401
+from gptcuda.interop.init import Init, _parse_spec, init_for_training, load_init  # noqa: F401
+from gptcuda.interop.llmc import (LLMC_BF16, LLMC_FP32, LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_ORDER,
+                                  LLMC_VP_MULTIPLE, from_llmc, llmc_header, llmc_tensors, read_llmc,
+                                  write_llmc)
+from gptcuda.interop.run import Run, export_run, load_run
 
 __all__ = ["InteropError", "load_init", "init_for_training", "Init", "export_run", "load_run", "Run",
            "hf_tensors", "hf_config", "write_hf", "read_hf", "from_hf",

@@ -2,7 +2,7 @@
 the messages, the tokenizer's vocabulary and `check_expressible` (what a format can say)."""
 from __future__ import annotations
 
-from ..config import Config
+from gptcuda.config import Config
 
 LN_EPS = 1e-5            # kernels/layernorm.cu LN_EPS, reference/ops.py layernorm_forward
 GPT2_VOCAB = 50257

@@ -10,9 +10,9 @@ import tempfile
 
 import numpy as np
 
-from ..config import Config
-from ..params import param_table
-from .common import LN_EPS, GPT2_EOT, InteropError, _fmt, _tokenizer_vocab, check_expressible
+from gptcuda.config import Config
+from gptcuda.model.params import param_table
+from gptcuda.interop.common import LN_EPS, GPT2_EOT, InteropError, _fmt, _tokenizer_vocab, check_expressible
 
 ENDOFTEXT = "<|endoftext|>"
 HF_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")   # the tanh approximation, as ours
@@ -102,7 +102,7 @@ def _tokenizer_files(tokenizer: dict, block_size: int) -> dict:
     special = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "unk_token": ENDOFTEXT}
     files = {"special_tokens_map.json": special}
     if kind == "gpt2":
-        from ..tokenizers import _gpt2_files
+        from gptcuda.data.tokenizers import _gpt2_files
         paths = _gpt2_files()           # sha256-checked
         with open(paths["encoder.json"], "rb") as f:
             files["vocab.json"] = f.read()

@@ -7,12 +7,12 @@ import os
 
 import numpy as np
 
-from ..config import Config, ConfigError, validate
-from ..params import param_table
-from .common import GPT2_VOCAB, InteropError, _fmt, _round_up
-from .hf import from_hf, read_hf
-from .llmc import from_llmc, read_llmc
-from .run import load_run
+from gptcuda.config import Config, ConfigError, validate
+from gptcuda.model.params import param_table
+from gptcuda.interop.common import GPT2_VOCAB, InteropError, _fmt, _round_up
+from gptcuda.interop.hf import from_hf, read_hf
+from gptcuda.interop.llmc import from_llmc, read_llmc
+from gptcuda.interop.run import load_run
 
 
 def _parse_spec(spec: str) -> tuple[str, str]:
@@ -116,7 +116,7 @@ def init_for_training(cfg: Config) -> Init:
     imply: n_layer, n_head, n_embd, bias, vocabulary and tokenizer come from the weights; block_size
     stays the config's and crops the position embedding (at most the weights' positions). Errors are
     one-line CheckpointErrors."""
-    from ..checkpoint import CheckpointError
+    from gptcuda.training.checkpoint import CheckpointError
     try:
         named, over = load_init(cfg.init_from, cfg, block_size=cfg.block_size)
         kind, where = _parse_spec(cfg.init_from)

@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 
-from ..checkpoint import atomic_open
-from ..config import Config
-from .common import InteropError, _round_up
+from gptcuda.files import atomic_open
+from gptcuda.config import Config
+from gptcuda.interop.common import InteropError, _round_up
 
 LLMC_MAGIC = 20240326
 LLMC_FP32 = 3            # all tensors fp32, padded vocabulary

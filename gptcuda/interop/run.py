@@ -6,12 +6,12 @@ import dataclasses
 import json
 import os
 
-from ..checkpoint import CheckpointError, load_checkpoint
-from ..config import Config, ConfigError, validate
-from ..params import param_table, unflatten
-from .common import InteropError, _fmt, _round_up, _tokenizer_vocab, check_expressible
-from .hf import write_hf
-from .llmc import write_llmc
+from gptcuda.training.checkpoint import CheckpointError, load_checkpoint
+from gptcuda.config import Config, ConfigError, validate
+from gptcuda.model.params import param_table, unflatten
+from gptcuda.interop.common import InteropError, _fmt, _round_up, _tokenizer_vocab, check_expressible
+from gptcuda.interop.hf import write_hf
+from gptcuda.interop.llmc import write_llmc
 
 
 @dataclasses.dataclass
@@ -64,7 +64,7 @@ def load_run(run_dir: str, ckpt: str | None = None) -> Run:
     if isinstance(meta.get("config"), dict):
         cfg = _config_from_dict(meta["config"], path)
     else:
-        from ..config import load_config
+        from gptcuda.config import load_config
         cfg = load_config(os.path.join(run_dir, "config.yaml"))
     tok = meta.get("tokenizer")
     if isinstance(tok, str):

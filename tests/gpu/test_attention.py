@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gptcuda import rng
-from gptcuda.cuda_ops import attention as attn
-from gptcuda.reference import ops as ref
+from gptcuda.model import rng
+from gptcuda.ops.cuda import attention as attn
+from gptcuda.ops.reference import ops as ref
 from tests.conftest import rel_err
 
 pytestmark = pytest.mark.gpu

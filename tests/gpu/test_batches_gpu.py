@@ -1,13 +1,13 @@
 """GPU test of the batch pipeline: the host gathers windows into page-locked buffers and the feeder's
-async copies land in idx / targets exactly (gptcuda/batches.py, cuda_backend.BatchFeeder)."""
+async copies land in idx / targets exactly (gptcuda/data/batches.py, cuda_backend.BatchFeeder)."""
 import numpy as np
 import pytest
 
-from gptcuda import rng
-from gptcuda.batches import Batches
-from gptcuda.cuda_backend import BatchFeeder
-from gptcuda.data import get_batch
-from gptcuda.driver import call
+from gptcuda.model import rng
+from gptcuda.data.batches import Batches
+from gptcuda.ops.cuda_backend import BatchFeeder
+from gptcuda.data.text import get_batch
+from gptcuda.runtime.driver import call
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +35,7 @@ def test_feeder_copies_each_programs_rows(rt, accum, world, rank):
 def test_feeder_keeps_stream_order(rt):
     """Many puts queued behind slow work: each copy lands after the work before it (a kernel reading
     x in between sees its own batch), and the host never overwrites a buffer still being copied."""
-    from gptcuda.cuda_ops import elementwise as ew
+    from gptcuda.ops.cuda import elementwise as ew
     B, T = 2, 4096
     x, y = rt.empty((1, B, T), "i32"), rt.empty((1, B, T), "i32")
     f = BatchFeeder(rt, x, y, B, T)

@@ -3,9 +3,9 @@ sampling, and the draw kernel against reference/ops.py draw_token."""
 import numpy as np
 import pytest
 
-from gptcuda.cuda_ops import decode as D
-from gptcuda.memory import STOP_MAX, pack_gen_opts
-from gptcuda.reference.ops import draw_token
+from gptcuda.ops.cuda import decode as D
+from gptcuda.model.memory import STOP_MAX, pack_gen_opts
+from gptcuda.ops.reference.ops import draw_token
 from test_decode import decode_vs_forward, greedy_vs_forward, seeded_runs
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +64,7 @@ def test_draw_kernel_matches_reference(env, Vp, n_vocab, temp, top_k, top_p):
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
 def test_decode_linear(env, M, N, K, epilogue):
     """out = a @ w^T + bias with the epilogue, against float64 (17 rows: the GEMM takes over)."""
-    from gptcuda.reference import ops as ref
+    from gptcuda.ops.reference import ops as ref
     from tests.conftest import rel_err
     rt = env
     r = np.random.default_rng(M * N + K)

@@ -22,10 +22,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gptcuda import data, dist, rng  # noqa: E402
+from gptcuda.data import text as data
+from gptcuda import dist
+from gptcuda.model import rng  # noqa: E402
 from gptcuda.config import load_config  # noqa: E402
-from gptcuda.data import TextDataset  # noqa: E402
-from gptcuda.engine import Engine  # noqa: E402
+from gptcuda.data.text import TextDataset  # noqa: E402
+from gptcuda.training.engine import Engine  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 BUCKET_MB = 16 * 1024 * 4 / 2 ** 20             # 16K-element buckets: the tiny model has several
@@ -47,7 +49,7 @@ def nccl_or_skip():
 
 
 def gpu_count() -> int:
-    from gptcuda.driver import _load, call
+    from gptcuda.runtime.driver import _load, call
     drv = _load()
     call(drv.cuInit, 0)
     return int(call(drv.cuDeviceGetCount))
@@ -157,7 +159,7 @@ def test_two_gpus_train_py_zero1_checkpoints_on_rank0_and_resumes(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "self-test passed" in p.stdout and "[0] " in p.stdout
     assert not any(l.startswith("[1] ") and "step" in l for l in p.stdout.splitlines())   # rank 0 logs alone
-    from gptcuda.checkpoint import load_checkpoint
+    from gptcuda.training.checkpoint import load_checkpoint
     arrays, meta = load_checkpoint(str(o / "last.ckpt"))
     assert meta["step"] == 10 and meta["world_size"] == 2
     assert np.count_nonzero(arrays["adam_v"]) > 0.9 * np.count_nonzero(arrays["params"])   # every shard's state

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gptcuda import rng
-from gptcuda.cuda_ops import elementwise as ew
-from gptcuda.reference import ops as ref
+from gptcuda.model import rng
+from gptcuda.ops.cuda import elementwise as ew
+from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import DeviceView
 from tests.conftest import rel_err
 

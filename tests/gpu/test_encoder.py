@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gptcuda.cuda_ops import encoder as enc
-from gptcuda.reference import ops as ref
+from gptcuda.ops.cuda import encoder as enc
+from gptcuda.ops.reference import ops as ref
 from tests.conftest import FakeGemmRT, fake_view, rel_err
 
 gpu = pytest.mark.gpu

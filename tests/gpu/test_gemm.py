@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gptcuda.cuda_ops import gemm
-from gptcuda.reference import ops as ref
+from gptcuda.ops.cuda import gemm
+from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import DeviceView, i32
 from tests.conftest import FakeGemmRT, fake_view, rel_err
 

@@ -6,10 +6,10 @@ RNG) must agree to |a - b| <= 1e-5 + 1e-2 |ref| (fp32), and within TF32's error 
 import numpy as np
 import pytest
 
-from gptcuda import rng
+from gptcuda.model import rng
 from gptcuda.config import load_config
-from gptcuda.data import TextDataset, get_batch
-from gptcuda.engine import Engine
+from gptcuda.data.text import TextDataset, get_batch
+from gptcuda.training.engine import Engine
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
 """gradcheck on the GPU: the TF32 check (finite differences on an fp32 / 3xTF32 forward of the same
-weights, batch and dropout masks, tolerance from gptcuda/gradcheck.py's error model) passes on
+weights, batch and dropout masks, tolerance from gptcuda/training/gradcheck.py's error model) passes on
 randomly drawn shapes whose widths, heads and T are not tile multiples, both attention kinds,
 dropout 0 and 0.1; and --break=layernorm fails in TF32 and in fp32.
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from gptcuda.config import load_config
-from gptcuda.gradcheck import run_gradcheck
+from gptcuda.training.gradcheck import run_gradcheck
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("safetensors")
 
 from gptcuda.config import Config, load_config  # noqa: E402
-from gptcuda.engine import Engine  # noqa: E402
+from gptcuda.training.engine import Engine  # noqa: E402
 from gptcuda.interop import hf_config, load_init  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # tests/: test_interop's numpy GPT-2

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gptcuda.cuda_ops import layernorm as ln
-from gptcuda.reference import ops as ref
+from gptcuda.ops.cuda import layernorm as ln
+from gptcuda.ops.reference import ops as ref
 from tests.conftest import rel_err
 
 pytestmark = pytest.mark.gpu

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from gptcuda.cuda_ops import loss as L
-from gptcuda.reference import ops as ref
+from gptcuda.ops.cuda import loss as L
+from gptcuda.ops.reference import ops as ref
 from tests.conftest import rel_err
 
 pytestmark = pytest.mark.gpu

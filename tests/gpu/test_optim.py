@@ -4,8 +4,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gptcuda.cuda_ops import optim
-from gptcuda.reference import ops as ref
+from gptcuda.ops.cuda import optim
+from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import DeviceView
 from tests.conftest import rel_err
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from gptcuda import compiler
+from gptcuda.runtime import compiler
 from gptcuda.config import load_config
-from gptcuda.reference import ops as R
+from gptcuda.ops.reference import ops as R
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +21,7 @@ def test_device_properties(rt):
 
 
 def test_launch_matches_reference_and_graph_equals_eager(rt):
-    from gptcuda.cuda_ops import elementwise
+    from gptcuda.ops.cuda import elementwise
     rng = np.random.default_rng(0)
     x = rng.normal(size=(257, 129)).astype(np.float32)
     xv = rt.upload(x)
@@ -62,7 +62,7 @@ def test_upload_is_complete_before_the_next_launch(rt):
 
 
 def test_function_cache_and_forbidden_compiles(rt):
-    from gptcuda.cuda_ops import elementwise
+    from gptcuda.ops.cuda import elementwise
     f1 = rt.function(*elementwise.VARIANTS[0][:2], elementwise.VARIANTS[0][2])
     f2 = rt.function(*elementwise.VARIANTS[0][:2], elementwise.VARIANTS[0][2])
     assert f1 is f2
@@ -71,7 +71,7 @@ def test_function_cache_and_forbidden_compiles(rt):
 
 
 def test_engine_views_do_not_overlap(rt):
-    from gptcuda.engine import Engine
+    from gptcuda.training.engine import Engine
     cfg = load_config("configs/tiny.yaml", ["--max_iters=3"])
     toks = np.random.default_rng(0).integers(0, 65, 4000).astype(np.int32)
     eng = Engine(cfg, toks, toks[:500], 65, backend=None, programs=())

@@ -6,11 +6,11 @@ import os
 import numpy as np
 import pytest
 
-from gptcuda.checkpoint import load_checkpoint
+from gptcuda.training.checkpoint import load_checkpoint
 from gptcuda.config import load_config
-from gptcuda.data import TextDataset
-from gptcuda.engine import Engine
-from gptcuda.trainer import Trainer
+from gptcuda.data.text import TextDataset
+from gptcuda.training.engine import Engine
+from gptcuda.training.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
 DATA = TextDataset("data/tinyshakespeare/input.txt")

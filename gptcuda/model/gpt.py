@@ -1,0 +1,231 @@
+"""The GPT's forward and backward launch sequence, written once for both backends.
+
+Reads top to bottom like the model: embed, L blocks of (layernorm, attention, residual,
+layernorm, MLP, residual), final layernorm, tied head, cross-entropy; then the same in
+reverse. Every call records an op into the backend's open program (see backend.py); the
+buffers are the memory plan's views, so nothing is allocated here.
+
+Shapes: B batch, T block_size, C n_embd, H n_head, V vocab, L n_layer, N = B*T.
+A training step runs A micro-batches (gradient accumulation): micro-batch k reads idx[k] /
+targets[k] and writes losses[k]; the activations serve one micro-batch at a time. V may be
+padded past the tokenizer's n_vocab: the loss masks the padded columns.
+"""
+from __future__ import annotations
+
+from gptcuda.model import rng
+
+
+class GPT:
+    def __init__(self, cfg, ops, bufs, table, n_vocab=None, accum: int = 1):
+        self.cfg, self.ops, self.b, self.table = cfg, ops, bufs, table
+        self.p = bufs.params      # name -> view
+        self.g = bufs.grads       # name -> view
+        self.a = bufs.acts        # plan entry name -> view
+        self.n_vocab = n_vocab    # the tokenizer's vocabulary (None: all of V)
+        self.accum = accum        # micro-batches per training step
+        self.micro = 0            # the micro-batch being recorded
+
+    def site(self, site):
+        """The random stream of a dropout site in the micro-batch being recorded."""
+        return rng.micro_site(site, self.micro)
+
+    def _pb(self, name):
+        return self.p.get(name)   # None when the config has no biases
+
+    def forward(self, train: bool, grad_scale: float):
+        """Logits, per-token losses, and (grad_scale != 0) the logits' gradient in place."""
+        o, a, p, cfg = self.ops, self.a, self.p, self.cfg
+        drop = cfg.dropout if train else 0.0
+        H = cfg.n_head
+        k = self.micro
+        o.encoder_fwd(a["res"][0], a["idx"][k], p["wte"], p["wpe"])              # [B,T,C]
+        o.dropout_fwd(a["res"][0], a["res"][0], drop, self.site(rng.DROPOUT_EMB))
+        for l in range(cfg.n_layer):
+            x, mid, out = a["res"][l], a["mid"][l], a["res"][l + 1]              # [B,T,C] each
+            h = f"h{l}."
+            o.layernorm_fwd(a["ln1"][l], a["ln1_mean"][l], a["ln1_rstd"][l], x, p[h + "ln1.w"], self._pb(h + "ln1.b"))
+            o.matmul(a["qkv"][l], a["ln1"][l], p[h + "attn.w"], False, True, bias=self._pb(h + "attn.b"))  # [B,T,3C]
+            o.attention_fwd(a["atty"][l], a["qkv"][l], self.saved(l), H, drop, self.site(rng.dropout_site(l, 0)))
+            self._residual(mid, x, a["atty"][l], p[h + "proj.w"], self._pb(h + "proj.b"), drop,
+                           self.site(rng.dropout_site(l, 1)))
+            o.layernorm_fwd(a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l], mid, p[h + "ln2.w"], self._pb(h + "ln2.b"))
+            act = self.fc_act(l)                                                   # [B,T,4C]
+            o.matmul(act, a["ln2"][l], p[h + "fc.w"], False, True, bias=self._pb(h + "fc.b"),
+                     epilogue="gelu", aux=a["fc_pre"][l])
+            self._residual(out, mid, act, p[h + "fcproj.w"], self._pb(h + "fcproj.b"), drop,
+                           self.site(rng.dropout_site(l, 2)))
+        L = cfg.n_layer
+        o.layernorm_fwd(a["lnf"], a["lnf_mean"], a["lnf_rstd"], a["res"][L], p["lnf.w"], self._pb("lnf.b"))
+        o.matmul(a["logits"], a["lnf"], p["wte"], False, True)                   # [B,T,V], tied head
+        o.crossentropy(a["losses"][k], a["logits"] if grad_scale else None, a["logits"], a["targets"][k], grad_scale,
+                       n_vocab=self.n_vocab)
+
+    def _residual(self, out, resid, x, w, bias, drop, site):
+        """out = resid + dropout(x @ w^T + bias): fused into the GEMM epilogue when there is no dropout."""
+        if drop > 0:
+            self.ops.matmul(self.b.acts["branch"], x, w, False, True, bias=bias)
+            self.ops.residual_dropout(out, resid, self.b.acts["branch"], drop, site)
+        else:
+            self.ops.matmul(out, x, w, False, True, bias=bias, epilogue="residual", aux=resid)
+
+    def fc_act(self, l):
+        """Where layer l's GELU output lives: stored per layer, or (recompute) in the shared dfc
+        buffer, rebuilt from fc_pre in the backward."""
+        return self.a["dfc"] if self.cfg.recompute else self.a["fc_act"][l]
+
+    def saved(self, l):
+        """Layer l's tensors saved by the attention implementation for its backward (plan entries saved_*)."""
+        return {k[len("saved_"):]: v[l] for k, v in self.a.items() if k.startswith("saved_")}
+
+    def backward(self):
+        """Every parameter gradient, from the logits' gradient left by forward(grad_scale=1/N)."""
+        o, a, p, g, cfg = self.ops, self.a, self.p, self.g, self.cfg
+        drop, H, L = cfg.dropout, cfg.n_head, cfg.n_layer
+        dres, dln, dfc, dqkv = a["dres"], a["dln"], a["dfc"], a["dqkv"]
+        datty = dln         # the attention output's gradient is dead before dln is written again
+        # head: logits = lnf @ wte^T
+        o.matmul(dln, a["logits"], p["wte"], False, False)                        # dlnf [B,T,C]
+        o.matmul(g["wte"], a["logits"], a["lnf"], True, False)                    # dwte [V,C] =
+        o.zero(dres)
+        o.layernorm_bwd(dres, g["lnf.w"], g.get("lnf.b"), dln, a["res"][L], a["lnf_mean"], a["lnf_rstd"], p["lnf.w"])
+        self._grads_ready("head")
+        for l in reversed(range(L)):
+            h = f"h{l}."
+            # mlp half: res[l+1] = mid + drop(fc_act @ fcproj^T + b)
+            d = self._branch_grad(dres, drop, self.site(rng.dropout_site(l, 2)))
+            if cfg.recompute:
+                o.gelu_fwd(dfc, a["fc_pre"][l])                                    # rebuild the GELU output
+            o.matmul(g[h + "fcproj.w"], d, self.fc_act(l), True, False)          # before dfc is overwritten
+            o.matmul(dfc, d, p[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
+            self._bias_grad(g, h + "fcproj.b", d)                                  # dfc: d fc_pre [B,T,4C]
+            o.matmul(dln, dfc, p[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
+            o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False)
+            self._bias_grad(g, h + "fc.b", dfc)
+            o.layernorm_bwd(dres, g[h + "ln2.w"], g.get(h + "ln2.b"), dln, a["mid"][l], a["ln2_mean"][l],
+                            a["ln2_rstd"][l], p[h + "ln2.w"])
+            # attention half: mid = res[l] + drop(atty @ proj^T + b)
+            d = self._branch_grad(dres, drop, self.site(rng.dropout_site(l, 1)))
+            o.matmul(datty, d, p[h + "proj.w"], False, False)
+            o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False)
+            self._bias_grad(g, h + "proj.b", d)
+            o.attention_bwd(dqkv, datty, a["qkv"][l], a["atty"][l], self.saved(l), H, drop,
+                            self.site(rng.dropout_site(l, 0)))
+            o.matmul(dln, dqkv, p[h + "attn.w"], False, False)                    # d ln1 [B,T,C]
+            o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False)
+            self._bias_grad(g, h + "attn.b", dqkv)
+            o.layernorm_bwd(dres, g[h + "ln1.w"], g.get(h + "ln1.b"), dln, a["res"][l], a["ln1_mean"][l],
+                            a["ln1_rstd"][l], p[h + "ln1.w"])
+            self._grads_ready(l)
+        d = self._branch_grad(dres, drop, self.site(rng.DROPOUT_EMB))
+        o.encoder_bwd(g["wte"], g["wpe"], d, a["idx"][self.micro])
+        self._grads_ready("embed")
+
+    def _branch_grad(self, dres, drop, site):
+        """Gradient of a branch output before dropout (dres itself when there is no dropout)."""
+        if drop > 0:
+            self.ops.dropout_bwd(self.a["branch"], dres, drop, site)
+            return self.a["branch"]
+        return dres
+
+    def _bias_grad(self, g, name, d):
+        if name in g:
+            self.ops.bias_grad(g[name], d)
+
+    # ---- whole programs -----------------------------------------------------------------
+    dp = None               # gptcuda.dist.DataParallel of a data-parallel rank (set by Engine)
+    on_grads_ready = None   # while recording the training step: dp.record_grads_ready
+
+    def _grads_ready(self, point):
+        """Hook of the backward: every gradient of `point` ("head", a layer index, "embed") is final."""
+        if self.on_grads_ready is not None:
+            self.on_grads_ready(point)
+
+    def _points(self):
+        """The backward's hook points in the order it reaches them."""
+        return ["head", *reversed(range(self.cfg.n_layer)), "embed"]
+
+    def record_train_step(self):
+        """batch -> A x (forward -> backward) -> clip -> AdamW -> step += 1, with nothing per step baked in.
+        Micro-batches before the last add their gradients into grad_acc; the last adds grad_acc into its
+        own (so the gradients hold the sum over the step; the loss's grad_scale 1/(A*B*T) makes it the
+        mean). Data parallel (self.dp): the ranks' mean loss and the gradient buckets are all-reduced on
+        the communication stream, during the last backward when A = 1, after it otherwise; the history
+        gets the mean over ranks."""
+        o, cfg, b, dp, A = self.ops, self.cfg, self.b, self.dp, self.accum
+        o.lr_schedule(cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
+        n_tok = A * cfg.batch_size * cfg.block_size
+        acc = self.a.get("grad_acc")
+        for k in range(A):
+            self.micro = k
+            last = k == A - 1
+            self.forward(train=True, grad_scale=1.0 / n_tok)
+            if not last:
+                self.backward()
+                o.accumulate(acc, b.flat_grads, first=k == 0)
+                continue
+            if dp is None:
+                o.loss_reduce(self.a["losses"], self.a["history"])
+                self.backward()
+                if A > 1:
+                    o.accumulate(b.flat_grads, acc, first=False)
+                o.grad_norm(b.flat_grads)
+                o.adamw(b.flat_params, b.flat_grads, b.flat_m, b.flat_v, self.table.n_decay, cfg.beta1,
+                        cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip)
+            else:
+                o.loss_reduce(self.a["losses"], None)                 # this rank's mean
+                dp.record_loss_mean()
+                self.on_grads_ready = dp.record_grads_ready if A == 1 else None
+                try:
+                    self.backward()
+                finally:
+                    self.on_grads_ready = None
+                if A > 1:
+                    o.accumulate(b.flat_grads, acc, first=False)
+                    for point in self._points():                    # every bucket is ready now
+                        dp.record_grads_ready(point)
+                dp.record_join()
+                o.loss_reduce(dp.loss_mean, self.a["history"])        # state.loss, history[step]: the world's mean
+                dp.record_update(o)
+        self.micro = 0
+        o.step_advance()
+
+    def record_eval_batch(self, split: str):
+        """One evaluation batch (already in idx[0] / targets[0]): forward without dropout, mean loss
+        into the state, eval_draws += 1."""
+        self.forward(train=False, grad_scale=0.0)
+        self.ops.loss_reduce(self.a["losses"][0], None)
+        self.ops.eval_advance()
+
+    def record_forward_backward(self):
+        """Forward and backward on the batch already in idx[0]/targets[0] (gradcheck, golden tests)."""
+        n_tok = self.cfg.batch_size * self.cfg.block_size
+        self.forward(train=True, grad_scale=1.0 / n_tok)
+        self.ops.loss_reduce(self.a["losses"][0], None)
+        self.backward()
+
+    def record_decode_step(self, d, n_vocab: int):
+        """One position of every sequence with the KV cache (d: the views of memory.plan_decode):
+        the logits of the token at ctx[:, pos], the next token drawn where the prompt is read,
+        then pos advances. Nothing here depends on the position, so the recorded step serves
+        every token."""
+        o, p, cfg = self.ops, self.p, self.cfg
+        x, h = d["x"], d["h"]
+        o.decode_embed(x, d["ctx"], p["wte"], p["wpe"], d["pos"])                # [S,C]
+        for l in range(cfg.n_layer):
+            n = f"h{l}."
+            o.layernorm_fwd(h, d["h_mean"], d["h_rstd"], x, p[n + "ln1.w"], self._pb(n + "ln1.b"))
+            o.decode_linear(d["qkv"], h, p[n + "attn.w"], self._pb(n + "attn.b"))
+            o.decode_attention(d["y"], d["qkv"], d["kcache"][l], d["vcache"][l], cfg.n_head, d["pos"],
+                               d["attn_part"])
+            o.decode_linear(x, d["y"], p[n + "proj.w"], self._pb(n + "proj.b"), "residual", x)
+            o.layernorm_fwd(h, d["h_mean"], d["h_rstd"], x, p[n + "ln2.w"], self._pb(n + "ln2.b"))
+            o.decode_linear(d["fc_act"], h, p[n + "fc.w"], self._pb(n + "fc.b"), "gelu", d["fc_pre"])
+            o.decode_linear(x, d["fc_act"], p[n + "fcproj.w"], self._pb(n + "fcproj.b"), "residual", x)
+        o.layernorm_fwd(h, d["h_mean"], d["h_rstd"], x, p["lnf.w"], self._pb("lnf.b"))
+        o.decode_linear(d["logits"], h, p["wte"])                                   # [S,V]
+        o.decode_sample(d, d["logits"], d["pos"], n_vocab)
+        o.decode_advance(d["pos"], cfg.block_size)
+
+    def record_forward(self, train: bool = False):
+        self.forward(train=train, grad_scale=0.0)
+        self.ops.loss_reduce(self.a["losses"][0], None)

@@ -1,0 +1,223 @@
+"""The memory plan: every byte the run will use, decided from the config before allocating.
+
+Two device allocations:
+  * the flat buffer  params | grads | Adam m | Adam v  (four regions of the parameter table's size)
+  * the arena        activations (saved for the backward), backward scratch, op workspaces,
+                     the step's batch of token ids, the step state and the loss history
+
+The dataset itself never reaches the GPU: each step's windows are gathered on the host and
+copied into `idx` / `targets` (gptcuda/data/batches.py).
+
+`plan_memory` is pure arithmetic (no GPU), so `train.py CONFIG --plan` prints it anywhere,
+and a plan larger than the device's free memory is refused before anything is allocated.
+Every entry starts on a 256-byte boundary (16-byte vector access needs only 16).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gptcuda.model import state
+from gptcuda.model.params import ParamTable
+
+ARENA_ALIGN = 256
+ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
+KINDS = ("activation", "backward", "workspace", "data", "state")
+
+
+@dataclass
+class Entry:
+    name: str
+    shape: tuple
+    dtype: str
+    kind: str
+    comment: str = ""
+    offset: int = 0     # bytes from the arena's start
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+
+@dataclass
+class MemoryPlan:
+    table: ParamTable
+    entries: list = field(default_factory=list)
+    arena_bytes: int = 0
+
+    @property
+    def region_bytes(self) -> int:
+        return self.table.total * 4
+
+    @property
+    def flat_bytes(self) -> int:
+        return 4 * self.region_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.flat_bytes + self.arena_bytes
+
+    def add(self, name, shape, dtype="f32", kind="activation", comment=""):
+        if kind not in KINDS:
+            raise ValueError(kind)
+        if any(e.name == name for e in self.entries):
+            raise ValueError(f"memory plan: {name} planned twice")
+        e = Entry(name, tuple(int(s) for s in shape), dtype, kind, comment, self.arena_bytes)
+        self.entries.append(e)
+        self.arena_bytes += (e.nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+        return e
+
+    def by_kind(self) -> dict:
+        out = {k: 0 for k in KINDS}
+        for e in self.entries:
+            out[e.kind] += (e.nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+        return out
+
+    def __getitem__(self, name) -> Entry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    def format(self, detail: bool = False) -> str:
+        def gib(n):
+            return f"{n / 2**30:9.3f} GiB" if n >= 2**30 else f"{n / 2**20:9.2f} MiB"
+        rb = self.region_bytes
+        lines = ["memory plan",
+                 f"  parameters       {gib(rb)}  ({self.table.n_params:,} parameters, {self.table.total:,} slots)",
+                 f"  gradients        {gib(rb)}",
+                 f"  adam m           {gib(rb)}",
+                 f"  adam v           {gib(rb)}"]
+        kinds = self.by_kind()
+        label = {"activation": "activations", "backward": "backward scratch", "workspace": "op workspace",
+                 "data": "batch tokens", "state": "step state"}
+        for k in KINDS:
+            lines.append(f"  {label[k]:<17}{gib(kinds[k])}")
+        if detail:
+            for e in self.entries:
+                lines.append(f"    {e.name:<28} {str(list(e.shape)):<22} {e.dtype} {gib(e.nbytes)}  {e.comment}")
+        lines.append(f"  total            {gib(self.total_bytes)}")
+        return "\n".join(lines)
+
+
+class PlanTooLarge(RuntimeError):
+    pass
+
+
+def check_fits(plan: MemoryPlan, free_bytes: int, cfg) -> None:
+    """Refuse a plan that does not fit, with the plan and what to change."""
+    if plan.total_bytes <= free_bytes:
+        return
+    hints = [f"--batch_size={max(1, cfg.batch_size // 2)}", f"--block_size={max(1, cfg.block_size // 2)}"]
+    if cfg.attention == "unfused":
+        hints.insert(0, "--attention=fused (no [B,H,T,T] probabilities saved)")
+    raise PlanTooLarge(
+        f"{plan.format()}\nthe plan needs {plan.total_bytes / 2**30:.2f} GiB but the GPU has "
+        f"{free_bytes / 2**30:.2f} GiB free; try " + ", or ".join(hints))
+
+
+def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
+                attention_saved: dict, workspaces: dict, history: int) -> MemoryPlan:
+    """The whole arena for training at cfg.batch_size x cfg.block_size, `accum` micro-batches a step.
+
+    attention_saved: per-layer saved tensors of the attention implementation {name: (shape, dtype)}
+    workspaces: scratch shared by all layers {name: (shape, dtype)} from the op families
+    The activations serve one micro-batch at a time; only the token ids and the per-token losses
+    are kept for every micro-batch of the step.
+    """
+    B, T, C, L, V, A = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer, vocab_size, accum
+    p = MemoryPlan(table)
+    p.add("idx", (A, B, T), "i32", "data", "input tokens of each micro-batch [A, B, T]")
+    p.add("targets", (A, B, T), "i32", "data", "target tokens of each micro-batch [A, B, T]")
+    p.add("res", (L + 1, B, T, C), "f32", "activation", "residual stream into each block and out of the last")
+    p.add("mid", (L, B, T, C), "f32", "activation", "residual stream after each attention half")
+    p.add("ln1", (L, B, T, C), "f32", "activation", "layernorm 1 outputs")
+    p.add("ln1_mean", (L, B, T), "f32", "activation")
+    p.add("ln1_rstd", (L, B, T), "f32", "activation")
+    p.add("qkv", (L, B, T, 3 * C), "f32", "activation", "q|k|v projections [B, T, 3C]")
+    p.add("atty", (L, B, T, C), "f32", "activation", "attention outputs, heads interleaved [B, T, C]")
+    for name, (shape, dtype) in attention_saved.items():
+        p.add(f"saved_{name}", (L, *shape), dtype, "activation", f"attention saves {name} per layer")
+    p.add("ln2", (L, B, T, C), "f32", "activation", "layernorm 2 outputs")
+    p.add("ln2_mean", (L, B, T), "f32", "activation")
+    p.add("ln2_rstd", (L, B, T), "f32", "activation")
+    p.add("fc_pre", (L, B, T, 4 * C), "f32", "activation", "mlp pre-activation (for GELU backward)")
+    if not cfg.recompute:
+        p.add("fc_act", (L, B, T, 4 * C), "f32", "activation", "mlp GELU output")
+    p.add("lnf", (B, T, C), "f32", "activation", "final layernorm output")
+    p.add("lnf_mean", (B, T), "f32", "activation")
+    p.add("lnf_rstd", (B, T), "f32", "activation")
+    p.add("logits", (B, T, V), "f32", "activation", "logits, turned into their gradient in place")
+    p.add("losses", (A, B, T), "f32", "activation", "per-token losses of each micro-batch")
+    p.add("branch", (B, T, C), "f32", "backward",
+          "a branch output before dropout + residual (forward); its gradient (backward)")
+    p.add("dres", (B, T, C), "f32", "backward", "gradient of the residual stream")
+    p.add("dln", (B, T, C), "f32", "backward", "gradient of a layernorm output, or of the attention output")
+    p.add("dqkv", (B, T, 3 * C), "f32", "backward", "gradient of qkv")
+    p.add("dfc", (B, T, 4 * C), "f32", "backward",
+          "gradient of the mlp activation; with recompute also the GELU output of the layer at hand")
+    for name, (shape, dtype) in sorted(workspaces.items()):
+        p.add(name, shape, dtype, "workspace", "op scratch, shared by all layers")
+    if A > 1:
+        p.add("grad_acc", (table.total,), "f32", "backward",
+              "gradient accumulation: the sum of the step's earlier micro-batches")
+    p.add("state", (state.WORDS,), "i32", "state", "StepState (gptcuda/model/state.py)")
+    p.add("history", (max(history, 1),), "f32", "state", "training loss of every step")
+    return p
+
+
+def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int, max_new: int = 1) -> MemoryPlan:
+    """Buffers of generation with a KV cache: S sequences, one position a step, up to block_size,
+    and the device-side state of drawing up to max_new tokens each (kernels/decode.cu)."""
+    S, T, C, L, H = n_seq, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head
+    p = MemoryPlan(table)
+    p.add("ctx", (S, T + 1), "i32", "state", "the tokens of each sequence's cache window")
+    p.add("fill", (S,), "i32", "state", "how many tokens of ctx are known (prompt, then drawn)")
+    p.add("out", (S, max(max_new, 1)), "i32", "state", "the tokens drawn, in order")
+    p.add("n_out", (S,), "i32", "state", "how many tokens were drawn")
+    p.add("done", (S,), "i32", "state", "1 once a sequence drew max_new tokens or the stop sequence")
+    p.add("emit", (2, S), "i32", "state", "this step's draw (-1: none) and done, for the host")
+    p.add("opts", (GEN_OPTS_WORDS,), "i32", "state", "the sampling options (pack_gen_opts)")
+    p.add("stop", (STOP_MAX,), "i32", "state", "the stop sequence")
+    p.add("pos", (1,), "i32", "state", "the position being decoded")
+    p.add("x", (S, C), "f32", "activation", "residual stream at this position")
+    p.add("h", (S, C), "f32", "activation", "a layernorm output")
+    p.add("h_mean", (S,), "f32", "activation")
+    p.add("h_rstd", (S,), "f32", "activation")
+    p.add("qkv", (S, 3 * C), "f32", "activation")
+    p.add("y", (S, C), "f32", "activation", "attention output")
+    p.add("attn_part", (S, H, -(-T // DECODE_ATT_CHUNK), C // H + 2), "f32", "activation",
+          "the split attention's partial results, a chunk of keys each")
+    p.add("fc_pre", (S, 4 * C), "f32", "activation")
+    p.add("fc_act", (S, 4 * C), "f32", "activation")
+    p.add("logits", (S, vocab_size), "f32", "activation")
+    p.add("kcache", (L, S, H, T, C // H), "f32", "activation", "keys of every layer, head and position")
+    p.add("vcache", (L, S, H, T, C // H), "f32", "activation", "values")
+    return p
+
+
+DECODE_ATT_CHUNK = 64  # kernels/decode.cu ATT_CHUNK: keys a block of the split decode attention
+
+# kernels/decode.cu GenOpts: the words of the `opts` buffer
+GEN_OPTS_WORDS = 8
+STOP_MAX = 16          # kernels/decode.cu STOP_MAX
+
+
+def pack_gen_opts(seed: int, top_k: int, temp: float, top_p: float, max_new: int, n_stop: int) -> np.ndarray:
+    """GenOpts as int32 words: seed, top_k, 1/temp (0: greedy), top_p, max_new, n_stop, 0, 0."""
+    words = np.zeros(GEN_OPTS_WORDS, np.int32)
+    words[[0, 1, 4, 5]] = [np.uint32(seed).view(np.int32), top_k, max_new, n_stop]
+    words[2:4] = np.array([0.0 if temp == 0 else 1.0 / temp, top_p], np.float32).view(np.int32)
+    return words
+
+
+def unpack_gen_opts(words) -> dict:
+    w = np.asarray(words).astype(np.int64).astype(np.int32)
+    f = w[2:4].view(np.float32)
+    return dict(seed=int(w[0].view(np.uint32)), top_k=int(w[1]), inv_temp=float(f[0]), top_p=float(f[1]),
+                max_new=int(w[4]), n_stop=int(w[5]))

@@ -1,0 +1,150 @@
+"""The op interface the model is written against, once, for both backends.
+
+Every op is destination-passing: outputs are views the memory plan allocated, never
+returned arrays. A backend does not run an op when it is called; it *records* it into the
+open `Program`, and the program is run (eagerly, or as a replayed CUDA graph) later. So
+model.py builds a step's launch sequence once, and the `cuda` backend's argument blocks
+are packed once, at record time.
+
+Tensors are the backend's views: numpy float64 arrays for `reference`, `DeviceView` for
+`cuda`. Model code only reads `.shape`. A view's leading dimensions flatten into rows
+where an op says [N, C] (N = B*T).
+
+The ops, with their shapes and meaning, are the methods of `Ops` below (a Protocol: both backends
+implement every one with the same parameters; tests/test_ops_protocol.py checks it). "+=" means an op
+accumulates into its destination, "=" that it overwrites.
+
+Batches are not an op: `batch_feeder(x, y, rows, T)` returns an object whose `put(rows, fill)` has
+fill(x_host, y_host) write [rows, T] ids and queues them into x / y ahead of the next run
+(gptcuda/data/batches.py decides which windows).
+
+Each backend also provides: `allocate(plan, table)` -> Buffers, `allocate_arena(plan)` -> views,
+`upload`/`download`, `read_state`/`write_state`, `begin()`/`end()` -> Program, `run(program)`,
+`capture(program)`, `synchronize()`, and the plan's inputs `attention_saved(cfg)`, `workspaces(cfg)`.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from gptcuda.runtime.core import Program  # noqa: F401  (a backend's recorded ops; defined with the launches)
+
+ATTENTION_KINDS = ("unfused", "fused")
+EPILOGUES = ("none", "gelu", "residual", "dgelu")
+
+
+def rows(shape) -> int:
+    """Leading dimensions of a view, flattened (the N of an op written for [N, C])."""
+    n = 1
+    for d in shape[:-1]:
+        n *= int(d)
+    return n
+
+
+class Buffers:
+    """The views a model runs on: parameters, gradients and Adam state by name and as flat
+    regions, and every arena entry of the memory plan by name."""
+
+    def __init__(self, params, grads, flat_params, flat_grads, flat_m, flat_v, acts):
+        self.params, self.grads = params, grads
+        self.flat_params, self.flat_grads, self.flat_m, self.flat_v = flat_params, flat_grads, flat_m, flat_v
+        self.acts = acts
+
+
+class Ops(Protocol):
+    """The ops of a backend. Views: numpy float64 arrays (reference) or DeviceViews (cuda); the
+    step state (StepState) is the backend's own. Shapes as [rows, columns]; [N, C] takes any
+    leading dimensions as rows."""
+
+    # ---- the step state -------------------------------------------------------------------------
+    def zero(self, view) -> None:
+        """view = 0"""
+
+    def lr_schedule(self, learning_rate: float, min_lr: float, warmup_iters: int, lr_decay_iters: int) -> None:
+        """state.lr = the warmup-then-cosine schedule at state.step"""
+
+    def step_advance(self) -> None:
+        """state.step += 1"""
+
+    def eval_advance(self) -> None:
+        """state.eval_draws += 1"""
+
+    # ---- the model ------------------------------------------------------------------------------
+    def encoder_fwd(self, out, idx, wte, wpe) -> None:
+        """out[B,T,C] = wte[idx[B,T]] + wpe[t]"""
+
+    def encoder_bwd(self, dwte, dwpe, dout, idx) -> None:
+        """dwte[V,C] += the rows of dout[B,T,C] gathered by idx; dwpe[Tmax,C] = sum over B (rows >= T zeroed)"""
+
+    def dropout_fwd(self, out, x, p: float, site: int) -> None:
+        """out = x * keep / (1 - p) (out may be x; with p = 0 it must be)"""
+
+    def dropout_bwd(self, dx, dout, p: float, site: int) -> None:
+        """dx = dout * keep / (1 - p) (dx may be dout; with p = 0 it must be)"""
+
+    def residual_dropout(self, out, resid, x, p: float, site: int) -> None:
+        """out = resid + dropout(x) (the mask's element index: the row-major index of x)"""
+
+    def layernorm_fwd(self, out, mean, rstd, x, w, b) -> None:
+        """out[N,C] = (x - mean) * rstd * w + b (b may be None); mean[N], rstd[N] saved"""
+
+    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w) -> None:
+        """dx[N,C] += ; dw[C] = ; db[C] = (db may be None)"""
+
+    def matmul(self, out, a, b, trans_a: bool = False, trans_b: bool = False, bias=None,
+               epilogue: str = "none", aux=None) -> None:
+        """out[M,N] = op(a) @ op(b) + bias; a is [M,K] (stored [K,M] when trans_a), b is [K,N] (stored
+        [N,K] when trans_b). "gelu": aux = that pre-activation, out = gelu_tanh(aux); "residual":
+        out = aux + op(a) @ op(b) + bias (aux may be out); "dgelu": out = (op(a) @ op(b)) *
+        gelu_tanh'(aux) (no bias; the GELU backward folded in)."""
+
+    def bias_grad(self, db, dout) -> None:
+        """db[N] = dout[M,N].sum(0), deterministic"""
+
+    def gelu_fwd(self, out, x) -> None:
+        """out = gelu_tanh(x)"""
+
+    def attention_fwd(self, y, qkv, saved, n_head: int, p: float, site: int) -> None:
+        """y[B,T,C] = causal softmax attention of qkv[B,T,3C]; `saved` is the dict of views
+        memory.attention_saved(cfg) plans for the layer (probabilities or log-sum-exp)"""
+
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head: int, p: float, site: int) -> None:
+        """dqkv[B,T,3C] ="""
+
+    def crossentropy(self, losses, dlogits, logits, targets, grad_scale: float, n_vocab: int | None = None) -> None:
+        """losses[N] = -log softmax(logits[:, :n_vocab])[target]; dlogits[N,V] = (softmax - onehot) *
+        grad_scale, 0 in the padded columns n_vocab.. (dlogits may be logits; grad_scale 0: no gradient)"""
+
+    def accumulate(self, dst, src, first: bool) -> None:
+        """dst = src (first) or dst += src (gradient accumulation)"""
+
+    def loss_reduce(self, losses, history) -> None:
+        """state.loss = mean(losses[N]); history[state.step] = it (history may be None)"""
+
+    def grad_norm(self, grads) -> None:
+        """state.grad_norm = ||grads||_2, deterministic"""
+
+    def adamw(self, params, grads, m, v, n_decay: int, beta1: float, beta2: float, eps: float,
+              weight_decay: float, grad_clip: float) -> None:
+        """One pass over the flat buffers: g *= min(1, clip / (norm + 1e-6)) when clip > 0; decoupled
+        decay lr*wd*p on the first n_decay elements only; bias correction with t = step + 1."""
+
+    # ---- generation (S sequences, one position a step; `g` the views of memory.plan_decode) ------
+    def decode_embed(self, out, ctx, wte, wpe, pos) -> None:
+        """out[S,C] = wte[ctx[:, pos]] + wpe[pos] (ctx [S,T+1] the windows, pos [1] a device int)"""
+
+    def decode_attention(self, y, qkv, kcache, vcache, n_head: int, pos, part=None) -> None:
+        """k, v of qkv[S,3C] appended to kcache/vcache [S,H,Tmax,hs] at pos; y[S,C] = causal attention
+        of q over keys 0..pos (part: scratch of a backend that splits the keys into chunks)"""
+
+    def decode_linear(self, out, a, w, bias=None, epilogue: str = "none", aux=None) -> None:
+        """matmul(out[S,N], a[S,K], w[N,K], trans_b=True, ...) for the few rows of a decode step
+        (epilogue none, gelu or residual)"""
+
+    def decode_sample(self, g, logits, pos, n_vocab: int) -> None:
+        """Each sequence past its prompt draws its next token from logits[S, :n_vocab] (greedy,
+        temperature, top-k, top-p: reference/ops.py draw_token) into ctx and out, and is done at
+        max_new tokens or the stop sequence; at the end of the window the last T/2 tokens move to
+        its start."""
+
+    def decode_advance(self, pos, T: int) -> None:
+        """pos = (pos + 1) % T"""

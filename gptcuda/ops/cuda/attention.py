@@ -1,0 +1,338 @@
+"""Causal self-attention launchers: unfused (kernels/attention.cu + batched gemms) and fused
+(kernels/flash_attention.cu).
+
+    attention_fwd(rt, y[B,T,C], qkv[B,T,3C], saved, n_head, p, site)
+    attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site)
+
+`saved` is the per-layer dict planned from `saved_shapes(cfg)`: {"probs": [B,H,T,T]} selects the
+unfused path (the probabilities before dropout are kept for the backward), {"lse": [B,H,T]}
+the fused one (the per-row log-sum-exp of the scaled scores). Scratch shared by all layers
+comes from `workspace(cfg)`, names prefixed "attention_" (not "attn_": the memory plan names the
+per-layer saved tensors "attn_<name>" and model.saved() collects every "attn_*" entry).
+
+Dropout on the attention probabilities uses the stream (rt.seed, state.step, site); the keep
+bit of element (b, h, i, j) is the one of row-major index ((b*H + h)*T + i)*T + j of
+[B,H,T,T], exactly as rng.dropout_mask draws it, in both paths.
+"""
+from __future__ import annotations
+
+import math
+
+from gptcuda.runtime import execution
+from gptcuda.ops.cuda import cdiv
+from gptcuda.runtime import DeviceView, f32, i32, u32
+
+FILE = "attention.cu"
+FLASH_FILE = "flash_attention.cu"
+
+ROWS_PER_BLOCK = 8            # ATTN_ROWS_PER_BLOCK in attention.cu (one warp per row)
+ROW_THREADS = 32 * ROWS_PER_BLOCK
+PERMUTE_THREADS = 256
+MAX_GRID = 132 * 32           # grid-stride kernels: enough blocks to fill 132 SMs many times
+
+# ---- fused kernel geometry (flash_attention.cu) ----------------------------------------
+FLASH_HEAD_SIZES = (32, 64, 128)
+FLASH_THREADS = 128           # FA_THREADS / FA_TC_THREADS in flash_attention.cu
+FLASH_BQ = 64                 # query rows per block of the fp32 forward and dQ kernels (FA_BR)
+FLASH_BK = 64                 # key rows per block of the fp32 dK/dV kernel (FA_BR)
+ROWSUM_THREADS = 256
+
+
+def _flash_variants():
+    out = []
+    for hs in FLASH_HEAD_SIZES:
+        for drop in ("false", "true"):
+            out.append((FLASH_FILE, f"flash_fwd<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_bwd_dq<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_bwd_dkv<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_fwd_tc<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_bwd_dq_tc<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_bwd_dkv_tc<{hs},{drop}>", {}))
+    out.append((FLASH_FILE, "flash_rowsum_do", {}))
+    return out
+
+
+VARIANTS = [
+    (FILE, "attn_permute_in<1>", {}),
+    (FILE, "attn_permute_in<4>", {}),
+    (FILE, "attn_permute_out<1>", {}),
+    (FILE, "attn_permute_out<4>", {}),
+    (FILE, "attn_softmax_fwd<false>", {}),
+    (FILE, "attn_softmax_fwd<true>", {}),
+    (FILE, "attn_dropout_probs", {}),
+    (FILE, "attn_softmax_bwd<false>", {}),
+    (FILE, "attn_softmax_bwd<true>", {}),
+] + _flash_variants()
+
+
+# ---------------------------------------------------------------------------- planning
+
+def _dims(cfg):
+    B, T, C, H = int(cfg.batch_size), int(cfg.block_size), int(cfg.n_embd), int(cfg.n_head)
+    return B, T, C, H, C // H
+
+
+def saved_shapes(cfg) -> dict:
+    """Per-layer tensors the forward keeps for the backward."""
+    B, T, C, H, hs = _dims(cfg)
+    if getattr(cfg, "attention", "unfused") == "fused":
+        return {"lse": ((B, H, T), "f32")}
+    return {"probs": ((B, H, T, T), "f32")}
+
+
+def workspace(cfg) -> dict:
+    """Scratch shared by all layers (name -> (shape, dtype))."""
+    B, T, C, H, hs = _dims(cfg)
+    if getattr(cfg, "attention", "unfused") == "fused":
+        return {"attention_d": ((B, H, T), "f32")}           # D = rowsum(dO * O) of the backward
+    heads = ((B, H, T, hs), "f32")
+    return {
+        "attention_q": heads, "attention_k": heads, "attention_v": heads,
+        "attention_yh": heads,                                # yh in the forward, dyh in the backward
+        "attention_att": ((B, H, T, T), "f32"),               # dropped probs (fwd, p > 0); pd, then dpd -> dS (bwd)
+        "attention_dq": heads, "attention_dk": heads, "attention_dv": heads,
+    }
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _split(qkv: DeviceView, n_head: int):
+    B, T, C3 = (int(s) for s in qkv.shape)
+    if C3 % 3:
+        raise ValueError(f"attention: qkv width {C3} is not 3*C")
+    C = C3 // 3
+    if C % n_head:
+        raise ValueError(f"attention: C={C} does not split into {n_head} heads")
+    return B, T, C, int(n_head), C // n_head
+
+
+def _view(ws: DeviceView, shape) -> DeviceView:
+    """The leading part of a workspace, viewed with `shape` (workspaces are sized for the config)."""
+    v = DeviceView(ws.ptr, tuple(int(s) for s in shape), ws.dtype, ws.name)
+    if v.numel > ws.numel:
+        raise ValueError(f"workspace {ws.name}{ws.shape} is smaller than {v.shape}")
+    return v
+
+
+def _workspaces(rt, shape, *names) -> list:
+    """The workspaces attention_<name>, each viewed with `shape`."""
+    return [_view(rt.workspace("attention_" + n), shape) for n in names]
+
+
+def _aligned(*views) -> bool:
+    return all(v is None or v.ptr % 16 == 0 for v in views)
+
+
+def _grid_1d(n: int, threads: int) -> int:
+    return max(1, min(cdiv(n, threads), MAX_GRID))
+
+
+def _dropout_args(rt, p: float, site: int):
+    p = float(p)
+    threshold = min(int(p * 4294967296.0), 0xFFFFFFFF)
+    inv_keep = 1.0 / (1.0 - p) if p > 0 else 1.0
+    return [rt.state, u32(int(rt.seed) & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF), u32(threshold), f32(inv_keep)]
+
+
+def _permute(rt, to_heads: bool, wide: DeviceView, heads, B, T, H, hs):
+    """Copy wide [B,T,nmat*C] into nmat heads [B,H,T,hs] (to_heads), or the heads back into wide."""
+    kernel = "attn_permute_in" if to_heads else "attn_permute_out"
+    nmat = len(heads)
+    h = list(heads) + [None] * (3 - nmat)
+    vec = 4 if hs % 4 == 0 and _aligned(wide, *h) else 1
+    fn = rt.function(FILE, f"{kernel}<{vec}>")
+    n = B * T * nmat * H * hs // vec
+    views = h + [wide] if to_heads else [wide] + h   # both kernels take the destination first
+    rt.launch(fn, (_grid_1d(n, PERMUTE_THREADS),), (PERMUTE_THREADS,),
+              views + [i32(B), i32(T), i32(H), i32(hs), i32(nmat)], label=kernel)
+
+
+def permute_in(rt, outs, x: DeviceView, B, T, H, hs):
+    """x [B,T,nmat*C] -> nmat views [B,H,T,hs] (nmat = len(outs))."""
+    _permute(rt, True, x, outs, B, T, H, hs)
+
+
+def permute_out(rt, out: DeviceView, ins, B, T, H, hs):
+    """nmat views [B,H,T,hs] -> out [B,T,nmat*C]."""
+    _permute(rt, False, out, ins, B, T, H, hs)
+
+
+# ---------------------------------------------------------------------------- ops
+
+def _path(rt, saved, op):
+    """The attention path of the execution plan (unfused | flash | flash_tc), checked against the
+    tensors the memory plan saved for it; a runtime without a config's plan: as `saved` says."""
+    path = execution.of(rt).attention
+    want = "probs" if path == "unfused" else "lse" if path is not None else ("probs" if "probs" in saved else "lse")
+    if want not in saved:
+        raise KeyError(f"{op}: the plan's attention {path or 'path'} needs the saved {want!r}, the memory plan "
+                       f"saved {sorted(saved)}")
+    return want
+
+
+def attention_fwd(rt, y, qkv, saved, n_head, p, site):
+    if _path(rt, saved, "attention_fwd") == "probs":
+        return _unfused_fwd(rt, y, qkv, saved["probs"], n_head, p, site)
+    return _fused_fwd(rt, y, qkv, saved["lse"], n_head, p, site)
+
+
+def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site):
+    if _path(rt, saved, "attention_bwd") == "probs":
+        return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site)
+    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site)
+
+
+# ---- unfused
+
+def _unfused_fwd(rt, y, qkv, probs, n_head, p, site):
+    from gptcuda.ops.cuda.gemm import matmul_batched
+
+    B, T, C, H, hs = _split(qkv, n_head)
+    heads = (B, H, T, hs)
+    q, k, v, yh = _workspaces(rt, heads, "q", "k", "v", "yh")
+    probs = _view(probs, (B, H, T, T))
+    permute_in(rt, (q, k, v), qkv, B, T, H, hs)
+    matmul_batched(rt, probs, q, k, trans_a=False, trans_b=True, alpha=1.0 / math.sqrt(hs))
+    rows = B * H * T
+    grid = (cdiv(rows, ROWS_PER_BLOCK),)
+    drop = float(p) > 0
+    pd = _view(rt.workspace("attention_att"), (B, H, T, T)) if drop else None
+    fn = rt.function(FILE, f"attn_softmax_fwd<{'true' if drop else 'false'}>")
+    rt.launch(fn, grid, (ROW_THREADS,),
+              [probs, pd] + _dropout_args(rt, p, site) + [i32(rows), i32(T)],
+              label="attn_softmax_fwd")
+    matmul_batched(rt, yh, pd if drop else probs, v)
+    permute_out(rt, y, (yh,), B, T, H, hs)
+
+
+def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site):
+    from gptcuda.ops.cuda.gemm import matmul_batched
+
+    B, T, C, H, hs = _split(qkv, n_head)
+    heads = (B, H, T, hs)
+    q, k, v, dyh, dq, dk, dv = _workspaces(rt, heads, "q", "k", "v", "yh", "dq", "dk", "dv")
+    att = _view(rt.workspace("attention_att"), (B, H, T, T))
+    probs = _view(probs, (B, H, T, T))
+    rows = B * H * T
+    grid = (cdiv(rows, ROWS_PER_BLOCK),)
+    drop = float(p) > 0
+    dargs = _dropout_args(rt, p, site)
+
+    permute_in(rt, (q, k, v), qkv, B, T, H, hs)      # later layers' forwards overwrote q, k, v
+    permute_in(rt, (dyh,), dy, B, T, H, hs)
+    if drop:                                         # att = pd, used for dv, then reused for dpd
+        rt.launch(rt.function(FILE, "attn_dropout_probs"), grid, (ROW_THREADS,),
+                  [att, probs] + dargs + [i32(rows), i32(T)], label="attn_dropout_probs")
+    matmul_batched(rt, dv, att if drop else probs, dyh, trans_a=True)      # dv = pd^T dyh
+    matmul_batched(rt, att, dyh, v, trans_b=True)                          # dpd = dyh v^T
+    fn = rt.function(FILE, f"attn_softmax_bwd<{'true' if drop else 'false'}>")
+    rt.launch(fn, grid, (ROW_THREADS,),
+              [att, probs] + dargs + [f32(1.0 / math.sqrt(hs)), i32(rows), i32(T)],
+              label="attn_softmax_bwd")
+    matmul_batched(rt, dq, att, k)                                         # dq = dS k
+    matmul_batched(rt, dk, att, q, trans_a=True)                           # dk = dS^T q
+    permute_out(rt, dqkv, (dq, dk, dv), B, T, H, hs)
+
+
+# ---- fused
+
+def flash_tc_plan(kind: str, hs: int) -> dict:
+    """Tile plan of a tf32 flash kernel: rows per block and dynamic shared memory (bytes).
+    Mirrors FaFwdTc / FaDqTc / FaDkvTc in flash_attention.cu (the kernels trap on less smem):
+    4 warps of mt m16 row tiles each; a ring of ns cp.async stages of streamed tiles; the resident
+    operands either staged through ring stages 1.. into registers (areg) or kept in their own buffer."""
+    ld = hs + 4
+    mt = 2 if hs <= 64 else 1
+    rows = 64 * mt
+    if kind == "fwd":                      # ring: K, V tiles of bc keys; Q staged -> registers
+        bc = 64 if hs <= 64 else 32
+        ns, stage, resident, areg = 3, 2 * bc * ld, rows * ld, True
+    elif kind == "dq":                     # ring: K, V tiles of bc keys; resident Q, dO
+        bc = 32 if hs <= 64 else 16
+        areg = hs * mt <= 64
+        ns, stage, resident = (3 if areg else 2), 2 * bc * ld, 2 * rows * ld
+    elif kind == "dkv":                    # ring: Q, dO tiles of 16 queries + lse, D; resident K, V
+        bq = 16
+        areg = hs * mt <= 64
+        ns, stage, resident = (3 if hs <= 64 else 2), 2 * bq * ld + 2 * bq, 2 * rows * ld
+    else:
+        raise ValueError(kind)
+    n = max(ns * stage, stage + resident) if areg else ns * stage + resident
+    return {"rows": rows, "smem": 4 * n}
+
+
+def flash_smem_bytes(kind: str, hs: int, tc: bool) -> int:
+    """Dynamic shared memory of a flash kernel; mirrors FaSmem (fp32) and the Fa*Tc plans (tf32) in
+    flash_attention.cu (which trap if they get less)."""
+    if tc:
+        return flash_tc_plan(kind, hs)["smem"]
+    ld = hs + 4
+    bkf = 32 if hs >= 128 else 64          # FaTiles::BKF: key tile of fwd / dq
+    bqb = 32                               # FaTiles::BQB: query tile of dkv
+    br = FLASH_BQ
+    if kind == "fwd":                      # + the P staging buffer of the fp32 policy
+        n = (br + 2 * bkf) * ld + br * (bkf + 4)
+    elif kind == "dq":
+        n = (2 * br + 2 * bkf) * ld + br * (bkf + 4)
+    elif kind == "dkv":
+        n = (2 * br + 2 * bqb) * ld + 2 * bqb + br * (bqb + 4)
+    else:
+        raise ValueError(kind)
+    return 4 * n
+
+
+def flash_rows(kind: str, hs: int, tc: bool) -> int:
+    """Rows (queries for fwd / dq, keys for dkv) of one block of a flash kernel."""
+    if tc:
+        return flash_tc_plan(kind, hs)["rows"]
+    return FLASH_BK if kind == "dkv" else FLASH_BQ
+
+
+def _fused_check(hs, *views):
+    if hs not in FLASH_HEAD_SIZES:
+        raise ValueError(f"fused attention supports head sizes {FLASH_HEAD_SIZES}, got {hs}; "
+                         "use attention: unfused")
+    if not _aligned(*views):
+        raise ValueError("fused attention needs 16-byte aligned qkv / y / dy / dqkv")
+
+
+def _tc(rt) -> bool:
+    """Flash attention on tensor cores (the execution plan's flash_tc: tf32)."""
+    path = execution.of(rt).attention
+    return path == "flash_tc" if path is not None else execution.of(rt).precision == "tf32"
+
+
+def _flash_name(kind: str, rt, hs: int, p: float) -> str:
+    tc = "_tc" if _tc(rt) else ""
+    return f"flash_{kind}{tc}<{hs},{'true' if float(p) > 0 else 'false'}>"
+
+
+def _fused_fwd(rt, y, qkv, lse, n_head, p, site):
+    B, T, C, H, hs = _split(qkv, n_head)
+    _fused_check(hs, qkv, y)
+    lse = _view(lse, (B, H, T))
+    tc = _tc(rt)
+    fn = rt.function(FLASH_FILE, _flash_name("fwd", rt, hs, p))
+    br = flash_rows("fwd", hs, tc)
+    rt.launch(fn, (B * H, cdiv(T, br)), (FLASH_THREADS,),
+              [y, lse, qkv] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
+              smem=flash_smem_bytes("fwd", hs, tc), label="flash_fwd")
+
+
+def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
+    B, T, C, H, hs = _split(qkv, n_head)
+    _fused_check(hs, qkv, y, dy, dqkv)
+    lse = _view(lse, (B, H, T))
+    D = _view(rt.workspace("attention_d"), (B, H, T))
+    tc = _tc(rt)
+    rows = B * T * H
+    rt.launch(rt.function(FLASH_FILE, "flash_rowsum_do"), ((rows + 7) // 8,), (ROWSUM_THREADS,),
+              [D, dy, y, i32(rows), i32(T), i32(H), i32(hs)], label="flash_rowsum_do")
+    args = [dqkv, qkv, dy, lse, D] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
+    bq, bk = flash_rows("dq", hs, tc), flash_rows("dkv", hs, tc)
+    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", rt, hs, p)),
+              (B * H, cdiv(T, bq)), (FLASH_THREADS,), args,
+              smem=flash_smem_bytes("dq", hs, tc), label="flash_bwd_dq")
+    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dkv", rt, hs, p)),
+              (B * H, cdiv(T, bk)), (FLASH_THREADS,), args,
+              smem=flash_smem_bytes("dkv", hs, tc), label="flash_bwd_dkv")

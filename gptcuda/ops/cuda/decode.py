@@ -1,0 +1,94 @@
+"""Launchers of kernels/decode.cu: generation with a KV cache, the next token drawn on the device.
+
+    decode_embed(rt, out[S,C], ctx[S,T+1], wte[V,C], wpe[Tmax,C], pos[1])   out = wte[ctx[:, pos]] + wpe[pos]
+    decode_attention(rt, y[S,C], qkv[S,3C], kcache, vcache, n_head, pos, part)
+        kcache/vcache [S,H,Tmax,hs]: this position's k, v are appended at pos, then y is the
+        softmax(q k^T / sqrt(hs)) v over keys 0..pos (the causal row of the full attention), in
+        chunks of ATT_CHUNK keys whose partial results (part [S,H,chunks,hs+2]) a second kernel merges.
+    decode_sample(rt, g, logits[S,Vp], pos, n_vocab)
+        g: the generation state of memory.plan_decode (ctx, fill, out, n_out, done, emit, opts, stop);
+        draws each sequence's next token from logits[:, :n_vocab] (the rules in kernels/decode.cu)
+    decode_advance(rt, pos, T)                                           pos = (pos + 1) % T
+    decode_linear(rt, out[M,N], a[M,K], w[N,K], bias, epilogue, aux)   matmul(out, a, w, trans_b=True, ...)
+        up to LINEAR_ROWS rows: a warp a column, each weight read once (a decode step is memory bound);
+        more rows: the GEMM (gemm.matmul)
+"""
+from __future__ import annotations
+
+import math
+
+from gptcuda.ops.cuda import cdiv, gemm
+from gptcuda.model.memory import DECODE_ATT_CHUNK as ATT_CHUNK
+from gptcuda.runtime import f32, i32
+
+FILE = "decode.cu"
+HEAD_SIZES = (16, 32, 64, 128)
+SAMPLE_THREADS = 1024                  # kernels/decode.cu SAMPLE_THREADS: the radix select assumes it
+ATT_THREADS = 128                      # kernels/decode.cu ATT_THREADS: the split attention's block
+LINEAR_ROWS = (1, 4, 16)                # decode_linear's row tiles (MT); more rows go to the GEMM
+LINEAR_BLOCK_COLS = {1: 2, 4: 4, 16: 2}  # kernels/decode.cu LinearShape: npw * groups, columns a block
+LINEAR_WARPS = 8                        # kernels/decode.cu LINEAR_WARPS
+LINEAR_EPILOGUES = {"none": 0, "gelu": 2, "residual": 3}    # gemm_epilogue.cuh GEMM_EPI_*
+VARIANTS = ([(FILE, "decode_embed", {}), (FILE, "decode_sample", {}), (FILE, "decode_advance", {})]
+            + [(FILE, f"decode_attention<{hs}>", {}) for hs in HEAD_SIZES]
+            + [(FILE, f"decode_attention_combine<{hs}>", {}) for hs in HEAD_SIZES]
+            + [(FILE, f"decode_linear<{mt}, {e}>", {}) for mt in LINEAR_ROWS for e in LINEAR_EPILOGUES.values()])
+
+
+def decode_embed(rt, out, ctx, wte, wpe, pos):
+    S, C = int(out.shape[0]), int(out.shape[-1])
+    T = int(ctx.shape[1]) - 1
+    rt.launch(rt.function(FILE, "decode_embed"), (cdiv(S * C, 256),), (256,),
+              [out, ctx, wte, wpe, pos, i32(S), i32(C), i32(T)], label="decode_embed")
+
+
+def attention_chunks(Tmax: int) -> int:
+    """Key chunks of the split attention (kernels/decode.cu ATT_CHUNK keys each)."""
+    return cdiv(int(Tmax), ATT_CHUNK)
+
+
+def decode_attention(rt, y, qkv, kcache, vcache, n_head, pos, part):
+    S, C = int(y.shape[0]), int(y.shape[-1])
+    hs = C // n_head
+    if hs not in HEAD_SIZES:
+        raise ValueError(f"decode attention supports head sizes {HEAD_SIZES}, got {hs}")
+    Tmax = int(kcache.shape[2])
+    n = attention_chunks(Tmax)
+    if tuple(part.shape) != (S, n_head, n, hs + 2):
+        raise ValueError(f"decode_attention: part {part.shape}, expected {(S, n_head, n, hs + 2)}")
+    rt.launch(rt.function(FILE, f"decode_attention<{hs}>"), (n, n_head, S), (ATT_THREADS,),
+              [part, qkv, kcache, vcache, pos, i32(n_head), i32(Tmax), f32(1.0 / math.sqrt(hs))],
+              label="decode_attention")
+    rt.launch(rt.function(FILE, f"decode_attention_combine<{hs}>"), (n_head, S), (max(hs, 32),),
+              [y, part, pos, i32(n_head), i32(n)], label="decode_attention_combine")
+
+
+def decode_sample(rt, g, logits, pos, n_vocab):
+    S, Vp = int(logits.shape[0]), int(logits.shape[1])
+    T, N = int(g["ctx"].shape[1]) - 1, int(g["out"].shape[1])
+    if not 0 < n_vocab <= Vp:
+        raise ValueError(f"decode_sample: n_vocab {n_vocab} must be in 1..{Vp}")
+    rt.launch(rt.function(FILE, "decode_sample"), (S,), (SAMPLE_THREADS,),
+              [g["ctx"], g["fill"], g["out"], g["n_out"], g["done"], g["emit"], logits, pos, g["opts"], g["stop"],
+               i32(S), i32(Vp), i32(n_vocab), i32(T), i32(N)], label="decode_sample")
+
+
+def decode_advance(rt, pos, T):
+    rt.launch(rt.function(FILE, "decode_advance"), (1,), (1,), [pos, i32(T)], label="decode_advance")
+
+
+def decode_linear(rt, out, a, w, bias=None, epilogue="none", aux=None):
+    M, K = int(a.shape[0]), int(a.shape[-1])
+    N = int(w.shape[0])
+    if M > LINEAR_ROWS[-1]:
+        gemm.matmul(rt, out, a, w, False, True, bias=bias, epilogue=epilogue, aux=aux)
+        return
+    if epilogue not in LINEAR_EPILOGUES:
+        raise ValueError(f"decode_linear: epilogue {epilogue!r} (one of {tuple(LINEAR_EPILOGUES)})")
+    if (epilogue != "none") != (aux is not None) or tuple(out.shape) != (M, N) or int(w.shape[1]) != K:
+        raise ValueError(f"decode_linear: out {out.shape}, a {a.shape}, w {w.shape}, epilogue {epilogue}, "
+                         f"aux {'given' if aux is not None else 'none'}")
+    mt = next(r for r in LINEAR_ROWS if M <= r)
+    cols = LINEAR_BLOCK_COLS[mt]
+    rt.launch(rt.function(FILE, f"decode_linear<{mt}, {LINEAR_EPILOGUES[epilogue]}>"), (cdiv(N, cols),),
+              (32 * LINEAR_WARPS,), [out, aux, a, w, bias, i32(M), i32(N), i32(K)], label="decode_linear")

@@ -1,0 +1,163 @@
+"""Launchers of kernels/encoder.cu: token + position embedding forward and backward.
+
+    encoder_fwd(rt, out[B,T,C], idx[B,T] i32, wte[V,C], wpe[Tmax,C])     out = wte[idx] + wpe[t]
+    encoder_bwd(rt, dwte[V,C], dwpe[Tmax,C], dout[B,T,C], idx[B,T])      dwte += ; dwpe = (t >= T zeroed)
+
+The backward is deterministic without float atomics: each (v, column) of dwte is read, added to
+and written once, with a summation order fixed by idx alone (see the kernel file). dwte's rows
+that no token uses are left bitwise as they were by the sorted path. Two ways (`bwd_wte_method`):
+  "scan"  encoder_bwd_wte: a block per (vocabulary row, 32*VEC-column tile) scanning all N ids;
+          V * tiles * N id reads, the quicker for small vocabularies (the char model's V = 65).
+  "sort"  encoder_bwd_sort (one block radix-sorts the N positions by id in shared memory into the
+          workspace WORKSPACE, 3N + 2 i32: the runs of the ids present) then encoder_bwd_wte_seg
+          (a warp per (run, column tile) sums its dout rows in increasing n and adds the sum
+          to dwte once): ~N*C floats read whatever V is. Used when the scan would cost more than
+          SCAN_MAX_WORK id reads (GPT-2's V = 50304), N <= SORT_MAX_TOKENS and (V+1) << nbits <= 2^32
+          (nbits: the bits of N - 1).
+          Needs the workspace `workspace(cfg)` plans (rt.workspace(WORKSPACE)); capturable in a
+          CUDA graph (the run count U stays on the device; the grid is sized for U = N).
+`method=` forces one ("scan" / "sort") for tests and benchmarks.
+"""
+from __future__ import annotations
+
+from gptcuda.runtime import i32
+from gptcuda.ops.cuda import cdiv
+
+FILE = "encoder.cu"
+THREADS = 256
+BWD_WARPS = 16        # ENC_BWD_WARPS in the kernel
+SORT_THREADS = 1024   # ENC_SORT_THREADS
+SEG_WARPS = 8         # ENC_SEG_WARPS
+SEG_BLOCKS_PER_SM = 4  # the run kernel's grid: resident blocks (59 registers), warps stride over the runs
+SORT_BINS = 16        # ENC_SORT_BINS (4-bit digits)
+SORT_KEYS = (1, 2, 4, 8, 16, 32)   # encoder_bwd_sort<E>: E keys a thread, N <= E * SORT_THREADS
+SORT_MAX_TOKENS = SORT_KEYS[-1] * SORT_THREADS   # 32768: 203 KB of shared memory
+# The scan kernel reads V * tiles * N ids (measured on the H200: ~2.1e6 block-ids a microsecond,
+# 1.17 ms at V 50304, 6 tiles, N 8192); above this it loses to the ~15-25 us of the sorted path.
+SCAN_MAX_WORK = 1 << 25
+WORKSPACE = "encoder_buckets"
+
+VARIANTS = ([(FILE, f"{k}<{vec}>", {}) for k in ("encoder_fwd", "encoder_bwd_wte", "encoder_bwd_wte_seg",
+                                                 "encoder_bwd_wpe") for vec in (4, 1)]
+            + [(FILE, f"encoder_bwd_sort<{e}>", {}) for e in SORT_KEYS])
+
+
+def workspace_ints(N: int) -> int:
+    """i32 words of the sorted path's workspace for N tokens: pos[N], seg_id[N], seg_start[N+1], U."""
+    return 3 * N + 2
+
+
+def workspace(cfg) -> dict:
+    """The sorted backward's buckets for batch_size * block_size tokens (the vocabulary may not be
+    known yet, so planned whenever N allows the sorted path; 3N + 2 ints, 96 KB at N = 8192)."""
+    N = int(cfg.batch_size) * int(cfg.block_size)
+    if N > SORT_MAX_TOKENS:
+        return {}
+    return {WORKSPACE: ((workspace_ints(N),), "i32")}
+
+
+def _key_bits(N: int) -> int:
+    return max(N - 1, 0).bit_length()
+
+
+def _sortable(N: int, V: int) -> bool:
+    return 1 <= N <= SORT_MAX_TOKENS and ((V + 1) << _key_bits(N)) <= 2 ** 32
+
+
+def _pad(i: int) -> int:
+    return i + (i >> 5)          # enc_pad
+
+
+def sort_plan(N: int, V: int):
+    """(kernel name, dynamic shared bytes, nbits, passes) of encoder_bwd_sort for N tokens."""
+    e = next(e for e in SORT_KEYS if e * SORT_THREADS >= N)
+    smem = 4 * (_pad(e * SORT_THREADS) + _pad(SORT_BINS * SORT_THREADS))
+    return f"encoder_bwd_sort<{e}>", smem, _key_bits(N), cdiv(V.bit_length(), 4)
+
+
+def bwd_wte_method(N: int, C: int, V: int, vec: int = 4) -> str:
+    """"scan" or "sort" for dwte (see the module docstring)."""
+    if not _sortable(N, V):
+        return "scan"
+    tiles = cdiv(C, 32 * vec)
+    return "scan" if V * tiles * N <= SCAN_MAX_WORK else "sort"
+
+
+def _aligned(*views) -> bool:
+    return all(v is None or v.ptr % 16 == 0 for v in views)
+
+
+def _check_idx(idx, out_lead):
+    if idx.dtype != "i32":
+        raise TypeError(f"encoder: token ids must be i32, got {idx.dtype}")
+    if len(idx.shape) != 2 or tuple(idx.shape) != tuple(out_lead):
+        raise ValueError(f"encoder: idx {idx.shape} does not match the leading dims {tuple(out_lead)}")
+
+
+def encoder_fwd(rt, out, idx, wte, wpe):
+    B, T = int(idx.shape[0]), int(idx.shape[1])
+    V, C = int(wte.shape[0]), int(wte.shape[1])
+    Tmax = int(wpe.shape[0])
+    _check_idx(idx, out.shape[:-1])
+    if int(out.shape[-1]) != C or int(wpe.shape[1]) != C:
+        raise ValueError(f"encoder_fwd: widths differ: out {out.shape}, wte {wte.shape}, wpe {wpe.shape}")
+    if T > Tmax:
+        raise ValueError(f"encoder_fwd: sequence length {T} exceeds wpe rows {Tmax}")
+    N = B * T
+    vec = 4 if C % 4 == 0 and _aligned(out, wte, wpe) else 1
+    fn = rt.function(FILE, f"encoder_fwd<{vec}>")
+    total = N * (C // vec)
+    rt.launch(fn, (cdiv(total, THREADS),), (THREADS,),
+              [out, idx, wte, wpe, i32(N), i32(T), i32(C), i32(V)], label="encoder_fwd")
+
+
+def _bucket_workspace(rt, N, V):
+    need = workspace_ints(N)
+    try:
+        ws = rt.workspace(WORKSPACE)
+    except KeyError:
+        raise KeyError(f"encoder_bwd: the sorted dwte path (V {V}, N {N}) needs the workspace {WORKSPACE!r} "
+                       f"of {need} i32 that encoder.workspace(cfg) plans; it was not planned "
+                       f"(rt.set_workspace)") from None
+    if ws.dtype != "i32" or ws.numel < need:
+        raise ValueError(f"encoder_bwd: workspace {WORKSPACE} {ws.shape} {ws.dtype} must hold {need} i32 "
+                         f"for N = {N} tokens")
+    return ws
+
+
+def encoder_bwd(rt, dwte, dwpe, dout, idx, *, method=None):
+    B, T = int(idx.shape[0]), int(idx.shape[1])
+    V, C = int(dwte.shape[0]), int(dwte.shape[1])
+    Tmax = int(dwpe.shape[0])
+    _check_idx(idx, dout.shape[:-1])
+    if int(dout.shape[-1]) != C or int(dwpe.shape[1]) != C:
+        raise ValueError(f"encoder_bwd: widths differ: dout {dout.shape}, dwte {dwte.shape}, dwpe {dwpe.shape}")
+    if T > Tmax:
+        raise ValueError(f"encoder_bwd: sequence length {T} exceeds wpe rows {Tmax}")
+    N = B * T
+    vec = 4 if C % 4 == 0 and _aligned(dwte, dout) else 1
+    tiles = cdiv(C, 32 * vec)
+    method = method or bwd_wte_method(N, C, V, vec)
+    if method == "sort":
+        if not _sortable(N, V):
+            raise ValueError(f"encoder_bwd: the sorted path takes 1 <= N <= {SORT_MAX_TOKENS} tokens and "
+                             f"(V+1) << bits(N-1) <= 2^32 (N {N}, V {V})")
+        ws = _bucket_workspace(rt, N, V)
+        name, smem, nbits, passes = sort_plan(N, V)
+        rt.launch(rt.function(FILE, name), (1,), (SORT_THREADS,),
+                  [ws, idx, i32(N), i32(V), i32(nbits), i32(passes)], smem=smem, label="encoder_bwd_sort")
+        sms = int(getattr(getattr(rt, "info", None), "sm_count", 132))
+        grid = max(1, min(SEG_BLOCKS_PER_SM * sms, cdiv(N * tiles, SEG_WARPS)))
+        rt.launch(rt.function(FILE, f"encoder_bwd_wte_seg<{vec}>"), (grid,), (SEG_WARPS * 32,),
+                  [dwte, dout, ws, i32(N), i32(C), i32(tiles)], label="encoder_bwd_wte_seg")
+    elif method == "scan":
+        fn = rt.function(FILE, f"encoder_bwd_wte<{vec}>")
+        rt.launch(fn, (V, tiles), (BWD_WARPS * 32,),
+                  [dwte, dout, idx, i32(N), i32(C)], label="encoder_bwd_wte")
+    else:
+        raise ValueError(f"encoder_bwd: method {method!r} is not 'scan' or 'sort'")
+    vec = 4 if C % 4 == 0 and _aligned(dwpe, dout) else 1
+    fn = rt.function(FILE, f"encoder_bwd_wpe<{vec}>")
+    total = Tmax * (C // vec)
+    rt.launch(fn, (cdiv(total, THREADS),), (THREADS,),
+              [dwpe, dout, i32(B), i32(T), i32(Tmax), i32(C)], label="encoder_bwd_wpe")

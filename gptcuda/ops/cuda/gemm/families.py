@@ -1,0 +1,253 @@
+"""The GEMM kernel families: one table (FAMILIES) of what the planner and the launchers need to
+know about each (kernel file, tiles, block size, shared memory, resident blocks, kernel name,
+argument layout, modelled rate), the epilogue codes, and the catalogue of compiled variants
+(VARIANTS).
+
+    simt    fp32 on the CUDA cores (kernels/gemm_simt.cu), every layout, aligned or not
+    tf32    TF32 mma.sync (kernels/gemm_tf32.cu), every layout; unaligned operands on a few tiles
+    wgmma   TF32 warpgroup MMA (kernels/gemm_wgmma.cu, sm_90a): K-major A and B only
+    wgmma3  fp32 as three TF32 warpgroup-MMA products over operands split into hi and lo halves
+
+rt.precision picks a base family (PRECISION_FAMILIES); on sm_90 its warpgroup-MMA partner competes
+with it (`Family.partner`).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+from gptcuda.runtime.execution import GEMM_FAMILIES, WGMMA_ARCHS
+from gptcuda.ops.cuda import cdiv  # noqa: F401 (plan.py, launch.py and gemm/__init__ import it from here)
+
+SIMT_FILE = "gemm_simt.cu"
+TF32_FILE = "gemm_tf32.cu"
+WGMMA_FILE = "gemm_wgmma.cu"
+
+# Epilogue codes shared with the kernels (GEMM_EPI_* in kernels/gemm_epilogue.cuh).
+EPI_NONE, EPI_BIAS, EPI_GELU, EPI_RESID, EPI_DGELU = 0, 1, 2, 3, 4
+# The op interface's epilogue names (backend.EPILOGUES plus "dgelu") -> kernel code without bias.
+EPILOGUE_CODES = {"none": EPI_NONE, "gelu": EPI_GELU, "residual": EPI_RESID, "dgelu": EPI_DGELU}
+AUX_EPILOGUES = ("gelu", "residual", "dgelu")
+# (EPI, HAS_BIAS) pairs a launcher can ask for (dgelu never takes a bias).
+EPI_COMBOS = ((EPI_NONE, False), (EPI_BIAS, True), (EPI_GELU, False), (EPI_GELU, True),
+              (EPI_RESID, False), (EPI_RESID, True), (EPI_DGELU, False))
+# [M, N] arrays an epilogue moves through DRAM: the output, plus aux written (GELU) or read.
+EPI_IO = {EPI_NONE: 1, EPI_BIAS: 1, EPI_GELU: 2, EPI_RESID: 2, EPI_DGELU: 2}
+
+# SIMT block tiles (BM, BN): threads = BM*BN/64; blocks resident per SM (register bound: the
+# kernel's __launch_bounds__ asks for 2 / 3 / 6, see GemmSimtMinBlocks in gemm_simt.cu).
+SIMT_TILES = ((128, 128), (128, 64), (64, 64))
+SIMT_BLOCKS_PER_SM = {256: 2, 128: 3, 64: 6}
+SIMT_EFFICIENCY = {(128, 128): 1.0, (128, 64): 0.9, (64, 64): 0.8}
+
+# TF32 block tiles: (BM, BN, BK, warps_m, warps_n, stages); warp tiles 64x64 / 64x32 / 32x32,
+# BK = 32 (the shared layouts of gemm_tf32.cu assume it). The unaligned fallback (VEC = false,
+# 4-byte cp.async, element guards) is only instantiated for TF32_FALLBACK_TILES.
+#   256x128 s3: 1 block/SM (147 KB), 8 warps of 64x64: the fewest operand bytes per flop.
+#   128x128 s3: 2 blocks/SM (96 KB each): one block's epilogue and pipeline fill overlap the
+#               other's main loop (GELU / residual / dgelu epilogues, short K).
+#   256x128 s4: a 4-deep cp.async ring (193 KB, 1 block/SM).
+#   192x128 s3: 6 warps of 64x64, 1 block/SM: M = 16384 rows make 86 row tiles, so N = 384
+#               (3 column tiles) is 258 blocks = 1.95 waves of 132 SMs instead of 1.45 (73%).
+TF32_TILES = ((256, 128, 32, 4, 2, 3), (128, 128, 32, 2, 2, 3), (128, 64, 32, 2, 2, 4),
+              (64, 64, 32, 2, 2, 4), (256, 128, 32, 4, 2, 4), (192, 128, 32, 3, 2, 3))
+TF32_FALLBACK_TILES = ((64, 64, 32, 2, 2, 4),)
+# The cost model (`plan`, used without a measured table) only picks among these; the others are
+# candidates for bench/tune.py, whose measurements decide.
+TF32_PLAN_TILES = TF32_TILES[:4]
+TF32_EFFICIENCY = {TF32_TILES[0]: 1.0, TF32_TILES[1]: 0.9, TF32_TILES[2]: 0.75, TF32_TILES[3]: 0.6,
+                   TF32_TILES[4]: 1.0, TF32_TILES[5]: 0.95}
+SMEM_PER_SM = 228 * 1024       # H100/H200; GemmTf32MinBlocks in gemm_tf32.cu uses the same
+
+# Warpgroup-MMA tiles (kernels/gemm_wgmma.cu; sm_90a; A [M, K] and B [N, K] both K-major):
+# (BM, BN, STAGES, LOADER), BM / 64 warpgroups of 128 threads, each computing 64 x BN; LOADER 0:
+# every thread stages with cp.async (gemm_wgmma), 1: the bulk tensor copy engine (gemm_wgmma_tma).
+#   128x128 s3: 97 KB, 2 blocks/SM: one block's epilogue overlaps the other's main loop (short K).
+#   128x192 s4: N = 384 / 1152 / 1536 are 2 / 6 / 8 column tiles; 161 KB, 1 block/SM.
+#   128x256 s4, 256x128 s4: the large tiles (193 KB), fewest operand bytes per flop.
+#   128x64 s4: narrow outputs (the head's N = 65), 2 blocks/SM.
+WGMMA_LOADERS = ("cp.async", "tma")
+WGMMA_TILES = ((128, 128, 3, 0), (128, 192, 4, 0), (128, 256, 4, 0), (256, 128, 4, 0), (128, 64, 4, 0),
+               (128, 128, 3, 1), (128, 192, 4, 1), (128, 256, 4, 1), (256, 128, 4, 1))
+# rate relative to the mma.sync 256x128 tile (wgmma's dense TF32 peak is ~1.6x mma.sync's); set from
+# bench/gemm.py --sweep on the H200: TMA beats cp.async by 5-20% at 192- and 256-wide tiles
+WGMMA_EFFICIENCY = dict(zip(WGMMA_TILES, (1.35, 1.5, 1.5, 1.5, 1.1, 1.4, 1.65, 1.75, 1.7)))
+# the warpgroup-MMA kernels' devices (compiled for sm_90a: compiler.ARCH_SPECIFIC): gptcuda/runtime/execution.py
+# fp32 through three TF32 products (family "wgmma3", the TMA kernel with PRODUCTS = 3): each slot
+# holds hi and lo tiles of both operands, twice a TF32 slot, so fewer stages fit: (BM, BN, STAGES, 1).
+# A thread keeps two sets of BN / 2 accumulators (the sum and the k tile's partial), so only two
+# warpgroups (BM 128, up to 255 registers a thread) fit without spilling.
+WGMMA3_TILES = ((128, 128, 3, 1), (128, 192, 2, 1), (128, 64, 4, 1))
+WGMMA3_EFFICIENCY = dict(zip(WGMMA3_TILES, (2.0, 2.1, 1.5)))
+
+# A rough machine model (H200-like) of the peak rates, only used to rank candidate plans.
+FFMA_FLOPS_PER_SM = 128 * 2 * 1.75e9       # fp32 FMA lanes x 2 x clock
+TF32_FLOPS_PER_SM = 1024 * 2 * 1.75e9 / 2
+
+# gemm_simt.cu's transpose [K, N] -> [N, K] of transpose_b plans (split: the hi and lo halves of a
+# wgmma3 operand), by (split, vec: float4 accesses)
+TRANSPOSE_NAMES = {(split, vec): f"gemm_transpose<{str(split).lower()}, {str(vec).lower()}>"
+                   for split in (False, True) for vec in (False, True)}
+SPLIT_NAMES = {False: "tf32_split<false>", True: "tf32_split<true>"}   # gemm_simt.cu: the halves of an operand
+
+# Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
+LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
+                "gemm_ladder_regtile<64,64,8,4,4>")
+
+SPLIT_ALIGN = 32          # k_chunk is a multiple of this (keeps 16-byte alignment and whole BK tiles)
+MAX_SPLITS = 32
+MAX_GRID_Z = 65535
+REDUCE_THREADS = 256
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def simt_name(bm, bn, ta, tb, epi, has_bias, vec) -> str:
+    return f"gemm_simt<{bm},{bn},{_b(ta)},{_b(tb)},{epi},{_b(has_bias)},{_b(vec)}>"
+
+
+def reduce_name(epi, has_bias) -> str:
+    return f"gemm_splitk_reduce<{epi},{_b(has_bias)}>"
+
+
+def tf32_name(tile, ta, tb, epi, has_bias, vec) -> str:
+    bm, bn, bk, wm, wn, st = tile
+    return f"gemm_tf32<{bm},{bn},{bk},{wm},{wn},{st},{_b(ta)},{_b(tb)},{epi},{_b(has_bias)},{_b(vec)}>"
+
+
+def wgmma_name(tile, epi, has_bias, products=1) -> str:
+    bm, bn, st, loader = tile
+    if loader:
+        return f"gemm_wgmma_tma<{bm},{bn},{st},{epi},{_b(has_bias)},{products}>"
+    assert products == 1, "3xTF32 runs on the TMA kernel only"
+    return f"gemm_wgmma<{bm},{bn},{st},{epi},{_b(has_bias)}>"
+
+
+def tf32_smem(tile) -> int:
+    """Dynamic shared memory of a TF32 tile: stages x (BM + BN) x BK floats."""
+    bm, bn, bk, _, _, stages = tile
+    return stages * (bm + bn) * bk * 4
+
+
+def tf32_blocks_per_sm(tile) -> int:
+    """Mirrors GemmTf32MinBlocks: as many as shared memory allows, 1..3."""
+    return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
+
+
+def wgmma_smem(tile, products=1) -> int:
+    """Dynamic shared memory of a wgmma tile: stages x (BM + BN) rows of 128 bytes (3xTF32: twice,
+    hi and lo), plus 1 KB the kernel may skip to align its tiles to 1024 bytes (the swizzle's period)."""
+    bm, bn, stages, _ = tile
+    return stages * (bm + bn) * 128 * (2 if products == 3 else 1) + 1024
+
+
+def wgmma_blocks_per_sm(tile, products=1) -> int:
+    return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile, products) + 1024)))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kernel family: its file and tiles, and per tile the launch geometry, the kernel's name
+    expression and the cost model's rate."""
+    name: str
+    file: str
+    tiles: tuple                  # every tile its kernels are compiled for (aligned operands)
+    plan_tiles: tuple             # the cost model's own candidates among them (bench/tune.py times all)
+    unaligned_tiles: tuple        # tiles with an unaligned variant (VEC = false)
+    efficiency: dict              # tile -> rate relative to the family's peak (model only)
+    rate: float                   # modelled peak flop/s of one SM
+    threads: Callable             # tile -> threads of a block
+    blocks_per_sm: Callable       # tile -> blocks resident on one SM
+    smem: Callable                # tile -> dynamic shared memory of a block (bytes)
+    kernel: Callable              # (tile, trans_a, trans_b, epi, has_bias, vec) -> name expression
+    label: Callable               # tile -> its description in kernel_label
+    short: Callable               # tile -> its compact name in plan_label
+    tma: Callable = lambda tile: False   # the kernel takes TMA tensor maps of A and B (and no A/B strides)
+    k_major: bool = False         # A and B K-major only (trans_a False, trans_b True, aligned): other
+                                  # layouts are re-laid out first (transpose_b / transpose_a plans)
+    products: int = 1             # 3: fp32 as 3xTF32 over operands split into hi and lo halves first
+    transposes_a: bool = False    # A stored [K, M] runs after A^T into "gemm_aT" (transpose_a plans)
+    split_waves: int = 1          # the cost model tries split-K below this many waves of blocks
+    partner: str | None = None    # the warpgroup-MMA family competing on sm_90 (base families)
+    base: str = ""                # the base family whose precision a warpgroup-MMA family serves
+    needs: str = ""               # what a warpgroup-MMA plan needs (the reason a plan is refused)
+
+    @property
+    def halves(self) -> int:
+        """Copies of each operand a product streams (3xTF32: hi and lo)."""
+        return 2 if self.products == 3 else 1
+
+
+def _simt_threads(t):
+    return t[0] * t[1] // 64
+
+
+def _wgmma_label(t):
+    return f"{t[0]}x{t[1]}x32 s{t[2]} {WGMMA_LOADERS[t[3]]}"
+
+
+def _wgmma_short(t):
+    return f"{t[0]}x{t[1]}s{t[2]}" + ("tma" if t[3] else "")
+
+
+FAMILIES = {f.name: f for f in (
+    Family("simt", SIMT_FILE, SIMT_TILES, SIMT_TILES, SIMT_TILES, SIMT_EFFICIENCY, FFMA_FLOPS_PER_SM,
+           threads=_simt_threads,
+           blocks_per_sm=lambda t: SIMT_BLOCKS_PER_SM[_simt_threads(t)],
+           smem=lambda t: 0,
+           kernel=lambda t, ta, tb, epi, hb, vec: simt_name(t[0], t[1], ta, tb, epi, hb, vec),
+           label=lambda t: f"{t[0]}x{t[1]}",
+           short=lambda t: f"{t[0]}x{t[1]}",
+           partner="wgmma3"),
+    Family("tf32", TF32_FILE, TF32_TILES, TF32_PLAN_TILES, TF32_FALLBACK_TILES, TF32_EFFICIENCY,
+           TF32_FLOPS_PER_SM,
+           threads=lambda t: t[3] * t[4] * 32,
+           blocks_per_sm=tf32_blocks_per_sm,
+           smem=tf32_smem,
+           kernel=tf32_name,
+           label=lambda t: f"{t[0]}x{t[1]}x{t[2]} w{t[3]}x{t[4]} s{t[5]}",
+           short=lambda t: f"{t[0]}x{t[1]}s{t[5]}",
+           partner="wgmma"),
+    Family("wgmma", WGMMA_FILE, WGMMA_TILES, WGMMA_TILES, (), WGMMA_EFFICIENCY, TF32_FLOPS_PER_SM,
+           threads=lambda t: t[0] // 64 * 128,
+           blocks_per_sm=wgmma_blocks_per_sm,
+           smem=wgmma_smem,
+           kernel=lambda t, ta, tb, epi, hb, vec: wgmma_name(t, epi, hb),
+           label=_wgmma_label, short=_wgmma_short,
+           tma=lambda t: bool(t[3]), k_major=True, transposes_a=True, split_waves=4, base="tf32",
+           needs="sm_90 with K-major, aligned A and B, or their transposes in the gemm_bT / gemm_aT "
+                 "workspaces"),
+    Family("wgmma3", WGMMA_FILE, WGMMA3_TILES, WGMMA3_TILES, (), WGMMA3_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
+           threads=lambda t: t[0] // 64 * 128,
+           blocks_per_sm=lambda t: wgmma_blocks_per_sm(t, 3),
+           smem=lambda t: wgmma_smem(t, 3),
+           kernel=lambda t, ta, tb, epi, hb, vec: wgmma_name(t, epi, hb, 3),
+           label=_wgmma_label, short=_wgmma_short,
+           tma=lambda t: True, k_major=True, products=3, base="simt",
+           needs="sm_90, K % 4 == 0, one product and the gemm_split_a/_b workspaces"),
+)}
+PRECISION_FAMILIES = GEMM_FAMILIES     # precision -> its base family (gptcuda/runtime/execution.py decides)
+
+
+def _variants():
+    out = []
+    for fam in FAMILIES.values():
+        layouts = ((False, True),) if fam.k_major else tuple(itertools.product((False, True), (False, True)))
+        for tile, (ta, tb), (epi, hb), vec in itertools.product(
+                fam.tiles, layouts, EPI_COMBOS, (True,) if fam.k_major else (False, True)):
+            if vec or tile in fam.unaligned_tiles:
+                out.append((fam.file, fam.kernel(tile, ta, tb, epi, hb, vec), {}))
+    for epi, hb in EPI_COMBOS:
+        out.append((SIMT_FILE, reduce_name(epi, hb), {}))
+    for name in LADDER_NAMES:
+        out.append((SIMT_FILE, name, {}))
+    out += [(SIMT_FILE, n, {}) for n in (*TRANSPOSE_NAMES.values(), *SPLIT_NAMES.values())]
+    out.append((TF32_FILE, "mma_probe", {}))
+    out.append((TF32_FILE, "tf32_round_probe", {}))
+    return out
+
+
+VARIANTS = _variants()

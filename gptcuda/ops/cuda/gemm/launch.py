@@ -1,0 +1,291 @@
+"""The GEMM launchers: validate the views, pick the plan (forced, the measured table, else the
+cost model), re-lay the operands out where the plan needs it (B^T, A^T in k slabs, 3xTF32 halves)
+and launch the family's kernel (and the split-K reduction)."""
+from __future__ import annotations
+
+import math
+
+from gptcuda.ops.backend import rows
+from gptcuda.runtime import DeviceView, f32, i32, u64
+from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPI_RESID, EPILOGUE_CODES,
+                                            MAX_GRID_Z, REDUCE_THREADS, SIMT_FILE, SPLIT_NAMES,
+                                            TRANSPOSE_NAMES, cdiv, reduce_name)
+from gptcuda.ops.cuda.gemm.layout import precision_family, rt_transpose_a_slab, wgmma_ok, ws_capacity
+from gptcuda.ops.cuda.gemm.plan import Plan, check_plan
+from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
+from gptcuda.ops.cuda.gemm.table import tune_key, tuned_plan
+
+
+def _check_f32(label, **views):
+    for k, v in views.items():
+        if v is not None and getattr(v, "dtype", "f32") != "f32":
+            raise TypeError(f"{label}: {k} must be f32, got {v.dtype}")
+
+
+def _aligned(*xs):
+    return all(int(x) % 4 == 0 for x in xs)
+
+
+def _vec_ok(a, b, lda, ldb, sA, sB):
+    """16-byte loads of A and B: aligned bases, row and batch strides multiples of 4 floats
+    (split k_chunk is a multiple of SPLIT_ALIGN, so split offsets keep the alignment)."""
+    return a.ptr % 16 == 0 and b.ptr % 16 == 0 and _aligned(lda, ldb, sA, sB)
+
+
+def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, sB, sC,
+                 alpha, ta, tb, epi, has_bias, batch, ws=None, label="gemm"):
+    fam = p.fam
+    vec = _vec_ok(a, b, lda, ldb, sA, sB) and (p.splits == 1 or p.k_chunk % 4 == 0)
+    if fam.k_major:
+        if ta or not tb or not vec:
+            raise AssertionError(f"{label}: the wgmma kernel needs K-major, 16-byte aligned A and B")
+    elif not vec and p.tile not in fam.unaligned_tiles:
+        raise AssertionError(f"{label}: {p.family.upper()} tile {p.tile} has no unaligned variant")
+    operands = [a, b]
+    if fam.products == 3:        # TMA over the split halves: {K, rows, 2 (hi, lo)}, dense
+        operands = [rt.tensor_map(x, (K, rows_, 2), (4 * K, 4 * rows_ * K), (32, box, 1))
+                    for x, rows_, box in ((a, M, p.bm), (b, N, p.bn))]
+    elif fam.tma(p.tile):        # TMA: tensor maps {K, rows, batch} in place of pointers
+        operands = [rt.tensor_map(x, (K, rows_, batch), (4 * ld, 4 * max(stride, rows_ * ld)), (32, box, 1))
+                    for x, rows_, ld, stride, box in ((a, M, lda, sA, p.bm), (b, N, ldb, sB, p.bn))]
+    if p.splits > 1:
+        # partials: plain store into ws [splits, M, N], then the fixed-order reduction + epilogue
+        fn = rt.function(fam.file, fam.kernel(p.tile, ta, tb, EPI_NONE, False, vec))
+        grid = (cdiv(N, p.bn), cdiv(M, p.bm), p.splits)
+        rt.launch(fn, grid, (p.threads,), _gemm_args(p, ws, None, operands, None, M, N, K, lda, ldb, N,
+                                                      0, 0, M * N, 1.0, p.splits, p.k_chunk),
+                  smem=p.smem, label=f"{label}:splitk{p.splits}")
+        rfn = rt.function(SIMT_FILE, reduce_name(epi, has_bias))
+        total = M * N
+        blocks = max(1, min(cdiv(total, REDUCE_THREADS), rt.info.sm_count * 8))
+        rt.launch(rfn, (blocks,), (REDUCE_THREADS,), [out, aux, ws, bias, i32(M), i32(N), i32(ldc),
+                                                      i32(p.splits), f32(alpha)],
+                  label=f"{label}:reduce")
+        return
+    fn = rt.function(fam.file, fam.kernel(p.tile, ta, tb, epi, has_bias, vec))
+    grid = (cdiv(N, p.bn), cdiv(M, p.bm), batch)
+    rt.launch(fn, grid, (p.threads,), _gemm_args(p, out, aux, operands, bias, M, N, K, lda, ldb, ldc,
+                                                  sA, sB, sC, alpha, 1, max(K, 1)),
+              smem=p.smem, label=label)
+
+
+def _gemm_args(p: Plan, C, aux, operands, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, k_chunk):
+    """The argument block of a GEMM kernel (a TMA kernel takes tensor maps and no A/B strides)."""
+    if p.fam.tma(p.tile):
+        return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(ldc), u64(sC), f32(alpha),
+                i32(splits), i32(k_chunk)]
+    return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(lda), i32(ldb), i32(ldc),
+            u64(sA), u64(sB), u64(sC), f32(alpha), i32(splits), i32(k_chunk)]
+
+
+def matmul_dims(out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
+    """Validate a matmul's views; returns (M, N, K, lda, ldb, epi code, has_bias)."""
+    if epilogue not in EPILOGUE_CODES:
+        raise ValueError(f"matmul: epilogue {epilogue!r} is not one of {tuple(EPILOGUE_CODES)}")
+    _check_f32("matmul", out=out, a=a, b=b, bias=bias, aux=aux)
+    if len(out.shape) < 2 or len(a.shape) < 2 or len(b.shape) < 2:
+        raise ValueError(f"matmul: out {out.shape}, a {a.shape}, b {b.shape} must have >= 2 dims")
+    M, N = rows(out.shape), int(out.shape[-1])
+    if trans_a:
+        K, am = rows(a.shape), int(a.shape[-1])
+        if am != M:
+            raise ValueError(f"matmul: a is stored [K, M] (trans_a) with shape {a.shape}, "
+                             f"its last dim must be M={M} (rows of out {out.shape})")
+    else:
+        am, K = rows(a.shape), int(a.shape[-1])
+        if am != M:
+            raise ValueError(f"matmul: a {a.shape} has {am} rows, out {out.shape} has {M}")
+    if trans_b:
+        bn, bk = rows(b.shape), int(b.shape[-1])
+    else:
+        bk, bn = rows(b.shape), int(b.shape[-1])
+    if bk != K or bn != N:
+        raise ValueError(f"matmul: b {b.shape} (trans_b={trans_b}) is [K={bk}, N={bn}] but "
+                         f"op(a) has K={K} and out has N={N}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"matmul: bias {bias.shape} must be ({N},)")
+    if epilogue in AUX_EPILOGUES:
+        if aux is None:
+            raise ValueError(f"matmul: epilogue {epilogue!r} needs aux")
+        if aux.numel != M * N or int(aux.shape[-1]) != N:
+            raise ValueError(f"matmul: aux {aux.shape} must hold [M={M}, N={N}] like out {out.shape}")
+    elif aux is not None:
+        raise ValueError(f"matmul: aux is only used by the {AUX_EPILOGUES} epilogues")
+    if epilogue == "dgelu":
+        if bias is not None:
+            raise ValueError("matmul: the 'dgelu' epilogue takes no bias")
+        if _overlap(out, aux):
+            raise ValueError("matmul: 'dgelu' reads aux while writing out: they must not overlap")
+    has_bias = bias is not None
+    epi = EPI_BIAS if (epilogue == "none" and has_bias) else EPILOGUE_CODES[epilogue]
+    lda = M if trans_a else K
+    ldb = N if not trans_b else K
+    return M, N, K, lda, ldb, epi, has_bias
+
+
+def _overlap(x, y):
+    ptr_x, ptr_y = int(getattr(x, "ptr", 0)), int(getattr(y, "ptr", 0))
+    return ptr_x < ptr_y + y.nbytes and ptr_y < ptr_x + x.nbytes
+
+
+def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, plan=None):
+    """out[M, N] = op(a) @ op(b) (+ bias), then the epilogue (see the package docstring). `plan`
+    forces a plan (benchmarks, bench/tune.py); otherwise the measured table, else the cost model."""
+    M, N, K, lda, ldb, epi, has_bias = matmul_dims(out, a, b, trans_a, trans_b, bias, epilogue, aux)
+    family = precision_family(rt)
+    ws, cap = ws_capacity(rt)
+    vec = _vec_ok(a, b, lda, ldb, 0, 0)
+    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, 1, M)
+    slab = rt_transpose_a_slab(rt, M, N, K, trans_b) if wg in ("transpose_ab", "transpose_a") else 0
+    label = f"matmul[{M}x{N}x{K}]"
+    p = plan
+    if p is not None:
+        check_plan(label, p, family, vec, 1, cap, M, N, K, wg, slab, epi)
+    else:
+        key = tune_key(rt.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1)
+        p = tuned_plan(rt, key, vec, cap, M, N, wg)
+    if p is None:
+        p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab)
+    if p.transpose_a:
+        _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label)
+        return
+    if p.fam.products == 3:
+        a, b = _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label)
+        trans_a, trans_b, lda, ldb = False, True, K, K
+    elif p.transpose_b:
+        b, trans_b, ldb = _transpose_b(rt, b, K, N, label), True, K
+    _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
+                 trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label)
+
+
+def matmul_plan(rt, p: Plan, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none",
+                aux=None):
+    """matmul with a given plan (benchmarks, tile sweeps, bench/tune.py). Split-K plans read
+    rt.workspace("gemm_splitk")."""
+    matmul(rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, plan=p)
+
+
+def _scratch(rt, name, shape, label):
+    ws, cap = ws_capacity(rt, name)
+    shape = (shape,) if isinstance(shape, int) else shape
+    n = math.prod(shape)
+    if ws is None or cap < n:
+        raise ValueError(f"{label}: this plan needs the workspace {name} of {n} floats")
+    return DeviceView(ws.ptr, tuple(shape), "f32", name)
+
+
+TRANSPOSE_TILE = 64     # gemm_transpose's square tile
+
+
+def _transpose_into(rt, out, x, K, N, split, label, what="B^T"):
+    """x [K, N] (dense) -> out [N, K], or its hi and lo halves [2, N, K] when split."""
+    vec = K % 4 == 0 and N % 4 == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0
+    rt.launch(rt.function(SIMT_FILE, TRANSPOSE_NAMES[split, vec]),
+              (cdiv(N, TRANSPOSE_TILE), cdiv(K, TRANSPOSE_TILE)), (256,),
+              [out, x, i32(K), i32(N)], label=f"{label}:{what}")
+
+
+def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label):
+    """A transpose_a plan: per k slab [k0, k0 + kc) (all of K when p.k_slab is 0), A's rows k0 ..
+    of [K, M] (a contiguous sub-view) -> "gemm_aT" as [M, kc], B's rows of [K, N] -> after it as
+    [N, kc] (trans_b: B [N, K] is read in place, columns k0 ..), then the K-major wgmma product;
+    the first slab applies the epilogue, the later ones add to out (residual with aux = out), in
+    slab order: deterministic."""
+    kc = p.k_slab or K
+    at = _scratch(rt, "gemm_aT", (M + (0 if trans_b else N)) * min(kc, K), label)
+    for k0 in range(0, K, kc):
+        kl = min(kc, K - k0)
+        a_t = DeviceView(at.ptr, (M, kl), "f32", "gemm_aT")
+        _transpose_into(rt, a_t, DeviceView(a.ptr + 4 * k0 * M, (kl, M), "f32", "A slab"), kl, M, False,
+                        label, "A^T")
+        if trans_b:
+            b_op, ldb = DeviceView(b.ptr + 4 * k0, (N, kl), "f32", "B slab"), K
+        else:
+            b_op, ldb = DeviceView(at.ptr + 4 * M * kl, (N, kl), "f32", "gemm_aT"), kl
+            _transpose_into(rt, b_op, DeviceView(b.ptr + 4 * k0 * N, (kl, N), "f32", "B slab"), kl, N, False,
+                            label, "B^T")
+        first = k0 == 0
+        _launch_gemm(rt, p, out, aux if first else out, a_t, b_op, bias if first else None, M, N, kl, kl, ldb,
+                     N, 0, 0, M * N, 1.0, False, True, epi if first else EPI_RESID, has_bias and first, 1,
+                     ws=ws, label=label if K == kl else f"{label}:k{k0}")
+
+
+def _transpose_b(rt, b, K, N, label):
+    """B [K, N] -> the workspace "gemm_bT" as [N, K] (the operand of a transpose_b plan)."""
+    bt = _scratch(rt, "gemm_bT", (N, K), label)
+    _transpose_into(rt, bt, b, K, N, False, label)
+    return bt
+
+
+def _split_into(rt, out, x, rows_, cols, ld, label, what):
+    vec = x.ptr % 16 == 0 and cols % 4 == 0 and ld % 4 == 0
+    groups = rows_ * cdiv(cols, 4)
+    blocks = max(1, min(cdiv(groups, 256), rt.info.sm_count * 8))
+    rt.launch(rt.function(SIMT_FILE, SPLIT_NAMES[vec]), (blocks,), (256,),
+              [out, x, i32(rows_), i32(cols), i32(ld)], label=f"{label}:split {what}")
+
+
+def _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label):
+    """The operands of a 3xTF32 plan: A, [M, K] or [K, M] (trans_a: transposed on the way), ->
+    "gemm_split_a" [2, M, K] (hi, lo); B, [N, K] (trans_b) or [K, N] (transposed on the way), ->
+    "gemm_split_b" [2, N, K]."""
+    sa = _scratch(rt, "gemm_split_a", (2, M, K), label)
+    sb = _scratch(rt, "gemm_split_b", (2, N, K), label)
+    if trans_a:
+        _transpose_into(rt, sa, a, K, M, True, label, "split A^T")
+    else:
+        _split_into(rt, sa, a, M, K, lda, label, "A")
+    if trans_b:
+        _split_into(rt, sb, b, N, K, ldb, label, "B")
+    else:
+        _transpose_into(rt, sb, b, K, N, True, label, "split B^T")
+    return sa, sb
+
+
+def matmul_batched_dims(out, a, b, trans_a=False, trans_b=False):
+    """Validate a batched matmul's views; returns (batch, M, N, K, lda, ldb)."""
+    _check_f32("matmul_batched", out=out, a=a, b=b)
+    for nm, v in (("out", out), ("a", a), ("b", b)):
+        if len(v.shape) < 3:
+            raise ValueError(f"matmul_batched: {nm} {v.shape} must have >= 3 dims")
+    M, N = int(out.shape[-2]), int(out.shape[-1])
+    batch = rows(out.shape[:-1])
+    if trans_a:
+        K, am = int(a.shape[-2]), int(a.shape[-1])
+    else:
+        am, K = int(a.shape[-2]), int(a.shape[-1])
+    if trans_b:
+        bn, bk = int(b.shape[-2]), int(b.shape[-1])
+    else:
+        bk, bn = int(b.shape[-2]), int(b.shape[-1])
+    if am != M or bk != K or bn != N:
+        raise ValueError(f"matmul_batched: out {out.shape}, a {a.shape} (trans_a={trans_a}), "
+                         f"b {b.shape} (trans_b={trans_b}) do not make [M, K] @ [K, N]")
+    ba, bb = rows(a.shape[:-1]), rows(b.shape[:-1])
+    if ba != batch or bb != batch:
+        raise ValueError(f"matmul_batched: batch sizes differ: out {out.shape[:-2]}, "
+                         f"a {a.shape[:-2]}, b {b.shape[:-2]}")
+    if batch > MAX_GRID_Z:
+        raise ValueError(f"matmul_batched: batch {batch} exceeds {MAX_GRID_Z}")
+    lda = M if trans_a else K
+    ldb = N if not trans_b else K
+    return batch, M, N, K, lda, ldb
+
+
+def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=None):
+    """out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch."""
+    batch, M, N, K, lda, ldb = matmul_batched_dims(out, a, b, trans_a, trans_b)
+    family = precision_family(rt)
+    vec = _vec_ok(a, b, lda, ldb, M * K, K * N)
+    # the batched launch re-lays nothing out: K-major operands only
+    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, batch) == "direct" and "direct"
+    label = f"matmul_batched[{batch}x{M}x{N}x{K}]"
+    p = plan
+    if p is not None:
+        check_plan(label, p, family, vec, batch, 0, M, N, K, wg)
+    else:
+        p = tuned_plan(rt, tune_key(rt.precision, trans_a, trans_b, "none", False, M, N, K, batch), vec, 0, M, N, wg)
+    if p is None:
+        p = model_plan(M, N, K, batch, rt.info.sm_count, family, max_ws=0, allow_split=False, vec=vec, wgmma=wg)
+    _launch_gemm(rt, p, out, None, a, b, None, M, N, K, lda, ldb, N, M * K, K * N, M * N,
+                 float(alpha), trans_a, trans_b, EPI_NONE, False, batch, label=label)

@@ -1,0 +1,146 @@
+"""The measured plan table (written by bench/tune.py): one JSON file per GPU and kernel sources,
+<compile cache>/tune/<gpu>-<source hash>.json, {tune_key: plan_to_json}; `tuned_plan` answers
+with an entry a launch can use (GPTCUDA_GEMM_TUNE=0: never)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+from gptcuda.runtime import execution
+from gptcuda.files import atomic_open
+from gptcuda.ops.cuda.gemm.families import EPILOGUE_CODES, FAMILIES
+from gptcuda.ops.cuda.gemm.layout import precision_family, rt_transpose_a_slab
+from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, plan_unfit, slab_epi_ok
+
+TUNE_FORMAT = 1
+_tables: dict = {}           # path -> {key: Plan}
+_source_hash = None
+
+
+def source_hash() -> str:
+    """sha256 of the GEMM kernel sources with their includes expanded: a table measured on other
+    sources is not used."""
+    global _source_hash
+    if _source_hash is None:
+        from gptcuda.runtime import compiler
+        h = hashlib.sha256()
+        for f in dict.fromkeys(fam.file for fam in FAMILIES.values()):
+            h.update(f.encode() + b"\0" + compiler.expand_source(f).encode() + b"\0")
+        _source_hash = h.hexdigest()
+    return _source_hash
+
+
+def tune_key(precision, trans_a, trans_b, epilogue, has_bias, M, N, K, batch=1) -> str:
+    """Table key: precision, transposes, the op's epilogue (+bias), the shape and the batch."""
+    return (f"{precision}:{'T' if trans_a else 'N'}{'T' if trans_b else 'N'}:"
+            f"{epilogue}{'+bias' if has_bias else ''}:{int(M)}x{int(N)}x{int(K)}:b{int(batch)}")
+
+
+def table_path(gpu_name: str, src_hash: str | None = None) -> Path:
+    """<compile cache>/tune/<gpu>-<first 16 hex of the source hash>.json"""
+    from gptcuda.runtime import compiler
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-") or "gpu"
+    return compiler.cache_dir() / "tune" / f"{slug}-{(src_hash or source_hash())[:16]}.json"
+
+
+def plan_to_json(p: Plan) -> dict:
+    d = {"family": p.family, "tile": list(p.tile), "splits": p.splits, "k_chunk": p.k_chunk}
+    if p.transpose_b:
+        d["transpose_b"] = True
+    if p.transpose_a:
+        d["transpose_a"] = True
+        if p.k_slab:
+            d["k_slab"] = p.k_slab
+    return d
+
+
+def plan_from_json(d: dict, K: int) -> Plan | None:
+    """The Plan an entry names, rebuilt for reduction length K (None if it is not a valid plan)."""
+    try:
+        tile = tuple(int(x) for x in d["tile"])
+        p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K), bool(d.get("transpose_b", False)),
+                      bool(d.get("transpose_a", False)), int(d.get("k_slab", 0)))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if p is None or p.k_chunk != int(d.get("k_chunk", p.k_chunk)):
+        return None
+    return p
+
+
+def _key_K(key: str) -> int:
+    return int(key.split(":")[3].split("x")[2])
+
+
+def load_table(gpu_name: str, src_hash: str | None = None, refresh: bool = False) -> dict:
+    """{key: Plan} of the table for this GPU and these kernel sources ({} when there is none, or
+    it is unreadable, or was written for another GPU / other sources). Read once per process."""
+    path = table_path(gpu_name, src_hash)
+    cached = _tables.get(str(path))
+    if cached is not None and not refresh:
+        return cached
+    table = {}
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("format") == TUNE_FORMAT and doc.get("gpu") == gpu_name and \
+                doc.get("source_hash") == (src_hash or source_hash()):
+            for key, entry in doc.get("entries", {}).items():
+                p = plan_from_json(entry, _key_K(key))
+                if p is not None:
+                    table[key] = p
+    except (OSError, ValueError, AttributeError, IndexError):
+        table = {}
+    _tables[str(path)] = table
+    return table
+
+
+def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: dict | None = None,
+               merge: bool = True) -> Path:
+    """Write {key: entry dict (plan_to_json + anything else)} atomically, merged over the entries
+    already there; the process's cached copy is refreshed."""
+    src_hash = src_hash or source_hash()
+    path = table_path(gpu_name, src_hash)
+    doc = {"format": TUNE_FORMAT, "gpu": gpu_name, "source_hash": src_hash, "entries": {}}
+    if merge:
+        try:
+            old = json.loads(path.read_text())
+            if old.get("format") == TUNE_FORMAT and old.get("source_hash") == src_hash:
+                doc["entries"].update(old.get("entries", {}))
+        except (OSError, ValueError, AttributeError):
+            pass
+    doc["entries"].update(entries)
+    if meta:
+        doc["meta"] = meta
+    with atomic_open(os.fspath(path)) as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+    _tables.pop(str(path), None)
+    load_table(gpu_name, src_hash)
+    return path
+
+
+def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=False) -> Plan | None:
+    """The table's plan for `key` if there is one this launch can use (its alignment allows the
+    tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch; transpose_a: rt's
+    "gemm_aT" holds its k slab, and its epilogue is linear where it runs in slabs), else None."""
+    if not execution.of(rt).gemm_table:                 # GPTCUDA_GEMM_TUNE=0
+        return None
+    name = getattr(getattr(rt, "info", None), "name", None)
+    if not isinstance(name, str):
+        return None
+    p = load_table(name).get(key)
+    if p is None:
+        return None
+    slab = 0
+    if p.transpose_a:            # the key names the layout, K and the epilogue
+        _, trans, epilogue, _, _ = key.split(":")
+        K = _key_K(key)
+        slab = rt_transpose_a_slab(rt, M, N, K, trans[1] == "T")
+        if p.k_slab and not slab_epi_ok(EPILOGUE_CODES.get(epilogue.split("+")[0], -1)):
+            return None
+    if plan_unfit(p, precision_family(rt), vec, wgmma, slab):
+        return None
+    if p.splits > 1 and p.splits * M * N > ws_floats:
+        return None
+    return p

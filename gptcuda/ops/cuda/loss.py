@@ -1,0 +1,64 @@
+"""Launchers of kernels/loss.cu: fused softmax cross-entropy and the mean loss.
+
+    crossentropy(rt, losses[N], dlogits[N,V]|None, logits[N,V], targets[N] i32, grad_scale, n_vocab=None)
+        over the first n_vocab columns (None: all V; fewer: a padded vocabulary, columns n_vocab.. masked):
+        losses = logsumexp(logits[:, :n_vocab]) - logits[target]
+        grad_scale != 0: dlogits = (softmax(logits[:, :n_vocab]) - onehot(target)) * grad_scale, 0 in the
+        padded columns (dlogits may be logits)
+        grad_scale == 0: no gradient is written (dlogits may be None)
+    loss_reduce(rt, losses[N], history[max_steps]|None)
+        state.loss = mean(losses) (deterministic, one block); history[state.step] = the same value
+        when state.step < len(history)
+"""
+from __future__ import annotations
+
+from gptcuda.ops.backend import rows
+from gptcuda.runtime import f32, i32
+from gptcuda.ops.cuda import cdiv
+
+FILE = "loss.cu"
+WARPS = 8
+THREADS = WARPS * 32
+WARP_MAX_V = 1024           # one warp per row up to this vocabulary size, then one block per row
+REDUCE_THREADS = 1024
+
+VARIANTS = (
+    [(FILE, f"crossentropy_{k}<{g}>", {}) for k in ("warp", "block") for g in ("true", "false")]
+    + [(FILE, "loss_reduce", {})]
+)
+
+
+def workspace(cfg) -> dict:
+    return {}
+
+
+def crossentropy(rt, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
+    V = int(logits.shape[-1])
+    N = rows(logits.shape)
+    Vr = V if n_vocab is None else int(n_vocab)
+    if not 0 < Vr <= V:
+        raise ValueError(f"crossentropy: n_vocab {Vr} outside 1..{V} (the logits' row length)")
+    if targets.dtype != "i32":
+        raise TypeError(f"crossentropy: targets must be i32, got {targets.dtype}")
+    if targets.numel != N or losses.numel != N:
+        raise ValueError(f"crossentropy: logits {logits.shape}, targets {targets.shape}, losses {losses.shape}")
+    grad_scale = float(grad_scale)
+    grad = grad_scale != 0.0
+    if grad and (dlogits is None or dlogits.numel != N * V):
+        raise ValueError(f"crossentropy: a gradient needs dlogits of {N}x{V} elements")
+    g = "true" if grad else "false"
+    args = [losses, dlogits if grad else None, logits, targets, i32(N), i32(V), i32(Vr), f32(grad_scale)]
+    if V <= WARP_MAX_V:
+        rt.launch(rt.function(FILE, f"crossentropy_warp<{g}>"), (cdiv(N, WARPS),), (THREADS,), args,
+                  label="crossentropy")
+    else:
+        rt.launch(rt.function(FILE, f"crossentropy_block<{g}>"), (N,), (THREADS,), args, label="crossentropy")
+
+
+def loss_reduce(rt, losses, history):
+    if rt.state is None:
+        raise RuntimeError("loss_reduce: rt.state (the StepState) is not set")
+    N = losses.numel
+    hist_len = 0 if history is None else history.numel
+    rt.launch(rt.function(FILE, "loss_reduce"), (1,), (REDUCE_THREADS,),
+              [rt.state, losses, i32(N), history, i32(hist_len)], label="loss_reduce")

@@ -1,0 +1,123 @@
+"""Launchers of kernels/optim.cu: learning-rate schedule, step counters, gradient norm, AdamW.
+
+    lr_schedule(rt, learning_rate, min_lr, warmup_iters, lr_decay_iters)   state.lr = lr_at(state.step)
+    step_advance(rt)                                                      state.step += 1
+    eval_advance(rt)                                                      state.eval_draws += 1
+    grad_norm(rt, grads[P])                       state.grad_norm = ||grads||_2 (deterministic)
+        = grad_norm_partial (NORM_BLOCKS-bounded partials) then grad_norm_final (gptcuda/dist
+        all-reduces the partials of ZeRO-1 shards in between)
+    adamw(rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip)
+        one launch over the flat buffers [P]; clip scale min(1, clip / (state.grad_norm + 1e-6))
+        when grad_clip > 0; decoupled decay on elements < n_decay; bias correction t = step + 1.
+
+The norm is two launches: NORM_BLOCKS (fixed, not device dependent) blocks write double
+partials into the workspace "optim_partials", then one block sums them in a fixed order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from gptcuda.runtime import f32, i32, u64
+from gptcuda.ops.cuda import cdiv
+
+FILE = "optim.cu"
+NORM_THREADS = 512
+NORM_BLOCKS = 264          # 2 x 132 SMs; a constant so the sum order never depends on the device
+ADAM_THREADS = 256
+ADAM_BLOCKS_PER_SM = 8
+WORKSPACE = "optim_partials"
+
+VARIANTS = (
+    [(FILE, n, {}) for n in ("lr_schedule", "step_advance", "eval_advance", "grad_norm_final")]
+    + [(FILE, f"grad_norm_partial<{v}>", {}) for v in (4, 1)]
+    + [(FILE, f"adamw<{v}>", {}) for v in (4, 1)]
+)
+
+
+def workspace(cfg) -> dict:
+    """NORM_BLOCKS double partials (stored as 2 * NORM_BLOCKS f32 words)."""
+    return {WORKSPACE: ((2 * NORM_BLOCKS,), "f32")}
+
+
+def _aligned(*views) -> bool:
+    return all(v is None or v.ptr % 16 == 0 for v in views)
+
+
+def _f64_bits(x: float) -> u64:
+    """A double kernel argument: its 8 bytes travel in a u64 slot."""
+    return u64(int(np.array([float(x)], dtype=np.float64).view(np.uint64)[0]))
+
+
+def _state(rt, label):
+    if rt.state is None:
+        raise RuntimeError(f"{label}: rt.state (the StepState) is not set")
+    return rt.state
+
+
+def lr_schedule(rt, learning_rate, min_lr, warmup_iters, lr_decay_iters):
+    rt.launch(rt.function(FILE, "lr_schedule"), (1,), (1,),
+              [_state(rt, "lr_schedule"), _f64_bits(learning_rate), _f64_bits(min_lr),
+               i32(int(warmup_iters)), i32(int(lr_decay_iters))], label="lr_schedule")
+
+
+def step_advance(rt):
+    rt.launch(rt.function(FILE, "step_advance"), (1,), (1,), [_state(rt, "step_advance")], label="step_advance")
+
+
+def eval_advance(rt):
+    rt.launch(rt.function(FILE, "eval_advance"), (1,), (1,), [_state(rt, "eval_advance")], label="eval_advance")
+
+
+def grad_norm(rt, grads):
+    _state(rt, "grad_norm")
+    part, G = grad_norm_partial(rt, grads)
+    grad_norm_final(rt, part, G)
+
+
+def norm_blocks(n: int, vec: int = 4) -> int:
+    """Blocks of the norm's first pass over n elements read vec at a time (at most NORM_BLOCKS)."""
+    return max(1, min(NORM_BLOCKS, cdiv(max(n // vec, 1), NORM_THREADS)))
+
+
+def grad_norm_partial(rt, grads, blocks: int | None = None):
+    """The norm's first pass: per-block double partial sums of grads^2 into the workspace; `blocks`
+    (default `norm_blocks` of grads) fixes their number, e.g. the same on every rank of a
+    data-parallel run that all-reduces the partials before `grad_norm_final`. Returns (the
+    workspace view, blocks)."""
+    n = grads.numel
+    if n >= 2 ** 31:
+        raise ValueError(f"grad_norm: {n} elements exceed int32")
+    part = rt.workspace(WORKSPACE)
+    if part.numel < 2 * NORM_BLOCKS or part.ptr % 8:
+        raise ValueError(f"workspace {WORKSPACE} {part.shape} must hold {NORM_BLOCKS} doubles (8-byte aligned)")
+    vec = 4 if _aligned(grads) else 1
+    G = norm_blocks(n, vec) if blocks is None else int(blocks)
+    rt.launch(rt.function(FILE, f"grad_norm_partial<{vec}>"), (G,), (NORM_THREADS,),
+              [part, grads, i32(n)], label="grad_norm_partial")
+    return part, G
+
+
+def grad_norm_final(rt, part, blocks: int):
+    """The norm's second pass: state.grad_norm = sqrt of the sum of the first `blocks` partials of
+    `part`, in a fixed order."""
+    rt.launch(rt.function(FILE, "grad_norm_final"), (1,), (256,), [_state(rt, "grad_norm"), part, i32(blocks)],
+              label="grad_norm_final")
+
+
+def adamw(rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
+    st = _state(rt, "adamw")
+    n = params.numel
+    if grads.numel != n or m.numel != n or v.numel != n:
+        raise ValueError(f"adamw: sizes differ: {params.shape} {grads.shape} {m.shape} {v.shape}")
+    if n >= 2 ** 31:
+        raise ValueError(f"adamw: {n} elements exceed int32")
+    n_decay = int(n_decay)
+    if not 0 <= n_decay <= n:
+        raise ValueError(f"adamw: n_decay {n_decay} outside 0..{n}")
+    vec = 4 if _aligned(params, grads, m, v) else 1
+    units = n // 4 + n % 4 if vec == 4 else n
+    sms = int(getattr(getattr(rt, "info", None), "sm_count", 132) or 132)
+    G = max(1, min(cdiv(units, ADAM_THREADS), sms * ADAM_BLOCKS_PER_SM))
+    rt.launch(rt.function(FILE, f"adamw<{vec}>"), (G,), (ADAM_THREADS,),
+              [params, grads, m, v, i32(n), i32(n_decay), f32(beta1), f32(beta2), f32(eps),
+               f32(weight_decay), f32(grad_clip), st], label="adamw")

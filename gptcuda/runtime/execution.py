@@ -1,0 +1,128 @@
+"""The execution plan: which kernels run, decided once, from the config, the device and the environment.
+
+    plan = resolve(cfg, arch="sm_90")       # pure: no GPU touched (train.py --plan uses sm_90)
+    print(plan.format())                    # the block train.py logs and saves as execution.json
+
+The rules, in one place:
+
+- GEMMs. `precision` picks the base family: fp32 -> SIMT FFMA (kernels/gemm_simt.cu), tf32 ->
+  mma.sync tensor cores (kernels/gemm_tf32.cu). On sm_90 (`wgmma`; GPTCUDA_WGMMA=0 turns it off) the
+  warpgroup-MMA kernels (kernels/gemm_wgmma.cu, TMA-fed) compete for every product whose layout they
+  run, directly or after a re-layout into scratch: x @ W^T directly, dY @ W through a transposed
+  copy of W ("gemm_bT"), the weight gradient dY^T @ X through transposed copies of both ("gemm_aT").
+  fp32 with fp32_gemm 3xtf32 (`fp32_as_3xtf32`) runs those products as three TF32 products of
+  hi / lo splits ("gemm_split_a" / "gemm_split_b"); fp32_gemm ffma keeps every fp32 product on SIMT.
+  Within what may run, a product's kernel, tile and split-K come from the measured table that
+  bench/tune.py writes for this GPU and these kernel sources (`gemm_table`; GPTCUDA_GEMM_TUNE=0
+  ignores it), else from the cost model (gptcuda/ops/cuda/gemm/plan.py `plan`), which also sizes
+  the scratch in the memory plan (gemm/plan.py `workspace`).
+- Attention. `attention: unfused` saves the [B, H, T, T] probabilities (kernels/attention.cu);
+  `fused` runs flash attention (kernels/flash_attention.cu) saving the log-sum-exp, on tensor cores
+  (the _tc kernels) in tf32 (`flash_tc`) and in FFMA in fp32 (`flash`).
+- Generation (sample.py) runs its own products: kernels/decode.cu decode_linear for up to 16 rows,
+  the GEMMs above beyond.
+
+The runtime holds the plan (Runtime.exec); the launchers read their choice from it and nowhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+WGMMA_ARCHS = ("sm_90",)
+ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE")
+GEMM_FAMILIES = {"fp32": "simt", "tf32": "tf32"}      # precision -> the base GEMM family
+FP32_GEMMS = ("3xtf32", "ffma")
+ATTENTION_PATHS = ("unfused", "flash", "flash_tc")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionPlan:
+    arch: str                 # the device's ("sm_90"); "cpu" for the reference backend
+    precision: str            # fp32 | tf32 (reference: float64)
+    gemm_family: str          # the base GEMM family: simt | tf32
+    wgmma: bool               # the warpgroup-MMA kernels compete (sm_90, GPTCUDA_WGMMA != 0)
+    fp32_as_3xtf32: bool      # fp32 products may run as 3xTF32 on wgmma (fp32_gemm 3xtf32)
+    gemm_table: bool          # a measured GEMM table is consulted (GPTCUDA_GEMM_TUNE != 0)
+    attention: str | None     # unfused | flash | flash_tc (None: a runtime not built from a config)
+    env: tuple = ()           # (name, value) of each environment variable read
+
+    def with_precision(self, precision: str) -> "ExecutionPlan":
+        """The same plan at another precision (tests and benchmarks switch rt.precision)."""
+        if precision == self.precision:
+            return self
+        return resolve(arch=self.arch, precision=precision, attention=_kind(self.attention),
+                       fp32_gemm="3xtf32" if self.fp32_as_3xtf32 or self.precision != "fp32" else "ffma",
+                       env=dict(self.env))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["env"] = dict(self.env)
+        return d
+
+    def format(self) -> str:
+        if self.arch == "cpu":
+            return "execution plan\n  reference backend: float64 numpy ops (gptcuda/ops/reference/ops.py)"
+        fam = {"simt": "SIMT FFMA (gemm_simt.cu)", "tf32": "TF32 mma.sync (gemm_tf32.cu)"}[self.gemm_family]
+        if not self.wgmma:
+            wg = "off" + ("" if self.arch in WGMMA_ARCHS else f" (not on {self.arch})")
+        elif self.precision == "tf32":
+            wg = "on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW via gemm_aT"
+        elif self.fp32_as_3xtf32:
+            wg = "on as 3xTF32 (gemm_wgmma.cu): x @ W^T, dY @ W and dW via gemm_split_a / gemm_split_b"
+        else:
+            wg = "not for fp32 (fp32_gemm ffma)"
+        att = {"unfused": "unfused: saved probabilities (attention.cu)",
+               "flash": "flash, FFMA (flash_attention.cu)", "flash_tc": "flash on tensor cores (flash_attention.cu _tc)",
+               None: "as the saved tensors say"}[self.attention]
+        env = ", ".join(f"{k}={v}" for k, v in self.env) or "none set"
+        return "\n".join([
+            "execution plan",
+            f"  device               {self.arch}",
+            f"  GEMM base family     {fam}",
+            f"  warpgroup MMA        {wg}",
+            f"  tiles and split-K    {'the measured table (bench/tune.py) where it has the shape, else ' if self.gemm_table else ''}"
+            f"the cost model (cuda_ops/gemm/plan.py)",
+            f"  attention            {att}",
+            f"  environment          {env}",
+        ])
+
+
+def _kind(path):
+    return None if path is None else ("unfused" if path == "unfused" else "fused")
+
+
+def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, fp32_gemm=None,
+            attention=None) -> ExecutionPlan:
+    """The plan for cfg (or for the keyword settings of a runtime built without one) on a device of
+    `arch`, with the environment `env` (default os.environ)."""
+    env = os.environ if env is None else env
+    if cfg is not None:
+        if cfg.backend == "reference":
+            return ExecutionPlan("cpu", "float64", "", False, False, False, None)
+        precision = precision or cfg.precision
+        fp32_gemm = fp32_gemm or cfg.fp32_gemm
+        attention = attention or cfg.attention
+    precision = precision or "fp32"
+    fp32_gemm = fp32_gemm or "3xtf32"
+    if precision not in GEMM_FAMILIES:
+        raise ValueError(f"unknown precision {precision!r} (fp32 | tf32)")
+    if fp32_gemm not in FP32_GEMMS:
+        raise ValueError(f"unknown fp32_gemm {fp32_gemm!r} (3xtf32 | ffma)")
+    read = tuple((k, env[k]) for k in ENV_KEYS if k in env)
+    wgmma = arch in WGMMA_ARCHS and env.get("GPTCUDA_WGMMA", "1") != "0"
+    path = None
+    if attention is not None:
+        path = "unfused" if attention == "unfused" else ("flash_tc" if precision == "tf32" else "flash")
+    return ExecutionPlan(arch or "?", precision, GEMM_FAMILIES[precision], wgmma,
+                         precision == "fp32" and fp32_gemm == "3xtf32" and wgmma,
+                         env.get("GPTCUDA_GEMM_TUNE", "1") != "0", path, read)
+
+
+def of(rt) -> ExecutionPlan:
+    """The plan a runtime holds (Runtime.exec); an object without one (a test's stand-in) gets the
+    plan of its arch and precision."""
+    plan = getattr(rt, "exec", None)
+    if plan is None:
+        plan = resolve(arch=getattr(rt, "arch", None), precision=getattr(rt, "precision", "fp32"))
+    return plan
