@@ -14,7 +14,7 @@ pytest.importorskip("cuda.bindings.nvrtc")
 
 
 def _family(mod) -> str:
-    return mod.__name__.rsplit(".", 1)[-1]           # gptcuda.cuda_ops.gemm -> gemm
+    return mod.__name__.rsplit(".", 1)[-1]           # gptcuda.ops.cuda.gemm -> gemm
 
 
 def all_variants():

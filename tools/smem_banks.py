@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Shared-memory layouts of the TF32 GEMM (kernels/gemm_tf32.cu): derived, proven, simulated.
 
-For every TF32 block tile (gptcuda.cuda_ops.gemm.TF32_TILES) and every transpose case this
+For every TF32 block tile (gptcuda.ops.cuda.gemm.TF32_TILES) and every transpose case this
 tool replays, thread by thread, what the kernel does with shared memory:
 
   1. the layout of each operand tile is a bijection of (row, k) onto the stage's floats;

@@ -82,7 +82,7 @@ class ExecutionPlan:
             f"  GEMM base family     {fam}",
             f"  warpgroup MMA        {wg}",
             f"  tiles and split-K    {'the measured table (bench/tune.py) where it has the shape, else ' if self.gemm_table else ''}"
-            f"the cost model (cuda_ops/gemm/plan.py)",
+            f"the cost model (ops/cuda/gemm/plan.py)",
             f"  attention            {att}",
             f"  environment          {env}",
         ])
