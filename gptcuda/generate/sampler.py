@@ -54,12 +54,11 @@ def load_model(source: str, ckpt: str | None = None) -> Model:
     """source: a run directory (its best.ckpt, else last.ckpt, or ckpt), a run's .ckpt file,
     "hf:DIR" (a Hugging Face GPT-2 directory) or "llmc:FILE" (an llm.c model file). Errors are
     CheckpointError (one line, naming the file, tensor or setting)."""
-    from gptcuda.interop import InteropError, _parse_spec, load_init, load_run
+    from gptcuda.interop import InteropError, _parse_spec, load_init, run_of
     try:
         kind, where = _parse_spec(source)
         if kind in ("run", "ckpt"):
-            run_dir = where if kind == "run" else os.path.dirname(os.path.abspath(where))
-            run = load_run(run_dir, ckpt or (where if kind == "ckpt" else None))
+            run = run_of(kind, where, ckpt)
             tok = tokenizer_from_dict(run.tokenizer)
             return Model(run.cfg, tok, run.named, run.n_vocab, run.path, run.step)
         named, over = load_init(source, Config())

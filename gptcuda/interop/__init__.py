@@ -35,7 +35,7 @@ from __future__ import annotations
 from gptcuda.interop.common import GPT2_EOT, GPT2_VOCAB, LN_EPS, InteropError, check_expressible  # noqa: F401
 from gptcuda.interop.hf import (ENDOFTEXT, HF_ACTIVATIONS, from_hf, hf_config, hf_name_map, hf_tensors,
                                 read_hf, write_hf)  # noqa: F401
-from gptcuda.interop.init import Init, _parse_spec, init_for_training, load_init  # noqa: F401
+from gptcuda.interop.init import Init, _parse_spec, init_for_training, load_init, run_of  # noqa: F401
 from gptcuda.interop.llmc import (LLMC_BF16, LLMC_FP32, LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_ORDER,
                                   LLMC_VP_MULTIPLE, from_llmc, llmc_header, llmc_tensors, read_llmc,
                                   write_llmc)

@@ -28,6 +28,14 @@ def _parse_spec(spec: str) -> tuple[str, str]:
     return "run", spec
 
 
+def run_of(kind: str, where: str, ckpt: str | None = None):
+    """The Run a "run" or "ckpt" spec names (_parse_spec): its directory's best.ckpt, else last.ckpt
+    (or ckpt), or the .ckpt file itself."""
+    if kind == "ckpt":
+        return load_run(os.path.dirname(os.path.abspath(where)), ckpt or where)
+    return load_run(where, ckpt)
+
+
 def load_init(spec: str, cfg: Config, block_size: int | None = None) -> tuple[dict, dict]:
     """(named parameters, config overrides) to start a model from.
 
@@ -39,7 +47,14 @@ def load_init(spec: str, cfg: Config, block_size: int | None = None) -> tuple[di
     50257-token hf/llmc model, the run's own spec for a run). block_size: crop the position embedding to
     this many positions (at most the source's). A shape or name that disagrees is an InteropError naming
     the tensor and both shapes."""
+    named, over, _ = _load(spec, cfg, block_size)
+    return named, over
+
+
+def _load(spec: str, cfg: Config, block_size: int | None):
+    """load_init's (named, overrides) and the Run read for a run spec (None for hf / llmc)."""
     kind, where = _parse_spec(spec)
+    run = None
     if kind == "hf":
         conf, tensors = read_hf(where)
         named, s = from_hf(conf, tensors, where)
@@ -51,10 +66,7 @@ def load_init(spec: str, cfg: Config, block_size: int | None = None) -> tuple[di
         L, H, C, T, n = hdr["L"], hdr["H"], hdr["C"], hdr["maxT"], hdr["V"]
         tok = "gpt2" if n == GPT2_VOCAB else None
     else:
-        if kind == "ckpt":
-            run = load_run(os.path.dirname(os.path.abspath(where)), where)
-        else:
-            run = load_run(where)
+        run = run_of(kind, where)
         named = run.named
         rc = run.cfg
         L, H, C, T, n = rc.n_layer, rc.n_head, rc.n_embd, rc.block_size, run.n_vocab
@@ -99,7 +111,7 @@ def load_init(spec: str, cfg: Config, block_size: int | None = None) -> tuple[di
     if extra:
         raise InteropError(f"{where}: tensor {extra[0]} of shape {_fmt(np.shape(named[extra[0]]))} is not part "
                            f"of the model")
-    return {k: np.ascontiguousarray(named[k]) for k in expect}, overrides
+    return {k: np.ascontiguousarray(named[k]) for k in expect}, overrides, run
 
 
 @dataclasses.dataclass
@@ -118,12 +130,8 @@ def init_for_training(cfg: Config) -> Init:
     one-line CheckpointErrors."""
     from gptcuda.training.checkpoint import CheckpointError
     try:
-        named, over = load_init(cfg.init_from, cfg, block_size=cfg.block_size)
-        kind, where = _parse_spec(cfg.init_from)
-        tok = None
-        if kind in ("run", "ckpt"):
-            run_dir = where if kind == "run" else os.path.dirname(os.path.abspath(where))
-            tok = load_run(run_dir, where if kind == "ckpt" else None).tokenizer
+        named, over, run = _load(cfg.init_from, cfg, cfg.block_size)
+        tok = run.tokenizer if run is not None else None       # a run's own ids (a char vocabulary)
     except InteropError as e:
         raise CheckpointError(f"init_from: {e}") from None
     except FileNotFoundError as e:
