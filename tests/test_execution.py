@@ -65,3 +65,8 @@ def test_recorded_step_follows_the_plan(fp32_gemm, env, wgmma_kernels, monkeypat
     files = {r.fn.file for r in eng.programs["train"].items if isinstance(r, Launch)}
     assert ("gemm_wgmma.cu" in files) == wgmma_kernels
     assert eng.exec.fp32_as_3xtf32 == wgmma_kernels
+
+
+def test_precision_round_trip_keeps_fp32_gemm():
+    p = execution.resolve(cfg_of("--precision=fp32", "--fp32_gemm=ffma"))
+    assert p.with_precision("tf32").with_precision("fp32") == p and not p.fp32_as_3xtf32

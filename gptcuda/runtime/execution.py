@@ -40,24 +40,29 @@ ATTENTION_PATHS = ("unfused", "flash", "flash_tc")
 class ExecutionPlan:
     arch: str                 # the device's ("sm_90"); "cpu" for the reference backend
     precision: str            # fp32 | tf32 (reference: float64)
+    fp32_gemm: str            # how fp32 multiplies where it may: 3xtf32 | ffma (the config's)
     gemm_family: str          # the base GEMM family: simt | tf32
     wgmma: bool               # the warpgroup-MMA kernels compete (sm_90, GPTCUDA_WGMMA != 0)
-    fp32_as_3xtf32: bool      # fp32 products may run as 3xTF32 on wgmma (fp32_gemm 3xtf32)
     gemm_table: bool          # a measured GEMM table is consulted (GPTCUDA_GEMM_TUNE != 0)
     attention: str | None     # unfused | flash | flash_tc (None: a runtime not built from a config)
     env: tuple = ()           # (name, value) of each environment variable read
+
+    @property
+    def fp32_as_3xtf32(self) -> bool:
+        """fp32 products may run as 3xTF32 on the warpgroup-MMA kernels."""
+        return self.precision == "fp32" and self.fp32_gemm == "3xtf32" and self.wgmma
 
     def with_precision(self, precision: str) -> "ExecutionPlan":
         """The same plan at another precision (tests and benchmarks switch rt.precision)."""
         if precision == self.precision:
             return self
         return resolve(arch=self.arch, precision=precision, attention=_kind(self.attention),
-                       fp32_gemm="3xtf32" if self.fp32_as_3xtf32 or self.precision != "fp32" else "ffma",
-                       env=dict(self.env))
+                       fp32_gemm=self.fp32_gemm, env=dict(self.env))
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["env"] = dict(self.env)
+        d["fp32_as_3xtf32"] = self.fp32_as_3xtf32
         return d
 
     def format(self) -> str:
@@ -99,7 +104,7 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     env = os.environ if env is None else env
     if cfg is not None:
         if cfg.backend == "reference":
-            return ExecutionPlan("cpu", "float64", "", False, False, False, None)
+            return ExecutionPlan("cpu", "float64", "", "", False, False, None)
         precision = precision or cfg.precision
         fp32_gemm = fp32_gemm or cfg.fp32_gemm
         attention = attention or cfg.attention
@@ -114,8 +119,7 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     path = None
     if attention is not None:
         path = "unfused" if attention == "unfused" else ("flash_tc" if precision == "tf32" else "flash")
-    return ExecutionPlan(arch or "?", precision, GEMM_FAMILIES[precision], wgmma,
-                         precision == "fp32" and fp32_gemm == "3xtf32" and wgmma,
+    return ExecutionPlan(arch or "?", precision, fp32_gemm, GEMM_FAMILIES[precision], wgmma,
                          env.get("GPTCUDA_GEMM_TUNE", "1") != "0", path, read)
 
 
