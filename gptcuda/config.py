@@ -33,6 +33,7 @@ __all__ = [
 PRECISIONS = ("fp32", "tf32")
 ATTENTIONS = ("unfused", "fused")
 FP32_GEMMS = ("3xtf32", "ffma")
+GEMM_TUNES = ("auto", "table", "off")
 BACKENDS = ("cuda", "reference")
 
 
@@ -60,6 +61,7 @@ class Config:
     precision: str = "fp32"  # fp32 | tf32
     fp32_gemm: str = "3xtf32"  # fp32's GEMMs: 3xtf32 (three TF32 tensor-core products, sm_90) | ffma (SIMT)
     attention: str = "unfused"  # unfused | fused
+    gemm_tune: str = "auto"  # GEMM plans: auto (measure what the GPU's table lacks, at setup) | table | off
     backend: str = "cuda"  # cuda | reference
     graph: bool = True  # capture the training step in a CUDA graph
     recompute: bool = False  # recompute the MLP's GELU output in the backward instead of storing it
@@ -328,6 +330,8 @@ def validate(cfg: Config) -> Config:
         raise err("fp32_gemm", f"must be one of {'|'.join(FP32_GEMMS)}, got {cfg.fp32_gemm!r}")
     if cfg.attention not in ATTENTIONS:
         raise err("attention", f"must be one of {'|'.join(ATTENTIONS)}, got {cfg.attention!r}")
+    if cfg.gemm_tune not in GEMM_TUNES:
+        raise err("gemm_tune", f"must be one of {'|'.join(GEMM_TUNES)}, got {cfg.gemm_tune!r}")
     if cfg.backend not in BACKENDS:
         raise err("backend", f"must be one of {'|'.join(BACKENDS)}, got {cfg.backend!r}")
     if cfg.zero not in (0, 1):

@@ -289,18 +289,19 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 }
 // Lane 0 of the calling warp only (a predicate inside the asm, not a branch: the warp stays
 // converged, which keeps ptxas from serializing the wgmma in flight around it):
-// expect `bytes` on bar, then the tiles (k0, row0a / row0b, batch) of the two tensor maps into
-// shared memory at dsta / dstb, completing on bar.
+// expect `bytes` on bar, then the boxes at coordinates {a0, a1, batch} of tensor map a and
+// {b0, b1, batch} of b into shared memory at dsta / dstb, completing on bar. The K-major maps'
+// coordinates are (k0, first row); gemm_wgmma_mn's, over operands as stored, (first row, k0).
 __device__ __forceinline__ void tma_load_pair(int lane, unsigned bar, unsigned bytes, unsigned dsta,
-                                              const TmaMap* mapa, int row0a, unsigned dstb, const TmaMap* mapb,
-                                              int row0b, int k0, int batch) {
+                                              const TmaMap* mapa, int a0, int a1, unsigned dstb, const TmaMap* mapb,
+                                              int b0, int b1, int batch) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
         "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%3], [%4, {%9, %5, %10}], [%1];\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%6], [%7, {%9, %8, %10}], [%1];\n}\n"
-        ::"r"(lane), "r"(bar), "r"(bytes), "r"(dsta), "l"(reinterpret_cast<unsigned long long>(mapa)), "r"(row0a),
-          "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(row0b), "r"(k0), "r"(batch)
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%3], [%4, {%5, %6, %11}], [%1];\n"
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%7], [%8, {%9, %10, %11}], [%1];\n}\n"
+        ::"r"(lane), "r"(bar), "r"(bytes), "r"(dsta), "l"(reinterpret_cast<unsigned long long>(mapa)), "r"(a0),
+          "r"(a1), "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(b0), "r"(b1), "r"(batch)
         : "memory");
 }
 // The 3xTF32 form (PRODUCTS = 3): each tensor map covers {K, rows, 2} (the hi and lo halves of a
@@ -361,8 +362,8 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
             tma_load_split(lane, full0 + 8 * s, STAGE_BYTES, sa, BM * 128, &mapA, blk.m0, sa + A_BYTES, BN * 128,
                            &mapB, blk.n0, blk.kb0 + kt * GEMM_WG_BK);
         else
-            tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, blk.m0, sa + A_BYTES, &mapB, blk.n0,
-                          blk.kb0 + kt * GEMM_WG_BK, blk.batch);
+            tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, blk.kb0 + kt * GEMM_WG_BK, blk.m0, sa + A_BYTES,
+                          &mapB, blk.kb0 + kt * GEMM_WG_BK, blk.n0, blk.batch);
     };
     if (tid == 0) {
 #pragma unroll
@@ -436,6 +437,266 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
     }
 
     wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C, aux, bias, M, N, ldc, sC, blk.m0, blk.n0, alpha);
+#else
+    __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemm_wgmma_ws: the TMA product, warp-specialized and persistent. One more warpgroup than
+// gemm_wgmma_tma, the last, only loads: its first warp loops over the block's tiles and their k
+// tiles, waits for a slot to be released (empty) and has lane 0 issue the two tensor copies into
+// it (full). The BM / 64 consumer warpgroups never issue a copy: they wait for full, run the 4
+// wgmma of the k tile, and release the slot of the tile before as soon as its group is done. The
+// grid is at most one block per SM (ws_grid in the launcher); block b takes output tiles b,
+// b + gridDim.x, ... of the (n fastest, then m, then z = batch * splits + split) order, so while
+// the consumers store one tile the producer is already loading the next one's first STAGES k
+// tiles: the pipeline fill of every tile after the first is hidden, and no consumer stalls on a
+// refill the way warp 0 of gemm_wgmma_tma does. Slot and parity run on one counter `it` over all
+// k tiles of the block, the same in producer and consumers. The epilogue is wg_store_tile's.
+// zs: batch * splits (the z extent of the non-persistent kernels' grid).
+struct WsTile {
+    int z, split, batch, m0, n0, kb0, klen;
+    __device__ __forceinline__ WsTile(int t, int per_z, int tiles_n, int bm, int bn, int K, int splits, int k_chunk) {
+        z = t / per_z;
+        const int r = t - z * per_z;
+        m0 = (r / tiles_n) * bm;
+        n0 = (r - (r / tiles_n) * tiles_n) * bn;
+        split = z % splits;
+        batch = z / splits;
+        kb0 = split * k_chunk;
+        klen = min(K, kb0 + k_chunk) - kb0;
+    }
+};
+
+// The consumer warpgroups of the warp-specialized kernels: for each of the block's output tiles,
+// wait for each k tile's slot (full), its 4 wgmma, release the slot of the k tile before once its
+// group is done (empty), then the epilogue from the accumulators.
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
+__device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, float* C, float* aux,
+                                           const float* bias, int M, int N, int K, int ldc, long long sC,
+                                           float alpha, int splits, int k_chunk, int per_z, int tiles_n,
+                                           int total) {
+    constexpr int A_BYTES = BM * 128;
+    constexpr int STAGE_BYTES = (BM + BN) * 128;
+    const int wg = threadIdx.x >> 7;
+    float acc[BN / 2];
+    int it = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
+        const int nk = wg_k_tiles(tl.klen);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+        for (int kt = 0; kt < nk; ++kt, ++it) {
+            const int s = it % STAGES;
+            mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+            const unsigned sa = smem0 + s * STAGE_BYTES;
+            const unsigned a_wg = sa + wg * 64 * 128, b_t = sa + A_BYTES;
+            wg_fence_acc(acc);
+            wg_fence();
+#pragma unroll
+            for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8)
+                wg_mma_tf32<BN>(acc, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
+            wg_commit();
+            wg_fence_acc(acc);
+            wg_wait<1>();                 // the group of the k tile before is done: release its slot
+            if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        }
+        wg_wait<0>();
+        wg_fence_acc(acc);
+        if (nk > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        float* aux_z = aux;
+        if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
+        wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C + tl.z * sC, aux_z, bias, M, N, ldc, sC, tl.m0, tl.n0, alpha);
+    }
+}
+
+// Barrier set-up of the warp-specialized kernels: full[s] (`full_count` producer arrivals, or 1
+// with the copy's bytes), empty[s] (one arrival per consumer thread), then `extra` single-arrival
+// barriers (the staging ring of gemm_wgmma_mn).
+__device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigned full_count, unsigned consumers,
+                                             int extra) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            mbar_init(bars0 + 8 * s, full_count);
+            mbar_init(bars0 + 8 * (stages + s), consumers);
+        }
+        for (int s = 0; s < extra; ++s) mbar_init(bars0 + 8 * (2 * stages + s), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();      // the last block-wide barrier: the producer warpgroup leaves early
+}
+
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+gemm_wgmma_ws(float* C,                           // C [zs, M, N], row stride ldc, matrix stride sC
+              float* aux,                         // aux: as in gemm_wgmma
+              const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major)
+              const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major)
+              const float* __restrict__ bias,     // bias [N] or null
+              int M, int N, int K, int ldc, long long sC,
+              float alpha, int splits, int k_chunk, int zs) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int WG = BM / 64;                         // consumer warpgroups; warpgroup WG loads
+    constexpr int A_BYTES = BM * 128;
+    constexpr int STAGE_BYTES = (BM + BN) * 128;
+    static_assert(BM % 64 == 0 && BM <= 256 && BN % 8 == 0 && BN <= 256, "wgmma m64nBNk8 tiles, TMA boxes <= 256");
+    static_assert(STAGES >= 2, "a ring");
+
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    __shared__ __align__(8) unsigned long long bars[2 * STAGES];     // full[0..S), empty[0..S)
+    const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;   // the launcher adds 1 KB
+    const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
+
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+    const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
+    const int per_z = tiles_n * tiles_m, total = per_z * zs;
+    ws_init_bars(full0, STAGES, 1, WG * 128, 0);
+
+    if (wg == WG) {       // producer: its first warp, lane 0 issuing (converged: tma_load_pair)
+        if (tid < WG * 128 + 32) {
+            int it = 0;
+            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
+                const int nk = wg_k_tiles(tl.klen);
+                for (int kt = 0; kt < nk; ++kt, ++it) {
+                    const int s = it % STAGES;
+                    if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
+                    const unsigned sa = smem0 + s * STAGE_BYTES;
+                    const int k0 = tl.kb0 + kt * GEMM_WG_BK;
+                    tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, k0, tl.m0, sa + A_BYTES, &mapB, k0, tl.n0,
+                                  tl.batch);
+                }
+            }
+        }
+        return;
+    }
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS>(smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits,
+                                              k_chunk, per_z, tiles_n, total);
+#else
+    __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemm_wgmma_mn: C = A^T B with A stored [batch, K, M] and B stored [batch, K, N] (both MN-major:
+// the weight gradient dW = dY^T X with K = tokens), on wgmma without a transposing pass through
+// global memory. wgmma reads TF32 operands K-major only, so the producer warpgroup turns them in
+// place: lane 0 of its first warp has the copy engine bring a k tile's A [32][BM] and B [32][BN]
+// as they lie (no swizzle; tensor maps {rows, K, batch}, box {BM or BN, 32, 1}) into a slot
+// (staged[s]); the 128 producer threads read the slot into registers, meet at a named barrier,
+// write it back in the K-major 128-byte swizzle of gemm_wgmma_tma, fence their stores into the
+// async proxy and arrive on full[s] (128 arrivals); A and B one after the other (mn_turn: each
+// operand's staged bytes are exactly its K-major bytes' place). The consumers are ws_consume. A slot's next
+// copy (k tile it + STAGES - 1 goes where tile it - 1 was) is issued once the consumers released
+// it, which they do after issuing tile it: STAGES - 2 copies stay in flight.
+// The rewrite: a warp takes 32 consecutive rows r and one 16-byte chunk c (k 4c .. 4c + 3): each
+// lane reads its row's 4 staged values (a staged row is one k: a warp's 32 reads are 32
+// consecutive floats, no bank conflict) and stores them as one 16-byte chunk at
+// r * 128 + ((c ^ (r % 8)) * 16) (the 8 lanes of a store phase hit 8 distinct bank groups).
+// One operand of a staged k tile turned in place by the 128 producer threads (pt = 0..127): its
+// [32][R] floats at tile (as the copy engine left them) become the K-major swizzled [R][32]; every
+// thread reads its R / 16 chunks into registers, the producers meet (named barrier 1), then write.
+template <int R>
+__device__ __forceinline__ void mn_turn(unsigned char* tile, int pt) {
+    constexpr int CH = R * 8 / 128;
+    const float* stg = reinterpret_cast<const float*>(tile);
+    float4 v[CH];
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+        const int idx = pt + 128 * i;
+        const int c = (idx >> 5) & 7, row = (idx >> 8) * 32 + (idx & 31);
+        const float* src = stg + 4 * c * R + row;
+        v[i] = make_float4(src[0], src[R], src[2 * R], src[3 * R]);
+    }
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");       // every read of the staged operand done
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+        const int idx = pt + 128 * i;
+        const int c = (idx >> 5) & 7, row = (idx >> 8) * 32 + (idx & 31);
+        *reinterpret_cast<float4*>(tile + row * 128 + ((c ^ (row & 7)) << 4)) = v[i];
+    }
+}
+
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+gemm_wgmma_mn(float* C,                           // C [zs, M, N], row stride ldc, matrix stride sC
+              float* aux,                         // aux: as in gemm_wgmma
+              const __grid_constant__ TmaMap mapA,  // A [batch, K, M] (M-major)
+              const __grid_constant__ TmaMap mapB,  // B [batch, K, N] (N-major)
+              const float* __restrict__ bias,     // bias [N] or null
+              int M, int N, int K, int ldc, long long sC,
+              float alpha, int splits, int k_chunk, int zs) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int WG = BM / 64;
+    constexpr int A_BYTES = BM * 128;
+    constexpr int STAGE_BYTES = (BM + BN) * 128;
+    static_assert(BM % 64 == 0 && BM <= 256 && BN % 32 == 0 && BN <= 256, "wgmma tiles of whole 32-row groups");
+    static_assert(STAGES >= 3, "a slot is refilled after the consumers issued the k tile after it");
+
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    __shared__ __align__(8) unsigned long long bars[3 * STAGES];    // full, empty, staged
+    const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;
+    unsigned char* const base = wg_smem + (smem0 - smem_u32(wg_smem));
+    const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES, staged0 = full0 + 16 * STAGES;
+
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+    const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
+    const int per_z = tiles_n * tiles_m, total = per_z * zs;
+    ws_init_bars(full0, STAGES, 128, WG * 128, STAGES);
+
+    if (wg == WG) {
+        const int pt = tid - WG * 128;
+        // the copy cursor (first producer warp only): tile lt, its k tile lkt of lnk; ld copies issued
+        int lt = blockIdx.x, lkt = 0, lnk = 0, lm0 = 0, ln0 = 0, lkb0 = 0, lbatch = 0, ld = 0;
+        auto seek = [&]() {               // lt -> the next tile of this block with k tiles
+            for (; lt < total; lt += gridDim.x) {
+                const WsTile tl(lt, per_z, tiles_n, BM, BN, K, splits, k_chunk);
+                lnk = wg_k_tiles(tl.klen);
+                if (lnk > 0) {
+                    lm0 = tl.m0; ln0 = tl.n0; lkb0 = tl.kb0; lbatch = tl.batch;
+                    return;
+                }
+            }
+        };
+        auto stage_next = [&]() {         // the cursor's k tile into slot ld % STAGES, once released
+            if (lt >= total) return;
+            const int s = ld % STAGES;
+            if (ld >= STAGES) mbar_wait(empty0 + 8 * s, ((ld / STAGES) - 1) & 1);
+            const unsigned st = smem0 + s * STAGE_BYTES;
+            const int k0 = lkb0 + lkt * GEMM_WG_BK;
+            tma_load_pair(lane, staged0 + 8 * s, STAGE_BYTES, st, &mapA, lm0, k0, st + 32 * BM * 4, &mapB, ln0, k0,
+                          lbatch);
+            ++ld;
+            if (++lkt == lnk) {
+                lkt = 0;
+                lt += gridDim.x;
+                seek();
+            }
+        };
+        if (pt < 32) {
+            seek();
+            for (int i = 0; i < STAGES - 1; ++i) stage_next();
+        }
+        int it = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
+            const int nk = wg_k_tiles(tl.klen);
+            for (int kt = 0; kt < nk; ++kt, ++it) {
+                const int s = it % STAGES;
+                mbar_wait(staged0 + 8 * s, (it / STAGES) & 1);
+                unsigned char* slot = base + s * STAGE_BYTES;
+                mn_turn<BM>(slot, pt);                        // A's staged [32][BM] -> [BM][32] swizzled
+                mn_turn<BN>(slot + A_BYTES, pt);              // then B's, in the bytes after it
+                wg_fence_async_smem();                        // the stores, into the async proxy
+                mbar_arrive(full0 + 8 * s);
+                if (pt < 32) stage_next();                    // k tile it + STAGES - 1, where it - 1 was
+            }
+        }
+        return;
+    }
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS>(smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits,
+                                              k_chunk, per_z, tiles_n, total);
 #else
     __trap();
 #endif

@@ -10,6 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The suite reads the GEMM table but never measures one (an Engine on a GPU would otherwise time the
+# GEMMs of every test config, into a table the parallel workers share); the autotune tests opt in.
+os.environ.setdefault("GPTCUDA_GEMM_TUNE", "table")
 
 _gpu_reason = None
 
@@ -209,6 +212,18 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
         monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path_factory.getbasetemp() / "kcache"))
 
 
+@pytest.fixture
+def table_cache(tmp_path, monkeypatch):
+    """A compile cache of the test's own: no measured GEMM table (<cache>/tune/) yet, GPTCUDA_GEMM_TUNE
+    unset, and the tables the process read forgotten (before and after). Yields the cache's path."""
+    from gptcuda.ops.cuda import gemm
+    monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
+    monkeypatch.delenv("GPTCUDA_GEMM_TUNE", raising=False)
+    gemm._tables.clear()
+    yield tmp_path / "kc"
+    gemm._tables.clear()
+
+
 def rel_err(out, ref):
     """max|out - ref| / max|ref| (nan-safe: NaN anywhere gives inf)."""
     out = np.asarray(out, dtype=np.float64)
@@ -244,7 +259,7 @@ class FakeGemmRT:
     def launch(self, fn, grid, block, args, smem=0, label=None):
         self.launches.append((fn.name, tuple(grid), tuple(block), smem))
 
-    def tensor_map(self, view, dims, strides_bytes, box):
+    def tensor_map(self, view, dims, strides_bytes, box, swizzle=True):
         from gptcuda.runtime import Blob
         assert len(dims) == len(box) == len(strides_bytes) + 1 and all(int(b) <= 256 for b in box), (dims, box)
         assert all(int(s) % 16 == 0 for s in strides_bytes) and view.ptr % 16 == 0, (strides_bytes, view)

@@ -117,6 +117,8 @@ def test_forbid_compiles(tmp_path, monkeypatch):
 def _wgmma_pipeline_names():
     from gptcuda.ops.cuda import gemm
     names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]
+    names += [gemm.FAMILIES["wgmma_mn"].kernel(t, True, False, gemm.EPI_RESID, True, True)     # dW as stored
+              for t in gemm.WGMMA_MN_TILES]
     return names + [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]       # 3xTF32
 
 

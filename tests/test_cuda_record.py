@@ -69,7 +69,7 @@ class FakeDev:
     def event_sync(self, *a):
         pass
 
-    def tensor_map_f32(self, ptr, dims, strides_bytes, box):
+    def tensor_map_f32(self, ptr, dims, strides_bytes, box, swizzle=True):
         assert ptr % 16 == 0 and all(int(s) % 16 == 0 for s in strides_bytes), (ptr, strides_bytes)
         return bytes(128)
 

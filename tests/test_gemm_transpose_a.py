@@ -134,7 +134,7 @@ def test_gpt2_weight_grads_choose_wgmma():
         old = gemm.plan(M, N, K, 1, 132, "tf32", max_ws=_floats(GPT2)["gemm_splitk"])
         assert old.family == "tf32"
         base[M, N] = (gemm.estimate_s(old, M, N, K), gemm.estimate_s(p, M, N, K))
-        assert p.family == "wgmma" and p.transpose_a and p.transpose_b and p.tile[3] == 1, (M, N, p)
+        assert p.family == "wgmma" and p.transpose_a and p.transpose_b and p.tile[3] >= 1, (M, N, p)  # TMA
         assert base[M, N][1] <= base[M, N][0], (M, N, base[M, N])
         if M == GPT2.vocab_size:
             assert p.k_slab == HEAD_SLAB and p.splits == 1
@@ -152,12 +152,12 @@ def test_gpt2_head_products():
     wte (K = V, 192 tiles of 256x128 = 1.45 waves) splits K in two."""
     Ntok, C, V = 8192, 768, 50304
     p = _plan(GPT2, Ntok, V, C, ta=False, tb=True)
-    assert p.family == "wgmma" and p.tile == (256, 128, 4, 1) and p.splits == 1, p
+    assert p.family == "wgmma" and p.tile[:2] == (256, 128) and p.tile[3] >= 1 and p.splits == 1, p
     small = gemm.make_plan("wgmma", (128, 128, 3, 0), 1, C)
     assert gemm.b_reads(small, Ntok, V, C) == 64 and gemm.b_reads(p, Ntok, V, C) == 32
     assert gemm.estimate_s(small, Ntok, V, C) > 1.4 * gemm.estimate_s(p, Ntok, V, C)
     d = _plan(GPT2, Ntok, C, V, ta=False, tb=False)
-    assert d.family == "wgmma" and d.transpose_b and not d.transpose_a and d.tile[3] == 1 and d.splits == 2, d
+    assert d.family == "wgmma" and d.transpose_b and not d.transpose_a and d.tile[3] >= 1 and d.splits == 2, d
     assert _floats(GPT2)["gemm_splitk"] >= d.splits * Ntok * C
 
 
@@ -253,7 +253,8 @@ def test_weight_grad_launch_sequence():
     assert names[:2] == [TRANSPOSE, TRANSPOSE], names
     assert rt.launches[0][1] == (M // 64, K // 64) and rt.launches[1][1] == (N // 64, K // 64)
     assert names[2] == gemm.wgmma_name(p.tile, gemm.EPI_NONE, False)
-    assert rt.launches[2][1] == (N // p.bn, M // p.bm, p.splits)
+    tiles = (N // p.bn, M // p.bm, p.splits)        # the persistent kernel: one block per SM at most
+    assert rt.launches[2][1] == ((min(132, tiles[0] * tiles[1] * tiles[2]), 1, 1) if p.tile[3] == 2 else tiles)
     assert len(names) == (4 if p.splits > 1 else 3) and (p.splits == 1 or "splitk_reduce" in names[3])
 
 
@@ -342,8 +343,8 @@ class _NumpyRT(FakeGemmRT):
         o = (ptr - self.BASE) // 4
         return self.heap[o:o + n]
 
-    def tensor_map(self, view, dims, strides_bytes, box):
-        super().tensor_map(view, dims, strides_bytes, box)
+    def tensor_map(self, view, dims, strides_bytes, box, swizzle=True):
+        super().tensor_map(view, dims, strides_bytes, box, swizzle)
         return SimpleNamespace(ptr=view.ptr, ld=strides_bytes[0] // 4)
 
     def _mat(self, ptr, rows, cols, ld):
@@ -358,14 +359,18 @@ class _NumpyRT(FakeGemmRT):
             self.at(out.ptr, N * K)[:] = self.at(x.ptr, K * N).reshape(K, N).T.ravel()
         elif name.startswith("gemm_wgmma"):
             params = name[name.index("<") + 1:-1].split(",")
+            mn = name.startswith("gemm_wgmma_mn")            # A [K, M] and B [K, N] as stored
             epi, hb = int(params[3]), params[4] == "true"
-            if name.startswith("gemm_wgmma_tma"):
-                C, aux, ma, mb, bias, M, N, K, ldc, sC, alpha, splits, kc = v
+            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn")):
+                C, aux, ma, mb, bias, M, N, K, ldc, sC, alpha, splits, kc = v[:13]
                 (pa, lda), (pb, ldb) = (ma.ptr, ma.ld), (mb.ptr, mb.ld)
             else:
                 C, aux, A, B, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, kc = v
                 pa, pb = A.ptr, B.ptr
-            a, b = self._mat(pa, M, K, lda), self._mat(pb, N, K, ldb)
+            if mn:                                            # A [K, M] and B [K, N] as stored
+                a, b = self._mat(pa, K, M, lda).T, self._mat(pb, K, N, ldb).T
+            else:
+                a, b = self._mat(pa, M, K, lda), self._mat(pb, N, K, ldb)
             for z in range(splits):
                 acc = a[:, z * kc:(z + 1) * kc] @ b[:, z * kc:(z + 1) * kc].T
                 if hb:
@@ -426,3 +431,58 @@ def test_transpose_a_sequence_computes_the_product(tb, tile, epilogue, slab, spl
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
     n_gemm = sum(n.startswith("gemm_wgmma") for n, *_ in rt.launches)
     assert n_gemm == (-(-K // slab) if slab else 1)
+
+
+@pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("epilogue,splits", [("none", 1), ("bias", 1), ("residual_alias", 1), ("none", 3)])
+def test_mn_plan_reads_the_operands_as_stored(tile, epilogue, splits):
+    """A wgmma_mn plan launches one kernel (no transposes) with tensor maps over A [K, M] and B [K, N]
+    as they are ({rows, K}, unswizzled boxes {BM or BN, 32}), split-K through the reduction; the
+    numpy stand-in of the kernel gives A^T @ B (+ bias) (+ out)."""
+    M, N, K = 68, 36, 740
+    rng = np.random.default_rng(M + N + K + splits + len(epilogue))
+    rt = _NumpyRT(1 << 21)
+    # (the gemm_aT scratch memory.py plans for TF32: wgmma_mn competes where transpose_ab could run)
+    rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_aT": rt.alloc(((M + N) * K,), "gemm_aT")}
+    maps = []
+    rt.tensor_map = lambda view, dims, strides, box, swizzle=True: (
+        maps.append((tuple(dims), tuple(box), swizzle)) or _NumpyRT.tensor_map(rt, view, dims, strides, box, swizzle))
+    a, b = rng.standard_normal((K, M)), rng.standard_normal((K, N))
+    out0 = rng.standard_normal((M, N))
+    da, db, out = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N))
+    for view, x in ((da, a), (db, b), (out, out0)):
+        rt.at(view.ptr, x.size)[:] = x.ravel()
+    kw = {}
+    bias = rng.standard_normal(N) if epilogue == "bias" else None
+    if bias is not None:
+        kw["bias"] = rt.alloc((N,))
+        rt.at(kw["bias"].ptr, N)[:] = bias
+    if epilogue == "residual_alias":
+        kw.update(epilogue="residual", aux=out)
+    p = gemm.make_plan("wgmma_mn", tile, splits, K)
+    gemm.matmul(rt, out, da, db, True, False, plan=p, **kw)
+    assert maps == [((M, K, 1), (tile[0], 32, 1), False), ((N, K, 1), (tile[1], 32, 1), False)]
+    names = [n for n, *_ in rt.launches]
+    assert names[0].startswith("gemm_wgmma_mn<") and not any("transpose" in n for n in names), names
+    grid = rt.launches[0][1]
+    assert grid == (min(132, splits * -(-M // tile[0]) * -(-N // tile[1])), 1, 1), grid
+    want = a.astype(np.float32).astype(np.float64).T @ b.astype(np.float32).astype(np.float64)
+    want = want + (bias.astype(np.float32) if bias is not None else 0) + (out0 if epilogue == "residual_alias" else 0)
+    got = rt._mat(out.ptr, M, N, N)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_mn_family_competes_only_for_stored_weight_gradients():
+    """wgmma_mn joins the candidates for A^T B as stored (transpose_ab), 16-byte aligned, and is refused
+    elsewhere with its reason."""
+    assert "wgmma_mn" in gemm.competing("tf32", "transpose_ab", True)
+    assert "wgmma_mn" not in gemm.competing("tf32", "transpose_ab", False)
+    assert "wgmma_mn" not in gemm.competing("tf32", "direct", True)
+    assert "wgmma_mn" not in gemm.competing("fp32", "transpose_ab", True)
+    cands = gemm.tune_candidates(768, 3072, 8192, 1, "tf32", True, 1 << 24, wgmma="transpose_ab")
+    assert {p.family for p in cands} >= {"tf32", "wgmma", "wgmma_mn"}
+    p = gemm.make_plan("wgmma_mn", gemm.WGMMA_MN_TILES[0], 1, 64)
+    assert gemm.plan_unfit(p, "tf32", True, "transpose_ab") is None
+    assert "needs" in gemm.plan_unfit(p, "tf32", True, "direct")
+    assert "needs" in gemm.plan_unfit(p, "tf32", False, "transpose_ab")
+    assert "rt.precision" in gemm.plan_unfit(p, "simt", True, "transpose_ab")

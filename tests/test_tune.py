@@ -15,12 +15,8 @@ GPU = "NVIDIA H200 (test)"
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
-    monkeypatch.delenv("GPTCUDA_GEMM_TUNE", raising=False)
-    gemm._tables.clear()
-    yield tmp_path / "kc"
-    gemm._tables.clear()
+def cache(table_cache):
+    return table_cache
 
 
 FakeRT, _v = FakeGemmRT, fake_view

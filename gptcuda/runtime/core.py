@@ -287,10 +287,10 @@ class Runtime:
             self.compile_seconds += time.perf_counter() - t
         return fn
 
-    def tensor_map(self, view, dims, strides_bytes, box) -> Blob:
+    def tensor_map(self, view, dims, strides_bytes, box, swizzle=True) -> Blob:
         """A TMA tensor map over the fp32 tensor at view.ptr (see Device.tensor_map_f32), as the
         by-value argument of a launch."""
-        return Blob(self.dev.tensor_map_f32(view.ptr, dims, strides_bytes, box))
+        return Blob(self.dev.tensor_map_f32(view.ptr, dims, strides_bytes, box, swizzle))
 
     def set_max_smem(self, fn: Function, nbytes: int):
         if nbytes > 48 * 1024 and nbytes > fn.max_smem:

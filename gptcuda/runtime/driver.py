@@ -230,17 +230,19 @@ class Device:
             "max_threads": call(self.drv.cuFuncGetAttribute, A.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn),
         }
 
-    def tensor_map_f32(self, ptr: int, dims, strides_bytes, box) -> bytes:
+    def tensor_map_f32(self, ptr: int, dims, strides_bytes, box, swizzle=True) -> bytes:
         """The 128 bytes of a TMA tensor map over an fp32 tensor at ptr: dims innermost first,
-        strides (bytes) of every dim but the innermost, box (elements per dim). 128-byte swizzle
-        (the innermost box must span 128 bytes or less), out-of-bounds elements read as zero."""
+        strides (bytes) of every dim but the innermost, box (elements per dim). swizzle: the
+        128-byte swizzle (the innermost box must span 128 bytes or less), else the box lands
+        dense, row after row; out-of-bounds elements read as zero."""
         d = self.drv
         u64, u32 = d.cuuint64_t, d.cuuint32_t
         tm = call(d.cuTensorMapEncodeTiled, d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
                   len(dims), ptr, [u64(int(x)) for x in dims], [u64(int(x)) for x in strides_bytes],
                   [u32(int(x)) for x in box], [u32(1)] * len(dims),
                   d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                  d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle else
+                  d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
                   d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
         words = [int(w) for w in tm.opaque]

@@ -9,13 +9,20 @@ The rules, in one place:
   mma.sync tensor cores (kernels/gemm_tf32.cu). On sm_90 (`wgmma`; GPTCUDA_WGMMA=0 turns it off) the
   warpgroup-MMA kernels (kernels/gemm_wgmma.cu, TMA-fed) compete for every product whose layout they
   run, directly or after a re-layout into scratch: x @ W^T directly, dY @ W through a transposed
-  copy of W ("gemm_bT"), the weight gradient dY^T @ X through transposed copies of both ("gemm_aT").
-  fp32 with fp32_gemm 3xtf32 (`fp32_as_3xtf32`) runs those products as three TF32 products of
+  copy of W ("gemm_bT"), the weight gradient dY^T @ X through transposed copies of both ("gemm_aT")
+  or, in TF32, read as stored and turned K-major in shared memory (family wgmma_mn: the measured
+  table's choice only). Each TF32 layout has a warp-specialized, persistent TMA kernel among its tiles
+  (gemm_wgmma_ws). fp32 with fp32_gemm 3xtf32 (`fp32_as_3xtf32`) runs those products as three TF32 products of
   hi / lo splits ("gemm_split_a" / "gemm_split_b"); fp32_gemm ffma keeps every fp32 product on SIMT.
-  Within what may run, a product's kernel, tile and split-K come from the measured table that
-  bench/tune.py writes for this GPU and these kernel sources (`gemm_table`; GPTCUDA_GEMM_TUNE=0
-  ignores it), else from the cost model (gptcuda/ops/cuda/gemm/plan.py `plan`), which also sizes
-  the scratch in the memory plan (gemm/plan.py `workspace`).
+  Within what may run, a product's kernel, tile and split-K come from the measured table of this GPU
+  and these kernel sources (<compile cache>/tune/, gemm/table.py), else from the cost model
+  (gptcuda/ops/cuda/gemm/plan.py `plan`), which also sizes the scratch in the memory plan (gemm/plan.py
+  `workspace`). `gemm_tune` (the config's key; the environment's GPTCUDA_GEMM_TUNE overrides it: 0 or
+  off, table, auto) says how: "auto" (the default) measures the shapes of the run that the table
+  lacks when the Engine is set up (gemm/tune.py `autotune`: a first run on a GPU; never in a
+  data-parallel run), then reads the table; "table" reads it as it is (bench/tune.py, or an earlier
+  run, wrote it); "off" leaves it unread (`gemm_table` False): the cost model alone. A shape is
+  measured once and its entry never changes, so a resumed run launches the plans it launched.
 - Attention. `attention: unfused` saves the [B, H, T, T] probabilities (kernels/attention.cu);
   `fused` runs flash attention (kernels/flash_attention.cu) saving the log-sum-exp, on tensor cores
   (the _tc kernels) in tf32 (`flash_tc`) and in FFMA in fp32 (`flash`).
@@ -31,6 +38,8 @@ import os
 
 WGMMA_ARCHS = ("sm_90",)
 ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE")
+GEMM_TUNES = ("auto", "table", "off")
+_TUNE_ENV = {"0": "off", "off": "off", "table": "table", "auto": "auto"}     # GPTCUDA_GEMM_TUNE -> gemm_tune
 GEMM_FAMILIES = {"fp32": "simt", "tf32": "tf32"}      # precision -> the base GEMM family
 FP32_GEMMS = ("3xtf32", "ffma")
 ATTENTION_PATHS = ("unfused", "flash", "flash_tc")
@@ -43,9 +52,14 @@ class ExecutionPlan:
     fp32_gemm: str            # how fp32 multiplies where it may: 3xtf32 | ffma (the config's)
     gemm_family: str          # the base GEMM family: simt | tf32
     wgmma: bool               # the warpgroup-MMA kernels compete (sm_90, GPTCUDA_WGMMA != 0)
-    gemm_table: bool          # a measured GEMM table is consulted (GPTCUDA_GEMM_TUNE != 0)
+    gemm_tune: str            # the measured GEMM table: auto (measure what it lacks) | table | off
     attention: str | None     # unfused | flash | flash_tc (None: a runtime not built from a config)
     env: tuple = ()           # (name, value) of each environment variable read
+
+    @property
+    def gemm_table(self) -> bool:
+        """The measured GEMM table is consulted (gemm_tune auto or table)."""
+        return self.gemm_tune != "off"
 
     @property
     def fp32_as_3xtf32(self) -> bool:
@@ -57,12 +71,13 @@ class ExecutionPlan:
         if precision == self.precision:
             return self
         return resolve(arch=self.arch, precision=precision, attention=_kind(self.attention),
-                       fp32_gemm=self.fp32_gemm, env=dict(self.env))
+                       fp32_gemm=self.fp32_gemm, gemm_tune=self.gemm_tune, env=dict(self.env))
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["env"] = dict(self.env)
         d["fp32_as_3xtf32"] = self.fp32_as_3xtf32
+        d["gemm_table"] = self.gemm_table
         return d
 
     def format(self) -> str:
@@ -86,11 +101,19 @@ class ExecutionPlan:
             f"  device               {self.arch}",
             f"  GEMM base family     {fam}",
             f"  warpgroup MMA        {wg}",
-            f"  tiles and split-K    {'the measured table (bench/tune.py) where it has the shape, else ' if self.gemm_table else ''}"
-            f"the cost model (ops/cuda/gemm/plan.py)",
+            f"  tiles and split-K    {_TUNE_TEXT[self.gemm_tune]}",
             f"  attention            {att}",
             f"  environment          {env}",
         ])
+
+
+_TUNE_TEXT = {
+    "auto": "the measured table (<compile cache>/tune/; gemm_tune auto: a single-GPU run measures the shapes "
+            "it lacks at setup), else the cost model (ops/cuda/gemm/plan.py)",
+    "table": "the measured table (<compile cache>/tune/; gemm_tune table: as it is) where it has the shape, "
+             "else the cost model (ops/cuda/gemm/plan.py)",
+    "off": "the cost model (ops/cuda/gemm/plan.py; gemm_tune off: no table)",
+}
 
 
 def _kind(path):
@@ -98,29 +121,35 @@ def _kind(path):
 
 
 def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, fp32_gemm=None,
-            attention=None) -> ExecutionPlan:
-    """The plan for cfg (or for the keyword settings of a runtime built without one) on a device of
-    `arch`, with the environment `env` (default os.environ)."""
+            attention=None, gemm_tune=None) -> ExecutionPlan:
+    """The plan for cfg (or for the keyword settings of a runtime built without one: gemm_tune
+    "table", as nothing measures for it) on a device of `arch`, with the environment `env` (default
+    os.environ)."""
     env = os.environ if env is None else env
     if cfg is not None:
         if cfg.backend == "reference":
-            return ExecutionPlan("cpu", "float64", "", "", False, False, None)
+            return ExecutionPlan("cpu", "float64", "", "", False, "off", None)
         precision = precision or cfg.precision
         fp32_gemm = fp32_gemm or cfg.fp32_gemm
         attention = attention or cfg.attention
+        gemm_tune = gemm_tune or cfg.gemm_tune
     precision = precision or "fp32"
     fp32_gemm = fp32_gemm or "3xtf32"
+    # the environment overrides the config (GPTCUDA_GEMM_TUNE=0 has always meant: no table)
+    gemm_tune = _TUNE_ENV.get(env.get("GPTCUDA_GEMM_TUNE", "").strip().lower()) or gemm_tune or "table"
     if precision not in GEMM_FAMILIES:
         raise ValueError(f"unknown precision {precision!r} (fp32 | tf32)")
     if fp32_gemm not in FP32_GEMMS:
         raise ValueError(f"unknown fp32_gemm {fp32_gemm!r} (3xtf32 | ffma)")
+    if gemm_tune not in GEMM_TUNES:
+        raise ValueError(f"unknown gemm_tune {gemm_tune!r} (auto | table | off)")
     read = tuple((k, env[k]) for k in ENV_KEYS if k in env)
     wgmma = arch in WGMMA_ARCHS and env.get("GPTCUDA_WGMMA", "1") != "0"
     path = None
     if attention is not None:
         path = "unfused" if attention == "unfused" else ("flash_tc" if precision == "tf32" else "flash")
-    return ExecutionPlan(arch or "?", precision, fp32_gemm, GEMM_FAMILIES[precision], wgmma,
-                         env.get("GPTCUDA_GEMM_TUNE", "1") != "0", path, read)
+    return ExecutionPlan(arch or "?", precision, fp32_gemm, GEMM_FAMILIES[precision], wgmma, gemm_tune, path,
+                         read)
 
 
 def of(rt) -> ExecutionPlan:

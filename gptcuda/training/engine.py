@@ -1,6 +1,6 @@
 """A training session: plan, allocate, initialise, record the programs, run steps.
 
-    eng = Engine(cfg, train, val, V)  # prints nothing; eng.plan.format() is the memory plan
+    eng = Engine(cfg, train, val, V)  # eng.plan.format() is the memory plan
     eng.train_step()                  # one optimizer step (graph replay or eager launches)
     eng.evaluate()                    # {"train": loss, "val": loss}
 
@@ -11,6 +11,12 @@ batches of each program are gathered on the host and fed before its replay (gptc
 Used by train.py, sample.py, gradcheck.py and the tests, with either backend. With a
 gptcuda.dist.Group (one rank of a data-parallel run) the training step also all-reduces
 (eng.dp, gptcuda/dist/); evaluation losses are the mean over the ranks.
+
+It prints nothing, but for one progress line (stderr) on a GPU whose GEMM table lacks shapes of
+its programs (gemm_tune auto: gptcuda/ops/cuda/gemm/tune.py autotune measures them before the
+programs are recorded); eng.tuning is a line for the log about the table (None where nothing is
+measured for this Engine: gemm_tune table or off, no GPU, no programs, nothing a data-parallel
+run lacks).
 """
 from __future__ import annotations
 
@@ -53,11 +59,12 @@ class Engine:
     place), "forward" (logits and losses without dropout), "forward_train" (with dropout).
 
     vocab_size: the model's (padded) vocabulary; n_vocab: the tokenizer's (None: the same), the loss
-    masks the rest. accum: micro-batches per training step (gradient accumulation)."""
+    masks the rest. accum: micro-batches per training step (gradient accumulation). tune False: the
+    GEMM shapes the table lacks are not measured even where the execution plan says gemm_tune auto."""
 
     def __init__(self, cfg, train_tokens, val_tokens, vocab_size: int,
                  backend=None, programs=("train", "eval"), group=None, n_vocab: int | None = None,
-                 accum: int = 1):
+                 accum: int = 1, tune: bool = True):
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
         self.cfg = cfg
         self.n_vocab = vocab_size if n_vocab is None else int(n_vocab)
@@ -73,6 +80,11 @@ class Engine:
         self.batches = Batches(train_tokens, val_tokens, cfg.batch_size, cfg.block_size, cfg.seed, self.accum,
                                world, rank)
         check_fits(self.plan, backend.free_bytes(), cfg)
+        wanted = {"train": ["train"], "eval": ["eval_train", "eval_val"]}
+        names = list(dict.fromkeys(n for p in programs for n in wanted.get(p, [p])))
+        # before the arena is allocated (the timing buffers come and go) and before the programs are
+        # recorded (their launches read the table)
+        self.tuning = self._tune_gemms(names, world) if tune else None
         self.bufs = backend.allocate(self.plan, self.table)
         a = self.bufs.acts
         self.feeder = backend.batch_feeder(a["idx"], a["targets"], self.batches.rows("train"), cfg.block_size)
@@ -96,9 +108,7 @@ class Engine:
             "forward": m.record_forward,
             "forward_train": lambda: m.record_forward(train=True),
         }
-        wanted = {"train": ["train"], "eval": ["eval_train", "eval_val"]}
-        names = [n for p in programs for n in wanted.get(p, [p])]
-        self.programs = {n: self._record(n, recorders[n]) for n in dict.fromkeys(names)}
+        self.programs = {n: self._record(n, recorders[n]) for n in names}
         self.graphs = {}
         if cfg.graph and cfg.backend == "cuda":
             if self.dp is not None and "train" in self.programs:
@@ -107,6 +117,25 @@ class Engine:
                 if name in self.programs:
                     self.graphs[name] = backend.capture(self.programs[name])
         self.setup_seconds = time.perf_counter() - t
+
+    def _tune_gemms(self, names, world: int) -> str | None:
+        """gemm_tune auto, the CUDA backend on a GPU: measure the GEMM shapes of these programs that
+        the GPU's table lacks (gemm/tune.py autotune; none: a generator's Engine records no program).
+        Returns the line for the log, None where the table is not measured for this Engine."""
+        from gptcuda.ops.cuda.gemm import tune
+        rt = getattr(self.be, "rt", None)
+        if not names or self.exec.gemm_tune != "auto" or self.cfg.backend != "cuda" or not tune.on_device(rt):
+            return None          # a test's stand-in runtime has no device: never measured on
+        cfg, backward = self.cfg, bool({"train", "fwdbwd"} & set(names))
+        if world > 1:
+            # data parallel: every rank must launch the same plans. A rank measuring for itself would
+            # pick by its own timings, and ranks could read the file while another writes it; there is
+            # no barrier before the programs are recorded (NCCL connects after). So the table is read
+            # as it is: a single-GPU run of the config (or bench/tune.py) fills it.
+            missing = tune.missing_ops(rt, cfg, cfg.vocab_size, backward)
+            return (f"GEMM table: {len(missing)} shapes of this run are not measured (a data-parallel run does "
+                    f"not measure them: a single-GPU run of this config does)") if missing else None
+        return tune.autotune(rt, cfg, cfg.vocab_size, backward=backward).format()
 
     def _record(self, name, fn):
         self.be.begin(name)

@@ -142,7 +142,7 @@ def run_gradcheck(cfg, broken=(), only=(), log=print, mode=None, make_engine=Non
         names = _validate(cfg, V, broken, only)
         if make_engine is None:
             def make_engine(c, programs):
-                return Engine(c, data.train, data.val, V, programs=programs)
+                return Engine(c, data.train, data.val, V, programs=programs, tune=False)   # tiny shapes, once
         x, y = get_batch(data.train, cfg.seed, 0, rng.SITE_BATCH_TRAIN, cfg.batch_size, cfg.block_size)
         eng = make_engine(cfg, ("fwdbwd", "forward_train"))
         eng.set_batch(x, y)

@@ -179,6 +179,8 @@ class Trainer:
         self.eng = Engine(cfg, self.data.train, self.data.val, V, group=group, n_vocab=self.data.vocab_size,
                           accum=self.accum)
         log(self.eng.exec.format())
+        if self.eng.tuning:
+            log(self.eng.tuning)            # the measured GEMM table: what setup measured, where it lives
         if self.eng.dp is not None:
             log(self.eng.dp.describe())
         self.cfg = self.eng.cfg

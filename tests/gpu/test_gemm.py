@@ -260,14 +260,69 @@ def test_wgmma_tile_forced(rt, splitk_ws, tile):
                 _check_matmul(rt, M, N, K, False, True, epi, seed=i * 10 + len(epi), plan=p)
         M, N, K = tile[0] + 4, tile[1] + 8, 740
         _check_matmul(rt, M, N, K, False, True, "gelu", seed=7, plan=gemm.make_plan("wgmma", tile, 3, K))
-        rng = np.random.default_rng(9)
-        a = rng.standard_normal((3, 100, 64)).astype(np.float32)
-        b = rng.standard_normal((3, tile[1] - 8, 64)).astype(np.float32)
-        out = rt.empty((3, 100, tile[1] - 8))
-        gemm.matmul_batched(rt, out, rt.upload(a), rt.upload(b), False, True, alpha=0.5,
-                            plan=gemm.make_plan("wgmma", tile, 1, 64))
-        _close("tf32", rt.download(out), lambda x, y: 0.5 * ref.matmul_forward(x, y, False, True), a, b,
-               f"batched wgmma {tile}")
+        _check_batched_wgmma(rt, tile, 3, 100, tile[1] - 8, 64, seed=9)
+    finally:
+        rt.precision = old
+
+
+def _check_batched_wgmma(rt, tile, batch, M, N, K, seed):
+    """0.5 x A @ B^T over a batch, K-major operands, forced onto a wgmma tile."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((batch, M, K)).astype(np.float32)
+    b = rng.standard_normal((batch, N, K)).astype(np.float32)
+    out = rt.empty((batch, M, N))
+    gemm.matmul_batched(rt, out, rt.upload(a), rt.upload(b), False, True, alpha=0.5,
+                        plan=gemm.make_plan("wgmma", tile, 1, K))
+    _close("tf32", rt.download(out), lambda x, y: 0.5 * ref.matmul_forward(x, y, False, True), a, b,
+           f"batched wgmma {tile}")
+
+
+WS_TILES = [t for t in gemm.WGMMA_TILES if gemm.FAMILIES["wgmma"].persistent(t)]
+
+
+@gpu
+@pytest.mark.parametrize("tile", WS_TILES, ids=lambda t: "x".join(map(str, t)))
+def test_wgmma_ws_walks_many_tiles(rt, splitk_ws, tile):
+    """The persistent kernel with more output tiles than blocks (one per SM): each block walks
+    several tiles of ragged m and n, the ring's slots and parities running on across them; with
+    split-K (tiles x splits) and batched (tiles x batch)."""
+    _wgmma_rt(rt)
+    old = rt.precision
+    rt.precision = "tf32"
+    try:
+        sms = rt.info.sm_count
+        M, N = tile[0] * 12 - 20, tile[1] * 12 - 36          # 144 tiles > 132 blocks
+        assert gemm.cdiv(M, tile[0]) * gemm.cdiv(N, tile[1]) > sms
+        for epi, K in (("bias", 100), ("gelu", 260)):
+            _check_matmul(rt, M, N, K, False, True, epi, seed=K, plan=gemm.make_plan("wgmma", tile, 1, K))
+        M, N = tile[0] * 6 - 20, tile[1] * 8 - 36               # 48 tiles x 3 splits (the 32 MB workspace)
+        _check_matmul(rt, M, N, 740, False, True, "none", seed=740, plan=gemm.make_plan("wgmma", tile, 3, 740))
+        _check_batched_wgmma(rt, tile, 5, 3 * tile[0] + 7, 9 * tile[1] + 8, 96, seed=3)
+    finally:
+        rt.precision = old
+
+
+@gpu
+@pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))
+def test_wgmma_mn_tile_forced(rt, splitk_ws, _at_buffer, tile):
+    """dW = A^T @ B with A [K, M] and B [K, N] read as stored by gemm_wgmma_mn (the producer turns
+    each staged k tile K-major in shared memory): ragged m, n and k, the epilogues a weight
+    gradient may take, split-K, and more tiles than blocks (each block walks several). (It competes
+    where the transposing plans could run: with the gemm_aT scratch TF32 plans.)"""
+    _wgmma_rt(rt)
+    old = rt.precision
+    rt.precision = "tf32"
+    try:
+        with _at_ws(rt, _at_buffer):
+            for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
+                                           (68, 36, 36), (tile[0] * 12 - 20, tile[1] * 12 - 36, 100)]):
+                p = gemm.make_plan("wgmma_mn", tile, 1, K)
+                for epi in ("none", "bias", "residual_alias", "residual_bias"):
+                    _check_matmul(rt, M, N, K, True, False, epi, seed=i * 10 + len(epi), plan=p)
+            _check_matmul(rt, 300, 200, 740, True, False, "none", seed=5,
+                          plan=gemm.make_plan("wgmma_mn", tile, 3, 740))
+            _check_matmul(rt, 1100, 520, 8200, True, False, "bias", seed=6,
+                          plan=gemm.make_plan("wgmma_mn", tile, 1, 8200))
     finally:
         rt.precision = old
 
@@ -746,7 +801,7 @@ def test_launcher_names_are_in_variants():
         for name, grid, block, smem in rt.launches:
             grid = tuple(grid) + (1,) * (3 - len(grid))
             assert 1 <= grid[0] and 1 <= grid[1] <= 65535 and 1 <= grid[2] <= 65535, (name, grid)
-            assert block[0] in (64, 128, 192, 256, 512), (name, block)
+            assert block[0] in (64, 128, 192, 256, 384, 512, 640), (name, block)   # 384, 640: + a loading warpgroup
 
 
 def test_matmul_shape_errors():

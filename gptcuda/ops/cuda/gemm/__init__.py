@@ -29,10 +29,15 @@ writes partials into the workspace "gemm_splitk" [splits, M, N] and a fixed-orde
 applies the epilogue, so results are deterministic and do not depend on timing at run time
 (which plan a shape gets is fixed once the table is written; GPTCUDA_GEMM_TUNE=0 ignores it).
 
+For TF32 weight gradients (trans_a, not trans_b, 16-byte aligned, one product) a third family,
+"wgmma_mn", reads A [K, M] and B [K, N] as stored (its producer warpgroup turns each k tile K-major in
+shared memory); the cost model leaves it to the measured table. The table is measured on a run's
+first use of a GPU (tune.py `autotune`, the config's gemm_tune auto) or by bench/tune.py.
+
 The modules: families.py (the kernel families: files, tiles, kernel names and arguments, rates;
 the compiled VARIANTS), layout.py (which layouts the warpgroup-MMA kernels run, and with which
-scratch), plan.py (the cost model and the planner), table.py (the measured table), launch.py (the
-launchers).
+scratch), plan.py (the cost model and the planner), table.py (the measured table), tune.py (measuring
+it), launch.py (the launchers).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_COMBOS,
                                             TF32_FALLBACK_TILES, TF32_FILE, TF32_PLAN_TILES, TF32_TILES,
                                             TRANSPOSE_NAMES, VARIANTS, WGMMA3_EFFICIENCY, WGMMA3_TILES,
                                             WGMMA_ARCHS, WGMMA_EFFICIENCY, WGMMA_FILE, WGMMA_LOADERS,
-                                            WGMMA_TILES, Family, cdiv, reduce_name, simt_name,
+                                            WGMMA_MN_TILES, WGMMA_TILES, Family, cdiv, reduce_name, simt_name,
                                             tf32_blocks_per_sm, tf32_name, tf32_smem, wgmma_blocks_per_sm,
                                             wgmma_name, wgmma_smem)
 from gptcuda.ops.cuda.gemm.layout import (WGMMA_WORKSPACES, device_workspaces, mode_flags,
@@ -52,14 +57,15 @@ from gptcuda.ops.cuda.gemm.layout import (WGMMA_WORKSPACES, device_workspaces, m
                                           wgmma_layout_mode, wgmma_mode, wgmma_ok)
 # `plan` is the function from here on (it was the submodule's name until this import rebinds it)
 from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, _LAUNCH_S, _TRANSPOSE_BYTES_PER_S, HEAD_SLABS,
-                                        TUNE_SPLITS, Plan, b_reads, estimate_s, kernel_label, make_plan,
-                                        plan, plan_label, prune_candidates, split_chunk, tune_candidates,
+                                        TUNE_SPLITS, Plan, b_reads, competing, estimate_s, kernel_label, make_plan,
+                                        plan, plan_label, plan_unfit, prune_candidates, split_chunk, tune_candidates,
                                         workspace)
 from gptcuda.ops.cuda.gemm.table import (_key_K, _tables, TUNE_FORMAT, load_table, plan_from_json,
                                          plan_to_json, save_table, source_hash, table_path, tune_key,
                                          tuned_plan)
 from gptcuda.ops.cuda.gemm.launch import (TRANSPOSE_TILE, _split_into, _transpose_into, _vec_ok, matmul,
                                           matmul_batched, matmul_batched_dims, matmul_dims, matmul_plan)
+from gptcuda.ops.cuda.gemm.tune import GemmOp, TuneSummary, autotune, model_gemms
 
 _cdiv = cdiv     # the name tests use
 
@@ -67,4 +73,4 @@ __all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kern
            "VARIANTS", "Plan", "tune_key", "tuned_plan", "load_table", "save_table", "table_path",
            "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan", "wgmma_ok",
            "wgmma_mode", "wgmma3_mode", "wgmma_layout_mode", "wgmma_device", "transpose_a_slab",
-           "mode_flags"]
+           "mode_flags", "autotune", "model_gemms", "GemmOp", "TuneSummary"]

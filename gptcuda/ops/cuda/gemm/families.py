@@ -7,9 +7,10 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
     tf32    TF32 mma.sync (kernels/gemm_tf32.cu), every layout; unaligned operands on a few tiles
     wgmma   TF32 warpgroup MMA (kernels/gemm_wgmma.cu, sm_90a): K-major A and B only
     wgmma3  fp32 as three TF32 warpgroup-MMA products over operands split into hi and lo halves
+    wgmma_mn  TF32 warpgroup MMA of A^T B with A [K, M], B [K, N] as stored (the weight gradients)
 
 rt.precision picks a base family (PRECISION_FAMILIES); on sm_90 its warpgroup-MMA partner competes
-with it (`Family.partner`).
+with it (`Family.partner`), and for TF32 weight gradients also `Family.mn_partner`.
 """
 from __future__ import annotations
 
@@ -67,12 +68,23 @@ SMEM_PER_SM = 228 * 1024       # H100/H200; GemmTf32MinBlocks in gemm_tf32.cu us
 #   128x192 s4: N = 384 / 1152 / 1536 are 2 / 6 / 8 column tiles; 161 KB, 1 block/SM.
 #   128x256 s4, 256x128 s4: the large tiles (193 KB), fewest operand bytes per flop.
 #   128x64 s4: narrow outputs (the head's N = 65), 2 blocks/SM.
-WGMMA_LOADERS = ("cp.async", "tma")
+# LOADER 2 (gemm_wgmma_ws): TMA with a producer warpgroup of its own, persistent (one block per SM
+# walks the output tiles), so the next tile's loads overlap this one's epilogue.
+WGMMA_LOADERS = ("cp.async", "tma", "tma ws")
 WGMMA_TILES = ((128, 128, 3, 0), (128, 192, 4, 0), (128, 256, 4, 0), (256, 128, 4, 0), (128, 64, 4, 0),
-               (128, 128, 3, 1), (128, 192, 4, 1), (128, 256, 4, 1), (256, 128, 4, 1))
+               (128, 128, 3, 1), (128, 192, 4, 1), (128, 256, 4, 1), (256, 128, 4, 1),
+               (128, 128, 4, 2), (128, 192, 4, 2), (128, 256, 4, 2), (256, 128, 4, 2))
 # rate relative to the mma.sync 256x128 tile (wgmma's dense TF32 peak is ~1.6x mma.sync's); set from
 # bench/gemm.py --sweep on the H200: TMA beats cp.async by 5-20% at 192- and 256-wide tiles
-WGMMA_EFFICIENCY = dict(zip(WGMMA_TILES, (1.35, 1.5, 1.5, 1.5, 1.1, 1.4, 1.65, 1.75, 1.7)))
+WGMMA_EFFICIENCY = dict(zip(WGMMA_TILES, (1.35, 1.5, 1.5, 1.5, 1.1, 1.4, 1.65, 1.75, 1.7,
+                                          1.6, 1.75, 1.8, 1.75)))
+# The weight gradients' products A^T B with A [K, M] and B [K, N] as they are stored (family
+# "wgmma_mn", kernels/gemm_wgmma.cu gemm_wgmma_mn): (BM, BN, STAGES), the warp-specialized
+# persistent kernel whose producer warpgroup turns each TMA-staged k tile K-major in its slot,
+# through registers ((BM + BN) / 4 floats per producer thread: BM 128 only, where 384 threads leave
+# room for them).
+WGMMA_MN_TILES = ((128, 128, 7), (128, 192, 5))
+WGMMA_MN_EFFICIENCY = dict(zip(WGMMA_MN_TILES, (0.75, 1.05)))   # measured ~120 / ~170 TFLOP/s (split-K)
 # the warpgroup-MMA kernels' devices (compiled for sm_90a: compiler.ARCH_SPECIFIC): gptcuda/runtime/execution.py
 # fp32 through three TF32 products (family "wgmma3", the TMA kernel with PRODUCTS = 3): each slot
 # holds hi and lo tiles of both operands, twice a TF32 slot, so fewer stages fit: (BM, BN, STAGES, 1).
@@ -120,6 +132,9 @@ def tf32_name(tile, ta, tb, epi, has_bias, vec) -> str:
 
 def wgmma_name(tile, epi, has_bias, products=1) -> str:
     bm, bn, st, loader = tile
+    if loader == 2:
+        assert products == 1, "3xTF32 runs on the TMA kernel only"
+        return f"gemm_wgmma_ws<{bm},{bn},{st},{epi},{_b(has_bias)}>"
     if loader:
         return f"gemm_wgmma_tma<{bm},{bn},{st},{epi},{_b(has_bias)},{products}>"
     assert products == 1, "3xTF32 runs on the TMA kernel only"
@@ -145,7 +160,14 @@ def wgmma_smem(tile, products=1) -> int:
 
 
 def wgmma_blocks_per_sm(tile, products=1) -> int:
+    if tile[3] == 2:              # persistent: one block per SM at most (ws_grid)
+        return 1
     return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile, products) + 1024)))
+
+
+def wgmma_threads(tile) -> int:
+    """BM / 64 warpgroups computing, plus the loading warpgroup of the warp-specialized kernel."""
+    return (tile[0] // 64 + (1 if tile[3] == 2 else 0)) * 128
 
 
 @dataclass(frozen=True)
@@ -166,14 +188,24 @@ class Family:
     label: Callable               # tile -> its description in kernel_label
     short: Callable               # tile -> its compact name in plan_label
     tma: Callable = lambda tile: False   # the kernel takes TMA tensor maps of A and B (and no A/B strides)
+    persistent: Callable = lambda tile: False   # a grid of at most blocks_per_sm x SMs blocks walks the
+                                                # tiles; the kernel takes their z extent last (ws_grid)
     k_major: bool = False         # A and B K-major only (trans_a False, trans_b True, aligned): other
                                   # layouts are re-laid out first (transpose_b / transpose_a plans)
+    layouts: tuple = ()           # (trans_a, trans_b) its kernels read as stored (default: K-major
+                                  # families (False, True), the others all four)
     products: int = 1             # 3: fp32 as 3xTF32 over operands split into hi and lo halves first
     transposes_a: bool = False    # A stored [K, M] runs after A^T into "gemm_aT" (transpose_a plans)
     split_waves: int = 1          # the cost model tries split-K below this many waves of blocks
     partner: str | None = None    # the warpgroup-MMA family competing on sm_90 (base families)
+    mn_partner: str | None = None # the one competing for A^T B as stored (trans_a, not trans_b)
     base: str = ""                # the base family whose precision a warpgroup-MMA family serves
     needs: str = ""               # what a warpgroup-MMA plan needs (the reason a plan is refused)
+
+    @property
+    def mn_major(self) -> bool:
+        """Reads A [K, M] and B [K, N] as stored (tensor maps {rows, K, batch}, no swizzle)."""
+        return self.layouts == ((True, False),)
 
     @property
     def halves(self) -> int:
@@ -190,7 +222,7 @@ def _wgmma_label(t):
 
 
 def _wgmma_short(t):
-    return f"{t[0]}x{t[1]}s{t[2]}" + ("tma" if t[3] else "")
+    return f"{t[0]}x{t[1]}s{t[2]}" + ("", "tma", "ws")[t[3]]
 
 
 FAMILIES = {f.name: f for f in (
@@ -210,16 +242,27 @@ FAMILIES = {f.name: f for f in (
            kernel=tf32_name,
            label=lambda t: f"{t[0]}x{t[1]}x{t[2]} w{t[3]}x{t[4]} s{t[5]}",
            short=lambda t: f"{t[0]}x{t[1]}s{t[5]}",
-           partner="wgmma"),
+           partner="wgmma", mn_partner="wgmma_mn"),
     Family("wgmma", WGMMA_FILE, WGMMA_TILES, WGMMA_TILES, (), WGMMA_EFFICIENCY, TF32_FLOPS_PER_SM,
-           threads=lambda t: t[0] // 64 * 128,
+           threads=wgmma_threads,
            blocks_per_sm=wgmma_blocks_per_sm,
            smem=wgmma_smem,
            kernel=lambda t, ta, tb, epi, hb, vec: wgmma_name(t, epi, hb),
            label=_wgmma_label, short=_wgmma_short,
-           tma=lambda t: bool(t[3]), k_major=True, transposes_a=True, split_waves=4, base="tf32",
+           tma=lambda t: bool(t[3]), persistent=lambda t: t[3] == 2, k_major=True, transposes_a=True, split_waves=4, base="tf32",
            needs="sm_90 with K-major, aligned A and B, or their transposes in the gemm_bT / gemm_aT "
                  "workspaces"),
+    # the cost model does not pick it (no plan_tiles): where it beats the transposing plans (the
+    # char model's weight gradients, against mma.sync) is for the measured table to find
+    Family("wgmma_mn", WGMMA_FILE, WGMMA_MN_TILES, (), (), WGMMA_MN_EFFICIENCY, TF32_FLOPS_PER_SM,
+           threads=lambda t: (t[0] // 64 + 1) * 128,
+           blocks_per_sm=lambda t: 1,
+           smem=lambda t: t[2] * (t[0] + t[1]) * 128 + 1024,
+           kernel=lambda t, ta, tb, epi, hb, vec: f"gemm_wgmma_mn<{t[0]},{t[1]},{t[2]},{epi},{_b(hb)}>",
+           label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws mn",
+           short=lambda t: f"{t[0]}x{t[1]}s{t[2]}mn",
+           tma=lambda t: True, persistent=lambda t: True, layouts=((True, False),), base="tf32",
+           needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product"),
     Family("wgmma3", WGMMA_FILE, WGMMA3_TILES, WGMMA3_TILES, (), WGMMA3_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
            threads=lambda t: t[0] // 64 * 128,
            blocks_per_sm=lambda t: wgmma_blocks_per_sm(t, 3),
@@ -235,9 +278,10 @@ PRECISION_FAMILIES = GEMM_FAMILIES     # precision -> its base family (gptcuda/r
 def _variants():
     out = []
     for fam in FAMILIES.values():
-        layouts = ((False, True),) if fam.k_major else tuple(itertools.product((False, True), (False, True)))
+        layouts = fam.layouts or (((False, True),) if fam.k_major else
+                                  tuple(itertools.product((False, True), (False, True))))
         for tile, (ta, tb), (epi, hb), vec in itertools.product(
-                fam.tiles, layouts, EPI_COMBOS, (True,) if fam.k_major else (False, True)):
+                fam.tiles, layouts, EPI_COMBOS, (True,) if fam.k_major or fam.mn_major else (False, True)):
             if vec or tile in fam.unaligned_tiles:
                 out.append((fam.file, fam.kernel(tile, ta, tb, epi, hb, vec), {}))
     for epi, hb in EPI_COMBOS:

@@ -39,21 +39,28 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
     if fam.k_major:
         if ta or not tb or not vec:
             raise AssertionError(f"{label}: the wgmma kernel needs K-major, 16-byte aligned A and B")
+    elif fam.mn_major:
+        if not ta or tb or not vec:
+            raise AssertionError(f"{label}: the {p.family} kernel needs A [K, M] and B [K, N], 16-byte aligned")
     elif not vec and p.tile not in fam.unaligned_tiles:
         raise AssertionError(f"{label}: {p.family.upper()} tile {p.tile} has no unaligned variant")
     operands = [a, b]
     if fam.products == 3:        # TMA over the split halves: {K, rows, 2 (hi, lo)}, dense
         operands = [rt.tensor_map(x, (K, rows_, 2), (4 * K, 4 * rows_ * K), (32, box, 1))
                     for x, rows_, box in ((a, M, p.bm), (b, N, p.bn))]
+    elif fam.mn_major:           # TMA as stored: {rows, K, batch}, box {BM or BN, 32}, no swizzle
+        operands = [rt.tensor_map(x, (rows_, K, batch), (4 * ld, 4 * max(stride, rows_ * K)), (box, 32, 1),
+                                  swizzle=False)
+                    for x, rows_, ld, stride, box in ((a, M, lda, sA, p.bm), (b, N, ldb, sB, p.bn))]
     elif fam.tma(p.tile):        # TMA: tensor maps {K, rows, batch} in place of pointers
         operands = [rt.tensor_map(x, (K, rows_, batch), (4 * ld, 4 * max(stride, rows_ * ld)), (32, box, 1))
                     for x, rows_, ld, stride, box in ((a, M, lda, sA, p.bm), (b, N, ldb, sB, p.bn))]
     if p.splits > 1:
         # partials: plain store into ws [splits, M, N], then the fixed-order reduction + epilogue
         fn = rt.function(fam.file, fam.kernel(p.tile, ta, tb, EPI_NONE, False, vec))
-        grid = (cdiv(N, p.bn), cdiv(M, p.bm), p.splits)
+        grid = _grid(rt, p, M, N, p.splits)
         rt.launch(fn, grid, (p.threads,), _gemm_args(p, ws, None, operands, None, M, N, K, lda, ldb, N,
-                                                      0, 0, M * N, 1.0, p.splits, p.k_chunk),
+                                                      0, 0, M * N, 1.0, p.splits, p.k_chunk, p.splits),
                   smem=p.smem, label=f"{label}:splitk{p.splits}")
         rfn = rt.function(SIMT_FILE, reduce_name(epi, has_bias))
         total = M * N
@@ -63,17 +70,26 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
                   label=f"{label}:reduce")
         return
     fn = rt.function(fam.file, fam.kernel(p.tile, ta, tb, epi, has_bias, vec))
-    grid = (cdiv(N, p.bn), cdiv(M, p.bm), batch)
+    grid = _grid(rt, p, M, N, batch)
     rt.launch(fn, grid, (p.threads,), _gemm_args(p, out, aux, operands, bias, M, N, K, lda, ldb, ldc,
-                                                  sA, sB, sC, alpha, 1, max(K, 1)),
+                                                  sA, sB, sC, alpha, 1, max(K, 1), batch),
               smem=p.smem, label=label)
 
 
-def _gemm_args(p: Plan, C, aux, operands, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, k_chunk):
-    """The argument block of a GEMM kernel (a TMA kernel takes tensor maps and no A/B strides)."""
+def _grid(rt, p: Plan, M, N, zs):
+    """Output tiles (n, m, z = batch * splits); a persistent kernel gets at most blocks_per_sm x SMs
+    blocks, each walking tiles blockIdx.x, + gridDim.x, ... (kernels/gemm_wgmma.cu gemm_wgmma_ws)."""
+    if p.fam.persistent(p.tile):
+        return (max(1, min(cdiv(N, p.bn) * cdiv(M, p.bm) * zs, rt.info.sm_count * p.blocks_per_sm)), 1, 1)
+    return (cdiv(N, p.bn), cdiv(M, p.bm), zs)
+
+
+def _gemm_args(p: Plan, C, aux, operands, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, k_chunk, zs):
+    """The argument block of a GEMM kernel (a TMA kernel takes tensor maps and no A/B strides; a
+    persistent one the z extent of its tiles last)."""
     if p.fam.tma(p.tile):
         return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(ldc), u64(sC), f32(alpha),
-                i32(splits), i32(k_chunk)]
+                i32(splits), i32(k_chunk)] + ([i32(zs)] if p.fam.persistent(p.tile) else [])
     return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(lda), i32(ldb), i32(ldc),
             u64(sA), u64(sB), u64(sC), f32(alpha), i32(splits), i32(k_chunk)]
 

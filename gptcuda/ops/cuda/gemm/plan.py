@@ -173,6 +173,17 @@ def slab_epi_ok(epi) -> bool:
     return epi in (EPI_NONE, EPI_BIAS, EPI_RESID)
 
 
+def competing(family, wgmma, vec=True) -> list:
+    """The families that compete for a product: the base family of `family`, and where `wgmma_ok`
+    answered `wgmma` its warpgroup-MMA partner, plus (A^T B with A [K, M] and B [K, N] as stored,
+    "transpose_ab", 16-byte aligned) the partner that reads them as they are (`mn_partner`)."""
+    base = FAMILIES[_base_family(family)]
+    out = [base.name] + ([base.partner] if wgmma else [])
+    if wgmma == "transpose_ab" and vec and base.mn_partner:
+        out.append(base.mn_partner)
+    return out
+
+
 def _base_family(family):
     """The base family a `family` argument names: "tf32", else "simt"."""
     return "tf32" if family == "tf32" else "simt"
@@ -189,10 +200,8 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
     (and B) first, in slabs of k_slab k rows (`transpose_a_slab`; 0: all of K), no split-K when
     that is less than K; for the simt family: the 3xTF32 tiles). A wgmma tile's tie with its TMA
     twin goes to the TMA loader (5-20% faster where measured)."""
-    base = FAMILIES[_base_family(family)]
-    fams = [base.name] + ([base.partner] if wgmma else [])
     best = None
-    for name in fams:
+    for name in competing(family, wgmma, vec):
         fam = FAMILIES[name]
         tb, ta = mode_flags(name, wgmma)
         slab = k_slab if ta and 0 < k_slab < K else 0
@@ -235,10 +244,11 @@ def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0, wgmma=F
     ones in slabs of k_slab (0: all of K; no split-K and only linear epilogues `epi` when less)) x
     each split count that fits the workspace."""
     base = FAMILIES[_base_family(family)]
-    partner = FAMILIES[base.partner]
     pool = [(base.name, t) for t in (base.tiles if vec else base.unaligned_tiles)]
-    if wgmma and (vec or wgmma == "transpose_ab" and partner.transposes_a):
-        pool += [(partner.name, t) for t in partner.tiles]
+    for name in competing(family, wgmma, vec)[1:]:
+        fam = FAMILIES[name]
+        if vec or wgmma == "transpose_ab" and fam.transposes_a:
+            pool += [(name, t) for t in fam.tiles]
     out = []
     for fam, tile in pool:
         tb, ta = mode_flags(fam, wgmma)
@@ -346,7 +356,12 @@ def plan_unfit(p: Plan, family, vec, wgmma, slab=0) -> str | None:
     of K, `rt_transpose_a_slab`); None when it can. (A table entry that does not fit is skipped; a
     plan the caller forces is refused with this reason.)"""
     fam = p.fam
-    if fam.k_major:
+    if fam.mn_major:
+        if family != fam.base:
+            return f"plan family {p.family} but rt.precision wants {family}"
+        if wgmma != "transpose_ab" or not vec:
+            return f"a {p.family} plan needs {fam.needs}"
+    elif fam.k_major:
         if family != fam.base:
             return f"plan family {p.family} but rt.precision wants {family}"
         if not wgmma:

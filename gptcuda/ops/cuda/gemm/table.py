@@ -1,6 +1,7 @@
-"""The measured plan table (written by bench/tune.py): one JSON file per GPU and kernel sources,
-<compile cache>/tune/<gpu>-<source hash>.json, {tune_key: plan_to_json}; `tuned_plan` answers
-with an entry a launch can use (GPTCUDA_GEMM_TUNE=0: never)."""
+"""The measured plan table: one JSON file per GPU and kernel sources,
+<compile cache>/tune/<gpu>-<source hash>.json, {tune_key: plan_to_json}, written by tune.py
+(`autotune`, at a run's setup, for the shapes it lacks; bench/tune.py, for every shape of a config);
+`tuned_plan` answers with an entry a launch can use (the execution plan's gemm_tune off: never)."""
 from __future__ import annotations
 
 import hashlib
@@ -97,9 +98,11 @@ def load_table(gpu_name: str, src_hash: str | None = None, refresh: bool = False
 
 
 def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: dict | None = None,
-               merge: bool = True) -> Path:
+               merge: bool = True, replace: bool = True) -> Path:
     """Write {key: entry dict (plan_to_json + anything else)} atomically, merged over the entries
-    already there; the process's cached copy is refreshed."""
+    (and the meta) already there; replace False: an entry already there stays (two runs that
+    measured a shape at once then both launch the plan written first, as will their resumes). The
+    process's cached copy is refreshed."""
     src_hash = src_hash or source_hash()
     path = table_path(gpu_name, src_hash)
     doc = {"format": TUNE_FORMAT, "gpu": gpu_name, "source_hash": src_hash, "entries": {}}
@@ -108,9 +111,10 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
             old = json.loads(path.read_text())
             if old.get("format") == TUNE_FORMAT and old.get("source_hash") == src_hash:
                 doc["entries"].update(old.get("entries", {}))
+                doc.update({"meta": old["meta"]} if "meta" in old else {})
         except (OSError, ValueError, AttributeError):
             pass
-    doc["entries"].update(entries)
+    doc["entries"].update({k: v for k, v in entries.items() if replace or k not in doc["entries"]})
     if meta:
         doc["meta"] = meta
     with atomic_open(os.fspath(path)) as f:
@@ -124,7 +128,7 @@ def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=Fa
     """The table's plan for `key` if there is one this launch can use (its alignment allows the
     tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch; transpose_a: rt's
     "gemm_aT" holds its k slab, and its epilogue is linear where it runs in slabs), else None."""
-    if not execution.of(rt).gemm_table:                 # GPTCUDA_GEMM_TUNE=0
+    if not execution.of(rt).gemm_table:                 # gemm_tune off (GPTCUDA_GEMM_TUNE=0)
         return None
     name = getattr(getattr(rt, "info", None), "name", None)
     if not isinstance(name, str):

@@ -1,0 +1,355 @@
+"""The GEMM table measured at a run's setup (gptcuda/ops/cuda/gemm/tune.py autotune), without a GPU:
+what it measures (only the shapes the table lacks, never an entry already there), what it saves,
+when it runs (the config's gemm_tune, GPTCUDA_GEMM_TUNE, the Engine on a real device only, never
+in a data-parallel run or for an Engine without programs), that model_gemms names exactly the
+products the recorded programs look up, and that the device timer frees what it allocates."""
+import dataclasses
+import io
+import json
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gptcuda.config import ConfigError, load_config
+from gptcuda.ops.cuda import gemm
+from gptcuda.ops.cuda.gemm import tune
+from gptcuda.runtime import execution
+from gptcuda.training.engine import Engine
+from tests.conftest import fake_view
+
+GPU = "NVIDIA H200 (test)"
+TOKS = (np.arange(1000) % 65).astype(np.int32)
+
+
+def cfg_of(*over):
+    return load_config("configs/tiny.yaml", list(over))
+
+
+class FakeRT:
+    """What autotune reads of a runtime: the execution plan, the device's name and SMs, the arch."""
+
+    def __init__(self, cfg, name=GPU):
+        self.exec = execution.resolve(cfg, arch="sm_90")
+        self.info = SimpleNamespace(name=name, sm_count=132)
+        self.arch = "sm_90"
+
+
+class FakeTimer:
+    """Every candidate's time: 1 ms, less 0.1 ms per position after the first (the last wins)."""
+
+    def __init__(self):
+        self.ops = []
+
+    def __call__(self, op, plans):
+        self.ops.append((op, list(plans)))
+        return [[1.0 - 0.1 * i] * 3 for i in range(len(plans))], [True] * len(plans)
+
+
+def no_build(jobs, progress):
+    progress(len(jobs))
+    return set()
+
+
+def run(rt, cfg, timer, **kw):
+    return tune.autotune(rt, cfg, 65, out=io.StringIO(), timer=timer, build=kw.pop("build", no_build), **kw)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_measures_what_is_missing_and_saves_it(table_cache, precision):
+    cfg = cfg_of(f"--precision={precision}", "--dropout=0.1")
+    rt, timer = FakeRT(cfg), FakeTimer()
+    keys = [op.key(precision) for op in tune.model_gemms(cfg, 65)]
+    s = run(rt, cfg, timer)
+    assert s.measured == len(keys) and s.known == 0 and s.dropped == 0
+    assert [op.key(precision) for op, _ in timer.ops] == keys
+    doc = json.loads(gemm.table_path(GPU).read_text())
+    assert set(doc["entries"]) == set(keys) and str(gemm.table_path(GPU)) == s.path
+    table = gemm.load_table(GPU, refresh=True)
+    for op, plans in timer.ops:
+        assert table[op.key(precision)] == plans[-1]            # the fastest
+    assert "measured" in s.format() and "cost model" in s.format()
+    # nothing missing: nothing timed, nothing written
+    mtime = gemm.table_path(GPU).stat().st_mtime_ns
+    again = FakeTimer()
+    s2 = run(rt, cfg, again)
+    assert again.ops == [] and s2.measured == 0 and s2.known == len(keys)
+    assert gemm.table_path(GPU).stat().st_mtime_ns == mtime
+    assert str(len(keys)) in s2.format()
+
+
+def test_entries_already_there_are_never_measured_again(table_cache):
+    """A resumed run launches the plans it launched: an entry, once in the table, stays."""
+    cfg = cfg_of("--precision=tf32")
+    ops = tune.model_gemms(cfg, 65)
+    held = ops[:3]
+    mine = {op.key("tf32"): gemm.plan_to_json(tune.candidates_for(op, "tf32", 132, 0)[0]) for op in held}
+    gemm.save_table(GPU, mine)
+    timer = FakeTimer()
+    s = run(FakeRT(cfg), cfg, timer)
+    assert s.measured == len(ops) - 3 and s.known == 3
+    assert {op.key("tf32") for op, _ in timer.ops}.isdisjoint(mine)
+    entries = json.loads(gemm.table_path(GPU).read_text())["entries"]
+    assert all(entries[k] == v for k, v in mine.items())     # untouched (no time, label added)
+    # another precision's keys are other shapes
+    cfg32 = cfg_of("--precision=fp32")
+    assert run(FakeRT(cfg32), cfg32, FakeTimer()).measured == len(tune.model_gemms(cfg32, 65))
+
+
+def test_an_entry_another_run_wrote_meanwhile_stays(table_cache):
+    """Two runs measuring at once: the plan written first stays, and this process launches it too
+    (so does a resume of either run)."""
+    cfg = cfg_of("--precision=tf32")
+    first = tune.model_gemms(cfg, 65)[0]
+    theirs = tune.candidates_for(first, "tf32", 132, 0)[0]
+
+    class Racing(FakeTimer):
+        def __call__(self, op, plans):
+            if op == first:                   # the other run saves its winner while this one measures
+                gemm.save_table(GPU, {op.key("tf32"): gemm.plan_to_json(theirs)})
+            return super().__call__(op, plans)
+
+    timer = Racing()
+    run(FakeRT(cfg), cfg, timer)
+    assert timer.ops[0][1][-1] != theirs
+    assert gemm.load_table(GPU)[first.key("tf32")] == theirs
+    assert gemm.load_table(GPU, refresh=True)[first.key("tf32")] == theirs
+    # bench/tune.py replaces entries (and a merge keeps the file's meta)
+    gemm.save_table(GPU, {}, meta={"config": "x"})
+    gemm.save_table(GPU, {first.key("tf32"): gemm.plan_to_json(timer.ops[0][1][-1])})
+    assert gemm.load_table(GPU)[first.key("tf32")] == timer.ops[0][1][-1]
+    assert json.loads(gemm.table_path(GPU).read_text())["meta"] == {"config": "x"}
+
+
+@pytest.mark.parametrize("setting,env", [("table", None), ("off", None), ("auto", "0"), ("auto", "off"),
+                                         ("auto", "table")])
+def test_table_and_off_never_measure(table_cache, monkeypatch, setting, env):
+    if env is not None:
+        monkeypatch.setenv("GPTCUDA_GEMM_TUNE", env)
+    cfg = cfg_of(f"--gemm_tune={setting}")
+    timer = FakeTimer()
+    assert run(FakeRT(cfg), cfg, timer) is None and timer.ops == []
+    assert not gemm.table_path(GPU).exists()
+
+
+def test_resolved_setting(monkeypatch):
+    monkeypatch.delenv("GPTCUDA_GEMM_TUNE", raising=False)
+    p = execution.resolve(cfg_of())
+    assert p.gemm_tune == "auto" and p.gemm_table
+    for setting in ("auto", "table", "off"):
+        p = execution.resolve(cfg_of(f"--gemm_tune={setting}"), env={})
+        assert p.gemm_tune == setting and p.gemm_table == (setting != "off")
+        assert p.to_dict()["gemm_tune"] == setting and p.to_dict()["gemm_table"] == (setting != "off")
+        assert f"gemm_tune {setting}" in p.format()
+        assert p.with_precision("tf32").gemm_tune == setting
+    # the environment overrides the config; 0 has always meant no table; anything else: the config's
+    for env, want in [("0", "off"), ("off", "off"), ("table", "table"), ("auto", "auto"), ("1", "table")]:
+        p = execution.resolve(cfg_of("--gemm_tune=table"), env={"GPTCUDA_GEMM_TUNE": env})
+        assert p.gemm_tune == want and p.env == (("GPTCUDA_GEMM_TUNE", env),)
+    # a runtime without a config reads the table (nothing measures for it); the reference backend none
+    assert execution.resolve(arch="sm_90", env={}).gemm_tune == "table"
+    assert execution.resolve(cfg_of("--backend=reference")).gemm_tune == "off"
+    with pytest.raises(ValueError, match="gemm_tune"):
+        execution.resolve(cfg_of(), gemm_tune="always")
+
+
+def test_bad_value_is_a_config_error():
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", ["--gemm_tune=on"])
+    assert e.value.key == "gemm_tune" and "\n" not in str(e.value) and "auto|table|off" in str(e.value)
+    assert load_config(None, ["--gemm_tune=off"]).gemm_tune == "off"        # YAML's off is a string here
+
+
+def test_candidates_that_do_not_compile_are_left_out(table_cache):
+    cfg = cfg_of("--precision=tf32")
+    asked = []
+
+    def build(jobs, progress):
+        asked.extend(jobs)
+        return {i for i, (file, name, defines, arch) in enumerate(jobs) if file == gemm.WGMMA_FILE}
+
+    timer = FakeTimer()
+    s = run(FakeRT(cfg), cfg, timer, build=build)
+    assert len(asked) == len(set((f, n, tuple(sorted(d.items())), a) for f, n, d, a in asked))   # once each
+    assert all(arch == "sm_90" for *_, arch in asked)
+    assert s.dropped > 0 and "did not compile" in s.format()
+    for op, plans in timer.ops:
+        # the warpgroup-MMA candidates are left out, but for the cost model's own, which stays first
+        assert all(p.family == "tf32" for p in plans[1:])
+        assert plans[0] == tune.candidates_for(op, "tf32", 132, tune.ws_floats_of(cfg, 65), wgmma=True,
+                                               scratch=tune.scratch_of(cfg, 65))[0]
+
+
+def test_progress_line(table_cache, monkeypatch):
+    cfg = cfg_of()
+    buf = io.StringIO()
+    tune.autotune(FakeRT(cfg), cfg, 65, out=buf, timer=FakeTimer(), build=no_build)
+    text = buf.getvalue()
+    assert "GEMM table" in text and "cost model" in text and "tuned" in text
+    monkeypatch.setitem(sys.modules, "tqdm", None)                     # without tqdm: a \r line
+    buf = io.StringIO()
+    tune.autotune(FakeRT(cfg, name="other GPU"), cfg, 65, out=buf, timer=FakeTimer(), build=no_build)
+    text = buf.getvalue()
+    n = len(tune.model_gemms(cfg, 65))
+    assert text.startswith("\rGEMM table: compiling") and text.endswith("\n") and text.count("\n") == 1
+    assert f"\rGEMM table: measuring fp32 shapes: {n}/{n} cost model" in text
+    assert tune.autotune(FakeRT(cfg, name="other GPU"), cfg, 65, out=buf, timer=FakeTimer()).measured == 0
+    assert buf.getvalue() == text                                       # nothing to do: silent
+
+
+# ---- which shapes: the products the recorded programs look up ------------------------------------
+def _looked_up(monkeypatch, cfg, programs):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from test_cuda_record import RecordingRuntime
+    from gptcuda.ops.cuda.gemm import launch
+    from gptcuda.ops.cuda_backend import CudaBackend
+    keys = set()
+    real = launch.tuned_plan
+    monkeypatch.setattr(launch, "tuned_plan", lambda rt, key, *a, **k: keys.add(key) or real(rt, key, *a, **k))
+    Engine(cfg, TOKS, TOKS[:200], 65, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg.precision)),
+           programs=programs)
+    return keys
+
+
+@pytest.mark.parametrize("over", [["--precision=tf32", "--dropout=0.1"], ["--attention=fused", "--bias=false"],
+                                  ["--precision=tf32", "--recompute=true", "--attention=fused", "--dropout=0.1"],
+                                  ["--dropout=0.0"]])
+def test_model_gemms_are_the_recorded_products(table_cache, monkeypatch, over):
+    cfg = cfg_of(*over)
+    ops = tune.model_gemms(cfg, 65)
+    keys = {op.key(cfg.precision) for op in ops}
+    got = _looked_up(monkeypatch, cfg, ("train", "eval"))
+    assert got <= keys, got - keys
+    assert {op.key(cfg.precision) for op in ops if op.count} <= got
+    fwd = {op.key(cfg.precision) for op in tune.model_gemms(cfg, 65, backward=False)}
+    assert _looked_up(monkeypatch, cfg, ("forward",)) <= fwd < keys
+
+
+# ---- when: the Engine -----------------------------------------------------------------------------
+def test_engine_on_a_stand_in_runtime_never_measures(table_cache, monkeypatch):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from test_cuda_record import RecordingRuntime
+    from gptcuda.ops.cuda_backend import CudaBackend
+    monkeypatch.setattr(tune, "autotune", lambda *a, **k: pytest.fail("measured on a stand-in runtime"))
+    cfg = cfg_of()
+    rt = RecordingRuntime("fp32")
+    assert not tune.on_device(rt) and not tune.on_device(None)
+    eng = Engine(cfg, TOKS, TOKS[:200], 65, backend=CudaBackend(cfg, rt=rt), programs=("train",))
+    assert eng.exec.gemm_tune == "auto" and eng.tuning is None
+
+
+def _engine_stub(cfg, backend="cuda"):
+    cfg = cfg_of(f"--backend={backend}", *cfg)
+    return SimpleNamespace(be=SimpleNamespace(rt=FakeRT(cfg)), exec=execution.resolve(cfg, arch="sm_90"),
+                           cfg=dataclasses.replace(cfg, vocab_size=65))
+
+
+@pytest.mark.parametrize("names,world,over,backward", [
+    (["train"], 1, [], True), (["fwdbwd"], 1, [], True), (["forward"], 1, [], False),
+    (["eval_train", "eval_val"], 1, [], False), ([], 1, [], None), (["train"], 2, [], None),
+    (["train"], 1, ["--gemm_tune=table"], None), (["train"], 1, ["--gemm_tune=off"], None)])
+def test_engine_measures_once_for_its_programs(table_cache, monkeypatch, names, world, over, backward):
+    calls = []
+    monkeypatch.setattr(tune, "on_device", lambda rt: True)
+    monkeypatch.setattr(tune, "autotune", lambda rt, cfg, vocab, **k: calls.append((vocab, k)) or
+                        tune.TuneSummary(2, 0, 1.0, 2.0, 1.5, "p"))
+    line = Engine._tune_gemms(_engine_stub(over), names, world)
+    if backward is None:
+        assert calls == []
+    else:
+        assert calls == [(65, {"backward": backward})] and "measured 2 shapes" in line
+    if world > 1:          # data parallel: the table as it is, and a word about what it lacks
+        assert "not measured" in line and "data-parallel" in line
+    elif backward is None:
+        assert line is None
+
+
+def test_engine_reference_backend_never_measures(table_cache, monkeypatch):
+    monkeypatch.setattr(tune, "on_device", lambda rt: True)
+    monkeypatch.setattr(tune, "autotune", lambda *a, **k: pytest.fail("measured for the reference backend"))
+    assert Engine._tune_gemms(_engine_stub([], backend="reference"), ["train"], 1) is None
+    assert Engine(cfg_of("--backend=reference"), TOKS, TOKS[:200], 65, programs=("train",)).tuning is None
+
+
+# ---- the device timer frees what it allocates -------------------------------------------------------
+def _timing_runtime(precision):
+    """A recording runtime that also times: every malloc is tracked, graphs replay nothing, events read 1 ms."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from test_cuda_record import FakeDev, RecordingRuntime
+
+    class Dev(FakeDev):
+        def __init__(self):
+            super().__init__()
+            self.live, self.fail_on = set(), None
+
+        def malloc(self, n):
+            p = super().malloc(n)
+            self.live.add(p)
+            return p
+
+        def free(self, p):
+            self.live.remove(p)
+
+        def event(self):
+            return object()
+
+        def elapsed_ms(self, e0, e1):
+            if self.fail_on is not None:
+                raise RuntimeError("the device went away")
+            return 1.0
+
+    class Graph:
+        def __init__(self, rt):
+            self.rt = rt
+
+        def launch(self):
+            pass
+
+        def destroy(self):
+            if self in self.rt._graphs:
+                self.rt._graphs.remove(self)
+
+    class TimingRT(RecordingRuntime):
+        def __init__(self, precision):
+            super().__init__(precision)
+            self.dev = Dev()
+
+        def capture(self, prog):
+            g = Graph(self)
+            self._graphs.append(g)
+            return g
+
+    return TimingRT(precision)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_event_timer_frees_its_buffers_and_restores_the_workspaces(table_cache, precision):
+    cfg = cfg_of(f"--precision={precision}", "--dropout=0.1")
+    rt = _timing_runtime(precision)
+    rt.exec = execution.resolve(cfg, arch="sm_90")
+    planned = {"gemm_splitk": fake_view((4,))}                   # the planned one, replaced while timing
+    rt.set_workspace(planned)
+    s = tune.autotune(rt, cfg, 65, quiet=True, build=no_build)     # the real EventTimer; every candidate's
+    assert s.measured == len(tune.model_gemms(cfg, 65))          # kernels a listed variant (RecordingRuntime)
+    assert rt.dev.live == set() and rt._graphs == [] and rt._workspace == planned
+    assert rt._recording is None
+    # a failure half-way: still nothing left behind
+    gemm.table_path(rt.info.name).unlink()
+    gemm._tables.clear()
+    rt.dev.fail_on = True
+    with pytest.raises(RuntimeError, match="went away"):
+        tune.autotune(rt, cfg, 65, quiet=True, build=no_build)
+    assert rt.dev.live == set() and rt._graphs == [] and rt._workspace == planned
+
+
+def test_event_timer_checks_part_of_a_large_output():
+    rt = _timing_runtime("tf32")
+    got = []
+    rt.download = lambda v: got.append(v) or np.zeros(v.shape, np.float32)
+    timer = tune.EventTimer(rt, 0, rounds=1, check_floats=1000)
+    op = tune.GemmOp("x", 64, 64, 8, False, True)
+    timer(op, [tune.candidates_for(op, "tf32", 132, 0)[0]])
+    head, tail = got
+    assert head.numel == tail.numel == 500 and tail.ptr - head.ptr == 4 * (64 * 64 - 500)
+    assert rt.dev.live == set()
