@@ -3,7 +3,7 @@
 #   bash bench/device_check.sh [tests] [gradcheck] [tune] [bench] [attention] [long] [torch] [gemm]
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
-#                              [interop] [finetune] [generate]
+#                              [interop] [finetune] [generate] [speed] [anchors]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S (for seeds: bench/seeds.py),
@@ -85,6 +85,46 @@ if has bench; then
       sed -n '1,18p' "$OUT/step_$tag.log"
     }
   done
+fi
+# the four workloads of the speed goals, each with its phase table: the char model in TF32 and in fp32
+# (3xTF32), the T2048 context, GPT-2 124M at B8 (SPEED_CASES selects; GEMM_MODELS adds bench/gemm.py at
+# those models' shapes, e.g. "8,1024,768,50304")
+if has speed; then
+  GPT2_DATA_S=/tmp/shakespeare_gpt2
+  for c in ${SPEED_CASES:-char_tf32 char_fp32 ctx2048 gpt2_b8}; do
+    case $c in
+      char_tf32) args="configs/ctx256_tf32.yaml" ;;
+      char_fp32) args="configs/ctx256_tf32.yaml --precision=fp32" ;;
+      ctx2048)   args="configs/ctx2048_tf32.yaml" ;;
+      gpt2_b8)   [ -f $GPT2_DATA_S/train_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt \
+                   --tokenizer gpt2 --out $GPT2_DATA_S > /dev/null 2>&1
+                 args="configs/gpt2_124m.yaml --data=$GPT2_DATA_S --val_data= --total_batch_tokens=0 --batch_size=8" ;;
+      *) echo "unknown speed case $c"; continue ;;
+    esac
+    log "step $c: bench/step.py $args ${SPEED_ARGS:-}"
+    python3 bench/step.py $args ${SPEED_ARGS:-} --iters ${SPEED_ITERS:-30} --json "$OUT/speed_$c.json" \
+      > "$OUT/speed_$c.log" 2>&1
+    grep -E "ms/step|THROTTLED|clock|error|Error" "$OUT/speed_$c.log" | head -6 | tee -a "$OUT/summary.txt"
+  done
+  for m in ${GEMM_MODELS:-}; do
+    log "GEMM shapes of the model $m (tf32, cuBLAS beside)"
+    python3 bench/gemm.py --precision tf32 --model $m ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm_${m//,/_}.log" | tail -22
+  done
+fi
+# the same call's anchors for the speed goals: PyTorch's char step (eager and torch.compile, dropout 0.2
+# as configs/ctx256_tf32.yaml), its GPT-2 124M B8 T1024 (dropout 0) and B16 T2048 6L C384 (dropout 0.2,
+# configs/ctx2048_tf32.yaml) steps, and llm.c's GPT-2 124M (FP32 = TF32 cuBLAS, and BF16) at B8
+if has anchors; then
+  for a in "char:steps compile:0.2:" "gpt2:shape:0:8,1024,12,12,768,50304" "ctx2048:shape:0.2:16,2048,6,6,384"; do
+    IFS=: read -r tag which drop shapes <<< "$a"
+    log "PyTorch anchor $tag: torch_reference.py $which (DROPOUT=$drop${shapes:+, SHAPES=$shapes})"
+    mkdir -p "$OUT/torch_$tag"
+    (cd "$OUT/torch_$tag" && SHAPES="$shapes" DROPOUT=$drop OUT="$OUT/torch_$tag" \
+      python3 "$OLDPWD/.devcarry/reference/torch_reference.py" $which 2>&1 | tail -12) | tee -a "$OUT/summary.txt"
+  done
+  log "llm.c GPT-2 124M anchor B${ANCHOR_LLMC_B:-8} (FP32 = TF32 cuBLAS, and BF16)"
+  rm -rf /tmp/llmc && cp -r .devcarry/llmc /tmp/llmc
+  bash .devcarry/reference/llmc_anchor.sh /tmp/llmc ${ANCHOR_LLMC_B:-8} 2>&1 | tee "$OUT/llmc.log" | tail -8 | tee -a "$OUT/summary.txt"
 fi
 if has attention; then
   log "attention benchmark"

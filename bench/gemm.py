@@ -35,8 +35,9 @@ B, T, C, V = 64, 256, 384, 65
 TOKENS = B * T
 
 
-def model_shapes():
+def model_shapes(B=B, T=T, C=C, V=V):
     """(label, M, N, K, trans) of every GEMM of one training step (one layer's worth + the head)."""
+    TOKENS = B * T
     fwd = [("qkv", 3 * C, C), ("attproj", C, C), ("fc", 4 * C, C), ("fcproj", C, 4 * C), ("lm_head", V, C)]
     out = []
     for name, n_out, n_in in fwd:            # W is [n_out, n_in]
@@ -182,10 +183,11 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
             if chosen.family == "wgmma3":          # the FMA kernel beside it (fp32_gemm: ffma)
                 cands.append((gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec), False))
             if args.sweep:
-                tiles = gemm.TF32_TILES if family == "tf32" else gemm.SIMT_TILES
-                if family == "tf32" and not vec:
-                    tiles = gemm.TF32_FALLBACK_TILES
-                for tile in list(tiles) + (list(gemm.WGMMA_TILES if prec == "tf32" else gemm.WGMMA3_TILES) if wg else []):
+                tiles = []                     # every tile of every family competing for this product
+                for name in gemm.competing(family, wg, vec):
+                    fam = gemm.FAMILIES[name]
+                    tiles += fam.tiles if vec or name != family else fam.unaligned_tiles
+                for tile in tiles:
                     for sp in sorted({1, gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats,
                                                    vec=vec, tiles=[tile], wgmma=wg).splits}):
                         p = gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec,
@@ -280,6 +282,8 @@ def main(argv=None):
     ap.add_argument("--mnk", nargs="*", default=None, help="shapes M,N,K (default: 4096^3 + the model's)")
     ap.add_argument("--trans", default=None, choices=["NN", "NT", "TN", "TT"],
                     help="transpose case for every shape (default: the model's case of each shape; NN for --mnk)")
+    ap.add_argument("--model", default=None, metavar="B,T,C,V",
+                    help="the model's shapes at this batch, context, width and vocabulary (default 64,256,384,65)")
     ap.add_argument("--precision", default="both", choices=["fp32", "tf32", "both"])
     ap.add_argument("--sweep", action="store_true", help="also time every candidate tile / split")
     ap.add_argument("--ladder", action="store_true", help="teaching kernels on a square shape first")
@@ -291,6 +295,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
+    dims = tuple(int(x) for x in args.model.split(",")) if args.model else (B, T, C, V)
     if args.mnk:
         shapes = []
         for s in args.mnk:
@@ -299,13 +304,13 @@ def main(argv=None):
     else:
         # 4096^3 as A @ B (NN: wgmma through B^T) and as x @ W^T (NT: wgmma directly)
         shapes = [("square", 4096, 4096, 4096, t) for t in ([args.trans] if args.trans else ["NN", "NT"])]
-        shapes += [(l, M, N, K, args.trans or t) for l, M, N, K, t in model_shapes()]
+        shapes += [(l, M, N, K, args.trans or t) for l, M, N, K, t in model_shapes(*dims)]
     precisions = ["fp32", "tf32"] if args.precision == "both" else [args.precision]
 
     rt = Runtime(0, precision="fp32", seed=0)
     print(f"{rt.info.name}, {rt.info.sm_count} SMs, {rt.arch}")
-    cfg = type("Cfg", (), dict(batch_size=B, block_size=T, n_embd=C, n_head=6, n_layer=6,
-                               vocab_size=V, attention="unfused"))
+    cfg = type("Cfg", (), dict(batch_size=dims[0], block_size=dims[1], n_embd=dims[2], n_head=6,
+                               n_layer=6, vocab_size=dims[3], attention="unfused"))
     ws_model = max([s for s, _ in gemm.workspace(cfg).values()] or [(0,)])[0]
     # room for the largest split the planner may pick for these shapes (at most 256 MB)
     ws_floats = max([ws_model, 1] + [gemm.MAX_SPLITS * M * N for _, M, N, K, _ in shapes
