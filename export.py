@@ -69,7 +69,7 @@ def main(argv=None):
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.rstrip())
         return 0
-    from gptcuda.training.checkpoint import CheckpointError
+    from gptcuda.model.checkpoint import CheckpointError
     from gptcuda.cli import UsageError
     from gptcuda.config import ConfigError
     from gptcuda.interop import InteropError, export_run

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from gptcuda.training.checkpoint import load_checkpoint  # noqa: E402
+from gptcuda.model.checkpoint import load_checkpoint  # noqa: E402
 from gptcuda.cli import split_args  # noqa: E402
 from gptcuda.config import load_config  # noqa: E402
 from gptcuda.training.trainer import Trainer  # noqa: E402

@@ -1,29 +1,19 @@
-"""What the entry points share: argument splitting, --help, one-line fatal errors, run directories."""
+"""What the entry points share: argument splitting, --help, one-line fatal errors.
+
+The top of the layers: only the scripts (and bench/) import this module; it imports the layers whose errors it turns
+into one line (`guarded`). The errors the layers raise for that live in gptcuda/errors.py."""
 from __future__ import annotations
 
-import errno
-import glob
-import os
 import sys
 
-from gptcuda.training.checkpoint import CheckpointError
+from gptcuda.errors import RunError, UsageError, describe_os_error   # the scripts import them from here too
 from gptcuda.config import ConfigError
 from gptcuda.runtime.driver import CudaError, NoDeviceError
+from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.model.memory import PlanTooLarge
 from gptcuda.data.shards import DataError
 
 HELP_FLAGS = ("-h", "--help")
-
-
-class UsageError(Exception):
-    pass
-
-
-class RunError(Exception):
-    """A run directory (out_dir) that cannot be used as asked; str(err) is one line naming the path."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split("\n")))
 
 
 def split_args(argv, flags=(), options=()):
@@ -104,18 +94,6 @@ def print_help(doc: str, options=(), config: bool = True, file=None) -> int:
     return 0
 
 
-def describe_os_error(e: OSError, what: str | None = None) -> str:
-    """One line naming the path of an OSError (and what was being done to it)."""
-    reason = e.strerror or type(e).__name__
-    if e.errno == errno.ENOSPC:
-        reason = "no space left on device"
-    if e.filename is None:
-        head = what or "I/O error"
-    else:
-        head = f"{what} {e.filename}" if what else str(e.filename)
-    return f"{head}: {reason}"
-
-
 def error_line(msg: str) -> str:
     return "error: " + " ".join(str(msg).split())
 
@@ -151,11 +129,3 @@ def guarded(main):
             return 130
     wrapper.__wrapped__ = main
     return wrapper
-
-
-def latest_run(root: str = "out") -> str | None:
-    """The most recently written run directory under root (one holding a checkpoint)."""
-    runs = [os.path.dirname(p) for p in glob.glob(os.path.join(root, "*", "*.ckpt"))]
-    if not runs:
-        return None
-    return max(set(runs), key=lambda d: max(os.path.getmtime(p) for p in glob.glob(os.path.join(d, "*.ckpt"))))

@@ -115,7 +115,7 @@ def test_gpt2_bpe_training_with_accumulation_resumes_bitwise(tmp_path):
     p.train(bar=False)
     Trainer(load_config("configs/tiny.yaml", over + [f"--out_dir={part}"]), resume=True,
             log=lambda *a, **k: None).train(bar=False)
-    from gptcuda.training.checkpoint import load_checkpoint
+    from gptcuda.model.checkpoint import load_checkpoint
     ha, ma = load_checkpoint(os.path.join(full, "last.ckpt"))
     hb, mb = load_checkpoint(os.path.join(part, "last.ckpt"))
     assert ma["step"] == mb["step"] == 6

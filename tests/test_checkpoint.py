@@ -5,8 +5,8 @@ import struct
 import numpy as np
 import pytest
 
-from gptcuda.training.checkpoint import (FORMAT_VERSION, CheckpointError, load_checkpoint,
-                                         read_checkpoint_meta, save_checkpoint)
+from gptcuda.model.checkpoint import (FORMAT_VERSION, CheckpointError, load_checkpoint,
+                                      read_checkpoint_meta, save_checkpoint)
 
 
 def sample():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gptcuda.training import checkpoint
+from gptcuda import files
 from gptcuda.runtime import compiler
 from gptcuda.ops.cuda_backend import FAMILIES
 
@@ -244,7 +244,7 @@ def test_unwritable_cache_still_compiles(tmp_path, monkeypatch):
 def test_entries_follow_the_umask(tmp_path, monkeypatch, umask):
     old = os.umask(umask)
     try:
-        assert checkpoint.current_umask() == umask
+        assert files.current_umask() == umask
         _, path = _probe(tmp_path, monkeypatch)
     finally:
         os.umask(old)

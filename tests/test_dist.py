@@ -508,7 +508,7 @@ def _record_dp(zero, rank=1, world=2, over=(), accum=1):
 
     cfg = load_config("configs/tiny.yaml", [f"--zero={zero}", "--dropout=0.1", *over])
     rt = DPRuntime(cfg.precision)
-    be = CudaBackend(cfg, rt=rt)
+    be = CudaBackend(cfg, rt=rt, seed=dist.rank_seed(cfg.seed, rank))    # as the Engine builds it
     comm = FakeComm()
     env = dist.DistEnv(rank=rank, world_size=world, bucket_mb=16 * 1024 * 4 / 2 ** 20)   # 16K-element buckets
     group = dist.Group(env, b"u" * 128, comm_factory=lambda: comm)
@@ -665,7 +665,7 @@ def test_data_parallel_needs_the_cuda_backend():
 
 
 def test_resume_refuses_another_world_size(tmp_path):
-    from gptcuda.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from gptcuda.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from gptcuda.training.trainer import Trainer
     out = str(tmp_path / "run")
     cfg = load_config("configs/tiny.yaml", ["--backend=reference", "--max_iters=2", "--eval_interval=2",
@@ -717,3 +717,19 @@ def test_stream_records_issue_events_waits_and_the_call_in_order():
                            ("call", 11),
                            ("record", "x", 11, capturing), ("record", "y", 22, capturing),
                            ("record", "j", 22, False), ("wait", 11, "j")]
+
+
+def test_a_rank_backend_without_its_dropout_stream_is_refused():
+    """The Engine builds a rank's backend with rank_seed(seed, rank); DataParallel checks it and
+    refuses a backend built with the world's seed on rank 1 (every rank would drop the same units)."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from test_cuda_record import RecordingRuntime
+    from gptcuda.ops.cuda_backend import CudaBackend
+    from gptcuda.training.engine import Engine
+    cfg = load_config("configs/tiny.yaml", ["--dropout=0.1"])
+    env = dist.DistEnv(rank=1, world_size=2)
+    group = dist.Group(env, b"u" * 128, comm_factory=lambda: None)
+    toks = (np.arange(3000) % 65).astype(np.int32)
+    with pytest.raises(dist.DistError, match="dropout seed"):
+        Engine(cfg, toks, toks[:300], 65, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg.precision)),
+               programs=("train",), group=group)

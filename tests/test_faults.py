@@ -22,8 +22,8 @@ import pytest
 import sample
 import train
 from gptcuda import files
-from gptcuda.training import checkpoint
-from gptcuda.training.checkpoint import load_checkpoint
+from gptcuda.model import checkpoint
+from gptcuda.model.checkpoint import load_checkpoint
 from gptcuda.training.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent

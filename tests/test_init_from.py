@@ -6,7 +6,7 @@ import pytest
 
 import sample
 import train
-from gptcuda.training.checkpoint import load_checkpoint, read_checkpoint_meta
+from gptcuda.model.checkpoint import load_checkpoint, read_checkpoint_meta
 
 from test_faults import args as fault_args, data  # noqa: F401  (data: the module's text fixture)
 

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("safetensors")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from gptcuda.training.checkpoint import load_checkpoint  # noqa: E402
+from gptcuda.model.checkpoint import load_checkpoint  # noqa: E402
 from gptcuda.config import Config, load_config  # noqa: E402
 from gptcuda.training.engine import Engine  # noqa: E402
 from gptcuda.interop import InteropError, load_init, load_run, read_llmc, write_llmc  # noqa: E402

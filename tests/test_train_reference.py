@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gptcuda.training.checkpoint import load_checkpoint
+from gptcuda.model.checkpoint import load_checkpoint
 from gptcuda.config import load_config
 from gptcuda.training.trainer import NonFiniteLoss, Trainer
 

@@ -16,7 +16,7 @@ not supported.)
 nanoGPT's `train.bin` / `val.bin` are raw uint16 tokens with no header (`open_raw`).
 
 Shards are never read whole: `open_shard` and `open_raw` return read-only np.memmap views. Writers go through
-a temp file renamed into place (checkpoint.atomic_open), so a crash never leaves a half-written shard under
+a temp file renamed into place (files.atomic_open), so a crash never leaves a half-written shard under
 its real name. Every problem with a file is a `DataError` whose message is one line naming the file.
 """
 from __future__ import annotations

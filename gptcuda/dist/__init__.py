@@ -12,8 +12,9 @@ What a rank does (train.py -> Trainer -> Engine -> DataParallel):
   * DataParallel(...)    the communicator (nccl4py's bindings, imported here and only here), the
                          start-up self-test, and the data-parallel part of the recorded step:
         - rank r reads rows [r*B, (r+1)*B) of each micro-batch of the world's batch (the Engine's
-          batches.Batches gets the rank), with its own dropout stream (rt.seed mixed with the
-          rank; rank 0 keeps the seed);
+          batches.Batches gets the rank), with its own dropout stream (rank_seed: the run's seed
+          mixed with the rank, rank 0 keeps it; the Engine builds the rank's backend with it and
+          DataParallel checks it);
         - the loss mean and the gradients are all-reduced (ncclAvg: the sum divided by the world
           size, so each rank keeps grad_scale 1/(B*T)) in buckets on a second stream, each bucket
           as soon as the backward has written its last tensor (plan_buckets; with gradient

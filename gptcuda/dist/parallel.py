@@ -31,7 +31,9 @@ class DataParallel:
         self.rank, self.world = group.rank, group.world_size
         self.zero = int(getattr(cfg, "zero", 0))
         rt = self.rt
-        rt.seed = rank_seed(cfg.seed, self.rank)      # dropout; the batches keep the world's seed (Engine)
+        if rt.seed != rank_seed(cfg.seed, self.rank):   # the Engine built the backend with it
+            raise DistError(f"rank {self.rank}: the backend's dropout seed {rt.seed} is not the rank's "
+                            f"{rank_seed(cfg.seed, self.rank)} (build it with seed=rank_seed(cfg.seed, rank))")
         self.comm = group.connect()
         group.before_close.append(rt.destroy_graphs)
         self.side = rt.side_stream()

@@ -25,13 +25,14 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from gptcuda.training.checkpoint import CheckpointError
-from gptcuda.cli import UsageError, latest_run
+from gptcuda.model.checkpoint import CheckpointError
+from gptcuda.errors import UsageError
 from gptcuda.config import Config
 from gptcuda.runtime import compiler
 from gptcuda.training.engine import Engine
 from gptcuda.model.memory import STOP_MAX, pack_gen_opts, plan_decode
 from gptcuda.data.tokenizers import tokenizer_from_dict
+from gptcuda.interop import InteropError, _parse_spec, latest_run, load_init, run_of
 
 
 MIN_TEMP = 1e-3     # below this (but above 0) logits / temp can overflow; 0 is greedy
@@ -54,7 +55,6 @@ def load_model(source: str, ckpt: str | None = None) -> Model:
     """source: a run directory (its best.ckpt, else last.ckpt, or ckpt), a run's .ckpt file,
     "hf:DIR" (a Hugging Face GPT-2 directory) or "llmc:FILE" (an llm.c model file). Errors are
     CheckpointError (one line, naming the file, tensor or setting)."""
-    from gptcuda.interop import InteropError, _parse_spec, load_init, run_of
     try:
         kind, where = _parse_spec(source)
         if kind in ("run", "ckpt"):

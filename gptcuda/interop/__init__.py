@@ -26,11 +26,13 @@ Numerics match on both sides: layernorm eps 1e-5 (kernels/layernorm.cu, llm.c's 
 layer_norm_epsilon), GELU tanh approximation (HF "gelu_new"), attention scaled by 1/sqrt(head size).
 
 The package: common.py (InteropError, GPT-2's constants, check_expressible), hf.py (Hugging Face directories),
-llmc.py (llm.c model files), run.py (load_run, export_run), init.py (load_init).
+llmc.py (llm.c model files), run.py (load_run, export_run, latest_run), init.py (load_init, init_for_training).
+Checkpoint files themselves are gptcuda/model/checkpoint.py's; training (init_from) and generation import
+this package, and nothing here imports them.
 """
 from __future__ import annotations
 
-# the public API (__all__), plus what other modules import (_parse_spec: trainer.py, sampler.py) and the
+# the public API (__all__), plus what other modules import (_parse_spec, latest_run: sampler.py) and the
 # formats' other constants
 from gptcuda.interop.common import GPT2_EOT, GPT2_VOCAB, LN_EPS, InteropError, check_expressible  # noqa: F401
 from gptcuda.interop.hf import (ENDOFTEXT, HF_ACTIVATIONS, from_hf, hf_config, hf_name_map, hf_tensors,
@@ -39,7 +41,7 @@ from gptcuda.interop.init import Init, _parse_spec, init_for_training, load_init
 from gptcuda.interop.llmc import (LLMC_BF16, LLMC_FP32, LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_ORDER,
                                   LLMC_VP_MULTIPLE, from_llmc, llmc_header, llmc_tensors, read_llmc,
                                   write_llmc)
-from gptcuda.interop.run import Run, export_run, load_run
+from gptcuda.interop.run import Run, export_run, latest_run, load_run
 
 __all__ = ["InteropError", "load_init", "init_for_training", "Init", "export_run", "load_run", "Run",
            "hf_tensors", "hf_config", "write_hf", "read_hf", "from_hf",

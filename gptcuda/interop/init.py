@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from gptcuda.config import Config, ConfigError, validate
+from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.model.params import param_table
 from gptcuda.interop.common import GPT2_VOCAB, InteropError, _fmt, _round_up
 from gptcuda.interop.hf import from_hf, read_hf
@@ -128,7 +129,6 @@ def init_for_training(cfg: Config) -> Init:
     imply: n_layer, n_head, n_embd, bias, vocabulary and tokenizer come from the weights; block_size
     stays the config's and crops the position embedding (at most the weights' positions). Errors are
     one-line CheckpointErrors."""
-    from gptcuda.training.checkpoint import CheckpointError
     try:
         named, over, run = _load(cfg.init_from, cfg, cfg.block_size)
         tok = run.tokenizer if run is not None else None       # a run's own ids (a char vocabulary)

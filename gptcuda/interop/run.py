@@ -1,12 +1,13 @@
-"""A run directory's model (`load_run`: config, tokenizer and parameters by name) and `export_run`, which
-writes it as a Hugging Face directory or an llm.c file."""
+"""A run directory's model (`load_run`: config, tokenizer and parameters by name), `export_run`, which
+writes it as a Hugging Face directory or an llm.c file, and `latest_run`, the most recent run directory."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 
-from gptcuda.training.checkpoint import CheckpointError, load_checkpoint
+from gptcuda.model.checkpoint import CheckpointError, load_checkpoint
 from gptcuda.config import Config, ConfigError, validate
 from gptcuda.model.params import param_table, unflatten
 from gptcuda.interop.common import InteropError, _fmt, _round_up, _tokenizer_vocab, check_expressible
@@ -38,6 +39,14 @@ def _config_from_dict(d: dict, where: str) -> Config:
         return validate(cfg)
     except ConfigError as e:
         raise InteropError(f"{where}: {e}") from None
+
+
+def latest_run(root: str = "out") -> str | None:
+    """The most recently written run directory under root (one holding a checkpoint)."""
+    runs = [os.path.dirname(p) for p in glob.glob(os.path.join(root, "*", "*.ckpt"))]
+    if not runs:
+        return None
+    return max(set(runs), key=lambda d: max(os.path.getmtime(p) for p in glob.glob(os.path.join(d, "*.ckpt"))))
 
 
 def _pick_ckpt(run_dir: str, ckpt: str | None) -> str:

@@ -6,4 +6,6 @@
                 the op interface (gptcuda/ops/backend.py)
     state.py    the StepState the captured step reads and writes on the device
     rng.py      the counter-based RNG shared bit for bit by the kernels and the reference
+    checkpoint.py  checkpoint files: named arrays and JSON metadata, checksummed (written by training,
+                read by interop and generation; through gptcuda/files.py atomic_open)
 """

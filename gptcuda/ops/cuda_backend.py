@@ -37,9 +37,12 @@ def attention_saved(cfg) -> dict:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, cfg, rt: Runtime | None = None):
+    def __init__(self, cfg, rt: Runtime | None = None, seed: int | None = None):
+        """seed: the dropout stream's (default cfg.seed; a data-parallel rank's own: the Engine's)."""
         self.cfg = cfg
         self.rt = rt or Runtime(cfg.device, precision=cfg.precision, seed=cfg.seed)
+        if seed is not None:
+            self.rt.seed = int(seed)
         self.rt.exec = self.exec = execution.resolve(cfg, arch=self.rt.arch)    # which kernels run
 
     attention_saved = staticmethod(attention_saved)
@@ -163,10 +166,10 @@ class CudaBackend:
         elementwise.gelu_fwd(self.rt, out, x)
 
     def attention_fwd(self, y, qkv, saved, n_head, p, site):
-        attention.attention_fwd(self.rt, y, qkv, saved, n_head, p, site)
+        attention.attention_fwd(self.rt, y, qkv, saved, n_head, p, site, self.exec.attention)
 
     def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site):
-        attention.attention_bwd(self.rt, dqkv, dy, qkv, y, saved, n_head, p, site)
+        attention.attention_bwd(self.rt, dqkv, dy, qkv, y, saved, n_head, p, site, self.exec.attention)
 
     def crossentropy(self, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
         loss.crossentropy(self.rt, losses, dlogits, logits, targets, grad_scale, n_vocab=n_vocab)

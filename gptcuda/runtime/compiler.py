@@ -198,7 +198,7 @@ def _encode_entry(key: str, cubin: bytes, lowered: dict, log: str = "", ptxas_in
 
 def _write_entry(path: Path, key: str, cubin: bytes, lowered: dict, log: str = "",
                  ptxas_info: bool = False) -> bool:
-    """Write atomically (checkpoint.atomic_open: the umask's permissions); a cache that cannot be written
+    """Write atomically (files.atomic_open: the umask's permissions); a cache that cannot be written
     is a warning, not an error (the caller has its kernel). Returns whether the entry was written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

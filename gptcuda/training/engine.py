@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from gptcuda.runtime import compiler, execution
-from gptcuda.training.checkpoint import CheckpointError
+from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.data.batches import Batches
 from gptcuda.model.memory import check_fits, plan_memory
 from gptcuda.model.gpt import GPT
@@ -71,12 +71,19 @@ class Engine:
         if not 0 < self.n_vocab <= vocab_size:
             raise ValueError(f"the tokenizer's vocabulary ({self.n_vocab}) exceeds the model's ({vocab_size})")
         self.accum = int(accum)
-        self.be = backend = backend or backend_class(cfg)(cfg)
+        world, rank = (group.world_size, group.rank) if group is not None else (1, 0)
+        # the dropout stream: the run's seed, each data-parallel rank its own (dist rank_seed; the
+        # batches keep the world's seed and take the rank's rows)
+        if group is None:
+            self.dropout_seed = cfg.seed
+        else:
+            from gptcuda.dist.env import rank_seed
+            self.dropout_seed = rank_seed(cfg.seed, rank)
+        self.be = backend = backend or backend_class(cfg)(cfg, seed=self.dropout_seed)
         # which kernels run (gptcuda/runtime/execution.py): the CUDA backend resolved it for its device
         self.exec = getattr(backend, "exec", None) or execution.resolve(cfg)
         self.plan = plan_for(cfg, vocab_size, backend, self.accum)
         self.table = self.plan.table
-        world, rank = (group.world_size, group.rank) if group is not None else (1, 0)
         self.batches = Batches(train_tokens, val_tokens, cfg.batch_size, cfg.block_size, cfg.seed, self.accum,
                                world, rank)
         check_fits(self.plan, backend.free_bytes(), cfg)

@@ -57,7 +57,7 @@ import numpy as np
 
 from gptcuda import faults
 from gptcuda.model import rng
-from gptcuda.cli import UsageError
+from gptcuda.errors import UsageError
 from gptcuda.data.text import TextDataset, get_batch
 from gptcuda.training.engine import Engine
 from gptcuda.model.params import param_table

@@ -14,10 +14,10 @@ import threading
 import time
 
 from gptcuda.runtime import execution
-from gptcuda.cli import RunError, UsageError, describe_os_error
+from gptcuda.errors import RunError, UsageError, describe_os_error
 from gptcuda.files import atomic_open, temp_files
-from gptcuda.training.checkpoint import (FORMAT_VERSION, CheckpointError, load_checkpoint, read_checkpoint_meta,
-                                         save_checkpoint)
+from gptcuda.model.checkpoint import (FORMAT_VERSION, CheckpointError, load_checkpoint, read_checkpoint_meta,
+                                      save_checkpoint)
 from gptcuda.config import (accum_steps, compare_for_resume, format_config, model_vocab, save_config,
                             validate_against_data)
 from gptcuda.data.dataset import open_dataset

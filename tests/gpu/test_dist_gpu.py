@@ -159,7 +159,7 @@ def test_two_gpus_train_py_zero1_checkpoints_on_rank0_and_resumes(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "self-test passed" in p.stdout and "[0] " in p.stdout
     assert not any(l.startswith("[1] ") and "step" in l for l in p.stdout.splitlines())   # rank 0 logs alone
-    from gptcuda.training.checkpoint import load_checkpoint
+    from gptcuda.model.checkpoint import load_checkpoint
     arrays, meta = load_checkpoint(str(o / "last.ckpt"))
     assert meta["step"] == 10 and meta["world_size"] == 2
     assert np.count_nonzero(arrays["adam_v"]) > 0.9 * np.count_nonzero(arrays["params"])   # every shard's state

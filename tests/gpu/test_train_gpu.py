@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from gptcuda.training.checkpoint import load_checkpoint
+from gptcuda.model.checkpoint import load_checkpoint
 from gptcuda.config import load_config
 from gptcuda.data.text import TextDataset
 from gptcuda.training.engine import Engine

@@ -1,8 +1,8 @@
 """Causal self-attention launchers: unfused (kernels/attention.cu + batched gemms) and fused
 (kernels/flash_attention.cu).
 
-    attention_fwd(rt, y[B,T,C], qkv[B,T,3C], saved, n_head, p, site)
-    attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site)
+    attention_fwd(rt, y[B,T,C], qkv[B,T,3C], saved, n_head, p, site, path)
+    attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site, path)
 
 `saved` is the per-layer dict planned from `saved_shapes(cfg)`: {"probs": [B,H,T,T]} selects the
 unfused path (the probabilities before dropout are kept for the backward), {"lse": [B,H,T]}
@@ -159,27 +159,31 @@ def permute_out(rt, out: DeviceView, ins, B, T, H, hs):
 
 # ---------------------------------------------------------------------------- ops
 
-def _path(rt, saved, op):
-    """The attention path of the execution plan (unfused | flash | flash_tc), checked against the
-    tensors the memory plan saved for it; a runtime without a config's plan: as `saved` says."""
-    path = execution.of(rt).attention
+def _path(rt, saved, op, path):
+    """The saved tensor the attention path (unfused | flash | flash_tc: the execution plan's, which
+    the backend passes; None: rt's plan's) reads, checked against what the memory plan saved; a
+    runtime without a config's plan: as `saved` says. Returns (saved name, flash on tensor cores)."""
+    ex = execution.of(rt)
+    path = ex.attention if path is None else path
     want = "probs" if path == "unfused" else "lse" if path is not None else ("probs" if "probs" in saved else "lse")
     if want not in saved:
         raise KeyError(f"{op}: the plan's attention {path or 'path'} needs the saved {want!r}, the memory plan "
                        f"saved {sorted(saved)}")
-    return want
+    return want, (path == "flash_tc" if path is not None else ex.precision == "tf32")
 
 
-def attention_fwd(rt, y, qkv, saved, n_head, p, site):
-    if _path(rt, saved, "attention_fwd") == "probs":
+def attention_fwd(rt, y, qkv, saved, n_head, p, site, path=None):
+    want, tc = _path(rt, saved, "attention_fwd", path)
+    if want == "probs":
         return _unfused_fwd(rt, y, qkv, saved["probs"], n_head, p, site)
-    return _fused_fwd(rt, y, qkv, saved["lse"], n_head, p, site)
+    return _fused_fwd(rt, y, qkv, saved["lse"], n_head, p, site, tc)
 
 
-def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site):
-    if _path(rt, saved, "attention_bwd") == "probs":
+def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, path=None):
+    want, tc = _path(rt, saved, "attention_bwd", path)
+    if want == "probs":
         return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site)
-    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site)
+    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, tc)
 
 
 # ---- unfused
@@ -296,43 +300,34 @@ def _fused_check(hs, *views):
         raise ValueError("fused attention needs 16-byte aligned qkv / y / dy / dqkv")
 
 
-def _tc(rt) -> bool:
-    """Flash attention on tensor cores (the execution plan's flash_tc: tf32)."""
-    path = execution.of(rt).attention
-    return path == "flash_tc" if path is not None else execution.of(rt).precision == "tf32"
+def _flash_name(kind: str, tc: bool, hs: int, p: float) -> str:
+    return f"flash_{kind}{'_tc' if tc else ''}<{hs},{'true' if float(p) > 0 else 'false'}>"
 
 
-def _flash_name(kind: str, rt, hs: int, p: float) -> str:
-    tc = "_tc" if _tc(rt) else ""
-    return f"flash_{kind}{tc}<{hs},{'true' if float(p) > 0 else 'false'}>"
-
-
-def _fused_fwd(rt, y, qkv, lse, n_head, p, site):
+def _fused_fwd(rt, y, qkv, lse, n_head, p, site, tc):
     B, T, C, H, hs = _split(qkv, n_head)
     _fused_check(hs, qkv, y)
     lse = _view(lse, (B, H, T))
-    tc = _tc(rt)
-    fn = rt.function(FLASH_FILE, _flash_name("fwd", rt, hs, p))
+    fn = rt.function(FLASH_FILE, _flash_name("fwd", tc, hs, p))
     br = flash_rows("fwd", hs, tc)
     rt.launch(fn, (B * H, cdiv(T, br)), (FLASH_THREADS,),
               [y, lse, qkv] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
               smem=flash_smem_bytes("fwd", hs, tc), label="flash_fwd")
 
 
-def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
+def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, tc):
     B, T, C, H, hs = _split(qkv, n_head)
     _fused_check(hs, qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))
-    tc = _tc(rt)
     rows = B * T * H
     rt.launch(rt.function(FLASH_FILE, "flash_rowsum_do"), ((rows + 7) // 8,), (ROWSUM_THREADS,),
               [D, dy, y, i32(rows), i32(T), i32(H), i32(hs)], label="flash_rowsum_do")
     args = [dqkv, qkv, dy, lse, D] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     bq, bk = flash_rows("dq", hs, tc), flash_rows("dkv", hs, tc)
-    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", rt, hs, p)),
+    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", tc, hs, p)),
               (B * H, cdiv(T, bq)), (FLASH_THREADS,), args,
               smem=flash_smem_bytes("dq", hs, tc), label="flash_bwd_dq")
-    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dkv", rt, hs, p)),
+    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dkv", tc, hs, p)),
               (B * H, cdiv(T, bk)), (FLASH_THREADS,), args,
               smem=flash_smem_bytes("dkv", hs, tc), label="flash_bwd_dkv")

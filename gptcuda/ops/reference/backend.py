@@ -34,9 +34,9 @@ class ReferenceBackend:
     def workspaces(cfg) -> dict:
         return {}
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, seed: int | None = None):
         self.cfg = cfg
-        self.seed = cfg.seed
+        self.seed = cfg.seed if seed is None else int(seed)      # the dropout stream's
         self.state = state.initial()          # the StepState's fields (gptcuda/model/state.py)
         self._prog: Program | None = None
 

@@ -1,4 +1,5 @@
-"""Single-file checkpoints: named numpy arrays plus JSON metadata, checksummed.
+"""Single-file checkpoints: named numpy arrays plus JSON metadata, checksummed. The training loop writes
+them (gptcuda/training/trainer.py); interop and generation read them (gptcuda/interop/run.py).
 
 Layout (all integers little-endian):
 
@@ -27,7 +28,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from gptcuda.files import atomic_open, current_umask, temp_files  # noqa: F401  (their home before files.py)
+from gptcuda.files import atomic_open
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "CheckpointError", "save_checkpoint", "load_checkpoint",
            "read_checkpoint_meta"]
