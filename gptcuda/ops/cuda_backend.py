@@ -157,7 +157,7 @@ class CudaBackend:
         layernorm.layernorm_bwd(self.rt, dx, dw, db, dout, x, mean, rstd, w)
 
     def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
-        gemm.matmul(self.rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux)
+        gemm.matmul(self.rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, ex=self.exec)
 
     def bias_grad(self, db, dout):
         elementwise.bias_grad(self.rt, db, dout)
@@ -166,10 +166,10 @@ class CudaBackend:
         elementwise.gelu_fwd(self.rt, out, x)
 
     def attention_fwd(self, y, qkv, saved, n_head, p, site):
-        attention.attention_fwd(self.rt, y, qkv, saved, n_head, p, site, self.exec.attention)
+        attention.attention_fwd(self.rt, y, qkv, saved, n_head, p, site, self.exec)
 
     def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site):
-        attention.attention_bwd(self.rt, dqkv, dy, qkv, y, saved, n_head, p, site, self.exec.attention)
+        attention.attention_bwd(self.rt, dqkv, dy, qkv, y, saved, n_head, p, site, self.exec)
 
     def crossentropy(self, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
         loss.crossentropy(self.rt, losses, dlogits, logits, targets, grad_scale, n_vocab=n_vocab)

@@ -29,7 +29,9 @@ The rules, in one place:
 - Generation (sample.py) runs its own products: kernels/decode.cu decode_linear for up to 16 rows,
   the GEMMs above beyond.
 
-The runtime holds the plan (Runtime.exec); the launchers read their choice from it and nowhere else.
+The backend resolves the plan once (CudaBackend.exec; the runtime holds it too, Runtime.exec) and
+passes it to the launchers that choose by it (gemm.matmul / matmul_batched, attention_fwd / _bwd:
+`ex=`); called directly (tests, benchmarks) they take the runtime's. Nothing else decides.
 """
 from __future__ import annotations
 

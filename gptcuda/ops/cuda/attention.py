@@ -1,10 +1,12 @@
 """Causal self-attention launchers: unfused (kernels/attention.cu + batched gemms) and fused
 (kernels/flash_attention.cu).
 
-    attention_fwd(rt, y[B,T,C], qkv[B,T,3C], saved, n_head, p, site, path)
-    attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site, path)
+    attention_fwd(rt, y[B,T,C], qkv[B,T,3C], saved, n_head, p, site, ex)
+    attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site, ex)
 
-`saved` is the per-layer dict planned from `saved_shapes(cfg)`: {"probs": [B,H,T,T]} selects the
+ex is the execution plan (gptcuda/runtime/execution.py; the backend passes its own, default rt's): its
+`attention` path (unfused | flash | flash_tc) and, for the unfused path's batched products, its GEMM
+choices. `saved` is the per-layer dict planned from `saved_shapes(cfg)`: {"probs": [B,H,T,T]} the
 unfused path (the probabilities before dropout are kept for the backward), {"lse": [B,H,T]}
 the fused one (the per-row log-sum-exp of the scaled scores). Scratch shared by all layers
 comes from `workspace(cfg)`, names prefixed "attention_" (not "attn_": the memory plan names the
@@ -159,12 +161,11 @@ def permute_out(rt, out: DeviceView, ins, B, T, H, hs):
 
 # ---------------------------------------------------------------------------- ops
 
-def _path(rt, saved, op, path):
-    """The saved tensor the attention path (unfused | flash | flash_tc: the execution plan's, which
-    the backend passes; None: rt's plan's) reads, checked against what the memory plan saved; a
-    runtime without a config's plan: as `saved` says. Returns (saved name, flash on tensor cores)."""
-    ex = execution.of(rt)
-    path = ex.attention if path is None else path
+def _path(saved, op, ex):
+    """The saved tensor the execution plan's attention path (unfused | flash | flash_tc) reads,
+    checked against what the memory plan saved; a runtime without a config's plan: as `saved` says.
+    Returns (saved name, flash on tensor cores)."""
+    path = ex.attention
     want = "probs" if path == "unfused" else "lse" if path is not None else ("probs" if "probs" in saved else "lse")
     if want not in saved:
         raise KeyError(f"{op}: the plan's attention {path or 'path'} needs the saved {want!r}, the memory plan "
@@ -172,23 +173,25 @@ def _path(rt, saved, op, path):
     return want, (path == "flash_tc" if path is not None else ex.precision == "tf32")
 
 
-def attention_fwd(rt, y, qkv, saved, n_head, p, site, path=None):
-    want, tc = _path(rt, saved, "attention_fwd", path)
+def attention_fwd(rt, y, qkv, saved, n_head, p, site, ex=None):
+    ex = execution.of(rt) if ex is None else ex      # the execution plan (the backend passes its own)
+    want, tc = _path(saved, "attention_fwd", ex)
     if want == "probs":
-        return _unfused_fwd(rt, y, qkv, saved["probs"], n_head, p, site)
+        return _unfused_fwd(rt, y, qkv, saved["probs"], n_head, p, site, ex)
     return _fused_fwd(rt, y, qkv, saved["lse"], n_head, p, site, tc)
 
 
-def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, path=None):
-    want, tc = _path(rt, saved, "attention_bwd", path)
+def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, ex=None):
+    ex = execution.of(rt) if ex is None else ex
+    want, tc = _path(saved, "attention_bwd", ex)
     if want == "probs":
-        return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site)
+        return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site, ex)
     return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, tc)
 
 
 # ---- unfused
 
-def _unfused_fwd(rt, y, qkv, probs, n_head, p, site):
+def _unfused_fwd(rt, y, qkv, probs, n_head, p, site, ex):
     from gptcuda.ops.cuda.gemm import matmul_batched
 
     B, T, C, H, hs = _split(qkv, n_head)
@@ -196,7 +199,7 @@ def _unfused_fwd(rt, y, qkv, probs, n_head, p, site):
     q, k, v, yh = _workspaces(rt, heads, "q", "k", "v", "yh")
     probs = _view(probs, (B, H, T, T))
     permute_in(rt, (q, k, v), qkv, B, T, H, hs)
-    matmul_batched(rt, probs, q, k, trans_a=False, trans_b=True, alpha=1.0 / math.sqrt(hs))
+    matmul_batched(rt, probs, q, k, trans_a=False, trans_b=True, alpha=1.0 / math.sqrt(hs), ex=ex)
     rows = B * H * T
     grid = (cdiv(rows, ROWS_PER_BLOCK),)
     drop = float(p) > 0
@@ -205,11 +208,11 @@ def _unfused_fwd(rt, y, qkv, probs, n_head, p, site):
     rt.launch(fn, grid, (ROW_THREADS,),
               [probs, pd] + _dropout_args(rt, p, site) + [i32(rows), i32(T)],
               label="attn_softmax_fwd")
-    matmul_batched(rt, yh, pd if drop else probs, v)
+    matmul_batched(rt, yh, pd if drop else probs, v, ex=ex)
     permute_out(rt, y, (yh,), B, T, H, hs)
 
 
-def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site):
+def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site, ex):
     from gptcuda.ops.cuda.gemm import matmul_batched
 
     B, T, C, H, hs = _split(qkv, n_head)
@@ -227,14 +230,14 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site):
     if drop:                                         # att = pd, used for dv, then reused for dpd
         rt.launch(rt.function(FILE, "attn_dropout_probs"), grid, (ROW_THREADS,),
                   [att, probs] + dargs + [i32(rows), i32(T)], label="attn_dropout_probs")
-    matmul_batched(rt, dv, att if drop else probs, dyh, trans_a=True)      # dv = pd^T dyh
-    matmul_batched(rt, att, dyh, v, trans_b=True)                          # dpd = dyh v^T
+    matmul_batched(rt, dv, att if drop else probs, dyh, trans_a=True, ex=ex)      # dv = pd^T dyh
+    matmul_batched(rt, att, dyh, v, trans_b=True, ex=ex)                          # dpd = dyh v^T
     fn = rt.function(FILE, f"attn_softmax_bwd<{'true' if drop else 'false'}>")
     rt.launch(fn, grid, (ROW_THREADS,),
               [att, probs] + dargs + [f32(1.0 / math.sqrt(hs)), i32(rows), i32(T)],
               label="attn_softmax_bwd")
-    matmul_batched(rt, dq, att, k)                                         # dq = dS k
-    matmul_batched(rt, dk, att, q, trans_a=True)                           # dk = dS^T q
+    matmul_batched(rt, dq, att, k, ex=ex)                                         # dq = dS k
+    matmul_batched(rt, dk, att, q, trans_a=True, ex=ex)                           # dk = dS^T q
     permute_out(rt, dqkv, (dq, dk, dv), B, T, H, hs)
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import DeviceView, f32, i32, u64
+from gptcuda.runtime import DeviceView, execution, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPI_RESID, EPILOGUE_CODES,
                                             MAX_GRID_Z, REDUCE_THREADS, SIMT_FILE, SPLIT_NAMES,
                                             TRANSPOSE_NAMES, cdiv, reduce_name)
-from gptcuda.ops.cuda.gemm.layout import precision_family, rt_transpose_a_slab, wgmma_ok, ws_capacity
+from gptcuda.ops.cuda.gemm.layout import rt_transpose_a_slab, wgmma_ok, ws_capacity
 from gptcuda.ops.cuda.gemm.plan import Plan, check_plan
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
 from gptcuda.ops.cuda.gemm.table import tune_key, tuned_plan
@@ -144,22 +144,24 @@ def _overlap(x, y):
     return ptr_x < ptr_y + y.nbytes and ptr_y < ptr_x + x.nbytes
 
 
-def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, plan=None):
-    """out[M, N] = op(a) @ op(b) (+ bias), then the epilogue (see the package docstring). `plan`
-    forces a plan (benchmarks, bench/tune.py); otherwise the measured table, else the cost model."""
+def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, plan=None, ex=None):
+    """out[M, N] = op(a) @ op(b) (+ bias), then the epilogue (see the package docstring). ex: the
+    execution plan whose choices apply (the backend passes its own; default rt's). `plan` forces a
+    plan (benchmarks, bench/tune.py); otherwise the measured table, else the cost model."""
     M, N, K, lda, ldb, epi, has_bias = matmul_dims(out, a, b, trans_a, trans_b, bias, epilogue, aux)
-    family = precision_family(rt)
+    ex = execution.of(rt) if ex is None else ex
+    family = ex.gemm_family
     ws, cap = ws_capacity(rt)
     vec = _vec_ok(a, b, lda, ldb, 0, 0)
-    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, 1, M)
+    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, 1, M, ex=ex)
     slab = rt_transpose_a_slab(rt, M, N, K, trans_b) if wg in ("transpose_ab", "transpose_a") else 0
     label = f"matmul[{M}x{N}x{K}]"
     p = plan
     if p is not None:
         check_plan(label, p, family, vec, 1, cap, M, N, K, wg, slab, epi)
     else:
-        key = tune_key(rt.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1)
-        p = tuned_plan(rt, key, vec, cap, M, N, wg)
+        key = tune_key(ex.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1)
+        p = tuned_plan(rt, key, vec, cap, M, N, wg, ex=ex)
     if p is None:
         p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab)
     if p.transpose_a:
@@ -288,19 +290,22 @@ def matmul_batched_dims(out, a, b, trans_a=False, trans_b=False):
     return batch, M, N, K, lda, ldb
 
 
-def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=None):
-    """out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch."""
+def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=None, ex=None):
+    """out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch (ex: as
+    in matmul)."""
     batch, M, N, K, lda, ldb = matmul_batched_dims(out, a, b, trans_a, trans_b)
-    family = precision_family(rt)
+    ex = execution.of(rt) if ex is None else ex
+    family = ex.gemm_family
     vec = _vec_ok(a, b, lda, ldb, M * K, K * N)
     # the batched launch re-lays nothing out: K-major operands only
-    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, batch) == "direct" and "direct"
+    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, batch, ex=ex) == "direct" and "direct"
     label = f"matmul_batched[{batch}x{M}x{N}x{K}]"
     p = plan
     if p is not None:
         check_plan(label, p, family, vec, batch, 0, M, N, K, wg)
     else:
-        p = tuned_plan(rt, tune_key(rt.precision, trans_a, trans_b, "none", False, M, N, K, batch), vec, 0, M, N, wg)
+        p = tuned_plan(rt, tune_key(ex.precision, trans_a, trans_b, "none", False, M, N, K, batch), vec, 0, M, N, wg,
+                       ex=ex)
     if p is None:
         p = model_plan(M, N, K, batch, rt.info.sm_count, family, max_ws=0, allow_split=False, vec=vec, wgmma=wg)
     _launch_gemm(rt, p, out, None, a, b, None, M, N, K, lda, ldb, N, M * K, K * N, M * N,

@@ -86,11 +86,6 @@ def mode_flags(family, wgmma):
 
 
 # ---- a runtime's device and planned workspaces ----------------------------------------------------
-def precision_family(rt) -> str:
-    """The base family the execution plan runs on (FAMILIES key)."""
-    return execution.of(rt).gemm_family
-
-
 def ws_capacity(rt, name="gemm_splitk"):
     """(view, floats) of a planned GEMM workspace: split-K partials or the wgmma kernels' scratch
     (WGMMA_WORKSPACES) ((None, 0) when the plan has none)."""
@@ -114,10 +109,10 @@ def device_workspaces(ws: dict, rt) -> dict:
     return {k: v for k, v in ws.items() if k not in WGMMA_WORKSPACES}
 
 
-def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0):
-    """`wgmma_layout_mode` of this launch with rt's planned workspaces where the kernels exist (an
-    sm_90 device; GPTCUDA_WGMMA=0: never), else False."""
-    plan = execution.of(rt)
+def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0, ex=None):
+    """`wgmma_layout_mode` of this launch with rt's planned workspaces where the kernels exist (the
+    execution plan ex, default rt's: an sm_90 device; GPTCUDA_WGMMA=0: never), else False."""
+    plan = execution.of(rt) if ex is None else ex
     if not plan.wgmma or (plan.precision == "fp32" and not plan.fp32_as_3xtf32):
         return False
     return wgmma_layout_mode(plan.precision, trans_a, trans_b, vec, M, N, K, batch,

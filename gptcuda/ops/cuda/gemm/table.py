@@ -13,7 +13,7 @@ from pathlib import Path
 from gptcuda.runtime import execution
 from gptcuda.files import atomic_open
 from gptcuda.ops.cuda.gemm.families import EPILOGUE_CODES, FAMILIES
-from gptcuda.ops.cuda.gemm.layout import precision_family, rt_transpose_a_slab
+from gptcuda.ops.cuda.gemm.layout import rt_transpose_a_slab
 from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, plan_unfit, slab_epi_ok
 
 TUNE_FORMAT = 1
@@ -124,11 +124,12 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
     return path
 
 
-def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=False) -> Plan | None:
+def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=False, ex=None) -> Plan | None:
     """The table's plan for `key` if there is one this launch can use (its alignment allows the
     tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch; transpose_a: rt's
     "gemm_aT" holds its k slab, and its epilogue is linear where it runs in slabs), else None."""
-    if not execution.of(rt).gemm_table:                 # gemm_tune off (GPTCUDA_GEMM_TUNE=0)
+    ex = execution.of(rt) if ex is None else ex         # the execution plan (default rt's)
+    if not ex.gemm_table:                               # gemm_tune off (GPTCUDA_GEMM_TUNE=0)
         return None
     name = getattr(getattr(rt, "info", None), "name", None)
     if not isinstance(name, str):
@@ -143,7 +144,7 @@ def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=Fa
         slab = rt_transpose_a_slab(rt, M, N, K, trans[1] == "T")
         if p.k_slab and not slab_epi_ok(EPILOGUE_CODES.get(epilogue.split("+")[0], -1)):
             return None
-    if plan_unfit(p, precision_family(rt), vec, wgmma, slab):
+    if plan_unfit(p, ex.gemm_family, vec, wgmma, slab):
         return None
     if p.splits > 1 and p.splits * M * N > ws_floats:
         return None
