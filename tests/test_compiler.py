@@ -122,30 +122,26 @@ def _wgmma_pipeline_names():
     return names + [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]       # 3xTF32
 
 
-@pytest.mark.prebuild(*[("gemm_wgmma.cu", n, {}) for n in _wgmma_pipeline_names()])
-def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels):
-    """ptxas's report for every wgmma tile (each loader, TF32 and 3xTF32, the widest epilogue): the wgmma stay
-    asynchronous (no C7514 "wgmma ... serialized" note: accumulators pinned by wg_fence_acc), no
-    spills, and sm_90a is the target. The report is the one the session's compile of each variant
-    left in its cache entry (compile_kernel keeps ptxas's report in the log)."""
+@pytest.mark.parametrize("file,name,defines", [("gemm_wgmma.cu", n, {}) for n in _wgmma_pipeline_names()],
+                         ids=lambda v: v if isinstance(v, str) and "<" in v else "")
+def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines):
+    """ptxas's report for every wgmma tile (each loader, TF32 and 3xTF32, the widest epilogue; the
+    weight-gradient kernel reading its operands as stored): the wgmma stay asynchronous (no C7514
+    "wgmma ... serialized" note: accumulators pinned by wg_fence_acc), no spills, and sm_90a is the
+    target. The report is the one the session's compile of the variant left in its cache entry
+    (compile_kernel keeps ptxas's report in the log); one test a variant, so that pytest-xdist
+    spreads these full-optimization compiles over the workers."""
     from gptcuda.ops.cuda import gemm
-    names = _wgmma_pipeline_names()
-    assert gemm.WGMMA_FILE == "gemm_wgmma.cu"
-    arch = compiler.target_arch(gemm.WGMMA_FILE, "sm_90")
+    assert file == gemm.WGMMA_FILE == "gemm_wgmma.cu"
+    arch = compiler.target_arch(file, "sm_90")
     assert arch == "sm_90a"
-    lowered, logs = {}, []
-    for n in names:
-        prebuilt_kernels.wait(gemm.WGMMA_FILE, n)
-        c = compiler.compile_kernel(gemm.WGMMA_FILE, [n], arch="sm_90", ptxas_info=True)
-        lowered.update(c.lowered)
-        assert f"Compiling entry function '{c.lowered[n]}' for 'sm_90a'" in c.log, c.log
-        logs.append(c.log)
-    log = "\n".join(logs)
-    assert set(lowered) == set(names)
-    assert "C7514" not in log and "serialized" not in log, log
-    spills = [ln for ln in log.splitlines() if "spill" in ln]
-    assert len(spills) >= len(names) and all(" 0 bytes spill stores, 0 bytes spill loads" in ln
-                                             for ln in spills), log
+    prebuilt_kernels.wait(file, name)
+    c = compiler.compile_kernel(file, [name], arch="sm_90", ptxas_info=True)
+    assert set(c.lowered) == {name}
+    assert f"Compiling entry function '{c.lowered[name]}' for 'sm_90a'" in c.log, c.log
+    assert "C7514" not in c.log and "serialized" not in c.log, c.log
+    spills = [ln for ln in c.log.splitlines() if "spill" in ln]
+    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills), c.log
 
 
 def test_compile_leaves_python_objects_alone(tmp_path, monkeypatch):
