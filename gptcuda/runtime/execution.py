@@ -89,7 +89,8 @@ class ExecutionPlan:
         if not self.wgmma:
             wg = "off" + ("" if self.arch in WGMMA_ARCHS else f" (not on {self.arch})")
         elif self.precision == "tf32":
-            wg = "on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW via gemm_aT"
+            wg = ("on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW via gemm_aT or read as stored "
+                  "(wgmma_mn, the measured table's choice)")
         elif self.fp32_as_3xtf32:
             wg = "on as 3xTF32 (gemm_wgmma.cu): x @ W^T, dY @ W and dW via gemm_split_a / gemm_split_b"
         else:
