@@ -40,6 +40,13 @@ nccl_env() {
   fi
 }
 
+# GPT-2 BPE token data: tiny Shakespeare through prepare.py (the shards every gpt2_* step below reads)
+GPT2_DATA=/tmp/shakespeare_gpt2
+gpt2_shards() {          # prepared once, where a step needs them and the gpt2_data step did not run
+  [ -f $GPT2_DATA/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 \
+    --out $GPT2_DATA > /dev/null 2>&1
+}
+
 log "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader)"
 python3 -c "import cuda.bindings, numpy; from gptcuda.runtime.compiler import nvrtc_version; print('cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc_version(), 'numpy', numpy.__version__)" | tee -a "$OUT/summary.txt"
 
@@ -90,15 +97,13 @@ fi
 # (3xTF32), the T2048 context, GPT-2 124M at B8 (SPEED_CASES selects; GEMM_MODELS adds bench/gemm.py at
 # those models' shapes, e.g. "8,1024,768,50304")
 if has speed; then
-  GPT2_DATA_S=/tmp/shakespeare_gpt2
   for c in ${SPEED_CASES:-char_tf32 char_fp32 ctx2048 gpt2_b8}; do
     case $c in
       char_tf32) args="configs/ctx256_tf32.yaml" ;;
       char_fp32) args="configs/ctx256_tf32.yaml --precision=fp32" ;;
       ctx2048)   args="configs/ctx2048_tf32.yaml" ;;
-      gpt2_b8)   [ -f $GPT2_DATA_S/train_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt \
-                   --tokenizer gpt2 --out $GPT2_DATA_S > /dev/null 2>&1
-                 args="configs/gpt2_124m.yaml --data=$GPT2_DATA_S --val_data= --total_batch_tokens=0 --batch_size=8" ;;
+      gpt2_b8)   gpt2_shards
+                 args="configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8" ;;
       *) echo "unknown speed case $c"; continue ;;
     esac
     log "step $c: bench/step.py $args ${SPEED_ARGS:-}"
@@ -176,8 +181,6 @@ if has dist; then
       --zero=$z --json "$OUT/scaling_zero$z.json" 2>&1 | tee -a "$OUT/dist.log" | tail -8
   done
 fi
-# GPT-2 BPE token data: tiny Shakespeare through prepare.py (the shards every gpt2_* step below reads)
-GPT2_DATA=/tmp/shakespeare_gpt2
 if has gpt2_data; then
   log "prepare.py tiny Shakespeare -> GPT-2 BPE shards"
   python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 --out $GPT2_DATA 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
@@ -229,7 +232,7 @@ if has interop; then
     (cd /tmp/llmc_fp32 && make train_gpt2cu PRECISION=FP32 USE_CUDNN=0 NO_MULTI_GPU=1 NO_USE_MPI=1 \
       GPU_COMPUTE_CAPABILITY=90 > build.log 2>&1) || tail -5 /tmp/llmc_fp32/build.log
   fi
-  [ -f $GPT2_DATA/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 --out $GPT2_DATA > /dev/null 2>&1
+  gpt2_shards
   python3 bench/interop_check.py --data $GPT2_DATA --llmc_bin /tmp/llmc_fp32/train_gpt2cu --out /tmp/interop 2>&1 \
     | tee "$OUT/interop.log" | grep -vE "^ *[a-z_0-9]+: " | tail -40
   cp /tmp/interop/run/metrics.jsonl "$OUT/interop_run_metrics.jsonl" 2>/dev/null

@@ -48,13 +48,16 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
     if fam.products == 3:        # TMA over the split halves: {K, rows, 2 (hi, lo)}, dense
         operands = [rt.tensor_map(x, (K, rows_, 2), (4 * K, 4 * rows_ * K), (32, box, 1))
                     for x, rows_, box in ((a, M, p.bm), (b, N, p.bn))]
-    elif fam.mn_major:           # TMA as stored: {rows, K, batch}, box {BM or BN, 32}, no swizzle
-        operands = [rt.tensor_map(x, (rows_, K, batch), (4 * ld, 4 * max(stride, rows_ * K)), (box, 32, 1),
-                                  swizzle=False)
-                    for x, rows_, ld, stride, box in ((a, M, lda, sA, p.bm), (b, N, ldb, sB, p.bn))]
-    elif fam.tma(p.tile):        # TMA: tensor maps {K, rows, batch} in place of pointers
-        operands = [rt.tensor_map(x, (K, rows_, batch), (4 * ld, 4 * max(stride, rows_ * ld)), (32, box, 1))
-                    for x, rows_, ld, stride, box in ((a, M, lda, sA, p.bm), (b, N, ldb, sB, p.bn))]
+    elif fam.tma(p.tile):
+        # TMA: tensor maps in place of pointers, {K, rows, batch} with boxes {32, BM or BN} in the
+        # 128-byte swizzle; mn_major (A [K, M], B [K, N] as stored) {rows, K, batch}, boxes {BM or BN,
+        # 32}, unswizzled
+        mn = fam.mn_major
+        operands = []
+        for x, rows_, ld, stride, box in ((a, M, lda, sA, p.bm), (b, N, ldb, sB, p.bn)):
+            inner, outer = (rows_, K) if mn else (K, rows_)
+            operands.append(rt.tensor_map(x, (inner, outer, batch), (4 * ld, 4 * max(stride, outer * ld)),
+                                          (box, 32, 1) if mn else (32, box, 1), swizzle=not mn))
     if p.splits > 1:
         # partials: plain store into ws [splits, M, N], then the fixed-order reduction + epilogue
         fn = rt.function(fam.file, fam.kernel(p.tile, ta, tb, EPI_NONE, False, vec))
