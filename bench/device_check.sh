@@ -112,8 +112,9 @@ if has speed; then
     grep -E "ms/step|THROTTLED|clock|error|Error" "$OUT/speed_$c.log" | head -6 | tee -a "$OUT/summary.txt"
   done
   for m in ${GEMM_MODELS:-}; do
-    log "GEMM shapes of the model $m (tf32, cuBLAS beside)"
-    python3 bench/gemm.py --precision tf32 --model $m ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm_${m//,/_}.log" | tail -22
+    log "GEMM shapes of the model $m (${GEMM_PRECISION:-tf32}, cuBLAS beside)"
+    python3 bench/gemm.py --precision ${GEMM_PRECISION:-tf32} --model $m ${GEMM_ARGS:-} 2>&1 \
+      | tee "$OUT/gemm_${m//,/_}.log" | tail -40
   done
 fi
 # the same call's anchors for the speed goals: PyTorch's char step (eager and torch.compile, dropout 0.2

@@ -180,7 +180,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
                                      M, N, wg) \
                 or gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec, wgmma=wg)
             cands = [(chosen, True)]
-            if chosen.family == "wgmma3":          # the FMA kernel beside it (fp32_gemm: ffma)
+            if chosen.fam.products == 3:           # the FMA kernel beside it (fp32_gemm: ffma)
                 cands.append((gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec), False))
             if args.sweep:
                 tiles = []                     # every tile of every family competing for this product

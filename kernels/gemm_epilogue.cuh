@@ -41,6 +41,18 @@ __device__ __forceinline__ float gemm_gelu_grad(float x) {
     return u > 40.0f ? 1.0f : (u < -40.0f ? 0.0f : g);
 }
 
+// The 3xTF32 split (gemm_simt.cu tf32_split / gemm_transpose<true>, gemm_wgmma.cu gemm_wgmma3_ws):
+// x = hi + lo with hi = tf32(x) and lo = tf32(x - hi), both rounded to nearest (ties away from
+// zero, as cvt.rna.tf32.f32) and stored with the 13 low mantissa bits cleared, so the tensor core,
+// which reads only the top 19 bits, sees them exactly. x - hi is exact in fp32; hi and lo together
+// carry 22 of x's 24 significand bits (the rest: |x - hi - lo| <= 2^-22 |x|). Then
+// a b = ahi bhi + ahi blo + alo bhi + alo blo, and the 3xTF32 product drops the last term
+// (<= 2^-22 |a b|). Non-finite x give non-finite halves; |x| within half a tf32 ulp of FLT_MAX
+// rounds hi to inf (as cvt.rna does), so its lo is -inf and products with it are NaN.
+__device__ __forceinline__ float tf32_hi(float x) {
+    return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xFFFFE000u);
+}
+
 // The epilogue of one value: pre = alpha*acc + bias, then the epilogue. `in` is the aux value
 // the epilogue reads (residual input, or the saved pre-activation of DGELU). Returns the value
 // for C; for GELU, *pre_out gets the pre-activation.

@@ -237,16 +237,7 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
 // Operand preparation for the wgmma kernels (gemm_wgmma.cu reads K-major operands only, and its
 // 3xTF32 form reads them split in two).
 //
-// x = hi + lo with hi = tf32(x) and lo = tf32(x - hi), both rounded to nearest (ties away from
-// zero, as cvt.rna.tf32.f32) and stored with the 13 low mantissa bits cleared, so the tensor core,
-// which reads only the top 19 bits, sees them exactly. x - hi is exact in fp32; hi and lo together
-// carry 22 of x's 24 significand bits (the rest: |x - hi - lo| <= 2^-22 |x|). Then
-// a b = ahi bhi + ahi blo + alo bhi + alo blo, and the 3xTF32 product drops the last term
-// (<= 2^-22 |a b|). Non-finite x give non-finite halves; |x| within half a tf32 ulp of FLT_MAX
-// rounds hi to inf (as cvt.rna does), so its lo is -inf and products with it are NaN.
-__device__ __forceinline__ float tf32_hi(float x) {
-    return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xFFFFE000u);
-}
+// The hi / lo split: tf32_hi in gemm_epilogue.cuh.
 
 // out [N, K] = in [K, N] (row-major, dense rows): the B operand of a transpose_b plan, or with
 // SPLIT out [2, N, K], the hi then the lo half of each element (the 3xTF32 split of an operand

@@ -471,16 +471,21 @@ struct WsTile {
 
 // The consumer warpgroups of the warp-specialized kernels: for each of the block's output tiles,
 // wait for each k tile's slot (full), its 4 wgmma, release the slot of the k tile before once its
-// group is done (empty), then the epilogue from the accumulators.
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
+// group is done (empty), then the epilogue from the accumulators. PRODUCTS = 3 (3xTF32, the slot
+// holds the hi tiles of A and B, then their lo tiles HALF bytes on): each k tile's 12 wgmma go into
+// its own partial (the first with scale-d 0), whose group is waited for at once, so the tile's slot
+// is released before the partial is added into the sum on the FMA pipe (as in gemm_wgmma_tma).
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS = 1>
 __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, float* C, float* aux,
                                            const float* bias, int M, int N, int K, int ldc, long long sC,
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
                                            int total) {
     constexpr int A_BYTES = BM * 128;
-    constexpr int STAGE_BYTES = (BM + BN) * 128;
+    constexpr int HALF = (BM + BN) * 128;
+    constexpr int STAGE_BYTES = (PRODUCTS == 3 ? 2 : 1) * HALF;
     const int wg = threadIdx.x >> 7;
     float acc[BN / 2];
+    float part[PRODUCTS == 3 ? BN / 2 : 1];
     int it = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
@@ -492,19 +497,39 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
             mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
             const unsigned sa = smem0 + s * STAGE_BYTES;
             const unsigned a_wg = sa + wg * 64 * 128, b_t = sa + A_BYTES;
-            wg_fence_acc(acc);
-            wg_fence();
+            if constexpr (PRODUCTS == 3) {
+                wg_fence_acc(part);
+                wg_fence();
 #pragma unroll
-            for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8)
-                wg_mma_tf32<BN>(acc, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
-            wg_commit();
-            wg_fence_acc(acc);
-            wg_wait<1>();                 // the group of the k tile before is done: release its slot
-            if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+                for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) {
+                    wg_mma_tf32<BN>(part, wg_desc(a_wg + HALF + 32 * k8), wg_desc(b_t + 32 * k8), k8 > 0);  // lo x hi
+                    wg_mma_tf32<BN>(part, wg_desc(a_wg + 32 * k8), wg_desc(b_t + HALF + 32 * k8));          // hi x lo
+                    wg_mma_tf32<BN>(part, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));                 // hi x hi
+                }
+                wg_commit();
+                wg_fence_acc(part);
+                wg_wait<0>();
+                wg_fence_acc(part);
+                mbar_arrive(empty0 + 8 * s);
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
+            } else {
+                wg_fence_acc(acc);
+                wg_fence();
+#pragma unroll
+                for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8)
+                    wg_mma_tf32<BN>(acc, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
+                wg_commit();
+                wg_fence_acc(acc);
+                wg_wait<1>();             // the group of the k tile before is done: release its slot
+                if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+            }
         }
-        wg_wait<0>();
-        wg_fence_acc(acc);
-        if (nk > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        if constexpr (PRODUCTS == 1) {
+            wg_wait<0>();
+            wg_fence_acc(acc);
+            if (nk > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        }
         float* aux_z = aux;
         if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
         wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C + tl.z * sC, aux_z, bias, M, N, ldc, sC, tl.m0, tl.n0, alpha);
@@ -579,60 +604,90 @@ gemm_wgmma_ws(float* C,                           // C [zs, M, N], row stride ld
 }
 
 // ---------------------------------------------------------------------------------------------
+// The turning kernels: the warp-specialized persistent product of gemm_wgmma_ws, whose producer
+// warpgroup prepares each TMA-staged k tile in shared memory before the consumers (ws_consume)
+// read it. Lane 0 of its first warp has the copy engine bring a k tile of A and B as they are
+// stored into a slot (staged[s]); the 128 producer threads prepare it in place, fence their stores
+// into the async proxy and arrive on full[s] (128 arrivals); A, then B (each operand's staged
+// bytes are exactly its K-major tile's place). A slot's next copy (k tile it + STAGES - 1 goes
+// where tile it - 1 was) is issued once the consumers released it: STAGES - 2 copies in flight.
+//
 // gemm_wgmma_mn: C = A^T B with A stored [batch, K, M] and B stored [batch, K, N] (both MN-major:
-// the weight gradient dW = dY^T X with K = tokens), on wgmma without a transposing pass through
-// global memory. wgmma reads TF32 operands K-major only, so the producer warpgroup turns them in
-// place: lane 0 of its first warp has the copy engine bring a k tile's A [32][BM] and B [32][BN]
-// as they lie (no swizzle; tensor maps {rows, K, batch}, box {BM or BN, 32, 1}) into a slot
-// (staged[s]); the 128 producer threads read the slot into registers, meet at a named barrier,
-// write it back in the K-major 128-byte swizzle of gemm_wgmma_tma, fence their stores into the
-// async proxy and arrive on full[s] (128 arrivals); A and B one after the other (mn_turn: each
-// operand's staged bytes are exactly its K-major bytes' place). The consumers are ws_consume. A slot's next
-// copy (k tile it + STAGES - 1 goes where tile it - 1 was) is issued once the consumers released
-// it, which they do after issuing tile it: STAGES - 2 copies stay in flight.
-// The rewrite: a warp takes 32 consecutive rows r and one 16-byte chunk c (k 4c .. 4c + 3): each
-// lane reads its row's 4 staged values (a staged row is one k: a warp's 32 reads are 32
-// consecutive floats, no bank conflict) and stores them as one 16-byte chunk at
-// r * 128 + ((c ^ (r % 8)) * 16) (the 8 lanes of a store phase hit 8 distinct bank groups).
-// One operand of a staged k tile turned in place by the 128 producer threads (pt = 0..127): its
-// [32][R] floats at tile (as the copy engine left them) become the K-major swizzled [R][32]; every
-// thread reads its R / 16 chunks into registers, the producers meet (named barrier 1), then write.
-template <int R>
-__device__ __forceinline__ void mn_turn(unsigned char* tile, int pt) {
+// the weight gradient dW = dY^T X with K = tokens) in TF32. wgmma reads TF32 operands K-major
+// only, so the producers turn them: an MN-major operand arrives as it lies (no swizzle; tensor map
+// {rows, K, batch}, box {BM or BN, 32, 1}), [32][R], and is rewritten as the K-major [R][32] in
+// the 128-byte swizzle of gemm_wgmma_tma (ws_prepare).
+//
+// gemm_wgmma3_ws: fp32 as 3xTF32 with no pass before it: A [batch, M, K] or, MN_A, [batch, K, M];
+// B [batch, N, K] or, MN_B, [batch, K, N], read as stored (a K-major operand through the swizzled
+// tensor map of gemm_wgmma_tma). The producers split every element x into hi = tf32_hi(x), written
+// where x was (turned first where MN), and lo = tf32_hi(x - hi), written HALF = (BM + BN) * 128
+// bytes on, in the same layout (the swizzle is a function of the address bits below 1024 and HALF
+// is a multiple of 1024): the halves gemm_simt.cu's tf32_split / gemm_transpose<true> would have
+// written, so the products, their order and the sums are those of gemm_wgmma_tma<..., 3>.
+//
+// ws_prepare: one operand of a staged k tile (R rows) at `tile`, by the 128 producer threads
+// (pt = 0..127). MN: a warp takes 32 consecutive rows r and one 16-byte chunk c (k 4c .. 4c + 3):
+// each lane reads its row's 4 staged values (a staged row is one k: a warp's 32 reads are 32
+// consecutive floats, no bank conflict) into registers, the producers meet (named barrier 1), then
+// each stores its chunks at r * 128 + ((c ^ (r % 8)) * 16) (the 8 lanes of a store phase hit 8
+// distinct bank groups). K-major (SPLIT only): thread pt splits the 16-byte chunks pt, pt + 128, ...
+// where they are (consecutive chunks: conflict-free). SPLIT: the hi half in place, the lo half at
+// tile + HALF.
+template <int R, bool MN, bool SPLIT, int HALF>
+__device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt) {
     constexpr int CH = R * 8 / 128;
-    const float* stg = reinterpret_cast<const float*>(tile);
-    float4 v[CH];
+    static_assert(MN || SPLIT, "a K-major TF32 operand needs no preparation");
+    auto put = [&](unsigned char* dst, float4 x) {
+        if constexpr (SPLIT) {
+            const float4 h = make_float4(tf32_hi(x.x), tf32_hi(x.y), tf32_hi(x.z), tf32_hi(x.w));
+            *reinterpret_cast<float4*>(dst) = h;
+            *reinterpret_cast<float4*>(dst + HALF) =
+                make_float4(tf32_hi(x.x - h.x), tf32_hi(x.y - h.y), tf32_hi(x.z - h.z), tf32_hi(x.w - h.w));
+        } else {
+            *reinterpret_cast<float4*>(dst) = x;
+        }
+    };
+    if constexpr (MN) {
+        static_assert(R % 32 == 0, "whole 32-row groups");
+        const float* stg = reinterpret_cast<const float*>(tile);
+        float4 v[CH];
 #pragma unroll
-    for (int i = 0; i < CH; ++i) {
-        const int idx = pt + 128 * i;
-        const int c = (idx >> 5) & 7, row = (idx >> 8) * 32 + (idx & 31);
-        const float* src = stg + 4 * c * R + row;
-        v[i] = make_float4(src[0], src[R], src[2 * R], src[3 * R]);
-    }
-    asm volatile("bar.sync 1, 128;\n" ::: "memory");       // every read of the staged operand done
+        for (int i = 0; i < CH; ++i) {
+            const int idx = pt + 128 * i;
+            const int c = (idx >> 5) & 7, row = (idx >> 8) * 32 + (idx & 31);
+            const float* src = stg + 4 * c * R + row;
+            v[i] = make_float4(src[0], src[R], src[2 * R], src[3 * R]);
+        }
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");       // every read of the staged operand done
 #pragma unroll
-    for (int i = 0; i < CH; ++i) {
-        const int idx = pt + 128 * i;
-        const int c = (idx >> 5) & 7, row = (idx >> 8) * 32 + (idx & 31);
-        *reinterpret_cast<float4*>(tile + row * 128 + ((c ^ (row & 7)) << 4)) = v[i];
+        for (int i = 0; i < CH; ++i) {
+            const int idx = pt + 128 * i;
+            const int c = (idx >> 5) & 7, row = (idx >> 8) * 32 + (idx & 31);
+            put(tile + row * 128 + ((c ^ (row & 7)) << 4), v[i]);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+            unsigned char* p = tile + 16 * (pt + 128 * i);
+            put(p, *reinterpret_cast<const float4*>(p));
+        }
     }
 }
 
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
-gemm_wgmma_mn(float* C,                           // C [zs, M, N], row stride ldc, matrix stride sC
-              float* aux,                         // aux: as in gemm_wgmma
-              const __grid_constant__ TmaMap mapA,  // A [batch, K, M] (M-major)
-              const __grid_constant__ TmaMap mapB,  // B [batch, K, N] (N-major)
-              const float* __restrict__ bias,     // bias [N] or null
-              int M, int N, int K, int ldc, long long sC,
-              float alpha, int splits, int k_chunk, int zs) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The body of both turning kernels (PRODUCTS 1: gemm_wgmma_mn, MN_A and MN_B; 3: gemm_wgmma3_ws).
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, int PRODUCTS>
+__device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap* mapA, const TmaMap* mapB,
+                                             const float* bias, int M, int N, int K, int ldc, long long sC,
+                                             float alpha, int splits, int k_chunk, int zs) {
     constexpr int WG = BM / 64;
     constexpr int A_BYTES = BM * 128;
-    constexpr int STAGE_BYTES = (BM + BN) * 128;
-    static_assert(BM % 64 == 0 && BM <= 256 && BN % 32 == 0 && BN <= 256, "wgmma tiles of whole 32-row groups");
+    constexpr int HALF = (BM + BN) * 128;                       // the staged bytes of a k tile
+    constexpr int STAGE_BYTES = (PRODUCTS == 3 ? 2 : 1) * HALF;   // 3xTF32: the lo tiles after them
+    constexpr bool SPLIT = PRODUCTS == 3;
+    static_assert(BM % 64 == 0 && BM <= 256 && BN % 16 == 0 && BN <= 256, "wgmma tiles, TMA boxes <= 256");
     static_assert(STAGES >= 3, "a slot is refilled after the consumers issued the k tile after it");
+    static_assert(PRODUCTS == 3 || (MN_A && MN_B), "TF32: the as-stored weight gradient only");
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[3 * STAGES];    // full, empty, staged
@@ -664,9 +719,9 @@ gemm_wgmma_mn(float* C,                           // C [zs, M, N], row stride ld
             const int s = ld % STAGES;
             if (ld >= STAGES) mbar_wait(empty0 + 8 * s, ((ld / STAGES) - 1) & 1);
             const unsigned st = smem0 + s * STAGE_BYTES;
-            const int k0 = lkb0 + lkt * GEMM_WG_BK;
-            tma_load_pair(lane, staged0 + 8 * s, STAGE_BYTES, st, &mapA, lm0, k0, st + 32 * BM * 4, &mapB, ln0, k0,
-                          lbatch);
+            const int k0 = lkb0 + lkt * GEMM_WG_BK;     // MN maps' coordinates (row, k); K-major (k, row)
+            tma_load_pair(lane, staged0 + 8 * s, HALF, st, mapA, MN_A ? lm0 : k0, MN_A ? k0 : lm0, st + A_BYTES,
+                          mapB, MN_B ? ln0 : k0, MN_B ? k0 : ln0, lbatch);
             ++ld;
             if (++lkt == lnk) {
                 lkt = 0;
@@ -686,8 +741,8 @@ gemm_wgmma_mn(float* C,                           // C [zs, M, N], row stride ld
                 const int s = it % STAGES;
                 mbar_wait(staged0 + 8 * s, (it / STAGES) & 1);
                 unsigned char* slot = base + s * STAGE_BYTES;
-                mn_turn<BM>(slot, pt);                        // A's staged [32][BM] -> [BM][32] swizzled
-                mn_turn<BN>(slot + A_BYTES, pt);              // then B's, in the bytes after it
+                if constexpr (MN_A || SPLIT) ws_prepare<BM, MN_A, SPLIT, HALF>(slot, pt);
+                if constexpr (MN_B || SPLIT) ws_prepare<BN, MN_B, SPLIT, HALF>(slot + A_BYTES, pt);
                 wg_fence_async_smem();                        // the stores, into the async proxy
                 mbar_arrive(full0 + 8 * s);
                 if (pt < 32) stage_next();                    // k tile it + STAGES - 1, where it - 1 was
@@ -695,8 +750,39 @@ gemm_wgmma_mn(float* C,                           // C [zs, M, N], row stride ld
         }
         return;
     }
-    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS>(smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits,
-                                              k_chunk, per_z, tiles_n, total);
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS>(smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha,
+                                                        splits, k_chunk, per_z, tiles_n, total);
+}
+
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+gemm_wgmma_mn(float* C,                           // C [zs, M, N], row stride ldc, matrix stride sC
+              float* aux,                         // aux: as in gemm_wgmma
+              const __grid_constant__ TmaMap mapA,  // A [batch, K, M] (M-major)
+              const __grid_constant__ TmaMap mapB,  // B [batch, K, N] (N-major)
+              const float* __restrict__ bias,     // bias [N] or null
+              int M, int N, int K, int ldc, long long sC,
+              float alpha, int splits, int k_chunk, int zs) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
+                                                               splits, k_chunk, zs);
+#else
+    __trap();
+#endif
+}
+
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+gemm_wgmma3_ws(float* C,                           // C [zs, M, N], row stride ldc, matrix stride sC
+               float* aux,                         // aux: as in gemm_wgmma
+               const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major) or, MN_A, [batch, K, M]
+               const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major) or, MN_B, [batch, K, N]
+               const float* __restrict__ bias,     // bias [N] or null
+               int M, int N, int K, int ldc, long long sC,
+               float alpha, int splits, int k_chunk, int zs) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
+                                                               splits, k_chunk, zs);
 #else
     __trap();
 #endif

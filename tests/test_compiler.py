@@ -116,10 +116,13 @@ def test_forbid_compiles(tmp_path, monkeypatch):
 
 def _wgmma_pipeline_names():
     from gptcuda.ops.cuda import gemm
-    names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]
+    names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]      # every loader
     names += [gemm.FAMILIES["wgmma_mn"].kernel(t, True, False, gemm.EPI_RESID, True, True)     # dW as stored
               for t in gemm.WGMMA_MN_TILES]
-    return names + [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]       # 3xTF32
+    names += [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]            # 3xTF32
+    # 3xTF32 split in shared memory: both operands K-major, and both as stored (turned)
+    return names + [gemm.FAMILIES["wgmma3_ws"].kernel(t, ta, tb, gemm.EPI_GELU, True, True)
+                    for t in gemm.WGMMA3_WS_TILES for ta, tb in ((False, True), (True, False))]
 
 
 @pytest.mark.parametrize("file,name,defines", [("gemm_wgmma.cu", n, {}) for n in _wgmma_pipeline_names()],

@@ -360,17 +360,18 @@ class _NumpyRT(FakeGemmRT):
         elif name.startswith("gemm_wgmma"):
             params = name[name.index("<") + 1:-1].split(",")
             mn = name.startswith("gemm_wgmma_mn")            # A [K, M] and B [K, N] as stored
+            mn_a = mn_b = mn
+            if name.startswith("gemm_wgmma3_ws"):             # each operand as stored, MN_A / MN_B
+                mn_a, mn_b = params[5] == "true", params[6] == "true"
             epi, hb = int(params[3]), params[4] == "true"
-            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn")):
+            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws")):
                 C, aux, ma, mb, bias, M, N, K, ldc, sC, alpha, splits, kc = v[:13]
                 (pa, lda), (pb, ldb) = (ma.ptr, ma.ld), (mb.ptr, mb.ld)
             else:
                 C, aux, A, B, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, kc = v
                 pa, pb = A.ptr, B.ptr
-            if mn:                                            # A [K, M] and B [K, N] as stored
-                a, b = self._mat(pa, K, M, lda).T, self._mat(pb, K, N, ldb).T
-            else:
-                a, b = self._mat(pa, M, K, lda), self._mat(pb, N, K, ldb)
+            a = self._mat(pa, K, M, lda).T if mn_a else self._mat(pa, M, K, lda)
+            b = self._mat(pb, K, N, ldb).T if mn_b else self._mat(pb, N, K, ldb)
             for z in range(splits):
                 acc = a[:, z * kc:(z + 1) * kc] @ b[:, z * kc:(z + 1) * kc].T
                 if hb:
@@ -486,3 +487,56 @@ def test_mn_family_competes_only_for_stored_weight_gradients():
     assert "needs" in gemm.plan_unfit(p, "tf32", True, "direct")
     assert "needs" in gemm.plan_unfit(p, "tf32", False, "transpose_ab")
     assert "rt.precision" in gemm.plan_unfit(p, "simt", True, "transpose_ab")
+
+
+@pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_wgmma3_ws_plan_reads_every_layout_as_stored(ta, tb, splits):
+    """A wgmma3_ws plan (fp32 as 3xTF32, split in shared memory) launches one kernel, no split or
+    transpose pass, with a tensor map per operand as it is stored: K-major ({K, rows}, swizzled boxes
+    {32, BM or BN}) or MN-major ({rows, K}, unswizzled boxes {BM or BN, 32}), the kernel's MN_A / MN_B
+    naming which; the numpy stand-in of the kernel gives op(A) @ op(B)."""
+    M, N, K = 68, 36, 740
+    tile = gemm.WGMMA3_WS_TILES[0]
+    rng = np.random.default_rng(M + N + K + splits + 2 * ta + tb)
+    rt = _NumpyRT(1 << 21)
+    rt.precision = "fp32"
+    rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_split_a": rt.alloc((2 * M * K,), "sa"),
+              "gemm_split_b": rt.alloc((2 * N * K,), "sb")}
+    maps = []
+    rt.tensor_map = lambda view, dims, strides, box, swizzle=True: (
+        maps.append((tuple(dims), tuple(box), swizzle)) or _NumpyRT.tensor_map(rt, view, dims, strides, box, swizzle))
+    a = rng.standard_normal((K, M) if ta else (M, K))
+    b = rng.standard_normal((N, K) if tb else (K, N))
+    da, db, out = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N))
+    for view, x in ((da, a), (db, b)):
+        rt.at(view.ptr, x.size)[:] = x.ravel()
+    p = gemm.make_plan("wgmma3_ws", tile, splits, K)
+    gemm.matmul(rt, out, da, db, ta, tb, plan=p)
+    want_maps = [((M, K, 1), (tile[0], 32, 1), False) if ta else ((K, M, 1), (32, tile[0], 1), True),
+                 ((K, N, 1), (32, tile[1], 1), True) if tb else ((N, K, 1), (tile[1], 32, 1), False)]
+    assert maps == want_maps
+    names = [n for n, *_ in rt.launches]
+    assert names[0] == f"gemm_wgmma3_ws<{tile[0]},{tile[1]},{tile[2]},0,false,{str(ta).lower()},{str(not tb).lower()}>"
+    assert len(names) == (2 if splits > 1 else 1) and not any("transpose" in n or "split<" in n for n in names), names
+    a32, b32 = a.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64)
+    want = (a32.T if ta else a32) @ (b32.T if tb else b32)
+    got = rt._mat(out.ptr, M, N, N)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_wgmma3_ws_competes_for_aligned_fp32_products():
+    """wgmma3_ws joins the fp32 candidates wherever the 3xTF32 kernels may run, for aligned operands
+    only, and is refused elsewhere with its reason."""
+    for mode in ("direct", "transpose"):
+        assert "wgmma3_ws" in gemm.competing("fp32", mode, True)
+        assert "wgmma3_ws" not in gemm.competing("fp32", mode, False)
+        assert "wgmma3_ws" not in gemm.competing("tf32", mode, True)
+    assert "wgmma3_ws" not in gemm.competing("fp32", False, True)
+    p = gemm.make_plan("wgmma3_ws", gemm.WGMMA3_WS_TILES[0], 1, 64)
+    assert gemm.plan_unfit(p, "simt", True, "transpose") is None
+    assert "needs" in gemm.plan_unfit(p, "simt", False, "direct")
+    assert "needs" in gemm.plan_unfit(p, "simt", True, False)
+    assert "rt.precision" in gemm.plan_unfit(p, "tf32", True, "direct")
+    cands = gemm.tune_candidates(384, 1536, 16384, 1, "simt", True, 1 << 24, wgmma="transpose")
+    assert {p.family for p in cands} >= {"simt", "wgmma3", "wgmma3_ws"}

@@ -284,8 +284,9 @@ WS_TILES = [t for t in gemm.WGMMA_TILES if gemm.FAMILIES["wgmma"].persistent(t)]
 @pytest.mark.parametrize("tile", WS_TILES, ids=lambda t: "x".join(map(str, t)))
 def test_wgmma_ws_walks_many_tiles(rt, splitk_ws, tile):
     """The persistent kernel with more output tiles than blocks (one per SM): each block walks
-    several tiles of ragged m and n, the ring's slots and parities running on across them; with
-    split-K (tiles x splits) and batched (tiles x batch)."""
+    several tiles of ragged m and n, the ring's slots and parities running on across them, with
+    the epilogues that write aux or read it; with split-K (tiles x splits) and batched (tiles x
+    batch)."""
     _wgmma_rt(rt)
     old = rt.precision
     rt.precision = "tf32"
@@ -293,7 +294,7 @@ def test_wgmma_ws_walks_many_tiles(rt, splitk_ws, tile):
         sms = rt.info.sm_count
         M, N = tile[0] * 12 - 20, tile[1] * 12 - 36          # 144 tiles > 132 blocks
         assert gemm.cdiv(M, tile[0]) * gemm.cdiv(N, tile[1]) > sms
-        for epi, K in (("bias", 100), ("gelu", 260)):
+        for epi, K in (("bias", 100), ("gelu", 260), ("dgelu", 68), ("residual_alias", 132)):
             _check_matmul(rt, M, N, K, False, True, epi, seed=K, plan=gemm.make_plan("wgmma", tile, 1, K))
         M, N = tile[0] * 6 - 20, tile[1] * 8 - 36               # 48 tiles x 3 splits (the 32 MB workspace)
         _check_matmul(rt, M, N, 740, False, True, "none", seed=740, plan=gemm.make_plan("wgmma", tile, 3, 740))
@@ -505,6 +506,53 @@ def test_wgmma3_tile_forced(rt, precision, splitk_ws, split_ws, tile):
                   plan=gemm.make_plan("wgmma3", tile, 3, K, transpose_b=True))
     _check_matmul(rt, M - 1, N + 3, K, True, False, "none", seed=9,            # split-K weight gradient
                   plan=gemm.make_plan("wgmma3", tile, 3, K, transpose_b=True))
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32"], indirect=True)
+@pytest.mark.parametrize("tile", gemm.WGMMA3_WS_TILES, ids=lambda t: "x".join(map(str, t)))
+def test_wgmma3_ws_tile_forced(rt, precision, splitk_ws, split_ws, tile):
+    """Every tile of the 3xTF32 kernel that splits (and turns) A and B as stored in shared memory,
+    forced, at fp32's tolerance: the four layouts, every epilogue, interior blocks and ragged edges
+    in m, n and k, more tiles than blocks (each block walks several), split-K."""
+    _wgmma_rt(rt)
+    shapes = [(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132), (tile[0] - 4, tile[1] + 8, 36),
+              (tile[0] * 12 - 20, tile[1] * 12 - 36, 100)]
+    for i, (M, N, K) in enumerate(shapes):
+        p = gemm.make_plan("wgmma3_ws", tile, 1, K)
+        for j, (ta, tb) in enumerate(TRANS):
+            epis = ("none", "bias", "gelu", "residual_alias", "residual_bias", "dgelu") if (i, j) < (1, 0) or \
+                (ta, tb) == (False, True) else ("none", "residual_bias")
+            for epi in epis:
+                _check_matmul(rt, M, N, K, ta, tb, epi, seed=i * 100 + j * 10 + len(epi), plan=p)
+    M, N, K = tile[0] * 3 + 4, tile[1] * 2 + 8, 740
+    for j, (ta, tb) in enumerate(TRANS):
+        _check_matmul(rt, M, N, K, ta, tb, "gelu" if not ta else "none", seed=7 + j,
+                      plan=gemm.make_plan("wgmma3_ws", tile, 3, K))
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32"], indirect=True)
+@pytest.mark.parametrize("ta,tb", TRANS)
+def test_wgmma3_ws_equals_the_split_first_kernel(rt, precision, splitk_ws, split_ws, ta, tb):
+    """The in-kernel split writes the halves tf32_split / the splitting transpose write, and the
+    products, their order and the partial sums are gemm_wgmma_tma<..., 3>'s: at the same 128-wide
+    tile the two outputs are equal bit for bit, with and without split-K."""
+    _wgmma_rt(rt)
+    M, N, K = 500, 388, 1060
+    rng = np.random.default_rng(11 + 2 * ta + tb)
+    a, b = _operands(rng, M, N, K, ta, tb)
+    da, db = rt.upload(a), rt.upload(b)
+    for splits in (1, 3):
+        outs = []
+        for p in (gemm.make_plan("wgmma3", (128, 128, 3, 1), splits, K, transpose_b=not tb),
+                  gemm.make_plan("wgmma3_ws", (128, 128, 3), splits, K)):
+            out = rt.empty((M, N))
+            rt.memset(out, 0x7FC00000)
+            gemm.matmul(rt, out, da, db, ta, tb, plan=p)
+            outs.append(rt.download(out))
+        assert np.array_equal(outs[0], outs[1]), (splits, float(np.abs(outs[0] - outs[1]).max()))
+        assert rel_err(outs[1], ref.matmul_forward(a, b, ta, tb)) < 2e-6
 
 
 @gpu

@@ -21,7 +21,9 @@ the first writing out and the others adding to it (the residual epilogue with au
 epilogues only). For "fp32" these layouts, and trans_a = True (the weight gradient
 dY^T @ X), may run as 3xTF32 (family "wgmma3") when the config planned the split scratch
 "gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32): A and B are split into TF32 hi and lo halves
-by a pre-pass (transposing a [K, rows] operand on the way), then three products. The block tile
+by a pre-pass (transposing a [K, rows] operand on the way), then three products; or (family
+"wgmma3_ws", 16-byte aligned operands in any layout) with no pass before it: the kernel's producer
+warpgroup splits (and turns K-major) each k tile of A and B as stored in shared memory. The block tile
 and the split-K factor of a shape come from the measured table of bench/tune.py when it has
 an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel
 sources (`tuned_plan`), else from a cost model (`plan`) fed with rt.info.sm_count. Split-K
@@ -49,7 +51,7 @@ from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_COMBOS,
                                             TF32_FALLBACK_TILES, TF32_FILE, TF32_PLAN_TILES, TF32_TILES,
                                             TRANSPOSE_NAMES, VARIANTS, WGMMA3_EFFICIENCY, WGMMA3_TILES,
                                             WGMMA_ARCHS, WGMMA_EFFICIENCY, WGMMA_FILE, WGMMA_LOADERS,
-                                            WGMMA_MN_TILES, WGMMA_TILES, Family, cdiv, reduce_name, simt_name,
+                                            WGMMA3_WS_TILES, WGMMA_MN_TILES, WGMMA_TILES, Family, cdiv, reduce_name, simt_name,
                                             tf32_blocks_per_sm, tf32_name, tf32_smem, wgmma_blocks_per_sm,
                                             wgmma_name, wgmma_smem)
 from gptcuda.ops.cuda.gemm.layout import (WGMMA_WORKSPACES, device_workspaces, mode_flags,

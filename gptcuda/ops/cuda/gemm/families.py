@@ -7,10 +7,13 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
     tf32    TF32 mma.sync (kernels/gemm_tf32.cu), every layout; unaligned operands on a few tiles
     wgmma   TF32 warpgroup MMA (kernels/gemm_wgmma.cu, sm_90a): K-major A and B only
     wgmma3  fp32 as three TF32 warpgroup-MMA products over operands split into hi and lo halves
+            by a pass before it
+    wgmma3_ws  fp32 as 3xTF32 over A and B as stored, split (and turned K-major) in shared memory
     wgmma_mn  TF32 warpgroup MMA of A^T B with A [K, M], B [K, N] as stored (the weight gradients)
 
 rt.precision picks a base family (PRECISION_FAMILIES); on sm_90 its warpgroup-MMA partner competes
-with it (`Family.partner`), and for TF32 weight gradients also `Family.mn_partner`.
+with it (`Family.partner`), for fp32 also `Family.stored_partner` (aligned operands in any layout),
+and for TF32 weight gradients `Family.mn_partner`.
 """
 from __future__ import annotations
 
@@ -92,6 +95,14 @@ WGMMA_MN_EFFICIENCY = dict(zip(WGMMA_MN_TILES, (0.75, 1.05)))   # measured ~120 
 # warpgroups (BM 128, up to 255 registers a thread) fit without spilling.
 WGMMA3_TILES = ((128, 128, 3, 1), (128, 192, 2, 1), (128, 64, 4, 1))
 WGMMA3_EFFICIENCY = dict(zip(WGMMA3_TILES, (2.0, 2.1, 1.5)))
+# fp32 as 3xTF32 with no pass before it (family "wgmma3_ws", kernels/gemm_wgmma.cu gemm_wgmma3_ws):
+# (BM, BN, STAGES), the warp-specialized persistent kernel whose producer warpgroup splits each
+# TMA-staged k tile of A and B, as stored, into hi and lo tiles (turning an MN-major one K-major):
+# a slot holds twice the staged bytes. Two consumer warpgroups (BM 128) of sum + partial
+# accumulators (BN / 2 each) beside the producer's 128 threads: BN <= 128 keeps them in 168
+# registers a thread.
+WGMMA3_WS_TILES = ((128, 128, 3), (128, 64, 4))
+WGMMA3_WS_EFFICIENCY = dict(zip(WGMMA3_WS_TILES, (2.0, 1.5)))
 
 # A rough machine model (H200-like) of the peak rates, only used to rank candidate plans.
 FFMA_FLOPS_PER_SM = 128 * 2 * 1.75e9       # fp32 FMA lanes x 2 x clock
@@ -194,11 +205,13 @@ class Family:
                                   # layouts are re-laid out first (transpose_b / transpose_a plans)
     layouts: tuple = ()           # (trans_a, trans_b) its kernels read as stored (default: K-major
                                   # families (False, True), the others all four)
-    products: int = 1             # 3: fp32 as 3xTF32 over operands split into hi and lo halves first
+    products: int = 1             # 3: fp32 as 3xTF32 over operands split into hi and lo halves
+    split_first: bool = False     # 3xTF32 over halves a pass wrote before the kernel (else split in it)
     transposes_a: bool = False    # A stored [K, M] runs after A^T into "gemm_aT" (transpose_a plans)
     split_waves: int = 1          # the cost model tries split-K below this many waves of blocks
     partner: str | None = None    # the warpgroup-MMA family competing on sm_90 (base families)
     mn_partner: str | None = None # the one competing for A^T B as stored (trans_a, not trans_b)
+    stored_partner: str | None = None   # the one competing for aligned operands in any layout
     base: str = ""                # the base family whose precision a warpgroup-MMA family serves
     needs: str = ""               # what a warpgroup-MMA plan needs (the reason a plan is refused)
 
@@ -209,8 +222,8 @@ class Family:
 
     @property
     def halves(self) -> int:
-        """Copies of each operand a product streams (3xTF32: hi and lo)."""
-        return 2 if self.products == 3 else 1
+        """Copies of each operand a product streams from memory (3xTF32 split first: hi and lo)."""
+        return 2 if self.split_first else 1
 
 
 def _simt_threads(t):
@@ -233,7 +246,7 @@ FAMILIES = {f.name: f for f in (
            kernel=lambda t, ta, tb, epi, hb, vec: simt_name(t[0], t[1], ta, tb, epi, hb, vec),
            label=lambda t: f"{t[0]}x{t[1]}",
            short=lambda t: f"{t[0]}x{t[1]}",
-           partner="wgmma3"),
+           partner="wgmma3", stored_partner="wgmma3_ws"),
     Family("tf32", TF32_FILE, TF32_TILES, TF32_PLAN_TILES, TF32_FALLBACK_TILES, TF32_EFFICIENCY,
            TF32_FLOPS_PER_SM,
            threads=lambda t: t[3] * t[4] * 32,
@@ -269,8 +282,20 @@ FAMILIES = {f.name: f for f in (
            smem=lambda t: wgmma_smem(t, 3),
            kernel=lambda t, ta, tb, epi, hb, vec: wgmma_name(t, epi, hb, 3),
            label=_wgmma_label, short=_wgmma_short,
-           tma=lambda t: True, k_major=True, products=3, base="simt",
+           tma=lambda t: True, k_major=True, products=3, split_first=True, base="simt",
            needs="sm_90, K % 4 == 0, one product and the gemm_split_a/_b workspaces"),
+    Family("wgmma3_ws", WGMMA_FILE, WGMMA3_WS_TILES, WGMMA3_WS_TILES, (), WGMMA3_WS_EFFICIENCY,
+           TF32_FLOPS_PER_SM / 3,
+           threads=lambda t: (t[0] // 64 + 1) * 128,
+           blocks_per_sm=lambda t: 1,
+           smem=lambda t: 2 * t[2] * (t[0] + t[1]) * 128 + 1024,
+           kernel=lambda t, ta, tb, epi, hb, vec:
+               f"gemm_wgmma3_ws<{t[0]},{t[1]},{t[2]},{epi},{_b(hb)},{_b(ta)},{_b(not tb)}>",
+           label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split",
+           short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ws",
+           tma=lambda t: True, persistent=lambda t: True,
+           layouts=tuple(itertools.product((False, True), (False, True))), products=3, base="simt",
+           needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats)"),
 )}
 PRECISION_FAMILIES = GEMM_FAMILIES     # precision -> its base family (gptcuda/runtime/execution.py decides)
 
@@ -281,7 +306,7 @@ def _variants():
         layouts = fam.layouts or (((False, True),) if fam.k_major else
                                   tuple(itertools.product((False, True), (False, True))))
         for tile, (ta, tb), (epi, hb), vec in itertools.product(
-                fam.tiles, layouts, EPI_COMBOS, (True,) if fam.k_major or fam.mn_major else (False, True)):
+                fam.tiles, layouts, EPI_COMBOS, (True,) if fam.k_major or fam.layouts else (False, True)):
             if vec or tile in fam.unaligned_tiles:
                 out.append((fam.file, fam.kernel(tile, ta, tb, epi, hb, vec), {}))
     for epi, hb in EPI_COMBOS:

@@ -39,22 +39,22 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
     if fam.k_major:
         if ta or not tb or not vec:
             raise AssertionError(f"{label}: the wgmma kernel needs K-major, 16-byte aligned A and B")
-    elif fam.mn_major:
-        if not ta or tb or not vec:
-            raise AssertionError(f"{label}: the {p.family} kernel needs A [K, M] and B [K, N], 16-byte aligned")
+    elif fam.layouts:
+        if (ta, tb) not in fam.layouts or not vec:
+            raise AssertionError(f"{label}: the {p.family} kernel needs {fam.needs}")
     elif not vec and p.tile not in fam.unaligned_tiles:
         raise AssertionError(f"{label}: {p.family.upper()} tile {p.tile} has no unaligned variant")
     operands = [a, b]
-    if fam.products == 3:        # TMA over the split halves: {K, rows, 2 (hi, lo)}, dense
+    if fam.split_first:          # TMA over the split halves: {K, rows, 2 (hi, lo)}, dense
         operands = [rt.tensor_map(x, (K, rows_, 2), (4 * K, 4 * rows_ * K), (32, box, 1))
                     for x, rows_, box in ((a, M, p.bm), (b, N, p.bn))]
     elif fam.tma(p.tile):
-        # TMA: tensor maps in place of pointers, {K, rows, batch} with boxes {32, BM or BN} in the
-        # 128-byte swizzle; mn_major (A [K, M], B [K, N] as stored) {rows, K, batch}, boxes {BM or BN,
-        # 32}, unswizzled
-        mn = fam.mn_major
+        # TMA: tensor maps in place of pointers; a K-major operand (A [M, K], B [N, K]) {K, rows,
+        # batch} with boxes {32, BM or BN} in the 128-byte swizzle, an MN-major one (A [K, M]: trans_a,
+        # B [K, N]: not trans_b, read as stored by wgmma_mn / wgmma3_ws) {rows, K, batch}, boxes
+        # {BM or BN, 32}, unswizzled
         operands = []
-        for x, rows_, ld, stride, box in ((a, M, lda, sA, p.bm), (b, N, ldb, sB, p.bn)):
+        for x, rows_, ld, stride, box, mn in ((a, M, lda, sA, p.bm, ta), (b, N, ldb, sB, p.bn, not tb)):
             inner, outer = (rows_, K) if mn else (K, rows_)
             operands.append(rt.tensor_map(x, (inner, outer, batch), (4 * ld, 4 * max(stride, outer * ld)),
                                           (box, 32, 1) if mn else (32, box, 1), swizzle=not mn))
@@ -170,7 +170,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     if p.transpose_a:
         _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label)
         return
-    if p.fam.products == 3:
+    if p.fam.split_first:
         a, b = _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label)
         trans_a, trans_b, lda, ldb = False, True, K, K
     elif p.transpose_b:

@@ -13,7 +13,7 @@ from gptcuda.ops.cuda.gemm.layout import mode_flags
 
 @dataclass(frozen=True)
 class Plan:
-    family: str          # "simt" | "tf32" | "wgmma" | "wgmma3" (fp32 as 3xTF32): a FAMILIES key
+    family: str          # "simt" | "tf32" | "wgmma" | "wgmma_mn" | "wgmma3" | "wgmma3_ws": a FAMILIES key
     tile: tuple          # an entry of the family's tiles
     threads: int
     blocks_per_sm: int
@@ -160,7 +160,7 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
         return t + n * ops * _LAUNCH_S / 3 + \
             8.0 * batch * K * (M + (N if p.transpose_b else 0)) / _TRANSPOSE_BYTES_PER_S
     t = _gemm_estimate(p, M, N, K, p.k_chunk, batch, epi, sm_count)
-    if p.fam.products == 3:            # the split passes: read 4 bytes, write 8, per element of A and B
+    if p.fam.split_first:              # the split passes: read 4 bytes, write 8, per element of A and B
         t += 2 * _LAUNCH_S / 3 + 12.0 * (M * K + K * N) / _BYTES_PER_S
     elif p.transpose_b:
         t += _LAUNCH_S / 3 + 8.0 * batch * K * N / _BYTES_PER_S
@@ -175,10 +175,13 @@ def slab_epi_ok(epi) -> bool:
 
 def competing(family, wgmma, vec=True) -> list:
     """The families that compete for a product: the base family of `family`, and where `wgmma_ok`
-    answered `wgmma` its warpgroup-MMA partner, plus (A^T B with A [K, M] and B [K, N] as stored,
-    "transpose_ab", 16-byte aligned) the partner that reads them as they are (`mn_partner`)."""
+    answered `wgmma` its warpgroup-MMA partner, plus, with 16-byte aligned operands, the partner
+    that reads any layout as stored (`stored_partner`) or (A^T B with A [K, M] and B [K, N] as
+    stored, "transpose_ab") the one that reads those (`mn_partner`)."""
     base = FAMILIES[_base_family(family)]
     out = [base.name] + ([base.partner] if wgmma else [])
+    if wgmma and vec and base.stored_partner:
+        out.append(base.stored_partner)
     if wgmma == "transpose_ab" and vec and base.mn_partner:
         out.append(base.mn_partner)
     return out
@@ -356,10 +359,10 @@ def plan_unfit(p: Plan, family, vec, wgmma, slab=0) -> str | None:
     of K, `rt_transpose_a_slab`); None when it can. (A table entry that does not fit is skipped; a
     plan the caller forces is refused with this reason.)"""
     fam = p.fam
-    if fam.mn_major:
+    if fam.layouts:              # reads its layouts as stored (wgmma_mn: A [K, M] and B [K, N] only)
         if family != fam.base:
             return f"plan family {p.family} but rt.precision wants {family}"
-        if wgmma != "transpose_ab" or not vec:
+        if not wgmma or not vec or (fam.mn_major and wgmma != "transpose_ab"):
             return f"a {p.family} plan needs {fam.needs}"
     elif fam.k_major:
         if family != fam.base:
