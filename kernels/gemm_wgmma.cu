@@ -11,7 +11,8 @@
 // nothing converts them on the way from global memory to the instruction. Its fp32 accumulation
 // truncates too (round toward zero). gemm_wgmma_tma with PRODUCTS = 3 is the fp32 form (3xTF32):
 // operands split into TF32 hi and lo halves beforehand (gemm_simt.cu tf32_split), three products
-// per k step, each k tile's partial added into the sum on the FMA pipe.
+// per k step, each k tile's partial added into the sum on the FMA pipe; gemm_wgmma3_ws (below)
+// computes the same with the split done in shared memory, on A and B as they are stored.
 //
 // Shared layout: per stage, the A tile [BM][32] then the B tile [BN][32] (k contiguous, 128 bytes
 // a row), in the 128-byte swizzle the instruction's descriptor names: the 16-byte chunk c of
