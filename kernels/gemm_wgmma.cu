@@ -97,6 +97,17 @@ WG_MMA_TF32(256, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2 ", " WG_REGS_3, 128, 12
 #undef WG_REGS_2
 #undef WG_REGS_3
 
+// The 3xTF32 products of k step k8 of a k tile into its partial d, smallest terms first: lo x hi,
+// hi x lo, hi x hi (the first of the tile, k8 = 0, with scale-d 0); a / b: the shared addresses of
+// the warpgroup's A hi tile and of the B hi tile, their lo tiles A_LO / B_LO bytes on
+// (gemm_wgmma_tma<..., 3> and gemm_wgmma3_ws: one order, so their sums are the same).
+template <int BN, int A_LO, int B_LO>
+__device__ __forceinline__ void wg_mma3_step(float (&d)[BN / 2], unsigned a, unsigned b, int k8) {
+    wg_mma_tf32<BN>(d, wg_desc(a + A_LO + 32 * k8), wg_desc(b + 32 * k8), k8 > 0);
+    wg_mma_tf32<BN>(d, wg_desc(a + 32 * k8), wg_desc(b + B_LO + 32 * k8));
+    wg_mma_tf32<BN>(d, wg_desc(a + 32 * k8), wg_desc(b + 32 * k8));
+}
+
 // The number of 32-wide k tiles of the block's k range (GemmBlock, gemm_epilogue.cuh).
 __device__ __forceinline__ int wg_k_tiles(int klen) { return klen > 0 ? (klen + GEMM_WG_BK - 1) / GEMM_WG_BK : 0; }
 
@@ -392,11 +403,10 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
         wg_fence();
 #pragma unroll
         for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) {
-            if constexpr (PRODUCTS == 3) {
-                wg_mma_tf32<BN>(d, wg_desc(a_wg + BM * 128 + 32 * k8), wg_desc(b_t + 32 * k8), k8 > 0);  // lo x hi
-                wg_mma_tf32<BN>(d, wg_desc(a_wg + 32 * k8), wg_desc(b_t + BN * 128 + 32 * k8));          // hi x lo
-            }
-            wg_mma_tf32<BN>(d, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));                         // hi x hi
+            if constexpr (PRODUCTS == 3)
+                wg_mma3_step<BN, BM * 128, BN * 128>(d, a_wg, b_t, k8);
+            else
+                wg_mma_tf32<BN>(d, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
         }
         wg_commit();
         wg_fence_acc(d);
@@ -502,11 +512,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 wg_fence_acc(part);
                 wg_fence();
 #pragma unroll
-                for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) {
-                    wg_mma_tf32<BN>(part, wg_desc(a_wg + HALF + 32 * k8), wg_desc(b_t + 32 * k8), k8 > 0);  // lo x hi
-                    wg_mma_tf32<BN>(part, wg_desc(a_wg + 32 * k8), wg_desc(b_t + HALF + 32 * k8));          // hi x lo
-                    wg_mma_tf32<BN>(part, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));                 // hi x hi
-                }
+                for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8)
+                    wg_mma3_step<BN, HALF, HALF>(part, a_wg, b_t, k8);
                 wg_commit();
                 wg_fence_acc(part);
                 wg_wait<0>();
