@@ -34,9 +34,21 @@ __device__ __forceinline__ u32 gc_uniform(u32 k, u32 idx) {
     return gc_hash32(gc_hash32(idx ^ k) + k);
 }
 
-// keep-test for dropout with threshold = min(floor(p * 2^32), 2^32-1)
-__device__ __forceinline__ bool gc_keep(u32 k, u32 idx, u32 threshold) {
-    return gc_uniform(k, idx) >= threshold;
+// Dropout keep bits (rng.dropout_mask). A mask is taken as rows of `cols` elements; the two
+// elements of a pair (columns 2c, 2c+1 of a row) share one random word, that of the pair's index
+// pair = row * ceil(cols / 2) + c (mod 2^32): the even column is kept when the word's low 16 bits
+// are >= threshold, the odd one on its high 16 bits; threshold = min(floor(p * 2^16), 2^16 - 1).
+// A flat mask is one row: element e takes half e & 1 of word e >> 1.
+__device__ __forceinline__ u32 gc_keep_word(u32 k, u32 pair) {
+    return gc_uniform(k, pair);
+}
+// the 16-bit half of a keep word that belongs to the odd (odd != 0) or the even column
+__device__ __forceinline__ u32 gc_keep_half(u32 w, u32 odd) {
+    return odd ? w >> 16 : w & 0xffffu;
+}
+// keep-test of column col of the row whose first pair is rowpair
+__device__ __forceinline__ bool gc_keep(u32 k, u32 rowpair, u32 col, u32 threshold) {
+    return gc_keep_half(gc_keep_word(k, rowpair + (col >> 1)), col & 1u) >= threshold;
 }
 
 __device__ __forceinline__ float gc_warp_sum(float v) {

@@ -75,8 +75,6 @@ gelu_bwd(float* dpre,           // dpre [n]  (may be dout)
     }
 }
 
-// out = (RESID ? resid : 0) + (DROP ? (keep(e) ? x * scale : 0) : x),
-// keep(e) = gc_keep(gc_key(seed, st->step, site), e, threshold), e the row-major element index.
 // dst = src (FIRST) or dst = dst + src: the gradients of a step's micro-batches summed in
 // micro-batch order (gradient accumulation). dst may not alias src.
 template <int VEC, bool FIRST>
@@ -98,6 +96,9 @@ accumulate(float* __restrict__ dst,        // dst [n]
     }
 }
 
+// out = (RESID ? resid : 0) + (DROP ? (keep(e) ? x * scale : 0) : x),
+// keep(e): the mask is flat (common.cuh), element e takes half e & 1 of word e >> 1 of the stream
+// gc_key(seed, st->step, site).
 template <int VEC, bool RESID, bool DROP>
 __global__ void __launch_bounds__(EW_THREADS)
 dropout_apply(float* out,                 // out   [n]  (may be x or resid)
@@ -111,22 +112,29 @@ dropout_apply(float* out,                 // out   [n]  (may be x or resid)
     if (cnt == 0) return;
     u32 k = 0;
     if constexpr (DROP) k = gc_key(seed, (u32)st->step, site);
-    auto f = [&](float v, u32 idx, float r) -> float {
+    auto f = [&](float v, u32 half, float r) -> float {   // half: the element's 16 bits of its keep word
         float y = v;
-        if constexpr (DROP) y = gc_keep(k, idx, threshold) ? v * scale : 0.f;
+        if constexpr (DROP) y = half >= threshold ? v * scale : 0.f;
         if constexpr (RESID) y = r + y;
         return y;
     };
-    if (cnt == 4) {
+    if (cnt == 4) {                                  // e % 4 == 0: the words of pairs e/2 and e/2 + 1
         const float4 v = *reinterpret_cast<const float4*>(x + e);
         float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
         if constexpr (RESID) r = *reinterpret_cast<const float4*>(resid + e);
-        const u32 i0 = (u32)e;
+        u32 w0 = 0, w1 = 0;
+        if constexpr (DROP) {
+            w0 = gc_keep_word(k, (u32)(e >> 1));
+            w1 = gc_keep_word(k, (u32)(e >> 1) + 1u);
+        }
         *reinterpret_cast<float4*>(out + e) =
-            make_float4(f(v.x, i0, r.x), f(v.y, i0 + 1, r.y), f(v.z, i0 + 2, r.z), f(v.w, i0 + 3, r.w));
+            make_float4(f(v.x, gc_keep_half(w0, 0), r.x), f(v.y, gc_keep_half(w0, 1), r.y),
+                        f(v.z, gc_keep_half(w1, 0), r.z), f(v.w, gc_keep_half(w1, 1), r.w));
     } else {
         const float r = RESID ? resid[e] : 0.f;
-        out[e] = f(x[e], (u32)e, r);
+        u32 w = 0;
+        if constexpr (DROP) w = gc_keep_word(k, (u32)(e >> 1));
+        out[e] = f(x[e], gc_keep_half(w, (u32)(e & 1)), r);
     }
 }
 

@@ -14,8 +14,9 @@
 //   longest first across all heads (the short diagonal-only blocks fill the tail).
 //   No atomics: every output element is written by exactly one thread; deterministic.
 //
-// Dropout (DROP): the keep bit of probability (b,h,i,j) is gc_keep(gc_key(seed, step, site), idx),
-// idx = ((b*H + h)*T + i)*T + j mod 2^32, the same as the unfused path and rng.dropout_mask.
+// Dropout (DROP): the keep bit of probability (b,h,i,j) is gc_keep(gc_key(seed, step, site), r * ceil(T/2),
+// j, threshold), r = (b*H + h)*T + i: keys 2c and 2c + 1 of a row share one keep word (common.cuh), as
+// in the unfused path and rng.dropout_mask(cols = T). The tensor-core kernels draw each word once.
 // The forward applies it to P before P V (the row sum l is of the undropped P); the backward
 // uses Pd = P*keep/(1-p) for dV and dP = dPd*keep/(1-p) for dS.
 // Exponentials run in base 2 (scores in units of log2 e); lse is stored in natural log.
@@ -294,7 +295,7 @@ __device__ __forceinline__ void fa_fwd_body(FA_ARGS_FWD) {
     for (int rr = 0; rr < RM; ++rr) {
         m[rr] = ninf;
         l[rr] = 0.f;
-        rbase[rr] = (u32)(bh * T + q0 + P::row(rr)) * (u32)T;
+        rbase[rr] = (u32)(bh * T + q0 + P::row(rr)) * (u32)((T + 1) / 2);
 #pragma unroll
         for (int e = 0; e < OC; ++e) o[rr][e] = 0.f;
     }
@@ -335,7 +336,7 @@ __device__ __forceinline__ void fa_fwd_body(FA_ARGS_FWD) {
             for (int jj = 0; jj < RN; ++jj) {
                 float pe = exp2f(s[rr][jj] - mnew);
                 rowsum += pe;
-                if (DROP) pe = gc_keep(key, rbase[rr] + (u32)(k0 + P::col(jj)), threshold) ? pe * inv_keep : 0.f;
+                if (DROP) pe = gc_keep(key, rbase[rr], (u32)(k0 + P::col(jj)), threshold) ? pe * inv_keep : 0.f;
                 s[rr][jj] = pe;
             }
             l[rr] = l[rr] * alpha + rowsum;           // thread-partial sum, reduced once at the end
@@ -409,7 +410,7 @@ __device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
         const int i = q0 + P::row(rr);
         lr[rr] = i < T ? lse[(long long)bh * T + i] * FA_LOG2E : 0.f;     // log2 units
         dr[rr] = i < T ? Dg[(long long)bh * T + i] : 0.f;
-        rbase[rr] = (u32)(bh * T + i) * (u32)T;
+        rbase[rr] = (u32)(bh * T + i) * (u32)((T + 1) / 2);
 #pragma unroll
         for (int e = 0; e < OC; ++e) dq[rr][e] = 0.f;
     }
@@ -433,7 +434,7 @@ __device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
                 const bool valid = j <= i && j < T && i < T;
                 const float pe = valid ? exp2f(fmaf(s[rr][jj], sl2, -lr[rr])) : 0.f;
                 float g = dp[rr][jj];
-                if (DROP) g = gc_keep(key, rbase[rr] + (u32)j, threshold) ? g * inv_keep : 0.f;
+                if (DROP) g = gc_keep(key, rbase[rr], (u32)j, threshold) ? g * inv_keep : 0.f;
                 s[rr][jj] = pe * (g - dr[rr]) * scale;
             }
         }
@@ -508,7 +509,7 @@ __device__ __forceinline__ void fa_dkv_body(FA_ARGS_BWD) {
                 float g = dp[rr][jj];
                 float pd = pe;
                 if (DROP) {
-                    const bool kp = gc_keep(key, (u32)(bh * T + i) * (u32)T + (u32)j, threshold);
+                    const bool kp = gc_keep(key, (u32)(bh * T + i) * (u32)((T + 1) / 2), (u32)j, threshold);
                     g = kp ? g * inv_keep : 0.f;
                     pd = kp ? pe * inv_keep : 0.f;
                 }
@@ -887,17 +888,17 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
     }
 
     float m[MT][2], l[MT][2], o[MT][DT][4];
-    u32 rbase[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             m[mt][hh] = ninf;                          // the reference max of the row's p, l and O
             l[mt][hh] = 0.f;
-            rbase[mt][hh] = (u32)(bh * T + wr0 + 16 * mt + g + 8 * hh) * (u32)T;
         }
     fa_zero(o);
     const u32 key = fa_drop_key<DROP>(st, seed, site);
+    const u32 Th = (u32)((T + 1) / 2);                 // keep-word pairs per row of the [B*H*T, T] mask
+    const u32 rpair = (u32)(bh * T + wr0 + g) * Th + (u32)t;   // row g's word of keys 2t, 2t + 1
 
     // one key tile: S - m on the tensor cores, (mask), online softmax, O += P V
     auto tile = [&](const float* Ks, const float* Vs, int k0, auto edge_tag) {
@@ -952,15 +953,17 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
             for (int hh = 0; hh < 2; ++hh) {
                 float rsum = 0.f;
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt) {
+                    u32 kw = 0;                        // keys k0 + 8nt + 2t and + 1 share one keep word
+                    if (DROP) kw = gc_keep_word(key, rpair + (u32)(16 * mt + 8 * hh) * Th + (u32)((k0 >> 1) + 4 * nt));
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         float p = fa_exp2(s[mt][nt][2 * hh + e]);   // exp2(S - m) <= 2^FA_RESCALE_LOG2
                         rsum += p;
-                        if (DROP)
-                            p = gc_keep(key, rbase[mt][hh] + (u32)(k0 + 8 * nt + 2 * t + e), threshold) ? p * inv_keep : 0.f;
+                        if (DROP && gc_keep_half(kw, e) < threshold) p = 0.f;   // 1/(1-p) is applied to O at the end
                         s[mt][nt][2 * hh + e] = p;
                     }
+                }
                 l[mt][hh] += rsum;                     // thread-partial; reduced once at the end
             }
         fa_mma_pv<MT, NT, HS>(o, s, Vs);               // O += P V
@@ -976,7 +979,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
             L += __shfl_xor_sync(0xffffffffu, L, 2);
             const int i = wr0 + 16 * mt + g + 8 * hh;
             if (i < T) {
-                fa_store_frag_row<HS>(fb.row(y, i), o[mt], 2 * hh, 1.f / L);
+                fa_store_frag_row<HS>(fb.row(y, i), o[mt], 2 * hh, (DROP ? inv_keep : 1.f) / L);
                 if (t == 0) lse[(long long)bh * T + i] = m[mt][hh] * FA_LN2 + logf(L);
             }
         }
@@ -1034,7 +1037,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
             const int i = wr0 + 16 * mt + g + 8 * hh;
             nl[mt][hh] = i < T ? -lse[(long long)bh * T + i] * FA_LOG2E : 0.f;
             nd[mt][hh] = i < T ? -Dg[(long long)bh * T + i] : 0.f;
-            rbase[mt][hh] = (u32)(bh * T + i) * (u32)T;
+            rbase[mt][hh] = (u32)(bh * T + i) * (u32)((T + 1) / 2);
         }
     float cl[MT][NT][4], cd[MT][NT][4];
     fa_rows_frag(cl, nl);
@@ -1073,17 +1076,24 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt) {
+                u32 kw[2] = {0, 0};                    // rows g, g + 8: keys k0 + 8nt + 2t and + 1 share a word
+                if (DROP) {
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh)
+                        kw[hh] = gc_keep_word(key, rbase[mt][hh] + (u32)((k0 >> 1) + 4 * nt + t));
+                }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float pe = fa_exp2(s[mt][nt][e]);
                     float gv = dp[mt][nt][e];
                     if (DROP) {
-                        const bool kp = gc_keep(key, rbase[mt][(e >> 1)] + (u32)(k0 + 8 * nt + 2 * t + (e & 1)), threshold);
+                        const bool kp = gc_keep_half(kw[e >> 1], e & 1) >= threshold;
                         gv = (kp ? gv * inv_keep : 0.f) + nd[mt][(e >> 1)];
                     }
                     s[mt][nt][e] = pe * gv;                // dS / scale
                 }
+            }
         fa_mma_pv<MT, NT, HS>(dq, s, Ks);              // dQ += dS K
     };
     fa_kv_ring<F>(sm, fb, nkt, wr0, tile);
@@ -1189,6 +1199,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
     fa_zero(dk);
     fa_zero(dv);
     const u32 key = fa_drop_key<DROP>(st, seed, site);
+    const u32 Th = (u32)((T + 1) / 2);                 // keep-word pairs per row of the [B*H*T, T] mask
 
     // one query tile: S^T - lse and dPd^T - D on the tensor cores, (mask), dV += Pd^T dO, dK += dS^T Q
     auto tile = [&](const float* stg, int q0, auto edge_tag) {
@@ -1226,22 +1237,35 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt) {
+                // Keys jk (row g) and jk ^ 1 (row g ^ 1: lane ^ 4) share the keep words of queries
+                // iq0 = q0 + 8nt + 2t and iq0 + 1. This lane draws the word of query iq0 + (g & 1) and
+                // takes the other from its partner; an odd key reads the high halves.
+                u32 kw[2][2] = {{0, 0}, {0, 0}};       // [row half hh][query iq0 + c]
+                if (DROP) {
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int jk = wk0 + 16 * mt + g + 8 * hh;
+                        const u32 mine = gc_keep_word(key, (u32)(bhT + q0 + 8 * nt + 2 * t + (g & 1)) * Th + (u32)(jk >> 1));
+                        const u32 other = __shfl_xor_sync(0xffffffffu, mine, 4);
+                        kw[hh][0] = (g & 1) ? other : mine;
+                        kw[hh][1] = (g & 1) ? mine : other;
+                    }
+                }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float pe = fa_exp2(s[mt][nt][e]);
                     float gv = dp[mt][nt][e];
                     float pd = pe;
                     if (DROP) {
-                        const int jk = wk0 + 16 * mt + g + 8 * (e >> 1);
-                        const int iq = q0 + 8 * nt + 2 * t + (e & 1);
-                        const bool kp = gc_keep(key, (u32)(bhT + iq) * (u32)T + (u32)jk, threshold);
+                        const bool kp = gc_keep_half(kw[e >> 1][e & 1], g & 1) >= threshold;
                         gv = (kp ? gv * inv_keep : 0.f) + nDs[8 * nt + 2 * t + (e & 1)];
                         pd = kp ? pe * inv_keep : 0.f;
                     }
                     s[mt][nt][e] = pd;
                     dp[mt][nt][e] = pe * gv;               // dS^T / scale
                 }
+            }
         fa_mma_pv<MT, NT, HS>(dv, s, dOs);             // dV += Pd^T dO
         fa_mma_pv<MT, NT, HS>(dk, dp, Qs);             // dK += dS^T Q
     };

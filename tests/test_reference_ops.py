@@ -368,10 +368,10 @@ def naive_gpt_loss(P, idx, targets, cfg, seed, step):
     H, p, L = cfg.n_head, cfg.dropout, cfg.n_layer
     hs = C // H
 
-    def keep(site, shape):
+    def keep(site, shape, cols=None):
         if p == 0:
             return np.ones(shape, dtype=bool)
-        return rng.dropout_mask(seed, step, site, int(np.prod(shape)), p).reshape(shape)
+        return rng.dropout_mask(seed, step, site, int(np.prod(shape)), p, cols).reshape(shape)
 
     def drop(x, k):
         return x * k / (1 - p)
@@ -398,7 +398,7 @@ def naive_gpt_loss(P, idx, targets, cfg, seed, step):
             x[b, t] = drop(P["wte"][idx[b, t]] + P["wpe"][t], ke[b, t])
     for l in range(L):
         h = f"h{l}."
-        ka = keep(rng.dropout_site(l, 0), (B, H, T, T))
+        ka = keep(rng.dropout_site(l, 0), (B, H, T, T), cols=T)
         k1 = keep(rng.dropout_site(l, 1), (B, T, C))
         k2 = keep(rng.dropout_site(l, 2), (B, T, C))
         for b in range(B):

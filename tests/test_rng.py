@@ -49,6 +49,34 @@ def test_dropout_mask_rate_and_streams():
         assert 0.6 < agree < 0.72            # independent masks agree on p^2 + (1-p)^2 = 0.68
 
 
+def test_dropout_mask_pairs_pinned_and_matches_plain_python():
+    """Columns 2c, 2c + 1 of a row share the word of pair r * ceil(cols / 2) + c: low half even, high odd."""
+    seed, step, site, p = 3, 4, rng.dropout_site(1, 0), 0.3
+    k = py_hash32(py_hash32(py_hash32(seed) ^ site) + step * 0x9E3779B9)
+    thr = int(p * 65536)
+    for rows, cols in ((3, 5), (2, 6), (1, 9)):
+        want = []
+        for r in range(rows):
+            for c in range(cols):
+                idx = r * ((cols + 1) // 2) + c // 2
+                w = py_hash32(py_hash32(idx ^ k) + k)
+                want.append(((w >> 16) if c & 1 else (w & 0xFFFF)) >= thr)
+        got = rng.dropout_mask(seed, step, site, rows * cols, p, cols)
+        assert got.tolist() == want
+    # flat: element e takes half e & 1 of word e >> 1, the same as one row
+    assert np.array_equal(rng.dropout_mask(seed, step, site, 9, p), rng.dropout_mask(seed, step, site, 9, p, 9))
+    assert rng.dropout_mask(1, 2, 3, 10, 0.5).tolist() == [False, False, True, False, False, False, False, True, False, False]
+    assert rng.keep_threshold(0.2) == 13107 and rng.keep_threshold(0.0) == 0 and rng.keep_threshold(1.0) == 0xFFFF
+
+
+def test_dropout_keep_shapes():
+    m = rng.dropout_keep(5, 6, 7, (2, 3, 5, 5), 0.4, rows=True)
+    assert m.shape == (2, 3, 5, 5)
+    assert np.array_equal(m.reshape(-1), rng.dropout_mask(5, 6, 7, 150, 0.4, cols=5))
+    f = rng.dropout_keep(5, 6, 7, (4, 6), 0.4)
+    assert np.array_equal(f.reshape(-1), rng.dropout_mask(5, 6, 7, 24, 0.4))
+
+
 def test_sites_are_distinct():
     sites = {rng.SITE_BATCH_TRAIN, rng.SITE_BATCH_VAL, rng.SITE_BATCH_EVAL_TRAIN, rng.DROPOUT_EMB}
     sites |= {rng.dropout_site(l, w) for l in range(12) for w in range(3)}

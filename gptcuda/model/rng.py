@@ -57,13 +57,39 @@ def uniform_u32(k: int, idx):
 
 
 def keep_threshold(p: float) -> int:
-    """An element is kept when its word >= threshold; p is the drop probability."""
-    return min(int(p * 4294967296.0), M32)
+    """An element is kept when its 16-bit half of a keep word is >= threshold; p is the drop probability
+    (kept with probability 1 - threshold / 2^16, within 2^-16 of 1 - p)."""
+    return min(int(p * 65536.0), 0xFFFF)
 
 
-def dropout_mask(seed: int, step: int, site: int, n: int, p: float) -> np.ndarray:
-    """Boolean keep-mask of n elements (row-major element index)."""
-    return uniform_u32(key(seed, step, site), np.arange(n, dtype=np.uint64)) >= keep_threshold(p)
+def dropout_mask(seed: int, step: int, site: int, n: int, p: float, cols: int | None = None) -> np.ndarray:
+    """Boolean keep-mask of n elements (row-major), taken as rows of `cols` elements (default: one row).
+
+    The two elements of a pair, columns 2c and 2c + 1 of row r, share the random word of the pair index
+    r * ceil(cols / 2) + c (mod 2^32): the even column is kept when the word's low 16 bits are >= the
+    threshold, the odd column on its high 16 bits. One word serves two elements, so a kernel that holds
+    both draws one word for them (kernels/common.cuh: gc_keep_word, gc_keep_half, gc_keep).
+    Attention probabilities [B, H, T, T] are rows of T (cols=T); other masks are flat.
+    """
+    cols = n if cols is None else int(cols)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    if cols <= 0 or n % cols:
+        raise ValueError(f"dropout_mask: {n} elements are not rows of {cols}")
+    rows, half = n // cols, (cols + 1) // 2
+    pairs = (np.arange(rows, dtype=np.uint64)[:, None] * np.uint64(half)
+             + np.arange(half, dtype=np.uint64)[None, :]) & np.uint64(M32)
+    w = uniform_u32(key(seed, step, site), pairs)
+    halves = np.stack([w & np.uint64(0xFFFF), w >> np.uint64(16)], axis=-1).reshape(rows, 2 * half)[:, :cols]
+    return (halves >= np.uint64(keep_threshold(p))).reshape(n)
+
+
+def dropout_keep(seed: int, step: int, site: int, shape, p: float, rows: bool = False) -> np.ndarray:
+    """dropout_mask in `shape`: rows=True pairs along the last axis (attention probabilities
+    [B, H, T, T]), rows=False takes the tensor flat (embedding and residual dropout)."""
+    shape = tuple(int(d) for d in shape)
+    n = int(np.prod(shape))
+    return dropout_mask(seed, step, site, n, p, shape[-1] if rows and shape else None).reshape(shape)
 
 
 def batch_offsets(seed: int, counter: int, site: int, batch: int, n_tokens: int, block: int) -> np.ndarray:

@@ -13,13 +13,14 @@ comes from `workspace(cfg)`, names prefixed "attention_" (not "attn_": the memor
 per-layer saved tensors "attn_<name>" and model.saved() collects every "attn_*" entry).
 
 Dropout on the attention probabilities uses the stream (rt.seed, state.step, site); the keep
-bit of element (b, h, i, j) is the one of row-major index ((b*H + h)*T + i)*T + j of
-[B,H,T,T], exactly as rng.dropout_mask draws it, in both paths.
+bit of element (b, h, i, j) is that of rng.dropout_mask over [B,H,T,T] taken as rows of T
+(keys 2c and 2c + 1 of a row share one keep word), in both paths.
 """
 from __future__ import annotations
 
 import math
 
+from gptcuda.model import rng
 from gptcuda.runtime import execution
 from gptcuda.ops.cuda import cdiv
 from gptcuda.runtime import DeviceView, f32, i32, u32
@@ -131,7 +132,7 @@ def _grid_1d(n: int, threads: int) -> int:
 
 def _dropout_args(rt, p: float, site: int):
     p = float(p)
-    threshold = min(int(p * 4294967296.0), 0xFFFFFFFF)
+    threshold = rng.keep_threshold(p)
     inv_keep = 1.0 / (1.0 - p) if p > 0 else 1.0
     return [rt.state, u32(int(rt.seed) & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF), u32(threshold), f32(inv_keep)]
 

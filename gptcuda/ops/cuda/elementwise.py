@@ -8,9 +8,9 @@
     bias_grad(rt, db[N], dout[M,N])             db = dout.sum(0), deterministic, two passes
     accumulate(rt, dst, src, first)             dst = src (first) or dst + src (gradient accumulation)
 
-keep(e) = gc_keep(gc_key(rt.seed, state.step, site), e, threshold) with e the row-major
-element index and threshold = min(floor(p * 2^32), 2^32 - 1) (rng.keep_threshold); p == 0
-draws nothing. The bias gradient writes per-chunk column sums into the workspace
+keep(e) is element e of the flat mask rng.dropout_mask draws from the stream
+gc_key(rt.seed, state.step, site): half e & 1 of keep word e >> 1 compared with
+threshold = min(floor(p * 2^16), 2^16 - 1) (rng.keep_threshold); p == 0 draws nothing. The bias gradient writes per-chunk column sums into the workspace
 "bias_partials" [MAX_CHUNKS, width] and sums them in chunk order.
 """
 from __future__ import annotations

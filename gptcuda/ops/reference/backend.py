@@ -96,8 +96,8 @@ class ReferenceBackend:
         else:
             self._prog.items.append(fn)
 
-    def _keep(self, site, shape, p):
-        return rng.dropout_mask(self.seed, self.state["step"], site, int(np.prod(shape)), p).reshape(shape)
+    def _keep(self, site, shape, p, rows=False):
+        return rng.dropout_keep(self.seed, self.state["step"], site, shape, p, rows)
 
     # ---- ops (semantics in backend.py) ----------------------------------------------
     def zero(self, view):
@@ -190,7 +190,7 @@ class ReferenceBackend:
     def attention_fwd(self, y, qkv, saved, n_head, p, site):
         def f():
             B, T = qkv.shape[0], qkv.shape[1]
-            keep = self._keep(site, (B, n_head, T, T), p) if p > 0 else None
+            keep = self._keep(site, (B, n_head, T, T), p, rows=True) if p > 0 else None
             out, probs = R.attention_forward(qkv, n_head, keep, p)
             y[...] = out
             saved["probs"][...] = probs
@@ -199,7 +199,7 @@ class ReferenceBackend:
     def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site):
         def f():
             B, T = qkv.shape[0], qkv.shape[1]
-            keep = self._keep(site, (B, n_head, T, T), p) if p > 0 else None
+            keep = self._keep(site, (B, n_head, T, T), p, rows=True) if p > 0 else None
             dqkv[...] = R.attention_backward(dy, qkv, saved["probs"], n_head, keep, p)
         self._rec(f)
 

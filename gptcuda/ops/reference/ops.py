@@ -353,11 +353,6 @@ def lr_at(step, learning_rate, min_lr, warmup_iters, lr_decay_iters) -> float:
 
 # --------------------------------------------------------------------------- whole model
 
-def _mask(seed, step, site, shape, p):
-    n = int(np.prod(shape))
-    return rng.dropout_mask(seed, step, site, n, p).reshape(shape)
-
-
 def gpt_forward_backward(params, idx, targets, cfg, seed=0, step=0, with_grad=True):
     """Loss (mean cross-entropy over B*T tokens) and grads of a float64 GPT-2 model.
 
@@ -377,8 +372,8 @@ def gpt_forward_backward(params, idx, targets, cfg, seed=0, step=0, with_grad=Tr
     def get(name):
         return P[name] if bias else None
 
-    def mask(site, shape):
-        return _mask(seed, step, site, shape, p) if p > 0 else None
+    def mask(site, shape, rows=False):
+        return rng.dropout_keep(seed, step, site, shape, p, rows) if p > 0 else None
 
     # ---- forward
     cache = []
@@ -390,7 +385,7 @@ def gpt_forward_backward(params, idx, targets, cfg, seed=0, step=0, with_grad=Tr
         c = {"x_in": x}
         ln1, c["ln1_mean"], c["ln1_rstd"] = layernorm_forward(x, P[h + "ln1.w"], get(h + "ln1.b"))
         qkv = matmul_forward(ln1, P[h + "attn.w"], trans_b=True, bias=get(h + "attn.b"))
-        c["keep_att"] = mask(rng.dropout_site(l, 0), (B, H, T, T))
+        c["keep_att"] = mask(rng.dropout_site(l, 0), (B, H, T, T), rows=True)
         att, c["probs"] = attention_forward(qkv, H, c["keep_att"], p)
         proj = matmul_forward(att, P[h + "proj.w"], trans_b=True, bias=get(h + "proj.b"))
         c["keep_r1"] = mask(rng.dropout_site(l, 1), (B, T, C))
