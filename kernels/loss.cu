@@ -1,7 +1,10 @@
 // Fused softmax + cross-entropy (+ its gradient) per row, and the deterministic mean loss.
 //
 //   crossentropy_warp<GRAD>   one warp per row (small vocabularies)
-//   crossentropy_block<GRAD>  one 256-thread block per row (large vocabularies)
+//   crossentropy_block<GRAD>  one 256-thread block per row (large vocabularies; any V, any alignment)
+//   crossentropy_rows<GRAD, NV4>  one 512-thread block per row, the row held in registers (V <= NV4 * 2048,
+//       V % 4 == 0, 16-byte aligned rows): thread t holds the float4 vectors j * 512 + t, j < NV4, so DRAM
+//       sees one read of the row (and one write of its gradient) instead of two reads
 //       losses[n] = logsumexp(logits[n, :Vr]) - logits[n, target[n]]
 //       GRAD: dlogits[n, i] = (softmax(logits[n, :Vr])_i - [i == target[n]]) * grad_scale for i < Vr,
 //             0 for Vr <= i < V (a padded vocabulary: rows V = Vr rounded up, masked out here)
@@ -15,7 +18,10 @@
 #define CE_WARPS 8
 #define CE_THREADS (CE_WARPS * 32)
 #define CE_LOWEST (-3.402823466e+38f)
+#define CE_NEG_INF __int_as_float(0xff800000)
 #define LR_THREADS 1024
+#define CR_WARPS 16
+#define CR_THREADS (CR_WARPS * 32)
 
 // Merge two (max, sum of exp(x - max)) pairs. Symmetric in its arguments, so both lanes of a
 // butterfly exchange compute the same bits.
@@ -105,6 +111,97 @@ __global__ void __launch_bounds__(CE_THREADS) crossentropy_block(CE_ARGS) {
     for (int w = 1; w < CE_WARPS; ++w) ce_merge(r.m, r.s, sm_m[w], sm_s[w]);
     if (threadIdx.x == 0) losses[row] = r.loss();
     if constexpr (GRAD) r.grad(dlogits + (long long)row * V, V, Vr, grad_scale, threadIdx.x);
+}
+
+// The row in registers: x[j] = logits[row, 4v .. 4v + 3] for the vector v = j * CR_THREADS + t (none past V:
+// V % 4 == 0, so a vector is wholly inside the row or wholly outside). Columns >= Vr are set to -inf, so
+// they add nothing to the max and exp(-inf - max) = 0 to the sum. Pass 1: the block's max (no exp);
+// pass 2: the sum of exp(x - max), kept in x for the gradient; pass 3 (GRAD): the gradient as float4.
+// Both block reductions are warp butterflies and then the 16 warps' values in order 0..15: deterministic.
+// All reads of the row (the target logit first) precede the first __syncthreads, every write follows the
+// second, so dlogits may be logits.
+template <bool GRAD, int NV4>
+__global__ void __launch_bounds__(CR_THREADS, 1) crossentropy_rows(CE_ARGS) {
+    __shared__ float sm_m[CR_WARPS], sm_s[CR_WARPS];
+    const int row = blockIdx.x;
+    const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+    const float* lr = logits + (long long)row * V;
+    const int tg = targets[row];
+    const bool valid = (unsigned)tg < (unsigned)Vr;
+    const float xt = valid ? lr[tg] : 0.f;
+    const int V4 = V >> 2;
+    const float4* l4 = reinterpret_cast<const float4*>(lr);
+
+    float4 x[NV4];
+#pragma unroll
+    for (int j = 0; j < NV4; ++j) {
+        const int v = j * CR_THREADS + t;
+        float4 a = make_float4(CE_NEG_INF, CE_NEG_INF, CE_NEG_INF, CE_NEG_INF);
+        if (v < V4) a = l4[v];
+        const int i = 4 * v;
+        if (i + 3 >= Vr) {                          // padded columns (and vectors past V)
+            if (i >= Vr) a.x = CE_NEG_INF;
+            if (i + 1 >= Vr) a.y = CE_NEG_INF;
+            if (i + 2 >= Vr) a.z = CE_NEG_INF;
+            a.w = CE_NEG_INF;
+        }
+        x[j] = a;
+    }
+
+    // pass 1: max
+    float m = CE_LOWEST;
+#pragma unroll
+    for (int j = 0; j < NV4; ++j) m = fmaxf(m, fmaxf(fmaxf(x[j].x, x[j].y), fmaxf(x[j].z, x[j].w)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) sm_m[warp] = m;
+    __syncthreads();                               // also orders every read of the row before the writes
+    m = sm_m[0];
+#pragma unroll
+    for (int w = 1; w < CR_WARPS; ++w) m = fmaxf(m, sm_m[w]);
+
+    // pass 2: sum of exp(x - max), four partial sums per thread
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll
+    for (int j = 0; j < NV4; ++j) {
+        float4 e;
+        e.x = expf(x[j].x - m);
+        e.y = expf(x[j].y - m);
+        e.z = expf(x[j].z - m);
+        e.w = expf(x[j].w - m);
+        s0 += e.x;
+        s1 += e.y;
+        s2 += e.z;
+        s3 += e.w;
+        if constexpr (GRAD) x[j] = e;
+    }
+    float s = (s0 + s1) + (s2 + s3);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);   // same bits in every lane
+    if (lane == 0) sm_s[warp] = s;
+    __syncthreads();
+    s = sm_s[0];
+#pragma unroll
+    for (int w = 1; w < CR_WARPS; ++w) s += sm_s[w];
+    if (t == 0) losses[row] = valid ? (m + logf(s)) - xt : __int_as_float(0x7fc00000);
+
+    if constexpr (GRAD) {                          // pass 3: (softmax - one-hot) * grad_scale, 0 past Vr
+        const float rs = 1.0f / s;
+        float4* d4 = reinterpret_cast<float4*>(dlogits + (long long)row * V);
+#pragma unroll
+        for (int j = 0; j < NV4; ++j) {
+            const int v = j * CR_THREADS + t;
+            if (v < V4) {
+                const int i = 4 * v;
+                float4 g;
+                g.x = i < Vr ? (x[j].x * rs - (i == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                g.y = i + 1 < Vr ? (x[j].y * rs - (i + 1 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                g.z = i + 2 < Vr ? (x[j].z * rs - (i + 2 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                g.w = i + 3 < Vr ? (x[j].w * rs - (i + 3 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                d4[v] = g;
+            }
+        }
+    }
 }
 
 // One block: thread t sums losses t, t + 1024, ... in double, then a fixed tree.

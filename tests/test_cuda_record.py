@@ -233,3 +233,41 @@ def test_launch_arguments_checked_against_the_kernel():
     with pytest.raises(ValueError, match="passes 2 of \\[8, 8\\]"):
         Launch(fn, (1,), (32,), [None, u64(3)], 0, "k")
     Launch(Function(None, "k", "x.cu"), (1,), (32,), [None, u64(3), i32(1)], 0, "k")
+
+
+def test_crossentropy_kernel_choice():
+    """loss.crossentropy's kernel by row length and alignment: the warp kernel up to WARP_MAX_V, then the
+    row-in-registers kernel (smallest NV4 with NV4 * 2048 >= V) where V % 4 == 0 and the rows are
+    16-byte aligned, crossentropy_block otherwise (and past the largest NV4)."""
+    from gptcuda.ops.cuda import loss as L
+    from gptcuda.runtime import DeviceView
+    rt = RecordingRuntime("fp32")
+
+    def choice(V, grad=True, n_vocab=None, shift=(0, 0), inplace=False):
+        logits = rt.empty((3, V))
+        logits = DeviceView(logits.ptr + shift[0], logits.shape, "f32")
+        d = rt.empty((3, V))
+        d = logits if inplace else DeviceView(d.ptr + shift[1], d.shape, "f32")
+        L.crossentropy(rt, rt.empty((3,)), d if grad else None, logits, rt.empty((3,), "i32"),
+                       0.5 if grad else 0.0, n_vocab=n_vocab)
+        rec = rt.launched[-1]
+        assert rec.grid == (1 if rec.fn.name.startswith("crossentropy_warp") else 3, 1, 1), rec.grid
+        return rec.fn.name, rec.block[0]
+
+    assert choice(1024) == ("crossentropy_warp<true>", L.THREADS)
+    assert choice(1028) == ("crossentropy_rows<true, 8>", 512)
+    assert choice(1025) == ("crossentropy_block<true>", L.THREADS)
+    assert choice(16384, grad=False) == ("crossentropy_rows<false, 8>", 512)
+    assert choice(16388) == ("crossentropy_rows<true, 16>", 512)
+    assert choice(50304, n_vocab=50257) == ("crossentropy_rows<true, 25>", 512)
+    assert choice(50304, inplace=True) == ("crossentropy_rows<true, 25>", 512)
+    assert choice(51200) == ("crossentropy_rows<true, 25>", 512)
+    assert choice(51204) == ("crossentropy_rows<true, 28>", 512)
+    assert choice(2048 * max(L.ROWS_NV4)) == ("crossentropy_rows<true, 28>", 512)
+    assert choice(2048 * max(L.ROWS_NV4) + 4) == ("crossentropy_block<true>", L.THREADS)
+    assert choice(50257) == ("crossentropy_block<true>", L.THREADS)
+    assert choice(50304, shift=(4, 0)) == ("crossentropy_block<true>", L.THREADS)
+    assert choice(50304, shift=(0, 8)) == ("crossentropy_block<true>", L.THREADS)
+    assert choice(50304, shift=(4, 0), inplace=True) == ("crossentropy_block<true>", L.THREADS)
+    assert choice(50304, grad=False, shift=(4, 0)) == ("crossentropy_block<false>", L.THREADS)
+    assert choice(50304, grad=False, shift=(0, 4)) == ("crossentropy_rows<false, 25>", 512)

@@ -4,6 +4,7 @@ import pytest
 
 from gptcuda.ops.cuda import loss as L
 from gptcuda.ops.reference import ops as ref
+from gptcuda.runtime import DeviceView
 from tests.conftest import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +27,8 @@ def _read_state(rt):
     return s, s.view(np.float32)
 
 
-# (leading dims, V): warp-per-row kernel up to V = 1024, block-per-row beyond
+# (leading dims, V): warp-per-row kernel up to V = 1024, then crossentropy_rows (V % 4 == 0: 50304) or
+# crossentropy_block (1025, 5003)
 CASES = [((4, 64), 65), ((37,), 1), ((3, 7), 33), ((9,), 1024), ((5,), 1025), ((3, 2), 5003), ((2,), 50304)]
 
 
@@ -101,6 +103,160 @@ def test_crossentropy_no_grad(env, lead, V):
     L.crossentropy(rt, losses, dl, logits, tg, 0.0)
     assert np.all(np.isnan(rt.download(dl)))
     assert np.array_equal(rt.download(logits), logits_h)
+
+
+def _launched(rt, *args, **kw):
+    """Run L.crossentropy; the name and block size of the kernel it launched."""
+    seen = []
+    launch = rt.launch
+
+    def spy(fn, grid, block, *a, **k):
+        seen.append((fn.name, tuple(block)))
+        return launch(fn, grid, block, *a, **k)
+
+    rt.launch = spy
+    try:
+        L.crossentropy(rt, *args, **kw)
+    finally:
+        del rt.launch
+    assert len(seen) == 1, seen
+    return seen[0]
+
+
+def _ce_reference(logits_h, tg_h, Vr, scale):
+    """float64 (losses, dlogits) over the first Vr columns; an out-of-range target (outside 0..Vr-1)
+    gives a NaN loss and no one-hot term; the padded columns' gradient is 0."""
+    V = logits_h.shape[-1]
+    lg = logits_h.reshape(-1, V)[:, :Vr].astype(np.float64)
+    tg = tg_h.reshape(-1)
+    ok = (tg >= 0) & (tg < Vr)
+    z = lg - lg.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    s = e.sum(axis=1, keepdims=True)
+    losses = np.full(tg.shape, np.nan)
+    rows_ok = np.nonzero(ok)[0]
+    losses[rows_ok] = np.log(s[rows_ok, 0]) - z[rows_ok, tg[rows_ok]]
+    d = np.zeros((lg.shape[0], V))
+    d[:, :Vr] = e / s
+    d[rows_ok, tg[rows_ok]] -= 1.0
+    return losses.reshape(tg_h.shape), (d * scale).reshape(logits_h.shape)
+
+
+def _rows_inputs(seed, lead, Vr, V):
+    """Random logits (rows shifted by up to +-20) with huge values in the padding, and targets that
+    include the first and the last real column."""
+    r = np.random.default_rng(seed)
+    logits_h = _randn(r, *lead, V) * 3.0 + r.uniform(-20, 20, size=(*lead, 1)).astype(np.float32)
+    logits_h[..., Vr:] = 1e4
+    tg_h = r.integers(0, Vr, size=lead).astype(np.int32)
+    tg_h.reshape(-1)[0] = Vr - 1
+    if tg_h.size > 1:
+        tg_h.reshape(-1)[1] = 0
+    return logits_h, tg_h
+
+
+# (leading dims, real vocabulary, row length, NV4 of the crossentropy_rows variant picked)
+ROWS_CASES = [((4, 2), 50257, 50304, 25),        # GPT-2's padded vocabulary
+              ((2,), 51200, 51200, 25),          # exactly 25 * 2048
+              ((3,), 2048 * 8 + 4, 2048 * 8 + 4, 16),   # just past an NV4 boundary
+              ((2,), 2048 * 8, 2048 * 8, 8),
+              ((5,), 1028, 1028, 8),             # the first V past the warp kernel
+              ((2, 2), 4093, 4096, 8),           # padded, a real vocabulary not a multiple of 4
+              ((3,), 57341, 57344, 28)]          # the largest row held in registers
+
+
+@pytest.mark.parametrize("mode", ["grad", "inplace", "nograd"])
+@pytest.mark.parametrize("lead,Vr,V,nv4", ROWS_CASES)
+def test_crossentropy_rows(env, lead, Vr, V, nv4, mode):
+    """The row-in-registers kernel: loss and gradient against float64, padding masked (its gradient
+    exactly 0), every output element written, the same bits on a second run."""
+    rt = env
+    logits_h, tg_h = _rows_inputs(Vr + V + len(lead), lead, Vr, V)
+    scale = 0.37
+    rl, rd = _ce_reference(logits_h, tg_h, Vr, scale)
+    logits, tg = rt.upload(logits_h), rt.upload(tg_h)
+    losses = rt.empty(lead)                                # NaN-poisoned
+    g = "false" if mode == "nograd" else "true"
+    dlogits = {"grad": rt.empty((*lead, V)), "inplace": logits, "nograd": None}[mode]
+    name = _launched(rt, losses, dlogits, logits, tg, 0.0 if mode == "nograd" else scale, n_vocab=Vr)
+    assert name == (f"crossentropy_rows<{g}, {nv4}>", (L.ROWS_THREADS,))
+    got_l = rt.download(losses)
+    assert rel_err(got_l, rl) < 1e-5
+    if mode == "nograd":
+        assert np.array_equal(rt.download(logits), logits_h)
+        return
+    got = rt.download(dlogits)
+    assert rel_err(got, rd) < 1e-5
+    assert np.all(got[..., Vr:] == 0)
+    if mode == "grad":                                     # deterministic: the same bits again
+        losses2, d2 = rt.empty(lead), rt.empty((*lead, V))
+        L.crossentropy(rt, losses2, d2, logits, tg, scale, n_vocab=Vr)
+        assert np.array_equal(rt.download(losses2), got_l) and np.array_equal(rt.download(d2), got)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_crossentropy_rows_out_of_range_target(env, inplace):
+    """Targets outside 0..Vr-1 (negative, in the padding, past the row): NaN loss, no one-hot term,
+    no read outside the row; the other rows are unaffected."""
+    rt = env
+    lead, Vr, V = (6,), 50257, 50304
+    logits_h, tg_h = _rows_inputs(7, lead, Vr, V)
+    tg_h[:4] = [-1, Vr, V - 1, 1 << 30]
+    scale = 0.5
+    rl, rd = _ce_reference(logits_h, tg_h, Vr, scale)
+    logits, tg = rt.upload(logits_h), rt.upload(tg_h)
+    losses = rt.empty(lead)
+    dlogits = logits if inplace else rt.empty((*lead, V))
+    name = _launched(rt, losses, dlogits, logits, tg, scale, n_vocab=Vr)
+    assert name == ("crossentropy_rows<true, 25>", (L.ROWS_THREADS,))
+    lo = rt.download(losses)
+    assert np.all(np.isnan(lo[:4])) and rel_err(lo[4:], rl[4:]) < 1e-5
+    got = rt.download(dlogits)
+    assert rel_err(got, rd) < 1e-5
+    assert np.all(got[..., Vr:] == 0)
+
+
+def _offset(rt, arr_or_shape):
+    """A view 4 bytes into its allocation (not 16-byte aligned): uploaded from an array, or NaN-poisoned."""
+    if isinstance(arr_or_shape, tuple):
+        shape = arr_or_shape
+        base = rt.empty((int(np.prod(shape)) + 1,))
+    else:
+        shape = arr_or_shape.shape
+        base = rt.upload(np.concatenate([np.full(1, 9.0, np.float32), arr_or_shape.reshape(-1)]))
+    return DeviceView(base.ptr + 4, tuple(shape), "f32", "offset")
+
+
+# rows the register kernel must not take: crossentropy_block instead
+@pytest.mark.parametrize("case", ["logits_misaligned", "dlogits_misaligned", "inplace_misaligned",
+                                  "nograd_misaligned", "v_not_multiple_of_4", "too_long"])
+def test_crossentropy_block_fallback(env, case):
+    rt = env
+    lead, Vr, V = (3,), 50257, 50304
+    if case == "v_not_multiple_of_4":
+        Vr = V = 50257
+    elif case == "too_long":
+        Vr, V = 57345, 2048 * max(L.ROWS_NV4) + 4
+    logits_h, tg_h = _rows_inputs(V + 3, lead, Vr, V)
+    grad = case != "nograd_misaligned"
+    scale = 0.37 if grad else 0.0
+    rl, rd = _ce_reference(logits_h, tg_h, Vr, scale)
+    misaligned = case.endswith("misaligned") and case != "dlogits_misaligned"
+    logits = _offset(rt, logits_h) if misaligned else rt.upload(logits_h)
+    if not grad:
+        dlogits = None
+    elif case.startswith("inplace"):
+        dlogits = logits
+    else:
+        dlogits = _offset(rt, (*lead, V)) if case == "dlogits_misaligned" else rt.empty((*lead, V))
+    losses = rt.empty(lead)
+    name = _launched(rt, losses, dlogits, logits, rt.upload(tg_h), scale, n_vocab=Vr)
+    assert name == (f"crossentropy_block<{'true' if grad else 'false'}>", (L.THREADS,))
+    assert rel_err(rt.download(losses), rl) < 1e-5
+    if grad:
+        got = rt.download(dlogits)
+        assert rel_err(got, rd) < 1e-5
+        assert np.all(got[..., Vr:] == 0)
 
 
 @pytest.mark.parametrize("N", [16384, 1, 1023, 1025, 3000])

@@ -6,6 +6,10 @@
         grad_scale != 0: dlogits = (softmax(logits[:, :n_vocab]) - onehot(target)) * grad_scale, 0 in the
         padded columns (dlogits may be logits)
         grad_scale == 0: no gradient is written (dlogits may be None)
+        kernel (V the row length): V <= WARP_MAX_V: crossentropy_warp (one warp per row); else
+        V % 4 == 0, V <= max(ROWS_NV4) * 2048 and logits / dlogits 16-byte aligned: crossentropy_rows<NV4>
+        (one 512-thread block per row held in registers, NV4 the smallest of ROWS_NV4 with
+        NV4 * 2048 >= V: one DRAM read of the row); else crossentropy_block (one 256-thread block per row)
     loss_reduce(rt, losses[N], history[max_steps]|None)
         state.loss = mean(losses) (deterministic, one block); history[state.step] = the same value
         when state.step < len(history)
@@ -21,15 +25,26 @@ WARPS = 8
 THREADS = WARPS * 32
 WARP_MAX_V = 1024           # one warp per row up to this vocabulary size, then one block per row
 REDUCE_THREADS = 1024
+ROWS_THREADS = 512          # crossentropy_rows: thread t holds float4 vectors j * 512 + t, j < NV4
+ROWS_NV4 = (8, 16, 25, 28)  # 28: the most without spills at 128 registers (ptxas, sm_90); 25: V = 50304
 
 VARIANTS = (
     [(FILE, f"crossentropy_{k}<{g}>", {}) for k in ("warp", "block") for g in ("true", "false")]
+    + [(FILE, f"crossentropy_rows<{g}, {n}>", {}) for n in ROWS_NV4 for g in ("true", "false")]
     + [(FILE, "loss_reduce", {})]
 )
 
 
 def workspace(cfg) -> dict:
     return {}
+
+
+def rows_nv4(V: int, *views) -> int | None:
+    """NV4 of the crossentropy_rows variant for rows of length V over these views (None where the
+    row does not fit any, V % 4 != 0, or a view is not 16-byte aligned)."""
+    if V % 4 or not all(v is None or v.ptr % 16 == 0 for v in views):
+        return None
+    return next((n for n in ROWS_NV4 if n * ROWS_THREADS * 4 >= V), None)
 
 
 def crossentropy(rt, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
@@ -48,8 +63,12 @@ def crossentropy(rt, losses, dlogits, logits, targets, grad_scale, n_vocab=None)
         raise ValueError(f"crossentropy: a gradient needs dlogits of {N}x{V} elements")
     g = "true" if grad else "false"
     args = [losses, dlogits if grad else None, logits, targets, i32(N), i32(V), i32(Vr), f32(grad_scale)]
+    nv4 = None if V <= WARP_MAX_V else rows_nv4(V, logits, dlogits if grad else None)
     if V <= WARP_MAX_V:
         rt.launch(rt.function(FILE, f"crossentropy_warp<{g}>"), (cdiv(N, WARPS),), (THREADS,), args,
+                  label="crossentropy")
+    elif nv4 is not None:
+        rt.launch(rt.function(FILE, f"crossentropy_rows<{g}, {nv4}>"), (N,), (ROWS_THREADS,), args,
                   label="crossentropy")
     else:
         rt.launch(rt.function(FILE, f"crossentropy_block<{g}>"), (N,), (THREADS,), args, label="crossentropy")
