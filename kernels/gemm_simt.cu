@@ -247,11 +247,16 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
 // per output half, so reads and writes are coalesced and several loads are in flight per thread.
 // VEC: K and N multiples of 4, in and out 16-byte aligned: float4 loads and stores; else the same
 // tile with guarded scalar accesses. Grid (ceil(N / 64), ceil(K / 64)).
+// COLSUM: also colsum[chunk0 + blockIdx.y, n] = the sum of in[k, n] over the tile's rows k (the
+// partial column sums of an A [K, M] whose transpose feeds a weight gradient: its bias gradient,
+// finished by elementwise.cu's bias_grad_reduce); four 16-row sums added in order: deterministic.
 #define TR_TILE 64
-template <bool SPLIT, bool VEC>
+template <bool SPLIT, bool VEC, bool COLSUM>
 __global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,       // out [N, K] / [2, N, K]
                                                       const float* __restrict__ in,  // in [K, N]
-                                                      int K, int N) {
+                                                      int K, int N,
+                                                      float* __restrict__ colsum,    // colsum [chunks, N] (COLSUM)
+                                                      int chunk0) {
     __shared__ float tile[TR_TILE][TR_TILE + 1];                 // tile[k - k0][n - n0]
     const int n0 = blockIdx.x * TR_TILE, k0 = blockIdx.y * TR_TILE;
     const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 4;
@@ -276,6 +281,17 @@ __global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,  
         for (int e = 0; e < 4; ++e) tile[r][col + e] = v[e];
     }
     __syncthreads();
+    if constexpr (COLSUM) {                                      // rows past K and columns past N are 0
+        __shared__ float part[4][TR_TILE];
+        const int c = threadIdx.x & (TR_TILE - 1), q = threadIdx.x >> 6;
+        float sum = 0.f;
+#pragma unroll
+        for (int r = 0; r < 16; ++r) sum += tile[16 * q + r][c];
+        part[q][c] = sum;
+        __syncthreads();
+        if (threadIdx.x < TR_TILE && n0 + c < N)
+            colsum[(long long)(chunk0 + blockIdx.y) * N + n0 + c] = ((part[0][c] + part[1][c]) + part[2][c]) + part[3][c];
+    }
     const long long half = (long long)N * K;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {                                // rows n0 + r of out, columns k0 + col ..

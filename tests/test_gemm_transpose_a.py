@@ -355,8 +355,22 @@ class _NumpyRT(FakeGemmRT):
         v = [a.value if hasattr(a, "value") else a for a in args]
         name = fn.name
         if name.startswith("gemm_transpose<false"):
-            out, x, K, N = v
-            self.at(out.ptr, N * K)[:] = self.at(x.ptr, K * N).reshape(K, N).T.ravel()
+            out, x, K, N, colsum, chunk0 = v
+            xs = self.at(x.ptr, K * N).reshape(K, N)
+            self.at(out.ptr, N * K)[:] = xs.T.ravel()
+            if name.endswith("true>"):                         # COLSUM: one row per 64-row tile
+                for i in range(-(-K // 64)):
+                    self.at(colsum.ptr + 4 * (chunk0 + i) * N, N)[:] = xs[64 * i:64 * i + 64].sum(0)
+            else:
+                assert colsum is None
+        elif name.startswith("bias_grad_partial"):
+            part, dout, M, N, rpc = v
+            d = self.at(dout.ptr, M * N).reshape(M, N)
+            for c in range(-(-M // rpc)):
+                self.at(part.ptr + 4 * c * N, N)[:] = d[c * rpc:(c + 1) * rpc].sum(0)
+        elif name == "bias_grad_reduce":
+            db, part, chunks, N = v
+            self.at(db.ptr, N)[:] = self.at(part.ptr, chunks * N).reshape(chunks, N).astype(np.float64).sum(0)
         elif name.startswith("gemm_wgmma"):
             params = name[name.index("<") + 1:-1].split(",")
             mn = name.startswith("gemm_wgmma_mn")            # A [K, M] and B [K, N] as stored
@@ -432,6 +446,49 @@ def test_transpose_a_sequence_computes_the_product(tb, tile, epilogue, slab, spl
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
     n_gemm = sum(n.startswith("gemm_wgmma") for n, *_ in rt.launches)
     assert n_gemm == (-(-K // slab) if slab else 1)
+
+
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("slab,K,partials", [(0, 740, 256 * 68), (64, 740, 256 * 68), (96, 740, 256 * 68),
+                                             (0, 64 * 256 + 8, 256 * 68), (0, 740, None)],
+                         ids=["whole", "slab64", "slab96", "over_max_chunks", "no_workspace"])
+def test_a_colsum_is_the_bias_gradient(tb, slab, K, partials):
+    """matmul(..., a_colsum=db) of a transpose_a plan: the A^T transposes write the column sums of
+    their 64-row tiles (chunk rows numbered across the slabs) and bias_grad_reduce adds them: db =
+    a.sum(0). Past MAX_CHUNKS 64-row tiles, the product runs as before and bias_grad reads A once
+    more; without the partials workspace the bias gradient says it is missing."""
+    M, N = 68, 36
+    rng = np.random.default_rng(K + tb + slab)
+    rt = _NumpyRT(1 << 22)
+    at_floats = (M + (0 if tb else N)) * (slab or K) + 7
+    rt._ws = {"gemm_aT": rt.alloc((at_floats,), "gemm_aT"), "gemm_splitk": rt.alloc((M * N,), "ws")}
+    if partials is not None:
+        rt._ws["bias_partials"] = rt.alloc((partials,), "bias_partials")
+    a, b = rng.standard_normal((K, M)), rng.standard_normal((N, K) if tb else (K, N))
+    da, dbv, out, dbias = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N)), rt.alloc((M,))
+    for view, x in ((da, a), (dbv, b)):
+        rt.at(view.ptr, x.size)[:] = x.ravel()
+    p = gemm.make_plan("wgmma", (128, 128, 3, 0), 1, K, transpose_b=not tb, transpose_a=True, k_slab=slab)
+    if partials is None:
+        with pytest.raises(KeyError, match="bias_partials"):
+            gemm.matmul(rt, out, da, dbv, True, tb, plan=p, a_colsum=dbias)
+        return
+    gemm.matmul(rt, out, da, dbv, True, tb, plan=p, a_colsum=dbias)
+    a32 = a.astype(np.float32).astype(np.float64)
+    assert np.abs(rt.at(dbias.ptr, M) - a32.sum(0)).max() < 1e-5 * np.abs(a32).sum(0).max()
+    want = a32.T @ (b.astype(np.float32).astype(np.float64).T if tb else b.astype(np.float32).astype(np.float64))
+    assert np.abs(rt.at(out.ptr, M * N).reshape(M, N) - want).max() < 1e-4 * np.abs(want).max()
+    names = [n for n, *_ in rt.launches]
+    fused = K <= 64 * 256
+    assert any(n.startswith("gemm_transpose") and n.endswith("true>") for n in names) == fused
+    assert ("bias_grad_partial<4>" in names or "bias_grad_partial<1>" in names) == (not fused)
+    assert names[-1] == "bias_grad_reduce"
+
+
+def test_a_colsum_needs_trans_a():
+    rt = _NumpyRT(1 << 16)
+    with pytest.raises(ValueError, match="a_colsum"):
+        gemm.matmul(rt, rt.alloc((8, 8)), rt.alloc((8, 8)), rt.alloc((8, 8)), False, True, a_colsum=rt.alloc((8,)))
 
 
 @pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))

@@ -95,24 +95,21 @@ class GPT:
             d = self._branch_grad(dres, drop, self.site(rng.dropout_site(l, 2)))
             if cfg.recompute:
                 o.gelu_fwd(dfc, a["fc_pre"][l])                                    # rebuild the GELU output
-            o.matmul(g[h + "fcproj.w"], d, self.fc_act(l), True, False)          # before dfc is overwritten
+            o.matmul(g[h + "fcproj.w"], d, self.fc_act(l), True, False,          # before dfc is overwritten
+                     a_colsum=g.get(h + "fcproj.b"))                               # (+ the bias gradient)
             o.matmul(dfc, d, p[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
-            self._bias_grad(g, h + "fcproj.b", d)                                  # dfc: d fc_pre [B,T,4C]
             o.matmul(dln, dfc, p[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
-            o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False)
-            self._bias_grad(g, h + "fc.b", dfc)
+            o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False, a_colsum=g.get(h + "fc.b"))
             o.layernorm_bwd(dres, g[h + "ln2.w"], g.get(h + "ln2.b"), dln, a["mid"][l], a["ln2_mean"][l],
                             a["ln2_rstd"][l], p[h + "ln2.w"])
             # attention half: mid = res[l] + drop(atty @ proj^T + b)
             d = self._branch_grad(dres, drop, self.site(rng.dropout_site(l, 1)))
             o.matmul(datty, d, p[h + "proj.w"], False, False)
-            o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False)
-            self._bias_grad(g, h + "proj.b", d)
+            o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False, a_colsum=g.get(h + "proj.b"))
             o.attention_bwd(dqkv, datty, a["qkv"][l], a["atty"][l], self.saved(l), H, drop,
                             self.site(rng.dropout_site(l, 0)))
             o.matmul(dln, dqkv, p[h + "attn.w"], False, False)                    # d ln1 [B,T,C]
-            o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False)
-            self._bias_grad(g, h + "attn.b", dqkv)
+            o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False, a_colsum=g.get(h + "attn.b"))
             o.layernorm_bwd(dres, g[h + "ln1.w"], g.get(h + "ln1.b"), dln, a["res"][l], a["ln1_mean"][l],
                             a["ln1_rstd"][l], p[h + "ln1.w"])
             self._grads_ready(l)
@@ -126,10 +123,6 @@ class GPT:
             self.ops.dropout_bwd(self.a["branch"], dres, drop, site)
             return self.a["branch"]
         return dres
-
-    def _bias_grad(self, g, name, d):
-        if name in g:
-            self.ops.bias_grad(g[name], d)
 
     # ---- whole programs -----------------------------------------------------------------
     dp = None               # gptcuda.dist.DataParallel of a data-parallel rank (set by Engine)

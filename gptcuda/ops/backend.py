@@ -91,14 +91,12 @@ class Ops(Protocol):
         """dx[N,C] += ; dw[C] = ; db[C] = (db may be None)"""
 
     def matmul(self, out, a, b, trans_a: bool = False, trans_b: bool = False, bias=None,
-               epilogue: str = "none", aux=None) -> None:
+               epilogue: str = "none", aux=None, a_colsum=None) -> None:
         """out[M,N] = op(a) @ op(b) + bias; a is [M,K] (stored [K,M] when trans_a), b is [K,N] (stored
         [N,K] when trans_b). "gelu": aux = that pre-activation, out = gelu_tanh(aux); "residual":
         out = aux + op(a) @ op(b) + bias (aux may be out); "dgelu": out = (op(a) @ op(b)) *
-        gelu_tanh'(aux) (no bias; the GELU backward folded in)."""
-
-    def bias_grad(self, db, dout) -> None:
-        """db[N] = dout[M,N].sum(0), deterministic"""
+        gelu_tanh'(aux) (no bias; the GELU backward folded in). a_colsum[M] (trans_a only): also
+        a_colsum = a.sum(0) of a as stored [K,M], deterministic: a weight gradient's bias gradient."""
 
     def gelu_fwd(self, out, x) -> None:
         """out = gelu_tanh(x)"""

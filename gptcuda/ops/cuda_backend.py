@@ -156,11 +156,9 @@ class CudaBackend:
     def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w):
         layernorm.layernorm_bwd(self.rt, dx, dw, db, dout, x, mean, rstd, w)
 
-    def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
-        gemm.matmul(self.rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, ex=self.exec)
-
-    def bias_grad(self, db, dout):
-        elementwise.bias_grad(self.rt, db, dout)
+    def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, a_colsum=None):
+        gemm.matmul(self.rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, ex=self.exec,
+                    a_colsum=a_colsum)
 
     def gelu_fwd(self, out, x):
         elementwise.gelu_fwd(self.rt, out, x)

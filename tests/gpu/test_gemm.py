@@ -626,6 +626,65 @@ def test_transpose_and_split(rt, K, N, split):
 
 
 @gpu
+@pytest.mark.parametrize("K,N", [(64, 128), (300, 388), (37, 5), (130, 66)])
+def test_transpose_colsum(rt, K, N):
+    """gemm_transpose<false, VEC, true>: x^T bit for bit, and colsum[chunk0 + i] = the column sums of
+    x's rows 64 i .. 64 i + 63 (four 16-row sums added in order), rows outside the tiles untouched."""
+    rng = np.random.default_rng(K + N)
+    x = rng.standard_normal((K, N)).astype(np.float32)
+    tiles, chunk0 = -(-K // 64), 3
+    out, colsum = rt.empty((N, K)), rt.empty((chunk0 + tiles + 2, N))
+    rt.memset(out, 0x7FC00000)
+    rt.memset(colsum, 0x7FC00000)
+    gemm._transpose_into(rt, out, rt.upload(x), K, N, False, "test", colsum=colsum, chunk0=chunk0)
+    assert np.array_equal(rt.download(out), x.T)
+    got = rt.download(colsum)
+    assert np.all(np.isnan(got[:chunk0])) and np.all(np.isnan(got[chunk0 + tiles:]))
+    for i in range(tiles):
+        rows = np.zeros((64, N), np.float32)
+        rows[:min(64, K - 64 * i)] = x[64 * i:64 * i + 64]
+        want = [np.float32(0)] * 4
+        for q in range(4):
+            s = np.zeros(N, np.float32)
+            for r in range(16):
+                s = s + rows[16 * q + r]
+            want[q] = s
+        assert np.array_equal(got[chunk0 + i], ((want[0] + want[1]) + want[2]) + want[3]), i
+
+
+@gpu
+@pytest.mark.parametrize("slab", [0, 64])
+def test_weight_grad_a_colsum(rt, _at_buffer, no_ws, slab):
+    """matmul(dW, dY, X, trans_a, a_colsum=db) on a transpose_a plan (all of K, or 12 slabs of 64):
+    db = dY.sum(0) from the transposes' partials, dW unchanged by it (bit for bit against the same
+    plan without a_colsum), db NaN-poisoned before; the same on a plan without transposes (bias_grad)."""
+    _wgmma_rt(rt)
+    old = rt.precision
+    rt.precision = "tf32"
+    M, N, K = 196, 172, 740
+    rng = np.random.default_rng(slab)
+    a, b = _operands(rng, M, N, K, True, False)
+    da, db = rt.upload(a), rt.upload(b)
+    part = rt.empty((256 * M,), name="bias_partials")
+    try:
+        floats = None if slab == 0 else (M + N) * 64 + 100
+        with _at_ws(rt, _at_buffer, floats), _workspaces(rt, bias_partials=part):
+            p = gemm.make_plan("wgmma", (128, 128, 3, 0), 1, K, transpose_b=True, transpose_a=True, k_slab=slab)
+            plans = [p, gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K)]
+            for q in plans:
+                out, out2, bias = rt.empty((M, N)), rt.empty((M, N)), rt.empty((M,))
+                rt.memset(bias, 0x7FC00000)
+                gemm.matmul(rt, out, da, db, True, False, plan=q, a_colsum=bias)
+                gemm.matmul(rt, out2, da, db, True, False, plan=q)
+                assert np.array_equal(rt.download(out), rt.download(out2))
+                want = a.astype(np.float64).sum(0)
+                got = rt.download(bias)
+                assert rel_err(got, want) < 1e-5, (gemm.plan_label(q), rel_err(got, want))
+    finally:
+        rt.precision = old
+
+
+@gpu
 def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
     """On sm_90 the cost model sends the model's x @ W^T products to the wgmma kernel and its
     dY @ W products there through B^T (when the scratch is planned), never the other transposes;

@@ -6,6 +6,7 @@
     dropout_bwd(rt, dx, dout, p, site)          dx = dout * keep / (1-p)      (dx may be dout)
     residual_dropout(rt, out, resid, x, p, site) out = resid + x * keep / (1-p) (out may alias)
     bias_grad(rt, db[N], dout[M,N])             db = dout.sum(0), deterministic, two passes
+    bias_grad_reduce(rt, db[N], partials[c,N])  db = partials.sum(0) in chunk order (the second pass)
     accumulate(rt, dst, src, first)             dst = src (first) or dst + src (gradient accumulation)
 
 keep(e) is element e of the flat mask rng.dropout_mask draws from the stream
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from gptcuda.model import rng
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import f32, i32, u32
+from gptcuda.runtime import DeviceView, f32, i32, u32
 from gptcuda.ops.cuda import cdiv
 
 FILE = "elementwise.cu"
@@ -124,8 +125,17 @@ def bias_grad(rt, db, dout):
     vec = 4 if N % 4 == 0 and _aligned(dout) else 1
     rt.launch(rt.function(FILE, f"bias_grad_partial<{vec}>"), (cdiv(N, 32 * vec), chunks), (BG_WARPS * 32,),
               [part, dout, i32(M), i32(N), i32(rpc)], label="bias_grad_partial")
+    bias_grad_reduce(rt, db, DeviceView(part.ptr, (chunks, N), "f32", WORKSPACE))
+
+
+def bias_grad_reduce(rt, db, partials):
+    """db [N] = partials [chunks, N] summed over the chunks in order (the bias gradient's second pass;
+    the GEMM launcher's A^T transposes write such partials too)."""
+    chunks, N = (int(d) for d in partials.shape)
+    if db.numel != N:
+        raise ValueError(f"bias_grad_reduce: db {db.shape} does not match partials {partials.shape}")
     rt.launch(rt.function(FILE, "bias_grad_reduce"), (cdiv(N, 32),), (BG_WARPS * 32,),
-              [db, part, i32(chunks), i32(N)], label="bias_grad_reduce")
+              [db, partials, i32(chunks), i32(N)], label="bias_grad_reduce")
 
 
 def accumulate(rt, dst, src, first):

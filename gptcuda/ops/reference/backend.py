@@ -166,8 +166,13 @@ class ReferenceBackend:
                 db[...] = gb
         self._rec(f)
 
-    def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
+    def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, a_colsum=None):
+        if a_colsum is not None and not trans_a:
+            raise ValueError("matmul: a_colsum needs trans_a")
+
         def f():
+            if a_colsum is not None:
+                a_colsum[...] = _2d(a).sum(axis=0)
             r = R.matmul_forward(_2d(a), _2d(b), trans_a, trans_b, bias)
             o = _2d(out)
             if epilogue == "gelu":
@@ -180,9 +185,6 @@ class ReferenceBackend:
             else:
                 o[...] = r
         self._rec(f)
-
-    def bias_grad(self, db, dout):
-        self._rec(lambda: db.__setitem__(Ellipsis, _2d(dout).sum(axis=0)))
 
     def gelu_fwd(self, out, x):
         self._rec(lambda: out.__setitem__(Ellipsis, R.gelu_forward(x)))

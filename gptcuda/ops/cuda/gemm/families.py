@@ -110,8 +110,10 @@ TF32_FLOPS_PER_SM = 1024 * 2 * 1.75e9 / 2
 
 # gemm_simt.cu's transpose [K, N] -> [N, K] of transpose_b plans (split: the hi and lo halves of a
 # wgmma3 operand), by (split, vec: float4 accesses)
-TRANSPOSE_NAMES = {(split, vec): f"gemm_transpose<{str(split).lower()}, {str(vec).lower()}>"
+TRANSPOSE_NAMES = {(split, vec): f"gemm_transpose<{str(split).lower()}, {str(vec).lower()}, false>"
                    for split in (False, True) for vec in (False, True)}
+# the A^T transpose of a weight gradient that also writes its bias gradient's partial column sums
+COLSUM_TRANSPOSE_NAMES = {vec: f"gemm_transpose<false, {str(vec).lower()}, true>" for vec in (False, True)}
 SPLIT_NAMES = {False: "tf32_split<false>", True: "tf32_split<true>"}   # gemm_simt.cu: the halves of an operand
 
 # Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
@@ -313,7 +315,8 @@ def _variants():
         out.append((SIMT_FILE, reduce_name(epi, hb), {}))
     for name in LADDER_NAMES:
         out.append((SIMT_FILE, name, {}))
-    out += [(SIMT_FILE, n, {}) for n in (*TRANSPOSE_NAMES.values(), *SPLIT_NAMES.values())]
+    out += [(SIMT_FILE, n, {}) for n in (*TRANSPOSE_NAMES.values(), *COLSUM_TRANSPOSE_NAMES.values(),
+                                         *SPLIT_NAMES.values())]
     out.append((TF32_FILE, "mma_probe", {}))
     out.append((TF32_FILE, "tf32_round_probe", {}))
     return out

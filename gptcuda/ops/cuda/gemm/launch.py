@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 
 from gptcuda.ops.backend import rows
+from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, execution, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPI_RESID, EPILOGUE_CODES,
-                                            MAX_GRID_Z, REDUCE_THREADS, SIMT_FILE, SPLIT_NAMES,
-                                            TRANSPOSE_NAMES, cdiv, reduce_name)
+                                            COLSUM_TRANSPOSE_NAMES, MAX_GRID_Z, REDUCE_THREADS, SIMT_FILE,
+                                            SPLIT_NAMES, TRANSPOSE_NAMES, cdiv, reduce_name)
 from gptcuda.ops.cuda.gemm.layout import rt_transpose_a_slab, wgmma_ok, ws_capacity
 from gptcuda.ops.cuda.gemm.plan import Plan, check_plan
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
@@ -147,11 +148,17 @@ def _overlap(x, y):
     return ptr_x < ptr_y + y.nbytes and ptr_y < ptr_x + x.nbytes
 
 
-def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, plan=None, ex=None):
+def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, plan=None, ex=None,
+           a_colsum=None):
     """out[M, N] = op(a) @ op(b) (+ bias), then the epilogue (see the package docstring). ex: the
     execution plan whose choices apply (the backend passes its own; default rt's). `plan` forces a
-    plan (benchmarks, bench/tune.py); otherwise the measured table, else the cost model."""
+    plan (benchmarks, bench/tune.py); otherwise the measured table, else the cost model.
+    a_colsum [M] (trans_a only): also a_colsum = a.sum(0) of a as stored [K, M], the bias gradient of
+    a weight gradient; a transpose_a plan takes the partial sums from its A^T transposes, else
+    elementwise.bias_grad reads a once more."""
     M, N, K, lda, ldb, epi, has_bias = matmul_dims(out, a, b, trans_a, trans_b, bias, epilogue, aux)
+    if a_colsum is not None and (not trans_a or a_colsum.numel != M):
+        raise ValueError(f"matmul: a_colsum needs trans_a and {M} elements, got {a_colsum.shape} (trans_a {trans_a})")
     ex = execution.of(rt) if ex is None else ex
     family = ex.gemm_family
     ws, cap = ws_capacity(rt)
@@ -168,7 +175,11 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     if p is None:
         p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab)
     if p.transpose_a:
-        _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label)
+        fused = a_colsum is not None and _colsum_partials(rt, M, K, p.k_slab or K) is not None
+        _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label,
+                             a_colsum if fused else None)
+        if a_colsum is not None and not fused:
+            elementwise.bias_grad(rt, a_colsum, a)
         return
     if p.fam.split_first:
         a, b = _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label)
@@ -177,6 +188,8 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         b, trans_b, ldb = _transpose_b(rt, b, K, N, label), True, K
     _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
                  trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label)
+    if a_colsum is not None:
+        elementwise.bias_grad(rt, a_colsum, a)
 
 
 def matmul_plan(rt, p: Plan, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none",
@@ -198,27 +211,44 @@ def _scratch(rt, name, shape, label):
 TRANSPOSE_TILE = 64     # gemm_transpose's square tile
 
 
-def _transpose_into(rt, out, x, K, N, split, label, what="B^T"):
-    """x [K, N] (dense) -> out [N, K], or its hi and lo halves [2, N, K] when split."""
+def _transpose_into(rt, out, x, K, N, split, label, what="B^T", colsum=None, chunk0=0):
+    """x [K, N] (dense) -> out [N, K], or its hi and lo halves [2, N, K] when split. colsum (not with
+    split): also colsum[chunk0 + i, :] = the column sums of x's rows 64 i .. 64 i + 63."""
     vec = K % 4 == 0 and N % 4 == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0
-    rt.launch(rt.function(SIMT_FILE, TRANSPOSE_NAMES[split, vec]),
+    name = TRANSPOSE_NAMES[split, vec] if colsum is None else COLSUM_TRANSPOSE_NAMES[vec]
+    rt.launch(rt.function(SIMT_FILE, name),
               (cdiv(N, TRANSPOSE_TILE), cdiv(K, TRANSPOSE_TILE)), (256,),
-              [out, x, i32(K), i32(N)], label=f"{label}:{what}")
+              [out, x, i32(K), i32(N), colsum, i32(chunk0)], label=f"{label}:{what}")
 
 
-def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label):
+def _colsum_partials(rt, M, K, kc):
+    """The bias-gradient partials workspace viewed [chunks, M] for the A^T transposes of K rows in
+    slabs of kc (one chunk per 64-row tile of a slab), or None where it does not hold them."""
+    chunks = sum(cdiv(min(kc, K - k0), TRANSPOSE_TILE) for k0 in range(0, K, kc))
+    part, cap = ws_capacity(rt, elementwise.WORKSPACE)
+    if part is None or chunks > elementwise.MAX_CHUNKS or cap < chunks * M:
+        return None
+    return DeviceView(part.ptr, (chunks, M), "f32", elementwise.WORKSPACE)
+
+
+def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label,
+                         a_colsum=None):
     """A transpose_a plan: per k slab [k0, k0 + kc) (all of K when p.k_slab is 0), A's rows k0 ..
     of [K, M] (a contiguous sub-view) -> "gemm_aT" as [M, kc], B's rows of [K, N] -> after it as
     [N, kc] (trans_b: B [N, K] is read in place, columns k0 ..), then the K-major wgmma product;
     the first slab applies the epilogue, the later ones add to out (residual with aux = out), in
-    slab order: deterministic."""
+    slab order: deterministic. a_colsum [M]: the A^T transposes also write the column sums of
+    their 64-row tiles, in k order, and bias_grad_reduce adds them up: a_colsum = a.sum(0)."""
     kc = p.k_slab or K
     at = _scratch(rt, "gemm_aT", (M + (0 if trans_b else N)) * min(kc, K), label)
+    part = None if a_colsum is None else _colsum_partials(rt, M, K, kc)
+    chunk = 0
     for k0 in range(0, K, kc):
         kl = min(kc, K - k0)
         a_t = DeviceView(at.ptr, (M, kl), "f32", "gemm_aT")
         _transpose_into(rt, a_t, DeviceView(a.ptr + 4 * k0 * M, (kl, M), "f32", "A slab"), kl, M, False,
-                        label, "A^T")
+                        label, "A^T", part, chunk)
+        chunk += cdiv(kl, TRANSPOSE_TILE)
         if trans_b:
             b_op, ldb = DeviceView(b.ptr + 4 * k0, (N, kl), "f32", "B slab"), K
         else:
@@ -229,6 +259,8 @@ def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, ep
         _launch_gemm(rt, p, out, aux if first else out, a_t, b_op, bias if first else None, M, N, kl, kl, ldb,
                      N, 0, 0, M * N, 1.0, False, True, epi if first else EPI_RESID, has_bias and first, 1,
                      ws=ws, label=label if K == kl else f"{label}:k{k0}")
+    if part is not None:
+        elementwise.bias_grad_reduce(rt, a_colsum, part)
 
 
 def _transpose_b(rt, b, K, N, label):
