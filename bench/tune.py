@@ -121,9 +121,9 @@ def main(argv=None):
             heur, plans = candidates_for(op, precision, 132, ws_floats, keep, max_n,   # as on an H200
                                          wgmma=os.environ.get("GPTCUDA_WGMMA", "1") != "0", scratch=scratch)
             print(f"{op.label}: {op.M}x{op.N}x{op.K} b{op.batch} {op.trans()} {op.epilogue}"
-                  f"{'+bias' if op.bias else ''} floor {floor_s(op, precision) * 1e3:.4f} ms")
+                  f"{'+bias' if op.bias else ''}{' +colsum' if op.colsum else ''} floor {floor_s(op, precision) * 1e3:.4f} ms")
             for p in plans:
-                est = gemm.estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, 132) * 1e3
+                est = gemm.estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, 132, op.colsum) * 1e3
                 print(f"    {gemm.plan_label(p):<26} model {est:8.4f} ms")
         return 0
 

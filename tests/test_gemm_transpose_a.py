@@ -485,6 +485,21 @@ def test_a_colsum_is_the_bias_gradient(tb, slab, K, partials):
     assert names[-1] == "bias_grad_reduce"
 
 
+@pytest.mark.parametrize("fam,tile", [("wgmma3", (128, 128, 3, 1)), ("simt", (128, 128))])
+def test_a_colsum_reads_the_stored_a(fam, tile):
+    """fp32 plans without A^T transposes (3xTF32 split first: A is split into hi / lo halves on the
+    way; SIMT: read as stored): the bias gradient reads the caller's A [K, M], not the halves."""
+    M, N, K = 68, 36, 740
+    rt = FakeGemmRT("fp32", arch="sm_90", ws=1 << 20, split=2 * 2048 * 2048)
+    rt._ws["bias_partials"] = _v((256 * M,), 1 << 43)
+    p = gemm.make_plan(fam, tile, 1, K, transpose_b=fam == "wgmma3")
+    gemm.matmul(rt, _v((M, N)), _v((K, M), 1 << 30), _v((K, N), 1 << 31), True, False,
+                plan=p, a_colsum=_v((M,), 1 << 35))
+    part = [(g, b) for n, g, b, _ in rt.launches if n.startswith("bias_grad_partial")]
+    chunks = -(-K // max(32, -(-K // 256)))
+    assert part == [((-(-M // 128), chunks), (256,))], rt.launches
+
+
 def test_a_colsum_needs_trans_a():
     rt = _NumpyRT(1 << 16)
     with pytest.raises(ValueError, match="a_colsum"):

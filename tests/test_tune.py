@@ -22,13 +22,13 @@ def cache(table_cache):
 FakeRT, _v = FakeGemmRT, fake_view
 
 
-def _run(rt, M, N, K, ta=False, tb=True, epilogue="none", bias=False, a_ptr=1 << 30):
+def _run(rt, M, N, K, ta=False, tb=True, epilogue="none", bias=False, a_ptr=1 << 30, colsum=False):
     rt.launches.clear()
     a = _v((K, M) if ta else (M, K), a_ptr)
     b = _v((N, K) if tb else (K, N), 1 << 31)
     aux = _v((M, N), 1 << 33) if epilogue != "none" else None
     gemm.matmul(rt, _v((M, N), 1 << 32), a, b, ta, tb, bias=_v((N,), 1 << 34) if bias else None,
-                epilogue=epilogue, aux=aux)
+                epilogue=epilogue, aux=aux, a_colsum=_v((M,), 1 << 35) if colsum else None)
     return [name for name, *_ in rt.launches]
 
 
@@ -281,9 +281,12 @@ def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
         assert table[op.key("tf32")] == p
     # and matmul launches the winner
     rt = FakeRT("tf32", ws=ws)
+    rt._ws["bias_partials"] = _v((256 * 4096,), 1 << 43)
     op = next(o for o in ops if o.label == "dW qkv")
-    names = _run(rt, op.M, op.N, op.K, op.ta, op.tb)
+    assert op.colsum                                  # its bias gradient comes with it: a key of its own
+    names = _run(rt, op.M, op.N, op.K, op.ta, op.tb, colsum=True)
     assert rt.launches[0][1][2] == 8 and "splitk_reduce" in names[1]
+    assert names[-2:] == ["bias_grad_partial<4>", "bias_grad_reduce"]     # the tf32 plan reads A once more
 
 
 def test_pick_winner_ignores_failed_and_unmeasured():

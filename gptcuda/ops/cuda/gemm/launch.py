@@ -170,10 +170,11 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     if p is not None:
         check_plan(label, p, family, vec, 1, cap, M, N, K, wg, slab, epi)
     else:
-        key = tune_key(ex.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1)
+        key = tune_key(ex.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1, a_colsum is not None)
         p = tuned_plan(rt, key, vec, cap, M, N, wg, ex=ex)
     if p is None:
-        p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab)
+        p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab,
+                       colsum=a_colsum is not None)
     if p.transpose_a:
         fused = a_colsum is not None and _colsum_partials(rt, M, K, p.k_slab or K) is not None
         _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label,
@@ -181,6 +182,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         if a_colsum is not None and not fused:
             elementwise.bias_grad(rt, a_colsum, a)
         return
+    stored_a = a                 # (a 3xTF32 plan re-binds a to its split halves)
     if p.fam.split_first:
         a, b = _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label)
         trans_a, trans_b, lda, ldb = False, True, K, K
@@ -189,7 +191,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
                  trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label)
     if a_colsum is not None:
-        elementwise.bias_grad(rt, a_colsum, a)
+        elementwise.bias_grad(rt, a_colsum, stored_a)
 
 
 def matmul_plan(rt, p: Plan, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none",

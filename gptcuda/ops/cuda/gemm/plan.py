@@ -141,14 +141,22 @@ def _gemm_estimate(p: Plan, M, N, K, k_chunk, batch, epi, sm_count) -> float:
     return t
 
 
-def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132) -> float:
+def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, colsum=False) -> float:
     """Modelled seconds of one launch (split-K: both kernels): the busiest SM's main loops, plus
     per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's
     main loop when blocks_per_sm >= 2), at least the DRAM traffic (B re-read where it outgrows
     the L2: `b_reads`) and the operand panels every block streams from L2; split-K adds its
     partials and the reduction; the re-layout passes (transposes, 3xTF32 splits) their bytes.
     transpose_a plans: the transposes of A (and B) at ~3 TB/s, then one GEMM per k slab, every
-    slab after the first reading out back (the residual epilogue)."""
+    slab after the first reading out back (the residual epilogue). colsum (matmul's a_colsum, A
+    stored [K, M]): the A^T transposes give it nearly free, other plans read A once more."""
+    extra = 0.0
+    if colsum:
+        extra = _LAUNCH_S / 3 + (0.0 if p.transpose_a else _LAUNCH_S / 3 + 4.0 * K * M / _BYTES_PER_S)
+    return extra + _estimate_s(p, M, N, K, batch, epi, sm_count)
+
+
+def _estimate_s(p: Plan, M, N, K, batch, epi, sm_count) -> float:
     if p.transpose_a:
         kc = p.k_slab or K
         n, last = cdiv(K, kc), K - (cdiv(K, kc) - 1) * kc
@@ -193,7 +201,7 @@ def _base_family(family):
 
 
 def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=True,
-         vec=True, tiles=None, splits=None, epi=EPI_NONE, wgmma=False, k_slab=0) -> Plan:
+         vec=True, tiles=None, splits=None, epi=EPI_NONE, wgmma=False, k_slab=0, colsum=False) -> Plan:
     """The tile and split count with the lowest modelled time (`estimate_s`). max_ws: floats
     available for split-K partials (0 disables split-K); vec: whether 16-byte loads are possible
     (TF32 has its guarded fallback for fewer tiles); tiles / splits: restrict the candidates to
@@ -202,7 +210,8 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
     compete too ("transpose": their plans transpose B first; "transpose_ab" / "transpose_a": A
     (and B) first, in slabs of k_slab k rows (`transpose_a_slab`; 0: all of K), no split-K when
     that is less than K; for the simt family: the 3xTF32 tiles). A wgmma tile's tie with its TMA
-    twin goes to the TMA loader (5-20% faster where measured)."""
+    twin goes to the TMA loader (5-20% faster where measured). colsum: the product also gives A's
+    column sums (estimate_s)."""
     best = None
     for name in competing(family, wgmma, vec):
         fam = FAMILIES[name]
@@ -227,7 +236,7 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
                     continue
                 p = Plan(name, tile, threads, bps, s, chunk, smem, tb, ta, slab)
                 cp_async = fam.k_major and not fam.tma(tile)      # a tie with its TMA twin: TMA
-                key = (estimate_s(p, M, N, K, batch, epi, sm_count), s, -tile[0] * tile[1], cp_async)
+                key = (estimate_s(p, M, N, K, batch, epi, sm_count, colsum), s, -tile[0] * tile[1], cp_async)
                 if best is None or key < best[0]:
                     best = (key, p)
     if best is None:
@@ -268,10 +277,10 @@ def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0, wgmma=F
 
 
 def prune_candidates(cands, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, keep=1.6, max_n=6,
-                     always=()):
+                     always=(), colsum=False):
     """The candidates worth timing: modelled time (`estimate_s`) within `keep` x the best, at most
     max_n of them, fastest first; plans in `always` (the cost model's choice) are kept."""
-    scored = sorted(((estimate_s(p, M, N, K, batch, epi, sm_count), i, p) for i, p in enumerate(cands)),
+    scored = sorted(((estimate_s(p, M, N, K, batch, epi, sm_count, colsum), i, p) for i, p in enumerate(cands)),
                     key=lambda x: (x[0], x[1]))
     if not scored:
         return []

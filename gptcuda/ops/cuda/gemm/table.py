@@ -34,10 +34,12 @@ def source_hash() -> str:
     return _source_hash
 
 
-def tune_key(precision, trans_a, trans_b, epilogue, has_bias, M, N, K, batch=1) -> str:
-    """Table key: precision, transposes, the op's epilogue (+bias), the shape and the batch."""
+def tune_key(precision, trans_a, trans_b, epilogue, has_bias, M, N, K, batch=1, colsum=False) -> str:
+    """Table key: precision, transposes, the op's epilogue (+bias; +colsum: the weight gradient that
+    also gives its bias gradient, matmul's a_colsum), the shape and the batch."""
     return (f"{precision}:{'T' if trans_a else 'N'}{'T' if trans_b else 'N'}:"
-            f"{epilogue}{'+bias' if has_bias else ''}:{int(M)}x{int(N)}x{int(K)}:b{int(batch)}")
+            f"{epilogue}{'+bias' if has_bias else ''}{'+colsum' if colsum else ''}:"
+            f"{int(M)}x{int(N)}x{int(K)}:b{int(batch)}")
 
 
 def table_path(gpu_name: str, src_hash: str | None = None) -> Path:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import Blob, DeviceView, Function, execution
 from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, EPI_BIAS, EPI_IO, EPILOGUE_CODES
 from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, transpose_a_slab, wgmma_layout_mode
@@ -53,6 +54,7 @@ class GemmOp:
     bias: bool = False
     batch: int = 1
     count: int = 1           # launches per training step (0: evaluation / alternative form only)
+    colsum: bool = False     # a weight gradient that also gives its bias gradient (matmul's a_colsum)
 
     @property
     def epi(self) -> int:
@@ -65,7 +67,8 @@ class GemmOp:
         return all(s % 4 == 0 for s in strides + ([self.M * self.K, self.K * self.N] if self.batch > 1 else []))
 
     def key(self, precision) -> str:
-        return tune_key(precision, self.ta, self.tb, self.epilogue, self.bias, self.M, self.N, self.K, self.batch)
+        return tune_key(precision, self.ta, self.tb, self.epilogue, self.bias, self.M, self.N, self.K, self.batch,
+                        self.colsum)
 
     def trans(self) -> str:
         return ("T" if self.ta else "N") + ("T" if self.tb else "N")
@@ -100,15 +103,15 @@ def model_gemms(cfg, vocab_size: int, backward: bool = True) -> list:
     if backward:
         add("dX head", Ntok, C, V, False, False, count=1)
         add("dW wte", V, C, Ntok, True, False, count=1)
-        add("dW fcproj", C, 4 * C, Ntok, True, False, count=L)
+        add("dW fcproj", C, 4 * C, Ntok, True, False, count=L, colsum=bias)
         add("dX fcproj +dgelu", Ntok, 4 * C, C, False, False, "dgelu", count=L)
         add("dX fcproj", Ntok, 4 * C, C, False, False, count=0)          # the unfused form (+ gelu_bwd)
-        add("dW fc", 4 * C, C, Ntok, True, False, count=L)
+        add("dW fc", 4 * C, C, Ntok, True, False, count=L, colsum=bias)
         add("dX fc", Ntok, C, 4 * C, False, False, count=L)
         add("dX attn proj", Ntok, C, C, False, False, count=L)
-        add("dW attn proj", C, C, Ntok, True, False, count=L)
+        add("dW attn proj", C, C, Ntok, True, False, count=L, colsum=bias)
         add("dX qkv", Ntok, C, 3 * C, False, False, count=L)
-        add("dW qkv", 3 * C, C, Ntok, True, False, count=L)
+        add("dW qkv", 3 * C, C, Ntok, True, False, count=L, colsum=bias)
         if unfused:
             add("att dv", T, hs, T, True, False, batch=BH, count=L)
             add("att dP", T, T, hs, False, True, batch=BH, count=L)
@@ -143,10 +146,10 @@ def candidates_for(op: GemmOp, precision: str, sm_count: int, ws_floats: int, ke
         slab = 0 if slab >= op.K else slab
     fam = FAMILY[precision]
     heur = model_plan(op.M, op.N, op.K, op.batch, sm_count, fam, max_ws=ws_floats if op.batch == 1 else 0,
-                      allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode, k_slab=slab)
+                      allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode, k_slab=slab, colsum=op.colsum)
     cands = tune_candidates(op.M, op.N, op.K, op.batch, fam, op.vec, ws_floats, wgmma=mode, epi=op.epi, k_slab=slab)
     pruned = prune_candidates(cands, op.M, op.N, op.K, op.batch, op.epi, sm_count, keep=keep, max_n=max_n,
-                              always=[heur])
+                              always=[heur], colsum=op.colsum)
     return heur, [heur] + [p for p in pruned if p != heur]
 
 
@@ -171,7 +174,7 @@ def tune_op(op: GemmOp, precision: str, timer, sm_count=132, ws_floats=0, keep=1
     w = pick_winner(plans, times, ok)
     return {"op": op, "plans": plans, "times_ms": times, "ok": ok, "winner": w,
             "floor_ms": floor_s(op, precision) * 1e3,
-            "est_ms": [estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, sm_count) * 1e3 for p in plans]}
+            "est_ms": [estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, sm_count, op.colsum) * 1e3 for p in plans]}
 
 
 def table_entries(results, precision) -> dict:
@@ -202,19 +205,19 @@ def scratch_of(cfg, vocab) -> dict:
 
 # ---- the device timer ----------------------------------------------------------------------
 def _operand_shapes(op: GemmOp):
-    """Shapes of (a, b, out, bias or None, aux or None) as the op's launch takes them."""
+    """Shapes of (a, b, out, bias or None, aux or None, a_colsum or None) as the op's launch takes them."""
     lead = (op.batch,) if op.batch > 1 else ()
     return (lead + ((op.K, op.M) if op.ta else (op.M, op.K)), lead + ((op.N, op.K) if op.tb else (op.K, op.N)),
             lead + (op.M, op.N), (op.N,) if op.bias else None,
-            (op.M, op.N) if op.epilogue in AUX_EPILOGUES else None)
+            (op.M, op.N) if op.epilogue in AUX_EPILOGUES else None, (op.M,) if op.colsum else None)
 
 
-def _launch(rt, op: GemmOp, p, a, b, out, bias, aux):
+def _launch(rt, op: GemmOp, p, a, b, out, bias, aux, colsum=None):
     """Launch (or record) op with plan p."""
     if op.batch > 1:
         matmul_batched(rt, out, a, b, op.ta, op.tb, plan=p)
     else:
-        matmul(rt, out, a, b, op.ta, op.tb, bias=bias, epilogue=op.epilogue, aux=aux, plan=p)
+        matmul(rt, out, a, b, op.ta, op.tb, bias=bias, epilogue=op.epilogue, aux=aux, plan=p, a_colsum=colsum)
 
 
 class EventTimer:
@@ -259,15 +262,21 @@ class EventTimer:
         old_ws = dict(rt._workspace)
         destroy = getattr(getattr(dev, "drv", None), "cuEventDestroy", None)
         try:
-            a_s, b_s, out_s, bias_s, aux_s = _operand_shapes(op)
+            a_s, b_s, out_s, bias_s, aux_s, colsum_s = _operand_shapes(op)
             for shape, make in ((a_s, self._upload), (b_s, self._upload), (out_s, self._alloc),
-                                (bias_s, self._upload), (aux_s, self._upload)):
+                                (bias_s, self._upload), (aux_s, self._upload), (colsum_s, self._alloc)):
                 bufs.append(make(shape) if shape is not None else None)
             views = tuple(bufs)
-            rt.set_workspace({**old_ws, **({"gemm_splitk": self.ws} if self.ws is not None else {}), **self.scratch})
+            # a colsum op's bias-gradient partials (elementwise.bias_grad's workspace, planned per config)
+            parts = {}
+            if op.colsum:
+                bufs.append(self._alloc((elementwise.MAX_CHUNKS * op.M,)))
+                parts = {elementwise.WORKSPACE: bufs[-1]}
+            rt.set_workspace({**old_ws, **({"gemm_splitk": self.ws} if self.ws is not None else {}), **self.scratch,
+                              **parts})
             reps = []
             for p in plans:
-                e = estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, rt.info.sm_count) * 1e3
+                e = estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, rt.info.sm_count, op.colsum) * 1e3
                 n = int(min(64, max(1, math.ceil(self.target_ms / max(e, 1e-4)))))
                 prog = rt.begin("tune")
                 try:
@@ -349,6 +358,9 @@ class _Variants:
     def of(self, op: GemmOp, p) -> list:
         """The variants (file, name, sorted define items, arch) op's launch with plan p asks for."""
         self.asked = []
+        if op.colsum:            # the bias-gradient partials a colsum op writes (as EventTimer provides)
+            self._ws[elementwise.WORKSPACE] = DeviceView(15 << 38, (elementwise.MAX_CHUNKS * op.M,), "f32",
+                                                         elementwise.WORKSPACE)
         _launch(self, op, p, *[DeviceView((i + 1) << 38, s, "f32", "x") if s else None
                                for i, s in enumerate(_operand_shapes(op))])
         return self.asked
