@@ -560,15 +560,20 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
     __syncthreads();      // the last block-wide barrier: the producer warpgroup leaves early
 }
 
+// The argument list of the persistent kernels (gemm_wgmma_ws, gemm_wgmma_mn, gemm_wgmma3_ws): the
+// launcher's contract, checked against its argument block when a launch is recorded. A and B are
+// K-major ([batch, M, K], [batch, N, K]) for gemm_wgmma_ws; as stored ([batch, K, M], [batch, K, N])
+// for gemm_wgmma_mn, and where MN_A / MN_B say so for gemm_wgmma3_ws.
+#define WS_ARGS                                                                                      \
+    float* C,                               /* C [zs, M, N], row stride ldc, matrix stride sC */    \
+    float* aux,                             /* aux: as in gemm_wgmma */                             \
+    const __grid_constant__ TmaMap mapA,    /* A (see above) */                                     \
+    const __grid_constant__ TmaMap mapB,    /* B (see above) */                                     \
+    const float* __restrict__ bias,         /* bias [N] or null */                                  \
+    int M, int N, int K, int ldc, long long sC, float alpha, int splits, int k_chunk, int zs
+
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
-gemm_wgmma_ws(float* C,                           // C [zs, M, N], row stride ldc, matrix stride sC
-              float* aux,                         // aux: as in gemm_wgmma
-              const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major)
-              const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major)
-              const float* __restrict__ bias,     // bias [N] or null
-              int M, int N, int K, int ldc, long long sC,
-              float alpha, int splits, int k_chunk, int zs) {
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ws(WS_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int WG = BM / 64;                         // consumer warpgroups; warpgroup WG loads
     constexpr int A_BYTES = BM * 128;
@@ -763,14 +768,7 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
 }
 
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
-gemm_wgmma_mn(float* C,                           // C [zs, M, N], row stride ldc, matrix stride sC
-              float* aux,                         // aux: as in gemm_wgmma
-              const __grid_constant__ TmaMap mapA,  // A [batch, K, M] (M-major)
-              const __grid_constant__ TmaMap mapB,  // B [batch, K, N] (N-major)
-              const float* __restrict__ bias,     // bias [N] or null
-              int M, int N, int K, int ldc, long long sC,
-              float alpha, int splits, int k_chunk, int zs) {
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_mn(WS_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
                                                                splits, k_chunk, zs);
@@ -780,14 +778,7 @@ gemm_wgmma_mn(float* C,                           // C [zs, M, N], row stride ld
 }
 
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
-gemm_wgmma3_ws(float* C,                           // C [zs, M, N], row stride ldc, matrix stride sC
-               float* aux,                         // aux: as in gemm_wgmma
-               const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major) or, MN_A, [batch, K, M]
-               const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major) or, MN_B, [batch, K, N]
-               const float* __restrict__ bias,     // bias [N] or null
-               int M, int N, int K, int ldc, long long sC,
-               float alpha, int splits, int k_chunk, int zs) {
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma3_ws(WS_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
                                                                splits, k_chunk, zs);
