@@ -176,10 +176,11 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab,
                        colsum=a_colsum is not None)
     if p.transpose_a:
-        fused = a_colsum is not None and _colsum_partials(rt, M, K, p.k_slab or K) is not None
-        _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label,
-                             a_colsum if fused else None)
-        if a_colsum is not None and not fused:
+        part = None if a_colsum is None else _colsum_partials(rt, M, K, p.k_slab or K)
+        _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label, part)
+        if part is not None:
+            elementwise.bias_grad_reduce(rt, a_colsum, part)
+        elif a_colsum is not None:
             elementwise.bias_grad(rt, a_colsum, a)
         return
     stored_a = a                 # (a 3xTF32 plan re-binds a to its split halves)
@@ -234,16 +235,15 @@ def _colsum_partials(rt, M, K, kc):
 
 
 def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label,
-                         a_colsum=None):
+                         part=None):
     """A transpose_a plan: per k slab [k0, k0 + kc) (all of K when p.k_slab is 0), A's rows k0 ..
     of [K, M] (a contiguous sub-view) -> "gemm_aT" as [M, kc], B's rows of [K, N] -> after it as
     [N, kc] (trans_b: B [N, K] is read in place, columns k0 ..), then the K-major wgmma product;
     the first slab applies the epilogue, the later ones add to out (residual with aux = out), in
-    slab order: deterministic. a_colsum [M]: the A^T transposes also write the column sums of
-    their 64-row tiles, in k order, and bias_grad_reduce adds them up: a_colsum = a.sum(0)."""
+    slab order: deterministic. part (`_colsum_partials`): the A^T transposes also write the column
+    sums of their 64-row tiles into its rows, in k order (bias_grad_reduce then adds them up)."""
     kc = p.k_slab or K
     at = _scratch(rt, "gemm_aT", (M + (0 if trans_b else N)) * min(kc, K), label)
-    part = None if a_colsum is None else _colsum_partials(rt, M, K, kc)
     chunk = 0
     for k0 in range(0, K, kc):
         kl = min(kc, K - k0)
@@ -261,8 +261,6 @@ def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, ep
         _launch_gemm(rt, p, out, aux if first else out, a_t, b_op, bias if first else None, M, N, kl, kl, ldb,
                      N, 0, 0, M * N, 1.0, False, True, epi if first else EPI_RESID, has_bias and first, 1,
                      ws=ws, label=label if K == kl else f"{label}:k{k0}")
-    if part is not None:
-        elementwise.bias_grad_reduce(rt, a_colsum, part)
 
 
 def _transpose_b(rt, b, K, N, label):
