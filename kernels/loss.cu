@@ -40,6 +40,11 @@ __device__ __forceinline__ void ce_push(float& m, float& s, float v) {
     }
 }
 
+// logsumexp - the target's logit from (max, sum of exp(x - max)); NaN for an out-of-range target
+__device__ __forceinline__ float ce_loss(bool valid, float m, float s, float xt) {
+    return valid ? (m + logf(s)) - xt : __int_as_float(0x7fc00000);
+}
+
 // One row of the logits and its target; this thread's elements are first, first + STRIDE, ...
 template <int STRIDE>
 struct CeRow {
@@ -62,7 +67,7 @@ struct CeRow {
         }
     }
 
-    __device__ __forceinline__ float loss() const { return valid ? (m + logf(s)) - xt : __int_as_float(0x7fc00000); }
+    __device__ __forceinline__ float loss() const { return ce_loss(valid, m, s, xt); }
 
     // dr [V] = (softmax - one-hot) * grad_scale, 0 past Vr; dr may be lr (each element is read before
     // it is written)
@@ -113,18 +118,33 @@ __global__ void __launch_bounds__(CE_THREADS) crossentropy_block(CE_ARGS) {
     if constexpr (GRAD) r.grad(dlogits + (long long)row * V, V, Vr, grad_scale, threadIdx.x);
 }
 
+// v reduced over the block with op: warp butterflies (the same bits in every lane), then the warps'
+// values in order 0..CR_WARPS-1, read from sm (CR_WARPS floats) after a block barrier: deterministic,
+// and every thread returns the same value.
+template <class Op>
+__device__ __forceinline__ float cr_block_reduce(float v, float* sm, Op op) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = sm[0];
+#pragma unroll
+    for (int w = 1; w < CR_WARPS; ++w) v = op(v, sm[w]);
+    return v;
+}
+
 // The row in registers: x[j] = logits[row, 4v .. 4v + 3] for the vector v = j * CR_THREADS + t (none past V:
 // V % 4 == 0, so a vector is wholly inside the row or wholly outside). Columns >= Vr are set to -inf, so
 // they add nothing to the max and exp(-inf - max) = 0 to the sum. Pass 1: the block's max (no exp);
 // pass 2: the sum of exp(x - max), kept in x for the gradient; pass 3 (GRAD): the gradient as float4.
-// Both block reductions are warp butterflies and then the 16 warps' values in order 0..15: deterministic.
+// Both block reductions are cr_block_reduce's: deterministic.
 // All reads of the row (the target logit first) precede the first __syncthreads, every write follows the
 // second, so dlogits may be logits.
 template <bool GRAD, int NV4>
 __global__ void __launch_bounds__(CR_THREADS, 1) crossentropy_rows(CE_ARGS) {
     __shared__ float sm_m[CR_WARPS], sm_s[CR_WARPS];
     const int row = blockIdx.x;
-    const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+    const int t = threadIdx.x;
     const float* lr = logits + (long long)row * V;
     const int tg = targets[row];
     const bool valid = (unsigned)tg < (unsigned)Vr;
@@ -148,17 +168,11 @@ __global__ void __launch_bounds__(CR_THREADS, 1) crossentropy_rows(CE_ARGS) {
         x[j] = a;
     }
 
-    // pass 1: max
+    // pass 1: max (its barrier also orders every read of the row before the writes)
     float m = CE_LOWEST;
 #pragma unroll
     for (int j = 0; j < NV4; ++j) m = fmaxf(m, fmaxf(fmaxf(x[j].x, x[j].y), fmaxf(x[j].z, x[j].w)));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) sm_m[warp] = m;
-    __syncthreads();                               // also orders every read of the row before the writes
-    m = sm_m[0];
-#pragma unroll
-    for (int w = 1; w < CR_WARPS; ++w) m = fmaxf(m, sm_m[w]);
+    m = cr_block_reduce(m, sm_m, [](float a, float b) { return fmaxf(a, b); });
 
     // pass 2: sum of exp(x - max), four partial sums per thread
     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
@@ -175,15 +189,8 @@ __global__ void __launch_bounds__(CR_THREADS, 1) crossentropy_rows(CE_ARGS) {
         s3 += e.w;
         if constexpr (GRAD) x[j] = e;
     }
-    float s = (s0 + s1) + (s2 + s3);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);   // same bits in every lane
-    if (lane == 0) sm_s[warp] = s;
-    __syncthreads();
-    s = sm_s[0];
-#pragma unroll
-    for (int w = 1; w < CR_WARPS; ++w) s += sm_s[w];
-    if (t == 0) losses[row] = valid ? (m + logf(s)) - xt : __int_as_float(0x7fc00000);
+    const float s = cr_block_reduce((s0 + s1) + (s2 + s3), sm_s, [](float a, float b) { return a + b; });
+    if (t == 0) losses[row] = ce_loss(valid, m, s, xt);
 
     if constexpr (GRAD) {                          // pass 3: (softmax - one-hot) * grad_scale, 0 past Vr
         const float rs = 1.0f / s;
