@@ -126,6 +126,54 @@ __device__ __forceinline__ void gemm_store4(float* C, float* aux, const float* b
     }
 }
 
+// gemm_store4 with one copy of the epilogue's arithmetic (wg_store_tile, gemm_wgmma.cu: its loops are
+// unrolled over a whole tile, where two copies of GELU per four values doubled the code and stalled
+// on instruction fetch): `wide` (row r and columns c .. c + 3 in C, 16-byte accesses allowed) loads and
+// stores 16 bytes, otherwise each element in C on its own; the values, and so C, are gemm_store4's.
+template <int EPI, bool HAS_BIAS>
+__device__ __forceinline__ void gemm_store4_once(float* C, float* aux, const float* bias, int r, int c,
+                                                 int M, int N, int ldc, float alpha, bool wide,
+                                                 const float (&v)[4]) {
+    const long long off = (long long)r * ldc + c;
+    float b[4] = {0.f, 0.f, 0.f, 0.f}, in[4] = {0.f, 0.f, 0.f, 0.f}, out[4], pre[4];
+    bool ok[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ok[e] = r < M && c + e < N;
+    if (wide) {
+        if constexpr (HAS_BIAS) {
+            const float4 t = *reinterpret_cast<const float4*>(bias + c);
+            b[0] = t.x; b[1] = t.y; b[2] = t.z; b[3] = t.w;
+        }
+        if constexpr (GEMM_EPI_READS_AUX(EPI)) {
+            const float4 t = *reinterpret_cast<const float4*>(aux + off);
+            in[0] = t.x; in[1] = t.y; in[2] = t.z; in[3] = t.w;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (ok[e]) {
+                if constexpr (HAS_BIAS) b[e] = bias[c + e];
+                if constexpr (GEMM_EPI_READS_AUX(EPI)) in[e] = aux[off + e];
+            }
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[e] = gemm_epi_value<EPI, HAS_BIAS>(v[e], alpha, b[e], in[e], &pre[e]);
+    if (wide) {
+        if constexpr (EPI == GEMM_EPI_GELU)
+            *reinterpret_cast<float4*>(aux + off) = make_float4(pre[0], pre[1], pre[2], pre[3]);
+        *reinterpret_cast<float4*>(C + off) = make_float4(out[0], out[1], out[2], out[3]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (ok[e]) {
+                if constexpr (EPI == GEMM_EPI_GELU) aux[off + e] = pre[e];
+                C[off + e] = out[e];
+            }
+        }
+    }
+}
+
 // The block's place in the grid, shared by the GEMM kernels: batching and split-K share
 // gridDim.z (z = batch * splits + split); the block computes the tile at (m0, n0) over k in
 // [kb0, kb0 + klen).

@@ -137,12 +137,55 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], float*
         v[2] = odd ? acc[4 * j + 2] : r0;
         v[3] = odd ? acc[4 * j + 3] : r1;
         const int c = c0 + 8 * j;
-        if (interior)
-            gemm_store4_vec<EPI, HAS_BIAS>(C, aux, bias, (long long)r * ldc + c, c, alpha, v);
-        else
-            gemm_store4<EPI, HAS_BIAS>(C, aux, bias, r, c, M, N, ldc, alpha, vec, v);
+        gemm_store4_once<EPI, HAS_BIAS>(C, aux, bias, r, c, M, N, ldc, alpha,
+                                        interior || (vec && r < M && c + 3 < N), v);
     }
 }
+
+// What an epilogue reads besides the accumulators, asked for before the main loop so that it arrives
+// under it instead of stalling the epilogue on a load per 4 columns.
+// wg_epi_prefetch: the 128-byte lines of aux (residual input, saved pre-activation) under rows
+// row0 .. row0 + 63 (a warpgroup's) and columns n0 .. n0 + BN - 1, into the L2 (wt: the thread's place
+// in the warpgroup).
+template <int BN, int EPI>
+__device__ __forceinline__ void wg_epi_prefetch(const float* aux, int ldc, int M, int N, int row0, int n0, int wt) {
+    if constexpr (GEMM_EPI_READS_AUX(EPI)) {
+        constexpr int LINES = BN / 32;                   // lines of a row's BN floats
+#pragma unroll
+        for (int i = wt; i < 64 * LINES; i += 128) {
+            const int r = row0 + i / LINES, c = n0 + (i % LINES) * 32;
+            if (r < M && c < N) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(aux + (long long)r * ldc + c));
+        }
+    }
+}
+// WgBias: the bias of columns n0 .. n0 + BN - 1, one value per thread and NT columns (thread t of NT
+// brings columns n0 + t, n0 + t + NT, ...; 0 beyond N) into registers (fetch, before the main loop);
+// put writes them into shared memory at sb (BN floats, 16-byte aligned) and returns the pointer the
+// epilogue indexes by column (sb - n0). The caller orders put and the epilogue's reads (a barrier).
+template <int BN, int NT, bool HAS_BIAS>
+struct WgBias {
+    static constexpr int PER = HAS_BIAS ? (BN + NT - 1) / NT : 1;
+    float v[PER];
+    __device__ __forceinline__ void fetch(const float* bias, int n0, int N, int t) {
+        if constexpr (HAS_BIAS) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                const int j = t + NT * i;
+                v[i] = j < BN && n0 + j < N ? bias[n0 + j] : 0.f;
+            }
+        }
+    }
+    __device__ __forceinline__ const float* put(float* sb, const float* bias, int n0, int t) const {
+        if constexpr (HAS_BIAS) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i)
+                if (t + NT * i < BN) sb[t + NT * i] = v[i];
+            return sb - n0;
+        } else {
+            return bias;
+        }
+    }
+};
 
 // 16-byte staging of a K-major operand tile (R rows, 32 k) into the swizzled layout. Thread tid
 // copies chunk (tid % 8) of rows tid / 8 + i * STEP (STEP = THREADS / 8, a multiple of 8, so the
@@ -216,6 +259,11 @@ gemm_wgmma(float* C,                        // C [batch*splits, M, N], row strid
     C += blockIdx.z * sC;
     if constexpr (GEMM_EPI_USES_AUX(EPI)) aux += blockIdx.z * sC;
 
+    __shared__ __align__(16) float s_bias[HAS_BIAS ? BN : 4];
+    WgBias<BN, THREADS, HAS_BIAS> tile_bias;
+    tile_bias.fetch(bias, n0, N, tid);
+    wg_epi_prefetch<BN, EPI>(aux, ldc, M, N, m0 + wg * 64, n0, tid & 127);
+
     WgStager<BM, THREADS> stA(A, lda, m0, tid);
     WgStager<BN, THREADS> stB(B, ldb, n0, tid);
     const bool a_rows_in = m0 + BM <= M, b_rows_in = n0 + BN <= N;
@@ -258,7 +306,9 @@ gemm_wgmma(float* C,                        // C [batch*splits, M, N], row strid
     wg_fence_acc(acc);
     cp_async_wait<0>();
 
-    wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C, aux, bias, M, N, ldc, sC, blk.m0, blk.n0, alpha);
+    const float* bias_s = tile_bias.put(s_bias, bias, n0, tid);
+    if constexpr (HAS_BIAS) __syncthreads();
+    wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C, aux, bias_s, M, N, ldc, sC, blk.m0, blk.n0, alpha);
 #else
     __trap();   // wgmma exists on sm_90a only; the launcher never picks this kernel elsewhere
 #endif
@@ -366,6 +416,10 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
     const int nk = wg_k_tiles(blk.klen);
     C += blockIdx.z * sC;
     if constexpr (GEMM_EPI_USES_AUX(EPI)) aux += blockIdx.z * sC;
+    __shared__ __align__(16) float s_bias[HAS_BIAS ? BN : 4];
+    WgBias<BN, WG * 128, HAS_BIAS> tile_bias;
+    tile_bias.fetch(bias, blk.n0, N, tid);
+    wg_epi_prefetch<BN, EPI>(aux, ldc, M, N, blk.m0 + wg * 64, blk.n0, tid & 127);
 
     auto issue = [&](int kt) {      // warp 0 (lane 0 acts): tile kt into its slot
         const int s = kt % STAGES;
@@ -447,7 +501,9 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
         }
     }
 
-    wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C, aux, bias, M, N, ldc, sC, blk.m0, blk.n0, alpha);
+    const float* bias_s = tile_bias.put(s_bias, bias, blk.n0, tid);
+    if constexpr (HAS_BIAS) __syncthreads();
+    wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C, aux, bias_s, M, N, ldc, sC, blk.m0, blk.n0, alpha);
 #else
     __trap();
 #endif
@@ -494,13 +550,20 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     constexpr int A_BYTES = BM * 128;
     constexpr int HALF = (BM + BN) * 128;
     constexpr int STAGE_BYTES = (PRODUCTS == 3 ? 2 : 1) * HALF;
-    const int wg = threadIdx.x >> 7;
+    constexpr int WG = BM / 64;
+    __shared__ __align__(16) float ws_bias[HAS_BIAS ? 2 * BN : 4];      // a pair of buffers
+    const int wg = threadIdx.x >> 7, wt = threadIdx.x & 127;
     float acc[BN / 2];
     float part[PRODUCTS == 3 ? BN / 2 : 1];
-    int it = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    WgBias<BN, WG * 128, HAS_BIAS> tile_bias;
+    int it = 0, tn = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles(tl.klen);
+        float* aux_z = aux;
+        if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
+        tile_bias.fetch(bias, tl.n0, N, threadIdx.x);
+        wg_epi_prefetch<BN, EPI>(aux_z, ldc, M, N, tl.m0 + wg * 64, tl.n0, wt);
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
         for (int kt = 0; kt < nk; ++kt, ++it) {
@@ -538,9 +601,14 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
             wg_fence_acc(acc);
             if (nk > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
         }
-        float* aux_z = aux;
-        if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
-        wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C + tl.z * sC, aux_z, bias, M, N, ldc, sC, tl.m0, tl.n0, alpha);
+        // the tile's bias into one of the two buffers (the other may still be read by a consumer
+        // finishing the tile before); the consumers' barrier (named barrier 2: the producer warpgroup
+        // has its own loop) orders these writes before this epilogue's reads, and that epilogue's
+        // reads before the next writes to the buffer. 2 x BN floats: 128x128 s7 (gemm_wgmma_mn)
+        // leaves no more room than that beside its 224 KB of slots.
+        const float* bias_t = tile_bias.put(ws_bias + (tn & 1) * BN, bias, tl.n0, threadIdx.x);
+        if constexpr (HAS_BIAS) asm volatile("bar.sync 2, %0;\n" ::"n"(WG * 128) : "memory");
+        wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC, tl.m0, tl.n0, alpha);
     }
 }
 

@@ -1,0 +1,36 @@
+"""Every warpgroup-MMA tile fits in a block's shared memory: the launcher's dynamic bytes (the
+family's smem(tile)) plus the kernel's static bytes (mbarriers, the epilogue's bias buffers, as
+ptxas reports them) within the 227 KB a block may opt into on sm_90. A launch past it fails on the
+GPU; this finds it without one (compiles only)."""
+import re
+
+import pytest
+
+from gptcuda.ops.cuda.gemm import families
+from gptcuda.runtime import compiler
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+OPTIN_MAX = 227 * 1024          # cudaDevAttrMaxSharedMemoryPerBlockOptin on the H100 / H200
+
+
+def _cases():
+    out = []
+    for name in ("wgmma", "wgmma_mn", "wgmma3", "wgmma3_ws"):
+        fam = families.FAMILIES[name]
+        for tile in fam.tiles:
+            # the bias epilogue: the largest static footprint (its bias buffers), GELU the widest
+            kernel = fam.kernel(tile, True, False, families.EPI_GELU, True, True)
+            out.append(pytest.param(name, tile, kernel, id=f"{name}:{kernel}"))
+    return out
+
+
+@pytest.mark.parametrize("fam,tile,kernel", _cases())
+def test_static_and_dynamic_smem_fit(fam, tile, kernel):
+    c = compiler.compile_kernel(families.FAMILIES[fam].file, [kernel], arch="sm_90", use_cache=True)
+    lowered = c.lowered[kernel]
+    report = re.search(rf"Function properties for {re.escape(lowered)}\n.*\n.*?(\d+) bytes smem", c.log)
+    assert report, f"no ptxas report for {kernel}"
+    static = int(report[1])
+    dynamic = families.FAMILIES[fam].smem(tile)
+    assert static + dynamic <= OPTIN_MAX, f"{kernel}: {dynamic} dynamic + {static} static bytes > {OPTIN_MAX}"
