@@ -631,14 +631,16 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
 // The argument list of the persistent kernels (gemm_wgmma_ws, gemm_wgmma_mn, gemm_wgmma3_ws): the
 // launcher's contract, checked against its argument block when a launch is recorded. A and B are
 // K-major ([batch, M, K], [batch, N, K]) for gemm_wgmma_ws; as stored ([batch, K, M], [batch, K, N])
-// for gemm_wgmma_mn, and where MN_A / MN_B say so for gemm_wgmma3_ws.
+// for gemm_wgmma_mn, and where MN_A / MN_B say so for gemm_wgmma3_ws. colsum: the bias gradient's
+// partial sums of A as stored (gemm_wgmma_mn with COLSUM, one product: row z = the split's k range).
 #define WS_ARGS                                                                                      \
     float* C,                               /* C [zs, M, N], row stride ldc, matrix stride sC */    \
     float* aux,                             /* aux: as in gemm_wgmma */                             \
     const __grid_constant__ TmaMap mapA,    /* A (see above) */                                     \
     const __grid_constant__ TmaMap mapB,    /* B (see above) */                                     \
     const float* __restrict__ bias,         /* bias [N] or null */                                  \
-    int M, int N, int K, int ldc, long long sC, float alpha, int splits, int k_chunk, int zs
+    int M, int N, int K, int ldc, long long sC, float alpha, int splits, int k_chunk, int zs,      \
+    float* colsum                           /* gemm_wgmma_mn<..., COLSUM>: [splits, M], else unused */
 
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ws(WS_ARGS) {
@@ -715,8 +717,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ws(WS_ARGS)
 // distinct bank groups). K-major (SPLIT only): thread pt splits the 16-byte chunks pt, pt + 128, ...
 // where they are (consecutive chunks: conflict-free). SPLIT: the hi half in place, the lo half at
 // tile + HALF.
-template <int R, bool MN, bool SPLIT, int HALF>
-__device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt) {
+template <int R, bool MN, bool SPLIT, int HALF, bool SUM = false>
+__device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt, float* sums = nullptr) {
     constexpr int CH = R * 8 / 128;
     static_assert(MN || SPLIT, "a K-major TF32 operand needs no preparation");
     auto put = [&](unsigned char* dst, float4 x) {
@@ -740,6 +742,12 @@ __device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt) {
             const float* src = stg + 4 * c * R + row;
             v[i] = make_float4(src[0], src[R], src[2 * R], src[3 * R]);
         }
+        if constexpr (SUM) {        // chunks i = 2j, 2j + 1 (c = w, w + 4) are of row 32 j + lane
+#pragma unroll
+            for (int j = 0; j < CH / 2; ++j)
+                sums[j] += ((v[2 * j].x + v[2 * j].y) + (v[2 * j].z + v[2 * j].w)) +
+                           ((v[2 * j + 1].x + v[2 * j + 1].y) + (v[2 * j + 1].z + v[2 * j + 1].w));
+        }
         asm volatile("bar.sync 1, 128;\n" ::: "memory");       // every read of the staged operand done
 #pragma unroll
         for (int i = 0; i < CH; ++i) {
@@ -756,11 +764,40 @@ __device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt) {
     }
 }
 
+// ws_colsum_out: the producers' column sums of an MN-major A tile over its k range (ws_prepare's
+// SUM: thread pt of warp w holds rows 32 j + lane, summed over its chunks w and w + 4 of every k
+// tile), added in warp order through red [R] in shared memory (named barrier 1 of the producers),
+// warp 3 writing out[m0 + r] for the rows inside M: deterministic, one order for every tile.
+template <int R>
+__device__ __forceinline__ void ws_colsum_out(const float (&cs)[R / 32], float* red, float* out, int m0, int M,
+                                              int pt) {
+    const int w = pt >> 5, lane = pt & 31;
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+        if (w == step) {
+#pragma unroll
+            for (int j = 0; j < R / 32; ++j) {
+                const int r = 32 * j + lane;
+                const float v = step == 0 ? cs[j] : red[r] + cs[j];
+                if (step < 3)
+                    red[r] = v;
+                else if (m0 + r < M)
+                    out[m0 + r] = v;
+            }
+        }
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");    // (the last: red is free for the next tile)
+    }
+}
+
 // The body of both turning kernels (PRODUCTS 1: gemm_wgmma_mn, MN_A and MN_B; 3: gemm_wgmma3_ws).
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, int PRODUCTS>
+// COLSUM (gemm_wgmma_mn): the producers also sum A [K, M] as stored over each tile's k range, the bias
+// gradient of a weight gradient dW = dY^T X (A = dY), written by the tiles of the first column tile
+// (n0 = 0) into colsum[split, m] (ws_colsum_out), for bias_grad_reduce to add the splits in order.
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, int PRODUCTS,
+          bool COLSUM = false>
 __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap* mapA, const TmaMap* mapB,
                                              const float* bias, int M, int N, int K, int ldc, long long sC,
-                                             float alpha, int splits, int k_chunk, int zs) {
+                                             float alpha, int splits, int k_chunk, int zs, float* colsum) {
     constexpr int WG = BM / 64;
     constexpr int A_BYTES = BM * 128;
     constexpr int HALF = (BM + BN) * 128;                       // the staged bytes of a k tile
@@ -769,6 +806,8 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 16 == 0 && BN <= 256, "wgmma tiles, TMA boxes <= 256");
     static_assert(STAGES >= 3, "a slot is refilled after the consumers issued the k tile after it");
     static_assert(PRODUCTS == 3 || (MN_A && MN_B), "TF32: the as-stored weight gradient only");
+    static_assert(!COLSUM || (MN_A && PRODUCTS == 1), "column sums of an MN-major TF32 A");
+    __shared__ float ws_red[COLSUM ? BM : 1];
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[3 * STAGES];    // full, empty, staged
@@ -815,18 +854,24 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
             for (int i = 0; i < STAGES - 1; ++i) stage_next();
         }
         int it = 0;
+        float cs[COLSUM ? BM / 32 : 1];
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
             const int nk = wg_k_tiles(tl.klen);
+#pragma unroll
+            for (int j = 0; j < (COLSUM ? BM / 32 : 1); ++j) cs[j] = 0.f;
             for (int kt = 0; kt < nk; ++kt, ++it) {
                 const int s = it % STAGES;
                 mbar_wait(staged0 + 8 * s, (it / STAGES) & 1);
                 unsigned char* slot = base + s * STAGE_BYTES;
-                if constexpr (MN_A || SPLIT) ws_prepare<BM, MN_A, SPLIT, HALF>(slot, pt);
+                if constexpr (MN_A || SPLIT) ws_prepare<BM, MN_A, SPLIT, HALF, COLSUM>(slot, pt, cs);
                 if constexpr (MN_B || SPLIT) ws_prepare<BN, MN_B, SPLIT, HALF>(slot + A_BYTES, pt);
                 wg_fence_async_smem();                        // the stores, into the async proxy
                 mbar_arrive(full0 + 8 * s);
                 if (pt < 32) stage_next();                    // k tile it + STAGES - 1, where it - 1 was
+            }
+            if constexpr (COLSUM) {
+                if (tl.n0 == 0) ws_colsum_out<BM>(cs, ws_red, colsum + (long long)tl.z * M, tl.m0, M, pt);
             }
         }
         return;
@@ -835,11 +880,11 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
                                                         splits, k_chunk, per_z, tiles_n, total);
 }
 
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool COLSUM = false>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_mn(WS_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
-                                                               splits, k_chunk, zs);
+    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC,
+                                                                       alpha, splits, k_chunk, zs, colsum);
 #else
     __trap();
 #endif
@@ -849,7 +894,7 @@ template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma3_ws(WS_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
-                                                               splits, k_chunk, zs);
+                                                               splits, k_chunk, zs, colsum);
 #else
     __trap();
 #endif

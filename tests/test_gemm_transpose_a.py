@@ -386,6 +386,13 @@ class _NumpyRT(FakeGemmRT):
                 pa, pb = A.ptr, B.ptr
             a = self._mat(pa, K, M, lda).T if mn_a else self._mat(pa, M, K, lda)
             b = self._mat(pb, K, N, ldb).T if mn_b else self._mat(pb, N, K, ldb)
+            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws"))
+            colsum = v[14] if persistent else None             # a persistent kernel's last argument
+            if mn and len(params) > 5 and params[5] == "true":  # COLSUM: A's sums, a row per split
+                for z in range(splits):
+                    self.at(colsum.ptr + 4 * z * M, M)[:] = a[:, z * kc:(z + 1) * kc].sum(1)
+            else:
+                assert colsum is None, name
             for z in range(splits):
                 acc = a[:, z * kc:(z + 1) * kc] @ b[:, z * kc:(z + 1) * kc].T
                 if hb:
@@ -612,3 +619,41 @@ def test_wgmma3_ws_competes_for_aligned_fp32_products():
     assert "rt.precision" in gemm.plan_unfit(p, "tf32", True, "direct")
     cands = gemm.tune_candidates(384, 1536, 16384, 1, "simt", True, 1 << 24, wgmma="transpose")
     assert {p.family for p in cands} >= {"simt", "wgmma3", "wgmma3_ws"}
+
+
+@pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("epilogue,splits,partials", [("none", 1, True), ("none", 3, True),
+                                                      ("residual_alias", 1, True), ("none", 1, False)],
+                         ids=["whole", "split3", "residual", "no_workspace"])
+def test_mn_plan_gives_the_bias_gradient(tile, epilogue, splits, partials):
+    """matmul(..., a_colsum=db) of a wgmma_mn plan: its colsum kernel sums A [K, M] as it reads it,
+    one row of partials per split, and bias_grad_reduce adds them (no second read of A). With an
+    epilogue (the kernel's column sums are those of a plain product only) bias_grad reads A once
+    more; without the partials workspace the bias gradient says it is missing."""
+    M, N, K = 68, 36, 740
+    rng = np.random.default_rng(M + N + K + splits + len(epilogue))
+    rt = _NumpyRT(1 << 21)
+    rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_aT": rt.alloc(((M + N) * K,), "gemm_aT")}
+    if partials:
+        rt._ws["bias_partials"] = rt.alloc((256 * M,), "bias_partials")
+    a, b, out0 = rng.standard_normal((K, M)), rng.standard_normal((K, N)), rng.standard_normal((M, N))
+    da, db, out, dbias = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N)), rt.alloc((M,))
+    for view, x in ((da, a), (db, b), (out, out0)):
+        rt.at(view.ptr, x.size)[:] = x.ravel()
+    kw = dict(epilogue="residual", aux=out) if epilogue == "residual_alias" else {}
+    p = gemm.make_plan("wgmma_mn", tile, splits, K)
+    if not partials:
+        with pytest.raises(KeyError, match="bias_partials"):
+            gemm.matmul(rt, out, da, db, True, False, plan=p, a_colsum=dbias, **kw)
+        return
+    gemm.matmul(rt, out, da, db, True, False, plan=p, a_colsum=dbias, **kw)
+    a32 = a.astype(np.float32).astype(np.float64)
+    assert np.abs(rt.at(dbias.ptr, M) - a32.sum(0)).max() < 1e-5 * np.abs(a32).sum(0).max()
+    want = a32.T @ b.astype(np.float32).astype(np.float64) + (out0 if epilogue == "residual_alias" else 0)
+    assert np.abs(rt._mat(out.ptr, M, N, N) - want).max() < 1e-4 * np.abs(want).max()
+    names = [n for n, *_ in rt.launches]
+    fused = epilogue == "none"
+    assert names[0] == (gemm.FAMILIES["wgmma_mn"].colsum_kernel(tile) if fused else
+                        gemm.FAMILIES["wgmma_mn"].kernel(tile, True, False, gemm.EPI_RESID, False, True)), names
+    assert any(n.startswith("bias_grad_partial") for n in names) == (not fused), names
+    assert names[-1] == "bias_grad_reduce"

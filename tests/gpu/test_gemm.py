@@ -688,6 +688,40 @@ def test_weight_grad_a_colsum(rt, _at_buffer, no_ws, slab):
 
 
 @gpu
+@pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))
+def test_wgmma_mn_a_colsum(rt, _at_buffer, splitk_ws, tile):
+    """matmul(dW, dY, X, trans_a, a_colsum=db) on a wgmma_mn plan: the colsum kernel's producers sum
+    dY [K, M] as they turn its k tiles, the tiles of the first column tile write one row of partials
+    per split (poisoned before: every row written), bias_grad_reduce adds them: db = dY.sum(0).
+    dW is bit for bit the plain kernel's. Ragged m / n / k, several m and n tiles (more tiles than
+    blocks in one case), split-K."""
+    _wgmma_rt(rt)
+    old = rt.precision
+    rt.precision = "tf32"
+    part = rt.empty((256 * 1500,), name="bias_partials")
+    try:
+        with _at_ws(rt, _at_buffer), _workspaces(rt, bias_partials=part):
+            for i, (M, N, K, splits) in enumerate([(196, 172, 740, 1), (300, 200, 740, 3), (68, 36, 36, 1),
+                                                   (tile[0] * 11 - 20, tile[1] * 13 - 36, 100, 1),
+                                                   (1100, 520, 8200, 2)]):
+                rng = np.random.default_rng(i)
+                a, b = _operands(rng, M, N, K, True, False)
+                da, db = rt.upload(a), rt.upload(b)
+                p = gemm.make_plan("wgmma_mn", tile, splits, K)
+                out, out2, bias = rt.empty((M, N)), rt.empty((M, N)), rt.empty((M,))
+                rt.memset(bias, 0x7FC00000)
+                rt.memset(part, 0x7FC00000)
+                gemm.matmul(rt, out, da, db, True, False, plan=p, a_colsum=bias)
+                gemm.matmul(rt, out2, da, db, True, False, plan=p)
+                assert np.array_equal(rt.download(out), rt.download(out2)), (M, N, K, splits)
+                want = a.astype(np.float64).sum(0)
+                got = rt.download(bias)
+                assert rel_err(got, want) < 1e-5, (M, N, K, splits, rel_err(got, want))
+    finally:
+        rt.precision = old
+
+
+@gpu
 def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
     """On sm_90 the cost model sends the model's x @ W^T products to the wgmma kernel and its
     dY @ W products there through B^T (when the scratch is planned), never the other transposes;

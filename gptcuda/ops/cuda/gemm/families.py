@@ -154,6 +154,12 @@ def wgmma_name(tile, epi, has_bias, products=1) -> str:
     return f"gemm_wgmma<{bm},{bn},{st},{epi},{_b(has_bias)}>"
 
 
+def mn_name(tile, epi, has_bias, colsum=False) -> str:
+    """gemm_wgmma_mn's name expression; colsum: the variant whose producers also write the column
+    sums of A as stored (the bias gradient's partials, matmul's a_colsum)."""
+    return f"gemm_wgmma_mn<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)}{',true' if colsum else ''}>"
+
+
 def tf32_smem(tile) -> int:
     """Dynamic shared memory of a TF32 tile: stages x (BM + BN) x BK floats."""
     bm, bn, bk, _, _, stages = tile
@@ -203,6 +209,8 @@ class Family:
     tma: Callable = lambda tile: False   # the kernel takes TMA tensor maps of A and B (and no A/B strides)
     persistent: Callable = lambda tile: False   # a grid of at most blocks_per_sm x SMs blocks walks the
                                                 # tiles; the kernel takes their z extent last (ws_grid)
+    colsum_kernel: Callable | None = None       # tile -> the kernel (epilogue none, one product) that also
+                                                # writes A's column sums as stored (matmul's a_colsum)
     k_major: bool = False         # A and B K-major only (trans_a False, trans_b True, aligned): other
                                   # layouts are re-laid out first (transpose_b / transpose_a plans)
     layouts: tuple = ()           # (trans_a, trans_b) its kernels read as stored (default: K-major
@@ -273,7 +281,8 @@ FAMILIES = {f.name: f for f in (
            threads=lambda t: (t[0] // 64 + 1) * 128,
            blocks_per_sm=lambda t: 1,
            smem=lambda t: t[2] * (t[0] + t[1]) * 128 + 1024,
-           kernel=lambda t, ta, tb, epi, hb, vec: f"gemm_wgmma_mn<{t[0]},{t[1]},{t[2]},{epi},{_b(hb)}>",
+           kernel=lambda t, ta, tb, epi, hb, vec: mn_name(t, epi, hb),
+           colsum_kernel=lambda t: mn_name(t, EPI_NONE, False, colsum=True),
            label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws mn",
            short=lambda t: f"{t[0]}x{t[1]}s{t[2]}mn",
            tma=lambda t: True, persistent=lambda t: True, layouts=((True, False),), base="tf32",
@@ -311,6 +320,8 @@ def _variants():
                 fam.tiles, layouts, EPI_COMBOS, (True,) if fam.k_major or fam.layouts else (False, True)):
             if vec or tile in fam.unaligned_tiles:
                 out.append((fam.file, fam.kernel(tile, ta, tb, epi, hb, vec), {}))
+        if fam.colsum_kernel is not None:
+            out += [(fam.file, fam.colsum_kernel(tile), {}) for tile in fam.tiles]
     for epi, hb in EPI_COMBOS:
         out.append((SIMT_FILE, reduce_name(epi, hb), {}))
     for name in LADDER_NAMES:

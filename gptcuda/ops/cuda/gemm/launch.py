@@ -34,8 +34,14 @@ def _vec_ok(a, b, lda, ldb, sA, sB):
 
 
 def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, sB, sC,
-                 alpha, ta, tb, epi, has_bias, batch, ws=None, label="gemm"):
+                 alpha, ta, tb, epi, has_bias, batch, ws=None, label="gemm", colsum=None):
+    """One product by plan p (split-K: the partials, then the reduction). colsum (a family with a
+    colsum_kernel, epilogue none, batch 1): also colsum[z, m] = the sum of A's rows of split z, as
+    stored [K, M] (the bias gradient's partials)."""
     fam = p.fam
+    if colsum is not None and (fam.colsum_kernel is None or epi != EPI_NONE or batch != 1):
+        raise AssertionError(f"{label}: column sums need the {p.family} colsum kernel, no epilogue, batch 1")
+    kernel = fam.kernel if colsum is None else (lambda t, *_: fam.colsum_kernel(t))
     vec = _vec_ok(a, b, lda, ldb, sA, sB) and (p.splits == 1 or p.k_chunk % 4 == 0)
     if fam.k_major:
         if ta or not tb or not vec:
@@ -61,10 +67,10 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
                                           (box, 32, 1) if mn else (32, box, 1), swizzle=not mn))
     if p.splits > 1:
         # partials: plain store into ws [splits, M, N], then the fixed-order reduction + epilogue
-        fn = rt.function(fam.file, fam.kernel(p.tile, ta, tb, EPI_NONE, False, vec))
+        fn = rt.function(fam.file, kernel(p.tile, ta, tb, EPI_NONE, False, vec))
         grid = _grid(rt, p, M, N, p.splits)
         rt.launch(fn, grid, (p.threads,), _gemm_args(p, ws, None, operands, None, M, N, K, lda, ldb, N,
-                                                      0, 0, M * N, 1.0, p.splits, p.k_chunk, p.splits),
+                                                      0, 0, M * N, 1.0, p.splits, p.k_chunk, p.splits, colsum),
                   smem=p.smem, label=f"{label}:splitk{p.splits}")
         rfn = rt.function(SIMT_FILE, reduce_name(epi, has_bias))
         total = M * N
@@ -73,10 +79,10 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
                                                       i32(p.splits), f32(alpha)],
                   label=f"{label}:reduce")
         return
-    fn = rt.function(fam.file, fam.kernel(p.tile, ta, tb, epi, has_bias, vec))
+    fn = rt.function(fam.file, kernel(p.tile, ta, tb, epi, has_bias, vec))
     grid = _grid(rt, p, M, N, batch)
     rt.launch(fn, grid, (p.threads,), _gemm_args(p, out, aux, operands, bias, M, N, K, lda, ldb, ldc,
-                                                  sA, sB, sC, alpha, 1, max(K, 1), batch),
+                                                  sA, sB, sC, alpha, 1, max(K, 1), batch, colsum),
               smem=p.smem, label=label)
 
 
@@ -88,12 +94,13 @@ def _grid(rt, p: Plan, M, N, zs):
     return (cdiv(N, p.bn), cdiv(M, p.bm), zs)
 
 
-def _gemm_args(p: Plan, C, aux, operands, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, k_chunk, zs):
+def _gemm_args(p: Plan, C, aux, operands, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, k_chunk, zs,
+               colsum=None):
     """The argument block of a GEMM kernel (a TMA kernel takes tensor maps and no A/B strides; a
-    persistent one the z extent of its tiles last)."""
+    persistent one the z extent of its tiles and the column sums' partials, or null, last)."""
     if p.fam.tma(p.tile):
         return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(ldc), u64(sC), f32(alpha),
-                i32(splits), i32(k_chunk)] + ([i32(zs)] if p.fam.persistent(p.tile) else [])
+                i32(splits), i32(k_chunk)] + ([i32(zs), colsum] if p.fam.persistent(p.tile) else [])
     return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(lda), i32(ldb), i32(ldc),
             u64(sA), u64(sB), u64(sC), f32(alpha), i32(splits), i32(k_chunk)]
 
@@ -189,9 +196,16 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         trans_a, trans_b, lda, ldb = False, True, K, K
     elif p.transpose_b:
         b, trans_b, ldb = _transpose_b(rt, b, K, N, label), True, K
+    # a kernel that sums A as it reads it (gemm_wgmma_mn) gives the bias gradient's partials, one
+    # row per split; elsewhere bias_grad reads A once more
+    part = None
+    if a_colsum is not None and p.fam.colsum_kernel is not None and epi == EPI_NONE:
+        part = _partials(rt, p.splits, M)
     _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
-                 trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label)
-    if a_colsum is not None:
+                 trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label, colsum=part)
+    if part is not None:
+        elementwise.bias_grad_reduce(rt, a_colsum, part)
+    elif a_colsum is not None:
         elementwise.bias_grad(rt, a_colsum, stored_a)
 
 
@@ -227,7 +241,11 @@ def _transpose_into(rt, out, x, K, N, split, label, what="B^T", colsum=None, chu
 def _colsum_partials(rt, M, K, kc):
     """The bias-gradient partials workspace viewed [chunks, M] for the A^T transposes of K rows in
     slabs of kc (one chunk per 64-row tile of a slab), or None where it does not hold them."""
-    chunks = sum(cdiv(min(kc, K - k0), TRANSPOSE_TILE) for k0 in range(0, K, kc))
+    return _partials(rt, sum(cdiv(min(kc, K - k0), TRANSPOSE_TILE) for k0 in range(0, K, kc)), M)
+
+
+def _partials(rt, chunks, M):
+    """The bias-gradient partials workspace viewed [chunks, M], or None where it does not hold them."""
     part, cap = ws_capacity(rt, elementwise.WORKSPACE)
     if part is None or chunks > elementwise.MAX_CHUNKS or cap < chunks * M:
         return None
