@@ -364,23 +364,37 @@ __global__ void __launch_bounds__(FA_THREADS) flash_fwd(FA_ARGS_FWD) {
 
 // ------------------------------------------------------------------------------- D = rowsum(dO * O)
 
-// one warp per (b, t, h) row, in that order (neighbouring warps read neighbouring heads)
+// Row r = (b*T + t)*H + h of dy and y, [B,T,C] with C = H*HS, is the HS contiguous floats at r*HS:
+// G = HS/4 lanes take a row, one float4 of each tensor a lane (dy, y 16-byte aligned: the launcher
+// checks), a fixed fmaf chain, then an xor butterfly over the G lanes (32 / G rows a warp, one load
+// of each tensor in flight per thread: the whole grid keeps the DRAM busy; one warp a row with
+// 2 floats a lane reached half the bandwidth).
+template <int HS>
 __global__ void __launch_bounds__(256)
 flash_rowsum_do(float* __restrict__ D,          // [B,H,T]
                 const float* __restrict__ dy,   // [B,T,C]
                 const float* __restrict__ y,    // [B,T,C]
-                int rows, int T, int H, int hs) {
-    const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (r >= rows) return;
-    const int h = r % H;
-    const int bt = r / H;
-    const int t = bt % T, b = bt / T;
-    const long long off = (long long)bt * H * hs + h * hs;
+                int rows, int T, int H) {
+    constexpr int G = HS / 4;
+    static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "a power-of-two lane group within a warp");
+    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long r = gid / G;
+    const int q = (int)(gid % G);
     float acc = 0.f;
-    for (int d = lane; d < hs; d += 32) acc = fmaf(dy[off + d], y[off + d], acc);
-    acc = gc_warp_sum(acc);
-    if (lane == 0) D[((long long)b * H + h) * T + t] = acc;
+    if (r < rows) {
+        const float4 a = *reinterpret_cast<const float4*>(dy + r * HS + 4 * q);
+        const float4 b = *reinterpret_cast<const float4*>(y + r * HS + 4 * q);
+        acc = fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
+    }
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (q == 0 && r < rows) {
+        const int h = (int)(r % H);
+        const long long bt = r / H;
+        const int t = (int)(bt % T);
+        const long long b = bt / T;
+        D[(b * H + h) * T + t] = acc;
+    }
 }
 
 // ------------------------------------------------------------------------------- backward: dQ

@@ -51,7 +51,7 @@ def _flash_variants():
             out.append((FLASH_FILE, f"flash_fwd_tc<{hs},{drop}>", {}))
             out.append((FLASH_FILE, f"flash_bwd_dq_tc<{hs},{drop}>", {}))
             out.append((FLASH_FILE, f"flash_bwd_dkv_tc<{hs},{drop}>", {}))
-    out.append((FLASH_FILE, "flash_rowsum_do", {}))
+    out += [(FLASH_FILE, f"flash_rowsum_do<{hs}>", {}) for hs in FLASH_HEAD_SIZES]
     return out
 
 
@@ -319,14 +319,20 @@ def _fused_fwd(rt, y, qkv, lse, n_head, p, site, tc):
               smem=flash_smem_bytes("fwd", hs, tc), label="flash_fwd")
 
 
+def rowsum_do(rt, D, dy, y, B, T, H, hs):
+    """D [B, H, T] = the row sums of dy * y per head (dy, y [B, T, H * hs], 16-byte aligned): the
+    backward's D = rowsum(dO * O) = rowsum(P * dP), also with dropout."""
+    rows = B * T * H
+    rt.launch(rt.function(FLASH_FILE, f"flash_rowsum_do<{hs}>"), (cdiv(rows * (hs // 4), ROWSUM_THREADS),),
+              (ROWSUM_THREADS,), [D, dy, y, i32(rows), i32(T), i32(H)], label="flash_rowsum_do")
+
+
 def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, tc):
     B, T, C, H, hs = _split(qkv, n_head)
     _fused_check(hs, qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))
-    rows = B * T * H
-    rt.launch(rt.function(FLASH_FILE, "flash_rowsum_do"), ((rows + 7) // 8,), (ROWSUM_THREADS,),
-              [D, dy, y, i32(rows), i32(T), i32(H), i32(hs)], label="flash_rowsum_do")
+    rowsum_do(rt, D, dy, y, B, T, H, hs)
     args = [dqkv, qkv, dy, lse, D] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     bq, bk = flash_rows("dq", hs, tc), flash_rows("dkv", hs, tc)
     rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", tc, hs, p)),
