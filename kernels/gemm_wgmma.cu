@@ -632,7 +632,8 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
 // launcher's contract, checked against its argument block when a launch is recorded. A and B are
 // K-major ([batch, M, K], [batch, N, K]) for gemm_wgmma_ws; as stored ([batch, K, M], [batch, K, N])
 // for gemm_wgmma_mn, and where MN_A / MN_B say so for gemm_wgmma3_ws. colsum: the bias gradient's
-// partial sums of A as stored (gemm_wgmma_mn with COLSUM, one product: row z = the split's k range).
+// partial sums of A as stored (gemm_wgmma_mn, gemm_wgmma3_ws with MN_A, COLSUM: row z = the split's
+// k range, one product).
 #define WS_ARGS                                                                                      \
     float* C,                               /* C [zs, M, N], row stride ldc, matrix stride sC */    \
     float* aux,                             /* aux: as in gemm_wgmma */                             \
@@ -640,7 +641,7 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
     const __grid_constant__ TmaMap mapB,    /* B (see above) */                                     \
     const float* __restrict__ bias,         /* bias [N] or null */                                  \
     int M, int N, int K, int ldc, long long sC, float alpha, int splits, int k_chunk, int zs,      \
-    float* colsum                           /* gemm_wgmma_mn<..., COLSUM>: [splits, M], else unused */
+    float* colsum                           /* COLSUM (mn, 3_ws with MN_A): [splits, M], else unused */
 
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ws(WS_ARGS) {
@@ -790,7 +791,8 @@ __device__ __forceinline__ void ws_colsum_out(const float (&cs)[R / 32], float* 
 }
 
 // The body of both turning kernels (PRODUCTS 1: gemm_wgmma_mn, MN_A and MN_B; 3: gemm_wgmma3_ws).
-// COLSUM (gemm_wgmma_mn): the producers also sum A [K, M] as stored over each tile's k range, the bias
+// COLSUM (MN_A): the producers also sum A [K, M] as stored (fp32: the values before their split)
+// over each tile's k range, the bias
 // gradient of a weight gradient dW = dY^T X (A = dY), written by the tiles of the first column tile
 // (n0 = 0) into colsum[split, m] (ws_colsum_out), for bias_grad_reduce to add the splits in order.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, int PRODUCTS,
@@ -806,7 +808,7 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 16 == 0 && BN <= 256, "wgmma tiles, TMA boxes <= 256");
     static_assert(STAGES >= 3, "a slot is refilled after the consumers issued the k tile after it");
     static_assert(PRODUCTS == 3 || (MN_A && MN_B), "TF32: the as-stored weight gradient only");
-    static_assert(!COLSUM || (MN_A && PRODUCTS == 1), "column sums of an MN-major TF32 A");
+    static_assert(!COLSUM || MN_A, "column sums of an MN-major A");
     __shared__ float ws_red[COLSUM ? BM : 1];
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
@@ -890,11 +892,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_mn(WS_ARGS)
 #endif
 }
 
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B>
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, bool COLSUM = false>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma3_ws(WS_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
-                                                               splits, k_chunk, zs, colsum);
+    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC,
+                                                                       alpha, splits, k_chunk, zs, colsum);
 #else
     __trap();
 #endif

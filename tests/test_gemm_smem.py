@@ -22,7 +22,7 @@ def _cases():
             # the bias epilogue: the largest static footprint (its bias buffers), GELU the widest
             kernels = [fam.kernel(tile, True, False, families.EPI_GELU, True, True)]
             if fam.colsum_kernel is not None:            # its column sums' reduction buffer
-                kernels.append(fam.colsum_kernel(tile))
+                kernels.append(fam.colsum_kernel(tile, True, False))
             out += [pytest.param(name, tile, k, id=f"{name}:{k}") for k in kernels]
     return out
 

@@ -388,7 +388,9 @@ class _NumpyRT(FakeGemmRT):
             b = self._mat(pb, K, N, ldb).T if mn_b else self._mat(pb, N, K, ldb)
             persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws"))
             colsum = v[14] if persistent else None             # a persistent kernel's last argument
-            if mn and len(params) > 5 and params[5] == "true":  # COLSUM: A's sums, a row per split
+            summed = (mn and len(params) > 5 and params[5] == "true") or \
+                (name.startswith("gemm_wgmma3_ws") and len(params) > 7 and params[7] == "true")
+            if summed:                                          # COLSUM: A's sums, a row per split
                 for z in range(splits):
                     self.at(colsum.ptr + 4 * z * M, M)[:] = a[:, z * kc:(z + 1) * kc].sum(1)
             else:
@@ -621,19 +623,25 @@ def test_wgmma3_ws_competes_for_aligned_fp32_products():
     assert {p.family for p in cands} >= {"simt", "wgmma3", "wgmma3_ws"}
 
 
-@pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("fam,tile", [("wgmma_mn", t) for t in gemm.WGMMA_MN_TILES] +
+                         [("wgmma3_ws", t) for t in gemm.WGMMA3_WS_TILES],
+                         ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
 @pytest.mark.parametrize("epilogue,splits,partials", [("none", 1, True), ("none", 3, True),
                                                       ("residual_alias", 1, True), ("none", 1, False)],
                          ids=["whole", "split3", "residual", "no_workspace"])
-def test_mn_plan_gives_the_bias_gradient(tile, epilogue, splits, partials):
-    """matmul(..., a_colsum=db) of a wgmma_mn plan: its colsum kernel sums A [K, M] as it reads it,
-    one row of partials per split, and bias_grad_reduce adds them (no second read of A). With an
-    epilogue (the kernel's column sums are those of a plain product only) bias_grad reads A once
-    more; without the partials workspace the bias gradient says it is missing."""
+def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, partials):
+    """matmul(..., a_colsum=db) of a plan reading A [K, M] as stored (wgmma_mn in TF32, wgmma3_ws in
+    fp32): its colsum kernel sums A as it reads it, one row of partials per split, and
+    bias_grad_reduce adds them (no second read of A). With an epilogue (the kernel's column sums are
+    those of a plain product only) bias_grad reads A once more; without the partials workspace the
+    bias gradient says it is missing."""
     M, N, K = 68, 36, 740
     rng = np.random.default_rng(M + N + K + splits + len(epilogue))
-    rt = _NumpyRT(1 << 21)
+    rt = _NumpyRT(1 << 22)
     rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_aT": rt.alloc(((M + N) * K,), "gemm_aT")}
+    if fam == "wgmma3_ws":       # fp32 (3xTF32), where the split workspaces are planned
+        rt.precision = "fp32"
+        rt._ws.update(gemm_split_a=rt.alloc((2 * M * K,), "split_a"), gemm_split_b=rt.alloc((2 * N * K,), "split_b"))
     if partials:
         rt._ws["bias_partials"] = rt.alloc((256 * M,), "bias_partials")
     a, b, out0 = rng.standard_normal((K, M)), rng.standard_normal((K, N)), rng.standard_normal((M, N))
@@ -641,7 +649,7 @@ def test_mn_plan_gives_the_bias_gradient(tile, epilogue, splits, partials):
     for view, x in ((da, a), (db, b), (out, out0)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
     kw = dict(epilogue="residual", aux=out) if epilogue == "residual_alias" else {}
-    p = gemm.make_plan("wgmma_mn", tile, splits, K)
+    p = gemm.make_plan(fam, tile, splits, K)
     if not partials:
         with pytest.raises(KeyError, match="bias_partials"):
             gemm.matmul(rt, out, da, db, True, False, plan=p, a_colsum=dbias, **kw)
@@ -653,7 +661,8 @@ def test_mn_plan_gives_the_bias_gradient(tile, epilogue, splits, partials):
     assert np.abs(rt._mat(out.ptr, M, N, N) - want).max() < 1e-4 * np.abs(want).max()
     names = [n for n, *_ in rt.launches]
     fused = epilogue == "none"
-    assert names[0] == (gemm.FAMILIES["wgmma_mn"].colsum_kernel(tile) if fused else
-                        gemm.FAMILIES["wgmma_mn"].kernel(tile, True, False, gemm.EPI_RESID, False, True)), names
+    f = gemm.FAMILIES[fam]
+    assert names[0] == (f.colsum_kernel(tile, True, False) if fused else
+                        f.kernel(tile, True, False, gemm.EPI_RESID, False, True)), names
     assert any(n.startswith("bias_grad_partial") for n in names) == (not fused), names
     assert names[-1] == "bias_grad_reduce"

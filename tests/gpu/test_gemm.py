@@ -687,38 +687,55 @@ def test_weight_grad_a_colsum(rt, _at_buffer, no_ws, slab):
         rt.precision = old
 
 
+def _check_a_colsum(rt, fam, tile, tbs, part):
+    """matmul(dW, dY, X, trans_a, a_colsum=db) on a `fam` plan that sums A [K, M] as it reads it:
+    db = dY.sum(0) from one row of partials per split (poisoned before: every row written) added by
+    bias_grad_reduce, dW bit for bit the plain kernel's. Ragged m / n / k, several m and n tiles (more
+    tiles than blocks in one case), split-K; B [K, N] or, tb, [N, K]."""
+    cases = [(196, 172, 740, 1), (300, 200, 740, 3), (68, 36, 36, 1), (tile[0] * 11 - 20, tile[1] * 13 - 36, 100, 1),
+             (1100, 520, 2000, 2)]
+    for i, (M, N, K, splits) in enumerate(cases):
+        for tb in tbs:
+            rng = np.random.default_rng(i)
+            a, b = _operands(rng, M, N, K, True, tb)
+            da, db = rt.upload(a), rt.upload(b)
+            p = gemm.make_plan(fam, tile, splits, K)
+            out, out2, bias = rt.empty((M, N)), rt.empty((M, N)), rt.empty((M,))
+            rt.memset(bias, 0x7FC00000)
+            rt.memset(part, 0x7FC00000)
+            gemm.matmul(rt, out, da, db, True, tb, plan=p, a_colsum=bias)
+            gemm.matmul(rt, out2, da, db, True, tb, plan=p)
+            assert np.array_equal(rt.download(out), rt.download(out2)), (M, N, K, splits, tb)
+            want = a.astype(np.float64).sum(0)
+            got = rt.download(bias)
+            assert rel_err(got, want) < 1e-5, (M, N, K, splits, tb, rel_err(got, want))
+
+
 @gpu
 @pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))
 def test_wgmma_mn_a_colsum(rt, _at_buffer, splitk_ws, tile):
-    """matmul(dW, dY, X, trans_a, a_colsum=db) on a wgmma_mn plan: the colsum kernel's producers sum
-    dY [K, M] as they turn its k tiles, the tiles of the first column tile write one row of partials
-    per split (poisoned before: every row written), bias_grad_reduce adds them: db = dY.sum(0).
-    dW is bit for bit the plain kernel's. Ragged m / n / k, several m and n tiles (more tiles than
-    blocks in one case), split-K."""
+    """The weight gradient's bias gradient from gemm_wgmma_mn's producers (TF32): _check_a_colsum."""
     _wgmma_rt(rt)
     old = rt.precision
     rt.precision = "tf32"
     part = rt.empty((256 * 1500,), name="bias_partials")
     try:
         with _at_ws(rt, _at_buffer), _workspaces(rt, bias_partials=part):
-            for i, (M, N, K, splits) in enumerate([(196, 172, 740, 1), (300, 200, 740, 3), (68, 36, 36, 1),
-                                                   (tile[0] * 11 - 20, tile[1] * 13 - 36, 100, 1),
-                                                   (1100, 520, 8200, 2)]):
-                rng = np.random.default_rng(i)
-                a, b = _operands(rng, M, N, K, True, False)
-                da, db = rt.upload(a), rt.upload(b)
-                p = gemm.make_plan("wgmma_mn", tile, splits, K)
-                out, out2, bias = rt.empty((M, N)), rt.empty((M, N)), rt.empty((M,))
-                rt.memset(bias, 0x7FC00000)
-                rt.memset(part, 0x7FC00000)
-                gemm.matmul(rt, out, da, db, True, False, plan=p, a_colsum=bias)
-                gemm.matmul(rt, out2, da, db, True, False, plan=p)
-                assert np.array_equal(rt.download(out), rt.download(out2)), (M, N, K, splits)
-                want = a.astype(np.float64).sum(0)
-                got = rt.download(bias)
-                assert rel_err(got, want) < 1e-5, (M, N, K, splits, rel_err(got, want))
+            _check_a_colsum(rt, "wgmma_mn", tile, (False,), part)
     finally:
         rt.precision = old
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32"], indirect=True)
+@pytest.mark.parametrize("tile", gemm.WGMMA3_WS_TILES, ids=lambda t: "x".join(map(str, t)))
+def test_wgmma3_ws_a_colsum(rt, precision, splitk_ws, split_ws, tile):
+    """The same from gemm_wgmma3_ws's producers (fp32 as 3xTF32: the sums of A's values before their
+    split), B as stored [K, N] or [N, K]."""
+    _wgmma_rt(rt)
+    part = rt.empty((256 * 1500,), name="bias_partials")
+    with _workspaces(rt, bias_partials=part):
+        _check_a_colsum(rt, "wgmma3_ws", tile, (False, True), part)
 
 
 @gpu

@@ -160,6 +160,13 @@ def mn_name(tile, epi, has_bias, colsum=False) -> str:
     return f"gemm_wgmma_mn<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)}{',true' if colsum else ''}>"
 
 
+def wgmma3_ws_name(tile, ta, tb, epi, has_bias, colsum=False) -> str:
+    """gemm_wgmma3_ws's name expression (MN_A = trans_a: A stored [K, M]; MN_B = not trans_b); colsum
+    (MN_A only): the variant whose producers also sum A as stored (matmul's a_colsum)."""
+    return (f"gemm_wgmma3_ws<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)},{_b(ta)},{_b(not tb)}"
+            f"{',true' if colsum else ''}>")
+
+
 def tf32_smem(tile) -> int:
     """Dynamic shared memory of a TF32 tile: stages x (BM + BN) x BK floats."""
     bm, bn, bk, _, _, stages = tile
@@ -209,8 +216,9 @@ class Family:
     tma: Callable = lambda tile: False   # the kernel takes TMA tensor maps of A and B (and no A/B strides)
     persistent: Callable = lambda tile: False   # a grid of at most blocks_per_sm x SMs blocks walks the
                                                 # tiles; the kernel takes their z extent last (ws_grid)
-    colsum_kernel: Callable | None = None       # tile -> the kernel (epilogue none, one product) that also
-                                                # writes A's column sums as stored (matmul's a_colsum)
+    colsum_kernel: Callable | None = None       # (tile, trans_a, trans_b) -> the kernel (epilogue none, one
+                                                # product) that also writes A's column sums as stored
+                                                # (matmul's a_colsum), or None for that layout
     k_major: bool = False         # A and B K-major only (trans_a False, trans_b True, aligned): other
                                   # layouts are re-laid out first (transpose_b / transpose_a plans)
     layouts: tuple = ()           # (trans_a, trans_b) its kernels read as stored (default: K-major
@@ -282,7 +290,7 @@ FAMILIES = {f.name: f for f in (
            blocks_per_sm=lambda t: 1,
            smem=lambda t: t[2] * (t[0] + t[1]) * 128 + 1024,
            kernel=lambda t, ta, tb, epi, hb, vec: mn_name(t, epi, hb),
-           colsum_kernel=lambda t: mn_name(t, EPI_NONE, False, colsum=True),
+           colsum_kernel=lambda t, ta, tb: mn_name(t, EPI_NONE, False, colsum=True),
            label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws mn",
            short=lambda t: f"{t[0]}x{t[1]}s{t[2]}mn",
            tma=lambda t: True, persistent=lambda t: True, layouts=((True, False),), base="tf32",
@@ -300,8 +308,8 @@ FAMILIES = {f.name: f for f in (
            threads=lambda t: (t[0] // 64 + 1) * 128,
            blocks_per_sm=lambda t: 1,
            smem=lambda t: 2 * t[2] * (t[0] + t[1]) * 128 + 1024,
-           kernel=lambda t, ta, tb, epi, hb, vec:
-               f"gemm_wgmma3_ws<{t[0]},{t[1]},{t[2]},{epi},{_b(hb)},{_b(ta)},{_b(not tb)}>",
+           kernel=lambda t, ta, tb, epi, hb, vec: wgmma3_ws_name(t, ta, tb, epi, hb),
+           colsum_kernel=lambda t, ta, tb: wgmma3_ws_name(t, ta, tb, EPI_NONE, False, colsum=True) if ta else None,
            label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split",
            short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ws",
            tma=lambda t: True, persistent=lambda t: True,
@@ -321,7 +329,8 @@ def _variants():
             if vec or tile in fam.unaligned_tiles:
                 out.append((fam.file, fam.kernel(tile, ta, tb, epi, hb, vec), {}))
         if fam.colsum_kernel is not None:
-            out += [(fam.file, fam.colsum_kernel(tile), {}) for tile in fam.tiles]
+            out += [(fam.file, k, {}) for tile, (ta, tb) in itertools.product(fam.tiles, layouts)
+                    if (k := fam.colsum_kernel(tile, ta, tb)) is not None]
     for epi, hb in EPI_COMBOS:
         out.append((SIMT_FILE, reduce_name(epi, hb), {}))
     for name in LADDER_NAMES:

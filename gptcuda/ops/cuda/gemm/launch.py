@@ -39,9 +39,9 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
     colsum_kernel, epilogue none, batch 1): also colsum[z, m] = the sum of A's rows of split z, as
     stored [K, M] (the bias gradient's partials)."""
     fam = p.fam
-    if colsum is not None and (fam.colsum_kernel is None or epi != EPI_NONE or batch != 1):
+    if colsum is not None and (not has_colsum_kernel(p, ta, tb) or epi != EPI_NONE or batch != 1):
         raise AssertionError(f"{label}: column sums need the {p.family} colsum kernel, no epilogue, batch 1")
-    kernel = fam.kernel if colsum is None else (lambda t, *_: fam.colsum_kernel(t))
+    kernel = fam.kernel if colsum is None else (lambda t, ta_, tb_, *_: fam.colsum_kernel(t, ta_, tb_))
     vec = _vec_ok(a, b, lda, ldb, sA, sB) and (p.splits == 1 or p.k_chunk % 4 == 0)
     if fam.k_major:
         if ta or not tb or not vec:
@@ -84,6 +84,11 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
     rt.launch(fn, grid, (p.threads,), _gemm_args(p, out, aux, operands, bias, M, N, K, lda, ldb, ldc,
                                                   sA, sB, sC, alpha, 1, max(K, 1), batch, colsum),
               smem=p.smem, label=label)
+
+
+def has_colsum_kernel(p: Plan, ta, tb) -> bool:
+    """Whether plan p's family has a kernel that sums A as stored while it reads it, for this layout."""
+    return p.fam.colsum_kernel is not None and p.fam.colsum_kernel(p.tile, ta, tb) is not None
 
 
 def _grid(rt, p: Plan, M, N, zs):
@@ -199,7 +204,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     # a kernel that sums A as it reads it (gemm_wgmma_mn) gives the bias gradient's partials, one
     # row per split; elsewhere bias_grad reads A once more
     part = None
-    if a_colsum is not None and p.fam.colsum_kernel is not None and epi == EPI_NONE:
+    if a_colsum is not None and has_colsum_kernel(p, trans_a, trans_b) and epi == EPI_NONE:
         part = _partials(rt, p.splits, M)
     _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
                  trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label, colsum=part)

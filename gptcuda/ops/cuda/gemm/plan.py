@@ -149,11 +149,12 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, colsum=Fal
     partials and the reduction; the re-layout passes (transposes, 3xTF32 splits) their bytes.
     transpose_a plans: the transposes of A (and B) at ~3 TB/s, then one GEMM per k slab, every
     slab after the first reading out back (the residual epilogue). colsum (matmul's a_colsum, A
-    stored [K, M]): the A^T transposes and gemm_wgmma_mn's producers give it nearly free, other
-    plans read A once more."""
+    stored [K, M]): the A^T transposes and the producers of gemm_wgmma_mn / gemm_wgmma3_ws give it
+    nearly free, other plans read A once more."""
     extra = 0.0
     if colsum:
-        fused = p.transpose_a or p.fam.colsum_kernel is not None
+        fused = p.transpose_a or (p.fam.colsum_kernel is not None and
+                                   p.fam.colsum_kernel(p.tile, True, False) is not None)
         extra = _LAUNCH_S / 3 + (0.0 if fused else _LAUNCH_S / 3 + 4.0 * K * M / _BYTES_PER_S)
     return extra + _estimate_s(p, M, N, K, batch, epi, sm_count)
 
