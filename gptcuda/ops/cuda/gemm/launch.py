@@ -12,7 +12,7 @@ from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, E
                                             COLSUM_TRANSPOSE_NAMES, MAX_GRID_Z, REDUCE_THREADS, SIMT_FILE,
                                             SPLIT_NAMES, TRANSPOSE_NAMES, cdiv, reduce_name)
 from gptcuda.ops.cuda.gemm.layout import rt_transpose_a_slab, wgmma_ok, ws_capacity
-from gptcuda.ops.cuda.gemm.plan import Plan, check_plan
+from gptcuda.ops.cuda.gemm.plan import Plan, check_plan, has_colsum_kernel
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
 from gptcuda.ops.cuda.gemm.table import tune_key, tuned_plan
 
@@ -84,11 +84,6 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
     rt.launch(fn, grid, (p.threads,), _gemm_args(p, out, aux, operands, bias, M, N, K, lda, ldb, ldc,
                                                   sA, sB, sC, alpha, 1, max(K, 1), batch, colsum),
               smem=p.smem, label=label)
-
-
-def has_colsum_kernel(p: Plan, ta, tb) -> bool:
-    """Whether plan p's family has a kernel that sums A as stored while it reads it, for this layout."""
-    return p.fam.colsum_kernel is not None and p.fam.colsum_kernel(p.tile, ta, tb) is not None
 
 
 def _grid(rt, p: Plan, M, N, zs):
@@ -166,8 +161,9 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     execution plan whose choices apply (the backend passes its own; default rt's). `plan` forces a
     plan (benchmarks, bench/tune.py); otherwise the measured table, else the cost model.
     a_colsum [M] (trans_a only): also a_colsum = a.sum(0) of a as stored [K, M], the bias gradient of
-    a weight gradient; a transpose_a plan takes the partial sums from its A^T transposes, else
-    elementwise.bias_grad reads a once more."""
+    a weight gradient; a transpose_a plan takes the partial sums from its A^T transposes, a plan
+    whose kernel reads A as stored (wgmma_mn, wgmma3_ws: has_colsum_kernel) from that kernel's
+    producers, else elementwise.bias_grad reads a once more."""
     M, N, K, lda, ldb, epi, has_bias = matmul_dims(out, a, b, trans_a, trans_b, bias, epilogue, aux)
     if a_colsum is not None and (not trans_a or a_colsum.numel != M):
         raise ValueError(f"matmul: a_colsum needs trans_a and {M} elements, got {a_colsum.shape} (trans_a {trans_a})")
@@ -201,8 +197,8 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         trans_a, trans_b, lda, ldb = False, True, K, K
     elif p.transpose_b:
         b, trans_b, ldb = _transpose_b(rt, b, K, N, label), True, K
-    # a kernel that sums A as it reads it (gemm_wgmma_mn) gives the bias gradient's partials, one
-    # row per split; elsewhere bias_grad reads A once more
+    # a kernel that sums A as it reads it (gemm_wgmma_mn, gemm_wgmma3_ws) gives the bias gradient's
+    # partials, one row per split; elsewhere bias_grad reads A once more
     part = None
     if a_colsum is not None and has_colsum_kernel(p, trans_a, trans_b) and epi == EPI_NONE:
         part = _partials(rt, p.splits, M)

@@ -141,6 +141,11 @@ def _gemm_estimate(p: Plan, M, N, K, k_chunk, batch, epi, sm_count) -> float:
     return t
 
 
+def has_colsum_kernel(p: Plan, ta, tb) -> bool:
+    """Whether plan p's family has a kernel that sums A as stored while it reads it, for this layout."""
+    return p.fam.colsum_kernel is not None and p.fam.colsum_kernel(p.tile, ta, tb) is not None
+
+
 def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, colsum=False) -> float:
     """Modelled seconds of one launch (split-K: both kernels): the busiest SM's main loops, plus
     per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's
@@ -153,8 +158,7 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, colsum=Fal
     nearly free, other plans read A once more."""
     extra = 0.0
     if colsum:
-        fused = p.transpose_a or (p.fam.colsum_kernel is not None and
-                                   p.fam.colsum_kernel(p.tile, True, False) is not None)
+        fused = p.transpose_a or has_colsum_kernel(p, True, False)
         extra = _LAUNCH_S / 3 + (0.0 if fused else _LAUNCH_S / 3 + 4.0 * K * M / _BYTES_PER_S)
     return extra + _estimate_s(p, M, N, K, batch, epi, sm_count)
 
