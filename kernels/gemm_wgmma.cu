@@ -28,74 +28,9 @@
 // group of tile kt - 1. Epilogue: a lane-pair shuffle turns the accumulator pairs into 4
 // consecutive columns per thread, stored with the shared epilogue helpers.
 #include "gemm_epilogue.cuh"
+#include "wgmma.cuh"
 
 #define GEMM_WG_BK 32
-
-
-// Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle (PTX ISA, "Matrix
-// Descriptor Format"): start address / 16 in bits 0-13, leading byte offset / 16 in bits 16-29
-// (not used by swizzled K-major layouts: 1), stride byte offset / 16 in bits 32-45 (1024: the
-// next 8 rows), base offset 0 (tiles are 1024-byte aligned), swizzle mode 1 (128 B) in bits 62-63.
-__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
-    return static_cast<unsigned long long>((addr & 0x3FFFFu) >> 4) | (1ull << 16) |
-           (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
-}
-
-// Pins the accumulators across the asynchronous section: without it the compiler may copy them
-// between the wgmma of a group (ptxas then serializes every wgmma: warning C7514).
-template <int N>
-__device__ __forceinline__ void wg_fence_acc(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-// this thread's completed cp.async writes, made visible to the async proxy wgmma reads through
-__device__ __forceinline__ void wg_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// d[BN/2] += A (64 x 8, descriptor da) * B^T (8 x BN, descriptor db): one wgmma of the warpgroup.
-// Accumulator ownership (thread t of the warpgroup, warp w = t / 32, lane = 4 g + q): d[4 j + e]
-// is row 16 w + g + 8 (e / 2), column 8 j + 2 q + e % 2 (the mma.sync C layout per n8 block).
-// An asm operand list cannot be an array: the BN / 2 accumulators are named one by one, through
-// the macros below (register numbers in groups of 32, operands in groups of 8).
-// scale_d = 0: d = A B^T (the accumulators' old values are ignored).
-template <int BN>
-__device__ __forceinline__ void wg_mma_tf32(float (&d)[BN / 2], unsigned long long da, unsigned long long db,
-                                            int scale_d = 1);
-
-#define WG_REGS_0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define WG_REGS_1 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define WG_REGS_2 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-#define WG_REGS_3 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-#define WG_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
-                   "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define WG_ACC32(i) WG_ACC8(i), WG_ACC8(i + 8), WG_ACC8(i + 16), WG_ACC8(i + 24)
-// N: the instruction's n; REGS: the accumulator placeholders %0 .. %(N/2 - 1); IA, IB, IP: the
-// placeholder numbers of the two descriptors and of the scale-d flag (N/2, N/2 + 1, N/2 + 2).
-#define WG_MMA_TF32(N, REGS, IA, IB, IP, ...)                                                          \
-    template <>                                                                                        \
-    __device__ __forceinline__ void wg_mma_tf32<N>(float (&d)[N / 2], unsigned long long da,           \
-                                                   unsigned long long db, int scale_d) {               \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                 \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 "                         \
-                     "{" REGS "}, %" #IA ", %" #IB ", p, 1, 1;\n}\n"                                  \
-                     : __VA_ARGS__                                                                     \
-                     : "l"(da), "l"(db), "r"(scale_d));                                                \
-    }
-WG_MMA_TF32(64, WG_REGS_0, 32, 33, 34, WG_ACC32(0))
-WG_MMA_TF32(128, WG_REGS_0 ", " WG_REGS_1, 64, 65, 66, WG_ACC32(0), WG_ACC32(32))
-WG_MMA_TF32(192, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2, 96, 97, 98, WG_ACC32(0), WG_ACC32(32), WG_ACC32(64))
-WG_MMA_TF32(256, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2 ", " WG_REGS_3, 128, 129, 130, WG_ACC32(0),
-            WG_ACC32(32), WG_ACC32(64), WG_ACC32(96))
-#undef WG_MMA_TF32
-#undef WG_ACC32
-#undef WG_ACC8
-#undef WG_REGS_0
-#undef WG_REGS_1
-#undef WG_REGS_2
-#undef WG_REGS_3
 
 // The 3xTF32 products of k step k8 of a k tile into its partial d, smallest terms first: lo x hi,
 // hi x lo, hi x hi (the first of the tile, k8 = 0, with scale-d 0); a / b: the shared addresses of

@@ -125,17 +125,24 @@ def _wgmma_pipeline_names():
                     for t in gemm.WGMMA3_WS_TILES for ta, tb in ((False, True), (True, False))]
 
 
-@pytest.mark.parametrize("file,name,defines", [("gemm_wgmma.cu", n, {}) for n in _wgmma_pipeline_names()],
+def _flash_wgmma_names():
+    from gptcuda.ops.cuda import attention as attn
+    return [f"flash_bwd_dkv_wg<{hs},{d}>" for hs in attn.FLASH_HEAD_SIZES for d in ("false", "true")]
+
+
+@pytest.mark.parametrize("file,name,defines", [("gemm_wgmma.cu", n, {}) for n in _wgmma_pipeline_names()] +
+                         [("flash_attention.cu", n, {}) for n in _flash_wgmma_names()],
                          ids=lambda v: v if isinstance(v, str) and "<" in v else "")
 def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines):
     """ptxas's report for every wgmma tile (each loader, TF32 and 3xTF32, the widest epilogue; the
-    weight-gradient kernel reading its operands as stored): the wgmma stay asynchronous (no C7514
+    weight-gradient kernel reading its operands as stored; the dK / dV flash kernel): the wgmma stay
+    asynchronous (no C7514
     "wgmma ... serialized" note: accumulators pinned by wg_fence_acc), no spills, and sm_90a is the
     target. The report is the one the session's compile of the variant left in its cache entry
     (compile_kernel keeps ptxas's report in the log); one test a variant, so that pytest-xdist
     spreads these full-optimization compiles over the workers."""
     from gptcuda.ops.cuda import gemm
-    assert file == gemm.WGMMA_FILE == "gemm_wgmma.cu"
+    assert gemm.WGMMA_FILE == "gemm_wgmma.cu"
     arch = compiler.target_arch(file, "sm_90")
     assert arch == "sm_90a"
     prebuilt_kernels.wait(file, name)

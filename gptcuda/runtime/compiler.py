@@ -276,7 +276,7 @@ def _nvrtc_compile(filename: str, source: str, names, options):
 
 # Files using instructions of one architecture only (wgmma: sm_90a), compiled for the "a" target
 # of that architecture; their kernels trap elsewhere and the launchers never pick them there.
-ARCH_SPECIFIC = {"gemm_wgmma.cu": ("sm_90",)}
+ARCH_SPECIFIC = {"gemm_wgmma.cu": ("sm_90",), "flash_attention.cu": ("sm_90",)}
 
 
 def target_arch(filename: str, arch: str) -> str:

@@ -97,7 +97,9 @@ class ExecutionPlan:
         else:
             wg = "not for fp32 (fp32_gemm ffma)"
         att = {"unfused": "unfused: saved probabilities (attention.cu)",
-               "flash": "flash, FFMA (flash_attention.cu)", "flash_tc": "flash on tensor cores (flash_attention.cu _tc)",
+               "flash": "flash, FFMA (flash_attention.cu)",
+               "flash_tc": "flash on tensor cores (flash_attention.cu _tc" + ("; dK/dV on warpgroup MMA: _wg)"
+                                                                           if self.wgmma else ")"),
                None: "as the saved tensors say"}[self.attention]
         env = ", ".join(f"{k}={v}" for k, v in self.env) or "none set"
         return "\n".join([

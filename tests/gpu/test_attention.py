@@ -8,6 +8,7 @@ import pytest
 from gptcuda.model import rng
 from gptcuda.ops.cuda import attention as attn
 from gptcuda.ops.reference import ops as ref
+from gptcuda.runtime import execution
 from tests.conftest import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -157,6 +158,36 @@ def test_fused_deterministic(env):
     b = _run(env, 1, 200, 128, 2, "fused", 0.1)
     assert np.array_equal(a["y"][0], b["y"][0])
     assert np.array_equal(a["dqkv"][0], b["dqkv"][0])
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("B,T,C,H", FUSED_SHAPES + [(2, 200, 384, 6)])
+def test_dkv_wgmma_equals_mma_sync(env, B, T, C, H, p):
+    """flash_bwd_dkv_wg (the dK / dV kernel on warpgroup MMA) and flash_bwd_dkv_tc on the same
+    inputs, dqkv poisoned before each: dQ (the same kernel) equal bit for bit, dK / dV within TF32
+    rounding of each other and of float64."""
+    if not execution.of(env).wgmma:
+        pytest.skip("warpgroup MMA needs an sm_90 device (and GPTCUDA_WGMMA not 0)")
+    r = np.random.default_rng(11 + T + C)
+    qkv_h = r.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dy_h = r.standard_normal((B, T, C)).astype(np.float32)
+    saved = _setup(env, B, T, C, H, "fused", p, "tf32")
+    qkv, dy, y = env.upload(qkv_h), env.upload(dy_h), env.empty((B, T, C))
+    attn.attention_fwd(env, y, qkv, saved, H, p, SITE)
+    outs = []
+    for wg in (False, True):
+        dqkv = env.empty((B, T, 3 * C))
+        env.memset(dqkv, 0x7FC00000)
+        attn._fused_bwd(env, dqkv, dy, qkv, y, saved["lse"], H, p, SITE, True, wg)
+        env.synchronize()
+        outs.append(env.download(dqkv))
+    tc, wg = outs
+    assert np.array_equal(wg[..., :C], tc[..., :C])
+    assert rel_err(wg[..., C:], tc[..., C:]) < 5e-4
+    keep = _keep(env, B, H, T, p)
+    _, probs_ref = ref.attention_forward(qkv_h, H, keep, p)
+    want = ref.attention_backward(dy_h, qkv_h, probs_ref, H, keep, p)
+    assert rel_err(wg[..., C:], want[..., C:]) < TF32_BWD
 
 
 @pytest.mark.parametrize("hs", attn.FLASH_HEAD_SIZES)

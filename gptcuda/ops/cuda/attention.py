@@ -51,6 +51,7 @@ def _flash_variants():
             out.append((FLASH_FILE, f"flash_fwd_tc<{hs},{drop}>", {}))
             out.append((FLASH_FILE, f"flash_bwd_dq_tc<{hs},{drop}>", {}))
             out.append((FLASH_FILE, f"flash_bwd_dkv_tc<{hs},{drop}>", {}))
+            out.append((FLASH_FILE, f"flash_bwd_dkv_wg<{hs},{drop}>", {}))
     out += [(FLASH_FILE, f"flash_rowsum_do<{hs}>", {}) for hs in FLASH_HEAD_SIZES]
     return out
 
@@ -187,7 +188,7 @@ def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, ex=None):
     want, tc = _path(saved, "attention_bwd", ex)
     if want == "probs":
         return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site, ex)
-    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, tc)
+    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, tc, tc and ex.wgmma)
 
 
 # ---- unfused
@@ -269,6 +270,16 @@ def flash_tc_plan(kind: str, hs: int) -> dict:
     return {"rows": rows, "smem": 4 * n}
 
 
+def flash_dkv_wg_plan(hs: int) -> dict:
+    """Tile plan of flash_bwd_dkv_wg (the dK/dV kernel on warpgroup MMA, sm_90a); mirrors FaDkvWg in
+    flash_attention.cu (which traps on less shared memory): one warpgroup of 64 keys; K and V resident
+    (64 x hs each), Q^T and dO^T (hs x 32 each), a ring of ns stages of 32 queries (Q, dO, then lse
+    and D in 1 KB), every tile 1024-byte aligned, plus 1 KB to align the base."""
+    kv, qt = 64 * hs * 4, 32 * hs * 4
+    ns = 3 if hs <= 64 else 2
+    return {"rows": 64, "smem": 2 * kv + 2 * qt + ns * (2 * qt + 1024) + 1024}
+
+
 def flash_smem_bytes(kind: str, hs: int, tc: bool) -> int:
     """Dynamic shared memory of a flash kernel; mirrors FaSmem (fp32) and the Fa*Tc plans (tf32) in
     flash_attention.cu (which trap if they get less)."""
@@ -327,17 +338,23 @@ def rowsum_do(rt, D, dy, y, B, T, H, hs):
               (ROWSUM_THREADS,), [D, dy, y, i32(rows), i32(T), i32(H)], label="flash_rowsum_do")
 
 
-def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, tc):
+def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, tc, wg=False):
+    """tc: the tensor-core kernels; wg: dK / dV on warpgroup MMA (flash_bwd_dkv_wg: sm_90a, tc only)."""
     B, T, C, H, hs = _split(qkv, n_head)
     _fused_check(hs, qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))
     rowsum_do(rt, D, dy, y, B, T, H, hs)
     args = [dqkv, qkv, dy, lse, D] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
-    bq, bk = flash_rows("dq", hs, tc), flash_rows("dkv", hs, tc)
+    bq = flash_rows("dq", hs, tc)
     rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", tc, hs, p)),
               (B * H, cdiv(T, bq)), (FLASH_THREADS,), args,
               smem=flash_smem_bytes("dq", hs, tc), label="flash_bwd_dq")
-    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dkv", tc, hs, p)),
-              (B * H, cdiv(T, bk)), (FLASH_THREADS,), args,
-              smem=flash_smem_bytes("dkv", hs, tc), label="flash_bwd_dkv")
+    if wg:
+        plan = flash_dkv_wg_plan(hs)
+        name = f"flash_bwd_dkv_wg<{hs},{'true' if float(p) > 0 else 'false'}>"
+        bk, smem = plan["rows"], plan["smem"]
+    else:
+        name, bk, smem = _flash_name("bwd_dkv", tc, hs, p), flash_rows("dkv", hs, tc), flash_smem_bytes("dkv", hs, tc)
+    rt.launch(rt.function(FLASH_FILE, name), (B * H, cdiv(T, bk)), (FLASH_THREADS,), args,
+              smem=smem, label="flash_bwd_dkv")
