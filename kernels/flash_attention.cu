@@ -1329,25 +1329,28 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
 //   S^T - lse = K Q^T and dPd^T (- D) = V dO^T: wgmma m64n32k8, both operands in shared memory (K, V
 //     resident, Q and dO in the ring stage), the accumulators preloaded with -lse (and -D without
 //     dropout) per query, as the mma.sync kernels preload theirs;
-//   while those run, the threads write Q^T and dO^T, the B operands of the two products that reduce
-//     over queries: HS rows of 32 queries, the queries of each 8 permuted (position p holds query 2p
-//     for p < 4, 2(p - 4) + 1 else) so that the accumulators of S^T serve as A fragments in the order
+//   while those run, the threads read Q and dO for their transposes, the B operands of the two
+//     products that reduce over queries, and write them over the stage's Q and dO once the products
+//     are done: HS rows of 32 queries, the queries of each 8 permuted (position p holds query 2p for
+//     p < 4, 2(p - 4) + 1 else) so that the accumulators of S^T serve as A fragments in the order
 //     fa_mma_pv uses;
 //   P and dS from the accumulators as in flash_bwd_dkv_tc (causal mask, exp2, keep words);
 //   dV += Pd^T dO and dK += dS^T Q: wgmma m64nHSk8 with A from registers.
 // Shared tiles are K-major in wgmma.cuh's 128-byte swizzle (a row of HS floats as HS/32 slabs, each
 // slab [rows][32 floats], 1024-byte aligned); the operands are rounded in place (fa_tf32_mma, Q
 // scaled by scale * log2 e) as in the mma.sync kernels, so the scores are the forward's up to the
-// order of the sums.
+// order of the sums. Two ring stages and no other buffers keep three blocks on an SM (68 KB, 168
+// registers a thread): the warps of one block wait on barriers and wgmma while the others' issue.
 template <int HS> struct FaDkvWg {
+    static_assert(HS <= 64, "head sizes up to 64 (three blocks an SM)");
     static constexpr int BK = 64;                              // keys of a block: one m64 tile
     static constexpr int BQ = 32;                              // queries of a ring stage
-    static constexpr int NS = HS <= 64 ? 3 : 2;
-    static constexpr int MINB = HS <= 64 ? 2 : 1;              // blocks per SM (registers, shared memory)
+    static constexpr int NS = 2;
+    static constexpr int MINB = 3;                             // blocks per SM: 168 registers, 68 KB
     static constexpr int KV = BK * HS * 4;                     // bytes of the K or V tile
-    static constexpr int QT = BQ * HS * 4;                     // bytes of a Q or dO tile, and of Q^T, dO^T
-    static constexpr int STAGE = 2 * QT + 1024;                // Q, dO, then -lse (log2 units), -D: BQ floats each
-    static constexpr int OFF_V = KV, OFF_QT = 2 * KV, OFF_DOT = 2 * KV + QT, OFF_RING = 2 * KV + 2 * QT;
+    static constexpr int QT = BQ * HS * 4;                     // bytes of a Q or dO tile, and of Q^T or dO^T
+    static constexpr int STAGE = 2 * QT + 1024;                // Q (then Q^T), dO (then dO^T), -lse, -D
+    static constexpr int OFF_V = KV, OFF_RING = 2 * KV;
     static constexpr int SMEM = OFF_RING + NS * STAGE + 1024;  // + aligning the base to 1024 bytes
 };
 
@@ -1409,33 +1412,33 @@ __device__ __forceinline__ void fa_wg_round_tile(char* tile, float mul) {
     }
 }
 
-// dst = src^T for a rounded 32 x HS stage tile: row d of dst (one 128-byte slab of 32 positions),
-// position 4 pc + i = src[query 8 (pc >> 1) + (pc & 1) + 2 i][d]. Lane l of warp w writes the chunk
-// pc of row d = 32 dg + l for HS / 16 pairs (dg, pc); a warp's loads read one row of a slab (32
-// banks), a quarter warp's stores 8 rows with distinct d % 8 (distinct bank groups).
+// The transpose of a rounded 32 x HS stage tile (Q or dO), written over the tile itself: HS rows of
+// one 128-byte slab of 32 positions, position 4 pc + i of row d = tile[query 8 (pc >> 1) + (pc & 1)
+// + 2 i][d]. Lane l of warp w handles the chunk pc of row d = 32 dg + l for HS / 16 pairs (dg, pc):
+// fa_wg_tr_load reads its values (a warp reads one row of a slab: 32 banks), fa_wg_tr_store writes
+// them once every thread's loads are done (a quarter warp: 8 rows with distinct d % 8, distinct
+// bank groups).
 template <int HS>
-__device__ __forceinline__ void fa_wg_transpose(char* dst, const char* src) {
-    constexpr int PER = HS / 16, G = PER < 4 ? PER : 4;      // G chunks' loads first, then their stores
+__device__ __forceinline__ void fa_wg_tr_load(float (&v)[HS / 16][4], const char* src) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
 #pragma unroll
-    for (int j0 = 0; j0 < PER; j0 += G) {
-        float v[G][4];
+    for (int j = 0; j < HS / 16; ++j) {
+        const int pr = w * (HS / 16) + j, dg = pr >> 3, pc = pr & 7;
 #pragma unroll
-        for (int j = 0; j < G; ++j) {
-            const int pr = w * PER + j0 + j, dg = pr >> 3, pc = pr & 7;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int q = 8 * (pc >> 1) + (pc & 1) + 2 * i;
-                v[j][i] = *reinterpret_cast<const float*>(src + dg * (32 * 128) + q * 128 +
-                                                          (((lane >> 2) ^ (q & 7)) << 4) + (lane & 3) * 4);
-            }
+        for (int i = 0; i < 4; ++i) {
+            const int q = 8 * (pc >> 1) + (pc & 1) + 2 * i;
+            v[j][i] = *reinterpret_cast<const float*>(src + dg * (32 * 128) + q * 128 + (((lane >> 2) ^ (q & 7)) << 4) +
+                                                      (lane & 3) * 4);
         }
+    }
+}
+template <int HS>
+__device__ __forceinline__ void fa_wg_tr_store(char* dst, const float (&v)[HS / 16][4]) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
 #pragma unroll
-        for (int j = 0; j < G; ++j) {
-            const int pr = w * PER + j0 + j, dg = pr >> 3, pc = pr & 7, d = 32 * dg + lane;
-            *reinterpret_cast<float4*>(dst + d * 128 + ((pc ^ (d & 7)) << 4)) =
-                make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
-        }
+    for (int j = 0; j < HS / 16; ++j) {
+        const int pr = w * (HS / 16) + j, dg = pr >> 3, pc = pr & 7, d = 32 * dg + lane;
+        *reinterpret_cast<float4*>(dst + d * 128 + ((pc ^ (d & 7)) << 4)) = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
     }
 }
 
@@ -1487,8 +1490,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, FaDkvWg<HS>::MINB) flash_bwd_dk
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 Th = (u32)((T + 1) / 2);                         // keep-word pairs per row of the [B*H*T, T] mask
     // descriptors of the tiles' first rows; a k step or a ring stage adds its byte offset / 16
-    const unsigned long long dK = wg_desc(sb), dV = wg_desc(sb + F::OFF_V), dQT = wg_desc(sb + F::OFF_QT),
-                             dDOT = wg_desc(sb + F::OFF_DOT), dRing = wg_desc(sb + F::OFF_RING);
+    const unsigned long long dK = wg_desc(sb), dV = wg_desc(sb + F::OFF_V), dRing = wg_desc(sb + F::OFF_RING);
 
     for (int jq = 0; jq < nqt; ++jq) {
         const int stage = jq % NS, q0 = k0 + jq * BQ;
@@ -1535,13 +1537,18 @@ __global__ void __launch_bounds__(FA_TC_THREADS, FaDkvWg<HS>::MINB) flash_bwd_dk
         wg_commit();
         wg_fence_acc(s);
         wg_fence_acc(dp);
-        fa_wg_transpose<HS>(gb + F::OFF_QT, cur);             // Q^T, dO^T under the products
-        fa_wg_transpose<HS>(gb + F::OFF_DOT, cur + F::QT);
-        wg_fence_async_smem();
-        wg_wait<0>();
+        float tv[HS / 16][4];                                  // Q^T, then dO^T: read, then written over
+        fa_wg_tr_load<HS>(tv, cur);                            // Q (dO) once every warp's products on
+        wg_wait<0>();                                          // it and every thread's reads are done
         wg_fence_acc(s);
         wg_fence_acc(dp);
-        __syncthreads();                                       // every thread's part of Q^T and dO^T written
+        __syncthreads();
+        fa_wg_tr_store<HS>(cur, tv);
+        fa_wg_tr_load<HS>(tv, cur + F::QT);
+        __syncthreads();
+        fa_wg_tr_store<HS>(cur + F::QT, tv);
+        wg_fence_async_smem();
+        __syncthreads();                                       // Q^T and dO^T written
 
         const bool edge = q0 < wk0 + 15 || q0 + BQ > T;        // a query before a key of the warp, or past T
         u32 pa[NT][4], sa[NT][4];                              // Pd^T and dS^T / scale as A fragments
@@ -1590,10 +1597,10 @@ __global__ void __launch_bounds__(FA_TC_THREADS, FaDkvWg<HS>::MINB) flash_bwd_dk
         wg_fence();
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-            wg_mma_tf32_rs<HS>(dv, pa[nt], dDOT + 2 * nt);                                     // dV += Pd^T dO
+            wg_mma_tf32_rs<HS>(dv, pa[nt], dO + 2 * nt);                                       // dV += Pd^T dO
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-            wg_mma_tf32_rs<HS>(dk, sa[nt], dQT + 2 * nt);                                      // dK += dS^T Q
+            wg_mma_tf32_rs<HS>(dk, sa[nt], dQ + 2 * nt);                                       // dK += dS^T Q
         wg_commit();
         wg_wait<0>();
         wg_fence_acc(dv);

@@ -127,7 +127,7 @@ def _wgmma_pipeline_names():
 
 def _flash_wgmma_names():
     from gptcuda.ops.cuda import attention as attn
-    return [f"flash_bwd_dkv_wg<{hs},{d}>" for hs in attn.FLASH_HEAD_SIZES for d in ("false", "true")]
+    return [f"flash_bwd_dkv_wg<{hs},{d}>" for hs in attn.FLASH_WG_HEAD_SIZES for d in ("false", "true")]
 
 
 @pytest.mark.parametrize("file,name,defines", [("gemm_wgmma.cu", n, {}) for n in _wgmma_pipeline_names()] +
@@ -151,7 +151,15 @@ def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines
     assert f"Compiling entry function '{c.lowered[name]}' for 'sm_90a'" in c.log, c.log
     assert "C7514" not in c.log and "serialized" not in c.log, c.log
     spills = [ln for ln in c.log.splitlines() if "spill" in ln]
-    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills), c.log
+    budget = SPILL_BUDGET.get(name, 0)
+    assert spills and all(int(re.search(r"(\d+) bytes spill stores", ln).group(1)) <= budget and
+                          int(re.search(r"(\d+) bytes spill loads", ln).group(1)) <= budget for ln in spills), c.log
+
+
+# Spill bytes allowed per kernel (none elsewhere): the dK/dV flash kernel at head size 64 is held to
+# 168 registers so that three blocks share an SM, and ptxas then spills a few loop-invariant values
+# (32-48 bytes); three blocks with these spills ran 3-6% faster than two without (bench/NOTES.md).
+SPILL_BUDGET = {"flash_bwd_dkv_wg<64,false>": 64, "flash_bwd_dkv_wg<64,true>": 64}
 
 
 def test_compile_leaves_python_objects_alone(tmp_path, monkeypatch):

@@ -6,8 +6,6 @@ from gptcuda.ops.cuda import attention as attn
 from gptcuda.runtime import DeviceView, execution
 from tests.conftest import FakeGemmRT, fake_view
 
-SMEM_LIMIT = 227 * 1024          # dynamic shared memory a block may opt into on sm_90
-
 
 class _AttnRT(FakeGemmRT):
     def __init__(self, B, H, T):
@@ -27,26 +25,33 @@ def _bwd_launches(hs, wgmma_env, p=0.1, B=2, H=3, T=300):
 
 @pytest.mark.parametrize("hs", attn.FLASH_HEAD_SIZES)
 def test_dkv_on_wgmma_where_the_plan_has_it(hs):
+    """flash_bwd_dkv_wg where the plan has warpgroup MMA and the head size is one it takes; the
+    mma.sync kernel otherwise (head size 128, GPTCUDA_WGMMA=0)."""
     wg = _bwd_launches(hs, "1")
-    name, grid, block, smem = wg["flash_bwd_dkv_wg"]
-    assert name == f"flash_bwd_dkv_wg<{hs},true>" and grid == (6, 5) and block == (128,)
-    assert smem == attn.flash_dkv_wg_plan(hs)["smem"]
-    assert "flash_bwd_dq_tc" in wg and "flash_bwd_dkv_tc" not in wg
+    assert "flash_bwd_dq_tc" in wg
+    if hs in attn.FLASH_WG_HEAD_SIZES:
+        name, grid, block, smem = wg["flash_bwd_dkv_wg"]
+        assert name == f"flash_bwd_dkv_wg<{hs},true>" and grid == (6, 5) and block == (128,)
+        assert smem == attn.flash_dkv_wg_plan(hs)["smem"] and "flash_bwd_dkv_tc" not in wg
+    else:
+        assert wg["flash_bwd_dkv_tc"][0] == f"flash_bwd_dkv_tc<{hs},true>" and "flash_bwd_dkv_wg" not in wg
     tc = _bwd_launches(hs, "0", p=0.0)       # GPTCUDA_WGMMA=0: the mma.sync kernel
     assert tc["flash_bwd_dkv_tc"][0] == f"flash_bwd_dkv_tc<{hs},false>" and "flash_bwd_dkv_wg" not in tc
 
 
-@pytest.mark.parametrize("hs", attn.FLASH_HEAD_SIZES)
+@pytest.mark.parametrize("hs", attn.FLASH_WG_HEAD_SIZES)
 def test_dkv_wg_plan_fits(hs):
-    """FaDkvWg's shared memory: K, V (64 x hs), Q^T, dO^T (hs x 32), the ring (3 stages up to hs 64,
-    else 2) of Q, dO and 1 KB of lse / D, 1 KB to align the base; two blocks an SM up to hs 64."""
+    """FaDkvWg's shared memory: K, V (64 x hs), 2 ring stages of Q, dO (32 x hs) and 1 KB of lse / D,
+    1 KB to align the base: three blocks an SM (each also reserves 1 KB of the SM's 228 KB)."""
     smem = attn.flash_dkv_wg_plan(hs)["smem"]
-    ns = 3 if hs <= 64 else 2
-    assert smem == 2 * 64 * hs * 4 + 2 * 32 * hs * 4 + ns * (2 * 32 * hs * 4 + 1024) + 1024
-    assert smem * (2 if hs <= 64 else 1) <= SMEM_LIMIT
+    assert smem == 2 * 64 * hs * 4 + 2 * (2 * 32 * hs * 4 + 1024) + 1024
+    assert 3 * (smem + 1024) <= 228 * 1024
+    with pytest.raises(ValueError, match="head sizes"):
+        attn.flash_dkv_wg_plan(128)
 
 
 def test_dkv_wg_variants_listed():
     names = {n for f, n, d in attn.VARIANTS if f == attn.FLASH_FILE}
     for hs in attn.FLASH_HEAD_SIZES:
-        assert {f"flash_bwd_dkv_wg<{hs},true>", f"flash_bwd_dkv_wg<{hs},false>"} <= names
+        want = {f"flash_bwd_dkv_wg<{hs},true>", f"flash_bwd_dkv_wg<{hs},false>"}
+        assert want <= names if hs in attn.FLASH_WG_HEAD_SIZES else not want & names

@@ -98,7 +98,7 @@ class ExecutionPlan:
             wg = "not for fp32 (fp32_gemm ffma)"
         att = {"unfused": "unfused: saved probabilities (attention.cu)",
                "flash": "flash, FFMA (flash_attention.cu)",
-               "flash_tc": "flash on tensor cores (flash_attention.cu _tc" + ("; dK/dV on warpgroup MMA: _wg)"
+               "flash_tc": "flash on tensor cores (flash_attention.cu _tc" + ("; dK/dV on warpgroup MMA up to head size 64: _wg)"
                                                                            if self.wgmma else ")"),
                None: "as the saved tensors say"}[self.attention]
         env = ", ".join(f"{k}={v}" for k, v in self.env) or "none set"

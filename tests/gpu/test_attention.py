@@ -168,6 +168,8 @@ def test_dkv_wgmma_equals_mma_sync(env, B, T, C, H, p):
     rounding of each other and of float64."""
     if not execution.of(env).wgmma:
         pytest.skip("warpgroup MMA needs an sm_90 device (and GPTCUDA_WGMMA not 0)")
+    if C // H not in attn.FLASH_WG_HEAD_SIZES:
+        pytest.skip(f"flash_bwd_dkv_wg takes head sizes {attn.FLASH_WG_HEAD_SIZES}")
     r = np.random.default_rng(11 + T + C)
     qkv_h = r.standard_normal((B, T, 3 * C)).astype(np.float32)
     dy_h = r.standard_normal((B, T, C)).astype(np.float32)

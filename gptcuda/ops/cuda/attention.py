@@ -35,6 +35,7 @@ MAX_GRID = 132 * 32           # grid-stride kernels: enough blocks to fill 132 S
 
 # ---- fused kernel geometry (flash_attention.cu) ----------------------------------------
 FLASH_HEAD_SIZES = (32, 64, 128)
+FLASH_WG_HEAD_SIZES = (32, 64)  # head sizes of the backward's dK/dV kernel on warpgroup MMA (sm_90a)
 FLASH_THREADS = 128           # FA_THREADS / FA_TC_THREADS in flash_attention.cu
 FLASH_BQ = 64                 # query rows per block of the fp32 forward and dQ kernels (FA_BR)
 FLASH_BK = 64                 # key rows per block of the fp32 dK/dV kernel (FA_BR)
@@ -51,7 +52,8 @@ def _flash_variants():
             out.append((FLASH_FILE, f"flash_fwd_tc<{hs},{drop}>", {}))
             out.append((FLASH_FILE, f"flash_bwd_dq_tc<{hs},{drop}>", {}))
             out.append((FLASH_FILE, f"flash_bwd_dkv_tc<{hs},{drop}>", {}))
-            out.append((FLASH_FILE, f"flash_bwd_dkv_wg<{hs},{drop}>", {}))
+            if hs in FLASH_WG_HEAD_SIZES:
+                out.append((FLASH_FILE, f"flash_bwd_dkv_wg<{hs},{drop}>", {}))
     out += [(FLASH_FILE, f"flash_rowsum_do<{hs}>", {}) for hs in FLASH_HEAD_SIZES]
     return out
 
@@ -188,7 +190,8 @@ def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, ex=None):
     want, tc = _path(saved, "attention_bwd", ex)
     if want == "probs":
         return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site, ex)
-    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, tc, tc and ex.wgmma)
+    wg = tc and ex.wgmma and int(qkv.shape[-1]) // (3 * int(n_head)) in FLASH_WG_HEAD_SIZES
+    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, tc, wg)
 
 
 # ---- unfused
@@ -271,13 +274,15 @@ def flash_tc_plan(kind: str, hs: int) -> dict:
 
 
 def flash_dkv_wg_plan(hs: int) -> dict:
-    """Tile plan of flash_bwd_dkv_wg (the dK/dV kernel on warpgroup MMA, sm_90a); mirrors FaDkvWg in
-    flash_attention.cu (which traps on less shared memory): one warpgroup of 64 keys; K and V resident
-    (64 x hs each), Q^T and dO^T (hs x 32 each), a ring of ns stages of 32 queries (Q, dO, then lse
-    and D in 1 KB), every tile 1024-byte aligned, plus 1 KB to align the base."""
+    """Tile plan of flash_bwd_dkv_wg (the dK/dV kernel on warpgroup MMA, sm_90a, head sizes up to 64);
+    mirrors FaDkvWg in flash_attention.cu (which traps on less shared memory): one warpgroup of 64
+    keys; K and V resident (64 x hs each), a ring of 2 stages of 32 queries (Q, dO, then lse and D in
+    1 KB; Q^T and dO^T are written over Q and dO), every tile 1024-byte aligned, plus 1 KB to align
+    the base: three blocks an SM."""
+    if hs not in FLASH_WG_HEAD_SIZES:
+        raise ValueError(f"flash_bwd_dkv_wg takes head sizes {FLASH_WG_HEAD_SIZES}, not {hs}")
     kv, qt = 64 * hs * 4, 32 * hs * 4
-    ns = 3 if hs <= 64 else 2
-    return {"rows": 64, "smem": 2 * kv + 2 * qt + ns * (2 * qt + 1024) + 1024}
+    return {"rows": 64, "smem": 2 * kv + 2 * (2 * qt + 1024) + 1024}
 
 
 def flash_smem_bytes(kind: str, hs: int, tc: bool) -> int:
@@ -339,7 +344,8 @@ def rowsum_do(rt, D, dy, y, B, T, H, hs):
 
 
 def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, tc, wg=False):
-    """tc: the tensor-core kernels; wg: dK / dV on warpgroup MMA (flash_bwd_dkv_wg: sm_90a, tc only)."""
+    """tc: the tensor-core kernels; wg: dK / dV on warpgroup MMA (flash_bwd_dkv_wg: sm_90a, tc only,
+    head sizes FLASH_WG_HEAD_SIZES)."""
     B, T, C, H, hs = _split(qkv, n_head)
     _fused_check(hs, qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
