@@ -1,10 +1,15 @@
 // LayerNorm over the last dimension (biased variance, eps 1e-5), forward and backward.
 //
-//   layernorm_fwd_reg<NV, BIAS>   one warp per row, the row in registers as NV float4 per lane
-//                                 (C % 4 == 0, C <= 128*NV, 16-byte aligned pointers)
+//   layernorm_fwd_reg<NV, BIAS, RD>  one warp per row, the row in registers as NV float4 per lane
+//                                 (C % 4 == 0, C <= 128*NV, 16-byte aligned pointers); RD: the row
+//                                 is first made and stored, xw = resid + dropout(branch), as
+//                                 elementwise.cu's dropout_apply<4, true, true> makes it
 //   layernorm_fwd_loop<BIAS>      one warp per row, any C (three passes over the row)
-//   layernorm_bwd_reg<NV, BIAS>   dx += ; per-block partial sums of dw (and db) -> partials
-//   layernorm_bwd_loop<BIAS>      the same for any C: one block per row
+//   layernorm_bwd_reg<NV, BIAS, DROP>  dx += ; per-block partial sums of dw (and db) -> partials;
+//                                 DROP: also dropped = dropout_bwd(dx) of the branch before it (the
+//                                 residual's next use in the backward), as elementwise.cu's
+//                                 dropout_apply draws it (flat: element e, half e & 1 of word e >> 1)
+//   layernorm_bwd_loop<BIAS, DROP>  the same for any C: one block per row
 //   layernorm_bwd_reduce          dw = sum of partials over the blocks, in block order (and db)
 //
 // Partials layout: partials[g, 0:C] = sum over block g's rows of dout * norm, partials[g, C:2C]
@@ -45,20 +50,51 @@ __device__ __forceinline__ void ln_save_stats(float* __restrict__ mean, float* _
     const float* __restrict__ b,    /* b    [C]   (BIAS only) */                          \
     int N, int C
 
-template <int NV, bool BIAS>
-__global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_reg(LN_ARGS_FWD) {
+// the residual-dropout input of layernorm_fwd_reg<..., RD = true> (x is then not read)
+#define LN_ARGS_RD                                                                        \
+    float* __restrict__ xw,                 /* xw     [N, C]  (=) the row normalized */   \
+    const float* __restrict__ resid,        /* resid  [N, C] */                           \
+    const float* __restrict__ branch,       /* branch [N, C] */                           \
+    const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
+
+template <int NV, bool BIAS, bool RD>
+__global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_reg(LN_ARGS_FWD, LN_ARGS_RD) {
     const int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
     const int C4 = C >> 2;
-    const float4* xr = reinterpret_cast<const float4*>(x + (long long)row * C);
     float4 v[NV];
     float s = 0.f;
+    if constexpr (RD) {
+        const u32 key = gc_key(seed, (u32)st->step, site);
+        const float4* rr = reinterpret_cast<const float4*>(resid + (long long)row * C);
+        const float4* br = reinterpret_cast<const float4*>(branch + (long long)row * C);
+        float4* xo = reinterpret_cast<float4*>(xw + (long long)row * C);
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-        const int k = j * 32 + lane;
-        v[j] = k < C4 ? xr[k] : ln_f4(0.f);
-        s += ln_hsum(v[j]);
+        for (int j = 0; j < NV; ++j) {
+            const int k = j * 32 + lane;
+            if (k < C4) {                              // elements e .. e + 3: the words of pairs e/2, e/2 + 1
+                const float4 r = rr[k], bv = br[k];
+                const u32 e2 = (u32)(((long long)row * C + 4 * k) >> 1);
+                const u32 w0 = gc_keep_word(key, e2), w1 = gc_keep_word(key, e2 + 1u);
+                v[j] = make_float4(r.x + (gc_keep_half(w0, 0) >= threshold ? bv.x * scale : 0.f),
+                                   r.y + (gc_keep_half(w0, 1) >= threshold ? bv.y * scale : 0.f),
+                                   r.z + (gc_keep_half(w1, 0) >= threshold ? bv.z * scale : 0.f),
+                                   r.w + (gc_keep_half(w1, 1) >= threshold ? bv.w * scale : 0.f));
+                xo[k] = v[j];
+            } else {
+                v[j] = ln_f4(0.f);
+            }
+            s += ln_hsum(v[j]);
+        }
+    } else {
+        const float4* xr = reinterpret_cast<const float4*>(x + (long long)row * C);
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int k = j * 32 + lane;
+            v[j] = k < C4 ? xr[k] : ln_f4(0.f);
+            s += ln_hsum(v[j]);
+        }
     }
     const float mu = gc_warp_sum(s) / (float)C;
     float q = 0.f;
@@ -123,10 +159,17 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_loop(LN_ARGS_FWD) {
     const float* __restrict__ mean,      /* mean     [N] */                               \
     const float* __restrict__ rstd,      /* rstd     [N] */                               \
     const float* __restrict__ w,         /* w        [C] */                               \
-    int N, int C
+    int N, int C,                                                                         \
+    float* __restrict__ dropped,         /* dropped  [N, C]   (DROP only) */              \
+    const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
+
+// DROP: the dropout backward of dx's new value g at flat element e (keep half h of its word)
+__device__ __forceinline__ float ln_drop(float g, u32 h, u32 threshold, float scale) {
+    return h >= threshold ? g * scale : 0.f;
+}
 
 // grid G blocks (G <= the workspace rows); warp gw = blockIdx.x*8 + warp takes rows gw, gw + 8G, ...
-template <int NV, bool BIAS>
+template <int NV, bool BIAS, bool DROP>
 __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_reg(LN_ARGS_BWD) {
     __shared__ float4 red_w[NV * 32];
     __shared__ float4 red_b[BIAS ? NV * 32 : 1];
@@ -142,6 +185,8 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_reg(LN_ARGS_BWD) {
         ab[j] = ln_f4(0.f);
     }
     const float invC = 1.0f / (float)C;
+    u32 key = 0;
+    if constexpr (DROP) key = gc_key(seed, (u32)st->step, site);
     for (int row = blockIdx.x * LN_WARPS + warp; row < N; row += gridDim.x * LN_WARPS) {
         const float mu = mean[row], rs = rstd[row];
         const float4* dr = reinterpret_cast<const float4*>(dout + (long long)row * C);
@@ -176,6 +221,15 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_reg(LN_ARGS_BWD) {
                 g.z += rs * (d[j].z * wv[j].z - m1 - nv[j].z * m2);
                 g.w += rs * (d[j].w * wv[j].w - m1 - nv[j].w * m2);
                 dxr[k] = g;
+                if constexpr (DROP) {                      // elements e .. e + 3: the words of pairs e/2, e/2 + 1
+                    const u32 e2 = (u32)(((long long)row * C + 4 * k) >> 1);
+                    const u32 w0 = gc_keep_word(key, e2), w1 = gc_keep_word(key, e2 + 1u);
+                    reinterpret_cast<float4*>(dropped + (long long)row * C)[k] =
+                        make_float4(ln_drop(g.x, gc_keep_half(w0, 0), threshold, scale),
+                                    ln_drop(g.y, gc_keep_half(w0, 1), threshold, scale),
+                                    ln_drop(g.z, gc_keep_half(w1, 0), threshold, scale),
+                                    ln_drop(g.w, gc_keep_half(w1, 1), threshold, scale));
+                }
                 aw[j].x += d[j].x * nv[j].x; aw[j].y += d[j].y * nv[j].y;
                 aw[j].z += d[j].z * nv[j].z; aw[j].w += d[j].w * nv[j].w;
                 if constexpr (BIAS) {
@@ -230,7 +284,7 @@ __device__ __forceinline__ float ln_block_sum(float v, float* sm /* [LN_WARPS] *
 
 // grid G blocks; block g takes rows g, g + G, ...; thread tid owns columns tid, tid + 256, ...
 // and accumulates their dw (db) directly in its partials row (no other thread touches them).
-template <bool BIAS>
+template <bool BIAS, bool DROP>
 __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_loop(LN_ARGS_BWD) {
     __shared__ float sm[2][LN_WARPS];
     float* pw = partials + (long long)blockIdx.x * 2 * C;
@@ -240,6 +294,8 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_loop(LN_ARGS_BWD) {
         if constexpr (BIAS) pb[c] = 0.f;
     }
     const float invC = 1.0f / (float)C;
+    u32 key = 0;
+    if constexpr (DROP) key = gc_key(seed, (u32)st->step, site);
     for (int row = blockIdx.x; row < N; row += gridDim.x) {
         const float mu = mean[row], rs = rstd[row];
         const float* dr = dout + (long long)row * C;
@@ -256,7 +312,12 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_loop(LN_ARGS_BWD) {
         for (int c = threadIdx.x; c < C; c += LN_THREADS) {
             const float d = dr[c];
             const float n = (xr[c] - mu) * rs;
-            dxr[c] += rs * (d * w[c] - m1 - n * m2);
+            const float g = dxr[c] + rs * (d * w[c] - m1 - n * m2);
+            dxr[c] = g;
+            if constexpr (DROP) {
+                const long long e = (long long)row * C + c;
+                dropped[e] = ln_drop(g, gc_keep_half(gc_keep_word(key, (u32)(e >> 1)), (u32)(e & 1)), threshold, scale);
+            }
             pw[c] += d * n;
             if constexpr (BIAS) pb[c] += d;
         }

@@ -40,33 +40,38 @@ class GPT:
         k = self.micro
         o.encoder_fwd(a["res"][0], a["idx"][k], p["wte"], p["wpe"])              # [B,T,C]
         o.dropout_fwd(a["res"][0], a["res"][0], drop, self.site(rng.DROPOUT_EMB))
+        pend = None         # a residual add with dropout, made by the layernorm that reads its sum
         for l in range(cfg.n_layer):
             x, mid, out = a["res"][l], a["mid"][l], a["res"][l + 1]              # [B,T,C] each
             h = f"h{l}."
-            o.layernorm_fwd(a["ln1"][l], a["ln1_mean"][l], a["ln1_rstd"][l], x, p[h + "ln1.w"], self._pb(h + "ln1.b"))
+            o.layernorm_fwd(a["ln1"][l], a["ln1_mean"][l], a["ln1_rstd"][l], x, p[h + "ln1.w"], self._pb(h + "ln1.b"),
+                            pend)
             o.matmul(a["qkv"][l], a["ln1"][l], p[h + "attn.w"], False, True, bias=self._pb(h + "attn.b"))  # [B,T,3C]
             o.attention_fwd(a["atty"][l], a["qkv"][l], self.saved(l), H, drop, self.site(rng.dropout_site(l, 0)))
-            self._residual(mid, x, a["atty"][l], p[h + "proj.w"], self._pb(h + "proj.b"), drop,
-                           self.site(rng.dropout_site(l, 1)))
-            o.layernorm_fwd(a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l], mid, p[h + "ln2.w"], self._pb(h + "ln2.b"))
+            pend = self._residual(mid, x, a["atty"][l], p[h + "proj.w"], self._pb(h + "proj.b"), drop,
+                                  self.site(rng.dropout_site(l, 1)))
+            o.layernorm_fwd(a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l], mid, p[h + "ln2.w"], self._pb(h + "ln2.b"),
+                            pend)
             act = self.fc_act(l)                                                   # [B,T,4C]
             o.matmul(act, a["ln2"][l], p[h + "fc.w"], False, True, bias=self._pb(h + "fc.b"),
                      epilogue="gelu", aux=a["fc_pre"][l])
-            self._residual(out, mid, act, p[h + "fcproj.w"], self._pb(h + "fcproj.b"), drop,
-                           self.site(rng.dropout_site(l, 2)))
+            pend = self._residual(out, mid, act, p[h + "fcproj.w"], self._pb(h + "fcproj.b"), drop,
+                                  self.site(rng.dropout_site(l, 2)))
         L = cfg.n_layer
-        o.layernorm_fwd(a["lnf"], a["lnf_mean"], a["lnf_rstd"], a["res"][L], p["lnf.w"], self._pb("lnf.b"))
+        o.layernorm_fwd(a["lnf"], a["lnf_mean"], a["lnf_rstd"], a["res"][L], p["lnf.w"], self._pb("lnf.b"), pend)
         o.matmul(a["logits"], a["lnf"], p["wte"], False, True)                   # [B,T,V], tied head
         o.crossentropy(a["losses"][k], a["logits"] if grad_scale else None, a["logits"], a["targets"][k], grad_scale,
                        n_vocab=self.n_vocab)
 
     def _residual(self, out, resid, x, w, bias, drop, site):
-        """out = resid + dropout(x @ w^T + bias): fused into the GEMM epilogue when there is no dropout."""
+        """out = resid + dropout(x @ w^T + bias): fused into the GEMM epilogue when there is no dropout
+        (returns None); with dropout the product goes to the branch buffer and the add is returned,
+        (resid, branch, p, site), for the layernorm that reads out to make (layernorm_fwd's residual)."""
         if drop > 0:
             self.ops.matmul(self.b.acts["branch"], x, w, False, True, bias=bias)
-            self.ops.residual_dropout(out, resid, self.b.acts["branch"], drop, site)
-        else:
-            self.ops.matmul(out, x, w, False, True, bias=bias, epilogue="residual", aux=resid)
+            return resid, self.b.acts["branch"], drop, site
+        self.ops.matmul(out, x, w, False, True, bias=bias, epilogue="residual", aux=resid)
+        return None
 
     def fc_act(self, l):
         """Where layer l's GELU output lives: stored per layer, or (recompute) in the shared dfc
@@ -87,12 +92,15 @@ class GPT:
         o.matmul(dln, a["logits"], p["wte"], False, False)                        # dlnf [B,T,C]
         o.matmul(g["wte"], a["logits"], a["lnf"], True, False)                    # dwte [V,C] =
         o.zero(dres)
-        o.layernorm_bwd(dres, g["lnf.w"], g.get("lnf.b"), dln, a["res"][L], a["lnf_mean"], a["lnf_rstd"], p["lnf.w"])
+        # each layernorm backward also writes the gradient of the branch before it (dropout's
+        # backward of the new dres into a["branch"]; dres itself without dropout)
+        d = self._branch(dres, drop)
+        o.layernorm_bwd(dres, g["lnf.w"], g.get("lnf.b"), dln, a["res"][L], a["lnf_mean"], a["lnf_rstd"], p["lnf.w"],
+                        self._drop_out(drop, self.site(rng.dropout_site(L - 1, 2))))
         self._grads_ready("head")
         for l in reversed(range(L)):
             h = f"h{l}."
-            # mlp half: res[l+1] = mid + drop(fc_act @ fcproj^T + b)
-            d = self._branch_grad(dres, drop, self.site(rng.dropout_site(l, 2)))
+            # mlp half: res[l+1] = mid + drop(fc_act @ fcproj^T + b); d: its branch's gradient
             if cfg.recompute:
                 o.gelu_fwd(dfc, a["fc_pre"][l])                                    # rebuild the GELU output
             o.matmul(g[h + "fcproj.w"], d, self.fc_act(l), True, False,          # before dfc is overwritten
@@ -101,28 +109,29 @@ class GPT:
             o.matmul(dln, dfc, p[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
             o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False, a_colsum=g.get(h + "fc.b"))
             o.layernorm_bwd(dres, g[h + "ln2.w"], g.get(h + "ln2.b"), dln, a["mid"][l], a["ln2_mean"][l],
-                            a["ln2_rstd"][l], p[h + "ln2.w"])
-            # attention half: mid = res[l] + drop(atty @ proj^T + b)
-            d = self._branch_grad(dres, drop, self.site(rng.dropout_site(l, 1)))
+                            a["ln2_rstd"][l], p[h + "ln2.w"], self._drop_out(drop, self.site(rng.dropout_site(l, 1))))
+            # attention half: mid = res[l] + drop(atty @ proj^T + b); d: its branch's gradient
             o.matmul(datty, d, p[h + "proj.w"], False, False)
             o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False, a_colsum=g.get(h + "proj.b"))
             o.attention_bwd(dqkv, datty, a["qkv"][l], a["atty"][l], self.saved(l), H, drop,
                             self.site(rng.dropout_site(l, 0)))
             o.matmul(dln, dqkv, p[h + "attn.w"], False, False)                    # d ln1 [B,T,C]
             o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False, a_colsum=g.get(h + "attn.b"))
+            below = rng.dropout_site(l - 1, 2) if l > 0 else rng.DROPOUT_EMB   # the branch before res[l]
             o.layernorm_bwd(dres, g[h + "ln1.w"], g.get(h + "ln1.b"), dln, a["res"][l], a["ln1_mean"][l],
-                            a["ln1_rstd"][l], p[h + "ln1.w"])
+                            a["ln1_rstd"][l], p[h + "ln1.w"], self._drop_out(drop, self.site(below)))
             self._grads_ready(l)
-        d = self._branch_grad(dres, drop, self.site(rng.DROPOUT_EMB))
-        o.encoder_bwd(g["wte"], g["wpe"], d, a["idx"][self.micro])
+        o.encoder_bwd(g["wte"], g["wpe"], d, a["idx"][self.micro])      # d: the embeddings' dropout gradient
         self._grads_ready("embed")
 
-    def _branch_grad(self, dres, drop, site):
-        """Gradient of a branch output before dropout (dres itself when there is no dropout)."""
-        if drop > 0:
-            self.ops.dropout_bwd(self.a["branch"], dres, drop, site)
-            return self.a["branch"]
-        return dres
+    def _branch(self, dres, drop):
+        """Where the gradient of a branch output before dropout lives: a["branch"], written by the
+        layernorm backward before it (dres itself when there is no dropout)."""
+        return self.a["branch"] if drop > 0 else dres
+
+    def _drop_out(self, drop, site):
+        """The layernorm backward's dropout output (a["branch"], p, site), or None without dropout."""
+        return (self.a["branch"], drop, site) if drop > 0 else None
 
     # ---- whole programs -----------------------------------------------------------------
     dp = None               # gptcuda.dist.DataParallel of a data-parallel rank (set by Engine)

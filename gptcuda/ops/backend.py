@@ -84,11 +84,13 @@ class Ops(Protocol):
     def residual_dropout(self, out, resid, x, p: float, site: int) -> None:
         """out = resid + dropout(x) (the mask's element index: the row-major index of x)"""
 
-    def layernorm_fwd(self, out, mean, rstd, x, w, b) -> None:
-        """out[N,C] = (x - mean) * rstd * w + b (b may be None); mean[N], rstd[N] saved"""
+    def layernorm_fwd(self, out, mean, rstd, x, w, b, residual=None) -> None:
+        """out[N,C] = (x - mean) * rstd * w + b (b may be None); mean[N], rstd[N] saved; residual =
+        (resid, branch, p, site) with p > 0: x = resid + dropout(branch) is made first (residual_dropout)"""
 
-    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w) -> None:
-        """dx[N,C] += ; dw[C] = ; db[C] = (db may be None)"""
+    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w, drop=None) -> None:
+        """dx[N,C] += ; dw[C] = ; db[C] = (db may be None); drop = (dropped, p, site) with p > 0: also
+        dropped = dropout_bwd(dx) with that p and stream, from the new dx"""
 
     def matmul(self, out, a, b, trans_a: bool = False, trans_b: bool = False, bias=None,
                epilogue: str = "none", aux=None, a_colsum=None) -> None:

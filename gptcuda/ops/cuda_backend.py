@@ -150,11 +150,11 @@ class CudaBackend:
     def residual_dropout(self, out, resid, x, p, site):
         elementwise.residual_dropout(self.rt, out, resid, x, p, site)
 
-    def layernorm_fwd(self, out, mean, rstd, x, w, b):
-        layernorm.layernorm_fwd(self.rt, out, mean, rstd, x, w, b)
+    def layernorm_fwd(self, out, mean, rstd, x, w, b, residual=None):
+        layernorm.layernorm_fwd(self.rt, out, mean, rstd, x, w, b, residual)
 
-    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w):
-        layernorm.layernorm_bwd(self.rt, dx, dw, db, dout, x, mean, rstd, w)
+    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w, drop=None):
+        layernorm.layernorm_bwd(self.rt, dx, dw, db, dout, x, mean, rstd, w, drop)
 
     def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, a_colsum=None):
         gemm.matmul(self.rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, ex=self.exec,

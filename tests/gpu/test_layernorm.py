@@ -94,3 +94,74 @@ def test_layernorm_bwd(env, lead, C, bias):
     for a, b_ in zip(runs[0], runs[1]):
         if a is not None:
             assert np.array_equal(a.view(np.uint32), b_.view(np.uint32))
+
+
+@pytest.mark.parametrize("lead,C", [((4, 64), 384), ((3, 11), 200), ((7, 3), 37), ((6,), 1030), ((2, 9), 1024)])
+def test_layernorm_bwd_dropout_output(env, lead, C):
+    """layernorm_bwd with drop = (dropped, p, site) writes dropout_bwd of its new dx into dropped
+    (poisoned before), bit for bit what elementwise.dropout_bwd draws from that dx; dx, dw, db as
+    without it (register and loop kernels)."""
+    from gptcuda.model import rng
+    from gptcuda.ops.cuda import elementwise as ew
+    rt = env
+    _plan(rt, C)
+    st = np.zeros(16, np.int32)
+    st[0] = 9
+    rt.state = rt.upload(st)
+    r = np.random.default_rng(5 * C + len(lead))
+    x_h = _randn(r, *lead, C) * 2.0 + 0.7
+    w_h, dout_h, dx0 = _randn(r, C), _randn(r, *lead, C), _randn(r, *lead, C)
+    _, m64, r64 = ref.layernorm_forward(x_h, w_h, None)
+    x, w, dout = rt.upload(x_h), rt.upload(w_h), rt.upload(dout_h)
+    mean, rstd = rt.upload(m64.astype(np.float32)), rt.upload(r64.astype(np.float32))
+    site, p = rng.dropout_site(3, 1), 0.2
+    outs = []
+    for fused in (False, True):
+        dx, dw, db, dropped = rt.upload(dx0), rt.empty((C,)), rt.empty((C,)), rt.empty((*lead, C))
+        rt.memset(dropped, 0x7FC00000)
+        if fused:
+            ln.layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, drop=(dropped, p, site))
+        else:
+            ln.layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w)
+            ew.dropout_bwd(rt, dropped, dx, p, site)
+        outs.append([rt.download(v) for v in (dx, dw, db, dropped)])
+    for a, b_ in zip(*outs):
+        assert np.array_equal(a.view(np.uint32), b_.view(np.uint32))
+    kept = outs[1][3] != 0
+    assert 0.7 < kept.mean() < 0.9
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead,C", [((4, 64), 384), ((3, 11), 200), ((7, 3), 37), ((6,), 1030), ((2, 9), 1024)])
+def test_layernorm_fwd_residual_dropout(env, lead, C, bias):
+    """layernorm_fwd with residual = (resid, branch, p, site) makes x = resid + dropout(branch)
+    (poisoned before) and normalizes it: bit for bit elementwise.residual_dropout followed by the
+    plain layernorm (register and loop kernels)."""
+    from gptcuda.model import rng
+    from gptcuda.ops.cuda import elementwise as ew
+    rt = env
+    st = np.zeros(16, np.int32)
+    st[0] = 4
+    rt.state = rt.upload(st)
+    r = np.random.default_rng(7 * C + len(lead))
+    resid_h, branch_h = _randn(r, *lead, C) * 2.0 + 0.7, _randn(r, *lead, C)
+    w_h, b_h = _randn(r, C), _randn(r, C)
+    resid, branch, w = rt.upload(resid_h), rt.upload(branch_h), rt.upload(w_h)
+    b = rt.upload(b_h) if bias else None
+    site, p = rng.dropout_site(2, 2), 0.2
+    outs = []
+    for fused in (False, True):
+        x, out, mean, rstd = rt.empty((*lead, C)), rt.empty((*lead, C)), rt.empty(lead), rt.empty(lead)
+        rt.memset(x, 0x7FC00000)
+        if fused:
+            ln.layernorm_fwd(rt, out, mean, rstd, x, w, b, residual=(resid, branch, p, site))
+        else:
+            ew.residual_dropout(rt, x, resid, branch, p, site)
+            ln.layernorm_fwd(rt, out, mean, rstd, x, w, b)
+        outs.append([rt.download(v) for v in (x, out, mean, rstd)])
+    for a, b_ in zip(*outs):
+        assert np.array_equal(a.view(np.uint32), b_.view(np.uint32))
+    kept = outs[1][0] != resid_h
+    assert 0.7 < kept.mean() < 0.9
+    o64, _, _ = ref.layernorm_forward(outs[1][0], w_h, b_h if bias else None)
+    assert rel_err(outs[1][1], o64) < 1e-5

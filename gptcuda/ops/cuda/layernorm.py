@@ -1,7 +1,12 @@
 """Launchers of kernels/layernorm.cu.
 
-    layernorm_fwd(rt, out[N,C], mean[N], rstd[N], x[N,C], w[C], b[C]|None)      eps = 1e-5
-    layernorm_bwd(rt, dx[N,C], dw[C], db[C]|None, dout[N,C], x, mean, rstd, w)  dx += ; dw = ; db =
+    layernorm_fwd(rt, out[N,C], mean[N], rstd[N], x[N,C], w[C], b[C]|None, residual=None)   eps = 1e-5
+        residual = (resid[N,C], branch[N,C], p, site): x is first made, x = resid + dropout(branch)
+        with dropout p of stream site (residual_dropout's values), in the same pass where it can
+    layernorm_bwd(rt, dx[N,C], dw[C], db[C]|None, dout[N,C], x, mean, rstd, w, drop=None)
+                                                                 dx += ; dw = ; db =
+        drop = (dropped[N,C], p, site): also dropped = dropout_bwd(dx) with dropout p of stream
+        site, in the same pass (the residual gradient's next use: the branch before it)
 
 Rows are the flattened leading dimensions. With C % 4 == 0, C <= 1024 and 16-byte aligned
 views a warp holds its row in registers (NV = ceil(C/128) float4 per lane); otherwise the
@@ -12,7 +17,8 @@ from __future__ import annotations
 
 from gptcuda import faults
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import i32
+from gptcuda.model import rng
+from gptcuda.runtime import f32, i32, u32
 from gptcuda.ops.cuda import cdiv
 
 FILE = "layernorm.cu"
@@ -23,10 +29,12 @@ MAX_BLOCKS = 512          # backward blocks (rows of the partials workspace)
 WORKSPACE = "layernorm_partials"
 
 VARIANTS = (
-    [(FILE, f"layernorm_fwd_reg<{nv}, {b}>", {}) for nv in range(1, MAX_NV + 1) for b in ("true", "false")]
+    [(FILE, f"layernorm_fwd_reg<{nv}, {b}, {r}>", {}) for nv in range(1, MAX_NV + 1) for b in ("true", "false")
+     for r in ("true", "false")]
     + [(FILE, f"layernorm_fwd_loop<{b}>", {}) for b in ("true", "false")]
-    + [(FILE, f"layernorm_bwd_reg<{nv}, {b}>", {}) for nv in range(1, MAX_NV + 1) for b in ("true", "false")]
-    + [(FILE, f"layernorm_bwd_loop<{b}>", {}) for b in ("true", "false")]
+    + [(FILE, f"layernorm_bwd_reg<{nv}, {b}, {d}>", {}) for nv in range(1, MAX_NV + 1) for b in ("true", "false")
+       for d in ("true", "false")]
+    + [(FILE, f"layernorm_bwd_loop<{b}, {d}>", {}) for b in ("true", "false") for d in ("true", "false")]
     + [(FILE, "layernorm_bwd_reduce", {})]
 )
 # the deliberately wrong backward of gradcheck.py --break=layernorm (gptcuda/faults.py)
@@ -54,36 +62,76 @@ def _bias(b) -> str:
     return "true" if b is not None else "false"
 
 
-def layernorm_fwd(rt, out, mean, rstd, x, w, b):
+def _keep_args(rt, p, site, label):
+    """StepState, seed, site, keep threshold and 1/(1-p) of a dropout of probability 0 < p < 1."""
+    p = float(p)
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"{label}: the fused dropout needs 0 < p < 1, got {p}")
+    if rt.state is None:
+        raise RuntimeError(f"{label}: rt.state (the StepState) is not set")
+    return [rt.state, u32(int(rt.seed) & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF), u32(rng.keep_threshold(p)),
+            f32(1.0 / (1.0 - p))]
+
+
+_NO_DROP = [None, u32(0), u32(0), u32(0), f32(1.0)]
+
+
+def layernorm_fwd(rt, out, mean, rstd, x, w, b, residual=None):
     C = int(x.shape[-1])
     N = rows(x.shape)
     if out.numel != N * C or int(w.shape[-1]) != C or (b is not None and int(b.shape[-1]) != C):
         raise ValueError(f"layernorm_fwd: shapes out {out.shape}, x {x.shape}, w {w.shape}")
-    nv = _nv(C, out, x, w, b)
-    name = f"layernorm_fwd_reg<{nv}, {_bias(b)}>" if nv else f"layernorm_fwd_loop<{_bias(b)}>"
-    fn = rt.function(FILE, name)
-    rt.launch(fn, (cdiv(N, WARPS),), (THREADS,), [out, mean, rstd, x, w, b, i32(N), i32(C)],
-              label="layernorm_fwd")
+    views = (out, x, w, b) + (tuple(residual[:2]) if residual is not None else ())
+    nv = _nv(C, *views)
+    if residual is not None:
+        resid, branch, p, site = residual
+        if resid.numel != N * C or branch.numel != N * C:
+            raise ValueError(f"layernorm_fwd: resid {resid.shape} / branch {branch.shape} are not [{N}, {C}]")
+        if not nv:                       # the loop kernels take x as it is: make it first
+            from gptcuda.ops.cuda import elementwise
+            elementwise.residual_dropout(rt, x, resid, branch, p, site)
+    if nv:
+        fused = residual is not None
+        name = f"layernorm_fwd_reg<{nv}, {_bias(b)}, {'true' if fused else 'false'}>"
+        tail = ([x, resid, branch] + _keep_args(rt, p, site, "layernorm_fwd") if fused
+                else [None, None, None] + _NO_DROP)
+        rt.launch(rt.function(FILE, name), (cdiv(N, WARPS),), (THREADS,),
+                  [out, mean, rstd, None if fused else x, w, b, i32(N), i32(C)] + tail, label="layernorm_fwd")
+    else:
+        rt.launch(rt.function(FILE, f"layernorm_fwd_loop<{_bias(b)}>"), (cdiv(N, WARPS),), (THREADS,),
+                  [out, mean, rstd, x, w, b, i32(N), i32(C)], label="layernorm_fwd")
 
 
-def layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w):
+def _drop_args(rt, drop, N, C):
+    """(kernel flag, trailing arguments) of the backward's dropout output `drop` (None or
+    (dropped, p, site) with 0 < p < 1)."""
+    if drop is None:
+        return "false", [None] + _NO_DROP
+    out, p, site = drop
+    if out.numel != N * C:
+        raise ValueError(f"layernorm_bwd: dropped {out.shape} is not [{N}, {C}]")
+    return "true", [out] + _keep_args(rt, p, site, "layernorm_bwd")
+
+
+def layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, drop=None):
     C = int(x.shape[-1])
     N = rows(x.shape)
     if dx.numel != N * C or dout.numel != N * C or int(dw.shape[-1]) != C:
         raise ValueError(f"layernorm_bwd: shapes dx {dx.shape}, dout {dout.shape}, x {x.shape}, dw {dw.shape}")
     part = rt.workspace(WORKSPACE)
-    nv = _nv(C, dx, dout, x, w, part)
+    dflag, dargs = _drop_args(rt, drop, N, C)
+    nv = _nv(C, dx, dout, x, w, part, drop[0] if drop is not None else None)
     if nv:
         G = min(cdiv(N, WARPS), MAX_BLOCKS)
-        name = f"layernorm_bwd_reg<{nv}, {_bias(db)}>"
+        name = f"layernorm_bwd_reg<{nv}, {_bias(db)}, {dflag}>"
     else:
         G = min(N, MAX_BLOCKS)
-        name = f"layernorm_bwd_loop<{_bias(db)}>"
+        name = f"layernorm_bwd_loop<{_bias(db)}, {dflag}>"
     if part.numel < G * 2 * C:
         raise ValueError(f"workspace {WORKSPACE} {part.shape} is too small for {G} blocks x 2*{C}")
     defines = BROKEN if "layernorm" in faults.broken else {}
     rt.launch(rt.function(FILE, name, defines), (G,), (THREADS,),
-              [dx, part, dout, x, mean, rstd, w, i32(N), i32(C)], label="layernorm_bwd")
+              [dx, part, dout, x, mean, rstd, w, i32(N), i32(C)] + dargs, label="layernorm_bwd")
     ncols = 2 * C if db is not None else C
     rt.launch(rt.function(FILE, "layernorm_bwd_reduce"), (cdiv(ncols, 32),), (THREADS,),
               [dw, db, part, i32(G), i32(C)], label="layernorm_bwd_reduce")

@@ -149,13 +149,16 @@ class ReferenceBackend:
             out[...] = resid + d
         self._rec(f)
 
-    def layernorm_fwd(self, out, mean, rstd, x, w, b):
+    def layernorm_fwd(self, out, mean, rstd, x, w, b, residual=None):
+        if residual is not None:
+            self.residual_dropout(x, *residual)
+
         def f():
             o, m, r = R.layernorm_forward(x, w, b)
             out[...], mean[...], rstd[...] = o, m, r
         self._rec(f)
 
-    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w):
+    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w, drop=None):
         broken = "layernorm" in faults.broken
 
         def f():
@@ -165,6 +168,8 @@ class ReferenceBackend:
             if db is not None:
                 db[...] = gb
         self._rec(f)
+        if drop is not None:
+            self.dropout_bwd(drop[0], dx, drop[1], drop[2])
 
     def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, a_colsum=None):
         if a_colsum is not None and not trans_a:
