@@ -337,8 +337,10 @@ layernorm_bwd_reduce(float* __restrict__ dw,                // dw       [C]  (=)
     const int ncols = db ? 2 * C : C;
     const int col = blockIdx.x * 32 + lane;
     float s = 0.f;
-    if (col < ncols)
-        for (int g = warp; g < G; g += LN_WARPS) s += partials[(long long)g * 2 * C + col];
+    if (col < ncols) {
+#pragma unroll 8
+        for (int g = warp; g < G; g += LN_WARPS) s += partials[(long long)g * 2 * C + col];   // 8 loads in flight
+    }
     red[warp][lane] = s;
     __syncthreads();
     if (warp == 0 && col < ncols) {
