@@ -191,10 +191,8 @@ bias_grad_reduce(float* __restrict__ db,                // db       [N]  (=)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int col = blockIdx.x * 32 + lane;
     float s = 0.f;
-    if (col < N) {
-#pragma unroll 8
-        for (int g = warp; g < chunks; g += BG_WARPS) s += partials[(long long)g * N + col];   // 8 loads in flight
-    }
+    if (col < N)
+        for (int g = warp; g < chunks; g += BG_WARPS) s += partials[(long long)g * N + col];
     red[warp][lane] = s;
     __syncthreads();
     if (warp == 0 && col < N) {

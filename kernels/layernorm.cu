@@ -337,10 +337,8 @@ layernorm_bwd_reduce(float* __restrict__ dw,                // dw       [C]  (=)
     const int ncols = db ? 2 * C : C;
     const int col = blockIdx.x * 32 + lane;
     float s = 0.f;
-    if (col < ncols) {
-#pragma unroll 8
-        for (int g = warp; g < G; g += LN_WARPS) s += partials[(long long)g * 2 * C + col];   // 8 loads in flight
-    }
+    if (col < ncols)
+        for (int g = warp; g < G; g += LN_WARPS) s += partials[(long long)g * 2 * C + col];
     red[warp][lane] = s;
     __syncthreads();
     if (warp == 0 && col < ncols) {
