@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import math
 
-from gptcuda.model import rng
 from gptcuda.runtime import execution
-from gptcuda.ops.cuda import cdiv
-from gptcuda.runtime import DeviceView, f32, i32, u32
+from gptcuda.ops.cuda import cdiv, dropout_args
+from gptcuda.runtime import DeviceView, f32, i32
 
 FILE = "attention.cu"
 FLASH_FILE = "flash_attention.cu"
@@ -133,11 +132,6 @@ def _grid_1d(n: int, threads: int) -> int:
     return max(1, min(cdiv(n, threads), MAX_GRID))
 
 
-def _dropout_args(rt, p: float, site: int):
-    p = float(p)
-    threshold = rng.keep_threshold(p)
-    inv_keep = 1.0 / (1.0 - p) if p > 0 else 1.0
-    return [rt.state, u32(int(rt.seed) & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF), u32(threshold), f32(inv_keep)]
 
 
 def _permute(rt, to_heads: bool, wide: DeviceView, heads, B, T, H, hs):
@@ -211,7 +205,7 @@ def _unfused_fwd(rt, y, qkv, probs, n_head, p, site, ex):
     pd = _view(rt.workspace("attention_att"), (B, H, T, T)) if drop else None
     fn = rt.function(FILE, f"attn_softmax_fwd<{'true' if drop else 'false'}>")
     rt.launch(fn, grid, (ROW_THREADS,),
-              [probs, pd] + _dropout_args(rt, p, site) + [i32(rows), i32(T)],
+              [probs, pd] + dropout_args(rt, p, site, "attention") + [i32(rows), i32(T)],
               label="attn_softmax_fwd")
     matmul_batched(rt, yh, pd if drop else probs, v, ex=ex)
     permute_out(rt, y, (yh,), B, T, H, hs)
@@ -228,7 +222,7 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site, ex):
     rows = B * H * T
     grid = (cdiv(rows, ROWS_PER_BLOCK),)
     drop = float(p) > 0
-    dargs = _dropout_args(rt, p, site)
+    dargs = dropout_args(rt, p, site, "attention")
 
     permute_in(rt, (q, k, v), qkv, B, T, H, hs)      # later layers' forwards overwrote q, k, v
     permute_in(rt, (dyh,), dy, B, T, H, hs)
@@ -331,7 +325,7 @@ def _fused_fwd(rt, y, qkv, lse, n_head, p, site, tc):
     fn = rt.function(FLASH_FILE, _flash_name("fwd", tc, hs, p))
     br = flash_rows("fwd", hs, tc)
     rt.launch(fn, (B * H, cdiv(T, br)), (FLASH_THREADS,),
-              [y, lse, qkv] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
+              [y, lse, qkv] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
               smem=flash_smem_bytes("fwd", hs, tc), label="flash_fwd")
 
 
@@ -351,7 +345,7 @@ def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, tc, wg=False):
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))
     rowsum_do(rt, D, dy, y, B, T, H, hs)
-    args = [dqkv, qkv, dy, lse, D] + _dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
+    args = [dqkv, qkv, dy, lse, D] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     bq = flash_rows("dq", hs, tc)
     rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", tc, hs, p)),
               (B * H, cdiv(T, bq)), (FLASH_THREADS,), args,

@@ -16,10 +16,9 @@ threshold = min(floor(p * 2^16), 2^16 - 1) (rng.keep_threshold); p == 0 draws no
 """
 from __future__ import annotations
 
-from gptcuda.model import rng
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import DeviceView, f32, i32, u32
-from gptcuda.ops.cuda import cdiv
+from gptcuda.runtime import DeviceView, i32
+from gptcuda.ops.cuda import cdiv, dropout_args
 
 FILE = "elementwise.cu"
 THREADS = 256
@@ -90,14 +89,9 @@ def _dropout(rt, out, resid, x, p, site, label):
     drop = p > 0.0
     vec = 4 if _aligned(*views) else 1
     name = f"dropout_apply<{vec}, {'true' if resid is not None else 'false'}, {'true' if drop else 'false'}>"
-    threshold = rng.keep_threshold(p) if drop else 0
-    scale = 1.0 / (1.0 - p)
-    if drop and rt.state is None:
-        raise RuntimeError(f"{label}: rt.state (the StepState) is not set")
     grid, block = _ew_geometry(n, vec)
     return rt.launch(rt.function(FILE, name), grid, block,
-                     [out, resid, x, i32(n), rt.state, u32(rt.seed & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF),
-                      u32(threshold), f32(scale)], label=label)
+                     [out, resid, x, i32(n)] + dropout_args(rt, p, site, label), label=label)
 
 
 def dropout_fwd(rt, out, x, p, site):

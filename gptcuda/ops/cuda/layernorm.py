@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from gptcuda import faults
 from gptcuda.ops.backend import rows
-from gptcuda.model import rng
 from gptcuda.runtime import f32, i32, u32
-from gptcuda.ops.cuda import cdiv
+from gptcuda.ops.cuda import cdiv, dropout_args
 
 FILE = "layernorm.cu"
 WARPS = 8
@@ -63,14 +62,10 @@ def _bias(b) -> str:
 
 
 def _keep_args(rt, p, site, label):
-    """StepState, seed, site, keep threshold and 1/(1-p) of a dropout of probability 0 < p < 1."""
-    p = float(p)
-    if not 0.0 < p < 1.0:
+    """dropout_args of a fused dropout, which needs 0 < p < 1."""
+    if not 0.0 < float(p) < 1.0:
         raise ValueError(f"{label}: the fused dropout needs 0 < p < 1, got {p}")
-    if rt.state is None:
-        raise RuntimeError(f"{label}: rt.state (the StepState) is not set")
-    return [rt.state, u32(int(rt.seed) & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF), u32(rng.keep_threshold(p)),
-            f32(1.0 / (1.0 - p))]
+    return dropout_args(rt, p, site, label)
 
 
 _NO_DROP = [None, u32(0), u32(0), u32(0), f32(1.0)]
