@@ -52,7 +52,7 @@ __device__ __forceinline__ void ln_save_stats(float* __restrict__ mean, float* _
 
 // the residual-dropout input of layernorm_fwd_reg<..., RD = true> (x is then not read)
 #define LN_ARGS_RD                                                                        \
-    float* __restrict__ xw,                 /* xw     [N, C]  (=) the row normalized */   \
+    float* __restrict__ xw,                 /* xw     [N, C]  (=) resid + dropout(branch) */\
     const float* __restrict__ resid,        /* resid  [N, C] */                           \
     const float* __restrict__ branch,       /* branch [N, C] */                           \
     const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
