@@ -50,6 +50,18 @@ __device__ __forceinline__ u32 gc_keep_half(u32 w, u32 odd) {
 __device__ __forceinline__ bool gc_keep(u32 k, u32 rowpair, u32 col, u32 threshold) {
     return gc_keep_half(gc_keep_word(k, rowpair + (col >> 1)), col & 1u) >= threshold;
 }
+// Dropout of a flat mask's element e (x * scale where kept, else 0), and of its four elements e ..
+// e + 3 for e % 4 == 0 (the words of pairs e/2 and e/2 + 1, drawn once each)
+__device__ __forceinline__ float gc_dropout1(float x, u32 k, long long e, u32 threshold, float scale) {
+    return gc_keep_half(gc_keep_word(k, (u32)(e >> 1)), (u32)(e & 1)) >= threshold ? x * scale : 0.f;
+}
+__device__ __forceinline__ float4 gc_dropout4(float4 x, u32 k, long long e, u32 threshold, float scale) {
+    const u32 w0 = gc_keep_word(k, (u32)(e >> 1)), w1 = gc_keep_word(k, (u32)(e >> 1) + 1u);
+    return make_float4(gc_keep_half(w0, 0) >= threshold ? x.x * scale : 0.f,
+                       gc_keep_half(w0, 1) >= threshold ? x.y * scale : 0.f,
+                       gc_keep_half(w1, 0) >= threshold ? x.z * scale : 0.f,
+                       gc_keep_half(w1, 1) >= threshold ? x.w * scale : 0.f);
+}
 
 __device__ __forceinline__ float gc_warp_sum(float v) {
 #pragma unroll

@@ -112,29 +112,19 @@ dropout_apply(float* out,                 // out   [n]  (may be x or resid)
     if (cnt == 0) return;
     u32 k = 0;
     if constexpr (DROP) k = gc_key(seed, (u32)st->step, site);
-    auto f = [&](float v, u32 half, float r) -> float {   // half: the element's 16 bits of its keep word
-        float y = v;
-        if constexpr (DROP) y = half >= threshold ? v * scale : 0.f;
-        if constexpr (RESID) y = r + y;
-        return y;
-    };
-    if (cnt == 4) {                                  // e % 4 == 0: the words of pairs e/2 and e/2 + 1
-        const float4 v = *reinterpret_cast<const float4*>(x + e);
-        float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-        if constexpr (RESID) r = *reinterpret_cast<const float4*>(resid + e);
-        u32 w0 = 0, w1 = 0;
-        if constexpr (DROP) {
-            w0 = gc_keep_word(k, (u32)(e >> 1));
-            w1 = gc_keep_word(k, (u32)(e >> 1) + 1u);
+    if (cnt == 4) {                                  // e % 4 == 0
+        float4 y = *reinterpret_cast<const float4*>(x + e);
+        if constexpr (DROP) y = gc_dropout4(y, k, e, threshold, scale);
+        if constexpr (RESID) {
+            const float4 r = *reinterpret_cast<const float4*>(resid + e);
+            y = make_float4(r.x + y.x, r.y + y.y, r.z + y.z, r.w + y.w);
         }
-        *reinterpret_cast<float4*>(out + e) =
-            make_float4(f(v.x, gc_keep_half(w0, 0), r.x), f(v.y, gc_keep_half(w0, 1), r.y),
-                        f(v.z, gc_keep_half(w1, 0), r.z), f(v.w, gc_keep_half(w1, 1), r.w));
+        *reinterpret_cast<float4*>(out + e) = y;
     } else {
-        const float r = RESID ? resid[e] : 0.f;
-        u32 w = 0;
-        if constexpr (DROP) w = gc_keep_word(k, (u32)(e >> 1));
-        out[e] = f(x[e], gc_keep_half(w, (u32)(e & 1)), r);
+        float y = x[e];
+        if constexpr (DROP) y = gc_dropout1(y, k, e, threshold, scale);
+        if constexpr (RESID) y = resid[e] + y;
+        out[e] = y;
     }
 }
 

@@ -73,14 +73,9 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_reg(LN_ARGS_FWD, LN_
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
-            if (k < C4) {                              // elements e .. e + 3: the words of pairs e/2, e/2 + 1
-                const float4 r = rr[k], bv = br[k];
-                const u32 e2 = (u32)(((long long)row * C + 4 * k) >> 1);
-                const u32 w0 = gc_keep_word(key, e2), w1 = gc_keep_word(key, e2 + 1u);
-                v[j] = make_float4(r.x + (gc_keep_half(w0, 0) >= threshold ? bv.x * scale : 0.f),
-                                   r.y + (gc_keep_half(w0, 1) >= threshold ? bv.y * scale : 0.f),
-                                   r.z + (gc_keep_half(w1, 0) >= threshold ? bv.z * scale : 0.f),
-                                   r.w + (gc_keep_half(w1, 1) >= threshold ? bv.w * scale : 0.f));
+            if (k < C4) {
+                const float4 r = rr[k], d = gc_dropout4(br[k], key, (long long)row * C + 4 * k, threshold, scale);
+                v[j] = make_float4(r.x + d.x, r.y + d.y, r.z + d.z, r.w + d.w);
                 xo[k] = v[j];
             } else {
                 v[j] = ln_f4(0.f);
@@ -163,11 +158,6 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_loop(LN_ARGS_FWD) {
     float* __restrict__ dropped,         /* dropped  [N, C]   (DROP only) */              \
     const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
 
-// DROP: the dropout backward of dx's new value g at flat element e (keep half h of its word)
-__device__ __forceinline__ float ln_drop(float g, u32 h, u32 threshold, float scale) {
-    return h >= threshold ? g * scale : 0.f;
-}
-
 // grid G blocks (G <= the workspace rows); warp gw = blockIdx.x*8 + warp takes rows gw, gw + 8G, ...
 template <int NV, bool BIAS, bool DROP>
 __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_reg(LN_ARGS_BWD) {
@@ -221,15 +211,9 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_reg(LN_ARGS_BWD) {
                 g.z += rs * (d[j].z * wv[j].z - m1 - nv[j].z * m2);
                 g.w += rs * (d[j].w * wv[j].w - m1 - nv[j].w * m2);
                 dxr[k] = g;
-                if constexpr (DROP) {                      // elements e .. e + 3: the words of pairs e/2, e/2 + 1
-                    const u32 e2 = (u32)(((long long)row * C + 4 * k) >> 1);
-                    const u32 w0 = gc_keep_word(key, e2), w1 = gc_keep_word(key, e2 + 1u);
+                if constexpr (DROP)
                     reinterpret_cast<float4*>(dropped + (long long)row * C)[k] =
-                        make_float4(ln_drop(g.x, gc_keep_half(w0, 0), threshold, scale),
-                                    ln_drop(g.y, gc_keep_half(w0, 1), threshold, scale),
-                                    ln_drop(g.z, gc_keep_half(w1, 0), threshold, scale),
-                                    ln_drop(g.w, gc_keep_half(w1, 1), threshold, scale));
-                }
+                        gc_dropout4(g, key, (long long)row * C + 4 * k, threshold, scale);
                 aw[j].x += d[j].x * nv[j].x; aw[j].y += d[j].y * nv[j].y;
                 aw[j].z += d[j].z * nv[j].z; aw[j].w += d[j].w * nv[j].w;
                 if constexpr (BIAS) {
@@ -316,7 +300,7 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_loop(LN_ARGS_BWD) {
             dxr[c] = g;
             if constexpr (DROP) {
                 const long long e = (long long)row * C + c;
-                dropped[e] = ln_drop(g, gc_keep_half(gc_keep_word(key, (u32)(e >> 1)), (u32)(e & 1)), threshold, scale);
+                dropped[e] = gc_dropout1(g, key, e, threshold, scale);
             }
             pw[c] += d * n;
             if constexpr (BIAS) pb[c] += d;
