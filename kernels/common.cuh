@@ -63,6 +63,14 @@ __device__ __forceinline__ float4 gc_dropout4(float4 x, u32 k, long long e, u32 
                        gc_keep_half(w1, 1) >= threshold ? x.w * scale : 0.f);
 }
 
+// traps unless the launch gave at least need_bytes of dynamic shared memory (the launcher and the
+// kernel disagree on the plan)
+__device__ __forceinline__ void gc_check_smem(unsigned need_bytes) {
+    unsigned have;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < need_bytes) __trap();
+}
+
 __device__ __forceinline__ float gc_warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -159,21 +159,30 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_loop(LN_ARGS_FWD) {
     const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
 
 // grid G blocks (G <= the workspace rows); warp gw = blockIdx.x*8 + warp takes rows gw, gw + 8G, ...
+// Registers hold a row's dout, x_hat and dx, all loaded at once; w and the warps' dw (db) sums live in
+// dynamic shared memory (LN_BWD_SMEM(NV, BIAS) bytes; each thread its own sum slots), so that two
+// blocks share an SM up to C = 1024.
+#define LN_BWD_SMEM(NV, BIAS) (((BIAS) ? 2 : 1) * LN_WARPS * (NV) * 32 * 16 + (NV) * 32 * 16)
 template <int NV, bool BIAS, bool DROP>
-__global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_reg(LN_ARGS_BWD) {
-    __shared__ float4 red_w[NV * 32];
-    __shared__ float4 red_b[BIAS ? NV * 32 : 1];
+__global__ void __launch_bounds__(LN_THREADS, 2) layernorm_bwd_reg(LN_ARGS_BWD) {
+    gc_check_smem(LN_BWD_SMEM(NV, BIAS));
+    extern __shared__ float4 ln_smem4[];
+    constexpr int S = LN_WARPS * NV * 32;                      // floats4 of one sum array
+    float4* wsm = ln_smem4;                                    // w [NV * 32]
+    float4* acc_w = wsm + NV * 32;                             // [warp][NV * 32]: the warp's dw sums
+    float4* acc_b = acc_w + S;                                 // [warp][NV * 32]: db sums (BIAS)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int C4 = C >> 2;
     const float4* w4 = reinterpret_cast<const float4*>(w);
-    float4 wv[NV], aw[NV], ab[NV];
+    for (int k = threadIdx.x; k < NV * 32; k += LN_THREADS) wsm[k] = k < C4 ? w4[k] : ln_f4(0.f);
+    float4* aw = acc_w + warp * NV * 32 + lane;                // this thread's slots aw[32 j] (ab[32 j])
+    float4* ab = acc_b + warp * NV * 32 + lane;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
-        const int k = j * 32 + lane;
-        wv[j] = k < C4 ? w4[k] : ln_f4(0.f);
-        aw[j] = ln_f4(0.f);
-        ab[j] = ln_f4(0.f);
+        aw[32 * j] = ln_f4(0.f);
+        if constexpr (BIAS) ab[32 * j] = ln_f4(0.f);
     }
+    __syncthreads();
     const float invC = 1.0f / (float)C;
     u32 key = 0;
     if constexpr (DROP) key = gc_key(seed, (u32)st->step, site);
@@ -181,75 +190,81 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_reg(LN_ARGS_BWD) {
         const float mu = mean[row], rs = rstd[row];
         const float4* dr = reinterpret_cast<const float4*>(dout + (long long)row * C);
         const float4* xr = reinterpret_cast<const float4*>(x + (long long)row * C);
-        float4 d[NV], nv[NV];
-        float s1 = 0.f, s2 = 0.f;
+        float4* dxr = reinterpret_cast<float4*>(dx + (long long)row * C);
+        float4 d[NV], nv[NV], g[NV];
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
             if (k < C4) {
                 d[j] = dr[k];
-                const float4 xx = xr[k];
+                nv[j] = xr[k];
+                g[j] = dxr[k];
+            }
+        }
+        float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int k = j * 32 + lane;
+            if (k < C4) {
+                const float4 xx = nv[j];
                 nv[j] = make_float4((xx.x - mu) * rs, (xx.y - mu) * rs, (xx.z - mu) * rs, (xx.w - mu) * rs);
             } else {
                 d[j] = ln_f4(0.f);
                 nv[j] = ln_f4(0.f);
             }
-            const float4 dn = make_float4(d[j].x * wv[j].x, d[j].y * wv[j].y, d[j].z * wv[j].z, d[j].w * wv[j].w);
+            const float4 wv = wsm[k];
+            const float4 dn = make_float4(d[j].x * wv.x, d[j].y * wv.y, d[j].z * wv.z, d[j].w * wv.w);
             s1 += ln_hsum(dn);
             s2 += (dn.x * nv[j].x + dn.y * nv[j].y) + (dn.z * nv[j].z + dn.w * nv[j].w);
         }
         const float m1 = gc_warp_sum(s1) * invC;
         const float m2 = GC_BREAK_LAYERNORM ? 0.0f : gc_warp_sum(s2) * invC;
-        float4* dxr = reinterpret_cast<float4*>(dx + (long long)row * C);
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
             if (k < C4) {
-                float4 g = dxr[k];
-                g.x += rs * (d[j].x * wv[j].x - m1 - nv[j].x * m2);
-                g.y += rs * (d[j].y * wv[j].y - m1 - nv[j].y * m2);
-                g.z += rs * (d[j].z * wv[j].z - m1 - nv[j].z * m2);
-                g.w += rs * (d[j].w * wv[j].w - m1 - nv[j].w * m2);
-                dxr[k] = g;
+                const float4 wv = wsm[k];
+                g[j].x += rs * (d[j].x * wv.x - m1 - nv[j].x * m2);
+                g[j].y += rs * (d[j].y * wv.y - m1 - nv[j].y * m2);
+                g[j].z += rs * (d[j].z * wv.z - m1 - nv[j].z * m2);
+                g[j].w += rs * (d[j].w * wv.w - m1 - nv[j].w * m2);
+                dxr[k] = g[j];
                 if constexpr (DROP)
                     reinterpret_cast<float4*>(dropped + (long long)row * C)[k] =
-                        gc_dropout4(g, key, (long long)row * C + 4 * k, threshold, scale);
-                aw[j].x += d[j].x * nv[j].x; aw[j].y += d[j].y * nv[j].y;
-                aw[j].z += d[j].z * nv[j].z; aw[j].w += d[j].w * nv[j].w;
+                        gc_dropout4(g[j], key, (long long)row * C + 4 * k, threshold, scale);
+                float4 q = aw[32 * j];
+                q.x += d[j].x * nv[j].x; q.y += d[j].y * nv[j].y;
+                q.z += d[j].z * nv[j].z; q.w += d[j].w * nv[j].w;
+                aw[32 * j] = q;
                 if constexpr (BIAS) {
-                    ab[j].x += d[j].x; ab[j].y += d[j].y; ab[j].z += d[j].z; ab[j].w += d[j].w;
+                    float4 r = ab[32 * j];
+                    r.x += d[j].x; r.y += d[j].y; r.z += d[j].z; r.w += d[j].w;
+                    ab[32 * j] = r;
                 }
             }
         }
     }
-    // Sum the warps' accumulators in warp order 0, 1, ..., 7.
-    for (int wv_i = 0; wv_i < LN_WARPS; ++wv_i) {
-        if (warp == wv_i) {
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                const int k = j * 32 + lane;
-                if (wv_i == 0) {
-                    red_w[k] = aw[j];
-                    if constexpr (BIAS) red_b[k] = ab[j];
-                } else {
-                    float4 r = red_w[k];
-                    r.x += aw[j].x; r.y += aw[j].y; r.z += aw[j].z; r.w += aw[j].w;
-                    red_w[k] = r;
-                    if constexpr (BIAS) {
-                        float4 q = red_b[k];
-                        q.x += ab[j].x; q.y += ab[j].y; q.z += ab[j].z; q.w += ab[j].w;
-                        red_b[k] = q;
-                    }
-                }
-            }
-        }
-        __syncthreads();
-    }
+    __syncthreads();
+    // the warps' sums added in warp order 0, 1, ..., 7
     float4* pw = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 2 * C);
     float4* pb = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 2 * C + C);
     for (int k = threadIdx.x; k < C4; k += LN_THREADS) {
-        pw[k] = red_w[k];
-        if constexpr (BIAS) pb[k] = red_b[k];
+        float4 q = acc_w[k];
+#pragma unroll
+        for (int i = 1; i < LN_WARPS; ++i) {
+            const float4 r = acc_w[i * NV * 32 + k];
+            q.x += r.x; q.y += r.y; q.z += r.z; q.w += r.w;
+        }
+        pw[k] = q;
+        if constexpr (BIAS) {
+            q = acc_b[k];
+#pragma unroll
+            for (int i = 1; i < LN_WARPS; ++i) {
+                const float4 r = acc_b[i * NV * 32 + k];
+                q.x += r.x; q.y += r.y; q.z += r.z; q.w += r.w;
+            }
+            pb[k] = q;
+        }
     }
 }
 

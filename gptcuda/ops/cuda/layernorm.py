@@ -57,6 +57,12 @@ def _nv(C: int, *views) -> int:
     return 0
 
 
+def bwd_smem(nv: int, bias: bool) -> int:
+    """Dynamic shared memory of layernorm_bwd_reg<nv, bias, ...> (its LN_BWD_SMEM): w and each
+    warp's dw (and db) sums, nv float4 a lane each (0: the loop kernel takes none)."""
+    return ((2 if bias else 1) * WARPS + 1) * nv * 32 * 16
+
+
 def _bias(b) -> str:
     return "true" if b is not None else "false"
 
@@ -126,7 +132,8 @@ def layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, drop=None):
         raise ValueError(f"workspace {WORKSPACE} {part.shape} is too small for {G} blocks x 2*{C}")
     defines = BROKEN if "layernorm" in faults.broken else {}
     rt.launch(rt.function(FILE, name, defines), (G,), (THREADS,),
-              [dx, part, dout, x, mean, rstd, w, i32(N), i32(C)] + dargs, label="layernorm_bwd")
+              [dx, part, dout, x, mean, rstd, w, i32(N), i32(C)] + dargs, smem=bwd_smem(nv, db is not None),
+              label="layernorm_bwd")
     ncols = 2 * C if db is not None else C
     rt.launch(rt.function(FILE, "layernorm_bwd_reduce"), (cdiv(ncols, 32),), (THREADS,),
               [dw, db, part, i32(G), i32(C)], label="layernorm_bwd_reduce")
