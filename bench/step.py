@@ -8,7 +8,8 @@ micro-batches of total_batch_tokens). Prints the median ms/step and tokens/s of 
 training runs them (the host gathers and queues the batch, then the step's CUDA graph is
 replayed; and with eager launches), the host time per step, then a phase table: every launch of
 one step timed with CUDA events captured between the kernels (inside a graph, so no host gaps),
-summed by kernel and by group (GEMM, attention, layernorm, ...).
+summed by kernel, by group (GEMM, attention, layernorm, ...) and by launch label (--labels N: the N
+largest; 0: none).
 """
 import json
 import os
@@ -38,7 +39,7 @@ def host_ms(rt, fn, reps=7):
 
 
 def main(argv):
-    path, overrides, _, opts = split_args(argv, options=("iters", "json"))
+    path, overrides, _, opts = split_args(argv, options=("iters", "json", "labels"))
     iters = int(opts.get("iters", 50))
     cfg = load_config(path, overrides + ["--max_iters=100000"])
     data, V, accum = open_run_data(cfg)
@@ -68,7 +69,7 @@ def main(argv):
     print(f"eager : {me:8.3f} ms/step  {tokens / me * 1e3:12,.0f} tok/s   host {host_eager:.3f} ms/step")
     print(clock)
     print()
-    print(phase_table(rt, eng.programs["train"]))
+    print(phase_table(rt, eng.programs["train"], by_label=int(opts.get("labels", 30))))
     if "json" in opts:
         with open(opts["json"], "w") as f:
             json.dump({"config": cfg.to_dict(), "vocab": V, "accum": accum, "graph_ms": mg, "eager_ms": me,

@@ -33,7 +33,10 @@ def launch_times(rt, prog, iters: int = 5):
     return [(rec, statistics.median(t)) for rec, t in zip(prog.items, per)]
 
 
-def phase_table(rt, prog, iters: int = 5, top: int = 25) -> str:
+def phase_table(rt, prog, iters: int = 5, top: int = 25, by_label: int = 0) -> str:
+    """The launches' times summed by group and by kernel (the `top` largest); by_label > 0: also
+    by launch label (a GEMM's is its shape and role, e.g. "matmul[8192x768x3072]:A^T"), the
+    by_label largest, with each label's kernels."""
     rows = launch_times(rt, prog, iters)
     by_kernel, by_group = defaultdict(lambda: [0.0, 0]), defaultdict(float)
     for rec, ms in rows:
@@ -50,4 +53,15 @@ def phase_table(rt, prog, iters: int = 5, top: int = 25) -> str:
     out.append("by kernel")
     for (file, name), (ms, cnt) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
         out.append(f"  {ms:8.3f} ms {cnt:4d}x  {file}:{name}")
+    if by_label:
+        labels = defaultdict(lambda: [0.0, 0, set()])
+        for rec, ms in rows:
+            fn = getattr(rec, "fn", None)
+            e = labels[getattr(rec, "label", None) or (fn.name if fn is not None else "memset")]
+            e[0] += ms
+            e[1] += 1
+            e[2].add(fn.name if fn is not None else "memset")
+        out.append("by label")
+        for lab, (ms, cnt, names) in sorted(labels.items(), key=lambda kv: -kv[1][0])[:by_label]:
+            out.append(f"  {ms:8.3f} ms {cnt:4d}x  {lab:<40} {' | '.join(sorted(names))}")
     return "\n".join(out)
