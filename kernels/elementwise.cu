@@ -171,24 +171,39 @@ bias_grad_partial(float* __restrict__ partials,     // partials [chunks, N]
     }
 }
 
-// Bias gradient, pass 2: db[c] = sum over chunks of partials[ch, c], in a fixed order.
-// grid ceil(N / 32), block 256: warp w sums chunks w, w + 8, ...; the warp sums in warp order.
-__global__ void __launch_bounds__(BG_THREADS)
-bias_grad_reduce(float* __restrict__ db,                // db       [N]  (=)
-                 const float* __restrict__ partials,    // partials [chunks, N]
-                 int chunks, int N) {
+// Row sums of partials, pass 2 of the bias gradient and of the layernorm weight gradients, up to
+// SUM_ITEMS of them in one launch: item i is out_i[c] = sum over r < rows_i of in_i[r * ld_i + c]
+// (c < cols_i). Blocks first_i .. first_{i+1} - 1 take 32 columns each; warp w sums rows w, w + 8,
+// ... of its lane's column, then the 8 warp sums are added in warp order: a fixed order, the same
+// for every batching of the items (elementwise.py sum_rows packs SumBatch).
+#define SUM_ITEMS 8
+struct SumBatch {
+    unsigned long long out[SUM_ITEMS];   // float* out_i [cols_i]  (=)
+    unsigned long long in[SUM_ITEMS];    // const float* in_i [rows_i, ld_i]
+    long long rows[SUM_ITEMS], cols[SUM_ITEMS], ld[SUM_ITEMS];
+    long long first[SUM_ITEMS + 1];      // first block of each item; first[n] = the grid
+};
+
+__global__ void __launch_bounds__(BG_THREADS) sum_rows(const __grid_constant__ SumBatch b) {
     __shared__ float red[BG_WARPS][32];
+    int i = 0;
+#pragma unroll
+    for (int j = 1; j < SUM_ITEMS; ++j)
+        if (blockIdx.x >= b.first[j]) i = j;             // first[] is non-decreasing; past n it is the grid
+    const float* in = reinterpret_cast<const float*>(b.in[i]);
+    const int rows = (int)b.rows[i], cols = (int)b.cols[i];
+    const long long ld = b.ld[i];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int col = blockIdx.x * 32 + lane;
+    const int col = (int)(blockIdx.x - b.first[i]) * 32 + lane;
     float s = 0.f;
-    if (col < N)
-        for (int g = warp; g < chunks; g += BG_WARPS) s += partials[(long long)g * N + col];
+    if (col < cols)
+        for (int g = warp; g < rows; g += BG_WARPS) s += in[(long long)g * ld + col];
     red[warp][lane] = s;
     __syncthreads();
-    if (warp == 0 && col < N) {
+    if (warp == 0 && col < cols) {
         float t = red[0][lane];
 #pragma unroll
-        for (int i = 1; i < BG_WARPS; ++i) t += red[i][lane];
-        db[col] = t;
+        for (int k = 1; k < BG_WARPS; ++k) t += red[k][lane];
+        reinterpret_cast<float*>(b.out[i])[col] = t;
     }
 }

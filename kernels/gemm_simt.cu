@@ -249,7 +249,7 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
 // tile with guarded scalar accesses. Grid (ceil(N / 64), ceil(K / 64)).
 // COLSUM: also colsum[chunk0 + blockIdx.y, n] = the sum of in[k, n] over the tile's rows k (the
 // partial column sums of an A [K, M] whose transpose feeds a weight gradient: its bias gradient,
-// finished by elementwise.cu's bias_grad_reduce); four 16-row sums added in order: deterministic.
+// finished by elementwise.cu's sum_rows); four 16-row sums added in order: deterministic.
 #define TR_TILE 64
 template <bool SPLIT, bool VEC, bool COLSUM>
 __global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,       // out [N, K] / [2, N, K]

@@ -729,7 +729,7 @@ __device__ __forceinline__ void ws_colsum_out(const float (&cs)[R / 32], float* 
 // COLSUM (MN_A): the producers also sum A [K, M] as stored (fp32: the values before their split)
 // over each tile's k range, the bias gradient of a weight gradient dW = dY^T X (A = dY), written by
 // the tiles of the first column tile (n0 = 0) into colsum[split, m] (ws_colsum_out), for
-// bias_grad_reduce to add the splits in order.
+// elementwise.cu's sum_rows to add the splits in order.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, int PRODUCTS,
           bool COLSUM = false>
 __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap* mapA, const TmaMap* mapB,

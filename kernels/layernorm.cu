@@ -10,7 +10,7 @@
 //                                 residual's next use in the backward), as elementwise.cu's
 //                                 dropout_apply draws it (flat: element e, half e & 1 of word e >> 1)
 //   layernorm_bwd_loop<BIAS, DROP>  the same for any C: one block per row
-//   layernorm_bwd_reduce          dw = sum of partials over the blocks, in block order (and db)
+//   (elementwise.cu's sum_rows then adds the partials over the blocks, in block order: dw and db)
 //
 // Partials layout: partials[g, 0:C] = sum over block g's rows of dout * norm, partials[g, C:2C]
 // = sum of dout (only with BIAS). Every sum runs in a fixed order: bitwise reproducible.
@@ -320,31 +320,5 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_loop(LN_ARGS_BWD) {
             pw[c] += d * n;
             if constexpr (BIAS) pb[c] += d;
         }
-    }
-}
-
-// dw[c] = sum over g of partials[g, c]; db[c] = sum of partials[g, C + c] (when db is given).
-// grid ceil(ncols / 32), block 256: warp w sums the rows w, w + 8, ... of 32 columns, then the
-// 8 warp sums are added in warp order.
-__global__ void __launch_bounds__(LN_THREADS)
-layernorm_bwd_reduce(float* __restrict__ dw,                // dw       [C]  (=)
-                     float* __restrict__ db,                // db       [C]  (=, may be null)
-                     const float* __restrict__ partials,    // partials [G, 2C]
-                     int G, int C) {
-    __shared__ float red[LN_WARPS][32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int ncols = db ? 2 * C : C;
-    const int col = blockIdx.x * 32 + lane;
-    float s = 0.f;
-    if (col < ncols)
-        for (int g = warp; g < G; g += LN_WARPS) s += partials[(long long)g * 2 * C + col];
-    red[warp][lane] = s;
-    __syncthreads();
-    if (warp == 0 && col < ncols) {
-        float t = red[0][lane];
-#pragma unroll
-        for (int i = 1; i < LN_WARPS; ++i) t += red[i][lane];
-        if (col < C) dw[col] = t;
-        else db[col - C] = t;
     }
 }

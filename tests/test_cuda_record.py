@@ -78,7 +78,7 @@ class FakeInfo:
     sm_count, smem_per_block_optin, smem_per_block, cc, name = 132, 227 * 1024, 48 * 1024, (9, 0), "fake H200"
 
 
-_SIZES = [("CUtensorMap", 128), ("TmaMap", 128), ("long long", 8), ("size_t", 8), ("u64", 8), ("double", 8), ("int", 4),
+_SIZES = [("CUtensorMap", 128), ("TmaMap", 128), ("SumBatch", 392), ("long long", 8), ("size_t", 8), ("u64", 8), ("double", 8), ("int", 4),
           ("unsigned", 4), ("float", 4), ("u32", 4), ("bool", 1)]
 
 

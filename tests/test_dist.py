@@ -520,9 +520,16 @@ def _record_dp(zero, rank=1, world=2, over=(), accum=1):
 
 
 def _ptrs(rec):
+    from gptcuda.ops.cuda import elementwise
     from gptcuda.runtime import Launch, Memset
     if isinstance(rec, Launch):
-        return {int(v) for v in rec.slots if int(v) >= 1 << 32}
+        ptrs = {int(v) for v in rec.slots if int(v) >= 1 << 32}
+        if rec.fn.name == "sum_rows":                       # its pointers ride in the SumBatch argument
+            for buf, addr in rec.blobs.values():
+                off = addr - buf.ctypes.data
+                data = buf[off:off + 8 * (6 * elementwise.SUM_ITEMS + 1)].tobytes()
+                ptrs |= {p for out, part, *_ in elementwise.unpack_sum_batch(data) for p in (out, part)}
+        return ptrs
     if isinstance(rec, Memset):
         return {rec.ptr}
     return set()

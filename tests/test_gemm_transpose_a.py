@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gptcuda.ops.cuda import gemm
+from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.runtime import DeviceView
 from tests.conftest import FakeGemmRT, fake_view as _v
 
@@ -368,9 +368,10 @@ class _NumpyRT(FakeGemmRT):
             d = self.at(dout.ptr, M * N).reshape(M, N)
             for c in range(-(-M // rpc)):
                 self.at(part.ptr + 4 * c * N, N)[:] = d[c * rpc:(c + 1) * rpc].sum(0)
-        elif name == "bias_grad_reduce":
-            db, part, chunks, N = v
-            self.at(db.ptr, N)[:] = self.at(part.ptr, chunks * N).reshape(chunks, N).astype(np.float64).sum(0)
+        elif name == "sum_rows":
+            for out, part, nrows, cols, ld in elementwise.unpack_sum_batch(v[0].data):
+                self.at(out, cols)[:] = np.stack([self.at(part + 4 * r * ld, cols) for r in range(nrows)]).astype(
+                    np.float64).sum(0)
         elif name.startswith("gemm_wgmma"):
             params = name[name.index("<") + 1:-1].split(",")
             mn = name.startswith("gemm_wgmma_mn")            # A [K, M] and B [K, N] as stored
@@ -463,7 +464,7 @@ def test_transpose_a_sequence_computes_the_product(tb, tile, epilogue, slab, spl
                          ids=["whole", "slab64", "slab96", "over_max_chunks", "no_workspace"])
 def test_a_colsum_is_the_bias_gradient(tb, slab, K, partials):
     """matmul(..., a_colsum=db) of a transpose_a plan: the A^T transposes write the column sums of
-    their 64-row tiles (chunk rows numbered across the slabs) and bias_grad_reduce adds them: db =
+    their 64-row tiles (chunk rows numbered across the slabs) and sum_rows adds them: db =
     a.sum(0). Past MAX_CHUNKS 64-row tiles, the product runs as before and bias_grad reads A once
     more; without the partials workspace the bias gradient says it is missing."""
     M, N = 68, 36
@@ -491,7 +492,7 @@ def test_a_colsum_is_the_bias_gradient(tb, slab, K, partials):
     fused = K <= 64 * 256
     assert any(n.startswith("gemm_transpose") and n.endswith("true>") for n in names) == fused
     assert ("bias_grad_partial<4>" in names or "bias_grad_partial<1>" in names) == (not fused)
-    assert names[-1] == "bias_grad_reduce"
+    assert names[-1] == "sum_rows"
 
 
 @pytest.mark.parametrize("fam,tile", [("wgmma3", (128, 128, 3, 1)), ("simt", (128, 128))])
@@ -632,7 +633,7 @@ def test_wgmma3_ws_competes_for_aligned_fp32_products():
 def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, partials):
     """matmul(..., a_colsum=db) of a plan reading A [K, M] as stored (wgmma_mn in TF32, wgmma3_ws in
     fp32): its colsum kernel sums A as it reads it, one row of partials per split, and
-    bias_grad_reduce adds them (no second read of A). With an epilogue (the kernel's column sums are
+    sum_rows adds them (no second read of A). With an epilogue (the kernel's column sums are
     those of a plain product only) bias_grad reads A once more; without the partials workspace the
     bias gradient says it is missing."""
     M, N, K = 68, 36, 740
@@ -665,4 +666,4 @@ def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, par
     assert names[0] == (f.colsum_kernel(tile, True, False) if fused else
                         f.kernel(tile, True, False, gemm.EPI_RESID, False, True)), names
     assert any(n.startswith("bias_grad_partial") for n in names) == (not fused), names
-    assert names[-1] == "bias_grad_reduce"
+    assert names[-1] == "sum_rows"

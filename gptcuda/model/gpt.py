@@ -83,7 +83,16 @@ class GPT:
         return {k[len("saved_"):]: v[l] for k, v in self.a.items() if k.startswith("saved_")}
 
     def backward(self):
-        """Every parameter gradient, from the logits' gradient left by forward(grad_scale=1/N)."""
+        """Every parameter gradient, from the logits' gradient left by forward(grad_scale=1/N). The
+        bias and layernorm weight gradients' last sums are held and made together at each hook
+        point (_grads_ready), fewer launches for the same values."""
+        self.ops.defer_sums(True)
+        try:
+            self._backward()
+        finally:
+            self.ops.defer_sums(False)
+
+    def _backward(self):
         o, a, p, g, cfg = self.ops, self.a, self.p, self.g, self.cfg
         drop, H, L = cfg.dropout, cfg.n_head, cfg.n_layer
         dres, dln, dfc, dqkv = a["dres"], a["dln"], a["dfc"], a["dqkv"]
@@ -139,6 +148,7 @@ class GPT:
 
     def _grads_ready(self, point):
         """Hook of the backward: every gradient of `point` ("head", a layer index, "embed") is final."""
+        self.ops.flush_sums()
         if self.on_grads_ready is not None:
             self.on_grads_ready(point)
 

@@ -68,6 +68,15 @@ class Ops(Protocol):
     def eval_advance(self) -> None:
         """state.eval_draws += 1"""
 
+    # ---- the backward's row sums ----------------------------------------------------------------
+    def defer_sums(self, on: bool) -> None:
+        """on: the second passes of the bias and layernorm weight gradients (row sums of per-block
+        partials) are held until flush_sums and made there together; off: flush_sums, then none is
+        held. The values are the same either way."""
+
+    def flush_sums(self) -> None:
+        """Every held sum is made: the gradients written so far are final."""
+
     # ---- the model ------------------------------------------------------------------------------
     def encoder_fwd(self, out, idx, wte, wpe) -> None:
         """out[B,T,C] = wte[idx[B,T]] + wpe[t]"""

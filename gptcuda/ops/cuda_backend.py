@@ -117,6 +117,12 @@ class CudaBackend:
     def zero(self, view):
         self.rt.memset(view, 0, "zero")
 
+    def defer_sums(self, on):
+        elementwise.defer_sums(self.rt, on)
+
+    def flush_sums(self):
+        elementwise.flush_sums(self.rt)
+
     def lr_schedule(self, learning_rate, min_lr, warmup_iters, lr_decay_iters):
         optim.lr_schedule(self.rt, learning_rate, min_lr, warmup_iters, lr_decay_iters)
 

@@ -170,3 +170,50 @@ def test_bias_grad_3d(env):
     db = rt.empty((96,))
     ew.bias_grad(rt, db, rt.upload(d_h))
     assert rel_err(rt.download(db), d_h.astype(np.float64).reshape(-1, 96).sum(0)) < 1e-5
+
+
+@pytest.mark.parametrize("ring", ["planned", "small"])
+def test_held_sums_equal_immediate(env, ring):
+    """Bias and layernorm weight gradients held (defer_sums) and made at flush_sums, SUM_ITEMS a launch,
+    equal the ones made at once bit for bit: more sums than one launch takes, and ("small") a ring
+    that fills up and is flushed on the way; nothing is written before the flush."""
+    from gptcuda.ops.cuda import layernorm as ln
+    rt = env
+    C, N = 768, 3000
+    cfg = SimpleNamespace(batch_size=1, block_size=1, n_embd=C, n_head=1, n_layer=1, vocab_size=4 * C,
+                          attention="unfused")
+    views = {n: rt.empty(shape, dtype, name=n)
+             for fam in (ew, ln) for n, (shape, dtype) in fam.workspace(cfg).items()}
+    if ring == "small":                    # room for about two sums at a time
+        views[ew.SUMS] = rt.empty((2 * ln.MAX_BLOCKS * 2 * C // 3,), name=ew.SUMS)
+    rt.set_workspace({**getattr(rt, "_workspace", {}), **views})
+    r = np.random.default_rng(7)
+    ds = [rt.upload(_randn(r, N, w)) for w in (C, 4 * C, 37, 3 * C, C, 1000, 4 * C, C, 5, 2 * C, C)]
+    x_h = _randn(r, N, C) * 2.0 + 0.7
+    w_h, dout_h = _randn(r, C), _randn(r, N, C)
+    _, m64, r64 = ref.layernorm_forward(x_h, w_h, None)
+    x, w, dout = rt.upload(x_h), rt.upload(w_h), rt.upload(dout_h)
+    mean, rstd = rt.upload(m64.astype(np.float32)), rt.upload(r64.astype(np.float32))
+
+    def run(hold):
+        outs = [rt.empty((int(d.shape[-1]),)) for d in ds] + [rt.empty((C,)) for _ in range(4)]
+        for o in outs:
+            rt.fill(o, 0x7FC00000)                    # NaN: a sum never made shows
+        if hold:
+            ew.defer_sums(rt, True)
+        for d, o in zip(ds, outs):
+            ew.bias_grad(rt, o, d)
+        for k in range(2):
+            ln.layernorm_bwd(rt, rt.empty((N, C)), outs[len(ds) + 2 * k], outs[len(ds) + 2 * k + 1], dout, x, mean,
+                             rstd, w)
+        if hold:
+            assert ring == "small" or np.isnan(rt.download(outs[0])).all()    # held until the flush
+            ew.flush_sums(rt)
+            ew.defer_sums(rt, False)
+        return [rt.download(o) for o in outs]
+
+    now, held = run(False), run(True)
+    assert getattr(rt, "held_sums", None) is None
+    for a, b in zip(now, held):
+        assert not np.isnan(a).any() and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert rel_err(now[1], rt.download(ds[1]).astype(np.float64).sum(0)) < 2e-5

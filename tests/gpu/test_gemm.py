@@ -690,7 +690,7 @@ def test_weight_grad_a_colsum(rt, _at_buffer, no_ws, slab):
 def _check_a_colsum(rt, fam, tile, tbs, part):
     """matmul(dW, dY, X, trans_a, a_colsum=db) on a `fam` plan that sums A [K, M] as it reads it:
     db = dY.sum(0) from one row of partials per split (poisoned before: every row written) added by
-    bias_grad_reduce, dW bit for bit the plain kernel's. Ragged m / n / k, several m and n tiles (more
+    sum_rows, dW bit for bit the plain kernel's. Ragged m / n / k, several m and n tiles (more
     tiles than blocks in one case), split-K; B [K, N] or, tb, [N, K]."""
     cases = [(196, 172, 740, 1), (300, 200, 740, 3), (68, 36, 36, 1), (tile[0] * 11 - 20, tile[1] * 13 - 36, 100, 1),
              (1100, 520, 2000, 2)]

@@ -6,18 +6,30 @@
     dropout_bwd(rt, dx, dout, p, site)          dx = dout * keep / (1-p)      (dx may be dout)
     residual_dropout(rt, out, resid, x, p, site) out = resid + x * keep / (1-p) (out may alias)
     bias_grad(rt, db[N], dout[M,N])             db = dout.sum(0), deterministic, two passes
-    bias_grad_reduce(rt, db[N], partials[c,N])  db = partials.sum(0) in chunk order (the second pass)
+    sum_rows(rt, out[N], partials[c,N])         out = partials.sum(0) in row order (the second pass of
+                                                the bias and layernorm weight gradients); while a
+                                                backward defers them (defer_sums), held and launched
+                                                together, up to SUM_ITEMS a launch, at flush_sums
     accumulate(rt, dst, src, first)             dst = src (first) or dst + src (gradient accumulation)
 
 keep(e) is element e of the flat mask rng.dropout_mask draws from the stream
 gc_key(rt.seed, state.step, site): half e & 1 of keep word e >> 1 compared with
 threshold = min(floor(p * 2^16), 2^16 - 1) (rng.keep_threshold); p == 0 draws nothing. The bias gradient writes per-chunk column sums into the workspace
 "bias_partials" [MAX_CHUNKS, width] and sums them in chunk order.
+
+Deferred sums: a backward's point (a layer) ends with six or more such second passes (its two
+layernorms' dw and db, its four biases), each a launch of a few microseconds of latency. Between
+defer_sums(rt, True) and defer_sums(rt, False) the producers take their partials from the
+workspace "sum_partials" (`partials`: a ring, one region per held sum) and sum_rows holds the
+sum; flush_sums launches the held ones in batches of SUM_ITEMS (kernel sum_rows), then reuses the
+ring. Each column is summed in the same order either way: the values are the same bit for bit.
 """
 from __future__ import annotations
 
+import struct
+
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import DeviceView, i32
+from gptcuda.runtime import Blob, DeviceView, i32
 from gptcuda.ops.cuda import cdiv, dropout_args
 
 FILE = "elementwise.cu"
@@ -34,15 +46,22 @@ VARIANTS = (
     + [(FILE, f"dropout_apply<{v}, {r}, {d}>", {}) for v in (4, 1) for r in _B for d in _B]
     + [(FILE, f"bias_grad_partial<{v}>", {}) for v in (4, 1)]
     + [(FILE, f"accumulate<{v}, {f}>", {}) for v in (4, 1) for f in _B]
-    + [(FILE, "bias_grad_reduce", {})]
+    + [(FILE, "sum_rows", {})]
 )
+SUM_ITEMS = 8             # sums a sum_rows launch takes (SUM_ITEMS in elementwise.cu)
+SUMS = "sum_partials"     # the deferred sums' partials: a ring of one backward point's
+SUMS_ALIGN = 64           # floats: every region starts 256-byte aligned
 
 
 def workspace(cfg) -> dict:
-    """Bias-gradient partials: [MAX_CHUNKS, max(4C, 3C, V)] floats."""
+    """Bias-gradient partials: [MAX_CHUNKS, max(4C, 3C, V)] floats; the deferred sums' ring: a layer's
+    two layernorms' partials ([ln_blocks, 2C] each) and four bias gradients' ([MAX_CHUNKS, 4C] at most
+    each; a larger one is summed at once, from "bias_partials")."""
+    from gptcuda.ops.cuda import layernorm
     C = int(cfg.n_embd)
     width = max(4 * C, 3 * C, C, int(getattr(cfg, "vocab_size", 0) or 0))
-    return {WORKSPACE: ((MAX_CHUNKS, width), "f32")}
+    ring = 2 * layernorm.MAX_BLOCKS * 2 * C + 4 * MAX_CHUNKS * 4 * C + 8 * SUMS_ALIGN
+    return {WORKSPACE: ((MAX_CHUNKS, width), "f32"), SUMS: ((ring,), "f32")}
 
 
 def _aligned(*views) -> bool:
@@ -111,25 +130,117 @@ def bias_grad(rt, db, dout):
     M = rows(dout.shape)
     if db.numel != N:
         raise ValueError(f"bias_grad: db {db.shape} does not match dout {dout.shape}")
-    part = rt.workspace(WORKSPACE)
     rpc = max(MIN_CHUNK_ROWS, cdiv(M, MAX_CHUNKS))
     chunks = cdiv(M, rpc)
-    if part.numel < chunks * N:
-        raise ValueError(f"workspace {WORKSPACE} {part.shape} is too small for {chunks} chunks x {N} columns")
+    part = partials(rt, chunks, N, WORKSPACE)
+    if part is None:
+        raise ValueError(f"workspace {WORKSPACE} is too small for {chunks} chunks x {N} columns")
     vec = 4 if N % 4 == 0 and _aligned(dout) else 1
     rt.launch(rt.function(FILE, f"bias_grad_partial<{vec}>"), (cdiv(N, 32 * vec), chunks), (BG_WARPS * 32,),
               [part, dout, i32(M), i32(N), i32(rpc)], label="bias_grad_partial")
-    bias_grad_reduce(rt, db, DeviceView(part.ptr, (chunks, N), "f32", WORKSPACE))
+    sum_rows(rt, (db, part), label="bias_grad_reduce")
 
 
-def bias_grad_reduce(rt, db, partials):
-    """db [N] = partials [chunks, N] summed over the chunks in order (the bias gradient's second pass;
-    the GEMM launcher's A^T transposes write such partials too)."""
-    chunks, N = (int(d) for d in partials.shape)
-    if db.numel != N:
-        raise ValueError(f"bias_grad_reduce: db {db.shape} does not match partials {partials.shape}")
-    rt.launch(rt.function(FILE, "bias_grad_reduce"), (cdiv(N, 32),), (BG_WARPS * 32,),
-              [db, partials, i32(chunks), i32(N)], label="bias_grad_reduce")
+# ---- the second pass of the row sums, deferred while a backward asks for it ------------------------
+class _Held:
+    """The sums a backward holds: the ring (workspace SUMS), its next free float, and the
+    (out, partials, rows, cols, ld) of each held sum."""
+
+    def __init__(self, ring):
+        self.ring, self.used, self.items = ring, 0, []
+
+
+def defer_sums(rt, on: bool):
+    """on: from here sum_rows holds the sums whose partials came from `partials` (the ring of the
+    workspace SUMS; none planned: nothing is held); off: flush_sums, then sum at once again."""
+    if not on:
+        flush_sums(rt)
+        rt.held_sums = None
+        return
+    try:
+        ring = rt.workspace(SUMS)
+    except KeyError:
+        ring = None
+    rt.held_sums = _Held(ring) if ring is not None else None
+
+
+def flush_sums(rt):
+    """Launch the held sums (SUM_ITEMS a launch, in the order they were held) and free the ring."""
+    held = getattr(rt, "held_sums", None)
+    if held is None:
+        return
+    for i in range(0, len(held.items), SUM_ITEMS):
+        _sum_launch(rt, held.items[i:i + SUM_ITEMS])
+    held.items, held.used = [], 0
+
+
+def partials(rt, rows_: int, cols: int, name: str):
+    """A [rows_, cols] view for partial sums that sum_rows will add up: a region of the ring while
+    sums are held (flushing the held ones first when the ring is full), else (or when it could
+    never fit) the start of the workspace `name`; None where that is too small."""
+    held, n = getattr(rt, "held_sums", None), rows_ * cols
+    if held is not None and n <= held.ring.numel:
+        if held.used + n > held.ring.numel:
+            flush_sums(rt)
+        v = DeviceView(held.ring.ptr + 4 * held.used, (rows_, cols), "f32", SUMS)
+        held.used += cdiv(n, SUMS_ALIGN) * SUMS_ALIGN
+        return v
+    ws = rt.workspace(name)                     # KeyError: the runtime plans no such workspace
+    return DeviceView(ws.ptr, (rows_, cols), "f32", name) if ws.numel >= n else None
+
+
+def sum_rows(rt, *sums, label="sum_rows"):
+    """Each sum (out, parts) or (out, parts, cols, ld): out [cols] = parts [rows, ld][:, :cols] summed
+    over the rows in order (cols and ld default to parts' width). Held where parts lie in the ring
+    of held sums; the others are launched now, together."""
+    now = []
+    held = getattr(rt, "held_sums", None)
+    for s in sums:
+        out, parts = s[0], s[1]
+        nrows, width = (int(d) for d in parts.shape)
+        cols = int(s[2]) if len(s) > 2 else width
+        ld = int(s[3]) if len(s) > 3 else width
+        if out.numel != cols or cols > ld:
+            raise ValueError(f"{label}: out {out.shape} does not match {cols} columns of partials {parts.shape}")
+        item = (out, parts, nrows, cols, ld)
+        if held is not None and held.ring.ptr <= parts.ptr < held.ring.ptr + held.ring.nbytes:
+            held.items.append(item)
+        else:
+            now.append(item)
+    for i in range(0, len(now), SUM_ITEMS):
+        _sum_launch(rt, now[i:i + SUM_ITEMS], label)
+
+
+def _sum_launch(rt, items, label="sum_rows"):
+    """One sum_rows launch over up to SUM_ITEMS (out, parts, rows, cols, ld)."""
+    data, grid = sum_batch(items)
+    rt.launch(rt.function(FILE, "sum_rows"), (grid,), (BG_WARPS * 32,), [Blob(data)], label=label)
+
+
+def sum_batch(items) -> tuple:
+    """(the SumBatch argument of sum_rows, the grid) for up to SUM_ITEMS (out, parts, rows, cols, ld):
+    SUM_ITEMS each of out pointers, parts pointers, rows, cols and ld, then SUM_ITEMS + 1 first
+    blocks (past the last item: the grid), all 64-bit."""
+    n = len(items)
+    if not 0 < n <= SUM_ITEMS:
+        raise ValueError(f"sum_rows: {n} sums in one launch (1 .. {SUM_ITEMS})")
+    first = [0]
+    for it in items:
+        first.append(first[-1] + cdiv(it[3], 32))
+    grid = first[-1]
+    pad = [0] * (SUM_ITEMS - n)
+    cols = [[o.ptr for o, *_ in items], [p.ptr for _, p, *_ in items]] + [[it[k] for it in items] for k in (2, 3, 4)]
+    words = [w for col in cols for w in col + pad] + first + [grid] * (SUM_ITEMS - n)
+    return struct.pack(f"<{len(words)}q", *words), grid
+
+
+def unpack_sum_batch(data: bytes) -> list:
+    """The (out ptr, parts ptr, rows, cols, ld) of each sum in a SumBatch argument (sum_batch's inverse;
+    for stand-ins of the runtime)."""
+    w = struct.unpack(f"<{5 * SUM_ITEMS + SUM_ITEMS + 1}q", data)
+    first = w[5 * SUM_ITEMS:]
+    n = sum(1 for i in range(SUM_ITEMS) if first[i] < first[SUM_ITEMS])     # every sum has a block
+    return [tuple(w[k * SUM_ITEMS + i] for k in range(5)) for i in range(n)]
 
 
 def accumulate(rt, dst, src, first):

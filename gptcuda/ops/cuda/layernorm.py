@@ -11,14 +11,15 @@
 Rows are the flattened leading dimensions. With C % 4 == 0, C <= 1024 and 16-byte aligned
 views a warp holds its row in registers (NV = ceil(C/128) float4 per lane); otherwise the
 loop kernels handle any C. The backward writes per-block partial sums of dw/db into the
-workspace "layernorm_partials" [MAX_BLOCKS, 2*C] and a second kernel sums them in block order.
+workspace "layernorm_partials" [MAX_BLOCKS, 2*C] (or, while a backward holds its sums, a region
+of elementwise.py's ring) and elementwise.sum_rows adds them up in block order.
 """
 from __future__ import annotations
 
 from gptcuda import faults
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import f32, i32, u32
-from gptcuda.ops.cuda import cdiv, dropout_args
+from gptcuda.runtime import DeviceView, f32, i32, u32
+from gptcuda.ops.cuda import cdiv, dropout_args, elementwise
 
 FILE = "layernorm.cu"
 WARPS = 8
@@ -34,11 +35,10 @@ VARIANTS = (
     + [(FILE, f"layernorm_bwd_reg<{nv}, {b}, {d}>", {}) for nv in range(1, MAX_NV + 1) for b in ("true", "false")
        for d in ("true", "false")]
     + [(FILE, f"layernorm_bwd_loop<{b}, {d}>", {}) for b in ("true", "false") for d in ("true", "false")]
-    + [(FILE, "layernorm_bwd_reduce", {})]
 )
 # the deliberately wrong backward of gradcheck.py --break=layernorm (gptcuda/faults.py)
 BROKEN = {"GC_BREAK_LAYERNORM": 1}
-VARIANTS += [(f, n, BROKEN) for f, n, _ in VARIANTS if n.startswith("layernorm_bwd_") and "reduce" not in n]
+VARIANTS += [(f, n, BROKEN) for f, n, _ in VARIANTS if n.startswith("layernorm_bwd_")]
 
 
 def workspace(cfg) -> dict:
@@ -119,21 +119,21 @@ def layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, drop=None):
     N = rows(x.shape)
     if dx.numel != N * C or dout.numel != N * C or int(dw.shape[-1]) != C:
         raise ValueError(f"layernorm_bwd: shapes dx {dx.shape}, dout {dout.shape}, x {x.shape}, dw {dw.shape}")
-    part = rt.workspace(WORKSPACE)
     dflag, dargs = _drop_args(rt, drop, N, C)
-    nv = _nv(C, dx, dout, x, w, part, drop[0] if drop is not None else None)
-    if nv:
-        G = min(cdiv(N, WARPS), MAX_BLOCKS)
-        name = f"layernorm_bwd_reg<{nv}, {_bias(db)}, {dflag}>"
-    else:
-        G = min(N, MAX_BLOCKS)
-        name = f"layernorm_bwd_loop<{_bias(db)}, {dflag}>"
-    if part.numel < G * 2 * C:
-        raise ValueError(f"workspace {WORKSPACE} {part.shape} is too small for {G} blocks x 2*{C}")
+    nv = _nv(C, dx, dout, x, w, drop[0] if drop is not None else None)
+    G = min(cdiv(N, WARPS), MAX_BLOCKS) if nv else min(N, MAX_BLOCKS)
+    part = elementwise.partials(rt, G, 2 * C, WORKSPACE)     # the held sums' ring or the workspace
+    if part is None:
+        raise ValueError(f"workspace {WORKSPACE} is too small for {G} blocks x 2*{C}")
+    if nv and not _aligned(part):
+        raise ValueError(f"layernorm_bwd: partials at {part.ptr:#x} are not 16-byte aligned")
+    name = (f"layernorm_bwd_reg<{nv}, {_bias(db)}, {dflag}>" if nv
+            else f"layernorm_bwd_loop<{_bias(db)}, {dflag}>")
     defines = BROKEN if "layernorm" in faults.broken else {}
     rt.launch(rt.function(FILE, name, defines), (G,), (THREADS,),
               [dx, part, dout, x, mean, rstd, w, i32(N), i32(C)] + dargs, smem=bwd_smem(nv, db is not None),
               label="layernorm_bwd")
-    ncols = 2 * C if db is not None else C
-    rt.launch(rt.function(FILE, "layernorm_bwd_reduce"), (cdiv(ncols, 32),), (THREADS,),
-              [dw, db, part, i32(G), i32(C)], label="layernorm_bwd_reduce")
+    sums = [(dw, part, C, 2 * C)]
+    if db is not None:
+        sums.append((db, DeviceView(part.ptr + 4 * C, (G, C), "f32", part.name), C, 2 * C))
+    elementwise.sum_rows(rt, *sums, label="layernorm_bwd_reduce")

@@ -103,6 +103,12 @@ class ReferenceBackend:
     def zero(self, view):
         self._rec(lambda: view.fill(0.0))
 
+    def defer_sums(self, on):
+        """Nothing to hold: every op here makes its sums at once."""
+
+    def flush_sums(self):
+        """Nothing is held."""
+
     def lr_schedule(self, learning_rate, min_lr, warmup_iters, lr_decay_iters):
         def f():
             self.state["lr"] = R.lr_at(self.state["step"], learning_rate, min_lr, warmup_iters, lr_decay_iters)

@@ -187,7 +187,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         part = None if a_colsum is None else _colsum_partials(rt, M, K, p.k_slab or K)
         _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label, part)
         if part is not None:
-            elementwise.bias_grad_reduce(rt, a_colsum, part)
+            elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
         elif a_colsum is not None:
             elementwise.bias_grad(rt, a_colsum, a)
         return
@@ -205,7 +205,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
                  trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label, colsum=part)
     if part is not None:
-        elementwise.bias_grad_reduce(rt, a_colsum, part)
+        elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
     elif a_colsum is not None:
         elementwise.bias_grad(rt, a_colsum, stored_a)
 
@@ -246,11 +246,11 @@ def _colsum_partials(rt, M, K, kc):
 
 
 def _partials(rt, chunks, M):
-    """The bias-gradient partials workspace viewed [chunks, M], or None where it does not hold them."""
-    part, cap = ws_capacity(rt, elementwise.WORKSPACE)
-    if part is None or chunks > elementwise.MAX_CHUNKS or cap < chunks * M:
+    """A [chunks, M] view for the bias gradient's partials (elementwise.partials: a region of the held
+    sums' ring, or the workspace "bias_partials"), or None where they do not fit."""
+    if chunks > elementwise.MAX_CHUNKS:
         return None
-    return DeviceView(part.ptr, (chunks, M), "f32", elementwise.WORKSPACE)
+    return elementwise.partials(rt, chunks, M, elementwise.WORKSPACE)
 
 
 def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label,
@@ -260,7 +260,7 @@ def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, ep
     [N, kc] (trans_b: B [N, K] is read in place, columns k0 ..), then the K-major wgmma product;
     the first slab applies the epilogue, the later ones add to out (residual with aux = out), in
     slab order: deterministic. part (`_colsum_partials`): the A^T transposes also write the column
-    sums of their 64-row tiles into its rows, in k order (bias_grad_reduce then adds them up)."""
+    sums of their 64-row tiles into its rows, in k order (elementwise.sum_rows then adds them up)."""
     kc = p.k_slab or K
     at = _scratch(rt, "gemm_aT", (M + (0 if trans_b else N)) * min(kc, K), label)
     chunk = 0
