@@ -31,6 +31,14 @@
 //           of 32 rows (16 for head size 128), streamed tiles through a 2-3 stage cp.async ring,
 //           ldmatrix fragments, resident operands in registers where they fit; see the
 //           "TF32 tensor cores" section below for the tile plan of each kernel.
+//   flash_fwd_x3, flash_bwd_dq_x3, flash_bwd_dkv_x3 (fp32 as 3xTF32, the fp32 precision's path where
+//           its GEMMs run as 3xTF32)   the _tc kernels' bodies (X3 = true) with every product as three
+//           TF32 mma of hi / lo splits made at fragment load (see "3xTF32 helpers"); the split
+//           fragments take twice the registers: 16 rows a warp from head size 64 (32 at 32), key
+//           tiles of 32 in fwd (16 at head size 128), and the resident operands split from shared
+//           memory per tile (Q and dO in dQ, K and V in dK/dV, Q in fwd at head size 128; Q's
+//           fragments stay in registers in fwd up to head size 64).
+//   flash_bwd_dkv_wg (tf32, sm_90a)   dK/dV on warpgroup MMA, head sizes up to 64 (see its section).
 #include "common.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "wgmma.cuh"
@@ -40,12 +48,6 @@
 #define FA_BR 64            // rows of a block's tile (queries in fwd/dq, keys in dkv)
 
 // ------------------------------------------------------------------------------- helpers
-
-__device__ __forceinline__ void fa_check_smem(unsigned need_bytes) {
-    unsigned have;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-    if (have < need_bytes) __trap();      // launcher and kernel disagree on the tile plan
-}
 
 // How blockIdx.y picks the block's tile of ROWS rows: REV, in reverse (gridDim.y-1-blockIdx.y), so
 // that the longest blocks (the last query tiles, which see the most keys) of all heads start first;
@@ -278,7 +280,7 @@ template <int HS, bool PBUF> struct FaSmem {
 template <class P, int HS, bool DROP>
 __device__ __forceinline__ void fa_fwd_body(FA_ARGS_FWD) {
     constexpr int BR = FA_BR, BC = FaTiles<HS>::BKF, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
-    fa_check_smem(FaSmem<HS, P::USES_PBUF>::fwd * 4);
+    gc_check_smem(FaSmem<HS, P::USES_PBUF>::fwd * 4);
     extern __shared__ float4 fa_smem4[];
     float* Qs = reinterpret_cast<float*>(fa_smem4);
     float* Ks = Qs + BR * LD;
@@ -405,7 +407,7 @@ flash_rowsum_do(float* __restrict__ D,          // [B,H,T]
 template <class P, int HS, bool DROP>
 __device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
     constexpr int BR = FA_BR, BC = FaTiles<HS>::BKF, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
-    fa_check_smem(FaSmem<HS, P::USES_PBUF>::dq * 4);
+    gc_check_smem(FaSmem<HS, P::USES_PBUF>::dq * 4);
     extern __shared__ float4 fa_smem4[];
     float* Qs = reinterpret_cast<float*>(fa_smem4);
     float* dOs = Qs + BR * LD;
@@ -476,7 +478,7 @@ __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dq(FA_ARGS_BWD) {
 template <class P, int HS, bool DROP>
 __device__ __forceinline__ void fa_dkv_body(FA_ARGS_BWD) {
     constexpr int BR = FA_BR, BC = FaTiles<HS>::BQB, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
-    fa_check_smem(FaSmem<HS, P::USES_PBUF>::dkv * 4);
+    gc_check_smem(FaSmem<HS, P::USES_PBUF>::dkv * 4);
     extern __shared__ float4 fa_smem4[];
     float* Ks = reinterpret_cast<float*>(fa_smem4);
     float* Vs = Ks + BR * LD;
@@ -575,7 +577,7 @@ __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dkv(FA_ARGS_BWD) {
 // at step j the block waits for tile j, syncs (so everyone is also done with tile j-1), then issues
 // tile j+NS-1 into the stage tile j-1 used. After its copies land, each thread rounds its own
 // 16-byte chunks to tf32 in place (applying a scale where one is folded in), so the mma loops only
-// load. The softmax scale
+// load (the 3xTF32 kernels only scale Q there and split every operand at fragment load). The softmax scale
 // times log2 e is folded into Q (rounded once, the same way in all three kernels, so the backward's
 // P is consistent with the forward's lse): scores come out in log2 units and exponentials are
 // single ex2.approx.ftz instructions.
@@ -779,6 +781,186 @@ __device__ __forceinline__ void fa_mma_pv(float (&acc)[MT][HS / 8][4], const flo
     }
 }
 
+// ------------------------------------------------------------------------------- 3xTF32 helpers
+// The fp32 precision's fused kernels (flash_*_x3) run each product as three TF32 products: every fp32
+// operand x is split at fragment load into hi = tf32(x) (round to nearest, ties away: the exact tf32
+// value, so lo = x - hi is exact in fp32) and lo, and a*b becomes a_lo*b_hi + a_hi*b_lo + a_hi*b_hi
+// (the small terms first) with fp32 accumulation: only a_lo*b_lo (about 2^-22 relative) and the tf32
+// rounding of lo are lost. The tensor cores add into their fp32 accumulators with truncation (round
+// toward zero, about an ulp per addition: bench/NOTES.md, "fp32 as 3xTF32 on wgmma"), a bias that
+// grows with the number of additions, so each k-step's three products are summed on their own from
+// zero and that partial is added into the running sum on the FP32 pipe (round to nearest), as the
+// wgmma 3xTF32 GEMMs add their per-tile partials. Shared-memory tiles hold fp32 values (Q scaled in
+// place, nothing rounded); fa_mma_abt3 / fa_load_afrag3 / fa_mma_pv3 are fa_mma_abt / fa_load_afrag /
+// fa_mma_pv with split operands.
+
+// x -> hi (the tf32 value of x) and lo = x - hi, lo in the mma-only form of fa_tf32_mma
+__device__ __forceinline__ void fa_split(u32 x, u32& hi, u32& lo) {
+    hi = (x + 0x1000u) & 0xffffe000u;
+    lo = fa_tf32_mma(__uint_as_float(x) - __uint_as_float(hi));
+}
+template <int N>
+__device__ __forceinline__ void fa_split_frag(const u32 (&x)[N], u32 (&hi)[N], u32 (&lo)[N]) {
+#pragma unroll
+    for (int r = 0; r < N; ++r) fa_split(x[r], hi[r], lo[r]);
+}
+
+// d += a * b in 3xTF32 (a: hi ah, lo al; b: hi bh0 / bh1, lo bl0 / bl1): the partial of this k-step
+// from zero, the small products first, then added into d with round-to-nearest FADDs
+__device__ __forceinline__ void fa_mma4x3(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], u32 bh0, u32 bh1,
+                                          u32 bl0, u32 bl1) {
+    const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+    float part[4];
+    fa_mma4c(part, al, bh0, bh1, zero);
+    fa_mma4(part, ah, bl0, bl1);
+    fa_mma4(part, ah, bh0, bh1);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] += part[e];
+}
+
+// two 8x8 b16 matrices: the first half of fa_ldsm4 (lanes 0..15 give the row addresses)
+__device__ __forceinline__ void fa_ldsm2(u32 (&r)[2], const float* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(fa_smem_u32(p)));
+}
+
+// fa_mma_abt in 3xTF32: acc = c, then each k-step's partial added (fa_mma4x3). A fragments from
+// registers (AREG: hi ah[mt][ks], lo al[mt][ks]) or by ldmatrix from `a` and split there; B fragments
+// by ldmatrix from `b`, split as loaded. A from shared memory goes one k-step at a time (B by
+// ldmatrix.x2), which keeps half the split fragments live.
+template <int MT, int NT, int KS, int LD, bool AREG, int AKS>
+__device__ __forceinline__ void fa_mma_abt3(float (&acc)[MT][NT][4], const float (&c)[MT][NT][4],
+                                            const u32 (&ah)[MT][AKS][4], const u32 (&al)[MT][AKS][4],
+                                            const float* a, const float* b) {
+    static_assert(!AREG || AKS == KS, "register A fragments cover every k-step");
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = c[mt][nt][e];
+    if constexpr (!AREG) {
+#pragma unroll 1
+        for (int ks = 0; ks < KS; ++ks) {
+            u32 sh[MT][4], sl[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                u32 x[4];
+                fa_ldsm4(x, a + mt * 16 * LD + 8 * ks);
+                fa_split_frag(x, sh[mt], sl[mt]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                u32 bb[2], bh[2], bl[2];
+                fa_ldsm2(bb, b + nt * 8 * LD + 8 * ks);
+                fa_split_frag(bb, bh, bl);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) fa_mma4x3(acc[mt][nt], sh[mt], sl[mt], bh[0], bh[1], bl[0], bl[1]);
+            }
+        }
+    } else {                                        // A from registers: a k-step pair at a time
+#pragma unroll
+        for (int kp = 0; kp < KS / 2; ++kp) {
+            u32 a0h[MT][4], a0l[MT][4], a1h[MT][4], a1l[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    a0h[mt][r] = ah[mt][2 * kp][r];
+                    a0l[mt][r] = al[mt][2 * kp][r];
+                    a1h[mt][r] = ah[mt][2 * kp + 1][r];
+                    a1l[mt][r] = al[mt][2 * kp + 1][r];
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                u32 bb[4], bh[4], bl[4];
+                fa_ldsm4(bb, b + nt * 8 * LD + 16 * kp);
+                fa_split_frag(bb, bh, bl);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    fa_mma4x3(acc[mt][nt], a0h[mt], a0l[mt], bh[0], bh[1], bl[0], bl[1]);
+                    fa_mma4x3(acc[mt][nt], a1h[mt], a1l[mt], bh[2], bh[3], bl[2], bl[3]);
+                }
+            }
+        }
+    }
+}
+
+// fa_load_afrag, split: hi into ah, lo into al
+template <int MT, int KS, int LD>
+__device__ __forceinline__ void fa_load_afrag3(u32 (&ah)[MT][KS][4], u32 (&al)[MT][KS][4], const float* a) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            u32 x[4];
+            fa_ldsm4(x, a + mt * 16 * LD + ks * 8);
+            fa_split_frag(x, ah[mt][ks], al[mt][ks]);
+        }
+}
+
+// fa_mma_pv in 3xTF32: p and V split, each k-step's partial added into acc (fa_mma4x3)
+template <int MT, int NK, int HS>
+__device__ __forceinline__ void fa_mma_pv3(float (&acc)[MT][HS / 8][4], const float (&p)[MT][NK][4],
+                                           const float* __restrict__ V) {
+    constexpr int LD = HS + 4;
+    const int lane = threadIdx.x & 31;
+    const float* v = V + 2 * (lane & 3) * LD + (lane >> 2);
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+        u32 ah[MT][4], al[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            fa_split(__float_as_uint(p[mt][kk][0]), ah[mt][0], al[mt][0]);
+            fa_split(__float_as_uint(p[mt][kk][2]), ah[mt][1], al[mt][1]);
+            fa_split(__float_as_uint(p[mt][kk][1]), ah[mt][2], al[mt][2]);
+            fa_split(__float_as_uint(p[mt][kk][3]), ah[mt][3], al[mt][3]);
+        }
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; ++dt) {
+            u32 bh0, bl0, bh1, bl1;
+            fa_split(__float_as_uint(v[kk * 8 * LD + dt * 8]), bh0, bl0);
+            fa_split(__float_as_uint(v[kk * 8 * LD + LD + dt * 8]), bh1, bl1);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) fa_mma4x3(acc[mt][dt], ah[mt], al[mt], bh0, bh1, bl0, bl1);
+        }
+    }
+}
+
+// the same thread's chunks of a landed tile (as fa_round_tile): x -> x * mul in place, not rounded
+template <int ROWS, int HS>
+__device__ __forceinline__ void fa_scale_tile(float* dst, float mul) {
+    constexpr int V = HS / 4, LD = HS + 4, RPI = FA_TC_THREADS / V, N = ROWS / RPI;
+    float* d = dst + (threadIdx.x / V) * LD + (threadIdx.x % V) * 4;
+#pragma unroll
+    for (int it = 0; it < N; ++it) {
+        float4* p = reinterpret_cast<float4*>(d + it * RPI * LD);
+        float4 v = *p;
+        v.x *= mul; v.y *= mul; v.z *= mul; v.w *= mul;
+        *p = v;
+    }
+}
+
+// The kernels' products, TF32 (X3 false: A fragments af, tiles rounded in place) or 3xTF32 (X3: A
+// fragments hi af, lo al, fp32 tiles split at fragment load)
+template <bool X3, int MT, int NT, int KS, int LD, bool AREG, int AKS, int LKS>
+__device__ __forceinline__ void fa_abt(float (&acc)[MT][NT][4], const float (&c)[MT][NT][4], const u32 (&af)[MT][AKS][4],
+                                       const u32 (&al)[MT][LKS][4], const float* a, const float* b) {
+    if constexpr (X3) fa_mma_abt3<MT, NT, KS, LD, AREG>(acc, c, af, al, a, b);
+    else fa_mma_abt<MT, NT, KS, LD, AREG>(acc, c, af, a, b);
+}
+template <bool X3, int MT, int KS, int LD, int LKS>
+__device__ __forceinline__ void fa_afrag(u32 (&af)[MT][KS][4], u32 (&al)[MT][LKS][4], const float* a) {
+    if constexpr (X3) fa_load_afrag3<MT, KS, LD>(af, al, a);
+    else fa_load_afrag<MT, KS, LD>(af, a);
+}
+template <bool X3, int MT, int NK, int HS>
+__device__ __forceinline__ void fa_pv(float (&acc)[MT][HS / 8][4], const float (&p)[MT][NK][4], const float* __restrict__ V) {
+    if constexpr (X3) fa_mma_pv3<MT, NK, HS>(acc, p, V);
+    else fa_mma_pv<MT, NK, HS>(acc, p, V);
+}
+
 template <int MT, int N>
 __device__ __forceinline__ void fa_zero(float (&x)[MT][N][4]) {
 #pragma unroll
@@ -837,7 +1019,7 @@ __device__ __forceinline__ void fa_kv_ring(float* sm, const FaBlock<HS>& fb, int
         float* cur = sm + stage * STAGE;
         if (j > 0) {
             fa_cp_wait<NS - 2>();
-            fa_round_tile<2 * BC, HS, false>(cur, 1.f);
+            if constexpr (!F::X3) fa_round_tile<2 * BC, HS, false>(cur, 1.f);   // 3xTF32: split at fragment load
             __syncthreads();                           // tile j visible; everyone is done with tile j-1
         }
         if (j + NS - 1 < nkt)                          // into the stage of tile j-1
@@ -856,30 +1038,36 @@ __device__ __forceinline__ void fa_kv_ring(float* sm, const FaBlock<HS>& fb, int
 // ------------------------------------------------------------------------------- TC forward
 
 // 4 warps x WR = 16*MT query rows; key tiles of BC through the K/V ring. The Q tile (scaled by
-// scale*log2 e) is staged through ring stages 1.. before the loop and then held in registers.
+// scale*log2 e) is staged through ring stages 1.. before the loop and then held in registers (AREG;
+// 3xTF32 at head size 128: Q keeps its own buffer and is split from there per key tile).
 // Online softmax with a lazily moved reference max m per row: p = exp2(s - m) <= 2^FA_RESCALE_LOG2,
 // O and l are rescaled only when some row of the warp outgrows its m by more than that.
-template <int HS> struct FaFwdTc {
-    static constexpr int MT = HS <= 64 ? 2 : 1;
+template <int HS, bool X3_ = false> struct FaFwdTc {
+    static constexpr bool X3 = X3_;     // 3xTF32: hi and lo fragments, so fewer rows a warp and shorter key tiles
+    static constexpr int MT = (X3 ? HS <= 32 : HS <= 64) ? 2 : 1;
     static constexpr int WR = 16 * MT;
     static constexpr int BR = 4 * WR;
-    static constexpr int BC = HS <= 64 ? 64 : 32;
+    static constexpr int BC = X3 ? (HS <= 64 ? 32 : 16) : HS <= 64 ? 64 : 32;
+    static constexpr bool AREG = !X3 || HS <= 64;               // Q's fragments in registers, else Q resident
     static constexpr int NS = 3;
     static constexpr int LD = HS + 4;
     static constexpr int STAGE = 2 * BC * LD;                   // K, V
     static constexpr int QBUF = BR * LD;
-    static constexpr int SMEM = NS * STAGE > STAGE + QBUF ? NS * STAGE : STAGE + QBUF;
+    static constexpr int QOFF = AREG ? STAGE : NS * STAGE;
+    static constexpr int SMEM = AREG ? (NS * STAGE > STAGE + QBUF ? NS * STAGE : STAGE + QBUF) : NS * STAGE + QBUF;
 };
 
-template <int HS, bool DROP>
-__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
-    using F = FaFwdTc<HS>;
+template <int HS, bool DROP, bool X3>
+__device__ __forceinline__ void fa_fwd_tc_body(FA_ARGS_FWD) {
+    using F = FaFwdTc<HS, X3>;
     constexpr int MT = F::MT, WR = F::WR, BR = F::BR, BC = F::BC, LD = F::LD, NS = F::NS;
     constexpr int KS = HS / 8, NT = BC / 8, DT = HS / 8, STAGE = F::STAGE;
-    fa_check_smem(F::SMEM * 4);
+    constexpr bool AREG = F::AREG;
+    constexpr int AK = AREG ? KS : 1;
+    gc_check_smem(F::SMEM * 4);
     extern __shared__ float4 fa_smem4[];
     float* sm = reinterpret_cast<float*>(fa_smem4);
-    float* Qb = sm + STAGE;
+    float* Qb = sm + F::QOFF;
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const FaBlock<HS> fb(qkv, T, H, FaGridY<BR, true>());
@@ -893,12 +1081,19 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
     fa_cp_kv<BC, HS>(sm, fb, 0);
     fa_cp_commit();
     fa_cp_wait<0>();
-    fa_round_tile<BR, HS, true>(Qb, scale * FA_LOG2E);
-    fa_round_tile<2 * BC, HS, false>(sm, 1.f);
+    if constexpr (X3) {
+        fa_scale_tile<BR, HS>(Qb, scale * FA_LOG2E);
+    } else {
+        fa_round_tile<BR, HS, true>(Qb, scale * FA_LOG2E);
+        fa_round_tile<2 * BC, HS, false>(sm, 1.f);
+    }
     __syncthreads();
-    u32 qf[MT][KS][4];
-    fa_load_afrag<MT, KS, LD>(qf, fa_a_lane<LD>(Qb + w * WR * LD));
-    __syncthreads();                                   // Q is read: its space is ring stage 1..
+    u32 qf[MT][AK][4], ql[MT][X3 ? AK : 1][4];         // ql: the lo fragments (3xTF32)
+    const float* qa = fa_a_lane<LD>(Qb + w * WR * LD);
+    if constexpr (AREG) {
+        fa_afrag<X3, MT, KS, LD>(qf, ql, qa);
+        __syncthreads();                               // Q is read: its space is ring stage 1..
+    }
     if (NS == 3) {
         if (nkt > 1) fa_cp_kv<BC, HS>(sm + STAGE, fb, BC);
         fa_cp_commit();
@@ -926,7 +1121,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) mref[mt][hh] = k0 == 0 ? 0.f : -m[mt][hh];   // m = -inf before tile 0
         fa_rows_frag(c, mref);
-        fa_mma_abt<MT, NT, KS, LD, true>(s, c, qf, nullptr, fa_b_lane<LD>(Ks));   // s = S - m (log2 units)
+        fa_abt<X3, MT, NT, KS, LD, AREG>(s, c, qf, ql, qa, fa_b_lane<LD>(Ks));   // s = S - m (log2 units)
         if (EDGE) fa_mask_causal(s, k0, wr0);
         float mx[MT][2];
         bool grow = false;
@@ -983,7 +1178,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
                 }
                 l[mt][hh] += rsum;                     // thread-partial; reduced once at the end
             }
-        fa_mma_pv<MT, NT, HS>(o, s, Vs);               // O += P V
+        fa_pv<X3, MT, NT, HS>(o, s, Vs);               // O += P V
     };
     fa_kv_ring<F>(sm, fb, nkt, wr0, tile);
 
@@ -1002,17 +1197,29 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
         }
 }
 
+template <int HS, bool DROP>
+__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
+    fa_fwd_tc_body<HS, DROP, false>(y, lse, qkv, st, seed, site, threshold, inv_keep, scale, T, H);
+}
+
+// the fp32 precision's forward in 3xTF32 (FaFwdTc<HS, true>)
+template <int HS, bool DROP>
+__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_fwd_x3(FA_ARGS_FWD) {
+    fa_fwd_tc_body<HS, DROP, true>(y, lse, qkv, st, seed, site, threshold, inv_keep, scale, T, H);
+}
+
 // ------------------------------------------------------------------------------- TC backward: dQ
 
 // 4 warps x WR = 16*MT query rows; key tiles of BC through the K/V ring. Q (scaled by scale*log2 e)
 // and dO are A operands: in registers (AREG; staged through ring stages 1..) or a resident tile.
-template <int HS> struct FaDqTc {
-    static constexpr int MT = HS <= 64 ? 2 : 1;
+template <int HS, bool X3_ = false> struct FaDqTc {
+    static constexpr bool X3 = X3_;     // 3xTF32: Q and dO resident in shared memory, 16 rows a warp from head size 64
+    static constexpr int MT = (X3 ? HS <= 32 : HS <= 64) ? 2 : 1;
     static constexpr int WR = 16 * MT;
     static constexpr int BR = 4 * WR;
     static constexpr int BC = HS <= 64 ? 32 : 16;
-    static constexpr bool AREG = HS * MT <= 64;
-    static constexpr int NS = AREG ? 3 : 2;
+    static constexpr bool AREG = !X3 && HS * MT <= 64;
+    static constexpr int NS = X3 ? (HS <= 64 ? 3 : 2) : AREG ? 3 : 2;
     static constexpr int LD = HS + 4;
     static constexpr int STAGE = 2 * BC * LD;                   // K, V
     static constexpr int QBUF = 2 * BR * LD;                    // Q, dO
@@ -1020,14 +1227,14 @@ template <int HS> struct FaDqTc {
     static constexpr int SMEM = AREG ? (NS * STAGE > STAGE + QBUF ? NS * STAGE : STAGE + QBUF) : NS * STAGE + QBUF;
 };
 
-template <int HS, bool DROP>
-__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD) {
-    using F = FaDqTc<HS>;
+template <int HS, bool DROP, bool X3>
+__device__ __forceinline__ void fa_dq_tc_body(FA_ARGS_BWD) {
+    using F = FaDqTc<HS, X3>;
     constexpr int MT = F::MT, WR = F::WR, BR = F::BR, BC = F::BC, LD = F::LD, NS = F::NS;
     constexpr int KS = HS / 8, NT = BC / 8, DT = HS / 8, STAGE = F::STAGE;
     constexpr bool AREG = F::AREG;
     constexpr int AK = AREG ? KS : 1;
-    fa_check_smem(F::SMEM * 4);
+    gc_check_smem(F::SMEM * 4);
     extern __shared__ float4 fa_smem4[];
     float* sm = reinterpret_cast<float*>(fa_smem4);
     float* Qb = sm + F::QOFF;
@@ -1063,16 +1270,20 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
     const u32 key = fa_drop_key<DROP>(st, seed, site);
 
     fa_cp_wait<0>();
-    fa_round_tile<BR, HS, true>(Qb, scale * FA_LOG2E);
-    fa_round_tile<BR, HS, false>(dOb, 1.f);
-    fa_round_tile<2 * BC, HS, false>(sm, 1.f);
+    if constexpr (X3) {
+        fa_scale_tile<BR, HS>(Qb, scale * FA_LOG2E);
+    } else {
+        fa_round_tile<BR, HS, true>(Qb, scale * FA_LOG2E);
+        fa_round_tile<BR, HS, false>(dOb, 1.f);
+        fa_round_tile<2 * BC, HS, false>(sm, 1.f);
+    }
     __syncthreads();
-    u32 qf[MT][AK][4], df[MT][AK][4];
+    u32 qf[MT][AK][4], df[MT][AK][4], ql[MT][X3 ? AK : 1][4], dl[MT][X3 ? AK : 1][4];   // ql, dl: lo (3xTF32)
     const float* qa = fa_a_lane<LD>(Qb + w * WR * LD);
     const float* da = fa_a_lane<LD>(dOb + w * WR * LD);
     if constexpr (AREG) {
-        fa_load_afrag<MT, KS, LD>(qf, qa);
-        fa_load_afrag<MT, KS, LD>(df, da);
+        fa_afrag<X3, MT, KS, LD>(qf, ql, qa);
+        fa_afrag<X3, MT, KS, LD>(df, dl, da);
         __syncthreads();                               // Q and dO are read: their space is ring stage 1..
     }
     if (NS == 3) {
@@ -1087,8 +1298,8 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
     auto tile = [&](const float* Ks, const float* Vs, int k0, auto edge_tag) {
         constexpr bool EDGE = decltype(edge_tag)::value;
         float s[MT][NT][4], dp[MT][NT][4];
-        fa_mma_abt<MT, NT, KS, LD, AREG>(s, cl, qf, qa, fa_b_lane<LD>(Ks));    // S - lse (log2 units)
-        fa_mma_abt<MT, NT, KS, LD, AREG>(dp, cd, df, da, fa_b_lane<LD>(Vs));   // dPd (- D without dropout)
+        fa_abt<X3, MT, NT, KS, LD, AREG>(s, cl, qf, ql, qa, fa_b_lane<LD>(Ks));    // S - lse (log2 units)
+        fa_abt<X3, MT, NT, KS, LD, AREG>(dp, cd, df, dl, da, fa_b_lane<LD>(Vs));   // dPd (- D without dropout)
         if (EDGE) fa_mask_causal(s, k0, wr0);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -1111,7 +1322,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
                     s[mt][nt][e] = pe * gv;                // dS / scale
                 }
             }
-        fa_mma_pv<MT, NT, HS>(dq, s, Ks);              // dQ += dS K
+        fa_pv<X3, MT, NT, HS>(dq, s, Ks);              // dQ += dS K
     };
     fa_kv_ring<F>(sm, fb, nkt, wr0, tile);
 
@@ -1124,6 +1335,17 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
         }
 }
 
+template <int HS, bool DROP>
+__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD) {
+    fa_dq_tc_body<HS, DROP, false>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold, inv_keep, scale, T, H);
+}
+
+// the fp32 precision's dQ in 3xTF32 (FaDqTc<HS, true>)
+template <int HS, bool DROP>
+__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_x3(FA_ARGS_BWD) {
+    fa_dq_tc_body<HS, DROP, true>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold, inv_keep, scale, T, H);
+}
+
 // ------------------------------------------------------------------------------- TC backward: dK, dV
 
 // 4 warps x WR = 16*MT key rows; query tiles of BQ (Q scaled by scale*log2 e, dO, -lse*log2 e, -D)
@@ -1131,13 +1353,14 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD)
 // through ring stages 1..) or a resident tile (V's fragments still go to registers when VREG).
 // dK and dV accumulate in registers. The scores are
 // tf32(Q*scale*log2 e) . tf32(K) as in the forward and dQ kernels, so P matches the saved lse.
-template <int HS> struct FaDkvTc {
-    static constexpr int MT = HS <= 64 ? 2 : 1;
+template <int HS, bool X3_ = false> struct FaDkvTc {
+    static constexpr bool X3 = X3_;     // 3xTF32: K and V resident in shared memory, 16 rows a warp from head size 64
+    static constexpr int MT = (X3 ? HS <= 32 : HS <= 64) ? 2 : 1;
     static constexpr int WR = 16 * MT;
     static constexpr int BK = 4 * WR;
     static constexpr int BQ = 16;
-    static constexpr bool AREG = HS * MT <= 64;                 // K and V fragments in registers
-    static constexpr bool VREG = HS <= 64;                      // V fragments in registers (K's too if AREG)
+    static constexpr bool AREG = !X3 && HS * MT <= 64;          // K and V fragments in registers
+    static constexpr bool VREG = !X3 && HS <= 64;               // V fragments in registers (K's too if AREG)
     static constexpr int NS = HS <= 64 ? 3 : 2;
     static constexpr int LD = HS + 4;
     static constexpr int STAGE = 2 * BQ * LD + 2 * BQ;          // Q, dO, -L, -D
@@ -1157,23 +1380,27 @@ __device__ __forceinline__ void fa_dkv_issue(float* stg, const FaBlock<HS>& fb, 
     fa_cp_vec<BQ, BQ>(stg + 2 * BQ * LD + BQ, Dg + bhT + q0, T - q0);      // threads BQ..2BQ-1
 }
 
-template <int HS, int BQ>
+template <int HS, int BQ, bool X3 = false>
 __device__ __forceinline__ void fa_dkv_round(float* stg, float sl2) {
     constexpr int LD = HS + 4;
-    fa_round_tile<BQ, HS, true>(stg, sl2);                                 // Q * scale * log2 e
-    fa_round_tile<BQ, HS, false>(stg + BQ * LD, 1.f);                      // dO
+    if constexpr (X3) {
+        fa_scale_tile<BQ, HS>(stg, sl2);                                   // Q * scale * log2 e, fp32
+    } else {
+        fa_round_tile<BQ, HS, true>(stg, sl2);                             // Q * scale * log2 e
+        fa_round_tile<BQ, HS, false>(stg + BQ * LD, 1.f);                  // dO
+    }
     // each thread's own entry (fa_dkv_issue): -lse in log2 units, -D
     if (threadIdx.x < 2 * BQ) stg[2 * BQ * LD + threadIdx.x] *= threadIdx.x < BQ ? -FA_LOG2E : -1.f;
 }
 
-template <int HS, bool DROP>
-__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD) {
-    using F = FaDkvTc<HS>;
+template <int HS, bool DROP, bool X3>
+__device__ __forceinline__ void fa_dkv_tc_body(FA_ARGS_BWD) {
+    using F = FaDkvTc<HS, X3>;
     constexpr int MT = F::MT, WR = F::WR, BK = F::BK, BQ = F::BQ, LD = F::LD, NS = F::NS;
     constexpr int KS = HS / 8, NT = BQ / 8, DT = HS / 8, STAGE = F::STAGE;
     constexpr bool AREG = F::AREG, VREG = F::VREG;
     constexpr int AK = AREG ? KS : 1, VK = VREG ? KS : 1;
-    fa_check_smem(F::SMEM * 4);
+    gc_check_smem(F::SMEM * 4);
     extern __shared__ float4 fa_smem4[];
     float* sm = reinterpret_cast<float*>(fa_smem4);
     float* Kb = sm + F::KOFF;
@@ -1193,19 +1420,21 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
     fa_dkv_issue<HS, BQ>(sm, fb, dob, lse, Dg, k0, bhT);
     fa_cp_commit();
     fa_cp_wait<0>();
-    fa_round_tile<BK, HS, false>(Kb, 1.f);
-    fa_round_tile<BK, HS, false>(Vb, 1.f);
-    fa_dkv_round<HS, BQ>(sm, scale * FA_LOG2E);
+    if constexpr (!X3) {
+        fa_round_tile<BK, HS, false>(Kb, 1.f);
+        fa_round_tile<BK, HS, false>(Vb, 1.f);
+    }
+    fa_dkv_round<HS, BQ, X3>(sm, scale * FA_LOG2E);
     __syncthreads();
-    u32 kf[MT][AK][4], vf[MT][VK][4];
+    u32 kf[MT][AK][4], vf[MT][VK][4], kl[MT][X3 ? AK : 1][4], vl[MT][X3 ? VK : 1][4];   // kl, vl: lo (3xTF32)
     const float* ka = fa_a_lane<LD>(Kb + w * WR * LD);
     const float* va = fa_a_lane<LD>(Vb + w * WR * LD);
     if constexpr (AREG) {
-        fa_load_afrag<MT, KS, LD>(kf, ka);
-        fa_load_afrag<MT, KS, LD>(vf, va);
+        fa_afrag<X3, MT, KS, LD>(kf, kl, ka);
+        fa_afrag<X3, MT, KS, LD>(vf, vl, va);
         __syncthreads();                               // K and V are read: their space is ring stage 1..
     } else if constexpr (VREG) {
-        fa_load_afrag<MT, KS, LD>(vf, va);             // K stays resident in shared memory
+        fa_afrag<X3, MT, KS, LD>(vf, vl, va);          // K stays resident in shared memory
     }
     if (NS == 3) {
         if (nqt > 1) fa_dkv_issue<HS, BQ>(sm + STAGE, fb, dob, lse, Dg, k0 + BQ, bhT);
@@ -1238,8 +1467,8 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
                 cd[mt][nt][1] = cd[mt][nt][3] = DROP ? 0.f : d2.y;
             }
         }
-        fa_mma_abt<MT, NT, KS, LD, AREG>(s, cl, kf, ka, fa_b_lane<LD>(Qs));    // S^T - lse
-        fa_mma_abt<MT, NT, KS, LD, VREG>(dp, cd, vf, va, fa_b_lane<LD>(dOs));  // dPd^T (- D without dropout)
+        fa_abt<X3, MT, NT, KS, LD, AREG>(s, cl, kf, kl, ka, fa_b_lane<LD>(Qs));    // S^T - lse
+        fa_abt<X3, MT, NT, KS, LD, VREG>(dp, cd, vf, vl, va, fa_b_lane<LD>(dOs));  // dPd^T (- D without dropout)
         if (EDGE) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -1283,8 +1512,8 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
                     dp[mt][nt][e] = pe * gv;               // dS^T / scale
                 }
             }
-        fa_mma_pv<MT, NT, HS>(dv, s, dOs);             // dV += Pd^T dO
-        fa_mma_pv<MT, NT, HS>(dk, dp, Qs);             // dK += dS^T Q
+        fa_pv<X3, MT, NT, HS>(dv, s, dOs);             // dV += Pd^T dO
+        fa_pv<X3, MT, NT, HS>(dk, dp, Qs);             // dK += dS^T Q
     };
 
     int stage = 0;
@@ -1292,7 +1521,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
         float* cur = sm + stage * STAGE;
         if (jq > 0) {
             fa_cp_wait<NS - 2>();
-            fa_dkv_round<HS, BQ>(cur, scale * FA_LOG2E);
+            fa_dkv_round<HS, BQ, X3>(cur, scale * FA_LOG2E);
             __syncthreads();
         }
         if (jq + NS - 1 < nqt)
@@ -1319,6 +1548,17 @@ __global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD
                 fa_store_frag_row<HS>(row + 2 * fb.C, dv[mt], 2 * hh, 1.f);
             }
         }
+}
+
+template <int HS, bool DROP>
+__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD) {
+    fa_dkv_tc_body<HS, DROP, false>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold, inv_keep, scale, T, H);
+}
+
+// the fp32 precision's dK / dV in 3xTF32 (FaDkvTc<HS, true>)
+template <int HS, bool DROP>
+__global__ void __launch_bounds__(FA_TC_THREADS, 2) flash_bwd_dkv_x3(FA_ARGS_BWD) {
+    fa_dkv_tc_body<HS, DROP, true>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold, inv_keep, scale, T, H);
 }
 
 // ------------------------------------------------------------------------------- wgmma backward: dK, dV
@@ -1447,7 +1687,7 @@ __global__ void __launch_bounds__(FA_TC_THREADS, FaDkvWg<HS>::MINB) flash_bwd_dk
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using F = FaDkvWg<HS>;
     constexpr int BK = F::BK, BQ = F::BQ, NS = F::NS, NT = BQ / 8, KS = HS / 8;
-    fa_check_smem(F::SMEM);
+    gc_check_smem(F::SMEM);
     extern __shared__ float4 fa_smem4[];
     const unsigned sraw = smem_u32(fa_smem4);
     const unsigned sb = (sraw + 1023u) & ~1023u;               // 1024-byte aligned tiles (the swizzle)

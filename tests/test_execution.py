@@ -30,9 +30,12 @@ def test_rules(precision, fp32_gemm, arch, env, family, wgmma, three):
 
 def test_attention_paths_and_precision_switch():
     assert execution.resolve(cfg_of("--attention=unfused")).attention == "unfused"
-    assert execution.resolve(cfg_of("--attention=fused")).attention == "flash"
+    assert execution.resolve(cfg_of("--attention=fused")).attention == "flash_3x"       # fp32_gemm 3xtf32, sm_90
+    assert execution.resolve(cfg_of("--attention=fused", "--fp32_gemm=ffma")).attention == "flash"
+    assert execution.resolve(cfg_of("--attention=fused"), arch="sm_80").attention == "flash"
     p = execution.resolve(cfg_of("--attention=fused", "--precision=tf32"))
-    assert p.attention == "flash_tc" and p.with_precision("fp32").attention == "flash"
+    assert p.attention == "flash_tc" and p.with_precision("fp32").attention == "flash_3x"
+    assert "3xTF32 (flash_attention.cu _x3)" in p.with_precision("fp32").format()
     assert execution.resolve(cfg_of("--backend=reference")).format().startswith("execution plan\n  reference")
 
 
@@ -70,3 +73,24 @@ def test_recorded_step_follows_the_plan(fp32_gemm, env, wgmma_kernels, monkeypat
 def test_precision_round_trip_keeps_fp32_gemm():
     p = execution.resolve(cfg_of("--precision=fp32", "--fp32_gemm=ffma"))
     assert p.with_precision("tf32").with_precision("fp32") == p and not p.fp32_as_3xtf32
+
+
+@pytest.mark.parametrize("precision,fp32_gemm,env,suffix", [("fp32", "3xtf32", "1", "_x3"), ("fp32", "ffma", "1", ""),
+                                                            ("fp32", "3xtf32", "0", ""), ("tf32", "3xtf32", "1", "_tc")])
+def test_recorded_fused_attention_follows_the_plan(precision, fp32_gemm, env, suffix, monkeypatch):
+    """attention: fused runs the kernels of the plan's path: fp32 as 3xTF32 (flash_*_x3) where its GEMMs
+    are 3xTF32, the FFMA kernels otherwise, tf32 the _tc kernels (dK/dV: _wg at head size 32)."""
+    from test_cuda_record import RecordingRuntime
+    from gptcuda.ops.cuda_backend import CudaBackend
+    from gptcuda.training.engine import Engine
+    from gptcuda.runtime import Launch
+    monkeypatch.setenv("GPTCUDA_WGMMA", env)
+    cfg = cfg_of(f"--precision={precision}", f"--fp32_gemm={fp32_gemm}", "--attention=fused", "--dropout=0.1")
+    be = CudaBackend(cfg, rt=RecordingRuntime(precision))
+    toks = np.arange(1000, dtype=np.int32) % 65
+    eng = Engine(cfg, toks, toks[:200], 65, backend=be, programs=("train",))
+    names = {r.fn.name.split("<")[0] for r in eng.programs["train"].items
+             if isinstance(r, Launch) and r.fn.file == "flash_attention.cu"}
+    dkv = "flash_bwd_dkv_wg" if suffix == "_tc" else f"flash_bwd_dkv{suffix}"
+    assert names == {f"flash_fwd{suffix}", f"flash_bwd_dq{suffix}", dkv, "flash_rowsum_do"}
+    assert eng.exec.attention == {"_x3": "flash_3x", "": "flash", "_tc": "flash_tc"}[suffix]

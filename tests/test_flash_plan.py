@@ -8,8 +8,8 @@ from tests.conftest import FakeGemmRT, fake_view
 
 
 class _AttnRT(FakeGemmRT):
-    def __init__(self, B, H, T):
-        super().__init__(precision="tf32")
+    def __init__(self, B, H, T, precision="tf32"):
+        super().__init__(precision=precision)
         self.state, self.seed = fake_view((16,)), 1234
         self._ws["attention_d"] = DeviceView(1 << 43, (B * H * T,), "f32", "attention_d")
 
@@ -55,3 +55,110 @@ def test_dkv_wg_variants_listed():
     for hs in attn.FLASH_HEAD_SIZES:
         want = {f"flash_bwd_dkv_wg<{hs},true>", f"flash_bwd_dkv_wg<{hs},false>"}
         assert want <= names if hs in attn.FLASH_WG_HEAD_SIZES else not want & names
+
+
+# ---- fp32: 3xTF32 on the tensor cores (flash_3x) where fp32 GEMMs run as 3xTF32, else FFMA (flash)
+
+@pytest.mark.parametrize("precision,fp32_gemm,arch,env,path", [
+    ("fp32", "3xtf32", "sm_90", {}, "flash_3x"),
+    ("fp32", "ffma", "sm_90", {}, "flash"),
+    ("fp32", "3xtf32", "sm_80", {}, "flash"),                        # no wgmma: no 3xTF32 GEMMs either
+    ("fp32", "3xtf32", "sm_90", {"GPTCUDA_WGMMA": "0"}, "flash"),
+    ("tf32", "3xtf32", "sm_90", {}, "flash_tc"),
+    ("tf32", "ffma", "sm_90", {}, "flash_tc"),
+    ("tf32", "3xtf32", "sm_80", {}, "flash_tc"),
+])
+def test_plan_picks_the_fused_path(precision, fp32_gemm, arch, env, path):
+    ex = execution.resolve(arch=arch, precision=precision, fp32_gemm=fp32_gemm, attention="fused", env=env)
+    assert ex.attention == path and path in execution.ATTENTION_PATHS
+    assert (path == "flash_3x") == ex.fp32_as_3xtf32
+    assert execution.resolve(arch=arch, precision=precision, fp32_gemm=fp32_gemm, attention="unfused",
+                             env=env).attention == "unfused"
+    other = "tf32" if precision == "fp32" else "fp32"
+    assert ex.with_precision(other).with_precision(precision) == ex
+    assert {"flash_3x": "3xTF32", "flash": "FFMA", "flash_tc": "flash on tensor cores ("}[path] in ex.format()
+
+
+def test_precision_switch_moves_the_fused_path():
+    ex = execution.resolve(arch="sm_90", precision="tf32", attention="fused")
+    assert ex.with_precision("fp32").attention == "flash_3x"
+    ex = execution.resolve(arch="sm_90", precision="tf32", fp32_gemm="ffma", attention="fused")
+    assert ex.with_precision("fp32").attention == "flash"
+    # a runtime's plan without a config's attention: the fused kernels by the same rule
+    assert execution.fused_path("fp32", True) == "flash_3x" and execution.fused_path("fp32", False) == "flash"
+    assert execution.fused_path("tf32", True) == execution.fused_path("tf32", False) == "flash_tc"
+    for precision, fp32_gemm, arch, path in (("fp32", "3xtf32", "sm_90", "flash_3x"), ("fp32", "ffma", "sm_90", "flash"),
+                                             ("fp32", "3xtf32", "sm_80", "flash"), ("tf32", "3xtf32", "sm_90", "flash_tc")):
+        ex = execution.resolve(arch=arch, precision=precision, fp32_gemm=fp32_gemm, env={})
+        assert ex.attention is None and attn._path({"lse": None}, "test", ex) == ("lse", path)
+
+
+def _launches(ex, hs, p, B=2, H=3, T=300):
+    C = H * hs
+    rt = _AttnRT(B, H, T, ex.precision)
+    qkv, y, dy, dqkv = fake_view((B, T, 3 * C)), fake_view((B, T, C)), fake_view((B, T, C)), fake_view((B, T, 3 * C))
+    saved = {"lse": fake_view((B, H, T))}
+    attn.attention_fwd(rt, y, qkv, saved, H, p, 7, ex)
+    attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, 7, ex)
+    return {name.split("<")[0]: (name, grid, block, smem) for name, grid, block, smem in rt.launches}
+
+
+@pytest.mark.parametrize("hs", attn.FLASH_HEAD_SIZES)
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_fp32_launches_the_x3_kernels(hs, p):
+    """fp32 with fp32_gemm 3xtf32 on sm_90: flash_fwd_x3, flash_bwd_dq_x3, flash_bwd_dkv_x3 (never the
+    warpgroup dK/dV kernel), grids of the 3xTF32 tile plans; fp32_gemm ffma: the FFMA kernels."""
+    B, H, T = 2, 3, 300
+    drop = "true" if p > 0 else "false"
+    ex = execution.resolve(arch="sm_90", precision="fp32", fp32_gemm="3xtf32", attention="fused", env={})
+    got = _launches(ex, hs, p, B, H, T)
+    assert set(got) == {"flash_fwd_x3", "flash_rowsum_do", "flash_bwd_dq_x3", "flash_bwd_dkv_x3"}
+    for kind, kernel in (("fwd", "flash_fwd_x3"), ("dq", "flash_bwd_dq_x3"), ("dkv", "flash_bwd_dkv_x3")):
+        plan = attn.flash_tc_plan(kind, hs, x3=True)
+        name, grid, block, smem = got[kernel]
+        assert name == f"{kernel}<{hs},{drop}>" and block == (128,)
+        assert grid == (B * H, -(-T // plan["rows"])) and smem == plan["smem"]
+        assert smem == attn.flash_smem_bytes(kind, hs, "flash_3x")
+    ffma = _launches(execution.resolve(arch="sm_90", precision="fp32", fp32_gemm="ffma", attention="fused", env={}),
+                     hs, p, B, H, T)
+    assert set(ffma) == {"flash_fwd", "flash_rowsum_do", "flash_bwd_dq", "flash_bwd_dkv"}
+    assert ffma["flash_fwd"][1] == (B * H, -(-T // attn.FLASH_BQ))
+
+
+# the 3xTF32 tile plans (FaFwdTc / FaDqTc / FaDkvTc <HS, true> in flash_attention.cu): rows a block, ring
+# stages, and whether the resident operands sit in registers (fwd: Q's hi and lo fragments)
+X3_PLANS = {   # (kind, hs): (rows, smem floats)
+    ("fwd", 32): (128, 3 * 2 * 32 * 36), ("fwd", 64): (64, 3 * 2 * 32 * 68),
+    ("fwd", 128): (64, 3 * 2 * 16 * 132 + 64 * 132),                           # Q resident
+    ("dq", 32): (128, 3 * 2 * 32 * 36 + 2 * 128 * 36), ("dq", 64): (64, 3 * 2 * 32 * 68 + 2 * 64 * 68),
+    ("dq", 128): (64, 2 * 2 * 16 * 132 + 2 * 64 * 132),
+    ("dkv", 32): (128, 3 * (2 * 16 * 36 + 32) + 2 * 128 * 36), ("dkv", 64): (64, 3 * (2 * 16 * 68 + 32) + 2 * 64 * 68),
+    ("dkv", 128): (64, 2 * (2 * 16 * 132 + 32) + 2 * 64 * 132),
+}
+
+
+@pytest.mark.parametrize("kind,hs", sorted(X3_PLANS))
+def test_x3_plans(kind, hs):
+    """The 3xTF32 plans as the kernels define them, two blocks an SM (each reserves 1 KB of 228 KB)
+    like the tf32 ones; the tf32 plans stay as they were."""
+    rows, floats = X3_PLANS[kind, hs]
+    plan = attn.flash_tc_plan(kind, hs, x3=True)
+    assert plan == {"rows": rows, "smem": 4 * floats}
+    assert attn.flash_rows(kind, hs, "flash_3x") == rows
+    assert 2 * (plan["smem"] + 1024) <= 228 * 1024
+    tc = attn.flash_tc_plan(kind, hs)
+    assert tc == attn.flash_tc_plan(kind, hs, x3=False) and tc["rows"] == (128 if hs <= 64 else 64)
+    assert 2 * (tc["smem"] + 1024) <= 228 * 1024
+
+
+def test_x3_variants_listed_and_paths_checked():
+    names = {n for f, n, d in attn.VARIANTS if f == attn.FLASH_FILE}
+    for hs in attn.FLASH_HEAD_SIZES:
+        for d in ("false", "true"):
+            assert {f"flash_fwd_x3<{hs},{d}>", f"flash_bwd_dq_x3<{hs},{d}>", f"flash_bwd_dkv_x3<{hs},{d}>"} <= names
+    with pytest.raises(ValueError, match="path"):
+        attn.flash_rows("fwd", 64, "flash_x3")
+    with pytest.raises(ValueError, match="flash_tc kernel"):
+        attn._fused_bwd(_AttnRT(1, 1, 8, "fp32"), fake_view((1, 8, 192)), fake_view((1, 8, 64)),
+                        fake_view((1, 8, 192)), fake_view((1, 8, 64)), fake_view((1, 1, 8)), 1, 0.0, 7,
+                        "flash_3x", True)

@@ -25,8 +25,11 @@ The rules, in one place:
   run, wrote it); "off" leaves it unread (`gemm_table` False): the cost model alone. A shape is
   measured once and its entry never changes, so a resumed run launches the plans it launched.
 - Attention. `attention: unfused` saves the [B, H, T, T] probabilities (kernels/attention.cu);
-  `fused` runs flash attention (kernels/flash_attention.cu) saving the log-sum-exp, on tensor cores
-  (the _tc kernels) in tf32 (`flash_tc`) and in FFMA in fp32 (`flash`).
+  `fused` runs flash attention (kernels/flash_attention.cu) saving the log-sum-exp: in tf32 on
+  tensor cores (`flash_tc`: the _tc kernels, dK/dV on warpgroup MMA (_wg) up to head size 64 where
+  wgmma is on); in fp32 as 3xTF32 on tensor cores where `fp32_as_3xtf32` holds (`flash_3x`: the _x3
+  kernels, hi / lo splits at fragment load, as the fp32 GEMMs), else in FFMA (`flash`: fp32_gemm ffma,
+  or no wgmma).
 - Generation (sample.py) runs its own products: kernels/decode.cu decode_linear for up to 16 rows,
   the GEMMs above beyond.
 
@@ -45,7 +48,7 @@ GEMM_TUNES = ("auto", "table", "off")
 _TUNE_ENV = {"0": "off", "off": "off", "table": "table", "auto": "auto"}     # GPTCUDA_GEMM_TUNE -> gemm_tune
 GEMM_FAMILIES = {"fp32": "simt", "tf32": "tf32"}      # precision -> the base GEMM family
 FP32_GEMMS = ("3xtf32", "ffma")
-ATTENTION_PATHS = ("unfused", "flash", "flash_tc")
+ATTENTION_PATHS = ("unfused", "flash", "flash_tc", "flash_3x")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,7 @@ class ExecutionPlan:
     gemm_family: str          # the base GEMM family: simt | tf32
     wgmma: bool               # the warpgroup-MMA kernels compete (sm_90, GPTCUDA_WGMMA != 0)
     gemm_tune: str            # the measured GEMM table: auto (measure what it lacks) | table | off
-    attention: str | None     # unfused | flash | flash_tc (None: a runtime not built from a config)
+    attention: str | None     # unfused | flash | flash_tc | flash_3x (None: a runtime not built from a config)
     env: tuple = ()           # (name, value) of each environment variable read
 
     @property
@@ -98,6 +101,7 @@ class ExecutionPlan:
             wg = "not for fp32 (fp32_gemm ffma)"
         att = {"unfused": "unfused: saved probabilities (attention.cu)",
                "flash": "flash, FFMA (flash_attention.cu)",
+               "flash_3x": "flash on tensor cores as 3xTF32 (flash_attention.cu _x3)",
                "flash_tc": "flash on tensor cores (flash_attention.cu _tc" + ("; dK/dV on warpgroup MMA up to head size 64: _wg)"
                                                                            if self.wgmma else ")"),
                None: "as the saved tensors say"}[self.attention]
@@ -120,6 +124,14 @@ _TUNE_TEXT = {
              "else the cost model (ops/cuda/gemm/plan.py)",
     "off": "the cost model (ops/cuda/gemm/plan.py; gemm_tune off: no table)",
 }
+
+
+def fused_path(precision: str, as_3xtf32: bool) -> str:
+    """The fused attention path of a precision: tf32 -> flash_tc; fp32 -> flash_3x where fp32 products
+    run as 3xTF32 (ExecutionPlan.fp32_as_3xtf32), else flash (FFMA)."""
+    if precision == "tf32":
+        return "flash_tc"
+    return "flash_3x" if as_3xtf32 else "flash"
 
 
 def _kind(path):
@@ -151,11 +163,12 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
         raise ValueError(f"unknown gemm_tune {gemm_tune!r} (auto | table | off)")
     read = tuple((k, env[k]) for k in ENV_KEYS if k in env)
     wgmma = arch in WGMMA_ARCHS and env.get("GPTCUDA_WGMMA", "1") != "0"
-    path = None
-    if attention is not None:
-        path = "unfused" if attention == "unfused" else ("flash_tc" if precision == "tf32" else "flash")
-    return ExecutionPlan(arch or "?", precision, fp32_gemm, GEMM_FAMILIES[precision], wgmma, gemm_tune, path,
+    plan = ExecutionPlan(arch or "?", precision, fp32_gemm, GEMM_FAMILIES[precision], wgmma, gemm_tune, None,
                          read)
+    if attention is not None:
+        path = "unfused" if attention == "unfused" else fused_path(precision, plan.fp32_as_3xtf32)
+        plan = dataclasses.replace(plan, attention=path)
+    return plan
 
 
 def of(rt) -> ExecutionPlan:

@@ -1,4 +1,5 @@
 """GPU tests of causal self-attention (unfused and fused) against the float64 reference."""
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -60,17 +61,28 @@ def _ref_lse(qkv, H):
     return (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
 
 
-def _run(rt, B, T, C, H, kind, p, precision="fp32", seed=0):
+def _plan(rt, path):
+    """The runtime's plan with the fused attention path asked for (None: the runtime's own rule)."""
+    ex = execution.of(rt)
+    if path is None:
+        return ex
+    assert path in attn.FLASH_PATHS, path
+    return dataclasses.replace(ex, attention=path)
+
+
+def _run(rt, B, T, C, H, kind, p, precision="fp32", seed=0, path=None):
+    """path: the fused path to run (flash | flash_tc | flash_3x), else the plan's."""
     r = np.random.default_rng(seed + 1000 * T + C)
     qkv_h = r.standard_normal((B, T, 3 * C)).astype(np.float32)
     dy_h = r.standard_normal((B, T, C)).astype(np.float32)
     saved = _setup(rt, B, T, C, H, kind, p, precision)
+    ex = _plan(rt, path)
     qkv = rt.upload(qkv_h)
     dy = rt.upload(dy_h)
     y = rt.empty((B, T, C))
     dqkv = rt.empty((B, T, 3 * C))
-    attn.attention_fwd(rt, y, qkv, saved, H, p, SITE)
-    attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, SITE)
+    attn.attention_fwd(rt, y, qkv, saved, H, p, SITE, ex)
+    attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, SITE, ex)
     rt.synchronize()
     keep = _keep(rt, B, H, T, p)
     y_ref, probs_ref = ref.attention_forward(qkv_h, H, keep, p)
@@ -136,7 +148,39 @@ FUSED_SHAPES = SHAPES + [
 @pytest.mark.parametrize("p", [0.0, 0.1])
 @pytest.mark.parametrize("B,T,C,H", FUSED_SHAPES)
 def test_fused_fp32(env, B, T, C, H, p):
-    _check(_run(env, B, T, C, H, "fused", p), FP32_FWD, FP32_BWD)
+    """The FFMA kernels (flash: fp32 with fp32_gemm ffma, or no wgmma)."""
+    _check(_run(env, B, T, C, H, "fused", p, path="flash"), FP32_FWD, FP32_BWD)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("B,T,C,H", FUSED_SHAPES)
+def test_fused_3xtf32(env, B, T, C, H, p):
+    """The 3xTF32 kernels (flash_3x: fp32 where its GEMMs run as 3xTF32), to the FFMA kernels' tolerances."""
+    _check(_run(env, B, T, C, H, "fused", p, path="flash_3x"), FP32_FWD, FP32_BWD)
+
+
+def test_fused_fp32_follows_the_plan(env):
+    """A runtime's own plan (no config) runs fp32 attention as 3xTF32 where its fp32 GEMMs are 3xTF32."""
+    env.precision = "fp32"
+    ex = execution.of(env)
+    assert ex.attention is None and ex.precision == "fp32"
+    assert attn._path({"lse": None}, "test", ex)[1] == ("flash_3x" if ex.fp32_as_3xtf32 else "flash")
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("B,T,C,H", [(1, 256, 128, 2), (1, 1000, 64, 1), (1, 300, 256, 2), (2, 200, 384, 6),
+                                     (4, 256, 384, 6)])
+def test_3xtf32_error_within_twice_ffma(env, B, T, C, H, p):
+    """On the same inputs, the 3xTF32 kernels' error against float64 is at most twice the FFMA
+    kernels' (3xTF32 drops only a_lo*b_lo and the tf32 rounding of lo, about 2^-22 relative)."""
+    errs = {}
+    for path in ("flash", "flash_3x"):
+        out = _run(env, B, T, C, H, "fused", p, path=path)
+        errs[path] = {k: rel_err(a, b) for k, (a, b) in out.items()}
+    print(f"\nB{B} T{T} C{C} H{H} p{p}: " + "; ".join(
+        f"{k} ffma {errs['flash'][k]:.3g} 3xtf32 {errs['flash_3x'][k]:.3g}" for k in errs["flash"]))
+    for k in ("y", "dqkv"):
+        assert errs["flash_3x"][k] <= 2 * errs["flash"][k], (k, errs)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1])
@@ -145,18 +189,24 @@ def test_fused_tf32(env, B, T, C, H, p):
     _check(_run(env, B, T, C, H, "fused", p, "tf32"), TF32_FWD, TF32_BWD)
 
 
+@pytest.mark.parametrize("path", ["flash", "flash_3x"])
 @pytest.mark.parametrize("p", [0.0, 0.2])
-def test_fused_equals_unfused(env, p):
+def test_fused_equals_unfused(env, p, path):
     a = _run(env, 2, 77, 128, 2, "unfused", p)
-    b = _run(env, 2, 77, 128, 2, "fused", p)
+    b = _run(env, 2, 77, 128, 2, "fused", p, path=path)
     assert rel_err(b["y"][0], a["y"][0]) < FP32_FWD
     assert rel_err(b["dqkv"][0], a["dqkv"][0]) < FP32_BWD
 
 
-def test_fused_deterministic(env):
-    a = _run(env, 1, 200, 128, 2, "fused", 0.1)
-    b = _run(env, 1, 200, 128, 2, "fused", 0.1)
+@pytest.mark.parametrize("path,C,H", [("flash", 128, 2), ("flash_3x", 128, 2), ("flash_3x", 64, 2),
+                                      ("flash_3x", 256, 2), ("flash_tc", 128, 2)])
+def test_fused_deterministic(env, path, C, H):
+    """Two runs bitwise equal (head sizes 64, 32, 128 for 3xTF32)."""
+    precision = "tf32" if path == "flash_tc" else "fp32"
+    a = _run(env, 1, 200, C, H, "fused", 0.1, precision, path=path)
+    b = _run(env, 1, 200, C, H, "fused", 0.1, precision, path=path)
     assert np.array_equal(a["y"][0], b["y"][0])
+    assert np.array_equal(a["lse"][0], b["lse"][0])
     assert np.array_equal(a["dqkv"][0], b["dqkv"][0])
 
 
@@ -180,7 +230,7 @@ def test_dkv_wgmma_equals_mma_sync(env, B, T, C, H, p):
     for wg in (False, True):
         dqkv = env.empty((B, T, 3 * C))
         env.memset(dqkv, 0x7FC00000)
-        attn._fused_bwd(env, dqkv, dy, qkv, y, saved["lse"], H, p, SITE, True, wg)
+        attn._fused_bwd(env, dqkv, dy, qkv, y, saved["lse"], H, p, SITE, "flash_tc", wg)
         env.synchronize()
         outs.append(env.download(dqkv))
     tc, wg = outs

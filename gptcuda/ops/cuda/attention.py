@@ -5,8 +5,11 @@
     attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site, ex)
 
 ex is the execution plan (gptcuda/runtime/execution.py; the backend passes its own, default rt's): its
-`attention` path (unfused | flash | flash_tc) and, for the unfused path's batched products, its GEMM
-choices. `saved` is the per-layer dict planned from `saved_shapes(cfg)`: {"probs": [B,H,T,T]} the
+`attention` path and, for the unfused path's batched products, its GEMM choices. The fused paths:
+flash (fp32 in FFMA: flash_fwd, flash_bwd_dq, flash_bwd_dkv), flash_3x (fp32 as 3xTF32 on the tensor
+cores, sm_90 with fp32_gemm 3xtf32: flash_fwd_x3, flash_bwd_dq_x3, flash_bwd_dkv_x3) and flash_tc
+(tf32: flash_fwd_tc, flash_bwd_dq_tc, and flash_bwd_dkv_wg on warpgroup MMA for head sizes up to 64
+where the plan has it, else flash_bwd_dkv_tc). `saved` is the per-layer dict planned from `saved_shapes(cfg)`: {"probs": [B,H,T,T]} the
 unfused path (the probabilities before dropout are kept for the backward), {"lse": [B,H,T]}
 the fused one (the per-row log-sum-exp of the scaled scores). Scratch shared by all layers
 comes from `workspace(cfg)`, names prefixed "attention_" (not "attn_": the memory plan names the
@@ -45,12 +48,10 @@ def _flash_variants():
     out = []
     for hs in FLASH_HEAD_SIZES:
         for drop in ("false", "true"):
-            out.append((FLASH_FILE, f"flash_fwd<{hs},{drop}>", {}))
-            out.append((FLASH_FILE, f"flash_bwd_dq<{hs},{drop}>", {}))
-            out.append((FLASH_FILE, f"flash_bwd_dkv<{hs},{drop}>", {}))
-            out.append((FLASH_FILE, f"flash_fwd_tc<{hs},{drop}>", {}))
-            out.append((FLASH_FILE, f"flash_bwd_dq_tc<{hs},{drop}>", {}))
-            out.append((FLASH_FILE, f"flash_bwd_dkv_tc<{hs},{drop}>", {}))
+            for suffix in ("", "_tc", "_x3"):              # FFMA, TF32, 3xTF32
+                out.append((FLASH_FILE, f"flash_fwd{suffix}<{hs},{drop}>", {}))
+                out.append((FLASH_FILE, f"flash_bwd_dq{suffix}<{hs},{drop}>", {}))
+                out.append((FLASH_FILE, f"flash_bwd_dkv{suffix}<{hs},{drop}>", {}))
             if hs in FLASH_WG_HEAD_SIZES:
                 out.append((FLASH_FILE, f"flash_bwd_dkv_wg<{hs},{drop}>", {}))
     out += [(FLASH_FILE, f"flash_rowsum_do<{hs}>", {}) for hs in FLASH_HEAD_SIZES]
@@ -159,33 +160,40 @@ def permute_out(rt, out: DeviceView, ins, B, T, H, hs):
 
 # ---------------------------------------------------------------------------- ops
 
+FLASH_PATHS = ("flash", "flash_tc", "flash_3x")     # the fused paths of execution.ATTENTION_PATHS
+
+
 def _path(saved, op, ex):
-    """The saved tensor the execution plan's attention path (unfused | flash | flash_tc) reads,
-    checked against what the memory plan saved; a runtime without a config's plan: as `saved` says.
-    Returns (saved name, flash on tensor cores)."""
+    """The saved tensor the execution plan's attention path (unfused | flash | flash_tc | flash_3x)
+    reads, checked against what the memory plan saved; a runtime without a config's plan: as `saved`
+    says, the fused kernels as the plan's rule picks them (execution.fused_path). Returns (saved name,
+    the fused path)."""
     path = ex.attention
     want = "probs" if path == "unfused" else "lse" if path is not None else ("probs" if "probs" in saved else "lse")
     if want not in saved:
         raise KeyError(f"{op}: the plan's attention {path or 'path'} needs the saved {want!r}, the memory plan "
                        f"saved {sorted(saved)}")
-    return want, (path == "flash_tc" if path is not None else ex.precision == "tf32")
+    fused = path if path is not None else execution.fused_path(ex.precision, ex.fp32_as_3xtf32)
+    if want == "lse" and fused not in FLASH_PATHS:
+        raise ValueError(f"{op}: unknown fused attention path {fused!r} (one of {FLASH_PATHS})")
+    return want, fused
 
 
 def attention_fwd(rt, y, qkv, saved, n_head, p, site, ex=None):
     ex = execution.of(rt) if ex is None else ex      # the execution plan (the backend passes its own)
-    want, tc = _path(saved, "attention_fwd", ex)
+    want, path = _path(saved, "attention_fwd", ex)
     if want == "probs":
         return _unfused_fwd(rt, y, qkv, saved["probs"], n_head, p, site, ex)
-    return _fused_fwd(rt, y, qkv, saved["lse"], n_head, p, site, tc)
+    return _fused_fwd(rt, y, qkv, saved["lse"], n_head, p, site, path)
 
 
 def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, ex=None):
     ex = execution.of(rt) if ex is None else ex
-    want, tc = _path(saved, "attention_bwd", ex)
+    want, path = _path(saved, "attention_bwd", ex)
     if want == "probs":
         return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site, ex)
-    wg = tc and ex.wgmma and int(qkv.shape[-1]) // (3 * int(n_head)) in FLASH_WG_HEAD_SIZES
-    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, tc, wg)
+    wg = path == "flash_tc" and ex.wgmma and int(qkv.shape[-1]) // (3 * int(n_head)) in FLASH_WG_HEAD_SIZES
+    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, path, wg)
 
 
 # ---- unfused
@@ -242,29 +250,32 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site, ex):
 
 # ---- fused
 
-def flash_tc_plan(kind: str, hs: int) -> dict:
-    """Tile plan of a tf32 flash kernel: rows per block and dynamic shared memory (bytes).
-    Mirrors FaFwdTc / FaDqTc / FaDkvTc in flash_attention.cu (the kernels trap on less smem):
-    4 warps of mt m16 row tiles each; a ring of ns cp.async stages of streamed tiles; the resident
-    operands either staged through ring stages 1.. into registers (areg) or kept in their own buffer."""
+def flash_tc_plan(kind: str, hs: int, x3: bool = False) -> dict:
+    """Tile plan of a tensor-core flash kernel, tf32 (the _tc kernels) or 3xTF32 (x3: the _x3
+    kernels): rows per block and dynamic shared memory (bytes). Mirrors FaFwdTc / FaDqTc / FaDkvTc
+    <HS, X3> in flash_attention.cu (the kernels trap on less smem): 4 warps of mt m16 row tiles each;
+    a ring of ns cp.async stages of streamed tiles; the resident operands either staged through ring
+    stages 1.. into registers (areg) or kept in their own buffer. 3xTF32 holds hi and lo fragments:
+    16 rows a warp from head size 64, shorter key tiles in fwd, the resident operands of dq and dkv
+    (and fwd's Q at head size 128) left in shared memory."""
     ld = hs + 4
-    mt = 2 if hs <= 64 else 1
-    rows = 64 * mt
-    if kind == "fwd":                      # ring: K, V tiles of bc keys; Q staged -> registers
-        bc = 64 if hs <= 64 else 32
-        ns, stage, resident, areg = 3, 2 * bc * ld, rows * ld, True
+    mt = 2 if hs <= (32 if x3 else 64) else 1
+    if kind == "fwd":                      # ring: K, V tiles of bc keys; Q staged -> registers (or resident)
+        bc = (32 if hs <= 64 else 16) if x3 else (64 if hs <= 64 else 32)
+        ns, stage, resident, areg = 3, 2 * bc * ld, 64 * mt * ld, not x3 or hs <= 64
     elif kind == "dq":                     # ring: K, V tiles of bc keys; resident Q, dO
         bc = 32 if hs <= 64 else 16
-        areg = hs * mt <= 64
-        ns, stage, resident = (3 if areg else 2), 2 * bc * ld, 2 * rows * ld
+        areg = not x3 and hs * mt <= 64
+        ns = (3 if hs <= 64 else 2) if x3 else (3 if areg else 2)
+        stage, resident = 2 * bc * ld, 2 * 64 * mt * ld
     elif kind == "dkv":                    # ring: Q, dO tiles of 16 queries + lse, D; resident K, V
         bq = 16
-        areg = hs * mt <= 64
-        ns, stage, resident = (3 if hs <= 64 else 2), 2 * bq * ld + 2 * bq, 2 * rows * ld
+        areg = not x3 and hs * mt <= 64
+        ns, stage, resident = (3 if hs <= 64 else 2), 2 * bq * ld + 2 * bq, 2 * 64 * mt * ld
     else:
         raise ValueError(kind)
     n = max(ns * stage, stage + resident) if areg else ns * stage + resident
-    return {"rows": rows, "smem": 4 * n}
+    return {"rows": 64 * mt, "smem": 4 * n}
 
 
 def flash_dkv_wg_plan(hs: int) -> dict:
@@ -279,11 +290,12 @@ def flash_dkv_wg_plan(hs: int) -> dict:
     return {"rows": 64, "smem": 2 * kv + 2 * (2 * qt + 1024) + 1024}
 
 
-def flash_smem_bytes(kind: str, hs: int, tc: bool) -> int:
-    """Dynamic shared memory of a flash kernel; mirrors FaSmem (fp32) and the Fa*Tc plans (tf32) in
-    flash_attention.cu (which trap if they get less)."""
-    if tc:
-        return flash_tc_plan(kind, hs)["smem"]
+def flash_smem_bytes(kind: str, hs: int, path: str) -> int:
+    """Dynamic shared memory of a flash kernel of the fused `path` (flash | flash_tc | flash_3x);
+    mirrors FaSmem (FFMA) and the Fa*Tc plans (tf32, 3xTF32) in flash_attention.cu (which trap if
+    they get less)."""
+    if path != "flash":
+        return flash_tc_plan(kind, hs, _x3(path))["smem"]
     ld = hs + 4
     bkf = 32 if hs >= 128 else 64          # FaTiles::BKF: key tile of fwd / dq
     bqb = 32                               # FaTiles::BQB: query tile of dkv
@@ -299,11 +311,17 @@ def flash_smem_bytes(kind: str, hs: int, tc: bool) -> int:
     return 4 * n
 
 
-def flash_rows(kind: str, hs: int, tc: bool) -> int:
-    """Rows (queries for fwd / dq, keys for dkv) of one block of a flash kernel."""
-    if tc:
-        return flash_tc_plan(kind, hs)["rows"]
+def flash_rows(kind: str, hs: int, path: str) -> int:
+    """Rows (queries for fwd / dq, keys for dkv) of one block of a flash kernel of the fused `path`."""
+    if path != "flash":
+        return flash_tc_plan(kind, hs, _x3(path))["rows"]
     return FLASH_BK if kind == "dkv" else FLASH_BQ
+
+
+def _x3(path: str) -> bool:
+    if path not in FLASH_PATHS:
+        raise ValueError(f"unknown fused attention path {path!r} (one of {FLASH_PATHS})")
+    return path == "flash_3x"
 
 
 def _fused_check(hs, *views):
@@ -314,19 +332,23 @@ def _fused_check(hs, *views):
         raise ValueError("fused attention needs 16-byte aligned qkv / y / dy / dqkv")
 
 
-def _flash_name(kind: str, tc: bool, hs: int, p: float) -> str:
-    return f"flash_{kind}{'_tc' if tc else ''}<{hs},{'true' if float(p) > 0 else 'false'}>"
+_FLASH_SUFFIX = {"flash": "", "flash_tc": "_tc", "flash_3x": "_x3"}     # the kernels of each fused path
 
 
-def _fused_fwd(rt, y, qkv, lse, n_head, p, site, tc):
+def _flash_name(kind: str, path: str, hs: int, p: float) -> str:
+    _x3(path)
+    return f"flash_{kind}{_FLASH_SUFFIX[path]}<{hs},{'true' if float(p) > 0 else 'false'}>"
+
+
+def _fused_fwd(rt, y, qkv, lse, n_head, p, site, path):
     B, T, C, H, hs = _split(qkv, n_head)
     _fused_check(hs, qkv, y)
     lse = _view(lse, (B, H, T))
-    fn = rt.function(FLASH_FILE, _flash_name("fwd", tc, hs, p))
-    br = flash_rows("fwd", hs, tc)
+    fn = rt.function(FLASH_FILE, _flash_name("fwd", path, hs, p))
+    br = flash_rows("fwd", hs, path)
     rt.launch(fn, (B * H, cdiv(T, br)), (FLASH_THREADS,),
               [y, lse, qkv] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
-              smem=flash_smem_bytes("fwd", hs, tc), label="flash_fwd")
+              smem=flash_smem_bytes("fwd", hs, path), label="flash_fwd")
 
 
 def rowsum_do(rt, D, dy, y, B, T, H, hs):
@@ -337,24 +359,27 @@ def rowsum_do(rt, D, dy, y, B, T, H, hs):
               (ROWSUM_THREADS,), [D, dy, y, i32(rows), i32(T), i32(H)], label="flash_rowsum_do")
 
 
-def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, tc, wg=False):
-    """tc: the tensor-core kernels; wg: dK / dV on warpgroup MMA (flash_bwd_dkv_wg: sm_90a, tc only,
-    head sizes FLASH_WG_HEAD_SIZES)."""
+def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, path, wg=False):
+    """path: the fused path's kernels (flash | flash_tc | flash_3x); wg: dK / dV on warpgroup MMA
+    (flash_bwd_dkv_wg: sm_90a, flash_tc only, head sizes FLASH_WG_HEAD_SIZES)."""
+    if wg and path != "flash_tc":
+        raise ValueError(f"flash_bwd_dkv_wg is a flash_tc kernel, not one of {path}")
     B, T, C, H, hs = _split(qkv, n_head)
     _fused_check(hs, qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))
     rowsum_do(rt, D, dy, y, B, T, H, hs)
     args = [dqkv, qkv, dy, lse, D] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
-    bq = flash_rows("dq", hs, tc)
-    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", tc, hs, p)),
+    bq = flash_rows("dq", hs, path)
+    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", path, hs, p)),
               (B * H, cdiv(T, bq)), (FLASH_THREADS,), args,
-              smem=flash_smem_bytes("dq", hs, tc), label="flash_bwd_dq")
+              smem=flash_smem_bytes("dq", hs, path), label="flash_bwd_dq")
     if wg:
         plan = flash_dkv_wg_plan(hs)
         name = f"flash_bwd_dkv_wg<{hs},{'true' if float(p) > 0 else 'false'}>"
         bk, smem = plan["rows"], plan["smem"]
     else:
-        name, bk, smem = _flash_name("bwd_dkv", tc, hs, p), flash_rows("dkv", hs, tc), flash_smem_bytes("dkv", hs, tc)
+        name, bk, smem = (_flash_name("bwd_dkv", path, hs, p), flash_rows("dkv", hs, path),
+                          flash_smem_bytes("dkv", hs, path))
     rt.launch(rt.function(FLASH_FILE, name), (B * H, cdiv(T, bk)), (FLASH_THREADS,), args,
               smem=smem, label="flash_bwd_dkv")
