@@ -98,7 +98,7 @@ def test_gemm_aT_is_bounded(cfg):
     head = (cfg.vocab_size + cfg.n_embd) * -(-K // gemm.HEAD_SLABS)
     assert ws["gemm_aT"] == max(5 * cfg.n_embd * K, head)
     assert ws["gemm_aT"] < (cfg.vocab_size + cfg.n_embd) * K or cfg.vocab_size < 4 * cfg.n_embd
-    assert ws["gemm_aT"] * 4 <= 420e6
+    assert ws["gemm_aT"] * 4 <= 840e6           # GPT-2: half the head's 1.67 GB (the logits are 1.65 GB)
     s = gemm.transpose_a_slab(cfg.vocab_size, cfg.n_embd, K, False, ws["gemm_aT"])
     assert s * gemm.HEAD_SLABS >= K or cfg.vocab_size < 4 * cfg.n_embd    # the head in <= HEAD_SLABS slabs
     assert "gemm_aT" in gemm.WGMMA_WORKSPACES

@@ -308,7 +308,7 @@ def _weight_grad_shapes(cfg):
     return shapes
 
 
-HEAD_SLABS = 4
+HEAD_SLABS = 2
 
 
 def workspace(cfg) -> dict:
