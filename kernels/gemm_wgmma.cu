@@ -46,17 +46,26 @@ __device__ __forceinline__ void wg_mma3_step(float (&d)[BN / 2], unsigned a, uns
 // The number of 32-wide k tiles of the block's k range (GemmBlock, gemm_epilogue.cuh).
 __device__ __forceinline__ int wg_k_tiles(int klen) { return klen > 0 ? (klen + GEMM_WG_BK - 1) / GEMM_WG_BK : 0; }
 
+// gemm_wgmma_ra's row permutation: accumulator (and register-A fragment) rows 16 w + g and 16 w + g + 8
+// of warp w, lane 4 g + q, hold the warpgroup's rows ra_row(w, g) and ra_row(w, g) + 1 of the tile.
+// Any bijection would do (a row's products do not mix with other rows'); this one makes the
+// fragment loads from the MN-major, 128-byte swizzled A tile 8-byte loads without bank conflicts
+// (ra_frag_offsets).
+__device__ __forceinline__ int ra_row(int w, int g) { return 16 * (g >> 1) + 4 * w + 2 * (g & 1); }
+
 // Epilogue of both kernels: the warpgroup's accumulators (layout of wg_mma_tf32) through the shared
 // epilogue helpers. Lanes q and q ^ 1 swap halves so that each thread holds 4 consecutive columns:
 // even q keeps row g, columns 2q .. 2q + 3 of each n8 block; odd q gets row g + 8, 2 (q - 1) .. + 3.
-template <int BM, int BN, int EPI, bool HAS_BIAS>
+// RA (gemm_wgmma_ra): the accumulator rows are the register-A fragments' permuted rows (ra_row).
+template <int BM, int BN, int EPI, bool HAS_BIAS, bool RA = false>
 __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], float* C, float* aux, const float* bias,
                                               int M, int N, int ldc, long long sC, int m0, int n0, float alpha) {
     const int tid = threadIdx.x;
     const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, q = lane & 3;
     const bool odd = q & 1;
-    const int r = m0 + wg * 64 + warp * 16 + g + (odd ? 8 : 0);
+    int r = m0 + wg * 64 + warp * 16 + g + (odd ? 8 : 0);
+    if constexpr (RA) r = m0 + wg * 64 + ra_row(warp, g) + (odd ? 1 : 0);
     const int c0 = n0 + 2 * (q & 2);
     const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS>(C, aux, bias, ldc, sC);
     const bool interior = vec && m0 + BM <= M && n0 + BN <= N;
@@ -74,6 +83,34 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], float*
         const int c = c0 + 8 * j;
         gemm_store4_once<EPI, HAS_BIAS>(C, aux, bias, r, c, M, N, ldc, alpha,
                                         interior || (vec && r < M && c + 3 < N), v);
+    }
+}
+
+// gemm_wgmma_ra with TC: the tile stored transposed, C[c * ldc + r] = alpha * acc(r, c) for r < M, c < N
+// (no epilogue: the weight gradient out = P^T of the product P the kernel computes, or its split-K
+// partials). A thread holds rows r0 and r0 + 1 (ra_row) of its columns: one 8-byte store per column.
+template <int BN>
+__device__ __forceinline__ void ra_store_t(const float (&acc)[BN / 2], float* C, int M, int N, int ldc, int m0,
+                                           int n0, float alpha) {
+    const int tid = threadIdx.x;
+    const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int r0 = m0 + wg * 64 + ra_row(warp, lane >> 2), q = lane & 3;
+    const bool pair = ((ldc & 1) | (reinterpret_cast<unsigned long long>(C) & 7)) == 0 && r0 + 1 < M;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int c = n0 + 8 * j + 2 * q + e;
+            if (c >= N) continue;
+            float* p = C + (long long)c * ldc + r0;
+            const float v0 = alpha * acc[4 * j + e], v1 = alpha * acc[4 * j + 2 + e];
+            if (pair) {
+                *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+            } else {
+                if (r0 < M) p[0] = v0;
+                if (r0 + 1 < M) p[1] = v1;
+            }
+        }
     }
 }
 
@@ -320,6 +357,30 @@ __device__ __forceinline__ void tma_load_split(int lane, unsigned bar, unsigned 
         : "memory");
 }
 
+// gemm_wgmma_ra's copies (lane 0 only, converged as above): expect `bytes` on bar, then the NA boxes
+// {32 m, 32 k} of the MN-major A map (128-byte swizzle) at (m0 + 32 j, k0) into dsta + 4096 j, then
+// the box of map b at {b0, b1} into dstb.
+template <int NA>
+__device__ __forceinline__ void tma_load_ra(int lane, unsigned bar, unsigned bytes, unsigned dsta, const TmaMap* mapa,
+                                            int m0, int k0, unsigned dstb, const TmaMap* mapb, int b0, int b1,
+                                            int batch) {
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
+                 "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n}\n" ::"r"(lane), "r"(bar), "r"(bytes)
+                 : "memory");
+#pragma unroll
+    for (int j = 0; j < NA; ++j)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
+            "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3, {%4, %5, %6}], [%1];\n}\n"
+            ::"r"(lane), "r"(bar), "r"(dsta + 4096 * j), "l"(reinterpret_cast<unsigned long long>(mapa)), "r"(m0 + 32 * j),
+              "r"(k0), "r"(batch) : "memory");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3, {%4, %5, %6}], [%1];\n}\n"
+        ::"r"(lane), "r"(bar), "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(b0), "r"(b1), "r"(batch)
+        : "memory");
+}
+
 // PRODUCTS = 3: fp32 accuracy from three TF32 products (3xTF32). A and B arrive split, hi and lo
 // (tensor maps {K, rows, 2}, batch 1); each slot holds A hi, A lo, B hi, B lo and every k step
 // issues lo x hi, hi x lo, then hi x hi into the same accumulators (smallest terms first).
@@ -471,17 +532,96 @@ struct WsTile {
     }
 };
 
+// The register-A operand of gemm_wgmma_ra: a consumer thread's fragments of one k tile (4 k steps x
+// the 4 values of wg_mma_tf32_rs), loaded from the slot's MN-major A tile: BM / 32 boxes of 32 k rows
+// x 32 m (128 bytes), box j at 4096 j, element (k, m) at k * 128 + (((m / 4) ^ (k % 8)) * 16) +
+// (m % 4) * 4 (the copy engine's 128-byte swizzle). Thread (w, g, q) of warpgroup wg holds rows
+// ra_row(w, g) (+ 1) of the warpgroup's 64, at k = 8 s + q (+ 4): one 8-byte load per pair of
+// rows, and the 16 lanes of each half warp read 8 distinct 16-byte chunks (4 (g / 2 % 2) + w, xor q
+// or q + 4) in 4 rows: no bank conflict. Two buffers a and b (k tiles of even and odd index).
+struct RaFrags {
+    unsigned a[16], b[16];
+    unsigned off, c0, c1;         // the thread's byte offset in a slot's A tile, its chunk terms
+    int row;                      // ra_row of the thread, within the warpgroup's 64 rows
+    __device__ __forceinline__ void init(int wg, int wt) {
+        const int w = wt >> 5, lane = wt & 31, g = lane >> 2, q = lane & 3;
+        row = ra_row(w, g);
+        const int m = row & 31, box = (wg * 64 + row) >> 5;
+        off = box * 4096 + q * 128 + (m & 3) * 4;
+        c0 = ((m >> 2) ^ q) << 4;
+        c1 = ((m >> 2) ^ (q + 4)) << 4;
+    }
+    // k tile at slot address sa (A) and b_t (B, K-major swizzled): the fragments into f, then the 4
+    // register-A wgmma into acc, committed as one group (not waited for); SUM: cs[0..1] += the
+    // fragments' rows over the tile's k.
+    template <int BN, bool SUM>
+    __device__ __forceinline__ void k_tile(float (&acc)[BN / 2], unsigned (&f)[16], unsigned sa, unsigned b_t,
+                                           bool sum_here, float (&cs)[2]) {
+        const unsigned p = sa + off;
+#pragma unroll
+        for (int s = 0; s < GEMM_WG_BK / 8; ++s) {
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(f[4 * s]), "=r"(f[4 * s + 1]) : "r"(p + 1024 * s + c0));
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                         : "=r"(f[4 * s + 2]), "=r"(f[4 * s + 3]) : "r"(p + 1024 * s + 512 + c1));
+        }
+        if constexpr (SUM) {
+            if (sum_here) {
+#pragma unroll
+                for (int s = 0; s < GEMM_WG_BK / 8; ++s) {
+                    cs[0] += __uint_as_float(f[4 * s]) + __uint_as_float(f[4 * s + 2]);
+                    cs[1] += __uint_as_float(f[4 * s + 1]) + __uint_as_float(f[4 * s + 3]);
+                }
+            }
+        }
+        wg_fence_acc(acc);
+        wg_fence();
+#pragma unroll
+        for (int s = 0; s < GEMM_WG_BK / 8; ++s) {
+            const unsigned fr[4] = {f[4 * s], f[4 * s + 1], f[4 * s + 2], f[4 * s + 3]};
+            wg_mma_tf32_rs<BN>(acc, fr, wg_desc(b_t + 32 * s));
+        }
+        wg_commit();
+        wg_fence_acc(acc);
+    }
+    // The row sums of rows m0 + row (+ 1): the 4 lanes of a row (q) added pairwise (q ^ 1, then q ^ 2),
+    // lane q = 0 writing the rows inside M.
+    __device__ __forceinline__ void colsum_out(const float (&cs)[2], float* out, int m0, int M) const {
+        float s0 = cs[0], s1 = cs[1];
+        s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+        s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+        if ((threadIdx.x & 3) == 0) {
+            if (m0 + row < M) out[m0 + row] = s0;
+            if (m0 + row + 1 < M) out[m0 + row + 1] = s1;
+        }
+    }
+};
+
+template <bool RA> struct RaOf { using T = RaFrags; };
+template <> struct RaOf<false> { struct T {}; };      // (no fragments: the kernels without RA keep their code)
+
 // The consumer warpgroups of the warp-specialized kernels: for each of the block's output tiles,
 // wait for each k tile's slot (full), its 4 wgmma, release the slot of the k tile before once its
 // group is done (empty), then the epilogue from the accumulators. PRODUCTS = 3 (3xTF32, the slot
 // holds the hi tiles of A and B, then their lo tiles HALF bytes on): each k tile's 12 wgmma go into
 // its own partial (the first with scale-d 0), whose group is waited for at once, so the tile's slot
 // is released before the partial is added into the sum on the FMA pipe (as in gemm_wgmma_tma).
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS = 1>
+//
+// RA (gemm_wgmma_ra): the slot's A tile is MN-major ([BM / 32] boxes of [32 k][32 m], 128-byte
+// swizzle); each k tile's fragments come from it by ra_load (two buffers, so the loads of k tile kt
+// do not wait for the group of kt - 1 that reads the other) and go to the register-A wgmma. CSUM (RA):
+// the consumers also sum A's fragments per row over the tile's k range and, in the tiles of the
+// first column tile, write colsum[z, m] (the lanes of a row added in one order: deterministic).
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS = 1, bool RA = false, bool CSUM = false,
+          bool TC = false>
 __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, float* C, float* aux,
                                            const float* bias, int M, int N, int K, int ldc, long long sC,
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
-                                           int total) {
+                                           int total, float* colsum = nullptr) {
+    static_assert(!RA || PRODUCTS == 1, "register A: TF32, one product");
+    static_assert(!CSUM || RA, "the consumers' column sums read register-A fragments");
+    static_assert(!TC || (RA && EPI == GEMM_EPI_NONE && !HAS_BIAS), "the transposed store: gemm_wgmma_ra, no epilogue");
     constexpr int A_BYTES = BM * 128;
     constexpr int HALF = (BM + BN) * 128;
     constexpr int STAGE_BYTES = (PRODUCTS == 3 ? 2 : 1) * HALF;
@@ -491,10 +631,14 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     float acc[BN / 2];
     float part[PRODUCTS == 3 ? BN / 2 : 1];
     WgBias<BN, WG * 128, HAS_BIAS> tile_bias;
+    typename RaOf<RA>::T ra;
+    if constexpr (RA) ra.init(wg, wt);
     int it = 0, tn = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles(tl.klen);
+        const bool sum_here = CSUM && tl.n0 == 0;        // (uniform in the block)
+        float cs[2] = {0.f, 0.f};
         float* aux_z = aux;
         if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
         tile_bias.fetch(bias, tl.n0, N, threadIdx.x);
@@ -519,6 +663,14 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 mbar_arrive(empty0 + 8 * s);
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
+            } else if constexpr (RA) {
+                // fragments into the buffer the group before last read (it is done: wg_wait<1> below)
+                if (kt & 1)
+                    ra.k_tile<BN, CSUM>(acc, ra.b, sa, b_t, sum_here, cs);
+                else
+                    ra.k_tile<BN, CSUM>(acc, ra.a, sa, b_t, sum_here, cs);
+                wg_wait<1>();
+                if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
             } else {
                 wg_fence_acc(acc);
                 wg_fence();
@@ -530,6 +682,9 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 wg_wait<1>();             // the group of the k tile before is done: release its slot
                 if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
             }
+        }
+        if constexpr (CSUM) {
+            if (sum_here) ra.colsum_out(cs, colsum + (long long)tl.z * M, tl.m0 + wg * 64, M);
         }
         if constexpr (PRODUCTS == 1) {
             wg_wait<0>();
@@ -543,7 +698,11 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         // leaves no more room than that beside its 224 KB of slots.
         const float* bias_t = tile_bias.put(ws_bias + (tn & 1) * BN, bias, tl.n0, threadIdx.x);
         if constexpr (HAS_BIAS) asm volatile("bar.sync 2, %0;\n" ::"n"(WG * 128) : "memory");
-        wg_store_tile<BM, BN, EPI, HAS_BIAS>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC, tl.m0, tl.n0, alpha);
+        if constexpr (TC)
+            ra_store_t<BN>(acc, C + tl.z * sC, M, N, ldc, tl.m0, tl.n0, alpha);
+        else
+            wg_store_tile<BM, BN, EPI, HAS_BIAS, RA>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC, tl.m0, tl.n0,
+                                                      alpha);
     }
 }
 
@@ -578,9 +737,12 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
     int M, int N, int K, int ldc, long long sC, float alpha, int splits, int k_chunk, int zs,      \
     float* colsum                           /* COLSUM (mn, 3_ws with MN_A): [splits, M], else unused */
 
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ws(WS_ARGS) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The body of gemm_wgmma_ws and of gemm_wgmma_ra with a K-major B (RA: A's k tile as BM / 32 MN-major
+// boxes, tma_load_ra; CSUM: the consumers' column sums of A, RaFrags; TC: ra_store_t).
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool RA = false, bool CSUM = false, bool TC = false>
+__device__ __forceinline__ void ws_gemm(float* C, float* aux, const TmaMap* mapA, const TmaMap* mapB,
+                                        const float* bias, int M, int N, int K, int ldc, long long sC, float alpha,
+                                        int splits, int k_chunk, int zs, float* colsum) {
     constexpr int WG = BM / 64;                         // consumer warpgroups; warpgroup WG loads
     constexpr int A_BYTES = BM * 128;
     constexpr int STAGE_BYTES = (BM + BN) * 128;
@@ -608,15 +770,26 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ws(WS_ARGS)
                     if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
                     const unsigned sa = smem0 + s * STAGE_BYTES;
                     const int k0 = tl.kb0 + kt * GEMM_WG_BK;
-                    tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, k0, tl.m0, sa + A_BYTES, &mapB, k0, tl.n0,
-                                  tl.batch);
+                    if constexpr (RA)
+                        tma_load_ra<BM / 32>(lane, full0 + 8 * s, STAGE_BYTES, sa, mapA, tl.m0, k0, sa + A_BYTES, mapB,
+                                             k0, tl.n0, tl.batch);
+                    else
+                        tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, mapA, k0, tl.m0, sa + A_BYTES, mapB, k0,
+                                      tl.n0, tl.batch);
                 }
             }
         }
         return;
     }
-    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS>(smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits,
-                                              k_chunk, per_z, tiles_n, total);
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC>(smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC,
+                                                               alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
+}
+
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ws(WS_ARGS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
+                                           colsum);
 #else
     __trap();
 #endif
@@ -731,7 +904,7 @@ __device__ __forceinline__ void ws_colsum_out(const float (&cs)[R / 32], float* 
 // the tiles of the first column tile (n0 = 0) into colsum[split, m] (ws_colsum_out), for
 // elementwise.cu's sum_rows to add the splits in order.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, int PRODUCTS,
-          bool COLSUM = false>
+          bool COLSUM = false, bool RA = false>
 __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap* mapA, const TmaMap* mapB,
                                              const float* bias, int M, int N, int K, int ldc, long long sC,
                                              float alpha, int splits, int k_chunk, int zs, float* colsum) {
@@ -742,9 +915,10 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
     constexpr bool SPLIT = PRODUCTS == 3;
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 16 == 0 && BN <= 256, "wgmma tiles, TMA boxes <= 256");
     static_assert(STAGES >= 3, "a slot is refilled after the consumers issued the k tile after it");
-    static_assert(PRODUCTS == 3 || (MN_A && MN_B), "TF32: the as-stored weight gradient only");
-    static_assert(!COLSUM || MN_A, "column sums of an MN-major A");
-    __shared__ float ws_red[COLSUM ? BM : 1];
+    static_assert(PRODUCTS == 3 || (MN_A && MN_B) || (RA && MN_B && !MN_A), "TF32: the as-stored weight gradient only");
+    static_assert(!COLSUM || MN_A || RA, "column sums of an MN-major A");
+    constexpr bool PSUM = COLSUM && !RA;                        // the producers' sums (RA: the consumers')
+    __shared__ float ws_red[PSUM ? BM : 1];
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[3 * STAGES];    // full, empty, staged
@@ -777,8 +951,12 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
             if (ld >= STAGES) mbar_wait(empty0 + 8 * s, ((ld / STAGES) - 1) & 1);
             const unsigned st = smem0 + s * STAGE_BYTES;
             const int k0 = lkb0 + lkt * GEMM_WG_BK;     // MN maps' coordinates (row, k); K-major (k, row)
-            tma_load_pair(lane, staged0 + 8 * s, HALF, st, mapA, MN_A ? lm0 : k0, MN_A ? k0 : lm0, st + A_BYTES,
-                          mapB, MN_B ? ln0 : k0, MN_B ? k0 : ln0, lbatch);
+            if constexpr (RA)
+                tma_load_ra<BM / 32>(lane, staged0 + 8 * s, HALF, st, mapA, lm0, k0, st + A_BYTES, mapB,
+                                     MN_B ? ln0 : k0, MN_B ? k0 : ln0, lbatch);
+            else
+                tma_load_pair(lane, staged0 + 8 * s, HALF, st, mapA, MN_A ? lm0 : k0, MN_A ? k0 : lm0, st + A_BYTES,
+                              mapB, MN_B ? ln0 : k0, MN_B ? k0 : ln0, lbatch);
             ++ld;
             if (++lkt == lnk) {
                 lkt = 0;
@@ -791,30 +969,31 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
             for (int i = 0; i < STAGES - 1; ++i) stage_next();
         }
         int it = 0;
-        float cs[COLSUM ? BM / 32 : 1];
+        float cs[PSUM ? BM / 32 : 1];
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
             const int nk = wg_k_tiles(tl.klen);
 #pragma unroll
-            for (int j = 0; j < (COLSUM ? BM / 32 : 1); ++j) cs[j] = 0.f;
+            for (int j = 0; j < (PSUM ? BM / 32 : 1); ++j) cs[j] = 0.f;
             for (int kt = 0; kt < nk; ++kt, ++it) {
                 const int s = it % STAGES;
                 mbar_wait(staged0 + 8 * s, (it / STAGES) & 1);
                 unsigned char* slot = base + s * STAGE_BYTES;
-                if constexpr (MN_A || SPLIT) ws_prepare<BM, MN_A, SPLIT, HALF, COLSUM>(slot, pt, cs);
+                if constexpr (MN_A || SPLIT) ws_prepare<BM, MN_A, SPLIT, HALF, PSUM>(slot, pt, cs);
                 if constexpr (MN_B || SPLIT) ws_prepare<BN, MN_B, SPLIT, HALF>(slot + A_BYTES, pt);
                 wg_fence_async_smem();                        // the stores, into the async proxy
                 mbar_arrive(full0 + 8 * s);
                 if (pt < 32) stage_next();                    // k tile it + STAGES - 1, where it - 1 was
             }
-            if constexpr (COLSUM) {
+            if constexpr (PSUM) {
                 if (tl.n0 == 0) ws_colsum_out<BM>(cs, ws_red, colsum + (long long)tl.z * M, tl.m0, M, pt);
             }
         }
         return;
     }
-    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS>(smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha,
-                                                        splits, k_chunk, per_z, tiles_n, total);
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS, RA, RA && COLSUM>(smem0, full0, empty0, C, aux, bias, M, N, K,
+                                                                         ldc, sC, alpha, splits, k_chunk, per_z,
+                                                                         tiles_n, total, colsum);
 }
 
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool COLSUM = false>
@@ -832,6 +1011,37 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma3_ws(WS_ARGS
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC,
                                                                        alpha, splits, k_chunk, zs, colsum);
+#else
+    __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemm_wgmma_ra: C = A^T B^T with A stored [batch, K, M] (MN-major: a weight gradient's dY as it
+// lies) read through registers (register-A wgmma), and B [batch, N, K] K-major (MN_B = false: the
+// TMA kernel's swizzled tile; the launcher transposes a B stored [K, N] first) or, MN_B, B stored
+// [batch, K, N] turned K-major by the producer warpgroup (ws_turn_gemm). A's k tile arrives as
+// BM / 32 boxes {32 m, 32 k} in the 128-byte swizzle (tensor map {M, K, batch}, 128 bytes of m
+// inner); the consumers load their fragments from it (RaFrags) with rows permuted (ra_row), which
+// the epilogue undoes. No transposing pass over A and no producer work on it: the weight
+// gradients' A^T transposes of the transposing plans go away. COLSUM: the consumers sum A's
+// fragments per row (the bias gradient's partials, colsum[split, m], as gemm_wgmma_mn's). TC (no
+// epilogue, B K-major): C is stored transposed, C[n * ldc + m] (ra_store_t): the launcher runs a
+// weight gradient dW = dY^T X whose X is the larger operand as dW^T = X^T dY, X through registers.
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_B, bool COLSUM = false, bool TC = false>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ra(WS_ARGS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(!(TC && (MN_B || COLSUM)), "the transposed store: B K-major, no column sums");
+    if constexpr (TC)
+        ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, false, true>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
+                                                                  splits, k_chunk, zs, colsum);
+    else if constexpr (MN_B)
+        ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, true, 1, COLSUM, true>(C, aux, &mapA, &mapB, bias, M, N, K,
+                                                                                  ldc, sC, alpha, splits, k_chunk, zs,
+                                                                                  colsum);
+    else
+        ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
+                                                             splits, k_chunk, zs, colsum);
 #else
     __trap();
 #endif

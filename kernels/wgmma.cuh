@@ -86,6 +86,8 @@ __device__ __forceinline__ void wg_mma_tf32_rs(float (&d)[N / 2], const unsigned
 WG_MMA_TF32_RS(32, WG_REGS_16, 16, 17, 18, 19, 20, 21, WG_ACC8(0), WG_ACC8(8))
 WG_MMA_TF32_RS(64, WG_REGS_0, 32, 33, 34, 35, 36, 37, WG_ACC32(0))
 WG_MMA_TF32_RS(128, WG_REGS_0 ", " WG_REGS_1, 64, 65, 66, 67, 68, 69, WG_ACC32(0), WG_ACC32(32))
+WG_MMA_TF32_RS(192, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2, 96, 97, 98, 99, 100, 101, WG_ACC32(0), WG_ACC32(32),
+               WG_ACC32(64))
 #undef WG_MMA_TF32_RS
 #undef WG_MMA_TF32
 #undef WG_ACC32

@@ -119,6 +119,12 @@ def _wgmma_pipeline_names():
     names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]      # every loader
     names += [gemm.FAMILIES["wgmma_mn"].kernel(t, True, False, gemm.EPI_RESID, True, True)     # dW as stored
               for t in gemm.WGMMA_MN_TILES]
+    # A through registers (two fragment buffers): B K-major with column sums, B turned, C stored transposed
+    names += [gemm.FAMILIES["wgmma_ra"].colsum_kernel(t, True, True) for t in gemm.WGMMA_RA_TILES]
+    names += [gemm.FAMILIES["wgmma_ra_mn"].kernel(t, True, False, gemm.EPI_RESID, False, True)
+              for t in gemm.WGMMA_RA_MN_TILES]
+    names += [gemm.FAMILIES["wgmma_ra_t"].kernel(t, True, False, gemm.EPI_NONE, False, True)
+              for t in gemm.WGMMA_RA_T_TILES]
     names += [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]            # 3xTF32
     # 3xTF32 split in shared memory: both operands K-major, and both as stored (turned)
     return names + [gemm.FAMILIES["wgmma3_ws"].kernel(t, ta, tb, gemm.EPI_GELU, True, True)

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from gptcuda.ops.cuda import elementwise, gemm
+from gptcuda.ops.cuda.gemm.families import ra_name
+from gptcuda.ops.cuda.gemm.plan import check_plan
 from gptcuda.runtime import DeviceView
 from tests.conftest import FakeGemmRT, fake_view as _v
 
@@ -376,10 +378,14 @@ class _NumpyRT(FakeGemmRT):
             params = name[name.index("<") + 1:-1].split(",")
             mn = name.startswith("gemm_wgmma_mn")            # A [K, M] and B [K, N] as stored
             mn_a = mn_b = mn
+            ra = name.startswith("gemm_wgmma_ra")             # A [K, M] as stored; MN_B; COLSUM; TC
+            tc = ra and len(params) > 7 and params[7] == "true"
             if name.startswith("gemm_wgmma3_ws"):             # each operand as stored, MN_A / MN_B
                 mn_a, mn_b = params[5] == "true", params[6] == "true"
+            if ra:
+                mn_a, mn_b = True, params[5] == "true"
             epi, hb = int(params[3]), params[4] == "true"
-            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws")):
+            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws", "gemm_wgmma_ra")):
                 C, aux, ma, mb, bias, M, N, K, ldc, sC, alpha, splits, kc = v[:13]
                 (pa, lda), (pb, ldb) = (ma.ptr, ma.ld), (mb.ptr, mb.ld)
             else:
@@ -387,10 +393,11 @@ class _NumpyRT(FakeGemmRT):
                 pa, pb = A.ptr, B.ptr
             a = self._mat(pa, K, M, lda).T if mn_a else self._mat(pa, M, K, lda)
             b = self._mat(pb, K, N, ldb).T if mn_b else self._mat(pb, N, K, ldb)
-            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws"))
+            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws", "gemm_wgmma_ra"))
             colsum = v[14] if persistent else None             # a persistent kernel's last argument
             summed = (mn and len(params) > 5 and params[5] == "true") or \
-                (name.startswith("gemm_wgmma3_ws") and len(params) > 7 and params[7] == "true")
+                (name.startswith("gemm_wgmma3_ws") and len(params) > 7 and params[7] == "true") or \
+                (ra and len(params) > 6 and params[6] == "true")
             if summed:                                          # COLSUM: A's sums, a row per split
                 for z in range(splits):
                     self.at(colsum.ptr + 4 * z * M, M)[:] = a[:, z * kc:(z + 1) * kc].sum(1)
@@ -403,6 +410,11 @@ class _NumpyRT(FakeGemmRT):
                 if epi == gemm.EPI_RESID:
                     acc = acc + self._mat(aux.ptr, M, N, ldc)
                 assert epi in (gemm.EPI_NONE, gemm.EPI_BIAS, gemm.EPI_RESID), name
+                if tc:                                          # C stored transposed: C[c * ldc + r]
+                    assert epi == gemm.EPI_NONE and not hb, name
+                    for c in range(N):
+                        self.at(C.ptr + 4 * (z * sC + c * ldc), M)[:] = acc[:, c]
+                    continue
                 for r in range(M):
                     self.at(C.ptr + 4 * (z * sC + r * ldc), N)[:] = acc[r]
         elif name.startswith("gemm_splitk_reduce"):
@@ -569,6 +581,85 @@ def test_mn_family_competes_only_for_stored_weight_gradients():
     assert "needs" in gemm.plan_unfit(p, "tf32", True, "direct")
     assert "needs" in gemm.plan_unfit(p, "tf32", False, "transpose_ab")
     assert "rt.precision" in gemm.plan_unfit(p, "simt", True, "transpose_ab")
+
+
+RA_PLANS = [("wgmma_ra", t, tb) for t in gemm.WGMMA_RA_TILES for tb in (False, True)] + \
+    [("wgmma_ra_mn", t, False) for t in gemm.WGMMA_RA_MN_TILES] + [("wgmma_ra_t", t, False) for t in gemm.WGMMA_RA_T_TILES]
+
+
+@pytest.mark.parametrize("fam,tile,tb", RA_PLANS, ids=lambda v: v if isinstance(v, str) else
+                         "x".join(map(str, v)) if isinstance(v, tuple) else f"tb{int(v)}")
+@pytest.mark.parametrize("splits,colsum", [(1, False), (3, False), (1, True), (3, True)])
+def test_ra_plan_launches(fam, tile, tb, splits, colsum):
+    """The register-A plans of a weight gradient A^T op(B), A [K, M] as stored, run by numpy stand-ins:
+    wgmma_ra reads A through the swizzled boxes {32, 32} of a map {M, K} and B K-major ([N, K] as
+    stored, or [K, N] transposed into gemm_aT first); wgmma_ra_mn B [K, N] as stored (unswizzled
+    boxes); wgmma_ra_t transposes A into gemm_aT (with the column sums) and runs out^T = B^T A with
+    B through registers, stored transposed (split-K: partials in out's layout). The bias gradient
+    comes from the kernel's consumers (wgmma_ra, wgmma_ra_mn) or the transpose (wgmma_ra_t)."""
+    M, N, K = 68, 36, 740
+    rng = np.random.default_rng(M + N + K + splits + tb + colsum)
+    rt = _NumpyRT(1 << 22)
+    rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_aT": rt.alloc(((M + N) * K,), "gemm_aT"),
+              "bias_partials": rt.alloc((256 * M,), "bias_partials")}
+    maps = []
+    rt.tensor_map = lambda view, dims, strides, box, swizzle=True: (
+        maps.append((tuple(dims), tuple(box), swizzle)) or _NumpyRT.tensor_map(rt, view, dims, strides, box, swizzle))
+    a, b = rng.standard_normal((K, M)), rng.standard_normal((N, K) if tb else (K, N))
+    da, db, out, dbias = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N)), rt.alloc((M,))
+    for view, x in ((da, a), (db, b)):
+        rt.at(view.ptr, x.size)[:] = x.ravel()
+    p = gemm.make_plan(fam, tile, splits, K, transpose_b=fam == "wgmma_ra" and not tb)
+    gemm.matmul(rt, out, da, db, True, tb, plan=p, a_colsum=dbias if colsum else None)
+    names = [n for n, *_ in rt.launches]
+    kern = [n for n in names if n.startswith("gemm_wgmma_ra")]
+    assert len(kern) == 1 and len(names) == 1 + (splits > 1) + (fam != "wgmma_ra_mn" and not tb) + colsum, names
+    if fam == "wgmma_ra_t":        # A^T first, then out^T = B^T A: B [K, N] through registers
+        assert names[0].startswith("gemm_transpose<") and names[0].endswith(f"{str(colsum).lower()}>"), names
+        assert maps == [((N, K, 1), (32, 32, 1), True), ((K, M, 1), (32, tile[1], 1), True)], maps
+        assert kern[0] == ra_name(tile, False, 0, False, tc=True)
+    else:
+        assert maps[0] == ((M, K, 1), (32, 32, 1), True), maps
+        assert maps[1] == (((N, K, 1), (tile[1], 32, 1), False) if fam == "wgmma_ra_mn" else
+                           ((K, N, 1), (32, tile[1], 1), True)), maps
+        assert kern[0] == ra_name(tile, fam == "wgmma_ra_mn", 0, False, colsum=colsum)
+        assert names[0] == kern[0] or names[0] == "gemm_transpose<false, true, false>", names
+    a32 = a.astype(np.float32).astype(np.float64)
+    b32 = b.astype(np.float32).astype(np.float64)
+    want = a32.T @ (b32.T if tb else b32)
+    assert np.abs(rt._mat(out.ptr, M, N, N) - want).max() < 1e-4 * np.abs(want).max()
+    if colsum:
+        assert names[-1] == "sum_rows"
+        assert np.abs(rt.at(dbias.ptr, M) - a32.sum(0)).max() < 1e-5 * np.abs(a32).sum(0).max()
+
+
+def test_ra_families_compete_for_weight_gradients():
+    """The register-A families join the TF32 candidates of A [K, M] products (16-byte aligned) only
+    for epilogues their kernels have and where gemm_aT holds what they re-lay out; a plan is refused
+    elsewhere with its reason."""
+    assert {"wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t"} <= set(gemm.competing("tf32", "transpose_ab", True))
+    assert gemm.competing("tf32", "transpose_a", True)[-1:] == ["wgmma_ra"]      # B [N, K]: no swap, no turn
+    assert not {"wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t"} & set(gemm.competing("tf32", "transpose_ab", False))
+    assert not {"wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t"} & set(gemm.competing("tf32", "direct", True))
+    assert not {"wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t"} & set(gemm.competing("fp32", "transpose_ab", True))
+    assert set(gemm.competing("tf32", "transpose_ab", True, gemm.EPI_RESID)) >= {"wgmma_ra", "wgmma_ra_mn"}
+    assert "wgmma_ra_t" not in gemm.competing("tf32", "transpose_ab", True, gemm.EPI_RESID)
+    assert "wgmma_ra" not in gemm.competing("tf32", "transpose_ab", True, gemm.EPI_BIAS)
+    assert "wgmma_ra" not in gemm.competing("tf32", "transpose_ab", True, ra_bt=False)
+    assert "wgmma_ra_t" not in gemm.competing("tf32", "transpose_ab", True, ra_at=False)
+    assert "wgmma_ra" in gemm.competing("tf32", "transpose_a", True, ra_bt=False)
+    p = gemm.make_plan("wgmma_ra", gemm.WGMMA_RA_TILES[0], 1, 64, transpose_b=True)
+    assert gemm.plan_unfit(p, "tf32", True, "transpose_ab") is None
+    assert "transpose_b" in gemm.plan_unfit(p, "tf32", True, "transpose_a")
+    assert "needs" in gemm.plan_unfit(p, "tf32", True, "direct")
+    assert "needs" in gemm.plan_unfit(p, "tf32", False, "transpose_ab")
+    assert "rt.precision" in gemm.plan_unfit(p, "simt", True, "transpose_ab")
+    q = gemm.make_plan("wgmma_ra_mn", gemm.WGMMA_RA_MN_TILES[0], 1, 64)
+    assert gemm.plan_unfit(q, "tf32", True, "transpose_ab") is None
+    assert "needs" in gemm.plan_unfit(q, "tf32", True, "transpose_a")
+    with pytest.raises(ValueError, match="not compiled for epilogue"):
+        check_plan("x", gemm.make_plan("wgmma_ra_t", gemm.WGMMA_RA_T_TILES[0], 1, 64), "tf32", True, 1, 0,
+                        64, 64, 64, "transpose_ab", epi=gemm.EPI_RESID)
 
 
 @pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False), (True, True)])

@@ -691,7 +691,8 @@ def _check_a_colsum(rt, fam, tile, tbs, part):
     """matmul(dW, dY, X, trans_a, a_colsum=db) on a `fam` plan that sums A [K, M] as it reads it:
     db = dY.sum(0) from one row of partials per split (poisoned before: every row written) added by
     sum_rows, dW bit for bit the plain kernel's. Ragged m / n / k, several m and n tiles (more
-    tiles than blocks in one case), split-K; B [K, N] or, tb, [N, K]."""
+    tiles than blocks in one case), split-K; B [K, N] or, tb, [N, K] (wgmma_ra: B [K, N] transposed
+    first)."""
     cases = [(196, 172, 740, 1), (300, 200, 740, 3), (68, 36, 36, 1), (tile[0] * 11 - 20, tile[1] * 13 - 36, 100, 1),
              (1100, 520, 2000, 2)]
     for i, (M, N, K, splits) in enumerate(cases):
@@ -699,7 +700,7 @@ def _check_a_colsum(rt, fam, tile, tbs, part):
             rng = np.random.default_rng(i)
             a, b = _operands(rng, M, N, K, True, tb)
             da, db = rt.upload(a), rt.upload(b)
-            p = gemm.make_plan(fam, tile, splits, K)
+            p = gemm.make_plan(fam, tile, splits, K, transpose_b=fam == "wgmma_ra" and not tb)
             out, out2, bias = rt.empty((M, N)), rt.empty((M, N)), rt.empty((M,))
             rt.memset(bias, 0x7FC00000)
             rt.memset(part, 0x7FC00000)
@@ -711,17 +712,59 @@ def _check_a_colsum(rt, fam, tile, tbs, part):
             assert rel_err(got, want) < 1e-5, (M, N, K, splits, tb, rel_err(got, want))
 
 
+RA_CASES = [("wgmma_ra", t) for t in gemm.WGMMA_RA_TILES] + [("wgmma_ra_mn", t) for t in gemm.WGMMA_RA_MN_TILES] + \
+    [("wgmma_ra_t", t) for t in gemm.WGMMA_RA_T_TILES]
+
+
 @gpu
-@pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))
-def test_wgmma_mn_a_colsum(rt, _at_buffer, splitk_ws, tile):
-    """The weight gradient's bias gradient from gemm_wgmma_mn's producers (TF32): _check_a_colsum."""
+@pytest.mark.parametrize("fam,tile", [("wgmma_mn", t) for t in gemm.WGMMA_MN_TILES] + RA_CASES,
+                         ids=lambda x: x if isinstance(x, str) else "x".join(map(str, x)))
+def test_tf32_as_stored_a_colsum(rt, _at_buffer, splitk_ws, fam, tile):
+    """The weight gradient's bias gradient (TF32) from gemm_wgmma_mn's producers, gemm_wgmma_ra's
+    consumers, or wgmma_ra_t's A^T transpose: _check_a_colsum (wgmma_ra: B [K, N] and [N, K])."""
     _wgmma_rt(rt)
     old = rt.precision
     rt.precision = "tf32"
     part = rt.empty((256 * 1500,), name="bias_partials")
     try:
         with _at_ws(rt, _at_buffer), _workspaces(rt, bias_partials=part):
-            _check_a_colsum(rt, "wgmma_mn", tile, (False,), part)
+            _check_a_colsum(rt, fam, tile, (False, True) if fam == "wgmma_ra" else (False,), part)
+    finally:
+        rt.precision = old
+
+
+@gpu
+@pytest.mark.parametrize("fam,tile", RA_CASES, ids=lambda x: x if isinstance(x, str) else "x".join(map(str, x)))
+def test_wgmma_ra_tile_forced(rt, splitk_ws, _at_buffer, fam, tile):
+    """dW = A^T @ B with A [K, M] read as stored through registers (gemm_wgmma_ra: fragments from the
+    MN-major swizzled boxes, rows permuted and put back by the epilogue): ragged m (not a multiple
+    of 32: the copy engine's zeros), n and k, the epilogues a weight gradient takes, B [K, N]
+    (wgmma_ra: transposed first into gemm_aT; wgmma_ra_mn: turned by the producers) and, for
+    wgmma_ra, B [N, K] as stored; split-K; more tiles than blocks (each block walks several).
+    wgmma_ra_t: the product out^T = B^T A (B through registers, A^T first) stored transposed, no
+    epilogue."""
+    _wgmma_rt(rt)
+    old = rt.precision
+    rt.precision = "tf32"
+    tbs = (False, True) if fam == "wgmma_ra" else (False,)
+    epis = ("none",) if fam == "wgmma_ra_t" else ("none", "residual_alias", "residual")
+    try:
+        with _at_ws(rt, _at_buffer):
+            for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
+                                           (68, 36, 36), (tile[0] * 12 - 20, tile[1] * 12 - 36, 100)]):
+                for tb in tbs:
+                    p = gemm.make_plan(fam, tile, 1, K, transpose_b=fam == "wgmma_ra" and not tb)
+                    for epi in epis:
+                        _check_matmul(rt, M, N, K, True, tb, epi, seed=i * 10 + len(epi) + tb, plan=p)
+            for tb in tbs:
+                bt = fam == "wgmma_ra" and not tb
+                _check_matmul(rt, 300, 200, 740, True, tb, "none", seed=5,
+                              plan=gemm.make_plan(fam, tile, 3, 740, transpose_b=bt))
+                _check_matmul(rt, 900, 520, 8200, True, tb, "none", seed=6,     # (A^T of wgmma_ra_t: 7.4 M floats)
+                              plan=gemm.make_plan(fam, tile, 1, 8200, transpose_b=bt))
+            with pytest.raises(ValueError, match="not compiled for epilogue"):
+                _check_matmul(rt, 64, 64, 64, True, False, "bias", plan=gemm.make_plan(
+                    fam, tile, 1, 64, transpose_b=fam == "wgmma_ra"))
     finally:
         rt.precision = old
 

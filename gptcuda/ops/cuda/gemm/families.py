@@ -88,6 +88,23 @@ WGMMA_EFFICIENCY = dict(zip(WGMMA_TILES, (1.35, 1.5, 1.5, 1.5, 1.1, 1.4, 1.65, 1
 # room for them).
 WGMMA_MN_TILES = ((128, 128, 7), (128, 192, 5))
 WGMMA_MN_EFFICIENCY = dict(zip(WGMMA_MN_TILES, (0.75, 1.05)))   # measured ~120 / ~170 TFLOP/s (split-K)
+# The weight gradients' products A^T B with A [K, M] as stored read through registers (family
+# "wgmma_ra", kernels/gemm_wgmma.cu gemm_wgmma_ra, MN_B false): (BM, BN, STAGES), the warp-specialized
+# persistent kernel of gemm_wgmma_ws whose consumers load A's fragments from its MN-major swizzled
+# k tiles (register-A wgmma), so A needs no transposing pass; B K-major ([N, K] as stored, or a
+# B [K, N] transposed first into "gemm_aT"). "wgmma_ra_mn" (MN_B true): B [K, N] as stored, turned
+# K-major by the producer warpgroup as in gemm_wgmma_mn (no pass at all). BM 128: a consumer thread
+# holds 96 accumulators and two k tiles' fragments (32) at BN 192.
+WGMMA_RA_TILES = ((128, 128, 4), (128, 192, 4))
+WGMMA_RA_EFFICIENCY = dict(zip(WGMMA_RA_TILES, (1.6, 1.75)))       # modelled as gemm_wgmma_ws's
+WGMMA_RA_MN_TILES = ((128, 128, 7), (128, 192, 5))
+WGMMA_RA_MN_EFFICIENCY = dict(zip(WGMMA_RA_MN_TILES, (1.0, 1.3)))  # between gemm_wgmma_mn's and ws's
+# what a weight gradient's product takes: none (split-K partials, or all of K) or residual (k slabs)
+RA_EPI_COMBOS = ((EPI_NONE, False), (EPI_RESID, False))
+# "wgmma_ra_t": out = A^T B (A [K, M], B [K, N] as stored) run as out^T = B^T A with B through
+# registers and A transposed first (into "gemm_aT", with its column sums), out^T stored transposed
+# (gemm_wgmma_ra's TC): for the weight gradient whose B is the larger operand (dW fcproj = dY^T act).
+WGMMA_RA_T_TILES = WGMMA_RA_TILES
 # the warpgroup-MMA kernels' devices (compiled for sm_90a: compiler.ARCH_SPECIFIC): gptcuda/runtime/execution.py
 # fp32 through three TF32 products (family "wgmma3", the TMA kernel with PRODUCTS = 3): each slot
 # holds hi and lo tiles of both operands, twice a TF32 slot, so fewer stages fit: (BM, BN, STAGES, 1).
@@ -160,6 +177,13 @@ def mn_name(tile, epi, has_bias, colsum=False) -> str:
     return f"gemm_wgmma_mn<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)}{',true' if colsum else ''}>"
 
 
+def ra_name(tile, mn_b, epi, has_bias, colsum=False, tc=False) -> str:
+    """gemm_wgmma_ra's name expression (MN_B: B stored [K, N], turned by the producers); colsum: the
+    variant whose consumers also sum A's fragments (matmul's a_colsum); tc: C stored transposed."""
+    return (f"gemm_wgmma_ra<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)},{_b(mn_b)}"
+            f"{',true' if colsum else ',false,true' if tc else ''}>")
+
+
 def wgmma3_ws_name(tile, ta, tb, epi, has_bias, colsum=False) -> str:
     """gemm_wgmma3_ws's name expression (MN_A = trans_a: A stored [K, M]; MN_B = not trans_b); colsum
     (MN_A only): the variant whose producers also sum A as stored (matmul's a_colsum)."""
@@ -219,6 +243,10 @@ class Family:
     colsum_kernel: Callable | None = None       # (tile, trans_a, trans_b) -> the kernel (epilogue none, one
                                                 # product) that also writes A's column sums as stored
                                                 # (matmul's a_colsum), or None for that layout
+    epis: tuple = EPI_COMBOS      # the (EPI, HAS_BIAS) pairs its kernels are compiled for
+    a_regs: bool = False          # A [K, M] read through registers from MN-major swizzled boxes {32, 32}
+                                  # (wgmma_ra); with layouts ((True, True),) a B [K, N] is transposed first
+    swaps: bool = False           # runs A^T B as (B^T A)^T: A transposed first, B through registers (wgmma_ra_t)
     k_major: bool = False         # A and B K-major only (trans_a False, trans_b True, aligned): other
                                   # layouts are re-laid out first (transpose_b / transpose_a plans)
     layouts: tuple = ()           # (trans_a, trans_b) its kernels read as stored (default: K-major
@@ -229,14 +257,21 @@ class Family:
     split_waves: int = 1          # the cost model tries split-K below this many waves of blocks
     partner: str | None = None    # the warpgroup-MMA family competing on sm_90 (base families)
     mn_partner: str | None = None # the one competing for A^T B as stored (trans_a, not trans_b)
+    ra_partners: tuple = ()       # the register-A ones competing for trans_a products: (B K-major or
+                                  # transposed first, B [K, N] as stored)
     stored_partner: str | None = None   # the one competing for aligned operands in any layout
     base: str = ""                # the base family whose precision a warpgroup-MMA family serves
     needs: str = ""               # what a warpgroup-MMA plan needs (the reason a plan is refused)
 
     @property
     def mn_major(self) -> bool:
-        """Reads A [K, M] and B [K, N] as stored (tensor maps {rows, K, batch}, no swizzle)."""
+        """Reads A [K, M] and B [K, N] as stored (tensor maps {rows, K, batch}; B, and A unless a_regs,
+        unswizzled)."""
         return self.layouts == ((True, False),)
+
+    def runs_epi(self, epi) -> bool:
+        """Whether its kernels are compiled for epilogue code epi (EPI_BIAS: with a bias)."""
+        return any(e == epi for e, _ in self.epis)
 
     @property
     def halves(self) -> int:
@@ -256,6 +291,17 @@ def _wgmma_short(t):
     return f"{t[0]}x{t[1]}s{t[2]}" + ("", "tma", "ws")[t[3]]
 
 
+def _persistent_tf32(name, tiles, efficiency, **kw) -> Family:
+    """A TF32 warp-specialized persistent family of gemm_wgmma.cu reading the weight gradient's A [K, M]
+    as stored (wgmma_mn, wgmma_ra*): BM / 64 consumer warpgroups and a producer's, one block per SM,
+    STAGES slots of (BM + BN) x 128 bytes, TMA; the cost model leaves it to the measured table (no
+    plan_tiles)."""
+    return Family(name, WGMMA_FILE, tiles, (), (), efficiency, TF32_FLOPS_PER_SM,
+                  threads=lambda t: (t[0] // 64 + 1) * 128, blocks_per_sm=lambda t: 1,
+                  smem=lambda t: t[2] * (t[0] + t[1]) * 128 + 1024,
+                  tma=lambda t: True, persistent=lambda t: True, base="tf32", **kw)
+
+
 FAMILIES = {f.name: f for f in (
     Family("simt", SIMT_FILE, SIMT_TILES, SIMT_TILES, SIMT_TILES, SIMT_EFFICIENCY, FFMA_FLOPS_PER_SM,
            threads=_simt_threads,
@@ -273,7 +319,7 @@ FAMILIES = {f.name: f for f in (
            kernel=tf32_name,
            label=lambda t: f"{t[0]}x{t[1]}x{t[2]} w{t[3]}x{t[4]} s{t[5]}",
            short=lambda t: f"{t[0]}x{t[1]}s{t[5]}",
-           partner="wgmma", mn_partner="wgmma_mn"),
+           partner="wgmma", mn_partner="wgmma_mn", ra_partners=("wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t")),
     Family("wgmma", WGMMA_FILE, WGMMA_TILES, WGMMA_TILES, (), WGMMA_EFFICIENCY, TF32_FLOPS_PER_SM,
            threads=wgmma_threads,
            blocks_per_sm=wgmma_blocks_per_sm,
@@ -285,16 +331,35 @@ FAMILIES = {f.name: f for f in (
                  "workspaces"),
     # the cost model does not pick it (no plan_tiles): where it beats the transposing plans (the
     # char model's weight gradients, against mma.sync) is for the measured table to find
-    Family("wgmma_mn", WGMMA_FILE, WGMMA_MN_TILES, (), (), WGMMA_MN_EFFICIENCY, TF32_FLOPS_PER_SM,
-           threads=lambda t: (t[0] // 64 + 1) * 128,
-           blocks_per_sm=lambda t: 1,
-           smem=lambda t: t[2] * (t[0] + t[1]) * 128 + 1024,
-           kernel=lambda t, ta, tb, epi, hb, vec: mn_name(t, epi, hb),
-           colsum_kernel=lambda t, ta, tb: mn_name(t, EPI_NONE, False, colsum=True),
-           label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws mn",
-           short=lambda t: f"{t[0]}x{t[1]}s{t[2]}mn",
-           tma=lambda t: True, persistent=lambda t: True, layouts=((True, False),), base="tf32",
-           needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product"),
+    _persistent_tf32("wgmma_mn", WGMMA_MN_TILES, WGMMA_MN_EFFICIENCY,
+                     kernel=lambda t, ta, tb, epi, hb, vec: mn_name(t, epi, hb),
+                     colsum_kernel=lambda t, ta, tb: mn_name(t, EPI_NONE, False, colsum=True),
+                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws mn",
+                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}mn", layouts=((True, False),),
+                     needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product"),
+    # (as wgmma_mn: the cost model does not pick them; the measured table does where they win)
+    _persistent_tf32("wgmma_ra", WGMMA_RA_TILES, WGMMA_RA_EFFICIENCY,
+                     kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb),
+                     colsum_kernel=lambda t, ta, tb: ra_name(t, False, EPI_NONE, False, colsum=True),
+                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws A in registers",
+                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra", layouts=((True, True),), epis=RA_EPI_COMBOS,
+                     a_regs=True,
+                     needs="sm_90, A^T B with A [K, M] as stored and B [N, K] (or [K, N] transposed first into "
+                           "the gemm_aT workspace), 16-byte aligned, one product"),
+    _persistent_tf32("wgmma_ra_mn", WGMMA_RA_MN_TILES, WGMMA_RA_MN_EFFICIENCY,
+                     kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, True, epi, hb),
+                     colsum_kernel=lambda t, ta, tb: ra_name(t, True, EPI_NONE, False, colsum=True),
+                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws A in registers, B turned",
+                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ramn", layouts=((True, False),), epis=RA_EPI_COMBOS,
+                     a_regs=True,
+                     needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product"),
+    _persistent_tf32("wgmma_ra_t", WGMMA_RA_T_TILES, WGMMA_RA_EFFICIENCY,
+                     kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb, tc=True),
+                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws B in registers, A^T first, out^T",
+                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}rat", layouts=((True, False),),
+                     epis=((EPI_NONE, False),), a_regs=True, swaps=True,
+                     needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product, no "
+                           "epilogue, A^T [M, K] room in the gemm_aT workspace"),
     Family("wgmma3", WGMMA_FILE, WGMMA3_TILES, WGMMA3_TILES, (), WGMMA3_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
            threads=lambda t: t[0] // 64 * 128,
            blocks_per_sm=lambda t: wgmma_blocks_per_sm(t, 3),
@@ -325,7 +390,7 @@ def _variants():
         layouts = fam.layouts or (((False, True),) if fam.k_major else
                                   tuple(itertools.product((False, True), (False, True))))
         for tile, (ta, tb), (epi, hb), vec in itertools.product(
-                fam.tiles, layouts, EPI_COMBOS, (True,) if fam.k_major or fam.layouts else (False, True)):
+                fam.tiles, layouts, fam.epis, (True,) if fam.k_major or fam.layouts else (False, True)):
             if vec or tile in fam.unaligned_tiles:
                 out.append((fam.file, fam.kernel(tile, ta, tb, epi, hb, vec), {}))
         if fam.colsum_kernel is not None:

@@ -11,7 +11,7 @@ from gptcuda.runtime import DeviceView, execution, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPI_RESID, EPILOGUE_CODES,
                                             COLSUM_TRANSPOSE_NAMES, MAX_GRID_Z, REDUCE_THREADS, SIMT_FILE,
                                             SPLIT_NAMES, TRANSPOSE_NAMES, cdiv, reduce_name)
-from gptcuda.ops.cuda.gemm.layout import rt_transpose_a_slab, wgmma_ok, ws_capacity
+from gptcuda.ops.cuda.gemm.layout import at_fits, rt_transpose_a_slab, wgmma_ok, ws_capacity
 from gptcuda.ops.cuda.gemm.plan import Plan, check_plan, has_colsum_kernel
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
 from gptcuda.ops.cuda.gemm.table import tune_key, tuned_plan
@@ -46,8 +46,8 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
     if fam.k_major:
         if ta or not tb or not vec:
             raise AssertionError(f"{label}: the wgmma kernel needs K-major, 16-byte aligned A and B")
-    elif fam.layouts:
-        if (ta, tb) not in fam.layouts or not vec:
+    elif fam.layouts:            # (a swaps family's kernel runs the swapped product: B' K-major)
+        if (ta, tb) not in (((True, True),) if fam.swaps else fam.layouts) or not vec:
             raise AssertionError(f"{label}: the {p.family} kernel needs {fam.needs}")
     elif not vec and p.tile not in fam.unaligned_tiles:
         raise AssertionError(f"{label}: {p.family.upper()} tile {p.tile} has no unaligned variant")
@@ -60,22 +60,28 @@ def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, 
         # batch} with boxes {32, BM or BN} in the 128-byte swizzle, an MN-major one (A [K, M]: trans_a,
         # B [K, N]: not trans_b, read as stored by wgmma_mn / wgmma3_ws) {rows, K, batch}, boxes
         # {BM or BN, 32}, unswizzled
+        # ({M, K, batch}) read through registers (a_regs: gemm_wgmma_ra) comes in boxes {32, 32} in the
+        # 128-byte swizzle
         operands = []
         for x, rows_, ld, stride, box, mn in ((a, M, lda, sA, p.bm, ta), (b, N, ldb, sB, p.bn, not tb)):
             inner, outer = (rows_, K) if mn else (K, rows_)
+            regs = mn and fam.a_regs and x is a
             operands.append(rt.tensor_map(x, (inner, outer, batch), (4 * ld, 4 * max(stride, outer * ld)),
-                                          (box, 32, 1) if mn else (32, box, 1), swizzle=not mn))
+                                          (32, 32, 1) if regs else (box, 32, 1) if mn else (32, box, 1),
+                                          swizzle=regs or not mn))
     if p.splits > 1:
-        # partials: plain store into ws [splits, M, N], then the fixed-order reduction + epilogue
+        # partials: plain store into ws [splits, M, N], then the fixed-order reduction + epilogue (a
+        # swaps kernel stores them transposed: ws [splits, N, M], out's layout, reduced as such)
         fn = rt.function(fam.file, kernel(p.tile, ta, tb, EPI_NONE, False, vec))
         grid = _grid(rt, p, M, N, p.splits)
-        rt.launch(fn, grid, (p.threads,), _gemm_args(p, ws, None, operands, None, M, N, K, lda, ldb, N,
+        rM, rN = (N, M) if fam.swaps else (M, N)
+        rt.launch(fn, grid, (p.threads,), _gemm_args(p, ws, None, operands, None, M, N, K, lda, ldb, rN,
                                                       0, 0, M * N, 1.0, p.splits, p.k_chunk, p.splits, colsum),
                   smem=p.smem, label=f"{label}:splitk{p.splits}")
         rfn = rt.function(SIMT_FILE, reduce_name(epi, has_bias))
         total = M * N
         blocks = max(1, min(cdiv(total, REDUCE_THREADS), rt.info.sm_count * 8))
-        rt.launch(rfn, (blocks,), (REDUCE_THREADS,), [out, aux, ws, bias, i32(M), i32(N), i32(ldc),
+        rt.launch(rfn, (blocks,), (REDUCE_THREADS,), [out, aux, ws, bias, i32(rM), i32(rN), i32(ldc),
                                                       i32(p.splits), f32(alpha)],
                   label=f"{label}:reduce")
         return
@@ -181,8 +187,9 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         key = tune_key(ex.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1, a_colsum is not None)
         p = tuned_plan(rt, key, vec, cap, M, N, wg, ex=ex)
     if p is None:
+        at_cap = ws_capacity(rt, "gemm_aT")[1]
         p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab,
-                       colsum=a_colsum is not None)
+                       colsum=a_colsum is not None, ra_bt=at_fits(N, K, at_cap), ra_at=at_fits(M, K, at_cap))
     if p.transpose_a:
         part = None if a_colsum is None else _colsum_partials(rt, M, K, p.k_slab or K)
         _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label, part)
@@ -191,12 +198,15 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         elif a_colsum is not None:
             elementwise.bias_grad(rt, a_colsum, a)
         return
+    if p.fam.swaps:
+        _matmul_swapped(rt, p, out, a, b, M, N, K, a_colsum, ws, label)
+        return
     stored_a = a                 # (a 3xTF32 plan re-binds a to its split halves)
     if p.fam.split_first:
         a, b = _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label)
         trans_a, trans_b, lda, ldb = False, True, K, K
-    elif p.transpose_b:
-        b, trans_b, ldb = _transpose_b(rt, b, K, N, label), True, K
+    elif p.transpose_b:          # (a register-A plan's B^T, [N, tokens], goes where the A^T slabs would)
+        b, trans_b, ldb = _transpose_b(rt, b, K, N, label, "gemm_aT" if p.fam.a_regs else "gemm_bT"), True, K
     # a kernel that sums A as it reads it (gemm_wgmma_mn, gemm_wgmma3_ws) gives the bias gradient's
     # partials, one row per split; elsewhere bias_grad reads A once more
     part = None
@@ -282,9 +292,26 @@ def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, ep
                      ws=ws, label=label if K == kl else f"{label}:k{k0}")
 
 
-def _transpose_b(rt, b, K, N, label):
-    """B [K, N] -> the workspace "gemm_bT" as [N, K] (the operand of a transpose_b plan)."""
-    bt = _scratch(rt, "gemm_bT", (N, K), label)
+def _matmul_swapped(rt, p: Plan, out, a, b, M, N, K, a_colsum, ws, label):
+    """A swaps plan (wgmma_ra_t) of out [M, N] = a^T b, a [K, M] and b [K, N] as stored, run as the
+    product P = out^T = b^T a: a transposed into "gemm_aT" as [M, K] (a_colsum: its column sums on
+    the way, `_colsum_partials`), b read as stored through registers, P stored transposed into out
+    (split-K: its partials in out's layout, the usual reduction). The weight gradient whose input b
+    is the larger operand (dW fcproj = dY^T act) transposes dY instead of act."""
+    part = None if a_colsum is None else _colsum_partials(rt, M, K, K)
+    at = _scratch(rt, "gemm_aT", (M, K), label)
+    _transpose_into(rt, at, a, K, M, False, label, "A^T", colsum=part)
+    _launch_gemm(rt, p, out, None, b, at, None, N, M, K, N, K, N, 0, 0, M * N, 1.0, True, True, EPI_NONE, False, 1,
+                 ws=ws, label=label)
+    if part is not None:
+        elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
+    elif a_colsum is not None:
+        elementwise.bias_grad(rt, a_colsum, a)
+
+
+def _transpose_b(rt, b, K, N, label, scratch="gemm_bT"):
+    """B [K, N] -> the workspace `scratch` as [N, K] (the operand of a transpose_b plan)."""
+    bt = _scratch(rt, scratch, (N, K), label)
     _transpose_into(rt, bt, b, K, N, False, label)
     return bt
 

@@ -79,6 +79,8 @@ def mode_flags(family, wgmma):
     """(transpose_b, transpose_a) of a `family` plan for a launch whose `wgmma_ok` answer is wgmma
     (the 3xTF32 family re-lays A [K, M] out in its split pass: no transpose_a)."""
     fam = FAMILIES.get(family)
+    if fam is not None and fam.a_regs and not fam.mn_major:      # register A: B [K, N] transposed first
+        return wgmma == "transpose_ab", False
     if fam is None or not fam.k_major or not wgmma:
         return False, False
     tb, ta = _MODE_FLAGS.get(wgmma, (False, False))
@@ -117,6 +119,12 @@ def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0, ex=None):
         return False
     return wgmma_layout_mode(plan.precision, trans_a, trans_b, vec, M, N, K, batch,
                              {name: ws_capacity(rt, name)[1] for name in WGMMA_WORKSPACES})
+
+
+def at_fits(rows, K, at_floats) -> bool:
+    """Whether a register-A plan's re-laid operand, B^T [N, K] (wgmma_ra) or A^T [M, K] (wgmma_ra_t),
+    [rows, K], fits "gemm_aT" of at_floats."""
+    return 0 < rows * K <= at_floats
 
 
 def rt_transpose_a_slab(rt, M, N, K, trans_b) -> int:

@@ -96,7 +96,7 @@ def make_plan(family, tile, splits, K, transpose_b=False, transpose_a=False, k_s
     fam = FAMILIES.get(family)
     if fam is None or not 1 <= splits <= MAX_SPLITS or K < 1:
         return None
-    if transpose_b and not fam.k_major:
+    if transpose_b and not (fam.k_major or (fam.a_regs and fam.layouts == ((True, True),))):
         return None
     k_slab = 0 if not transpose_a or k_slab >= K else int(k_slab)
     if transpose_a and (not fam.transposes_a or k_slab < 0 or k_slab % SPLIT_ALIGN or (k_slab and splits > 1)):
@@ -158,7 +158,7 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, colsum=Fal
     nearly free, other plans read A once more."""
     extra = 0.0
     if colsum:
-        fused = p.transpose_a or has_colsum_kernel(p, True, False)
+        fused = p.transpose_a or p.fam.swaps or has_colsum_kernel(p, True, False)
         extra = _LAUNCH_S / 3 + (0.0 if fused else _LAUNCH_S / 3 + 4.0 * K * M / _BYTES_PER_S)
     return extra + _estimate_s(p, M, N, K, batch, epi, sm_count)
 
@@ -174,6 +174,9 @@ def _estimate_s(p: Plan, M, N, K, batch, epi, sm_count) -> float:
         ops = 2 if p.transpose_b else 1
         return t + n * ops * _LAUNCH_S / 3 + \
             8.0 * batch * K * (M + (N if p.transpose_b else 0)) / _TRANSPOSE_BYTES_PER_S
+    if p.fam.swaps:                    # out^T = B^T A after A^T [M, K]
+        return _gemm_estimate(p, N, M, K, p.k_chunk, batch, epi, sm_count) + _LAUNCH_S / 3 + \
+            8.0 * batch * K * M / _BYTES_PER_S
     t = _gemm_estimate(p, M, N, K, p.k_chunk, batch, epi, sm_count)
     if p.fam.split_first:              # the split passes: read 4 bytes, write 8, per element of A and B
         t += 2 * _LAUNCH_S / 3 + 12.0 * (M * K + K * N) / _BYTES_PER_S
@@ -188,17 +191,33 @@ def slab_epi_ok(epi) -> bool:
     return epi in (EPI_NONE, EPI_BIAS, EPI_RESID)
 
 
-def competing(family, wgmma, vec=True) -> list:
+def competing(family, wgmma, vec=True, epi=None, ra_bt=True, ra_at=True) -> list:
     """The families that compete for a product: the base family of `family`, and where `wgmma_ok`
     answered `wgmma` its warpgroup-MMA partner, plus, with 16-byte aligned operands, the partner
     that reads any layout as stored (`stored_partner`) or (A^T B with A [K, M] and B [K, N] as
-    stored, "transpose_ab") the one that reads those (`mn_partner`)."""
+    stored, "transpose_ab") the one that reads those (`mn_partner`), and for A [K, M] ("transpose_a"
+    / "transpose_ab") the register-A ones (`ra_partners`: the first with B [N, K], or with B [K, N]
+    transposed into "gemm_aT" where that holds it (ra_bt), the second with B [K, N] as stored, the
+    third (swaps) with A^T [M, K] in "gemm_aT" where that holds it (ra_at)) whose kernels exist for
+    epilogue code epi (None: any)."""
     base = FAMILIES[_base_family(family)]
     out = [base.name] + ([base.partner] if wgmma else [])
     if wgmma and vec and base.stored_partner:
         out.append(base.stored_partner)
     if wgmma == "transpose_ab" and vec and base.mn_partner:
         out.append(base.mn_partner)
+    if wgmma in ("transpose_a", "transpose_ab") and vec:
+        for name in base.ra_partners:
+            fam = FAMILIES[name]
+            if epi is not None and not fam.runs_epi(epi):
+                continue
+            b_stored = wgmma == "transpose_ab"           # B [K, N]
+            if fam.swaps:
+                ok = b_stored and ra_at
+            else:
+                ok = (fam.mn_major and b_stored) or (not fam.mn_major and (ra_bt or not b_stored))
+            if ok:
+                out.append(name)
     return out
 
 
@@ -208,7 +227,8 @@ def _base_family(family):
 
 
 def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=True,
-         vec=True, tiles=None, splits=None, epi=EPI_NONE, wgmma=False, k_slab=0, colsum=False) -> Plan:
+         vec=True, tiles=None, splits=None, epi=EPI_NONE, wgmma=False, k_slab=0, colsum=False,
+         ra_bt=True, ra_at=True) -> Plan:
     """The tile and split count with the lowest modelled time (`estimate_s`). max_ws: floats
     available for split-K partials (0 disables split-K); vec: whether 16-byte loads are possible
     (TF32 has its guarded fallback for fewer tiles); tiles / splits: restrict the candidates to
@@ -218,9 +238,10 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
     (and B) first, in slabs of k_slab k rows (`transpose_a_slab`; 0: all of K), no split-K when
     that is less than K; for the simt family: the 3xTF32 tiles). A wgmma tile's tie with its TMA
     twin goes to the TMA loader (5-20% faster where measured). colsum: the product also gives A's
-    column sums (estimate_s)."""
+    column sums (estimate_s); ra_bt / ra_at: "gemm_aT" holds B^T [N, K] / A^T [M, K] for a register-A
+    plan (`competing`)."""
     best = None
-    for name in competing(family, wgmma, vec):
+    for name in competing(family, wgmma, vec, epi, ra_bt, ra_at):
         fam = FAMILIES[name]
         tb, ta = mode_flags(name, wgmma)
         slab = k_slab if ta and 0 < k_slab < K else 0
@@ -257,14 +278,14 @@ TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0, wgmma=False, epi=EPI_NONE,
-                    k_slab=0) -> list:
+                    k_slab=0, ra_bt=True, ra_at=True) -> list:
     """Every plan bench/tune.py may time for a shape: each tile of the family that can run it
     (unaligned operands: the fallback tiles only; wgmma: the warpgroup-MMA tiles too, transpose_a
     ones in slabs of k_slab (0: all of K; no split-K and only linear epilogues `epi` when less)) x
     each split count that fits the workspace."""
     base = FAMILIES[_base_family(family)]
     pool = [(base.name, t) for t in (base.tiles if vec else base.unaligned_tiles)]
-    for name in competing(family, wgmma, vec)[1:]:
+    for name in competing(family, wgmma, vec, epi, ra_bt, ra_at)[1:]:
         fam = FAMILIES[name]
         if vec or wgmma == "transpose_ab" and fam.transposes_a:
             pool += [(name, t) for t in fam.tiles]
@@ -375,7 +396,14 @@ def plan_unfit(p: Plan, family, vec, wgmma, slab=0) -> str | None:
     of K, `rt_transpose_a_slab`); None when it can. (A table entry that does not fit is skipped; a
     plan the caller forces is refused with this reason.)"""
     fam = p.fam
-    if fam.layouts:              # reads its layouts as stored (wgmma_mn: A [K, M] and B [K, N] only)
+    if fam.a_regs:               # A [K, M] through registers; B [N, K], [K, N] transposed first, or as stored
+        if family != fam.base:
+            return f"plan family {p.family} but rt.precision wants {family}"
+        if wgmma not in ("transpose_a", "transpose_ab") or not vec or (fam.mn_major and wgmma != "transpose_ab"):
+            return f"a {p.family} plan needs {fam.needs}"
+        if not fam.mn_major and p.transpose_b != (wgmma == "transpose_ab"):
+            return f"a {p.family} plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
+    elif fam.layouts:            # reads its layouts as stored (wgmma_mn: A [K, M] and B [K, N] only)
         if family != fam.base:
             return f"plan family {p.family} but rt.precision wants {family}"
         if not wgmma or not vec or (fam.mn_major and wgmma != "transpose_ab"):
@@ -407,6 +435,8 @@ def check_plan(label, p: Plan, family, vec, batch, cap, M, N, K, wgmma=False, sl
     why = plan_unfit(p, family, vec, wgmma, slab)
     if why:
         raise ValueError(f"{label}: {why}")
+    if not p.fam.runs_epi(epi):
+        raise ValueError(f"{label}: the {p.family} kernels are not compiled for epilogue {epi}")
     if p.k_slab and not slab_epi_ok(epi):
         raise ValueError(f"{label}: a plan in k slabs adds them through the residual epilogue: "
                          f"epilogue {epi} cannot run in slabs")
