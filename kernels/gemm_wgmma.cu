@@ -598,8 +598,88 @@ struct RaFrags {
     }
 };
 
-template <bool RA> struct RaOf { using T = RaFrags; };
-template <> struct RaOf<false> { struct T {}; };      // (no fragments: the kernels without RA keep their code)
+// The register-A fragments of one k step s of a K-major A tile [BM][32] (128-byte rows in the swizzle
+// of gemm_wgmma_tma; gemm_wgmma3_ra without MN_A): thread (w, g, q) of warpgroup wg holds rows
+// 16 w + g (+ 8) of the warpgroup's 64 (no permutation), k = 8 s + q (+ 4): four 4-byte loads, the 8
+// lanes of a k column in 8 distinct chunks (xor g): no bank conflict.
+struct RaFragsK {
+    unsigned off;
+    int g;
+    __device__ __forceinline__ void init(int wg, int wt) {
+        const int w = wt >> 5, lane = wt & 31;
+        g = lane >> 2;
+        off = (wg * 64 + 16 * w + g) * 128 + (lane & 3) * 4;
+    }
+    __device__ __forceinline__ void load(unsigned (&f)[4], unsigned sa, int s) const {
+        const unsigned p = sa + off, c0 = ((2 * s) ^ g) << 4, c1 = ((2 * s + 1) ^ g) << 4;
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(f[0]) : "r"(p + c0));
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(f[1]) : "r"(p + 1024 + c0));
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(f[2]) : "r"(p + c1));
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(f[3]) : "r"(p + 1024 + c1));
+    }
+};
+
+// The MN-major form of RaFragsK::load (RaFrags' addressing, rows ra_row).
+struct RaFragsMN : RaFrags {
+    __device__ __forceinline__ void load(unsigned (&f)[4], unsigned sa, int s) const {
+        const unsigned p = sa + off + 1024 * s;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(f[0]), "=r"(f[1]) : "r"(p + c0));
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(f[2]), "=r"(f[3]) : "r"(p + 512 + c1));
+    }
+};
+
+// One k tile of gemm_wgmma3_ra (fp32 as 3xTF32, A through registers) into its partial: per k step s
+// the fp32 fragments (F: RaFragsK or RaFragsMN), split in registers into hi = tf32_hi(x) and lo =
+// tf32_hi(x - hi) (tf32_split's halves), then wg_mma3_step's three products lo x hi, hi x lo, hi x
+// hi (the first of the tile with scale-d 0: the same order, so the same sums as gemm_wgmma3_ws);
+// B's hi tile at bh, its lo tile at bl. A group per k step, two register sets: a step's halves are
+// overwritten once the group that read them is done (wg_wait<1> after the next step's). SUM (MN):
+// cs[0..1] += the fragments' values (before their split) of the thread's two rows.
+template <int BN, bool SUM, class F>
+__device__ __forceinline__ void ra3_step(const F& fr, float (&part)[BN / 2], unsigned sa, unsigned bh, unsigned bl,
+                                         int s, unsigned (&h)[4], unsigned (&l)[4], bool sum_here, float (&cs)[2]) {
+    unsigned f[4];
+    fr.load(f, sa, s);
+    if constexpr (SUM) {
+        if (sum_here) {
+            cs[0] += __uint_as_float(f[0]) + __uint_as_float(f[2]);
+            cs[1] += __uint_as_float(f[1]) + __uint_as_float(f[3]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float x = __uint_as_float(f[i]), hi = tf32_hi(x);
+        h[i] = __float_as_uint(hi);
+        l[i] = __float_as_uint(tf32_hi(x - hi));
+    }
+    wg_fence_acc(part);
+    wg_fence();
+    wg_mma_tf32_rs<BN>(part, l, wg_desc(bh + 32 * s), s > 0);
+    wg_mma_tf32_rs<BN>(part, h, wg_desc(bl + 32 * s));
+    wg_mma_tf32_rs<BN>(part, h, wg_desc(bh + 32 * s));
+    wg_commit();
+    wg_fence_acc(part);
+}
+template <int BN, bool SUM, class F>
+__device__ __forceinline__ void ra3_k_tile(const F& fr, float (&part)[BN / 2], unsigned sa, unsigned bh, unsigned bl,
+                                           bool sum_here, float (&cs)[2]) {
+    unsigned h0[4], l0[4], h1[4], l1[4];
+    ra3_step<BN, SUM>(fr, part, sa, bh, bl, 0, h0, l0, sum_here, cs);
+    ra3_step<BN, SUM>(fr, part, sa, bh, bl, 1, h1, l1, sum_here, cs);
+    wg_wait<1>();
+    ra3_step<BN, SUM>(fr, part, sa, bh, bl, 2, h0, l0, sum_here, cs);
+    wg_wait<1>();
+    ra3_step<BN, SUM>(fr, part, sa, bh, bl, 3, h1, l1, sum_here, cs);
+    wg_wait<0>();
+    wg_fence_acc(part);
+}
+
+// The consumers' fragment loader: RaFrags (TF32, MN-major A), RaFragsMN / RaFragsK (3xTF32), none.
+template <bool RA, bool A_MN, int PRODUCTS> struct RaOf { using T = RaFrags; };
+template <bool A_MN> struct RaOf<false, A_MN, 1> { struct T {}; };   // (no fragments: the other kernels keep their code)
+template <bool A_MN> struct RaOf<false, A_MN, 3> { struct T {}; };
+template <> struct RaOf<true, true, 3> { using T = RaFragsMN; };
+template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 
 // The consumer warpgroups of the warp-specialized kernels: for each of the block's output tiles,
 // wait for each k tile's slot (full), its 4 wgmma, release the slot of the k tile before once its
@@ -614,24 +694,25 @@ template <> struct RaOf<false> { struct T {}; };      // (no fragments: the kern
 // the consumers also sum A's fragments per row over the tile's k range and, in the tiles of the
 // first column tile, write colsum[z, m] (the lanes of a row added in one order: deterministic).
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS = 1, bool RA = false, bool CSUM = false,
-          bool TC = false>
+          bool TC = false, bool A_MN = true>
 __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, float* C, float* aux,
                                            const float* bias, int M, int N, int K, int ldc, long long sC,
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
                                            int total, float* colsum = nullptr) {
-    static_assert(!RA || PRODUCTS == 1, "register A: TF32, one product");
-    static_assert(!CSUM || RA, "the consumers' column sums read register-A fragments");
+    static_assert(!RA || PRODUCTS == 3 || A_MN, "register A in TF32: MN-major");
+    static_assert(!CSUM || (RA && A_MN), "the consumers' column sums read MN-major register-A fragments");
     static_assert(!TC || (RA && EPI == GEMM_EPI_NONE && !HAS_BIAS), "the transposed store: gemm_wgmma_ra, no epilogue");
     constexpr int A_BYTES = BM * 128;
     constexpr int HALF = (BM + BN) * 128;
-    constexpr int STAGE_BYTES = (PRODUCTS == 3 ? 2 : 1) * HALF;
+    // 3xTF32: the lo tiles after the hi ones; RA: A once (split in registers), B's lo tile after its hi one
+    constexpr int STAGE_BYTES = PRODUCTS == 3 ? (RA ? (BM + 2 * BN) * 128 : 2 * HALF) : HALF;
     constexpr int WG = BM / 64;
     __shared__ __align__(16) float ws_bias[HAS_BIAS ? 2 * BN : 4];      // a pair of buffers
     const int wg = threadIdx.x >> 7, wt = threadIdx.x & 127;
     float acc[BN / 2];
     float part[PRODUCTS == 3 ? BN / 2 : 1];
     WgBias<BN, WG * 128, HAS_BIAS> tile_bias;
-    typename RaOf<RA>::T ra;
+    typename RaOf<RA, A_MN, PRODUCTS>::T ra;
     if constexpr (RA) ra.init(wg, wt);
     int it = 0, tn = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
@@ -650,7 +731,12 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
             mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
             const unsigned sa = smem0 + s * STAGE_BYTES;
             const unsigned a_wg = sa + wg * 64 * 128, b_t = sa + A_BYTES;
-            if constexpr (PRODUCTS == 3) {
+            if constexpr (PRODUCTS == 3 && RA) {
+                ra3_k_tile<BN, CSUM>(ra, part, sa, b_t, b_t + BN * 128, sum_here, cs);
+                mbar_arrive(empty0 + 8 * s);
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
+            } else if constexpr (PRODUCTS == 3) {
                 wg_fence_acc(part);
                 wg_fence();
 #pragma unroll
@@ -701,8 +787,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         if constexpr (TC)
             ra_store_t<BN>(acc, C + tl.z * sC, M, N, ldc, tl.m0, tl.n0, alpha);
         else
-            wg_store_tile<BM, BN, EPI, HAS_BIAS, RA>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC, tl.m0, tl.n0,
-                                                      alpha);
+            wg_store_tile<BM, BN, EPI, HAS_BIAS, RA && A_MN>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC, tl.m0,
+                                                              tl.n0, alpha);
     }
 }
 
@@ -911,12 +997,14 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
     constexpr int WG = BM / 64;
     constexpr int A_BYTES = BM * 128;
     constexpr int HALF = (BM + BN) * 128;                       // the staged bytes of a k tile
-    constexpr int STAGE_BYTES = (PRODUCTS == 3 ? 2 : 1) * HALF;   // 3xTF32: the lo tiles after them
+    // 3xTF32: the lo tiles after them (RA: A is split in the consumers' registers, B's lo tile only)
+    constexpr int STAGE_BYTES = PRODUCTS == 3 ? (RA ? (BM + 2 * BN) * 128 : 2 * HALF) : HALF;
+    constexpr int B_LO = RA ? BN * 128 : HALF;                  // B's lo tile, from its hi tile
     constexpr bool SPLIT = PRODUCTS == 3;
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 16 == 0 && BN <= 256, "wgmma tiles, TMA boxes <= 256");
     static_assert(STAGES >= 3, "a slot is refilled after the consumers issued the k tile after it");
-    static_assert(PRODUCTS == 3 || (MN_A && MN_B) || (RA && MN_B && !MN_A), "TF32: the as-stored weight gradient only");
-    static_assert(!COLSUM || MN_A || RA, "column sums of an MN-major A");
+    static_assert(PRODUCTS == 3 || (MN_A && MN_B), "TF32: the as-stored weight gradient only");
+    static_assert(!COLSUM || MN_A, "column sums of an MN-major A");
     constexpr bool PSUM = COLSUM && !RA;                        // the producers' sums (RA: the consumers')
     __shared__ float ws_red[PSUM ? BM : 1];
 
@@ -951,7 +1039,7 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
             if (ld >= STAGES) mbar_wait(empty0 + 8 * s, ((ld / STAGES) - 1) & 1);
             const unsigned st = smem0 + s * STAGE_BYTES;
             const int k0 = lkb0 + lkt * GEMM_WG_BK;     // MN maps' coordinates (row, k); K-major (k, row)
-            if constexpr (RA)
+            if constexpr (RA && MN_A)
                 tma_load_ra<BM / 32>(lane, staged0 + 8 * s, HALF, st, mapA, lm0, k0, st + A_BYTES, mapB,
                                      MN_B ? ln0 : k0, MN_B ? k0 : ln0, lbatch);
             else
@@ -979,8 +1067,8 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
                 const int s = it % STAGES;
                 mbar_wait(staged0 + 8 * s, (it / STAGES) & 1);
                 unsigned char* slot = base + s * STAGE_BYTES;
-                if constexpr (MN_A || SPLIT) ws_prepare<BM, MN_A, SPLIT, HALF, PSUM>(slot, pt, cs);
-                if constexpr (MN_B || SPLIT) ws_prepare<BN, MN_B, SPLIT, HALF>(slot + A_BYTES, pt);
+                if constexpr ((MN_A || SPLIT) && !RA) ws_prepare<BM, MN_A, SPLIT, HALF, PSUM>(slot, pt, cs);
+                if constexpr (MN_B || SPLIT) ws_prepare<BN, MN_B, SPLIT, B_LO>(slot + A_BYTES, pt);
                 wg_fence_async_smem();                        // the stores, into the async proxy
                 mbar_arrive(full0 + 8 * s);
                 if (pt < 32) stage_next();                    // k tile it + STAGES - 1, where it - 1 was
@@ -991,9 +1079,8 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
         }
         return;
     }
-    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS, RA, RA && COLSUM>(smem0, full0, empty0, C, aux, bias, M, N, K,
-                                                                         ldc, sC, alpha, splits, k_chunk, per_z,
-                                                                         tiles_n, total, colsum);
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS, RA, RA && COLSUM, false, MN_A>(
+        smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
 }
 
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool COLSUM = false>
@@ -1036,12 +1123,28 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ra(WS_ARGS)
         ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, false, true>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
                                                                   splits, k_chunk, zs, colsum);
     else if constexpr (MN_B)
-        ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, true, 1, COLSUM, true>(C, aux, &mapA, &mapB, bias, M, N, K,
-                                                                                  ldc, sC, alpha, splits, k_chunk, zs,
-                                                                                  colsum);
+        ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1, COLSUM, true>(C, aux, &mapA, &mapB, bias, M, N, K,
+                                                                                 ldc, sC, alpha, splits, k_chunk, zs,
+                                                                                 colsum);
     else
         ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
                                                              splits, k_chunk, zs, colsum);
+#else
+    __trap();
+#endif
+}
+
+// gemm_wgmma3_ra: fp32 as 3xTF32 (gemm_wgmma3_ws's products, order and sums) with A through registers:
+// the copy engine brings A as stored (MN_A: [K, M] in gemm_wgmma_ra's boxes; else K-major, swizzled),
+// the consumers load its fragments (RaFragsMN, RaFragsK) and split them into hi and lo themselves
+// (ra3_k_tile); the producer warpgroup splits (and, MN_B, turns) only B, whose hi and lo tiles follow
+// A's fp32 tile in the slot: (BM + 2 BN) x 128 bytes, a third less than gemm_wgmma3_ws's, and no
+// shared-memory pass over A. COLSUM (MN_A): the consumers' sums of A (the bias gradient's partials).
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, bool COLSUM = false>
+__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma3_ra(WS_ARGS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3, COLSUM, true>(C, aux, &mapA, &mapB, bias, M, N, K, ldc,
+                                                                            sC, alpha, splits, k_chunk, zs, colsum);
 #else
     __trap();
 #endif

@@ -69,19 +69,21 @@ WG_MMA_TF32(256, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2 ", " WG_REGS_3, 128, 12
 // d[N/2] += A (64 x 8, from registers) * B^T (8 x N, descriptor db): the register-A form. The
 // fragment of warp w, lane 4 g + q: a[0] = A[16 w + g][q], a[1] = A[16 w + g + 8][q], a[2] =
 // A[16 w + g][q + 4], a[3] = A[16 w + g + 8][q + 4] (tf32 bit patterns; the mma.sync A layout).
+// scale_d = 0: d = A B^T.
 template <int N>
-__device__ __forceinline__ void wg_mma_tf32_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long db);
+__device__ __forceinline__ void wg_mma_tf32_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long db,
+                                               int scale_d = 1);
 
-// IA..IA3: the placeholders of a[0..3] (from N/2), IB: the descriptor's, IP: the scale-d flag's (always 1)
+// IA..IA3: the placeholders of a[0..3] (from N/2), IB: the descriptor's, IP: the scale-d flag's
 #define WG_MMA_TF32_RS(N, REGS, IA, IA1, IA2, IA3, IB, IP, ...)                                             \
     template <>                                                                                        \
     __device__ __forceinline__ void wg_mma_tf32_rs<N>(float (&d)[N / 2], const unsigned (&a)[4],       \
-                                                      unsigned long long db) {                         \
+                                                      unsigned long long db, int scale_d) {            \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                 \
                      "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 "                         \
                      "{" REGS "}, {%" #IA ", %" #IA1 ", %" #IA2 ", %" #IA3 "}, %" #IB ", p, 1, 1;\n}\n" \
                      : __VA_ARGS__                                                                     \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));                   \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));             \
     }
 WG_MMA_TF32_RS(32, WG_REGS_16, 16, 17, 18, 19, 20, 21, WG_ACC8(0), WG_ACC8(8))
 WG_MMA_TF32_RS(64, WG_REGS_0, 32, 33, 34, 35, 36, 37, WG_ACC32(0))

@@ -126,9 +126,10 @@ def _wgmma_pipeline_names():
     names += [gemm.FAMILIES["wgmma_ra_t"].kernel(t, True, False, gemm.EPI_NONE, False, True)
               for t in gemm.WGMMA_RA_T_TILES]
     names += [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]            # 3xTF32
-    # 3xTF32 split in shared memory: both operands K-major, and both as stored (turned)
-    return names + [gemm.FAMILIES["wgmma3_ws"].kernel(t, ta, tb, gemm.EPI_GELU, True, True)
-                    for t in gemm.WGMMA3_WS_TILES for ta, tb in ((False, True), (True, False))]
+    # 3xTF32 split in shared memory (or, A, in registers): both operands K-major, and both as stored
+    return names + [gemm.FAMILIES[f].kernel(t, ta, tb, gemm.EPI_GELU, True, True)
+                    for f in ("wgmma3_ws", "wgmma3_ra") for t in gemm.FAMILIES[f].tiles
+                    for ta, tb in ((False, True), (True, False))]
 
 
 def _flash_wgmma_names():
@@ -157,7 +158,7 @@ def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines
     assert f"Compiling entry function '{c.lowered[name]}' for 'sm_90a'" in c.log, c.log
     assert "C7514" not in c.log and "serialized" not in c.log, c.log
     spills = [ln for ln in c.log.splitlines() if "spill" in ln]
-    budget = SPILL_BUDGET.get(name, 0)
+    budget = SPILL_BUDGET.get(name, SPILL_BUDGET.get(name.split(",")[0] + ",", 0))
     assert spills and all(int(re.search(r"(\d+) bytes spill stores", ln).group(1)) <= budget and
                           int(re.search(r"(\d+) bytes spill loads", ln).group(1)) <= budget for ln in spills), c.log
 
@@ -165,7 +166,11 @@ def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines
 # Spill bytes allowed per kernel (none elsewhere): the dK/dV flash kernel at head size 64 is held to
 # 168 registers so that three blocks share an SM, and ptxas then spills a few loop-invariant values
 # (32-48 bytes); three blocks with these spills ran 3-6% faster than two without (bench/NOTES.md).
-SPILL_BUDGET = {"flash_bwd_dkv_wg<64,false>": 64, "flash_bwd_dkv_wg<64,true>": 64}
+# gemm_wgmma3_ra (a key up to the name's first comma covers every variant with BM 128) holds two
+# accumulator sets and two k steps' hi / lo fragments in 168 registers; at 128 x 128 ptxas spills
+# 4-32 bytes in its bias, residual and GELU variants, which still ran the fp32 step 3% faster than
+# gemm_wgmma3_ws (bench/NOTES.md).
+SPILL_BUDGET = {"flash_bwd_dkv_wg<64,false>": 64, "flash_bwd_dkv_wg<64,true>": 64, "gemm_wgmma3_ra<128,": 32}
 
 
 def test_compile_leaves_python_objects_alone(tmp_path, monkeypatch):

@@ -380,12 +380,13 @@ class _NumpyRT(FakeGemmRT):
             mn_a = mn_b = mn
             ra = name.startswith("gemm_wgmma_ra")             # A [K, M] as stored; MN_B; COLSUM; TC
             tc = ra and len(params) > 7 and params[7] == "true"
-            if name.startswith("gemm_wgmma3_ws"):             # each operand as stored, MN_A / MN_B
+            if name.startswith(("gemm_wgmma3_ws", "gemm_wgmma3_ra")):   # each operand as stored, MN_A / MN_B
                 mn_a, mn_b = params[5] == "true", params[6] == "true"
             if ra:
                 mn_a, mn_b = True, params[5] == "true"
             epi, hb = int(params[3]), params[4] == "true"
-            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws", "gemm_wgmma_ra")):
+            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws", "gemm_wgmma_ra",
+                                "gemm_wgmma3_ra")):
                 C, aux, ma, mb, bias, M, N, K, ldc, sC, alpha, splits, kc = v[:13]
                 (pa, lda), (pb, ldb) = (ma.ptr, ma.ld), (mb.ptr, mb.ld)
             else:
@@ -393,10 +394,11 @@ class _NumpyRT(FakeGemmRT):
                 pa, pb = A.ptr, B.ptr
             a = self._mat(pa, K, M, lda).T if mn_a else self._mat(pa, M, K, lda)
             b = self._mat(pb, K, N, ldb).T if mn_b else self._mat(pb, N, K, ldb)
-            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws", "gemm_wgmma_ra"))
+            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws", "gemm_wgmma_ra",
+                                          "gemm_wgmma3_ra"))
             colsum = v[14] if persistent else None             # a persistent kernel's last argument
             summed = (mn and len(params) > 5 and params[5] == "true") or \
-                (name.startswith("gemm_wgmma3_ws") and len(params) > 7 and params[7] == "true") or \
+                (name.startswith(("gemm_wgmma3_ws", "gemm_wgmma3_ra")) and len(params) > 7 and params[7] == "true") or \
                 (ra and len(params) > 6 and params[6] == "true")
             if summed:                                          # COLSUM: A's sums, a row per split
                 for z in range(splits):
@@ -664,13 +666,15 @@ def test_ra_families_compete_for_weight_gradients():
 
 @pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_wgmma3_ws_plan_reads_every_layout_as_stored(ta, tb, splits):
-    """A wgmma3_ws plan (fp32 as 3xTF32, split in shared memory) launches one kernel, no split or
-    transpose pass, with a tensor map per operand as it is stored: K-major ({K, rows}, swizzled boxes
-    {32, BM or BN}) or MN-major ({rows, K}, unswizzled boxes {BM or BN, 32}), the kernel's MN_A / MN_B
-    naming which; the numpy stand-in of the kernel gives op(A) @ op(B)."""
+@pytest.mark.parametrize("fam", ["wgmma3_ws", "wgmma3_ra"])
+def test_wgmma3_ws_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
+    """A wgmma3_ws / wgmma3_ra plan (fp32 as 3xTF32, split in shared memory or, A, in registers)
+    launches one kernel, no split or transpose pass, with a tensor map per operand as it is stored:
+    K-major ({K, rows}, swizzled boxes {32, BM or BN}) or MN-major ({rows, K}, unswizzled boxes {BM or
+    BN, 32}; wgmma3_ra's A: swizzled boxes {32, 32}), the kernel's MN_A / MN_B naming which; the numpy
+    stand-in of the kernel gives op(A) @ op(B)."""
     M, N, K = 68, 36, 740
-    tile = gemm.WGMMA3_WS_TILES[0]
+    tile = gemm.FAMILIES[fam].tiles[0]
     rng = np.random.default_rng(M + N + K + splits + 2 * ta + tb)
     rt = _NumpyRT(1 << 21)
     rt.precision = "fp32"
@@ -684,13 +688,14 @@ def test_wgmma3_ws_plan_reads_every_layout_as_stored(ta, tb, splits):
     da, db, out = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N))
     for view, x in ((da, a), (db, b)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
-    p = gemm.make_plan("wgmma3_ws", tile, splits, K)
+    p = gemm.make_plan(fam, tile, splits, K)
     gemm.matmul(rt, out, da, db, ta, tb, plan=p)
-    want_maps = [((M, K, 1), (tile[0], 32, 1), False) if ta else ((K, M, 1), (32, tile[0], 1), True),
+    a_mn = ((M, K, 1), (32, 32, 1), True) if fam == "wgmma3_ra" else ((M, K, 1), (tile[0], 32, 1), False)
+    want_maps = [a_mn if ta else ((K, M, 1), (32, tile[0], 1), True),
                  ((K, N, 1), (32, tile[1], 1), True) if tb else ((N, K, 1), (tile[1], 32, 1), False)]
     assert maps == want_maps
     names = [n for n, *_ in rt.launches]
-    assert names[0] == f"gemm_wgmma3_ws<{tile[0]},{tile[1]},{tile[2]},0,false,{str(ta).lower()},{str(not tb).lower()}>"
+    assert names[0] == f"gemm_{fam}<{tile[0]},{tile[1]},{tile[2]},0,false,{str(ta).lower()},{str(not tb).lower()}>"
     assert len(names) == (2 if splits > 1 else 1) and not any("transpose" in n or "split<" in n for n in names), names
     a32, b32 = a.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64)
     want = (a32.T if ta else a32) @ (b32.T if tb else b32)
@@ -698,25 +703,28 @@ def test_wgmma3_ws_plan_reads_every_layout_as_stored(ta, tb, splits):
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
 
 
-def test_wgmma3_ws_competes_for_aligned_fp32_products():
-    """wgmma3_ws joins the fp32 candidates wherever the 3xTF32 kernels may run, for aligned operands
-    only, and is refused elsewhere with its reason."""
+@pytest.mark.parametrize("fam", ["wgmma3_ws", "wgmma3_ra"])
+def test_wgmma3_ws_competes_for_aligned_fp32_products(fam):
+    """wgmma3_ws and wgmma3_ra join the fp32 candidates wherever the 3xTF32 kernels may run, for
+    aligned operands only, and are refused elsewhere with their reason."""
     for mode in ("direct", "transpose"):
-        assert "wgmma3_ws" in gemm.competing("fp32", mode, True)
-        assert "wgmma3_ws" not in gemm.competing("fp32", mode, False)
-        assert "wgmma3_ws" not in gemm.competing("tf32", mode, True)
-    assert "wgmma3_ws" not in gemm.competing("fp32", False, True)
-    p = gemm.make_plan("wgmma3_ws", gemm.WGMMA3_WS_TILES[0], 1, 64)
+        assert fam in gemm.competing("fp32", mode, True)
+        assert fam not in gemm.competing("fp32", mode, False)
+        assert fam not in gemm.competing("tf32", mode, True)
+    assert fam not in gemm.competing("fp32", False, True)
+    p = gemm.make_plan(fam, gemm.FAMILIES[fam].tiles[0], 1, 64)
     assert gemm.plan_unfit(p, "simt", True, "transpose") is None
     assert "needs" in gemm.plan_unfit(p, "simt", False, "direct")
     assert "needs" in gemm.plan_unfit(p, "simt", True, False)
     assert "rt.precision" in gemm.plan_unfit(p, "tf32", True, "direct")
+    assert gemm.mode_flags(fam, "transpose") == (False, False)
     cands = gemm.tune_candidates(384, 1536, 16384, 1, "simt", True, 1 << 24, wgmma="transpose")
-    assert {p.family for p in cands} >= {"simt", "wgmma3", "wgmma3_ws"}
+    assert {p.family for p in cands} >= {"simt", "wgmma3", fam}
 
 
 @pytest.mark.parametrize("fam,tile", [("wgmma_mn", t) for t in gemm.WGMMA_MN_TILES] +
-                         [("wgmma3_ws", t) for t in gemm.WGMMA3_WS_TILES],
+                         [("wgmma3_ws", t) for t in gemm.WGMMA3_WS_TILES] +
+                         [("wgmma3_ra", t) for t in gemm.WGMMA3_RA_TILES],
                          ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
 @pytest.mark.parametrize("epilogue,splits,partials", [("none", 1, True), ("none", 3, True),
                                                       ("residual_alias", 1, True), ("none", 1, False)],
@@ -731,7 +739,7 @@ def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, par
     rng = np.random.default_rng(M + N + K + splits + len(epilogue))
     rt = _NumpyRT(1 << 22)
     rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_aT": rt.alloc(((M + N) * K,), "gemm_aT")}
-    if fam == "wgmma3_ws":       # fp32 (3xTF32), where the split workspaces are planned
+    if fam in ("wgmma3_ws", "wgmma3_ra"):       # fp32 (3xTF32), where the split workspaces are planned
         rt.precision = "fp32"
         rt._ws.update(gemm_split_a=rt.alloc((2 * M * K,), "split_a"), gemm_split_b=rt.alloc((2 * N * K,), "split_b"))
     if partials:

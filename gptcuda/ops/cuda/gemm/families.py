@@ -12,7 +12,7 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
     wgmma_mn  TF32 warpgroup MMA of A^T B with A [K, M], B [K, N] as stored (the weight gradients)
 
 rt.precision picks a base family (PRECISION_FAMILIES); on sm_90 its warpgroup-MMA partner competes
-with it (`Family.partner`), for fp32 also `Family.stored_partner` (aligned operands in any layout),
+with it (`Family.partner`), for fp32 also `Family.stored_partners` (aligned operands in any layout),
 and for TF32 weight gradients `Family.mn_partner`.
 """
 from __future__ import annotations
@@ -120,6 +120,12 @@ WGMMA3_EFFICIENCY = dict(zip(WGMMA3_TILES, (2.0, 2.1, 1.5)))
 # registers a thread.
 WGMMA3_WS_TILES = ((128, 128, 3), (128, 64, 4))
 WGMMA3_WS_EFFICIENCY = dict(zip(WGMMA3_WS_TILES, (2.0, 1.5)))
+# The same with A through registers (family "wgmma3_ra", gemm_wgmma3_ra): the consumers load A's
+# fragments as stored (K-major, or MN-major in gemm_wgmma_ra's boxes) and split them themselves; the
+# producers split (and turn) B only. A slot holds A once and B's two halves, (BM + 2 BN) x 128 bytes:
+# 4 stages at 128 x 128.
+WGMMA3_RA_TILES = ((128, 128, 4), (128, 64, 4))
+WGMMA3_RA_EFFICIENCY = dict(zip(WGMMA3_RA_TILES, (2.0, 1.5)))
 
 # A rough machine model (H200-like) of the peak rates, only used to rank candidate plans.
 FFMA_FLOPS_PER_SM = 128 * 2 * 1.75e9       # fp32 FMA lanes x 2 x clock
@@ -184,6 +190,12 @@ def ra_name(tile, mn_b, epi, has_bias, colsum=False, tc=False) -> str:
             f"{',true' if colsum else ',false,true' if tc else ''}>")
 
 
+def wgmma3_ra_name(tile, ta, tb, epi, has_bias, colsum=False) -> str:
+    """gemm_wgmma3_ra's name expression (MN_A = trans_a, MN_B = not trans_b; colsum: MN_A only)."""
+    return (f"gemm_wgmma3_ra<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)},{_b(ta)},{_b(not tb)}"
+            f"{',true' if colsum else ''}>")
+
+
 def wgmma3_ws_name(tile, ta, tb, epi, has_bias, colsum=False) -> str:
     """gemm_wgmma3_ws's name expression (MN_A = trans_a: A stored [K, M]; MN_B = not trans_b); colsum
     (MN_A only): the variant whose producers also sum A as stored (matmul's a_colsum)."""
@@ -244,8 +256,9 @@ class Family:
                                                 # product) that also writes A's column sums as stored
                                                 # (matmul's a_colsum), or None for that layout
     epis: tuple = EPI_COMBOS      # the (EPI, HAS_BIAS) pairs its kernels are compiled for
-    a_regs: bool = False          # A [K, M] read through registers from MN-major swizzled boxes {32, 32}
-                                  # (wgmma_ra); with layouts ((True, True),) a B [K, N] is transposed first
+    a_regs: bool = False          # A read through registers, an MN-major A [K, M] from swizzled boxes {32, 32}
+                                  # (wgmma_ra*, wgmma3_ra); TF32 with layouts ((True, True),): a B [K, N]
+                                  # is transposed first
     swaps: bool = False           # runs A^T B as (B^T A)^T: A transposed first, B through registers (wgmma_ra_t)
     k_major: bool = False         # A and B K-major only (trans_a False, trans_b True, aligned): other
                                   # layouts are re-laid out first (transpose_b / transpose_a plans)
@@ -259,7 +272,7 @@ class Family:
     mn_partner: str | None = None # the one competing for A^T B as stored (trans_a, not trans_b)
     ra_partners: tuple = ()       # the register-A ones competing for trans_a products: (B K-major or
                                   # transposed first, B [K, N] as stored)
-    stored_partner: str | None = None   # the one competing for aligned operands in any layout
+    stored_partners: tuple = ()   # the ones competing for aligned operands in any layout
     base: str = ""                # the base family whose precision a warpgroup-MMA family serves
     needs: str = ""               # what a warpgroup-MMA plan needs (the reason a plan is refused)
 
@@ -310,7 +323,7 @@ FAMILIES = {f.name: f for f in (
            kernel=lambda t, ta, tb, epi, hb, vec: simt_name(t[0], t[1], ta, tb, epi, hb, vec),
            label=lambda t: f"{t[0]}x{t[1]}",
            short=lambda t: f"{t[0]}x{t[1]}",
-           partner="wgmma3", stored_partner="wgmma3_ws"),
+           partner="wgmma3", stored_partners=("wgmma3_ws", "wgmma3_ra")),
     Family("tf32", TF32_FILE, TF32_TILES, TF32_PLAN_TILES, TF32_FALLBACK_TILES, TF32_EFFICIENCY,
            TF32_FLOPS_PER_SM,
            threads=lambda t: t[3] * t[4] * 32,
@@ -379,6 +392,17 @@ FAMILIES = {f.name: f for f in (
            short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ws",
            tma=lambda t: True, persistent=lambda t: True,
            layouts=tuple(itertools.product((False, True), (False, True))), products=3, base="simt",
+           needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats)"),
+    Family("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, (), (), WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
+           threads=lambda t: (t[0] // 64 + 1) * 128,
+           blocks_per_sm=lambda t: 1,
+           smem=lambda t: t[2] * (t[0] + 2 * t[1]) * 128 + 1024,
+           kernel=lambda t, ta, tb, epi, hb, vec: wgmma3_ra_name(t, ta, tb, epi, hb),
+           colsum_kernel=lambda t, ta, tb: wgmma3_ra_name(t, ta, tb, EPI_NONE, False, colsum=True) if ta else None,
+           label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split, A in registers",
+           short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra3",
+           tma=lambda t: True, persistent=lambda t: True,
+           layouts=tuple(itertools.product((False, True), (False, True))), products=3, base="simt", a_regs=True,
            needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats)"),
 )}
 PRECISION_FAMILIES = GEMM_FAMILIES     # precision -> its base family (gptcuda/runtime/execution.py decides)

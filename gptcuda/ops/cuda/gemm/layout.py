@@ -79,7 +79,7 @@ def mode_flags(family, wgmma):
     """(transpose_b, transpose_a) of a `family` plan for a launch whose `wgmma_ok` answer is wgmma
     (the 3xTF32 family re-lays A [K, M] out in its split pass: no transpose_a)."""
     fam = FAMILIES.get(family)
-    if fam is not None and fam.a_regs and not fam.mn_major:      # register A: B [K, N] transposed first
+    if fam is not None and fam.a_regs and fam.products == 1 and not fam.mn_major:   # TF32 register A: B^T first
         return wgmma == "transpose_ab", False
     if fam is None or not fam.k_major or not wgmma:
         return False, False

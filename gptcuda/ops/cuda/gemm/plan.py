@@ -194,7 +194,7 @@ def slab_epi_ok(epi) -> bool:
 def competing(family, wgmma, vec=True, epi=None, ra_bt=True, ra_at=True) -> list:
     """The families that compete for a product: the base family of `family`, and where `wgmma_ok`
     answered `wgmma` its warpgroup-MMA partner, plus, with 16-byte aligned operands, the partner
-    that reads any layout as stored (`stored_partner`) or (A^T B with A [K, M] and B [K, N] as
+    that read any layout as stored (`stored_partners`) or (A^T B with A [K, M] and B [K, N] as
     stored, "transpose_ab") the one that reads those (`mn_partner`), and for A [K, M] ("transpose_a"
     / "transpose_ab") the register-A ones (`ra_partners`: the first with B [N, K], or with B [K, N]
     transposed into "gemm_aT" where that holds it (ra_bt), the second with B [K, N] as stored, the
@@ -202,8 +202,8 @@ def competing(family, wgmma, vec=True, epi=None, ra_bt=True, ra_at=True) -> list
     epilogue code epi (None: any)."""
     base = FAMILIES[_base_family(family)]
     out = [base.name] + ([base.partner] if wgmma else [])
-    if wgmma and vec and base.stored_partner:
-        out.append(base.stored_partner)
+    if wgmma and vec:
+        out += list(base.stored_partners)
     if wgmma == "transpose_ab" and vec and base.mn_partner:
         out.append(base.mn_partner)
     if wgmma in ("transpose_a", "transpose_ab") and vec:
@@ -396,7 +396,8 @@ def plan_unfit(p: Plan, family, vec, wgmma, slab=0) -> str | None:
     of K, `rt_transpose_a_slab`); None when it can. (A table entry that does not fit is skipped; a
     plan the caller forces is refused with this reason.)"""
     fam = p.fam
-    if fam.a_regs:               # A [K, M] through registers; B [N, K], [K, N] transposed first, or as stored
+    if fam.a_regs and fam.products == 1:    # TF32 weight gradients: A [K, M] through registers; B [N, K],
+                                            # [K, N] transposed first, or as stored
         if family != fam.base:
             return f"plan family {p.family} but rt.precision wants {family}"
         if wgmma not in ("transpose_a", "transpose_ab") or not vec or (fam.mn_major and wgmma != "transpose_ab"):
