@@ -12,7 +12,9 @@
 // truncates too (round toward zero). gemm_wgmma_tma with PRODUCTS = 3 is the fp32 form (3xTF32):
 // operands split into TF32 hi and lo halves beforehand (gemm_simt.cu tf32_split), three products
 // per k step, each k tile's partial added into the sum on the FMA pipe; gemm_wgmma3_ws (below)
-// computes the same with the split done in shared memory, on A and B as they are stored.
+// computes the same with the split done in shared memory, on A and B as they are stored, and
+// gemm_wgmma3_ra with A split in the consumers' registers. gemm_wgmma_ra (TF32) reads a weight
+// gradient's A [K, M] as stored through registers (register-A wgmma), with no transposing pass.
 //
 // Shared layout: per stage, the A tile [BM][32] then the B tile [BN][32] (k contiguous, 128 bytes
 // a row), in the 128-byte swizzle the instruction's descriptor names: the 16-byte chunk c of
