@@ -52,7 +52,7 @@ __device__ __forceinline__ int wg_k_tiles(int klen) { return klen > 0 ? (klen + 
 // of warp w, lane 4 g + q, hold the warpgroup's rows ra_row(w, g) and ra_row(w, g) + 1 of the tile.
 // Any bijection would do (a row's products do not mix with other rows'); this one makes the
 // fragment loads from the MN-major, 128-byte swizzled A tile 8-byte loads without bank conflicts
-// (ra_frag_offsets).
+// (RaFrags).
 __device__ __forceinline__ int ra_row(int w, int g) { return 16 * (g >> 1) + 4 * w + 2 * (g & 1); }
 
 // Epilogue of both kernels: the warpgroup's accumulators (layout of wg_mma_tf32) through the shared
@@ -553,6 +553,14 @@ struct RaFrags {
         c0 = ((m >> 2) ^ q) << 4;
         c1 = ((m >> 2) ^ (q + 4)) << 4;
     }
+    // The 4 fragment values of k step s of the A tile at slot address sa (gemm_wgmma3_ra; k_tile issues
+    // the same loads itself: written through load(), ptxas scheduled the TC variants differently from
+    // the code measured in bench/NOTES.md).
+    __device__ __forceinline__ void load(unsigned (&f)[4], unsigned sa, int s) const {
+        const unsigned p = sa + off + 1024 * s;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(f[0]), "=r"(f[1]) : "r"(p + c0));
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(f[2]), "=r"(f[3]) : "r"(p + 512 + c1));
+    }
     // k tile at slot address sa (A) and b_t (B, K-major swizzled): the fragments into f, then the 4
     // register-A wgmma into acc, committed as one group (not waited for); SUM: cs[0..1] += the
     // fragments' rows over the tile's k.
@@ -621,17 +629,8 @@ struct RaFragsK {
     }
 };
 
-// The MN-major form of RaFragsK::load (RaFrags' addressing, rows ra_row).
-struct RaFragsMN : RaFrags {
-    __device__ __forceinline__ void load(unsigned (&f)[4], unsigned sa, int s) const {
-        const unsigned p = sa + off + 1024 * s;
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(f[0]), "=r"(f[1]) : "r"(p + c0));
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(f[2]), "=r"(f[3]) : "r"(p + 512 + c1));
-    }
-};
-
 // One k tile of gemm_wgmma3_ra (fp32 as 3xTF32, A through registers) into its partial: per k step s
-// the fp32 fragments (F: RaFragsK or RaFragsMN), split in registers into hi = tf32_hi(x) and lo =
+// the fp32 fragments (F: RaFragsK or RaFrags), split in registers into hi = tf32_hi(x) and lo =
 // tf32_hi(x - hi) (tf32_split's halves), then wg_mma3_step's three products lo x hi, hi x lo, hi x
 // hi (the first of the tile with scale-d 0: the same order, so the same sums as gemm_wgmma3_ws);
 // B's hi tile at bh, its lo tile at bl. A group per k step, two register sets: a step's halves are
@@ -676,11 +675,10 @@ __device__ __forceinline__ void ra3_k_tile(const F& fr, float (&part)[BN / 2], u
     wg_fence_acc(part);
 }
 
-// The consumers' fragment loader: RaFrags (TF32, MN-major A), RaFragsMN / RaFragsK (3xTF32), none.
+// The consumers' fragment loader: RaFrags (MN-major A), RaFragsK (K-major A, 3xTF32), none.
 template <bool RA, bool A_MN, int PRODUCTS> struct RaOf { using T = RaFrags; };
 template <bool A_MN> struct RaOf<false, A_MN, 1> { struct T {}; };   // (no fragments: the other kernels keep their code)
 template <bool A_MN> struct RaOf<false, A_MN, 3> { struct T {}; };
-template <> struct RaOf<true, true, 3> { using T = RaFragsMN; };
 template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 
 // The consumer warpgroups of the warp-specialized kernels: for each of the block's output tiles,
@@ -1138,7 +1136,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ra(WS_ARGS)
 
 // gemm_wgmma3_ra: fp32 as 3xTF32 (gemm_wgmma3_ws's products, order and sums) with A through registers:
 // the copy engine brings A as stored (MN_A: [K, M] in gemm_wgmma_ra's boxes; else K-major, swizzled),
-// the consumers load its fragments (RaFragsMN, RaFragsK) and split them into hi and lo themselves
+// the consumers load its fragments (RaFrags, RaFragsK) and split them into hi and lo themselves
 // (ra3_k_tile); the producer warpgroup splits (and, MN_B, turns) only B, whose hi and lo tiles follow
 // A's fp32 tile in the slot: (BM + 2 BN) x 128 bytes, a third less than gemm_wgmma3_ws's, and no
 // shared-memory pass over A. COLSUM (MN_A): the consumers' sums of A (the bias gradient's partials).
