@@ -9,11 +9,15 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
     wgmma3  fp32 as three TF32 warpgroup-MMA products over operands split into hi and lo halves
             by a pass before it
     wgmma3_ws  fp32 as 3xTF32 over A and B as stored, split (and turned K-major) in shared memory
+    wgmma3_ra  the same with A split in the consumers' registers, only B prepared in shared memory
     wgmma_mn  TF32 warpgroup MMA of A^T B with A [K, M], B [K, N] as stored (the weight gradients)
+    wgmma_ra  TF32 A^T B with A [K, M] as stored read through registers, B K-major (or B^T first)
+    wgmma_ra_mn  the same with B [K, N] as stored, turned K-major by the producers
+    wgmma_ra_t  TF32 A^T B as (B^T A)^T: B [K, N] through registers, A^T first, out stored transposed
 
 rt.precision picks a base family (PRECISION_FAMILIES); on sm_90 its warpgroup-MMA partner competes
 with it (`Family.partner`), for fp32 also `Family.stored_partners` (aligned operands in any layout),
-and for TF32 weight gradients `Family.mn_partner`.
+and for TF32 weight gradients `Family.mn_partner` and `Family.ra_partners`.
 """
 from __future__ import annotations
 
@@ -96,7 +100,8 @@ WGMMA_MN_EFFICIENCY = dict(zip(WGMMA_MN_TILES, (0.75, 1.05)))   # measured ~120 
 # K-major by the producer warpgroup as in gemm_wgmma_mn (no pass at all). BM 128: a consumer thread
 # holds 96 accumulators and two k tiles' fragments (32) at BN 192.
 WGMMA_RA_TILES = ((128, 128, 4), (128, 192, 4))
-WGMMA_RA_EFFICIENCY = dict(zip(WGMMA_RA_TILES, (1.6, 1.75)))       # modelled as gemm_wgmma_ws's
+# (modelled as gemm_wgmma_ws's; measured ~20% slower a product, without the transposes that path needs)
+WGMMA_RA_EFFICIENCY = dict(zip(WGMMA_RA_TILES, (1.6, 1.75)))
 WGMMA_RA_MN_TILES = ((128, 128, 7), (128, 192, 5))
 WGMMA_RA_MN_EFFICIENCY = dict(zip(WGMMA_RA_MN_TILES, (1.0, 1.3)))  # between gemm_wgmma_mn's and ws's
 # what a weight gradient's product takes: none (split-K partials, or all of K) or residual (k slabs)
@@ -271,7 +276,7 @@ class Family:
     partner: str | None = None    # the warpgroup-MMA family competing on sm_90 (base families)
     mn_partner: str | None = None # the one competing for A^T B as stored (trans_a, not trans_b)
     ra_partners: tuple = ()       # the register-A ones competing for trans_a products: (B K-major or
-                                  # transposed first, B [K, N] as stored)
+                                  # transposed first, B [K, N] as stored, the swapped product)
     stored_partners: tuple = ()   # the ones competing for aligned operands in any layout
     base: str = ""                # the base family whose precision a warpgroup-MMA family serves
     needs: str = ""               # what a warpgroup-MMA plan needs (the reason a plan is refused)
