@@ -359,9 +359,19 @@ __device__ __forceinline__ void tma_load_split(int lane, unsigned bar, unsigned 
         : "memory");
 }
 
-// gemm_wgmma_ra's copies (lane 0 only, converged as above): expect `bytes` on bar, then the NA boxes
-// {32 m, 32 k} of the MN-major A map (128-byte swizzle) at (m0 + 32 j, k0) into dsta + 4096 j, then
-// the box of map b at {b0, b1} into dstb.
+// One box of tensor map `map` at coordinates {c0, c1, batch} into shared memory at dst, completing on
+// bar (lane 0 only, converged as above).
+__device__ __forceinline__ void tma_copy(int lane, unsigned bar, unsigned dst, const TmaMap* map, int c0, int c1,
+                                         int batch) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3, {%4, %5, %6}], [%1];\n}\n"
+        ::"r"(lane), "r"(bar), "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(batch)
+        : "memory");
+}
+// gemm_wgmma_ra's copies (lane 0 only): expect `bytes` on bar, then the NA boxes {32 m, 32 k} of the
+// MN-major A map (128-byte swizzle) at (m0 + 32 j, k0) into dsta + 4096 j, then the box of map b at
+// {b0, b1} into dstb.
 template <int NA>
 __device__ __forceinline__ void tma_load_ra(int lane, unsigned bar, unsigned bytes, unsigned dsta, const TmaMap* mapa,
                                             int m0, int k0, unsigned dstb, const TmaMap* mapb, int b0, int b1,
@@ -370,17 +380,8 @@ __device__ __forceinline__ void tma_load_ra(int lane, unsigned bar, unsigned byt
                  "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n}\n" ::"r"(lane), "r"(bar), "r"(bytes)
                  : "memory");
 #pragma unroll
-    for (int j = 0; j < NA; ++j)
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
-            "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3, {%4, %5, %6}], [%1];\n}\n"
-            ::"r"(lane), "r"(bar), "r"(dsta + 4096 * j), "l"(reinterpret_cast<unsigned long long>(mapa)), "r"(m0 + 32 * j),
-              "r"(k0), "r"(batch) : "memory");
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3, {%4, %5, %6}], [%1];\n}\n"
-        ::"r"(lane), "r"(bar), "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(b0), "r"(b1), "r"(batch)
-        : "memory");
+    for (int j = 0; j < NA; ++j) tma_copy(lane, bar, dsta + 4096 * j, mapa, m0 + 32 * j, k0, batch);
+    tma_copy(lane, bar, dstb, mapb, b0, b1, batch);
 }
 
 // PRODUCTS = 3: fp32 accuracy from three TF32 products (3xTF32). A and B arrive split, hi and lo
