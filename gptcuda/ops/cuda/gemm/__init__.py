@@ -59,7 +59,7 @@ from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_COMBOS,
                                             simt_name,
                                             tf32_blocks_per_sm, tf32_name, tf32_smem, wgmma_blocks_per_sm,
                                             wgmma_name, wgmma_smem)
-from gptcuda.ops.cuda.gemm.layout import (WGMMA_WORKSPACES, device_workspaces, mode_flags, at_fits,
+from gptcuda.ops.cuda.gemm.layout import (WGMMA_WORKSPACES, device_workspaces, mode_flags, ra_scratch,
                                           rt_transpose_a_slab, transpose_a_slab, wgmma3_mode, wgmma_device,
                                           wgmma_layout_mode, wgmma_mode, wgmma_ok)
 # `plan` is the function from here on (it was the submodule's name until this import rebinds it)

@@ -287,6 +287,12 @@ class Family:
         unswizzled)."""
         return self.layouts == ((True, False),)
 
+    @property
+    def b_first(self) -> bool:
+        """A TF32 register-A family reading B K-major (wgmma_ra): a B stored [K, N] is transposed first,
+        into "gemm_aT" (transpose_b plans)."""
+        return self.a_regs and self.products == 1 and self.layouts == ((True, True),)
+
     def runs_epi(self, epi) -> bool:
         """Whether its kernels are compiled for epilogue code epi (EPI_BIAS: with a bias)."""
         return any(e == epi for e, _ in self.epis)

@@ -11,7 +11,7 @@ from gptcuda.runtime import DeviceView, execution, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPI_RESID, EPILOGUE_CODES,
                                             COLSUM_TRANSPOSE_NAMES, MAX_GRID_Z, REDUCE_THREADS, SIMT_FILE,
                                             SPLIT_NAMES, TRANSPOSE_NAMES, cdiv, reduce_name)
-from gptcuda.ops.cuda.gemm.layout import at_fits, rt_transpose_a_slab, wgmma_ok, ws_capacity
+from gptcuda.ops.cuda.gemm.layout import ra_scratch, rt_transpose_a_slab, wgmma_ok, ws_capacity
 from gptcuda.ops.cuda.gemm.plan import Plan, check_plan, has_colsum_kernel
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
 from gptcuda.ops.cuda.gemm.table import tune_key, tuned_plan
@@ -187,9 +187,8 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         key = tune_key(ex.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1, a_colsum is not None)
         p = tuned_plan(rt, key, vec, cap, M, N, wg, ex=ex)
     if p is None:
-        at_cap = ws_capacity(rt, "gemm_aT")[1]
         p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab,
-                       colsum=a_colsum is not None, ra_bt=at_fits(N, K, at_cap), ra_at=at_fits(M, K, at_cap))
+                       colsum=a_colsum is not None, **ra_scratch(M, N, K, ws_capacity(rt, "gemm_aT")[1]))
     if p.transpose_a:
         part = None if a_colsum is None else _colsum_partials(rt, M, K, p.k_slab or K)
         _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label, part)
@@ -206,7 +205,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         a, b = _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label)
         trans_a, trans_b, lda, ldb = False, True, K, K
     elif p.transpose_b:          # (a register-A plan's B^T, [N, tokens], goes where the A^T slabs would)
-        b, trans_b, ldb = _transpose_b(rt, b, K, N, label, "gemm_aT" if p.fam.a_regs else "gemm_bT"), True, K
+        b, trans_b, ldb = _transpose_b(rt, b, K, N, label, "gemm_aT" if p.fam.b_first else "gemm_bT"), True, K
     # a kernel that sums A as it reads it (gemm_wgmma_mn, gemm_wgmma3_ws) gives the bias gradient's
     # partials, one row per split; elsewhere bias_grad reads A once more
     part = None

@@ -79,7 +79,7 @@ def mode_flags(family, wgmma):
     """(transpose_b, transpose_a) of a `family` plan for a launch whose `wgmma_ok` answer is wgmma
     (the 3xTF32 family re-lays A [K, M] out in its split pass: no transpose_a)."""
     fam = FAMILIES.get(family)
-    if fam is not None and fam.a_regs and fam.products == 1 and not fam.mn_major:   # TF32 register A: B^T first
+    if fam is not None and fam.b_first:              # TF32 register A: B^T first
         return wgmma == "transpose_ab", False
     if fam is None or not fam.k_major or not wgmma:
         return False, False
@@ -121,10 +121,10 @@ def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0, ex=None):
                              {name: ws_capacity(rt, name)[1] for name in WGMMA_WORKSPACES})
 
 
-def at_fits(rows, K, at_floats) -> bool:
-    """Whether a register-A plan's re-laid operand, B^T [N, K] (wgmma_ra) or A^T [M, K] (wgmma_ra_t),
-    [rows, K], fits "gemm_aT" of at_floats."""
-    return 0 < rows * K <= at_floats
+def ra_scratch(M, N, K, at_floats) -> dict:
+    """`competing`'s ra_bt / ra_at for a product of this shape: whether "gemm_aT" of at_floats holds a
+    register-A plan's re-laid operand, B^T [N, K] (wgmma_ra) / A^T [M, K] (wgmma_ra_t)."""
+    return {"ra_bt": 0 < N * K <= at_floats, "ra_at": 0 < M * K <= at_floats}
 
 
 def rt_transpose_a_slab(rt, M, N, K, trans_b) -> int:

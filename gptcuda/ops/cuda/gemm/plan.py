@@ -96,7 +96,7 @@ def make_plan(family, tile, splits, K, transpose_b=False, transpose_a=False, k_s
     fam = FAMILIES.get(family)
     if fam is None or not 1 <= splits <= MAX_SPLITS or K < 1:
         return None
-    if transpose_b and not (fam.k_major or (fam.a_regs and fam.layouts == ((True, True),))):
+    if transpose_b and not (fam.k_major or fam.b_first):
         return None
     k_slab = 0 if not transpose_a or k_slab >= K else int(k_slab)
     if transpose_a and (not fam.transposes_a or k_slab < 0 or k_slab % SPLIT_ALIGN or (k_slab and splits > 1)):
@@ -402,7 +402,7 @@ def plan_unfit(p: Plan, family, vec, wgmma, slab=0) -> str | None:
             return f"plan family {p.family} but rt.precision wants {family}"
         if wgmma not in ("transpose_a", "transpose_ab") or not vec or (fam.mn_major and wgmma != "transpose_ab"):
             return f"a {p.family} plan needs {fam.needs}"
-        if not fam.mn_major and p.transpose_b != (wgmma == "transpose_ab"):
+        if fam.b_first and p.transpose_b != (wgmma == "transpose_ab"):
             return f"a {p.family} plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
     elif fam.layouts:            # reads its layouts as stored (wgmma_mn: A [K, M] and B [K, N] only)
         if family != fam.base:

@@ -26,7 +26,7 @@ import numpy as np
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import Blob, DeviceView, Function, execution
 from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, EPI_BIAS, EPI_IO, EPILOGUE_CODES
-from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, at_fits, transpose_a_slab, wgmma_layout_mode
+from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, ra_scratch, transpose_a_slab, wgmma_layout_mode
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan_label, prune_candidates, tune_candidates, workspace)
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan
@@ -145,8 +145,7 @@ def candidates_for(op: GemmOp, precision: str, sm_count: int, ws_floats: int, ke
         slab = transpose_a_slab(op.M, op.N, op.K, op.tb, (scratch or {}).get("gemm_aT", 0))
         slab = 0 if slab >= op.K else slab
     fam = FAMILY[precision]
-    at = (scratch or {}).get("gemm_aT", 0)
-    ra = {"ra_bt": at_fits(op.N, op.K, at), "ra_at": at_fits(op.M, op.K, at)}
+    ra = ra_scratch(op.M, op.N, op.K, (scratch or {}).get("gemm_aT", 0))
     heur = model_plan(op.M, op.N, op.K, op.batch, sm_count, fam, max_ws=ws_floats if op.batch == 1 else 0,
                       allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode, k_slab=slab, colsum=op.colsum,
                       **ra)
