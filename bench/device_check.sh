@@ -6,7 +6,8 @@
 #                              [interop] [finetune] [generate] [speed] [anchors]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
-# SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S (for seeds: bench/seeds.py),
+# SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
+# bench/seeds.py; a group label@TREE runs another checkout, e.g. one unpacked under .devcarry),
 # TRAIN_CONFIG (for train_config), DIST_WORLDS ("1,2"), DIST_ZERO ("0 1"), TORCH_WHICH ("steps compile"), TUNE_PRECISIONS ("tf32 fp32"),
 # GPT2_BATCHES ("8 16": bench/step.py of configs/gpt2_124m.yaml and the PyTorch / llm.c anchors at these
 # micro-batches), ACCUM_STEPS (50: gpt2_accum's steps of 524288 tokens), GEN_BATCHES ("1,16,64,256"),
@@ -256,7 +257,8 @@ if has generate; then
 fi
 if has seeds; then          # best val over seeds, e.g. SEEDS_GROUPS="tf32=configs/ctx256_tf32.yaml:1-8"
   log "best val over seeds: ${SEEDS_GROUPS}"
-  python3 bench/seeds.py ${SEEDS_GROUPS} --per-gpu ${SEEDS_PER_GPU:-2} ${SEEDS_UNTIL:+--until $SEEDS_UNTIL} \
+  paired=(); for p in ${SEEDS_PAIRED:-}; do paired+=(--paired "$p"); done
+  python3 bench/seeds.py ${SEEDS_GROUPS} --per-gpu ${SEEDS_PER_GPU:-2} ${SEEDS_UNTIL:+--until $SEEDS_UNTIL} "${paired[@]}" \
     --budget-s ${SEEDS_BUDGET_S:-300} --out "$OUT/seeds" --json "$OUT/seeds.json" 2>&1 \
     | tee "$OUT/seeds.log" | tail -40 | tee -a "$OUT/summary.txt"
   find "$OUT/seeds" -name "*.ckpt" -delete

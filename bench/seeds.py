@@ -1,11 +1,17 @@
 """Quality across seeds: many runs of a training recipe at once, their best val losses side by side.
 
     python bench/seeds.py GROUP [GROUP ...] [--per-gpu 2] [--until N] [--budget-s S] [--json F]
-                          [--out DIR] [--threshold 1.465] [--gpus N]
+                          [--out DIR] [--threshold 1.465] [--gpus N] [--paired A,B ...]
 
     GROUP  label=CONFIG:SEEDS[:key=value,key=value]   our train.py, e.g. tf32=configs/ctx256_tf32.yaml:1-8
+           label@TREE=CONFIG:SEEDS[:key=value,...]    the train.py of another checkout (a directory with
+                                                       its own train.py, gptcuda/ and kernels/, e.g. an
+                                                       older commit unpacked by git archive); CONFIG is
+                                                       read from TREE, data paths from here
            label=torch:SCRIPT:SEEDS[:DROPOUT]          the PyTorch recipe script (torch_train_ref.py)
     SEEDS  a list and ranges: 1-4,9
+    --paired A,B   the best-val differences B - A over the seeds both have: A and B are group labels
+                   of this run or FILE.json:label of an earlier one (repeatable)
 
 A recipe's best val loss is the minimum of its evaluations, and one run's trajectory is chaotic:
 any change of arithmetic (TF32 against fp32, a different tile) or of the seed moves it by several
@@ -53,18 +59,26 @@ def parse_seeds(text: str) -> list:
 def parse_group(text: str) -> dict:
     """label=CONFIG:SEEDS[:k=v,...] or label=torch:SCRIPT:SEEDS[:DROPOUT]."""
     label, sep, rest = text.partition("=")
-    if not sep or not label:
-        raise ValueError(f"group {text!r}: expected label=CONFIG:SEEDS[:key=value,...]")
+    label, at, tree = label.partition("@")
+    if not sep or not label or (at and not tree):
+        raise ValueError(f"group {text!r}: expected label[@TREE]=CONFIG:SEEDS[:key=value,...]")
     parts = rest.split(":")
     if parts[0] == "torch":
         if len(parts) not in (3, 4):
             raise ValueError(f"group {text!r}: expected label=torch:SCRIPT:SEEDS[:DROPOUT]")
+        if at:
+            raise ValueError(f"group {text!r}: @TREE names a checkout of ours, not a torch script")
         return dict(label=label, kind="torch", script=parts[1], seeds=parse_seeds(parts[2]),
                     dropout=float(parts[3]) if len(parts) == 4 else 0.2)
     if len(parts) not in (2, 3):
         raise ValueError(f"group {text!r}: expected label=CONFIG:SEEDS[:key=value,...]")
     overrides = [f"--{kv}" for kv in parts[2].split(",") if kv] if len(parts) == 3 else []
-    return dict(label=label, kind="ours", config=parts[0], seeds=parse_seeds(parts[1]), overrides=overrides)
+    group = dict(label=label, kind="ours", config=parts[0], seeds=parse_seeds(parts[1]), overrides=overrides)
+    if at:
+        if not os.path.isfile(os.path.join(tree, "train.py")):
+            raise ValueError(f"group {text!r}: {tree} has no train.py")
+        group.update(tree=os.path.abspath(tree), config=os.path.join(os.path.abspath(tree), parts[0]))
+    return group
 
 
 def torch_copy(script: str, seed: int, until, out: str) -> str:
@@ -97,13 +111,18 @@ def job_command(group: dict, seed: int, until, out: str) -> tuple:
         data = os.path.join(ROOT, "data", "tinyshakespeare", "input.txt")
         return ([sys.executable, copy, str(group["dropout"]), "5000"],
                 {"EVAL": "250", "DATA": data}, run_dir)
-    argv = [sys.executable, os.path.join(ROOT, "train.py"), group["config"], f"--seed={seed}",
+    tree = group.get("tree")
+    argv = [sys.executable, os.path.join(tree or ROOT, "train.py"), group["config"], f"--seed={seed}",
             f"--out_dir={run_dir}", "--checkpoint=false", "--no-bar"]
     if until is not None:
         from gptcuda.config import load_config
         cfg = load_config(group["config"], group["overrides"])
         argv += [f"--max_iters={min(until, cfg.max_iters)}", f"--lr_decay_iters={cfg.lr_decay_iters}"]
-    return argv + group["overrides"], {}, run_dir
+    # another checkout imports its own gptcuda (and so compiles its own kernels/)
+    env_add = {}
+    if tree:
+        env_add["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return argv + group["overrides"], env_add, run_dir
 
 
 def read_history(group: dict, run_dir: str, log_text: str) -> list:
@@ -141,6 +160,30 @@ def summarize(runs: list, threshold: float, labels=None) -> list:
     return rows
 
 
+def best_vals(spec: str, runs: list) -> dict:
+    """{seed: best val} of a group label of this run, or of FILE.json:label from an earlier one."""
+    path, sep, label = spec.rpartition(":")
+    if sep and path.endswith(".json"):
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+    else:
+        label = spec
+    vals = {r["seed"]: r["best_val"] for r in runs if r["label"] == label and r["best_val"] is not None}
+    if not vals:
+        raise ValueError(f"--paired: no finished runs for {spec!r}")
+    return vals
+
+
+def paired(a: dict, b: dict) -> dict:
+    """b - a over the seeds both have: n, the mean difference, its sample std and standard error."""
+    common = sorted(set(a) & set(b))
+    d = [b[s] - a[s] for s in common]
+    row = dict(seeds=common, n=len(d), diffs=d, mean=statistics.fmean(d) if d else float("nan"))
+    row["std"] = statistics.stdev(d) if len(d) > 1 else float("nan")
+    row["se"] = row["std"] / len(d) ** 0.5 if len(d) > 1 else float("nan")
+    return row
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("groups", nargs="+")
@@ -152,8 +195,15 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--gpus", type=int, default=None,
                     help="GPUs to spread over (default: all visible; with --backend=reference runs, any)")
+    ap.add_argument("--paired", action="append", default=[], metavar="A,B")
     args = ap.parse_args(argv)
-    groups = [parse_group(g) for g in args.groups]
+    try:
+        groups = [parse_group(g) for g in args.groups]
+    except ValueError as e:
+        ap.error(str(e))
+    for spec in args.paired:
+        if len(spec.split(",")) != 2:
+            ap.error(f"--paired {spec!r}: expected A,B")
     labels = [g["label"] for g in groups]
     if len(set(labels)) != len(labels):
         ap.error(f"group labels must differ (they name the run directories): {labels}")
@@ -215,10 +265,27 @@ def main(argv=None):
               f"  {r['reach']}/{r['n']}")
     if skipped:
         print("not started (budget): " + ", ".join(skipped))
+    pairs = []
+    for spec in args.paired:
+        a, b = spec.split(",")
+        try:
+            row = dict(a=a, b=b, **paired(best_vals(a, runs), best_vals(b, runs)))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"paired {b} - {a}: {e}")
+            continue
+        pairs.append(row)
+        if row["n"] == 0:
+            print(f"paired {b} - {a}: no seed in common")
+            continue
+        t = row["mean"] / row["se"] if row["n"] > 1 and row["se"] > 0 else float("nan")
+        print(f"paired {b} - {a} over {row['n']} seeds: mean {row['mean']:+.4f}, std {row['std']:.4f}, "
+              f"standard error {row['se']:.4f} (t {t:+.2f}); "
+              + " ".join(f"{s}:{d:+.4f}" for s, d in zip(row["seeds"], row["diffs"])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(groups=[{k: v for k, v in g.items()} for g in groups], until=args.until,
-                           threshold=args.threshold, runs=runs, summary=rows, skipped=skipped), f, indent=1)
+                           threshold=args.threshold, runs=runs, summary=rows, skipped=skipped, paired=pairs),
+                      f, indent=1)
     return 0 if all(r["rc"] == 0 for r in runs) else 1
 
 

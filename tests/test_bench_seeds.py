@@ -2,6 +2,7 @@
 float64 reference backend (no GPU: --gpus 2 only names the CUDA_VISIBLE_DEVICES slots)."""
 import json
 import math
+import os
 
 import pytest
 
@@ -68,3 +69,62 @@ def test_runs_until_a_step_and_keeps_the_schedule(tmp_path):
     cfg = (tmp_path / "runs" / "a_seed1" / "config.yaml").read_text()
     assert "max_iters: 10" in cfg and "lr_decay_iters: 40" in cfg
     assert [s["n"] for s in res["summary"]] == [2, 1] and res["summary"][0]["reach"] == 2
+
+
+def test_group_from_another_checkout(tmp_path):
+    tree = tmp_path / "old"
+    tree.mkdir()
+    (tree / "train.py").write_text("")
+    g = seeds.parse_group(f"old@{tree}=configs/tiny.yaml:3:backend=reference")
+    assert g["tree"] == str(tree) and g["config"] == str(tree / "configs" / "tiny.yaml")
+    argv, env, run_dir = seeds.job_command(g, 3, None, str(tmp_path / "runs"))
+    assert argv[1] == str(tree / "train.py") and argv[2] == g["config"]
+    assert env["PYTHONPATH"].split(":")[0] == str(tree)
+    for bad in (f"old@{tmp_path / 'none'}=configs/tiny.yaml:1",      # no train.py there
+                "old@=configs/tiny.yaml:1", f"t@{tree}=torch:ref.py:1"):
+        with pytest.raises(ValueError):
+            seeds.parse_group(bad)
+
+
+def test_paired_differences(tmp_path):
+    a = {1: 1.47, 2: 1.46, 3: 1.48}
+    b = {2: 1.47, 3: 1.47, 4: 1.40}
+    row = seeds.paired(a, b)
+    assert row["seeds"] == [2, 3] and row["n"] == 2
+    assert math.isclose(row["mean"], 0.0, abs_tol=1e-12)
+    assert math.isclose(row["std"], math.sqrt(2) * 0.01) and math.isclose(row["se"], 0.01)
+    f = tmp_path / "earlier.json"
+    f.write_text(json.dumps(dict(runs=[dict(label="x", seed=s, best_val=v) for s, v in a.items()])))
+    assert seeds.best_vals(f"{f}:x", []) == a
+    assert seeds.best_vals("y", [dict(label="y", seed=5, best_val=1.5)]) == {5: 1.5}
+    with pytest.raises(ValueError, match="no finished runs"):
+        seeds.best_vals(f"{f}:z", [])
+
+
+def test_runs_another_checkout_paired_with_this_one(tmp_path, capsys):
+    """A checkout whose train.py announces itself and then runs ours: its runs go through its own
+    train.py with its directory first on PYTHONPATH, train the same seed to the same history, and
+    --paired reports a zero difference."""
+    root = seeds.ROOT
+    tree = tmp_path / "old"
+    (tree / "configs").mkdir(parents=True)
+    (tree / "configs" / "tiny.yaml").write_text(open(f"{root}/configs/tiny.yaml").read())
+    (tree / "train.py").write_text(
+        "import os, runpy, sys\n"
+        "print('tree train.py; PYTHONPATH', os.environ['PYTHONPATH'].split(os.pathsep)[0])\n"
+        f"sys.argv[0] = {os.path.join(root, 'train.py')!r}\n"
+        f"sys.path.insert(0, {root!r})\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    common = "backend=reference,eval_interval=5,eval_iters=2,lr_decay_iters=40"
+    out_json = tmp_path / "seeds.json"
+    rc = seeds.main([f"new=configs/tiny.yaml:1:{common}", f"old@{tree}=configs/tiny.yaml:1:{common}",
+                     "--until", "5", "--gpus", "1", "--out", str(tmp_path / "runs"),
+                     "--json", str(out_json), "--paired", "new,old"])
+    assert rc == 0
+    res = json.loads(out_json.read_text())
+    runs = {r["label"]: r for r in res["runs"]}
+    assert runs["old"]["history"] == runs["new"]["history"]
+    log = (tmp_path / "runs" / "old_seed1" / "run.log").read_text()
+    assert f"tree train.py; PYTHONPATH {tree}" in log
+    assert res["paired"][0]["n"] == 1 and res["paired"][0]["mean"] == 0.0
+    assert "paired old - new over 1 seeds: mean +0.0000" in capsys.readouterr().out
