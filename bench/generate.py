@@ -76,11 +76,12 @@ def time_ours(model, batch, args):
         times.append(time.perf_counter() - t)
     steps = steps_needed([args.prompt] * batch, args.new, model.cfg.block_size)
     res = dict(side="gptcuda", mode=f"graph, {args.precision}", batch=batch, seconds=statistics.median(times),
-               all=times, steps=steps, setup_s=setup, tokens=[o[:args.check].tolist() for o in out[:2]])
+               all=times, steps=steps, setup_s=setup, plan_bytes=gen.plan.total_bytes,
+               tokens=[o[:args.check].tolist() for o in out[:2]])
     if args.profile:                 # where a step's time goes, at the position the last run ended
         from gptcuda.runtime.profile import phase_table
-        print(f"batch {batch}: " + phase_table(gen.eng.be.rt, gen.program, top=12), flush=True)
-    gen.eng.be.rt.close()
+        print(f"batch {batch}: " + phase_table(gen.be.rt, gen.program, top=12), flush=True)
+    gen.be.rt.close()
     return res
 
 
@@ -203,7 +204,8 @@ def main():
             continue
         ms = 1e3 * r["seconds"] / args.new
         tps = r["batch"] * args.new / r["seconds"]
-        note = f"setup {r['setup_s']:.1f} s, {r['steps']} steps" if "setup_s" in r else f"first call {r['warmup_s']:.1f} s"
+        note = (f"setup {r['setup_s']:.1f} s, {r['steps']} steps, device memory {r['plan_bytes'] / 2**30:.2f} GiB"
+                if "setup_s" in r else f"first call {r['warmup_s']:.1f} s")
         print(f"{r['side']:<9} {r['mode']:<46} {r['batch']:>5} {ms:>9.3f} {tps:>10.0f}  {note}")
         if r["side"] == "pytorch":
             b = best.get(r["batch"])

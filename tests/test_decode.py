@@ -7,6 +7,7 @@ from gptcuda.model import rng
 from gptcuda.config import load_config
 from gptcuda.training.engine import Engine
 from gptcuda.model.memory import pack_gen_opts, plan_decode, unpack_gen_opts
+from gptcuda.model.params import param_table, unflatten
 from gptcuda.ops.reference.ops import draw_token
 from gptcuda.generate.sampler import Generator, Model, steps_needed
 
@@ -67,14 +68,15 @@ def window_logits(eng, windows):
     return [full[s, len(w) - 1] for s, w in enumerate(windows)]
 
 
-def greedy_vs_forward(backend, rtol, max_new=40):
+def greedy_vs_forward(backend, rtol, max_new=40, S=3):
     """Greedy generation from prompts of different lengths, past the window's end (T = 16): every
     token is the argmax of the full forward over the window the cache holds (up to a near tie of
-    rtol * max|logits| on the GPU, where the two paths round differently)."""
-    eng = tiny_engine(backend)
+    rtol * max|logits| on the GPU, where the two paths round differently). S > 16: the decode
+    step's products run on the GEMM and its scratch (ops/cuda/decode.py LINEAR_ROWS)."""
+    eng = tiny_engine(backend, S=S)
     S, T = eng.cfg.batch_size, eng.cfg.block_size
     r = np.random.default_rng(2)
-    prompts = [r.integers(0, V, n) for n in (1, 5, T + 4)]
+    prompts = [r.integers(0, V, (1, 5, T + 4)[s % 3] + s // 3) for s in range(S)]
     gen = Generator(model_of(eng), S, max_new, backend)
     got = gen.generate(prompts, temp=0.0)
     assert [len(g) for g in got] == [max_new] * S
@@ -125,6 +127,29 @@ def seeded_runs(backend):
 
 def test_seeded_sampling_and_stop_reference():
     seeded_runs("reference")
+
+
+def test_generator_plans_no_training_state():
+    """Generation holds the parameters, the KV cache and its decode buffers: no gradients, Adam
+    state, training activations or batch tokens (a GPT-2 124M generator would carry 1.5 GB of
+    them), and the parameters it runs on are the model's."""
+    eng = tiny_engine("reference", S=2, T=8)
+    model = model_of(eng)
+    gen = Generator(model, 5, 7, "reference")
+    plan = gen.plan
+    assert plan.regions == ("params",) and plan.flat_bytes == plan.region_bytes
+    assert {e.kind for e in plan.entries} <= {"state", "activation", "workspace"}
+    assert not {"res", "ln1", "dres", "dfc", "idx", "targets", "history"} & {e.name for e in plan.entries}
+    assert plan["kcache"].shape[1] == 5 and plan["state"].dtype == "i32"
+    assert "gradients" not in plan.format() and "adam" not in plan.format()
+    assert plan.total_bytes < eng.plan.total_bytes
+    got = gen.be.download(gen.d["kcache"])
+    assert np.isnan(got).all()                         # poisoned until the first step writes it
+    assert gen.bufs.flat_grads is None and gen.bufs.flat_m is None and gen.bufs.flat_v is None
+    held = unflatten(param_table(gen.cfg, model.named["wte"].shape[0]), gen.be.download(gen.bufs.flat_params))
+    assert set(held) == set(model.named)
+    for k, v in model.named.items():                   # the parameters the decode step runs on
+        assert np.array_equal(held[k], v), k
 
 
 def test_steps_needed_matches_stream():

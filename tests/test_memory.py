@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gptcuda.config import load_config
-from gptcuda.model.memory import ARENA_ALIGN, MemoryPlan, PlanTooLarge, check_fits, plan_memory
+from gptcuda.model.memory import ARENA_ALIGN, MemoryPlan, PlanTooLarge, check_fits, plan_decode, plan_memory
 from gptcuda.model.params import init_params, param_table
 
 
@@ -129,3 +129,23 @@ def test_wgmma_scratch_only_where_the_device_reads_it(arch, env, monkeypatch):
         assert names <= printed
         assert (names <= on_device) == (arch == "sm_90" and env == "1"), (prec, arch, env, on_device)
         assert not names & on_device or names <= on_device
+
+
+def test_decode_plan_holds_parameters_scratch_and_state():
+    """Generation's plan: the flat buffer is the parameters alone; with workspaces it carries the
+    op scratch and the step state too; a plan too large names the hints it is given."""
+    cfg = cfg_small()
+    table = param_table(cfg, 65)
+    bare = plan_decode(cfg, table, 65, 3, 10)
+    assert bare.regions == ("params",) and bare.flat_bytes == 4 * table.total
+    assert "state" not in {e.name for e in bare.entries}
+    ws = {"gemm_partials": ((1000,), "f32"), "a_scratch": ((10, 3), "f32")}
+    p = plan_decode(cfg, table, 65, 3, 10, ws)
+    assert p["gemm_partials"].kind == "workspace" and p["a_scratch"].shape == (10, 3)
+    assert p["state"].kind == "state" and p.arena_bytes > bare.arena_bytes
+    text = p.format()
+    assert "parameters" in text and "gradients" not in text and "adam" not in text
+    assert "gradients" in _plan(cfg).format()
+    with pytest.raises(PlanTooLarge, match="fewer sequences"):
+        check_fits(p, p.total_bytes - 1, cfg, hints=["fewer sequences"])
+    check_fits(p, p.total_bytes, cfg, hints=["fewer sequences"])

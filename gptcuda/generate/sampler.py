@@ -29,8 +29,10 @@ from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.errors import UsageError
 from gptcuda.config import Config
 from gptcuda.runtime import compiler
-from gptcuda.training.engine import Engine
-from gptcuda.model.memory import STOP_MAX, pack_gen_opts, plan_decode
+from gptcuda.training.engine import backend_class, workspaces_for
+from gptcuda.model.gpt import GPT
+from gptcuda.model.memory import STOP_MAX, check_fits, pack_gen_opts, plan_decode
+from gptcuda.model.params import flatten, param_table
 from gptcuda.data.tokenizers import tokenizer_from_dict
 from gptcuda.interop import InteropError, _parse_spec, latest_run, load_init, run_of
 
@@ -95,24 +97,28 @@ class Generator:
     default: a few small products a token, where TF32 buys little) or "tf32"."""
 
     def __init__(self, model: Model, n_seq: int, max_new: int, backend: str = "cuda", precision: str = "fp32"):
-        cfg = model.cfg
         V = model.named["wte"].shape[0]
-        # the Engine's own (training) arena is sized for batch_size x block_size rows: just enough
-        # for the GEMM scratch of n_seq rows; the decode buffers are planned below
-        cfg = dataclasses.replace(cfg, batch_size=max(1, -(-n_seq // cfg.block_size)), max_iters=0, dropout=0.0,
-                                  backend=backend, graph=False, precision=precision, vocab_size=V)
-        dummy = np.zeros(cfg.block_size + 1, np.int32)
-        self.eng = eng = Engine(cfg, dummy, dummy, V, programs=(), n_vocab=model.n_vocab)
-        eng.set_params(model.named)
-        self.model, self.cfg, self.n_seq, self.max_new = model, eng.cfg, int(n_seq), int(max_new)
-        self.d = eng.be.allocate_arena(plan_decode(eng.cfg, eng.table, V, n_seq, max_new))
-        eng.be.begin("decode")
-        eng.model.record_decode_step(self.d, model.n_vocab)
-        self.program = eng.be.end()
+        # the op families' scratch is sized for batch_size x block_size rows: batch_size covers the
+        # n_seq rows a step multiplies
+        cfg = dataclasses.replace(model.cfg, batch_size=max(1, -(-n_seq // model.cfg.block_size)), max_iters=0,
+                                  dropout=0.0, backend=backend, graph=False, precision=precision, vocab_size=V)
+        self.be = be = backend_class(cfg)(cfg)
+        table = param_table(cfg, V)
+        # the parameters, the KV cache, the decode buffers and the scratch: no gradients, Adam state
+        # or training activations
+        self.plan = plan_decode(cfg, table, V, n_seq, max_new, workspaces_for(cfg, be))
+        check_fits(self.plan, be.free_bytes(), cfg, hints=[f"fewer sequences at once (now {n_seq})"])
+        self.bufs = bufs = be.allocate(self.plan, table)
+        be.upload(bufs.flat_params, flatten(table, model.named))
+        self.model, self.cfg, self.n_seq, self.max_new = model, cfg, int(n_seq), int(max_new)
+        self.d = bufs.acts
+        be.begin("decode")
+        GPT(cfg, be, bufs, table, n_vocab=model.n_vocab).record_decode_step(self.d, model.n_vocab)
+        self.program = be.end()
         self.cuda = backend == "cuda"
         if self.cuda:
-            rt = eng.be.rt
-            self.graph = eng.be.capture(self.program)
+            rt = be.rt
+            self.graph = be.capture(self.program)
             self.ring = rt.pinned((DEPTH, 2, n_seq), np.int32)
             self.events = [rt.new_event() for _ in range(DEPTH)]
 
@@ -135,7 +141,7 @@ class Generator:
                 raise ValueError(f"prompt {s} holds a token outside 0..{self.model.n_vocab - 1}")
             ctx[s, :p.size] = p
             lengths.append(int(p.size))
-        d, be = self.d, self.eng.be
+        d, be = self.d, self.be
         be.upload(d["ctx"], ctx)
         be.upload(d["fill"], np.array(lengths, np.int32))
         for name in ("out", "n_out", "done", "emit", "pos"):
@@ -155,13 +161,13 @@ class Generator:
         with compiler.forbid_compiles():
             if not self.cuda:
                 for _ in range(n):
-                    self.eng.be.run(self.program)
-                    emit = np.asarray(self.eng.be.download(self.d["emit"]), np.int32)
+                    self.be.run(self.program)
+                    emit = np.asarray(self.be.download(self.d["emit"]), np.int32)
                     yield emit[0], emit[1]
                     if emit[1].all():
                         return
                 return
-            rt = self.eng.be.rt
+            rt = self.be.rt
             dev, emit_view, nbytes = rt.dev, self.d["emit"], 2 * self.n_seq * 4
             launched = read = 0
             finished = False
@@ -188,8 +194,8 @@ class Generator:
         return self.drawn()
 
     def drawn(self) -> list[np.ndarray]:
-        out = np.asarray(self.eng.be.download(self.d["out"]), np.int32)
-        n = np.asarray(self.eng.be.download(self.d["n_out"]), np.int64)
+        out = np.asarray(self.be.download(self.d["out"]), np.int32)
+        n = np.asarray(self.be.download(self.d["n_out"]), np.int64)
         return [out[s, :n[s]].copy() for s in range(self.n_seq)]
 
 

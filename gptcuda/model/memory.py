@@ -1,7 +1,8 @@
 """The memory plan: every byte the run will use, decided from the config before allocating.
 
 Two device allocations:
-  * the flat buffer  params | grads | Adam m | Adam v  (four regions of the parameter table's size)
+  * the flat buffer  params | grads | Adam m | Adam v  (four regions of the parameter table's size;
+                     generation's plan holds the parameters only)
   * the arena        activations (saved for the backward), backward scratch, op workspaces,
                      the step's batch of token ids, the step state and the loss history
 
@@ -22,6 +23,7 @@ from gptcuda.model import state
 from gptcuda.model.params import ParamTable
 
 ARENA_ALIGN = 256
+REGIONS = ("params", "grads", "adam_m", "adam_v")     # the flat buffer of training, in order
 ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
 KINDS = ("activation", "backward", "workspace", "data", "state")
 
@@ -49,6 +51,7 @@ class MemoryPlan:
     table: ParamTable
     entries: list = field(default_factory=list)
     arena_bytes: int = 0
+    regions: tuple = REGIONS        # the flat buffer's regions, each the parameter table's size
 
     @property
     def region_bytes(self) -> int:
@@ -56,7 +59,7 @@ class MemoryPlan:
 
     @property
     def flat_bytes(self) -> int:
-        return 4 * self.region_bytes
+        return len(self.regions) * self.region_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -71,6 +74,11 @@ class MemoryPlan:
         self.entries.append(e)
         self.arena_bytes += (e.nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
         return e
+
+    def add_workspaces(self, workspaces: dict):
+        """The op families' scratch {name: (shape, dtype)}, shared by all layers."""
+        for name, (shape, dtype) in sorted(workspaces.items()):
+            self.add(name, shape, dtype, "workspace", "op scratch, shared by all layers")
 
     def by_kind(self) -> dict:
         out = {k: 0 for k in KINDS}
@@ -89,10 +97,9 @@ class MemoryPlan:
             return f"{n / 2**30:9.3f} GiB" if n >= 2**30 else f"{n / 2**20:9.2f} MiB"
         rb = self.region_bytes
         lines = ["memory plan",
-                 f"  parameters       {gib(rb)}  ({self.table.n_params:,} parameters, {self.table.total:,} slots)",
-                 f"  gradients        {gib(rb)}",
-                 f"  adam m           {gib(rb)}",
-                 f"  adam v           {gib(rb)}"]
+                 f"  parameters       {gib(rb)}  ({self.table.n_params:,} parameters, {self.table.total:,} slots)"]
+        lines += [f"  {name:<17}{gib(rb)}" for r, name in (("grads", "gradients"), ("adam_m", "adam m"),
+                                                          ("adam_v", "adam v")) if r in self.regions]
         kinds = self.by_kind()
         label = {"activation": "activations", "backward": "backward scratch", "workspace": "op workspace",
                  "data": "batch tokens", "state": "step state"}
@@ -109,13 +116,15 @@ class PlanTooLarge(RuntimeError):
     pass
 
 
-def check_fits(plan: MemoryPlan, free_bytes: int, cfg) -> None:
-    """Refuse a plan that does not fit, with the plan and what to change."""
+def check_fits(plan: MemoryPlan, free_bytes: int, cfg, hints: list | None = None) -> None:
+    """Refuse a plan that does not fit, with the plan and what to change (hints: the changes to
+    name; default: those of a training run)."""
     if plan.total_bytes <= free_bytes:
         return
-    hints = [f"--batch_size={max(1, cfg.batch_size // 2)}", f"--block_size={max(1, cfg.block_size // 2)}"]
-    if cfg.attention == "unfused":
-        hints.insert(0, "--attention=fused (no [B,H,T,T] probabilities saved)")
+    if hints is None:
+        hints = [f"--batch_size={max(1, cfg.batch_size // 2)}", f"--block_size={max(1, cfg.block_size // 2)}"]
+        if cfg.attention == "unfused":
+            hints.insert(0, "--attention=fused (no [B,H,T,T] probabilities saved)")
     raise PlanTooLarge(
         f"{plan.format()}\nthe plan needs {plan.total_bytes / 2**30:.2f} GiB but the GPU has "
         f"{free_bytes / 2**30:.2f} GiB free; try " + ", or ".join(hints))
@@ -161,8 +170,7 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
     p.add("dqkv", (B, T, 3 * C), "f32", "backward", "gradient of qkv")
     p.add("dfc", (B, T, 4 * C), "f32", "backward",
           "gradient of the mlp activation; with recompute also the GELU output of the layer at hand")
-    for name, (shape, dtype) in sorted(workspaces.items()):
-        p.add(name, shape, dtype, "workspace", "op scratch, shared by all layers")
+    p.add_workspaces(workspaces)
     if A > 1:
         p.add("grad_acc", (table.total,), "f32", "backward",
               "gradient accumulation: the sum of the step's earlier micro-batches")
@@ -171,11 +179,15 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
     return p
 
 
-def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int, max_new: int = 1) -> MemoryPlan:
+def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int, max_new: int = 1,
+                workspaces: dict | None = None) -> MemoryPlan:
     """Buffers of generation with a KV cache: S sequences, one position a step, up to block_size,
-    and the device-side state of drawing up to max_new tokens each (kernels/decode.cu)."""
+    and the device-side state of drawing up to max_new tokens each (kernels/decode.cu). The flat
+    buffer is the parameters alone: no gradients, no Adam state, no training activations.
+    workspaces (the op families' scratch {name: (shape, dtype)}): planned too, with the step state,
+    for a plan that is allocated on its own (Generator); None: the decode buffers only."""
     S, T, C, L, H = n_seq, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head
-    p = MemoryPlan(table)
+    p = MemoryPlan(table, regions=("params",))
     p.add("ctx", (S, T + 1), "i32", "state", "the tokens of each sequence's cache window")
     p.add("fill", (S,), "i32", "state", "how many tokens of ctx are known (prompt, then drawn)")
     p.add("out", (S, max(max_new, 1)), "i32", "state", "the tokens drawn, in order")
@@ -198,6 +210,9 @@ def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int, max_new: in
     p.add("logits", (S, vocab_size), "f32", "activation")
     p.add("kcache", (L, S, H, T, C // H), "f32", "activation", "keys of every layer, head and position")
     p.add("vcache", (L, S, H, T, C // H), "f32", "activation", "values")
+    if workspaces is not None:
+        p.add_workspaces(workspaces)
+        p.add("state", (state.WORDS,), "i32", "state", "StepState (gptcuda/model/state.py)")
     return p
 
 

@@ -115,6 +115,15 @@ def init_params(table: ParamTable, cfg, seed: int) -> np.ndarray:
     return flat
 
 
+def flatten(table: ParamTable, named: dict) -> np.ndarray:
+    """The flat float64 parameter region of named arrays (the backend stores it at its own
+    precision); padding is 0."""
+    flat = np.zeros(table.total, np.float64)
+    for s in table:
+        flat[s.offset:s.offset + s.numel] = np.asarray(named[s.name], np.float64).reshape(-1)
+    return flat
+
+
 def unflatten(table: ParamTable, flat: np.ndarray) -> dict:
     """name -> array view of a flat region (params, grads, m or v)."""
     return {s.name: flat[s.offset:s.offset + s.numel].reshape(s.shape) for s in table}

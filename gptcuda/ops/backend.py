@@ -49,6 +49,15 @@ class Buffers:
         self.flat_params, self.flat_grads, self.flat_m, self.flat_v = flat_params, flat_grads, flat_m, flat_v
         self.acts = acts
 
+    @classmethod
+    def of(cls, regions: dict, named, acts) -> "Buffers":
+        """From the flat regions a plan has ({"params": view, ...}: memory.REGIONS, or the
+        parameters alone for generation, where the rest are None); named(region) gives the
+        region's views by parameter name."""
+        g = regions.get
+        return cls(named(regions["params"]), named(regions["grads"]) if "grads" in regions else None,
+                   g("params"), g("grads"), g("adam_m"), g("adam_v"), acts)
+
 
 class Ops(Protocol):
     """The ops of a backend. Views: numpy float64 arrays (reference) or DeviceViews (cuda); the

@@ -60,9 +60,8 @@ class CudaBackend:
         rt = self.rt
         region = plan.region_bytes
         flat = rt.alloc(plan.flat_bytes)
-        regions = [DeviceView(flat + i * region, (table.total,), "f32", n)
-                   for i, n in enumerate(("params", "grads", "adam_m", "adam_v"))]
-        for r in regions:
+        regions = {n: DeviceView(flat + i * region, (table.total,), "f32", n) for i, n in enumerate(plan.regions)}
+        for r in regions.values():
             rt.fill(r, 0)
 
         def named(region_view):
@@ -73,7 +72,7 @@ class CudaBackend:
         rt.state = acts["state"]
         rt.fill(rt.state, 0)
         rt.synchronize()
-        return Buffers(named(regions[0]), named(regions[1]), *regions, acts)
+        return Buffers.of(regions, named, acts)
 
     def allocate_arena(self, plan) -> dict:
         """One allocation holding every entry of the plan; poisoned, so that an op reading what

@@ -8,9 +8,10 @@ train / val are token streams (gptcuda/data/dataset.py: memory-mapped shards) or
 batches of each program are gathered on the host and fed before its replay (gptcuda/data/batches.py).
     eng.state_dict() / eng.load_state_dict(arrays, meta)
 
-Used by train.py, sample.py, gradcheck.py and the tests, with either backend. With a
-gptcuda.dist.Group (one rank of a data-parallel run) the training step also all-reduces
-(eng.dp, gptcuda/dist/); evaluation losses are the mean over the ranks.
+Used by train.py, gradcheck.py and the tests, with either backend; generation plans its own buffers
+(gptcuda/generate/sampler.py Generator). With a gptcuda.dist.Group (one rank of a data-parallel
+run) the training step also all-reduces (eng.dp, gptcuda/dist/); evaluation losses are the mean
+over the ranks.
 
 It prints nothing, but for one progress line (stderr) on a GPU whose GEMM table lacks shapes of
 its programs (gemm_tune auto: gptcuda/ops/cuda/gemm/tune.py autotune measures them before the
@@ -30,7 +31,7 @@ from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.data.batches import Batches
 from gptcuda.model.memory import check_fits, plan_memory
 from gptcuda.model.gpt import GPT
-from gptcuda.model.params import init_params, param_table, unflatten
+from gptcuda.model.params import flatten, init_params, param_table, unflatten
 
 
 def backend_class(cfg):
@@ -46,11 +47,17 @@ def plan_for(cfg, vocab_size: int, backend=None, accum: int = 1):
     sm_90 device; an Engine's backend leaves out the scratch its device never reads)."""
     cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     be = backend or backend_class(cfg)
-    ws = be.workspaces(cfg)
-    if backend is not None and hasattr(backend, "device_workspaces"):
-        ws = backend.device_workspaces(ws)         # a backend on a device: only the scratch it reads
     return plan_memory(cfg, param_table(cfg, vocab_size), vocab_size, accum,
-                       be.attention_saved(cfg), ws, cfg.max_iters + 1)
+                       be.attention_saved(cfg), workspaces_for(cfg, backend), cfg.max_iters + 1)
+
+
+def workspaces_for(cfg, backend=None) -> dict:
+    """The op families' scratch for cfg's batch_size x block_size rows {name: (shape, dtype)}; with
+    a backend on a device, only the scratch that device reads."""
+    ws = (backend or backend_class(cfg)).workspaces(cfg)
+    if backend is not None and hasattr(backend, "device_workspaces"):
+        ws = backend.device_workspaces(ws)
+    return ws
 
 
 class Engine:
@@ -127,7 +134,7 @@ class Engine:
 
     def _tune_gemms(self, names, world: int) -> str | None:
         """gemm_tune auto, the CUDA backend on a GPU: measure the GEMM shapes of these programs that
-        the GPU's table lacks (gemm/tune.py autotune; none: a generator's Engine records no program).
+        the GPU's table lacks (gemm/tune.py autotune; none where no program is recorded).
         Returns the line for the log, None where the table is not measured for this Engine."""
         from gptcuda.ops.cuda.gemm import tune
         rt = getattr(self.be, "rt", None)
@@ -217,10 +224,7 @@ class Engine:
         return unflatten(self.table, self.be.download(self.bufs.flat_grads))
 
     def set_params(self, named: dict):
-        flat = np.zeros(self.table.total, np.float64)     # the backend stores it at its own precision
-        for s in self.table:
-            flat[s.offset:s.offset + s.numel] = np.asarray(named[s.name], np.float64).reshape(-1)
-        self.be.upload(self.bufs.flat_params, flat)
+        self.be.upload(self.bufs.flat_params, flatten(self.table, named))
 
     def set_batch(self, x: np.ndarray, y: np.ndarray):
         """[B, T] ids into micro-batch 0 (the programs forward, fwdbwd, forward_train read it)."""

@@ -20,6 +20,12 @@ def test_greedy_equals_argmax_of_full_forward_gpu():
     greedy_vs_forward("cuda", 1e-4)
 
 
+def test_greedy_through_the_gemm_gpu():
+    """20 sequences: more rows than decode_linear takes, so the products run on the GEMM, in the
+    scratch the generator plans for itself."""
+    greedy_vs_forward("cuda", 1e-4, max_new=24, S=20)
+
+
 def test_seeded_sampling_and_stop_gpu():
     seeded_runs("cuda")
 

@@ -13,6 +13,7 @@ from gptcuda import faults
 from gptcuda.model import rng, state
 from gptcuda.ops.backend import Buffers, Program, rows
 from gptcuda.model.memory import unpack_gen_opts
+from gptcuda.model.params import unflatten
 from gptcuda.ops.reference import ops as R
 
 
@@ -45,12 +46,8 @@ class ReferenceBackend:
         return 1 << 62
 
     def allocate(self, plan, table) -> Buffers:
-        regions = [np.zeros(table.total, dtype=np.float64) for _ in range(4)]
-
-        def named(flat):
-            return {s.name: flat[s.offset:s.offset + s.numel].reshape(s.shape) for s in table}
-
-        return Buffers(named(regions[0]), named(regions[1]), *regions, self.allocate_arena(plan))
+        regions = {n: np.zeros(table.total, dtype=np.float64) for n in plan.regions}
+        return Buffers.of(regions, lambda flat: unflatten(table, flat), self.allocate_arena(plan))
 
     def allocate_arena(self, plan) -> dict:
         return {e.name: (np.full(e.shape, np.nan, dtype=np.float64) if e.dtype == "f32"
