@@ -7,7 +7,7 @@ import pytest
 
 from gptcuda.config import ConfigError, accum_steps, load_config, model_vocab
 from gptcuda.training.engine import Engine
-from gptcuda.training.trainer import Trainer
+from resume_check import resume_matches_full
 
 TOKS = (np.arange(4000) * 7919 % 65).astype(np.int32)
 
@@ -104,19 +104,10 @@ def test_gpt2_bpe_training_with_accumulation_resumes_bitwise(tmp_path):
     over = ["--backend=reference", f"--data={text}", "--tokenizer=gpt2", "--max_iters=6", "--eval_interval=3",
             "--eval_iters=1", "--batch_size=2", "--block_size=16", "--total_batch_tokens=64", "--n_embd=32",
             "--n_head=2", "--n_layer=1", "--vocab_multiple=128"]
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    t = Trainer(load_config("configs/tiny.yaml", over + [f"--out_dir={full}"]), log=lambda *a, **k: None)
-    assert t.accum == 2 and t.eng.table["wte"].shape == (50304, 32) and t.eng.n_vocab == 50257
-    t.train(bar=False)
+
+    def inspect(t):
+        assert t.accum == 2 and t.eng.table["wte"].shape == (50304, 32) and t.eng.n_vocab == 50257
+
+    full, _ = resume_matches_full(tmp_path, over, 6, 3, inspect)
     tok = json.load(open(os.path.join(full, "tokenizer.json")))
     assert tok["type"] == "gpt2"
-    p = Trainer(load_config("configs/tiny.yaml", over + [f"--out_dir={part}"]), log=lambda *a, **k: None)
-    p.cfg.max_iters = 3
-    p.train(bar=False)
-    Trainer(load_config("configs/tiny.yaml", over + [f"--out_dir={part}"]), resume=True,
-            log=lambda *a, **k: None).train(bar=False)
-    from gptcuda.model.checkpoint import load_checkpoint
-    ha, ma = load_checkpoint(os.path.join(full, "last.ckpt"))
-    hb, mb = load_checkpoint(os.path.join(part, "last.ckpt"))
-    assert ma["step"] == mb["step"] == 6
-    assert np.array_equal(ha["history"][:6], hb["history"][:6]) and np.array_equal(ha["params"], hb["params"])

@@ -12,6 +12,7 @@ import pytest
 from gptcuda.model.checkpoint import load_checkpoint
 from gptcuda.config import load_config
 from gptcuda.training.trainer import NonFiniteLoss, Trainer
+from resume_check import quiet, resume_matches_full
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--backend=reference", "--max_iters=12", "--eval_interval=6", "--log_interval=1", "--dropout=0.1"]
@@ -30,14 +31,8 @@ def history(out_dir):
     return arrays["history"][:meta["step"]], meta
 
 
-def quiet(*a, **k):
-    pass
-
-
 def test_train_loss_falls_and_resume_is_bitwise(tmp_path):
-    full = str(tmp_path / "full")
-    cfg = load_config("configs/tiny.yaml", TINY + [f"--out_dir={full}"])
-    Trainer(cfg, log=quiet).train(bar=False)
+    full, part = resume_matches_full(tmp_path, TINY, 12, 6)     # stop at the step-6 evaluation
     h_full, meta = history(full)
     assert meta["step"] == 12 and len(h_full) == 12
     assert h_full[-3:].mean() < h_full[:3].mean() - 0.05             # it learns
@@ -45,16 +40,6 @@ def test_train_loss_falls_and_resume_is_bitwise(tmp_path):
     assert any("eval_val" in r for r in recs) and any("tok_s" in r for r in recs)
     for f in ("config.yaml", "tokenizer.json", "best.ckpt", "last.ckpt"):
         assert os.path.exists(os.path.join(full, f))
-
-    part = str(tmp_path / "part")
-    cfg6 = load_config("configs/tiny.yaml", TINY + [f"--out_dir={part}", "--max_iters=12"])
-    t = Trainer(cfg6, log=quiet)
-    t.cfg.max_iters = 6          # stop at the step-6 evaluation, as an interrupted run would
-    t.train(bar=False)
-    assert history(part)[1]["step"] == 6
-    Trainer(cfg6, resume=True, log=quiet).train(bar=False)
-    h_res, _ = history(part)
-    assert np.array_equal(h_res, h_full)                               # bit for bit
     evals = [[(r["step"], r["eval_train"], r["eval_val"]) for r in map(json.loads, open(os.path.join(d, "metrics.jsonl")))
               if "eval_val" in r] for d in (full, part)]
     assert evals[0] == evals[1]                 # the same evaluations, none repeated at the resume step

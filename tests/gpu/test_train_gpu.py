@@ -1,16 +1,13 @@
 """The training step on the GPU: graph replay and eager launches give bitwise-identical losses,
 two runs with one seed are bitwise identical (no atomics), resume reproduces the run, the
 loss falls."""
-import os
-
 import numpy as np
 import pytest
 
-from gptcuda.model.checkpoint import load_checkpoint
 from gptcuda.config import load_config
 from gptcuda.data.text import TextDataset
 from gptcuda.training.engine import Engine
-from gptcuda.training.trainer import Trainer
+from resume_check import resume_matches_full
 
 pytestmark = pytest.mark.gpu
 DATA = TextDataset("data/tinyshakespeare/input.txt")
@@ -44,21 +41,7 @@ def test_graph_equals_eager_and_runs_repeat(precision, attention):
 
 
 def test_resume_is_bitwise_on_gpu(tmp_path):
-    quiet = lambda *a, **k: None
-    common = ["--max_iters=16", "--eval_interval=8", "--dropout=0.1", "--eval_iters=2"]
-    full = str(tmp_path / "full")
-    Trainer(load_config("configs/tiny.yaml", common + [f"--out_dir={full}"]), log=quiet).train(bar=False)
-    part = str(tmp_path / "part")
-    cfg = load_config("configs/tiny.yaml", common + [f"--out_dir={part}"])
-    t = Trainer(cfg, log=quiet)
-    t.cfg.max_iters = 8
-    t.train(bar=False)
-    Trainer(cfg, resume=True, log=quiet).train(bar=False)
-    a, ma = load_checkpoint(os.path.join(full, "last.ckpt"))
-    b, mb = load_checkpoint(os.path.join(part, "last.ckpt"))
-    assert ma["step"] == mb["step"] == 16
-    assert np.array_equal(a["history"][:16], b["history"][:16])
-    assert np.array_equal(a["params"], b["params"])
+    resume_matches_full(tmp_path, ["--max_iters=16", "--eval_interval=8", "--dropout=0.1", "--eval_iters=2"], 16, 8)
 
 
 def test_accumulation_and_padded_vocab_on_gpu(tmp_path):
@@ -78,22 +61,11 @@ def test_accumulation_and_padded_vocab_on_gpu(tmp_path):
 
 
 def test_resume_with_accumulation_and_bpe_on_gpu(tmp_path):
-    quiet = lambda *a, **k: None
     common = ["--max_iters=8", "--eval_interval=4", "--dropout=0.1", "--eval_iters=2", "--tokenizer=gpt2",
               "--vocab_multiple=128", "--total_batch_tokens=192", "--batch_size=4", "--block_size=16",
               "--precision=tf32", "--attention=fused"]
-    full = str(tmp_path / "full")
-    t = Trainer(load_config("configs/tiny.yaml", common + [f"--out_dir={full}"]), log=quiet)
-    assert t.accum == 3 and t.eng.table["wte"].shape[0] == 50304
-    t.train(bar=False)
-    part = str(tmp_path / "part")
-    cfg = load_config("configs/tiny.yaml", common + [f"--out_dir={part}"])
-    t = Trainer(cfg, log=quiet)
-    t.cfg.max_iters = 4
-    t.train(bar=False)
-    Trainer(cfg, resume=True, log=quiet).train(bar=False)
-    a, ma = load_checkpoint(os.path.join(full, "last.ckpt"))
-    b, mb = load_checkpoint(os.path.join(part, "last.ckpt"))
-    assert ma["step"] == mb["step"] == 8
-    assert np.array_equal(a["history"][:8], b["history"][:8])
-    assert np.array_equal(a["params"], b["params"])
+
+    def inspect(t):
+        assert t.accum == 3 and t.eng.table["wte"].shape[0] == 50304
+
+    resume_matches_full(tmp_path, common, 8, 4, inspect)
