@@ -26,7 +26,8 @@ from gptcuda.cli import RunError, guarded, print_help, split_args
 from gptcuda.config import load_config
 
 FLAGS = {
-    "--plan": "print the config, the data and the memory plan; touch no GPU and no file",
+    "--plan": "print the config, the data and the memory plan; touch no GPU and write no file (a gpt2 or "
+              "bpe:N config needs no data for it)",
     "--resume": "continue the run in out_dir from its last.ckpt",
     "--overwrite": "start a new run in an out_dir that holds one, replacing its files",
     "--no-bar": "log a line a step instead of the progress bar",

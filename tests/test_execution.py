@@ -45,6 +45,22 @@ def test_plan_flag_prints_it(capsys):
     assert "execution plan" in out and "TF32 mma.sync" in out and "flash on tensor cores" in out
 
 
+def test_plan_without_the_data_where_the_config_fixes_the_vocabulary(tmp_path, capsys):
+    """--plan before the shards are downloaded: a gpt2 (or bpe:N, or vocab_size) config still gets
+    its plan, the data line says what was not read; a char config needs its text and says so."""
+    missing = str(tmp_path / "nowhere_*.bin")
+    assert train.main(["configs/gpt2_124m.yaml", "--plan", f"--data={missing}", "--val_data="]) == 0
+    out = capsys.readouterr().out
+    assert "data: not read (no files match" in out and "gpt2 tokenizer's 50257 tokens" in out
+    assert "logits                       [16, 1024, 50304]" in out and "[32, 16, 1024]" in out   # 32 micro-batches
+    assert train.main(["configs/tiny.yaml", "--plan", "--tokenizer=bpe:300", f"--data={tmp_path / 'x.txt'}"]) == 0
+    assert "bpe:300 tokenizer's 300 tokens" in capsys.readouterr().out
+    assert train.main(["configs/tiny.yaml", "--plan", "--vocab_size=96", f"--data={tmp_path / 'x.txt'}"]) == 0
+    assert "the plan takes vocab_size 96" in capsys.readouterr().out
+    assert train.main(["configs/tiny.yaml", "--plan", f"--data={tmp_path / 'x.txt'}"]) == 2
+    assert "data file not found" in capsys.readouterr().err
+
+
 def test_run_saves_it(tmp_path):
     out = tmp_path / "run"
     assert train.main(["configs/tiny.yaml", "--backend=reference", "--max_iters=1", "--eval_interval=1",

@@ -20,10 +20,10 @@ from gptcuda.model.checkpoint import (FORMAT_VERSION, CheckpointError, load_chec
                                       save_checkpoint)
 from gptcuda.config import (accum_steps, compare_for_resume, format_config, model_vocab, save_config,
                             validate_against_data)
-from gptcuda.data.dataset import open_dataset
+from gptcuda.data.dataset import DataError, open_dataset
 from gptcuda.training.engine import Engine, plan_for
 from gptcuda.interop import init_for_training
-from gptcuda.data.tokenizers import load_tokenizer
+from gptcuda.data.tokenizers import GPT2_VOCAB, load_tokenizer, parse_spec
 
 PEAK_TFLOPS = {"fp32": 67.0, "tf32": 495.0}   # H100/H200 SXM dense datasheet rates, for MFU
 
@@ -466,10 +466,30 @@ def open_run_data(cfg, world: int = 1, saved_tokenizer: dict | None = None):
     return data, model_vocab(cfg, data.vocab_size), accum_steps(cfg, world)
 
 
+def known_vocab(cfg) -> int | None:
+    """The tokenizer's vocabulary where the config alone fixes it (gpt2, bpe:N, or vocab_size set);
+    None for char, whose vocabulary is the text's characters."""
+    kind, n = parse_spec(cfg.tokenizer)
+    if cfg.vocab_size:
+        return cfg.vocab_size
+    return {"gpt2": GPT2_VOCAB, "bpe": n}.get(kind)
+
+
 def print_plan(cfg, log=print):
-    data, V, accum = open_run_data(cfg)
+    """train.py --plan. Data that is not there yet (shards still to be downloaded or prepared) does
+    not stop it where the config alone fixes the vocabulary: the plan is the same."""
+    try:
+        data, V, accum = open_run_data(cfg)
+        described = data.describe()
+    except (DataError, FileNotFoundError) as e:
+        n = known_vocab(cfg)
+        if n is None:
+            raise
+        V, accum = model_vocab(cfg, n), accum_steps(cfg)
+        described = (f"data: not read ({e}); the plan takes the {cfg.tokenizer} tokenizer's {n} tokens"
+                     if not cfg.vocab_size else f"data: not read ({e}); the plan takes vocab_size {n}")
     log(format_config(cfg))
-    log(data.describe())
+    log(described)
     log(plan_for(cfg, V, accum=accum).format(detail=True))
     log(execution.resolve(cfg, arch="sm_90").format() + ("\n  (for an sm_90 device; a run logs its own and saves it "
                                                          "as execution.json)" if cfg.backend == "cuda" else ""))
