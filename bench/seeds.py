@@ -277,9 +277,9 @@ def main(argv=None):
         if row["n"] == 0:
             print(f"paired {b} - {a}: no seed in common")
             continue
-        t = row["mean"] / row["se"] if row["n"] > 1 and row["se"] > 0 else float("nan")
-        print(f"paired {b} - {a} over {row['n']} seeds: mean {row['mean']:+.4f}, std {row['std']:.4f}, "
-              f"standard error {row['se']:.4f} (t {t:+.2f}); "
+        spread = (f", std {row['std']:.4f}, standard error {row['se']:.4f}"
+                  + (f" (t {row['mean'] / row['se']:+.2f})" if row["se"] > 0 else "") if row["n"] > 1 else "")
+        print(f"paired {b} - {a} over {row['n']} seeds: mean {row['mean']:+.4f}{spread}; "
               + " ".join(f"{s}:{d:+.4f}" for s, d in zip(row["seeds"], row["diffs"])))
     if args.json:
         with open(args.json, "w") as f:
