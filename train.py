@@ -8,6 +8,7 @@
     python train.py configs/tiny.yaml --overwrite          # start afresh where a run already is
     python train.py configs/tiny.yaml --backend=reference  # float64 numpy, no GPU needed
     python train.py configs/ctx2048_tf32.yaml --profile    # the phase table of one step, then exit
+    python train.py configs/gpt2_124m.yaml --init_from=hf:gpt2 --eval_only   # the weights' losses
     python -m gptcuda.launch --nproc 2 train.py configs/tiny.yaml   # data parallel on 2 GPUs
 
 Settings: defaults < the YAML file < --key=value overrides (see gptcuda/config.py).
@@ -22,7 +23,7 @@ trains on GPU LOCAL_RANK with batch_size rows of the world's batch; rank 0 logs 
 """
 import sys
 
-from gptcuda.cli import RunError, guarded, print_help, split_args
+from gptcuda.cli import RunError, UsageError, guarded, print_help, split_args
 from gptcuda.config import load_config
 
 FLAGS = {
@@ -32,6 +33,9 @@ FLAGS = {
     "--overwrite": "start a new run in an out_dir that holds one, replacing its files",
     "--no-bar": "log a line a step instead of the progress bar",
     "--profile": "print the phase table of one training step (cuda backend), then exit",
+    "--eval_only": "evaluate the weights (--resume: the run's last.ckpt; init_from: those; else the fresh "
+                   "initialisation) on eval_iters batches of each split, the same ones for any weights, print "
+                   "the losses, write no file",
 }
 
 
@@ -46,6 +50,9 @@ def main(argv):
     if "plan" in flags:
         print_plan(cfg)
         return 0
+    for other in ("profile", "overwrite"):         # --eval_only writes nothing and trains no step
+        if "eval_only" in flags and other in flags:
+            raise UsageError(f"--eval_only and --{other}: pass one")
     group = None
     try:
         env = dist.parse_env()
@@ -55,11 +62,23 @@ def main(argv):
         if env.enabled:
             group = dist.init_group(env)                  # the rendezvous; NCCL is imported here only
         trainer = Trainer(cfg, resume="resume" in flags, overwrite="overwrite" in flags, group=group,
-                          files="profile" not in flags)
+                          files="profile" not in flags and "eval_only" not in flags)
         if "profile" in flags:
             table = trainer.profile()
             if trainer.main:
                 print(table)
+            return 0
+        if "eval_only" in flags:
+            try:
+                losses = trainer.evaluate_only()
+            except NonFiniteLoss as e:
+                sys.stdout.flush()
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            if trainer.main:
+                print(f"step {trainer.start_step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            if group is not None:
+                group.close()
             return 0
         try:
             best = trainer.train(bar="no-bar" not in flags and sys.stderr.isatty())

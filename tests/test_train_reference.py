@@ -131,3 +131,37 @@ def test_mfu_peak_follows_the_gemm_kind():
     assert peak_tflops(load_config("configs/tiny.yaml", ["--fp32_gemm=ffma"])) == PEAK_TFLOPS["fp32"]
     # 3xTF32: three tensor-core products per multiply, a higher ceiling than the FMA pipe's
     assert peak_tflops(load_config("configs/tiny.yaml", [])) == PEAK_TFLOPS["tf32"] / 3 > PEAK_TFLOPS["fp32"]
+
+
+def test_eval_only_reads_and_writes_nothing_of_the_run(tmp_path, capsys):
+    """--eval_only: the losses of the weights as set up (fresh, --resume, init_from) on the batches of
+    a run's first evaluation, printed; no file written, no run directory made; refused beside
+    --profile or --overwrite."""
+    import train
+    data = f"--data={ROOT / 'data' / 'tinyshakespeare' / 'input.txt'}"
+    base = ["configs/tiny.yaml", "--backend=reference", data, "--eval_iters=2"]
+    run_dir = tmp_path / "run"
+    assert train.main(base + ["--max_iters=12", "--eval_interval=6", f"--out_dir={run_dir}", "--no-bar"]) == 0
+    step0 = next(json.loads(l) for l in open(run_dir / "metrics.jsonl") if '"eval_val"' in l)
+    files = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.iterdir()}
+    capsys.readouterr()
+
+    def losses(args):
+        assert train.main(base + args + ["--eval_only"]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        step, rest = last.split(": train loss ")
+        tr, va = rest.split(", val loss ")
+        return int(step.split()[1]), float(tr), float(va)
+
+    fresh = losses([f"--out_dir={tmp_path / 'none'}"])
+    assert fresh == (0, round(step0["eval_train"], 4), round(step0["eval_val"], 4))   # a run's step-0 evaluation
+    assert not (tmp_path / "none").exists()
+    resumed = losses([f"--out_dir={run_dir}", "--resume"])
+    assert resumed[0] == 12 and resumed[2] < fresh[2] - 0.05
+    assert losses([f"--out_dir={run_dir}", "--resume"]) == resumed                    # the same batches again
+    init = losses([f"--out_dir={tmp_path / 'other'}", f"--init_from={run_dir}"])
+    assert init[0] == 0 and init[2] < fresh[2] - 0.05 and not (tmp_path / "other").exists()
+    assert {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.iterdir()} == files
+    for other in ("--profile", "--overwrite"):
+        assert train.main(base + ["--eval_only", other]) == 2
+        assert f"--eval_only and {other}: pass one" in capsys.readouterr().err

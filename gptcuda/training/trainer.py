@@ -401,16 +401,29 @@ class Trainer:
                 self.metrics.close()
         return self.best_val
 
+    def _eval_losses(self, step) -> dict:
+        losses = self.eng.evaluate()
+        if not all(math.isfinite(v) for v in losses.values()):
+            raise NonFiniteLoss(f"evaluation loss became {losses} at step {step}; stopped, the last good "
+                                "checkpoint is left as it was")
+        return losses
+
+    def evaluate_only(self) -> dict:
+        """train.py --eval_only: one evaluation (eval_iters batches of each split) of the weights as set
+        up: resumed, init_from or the fresh initialisation. Always on the batches of a run's first
+        evaluation, so that any two sets of weights are compared on the same tokens (and fresh weights
+        give a run's step-0 losses). {"train": loss, "val": loss}; build the Trainer with files=False
+        and nothing is written."""
+        self.eng.set_counters(self.start_step, 0)
+        return self._eval_losses(self.start_step)
+
     def _evaluate(self, step):
         """The evaluation at `step`, its checkpoints and its record, or (interrupted anywhere in it) none
         of them: the counters, best_val and evaluated_step are put back, so that the checkpoint of the
         interrupt describes the point before it and a resumed run redoes the whole evaluation."""
         before = (self.eng.counters["eval_draws"], self.best_val, self.evaluated_step)
         try:
-            losses = self.eng.evaluate()
-            if not all(math.isfinite(v) for v in losses.values()):
-                raise NonFiniteLoss(f"evaluation loss became {losses} at step {step}; stopped, the last good "
-                                    "checkpoint is left as it was")
+            losses = self._eval_losses(step)
             self.evaluated_step = step
             if self.cfg.checkpoint:
                 if losses["val"] < self.best_val:
