@@ -8,7 +8,7 @@
     python train.py configs/tiny.yaml --overwrite          # start afresh where a run already is
     python train.py configs/tiny.yaml --backend=reference  # float64 numpy, no GPU needed
     python train.py configs/ctx2048_tf32.yaml --profile    # the phase table of one step, then exit
-    python train.py configs/gpt2_124m.yaml --init_from=hf:gpt2 --eval_only   # the weights' losses
+    python train.py configs/shakespeare_gpt2.yaml --init_from=hf:gpt2_dir --eval_only   # those weights' losses
     python -m gptcuda.launch --nproc 2 train.py configs/tiny.yaml   # data parallel on 2 GPUs
 
 Settings: defaults < the YAML file < --key=value overrides (see gptcuda/config.py).
@@ -68,20 +68,11 @@ def main(argv):
             if trainer.main:
                 print(table)
             return 0
-        if "eval_only" in flags:
-            try:
-                losses = trainer.evaluate_only()
-            except NonFiniteLoss as e:
-                sys.stdout.flush()
-                print(f"error: {e}", file=sys.stderr)
-                return 1
-            if trainer.main:
-                print(f"step {trainer.start_step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            if group is not None:
-                group.close()
-            return 0
         try:
-            best = trainer.train(bar="no-bar" not in flags and sys.stderr.isatty())
+            if "eval_only" in flags:
+                losses = trainer.evaluate_only()
+            else:
+                best = trainer.train(bar="no-bar" not in flags and sys.stderr.isatty())
         except NonFiniteLoss as e:
             sys.stdout.flush()
             print(f"error: {e}", file=sys.stderr)
@@ -95,7 +86,8 @@ def main(argv):
     if trainer.interrupted is not None:
         return EXIT_CODES.get(trainer.interrupted, 128 + int(trainer.interrupted))
     if trainer.main:
-        print(f"best val loss {best:.4f}")
+        print(f"step {trainer.start_step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+              if "eval_only" in flags else f"best val loss {best:.4f}")
     return 0
 
 
