@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -30,6 +29,7 @@ from gptcuda.ops.cuda import attention as attn  # noqa: E402
 from gptcuda.runtime import Runtime  # noqa: E402
 from bench.common import Arena, write_results  # noqa: E402
 from bench.timing import time_ms  # noqa: E402
+from gptcuda.config import config_of  # noqa: E402
 
 
 def case_bytes(cfg) -> int:
@@ -47,14 +47,14 @@ def flops(B, H, T, hs):
 
 
 def bench_ours(rt, kind, precision, B, T, C, H, p, warmup, iters):
-    cfg = SimpleNamespace(batch_size=B, block_size=T, n_embd=C, n_head=H, attention=kind, dropout=p)
+    cfg = config_of(batch_size=B, block_size=T, n_embd=C, n_head=H, attention=kind, dropout=p)
     free = rt.dev.mem_info()[0]
     need = case_bytes(cfg)
     if need > 0.9 * free:
         return {"skipped": f"needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"}
     ar = Arena(rt)
     try:
-        rt.precision = precision
+        rt.exec = rt.exec.with_precision(precision)
         rt.set_workspace({k: ar.empty(s, k) for k, (s, _) in attn.workspace(cfg).items()})
         saved = {k: ar.empty(s, k) for k, (s, _) in attn.saved_shapes(cfg).items()}
         qkv = ar.upload(np.random.default_rng(1).standard_normal((B, T, 3 * C), dtype=np.float32), "qkv")

@@ -172,7 +172,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         ldb = K if tb else N
         vec = gemm._vec_ok(da, db, lda, ldb, 0, 0)
         for prec in precisions:
-            rt.precision = prec
+            rt.exec = rt.exec.with_precision(prec)
             family = "tf32" if prec == "tf32" else "simt"
             wg = gemm.wgmma_ok(rt, ta, tb, vec, K, N, 1, M)
             # what gemm.matmul launches: the measured table's entry (bench/tune.py), else the cost model
@@ -263,7 +263,7 @@ def bench_ladder(rt, M, N, K, args):
             err = sampled_rel_err(rt.download(out), a, b, False, False, rows)
             out_rows.append((name, ms, flop / ms / 1e9, err))
         for prec, fam in (("fp32", "simt"), ("tf32", "tf32")):      # the production kernels
-            rt.precision = prec
+            rt.exec = rt.exec.with_precision(prec)
             p = gemm.plan(M, N, K, 1, rt.info.sm_count, fam)
             ms = time_graphed_ms(rt, lambda: gemm.matmul_plan(rt, p, out, da, db), warmup=args.warmup,
                                  iters=args.iters, reps=5)

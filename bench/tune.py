@@ -40,6 +40,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gptcuda.ops.cuda import gemm  # noqa: E402
+from gptcuda.runtime import execution  # noqa: E402
 # (GemmOp, pick_winner, rounds_median: the package's, reached here as bench.tune's too)
 from gptcuda.ops.cuda.gemm.tune import (EventTimer, GemmOp, candidates_for, floor_s, model_gemms,  # noqa: E402,F401
                                         pick_winner, rounds_median, scratch_of, step_ms, table_entries, tune_op,
@@ -82,11 +83,11 @@ def vocab_of(cfg) -> int:
     return open_run_data(cfg)[1]
 
 
-def run(cfg, ops, precision, timer, sm_count, ws_floats, keep, max_n, out=sys.stdout, wgmma=False,
-        scratch=None):
+def run(cfg, ops, ex, timer, sm_count, ws_floats, keep, max_n, out=sys.stdout, scratch=None):
+    """Time every op's candidates under execution plan ex; print each and the step's summary."""
     results = []
     for op in ops:
-        r = tune_op(op, precision, timer, sm_count, ws_floats, keep, max_n, wgmma, scratch)
+        r = tune_op(op, ex, timer, sm_count, ws_floats, keep, max_n, scratch)
         print_result(r, file=out)
         out.flush()
         results.append(r)
@@ -111,17 +112,16 @@ def main(argv=None):
         ops = [o for o in ops if opts["only"] in o.label]
     keep = float(opts.get("keep", 1.6))
     max_n = int(opts.get("max_candidates", 6))
-    ws_floats = ws_floats_of(cfg, vocab)
-    scratch = scratch_of(cfg, vocab)
-    precision = cfg.precision
-    print(f"{path}: {precision}, {len(ops)} GEMM shapes, tokens {cfg.batch_size * cfg.block_size}, "
+    ex = execution.resolve(cfg, arch="sm_90")         # as on an H200 (GPTCUDA_WGMMA=0: without wgmma)
+    ws_floats = ws_floats_of(cfg, vocab, ex=ex)
+    scratch = scratch_of(cfg, vocab, ex)
+    print(f"{path}: {ex.table_tag}, {len(ops)} GEMM shapes, tokens {cfg.batch_size * cfg.block_size}, "
           f"C {cfg.n_embd}, V {vocab}, split-K workspace {ws_floats} floats")
     if "dry_run" in flags:
         for op in ops:
-            heur, plans = candidates_for(op, precision, 132, ws_floats, keep, max_n,   # as on an H200
-                                         wgmma=os.environ.get("GPTCUDA_WGMMA", "1") != "0", scratch=scratch)
+            heur, plans = candidates_for(op, ex, 132, ws_floats, keep, max_n, scratch=scratch)   # as on an H200
             print(f"{op.label}: {op.M}x{op.N}x{op.K} b{op.batch} {op.trans()} {op.epilogue}"
-                  f"{'+bias' if op.bias else ''}{' +colsum' if op.colsum else ''} floor {floor_s(op, precision) * 1e3:.4f} ms")
+                  f"{'+bias' if op.bias else ''}{' +colsum' if op.colsum else ''} floor {floor_s(op, ex) * 1e3:.4f} ms")
             for p in plans:
                 est = gemm.estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, 132, op.colsum) * 1e3
                 print(f"    {gemm.plan_label(p):<26} model {est:8.4f} ms")
@@ -129,18 +129,17 @@ def main(argv=None):
 
     from bench.common import ClockWatch
     from gptcuda.runtime import Runtime
-    rt = Runtime(cfg.device, precision=precision, seed=cfg.seed)
+    rt = Runtime(cfg.device, seed=cfg.seed, cfg=cfg)
     print(f"{rt.info.name}, {rt.info.sm_count} SMs; table {gemm.table_path(rt.info.name)}")
     timer = EventTimer(rt, ws_floats, rounds=int(opts.get("rounds", 7)), scratch=scratch,
                        target_ms=float(opts.get("target_ms", 0.5)), check="no_check" not in flags)
     watch = ClockWatch(cfg.device)
     try:
-        results = run(cfg, ops, precision, timer, rt.info.sm_count, ws_floats, keep, max_n,
-                      wgmma=gemm.wgmma_device(rt), scratch=scratch)
+        results = run(cfg, ops, rt.exec, timer, rt.info.sm_count, ws_floats, keep, max_n, scratch=scratch)
     finally:
         timer.close()
     print(watch.stop())
-    entries = table_entries(results, precision)
+    entries = table_entries(results, rt.exec)
     if "no_save" not in flags:
         p = gemm.save_table(rt.info.name, entries, meta={"config": path, "overrides": overrides})
         print(f"wrote {len(entries)} entries to {p}")

@@ -295,6 +295,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
     return cfg
 
 
+def config_of(**settings) -> Config:
+    """The defaults with these settings (keyword arguments, typed as the keys are), validated: a
+    config made in code (tests, benchmarks) that is a real Config."""
+    cfg = Config()
+    for k, v in settings.items():
+        _apply(cfg, k, v, "config_of")
+    return validate(cfg)
+
+
 # ----------------------------------------------------------------------------
 # validation
 

@@ -239,9 +239,9 @@ class FakeGemmRT:
 
     def __init__(self, precision="fp32", ws=0, name="NVIDIA H200 (test)", sm_count=132, arch=None, bt=0,
                  split=0):
-        from gptcuda.runtime import DeviceView
-        self.precision = precision
+        from gptcuda.runtime import DeviceView, execution
         self.arch = arch             # None: no arch-specific kernels (wgmma) are candidates
+        self.exec = execution.resolve(arch=arch, precision=precision)
         self.info = SimpleNamespace(sm_count=sm_count, name=name)
         self.names = set()
         self.launches = []
@@ -251,6 +251,10 @@ class FakeGemmRT:
         if split:                    # the 3xTF32 kernel's split operands (fp32_gemm: 3xtf32)
             self._ws["gemm_split_a"] = DeviceView(1 << 41, (split,), "f32", "split_a")
             self._ws["gemm_split_b"] = DeviceView(1 << 42, (split,), "f32", "split_b")
+
+    @property
+    def precision(self):
+        return self.exec.precision
 
     def function(self, file, name, defines=None):
         self.names.add((file, name, tuple(sorted((defines or {}).items()))))
@@ -270,6 +274,13 @@ class FakeGemmRT:
             return self._ws[name]
         except KeyError:
             raise KeyError(name) from None
+
+
+def plan_of(precision, wgmma=False, **kw):
+    """The execution plan of a runtime at this precision (wgmma: on an sm_90 device, else none), the
+    environment left out."""
+    from gptcuda.runtime import execution
+    return execution.resolve(arch="sm_90" if wgmma else None, precision=precision, env={}, **kw)
 
 
 def fake_view(shape, ptr=1 << 30):

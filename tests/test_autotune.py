@@ -17,7 +17,7 @@ from gptcuda.ops.cuda import gemm
 from gptcuda.ops.cuda.gemm import tune
 from gptcuda.runtime import execution
 from gptcuda.training.engine import Engine
-from tests.conftest import fake_view
+from tests.conftest import fake_view, plan_of
 
 GPU = "NVIDIA H200 (test)"
 TOKS = (np.arange(1000) % 65).astype(np.int32)
@@ -84,7 +84,7 @@ def test_entries_already_there_are_never_measured_again(table_cache):
     cfg = cfg_of("--precision=tf32")
     ops = tune.model_gemms(cfg, 65)
     held = ops[:3]
-    mine = {op.key("tf32"): gemm.plan_to_json(tune.candidates_for(op, "tf32", 132, 0)[0]) for op in held}
+    mine = {op.key("tf32"): gemm.plan_to_json(tune.candidates_for(op, plan_of("tf32"), 132, 0)[0]) for op in held}
     gemm.save_table(GPU, mine)
     timer = FakeTimer()
     s = run(FakeRT(cfg), cfg, timer)
@@ -102,7 +102,7 @@ def test_an_entry_another_run_wrote_meanwhile_stays(table_cache):
     (so does a resume of either run)."""
     cfg = cfg_of("--precision=tf32")
     first = tune.model_gemms(cfg, 65)[0]
-    theirs = tune.candidates_for(first, "tf32", 132, 0)[0]
+    theirs = tune.candidates_for(first, plan_of("tf32"), 132, 0)[0]
 
     class Racing(FakeTimer):
         def __call__(self, op, plans):
@@ -177,7 +177,7 @@ def test_candidates_that_do_not_compile_are_left_out(table_cache):
     for op, plans in timer.ops:
         # the warpgroup-MMA candidates are left out, but for the cost model's own, which stays first
         assert all(p.family == "tf32" for p in plans[1:])
-        assert plans[0] == tune.candidates_for(op, "tf32", 132, tune.ws_floats_of(cfg, 65), wgmma=True,
+        assert plans[0] == tune.candidates_for(op, plan_of("tf32", True), 132, tune.ws_floats_of(cfg, 65),
                                                scratch=tune.scratch_of(cfg, 65))[0]
 
 
@@ -207,7 +207,7 @@ def _looked_up(monkeypatch, cfg, programs):
     keys = set()
     real = launch.tuned_plan
     monkeypatch.setattr(launch, "tuned_plan", lambda rt, key, *a, **k: keys.add(key) or real(rt, key, *a, **k))
-    Engine(cfg, TOKS, TOKS[:200], 65, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg.precision)),
+    Engine(cfg, TOKS, TOKS[:200], 65, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg)),
            programs=programs)
     return keys
 
@@ -233,7 +233,7 @@ def test_engine_on_a_stand_in_runtime_never_measures(table_cache, monkeypatch):
     from gptcuda.ops.cuda_backend import CudaBackend
     monkeypatch.setattr(tune, "autotune", lambda *a, **k: pytest.fail("measured on a stand-in runtime"))
     cfg = cfg_of()
-    rt = RecordingRuntime("fp32")
+    rt = RecordingRuntime(cfg)
     assert not tune.on_device(rt) and not tune.on_device(None)
     eng = Engine(cfg, TOKS, TOKS[:200], 65, backend=CudaBackend(cfg, rt=rt), programs=("train",))
     assert eng.exec.gemm_tune == "auto" and eng.tuning is None
@@ -349,7 +349,7 @@ def test_event_timer_checks_part_of_a_large_output():
     rt.download = lambda v: got.append(v) or np.zeros(v.shape, np.float32)
     timer = tune.EventTimer(rt, 0, rounds=1, check_floats=1000)
     op = tune.GemmOp("x", 64, 64, 8, False, True)
-    timer(op, [tune.candidates_for(op, "tf32", 132, 0)[0]])
+    timer(op, [tune.candidates_for(op, plan_of("tf32"), 132, 0)[0]])
     head, tail = got
     assert head.numel == tail.numel == 500 and tail.ptr - head.ptr == 4 * (64 * 64 - 500)
     assert rt.dev.live == set()

@@ -17,7 +17,7 @@ from gptcuda.runtime import compiler
 from gptcuda.config import load_config
 from gptcuda.ops.cuda_backend import FAMILIES, CudaBackend
 from gptcuda.training.engine import Engine
-from gptcuda.runtime import Function, Launch, Memset, Runtime
+from gptcuda.runtime import Function, Launch, Memset, Runtime, execution
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
@@ -118,9 +118,15 @@ LISTED = {(file, name, tuple(sorted(dict(defines).items()))) for fam in FAMILIES
 
 
 class RecordingRuntime(Runtime):
-    def __init__(self, precision, seed=0):
-        self.dev, self.info, self.arch = FakeDev(), FakeInfo(), "sm_90"
-        self.precision, self.seed, self.stream = precision, seed, None
+    """A Runtime over FakeDev (an sm_90 device of 132 SMs) whose launches are recorded, not run;
+    `plan`: a Config (its execution plan, as the CUDA backend's runtime resolves it) or a precision;
+    arch: the device's (an arch without the warpgroup-MMA kernels leaves them out of the plan)."""
+
+    def __init__(self, plan, seed=0, arch="sm_90"):
+        self.dev, self.info, self.arch = FakeDev(), FakeInfo(), arch
+        self.exec = (execution.resolve(arch=arch, precision=plan) if isinstance(plan, str)
+                     else execution.resolve(plan, arch=arch))
+        self.seed, self.stream = seed, None
         self._functions, self._recording, self._workspace, self._allocs = {}, None, {}, []
         self._graphs, self._host_allocs = [], []
         self.state, self.compile_seconds = None, 0.0
@@ -167,7 +173,7 @@ def test_record_whole_training_step(precision, attention, dropout, bias, recompu
     cfg = load_config("configs/tiny.yaml", [f"--precision={precision}", f"--attention={attention}",
                                             f"--dropout={dropout}", f"--bias={str(bias).lower()}",
                                             f"--recompute={str(recompute).lower()}"])
-    rt = RecordingRuntime(precision)
+    rt = RecordingRuntime(cfg)
     be = CudaBackend(cfg, rt=rt)
     toks = np.arange(1000, dtype=np.int32) % 65
     eng = Engine(cfg, toks, toks[:200], 65, backend=be, programs=("train", "eval"))
@@ -188,7 +194,7 @@ def test_record_training_step_with_accumulation():
     host feeds all three micro-batches' ids in one pair of copies before the program runs."""
     cfg = load_config("configs/tiny.yaml", ["--total_batch_tokens=" + str(3 * 4 * 16), "--batch_size=4",
                                             "--block_size=16", "--precision=tf32", "--attention=fused"])
-    rt = RecordingRuntime("tf32")
+    rt = RecordingRuntime(cfg)
     be = CudaBackend(cfg, rt=rt)
     toks = np.arange(1000, dtype=np.int32) % 65
     eng = Engine(cfg, toks, toks[:200], 128, backend=be, programs=("train",), n_vocab=65, accum=3)

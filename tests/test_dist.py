@@ -491,8 +491,8 @@ def _record_dp(zero, rank=1, world=2, over=(), accum=1):
     from gptcuda.training.engine import Engine
 
     class DPRuntime(RecordingRuntime):
-        def __init__(self, precision):
-            super().__init__(precision)
+        def __init__(self, cfg):
+            super().__init__(cfg)
             self.stream = 1
 
         def side_stream(self):
@@ -507,7 +507,7 @@ def _record_dp(zero, rank=1, world=2, over=(), accum=1):
             return rec
 
     cfg = load_config("configs/tiny.yaml", [f"--zero={zero}", "--dropout=0.1", *over])
-    rt = DPRuntime(cfg.precision)
+    rt = DPRuntime(cfg)
     be = CudaBackend(cfg, rt=rt, seed=dist.rank_seed(cfg.seed, rank))    # as the Engine builds it
     comm = FakeComm()
     env = dist.DistEnv(rank=rank, world_size=world, bucket_mb=16 * 1024 * 4 / 2 ** 20)   # 16K-element buckets
@@ -738,5 +738,5 @@ def test_a_rank_backend_without_its_dropout_stream_is_refused():
     group = dist.Group(env, b"u" * 128, comm_factory=lambda: None)
     toks = (np.arange(3000) % 65).astype(np.int32)
     with pytest.raises(dist.DistError, match="dropout seed"):
-        Engine(cfg, toks, toks[:300], 65, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg.precision)),
+        Engine(cfg, toks, toks[:300], 65, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg)),
                programs=("train",), group=group)

@@ -78,7 +78,7 @@ def test_recorded_step_follows_the_plan(fp32_gemm, env, wgmma_kernels, monkeypat
     from gptcuda.runtime import Launch
     monkeypatch.setenv("GPTCUDA_WGMMA", env)
     cfg = cfg_of("--precision=fp32", f"--fp32_gemm={fp32_gemm}")
-    be = CudaBackend(cfg, rt=RecordingRuntime("fp32"))
+    be = CudaBackend(cfg, rt=RecordingRuntime(cfg))
     toks = np.arange(1000, dtype=np.int32) % 65
     eng = Engine(cfg, toks, toks[:200], 65, backend=be, programs=("train",))
     files = {r.fn.file for r in eng.programs["train"].items if isinstance(r, Launch)}
@@ -102,7 +102,7 @@ def test_recorded_fused_attention_follows_the_plan(precision, fp32_gemm, env, su
     from gptcuda.runtime import Launch
     monkeypatch.setenv("GPTCUDA_WGMMA", env)
     cfg = cfg_of(f"--precision={precision}", f"--fp32_gemm={fp32_gemm}", "--attention=fused", "--dropout=0.1")
-    be = CudaBackend(cfg, rt=RecordingRuntime(precision))
+    be = CudaBackend(cfg, rt=RecordingRuntime(cfg))
     toks = np.arange(1000, dtype=np.int32) % 65
     eng = Engine(cfg, toks, toks[:200], 65, backend=be, programs=("train",))
     names = {r.fn.name.split("<")[0] for r in eng.programs["train"].items

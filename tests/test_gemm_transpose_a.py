@@ -4,6 +4,7 @@ cost model's choices at GPT-2 small's (B8 T1024 C768 V50304) and the char model'
 V65) shapes, and the launch sequence, driven by the recording stand-in for the runtime."""
 from types import SimpleNamespace
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -12,11 +13,12 @@ from gptcuda.ops.cuda.gemm.families import ra_name
 from gptcuda.ops.cuda.gemm.plan import check_plan
 from gptcuda.runtime import DeviceView
 from tests.conftest import FakeGemmRT, fake_view as _v
+from gptcuda.config import config_of
 
 HEAD_SLAB = 8192 // gemm.HEAD_SLABS      # the tied head's dwte k slab at GPT-2 B8 T1024 (the planned gemm_aT)
-GPT2 = SimpleNamespace(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12, vocab_size=50304,
+GPT2 = config_of(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12, vocab_size=50304,
                        precision="tf32", attention="fused")
-CHAR = SimpleNamespace(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6, vocab_size=65,
+CHAR = config_of(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6, vocab_size=65,
                        precision="tf32", attention="fused")
 TRANSPOSE = gemm.TRANSPOSE_NAMES[False, True]
 
@@ -75,7 +77,7 @@ def test_wgmma_mode_for_trans_a():
     assert gemm.wgmma_mode(False, True, True, K, N, 1, 0, M, big) == "direct"
     assert gemm.wgmma_mode(False, False, True, K, N, 1, K * N, M, big) == "transpose"
     # fp32 (3xTF32) ignores gemm_aT
-    assert gemm.wgmma_layout_mode("fp32", True, False, True, M, N, K, 1, {"gemm_aT": big}) is False
+    assert gemm.wgmma_layout_mode("3xtf32", True, False, True, M, N, K, 1, {"gemm_aT": big}) is False
     assert gemm.wgmma_layout_mode("tf32", True, False, True, M, N, K, 1, {"gemm_aT": big}) == "transpose_ab"
 
 
@@ -104,15 +106,14 @@ def test_gemm_aT_is_bounded(cfg):
     s = gemm.transpose_a_slab(cfg.vocab_size, cfg.n_embd, K, False, ws["gemm_aT"])
     assert s * gemm.HEAD_SLABS >= K or cfg.vocab_size < 4 * cfg.n_embd    # the head in <= HEAD_SLABS slabs
     assert "gemm_aT" in gemm.WGMMA_WORKSPACES
-    assert "gemm_aT" not in gemm.workspace(SimpleNamespace(**{**vars(cfg), "precision": "fp32",
-                                                               "fp32_gemm": "3xtf32"}))
+    assert "gemm_aT" not in gemm.workspace(dataclasses.replace(cfg, precision="fp32", fp32_gemm="3xtf32"))
 
 
 @pytest.mark.parametrize("arch,env", [("sm_90", "1"), ("sm_80", "1"), ("sm_90", "0")])
 def test_gemm_aT_only_where_wgmma_runs(arch, env, monkeypatch):
     monkeypatch.setenv("GPTCUDA_WGMMA", env)
     ws = gemm.workspace(GPT2)
-    dev = gemm.device_workspaces(ws, SimpleNamespace(arch=arch))
+    dev = gemm.device_workspaces(ws, FakeGemmRT(arch=arch))
     assert ("gemm_aT" in dev) == (arch == "sm_90" and env == "1")
     # and without the wgmma kernels the weight gradients stay on mma.sync
     rt = _rt(GPT2, arch=arch)
@@ -677,7 +678,7 @@ def test_wgmma3_ws_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
     tile = gemm.FAMILIES[fam].tiles[0]
     rng = np.random.default_rng(M + N + K + splits + 2 * ta + tb)
     rt = _NumpyRT(1 << 21)
-    rt.precision = "fp32"
+    rt.exec = rt.exec.with_precision("fp32")
     rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_split_a": rt.alloc((2 * M * K,), "sa"),
               "gemm_split_b": rt.alloc((2 * N * K,), "sb")}
     maps = []
@@ -740,7 +741,7 @@ def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, par
     rt = _NumpyRT(1 << 22)
     rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_aT": rt.alloc(((M + N) * K,), "gemm_aT")}
     if fam in ("wgmma3_ws", "wgmma3_ra"):       # fp32 (3xTF32), where the split workspaces are planned
-        rt.precision = "fp32"
+        rt.exec = rt.exec.with_precision("fp32")
         rt._ws.update(gemm_split_a=rt.alloc((2 * M * K,), "split_a"), gemm_split_b=rt.alloc((2 * N * K,), "split_b"))
     if partials:
         rt._ws["bias_partials"] = rt.alloc((256 * M,), "bias_partials")

@@ -122,8 +122,7 @@ def test_wgmma_scratch_only_where_the_device_reads_it(arch, env, monkeypatch):
     monkeypatch.setenv("GPTCUDA_WGMMA", env)
     for prec, names in (("fp32", {"gemm_split_a", "gemm_split_b"}), ("tf32", {"gemm_bT"})):
         cfg = load_config("configs/tiny.yaml", [f"--precision={prec}"])
-        rt = RecordingRuntime(prec)
-        rt.arch = arch
+        rt = RecordingRuntime(cfg, arch=arch)
         on_device = {e.name for e in plan_for(cfg, 65, CudaBackend(cfg, rt=rt)).entries}
         printed = {e.name for e in plan_for(cfg, 65).entries}
         assert names <= printed

@@ -3,14 +3,15 @@
 Every backward is checked against central finite differences in float64; forwards are
 checked against independent, loop-based implementations or known values.
 """
+import dataclasses
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from gptcuda.model import rng
 from gptcuda.ops.reference import ops
+from gptcuda.config import config_of
 
 TOL = 1e-6
 
@@ -430,7 +431,7 @@ GPT_CASES = [(bias, dropout) for bias in (True, False) for dropout in (0.0, 0.1)
 
 
 def tiny_setup(bias, dropout, seed=11):
-    cfg = SimpleNamespace(n_layer=2, n_head=2, n_embd=8, dropout=dropout, bias=bias)
+    cfg = config_of(n_layer=2, n_head=2, n_embd=8, dropout=dropout, bias=bias)
     V, B, T, Tmax = 11, 2, 5, 6
     r = np.random.default_rng(seed)
     P = make_params(r, cfg, V, Tmax)
@@ -477,7 +478,7 @@ def test_gpt_dropout_is_seeded():
     a = run(5, 3)
     assert run(5, 3) == a                       # deterministic
     assert run(6, 3) != a and run(5, 4) != a    # depends on seed and step
-    cfg0 = SimpleNamespace(**{**vars(cfg), "dropout": 0.0})
+    cfg0 = dataclasses.replace(cfg, dropout=0.0)
     l0 = ops.gpt_forward_backward(P, idx, targets, cfg0, seed=5, step=3, with_grad=False)[0]
     assert l0 != a
     assert ops.gpt_forward_backward(P, idx, targets, cfg0, seed=9, step=1, with_grad=False)[0] == l0

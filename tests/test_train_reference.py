@@ -124,13 +124,22 @@ def test_recompute_changes_memory_not_results():
     assert hist[True][1] < hist[False][1] and hist[False][2] and not hist[True][2]
 
 
-def test_mfu_peak_follows_the_gemm_kind():
+@pytest.mark.parametrize("arch,wgmma_env,over,peak", [
+    ("sm_90", "1", ["--precision=tf32"], "tf32"),
+    ("sm_90", "1", [], "3xtf32"),                    # three tensor-core products a multiply: above FMA's
+    ("sm_90", "1", ["--fp32_gemm=ffma"], "ffma"),
+    ("sm_90", "0", [], "ffma"),                      # GPTCUDA_WGMMA=0: fp32 multiplies on the FMA units
+    ("sm_80", "1", [], "ffma"),                      # no warpgroup MMA on the device
+    ("sm_90", "0", ["--precision=tf32"], "tf32"),
+])
+def test_mfu_peak_is_that_of_what_multiplies(arch, wgmma_env, over, peak):
+    """The MFU denominator is the execution plan's: the peak of the kernels that actually run."""
     from gptcuda.config import load_config
-    from gptcuda.training.trainer import PEAK_TFLOPS, peak_tflops
-    assert peak_tflops(load_config("configs/tiny.yaml", ["--precision=tf32"])) == PEAK_TFLOPS["tf32"]
-    assert peak_tflops(load_config("configs/tiny.yaml", ["--fp32_gemm=ffma"])) == PEAK_TFLOPS["fp32"]
-    # 3xTF32: three tensor-core products per multiply, a higher ceiling than the FMA pipe's
-    assert peak_tflops(load_config("configs/tiny.yaml", [])) == PEAK_TFLOPS["tf32"] / 3 > PEAK_TFLOPS["fp32"]
+    from gptcuda.runtime import execution
+    cfg = load_config("configs/tiny.yaml", over)
+    ex = execution.resolve(cfg, arch=arch, env={"GPTCUDA_WGMMA": wgmma_env})
+    assert ex.peak_tflops == execution.PEAK_TFLOPS[peak]
+    assert execution.PEAK_TFLOPS["3xtf32"] == execution.PEAK_TFLOPS["tf32"] / 3 > execution.PEAK_TFLOPS["ffma"]
 
 
 def test_eval_only_reads_and_writes_nothing_of_the_run(tmp_path, capsys):

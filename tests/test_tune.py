@@ -9,7 +9,7 @@ import pytest
 from bench import tune
 from gptcuda.config import load_config
 from gptcuda.ops.cuda import gemm
-from tests.conftest import FakeGemmRT, fake_view
+from tests.conftest import FakeGemmRT, fake_view, plan_of
 
 GPU = "NVIDIA H200 (test)"
 
@@ -117,8 +117,8 @@ def test_matmul_uses_the_table_else_the_cost_model(cache, monkeypatch):
     assert _run(FakeRT("fp32", ws=1 << 24), M, N, K, bias=True)[0].startswith("gemm_simt<")
     assert _run(FakeRT("tf32", ws=1 << 24, name="other"), M, N, K, bias=True) == heur
     # switched off
-    monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "0")
-    assert _run(rt, M, N, K, bias=True) == heur
+    monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "0")                # (a runtime's plan reads it when made)
+    assert _run(FakeRT("tf32", ws=1 << 24), M, N, K, bias=True) == heur
 
 
 def test_table_entry_that_cannot_run_falls_back(cache):
@@ -257,7 +257,7 @@ def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     out = []
     import io
     buf = io.StringIO()
-    results = tune.run(cfg, ops, "tf32", fake_timer, 132, ws, keep=1.6, max_n=6, out=buf)
+    results = tune.run(cfg, ops, plan_of("tf32"), fake_timer, 132, ws, keep=1.6, max_n=6, out=buf)
     assert [c[0] for c in calls] == ops
     for r in results:
         op, plans, times = r["op"], r["plans"], r["times_ms"]
@@ -273,7 +273,7 @@ def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     assert wins["dW qkv"].splits == 8                 # 8 splits of 16384 are in the candidates
     text = buf.getvalue()
     assert "winner" in text and "x floor" in text and "MISMATCH" in text and "tuned" in text
-    entries = tune.table_entries(results, "tf32")
+    entries = tune.table_entries(results, plan_of("tf32"))
     gemm.save_table(GPU, entries)
     gemm._tables.clear()
     table = gemm.load_table(GPU)
@@ -299,9 +299,9 @@ def test_pick_winner_ignores_failed_and_unmeasured():
 
 def test_floor():
     op = tune.GemmOp("x", 4096, 4096, 4096, False, False)
-    assert tune.floor_s(op, "tf32") == pytest.approx(2 * 4096 ** 3 / 495e12)
+    assert tune.floor_s(op, plan_of("tf32")) == pytest.approx(2 * 4096 ** 3 / 495e12)
     op = tune.GemmOp("y", 16384, 1536, 8, False, True, "gelu", True)
-    assert tune.floor_s(op, "fp32") == pytest.approx(4 * (16384 * 8 + 8 * 1536 + 2 * 16384 * 1536) / 4.2e12)
+    assert tune.floor_s(op, plan_of("fp32")) == pytest.approx(4 * (16384 * 8 + 8 * 1536 + 2 * 16384 * 1536) / 4.2e12)
 
 
 def test_dry_run_cli(capsys):
@@ -322,15 +322,15 @@ def test_candidates_for_weight_grads_on_wgmma():
     assert scratch["gemm_aT"] == (V + 768) * 8192 // gemm.HEAD_SLABS and not scratch["gemm_split_a"]
     ops = {o.label.split(" / ")[0]: o for o in tune.model_gemms(cfg, V)}
     for label in ("dW wte", "dW fc", "dW qkv", "dW attn proj", "dW fcproj"):
-        heur, plans = tune.candidates_for(ops[label], "tf32", 132, ws, wgmma=True, scratch=scratch)
+        heur, plans = tune.candidates_for(ops[label], plan_of("tf32", True), 132, ws, scratch=scratch)
         assert heur.family == "wgmma" and heur.transpose_a and plans[0] == heur, (label, heur)
         assert any(p.family == "tf32" for p in
-                   tune.candidates_for(ops[label], "tf32", 132, ws, keep=100, max_n=1000, wgmma=True,
+                   tune.candidates_for(ops[label], plan_of("tf32", True), 132, ws, keep=100, max_n=1000,
                                        scratch=scratch)[1])
         slabbed = [p for p in plans if p.k_slab]
         assert bool(slabbed) == (label == "dW wte") and all(p.splits == 1 for p in slabbed)
-        assert all(not p.transpose_a for p in tune.candidates_for(ops[label], "tf32", 132, ws)[1])
-    heur, _ = tune.candidates_for(ops["dX head"], "tf32", 132, ws, wgmma=True, scratch=scratch)
+        assert all(not p.transpose_a for p in tune.candidates_for(ops[label], plan_of("tf32"), 132, ws)[1])
+    heur, _ = tune.candidates_for(ops["dX head"], plan_of("tf32", True), 132, ws, scratch=scratch)
     assert heur.transpose_b and heur.splits == 2 and heur.tile[3] == 1, heur
     # and the dry run lists them (as on an H200)
     assert tune.main(["configs/gpt2_124m_t1024.yaml", "--precision=tf32", f"--vocab_size={V}", "--dry_run",

@@ -29,7 +29,7 @@ class DataParallel:
             raise DistError(f"data-parallel training needs the cuda backend, not {cfg.backend!r}")
         self.group, self.rt, self.bufs, self.table, self.cfg = group, backend.rt, bufs, table, cfg
         self.rank, self.world = group.rank, group.world_size
-        self.zero = int(getattr(cfg, "zero", 0))
+        self.zero = int(cfg.zero)
         rt = self.rt
         if rt.seed != rank_seed(cfg.seed, self.rank):   # the Engine built the backend with it
             raise DistError(f"rank {self.rank}: the backend's dropout seed {rt.seed} is not the rank's "

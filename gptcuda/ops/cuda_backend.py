@@ -18,20 +18,22 @@ from gptcuda.runtime import DeviceView, Runtime
 FAMILIES = (encoder, layernorm, elementwise, loss, optim, gemm, attention, decode)
 
 
-def workspaces(cfg) -> dict:
-    """Scratch of every op family for this config, merged (a name planned twice keeps the larger)."""
+def workspaces(cfg, ex=None) -> dict:
+    """Scratch of every op family for this config, merged (a name planned twice keeps the larger); ex:
+    the execution plan (default: the config's on sm_90, as train.py --plan plans)."""
+    ex = ex or execution.resolve(cfg)
     out = {}
     for fam in FAMILIES:
-        ws = getattr(fam, "workspace", None)
-        for name, (shape, dtype) in (ws(cfg) if ws else {}).items():
+        ws = getattr(fam, "workspace", None)          # (decode plans its own: memory.plan_decode)
+        for name, (shape, dtype) in (ws(cfg, ex) if ws else {}).items():
             if name in out and int(np.prod(out[name][0])) >= int(np.prod(shape)):
                 continue
             out[name] = (tuple(shape), dtype)
     return out
 
 
-def attention_saved(cfg) -> dict:
-    return attention.saved_shapes(cfg)
+def attention_saved(cfg, ex=None) -> dict:
+    return attention.saved_shapes(cfg, ex)
 
 
 class CudaBackend:
@@ -40,10 +42,13 @@ class CudaBackend:
     def __init__(self, cfg, rt: Runtime | None = None, seed: int | None = None):
         """seed: the dropout stream's (default cfg.seed; a data-parallel rank's own: the Engine's)."""
         self.cfg = cfg
-        self.rt = rt or Runtime(cfg.device, precision=cfg.precision, seed=cfg.seed)
+        self.rt = rt or Runtime(cfg.device, seed=cfg.seed, cfg=cfg)
         if seed is not None:
             self.rt.seed = int(seed)
-        self.rt.exec = self.exec = execution.resolve(cfg, arch=self.rt.arch)    # which kernels run
+        self.exec = self.rt.exec                # which kernels run: resolved once, by the runtime
+        if self.exec != execution.resolve(cfg, arch=self.rt.arch):
+            raise ValueError(f"the runtime's execution plan is not this config's: {self.exec} (build the runtime "
+                             "with cfg=)")
 
     attention_saved = staticmethod(attention_saved)
     workspaces = staticmethod(workspaces)

@@ -243,13 +243,13 @@ class StreamCall:
 class Runtime:
     """One GPU: compiled functions, a stream, the program being recorded, graphs, memory."""
 
-    def __init__(self, device: int = 0, precision: str = "fp32", seed: int = 0, plan=None):
+    def __init__(self, device: int = 0, precision: str = "fp32", seed: int = 0, cfg=None):
         self.dev = Device(device)
         self.info = self.dev.info
         self.arch = self.info.arch
-        # which kernels run (gptcuda/runtime/execution.py): the backend sets the config's plan; a runtime made
-        # alone (tests, benchmarks) gets the plan of its device and precision
-        self.exec = plan or execution.resolve(arch=self.arch, precision=precision)
+        # which kernels run (gptcuda/runtime/execution.py), resolved once for this device: the config's
+        # plan (the CUDA backend's runtime), else that of a precision (a runtime made alone: benchmarks)
+        self.exec = execution.resolve(cfg, arch=self.arch, precision=None if cfg is not None else precision)
         self.seed = seed
         self.stream = self.dev.stream()
         self._functions: dict = {}
@@ -264,14 +264,8 @@ class Runtime:
 
     @property
     def precision(self) -> str:
+        """The execution plan's precision (what the products' tolerance depends on)."""
         return self.exec.precision
-
-    @precision.setter
-    def precision(self, value: str):
-        """Switch the GEMM and attention precision (tests, benchmarks): the plan follows."""
-        plan = self.__dict__.get("exec")
-        self.exec = plan.with_precision(value) if plan is not None else execution.resolve(
-            arch=getattr(self, "arch", None), precision=value)
 
     # ---- kernels ------------------------------------------------------------------
     def function(self, file: str, name: str, defines: dict | None = None) -> Function:

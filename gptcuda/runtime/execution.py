@@ -33,9 +33,14 @@ The rules, in one place:
 - Generation (sample.py) runs its own products: kernels/decode.cu decode_linear for up to 16 rows,
   the GEMMs above beyond.
 
-The backend resolves the plan once (CudaBackend.exec; the runtime holds it too, Runtime.exec) and
-passes it to the launchers that choose by it (gemm.matmul / matmul_batched, attention_fwd / _bwd:
-`ex=`); called directly (tests, benchmarks) they take the runtime's. Nothing else decides.
+- Derived here too: the warpgroup-MMA scratch the memory plan holds (`scratch_kind`), the products'
+  mode on those kernels (`wgmma_mode`), flash_tc's dK / dV on warpgroup MMA (`dkv_on_wgmma`), the
+  peak rate MFU divides by (`peak_tflops`: of what actually multiplies), the GEMM table's key prefix.
+
+The runtime is built with its plan (Runtime(cfg=...): resolved once, for its device) and passes it to
+the launchers that choose by it (gemm.matmul / matmul_batched, attention_fwd / _bwd read `rt.exec`,
+or an `ex=` given). Nothing else reads the config's precision, fp32_gemm or attention, or the
+environment's switches.
 """
 from __future__ import annotations
 
@@ -46,9 +51,17 @@ WGMMA_ARCHS = ("sm_90",)
 ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE")
 GEMM_TUNES = ("auto", "table", "off")
 _TUNE_ENV = {"0": "off", "off": "off", "table": "table", "auto": "auto"}     # GPTCUDA_GEMM_TUNE -> gemm_tune
+PRECISIONS = ("fp32", "tf32")
 GEMM_FAMILIES = {"fp32": "simt", "tf32": "tf32"}      # precision -> the base GEMM family
 FP32_GEMMS = ("3xtf32", "ffma")
 ATTENTION_PATHS = ("unfused", "flash", "flash_tc", "flash_3x")
+# the warpgroup-MMA kernels' scratch a precision plans (gemm/plan.py `workspace` sizes it): TF32 re-lays
+# operands out (B^T; A^T and B^T in k slabs), 3xTF32 splits them into hi and lo halves
+WGMMA_SCRATCH = {"tf32": ("gemm_bT", "gemm_aT"), "3xtf32": ("gemm_split_a", "gemm_split_b")}
+# head sizes whose flash_tc dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg)
+FLASH_WG_HEAD_SIZES = (32, 64)
+# dense peak rates of the H100 / H200 SXM (datasheet), TFLOP/s, by what multiplies: the MFU denominator
+PEAK_TFLOPS = {"ffma": 67.0, "tf32": 495.0, "3xtf32": 495.0 / 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +85,57 @@ class ExecutionPlan:
         """fp32 products may run as 3xTF32 on the warpgroup-MMA kernels."""
         return self.precision == "fp32" and self.fp32_gemm == "3xtf32" and self.wgmma
 
+    @property
+    def wgmma_mode(self) -> str | None:
+        """How products run on the warpgroup-MMA kernels: "tf32", "3xtf32" (fp32 as three TF32
+        products of hi / lo halves), or None (they do not: no sm_90, GPTCUDA_WGMMA=0, fp32_gemm ffma)."""
+        if not self.wgmma:
+            return None
+        return "tf32" if self.precision == "tf32" else "3xtf32" if self.fp32_as_3xtf32 else None
+
+    @property
+    def scratch_kind(self) -> str | None:
+        """Which warpgroup-MMA scratch the memory plan holds (WGMMA_SCRATCH): planned from the config
+        alone, so a plan made without the GPU (train.py --plan) is the one the GPU runs; a device
+        without the kernels leaves it unallocated (gemm.device_workspaces)."""
+        if self.precision == "tf32":
+            return "tf32"
+        return "3xtf32" if self.precision == "fp32" and self.fp32_gemm == "3xtf32" else None
+
+    @property
+    def table_tag(self) -> str:
+        """The measured GEMM table's key prefix (gemm/table.py tune_key): the precision's products."""
+        return self.precision
+
+    @property
+    def check_tolerance(self) -> float:
+        """Largest relative difference between two correct candidate plans of one product (gemm/tune.py
+        checks each against the cost model's): TF32 truncating (wgmma) against rounding (mma.sync)
+        operands ~1e-3; fp32 (SIMT against 3xTF32) ~1e-7."""
+        return 2e-3 if self.precision == "tf32" else 1e-5
+
+    @property
+    def peak_tflops(self) -> float:
+        """The MFU denominator: the dense rate of what multiplies here: TF32 tensor cores, fp32 as
+        3xTF32 (a third of TF32's, above the FMA rate) where the warpgroup-MMA kernels run it, else the
+        FMA units (fp32_gemm ffma, GPTCUDA_WGMMA=0, a device without them)."""
+        if self.precision == "tf32":
+            return PEAK_TFLOPS["tf32"]
+        return PEAK_TFLOPS["3xtf32" if self.fp32_as_3xtf32 else "ffma"]
+
+    def dkv_on_wgmma(self, head_size: int) -> bool:
+        """flash_tc's dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg) at this head size."""
+        return self.attention == "flash_tc" and self.wgmma and head_size in FLASH_WG_HEAD_SIZES
+
+    def fused_path(self) -> str:
+        """The fused attention kernels this plan's precision runs (the attention path itself where
+        the plan has one)."""
+        if self.attention not in (None, "unfused"):
+            return self.attention
+        return fused_path(self.precision, self.fp32_as_3xtf32)
+
     def with_precision(self, precision: str) -> "ExecutionPlan":
-        """The same plan at another precision (tests and benchmarks switch rt.precision)."""
+        """The same plan at another precision (benchmarks and tests compare the two)."""
         if precision == self.precision:
             return self
         return resolve(arch=self.arch, precision=precision, attention=_kind(self.attention),
@@ -155,7 +217,7 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     fp32_gemm = fp32_gemm or "3xtf32"
     # the environment overrides the config (GPTCUDA_GEMM_TUNE=0 has always meant: no table)
     gemm_tune = _TUNE_ENV.get(env.get("GPTCUDA_GEMM_TUNE", "").strip().lower()) or gemm_tune or "table"
-    if precision not in GEMM_FAMILIES:
+    if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} (fp32 | tf32)")
     if fp32_gemm not in FP32_GEMMS:
         raise ValueError(f"unknown fp32_gemm {fp32_gemm!r} (3xtf32 | ffma)")
@@ -168,13 +230,4 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     if attention is not None:
         path = "unfused" if attention == "unfused" else fused_path(precision, plan.fp32_as_3xtf32)
         plan = dataclasses.replace(plan, attention=path)
-    return plan
-
-
-def of(rt) -> ExecutionPlan:
-    """The plan a runtime holds (Runtime.exec); an object without one (a test's stand-in) gets the
-    plan of its arch and precision."""
-    plan = getattr(rt, "exec", None)
-    if plan is None:
-        plan = resolve(arch=getattr(rt, "arch", None), precision=getattr(rt, "precision", "fp32"))
     return plan

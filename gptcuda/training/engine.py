@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from gptcuda.runtime import compiler, execution
+from gptcuda.runtime import compiler
 from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.data.batches import Batches
 from gptcuda.model.memory import check_fits, plan_memory
@@ -47,17 +47,18 @@ def plan_for(cfg, vocab_size: int, backend=None, accum: int = 1):
     sm_90 device; an Engine's backend leaves out the scratch its device never reads)."""
     cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     be = backend or backend_class(cfg)
+    ex = backend.exec if backend is not None else None
     return plan_memory(cfg, param_table(cfg, vocab_size), vocab_size, accum,
-                       be.attention_saved(cfg), workspaces_for(cfg, backend), cfg.max_iters + 1)
+                       be.attention_saved(cfg, ex), workspaces_for(cfg, backend), cfg.max_iters + 1)
 
 
 def workspaces_for(cfg, backend=None) -> dict:
-    """The op families' scratch for cfg's batch_size x block_size rows {name: (shape, dtype)}; with
-    a backend on a device, only the scratch that device reads."""
-    ws = (backend or backend_class(cfg)).workspaces(cfg)
-    if backend is not None and hasattr(backend, "device_workspaces"):
-        ws = backend.device_workspaces(ws)
-    return ws
+    """The op families' scratch for cfg's batch_size x block_size rows {name: (shape, dtype)} under the
+    backend's execution plan (none: the config's on sm_90); with a backend, only the scratch its
+    device reads."""
+    if backend is None:
+        return backend_class(cfg).workspaces(cfg)
+    return backend.device_workspaces(backend.workspaces(cfg, backend.exec))
 
 
 class Engine:
@@ -87,8 +88,7 @@ class Engine:
             from gptcuda.dist.env import rank_seed
             self.dropout_seed = rank_seed(cfg.seed, rank)
         self.be = backend = backend or backend_class(cfg)(cfg, seed=self.dropout_seed)
-        # which kernels run (gptcuda/runtime/execution.py): the CUDA backend resolved it for its device
-        self.exec = getattr(backend, "exec", None) or execution.resolve(cfg)
+        self.exec = backend.exec                # which kernels run (gptcuda/runtime/execution.py)
         self.plan = plan_for(cfg, vocab_size, backend, self.accum)
         self.table = self.plan.table
         self.batches = Batches(train_tokens, val_tokens, cfg.batch_size, cfg.block_size, cfg.seed, self.accum,

@@ -25,17 +25,6 @@ from gptcuda.training.engine import Engine, plan_for
 from gptcuda.interop import init_for_training
 from gptcuda.data.tokenizers import GPT2_VOCAB, load_tokenizer, parse_spec
 
-PEAK_TFLOPS = {"fp32": 67.0, "tf32": 495.0}   # H100/H200 SXM dense datasheet rates, for MFU
-
-
-def peak_tflops(cfg) -> float:
-    """The MFU denominator: the datasheet rate of the precision, and for fp32 with fp32_gemm 3xtf32
-    a third of TF32's (three tensor-core products per multiply), which is above the FMA rate."""
-    if cfg.precision == "fp32" and cfg.fp32_gemm == "3xtf32":
-        return PEAK_TFLOPS["tf32"] / 3
-    return PEAK_TFLOPS[cfg.precision]
-
-
 def flops_per_token(cfg, n_params: int) -> float:
     """Training FLOPs per token: 6N for the matmuls plus attention (nanoGPT / PaLM estimate)."""
     return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
@@ -324,7 +313,8 @@ class Trainer:
     def _log_step(self, step, st, ms, tokens_step, pbar):
         cfg = self.cfg
         tok_s = tokens_step / ms * 1e3 if ms > 0 else 0.0
-        mfu = (self.flops_tok * tok_s / (peak_tflops(cfg) * 1e12 * self.world) if cfg.backend == "cuda" else 0.0)
+        mfu = (self.flops_tok * tok_s / (self.eng.exec.peak_tflops * 1e12 * self.world)
+               if cfg.backend == "cuda" else 0.0)
         self.write_metrics(step=step, loss=st["loss"], lr=st["lr"], grad_norm=st["grad_norm"], ms=ms,
                            tok_s=tok_s, mfu=mfu)
         if pbar is not None:

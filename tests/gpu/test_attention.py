@@ -1,7 +1,6 @@
 """GPU tests of causal self-attention (unfused and fused) against the float64 reference."""
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -9,8 +8,8 @@ import pytest
 from gptcuda.model import rng
 from gptcuda.ops.cuda import attention as attn
 from gptcuda.ops.reference import ops as ref
-from gptcuda.runtime import execution
 from tests.conftest import rel_err
+from gptcuda.config import config_of
 
 pytestmark = pytest.mark.gpu
 
@@ -25,12 +24,12 @@ def env(rt):
     """Save and restore what the tests change on the shared runtime."""
     saved = (rt.state, rt.precision, dict(getattr(rt, "_workspace", {})))
     yield rt
-    rt.state, rt.precision = saved[0], saved[1]
+    rt.state, rt.exec = saved[0], rt.exec.with_precision(saved[1])
     rt.set_workspace(saved[2])
 
 
 def _setup(rt, B, T, C, H, kind, p, precision="fp32"):
-    cfg = SimpleNamespace(batch_size=B, block_size=T, n_embd=C, n_head=H, n_layer=1, vocab_size=65,
+    cfg = config_of(batch_size=B, block_size=T, n_embd=C, n_head=H, n_layer=1, vocab_size=65,
                           attention=kind, dropout=p, precision=precision, bias=True)
     plan = dict(attn.workspace(cfg))       # matmul_batched needs no workspace
     views = {name: rt.empty(shape, dtype, name=name) for name, (shape, dtype) in plan.items()}
@@ -38,7 +37,7 @@ def _setup(rt, B, T, C, H, kind, p, precision="fp32"):
     st = np.zeros(16, np.int32)
     st[0] = STEP
     rt.state = rt.upload(st)
-    rt.precision = precision
+    rt.exec = rt.exec.with_precision(precision)
     saved = {name: rt.empty(shape, dtype, name=name) for name, (shape, dtype) in attn.saved_shapes(cfg).items()}
     return saved
 
@@ -63,7 +62,7 @@ def _ref_lse(qkv, H):
 
 def _plan(rt, path):
     """The runtime's plan with the fused attention path asked for (None: the runtime's own rule)."""
-    ex = execution.of(rt)
+    ex = rt.exec
     if path is None:
         return ex
     assert path in attn.FLASH_PATHS, path
@@ -161,8 +160,8 @@ def test_fused_3xtf32(env, B, T, C, H, p):
 
 def test_fused_fp32_follows_the_plan(env):
     """A runtime's own plan (no config) runs fp32 attention as 3xTF32 where its fp32 GEMMs are 3xTF32."""
-    env.precision = "fp32"
-    ex = execution.of(env)
+    env.exec = env.exec.with_precision("fp32")
+    ex = env.exec
     assert ex.attention is None and ex.precision == "fp32"
     assert attn._path({"lse": None}, "test", ex)[1] == ("flash_3x" if ex.fp32_as_3xtf32 else "flash")
 
@@ -216,7 +215,7 @@ def test_dkv_wgmma_equals_mma_sync(env, B, T, C, H, p):
     """flash_bwd_dkv_wg (the dK / dV kernel on warpgroup MMA) and flash_bwd_dkv_tc on the same
     inputs, dqkv poisoned before each: dQ (the same kernel) equal bit for bit, dK / dV within TF32
     rounding of each other and of float64."""
-    if not execution.of(env).wgmma:
+    if not env.exec.wgmma:
         pytest.skip("warpgroup MMA needs an sm_90 device (and GPTCUDA_WGMMA not 0)")
     if C // H not in attn.FLASH_WG_HEAD_SIZES:
         pytest.skip(f"flash_bwd_dkv_wg takes head sizes {attn.FLASH_WG_HEAD_SIZES}")

@@ -1,7 +1,6 @@
 """Tests of kernels/encoder.cu against the float64 reference (deterministic backward), on the GPU;
 the launchers' path choice and workspace handling also without one (the unmarked tests)."""
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -9,6 +8,7 @@ import pytest
 from gptcuda.ops.cuda import encoder as enc
 from gptcuda.ops.reference import ops as ref
 from tests.conftest import FakeGemmRT, fake_view, rel_err
+from gptcuda.config import config_of
 
 gpu = pytest.mark.gpu
 
@@ -210,9 +210,9 @@ def test_method_choice():
     assert enc.bwd_wte_method(32768, 768, 50304) == "sort"
     assert enc.bwd_wte_method(32769, 768, 50304) == "scan"             # more than one sort block takes
     assert enc.bwd_wte_method(32768, 768, 1 << 17) == "scan"           # (V+1) << 15 > 2^32
-    cfg = SimpleNamespace(batch_size=8, block_size=1024, n_embd=768, vocab_size=0)
+    cfg = config_of(batch_size=8, block_size=1024, n_embd=768, vocab_size=0)
     assert enc.workspace(cfg) == {enc.WORKSPACE: ((3 * 8192 + 2,), "i32")}
-    assert enc.workspace(SimpleNamespace(batch_size=64, block_size=1024, n_embd=768, vocab_size=50304)) == {}
+    assert enc.workspace(config_of(batch_size=64, block_size=1024, n_embd=768, vocab_size=50304)) == {}
     for N, e in ((1, 1), (1024, 1), (1025, 2), (8192, 8), (16385, 32), (32768, 32)):
         name, smem, nbits, passes = enc.sort_plan(N, 50304)
         assert name == f"encoder_bwd_sort<{e}>" and smem <= 227 * 1024 and passes == 4

@@ -4,7 +4,6 @@ GPU tests carry @pytest.mark.gpu; the few CPU tests at the bottom drive the laun
 recording stand-in for the runtime (shape validation, VARIANTS coverage, split-K planning).
 """
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from gptcuda.ops.cuda import gemm
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import DeviceView, i32
 from tests.conftest import FakeGemmRT, fake_view, rel_err
+from gptcuda.config import config_of
 
 gpu = pytest.mark.gpu
 
@@ -24,9 +24,9 @@ TRANS = [(False, False), (False, True), (True, False), (True, True)]
 @pytest.fixture
 def precision(rt, request):
     old = rt.precision
-    rt.precision = request.param
+    rt.exec = rt.exec.with_precision(request.param)
     yield request.param
-    rt.precision = old
+    rt.exec = rt.exec.with_precision(old)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +225,7 @@ def _tile_shapes(p):
 @pytest.mark.parametrize("ta,tb", TRANS)
 def test_every_tile_forced(rt, splitk_ws, tile, ta, tb):
     old = rt.precision
-    rt.precision = "tf32" if len(tile) == 6 else "fp32"
+    rt.exec = rt.exec.with_precision("tf32" if len(tile) == 6 else "fp32")
     fam = "tf32" if len(tile) == 6 else "simt"
     try:
         for i, (M, N, K) in enumerate(_tile_shapes(gemm.make_plan(fam, tile, 1, 64))):
@@ -236,7 +236,7 @@ def test_every_tile_forced(rt, splitk_ws, tile, ta, tb):
         M, N, K = tile[0] + 4, tile[1] + 8, 740
         _check_matmul(rt, M, N, K, ta, tb, "bias", seed=7, plan=gemm.make_plan(fam, tile, 3, K))
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 def _wgmma_rt(rt):
@@ -251,7 +251,7 @@ def test_wgmma_tile_forced(rt, splitk_ws, tile):
     every epilogue, split-K partials, and a batched product."""
     _wgmma_rt(rt)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     try:
         for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
                                        (tile[0] - 3, tile[1] + 8, 36)]):
@@ -262,7 +262,7 @@ def test_wgmma_tile_forced(rt, splitk_ws, tile):
         _check_matmul(rt, M, N, K, False, True, "gelu", seed=7, plan=gemm.make_plan("wgmma", tile, 3, K))
         _check_batched_wgmma(rt, tile, 3, 100, tile[1] - 8, 64, seed=9)
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 def _check_batched_wgmma(rt, tile, batch, M, N, K, seed):
@@ -289,7 +289,7 @@ def test_wgmma_ws_walks_many_tiles(rt, splitk_ws, tile):
     tiles take in turn; with split-K (tiles x splits) and batched (tiles x batch)."""
     _wgmma_rt(rt)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     try:
         sms = rt.info.sm_count
         M, N = tile[0] * 12 - 20, tile[1] * 12 - 36          # 144 tiles > 132 blocks
@@ -303,7 +303,7 @@ def test_wgmma_ws_walks_many_tiles(rt, splitk_ws, tile):
         _check_matmul(rt, M, N, 740, False, True, "none", seed=740, plan=gemm.make_plan("wgmma", tile, 3, 740))
         _check_batched_wgmma(rt, tile, 5, 3 * tile[0] + 7, 9 * tile[1] + 8, 96, seed=3)
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 @gpu
@@ -315,7 +315,7 @@ def test_wgmma_mn_tile_forced(rt, splitk_ws, _at_buffer, tile):
     where the transposing plans could run: with the gemm_aT scratch TF32 plans.)"""
     _wgmma_rt(rt)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     try:
         with _at_ws(rt, _at_buffer):
             for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
@@ -328,7 +328,7 @@ def test_wgmma_mn_tile_forced(rt, splitk_ws, _at_buffer, tile):
             _check_matmul(rt, 1100, 520, 8200, True, False, "bias", seed=6,
                           plan=gemm.make_plan("wgmma_mn", tile, 1, 8200))
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 @pytest.fixture
@@ -347,7 +347,7 @@ def test_wgmma_transposed_b(rt, splitk_ws, bt_ws, tile):
     ragged shapes, the epilogues the backward uses, split-K."""
     _wgmma_rt(rt)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     try:
         for i, (M, N, K) in enumerate([(2 * tile[0], tile[1], 96), (tile[0] + 36, tile[1] + 44, 132)]):
             p = gemm.make_plan("wgmma", tile, 1, K, transpose_b=True)
@@ -356,7 +356,7 @@ def test_wgmma_transposed_b(rt, splitk_ws, bt_ws, tile):
         _check_matmul(rt, 300, 200, 740, False, False, "none", seed=5,
                       plan=gemm.make_plan("wgmma", tile, 3, 740, transpose_b=True))
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 # ---- weight gradients A^T @ B on wgmma: A^T (and B^T) into "gemm_aT", whole K or k slabs ---------
@@ -384,7 +384,7 @@ def test_wgmma_transposed_a(rt, splitk_ws, _at_buffer, tile):
     M = 67), the epilogues a weight gradient may take, split-K partials."""
     _wgmma_rt(rt)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     try:
         with _at_ws(rt, _at_buffer):
             for i, (M, N, K) in enumerate([(2 * tile[0], tile[1], 96), (tile[0] + 36, tile[1] + 44, 132),
@@ -399,7 +399,7 @@ def test_wgmma_transposed_a(rt, splitk_ws, _at_buffer, tile):
                 _check_matmul(rt, 300, 200, 740, True, tb, "none", seed=5 + tb,
                               plan=gemm.make_plan("wgmma", tile, 3, 740, transpose_b=not tb, transpose_a=True))
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 @gpu
@@ -411,7 +411,7 @@ def test_wgmma_transposed_a_slabs(rt, _at_buffer, no_ws, tile):
     the cost model's own plan with this scratch slabs too and agrees."""
     _wgmma_rt(rt)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     M, N, K = tile[0] + 36, tile[1] + 44, 740
     try:
         for tb in (False, True):
@@ -437,7 +437,7 @@ def test_wgmma_transposed_a_slabs(rt, _at_buffer, no_ws, tile):
                 _close("tf32", rt.download(out), lambda x, y: ref.matmul_forward(x, y, True, tb), a, b,
                        f"slabs chosen {gemm.plan_label(chosen)}")
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 @gpu
@@ -447,12 +447,12 @@ def test_wgmma_transposed_a_is_chosen_for_weight_grads(rt, splitk_ws, monkeypatc
     kernel through gemm_aT (A^T, B^T, then the product); the MLP's is checked against float64."""
     _wgmma_rt(rt)
     monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "0")
-    cfg = SimpleNamespace(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12,
+    cfg = config_of(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12,
                           vocab_size=50304, precision="tf32")
     K = 8192
     ws = gemm.workspace(cfg)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     at = rt.empty(ws["gemm_aT"][0], poison=False, name="gemm_aT")
     try:
         with _at_ws(rt, at):
@@ -468,7 +468,7 @@ def test_wgmma_transposed_a_is_chosen_for_weight_grads(rt, splitk_ws, monkeypatc
                 assert names[2].startswith("gemm_wgmma"), (M, N, names)
             _check_matmul(rt, 3072, 768, K, True, False, "none", seed=1)
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 # ---- fp32 as three TF32 products (3xTF32, family "wgmma3") ------------------------------------
@@ -670,7 +670,7 @@ def test_weight_grad_a_colsum(rt, _at_buffer, no_ws, slab):
     plan without a_colsum), db NaN-poisoned before; the same on a plan without transposes (bias_grad)."""
     _wgmma_rt(rt)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     M, N, K = 196, 172, 740
     rng = np.random.default_rng(slab)
     a, b = _operands(rng, M, N, K, True, False)
@@ -691,7 +691,7 @@ def test_weight_grad_a_colsum(rt, _at_buffer, no_ws, slab):
                 got = rt.download(bias)
                 assert rel_err(got, want) < 1e-5, (gemm.plan_label(q), rel_err(got, want))
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 def _check_a_colsum(rt, fam, tile, tbs, part):
@@ -731,13 +731,13 @@ def test_tf32_as_stored_a_colsum(rt, _at_buffer, splitk_ws, fam, tile):
     consumers, or wgmma_ra_t's A^T transpose: _check_a_colsum (wgmma_ra: B [K, N] and [N, K])."""
     _wgmma_rt(rt)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     part = rt.empty((256 * 1500,), name="bias_partials")
     try:
         with _at_ws(rt, _at_buffer), _workspaces(rt, bias_partials=part):
             _check_a_colsum(rt, fam, tile, (False, True) if fam == "wgmma_ra" else (False,), part)
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 @gpu
@@ -752,7 +752,7 @@ def test_wgmma_ra_tile_forced(rt, splitk_ws, _at_buffer, fam, tile):
     epilogue."""
     _wgmma_rt(rt)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     tbs = (False, True) if fam == "wgmma_ra" else (False,)
     epis = ("none",) if fam == "wgmma_ra_t" else ("none", "residual_alias", "residual")
     try:
@@ -773,7 +773,7 @@ def test_wgmma_ra_tile_forced(rt, splitk_ws, _at_buffer, fam, tile):
                 _check_matmul(rt, 64, 64, 64, True, False, "bias", plan=gemm.make_plan(
                     fam, tile, 1, 64, transpose_b=fam == "wgmma_ra"))
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 @gpu
@@ -795,7 +795,7 @@ def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
     a wgmma plan is refused where the kernel cannot run."""
     _wgmma_rt(rt)
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     try:
         prog = rt.begin("probe")
         try:
@@ -815,7 +815,7 @@ def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
         with pytest.raises(ValueError, match="wgmma"):
             gemm.matmul(rt, rt.empty((64, 64)), rt.empty((64, 64)), rt.empty((64, 64)), True, True, plan=p)
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
 
 
 @gpu
@@ -824,7 +824,7 @@ def test_tuned_table_is_used(rt, splitk_ws, tmp_path, monkeypatch):
     monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
     gemm._tables.clear()
     old = rt.precision
-    rt.precision = "tf32"
+    rt.exec = rt.exec.with_precision("tf32")
     try:
         M, N, K = 1000, 384, 200
         p = gemm.make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, K)
@@ -838,7 +838,7 @@ def test_tuned_table_is_used(rt, splitk_ws, tmp_path, monkeypatch):
         assert prog.items[0].fn.name == gemm.tf32_name(p.tile, False, True, gemm.EPI_GELU, True, True)
         _check_matmul(rt, M, N, K, False, True, "gelu", seed=3)
     finally:
-        rt.precision = old
+        rt.exec = rt.exec.with_precision(old)
         gemm._tables.clear()
 
 
@@ -1045,7 +1045,7 @@ def test_matmul_shape_errors():
 
 
 def test_splitk_plan_and_workspace():
-    cfg = SimpleNamespace(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6,
+    cfg = config_of(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6,
                           vocab_size=65, attention="unfused", precision="fp32", fp32_gemm="ffma")
     ws = gemm.workspace(cfg)                     # SIMT only: the split-K partials alone
     (shape, dtype), = ws.values()
@@ -1075,7 +1075,7 @@ def test_3xtf32_weight_gradient_launch_sequence():
     """fp32 as 3xTF32 on sm_90 (the workspaces memory.py plans for fp32): the weight gradient
     dW = dY^T @ X splits both operands through the transposing split, then runs the wgmma kernel
     with three products on the K-major halves; without the split workspaces it stays on SIMT."""
-    cfg = SimpleNamespace(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6,
+    cfg = config_of(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6,
                           vocab_size=65, attention="unfused", precision="fp32", fp32_gemm="3xtf32")
     ws = {k: v[0][0] for k, v in gemm.workspace(cfg).items()}
     M, N, K = 384, 1536, 16384                         # the MLP's second weight: N = 4C inputs

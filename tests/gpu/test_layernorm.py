@@ -1,5 +1,4 @@
 """GPU tests of kernels/layernorm.cu against the float64 reference."""
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -7,6 +6,7 @@ import pytest
 from gptcuda.ops.cuda import layernorm as ln
 from gptcuda.ops.reference import ops as ref
 from tests.conftest import rel_err
+from gptcuda.config import config_of
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +35,7 @@ def env(rt):
 
 
 def _plan(rt, C):
-    cfg = SimpleNamespace(batch_size=1, block_size=1, n_embd=C, n_head=1, n_layer=1, vocab_size=65,
+    cfg = config_of(batch_size=1, block_size=1, n_embd=C, n_head=1, n_layer=1, vocab_size=65,
                           attention="unfused")
     views = {n: rt.empty(shape, dtype, name=n) for n, (shape, dtype) in ln.workspace(cfg).items()}
     rt.set_workspace({**getattr(rt, "_workspace", {}), **views})

@@ -1,5 +1,4 @@
 """GPU tests of kernels/optim.cu: lr schedule, step counters, gradient norm, AdamW."""
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -8,6 +7,7 @@ from gptcuda.ops.cuda import optim
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import DeviceView
 from tests.conftest import rel_err
+from gptcuda.config import config_of
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def env(rt):
     saved = (rt.state, dict(getattr(rt, "_workspace", {})))
-    cfg = SimpleNamespace(batch_size=1, block_size=1, n_embd=8, n_head=1, n_layer=1, vocab_size=65,
+    cfg = config_of(batch_size=1, block_size=1, n_embd=8, n_head=1, n_layer=1, vocab_size=65,
                           attention="unfused")
     views = {n: rt.empty(shape, dtype, name=n) for n, (shape, dtype) in optim.workspace(cfg).items()}
     rt.set_workspace({**saved[1], **views})

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 from gptcuda.runtime import execution
+from gptcuda.runtime.execution import FLASH_WG_HEAD_SIZES  # noqa: F401 (the dK/dV kernel's head sizes)
 from gptcuda.ops.cuda import cdiv, dropout_args
 from gptcuda.runtime import DeviceView, f32, i32
 
@@ -37,7 +38,6 @@ MAX_GRID = 132 * 32           # grid-stride kernels: enough blocks to fill 132 S
 
 # ---- fused kernel geometry (flash_attention.cu) ----------------------------------------
 FLASH_HEAD_SIZES = (32, 64, 128)
-FLASH_WG_HEAD_SIZES = (32, 64)  # head sizes of the backward's dK/dV kernel on warpgroup MMA (sm_90a)
 FLASH_THREADS = 128           # FA_THREADS / FA_TC_THREADS in flash_attention.cu
 FLASH_BQ = 64                 # query rows per block of the fp32 forward and dQ kernels (FA_BR)
 FLASH_BK = 64                 # key rows per block of the fp32 dK/dV kernel (FA_BR)
@@ -78,18 +78,23 @@ def _dims(cfg):
     return B, T, C, H, C // H
 
 
-def saved_shapes(cfg) -> dict:
+def _fused(cfg, ex) -> bool:
+    """The plan's attention is a flash path (ex: the execution plan; default the config's)."""
+    return (ex or execution.resolve(cfg)).attention != "unfused"
+
+
+def saved_shapes(cfg, ex=None) -> dict:
     """Per-layer tensors the forward keeps for the backward."""
     B, T, C, H, hs = _dims(cfg)
-    if getattr(cfg, "attention", "unfused") == "fused":
+    if _fused(cfg, ex):
         return {"lse": ((B, H, T), "f32")}
     return {"probs": ((B, H, T, T), "f32")}
 
 
-def workspace(cfg) -> dict:
+def workspace(cfg, ex=None) -> dict:
     """Scratch shared by all layers (name -> (shape, dtype))."""
     B, T, C, H, hs = _dims(cfg)
-    if getattr(cfg, "attention", "unfused") == "fused":
+    if _fused(cfg, ex):
         return {"attention_d": ((B, H, T), "f32")}           # D = rowsum(dO * O) of the backward
     heads = ((B, H, T, hs), "f32")
     return {
@@ -166,21 +171,21 @@ FLASH_PATHS = ("flash", "flash_tc", "flash_3x")     # the fused paths of executi
 def _path(saved, op, ex):
     """The saved tensor the execution plan's attention path (unfused | flash | flash_tc | flash_3x)
     reads, checked against what the memory plan saved; a runtime without a config's plan: as `saved`
-    says, the fused kernels as the plan's rule picks them (execution.fused_path). Returns (saved name,
+    says, the fused kernels as the plan's rule picks them (ExecutionPlan.fused_path). Returns (saved name,
     the fused path)."""
     path = ex.attention
     want = "probs" if path == "unfused" else "lse" if path is not None else ("probs" if "probs" in saved else "lse")
     if want not in saved:
         raise KeyError(f"{op}: the plan's attention {path or 'path'} needs the saved {want!r}, the memory plan "
                        f"saved {sorted(saved)}")
-    fused = path if path is not None else execution.fused_path(ex.precision, ex.fp32_as_3xtf32)
+    fused = ex.fused_path()
     if want == "lse" and fused not in FLASH_PATHS:
         raise ValueError(f"{op}: unknown fused attention path {fused!r} (one of {FLASH_PATHS})")
     return want, fused
 
 
 def attention_fwd(rt, y, qkv, saved, n_head, p, site, ex=None):
-    ex = execution.of(rt) if ex is None else ex      # the execution plan (the backend passes its own)
+    ex = rt.exec if ex is None else ex      # the execution plan (the backend passes its own)
     want, path = _path(saved, "attention_fwd", ex)
     if want == "probs":
         return _unfused_fwd(rt, y, qkv, saved["probs"], n_head, p, site, ex)
@@ -188,11 +193,11 @@ def attention_fwd(rt, y, qkv, saved, n_head, p, site, ex=None):
 
 
 def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, ex=None):
-    ex = execution.of(rt) if ex is None else ex
+    ex = rt.exec if ex is None else ex
     want, path = _path(saved, "attention_bwd", ex)
     if want == "probs":
         return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site, ex)
-    wg = path == "flash_tc" and ex.wgmma and int(qkv.shape[-1]) // (3 * int(n_head)) in FLASH_WG_HEAD_SIZES
+    wg = ex.dkv_on_wgmma(int(qkv.shape[-1]) // (3 * int(n_head)))
     return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, path, wg)
 
 

@@ -53,13 +53,13 @@ SUMS = "sum_partials"     # the deferred sums' partials: a ring of one backward 
 SUMS_ALIGN = 64           # floats: every region starts 256-byte aligned
 
 
-def workspace(cfg) -> dict:
+def workspace(cfg, ex=None) -> dict:
     """Bias-gradient partials: [MAX_CHUNKS, max(4C, 3C, V)] floats; the deferred sums' ring: a layer's
     two layernorms' partials ([ln_blocks, 2C] each) and four bias gradients' ([MAX_CHUNKS, 4C] at most
     each; a larger one is summed at once, from "bias_partials")."""
     from gptcuda.ops.cuda import layernorm
     C = int(cfg.n_embd)
-    width = max(4 * C, 3 * C, C, int(getattr(cfg, "vocab_size", 0) or 0))
+    width = max(4 * C, 3 * C, C, int(cfg.vocab_size or 0))
     ring = 2 * layernorm.MAX_BLOCKS * 2 * C + 4 * MAX_CHUNKS * 4 * C + 8 * SUMS_ALIGN
     return {WORKSPACE: ((MAX_CHUNKS, width), "f32"), SUMS: ((ring,), "f32")}
 

@@ -47,7 +47,7 @@ def workspace_ints(N: int) -> int:
     return 3 * N + 2
 
 
-def workspace(cfg) -> dict:
+def workspace(cfg, ex=None) -> dict:
     """The sorted backward's buckets for batch_size * block_size tokens (the vocabulary may not be
     known yet, so planned whenever N allows the sorted path; 3N + 2 ints, 96 KB at N = 8192)."""
     N = int(cfg.batch_size) * int(cfg.block_size)

@@ -41,7 +41,7 @@ BROKEN = {"GC_BREAK_LAYERNORM": 1}
 VARIANTS += [(f, n, BROKEN) for f, n, _ in VARIANTS if n.startswith("layernorm_bwd_")]
 
 
-def workspace(cfg) -> dict:
+def workspace(cfg, ex=None) -> dict:
     """Partials of the backward: [MAX_BLOCKS, 2*C] floats (C = n_embd)."""
     return {WORKSPACE: ((MAX_BLOCKS, 2 * int(cfg.n_embd)), "f32")}
 

@@ -35,7 +35,7 @@ VARIANTS = (
 )
 
 
-def workspace(cfg) -> dict:
+def workspace(cfg, ex=None) -> dict:
     return {}
 
 

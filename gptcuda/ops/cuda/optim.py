@@ -34,7 +34,7 @@ VARIANTS = (
 )
 
 
-def workspace(cfg) -> dict:
+def workspace(cfg, ex=None) -> dict:
     """NORM_BLOCKS double partials (stored as 2 * NORM_BLOCKS f32 words)."""
     return {WORKSPACE: ((2 * NORM_BLOCKS,), "f32")}
 

@@ -15,9 +15,10 @@ from gptcuda.ops.backend import Buffers, Program, rows
 from gptcuda.model.memory import unpack_gen_opts
 from gptcuda.model.params import unflatten
 from gptcuda.ops.reference import ops as R
+from gptcuda.runtime import execution
 
 
-def attention_saved(cfg) -> dict:
+def attention_saved(cfg, ex=None) -> dict:
     B, T, H = cfg.batch_size, cfg.block_size, cfg.n_head
     return {"probs": ((B, H, T, T), "f32")}
 
@@ -32,11 +33,16 @@ class ReferenceBackend:
     attention_saved = staticmethod(attention_saved)
 
     @staticmethod
-    def workspaces(cfg) -> dict:
+    def workspaces(cfg, ex=None) -> dict:
         return {}
+
+    @staticmethod
+    def device_workspaces(ws: dict) -> dict:
+        return ws
 
     def __init__(self, cfg, seed: int | None = None):
         self.cfg = cfg
+        self.exec = execution.resolve(cfg)          # the reference plan: float64 numpy ops
         self.seed = cfg.seed if seed is None else int(seed)      # the dropout stream's
         self.state = state.initial()          # the StepState's fields (gptcuda/model/state.py)
         self._prog: Program | None = None

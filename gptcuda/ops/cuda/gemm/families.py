@@ -15,7 +15,7 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
     wgmma_ra_mn  the same with B [K, N] as stored, turned K-major by the producers
     wgmma_ra_t  TF32 A^T B as (B^T A)^T: B [K, N] through registers, A^T first, out stored transposed
 
-rt.precision picks a base family (PRECISION_FAMILIES); on sm_90 its warpgroup-MMA partner competes
+The execution plan picks a base family (ExecutionPlan.gemm_family); on sm_90 its warpgroup-MMA partner competes
 with it (`Family.partner`), for fp32 also `Family.stored_partners` (aligned operands in any layout),
 and for TF32 weight gradients `Family.mn_partner` and `Family.ra_partners`.
 """
@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
-from gptcuda.runtime.execution import GEMM_FAMILIES, WGMMA_ARCHS
+from gptcuda.runtime.execution import WGMMA_ARCHS  # noqa: F401 (gemm/__init__ re-exports it)
 from gptcuda.ops.cuda import cdiv  # noqa: F401 (plan.py, launch.py and gemm/__init__ import it from here)
 
 SIMT_FILE = "gemm_simt.cu"
@@ -416,7 +416,6 @@ FAMILIES = {f.name: f for f in (
            layouts=tuple(itertools.product((False, True), (False, True))), products=3, base="simt", a_regs=True,
            needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats)"),
 )}
-PRECISION_FAMILIES = GEMM_FAMILIES     # precision -> its base family (gptcuda/runtime/execution.py decides)
 
 
 def _variants():

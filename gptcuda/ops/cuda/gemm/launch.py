@@ -7,7 +7,7 @@ import math
 
 from gptcuda.ops.backend import rows
 from gptcuda.ops.cuda import elementwise
-from gptcuda.runtime import DeviceView, execution, f32, i32, u64
+from gptcuda.runtime import DeviceView, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPI_RESID, EPILOGUE_CODES,
                                             COLSUM_TRANSPOSE_NAMES, MAX_GRID_Z, REDUCE_THREADS, SIMT_FILE,
                                             SPLIT_NAMES, TRANSPOSE_NAMES, cdiv, reduce_name)
@@ -173,7 +173,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     M, N, K, lda, ldb, epi, has_bias = matmul_dims(out, a, b, trans_a, trans_b, bias, epilogue, aux)
     if a_colsum is not None and (not trans_a or a_colsum.numel != M):
         raise ValueError(f"matmul: a_colsum needs trans_a and {M} elements, got {a_colsum.shape} (trans_a {trans_a})")
-    ex = execution.of(rt) if ex is None else ex
+    ex = rt.exec if ex is None else ex
     family = ex.gemm_family
     ws, cap = ws_capacity(rt)
     vec = _vec_ok(a, b, lda, ldb, 0, 0)
@@ -184,7 +184,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     if p is not None:
         check_plan(label, p, family, vec, 1, cap, M, N, K, wg, slab, epi)
     else:
-        key = tune_key(ex.precision, trans_a, trans_b, epilogue, has_bias, M, N, K, 1, a_colsum is not None)
+        key = tune_key(ex.table_tag, trans_a, trans_b, epilogue, has_bias, M, N, K, 1, a_colsum is not None)
         p = tuned_plan(rt, key, vec, cap, M, N, wg, ex=ex)
     if p is None:
         p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab,
@@ -374,7 +374,7 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
     """out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch (ex: as
     in matmul)."""
     batch, M, N, K, lda, ldb = matmul_batched_dims(out, a, b, trans_a, trans_b)
-    ex = execution.of(rt) if ex is None else ex
+    ex = rt.exec if ex is None else ex
     family = ex.gemm_family
     vec = _vec_ok(a, b, lda, ldb, M * K, K * N)
     # the batched launch re-lays nothing out: K-major operands only
@@ -384,7 +384,7 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
     if p is not None:
         check_plan(label, p, family, vec, batch, 0, M, N, K, wg)
     else:
-        p = tuned_plan(rt, tune_key(ex.precision, trans_a, trans_b, "none", False, M, N, K, batch), vec, 0, M, N, wg,
+        p = tuned_plan(rt, tune_key(ex.table_tag, trans_a, trans_b, "none", False, M, N, K, batch), vec, 0, M, N, wg,
                        ex=ex)
     if p is None:
         p = model_plan(M, N, K, batch, rt.info.sm_count, family, max_ws=0, allow_split=False, vec=vec, wgmma=wg)

@@ -1,11 +1,10 @@
 """Which operand layouts the warpgroup-MMA families (K-major A and B only) can run, and with which
 re-layout: B transposed first ("transpose"), A (and B) transposed first in k slabs
 ("transpose_a" / "transpose_ab"), or, for 3xTF32, both split into hi and lo halves; on which device
-(`wgmma_device`: the runtime's execution plan, gptcuda/runtime/execution.py) and with which planned scratch
+(`wgmma_device`: the runtime's execution plan, rt.exec) and with which planned scratch
 (WGMMA_WORKSPACES) of a runtime."""
 from __future__ import annotations
 
-from gptcuda.runtime import execution
 from gptcuda.ops.cuda.gemm.families import FAMILIES, SPLIT_ALIGN
 
 WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT", "gemm_split_a", "gemm_split_b")   # scratch only the wgmma kernels read
@@ -55,16 +54,16 @@ def wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, a_floats, b_floats):
     return wgmma_mode(False, trans_b, True, K, N, batch, b_floats)
 
 
-def wgmma_layout_mode(precision, trans_a, trans_b, vec, M, N, K, batch, scratch: dict):
-    """How a device that runs the warpgroup-MMA kernels can run this product: TF32 `wgmma_mode` with
-    "gemm_bT" as the B^T scratch and "gemm_aT" as the A^T (+ B^T) slabs of trans_a products (the
-    slab size: `transpose_a_slab`), fp32 as 3xTF32 (`wgmma3_mode`) with the split scratch
-    "gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32); scratch: {name: floats} of the planned
-    WGMMA_WORKSPACES (a missing one: none). False: not at all."""
-    if precision == "tf32":
+def wgmma_layout_mode(mode, trans_a, trans_b, vec, M, N, K, batch, scratch: dict):
+    """How the warpgroup-MMA kernels can run this product in the execution plan's `wgmma_mode`:
+    "tf32": `wgmma_mode` with "gemm_bT" as the B^T scratch and "gemm_aT" as the A^T (+ B^T) slabs of
+    trans_a products (the slab size: `transpose_a_slab`); "3xtf32": `wgmma3_mode` with the split
+    scratch "gemm_split_a" / "gemm_split_b"; scratch: {name: floats} of the planned WGMMA_WORKSPACES
+    (a missing one: none). False: not at all (mode None: the kernels do not run)."""
+    if mode == "tf32":
         return wgmma_mode(trans_a, trans_b, vec, K, N, batch, scratch.get("gemm_bT", 0), M,
                           scratch.get("gemm_aT", 0))
-    if precision == "fp32":
+    if mode == "3xtf32":
         return wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, scratch.get("gemm_split_a", 0),
                            scratch.get("gemm_split_b", 0))
     return False
@@ -100,7 +99,7 @@ def ws_capacity(rt, name="gemm_splitk"):
 
 def wgmma_device(rt) -> bool:
     """Whether the warpgroup-MMA kernels run (the execution plan's `wgmma`: sm_90, GPTCUDA_WGMMA != 0)."""
-    return execution.of(rt).wgmma
+    return rt.exec.wgmma
 
 
 def device_workspaces(ws: dict, rt) -> dict:
@@ -114,10 +113,10 @@ def device_workspaces(ws: dict, rt) -> dict:
 def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0, ex=None):
     """`wgmma_layout_mode` of this launch with rt's planned workspaces where the kernels exist (the
     execution plan ex, default rt's: an sm_90 device; GPTCUDA_WGMMA=0: never), else False."""
-    plan = execution.of(rt) if ex is None else ex
-    if not plan.wgmma or (plan.precision == "fp32" and not plan.fp32_as_3xtf32):
+    mode = (rt.exec if ex is None else ex).wgmma_mode
+    if mode is None:
         return False
-    return wgmma_layout_mode(plan.precision, trans_a, trans_b, vec, M, N, K, batch,
+    return wgmma_layout_mode(mode, trans_a, trans_b, vec, M, N, K, batch,
                              {name: ws_capacity(rt, name)[1] for name in WGMMA_WORKSPACES})
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gptcuda.runtime import execution
+from gptcuda.runtime.execution import GEMM_FAMILIES
 from gptcuda.ops.cuda.gemm.families import (EPI_BIAS, EPI_IO, EPI_NONE, EPI_RESID, FAMILIES, MAX_GRID_Z,
-                                            MAX_SPLITS, PRECISION_FAMILIES, SPLIT_ALIGN, cdiv)
+                                            MAX_SPLITS, SPLIT_ALIGN, cdiv)
 from gptcuda.ops.cuda.gemm.layout import mode_flags
 
 
@@ -332,23 +334,24 @@ def _weight_grad_shapes(cfg):
 HEAD_SLABS = 2
 
 
-def workspace(cfg) -> dict:
+def workspace(cfg, ex=None) -> dict:
     """Split-K partials for the weight-gradient GEMMs (K = batch_size * block_size tokens),
     sized for both orientations (dW and dW^T) and both base families at 132 SMs; the wgmma
-    kernels' re-laid operands (WGMMA_WORKSPACES: TF32 "gemm_bT" and "gemm_aT", fp32 with
-    fp32_gemm 3xtf32 "gemm_split_a" / "gemm_split_b"). bench/tune.py only times splits that fit
-    this size."""
+    kernels' re-laid operands (the plan's `scratch_kind`, default the config's plan on sm_90: TF32
+    "gemm_bT" and "gemm_aT", fp32 with fp32_gemm 3xtf32 "gemm_split_a" / "gemm_split_b").
+    bench/tune.py only times splits that fit this size."""
+    kind = (ex or execution.resolve(cfg)).scratch_kind
     K = cfg.batch_size * cfg.block_size
     need = 0
     for (m, n) in _weight_grad_shapes(cfg):
         for (M, N) in ((m, n), (n, m)):
-            for fam in PRECISION_FAMILIES.values():
+            for fam in GEMM_FAMILIES.values():
                 p = plan(M, N, K, 1, 132, fam, max_ws=MAX_SPLITS * M * N)
                 if p.splits > 1:
                     need = max(need, p.splits * M * N)
     out = {"gemm_splitk": ((need,), "f32")} if need else {}
     w_max = max(m * n for m, n in _weight_grad_shapes(cfg))
-    if getattr(cfg, "precision", "fp32") == "tf32":
+    if kind == "tf32":
         # B^T of the backward's dX = dY @ W (W [out, in]: [C, 4C] the largest), for the wgmma kernel
         out["gemm_bT"] = ((w_max,), "f32")
         # A^T and B^T of a weight gradient dW = dY^T @ X (trans_a) for the wgmma kernel, [out + in,
@@ -356,10 +359,10 @@ def workspace(cfg) -> dict:
         # tokens); the tied head's dwte (V + C rows) runs in k slabs of it, at most HEAD_SLABS
         # (every slab after the first reads and writes dwte [V, C] once more: 0.3 GB at GPT-2's V)
         layer_shapes = _weight_grad_shapes(cfg)[:4]
-        V = int(getattr(cfg, "vocab_size", 0) or 0)
+        V = int(cfg.vocab_size or 0)
         head = (V + cfg.n_embd) * cdiv(K, HEAD_SLABS) if V else 0
         out["gemm_aT"] = ((max(max((m + n) * K for m, n in layer_shapes), head),), "f32")
-    elif getattr(cfg, "fp32_gemm", "3xtf32") == "3xtf32":      # the Config default
+    elif kind == "3xtf32":
         # the hi and lo halves of the 3xTF32 operands, up to [tokens, 4C] each: A the MLP's second
         # product's input, the backward's dY of the first or, transposed, a weight gradient's dY;
         # B a weight (or its transpose) or, transposed, a weight gradient's input activation

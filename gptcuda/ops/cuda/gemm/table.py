@@ -10,7 +10,6 @@ import os
 import re
 from pathlib import Path
 
-from gptcuda.runtime import execution
 from gptcuda.files import atomic_open
 from gptcuda.ops.cuda.gemm.families import EPILOGUE_CODES, FAMILIES
 from gptcuda.ops.cuda.gemm.layout import rt_transpose_a_slab
@@ -130,7 +129,7 @@ def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=Fa
     """The table's plan for `key` if there is one this launch can use (its alignment allows the
     tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch; transpose_a: rt's
     "gemm_aT" holds its k slab, and its epilogue is linear where it runs in slabs), else None."""
-    ex = execution.of(rt) if ex is None else ex         # the execution plan (default rt's)
+    ex = rt.exec if ex is None else ex         # the execution plan (default rt's)
     if not ex.gemm_table:                               # gemm_tune off (GPTCUDA_GEMM_TUNE=0)
         return None
     name = getattr(getattr(rt, "info", None), "name", None)

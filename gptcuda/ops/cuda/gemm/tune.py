@@ -3,7 +3,7 @@
     summary = autotune(rt, cfg, vocab)    # the Engine's setup does it (config gemm_tune: auto)
 
 Per shape of the config (`model_gemms`, with transposes, epilogue and bias; `tune_op`): the
-candidates (`candidates_for`: the precision's tiles x the split-K counts the planned workspace
+candidates (`candidates_for`: the base family's tiles x the split-K counts the planned workspace
 holds, and the warpgroup-MMA tiles through the planned scratch where they run), pruned by the cost
 model (within `keep` x its best, at most `max_n`, its own choice first); timed paired (`EventTimer`:
 a CUDA graph per candidate, rounds replaying each once in a rotated order between events, the
@@ -32,9 +32,7 @@ from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan_label, prune_candidates
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan
 from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_path, tune_key
 
-PEAK_FLOPS = {"tf32": 495e12, "fp32": 67e12}     # H200 dense
 PEAK_BYTES = 4.2e12
-FAMILY = {"tf32": "tf32", "fp32": "simt"}
 # random operands are uploaded as repeats of a block this long (a window of noise drawn once): no
 # factor below 2048, so no two rows of a product repeat (a wrong row or k offset shows), and the
 # host never holds a whole operand
@@ -66,20 +64,22 @@ class GemmOp:
         strides = [self.M if self.ta else self.K, self.K if self.tb else self.N]
         return all(s % 4 == 0 for s in strides + ([self.M * self.K, self.K * self.N] if self.batch > 1 else []))
 
-    def key(self, precision) -> str:
-        return tune_key(precision, self.ta, self.tb, self.epilogue, self.bias, self.M, self.N, self.K, self.batch,
+    def key(self, tag) -> str:
+        """The table key under a plan's table_tag."""
+        return tune_key(tag, self.ta, self.tb, self.epilogue, self.bias, self.M, self.N, self.K, self.batch,
                         self.colsum)
 
     def trans(self) -> str:
         return ("T" if self.ta else "N") + ("T" if self.tb else "N")
 
 
-def model_gemms(cfg, vocab_size: int, backward: bool = True) -> list:
-    """Every GEMM model.py records for this config (one entry per distinct key; counts summed);
-    backward False: the forward's alone (a model that only evaluates)."""
+def model_gemms(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
+    """Every GEMM model/gpt.py records for this config (one entry per distinct key; counts summed);
+    backward False: the forward's alone (a model that only evaluates); ex: the execution plan
+    (default the config's)."""
     Ntok, C, V, L = cfg.batch_size * cfg.block_size, cfg.n_embd, vocab_size, cfg.n_layer
     bias, drop = bool(cfg.bias), cfg.dropout > 0
-    unfused = getattr(cfg, "attention", "unfused") == "unfused"
+    unfused = (ex or execution.resolve(cfg)).attention == "unfused"
     T, H = cfg.block_size, cfg.n_head
     hs, BH = C // H, cfg.batch_size * H
     ops = []
@@ -125,26 +125,26 @@ def model_gemms(cfg, vocab_size: int, backward: bool = True) -> list:
     return list(merged.values())
 
 
-def floor_s(op: GemmOp, precision: str) -> float:
-    """Roofline floor: max(flops / peak, DRAM bytes / bandwidth), each operand and [M, N] array once."""
+def floor_s(op: GemmOp, ex) -> float:
+    """Roofline floor: max(flops / peak, DRAM bytes / bandwidth), each operand and [M, N] array once;
+    the peak of what multiplies in execution plan ex."""
     flops = 2.0 * op.M * op.N * op.K * op.batch
     nbytes = 4.0 * op.batch * (op.M * op.K + op.K * op.N + EPI_IO[op.epi] * op.M * op.N)
-    return max(flops / PEAK_FLOPS[precision], nbytes / PEAK_BYTES)
+    return max(flops / (ex.peak_tflops * 1e12), nbytes / PEAK_BYTES)
 
 
-def candidates_for(op: GemmOp, precision: str, sm_count: int, ws_floats: int, keep=1.6, max_n=6,
-                   wgmma=False, scratch=None):
-    """(cost-model plan, pruned candidate plans with it first); wgmma: the device runs the
-    warpgroup-MMA kernels (sm_90), so they compete for the ops they can run (scratch: floats of
-    the planned workspaces they need, {name: floats})."""
-    mode = wgmma and wgmma_layout_mode(precision, op.ta, op.tb, op.vec, op.M, op.N, op.K, op.batch, scratch or {})
+def candidates_for(op: GemmOp, ex, sm_count: int, ws_floats: int, keep=1.6, max_n=6, scratch=None):
+    """(cost-model plan, pruned candidate plans with it first) under execution plan ex: its base
+    family, and where it runs the warpgroup-MMA kernels (`wgmma_mode`) those too, for the ops they can
+    run (scratch: floats of the planned workspaces they need, {name: floats})."""
+    mode = wgmma_layout_mode(ex.wgmma_mode, op.ta, op.tb, op.vec, op.M, op.N, op.K, op.batch, scratch or {})
     if op.batch > 1 and mode != "direct":      # matmul_batched re-lays nothing out
         mode = False
     slab = 0                                   # transpose_a: k rows per slab of "gemm_aT" (0: all of K)
     if mode in ("transpose_ab", "transpose_a"):
         slab = transpose_a_slab(op.M, op.N, op.K, op.tb, (scratch or {}).get("gemm_aT", 0))
         slab = 0 if slab >= op.K else slab
-    fam = FAMILY[precision]
+    fam = ex.gemm_family
     ra = ra_scratch(op.M, op.N, op.K, (scratch or {}).get("gemm_aT", 0))
     heur = model_plan(op.M, op.N, op.K, op.batch, sm_count, fam, max_ws=ws_floats if op.batch == 1 else 0,
                       allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode, k_slab=slab, colsum=op.colsum,
@@ -166,23 +166,23 @@ def pick_winner(plans, times_ms, ok=None):
     return min(fine, key=lambda i: times_ms[i]) if fine else None
 
 
-def tune_op(op: GemmOp, precision: str, timer, sm_count=132, ws_floats=0, keep=1.6, max_n=6, wgmma=False,
-            scratch=None, plans=None):
-    """Time one op's candidates (`plans`, the cost model's first; default candidates_for's) with
-    timer(op, plans) -> (samples per plan [ms lists], ok per plan or None); returns a result dict."""
+def tune_op(op: GemmOp, ex, timer, sm_count=132, ws_floats=0, keep=1.6, max_n=6, scratch=None, plans=None):
+    """Time one op's candidates (`plans`, the cost model's first; default candidates_for's) under
+    execution plan ex with timer(op, plans) -> (samples per plan [ms lists], ok per plan or None);
+    returns a result dict."""
     if plans is None:
-        plans = candidates_for(op, precision, sm_count, ws_floats, keep, max_n, wgmma, scratch)[1]
+        plans = candidates_for(op, ex, sm_count, ws_floats, keep, max_n, scratch)[1]
     samples, ok = timer(op, plans)
     times = [rounds_median(s) for s in samples]
     w = pick_winner(plans, times, ok)
     return {"op": op, "plans": plans, "times_ms": times, "ok": ok, "winner": w,
-            "floor_ms": floor_s(op, precision) * 1e3,
+            "floor_ms": floor_s(op, ex) * 1e3,
             "est_ms": [estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, sm_count, op.colsum) * 1e3 for p in plans]}
 
 
-def table_entries(results, precision) -> dict:
+def table_entries(results, ex) -> dict:
     """{key: entry} of the winners (the plan, its time, the cost model's plan and time, the floor)."""
-    return {r["op"].key(precision): {**plan_to_json(r["plans"][r["winner"]]),
+    return {r["op"].key(ex.table_tag): {**plan_to_json(r["plans"][r["winner"]]),
                                      "ms": round(r["times_ms"][r["winner"]], 5),
                                      "heuristic_ms": round(r["times_ms"][0], 5), "heuristic": plan_label(r["plans"][0]),
                                      "floor_ms": round(r["floor_ms"], 5), "label": r["op"].label}
@@ -195,15 +195,15 @@ def step_ms(results) -> tuple:
             sum(r["op"].count * r["times_ms"][r["winner"]] for r in results if r["winner"] is not None))
 
 
-def ws_floats_of(cfg, vocab, name="gemm_splitk") -> int:
+def ws_floats_of(cfg, vocab, name="gemm_splitk", ex=None) -> int:
     """Floats of the GEMM workspace `name` the memory plan gives this config (0: none)."""
-    ws = workspace(dataclasses.replace(cfg, vocab_size=vocab))
+    ws = workspace(dataclasses.replace(cfg, vocab_size=vocab), ex)
     return int(np.prod(ws[name][0])) if name in ws else 0
 
 
-def scratch_of(cfg, vocab) -> dict:
+def scratch_of(cfg, vocab, ex=None) -> dict:
     """{name: floats} of the warpgroup-MMA kernels' planned scratch (WGMMA_WORKSPACES)."""
-    return {name: ws_floats_of(cfg, vocab, name) for name in WGMMA_WORKSPACES}
+    return {name: ws_floats_of(cfg, vocab, name, ex) for name in WGMMA_WORKSPACES}
 
 
 # ---- the device timer ----------------------------------------------------------------------
@@ -316,7 +316,7 @@ class EventTimer:
                     # TF32: the wgmma kernel truncates operands to tf32 where mma.sync rounds them,
                     # so two correct candidates differ by up to ~1e-3 (tests/gpu/test_gemm.py TOL);
                     # fp32: SIMT and 3xTF32 agree to ~1e-7
-                    ok.append(err < (2e-3 if rt.precision == "tf32" else 1e-5))
+                    ok.append(err < rt.exec.check_tolerance)
             return samples, ok
         finally:
             rt.synchronize()
@@ -340,8 +340,7 @@ class _Variants:
     the launch code asks for, launches and allocates nothing."""
 
     def __init__(self, rt, workspaces: dict):
-        self.exec, self.info, self.arch, self.asked = execution.of(rt), rt.info, rt.arch, []
-        self.precision = self.exec.precision
+        self.exec, self.info, self.arch, self.asked = rt.exec, rt.info, rt.arch, []
         self._ws = {name: DeviceView((16 + i) << 38, (n,), "f32", name)
                     for i, (name, n) in enumerate(workspaces.items()) if n}
 
@@ -411,9 +410,9 @@ def on_device(rt) -> bool:
 
 
 def missing_ops(rt, cfg, vocab, backward=True) -> list:
-    """The ops of this config (model_gemms) the table of rt's GPU lacks, at rt's precision."""
-    precision, have = execution.of(rt).precision, load_table(rt.info.name)
-    return [op for op in model_gemms(cfg, vocab, backward) if op.key(precision) not in have]
+    """The ops of this config (model_gemms) the table of rt's GPU lacks under rt's execution plan."""
+    tag, have = rt.exec.table_tag, load_table(rt.info.name)
+    return [op for op in model_gemms(cfg, vocab, backward, rt.exec) if op.key(tag) not in have]
 
 
 @dataclass
@@ -479,33 +478,33 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     sys.stderr; quiet: none). timer: EventTimer's interface (tests); build: compiles the
     candidates' kernels (build_variants's interface; None: each when first launched). The timing
     buffers are freed and rt's workspaces restored."""
-    plan = execution.of(rt)
-    if plan.gemm_tune != "auto":
+    ex = rt.exec
+    if ex.gemm_tune != "auto":
         return None
     t0 = time.perf_counter()
-    name, precision, sm = rt.info.name, plan.precision, rt.info.sm_count
+    name, sm = rt.info.name, rt.info.sm_count
     missing = missing_ops(rt, cfg, vocab, backward)
-    known = len(model_gemms(cfg, vocab, backward)) - len(missing)
+    known = len(model_gemms(cfg, vocab, backward, ex)) - len(missing)
     path = str(table_path(name))
     if not missing:
         return TuneSummary(0, known, time.perf_counter() - t0, 0.0, 0.0, path)
-    ws, scratch = ws_floats_of(cfg, vocab), scratch_of(cfg, vocab)
-    cands = [candidates_for(op, precision, sm, ws, keep, max_n, plan.wgmma, scratch)[1] for op in missing]
+    ws, scratch = ws_floats_of(cfg, vocab, ex=ex), scratch_of(cfg, vocab, ex)
+    cands = [candidates_for(op, ex, sm, ws, keep, max_n, scratch)[1] for op in missing]
     line = _Line(None if quiet else sys.stderr if out is None else out)
     results, dropped, own = [], 0, timer is None
     try:
         if build is not None:
             cands, dropped = _prebuild(rt, missing, cands, {"gemm_splitk": ws, **scratch}, build, line)
-        line.phase(len(missing), f"GEMM table: measuring {precision} shapes")
+        line.phase(len(missing), f"GEMM table: measuring {ex.table_tag} shapes")
         if own:
             timer = EventTimer(rt, ws, rounds=rounds, target_ms=target_ms, scratch=scratch, check_floats=1 << 22)
         for i, (op, plans) in enumerate(zip(missing, cands)):
             line.show(i, op.label)
-            results.append(tune_op(op, precision, timer, sm, plans=plans))
+            results.append(tune_op(op, ex, timer, sm, plans=plans))
     finally:
         if own and timer is not None:
             timer.close()
         base, tuned = step_ms(results)
         line.close(f"cost model {base:.3f} -> tuned {tuned:.3f} ms a step" if results else "")
-    save_table(name, table_entries(results, precision), merge=True, replace=False)
+    save_table(name, table_entries(results, ex), merge=True, replace=False)
     return TuneSummary(len(results), known, time.perf_counter() - t0, base, tuned, path, dropped)

@@ -1,0 +1,107 @@
+"""Fingerprint every recorded launch of the training and evaluation programs, on a machine without a GPU.
+
+    python tools/launch_record.py --out before.json       # record, write {case: fingerprint}
+    python tools/launch_record.py --compare before.json   # record again; name every case that differs
+
+The cases: configs/tiny.yaml over precision x attention x dropout x bias x recompute (32 configs, the
+train and eval programs of each: 64), and every shipped config at its own settings (its batch and
+context; the GPT-2 vocabulary where its tokenizer is gpt2). Each program is recorded through
+tests/test_cuda_record.py's RecordingRuntime (an sm_90 device of 132 SMs, no measured GEMM table: the
+cost model plans every product), and a launch is fingerprinted by its kernel (file, name), grid, block,
+shared memory, packed argument bytes (tensor maps included) and label. A refactor of the launchers
+that changes no launch leaves every fingerprint as it was.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ["GPTCUDA_GEMM_TUNE"] = "off"          # the cost model: what a machine without a table runs
+
+import numpy as np  # noqa: E402
+
+from gptcuda.config import load_config  # noqa: E402
+from gptcuda.ops.cuda_backend import CudaBackend  # noqa: E402
+from gptcuda.runtime import Blob, Launch, Memset  # noqa: E402
+from gptcuda.training.engine import Engine  # noqa: E402
+
+TINY = [(p, a, d, b, r) for p, a, d, b in itertools.product(["fp32", "tf32"], ["unfused", "fused"], [0.0, 0.1],
+                                                            [True, False]) for r in (False, True)]
+SHIPPED = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if p.name != "tiny.yaml")
+
+
+def cases():
+    """(name, config path, overrides) of every recorded configuration."""
+    for p, a, d, b, r in TINY:
+        yield (f"tiny:{p}:{a}:d{d}:bias{int(b)}:rc{int(r)}", "configs/tiny.yaml",
+               [f"--precision={p}", f"--attention={a}", f"--dropout={d}", f"--bias={str(b).lower()}",
+                f"--recompute={str(r).lower()}"])
+    for name in SHIPPED:
+        yield name, f"configs/{name}", ["--total_batch_tokens=0"]
+
+
+def fingerprint(items, labels=True) -> str:
+    h = hashlib.sha256()
+    for rec in items:
+        if isinstance(rec, Launch):
+            h.update(repr((rec.fn.file, rec.fn.name, rec.grid, rec.block, rec.smem,
+                           rec.label if labels else "")).encode())
+            h.update(rec.slots.tobytes())
+            for i in sorted(rec.blobs):                  # the blob's bytes, not its alignment padding
+                buf, addr = rec.blobs[i]
+                off = addr - buf.ctypes.data
+                h.update(bytes(buf[off:off + len(buf) - Blob.ALIGN]))
+        elif isinstance(rec, Memset):
+            h.update(repr(("memset", rec.label if labels else "")).encode())
+        else:
+            h.update(type(rec).__name__.encode())
+    return h.hexdigest()[:16]
+
+
+def record(path, overrides):
+    from test_cuda_record import RecordingRuntime
+    cfg = load_config(str(ROOT / path), overrides)
+    vocab = cfg.vocab_size or (50304 if cfg.tokenizer == "gpt2" else 65)
+    n_vocab = 50257 if cfg.tokenizer == "gpt2" and not cfg.vocab_size else min(vocab, 65)
+    rt = RecordingRuntime(cfg)
+    be = CudaBackend(cfg, rt=rt)
+    toks = np.arange(cfg.batch_size * cfg.block_size * 2 + 8, dtype=np.int32) % n_vocab
+    eng = Engine(cfg, toks, toks, vocab, backend=be, programs=("train", "eval"), n_vocab=n_vocab)
+    return {name: prog.items for name, prog in eng.programs.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the fingerprints here (JSON)")
+    ap.add_argument("--compare", help="compare with fingerprints written earlier; exit 1 on a difference")
+    ap.add_argument("--only", default="", help="record only cases whose name contains this")
+    a = ap.parse_args(argv)
+    got = {}
+    for name, path, overrides in cases():
+        if a.only and a.only not in name:
+            continue
+        for prog, items in record(path, overrides).items():
+            got[f"{name}:{prog}"] = {"launches": sum(isinstance(r, Launch) for r in items),
+                                     "with_labels": fingerprint(items), "no_labels": fingerprint(items, False)}
+    print(f"{len(got)} programs, {sum(v['launches'] for v in got.values())} launches")
+    if a.out:
+        Path(a.out).write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    if a.compare:
+        want = json.loads(Path(a.compare).read_text())
+        bad = [k for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
+        for k in bad:
+            print(f"DIFFERS {k}: {want.get(k)} -> {got.get(k)}")
+        print(f"{len(got) - len(bad)} of {len(got)} identical")
+        return 1 if bad else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
