@@ -57,7 +57,9 @@ class Dashboards:
             if not resume:
                 for f in glob.glob(os.path.join(d, "events.out.tfevents.*")):
                     os.unlink(f)                 # a new run's dashboard: the old run's events go
-            self.tb = SummaryWriter(d, purge_step=start_step + 1 if resume else None)
+            # a name of its own: tensorboardX names a file by the second and the host alone
+            self.tb = SummaryWriter(d, purge_step=start_step + 1 if resume else None,
+                                    filename_suffix=f".{secrets.token_hex(4)}")
         if cfg.wandb_log:
             import wandb
             path = os.path.join(out, WANDB_ID)
