@@ -3,7 +3,7 @@
 #   bash bench/device_check.sh [tests] [gradcheck] [tune] [bench] [attention] [long] [torch] [gemm]
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
-#                              [interop] [finetune] [generate] [speed] [anchors]
+#                              [interop] [finetune] [generate] [speed] [anchors] [hellaswag] [plot]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
@@ -11,7 +11,8 @@
 # TRAIN_CONFIG (for train_config), DIST_WORLDS ("1,2"), DIST_ZERO ("0 1"), TORCH_WHICH ("steps compile"), TUNE_PRECISIONS ("tf32 fp32"),
 # GPT2_BATCHES ("8 16": bench/step.py of configs/gpt2_124m.yaml and the PyTorch / llm.c anchors at these
 # micro-batches), ACCUM_STEPS (50: gpt2_accum's steps of 524288 tokens), GEN_BATCHES ("1,16,64,256"),
-# GEN_TORCH_MODES ("eager,compile"), GEN_ARGS (more bench/generate.py options). llm.c (karpathy/llm.c f1e2ace:
+# GEN_TORCH_MODES ("eager,compile"), HELLASWAG_ARGS (more bench/hellaswag_check.py options), PLOT_ITERS (500:
+# each of plot's two runs), GEN_ARGS (more bench/generate.py options). llm.c (karpathy/llm.c f1e2ace:
 # Makefile, train_gpt2.cu, llmc/) is read from .devcarry/llmc.
 # A STEP_CASES entry may carry overrides: fp32:fused:fp32_gemm=ffma,batch_size=32.
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
@@ -254,6 +255,29 @@ if has generate; then
   log "generation beside HF transformers: batches ${GEN_BATCHES:-1,16,64,256}, torch modes ${GEN_TORCH_MODES:-eager,static,compile}"
   python3 bench/generate.py --batches ${GEN_BATCHES:-1,16,64,256} --torch_modes ${GEN_TORCH_MODES:-eager,static,compile} \
     ${GEN_ARGS:-} --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" | tail -16 | tee -a "$OUT/summary.txt"
+fi
+# HellaSwag: GPT-2 124M-shaped random weights exported to HF; a few hundred synthetic examples scored by our
+# forward and by transformers (per ending and per example), then the time of 10,042 examples
+if has hellaswag; then
+  log "hellaswag: our forward beside transformers on synthetic examples; the time of 10,042"
+  python3 bench/hellaswag_check.py --out /tmp/hellaswag ${HELLASWAG_ARGS:-} 2>&1 | tee "$OUT/hellaswag.log" \
+    | grep -E "PASS|FAIL|examples|losses|acc" | tee -a "$OUT/summary.txt"
+  rm -rf /tmp/hellaswag/hf
+fi
+# plot.py on two real runs: the Shakespeare GPT-2 recipe in fp32 and in tf32 (their metrics come back too)
+if has plot; then
+  gpt2_shards
+  for p in fp32 tf32; do
+    log "plot run $p: configs/shakespeare_gpt2.yaml, ${PLOT_ITERS:-500} steps"
+    python3 train.py configs/shakespeare_gpt2.yaml --precision=$p --data=$GPT2_DATA --val_data= --max_iters=${PLOT_ITERS:-500} \
+      --lr_decay_iters=${PLOT_ITERS:-500} --eval_interval=100 --out_dir=/tmp/plot_runs/gpt2_$p --overwrite --no-bar 2>&1 \
+      | tee "$OUT/plot_train_$p.log" | grep -E "^step [0-9]+:|best val|error" | tail -3 | tee -a "$OUT/summary.txt"
+    mkdir -p "$OUT/plot_runs/gpt2_$p" && cp /tmp/plot_runs/gpt2_$p/metrics.jsonl "$OUT/plot_runs/gpt2_$p/"
+  done
+  python3 -c "import matplotlib" 2>/dev/null || { ls .devcarry/whl/matplotlib*.whl >/dev/null 2>&1 && \
+    python3 -m pip install --no-index -q --find-links .devcarry/whl matplotlib; }
+  python3 plot.py /tmp/plot_runs/gpt2_fp32 /tmp/plot_runs/gpt2_tf32 --out "$OUT/plot_gpt2.png" --overwrite 2>&1 \
+    | tee -a "$OUT/summary.txt"     # without matplotlib there: plot.py on the metrics that came back
 fi
 if has seeds; then          # best val over seeds, e.g. SEEDS_GROUPS="tf32=configs/ctx256_tf32.yaml:1-8"
   log "best val over seeds: ${SEEDS_GROUPS}"

@@ -92,6 +92,13 @@ class Config:
     out_dir: str = "out/shakespeare_char"
     init_from: str = ""  # start from these weights: hf:DIR, llmc:FILE or a run directory (fresh optimizer)
     checkpoint: bool = True  # save checkpoints to out_dir
+    # evaluation and dashboards
+    hellaswag: str = ""  # a HellaSwag .jsonl (llm.c's hellaswag_val.jsonl) scored at evaluations; "": none
+    hellaswag_interval: int = 0  # steps between HellaSwag scorings, a multiple of eval_interval; 0: every evaluation
+    log_tensorboard: bool = False  # also log the metrics to TensorBoard event files in out_dir/tensorboard
+    wandb_log: bool = False  # also log the metrics to Weights & Biases
+    wandb_project: str = "gptcuda"  # the W&B project
+    wandb_run_name: str = ""  # the W&B run's name; "": the out_dir's name
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -372,6 +379,11 @@ def validate(cfg: Config) -> Config:
         raise err("total_batch_tokens", f"must be >= 0 (0: one micro-batch a step), got {cfg.total_batch_tokens}")
     if not cfg.out_dir:
         raise err("out_dir", "must name a directory")
+    if cfg.hellaswag_interval < 0 or cfg.hellaswag_interval % cfg.eval_interval:
+        raise err("hellaswag_interval", f"must be 0 or a positive multiple of eval_interval ({cfg.eval_interval}), "
+                                        f"got {cfg.hellaswag_interval}")
+    if cfg.wandb_log and not cfg.wandb_project:
+        raise err("wandb_project", "must name a W&B project when wandb_log is true")
     return cfg
 
 

@@ -3,4 +3,6 @@
     engine.py      Engine: plan, allocate, initialise, record the programs, run steps and evaluations
     trainer.py     the loop behind train.py: logging, evaluation, checkpoints, resume, interrupts
     gradcheck.py   finite-difference checks of the backward pass (gradcheck.py)
+    hellaswag.py   HellaSwag's examples, token rows and scores by the forward program (eval.py, the loop)
+    dashboards.py  TensorBoard and W&B logging of the metrics records, each optional
 """

@@ -5,6 +5,7 @@ logs and writes files (metrics, checkpoints, config, tokenizer)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -22,6 +23,7 @@ from gptcuda.config import (accum_steps, compare_for_resume, format_config, mode
                             validate_against_data)
 from gptcuda.data.dataset import DataError, open_dataset
 from gptcuda.training.engine import Engine, plan_for
+from gptcuda.training import dashboards, hellaswag
 from gptcuda.interop import init_for_training
 from gptcuda.data.tokenizers import GPT2_VOCAB, load_tokenizer, parse_spec
 
@@ -156,6 +158,12 @@ class Trainer:
                                f"or start over with --overwrite (replaces its files), or choose another out_dir")
         tok_dict = saved.to_dict() if saved is not None else init.tokenizer if init is not None else None
         self.data, V, self.accum = open_run_data(cfg, self.world, tok_dict)
+        cfg = dataclasses.replace(cfg, tokenizer=self.data.tokenizer.name)    # the one used (shards carry theirs)
+        self.hellaswag = (hellaswag.render(hellaswag.read_examples(cfg.hellaswag), self.data.tokenizer,
+                                           cfg.block_size) if cfg.hellaswag else None)
+        if self.writes:
+            dashboards.check(cfg)
+        self.dash = None
         self.cfg = cfg
         log(format_config(cfg))
         if init is not None and init.changes:
@@ -166,7 +174,7 @@ class Trainer:
                 + (f" on each of {self.world} GPUs" if self.world > 1 else "") + " a step")
         log(plan_for(cfg, V, accum=self.accum).format())
         self.eng = Engine(cfg, self.data.train, self.data.val, V, group=group, n_vocab=self.data.vocab_size,
-                          accum=self.accum)
+                          accum=self.accum, programs=("train", "eval") + (("forward",) if cfg.hellaswag else ()))
         log(self.eng.exec.format())
         if self.eng.tuning:
             log(self.eng.tuning)            # the measured GEMM table: what setup measured, where it lives
@@ -219,6 +227,9 @@ class Trainer:
         saved = meta.get("config")
         if not isinstance(saved, dict):
             return []
+        if cfg.tokenizer == "char":      # the default: token shards' own tokenizer (the run's, saved beside it)
+            cfg = dataclasses.replace(cfg, tokenizer=saved_tok.name)
+        saved = dict(saved, tokenizer=saved_tok.name)       # older runs saved "char" for gpt2 / bpe shards
         model, other = compare_for_resume(saved, cfg, model_vocab(cfg, saved_tok.vocab_size))
         if model:
             raise CheckpointError(f"--resume: {ckpt} holds another model than this config: {'; '.join(model)} "
@@ -257,6 +268,7 @@ class Trainer:
             with atomic_open(os.path.join(out, "execution.json")) as f:     # which kernels run (execution.py)
                 f.write(json.dumps(self.eng.exec.to_dict(), indent=1) + "\n")
             self.metrics = open(mpath, "a", encoding="utf-8")
+            self.dash = dashboards.Dashboards(self.cfg, resume, self.start_step)
         except BaseException as e:          # an OSError, or Ctrl-C while setting up
             if self.metrics is not None:
                 self.metrics.close()
@@ -282,6 +294,8 @@ class Trainer:
             return
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
+        if self.dash is not None:
+            self.dash.write(rec)
 
     def save(self, name: str, step: int):
         arrays, meta = self.eng.state_dict()          # every rank: ZeRO-1 gathers the Adam state
@@ -389,6 +403,8 @@ class Trainer:
                 pbar.close()
             if self.metrics is not None:
                 self.metrics.close()
+            if self.dash is not None:
+                self.dash.close()
         return self.best_val
 
     def _eval_losses(self, step) -> dict:
@@ -414,6 +430,7 @@ class Trainer:
         before = (self.eng.counters["eval_draws"], self.best_val, self.evaluated_step)
         try:
             losses = self._eval_losses(step)
+            losses.update(hellaswag.at_step(self.eng, self.hellaswag, step, self.rank, self.world))
             self.evaluated_step = step
             if self.cfg.checkpoint:
                 if losses["val"] < self.best_val:
@@ -422,13 +439,15 @@ class Trainer:
                 self.save("last", step)
             else:
                 self.best_val = min(self.best_val, losses["val"])
-            self.write_metrics(step=step, eval_train=losses["train"], eval_val=losses["val"])
+            self.write_metrics(step=step, eval_train=losses["train"], eval_val=losses["val"],
+                               **{k: v for k, v in losses.items() if k.startswith("hellaswag")})
         except KeyboardInterrupt:
             if self.eng.dp is None:
                 self.eng.set_counters(step, before[0])
                 self.best_val, self.evaluated_step = before[1], before[2]
             raise
-        self.log(f"\nstep {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        self.log(f"\nstep {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                 + hellaswag.describe(losses))
 
 
 def cut_metrics(path: str, step: int, evaluated_step: int) -> int:
