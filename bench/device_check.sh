@@ -3,7 +3,7 @@
 #   bash bench/device_check.sh [tests] [gradcheck] [tune] [bench] [attention] [long] [torch] [gemm]
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
-#                              [interop] [finetune] [generate] [speed] [anchors] [hellaswag] [plot]
+#                              [interop] [finetune] [generate] [speed] [anchors] [hellaswag] [plot] [tables]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
@@ -258,6 +258,21 @@ if has generate; then
 fi
 # HellaSwag: GPT-2 124M-shaped random weights exported to HF; a few hundred synthetic examples scored by our
 # forward and by transformers (per ending and per example), then the time of 10,042 examples
+# which GEMM kernels the measured table picks for every shipped config (and the char configs at the other
+# precision): bench/tables.py sets each up as training does (gemm_tune auto), the tables come back
+if has tables; then
+  gpt2_shards
+  log "GEMM table picks of the shipped configs (bench/tables.py)"
+  python3 bench/tables.py configs/tiny.yaml configs/tiny.yaml:--precision=tf32 configs/ctx256_tf32.yaml \
+    configs/ctx256_tf32.yaml:--precision=fp32 configs/ctx256_fp32.yaml configs/shakespeare_char_fp32.yaml \
+    configs/shakespeare_char_fp32.yaml:--precision=tf32 configs/ctx1024_tf32.yaml configs/ctx2048_tf32.yaml \
+    configs/ctx8192_tf32.yaml configs/gpt2_124m_t1024.yaml configs/shakespeare_gpt2.yaml \
+    "configs/gpt2_124m.yaml:--data=$GPT2_DATA,--val_data=,--total_batch_tokens=0" \
+    "configs/gpt2_124m.yaml:--data=$GPT2_DATA,--val_data=,--total_batch_tokens=0,--batch_size=8" \
+    --json="$OUT/tables.json" > "$OUT/tables.log" 2>&1
+  sed -n '/family \/ tile picked/,$p' "$OUT/tables.log" | tee -a "$OUT/summary.txt"
+  mkdir -p "$OUT/tune" && cp "$GPTCUDA_CACHE"/tune/*.json "$OUT/tune/" 2>/dev/null
+fi
 if has hellaswag; then
   log "hellaswag: our forward beside transformers on synthetic examples; the time of 10,042"
   python3 bench/hellaswag_check.py --out /tmp/hellaswag ${HELLASWAG_ARGS:-} 2>&1 | tee "$OUT/hellaswag.log" \
