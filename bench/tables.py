@@ -25,8 +25,8 @@ def picks(cfg, V, ex, table) -> dict:
     out = {}
     for op in gemm.model_gemms(cfg, V, True, ex):
         e = table.get(op.key(ex.table_tag))
-        if e is not None:
-            p = gemm.plan_from_json(e)
+        p = gemm.plan_from_json(e, op.K) if e is not None else None
+        if p is not None:
             out[op.key(ex.table_tag)] = (p.family, list(p.tile), gemm.plan_label(p), op.label)
     return out
 

@@ -139,7 +139,7 @@ def test_dropout_other_step_other_mask(env):
 
 
 def _plan_bias(rt, width):
-    cfg = config_of(batch_size=1, block_size=1, n_embd=4 * ((width + 15) // 16), n_head=1, n_layer=1,
+    cfg = config_of(check=False, batch_size=1, block_size=1, n_embd=4 * ((width + 15) // 16), n_head=1, n_layer=1,
                           vocab_size=width, attention="unfused")
     views = {n: rt.empty(shape, dtype, name=n) for n, (shape, dtype) in ew.workspace(cfg).items()}
     rt.set_workspace({**getattr(rt, "_workspace", {}), **views})
@@ -180,7 +180,7 @@ def test_held_sums_equal_immediate(env, ring):
     from gptcuda.ops.cuda import layernorm as ln
     rt = env
     C, N = 768, 3000
-    cfg = config_of(batch_size=1, block_size=1, n_embd=C, n_head=1, n_layer=1, vocab_size=4 * C,
+    cfg = config_of(check=False, batch_size=1, block_size=1, n_embd=C, n_head=1, n_layer=1, vocab_size=4 * C,
                           attention="unfused")
     views = {n: rt.empty(shape, dtype, name=n)
              for fam in (ew, ln) for n, (shape, dtype) in fam.workspace(cfg).items()}
