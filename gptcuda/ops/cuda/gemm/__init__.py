@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_COMBOS, EPI_DGELU, EPI_GELU, EPI_IO,
                                             EPI_NONE, EPI_RESID, EPILOGUE_CODES, FAMILIES, LADDER_NAMES,
-                                            MAX_GRID_Z, MAX_SPLITS, REDUCE_THREADS,
+                                            MAX_GRID_Z, MAX_SPLITS, PRODUCTS, REDUCE_THREADS,
                                             SIMT_BLOCKS_PER_SM, SIMT_EFFICIENCY, SIMT_FILE, SIMT_TILES,
                                             SMEM_PER_SM, SPLIT_ALIGN, SPLIT_NAMES, TF32_EFFICIENCY,
                                             TF32_FALLBACK_TILES, TF32_FILE, TF32_PLAN_TILES, TF32_TILES,

@@ -40,6 +40,14 @@ AUX_EPILOGUES = ("gelu", "residual", "dgelu")
 # (EPI, HAS_BIAS) pairs a launcher can ask for (dgelu never takes a bias).
 EPI_COMBOS = ((EPI_NONE, False), (EPI_BIAS, True), (EPI_GELU, False), (EPI_GELU, True),
               (EPI_RESID, False), (EPI_RESID, True), (EPI_DGELU, False))
+# The products the op interface asks for, by (trans_a, trans_b): x @ W^T with any epilogue and bias, dY @ W
+# plain or with the GELU backward folded in, the weight gradients dY^T @ X plain (batched: these three
+# layouts, plain). A family whose kernels read the operands as stored is compiled for these alone; the
+# K-major ones, which run the others re-laid out, and the internal layouts (TT: a register-A kernel after
+# B^T) for every pair they declare (Family.combos).
+PRODUCTS = {(False, True): tuple(e for e in EPI_COMBOS if e[0] != EPI_DGELU),
+            (False, False): ((EPI_NONE, False), (EPI_DGELU, False)),
+            (True, False): ((EPI_NONE, False),)}
 # [M, N] arrays an epilogue moves through DRAM: the output, plus aux written (GELU) or read.
 EPI_IO = {EPI_NONE: 1, EPI_BIAS: 1, EPI_GELU: 2, EPI_RESID: 2, EPI_DGELU: 2}
 
@@ -293,9 +301,25 @@ class Family:
         into "gemm_aT" (transpose_b plans)."""
         return self.a_regs and self.products == 1 and self.layouts == ((True, True),)
 
+    @property
+    def all_layouts(self) -> tuple:
+        """The (trans_a, trans_b) its kernels read: its own, else K-major only, else the op interface's."""
+        return self.layouts or (((False, True),) if self.k_major else tuple(PRODUCTS))
+
+    def combos(self) -> list:
+        """(trans_a, trans_b, EPI, HAS_BIAS) its kernels are compiled for: per layout, the declared
+        epilogues, and for one reading the op interface's products as stored only those PRODUCTS
+        asks of that layout."""
+        out = []
+        for ta, tb in self.all_layouts:
+            for epi, hb in self.epis:
+                if self.k_major or self.epis != EPI_COMBOS or (epi, hb) in PRODUCTS.get((ta, tb), ()):
+                    out.append((ta, tb, epi, hb))
+        return out
+
     def runs_epi(self, epi) -> bool:
-        """Whether its kernels are compiled for epilogue code epi (EPI_BIAS: with a bias)."""
-        return any(e == epi for e, _ in self.epis)
+        """Whether its kernels are compiled for epilogue code epi (EPI_BIAS: with a bias) in some layout."""
+        return any(e == epi for _, _, e, _ in self.combos())
 
     @property
     def halves(self) -> int:
@@ -402,7 +426,7 @@ FAMILIES = {f.name: f for f in (
            label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split",
            short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ws",
            tma=lambda t: True, persistent=lambda t: True,
-           layouts=tuple(itertools.product((False, True), (False, True))), products=3, base="simt",
+           layouts=tuple(PRODUCTS), products=3, base="simt",
            needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats)"),
     Family("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, (), (), WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
            threads=lambda t: (t[0] // 64 + 1) * 128,
@@ -413,7 +437,7 @@ FAMILIES = {f.name: f for f in (
            label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split, A in registers",
            short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra3",
            tma=lambda t: True, persistent=lambda t: True,
-           layouts=tuple(itertools.product((False, True), (False, True))), products=3, base="simt", a_regs=True,
+           layouts=tuple(PRODUCTS), products=3, base="simt", a_regs=True,
            needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats)"),
 )}
 
@@ -421,14 +445,12 @@ FAMILIES = {f.name: f for f in (
 def _variants():
     out = []
     for fam in FAMILIES.values():
-        layouts = fam.layouts or (((False, True),) if fam.k_major else
-                                  tuple(itertools.product((False, True), (False, True))))
-        for tile, (ta, tb), (epi, hb), vec in itertools.product(
-                fam.tiles, layouts, fam.epis, (True,) if fam.k_major or fam.layouts else (False, True)):
+        for tile, (ta, tb, epi, hb), vec in itertools.product(
+                fam.tiles, fam.combos(), (True,) if fam.k_major or fam.layouts else (False, True)):
             if vec or tile in fam.unaligned_tiles:
                 out.append((fam.file, fam.kernel(tile, ta, tb, epi, hb, vec), {}))
         if fam.colsum_kernel is not None:
-            out += [(fam.file, k, {}) for tile, (ta, tb) in itertools.product(fam.tiles, layouts)
+            out += [(fam.file, k, {}) for tile, (ta, tb) in itertools.product(fam.tiles, fam.all_layouts)
                     if (k := fam.colsum_kernel(tile, ta, tb)) is not None]
     for epi, hb in EPI_COMBOS:
         out.append((SIMT_FILE, reduce_name(epi, hb), {}))

@@ -9,12 +9,17 @@ from gptcuda.ops.backend import rows
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPI_RESID, EPILOGUE_CODES,
-                                            COLSUM_TRANSPOSE_NAMES, MAX_GRID_Z, REDUCE_THREADS, SIMT_FILE,
+                                            COLSUM_TRANSPOSE_NAMES, FAMILIES, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS,
+                                            SIMT_FILE,
                                             SPLIT_NAMES, TRANSPOSE_NAMES, cdiv, reduce_name)
 from gptcuda.ops.cuda.gemm.layout import ra_scratch, rt_transpose_a_slab, wgmma_ok, ws_capacity
 from gptcuda.ops.cuda.gemm.plan import Plan, check_plan, has_colsum_kernel
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
 from gptcuda.ops.cuda.gemm.table import tune_key, tuned_plan
+
+
+# (trans_a, trans_b, EPI, HAS_BIAS) each family's kernels are compiled for (Family.combos)
+COMBOS = {name: frozenset(fam.combos()) for name, fam in FAMILIES.items()}
 
 
 def _check_f32(label, **views):
@@ -156,6 +161,10 @@ def matmul_dims(out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="no
     return M, N, K, lda, ldb, epi, has_bias
 
 
+def _layout(trans_a, trans_b) -> str:
+    return ("T" if trans_a else "N") + ("T" if trans_b else "N")
+
+
 def _overlap(x, y):
     ptr_x, ptr_y = int(getattr(x, "ptr", 0)), int(getattr(y, "ptr", 0))
     return ptr_x < ptr_y + y.nbytes and ptr_y < ptr_x + x.nbytes
@@ -208,6 +217,10 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         b, trans_b, ldb = _transpose_b(rt, b, K, N, label, "gemm_aT" if p.fam.b_first else "gemm_bT"), True, K
     # a kernel that sums A as it reads it (gemm_wgmma_mn, gemm_wgmma3_ws) gives the bias gradient's
     # partials, one row per split; elsewhere bias_grad reads A once more
+    if (trans_a, trans_b, epi, has_bias) not in COMBOS[p.family]:
+        raise ValueError(f"{label}: the {p.family} kernels are not compiled for {_layout(trans_a, trans_b)} with "
+                         f"epilogue code {epi}{' and a bias' if has_bias else ''} (the op interface's products: "
+                         f"gemm.PRODUCTS; others run re-laid out, on the warpgroup-MMA kernels)")
     part = None
     if a_colsum is not None and has_colsum_kernel(p, trans_a, trans_b) and epi == EPI_NONE:
         part = _partials(rt, p.splits, M)
@@ -365,6 +378,9 @@ def matmul_batched_dims(out, a, b, trans_a=False, trans_b=False):
                          f"a {a.shape[:-2]}, b {b.shape[:-2]}")
     if batch > MAX_GRID_Z:
         raise ValueError(f"matmul_batched: batch {batch} exceeds {MAX_GRID_Z}")
+    if (trans_a, trans_b) not in PRODUCTS:
+        raise ValueError(f"matmul_batched: {_layout(trans_a, trans_b)} is not a layout the kernels are built for "
+                         f"(NT, NN, TN)")
     lda = M if trans_a else K
     ldb = N if not trans_b else K
     return batch, M, N, K, lda, ldb
