@@ -2,5 +2,7 @@
 
     engine.py      Engine: plan, allocate, initialise, record the programs, run steps and evaluations
     trainer.py     the loop behind train.py: logging, evaluation, checkpoints, resume, interrupts
+    rundir.py      the run directory: does it hold a run, can it be written, its lock, metrics cut back
+    interrupts.py  SIGINT / SIGTERM held back inside a step; in a data-parallel run, stopped by a vote
     gradcheck.py   finite-difference checks of the backward pass (gradcheck.py)
 """
