@@ -52,8 +52,12 @@ def atomic_open(path: str, mode: str = "w", sync_dir: bool = False):
 
     The file gets the permissions a plain open() would (0o666 less the umask; mkstemp makes 0600).
     On any failure (an OSError such as ENOSPC, an interrupt) the temp file is removed and `path` is
-    left as it was; an OSError is re-raised naming `path` (not the temp file)."""
+    left as it was (and the directories this made for it removed, if empty); an OSError is re-raised naming `path`
+    (not the temp file)."""
     d = os.path.dirname(os.path.abspath(path))
+    made, p = None, d                      # the topmost directory this makes
+    while not os.path.lexists(p):
+        made, p = p, os.path.dirname(p)
     try:
         os.makedirs(d, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
@@ -74,6 +78,13 @@ def atomic_open(path: str, mode: str = "w", sync_dir: bool = False):
             os.unlink(tmp)
         except OSError:
             pass
+        q = d
+        while made is not None and len(q) >= len(made):     # only the empty ones (another writer's stay)
+            try:
+                os.rmdir(q)
+            except OSError:
+                break
+            q = os.path.dirname(q)
         if isinstance(e, OSError) and e.errno is not None:
             raise type(e)(e.errno, e.strerror, path) from None
         raise
