@@ -55,7 +55,8 @@ try:
     from gptcuda.files import DirLock, atomic_open  # noqa: E402
     from gptcuda.data.checks import file_sha256, max_id  # noqa: E402
     from gptcuda.data.dataset import PREPARE_MARKER as MARKER  # noqa: E402  (lists the files of an install into DIR)
-    from gptcuda.data.prepared import FORMAT, PrepError, install, load_meta, owned, permissions, up_to_date  # noqa: E402
+    from gptcuda.data.prepared import (FORMAT, PrepError, install, load_meta, owned, permissions,  # noqa: E402
+                                       up_to_date)
     from gptcuda.data.shards import HEADER_BYTES, MAGIC, VERSIONS, DataError, shard_version, write_shard  # noqa: E402
 except KeyboardInterrupt:           # Ctrl-C while the modules load: one word, no traceback
     print("interrupted", file=sys.stderr)

@@ -95,7 +95,7 @@ def compare(a: str, b: str) -> list[str]:
     for name in ("last.ckpt", "best.ckpt"):
         pa, pb = os.path.join(a, name), os.path.join(b, name)
         if not (os.path.exists(pa) and os.path.exists(pb)):
-            diffs.append(f"{name}: present in {'neither' if not os.path.exists(pa) and not os.path.exists(pb) else 'one'}")
+            diffs.append(f"{name}: present in {'one' if os.path.exists(pa) or os.path.exists(pb) else 'neither'}")
             continue
         (xa, ma), (xb, mb) = load_checkpoint(pa), load_checkpoint(pb)
         for m in (ma, mb):
@@ -135,7 +135,8 @@ def soak(config: str, data: str, overrides, kills: int, seed: int, out: str, say
         # both splits and writes last.ckpt, and best.ckpt when it improves)
         span = {"step": max(1, left // 2), "eval": max(1, 2 * evals), "ckpt": max(1, evals)}[kind]
         n = r.randint(1, span)
-        extra = ["--overwrite"] if first else (["--resume"] if os.path.exists(os.path.join(soaked, "last.ckpt")) else [])
+        resume = ["--resume"] if os.path.exists(os.path.join(soaked, "last.ckpt")) else []
+        extra = ["--overwrite"] if first else resume
         rc = _train(soaked, config, data, overrides, extra, kill=(kind, n), log=log)
         first = False
         say(f"kill {i + 1}: {kind} #{n} of a process started at step {step}: exit {rc}"
@@ -164,7 +165,8 @@ def main(argv) -> int:
         return 2
     config = opts.get("config", "configs/gpt2_124m.yaml")
     ok = soak(os.path.abspath(config) if os.path.exists(config) else config, os.path.abspath(opts["data"]),
-              overrides, int(opts.get("kills", 5)), int(opts.get("seed", 1)), os.path.abspath(opts.get("out", "out/soak")))
+              overrides, int(opts.get("kills", 5)), int(opts.get("seed", 1)),
+              os.path.abspath(opts.get("out", "out/soak")))
     return 0 if ok else 1
 
 

@@ -208,8 +208,10 @@ def test_a_sparse_out_of_vocabulary_id_stops_the_run_before_its_first_step(tmp_p
     assert not out.exists()
 
 
-def test_foreign_shards_are_scanned_once(tmp_path, monkeypatch):
+def test_foreign_shards_are_scanned_once(tmp_path, monkeypatch, capsys):
     d = _llmc_dir(tmp_path)
+    assert train.main(["configs/tiny.yaml", f"--data={d}", "--tokenizer=gpt2", "--backend=reference", "--plan"]) == 0
+    assert not (d / checks.IDS_CACHE).exists()               # --plan reads no token and writes no file
     scans = []
     real = checks.max_id
     monkeypatch.setattr(checks, "max_id", lambda a: scans.append(len(a)) or real(a))
@@ -289,9 +291,9 @@ def test_a_diverging_run_stops_in_one_line(data, tmp_path, capsys):
     assert max(len(w) for ln in logged for w in ln.split()) < 20, logged     # 1.4e+67, not 150 digits
 
 
-@pytest.mark.parametrize("script,argv", [("train.py", ["configs/tiny.yaml"]), ("sample.py", []),
-                                         ("prepare.py", ["x.txt", "--out", "y"]), ("export.py", ["r", "--to", "hf", "d"]),
-                                         ("gradcheck.py", [])])
+@pytest.mark.parametrize("script,argv", [
+    ("train.py", ["configs/tiny.yaml"]), ("sample.py", []), ("prepare.py", ["x.txt", "--out", "y"]),
+    ("export.py", ["r", "--to", "hf", "d"]), ("gradcheck.py", [])])
 def test_ctrl_c_while_the_modules_load(script, argv, tmp_path):
     (tmp_path / "numpy.py").write_text("raise KeyboardInterrupt\n")     # the first heavy import every script makes
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")

@@ -303,8 +303,9 @@ def _open_dir(d: str, spec: str) -> tuple:
 
 
 def open_dataset(data: str, tokenizer: str = "char", saved_tokenizer: dict | None = None,
-                 val_data: str = "") -> Dataset:
-    """The train and val streams of `data` (see the module docstring)."""
+                 val_data: str = "", check: bool = True) -> Dataset:
+    """The train and val streams of `data` (see the module docstring). check=False: without the up-front
+    check of the ids against the tokenizer (train.py --plan, which reads no token and writes no file)."""
     data = os.fspath(data)
     spec = tokenizer
     try:
@@ -333,7 +334,9 @@ def open_dataset(data: str, tokenizer: str = "char", saved_tokenizer: dict | Non
         raise DataError(f"{data}: the run being resumed used tokenizer {saved.name} ({saved.vocab_size} tokens) "
                         f"but the data's tokenizer is {what} ({tok.vocab_size} tokens)")
     tr, va = _streams(train, val, tok)
-    if kind == "prepared" and os.path.isfile(os.path.join(data, "prepare.json")):
+    if not check:
+        pass
+    elif kind == "prepared" and os.path.isfile(os.path.join(data, "prepare.json")):
         check_prepared(data, tok, tr, va)
     else:                                    # token files from elsewhere: their largest ids, scanned once
         check_scanned(tr)

@@ -113,8 +113,9 @@ class Trainer:
         saved, changes = None, []
         if resume:
             if not os.path.isfile(ckpt):
-                why = f" (no directory {out})" if not os.path.isdir(out) else "" if not os.path.lexists(
-                    os.path.join(out, "metrics.jsonl")) else " (the run there saved none: start it again without --resume)"
+                why = (f" (no directory {out})" if not os.path.isdir(out) else
+                       " (the run there saved none: start it again without --resume)"
+                       if os.path.lexists(os.path.join(out, "metrics.jsonl")) else "")
                 raise CheckpointError(f"--resume: no checkpoint at {ckpt}{why}")
             meta = read_checkpoint_meta(ckpt)
             saved = self._run_tokenizer(tok_path)
@@ -338,7 +339,8 @@ class Trainer:
                         ms = (now - t_last) * 1e3 / max(step - step_last, 1)
                         t_last, step_last = now, step
                         if not math.isfinite(st["loss"]) or not math.isfinite(st["grad_norm"]):
-                            raise NonFiniteLoss(f"loss became {fmt_loss(st['loss'])} (grad norm {fmt_loss(st['grad_norm'])}) at step "
+                            raise NonFiniteLoss(f"loss became {fmt_loss(st['loss'])} (grad norm "
+                                                f"{fmt_loss(st['grad_norm'])}) at step "
                                                 f"{step}; stopped, the last good checkpoint is left as it was")
                         self._log_step(step, st, ms, tokens_step, pbar)
         except KeyboardInterrupt:
@@ -414,9 +416,10 @@ class Trainer:
         self.log(f"\nstep {step}: train loss {fmt_loss(losses['train'])}, val loss {fmt_loss(losses['val'])}")
 
 
-def open_run_data(cfg, world: int = 1, saved_tokenizer: dict | None = None):
+def open_run_data(cfg, world: int = 1, saved_tokenizer: dict | None = None, check: bool = True):
     """(dataset, the model's vocabulary, micro-batches a step) of a config, checked against each other."""
-    data = open_dataset(cfg.data, cfg.tokenizer, saved_tokenizer=saved_tokenizer, val_data=cfg.val_data)
+    data = open_dataset(cfg.data, cfg.tokenizer, saved_tokenizer=saved_tokenizer, val_data=cfg.val_data,
+                        check=check)
     validate_against_data(cfg, len(data.train), len(data.val), data.vocab_size)
     return data, model_vocab(cfg, data.vocab_size), accum_steps(cfg, world)
 
@@ -434,7 +437,7 @@ def print_plan(cfg, log=print):
     """train.py --plan. Data that is not there yet (shards still to be downloaded or prepared) does
     not stop it where the config alone fixes the vocabulary: the plan is the same."""
     try:
-        data, V, accum = open_run_data(cfg)
+        data, V, accum = open_run_data(cfg, check=False)       # --plan writes nothing (no id cache)
         described = data.describe()
     except (DataError, FileNotFoundError) as e:
         n = known_vocab(cfg)
