@@ -153,4 +153,7 @@ class DirLock:
         self.release()
 
     def __del__(self):
-        self.release()
+        try:
+            self.release()
+        except Exception:              # at interpreter exit os may be gone: the kernel drops the lock anyway
+            pass
