@@ -65,7 +65,14 @@ def parse(argv):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:          # Ctrl-C while loading or writing: the partial output is removed
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv):
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.rstrip())
         return 0
@@ -78,6 +85,10 @@ def main(argv=None):
         print(export_run(run, target, dest, ckpt=ckpt, overwrite=overwrite))
     except (UsageError, InteropError, CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except OSError as e:                  # a read-only place, a full disk: the partial output is removed
+        from gptcuda.errors import describe_os_error
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 2
     except ImportError as e:
         print(f"error: {' '.join(str(e).split())} (pip install safetensors)", file=sys.stderr)

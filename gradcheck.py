@@ -17,8 +17,12 @@ largest entries of each tensor are checked as well (gptcuda/training/gradcheck.p
 """
 import sys
 
-from gptcuda.cli import guarded, print_help, split_args
-from gptcuda.config import load_config
+try:
+    from gptcuda.cli import guarded, print_help, split_args
+    from gptcuda.config import load_config
+except KeyboardInterrupt:           # Ctrl-C while the modules load: one word, no traceback
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
 
 OPTIONS = {
     "CONFIG.yaml": "the model (default configs/tiny.yaml)",

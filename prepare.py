@@ -19,13 +19,16 @@ INPUT            a UTF-8 text file, a directory (its *.txt files, recursively, s
 
 DIR gets train_000000.bin ... and val_000000.bin ... (llm.c shards: uint16 tokens for vocabularies of up
 to 65536, else uint32), tokenizer.json, and prepare.json (the inputs with size, mtime and sha256, the
-settings, token counts and shard lists). Train on it with data: DIR.
+settings, the tokenizer's name and file sha256, token counts, each split's largest id and the shard
+lists: training checks them before its first step). Train on it with data: DIR.
 
-Running again with unchanged inputs and settings prints "up to date" and does nothing; after a change DIR
-is prepared anew, its old shards removed. Files in DIR that prepare.py did not write are never touched.
-The output is built in a temporary directory beside DIR and moved in at the end, so it appears complete
-or not at all (a move into an existing DIR that is interrupted leaves a marker file there: training
-refuses the directory and the next prepare.py run redoes it). Errors are one line on stderr, exit status 2.
+Running again with unchanged inputs (by sha256) and settings prints "up to date" and does nothing; after a
+change DIR is prepared anew, its old shards removed. Files in DIR that prepare.py did not write are never
+touched. The output is built in a temporary directory beside DIR and moved in at the end, so it appears
+complete or not at all (a move into an existing DIR that is interrupted leaves a marker file there: training
+refuses the directory and the next run redoes it; a killed run's temporary directory is removed by the next).
+One run at a time per DIR: a lock file beside it (.DIR.prepare.lock) names the pid of the run that holds it.
+Errors are one line on stderr, exit status 2.
 """
 from __future__ import annotations
 
@@ -42,23 +45,26 @@ import shutil
 import sys
 import tempfile
 
-import numpy as np
+try:
+    import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gptcuda.data import tokenizers as toks  # noqa: E402
-from gptcuda.files import atomic_open, current_umask  # noqa: E402
-from gptcuda.data.dataset import PREPARE_MARKER as MARKER  # noqa: E402  (lists the files of an install into DIR)
-from gptcuda.data.shards import HEADER_BYTES, MAGIC, VERSIONS, DataError, shard_version, write_shard  # noqa: E402
+    from gptcuda.data import tokenizers as toks  # noqa: E402
+    from gptcuda.errors import RunError  # noqa: E402
+    from gptcuda.files import DirLock, atomic_open  # noqa: E402
+    from gptcuda.data.checks import file_sha256, max_id  # noqa: E402
+    from gptcuda.data.dataset import PREPARE_MARKER as MARKER  # noqa: E402  (lists the files of an install into DIR)
+    from gptcuda.data.prepared import (FORMAT, PrepError, install, load_meta, owned, permissions,  # noqa: E402
+                                       up_to_date)
+    from gptcuda.data.shards import HEADER_BYTES, MAGIC, VERSIONS, DataError, shard_version, write_shard  # noqa: E402
+except KeyboardInterrupt:           # Ctrl-C while the modules load: one word, no traceback
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
 
-FORMAT = 1                       # prepare.json's format
 READ_BYTES = 1 << 20             # bytes read from an input at a time
 CHUNK_CHARS = 1 << 20            # characters of text encoded per task (cut at safe boundaries)
 _GLOB_CHARS = "*?["
-
-
-class PrepError(Exception):
-    """A bad input, option or output directory; str(err) is one line."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -140,14 +146,6 @@ def _find_inputs(specs) -> list[str]:
         if os.path.getsize(f) == 0:
             raise PrepError(f"input {f} is empty")
     return files
-
-
-def _hash_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(READ_BYTES):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _check_input(path: str, bar) -> dict:
@@ -296,90 +294,6 @@ def _bar(total, desc):
                 mininterval=0.5, dynamic_ncols=True, disable=None)
 
 
-# --- the output directory
-
-def _load_meta(out: str):
-    """DIR's prepare.json (None when there is none); a corrupt one is a PrepError."""
-    p = os.path.join(out, "prepare.json")
-    if not os.path.exists(p):
-        return None
-    try:
-        with open(p, encoding="utf-8") as f:
-            meta = json.load(f)
-        _owned(meta)
-        return meta
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise PrepError(f"{p} is unreadable ({' '.join(str(e).split())}): remove {out} or fix it") from None
-
-
-def _owned(meta) -> set[str]:
-    """The names of the files a prepare.json says prepare.py wrote."""
-    names = {"prepare.json", "tokenizer.json"}
-    for split in ("train", "val"):
-        for s in meta["splits"][split]["shards"]:
-            name = s["file"]
-            if not isinstance(name, str) or os.path.basename(name) != name:
-                raise ValueError(f"bad shard name {name!r}")
-            names.add(name)
-    return names
-
-
-def _up_to_date(out: str, meta, files, settings) -> bool:
-    """Whether DIR already holds the output of these inputs and settings (size+mtime equal, or sha256)."""
-    try:
-        if meta.get("format") != FORMAT or meta.get("settings") != settings:
-            return False
-        old = meta["inputs"]
-        if [r["path"] for r in old] != files:
-            return False
-        for r in old:
-            st = os.stat(r["path"])
-            if st.st_size != r["size"]:
-                return False
-            if st.st_mtime_ns != r["mtime_ns"] and _hash_file(r["path"]) != r["sha256"]:
-                return False
-        for split in ("train", "val"):
-            for s in meta["splits"][split]["shards"]:
-                p = os.path.join(out, s["file"])
-                if not os.path.isfile(p) or os.path.getsize(p) != s["bytes"]:
-                    return False
-        return os.path.isfile(os.path.join(out, "tokenizer.json"))
-    except (KeyError, TypeError, OSError):
-        return False
-
-
-def _install(tmp: str, out: str, old_owned: set[str]) -> None:
-    """Move tmp's files into out; remove old_owned files that the new output does not have.
-
-    A missing or empty out is replaced by tmp in one rename. Otherwise MARKER (listing old and new files) makes
-    an interrupted install recognisable as ours, prepare.json goes first and comes back last."""
-    if os.path.isdir(out) and not os.listdir(out):
-        os.rmdir(out)
-    if not os.path.exists(out):
-        os.rename(tmp, out)
-        return
-    new = sorted(os.listdir(tmp))
-    with atomic_open(os.path.join(out, MARKER)) as f:
-        json.dump({"files": sorted(old_owned | set(new))}, f)
-    for name in ["prepare.json"] + sorted(old_owned - set(new) - {"prepare.json"}):
-        try:
-            os.unlink(os.path.join(out, name))
-        except FileNotFoundError:
-            pass
-    for name in [n for n in new if n != "prepare.json"] + ["prepare.json"]:
-        os.replace(os.path.join(tmp, name), os.path.join(out, name))
-    os.unlink(os.path.join(out, MARKER))
-    os.rmdir(tmp)
-
-
-def _permissions(tmp: str) -> None:
-    """Give the temp directory and its files (made private by mkdtemp/mkstemp) the usual umask modes."""
-    umask = current_umask()
-    os.chmod(tmp, 0o777 & ~umask)
-    for name in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-
-
 def _write_shards(tmp: str, tokens: np.ndarray, split: str, shard_tokens: int, vocab: int) -> list[dict]:
     shards = []
     for k, a in enumerate(range(0, len(tokens), shard_tokens)):
@@ -393,15 +307,49 @@ def _write_shards(tmp: str, tokens: np.ndarray, split: str, shard_tokens: int, v
 
 # --- main
 
+def _remove_stale(parent: str, base: str) -> None:
+    """The temporary directories of killed runs for this DIR (under its lock: no live run owns one)."""
+    for n in os.listdir(parent):
+        if n.startswith(f".{base}.") and n.endswith(".prepare-tmp") and os.path.isdir(os.path.join(parent, n)):
+            shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+            print(f"removed {os.path.join(parent, n)}, the temporary output of a prepare.py run that was killed")
+
+
 def prepare(a) -> int:
+    """DIR under its lock (a file beside it: DIR may not exist yet); directories this made above DIR are
+    removed again when it fails."""
     out = os.path.abspath(a.out)
     files = _find_inputs(a.inputs)
-    settings = {"tokenizer": a.tokenizer, "val_fraction": a.val_fraction, "shard_tokens": a.shard_tokens}
     if os.path.exists(out) and not os.path.isdir(out):
         raise PrepError(f"--out {a.out} exists and is not a directory")
+    parent = os.path.dirname(out)
+    made = []                        # directories above out that this run creates (removed on failure)
+    d = parent
+    while not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(parent, exist_ok=True)
+    ok = False
+    try:
+        with DirLock(os.path.join(parent, f".{os.path.basename(out)}.prepare.lock"), f"--out {a.out}"):
+            _remove_stale(parent, os.path.basename(out))
+            rc = _prepare(a, out, files)
+        ok = True
+        return rc
+    finally:
+        if not ok:
+            for d in made:
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+
+
+def _prepare(a, out: str, files: list[str]) -> int:
+    settings = {"tokenizer": a.tokenizer, "val_fraction": a.val_fraction, "shard_tokens": a.shard_tokens}
     meta, old_owned = None, set()
     if os.path.isdir(out) and os.listdir(out):
-        meta = _load_meta(out)
+        meta = load_meta(out)
         marker = os.path.join(out, MARKER)
         if os.path.isfile(marker):          # an interrupted install: its files are ours
             try:
@@ -415,8 +363,8 @@ def prepare(a) -> int:
             raise PrepError(f"--out {a.out} exists, is not empty and holds no prepare.json: refusing to write "
                             f"into a directory prepare.py did not make")
         else:
-            old_owned = _owned(meta)
-            if _up_to_date(out, meta, files, settings):
+            old_owned = owned(meta)
+            if up_to_date(out, meta, files, settings):
                 tr, va = meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"]
                 print(f"{a.out}: up to date ({tr:,} train + {va:,} val tokens, tokenizer {a.tokenizer})")
                 return 0
@@ -425,14 +373,7 @@ def prepare(a) -> int:
     with _bar(total, "checking inputs") as bar:
         inputs = [_check_input(f, bar) for f in files]
 
-    parent = os.path.dirname(out)
-    made = []                        # directories above out that this run creates (removed on failure)
-    d = parent
-    while not os.path.exists(d):
-        made.append(d)
-        d = os.path.dirname(d)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".prepare-tmp", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".prepare-tmp", dir=os.path.dirname(out))
     ok = False
     try:
         kind, n = toks.parse_spec(a.tokenizer)
@@ -457,29 +398,25 @@ def prepare(a) -> int:
         splits = {}
         for split, part in (("train", tokens[:n_train]), ("val", tokens[n_train:])):
             shards = _write_shards(tmp, part, split, a.shard_tokens, tok.vocab_size)
-            splits[split] = {"tokens": int(len(part)), "shards": shards}
+            splits[split] = {"tokens": int(len(part)), "max_id": max_id(part), "shards": shards}
         del tokens, part
         os.unlink(tokens_path)
         tok.save(os.path.join(tmp, "tokenizer.json"))
         meta = {"format": FORMAT, "settings": settings,
-                "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id},
+                "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+                              "sha256": file_sha256(os.path.join(tmp, "tokenizer.json"))},
                 "shard_format": {"magic": MAGIC, "version": shard_version(tok.vocab_size),
                                  "dtype": VERSIONS[shard_version(tok.vocab_size)].name},
                 "documents": len(inputs), "bytes": total, "inputs": inputs, "splits": splits}
         with atomic_open(os.path.join(tmp, "prepare.json")) as f:
             json.dump(meta, f, indent=1)
             f.write("\n")
-        _permissions(tmp)
-        _install(tmp, out, old_owned)
+        permissions(tmp)
+        install(tmp, out, old_owned)
         ok = True
     finally:
         if not ok:
             shutil.rmtree(tmp, ignore_errors=True)
-            for d in made:
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    break
     tr, va = splits["train"], splits["val"]
     print(f"{a.out}: {len(inputs)} document{'s' * (len(inputs) != 1)}, {tr['tokens']:,} train tokens in "
           f"{len(tr['shards'])} shard{'s' * (len(tr['shards']) != 1)}, {va['tokens']:,} val tokens in "
@@ -495,7 +432,7 @@ def main(argv=None) -> int:
         return 0
     try:
         return prepare(_parse(argv))
-    except (PrepError, DataError, ValueError, OSError) as e:
+    except (PrepError, DataError, RunError, ValueError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -16,7 +16,11 @@ error naming it (exit code 2).
 """
 import sys
 
-from gptcuda.cli import UsageError, guarded, print_help, split_args
+try:
+    from gptcuda.cli import UsageError, guarded, print_help, split_args
+except KeyboardInterrupt:           # Ctrl-C while the modules load: one word, no traceback
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
 
 OPTIONS = {
     "--out_dir DIR": "the run to sample from (default: the most recently written run under out/)",
@@ -43,7 +47,7 @@ def main(argv):
     if "help" in flags:
         return print_help(__doc__, OPTIONS, config=False)
     if overrides:
-        raise UsageError(f"unknown option {overrides[0]} (options: {', '.join('--' + o for o in NAMES)}; "
+        raise UsageError(f"unknown option {overrides[0].split('=', 1)[0]} (options: {', '.join('--' + o for o in NAMES)}; "
                          f"--help describes them)")
     from gptcuda.generate.sampler import sample_main
     return sample_main(opts)

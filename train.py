@@ -23,8 +23,12 @@ trains on GPU LOCAL_RANK with batch_size rows of the world's batch; rank 0 logs 
 """
 import sys
 
-from gptcuda.cli import RunError, UsageError, guarded, print_help, split_args
-from gptcuda.config import load_config
+try:
+    from gptcuda.cli import RunError, UsageError, guarded, print_help, split_args
+    from gptcuda.config import load_config
+except KeyboardInterrupt:           # Ctrl-C while the modules load: one word, no traceback
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
 
 FLAGS = {
     "--plan": "print the config, the data and the memory plan; touch no GPU and write no file (a gpt2 or "
@@ -46,7 +50,7 @@ def main(argv):
         return print_help(__doc__, FLAGS)
     cfg = load_config(path, overrides)
     from gptcuda import dist
-    from gptcuda.training.trainer import EXIT_CODES, NonFiniteLoss, Trainer, check_device, print_plan
+    from gptcuda.training.trainer import EXIT_CODES, NonFiniteLoss, Trainer, check_device, fmt_loss, print_plan
     if "plan" in flags:
         print_plan(cfg)
         return 0
@@ -86,8 +90,8 @@ def main(argv):
     if trainer.interrupted is not None:
         return EXIT_CODES.get(trainer.interrupted, 128 + int(trainer.interrupted))
     if trainer.main:
-        print(f"step {trainer.start_step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-              if "eval_only" in flags else f"best val loss {best:.4f}")
+        print(f"step {trainer.start_step}: train loss {fmt_loss(losses['train'])}, val loss "
+              f"{fmt_loss(losses['val'])}" if "eval_only" in flags else f"best val loss {fmt_loss(best)}")
     return 0
 
 

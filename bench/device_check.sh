@@ -4,6 +4,7 @@
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
 #                              [interop] [finetune] [generate] [speed] [anchors] [hellaswag] [plot] [tables]
+#                              [soak]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
@@ -12,7 +13,8 @@
 # GPT2_BATCHES ("8 16": bench/step.py of configs/gpt2_124m.yaml and the PyTorch / llm.c anchors at these
 # micro-batches), ACCUM_STEPS (50: gpt2_accum's steps of 524288 tokens), GEN_BATCHES ("1,16,64,256"),
 # GEN_TORCH_MODES ("eager,compile"), HELLASWAG_ARGS (more bench/hellaswag_check.py options), PLOT_ITERS (500:
-# each of plot's two runs), GEN_ARGS (more bench/generate.py options). llm.c (karpathy/llm.c f1e2ace:
+# each of plot's two runs), GEN_ARGS (more bench/generate.py options), SOAK_DATA / SOAK_KILLS (5) /
+# SOAK_SEED / SOAK_ARGS (soak: bench/soak.py). llm.c (karpathy/llm.c f1e2ace:
 # Makefile, train_gpt2.cu, llmc/) is read from .devcarry/llmc.
 # A STEP_CASES entry may carry overrides: fp32:fused:fp32_gemm=ffma,batch_size=32.
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
@@ -224,6 +226,22 @@ if has gpt2_accum; then
   python3 bench/resume_check.py configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --max_iters=${ACCUM_STEPS:-50} \
     --lr_decay_iters=${ACCUM_STEPS:-50} --warmup_iters=5 --eval_interval=1000 --eval_iters=4 --out /tmp/resume_check 2>&1 \
     | tee "$OUT/gpt2_accum.log" | grep -vE "^ *[a-z_0-9]+: " | tail -30
+fi
+# kill -9 at 5 random points of a GPT-2 124M run with gradient accumulation (inside a step's micro-batches, an
+# evaluation, a checkpoint write), resumed each time: last.ckpt, best.ckpt and metrics.jsonl (timings aside) must
+# equal an uninterrupted run's. 65536 tokens a step (4 micro-batches of 16 x 1024), 24 steps, dropout 0.1 (the
+# RNG streams cross the restarts too). Data: SOAK_DATA, else the prepared shared corpus carried as
+# .devcarry/soak_data (../shared/data/corpus/build.py DIR; prepare.py DIR --tokenizer gpt2), else the
+# tiny-Shakespeare GPT-2 shards.
+if has soak; then
+  SOAK_DATA=${SOAK_DATA:-$( [ -f .devcarry/soak_data/prepare.json ] && echo .devcarry/soak_data )}
+  [ -z "$SOAK_DATA" ] && { gpt2_shards; SOAK_DATA=$GPT2_DATA; }
+  log "soak: configs/gpt2_124m.yaml on $SOAK_DATA, ${SOAK_KILLS:-5} kill -9s, resumed each time"
+  python3 bench/soak.py --config configs/gpt2_124m.yaml --data "$SOAK_DATA" --kills ${SOAK_KILLS:-5} --seed ${SOAK_SEED:-1} \
+    --out /tmp/soak --val_data= --total_batch_tokens=65536 --max_iters=24 --eval_interval=8 --eval_iters=4 \
+    --warmup_iters=4 --lr_decay_iters=24 --dropout=0.1 ${SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.log" | tee -a "$OUT/summary.txt"
+  tail -40 /tmp/soak/soak.log > "$OUT/soak_runs.log" 2>/dev/null
+  rm -rf /tmp/soak
 fi
 # llm.c's FP32 build (cuBLAS, TF32 off with -f 0) reads our --to llmc export: interop_check (c) compares its
 # first val loss with ours; (a) and (b) are the Hugging Face logits gates

@@ -20,7 +20,7 @@ def split_args(argv, flags=(), options=()):
     """argv -> (config path or None, overrides, flags set, options dict).
 
     `flags` are bare switches (--plan); `options` take a value (--out_dir DIR or --out_dir=DIR);
-    any other --key=value is a config override. -h / --help (where an argument, not a value, is
+    any other --key=value (or --key value) is a config override, returned as "--key=value". -h / --help (where an argument, not a value, is
     expected) add "help" to the flags set."""
     path, overrides, seen, opts = None, [], set(), {}
     i = 0
@@ -42,7 +42,13 @@ def split_args(argv, flags=(), options=()):
                 opts[name] = argv[i + 1]
                 i += 1
         elif a.startswith("--"):
-            overrides.append(a)
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if ("=" not in a and nxt is not None and not nxt.startswith("--") and nxt not in HELP_FLAGS
+                    and not (path is None and nxt.endswith((".yaml", ".yml")))):
+                overrides.append(f"{a}={nxt}")       # --key value, as argparse users expect
+                i += 1
+            else:
+                overrides.append(a)
         elif path is None and a.endswith((".yaml", ".yml")):
             path = a
         else:

@@ -262,7 +262,7 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
         raw = item
         s = item[2:] if item.startswith("--") else item
         if "=" not in s:
-            raise ConfigError(f"override {raw!r} is not of the form --key=value", s.lstrip("-") or raw)
+            raise ConfigError(f"override {raw!r} has no value (--key=value or --key value)", s.lstrip("-") or raw)
         key, text = s.split("=", 1)
         key = key.strip().replace("-", "_")
         if not key:

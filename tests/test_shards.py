@@ -330,10 +330,14 @@ def test_bad_dirs(tmp_path):
     assert one_line(e) and "tiny_shakespeare_train_000002.bin" in str(e.value) and "magic" in str(e.value)
     d = _llmc_dir(tmp_path, "bigids")
     write_shard(d / "tiny_shakespeare_train_000003.bin", np.array([5, 60000, 6]), 65536)
-    ds = open_dataset(str(d), "gpt2")                   # checked lazily, where the ids are gathered
-    with pytest.raises(DataError) as e:
-        ds.train.read(99, 3)
+    with pytest.raises(DataError) as e:                 # checked up front (data/checks.py), not at a step
+        open_dataset(str(d), "gpt2")
     assert one_line(e) and "tiny_shakespeare_train_000003.bin" in str(e.value) and "60000" in str(e.value)
+    assert "position 1" in str(e.value)
+    ts = TokenStream([open_shard(d / "tiny_shakespeare_train_000003.bin")], ["x.bin"], 50257)
+    with pytest.raises(DataError) as e:                 # and where the ids are gathered, as before
+        ts.read(0, 3)
+    assert one_line(e) and "x.bin" in str(e.value) and "60000" in str(e.value)
     with pytest.raises(DataError) as e:
         open_dataset(str(d), "gpt2", val_data="x")
     assert one_line(e)

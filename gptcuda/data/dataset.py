@@ -15,7 +15,9 @@ Token data is never loaded whole: each split is a `TokenStream` over read-only m
 `tokenizer.json` beside the shards, else the `tokenizer` spec (which must then be "gpt2": a char or bpe:N
 vocabulary cannot be guessed from ids). A run being resumed passes its own tokenizer (`saved_tokenizer`, a
 to_dict()); the data's must equal it. Every problem is a one-line DataError (or FileNotFoundError) naming the
-file; whether a split is long enough for a block is the caller's check.
+file; whether a split is long enough for a block is the caller's check. Token data is checked against its
+tokenizer before it is returned (gptcuda/data/checks.py): no id outside the vocabulary, prepare.json's
+tokenizer the one beside the shards.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import os
 
 import numpy as np
 
+from gptcuda.data.checks import check_prepared, check_scanned
 from gptcuda.data.shards import DataError, is_shard, open_raw, open_shard
 from gptcuda.data.tokenizers import load_tokenizer, make_tokenizer, parse_spec, tokenizer_from_dict
 
@@ -300,8 +303,9 @@ def _open_dir(d: str, spec: str) -> tuple:
 
 
 def open_dataset(data: str, tokenizer: str = "char", saved_tokenizer: dict | None = None,
-                 val_data: str = "") -> Dataset:
-    """The train and val streams of `data` (see the module docstring)."""
+                 val_data: str = "", check: bool = True) -> Dataset:
+    """The train and val streams of `data` (see the module docstring). check=False: without the up-front
+    check of the ids against the tokenizer (train.py --plan, which reads no token and writes no file)."""
     data = os.fspath(data)
     spec = tokenizer
     try:
@@ -330,4 +334,11 @@ def open_dataset(data: str, tokenizer: str = "char", saved_tokenizer: dict | Non
         raise DataError(f"{data}: the run being resumed used tokenizer {saved.name} ({saved.vocab_size} tokens) "
                         f"but the data's tokenizer is {what} ({tok.vocab_size} tokens)")
     tr, va = _streams(train, val, tok)
+    if not check:
+        pass
+    elif kind == "prepared" and os.path.isfile(os.path.join(data, "prepare.json")):
+        check_prepared(data, tok, tr, va)
+    else:                                    # token files from elsewhere: their largest ids, scanned once
+        check_scanned(tr)
+        check_scanned(va)
     return Dataset(tr, va, tok, data, kind)

@@ -191,6 +191,10 @@ class DataParallel:
         rt.dev.dtoh(a, ptr)
         return [float(x) / self.world for x in a]
 
+    def any_of(self, flags) -> list[bool]:
+        """For each flag: whether it is set on any rank (every rank calls this at the same point)."""
+        return [m > 0 for m in self.host_mean([1.0 if f else 0.0 for f in flags])]
+
     def gather_optimizer_state(self):
         """ZeRO-1: every rank gets the whole Adam m and v (before a checkpoint); no-op otherwise."""
         if not self.zero:

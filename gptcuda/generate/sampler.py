@@ -34,7 +34,7 @@ from gptcuda.model.gpt import GPT
 from gptcuda.model.memory import STOP_MAX, check_fits, pack_gen_opts, plan_decode
 from gptcuda.model.params import flatten, param_table
 from gptcuda.data.tokenizers import tokenizer_from_dict
-from gptcuda.interop import InteropError, _parse_spec, latest_run, load_init, run_of
+from gptcuda.interop import InteropError, _parse_spec, latest_run, load_weights, run_of
 
 
 MIN_TEMP = 1e-3     # below this (but above 0) logits / temp can overflow; 0 is greedy
@@ -63,13 +63,13 @@ def load_model(source: str, ckpt: str | None = None) -> Model:
             run = run_of(kind, where, ckpt)
             tok = tokenizer_from_dict(run.tokenizer)
             return Model(run.cfg, tok, run.named, run.n_vocab, run.path, run.step)
-        named, over = load_init(source, Config())
+        named, over, tok_dict = load_weights(source, Config())
+        tok = tokenizer_from_dict(tok_dict) if tok_dict is not None else None
     except InteropError as e:
         raise CheckpointError(str(e)) from None
     except ValueError as e:                   # a bad tokenizer description
         raise CheckpointError(f"{source}: {e}") from None
     cfg = dataclasses.replace(Config(), **over)
-    tok = tokenizer_from_dict({"type": "gpt2"}) if over.get("tokenizer") == "gpt2" else None
     n_vocab = tok.vocab_size if tok is not None else named["wte"].shape[0]
     return Model(cfg, tok, named, n_vocab, where)
 
@@ -260,9 +260,12 @@ def _prompts(tok, opts) -> list[str]:
                 lines = [ln.rstrip("\n").replace("\\n", "\n") for ln in f]
         except UnicodeDecodeError:
             raise UsageError(f"--prompt_file {path}: not UTF-8 text") from None
-        lines = [ln for ln in lines if ln]
         if not lines:
             raise UsageError(f"--prompt_file {path}: no prompt (one a line)")
+        blank = [i + 1 for i, ln in enumerate(lines) if not ln]
+        if blank:                      # never dropped silently: the samples would not match the lines
+            raise UsageError(f"--prompt_file {path}: line {blank[0]} is empty (one prompt a line; write \\n "
+                             f"inside a line for a newline)")
         return lines
     return [opts.get("prompt", "\n")]
 

@@ -15,7 +15,7 @@ Import (train.py / sample.py --init_from=...):
 
 gives the parameters in our names and layouts (gptcuda/model/params.py) and the model settings the weights imply
 (n_layer, n_head, n_embd, block_size, bias, vocab_size and, where the vocabulary is GPT-2's 50257, tokenizer
-"gpt2"). The model's vocabulary is cfg.vocab_size when set, else the rows the source stores (hf: the
+"gpt2"; a Hugging Face directory with a bpe:N export's tokenizer.json, "bpe:N": `load_weights` returns it). The model's vocabulary is cfg.vocab_size when set, else the rows the source stores (hf: the
 tokenizer's; llmc: Vp; a run: its padded vocabulary) rounded up to cfg.vocab_multiple. Rows past the
 source's are zero (padding: masked out of the loss and of sampling, and no gradient ever reaches them).
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 from gptcuda.interop.common import GPT2_EOT, GPT2_VOCAB, LN_EPS, InteropError, check_expressible  # noqa: F401
 from gptcuda.interop.hf import (ENDOFTEXT, HF_ACTIVATIONS, from_hf, hf_config, hf_name_map, hf_tensors,
                                 read_hf, write_hf)  # noqa: F401
-from gptcuda.interop.init import Init, _parse_spec, init_for_training, load_init, run_of  # noqa: F401
+from gptcuda.interop.init import Init, _parse_spec, init_for_training, load_init, load_weights, run_of  # noqa: F401
 from gptcuda.interop.llmc import (LLMC_BF16, LLMC_FP32, LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_ORDER,
                                   LLMC_VP_MULTIPLE, from_llmc, llmc_header, llmc_tensors, read_llmc,
                                   write_llmc)

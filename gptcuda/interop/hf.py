@@ -10,6 +10,7 @@ import tempfile
 
 import numpy as np
 
+from gptcuda.errors import describe_os_error
 from gptcuda.config import Config
 from gptcuda.model.params import param_table
 from gptcuda.interop.common import LN_EPS, GPT2_EOT, InteropError, _fmt, _tokenizer_vocab, check_expressible
@@ -130,10 +131,13 @@ def _write_dir_atomic(dest: str, files: dict, overwrite: bool) -> None:
         if os.listdir(dest) and not overwrite:
             raise InteropError(f"{dest} exists and is not empty (pass --overwrite to replace it)")
     parent = os.path.dirname(dest)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix="." + os.path.basename(dest) + ".", suffix=".tmp")
-    old = None
+    made, p = None, parent           # the topmost directory above dest that this makes (removed on failure)
+    while not os.path.lexists(p):
+        made, p = p, os.path.dirname(p)
+    tmp = old = None
     try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=parent, prefix="." + os.path.basename(dest) + ".", suffix=".tmp")
         for name, data in files.items():
             p = os.path.join(tmp, name)
             if callable(data):
@@ -149,10 +153,17 @@ def _write_dir_atomic(dest: str, files: dict, overwrite: bool) -> None:
             old = tempfile.mkdtemp(dir=parent, prefix="." + os.path.basename(dest) + ".", suffix=".old")
             os.rename(dest, os.path.join(old, "x"))
         os.rename(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not os.path.exists(dest) and os.path.isdir(os.path.join(old, "x")):
-            os.rename(os.path.join(old, "x"), dest)          # put the previous one back
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            if not os.path.exists(dest) and os.path.isdir(os.path.join(old, "x")):
+                os.rename(os.path.join(old, "x"), dest)      # put the previous one back
+            shutil.rmtree(old, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        if isinstance(e, OSError):                           # read-only, disk full: one line naming dest
+            raise InteropError(describe_os_error(type(e)(e.errno, e.strerror, dest), "cannot write")) from None
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

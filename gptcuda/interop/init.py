@@ -48,30 +48,60 @@ def load_init(spec: str, cfg: Config, block_size: int | None = None) -> tuple[di
     50257-token hf/llmc model, the run's own spec for a run). block_size: crop the position embedding to
     this many positions (at most the source's). A shape or name that disagrees is an InteropError naming
     the tensor and both shapes."""
-    named, over, _ = _load(spec, cfg, block_size)
+    named, over, _, _ = _load(spec, cfg, block_size)
     return named, over
 
 
+def load_weights(spec: str, cfg: Config, block_size: int | None = None) -> tuple[dict, dict, dict | None]:
+    """load_init's (named, overrides) and the tokenizer that comes with the weights (a to_dict(): a run's
+    own, a Hugging Face directory's tokenizer.json of a bpe:N export, GPT-2's for a 50257-token model;
+    None: the weights name none)."""
+    named, over, run, tok = _load(spec, cfg, block_size)
+    if tok is None and over.get("tokenizer") == "gpt2":
+        tok = {"type": "gpt2"}
+    return named, over, tok
+
+
+def _hf_tokenizer(where: str, n: int) -> dict | None:
+    """A bpe:N export's tokenizer (DIR/tokenizer.json, the HF `tokenizers` JSON the run trained) as a
+    to_dict(); None where DIR has none. One that is not an n-token byte-level BPE ending in
+    <|endoftext|> is an InteropError naming it."""
+    from gptcuda.data.tokenizers import tokenizer_from_dict
+    p = os.path.join(where, "tokenizer.json")
+    if not os.path.isfile(p):
+        return None
+    try:
+        with open(p, encoding="utf-8") as f:
+            d = {"type": "bpe", "vocab_size": n, "json": f.read()}
+        tokenizer_from_dict(d)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InteropError(f"{p}: not the tokenizer of these weights ({' '.join(str(e).split())})") from None
+    return d
+
+
 def _load(spec: str, cfg: Config, block_size: int | None):
-    """load_init's (named, overrides) and the Run read for a run spec (None for hf / llmc)."""
+    """load_init's (named, overrides), the Run read for a run spec (None for hf / llmc) and the tokenizer
+    (a to_dict()) that comes with the weights where it is not GPT-2's (None: GPT-2's, or none)."""
     kind, where = _parse_spec(spec)
     run = None
     if kind == "hf":
         conf, tensors = read_hf(where)
         named, s = from_hf(conf, tensors, where)
         L, H, C, T, n = s["n_layer"], s["n_head"], s["n_embd"], s["block_size"], s["n_vocab"]
-        tok = "gpt2" if n == GPT2_VOCAB else None
+        tok_dict = None if n == GPT2_VOCAB else _hf_tokenizer(where, n)
+        tok = "gpt2" if n == GPT2_VOCAB else None if tok_dict is None else f"bpe:{n}"
     elif kind == "llmc":
         hdr, tensors = read_llmc(where)
         named = from_llmc(hdr, tensors)
         L, H, C, T, n = hdr["L"], hdr["H"], hdr["C"], hdr["maxT"], hdr["V"]
         tok = "gpt2" if n == GPT2_VOCAB else None
+        tok_dict = None
     else:
         run = run_of(kind, where)
         named = run.named
         rc = run.cfg
         L, H, C, T, n = rc.n_layer, rc.n_head, rc.n_embd, rc.block_size, run.n_vocab
-        tok = rc.tokenizer
+        tok, tok_dict = rc.tokenizer, run.tokenizer
         if not rc.bias:
             raise InteropError(f"{where}: bias is false; --init_from a run needs bias true "
                                f"(a bias-free run resumes with --resume)")
@@ -112,7 +142,7 @@ def _load(spec: str, cfg: Config, block_size: int | None):
     if extra:
         raise InteropError(f"{where}: tensor {extra[0]} of shape {_fmt(np.shape(named[extra[0]]))} is not part "
                            f"of the model")
-    return {k: np.ascontiguousarray(named[k]) for k in expect}, overrides, run
+    return {k: np.ascontiguousarray(named[k]) for k in expect}, overrides, run, tok_dict
 
 
 @dataclasses.dataclass
@@ -120,18 +150,22 @@ class Init:
     """What train.py's init_from brings: weights and the config they imply."""
     cfg: Config                # the config with the model settings the weights fix
     named: dict                # the parameters, our names and layouts
-    tokenizer: dict | None     # a run's own tokenizer (its ids); None: cfg.tokenizer says it
+    tokenizer: dict | None     # the weights' own tokenizer (a run's ids, a bpe:N export's); None: cfg.tokenizer
     changes: list              # "key config -> weights" for each setting the weights changed
 
 
 def init_for_training(cfg: Config) -> Init:
     """The weights of cfg.init_from (hf:DIR, llmc:FILE, a run directory or .ckpt) and the config they
     imply: n_layer, n_head, n_embd, bias, vocabulary and tokenizer come from the weights; block_size
-    stays the config's and crops the position embedding (at most the weights' positions). Errors are
-    one-line CheckpointErrors."""
+    stays the config's and crops the position embedding (at most the weights' positions). Weights whose
+    vocabulary is not GPT-2's and that bring no tokenizer are refused (their ids would mean nothing). Errors
+    are one-line CheckpointErrors."""
     try:
-        named, over, run = _load(cfg.init_from, cfg, cfg.block_size)
-        tok = run.tokenizer if run is not None else None       # a run's own ids (a char vocabulary)
+        named, over, run, tok = _load(cfg.init_from, cfg, cfg.block_size)
+        if "tokenizer" not in over:
+            raise InteropError(f"{cfg.init_from}: the weights' vocabulary ({named['wte'].shape[0]} rows) is not "
+                               f"GPT-2's and no tokenizer comes with them (a Hugging Face directory's "
+                               f"tokenizer.json, a run's tokenizer.json)")
     except InteropError as e:
         raise CheckpointError(f"init_from: {e}") from None
     except FileNotFoundError as e:

@@ -4,19 +4,19 @@ In a data-parallel run (a gptcuda.dist.Group) every rank runs this loop in step;
 logs and writes files (metrics, checkpoints, config, tokenizer)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
 import signal
-import threading
 import time
 
 from gptcuda.runtime import execution
 from gptcuda.errors import RunError, UsageError, describe_os_error
 from gptcuda.files import atomic_open, temp_files
+from gptcuda.training.interrupts import EXIT_CODES, Signals  # noqa: F401  (EXIT_CODES: train.py)
+from gptcuda.training.rundir import RUN_FILES, check_out_dir, cut_metrics, holds_run, lock_run_dir
 from gptcuda.model.checkpoint import (FORMAT_VERSION, CheckpointError, load_checkpoint, read_checkpoint_meta,
                                       save_checkpoint)
 from gptcuda.config import (accum_steps, compare_for_resume, format_config, model_vocab, save_config,
@@ -32,6 +32,11 @@ def flops_per_token(cfg, n_params: int) -> float:
     return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
+def fmt_loss(x: float) -> str:
+    """A loss for the log: 4 decimals, or 4 digits and an exponent once it is huge (a diverging run)."""
+    return f"{x:.4f}" if abs(x) < 1e6 else f"{x:.4g}"
+
+
 class NonFiniteLoss(RuntimeError):
     pass
 
@@ -40,9 +45,6 @@ def _quiet(*a, **k):
     pass
 
 
-RUN_FILES = ("last.ckpt", "best.ckpt", "metrics.jsonl", "config.yaml", "tokenizer.json", "execution.json")
-RUN_MARKERS = ("last.ckpt", "best.ckpt", "metrics.jsonl")      # a directory holding one of these holds a run
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}        # 128 + the signal, as a shell reports it
 
 
 def check_device(cfg):
@@ -53,77 +55,33 @@ def check_device(cfg):
         Device(cfg.device)
 
 
-def check_out_dir(out_dir: str):
-    """RunError unless out_dir is a directory, or can be made one, that this process may write in."""
-    p = os.path.abspath(out_dir)
-    if os.path.lexists(p) and not os.path.isdir(p):
-        raise RunError(f"out_dir {out_dir} is a file, not a directory")
-    anc = p
-    while not os.path.lexists(anc):
-        up = os.path.dirname(anc)
-        if up == anc:
-            break
-        anc = up
-    if not os.path.isdir(anc):
-        raise RunError(f"out_dir {out_dir} cannot be made: {anc} is a file, not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        where = "is not writable" if anc == p else f"cannot be made: {anc} is not writable"
-        raise RunError(f"out_dir {out_dir} {where}")
-
-
-class Signals:
-    """SIGINT and SIGTERM as KeyboardInterrupt, remembering which came first (`signum`).
-
-    Inside `critical()` (a training step with its log record, a checkpoint write) a signal is held back
-    and raised when the section ends, so that a step either happened or did not; once `stopping` (the
-    interrupt's own checkpoint is being written) further signals are only noted."""
-
-    def __init__(self):
-        self.signum = None
-        self.depth = 0
-        self.pending = False
-        self.stopping = False
-        self._old = {}
-
-    def install(self):
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._old[s] = signal.signal(s, self._handler)
-
-    def restore(self):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old = {}
-
-    def _handler(self, signum, frame):
-        if self.signum is None:
-            self.signum = signum
-        if self.stopping or self.depth:
-            self.pending = True
-            return
-        raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def critical(self):
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-        if self.depth == 0 and self.pending and not self.stopping:
-            self.pending = False
-            raise KeyboardInterrupt
-
-
 class Trainer:
     """resume: continue out_dir/last.ckpt; overwrite: start afresh in an out_dir that holds a run
     (replacing its files); without either such an out_dir is refused. files=False: touch no file
     (train.py --profile). Nothing is written to out_dir before every check has passed and the engine
-    is set up. After train(), `interrupted` is the signal number of an interrupt (else None)."""
+    is set up. After train(), `interrupted` is the signal number of an interrupt (else None). A writer
+    holds out_dir's lock (rundir.lock_run_dir) from set-up to the end of train() (or close())."""
 
     def __init__(self, cfg, resume: bool = False, log=print, group=None, overwrite: bool = False,
                  files: bool = True):
+        self.lock = None
+        if files and (group is None or group.rank == 0) and not (resume and overwrite):
+            check_out_dir(cfg.out_dir)
+            if os.path.isdir(cfg.out_dir):
+                self.lock = lock_run_dir(cfg.out_dir)      # before anything in it is read
+        try:
+            self._setup(cfg, resume, log, group, overwrite, files)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        """Give up out_dir's lock (a finished or failed run)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _setup(self, cfg, resume, log, group, overwrite, files):
         if resume and overwrite:
             raise UsageError("--resume continues the run in out_dir and --overwrite replaces it: pass one")
         check_device(cfg)
@@ -146,13 +104,15 @@ class Trainer:
         saved, changes = None, []
         if resume:
             if not os.path.isfile(ckpt):
-                why = "" if os.path.isdir(out) else f" (no directory {out})"
+                why = (f" (no directory {out})" if not os.path.isdir(out) else
+                       " (the run there saved none: start it again without --resume)"
+                       if os.path.lexists(os.path.join(out, "metrics.jsonl")) else "")
                 raise CheckpointError(f"--resume: no checkpoint at {ckpt}{why}")
             meta = read_checkpoint_meta(ckpt)
             saved = self._run_tokenizer(tok_path)
             changes = self._compare(cfg, meta, ckpt, saved)
         elif self.writes:
-            held = [f for f in RUN_MARKERS if os.path.lexists(os.path.join(out, f))]
+            held = holds_run(out)
             if held and not overwrite:
                 raise RunError(f"out_dir {out} already holds a run ({', '.join(held)}): continue it with --resume, "
                                f"or start over with --overwrite (replaces its files), or choose another out_dir")
@@ -247,6 +207,8 @@ class Trainer:
             made, p = p, os.path.dirname(p)
         try:
             os.makedirs(out, exist_ok=True)
+            if self.lock is None:
+                self.lock = lock_run_dir(out)
             for t in temp_files(out, RUN_FILES):
                 os.unlink(t)
                 self.log(f"removed {t}, a temporary file a killed writer left behind")
@@ -273,7 +235,7 @@ class Trainer:
             if self.metrics is not None:
                 self.metrics.close()
                 self.metrics = None
-            if made is not None:
+            if made is not None and self.lock is not None:     # not when another run holds it
                 shutil.rmtree(made, ignore_errors=True)
             if isinstance(e, OSError):
                 raise RunError(describe_os_error(e, "cannot write")) from None
@@ -316,13 +278,23 @@ class Trainer:
             raise CheckpointError(describe_os_error(e, "cannot write checkpoint") + keep) from None
 
     def train(self, bar=True):
-        self.signals = sig = Signals()
-        if self.eng.dp is None:
-            sig.install()      # data parallel: Ctrl-C is a KeyboardInterrupt, as before (see below)
+        self.signals = sig = Signals(deferred=self.eng.dp is not None)   # data parallel: see _stop_vote
+        sig.install()
         try:
             return self._train(bar)
         finally:
             sig.restore()
+            self.close()
+
+    def _stop_vote(self):
+        """Data parallel, at a step boundary, on every rank: whether any rank was sent SIGINT or SIGTERM
+        (one small all-reduce); then every rank stops here, and rank 0 saves last.ckpt as one GPU does."""
+        sig = self.signals
+        term, other = self.eng.dp.any_of([sig.signum == signal.SIGTERM, sig.signum not in (None, signal.SIGTERM)])
+        if term or other:
+            sig.signum = signal.SIGTERM if term else signal.SIGINT
+            sig.agreed = True
+            raise KeyboardInterrupt
 
     def _log_step(self, step, st, ms, tokens_step, pbar):
         cfg = self.cfg
@@ -332,11 +304,11 @@ class Trainer:
         self.write_metrics(step=step, loss=st["loss"], lr=st["lr"], grad_norm=st["grad_norm"], ms=ms,
                            tok_s=tok_s, mfu=mfu)
         if pbar is not None:
-            pbar.set_postfix(loss=f"{st['loss']:.4f}", ms=f"{ms:.2f}", tok_s=f"{tok_s:,.0f}",
+            pbar.set_postfix(loss=fmt_loss(st['loss']), ms=f"{ms:.2f}", tok_s=f"{tok_s:,.0f}",
                              mfu=f"{100 * mfu:.1f}%")
             pbar.update(step - pbar.n)
         else:
-            self.log(f"step {step:6d} loss {st['loss']:.4f} lr {st['lr']:.2e} {ms:7.2f} ms "
+            self.log(f"step {step:6d} loss {fmt_loss(st['loss'])} lr {st['lr']:.2e} {ms:7.2f} ms "
                      f"{tok_s:,.0f} tok/s mfu {100 * mfu:.1f}%")
 
     def _logs(self, step):
@@ -360,6 +332,8 @@ class Trainer:
                     t_last, step_last = time.perf_counter(), step
                 if step >= cfg.max_iters:
                     break
+                if sig.deferred:
+                    self._stop_vote()
                 with sig.critical():         # a signal waits for the step and its record
                     eng.train_step()
                     step += 1
@@ -369,16 +343,17 @@ class Trainer:
                         ms = (now - t_last) * 1e3 / max(step - step_last, 1)
                         t_last, step_last = now, step
                         if not math.isfinite(st["loss"]) or not math.isfinite(st["grad_norm"]):
-                            raise NonFiniteLoss(f"loss became {st['loss']} (grad norm {st['grad_norm']}) at step "
+                            raise NonFiniteLoss(f"loss became {fmt_loss(st['loss'])} (grad norm "
+                                                f"{fmt_loss(st['grad_norm'])}) at step "
                                                 f"{step}; stopped, the last good checkpoint is left as it was")
                         self._log_step(step, st, ms, tokens_step, pbar)
         except KeyboardInterrupt:
             sig.stopping = True                  # a second Ctrl-C must not break the save below
             self.interrupted = sig.signum or signal.SIGINT
             what = "terminated (SIGTERM)" if self.interrupted == signal.SIGTERM else "interrupted"
-            if eng.dp is not None:
-                # the other ranks may be a step ahead or behind: no collective (checkpoint) can be
-                # trusted to complete, and a pending one must not keep the GPU
+            if eng.dp is not None and not sig.agreed:
+                # not stopped by a vote: the other ranks may be a step ahead or behind, no collective
+                # (checkpoint) can be trusted to complete, and a pending one must not keep the GPU
                 self.log(f"\n{what} at step {step}; a multi-GPU run keeps its last evaluation checkpoint")
                 eng.dp.abort()
                 return self.best_val
@@ -446,44 +421,14 @@ class Trainer:
                 self.eng.set_counters(step, before[0])
                 self.best_val, self.evaluated_step = before[1], before[2]
             raise
-        self.log(f"\nstep {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+        self.log(f"\nstep {step}: train loss {fmt_loss(losses['train'])}, val loss {fmt_loss(losses['val'])}"
                  + hellaswag.describe(losses))
 
 
-def cut_metrics(path: str, step: int, evaluated_step: int) -> int:
-    """Drop the records of metrics.jsonl that a run resumed at `step` writes again: those of later steps,
-    and the evaluation at `step` unless the checkpoint holds it (evaluated_step == step). A torn last
-    line (a killed writer) goes too. Returns how many records were dropped; rewrites the file atomically."""
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.read().split("\n")
-    except FileNotFoundError:
-        return 0
-    lines = [l for l in lines if l.strip()]
-    keep, dropped = [], 0
-    for i, line in enumerate(lines):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            if i == len(lines) - 1:
-                dropped += 1
-            else:
-                keep.append(line)
-            continue
-        s = rec.get("step") if isinstance(rec, dict) else None
-        if isinstance(s, int) and (s > step or (s == step and "eval_val" in rec and evaluated_step != step)):
-            dropped += 1
-            continue
-        keep.append(line)
-    if dropped:
-        with atomic_open(path, "wb") as f:
-            f.write("".join(l + "\n" for l in keep).encode("utf-8", "surrogateescape"))
-    return dropped
-
-
-def open_run_data(cfg, world: int = 1, saved_tokenizer: dict | None = None):
+def open_run_data(cfg, world: int = 1, saved_tokenizer: dict | None = None, check: bool = True):
     """(dataset, the model's vocabulary, micro-batches a step) of a config, checked against each other."""
-    data = open_dataset(cfg.data, cfg.tokenizer, saved_tokenizer=saved_tokenizer, val_data=cfg.val_data)
+    data = open_dataset(cfg.data, cfg.tokenizer, saved_tokenizer=saved_tokenizer, val_data=cfg.val_data,
+                        check=check)
     validate_against_data(cfg, len(data.train), len(data.val), data.vocab_size)
     return data, model_vocab(cfg, data.vocab_size), accum_steps(cfg, world)
 
@@ -501,7 +446,7 @@ def print_plan(cfg, log=print):
     """train.py --plan. Data that is not there yet (shards still to be downloaded or prepared) does
     not stop it where the config alone fixes the vocabulary: the plan is the same."""
     try:
-        data, V, accum = open_run_data(cfg)
+        data, V, accum = open_run_data(cfg, check=False)       # --plan writes nothing (no id cache)
         described = data.describe()
     except (DataError, FileNotFoundError) as e:
         n = known_vocab(cfg)

@@ -5,7 +5,8 @@ is the identity, the device draws a rank's rows of the world's batch, and the wh
 step at world size 1 (buckets on the second stream, graph capture, ZeRO-1) gives bit for bit the
 single-GPU losses and parameters; train.py runs through the launcher and the rendezvous.
 Two GPUs: 2 ranks x batch B match 1 GPU x batch 2B at dropout 0 for 50 steps within 1e-5 relative;
-train.py with zero=1 trains, checkpoints on rank 0 and resumes.
+train.py with zero=1 trains, checkpoints on rank 0 and resumes. SIGTERM through the launcher (1 and 2
+ranks): every rank stops at the step they agree on, rank 0 saves last.ckpt, and the run resumes.
 
 Run as a script (under gptcuda.launch) this file is the 2-rank worker.
 """
@@ -166,6 +167,45 @@ def test_two_gpus_train_py_zero1_checkpoints_on_rank0_and_resumes(tmp_path):
     p = launch2(common + ["--max_iters=15", "--resume"], tmp_path)
     assert p.returncode == 0 and "resumed from" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     assert load_checkpoint(str(o / "last.ckpt"))[1]["step"] == 15
+
+
+@pytest.mark.parametrize("nproc,zero", [(1, 0), (2, 0), (2, 1)])
+def test_sigterm_stops_every_rank_at_one_step_and_rank0_saves(tmp_path, nproc, zero):
+    """SIGTERM to the launcher (forwarded to every rank): the ranks agree at a step boundary, rank 0 saves
+    last.ckpt there (ZeRO-1: the whole Adam state), every rank exits 143; the run resumes from it."""
+    two_ranks_or_skip() if nproc == 2 else nccl_or_skip()
+    import signal
+    import time
+    from gptcuda.model.checkpoint import load_checkpoint
+    o = tmp_path / "o"
+    argv = [sys.executable, "-m", "gptcuda.launch", "--nproc", str(nproc), "train.py", "configs/tiny.yaml",
+            f"--zero={zero}", "--max_iters=100000", "--eval_interval=100000", "--eval_iters=2", "--no-bar",
+            f"--out_dir={o}"]
+    env = child_env(GPTCUDA_BUCKET_MB=str(BUCKET_MB), PYTHONUNBUFFERED="1",
+                    **({"GPTCUDA_DIST": "nccl"} if nproc == 1 else {}))
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen, t0 = [], time.monotonic()
+        while time.monotonic() - t0 < 300:
+            line = p.stdout.readline()
+            seen.append(line)
+            if not line or line.startswith("[0] step") and " loss " in line and int(line.split()[2]) >= 20:
+                break
+        p.send_signal(signal.SIGTERM)
+        rest, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = "".join(seen) + rest
+    assert p.returncode == 143, out[-3000:]
+    assert "saved" in out and "Traceback" not in out, out[-3000:]
+    arrays, meta = load_checkpoint(str(o / "last.ckpt"))
+    assert meta["step"] >= 20 and meta.get("world_size", 1) == nproc and np.count_nonzero(arrays["adam_v"]) > 0
+    env.pop("PYTHONUNBUFFERED")
+    q = subprocess.run(argv[:7] + [f"--zero={zero}", f"--max_iters={meta['step'] + 3}", "--eval_interval=100000",
+                                   "--eval_iters=2", "--no-bar", f"--out_dir={o}", "--resume"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert q.returncode == 0 and "resumed from" in q.stdout, q.stdout[-3000:] + q.stderr[-3000:]
 
 
 def worker(out, B, steps, zero, graph):
