@@ -42,7 +42,7 @@ gemm_tune auto) or by bench/tune.py.
 The modules: families.py (the kernel families: files, tiles, kernel names and arguments, rates;
 the compiled VARIANTS), layout.py (which layouts the warpgroup-MMA kernels run, and with which
 scratch), plan.py (the cost model and the planner), table.py (the measured table), tune.py (measuring
-it), launch.py (the launchers).
+it; timer.py: timing candidates on the GPU), launch.py (the launchers).
 """
 from __future__ import annotations
 
