@@ -138,7 +138,7 @@ def _flash_wgmma_names():
 
 
 @pytest.mark.parametrize("file,name,defines", [("gemm_wgmma.cu", n, {}) for n in _wgmma_pipeline_names()] +
-                         [("flash_attention.cu", n, {}) for n in _flash_wgmma_names()],
+                         [("flash_wg.cu", n, {}) for n in _flash_wgmma_names()],
                          ids=lambda v: v if isinstance(v, str) and "<" in v else "")
 def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines):
     """ptxas's report for every wgmma tile (each loader, TF32 and 3xTF32, the widest epilogue; the

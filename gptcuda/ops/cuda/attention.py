@@ -1,5 +1,5 @@
 """Causal self-attention launchers: unfused (kernels/attention.cu + batched gemms) and fused
-(kernels/flash_attention.cu).
+(flash attention: kernels/flash_*.cu, one file an implementation; flash_common.cuh says what they share).
 
     attention_fwd(rt, y[B,T,C], qkv[B,T,3C], saved, n_head, p, site, ex)
     attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site, ex)
@@ -28,14 +28,16 @@ from gptcuda.ops.cuda import cdiv, dropout_args
 from gptcuda.runtime import DeviceView, f32, i32
 
 FILE = "attention.cu"
-FLASH_FILE = "flash_attention.cu"
+FLASH_FILES = {"flash": "flash_simt.cu", "flash_tc": "flash_tc.cu", "flash_3x": "flash_x3.cu"}   # a fused path's kernels
+FLASH_WG_FILE = "flash_wg.cu"          # flash_bwd_dkv_wg: flash_tc's dK/dV on warpgroup MMA
+ROWSUM_FILE = "flash_rowsum.cu"        # flash_rowsum_do: D of every fused path's backward
 
 ROWS_PER_BLOCK = 8            # ATTN_ROWS_PER_BLOCK in attention.cu (one warp per row)
 ROW_THREADS = 32 * ROWS_PER_BLOCK
 PERMUTE_THREADS = 256
 MAX_GRID = 132 * 32           # grid-stride kernels: enough blocks to fill 132 SMs many times
 
-# ---- fused kernel geometry (flash_attention.cu) ----------------------------------------
+# ---- fused kernel geometry (kernels/flash_*.cu) ----------------------------------------
 FLASH_HEAD_SIZES = (32, 64, 128)
 FLASH_WG_HEAD_SIZES = (32, 64)  # head sizes of the backward's dK/dV kernel on warpgroup MMA (sm_90a)
 FLASH_THREADS = 128           # FA_THREADS / FA_TC_THREADS in flash_attention.cu
@@ -44,17 +46,20 @@ FLASH_BK = 64                 # key rows per block of the fp32 dK/dV kernel (FA_
 ROWSUM_THREADS = 256
 
 
+_FLASH_SUFFIX = {"flash": "", "flash_tc": "_tc", "flash_3x": "_x3"}     # the kernels of each fused path
+
+
 def _flash_variants():
     out = []
     for hs in FLASH_HEAD_SIZES:
         for drop in ("false", "true"):
-            for suffix in ("", "_tc", "_x3"):              # FFMA, TF32, 3xTF32
-                out.append((FLASH_FILE, f"flash_fwd{suffix}<{hs},{drop}>", {}))
-                out.append((FLASH_FILE, f"flash_bwd_dq{suffix}<{hs},{drop}>", {}))
-                out.append((FLASH_FILE, f"flash_bwd_dkv{suffix}<{hs},{drop}>", {}))
+            for path, suffix in _FLASH_SUFFIX.items():      # FFMA, TF32, 3xTF32
+                out.append((FLASH_FILES[path], f"flash_fwd{suffix}<{hs},{drop}>", {}))
+                out.append((FLASH_FILES[path], f"flash_bwd_dq{suffix}<{hs},{drop}>", {}))
+                out.append((FLASH_FILES[path], f"flash_bwd_dkv{suffix}<{hs},{drop}>", {}))
             if hs in FLASH_WG_HEAD_SIZES:
-                out.append((FLASH_FILE, f"flash_bwd_dkv_wg<{hs},{drop}>", {}))
-    out += [(FLASH_FILE, f"flash_rowsum_do<{hs}>", {}) for hs in FLASH_HEAD_SIZES]
+                out.append((FLASH_WG_FILE, f"flash_bwd_dkv_wg<{hs},{drop}>", {}))
+    out += [(ROWSUM_FILE, f"flash_rowsum_do<{hs}>", {}) for hs in FLASH_HEAD_SIZES]
     return out
 
 
@@ -332,8 +337,6 @@ def _fused_check(hs, *views):
         raise ValueError("fused attention needs 16-byte aligned qkv / y / dy / dqkv")
 
 
-_FLASH_SUFFIX = {"flash": "", "flash_tc": "_tc", "flash_3x": "_x3"}     # the kernels of each fused path
-
 
 def _flash_name(kind: str, path: str, hs: int, p: float) -> str:
     _x3(path)
@@ -344,7 +347,7 @@ def _fused_fwd(rt, y, qkv, lse, n_head, p, site, path):
     B, T, C, H, hs = _split(qkv, n_head)
     _fused_check(hs, qkv, y)
     lse = _view(lse, (B, H, T))
-    fn = rt.function(FLASH_FILE, _flash_name("fwd", path, hs, p))
+    fn = rt.function(FLASH_FILES[path], _flash_name("fwd", path, hs, p))
     br = flash_rows("fwd", hs, path)
     rt.launch(fn, (B * H, cdiv(T, br)), (FLASH_THREADS,),
               [y, lse, qkv] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
@@ -355,7 +358,7 @@ def rowsum_do(rt, D, dy, y, B, T, H, hs):
     """D [B, H, T] = the row sums of dy * y per head (dy, y [B, T, H * hs], 16-byte aligned): the
     backward's D = rowsum(dO * O) = rowsum(P * dP), also with dropout."""
     rows = B * T * H
-    rt.launch(rt.function(FLASH_FILE, f"flash_rowsum_do<{hs}>"), (cdiv(rows * (hs // 4), ROWSUM_THREADS),),
+    rt.launch(rt.function(ROWSUM_FILE, f"flash_rowsum_do<{hs}>"), (cdiv(rows * (hs // 4), ROWSUM_THREADS),),
               (ROWSUM_THREADS,), [D, dy, y, i32(rows), i32(T), i32(H)], label="flash_rowsum_do")
 
 
@@ -371,15 +374,15 @@ def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, path, wg=False):
     rowsum_do(rt, D, dy, y, B, T, H, hs)
     args = [dqkv, qkv, dy, lse, D] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     bq = flash_rows("dq", hs, path)
-    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", path, hs, p)),
+    rt.launch(rt.function(FLASH_FILES[path], _flash_name("bwd_dq", path, hs, p)),
               (B * H, cdiv(T, bq)), (FLASH_THREADS,), args,
               smem=flash_smem_bytes("dq", hs, path), label="flash_bwd_dq")
     if wg:
         plan = flash_dkv_wg_plan(hs)
-        name = f"flash_bwd_dkv_wg<{hs},{'true' if float(p) > 0 else 'false'}>"
+        file, name = FLASH_WG_FILE, f"flash_bwd_dkv_wg<{hs},{'true' if float(p) > 0 else 'false'}>"
         bk, smem = plan["rows"], plan["smem"]
     else:
-        name, bk, smem = (_flash_name("bwd_dkv", path, hs, p), flash_rows("dkv", hs, path),
-                          flash_smem_bytes("dkv", hs, path))
-    rt.launch(rt.function(FLASH_FILE, name), (B * H, cdiv(T, bk)), (FLASH_THREADS,), args,
+        file, name, bk, smem = (FLASH_FILES[path], _flash_name("bwd_dkv", path, hs, p), flash_rows("dkv", hs, path),
+                                flash_smem_bytes("dkv", hs, path))
+    rt.launch(rt.function(file, name), (B * H, cdiv(T, bk)), (FLASH_THREADS,), args,
               smem=smem, label="flash_bwd_dkv")
