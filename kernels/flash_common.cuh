@@ -30,11 +30,15 @@
 // uses Pd = P*keep/(1-p) for dV and dP = dPd*keep/(1-p) for dS.
 // Exponentials run in base 2 (scores in units of log2 e); lse is stored in natural log.
 //
+// Geometry: gptcuda/ops/cuda/flash.py chooses each kernel's tiles (rows a block, the other
+// side's tile, ring stages, which operands stay in registers) and its shared memory, and passes them
+// as template arguments after <HS, DROP>: <..., THREADS, tile geometry..., SMEM bytes>. Each kernel
+// static_asserts that THREADS is FA_THREADS and that SMEM is what its layout of those tiles takes
+// (and traps at run time if launched with less).
 #pragma once
 #include "common.cuh"
 
 #define FA_THREADS 128      // every flash kernel's block: 4 warps (one warpgroup)
-
 
 // How blockIdx.y picks the block's tile of ROWS rows: REV, in reverse (gridDim.y-1-blockIdx.y), so
 // that the longest blocks (the last query tiles, which see the most keys) of all heads start first;
@@ -92,7 +96,6 @@ __device__ __forceinline__ u32 fa_drop_key(const StepState* __restrict__ st, u32
     return key;
 }
 
-// ROWS x HS tile, global row-major with row stride `stride` floats, into shared memory with row
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 

@@ -6,8 +6,8 @@
 // checks), a fixed fmaf chain, then an xor butterfly over the G lanes (32 / G rows a warp, one load
 // of each tensor in flight per thread: the whole grid keeps the DRAM busy; one warp a row with
 // 2 floats a lane reached half the bandwidth).
-template <int HS>
-__global__ void __launch_bounds__(256)
+template <int HS, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 flash_rowsum_do(float* __restrict__ D,          // [B,H,T]
                 const float* __restrict__ dy,   // [B,T,C]
                 const float* __restrict__ y,    // [B,T,C]

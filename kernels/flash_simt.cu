@@ -6,8 +6,7 @@
 // stride of HS+4 floats (conflict-free for its patterns). What the kernels compute: flash_common.cuh.
 #include "flash_common.cuh"
 
-#define FA_BR 64            // rows of a block's tile (queries in fwd/dq, keys in dkv)
-
+// ROWS x HS tile, global row-major with row stride `stride` floats, into shared memory with row
 // stride HS+4; rows >= nvalid are zero-filled (so masked products stay finite).
 template <int ROWS, int HS>
 __device__ __forceinline__ void fa_load_tile(float* __restrict__ dst, const float* __restrict__ src,
@@ -31,12 +30,13 @@ __device__ __forceinline__ void fa_load_kv(float* Ks, float* Vs, const FaBlock<H
 
 // ------------------------------------------------------------------------------- policies
 
-template <int BR, int BC>
+// BR x BC tile products of FA_THREADS = 16 x 8 threads (BR rows: the block's side, BC: the other's)
+template <int BR_, int BC_>
 struct FaSimt {
-    static_assert(BR % 16 == 0 && BC % 8 == 0, "tile");
+    static constexpr int BR = BR_, BC = BC_;
+    static_assert(BR % 16 == 0 && BC % 8 == 0 && FA_THREADS == 16 * 8, "tile");
     static constexpr int RM = BR / 16;
     static constexpr int RN = BC / 8;
-    static constexpr bool USES_PBUF = true;
     static constexpr int OCDIV = 8;     // accumulator columns of a PV row: HS / OCDIV
 
     __device__ static int row(int rr) { return (threadIdx.x >> 3) * RM + rr; }
@@ -142,29 +142,29 @@ struct FaSimt {
     }
 };
 
-// key-tile width of the forward and dQ kernels, query-tile width of the dK/dV kernel
-
-template <int HS> struct FaTiles {
-    static constexpr int BKF = HS >= 128 ? 32 : 64;
-    static constexpr int BQB = 32;
-};
-
-// shared memory (floats) of each kernel; the launcher mirrors these formulas
-template <int HS, bool PBUF> struct FaSmem {
+// Shared memory (bytes) of each kernel's layout: BR-row tiles of the block's side (Q in fwd; Q, dO in
+// dq; K, V in dkv), two BC-row tiles of the other side (K, V; Q, dO and lse, D in dkv), and the P
+// staging buffer, BR x (BC + 4). The kernels static_assert that the launcher's SMEM is this.
+template <int HS, int BR, int BC> struct FaSimtSmem {
     static constexpr int LD = HS + 4;
-    static constexpr int BKF = FaTiles<HS>::BKF, BQB = FaTiles<HS>::BQB;
-    static constexpr int fwd = (FA_BR + 2 * BKF) * LD + (PBUF ? FA_BR * (BKF + 4) : 0);
-    static constexpr int dq = (2 * FA_BR + 2 * BKF) * LD + (PBUF ? FA_BR * (BKF + 4) : 0);
-    static constexpr int dkv = (2 * FA_BR + 2 * BQB) * LD + 2 * BQB + (PBUF ? FA_BR * (BQB + 4) : 0);
+    static constexpr int fwd = 4 * ((BR + 2 * BC) * LD + BR * (BC + 4));
+    static constexpr int dq = 4 * ((2 * BR + 2 * BC) * LD + BR * (BC + 4));
+    static constexpr int dkv = 4 * ((2 * BR + 2 * BC) * LD + 2 * BC + BR * (BC + 4));
 };
+
+// The kernels' template arguments after <HS, DROP> are the launcher's plan (attention.py): the block's
+// threads, BR, BC and the shared memory (bytes)
+#define FA_SIMT_PLAN int THREADS, int BR, int BC, int SMEM
+#define FA_SIMT_CHECK(kind) static_assert(THREADS == FA_THREADS && SMEM == FaSimtSmem<HS, BR, BC>::kind, \
+                                          "the launcher's plan: FA_THREADS threads, the layout's shared memory")
 
 
 // ------------------------------------------------------------------------------- forward
 
 template <class P, int HS, bool DROP>
 __device__ __forceinline__ void fa_fwd_body(FA_ARGS_FWD) {
-    constexpr int BR = FA_BR, BC = FaTiles<HS>::BKF, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
-    gc_check_smem(FaSmem<HS, P::USES_PBUF>::fwd * 4);
+    constexpr int BR = P::BR, BC = P::BC, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
+    gc_check_smem(FaSimtSmem<HS, BR, BC>::fwd);
     extern __shared__ float4 fa_smem4[];
     float* Qs = reinterpret_cast<float*>(fa_smem4);
     float* Ks = Qs + BR * LD;
@@ -246,16 +246,17 @@ __device__ __forceinline__ void fa_fwd_body(FA_ARGS_FWD) {
     }
 }
 
-template <int HS, bool DROP>
-__global__ void __launch_bounds__(FA_THREADS) flash_fwd(FA_ARGS_FWD) {
-    fa_fwd_body<FaSimt<FA_BR, FaTiles<HS>::BKF>, HS, DROP>(y, lse, qkv, st, seed, site, threshold, inv_keep, scale, T, H);
+template <int HS, bool DROP, FA_SIMT_PLAN>
+__global__ void __launch_bounds__(THREADS) flash_fwd(FA_ARGS_FWD) {
+    FA_SIMT_CHECK(fwd);
+    fa_fwd_body<FaSimt<BR, BC>, HS, DROP>(y, lse, qkv, st, seed, site, threshold, inv_keep, scale, T, H);
 }
 // ------------------------------------------------------------------------------- backward: dQ
 
 template <class P, int HS, bool DROP>
 __device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
-    constexpr int BR = FA_BR, BC = FaTiles<HS>::BKF, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
-    gc_check_smem(FaSmem<HS, P::USES_PBUF>::dq * 4);
+    constexpr int BR = P::BR, BC = P::BC, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
+    gc_check_smem(FaSimtSmem<HS, BR, BC>::dq);
     extern __shared__ float4 fa_smem4[];
     float* Qs = reinterpret_cast<float*>(fa_smem4);
     float* dOs = Qs + BR * LD;
@@ -315,9 +316,10 @@ __device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
     }
 }
 
-template <int HS, bool DROP>
-__global__ void __launch_bounds__(FA_THREADS) flash_bwd_dq(FA_ARGS_BWD) {
-    fa_dq_body<FaSimt<FA_BR, FaTiles<HS>::BKF>, HS, DROP>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold,
+template <int HS, bool DROP, FA_SIMT_PLAN>
+__global__ void __launch_bounds__(THREADS) flash_bwd_dq(FA_ARGS_BWD) {
+    FA_SIMT_CHECK(dq);
+    fa_dq_body<FaSimt<BR, BC>, HS, DROP>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold,
                                                           inv_keep, scale, T, H);
 }
 
@@ -325,8 +327,8 @@ __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dq(FA_ARGS_BWD) {
 
 template <class P, int HS, bool DROP>
 __device__ __forceinline__ void fa_dkv_body(FA_ARGS_BWD) {
-    constexpr int BR = FA_BR, BC = FaTiles<HS>::BQB, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
-    gc_check_smem(FaSmem<HS, P::USES_PBUF>::dkv * 4);
+    constexpr int BR = P::BR, BC = P::BC, LD = HS + 4, RM = P::RM, RN = P::RN, OC = HS / P::OCDIV;
+    gc_check_smem(FaSimtSmem<HS, BR, BC>::dkv);
     extern __shared__ float4 fa_smem4[];
     float* Ks = reinterpret_cast<float*>(fa_smem4);
     float* Vs = Ks + BR * LD;
@@ -399,9 +401,10 @@ __device__ __forceinline__ void fa_dkv_body(FA_ARGS_BWD) {
     }
 }
 
-template <int HS, bool DROP>
-__global__ void __launch_bounds__(FA_THREADS) flash_bwd_dkv(FA_ARGS_BWD) {
-    fa_dkv_body<FaSimt<FA_BR, FaTiles<HS>::BQB>, HS, DROP>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold,
+template <int HS, bool DROP, FA_SIMT_PLAN>
+__global__ void __launch_bounds__(THREADS) flash_bwd_dkv(FA_ARGS_BWD) {
+    FA_SIMT_CHECK(dkv);
+    fa_dkv_body<FaSimt<BR, BC>, HS, DROP>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold,
                                                            inv_keep, scale, T, H);
 }
 

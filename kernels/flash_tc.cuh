@@ -453,6 +453,19 @@ __device__ __forceinline__ void fa_kv_ring(float* sm, const FaBlock<HS>& fb, int
     fa_cp_wait<0>();
 }
 
+// ------------------------------------------------------------------------------- the launcher's plans
+
+// The kernels' template arguments after <HS, DROP> are the launcher's plan (attention.py flash_tc_plan):
+// the block's threads, MT m16 row tiles a warp (rows of the block: 4 warps x 16 MT), BC rows of a
+// streamed tile (keys in fwd / dq, queries in dkv), NS ring stages, AREG: the resident operands'
+// fragments in registers (staged through ring stages 1..), dkv's VREG: V's fragments in registers,
+// and the shared memory in bytes, which must be what the layout of those tiles takes.
+#define FA_TILES_OK ((MT == 1 || MT == 2) && BC % 8 == 0 && (NS == 2 || NS == 3) && FA_THREADS == 4 * 32)
+#define FA_TC_PLAN int THREADS, int MT, int BC, int NS, bool AREG, int SMEM
+#define FA_TC_DKV_PLAN int THREADS, int MT, int BQ, int NS, bool AREG, bool VREG, int SMEM
+#define FA_TC_CHECK static_assert(THREADS == FA_THREADS && SMEM == 4 * F::SMEM, \
+                                  "the launcher's plan: FA_THREADS threads, the layout's shared memory")
+
 // ------------------------------------------------------------------------------- TC forward
 
 // 4 warps x WR = 16*MT query rows; key tiles of BC through the K/V ring. The Q tile (scaled by
@@ -460,14 +473,15 @@ __device__ __forceinline__ void fa_kv_ring(float* sm, const FaBlock<HS>& fb, int
 // 3xTF32 at head size 128: Q keeps its own buffer and is split from there per key tile).
 // Online softmax with a lazily moved reference max m per row: p = exp2(s - m) <= 2^FA_RESCALE_LOG2,
 // O and l are rescaled only when some row of the warp outgrows its m by more than that.
-template <int HS, bool X3_ = false> struct FaFwdTc {
-    static constexpr bool X3 = X3_;     // 3xTF32: hi and lo fragments, so fewer rows a warp and shorter key tiles
-    static constexpr int MT = (X3 ? HS <= 32 : HS <= 64) ? 2 : 1;
+template <int HS, bool X3_, int MT_, int BC_, int NS_, bool AREG_> struct FaFwdTc {
+    static constexpr bool X3 = X3_;     // 3xTF32: hi and lo fragments
+    static constexpr int MT = MT_;
     static constexpr int WR = 16 * MT;
     static constexpr int BR = 4 * WR;
-    static constexpr int BC = X3 ? (HS <= 64 ? 32 : 16) : HS <= 64 ? 64 : 32;
-    static constexpr bool AREG = !X3 || HS <= 64;               // Q's fragments in registers, else Q resident
-    static constexpr int NS = 3;
+    static constexpr int BC = BC_;
+    static constexpr bool AREG = AREG_;                         // Q's fragments in registers, else Q resident
+    static constexpr int NS = NS_;
+    static_assert(FA_TILES_OK, "tiles");
     static constexpr int LD = HS + 4;
     static constexpr int STAGE = 2 * BC * LD;                   // K, V
     static constexpr int QBUF = BR * LD;
@@ -475,9 +489,9 @@ template <int HS, bool X3_ = false> struct FaFwdTc {
     static constexpr int SMEM = AREG ? (NS * STAGE > STAGE + QBUF ? NS * STAGE : STAGE + QBUF) : NS * STAGE + QBUF;
 };
 
-template <int HS, bool DROP, bool X3>
+template <int HS, bool DROP, class F>
 __device__ __forceinline__ void fa_fwd_tc_body(FA_ARGS_FWD) {
-    using F = FaFwdTc<HS, X3>;
+    constexpr bool X3 = F::X3;
     constexpr int MT = F::MT, WR = F::WR, BR = F::BR, BC = F::BC, LD = F::LD, NS = F::NS;
     constexpr int KS = HS / 8, NT = BC / 8, DT = HS / 8, STAGE = F::STAGE;
     constexpr bool AREG = F::AREG;
@@ -619,14 +633,15 @@ __device__ __forceinline__ void fa_fwd_tc_body(FA_ARGS_FWD) {
 
 // 4 warps x WR = 16*MT query rows; key tiles of BC through the K/V ring. Q (scaled by scale*log2 e)
 // and dO are A operands: in registers (AREG; staged through ring stages 1..) or a resident tile.
-template <int HS, bool X3_ = false> struct FaDqTc {
-    static constexpr bool X3 = X3_;     // 3xTF32: Q and dO resident in shared memory, 16 rows a warp from head size 64
-    static constexpr int MT = (X3 ? HS <= 32 : HS <= 64) ? 2 : 1;
+template <int HS, bool X3_, int MT_, int BC_, int NS_, bool AREG_> struct FaDqTc {
+    static constexpr bool X3 = X3_;
+    static constexpr int MT = MT_;
     static constexpr int WR = 16 * MT;
     static constexpr int BR = 4 * WR;
-    static constexpr int BC = HS <= 64 ? 32 : 16;
-    static constexpr bool AREG = !X3 && HS * MT <= 64;
-    static constexpr int NS = X3 ? (HS <= 64 ? 3 : 2) : AREG ? 3 : 2;
+    static constexpr int BC = BC_;
+    static constexpr bool AREG = AREG_;                         // Q's and dO's fragments in registers
+    static constexpr int NS = NS_;
+    static_assert(FA_TILES_OK, "tiles");
     static constexpr int LD = HS + 4;
     static constexpr int STAGE = 2 * BC * LD;                   // K, V
     static constexpr int QBUF = 2 * BR * LD;                    // Q, dO
@@ -634,9 +649,9 @@ template <int HS, bool X3_ = false> struct FaDqTc {
     static constexpr int SMEM = AREG ? (NS * STAGE > STAGE + QBUF ? NS * STAGE : STAGE + QBUF) : NS * STAGE + QBUF;
 };
 
-template <int HS, bool DROP, bool X3>
+template <int HS, bool DROP, class F>
 __device__ __forceinline__ void fa_dq_tc_body(FA_ARGS_BWD) {
-    using F = FaDqTc<HS, X3>;
+    constexpr bool X3 = F::X3;
     constexpr int MT = F::MT, WR = F::WR, BR = F::BR, BC = F::BC, LD = F::LD, NS = F::NS;
     constexpr int KS = HS / 8, NT = BC / 8, DT = HS / 8, STAGE = F::STAGE;
     constexpr bool AREG = F::AREG;
@@ -749,15 +764,17 @@ __device__ __forceinline__ void fa_dq_tc_body(FA_ARGS_BWD) {
 // through ring stages 1..) or a resident tile (V's fragments still go to registers when VREG).
 // dK and dV accumulate in registers. The scores are
 // tf32(Q*scale*log2 e) . tf32(K) as in the forward and dQ kernels, so P matches the saved lse.
-template <int HS, bool X3_ = false> struct FaDkvTc {
-    static constexpr bool X3 = X3_;     // 3xTF32: K and V resident in shared memory, 16 rows a warp from head size 64
-    static constexpr int MT = (X3 ? HS <= 32 : HS <= 64) ? 2 : 1;
+template <int HS, bool X3_, int MT_, int BQ_, int NS_, bool AREG_, bool VREG_> struct FaDkvTc {
+    static constexpr bool X3 = X3_;
+    static constexpr int MT = MT_;
     static constexpr int WR = 16 * MT;
     static constexpr int BK = 4 * WR;
-    static constexpr int BQ = 16;
-    static constexpr bool AREG = !X3 && HS * MT <= 64;          // K and V fragments in registers
-    static constexpr bool VREG = !X3 && HS <= 64;               // V fragments in registers (K's too if AREG)
-    static constexpr int NS = HS <= 64 ? 3 : 2;
+    static constexpr int BQ = BQ_;
+    static constexpr bool AREG = AREG_;                         // K and V fragments in registers
+    static constexpr bool VREG = VREG_;                         // V fragments in registers (K's too if AREG)
+    static constexpr int NS = NS_;
+    static constexpr int BC = BQ;
+    static_assert(FA_TILES_OK && (VREG || !AREG), "tiles");
     static constexpr int LD = HS + 4;
     static constexpr int STAGE = 2 * BQ * LD + 2 * BQ;          // Q, dO, -L, -D
     static constexpr int KBUF = 2 * BK * LD;                    // K, V
@@ -789,9 +806,9 @@ __device__ __forceinline__ void fa_dkv_round(float* stg, float sl2) {
     if (threadIdx.x < 2 * BQ) stg[2 * BQ * LD + threadIdx.x] *= threadIdx.x < BQ ? -FA_LOG2E : -1.f;
 }
 
-template <int HS, bool DROP, bool X3>
+template <int HS, bool DROP, class F>
 __device__ __forceinline__ void fa_dkv_tc_body(FA_ARGS_BWD) {
-    using F = FaDkvTc<HS, X3>;
+    constexpr bool X3 = F::X3;
     constexpr int MT = F::MT, WR = F::WR, BK = F::BK, BQ = F::BQ, LD = F::LD, NS = F::NS;
     constexpr int KS = HS / 8, NT = BQ / 8, DT = HS / 8, STAGE = F::STAGE;
     constexpr bool AREG = F::AREG, VREG = F::VREG;

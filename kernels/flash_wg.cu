@@ -22,11 +22,15 @@
 // scaled by scale * log2 e) as in the mma.sync kernels, so the scores are the forward's up to the
 // order of the sums. Two ring stages and no other buffers keep three blocks on an SM (68 KB, 168
 // registers a thread): the warps of one block wait on barriers and wgmma while the others' issue.
-template <int HS> struct FaDkvWg {
+// The launcher's plan (attention.py flash_dkv_wg_plan) after <HS, DROP>: the block's threads, BK keys
+// of a block, BQ queries of a ring stage, NS ring stages, the shared memory (bytes): one warpgroup,
+// one m64 tile of keys, query tiles of one 128-byte slab (the transposes), and the layout's bytes.
+template <int HS, int BK_, int BQ_, int NS_> struct FaDkvWg {
     static_assert(HS <= 64, "head sizes up to 64 (three blocks an SM)");
-    static constexpr int BK = 64;                              // keys of a block: one m64 tile
-    static constexpr int BQ = 32;                              // queries of a ring stage
-    static constexpr int NS = 2;
+    static constexpr int BK = BK_;                             // keys of a block: one m64 tile
+    static constexpr int BQ = BQ_;                             // queries of a ring stage
+    static constexpr int NS = NS_;
+    static_assert(BK == 64 && BQ == 32 && (NS == 2 || NS == 3), "one m64 tile of keys, 32 queries a stage");
     static constexpr int MINB = 3;                             // blocks per SM: 168 registers, 68 KB
     static constexpr int KV = BK * HS * 4;                     // bytes of the K or V tile
     static constexpr int QT = BQ * HS * 4;                     // bytes of a Q or dO tile, and of Q^T or dO^T
@@ -123,10 +127,11 @@ __device__ __forceinline__ void fa_wg_tr_store(char* dst, const float (&v)[HS / 
     }
 }
 
-template <int HS, bool DROP>
-__global__ void __launch_bounds__(FA_THREADS, FaDkvWg<HS>::MINB) flash_bwd_dkv_wg(FA_ARGS_BWD) {
+template <int HS, bool DROP, int THREADS, int BK_, int BQ_, int NS_, int SMEM>
+__global__ void __launch_bounds__(THREADS, FaDkvWg<HS, BK_, BQ_, NS_>::MINB) flash_bwd_dkv_wg(FA_ARGS_BWD) {
+    using F = FaDkvWg<HS, BK_, BQ_, NS_>;
+    static_assert(THREADS == FA_THREADS && SMEM == F::SMEM, "the launcher's plan: one warpgroup, the layout's bytes");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using F = FaDkvWg<HS>;
     constexpr int BK = F::BK, BQ = F::BQ, NS = F::NS, NT = BQ / 8, KS = HS / 8;
     gc_check_smem(F::SMEM);
     extern __shared__ float4 fa_smem4[];
