@@ -3,7 +3,7 @@
 #   bash bench/device_check.sh [tests] [gradcheck] [tune] [bench] [attention] [long] [torch] [gemm]
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
-#                              [interop] [finetune] [generate] [speed] [anchors]
+#                              [interop] [finetune] [generate] [speed] [anchors] [sass]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
@@ -11,8 +11,10 @@
 # TRAIN_CONFIG (for train_config), DIST_WORLDS ("1,2"), DIST_ZERO ("0 1"), TORCH_WHICH ("steps compile"), TUNE_PRECISIONS ("tf32 fp32"),
 # GPT2_BATCHES ("8 16": bench/step.py of configs/gpt2_124m.yaml and the PyTorch / llm.c anchors at these
 # micro-batches), ACCUM_STEPS (50: gpt2_accum's steps of 524288 tokens), GEN_BATCHES ("1,16,64,256"),
-# GEN_TORCH_MODES ("eager,compile"), GEN_ARGS (more bench/generate.py options). llm.c (karpathy/llm.c f1e2ace:
-# Makefile, train_gpt2.cu, llmc/) is read from .devcarry/llmc.
+# GEN_TORCH_MODES ("eager,compile"), GEN_ARGS (more bench/generate.py options), SASS_OLD (sass: the tree
+# to compare with, default .devcarry/oldtree, e.g. `git archive REV | tar -x -C .devcarry/oldtree`),
+# SASS_FILES (sass: only these kernel files, each tree's names), SASS_JOBS (sass: compiling processes, at most 2).
+# llm.c (karpathy/llm.c f1e2ace: Makefile, train_gpt2.cu, llmc/) is read from .devcarry/llmc.
 # A STEP_CASES entry may carry overrides: fp32:fused:fp32_gemm=ffma,batch_size=32.
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
 # .devcarry/reference/ (a copy of the reference scripts carried along; never imported by gptcuda).
@@ -262,6 +264,13 @@ if has seeds; then          # best val over seeds, e.g. SEEDS_GROUPS="tf32=confi
     --budget-s ${SEEDS_BUDGET_S:-300} --out "$OUT/seeds" --json "$OUT/seeds.json" 2>&1 \
     | tee "$OUT/seeds.log" | tail -40 | tee -a "$OUT/summary.txt"
   find "$OUT/seeds" -name "*.ckpt" -delete
+fi
+if has sass; then           # every kernel's machine code against another tree (no GPU needed; NVRTC and ptxas)
+  old=${SASS_OLD:-.devcarry/oldtree}
+  log "machine code: bench/sass_compare.py $old . ${SASS_FILES:+--files $SASS_FILES}"
+  python3 bench/sass_compare.py "$old" . --jobs ${SASS_JOBS:-2} ${SASS_FILES:+--files $SASS_FILES} --out "$OUT/sass" 2>&1 \
+    | tee "$OUT/sass.log" | grep -v "^  \[" | tail -40 | tee -a "$OUT/summary.txt"
+  rm -rf "$OUT/sass/old/cubins" "$OUT/sass/new/cubins"
 fi
 if has gemm; then
   log "GEMM benchmark (cuBLAS through torch in the same process, benchmark only)"
