@@ -4,7 +4,7 @@
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
 #                              [interop] [finetune] [generate] [speed] [anchors] [hellaswag] [plot] [tables]
-#                              [soak]
+#                              [soak] [sass]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
@@ -14,8 +14,10 @@
 # micro-batches), ACCUM_STEPS (50: gpt2_accum's steps of 524288 tokens), GEN_BATCHES ("1,16,64,256"),
 # GEN_TORCH_MODES ("eager,compile"), HELLASWAG_ARGS (more bench/hellaswag_check.py options), PLOT_ITERS (500:
 # each of plot's two runs), GEN_ARGS (more bench/generate.py options), SOAK_DATA / SOAK_KILLS (5) /
-# SOAK_SEED / SOAK_ARGS (soak: bench/soak.py). llm.c (karpathy/llm.c f1e2ace:
-# Makefile, train_gpt2.cu, llmc/) is read from .devcarry/llmc.
+# SOAK_SEED / SOAK_ARGS (soak: bench/soak.py), SASS_OLD (sass: the tree
+# to compare with, default .devcarry/oldtree, e.g. `git archive REV | tar -x -C .devcarry/oldtree`),
+# SASS_FILES (sass: only these kernel files, each tree's names), SASS_JOBS (sass: compiling processes, at most 2).
+# llm.c (karpathy/llm.c f1e2ace: Makefile, train_gpt2.cu, llmc/) is read from .devcarry/llmc.
 # A STEP_CASES entry may carry overrides: fp32:fused:fp32_gemm=ffma,batch_size=32.
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from
 # .devcarry/reference/ (a copy of the reference scripts carried along; never imported by gptcuda).
@@ -319,6 +321,13 @@ if has seeds; then          # best val over seeds, e.g. SEEDS_GROUPS="tf32=confi
     --budget-s ${SEEDS_BUDGET_S:-300} --out "$OUT/seeds" --json "$OUT/seeds.json" 2>&1 \
     | tee "$OUT/seeds.log" | tail -40 | tee -a "$OUT/summary.txt"
   find "$OUT/seeds" -name "*.ckpt" -delete
+fi
+if has sass; then           # every kernel's machine code against another tree (no GPU needed; NVRTC and ptxas)
+  old=${SASS_OLD:-.devcarry/oldtree}
+  log "machine code: bench/sass_compare.py $old . ${SASS_FILES:+--files $SASS_FILES}"
+  python3 bench/sass_compare.py "$old" . --jobs ${SASS_JOBS:-2} ${SASS_FILES:+--files $SASS_FILES} --out "$OUT/sass" 2>&1 \
+    | tee "$OUT/sass.log" | grep -v "^  \[" | tail -40 | tee -a "$OUT/summary.txt"
+  rm -rf "$OUT/sass/old/cubins" "$OUT/sass/new/cubins"
 fi
 if has gemm; then
   log "GEMM benchmark (cuBLAS through torch in the same process, benchmark only)"

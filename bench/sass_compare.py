@@ -15,7 +15,10 @@ few kernels other code than the same kernels compiled alone (seen on NVRTC 13.5)
 difference must be confirmed per variant.
 
 Each kernel is read out of its cubin (a plain ELF64 parse: no disassembler needed) and matched by
-(file, defines, mangled name). Identical means: the same bytes of .text.<mangled> (the machine
+defines and name expression, in whichever file it lives (a kernel that moved between files is compared
+with itself), or with the new tree's expression that only appends template arguments to the old one
+(geometry passed by the launcher: flash_fwd_tc<64,false> -> flash_fwd_tc<64,false,128,...>; its mangled
+name then differs, its code must not). Identical means: the same bytes of .text.<mangled> (the machine
 code), the same register count (ptxas's report in the compile log), static shared memory
 (.nv.shared.<mangled>) and parameter bank size (.nv.constant0.<mangled>). Differences of
 .nv.info.<mangled> (attributes, which hold symbol indices that shift with the module's other
@@ -199,47 +202,83 @@ def describe(a: dict, b: dict) -> str:
     return ", ".join(parts)
 
 
+def same_kernel(old_name: str, new_name: str) -> bool:
+    """Is the new tree's name expression the old tree's kernel? The same expression, or the old one with
+    template arguments appended (geometry a launcher now passes): k<64,false> -> k<64,false,128,2>,
+    k -> k<8>. The code is then compared as usual; only the mangled name may differ."""
+    if old_name == new_name:
+        return True
+    return new_name.startswith(old_name[:-1] + "," if old_name.endswith(">") else old_name + "<")
+
+
+def pair(ro: dict, rn: dict) -> list:
+    """[(old key, new key)] of the variants compiled in both trees: the same defines and the same kernel
+    (same_kernel), in whichever file it lives; the same name expression first, then appended arguments."""
+    pairs, used_o, used_n = [], set(), set()
+    for exact in (True, False):
+        for kn in sorted(rn):
+            if kn in used_n:
+                continue
+            cands = [ko for ko in sorted(ro) if ko not in used_o and ko[1] == kn[1] and
+                     (ko[2] == kn[2] if exact else same_kernel(ko[2], kn[2]))]
+            cands.sort(key=lambda ko: ko[0] != kn[0])                   # the same file first
+            if cands:
+                used_o.add(cands[0])
+                used_n.add(kn)
+                pairs.append((cands[0], kn))
+    return pairs
+
+
 def compare(old: dict, new: dict):
-    """Prints the per-file summary; returns (failed, the keys whose code differs under one mangled name)."""
+    """Prints the per-file summary (by the new tree's file; a kernel that moved counts under its new
+    file, its old file named); returns (failed, [(old key, new key)] whose code differs)."""
     ro, rn = old["results"], new["results"]
-    files = sorted({k[0] for k in ro} | {k[0] for k in rn})
+    pairs = pair(ro, rn)
+    matched_o, matched_n = {o for o, _ in pairs}, {n for _, n in pairs}
+    files = sorted({k[0] for k in rn} | {k[0] for k in ro if k not in matched_o})
     failed, retry = False, []
     for f in files:
-        ko = {k for k in ro if k[0] == f}
-        kn = {k for k in rn if k[0] == f}
-        same, differ, nvinfo, errors = 0, [], 0, []
-        for k in sorted(ko & kn):
-            a, b = ro[k], rn[k]
+        fp = [(o, n) for o, n in pairs if n[0] == f]
+        same, differ, nvinfo, errors, renamed = 0, [], 0, [], 0
+        moved = sorted({o[0] for o, n in fp if o[0] != f})
+        for o, n in fp:
+            a, b = ro[o], rn[n]
             if "error" in a or "error" in b:
-                errors.append(f"{k[2]}: {(a.get('error') or b.get('error')).splitlines()[0]}")
+                errors.append(f"{n[2]}: {(a.get('error') or b.get('error')).splitlines()[0]}")
                 continue
             if a["lowered"] != b["lowered"]:
-                differ.append(f"{k[2]} (mangled {a['lowered']} vs {b['lowered']})")
-                failed = True
-                continue
+                if o[2] == n[2]:
+                    differ.append(f"{n[2]} (mangled {a['lowered']} vs {b['lowered']})")
+                    failed = True
+                    continue
+                renamed += 1
             d = describe(a, b) if a["text"] is None or b["text"] is None or any(
                 a[x] != b[x] for x in ("text", "regs", "shared", "param")) else ""
             if d:
-                differ.append(f"{k[2]} {dict(k[1]) or ''} [{d}]")
-                retry.append(k)
+                differ.append(f"{o[2]} -> {n[2]} {dict(n[1]) or ''} [{d}]" if o[2] != n[2] else f"{n[2]} {dict(n[1]) or ''} [{d}]")
+                retry.append((o, n))
             else:
                 same += 1
                 nvinfo += a["nvinfo"] != b["nvinfo"]
-        only_old = sorted(f"{k[2]} {dict(k[1]) or ''}".strip() for k in ko - kn)
-        only_new = sorted(f"{k[2]} {dict(k[1]) or ''}".strip() for k in kn - ko)
-        line = (f"{f}: compared {len(ko & kn)}, identical {same}, differing {len(differ)}, "
+        only_old = sorted(f"{k[2]} {dict(k[1]) or ''}".strip() for k in ro if k[0] == f and k not in matched_o)
+        only_new = sorted(f"{k[2]} {dict(k[1]) or ''}".strip() for k in rn if k[0] == f and k not in matched_n)
+        line = (f"{f}: compared {len(fp)}, identical {same}, differing {len(differ)}, "
                 f"old-only {len(only_old)}, new-only {len(only_new)}")
+        if moved:
+            line += f" (moved from {', '.join(moved)})"
+        if renamed:
+            line += f"; {renamed} renamed by appended template arguments"
         if nvinfo:
             line += f", .nv.info differs (not a failure) for {nvinfo}"
         ex_o, ex_n = old["extras"].get(f, set()), new["extras"].get(f, set())
-        if ex_o != ex_n:
+        if f in old["extras"] and f in new["extras"] and ex_o != ex_n:
             line += f"; kernels in the cubin beyond the variants: old {len(ex_o)}, new {len(ex_n)}"
         print(line)
         for tag, items in (("DIFFERS", differ), ("ERROR", errors), ("old-only", only_old), ("new-only", only_new)):
             for it in items:
                 print(f"    {tag}: {it}")
         failed |= bool(errors)
-    print(f"TOTAL: {len(set(ro) & set(rn))} variants in both trees; {len(retry)} with other machine code")
+    print(f"TOTAL: {len(pairs)} variants in both trees; {len(retry)} with other machine code")
     return failed, retry
 
 
@@ -267,16 +306,19 @@ def main():
     failed, retry = compare(*res)
     if retry and args.retries > 0:
         print(f"\nRECHECK: each differing kernel compiled {args.retries}x more per tree (PTX and machine code):")
-        (args.out / "retry.pkl").write_bytes(pickle.dumps(retry))
-        ro, rn = (run_tree(t, args.out / tag, args, ["--recheck", str(args.out / "retry.pkl"),
-                                                      "--retries", str(args.retries)])
-                  for tag, t in (("old", old_t), ("new", new_t)))
-        for k in retry:
-            o, n = ro[k], rn[k]
-            first = {t: {hashlib.sha1(r["results"][k]["text"]).hexdigest()} for t, r in zip("on", res)}
+        checked = []
+        for side, (tag, t) in enumerate((("old", old_t), ("new", new_t))):    # each tree its own keys
+            keys = args.out / f"retry-{tag}.pkl"
+            keys.write_bytes(pickle.dumps([k[side] for k in retry]))
+            checked.append(run_tree(t, args.out / tag, args, ["--recheck", str(keys), "--retries", str(args.retries)]))
+        ro, rn = checked
+        for ko, kn in retry:
+            o, n = ro[ko], rn[kn]
+            first = {"o": {hashlib.sha1(res[0]["results"][ko]["text"]).hexdigest()},
+                     "n": {hashlib.sha1(res[1]["results"][kn]["text"]).hexdigest()}}
             codes_o, codes_n = o["text"] | first["o"], n["text"] | first["n"]
             met = bool(codes_o & codes_n)
-            print(f"    {k[0]} {k[2]} {dict(k[1]) or ''}: {'same kernel, run-to-run variation' if met else 'DIFFERS'}; "
+            print(f"    {kn[0]} {kn[2]} {dict(kn[1]) or ''}: {'same kernel, run-to-run variation' if met else 'DIFFERS'}; "
                   f"distinct machine codes old {len(codes_o)}, new {len(codes_n)}, common {len(codes_o & codes_n)}; "
                   f"distinct PTX old {len(o['ptx'])}, new {len(n['ptx'])}, common {len(o['ptx'] & n['ptx'])}")
             failed |= not met

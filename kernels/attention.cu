@@ -16,18 +16,16 @@
 // reference draws the same bits (rng.dropout_mask with cols = T).
 #include "common.cuh"
 
-#ifndef ATTN_ROWS_PER_BLOCK
-#define ATTN_ROWS_PER_BLOCK 8      // warps per block of the row kernels (one warp per row)
-#endif
-#define ATTN_ROW_THREADS (32 * ATTN_ROWS_PER_BLOCK)
-#define ATTN_PERMUTE_THREADS 256
+// Block geometry comes from the launcher (gptcuda/ops/cuda/attention.py) as template arguments: the
+// permutes' THREADS (grid-stride loops, any block), the row kernels' ROWS (one warp a row, 32 * ROWS
+// threads a block).
 
 // ------------------------------------------------------------------------------ permutes
 
 // x [B,T,nmat*C] (C = H*hs) -> nmat tensors [B,H,T,hs] (out1/out2 unused when nmat == 1).
 // VEC = 4 needs hs % 4 == 0 and 16-byte aligned pointers.
-template <int VEC>
-__global__ void __launch_bounds__(ATTN_PERMUTE_THREADS)
+template <int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 attn_permute_in(float* __restrict__ out0,        // [B,H,T,hs]
                 float* __restrict__ out1,        // [B,H,T,hs] or null
                 float* __restrict__ out2,        // [B,H,T,hs] or null
@@ -57,8 +55,8 @@ attn_permute_in(float* __restrict__ out0,        // [B,H,T,hs]
 }
 
 // nmat tensors [B,H,T,hs] -> out [B,T,nmat*C]
-template <int VEC>
-__global__ void __launch_bounds__(ATTN_PERMUTE_THREADS)
+template <int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 attn_permute_out(float* __restrict__ out,        // [B,T,nmat*C]
                  const float* __restrict__ in0,  // [B,H,T,hs]
                  const float* __restrict__ in1,  // [B,H,T,hs] or null
@@ -92,15 +90,15 @@ attn_permute_out(float* __restrict__ out,        // [B,T,nmat*C]
 // Causal softmax of each row of att, in place, one warp per row (row r = (b*H+h)*T + i):
 // att[r, j] = exp(s_j - max) / sum for j <= i, exactly 0 for j > i. The row is read once
 // for an online max/sum, then again to write. With DROP, pd[r, j] = att[r, j] * keep * inv_keep.
-template <bool DROP>
-__global__ void __launch_bounds__(ATTN_ROW_THREADS)
+template <bool DROP, int ROWS>
+__global__ void __launch_bounds__(32 * ROWS)
 attn_softmax_fwd(float* __restrict__ att,        // [B,H,T,T] scores in, probabilities out
                  float* __restrict__ pd,         // [B,H,T,T] dropped probabilities (DROP) or null
                  const StepState* __restrict__ st,
                  u32 seed, u32 site, u32 threshold, float inv_keep,
                  int rows, int T) {
     const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * ATTN_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    const int r = blockIdx.x * ROWS + (threadIdx.x >> 5);
     if (r >= rows) return;
     const int i = r % T;                          // query position: keys 0..i are visible
     float* row = att + (long long)r * T;
@@ -135,14 +133,15 @@ attn_softmax_fwd(float* __restrict__ att,        // [B,H,T,T] scores in, probabi
 
 // pd = probs * keep * inv_keep (rebuilds the forward's dropped probabilities for the backward),
 // causal rows: entries above the diagonal are 0 in probs and so in pd.
-__global__ void __launch_bounds__(ATTN_ROW_THREADS)
+template <int ROWS>
+__global__ void __launch_bounds__(32 * ROWS)
 attn_dropout_probs(float* __restrict__ pd,           // [B,H,T,T]
                    const float* __restrict__ probs,  // [B,H,T,T]
                    const StepState* __restrict__ st,
                    u32 seed, u32 site, u32 threshold, float inv_keep,
                    int rows, int T) {
     const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * ATTN_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    const int r = blockIdx.x * ROWS + (threadIdx.x >> 5);
     if (r >= rows) return;
     const int i = r % T;
     const u32 key = gc_key(seed, (u32)st->step, site);
@@ -159,15 +158,15 @@ attn_dropout_probs(float* __restrict__ pd,           // [B,H,T,T]
 // Softmax backward, in place on d: d holds dL/d(pd) (the gradient of the dropped
 // probabilities) and becomes dL/d(scores) including the 1/sqrt(hs) scale:
 //   dP = d * keep * inv_keep (DROP) or d;   dS = P * (dP - sum_j P*dP) * scale;  0 above the diagonal.
-template <bool DROP>
-__global__ void __launch_bounds__(ATTN_ROW_THREADS)
+template <bool DROP, int ROWS>
+__global__ void __launch_bounds__(32 * ROWS)
 attn_softmax_bwd(float* __restrict__ d,              // [B,H,T,T] dpd in, dS out
                  const float* __restrict__ probs,    // [B,H,T,T]
                  const StepState* __restrict__ st,
                  u32 seed, u32 site, u32 threshold, float inv_keep, float scale,
                  int rows, int T) {
     const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * ATTN_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    const int r = blockIdx.x * ROWS + (threadIdx.x >> 5);
     if (r >= rows) return;
     const int i = r % T;
     u32 key = 0;

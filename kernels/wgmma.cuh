@@ -1,7 +1,7 @@
 // Hopper warpgroup MMA (wgmma, sm_90a) for 32-bit operands: the shared-memory descriptor of the
 // 128-byte swizzled K-major layout, the fences and group waits, and the m64nNk8 TF32 instructions
 // with both operands in shared memory (wg_mma_tf32) or A in registers (wg_mma_tf32_rs). Used by
-// gemm_wgmma.cu and flash_attention.cu; only valid where __CUDA_ARCH_FEAT_SM90_ALL is defined.
+// gemm_wgmma.cu and flash_wg.cu; only valid where __CUDA_ARCH_FEAT_SM90_ALL is defined.
 #pragma once
 
 // Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle (PTX ISA, "Matrix

@@ -41,7 +41,7 @@ def has_gpu():
 PREBUILT = "prebuilt_kernels"
 CHECKED = "checked_variants"
 # Heaviest first (most of NVRTC's time is ptxas on the GEMM tiles), so the pool's tail is short.
-_HEAVY_FIRST = ("gemm_tf32.cu", "gemm_simt.cu", "gemm_wgmma.cu", "flash_attention.cu")
+_HEAVY_FIRST = ("gemm_tf32.cu", "gemm_simt.cu", "gemm_wgmma.cu", "flash_tc.cu", "flash_x3.cu", "flash_simt.cu")
 
 
 def _file_rank(file):

@@ -2,7 +2,7 @@
 stand-in runtime)."""
 import pytest
 
-from gptcuda.ops.cuda import attention as attn
+from gptcuda.ops.cuda import attention as attn, flash
 from gptcuda.runtime import DeviceView, execution
 from tests.conftest import FakeGemmRT, fake_view
 
@@ -31,30 +31,33 @@ def test_dkv_on_wgmma_where_the_plan_has_it(hs):
     assert "flash_bwd_dq_tc" in wg
     if hs in attn.FLASH_WG_HEAD_SIZES:
         name, grid, block, smem = wg["flash_bwd_dkv_wg"]
-        assert name == f"flash_bwd_dkv_wg<{hs},true>" and grid == (6, 5) and block == (128,)
-        assert smem == attn.flash_dkv_wg_plan(hs)["smem"] and "flash_bwd_dkv_tc" not in wg
+        plan = flash.flash_dkv_wg_plan(hs)
+        assert name == f"flash_bwd_dkv_wg<{hs},true,128,64,32,2,{plan['smem']}>" and grid == (6, 5) and block == (128,)
+        assert smem == plan["smem"] and "flash_bwd_dkv_tc" not in wg
     else:
-        assert wg["flash_bwd_dkv_tc"][0] == f"flash_bwd_dkv_tc<{hs},true>" and "flash_bwd_dkv_wg" not in wg
+        assert wg["flash_bwd_dkv_tc"][0].startswith(f"flash_bwd_dkv_tc<{hs},true,") and "flash_bwd_dkv_wg" not in wg
     tc = _bwd_launches(hs, "0", p=0.0)       # GPTCUDA_WGMMA=0: the mma.sync kernel
-    assert tc["flash_bwd_dkv_tc"][0] == f"flash_bwd_dkv_tc<{hs},false>" and "flash_bwd_dkv_wg" not in tc
+    assert tc["flash_bwd_dkv_tc"][0].startswith(f"flash_bwd_dkv_tc<{hs},false,") and "flash_bwd_dkv_wg" not in tc
 
 
 @pytest.mark.parametrize("hs", attn.FLASH_WG_HEAD_SIZES)
 def test_dkv_wg_plan_fits(hs):
     """FaDkvWg's shared memory: K, V (64 x hs), 2 ring stages of Q, dO (32 x hs) and 1 KB of lse / D,
     1 KB to align the base: three blocks an SM (each also reserves 1 KB of the SM's 228 KB)."""
-    smem = attn.flash_dkv_wg_plan(hs)["smem"]
+    smem = flash.flash_dkv_wg_plan(hs)["smem"]
     assert smem == 2 * 64 * hs * 4 + 2 * (2 * 32 * hs * 4 + 1024) + 1024
     assert 3 * (smem + 1024) <= 228 * 1024
     with pytest.raises(ValueError, match="head sizes"):
-        attn.flash_dkv_wg_plan(128)
+        flash.flash_dkv_wg_plan(128)
 
 
 def test_dkv_wg_variants_listed():
-    names = {n for f, n, d in attn.VARIANTS if f == attn.FLASH_FILE}
-    for hs in attn.FLASH_HEAD_SIZES:
-        want = {f"flash_bwd_dkv_wg<{hs},true>", f"flash_bwd_dkv_wg<{hs},false>"}
-        assert want <= names if hs in attn.FLASH_WG_HEAD_SIZES else not want & names
+    names = {n.split(",")[0] for f, n, d in attn.VARIANTS if f == flash.FLASH_WG_FILE}
+    assert names == {f"flash_bwd_dkv_wg<{hs}" for hs in attn.FLASH_WG_HEAD_SIZES}
+    for hs in attn.FLASH_WG_HEAD_SIZES:
+        for drop in (False, True):
+            k = flash.flash_kernel("dkv", "flash_tc", hs, drop, wg=True)
+            assert (k.file, k.name, {}) in attn.VARIANTS
 
 
 # ---- fp32: 3xTF32 on the tensor cores (flash_3x) where fp32 GEMMs run as 3xTF32, else FFMA (flash)
@@ -114,18 +117,18 @@ def test_fp32_launches_the_x3_kernels(hs, p):
     got = _launches(ex, hs, p, B, H, T)
     assert set(got) == {"flash_fwd_x3", "flash_rowsum_do", "flash_bwd_dq_x3", "flash_bwd_dkv_x3"}
     for kind, kernel in (("fwd", "flash_fwd_x3"), ("dq", "flash_bwd_dq_x3"), ("dkv", "flash_bwd_dkv_x3")):
-        plan = attn.flash_tc_plan(kind, hs, x3=True)
+        plan = flash.flash_tc_plan(kind, hs, x3=True)
         name, grid, block, smem = got[kernel]
-        assert name == f"{kernel}<{hs},{drop}>" and block == (128,)
-        assert grid == (B * H, -(-T // plan["rows"])) and smem == plan["smem"]
-        assert smem == attn.flash_smem_bytes(kind, hs, "flash_3x")
+        assert name == flash.expression(kernel, hs, p > 0, *plan["args"]) and name.startswith(f"{kernel}<{hs},{drop},")
+        assert grid == (B * H, -(-T // plan["rows"])) and smem == plan["smem"] == plan["args"][-1] and block == (128,)
+        assert smem == flash.flash_plan(kind, hs, "flash_3x")["smem"]
     ffma = _launches(execution.resolve(arch="sm_90", precision="fp32", fp32_gemm="ffma", attention="fused", env={}),
                      hs, p, B, H, T)
     assert set(ffma) == {"flash_fwd", "flash_rowsum_do", "flash_bwd_dq", "flash_bwd_dkv"}
-    assert ffma["flash_fwd"][1] == (B * H, -(-T // attn.FLASH_BQ))
+    assert ffma["flash_fwd"][1] == (B * H, -(-T // flash.FLASH_BQ))
 
 
-# the 3xTF32 tile plans (FaFwdTc / FaDqTc / FaDkvTc <HS, true> in flash_attention.cu): rows a block, ring
+# the 3xTF32 tile plans (the _x3 kernels' FaFwdTc / FaDqTc / FaDkvTc in flash_tc.cuh): rows a block, ring
 # stages, and whether the resident operands sit in registers (fwd: Q's hi and lo fragments)
 X3_PLANS = {   # (kind, hs): (rows, smem floats)
     ("fwd", 32): (128, 3 * 2 * 32 * 36), ("fwd", 64): (64, 3 * 2 * 32 * 68),
@@ -142,23 +145,40 @@ def test_x3_plans(kind, hs):
     """The 3xTF32 plans as the kernels define them, two blocks an SM (each reserves 1 KB of 228 KB)
     like the tf32 ones; the tf32 plans stay as they were."""
     rows, floats = X3_PLANS[kind, hs]
-    plan = attn.flash_tc_plan(kind, hs, x3=True)
-    assert plan == {"rows": rows, "smem": 4 * floats}
-    assert attn.flash_rows(kind, hs, "flash_3x") == rows
+    plan = flash.flash_tc_plan(kind, hs, x3=True)
+    assert (plan["rows"], plan["smem"]) == (rows, 4 * floats)
+    assert flash.flash_plan(kind, hs, "flash_3x") == plan
     assert 2 * (plan["smem"] + 1024) <= 228 * 1024
-    tc = attn.flash_tc_plan(kind, hs)
-    assert tc == attn.flash_tc_plan(kind, hs, x3=False) and tc["rows"] == (128 if hs <= 64 else 64)
+    tc = flash.flash_tc_plan(kind, hs)
+    assert tc == flash.flash_tc_plan(kind, hs, x3=False) and tc["rows"] == (128 if hs <= 64 else 64)
     assert 2 * (tc["smem"] + 1024) <= 228 * 1024
 
 
 def test_x3_variants_listed_and_paths_checked():
-    names = {n for f, n, d in attn.VARIANTS if f == attn.FLASH_FILE}
-    for hs in attn.FLASH_HEAD_SIZES:
-        for d in ("false", "true"):
-            assert {f"flash_fwd_x3<{hs},{d}>", f"flash_bwd_dq_x3<{hs},{d}>", f"flash_bwd_dkv_x3<{hs},{d}>"} <= names
+    names = {n for f, n, d in attn.VARIANTS if f == flash.FLASH_FILES["flash_3x"]}
+    assert names == {flash.flash_kernel(kind, "flash_3x", hs, drop).name for kind in ("fwd", "dq", "dkv")
+                     for hs in attn.FLASH_HEAD_SIZES for drop in (False, True)}
+    assert len({n.split(",")[0] + n.split(",")[1] for n in names}) == len(names)     # one plan a (kernel, hs, drop)
     with pytest.raises(ValueError, match="path"):
-        attn.flash_rows("fwd", 64, "flash_x3")
+        flash.flash_plan("fwd", 64, "flash_x3")
     with pytest.raises(ValueError, match="flash_tc kernel"):
         attn._fused_bwd(_AttnRT(1, 1, 8, "fp32"), fake_view((1, 8, 192)), fake_view((1, 8, 64)),
                         fake_view((1, 8, 192)), fake_view((1, 8, 64)), fake_view((1, 1, 8)), 1, 0.0, 7,
                         "flash_3x", True)
+
+
+@pytest.mark.parametrize("kind,path,wg", [("fwd", "flash_tc", False), ("dkv", "flash_3x", False),
+                                          ("dq", "flash", False), ("dkv", "flash_tc", True)])
+def test_kernels_refuse_a_plan_they_cannot_run(kind, path, wg):
+    """The geometry is the launcher's: a kernel compiles with its plan's template arguments and
+    static_asserts the rest, so shared memory that is not its layout's, or another block size, fails
+    to compile (NVRTC's fast level)."""
+    from gptcuda.runtime import compiler
+    k = flash.flash_kernel(kind, path, 64, False, wg)
+    compiler.check_compile(k.file, [k.name])
+    base, args = k.name[:-1].split("<")
+    args = args.split(",")
+    for bad in (args[:-1] + [str(k.smem + 16)], args[:2] + ["256"] + args[3:]):
+        name = f"{base}<{','.join(bad)}>"
+        with pytest.raises(compiler.CompileError, match="the launcher's plan"):
+            compiler.check_compile(k.file, [name])

@@ -275,8 +275,10 @@ def _nvrtc_compile(filename: str, source: str, names, options):
 
 
 # Files using instructions of one architecture only (wgmma: sm_90a), compiled for the "a" target
-# of that architecture; their kernels trap elsewhere and the launchers never pick them there.
-ARCH_SPECIFIC = {"gemm_wgmma.cu": ("sm_90",), "flash_attention.cu": ("sm_90",)}
+# of that architecture; their kernels trap elsewhere and the launchers never pick them there. The
+# other flash files share flash_wg.cu's headers and take its target too.
+ARCH_SPECIFIC = {f: ("sm_90",) for f in ("gemm_wgmma.cu", "flash_wg.cu", "flash_simt.cu", "flash_tc.cu",
+                                         "flash_x3.cu", "flash_rowsum.cu")}
 
 
 def target_arch(filename: str, arch: str) -> str:

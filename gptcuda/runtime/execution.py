@@ -25,7 +25,7 @@ The rules, in one place:
   run, wrote it); "off" leaves it unread (`gemm_table` False): the cost model alone. A shape is
   measured once and its entry never changes, so a resumed run launches the plans it launched.
 - Attention. `attention: unfused` saves the [B, H, T, T] probabilities (kernels/attention.cu);
-  `fused` runs flash attention (kernels/flash_attention.cu) saving the log-sum-exp: in tf32 on
+  `fused` runs flash attention (kernels/flash_*.cu) saving the log-sum-exp: in tf32 on
   tensor cores (`flash_tc`: the _tc kernels, dK/dV on warpgroup MMA (_wg) up to head size 64 where
   wgmma is on); in fp32 as 3xTF32 on tensor cores where `fp32_as_3xtf32` holds (`flash_3x`: the _x3
   kernels, hi / lo splits at fragment load, as the fp32 GEMMs), else in FFMA (`flash`: fp32_gemm ffma,
@@ -162,9 +162,9 @@ class ExecutionPlan:
         else:
             wg = "not for fp32 (fp32_gemm ffma)"
         att = {"unfused": "unfused: saved probabilities (attention.cu)",
-               "flash": "flash, FFMA (flash_attention.cu)",
-               "flash_3x": "flash on tensor cores as 3xTF32 (flash_attention.cu _x3)",
-               "flash_tc": "flash on tensor cores (flash_attention.cu _tc" + ("; dK/dV on warpgroup MMA up to head size 64: _wg)"
+               "flash": "flash, FFMA (flash_simt.cu)",
+               "flash_3x": "flash on tensor cores as 3xTF32 (flash_x3.cu)",
+               "flash_tc": "flash on tensor cores (flash_tc.cu" + ("; dK/dV on warpgroup MMA up to head size 64: flash_wg.cu)"
                                                                            if self.wgmma else ")"),
                None: "as the saved tensors say"}[self.attention]
         env = ", ".join(f"{k}={v}" for k, v in self.env) or "none set"

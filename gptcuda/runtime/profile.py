@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "flash_attention": "attention",
+GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "flash": "attention",
           "layernorm": "layernorm", "elementwise": "elementwise", "loss": "loss", "optim": "optimizer",
           "encoder": "embedding"}
 
@@ -45,6 +45,7 @@ def phase_table(rt, prog, iters: int = 5, top: int = 25, by_label: int = 0) -> s
         by_kernel[(file, name)][0] += ms
         by_kernel[(file, name)][1] += 1
         stem = file[:-3] if file.endswith(".cu") else file
+        stem = "flash" if stem.startswith("flash_") else stem          # flash_*.cu: one family
         by_group[GROUPS.get(stem, stem)] += ms
     total = sum(ms for _, ms in rows)
     out = [f"phase table: {len(rows)} launches, sum of per-launch times {total:.3f} ms"]

@@ -1,5 +1,5 @@
 """Causal self-attention launchers: unfused (kernels/attention.cu + batched gemms) and fused
-(kernels/flash_attention.cu).
+(flash attention: kernels/flash_*.cu, one file an implementation; flash_common.cuh says what they share).
 
     attention_fwd(rt, y[B,T,C], qkv[B,T,3C], saved, n_head, p, site, ex)
     attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site, ex)
@@ -24,51 +24,33 @@ from __future__ import annotations
 import math
 
 from gptcuda.runtime import execution
-from gptcuda.runtime.execution import FLASH_WG_HEAD_SIZES  # noqa: F401 (the dK/dV kernel's head sizes)
-from gptcuda.ops.cuda import cdiv, dropout_args
+from gptcuda.ops.cuda import cdiv, dropout_args, flash
+from gptcuda.ops.cuda.flash import (FLASH_HEAD_SIZES, FLASH_PATHS, FLASH_THREADS, FLASH_WG_HEAD_SIZES, ROWSUM_FILE,
+                                    ROWSUM_THREADS, expression)
 from gptcuda.runtime import DeviceView, f32, i32
 
 FILE = "attention.cu"
-FLASH_FILE = "flash_attention.cu"
-
-ROWS_PER_BLOCK = 8            # ATTN_ROWS_PER_BLOCK in attention.cu (one warp per row)
+ROWS_PER_BLOCK = 8            # the row kernels' rows a block (one warp a row): their template argument
 ROW_THREADS = 32 * ROWS_PER_BLOCK
-PERMUTE_THREADS = 256
+PERMUTE_THREADS = 256         # the permutes' block: their template argument
 MAX_GRID = 132 * 32           # grid-stride kernels: enough blocks to fill 132 SMs many times
 
-# ---- fused kernel geometry (flash_attention.cu) ----------------------------------------
-FLASH_HEAD_SIZES = (32, 64, 128)
-FLASH_THREADS = 128           # FA_THREADS / FA_TC_THREADS in flash_attention.cu
-FLASH_BQ = 64                 # query rows per block of the fp32 forward and dQ kernels (FA_BR)
-FLASH_BK = 64                 # key rows per block of the fp32 dK/dV kernel (FA_BR)
-ROWSUM_THREADS = 256
+
+def _permute_name(to_heads: bool, vec: int) -> str:
+    return expression("attn_permute_in" if to_heads else "attn_permute_out", vec, PERMUTE_THREADS)
 
 
-def _flash_variants():
-    out = []
-    for hs in FLASH_HEAD_SIZES:
-        for drop in ("false", "true"):
-            for suffix in ("", "_tc", "_x3"):              # FFMA, TF32, 3xTF32
-                out.append((FLASH_FILE, f"flash_fwd{suffix}<{hs},{drop}>", {}))
-                out.append((FLASH_FILE, f"flash_bwd_dq{suffix}<{hs},{drop}>", {}))
-                out.append((FLASH_FILE, f"flash_bwd_dkv{suffix}<{hs},{drop}>", {}))
-            if hs in FLASH_WG_HEAD_SIZES:
-                out.append((FLASH_FILE, f"flash_bwd_dkv_wg<{hs},{drop}>", {}))
-    out += [(FLASH_FILE, f"flash_rowsum_do<{hs}>", {}) for hs in FLASH_HEAD_SIZES]
-    return out
+def _row_name(kernel: str, drop: bool | None) -> str:
+    """attn_softmax_fwd / attn_softmax_bwd <drop, ROWS_PER_BLOCK>, attn_dropout_probs <ROWS_PER_BLOCK> (drop None)."""
+    return expression(kernel, *(() if drop is None else (drop,)), ROWS_PER_BLOCK)
 
 
-VARIANTS = [
-    (FILE, "attn_permute_in<1>", {}),
-    (FILE, "attn_permute_in<4>", {}),
-    (FILE, "attn_permute_out<1>", {}),
-    (FILE, "attn_permute_out<4>", {}),
-    (FILE, "attn_softmax_fwd<false>", {}),
-    (FILE, "attn_softmax_fwd<true>", {}),
-    (FILE, "attn_dropout_probs", {}),
-    (FILE, "attn_softmax_bwd<false>", {}),
-    (FILE, "attn_softmax_bwd<true>", {}),
-] + _flash_variants()
+VARIANTS = (
+    [(FILE, _permute_name(t, v), {}) for t in (True, False) for v in (1, 4)]
+    + [(FILE, _row_name(k, d), {}) for k in ("attn_softmax_fwd", "attn_softmax_bwd") for d in (False, True)]
+    + [(FILE, _row_name("attn_dropout_probs", None), {})]
+    + flash.variants()
+)
 
 
 # ---------------------------------------------------------------------------- planning
@@ -142,11 +124,11 @@ def _grid_1d(n: int, threads: int) -> int:
 
 def _permute(rt, to_heads: bool, wide: DeviceView, heads, B, T, H, hs):
     """Copy wide [B,T,nmat*C] into nmat heads [B,H,T,hs] (to_heads), or the heads back into wide."""
-    kernel = "attn_permute_in" if to_heads else "attn_permute_out"
+    kernel = "attn_permute_in" if to_heads else "attn_permute_out"     # the launch's label
     nmat = len(heads)
     h = list(heads) + [None] * (3 - nmat)
     vec = 4 if hs % 4 == 0 and _aligned(wide, *h) else 1
-    fn = rt.function(FILE, f"{kernel}<{vec}>")
+    fn = rt.function(FILE, _permute_name(to_heads, vec))
     n = B * T * nmat * H * hs // vec
     views = h + [wide] if to_heads else [wide] + h   # both kernels take the destination first
     rt.launch(fn, (_grid_1d(n, PERMUTE_THREADS),), (PERMUTE_THREADS,),
@@ -164,8 +146,6 @@ def permute_out(rt, out: DeviceView, ins, B, T, H, hs):
 
 
 # ---------------------------------------------------------------------------- ops
-
-FLASH_PATHS = ("flash", "flash_tc", "flash_3x")     # the fused paths of execution.ATTENTION_PATHS
 
 
 def _path(saved, op, ex):
@@ -216,7 +196,7 @@ def _unfused_fwd(rt, y, qkv, probs, n_head, p, site, ex):
     grid = (cdiv(rows, ROWS_PER_BLOCK),)
     drop = float(p) > 0
     pd = _view(rt.workspace("attention_att"), (B, H, T, T)) if drop else None
-    fn = rt.function(FILE, f"attn_softmax_fwd<{'true' if drop else 'false'}>")
+    fn = rt.function(FILE, _row_name("attn_softmax_fwd", drop))
     rt.launch(fn, grid, (ROW_THREADS,),
               [probs, pd] + dropout_args(rt, p, site, "attention") + [i32(rows), i32(T)],
               label="attn_softmax_fwd")
@@ -240,11 +220,11 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site, ex):
     permute_in(rt, (q, k, v), qkv, B, T, H, hs)      # later layers' forwards overwrote q, k, v
     permute_in(rt, (dyh,), dy, B, T, H, hs)
     if drop:                                         # att = pd, used for dv, then reused for dpd
-        rt.launch(rt.function(FILE, "attn_dropout_probs"), grid, (ROW_THREADS,),
+        rt.launch(rt.function(FILE, _row_name("attn_dropout_probs", None)), grid, (ROW_THREADS,),
                   [att, probs] + dargs + [i32(rows), i32(T)], label="attn_dropout_probs")
     matmul_batched(rt, dv, att if drop else probs, dyh, trans_a=True, ex=ex)      # dv = pd^T dyh
     matmul_batched(rt, att, dyh, v, trans_b=True, ex=ex)                          # dpd = dyh v^T
-    fn = rt.function(FILE, f"attn_softmax_bwd<{'true' if drop else 'false'}>")
+    fn = rt.function(FILE, _row_name("attn_softmax_bwd", drop))
     rt.launch(fn, grid, (ROW_THREADS,),
               [att, probs] + dargs + [f32(1.0 / math.sqrt(hs)), i32(rows), i32(T)],
               label="attn_softmax_bwd")
@@ -253,81 +233,7 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site, ex):
     permute_out(rt, dqkv, (dq, dk, dv), B, T, H, hs)
 
 
-# ---- fused
-
-def flash_tc_plan(kind: str, hs: int, x3: bool = False) -> dict:
-    """Tile plan of a tensor-core flash kernel, tf32 (the _tc kernels) or 3xTF32 (x3: the _x3
-    kernels): rows per block and dynamic shared memory (bytes). Mirrors FaFwdTc / FaDqTc / FaDkvTc
-    <HS, X3> in flash_attention.cu (the kernels trap on less smem): 4 warps of mt m16 row tiles each;
-    a ring of ns cp.async stages of streamed tiles; the resident operands either staged through ring
-    stages 1.. into registers (areg) or kept in their own buffer. 3xTF32 holds hi and lo fragments:
-    16 rows a warp from head size 64, shorter key tiles in fwd, the resident operands of dq and dkv
-    (and fwd's Q at head size 128) left in shared memory."""
-    ld = hs + 4
-    mt = 2 if hs <= (32 if x3 else 64) else 1
-    if kind == "fwd":                      # ring: K, V tiles of bc keys; Q staged -> registers (or resident)
-        bc = (32 if hs <= 64 else 16) if x3 else (64 if hs <= 64 else 32)
-        ns, stage, resident, areg = 3, 2 * bc * ld, 64 * mt * ld, not x3 or hs <= 64
-    elif kind == "dq":                     # ring: K, V tiles of bc keys; resident Q, dO
-        bc = 32 if hs <= 64 else 16
-        areg = not x3 and hs * mt <= 64
-        ns = (3 if hs <= 64 else 2) if x3 else (3 if areg else 2)
-        stage, resident = 2 * bc * ld, 2 * 64 * mt * ld
-    elif kind == "dkv":                    # ring: Q, dO tiles of 16 queries + lse, D; resident K, V
-        bq = 16
-        areg = not x3 and hs * mt <= 64
-        ns, stage, resident = (3 if hs <= 64 else 2), 2 * bq * ld + 2 * bq, 2 * 64 * mt * ld
-    else:
-        raise ValueError(kind)
-    n = max(ns * stage, stage + resident) if areg else ns * stage + resident
-    return {"rows": 64 * mt, "smem": 4 * n}
-
-
-def flash_dkv_wg_plan(hs: int) -> dict:
-    """Tile plan of flash_bwd_dkv_wg (the dK/dV kernel on warpgroup MMA, sm_90a, head sizes up to 64);
-    mirrors FaDkvWg in flash_attention.cu (which traps on less shared memory): one warpgroup of 64
-    keys; K and V resident (64 x hs each), a ring of 2 stages of 32 queries (Q, dO, then lse and D in
-    1 KB; Q^T and dO^T are written over Q and dO), every tile 1024-byte aligned, plus 1 KB to align
-    the base: three blocks an SM."""
-    if hs not in FLASH_WG_HEAD_SIZES:
-        raise ValueError(f"flash_bwd_dkv_wg takes head sizes {FLASH_WG_HEAD_SIZES}, not {hs}")
-    kv, qt = 64 * hs * 4, 32 * hs * 4
-    return {"rows": 64, "smem": 2 * kv + 2 * (2 * qt + 1024) + 1024}
-
-
-def flash_smem_bytes(kind: str, hs: int, path: str) -> int:
-    """Dynamic shared memory of a flash kernel of the fused `path` (flash | flash_tc | flash_3x);
-    mirrors FaSmem (FFMA) and the Fa*Tc plans (tf32, 3xTF32) in flash_attention.cu (which trap if
-    they get less)."""
-    if path != "flash":
-        return flash_tc_plan(kind, hs, _x3(path))["smem"]
-    ld = hs + 4
-    bkf = 32 if hs >= 128 else 64          # FaTiles::BKF: key tile of fwd / dq
-    bqb = 32                               # FaTiles::BQB: query tile of dkv
-    br = FLASH_BQ
-    if kind == "fwd":                      # + the P staging buffer of the fp32 policy
-        n = (br + 2 * bkf) * ld + br * (bkf + 4)
-    elif kind == "dq":
-        n = (2 * br + 2 * bkf) * ld + br * (bkf + 4)
-    elif kind == "dkv":
-        n = (2 * br + 2 * bqb) * ld + 2 * bqb + br * (bqb + 4)
-    else:
-        raise ValueError(kind)
-    return 4 * n
-
-
-def flash_rows(kind: str, hs: int, path: str) -> int:
-    """Rows (queries for fwd / dq, keys for dkv) of one block of a flash kernel of the fused `path`."""
-    if path != "flash":
-        return flash_tc_plan(kind, hs, _x3(path))["rows"]
-    return FLASH_BK if kind == "dkv" else FLASH_BQ
-
-
-def _x3(path: str) -> bool:
-    if path not in FLASH_PATHS:
-        raise ValueError(f"unknown fused attention path {path!r} (one of {FLASH_PATHS})")
-    return path == "flash_3x"
-
+# ---- fused (the kernels and their geometry: flash.py)
 
 def _fused_check(hs, *views):
     if hs not in FLASH_HEAD_SIZES:
@@ -337,30 +243,21 @@ def _fused_check(hs, *views):
         raise ValueError("fused attention needs 16-byte aligned qkv / y / dy / dqkv")
 
 
-_FLASH_SUFFIX = {"flash": "", "flash_tc": "_tc", "flash_3x": "_x3"}     # the kernels of each fused path
-
-
-def _flash_name(kind: str, path: str, hs: int, p: float) -> str:
-    _x3(path)
-    return f"flash_{kind}{_FLASH_SUFFIX[path]}<{hs},{'true' if float(p) > 0 else 'false'}>"
-
-
 def _fused_fwd(rt, y, qkv, lse, n_head, p, site, path):
     B, T, C, H, hs = _split(qkv, n_head)
     _fused_check(hs, qkv, y)
     lse = _view(lse, (B, H, T))
-    fn = rt.function(FLASH_FILE, _flash_name("fwd", path, hs, p))
-    br = flash_rows("fwd", hs, path)
-    rt.launch(fn, (B * H, cdiv(T, br)), (FLASH_THREADS,),
+    k = flash.flash_kernel("fwd", path, hs, float(p) > 0)
+    rt.launch(rt.function(k.file, k.name), (B * H, cdiv(T, k.rows)), (FLASH_THREADS,),
               [y, lse, qkv] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
-              smem=flash_smem_bytes("fwd", hs, path), label="flash_fwd")
+              smem=k.smem, label="flash_fwd")
 
 
 def rowsum_do(rt, D, dy, y, B, T, H, hs):
     """D [B, H, T] = the row sums of dy * y per head (dy, y [B, T, H * hs], 16-byte aligned): the
     backward's D = rowsum(dO * O) = rowsum(P * dP), also with dropout."""
     rows = B * T * H
-    rt.launch(rt.function(FLASH_FILE, f"flash_rowsum_do<{hs}>"), (cdiv(rows * (hs // 4), ROWSUM_THREADS),),
+    rt.launch(rt.function(ROWSUM_FILE, flash.rowsum_name(hs)), (cdiv(rows * (hs // 4), ROWSUM_THREADS),),
               (ROWSUM_THREADS,), [D, dy, y, i32(rows), i32(T), i32(H)], label="flash_rowsum_do")
 
 
@@ -375,16 +272,7 @@ def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, path, wg=False):
     D = _view(rt.workspace("attention_d"), (B, H, T))
     rowsum_do(rt, D, dy, y, B, T, H, hs)
     args = [dqkv, qkv, dy, lse, D] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
-    bq = flash_rows("dq", hs, path)
-    rt.launch(rt.function(FLASH_FILE, _flash_name("bwd_dq", path, hs, p)),
-              (B * H, cdiv(T, bq)), (FLASH_THREADS,), args,
-              smem=flash_smem_bytes("dq", hs, path), label="flash_bwd_dq")
-    if wg:
-        plan = flash_dkv_wg_plan(hs)
-        name = f"flash_bwd_dkv_wg<{hs},{'true' if float(p) > 0 else 'false'}>"
-        bk, smem = plan["rows"], plan["smem"]
-    else:
-        name, bk, smem = (_flash_name("bwd_dkv", path, hs, p), flash_rows("dkv", hs, path),
-                          flash_smem_bytes("dkv", hs, path))
-    rt.launch(rt.function(FLASH_FILE, name), (B * H, cdiv(T, bk)), (FLASH_THREADS,), args,
-              smem=smem, label="flash_bwd_dkv")
+    for kind, k in (("dq", flash.flash_kernel("dq", path, hs, float(p) > 0)),
+                    ("dkv", flash.flash_kernel("dkv", path, hs, float(p) > 0, wg))):
+        rt.launch(rt.function(k.file, k.name), (B * H, cdiv(T, k.rows)), (FLASH_THREADS,), args,
+                  smem=k.smem, label=f"flash_bwd_{kind}")

@@ -49,19 +49,16 @@ VARIANTS = (
     + [(FILE, "sum_rows", {})]
 )
 SUM_ITEMS = 8             # sums a sum_rows launch takes (SUM_ITEMS in elementwise.cu)
-SUMS = "sum_partials"     # the deferred sums' partials: a ring of one backward point's
+SUMS = "sum_partials"     # the deferred sums' partials: a ring of one backward point's (layernorm.workspace)
 SUMS_ALIGN = 64           # floats: every region starts 256-byte aligned
 
 
 def workspace(cfg, ex=None) -> dict:
-    """Bias-gradient partials: [MAX_CHUNKS, max(4C, 3C, V)] floats; the deferred sums' ring: a layer's
-    two layernorms' partials ([ln_blocks, 2C] each) and four bias gradients' ([MAX_CHUNKS, 4C] at most
-    each; a larger one is summed at once, from "bias_partials")."""
-    from gptcuda.ops.cuda import layernorm
+    """Bias-gradient partials: [MAX_CHUNKS, max(4C, 3C, V)] floats. (The deferred sums' ring SUMS is
+    planned by layernorm.workspace, which knows both of its users' sizes.)"""
     C = int(cfg.n_embd)
     width = max(4 * C, 3 * C, C, int(cfg.vocab_size or 0))
-    ring = 2 * layernorm.MAX_BLOCKS * 2 * C + 4 * MAX_CHUNKS * 4 * C + 8 * SUMS_ALIGN
-    return {WORKSPACE: ((MAX_CHUNKS, width), "f32"), SUMS: ((ring,), "f32")}
+    return {WORKSPACE: ((MAX_CHUNKS, width), "f32")}
 
 
 def _aligned(*views) -> bool:

@@ -42,8 +42,13 @@ VARIANTS += [(f, n, BROKEN) for f, n, _ in VARIANTS if n.startswith("layernorm_b
 
 
 def workspace(cfg, ex=None) -> dict:
-    """Partials of the backward: [MAX_BLOCKS, 2*C] floats (C = n_embd)."""
-    return {WORKSPACE: ((MAX_BLOCKS, 2 * int(cfg.n_embd)), "f32")}
+    """Partials of the backward: [MAX_BLOCKS, 2*C] floats (C = n_embd); and elementwise's ring of the
+    sums a backward holds (elementwise.SUMS): one layer's, its two layernorms' partials ([MAX_BLOCKS, 2C]
+    each) and its four bias gradients' ([elementwise.MAX_CHUNKS, 4C] at most each; a larger one is
+    summed at once, from elementwise's "bias_partials")."""
+    C = int(cfg.n_embd)
+    ring = 2 * MAX_BLOCKS * 2 * C + 4 * elementwise.MAX_CHUNKS * 4 * C + 8 * elementwise.SUMS_ALIGN
+    return {WORKSPACE: ((MAX_BLOCKS, 2 * C), "f32"), elementwise.SUMS: ((ring,), "f32")}
 
 
 def _aligned(*views) -> bool:
@@ -89,7 +94,6 @@ def layernorm_fwd(rt, out, mean, rstd, x, w, b, residual=None):
         if resid.numel != N * C or branch.numel != N * C:
             raise ValueError(f"layernorm_fwd: resid {resid.shape} / branch {branch.shape} are not [{N}, {C}]")
         if not nv:                       # the loop kernels take x as it is: make it first
-            from gptcuda.ops.cuda import elementwise
             elementwise.residual_dropout(rt, x, resid, branch, p, site)
     if nv:
         fused = residual is not None
