@@ -2,6 +2,8 @@
 
     python tools/launch_record.py --out before.json       # record, write {case: fingerprint}
     python tools/launch_record.py --compare before.json   # record again; name every case that differs
+    python tools/launch_record.py --files gemm --compare before.json --key no_ptrs   # the GEMM launches alone,
+                                                          # device addresses left out (another memory plan)
 
 The cases: configs/tiny.yaml over precision x attention x dropout x bias x recompute (32 configs, the
 train and eval programs of each: 64), and every shipped config at its own settings (its batch and
@@ -47,17 +49,25 @@ def cases():
         yield name, f"configs/{name}", ["--total_batch_tokens=0"]
 
 
-def fingerprint(items, labels=True) -> str:
+def fingerprint(items, labels=True, ptrs=True, files="") -> str:
+    """A launch sequence's hash; labels / ptrs False: without the launches' labels / device addresses
+    (a slot holding a fake device address, >= 2**32, hashes as 0); files: only launches of kernel files
+    whose names start with this."""
     h = hashlib.sha256()
     for rec in items:
+        if isinstance(rec, Launch) and not rec.fn.file.startswith(files):
+            continue
         if isinstance(rec, Launch):
             h.update(repr((rec.fn.file, rec.fn.name, rec.grid, rec.block, rec.smem,
                            rec.label if labels else "")).encode())
-            h.update(rec.slots.tobytes())
+            slots = rec.slots if ptrs else np.where(rec.slots >= np.uint64(1 << 32), np.uint64(0), rec.slots)
+            h.update(slots.tobytes())
             for i in sorted(rec.blobs):                  # the blob's bytes, not its alignment padding
                 buf, addr = rec.blobs[i]
                 off = addr - buf.ctypes.data
                 h.update(bytes(buf[off:off + len(buf) - Blob.ALIGN]))
+        elif files:
+            continue
         elif isinstance(rec, Memset):
             h.update(repr(("memset", rec.label if labels else "")).encode())
         else:
@@ -70,7 +80,10 @@ def record(path, overrides):
     cfg = load_config(str(ROOT / path), overrides)
     vocab = cfg.vocab_size or (50304 if cfg.tokenizer == "gpt2" else 65)
     n_vocab = 50257 if cfg.tokenizer == "gpt2" and not cfg.vocab_size else min(vocab, 65)
-    rt = RecordingRuntime(cfg)
+    try:
+        rt = RecordingRuntime(cfg)
+    except TypeError:                    # (a tree whose recording runtime takes the precision)
+        rt = RecordingRuntime(cfg.precision)
     be = CudaBackend(cfg, rt=rt)
     toks = np.arange(cfg.batch_size * cfg.block_size * 2 + 8, dtype=np.int32) % n_vocab
     eng = Engine(cfg, toks, toks, vocab, backend=be, programs=("train", "eval"), n_vocab=n_vocab)
@@ -81,21 +94,27 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the fingerprints here (JSON)")
     ap.add_argument("--compare", help="compare with fingerprints written earlier; exit 1 on a difference")
+    ap.add_argument("--key", default="", help="compare this fingerprint only (with_labels, no_labels, no_ptrs)")
     ap.add_argument("--only", default="", help="record only cases whose name contains this")
+    ap.add_argument("--files", default="", help="fingerprint only launches of kernel files starting with this")
     a = ap.parse_args(argv)
     got = {}
     for name, path, overrides in cases():
         if a.only and a.only not in name:
             continue
         for prog, items in record(path, overrides).items():
-            got[f"{name}:{prog}"] = {"launches": sum(isinstance(r, Launch) for r in items),
-                                     "with_labels": fingerprint(items), "no_labels": fingerprint(items, False)}
+            got[f"{name}:{prog}"] = {"launches": sum(isinstance(r, Launch) and r.fn.file.startswith(a.files)
+                                                     for r in items),
+                                     "with_labels": fingerprint(items, files=a.files),
+                                     "no_labels": fingerprint(items, False, files=a.files),
+                                     "no_ptrs": fingerprint(items, False, False, files=a.files)}
     print(f"{len(got)} programs, {sum(v['launches'] for v in got.values())} launches")
     if a.out:
         Path(a.out).write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     if a.compare:
         want = json.loads(Path(a.compare).read_text())
-        bad = [k for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
+        pick = (lambda v: v and v.get(a.key)) if a.key else (lambda v: v)
+        bad = [k for k in sorted(set(want) | set(got)) if pick(want.get(k)) != pick(got.get(k))]
         for k in bad:
             print(f"DIFFERS {k}: {want.get(k)} -> {got.get(k)}")
         print(f"{len(got) - len(bad)} of {len(got)} identical")

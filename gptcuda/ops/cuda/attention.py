@@ -25,7 +25,7 @@ import math
 
 from gptcuda.runtime import execution
 from gptcuda.ops.cuda import cdiv, dropout_args, flash
-from gptcuda.ops.cuda.flash import (FLASH_HEAD_SIZES, FLASH_PATHS, FLASH_THREADS, FLASH_WG_HEAD_SIZES, ROWSUM_FILE,
+from gptcuda.ops.cuda.flash import (FLASH_HEAD_SIZES, FLASH_PATHS, FLASH_THREADS, FLASH_WG_HEAD_SIZES, ROWSUM_FILE,  # noqa: F401
                                     ROWSUM_THREADS, expression)
 from gptcuda.runtime import DeviceView, f32, i32
 
