@@ -4,6 +4,7 @@ and launch the family's kernel (and the split-K reduction)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from gptcuda.ops.backend import rows
 from gptcuda.ops.cuda import elementwise
@@ -38,63 +39,122 @@ def _vec_ok(a, b, lda, ldb, sA, sB):
     return a.ptr % 16 == 0 and b.ptr % 16 == 0 and _aligned(lda, ldb, sA, sB)
 
 
-def _launch_gemm(rt, p: Plan, out, aux, a, b, bias, M, N, K, lda, ldb, ldc, sA, sB, sC,
-                 alpha, ta, tb, epi, has_bias, batch, ws=None, label="gemm", colsum=None):
-    """One product by plan p (split-K: the partials, then the reduction). colsum (a family with a
-    colsum_kernel, epilogue none, batch 1): also colsum[z, m] = the sum of A's rows of split z, as
-    stored [K, M] (the bias gradient's partials)."""
+@dataclass(frozen=True)
+class GemmCall:
+    """One product as a GEMM kernel computes it: out[z] ([M, N], leading dim ldc, batch stride sC) =
+    alpha * op(a[z]) @ op(b[z]) (+ bias) (+ the epilogue of code epi with aux), a and b with leading
+    dims lda / ldb and batch strides sA / sB, op() transposing where ta / tb; colsum (a family with a
+    colsum_kernel, epilogue none, batch 1): also colsum[z, m] = the sums of A's rows of split z, as
+    stored [K, M] (a weight gradient's bias-gradient partials)."""
+    out: DeviceView
+    a: DeviceView
+    b: DeviceView
+    M: int
+    N: int
+    K: int
+    lda: int
+    ldb: int
+    ldc: int
+    ta: bool = False
+    tb: bool = False
+    epi: int = EPI_NONE
+    bias: DeviceView | None = None
+    aux: DeviceView | None = None
+    alpha: float = 1.0
+    batch: int = 1
+    sA: int = 0
+    sB: int = 0
+    sC: int = 0
+    colsum: DeviceView | None = None
+    label: str = "gemm"
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias is not None
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch as the runtime takes it: the kernel (file, name expression), grid, threads, dynamic
+    shared memory and its arguments by name, in the kernel's parameter order."""
+    file: str
+    kernel: str
+    grid: tuple
+    threads: int
+    args: tuple                  # ((name, value), ...)
+    smem: int = 0
+    label: str = ""
+
+    def run(self, rt):
+        rt.launch(rt.function(self.file, self.kernel), self.grid, (self.threads,), [v for _, v in self.args],
+                  smem=self.smem, label=self.label)
+
+
+def gemm_launches(rt, p: Plan, c: GemmCall, ws=None) -> list:
+    """The launches of one product by plan p: the family's kernel, and for split-K its partials into
+    ws [splits, M, N] then the fixed-order reduction that applies the epilogue (a swaps kernel stores
+    them transposed, [splits, N, M]: out's layout). rt: the device's SM count and its tensor maps."""
     fam = p.fam
-    if colsum is not None and (not has_colsum_kernel(p, ta, tb) or epi != EPI_NONE or batch != 1):
-        raise AssertionError(f"{label}: column sums need the {p.family} colsum kernel, no epilogue, batch 1")
-    kernel = fam.kernel if colsum is None else (lambda t, ta_, tb_, *_: fam.colsum_kernel(t, ta_, tb_))
-    vec = _vec_ok(a, b, lda, ldb, sA, sB) and (p.splits == 1 or p.k_chunk % 4 == 0)
+    if c.colsum is not None and (not has_colsum_kernel(p, c.ta, c.tb) or c.epi != EPI_NONE or c.batch != 1):
+        raise AssertionError(f"{c.label}: column sums need the {p.family} colsum kernel, no epilogue, batch 1")
+    vec = _vec_ok(c.a, c.b, c.lda, c.ldb, c.sA, c.sB) and (p.splits == 1 or p.k_chunk % 4 == 0)
     if fam.k_major:
-        if ta or not tb or not vec:
-            raise AssertionError(f"{label}: the wgmma kernel needs K-major, 16-byte aligned A and B")
+        if c.ta or not c.tb or not vec:
+            raise AssertionError(f"{c.label}: the wgmma kernel needs K-major, 16-byte aligned A and B")
     elif fam.layouts:            # (a swaps family's kernel runs the swapped product: B' K-major)
-        if (ta, tb) not in (((True, True),) if fam.swaps else fam.layouts) or not vec:
-            raise AssertionError(f"{label}: the {p.family} kernel needs {fam.needs}")
+        if (c.ta, c.tb) not in (((True, True),) if fam.swaps else fam.layouts) or not vec:
+            raise AssertionError(f"{c.label}: the {p.family} kernel needs {fam.needs}")
     elif not vec and p.tile not in fam.unaligned_tiles:
-        raise AssertionError(f"{label}: {p.family.upper()} tile {p.tile} has no unaligned variant")
-    operands = [a, b]
-    if fam.split_first:          # TMA over the split halves: {K, rows, 2 (hi, lo)}, dense
-        operands = [rt.tensor_map(x, (K, rows_, 2), (4 * K, 4 * rows_ * K), (32, box, 1))
-                    for x, rows_, box in ((a, M, p.bm), (b, N, p.bn))]
-    elif fam.tma(p.tile):
-        # TMA: tensor maps in place of pointers; a K-major operand (A [M, K], B [N, K]) {K, rows,
-        # batch} with boxes {32, BM or BN} in the 128-byte swizzle, an MN-major one (A [K, M]: trans_a,
-        # B [K, N]: not trans_b, read as stored by wgmma_mn / wgmma3_ws) {rows, K, batch}, boxes
-        # {BM or BN, 32}, unswizzled
-        # ({M, K, batch}) read through registers (a_regs: gemm_wgmma_ra) comes in boxes {32, 32} in the
-        # 128-byte swizzle
-        operands = []
-        for x, rows_, ld, stride, box, mn in ((a, M, lda, sA, p.bm, ta), (b, N, ldb, sB, p.bn, not tb)):
-            inner, outer = (rows_, K) if mn else (K, rows_)
-            regs = mn and fam.a_regs and x is a
-            operands.append(rt.tensor_map(x, (inner, outer, batch), (4 * ld, 4 * max(stride, outer * ld)),
-                                          (32, 32, 1) if regs else (box, 32, 1) if mn else (32, box, 1),
-                                          swizzle=regs or not mn))
+        raise AssertionError(f"{c.label}: {p.family.upper()} tile {p.tile} has no unaligned variant")
+
+    def kernel(epi, has_bias):
+        if c.colsum is not None:
+            return fam.colsum_kernel(p.tile, c.ta, c.tb)
+        return fam.kernel(p.tile, c.ta, c.tb, epi, has_bias, vec)
+
+    operands = _operands(rt, p, c)
     if p.splits > 1:
-        # partials: plain store into ws [splits, M, N], then the fixed-order reduction + epilogue (a
-        # swaps kernel stores them transposed: ws [splits, N, M], out's layout, reduced as such)
-        fn = rt.function(fam.file, kernel(p.tile, ta, tb, EPI_NONE, False, vec))
-        grid = _grid(rt, p, M, N, p.splits)
-        rM, rN = (N, M) if fam.swaps else (M, N)
-        rt.launch(fn, grid, (p.threads,), _gemm_args(p, ws, None, operands, None, M, N, K, lda, ldb, rN,
-                                                      0, 0, M * N, 1.0, p.splits, p.k_chunk, p.splits, colsum),
-                  smem=p.smem, label=f"{label}:splitk{p.splits}")
-        rfn = rt.function(SIMT_FILE, reduce_name(epi, has_bias))
-        total = M * N
+        rM, rN = (c.N, c.M) if fam.swaps else (c.M, c.N)
+        part = GemmCall(ws, c.a, c.b, c.M, c.N, c.K, c.lda, c.ldb, rN, c.ta, c.tb, sC=c.M * c.N, batch=p.splits,
+                        colsum=c.colsum, label=c.label)
+        total = c.M * c.N
         blocks = max(1, min(cdiv(total, REDUCE_THREADS), rt.info.sm_count * 8))
-        rt.launch(rfn, (blocks,), (REDUCE_THREADS,), [out, aux, ws, bias, i32(rM), i32(rN), i32(ldc),
-                                                      i32(p.splits), f32(alpha)],
-                  label=f"{label}:reduce")
-        return
-    fn = rt.function(fam.file, kernel(p.tile, ta, tb, epi, has_bias, vec))
-    grid = _grid(rt, p, M, N, batch)
-    rt.launch(fn, grid, (p.threads,), _gemm_args(p, out, aux, operands, bias, M, N, K, lda, ldb, ldc,
-                                                  sA, sB, sC, alpha, 1, max(K, 1), batch, colsum),
-              smem=p.smem, label=label)
+        return [KernelLaunch(fam.file, kernel(EPI_NONE, False), _grid(rt, p, c.M, c.N, p.splits), p.threads,
+                             _gemm_args(p, part, operands, p.splits, p.k_chunk), p.smem,
+                             f"{c.label}:splitk{p.splits}"),
+                KernelLaunch(SIMT_FILE, reduce_name(c.epi, c.has_bias), (blocks,), REDUCE_THREADS,
+                             (("out", c.out), ("aux", c.aux), ("partials", ws), ("bias", c.bias), ("M", i32(rM)),
+                              ("N", i32(rN)), ("ldc", i32(c.ldc)), ("splits", i32(p.splits)),
+                              ("alpha", f32(c.alpha))), label=f"{c.label}:reduce")]
+    return [KernelLaunch(fam.file, kernel(c.epi, c.has_bias), _grid(rt, p, c.M, c.N, c.batch), p.threads,
+                         _gemm_args(p, c, operands, 1, max(c.K, 1)), p.smem, c.label)]
+
+
+def _launch_gemm(rt, p: Plan, c: GemmCall, ws=None):
+    for launch in gemm_launches(rt, p, c, ws):
+        launch.run(rt)
+
+
+def _operands(rt, p: Plan, c: GemmCall) -> tuple:
+    """A and B as the kernel takes them: pointers, or TMA tensor maps. The 3xTF32 split halves {K, rows,
+    2 (hi, lo)}, dense; a K-major operand (A [M, K], B [N, K]) {K, rows, batch} with boxes {32, BM or BN}
+    in the 128-byte swizzle; an MN-major one (A [K, M]: ta, B [K, N]: not tb, read as stored) {rows, K,
+    batch}, boxes {BM or BN, 32}, unswizzled, except A read through registers (a_regs): boxes {32, 32} in
+    the 128-byte swizzle."""
+    fam = p.fam
+    if fam.split_first:
+        return tuple(rt.tensor_map(x, (c.K, rows_, 2), (4 * c.K, 4 * rows_ * c.K), (32, box, 1))
+                     for x, rows_, box in ((c.a, c.M, p.bm), (c.b, c.N, p.bn)))
+    if not fam.tma(p.tile):
+        return c.a, c.b
+    out = []
+    for x, rows_, ld, stride, box, mn in ((c.a, c.M, c.lda, c.sA, p.bm, c.ta), (c.b, c.N, c.ldb, c.sB, p.bn, not c.tb)):
+        inner, outer = (rows_, c.K) if mn else (c.K, rows_)
+        regs = mn and fam.a_regs and x is c.a
+        out.append(rt.tensor_map(x, (inner, outer, c.batch), (4 * ld, 4 * max(stride, outer * ld)),
+                                 (32, 32, 1) if regs else (box, 32, 1) if mn else (32, box, 1),
+                                 swizzle=regs or not mn))
+    return tuple(out)
 
 
 def _grid(rt, p: Plan, M, N, zs):
@@ -105,15 +165,18 @@ def _grid(rt, p: Plan, M, N, zs):
     return (cdiv(N, p.bn), cdiv(M, p.bm), zs)
 
 
-def _gemm_args(p: Plan, C, aux, operands, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, k_chunk, zs,
-               colsum=None):
+def _gemm_args(p: Plan, c: GemmCall, operands, splits, k_chunk) -> tuple:
     """The argument block of a GEMM kernel (a TMA kernel takes tensor maps and no A/B strides; a
     persistent one the z extent of its tiles and the column sums' partials, or null, last)."""
+    a, b = operands
+    head = (("C", c.out), ("aux", c.aux), ("A", a), ("B", b), ("bias", c.bias), ("M", i32(c.M)), ("N", i32(c.N)),
+            ("K", i32(c.K)))
+    tail = (("alpha", f32(c.alpha)), ("splits", i32(splits)), ("k_chunk", i32(k_chunk)))
     if p.fam.tma(p.tile):
-        return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(ldc), u64(sC), f32(alpha),
-                i32(splits), i32(k_chunk)] + ([i32(zs), colsum] if p.fam.persistent(p.tile) else [])
-    return [C, aux, *operands, bias, i32(M), i32(N), i32(K), i32(lda), i32(ldb), i32(ldc),
-            u64(sA), u64(sB), u64(sC), f32(alpha), i32(splits), i32(k_chunk)]
+        zs = (("zs", i32(c.batch)), ("colsum", c.colsum)) if p.fam.persistent(p.tile) else ()
+        return head + (("ldc", i32(c.ldc)), ("sC", u64(c.sC))) + tail + zs
+    return head + (("lda", i32(c.lda)), ("ldb", i32(c.ldb)), ("ldc", i32(c.ldc)), ("sA", u64(c.sA)),
+                   ("sB", u64(c.sB)), ("sC", u64(c.sC))) + tail
 
 
 def matmul_dims(out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None):
@@ -224,8 +287,8 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     part = None
     if a_colsum is not None and has_colsum_kernel(p, trans_a, trans_b) and epi == EPI_NONE:
         part = _partials(rt, p.splits, M)
-    _launch_gemm(rt, p, out, aux, a, b, bias, M, N, K, lda, ldb, N, 0, 0, M * N, 1.0,
-                 trans_a, trans_b, epi, has_bias, 1, ws=ws, label=label, colsum=part)
+    _launch_gemm(rt, p, GemmCall(out, a, b, M, N, K, lda, ldb, N, trans_a, trans_b, epi, bias, aux, sC=M * N,
+                                 colsum=part, label=label), ws)
     if part is not None:
         elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
     elif a_colsum is not None:
@@ -299,9 +362,9 @@ def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, ep
             _transpose_into(rt, b_op, DeviceView(b.ptr + 4 * k0 * N, (kl, N), "f32", "B slab"), kl, N, False,
                             label, "B^T")
         first = k0 == 0
-        _launch_gemm(rt, p, out, aux if first else out, a_t, b_op, bias if first else None, M, N, kl, kl, ldb,
-                     N, 0, 0, M * N, 1.0, False, True, epi if first else EPI_RESID, has_bias and first, 1,
-                     ws=ws, label=label if K == kl else f"{label}:k{k0}")
+        _launch_gemm(rt, p, GemmCall(out, a_t, b_op, M, N, kl, kl, ldb, N, False, True, epi if first else EPI_RESID,
+                                     bias if first else None, aux if first else out, sC=M * N,
+                                     label=label if K == kl else f"{label}:k{k0}"), ws)
 
 
 def _matmul_swapped(rt, p: Plan, out, a, b, M, N, K, a_colsum, ws, label):
@@ -313,8 +376,7 @@ def _matmul_swapped(rt, p: Plan, out, a, b, M, N, K, a_colsum, ws, label):
     part = None if a_colsum is None else _colsum_partials(rt, M, K, K)
     at = _scratch(rt, "gemm_aT", (M, K), label)
     _transpose_into(rt, at, a, K, M, False, label, "A^T", colsum=part)
-    _launch_gemm(rt, p, out, None, b, at, None, N, M, K, N, K, N, 0, 0, M * N, 1.0, True, True, EPI_NONE, False, 1,
-                 ws=ws, label=label)
+    _launch_gemm(rt, p, GemmCall(out, b, at, N, M, K, N, K, N, True, True, sC=M * N, label=label), ws)
     if part is not None:
         elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
     elif a_colsum is not None:
@@ -404,5 +466,5 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
                        ex=ex)
     if p is None:
         p = model_plan(M, N, K, batch, rt.info.sm_count, family, max_ws=0, allow_split=False, vec=vec, wgmma=wg)
-    _launch_gemm(rt, p, out, None, a, b, None, M, N, K, lda, ldb, N, M * K, K * N, M * N,
-                 float(alpha), trans_a, trans_b, EPI_NONE, False, batch, label=label)
+    _launch_gemm(rt, p, GemmCall(out, a, b, M, N, K, lda, ldb, N, trans_a, trans_b, alpha=float(alpha), batch=batch,
+                                 sA=M * K, sB=K * N, sC=M * N, label=label))
