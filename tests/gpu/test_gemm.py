@@ -18,7 +18,20 @@ gpu = pytest.mark.gpu
 
 TOL = {"fp32": 1e-5, "tf32": 2e-3}
 EPIS = ["none", "bias", "gelu", "gelu_nobias", "residual", "residual_bias", "residual_alias", "dgelu"]
-TRANS = [(False, False), (False, True), (True, False), (True, True)]
+# _check_matmul's epilogue specs as (EPI, HAS_BIAS); the op interface's products (gemm.PRODUCTS): the
+# layouts and epilogues every family runs (the as-stored ones compiled for these alone)
+SPEC = {"none": (gemm.EPI_NONE, False), "bias": (gemm.EPI_BIAS, True), "gelu": (gemm.EPI_GELU, True),
+        "gelu_nobias": (gemm.EPI_GELU, False), "residual": (gemm.EPI_RESID, False),
+        "residual_bias": (gemm.EPI_RESID, True), "residual_alias": (gemm.EPI_RESID, False),
+        "dgelu": (gemm.EPI_DGELU, False)}
+LAYOUTS = list(gemm.PRODUCTS)
+
+
+def is_product(ta, tb, epi) -> bool:
+    return SPEC[epi] in gemm.PRODUCTS.get((ta, tb), ())
+
+
+CASES = [(ta, tb, e) for ta, tb in LAYOUTS for e in EPIS if is_product(ta, tb, e)]
 
 
 @pytest.fixture
@@ -132,8 +145,7 @@ def _check_matmul(rt, M, N, K, ta, tb, epi, seed=0, plan=None):
 # ---- every transpose case x every epilogue, odd shapes (tails everywhere) --------------
 @gpu
 @pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
-@pytest.mark.parametrize("ta,tb", TRANS)
-@pytest.mark.parametrize("epi", EPIS)
+@pytest.mark.parametrize("ta,tb,epi", CASES)
 @pytest.mark.parametrize("M,N,K", [(67, 65, 33), (1, 1, 1), (130, 129, 17), (200, 72, 132)])
 def test_matmul_odd_shapes(rt, precision, no_ws, M, N, K, ta, tb, epi):
     _check_matmul(rt, M, N, K, ta, tb, epi, seed=M * 7 + N + K)
@@ -142,17 +154,17 @@ def test_matmul_odd_shapes(rt, precision, no_ws, M, N, K, ta, tb, epi):
 # ---- aligned shapes (16-byte vector path) with partial tiles -------------------------
 @gpu
 @pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
-@pytest.mark.parametrize("ta,tb", TRANS)
+@pytest.mark.parametrize("ta,tb", LAYOUTS)
 @pytest.mark.parametrize("M,N,K", [(260, 132, 68), (64, 64, 8), (384, 256, 200), (1000, 516, 36)])
 def test_matmul_aligned_tails(rt, precision, no_ws, M, N, K, ta, tb):
-    _check_matmul(rt, M, N, K, ta, tb, "bias", seed=M + N + K)
-    _check_matmul(rt, M, N, K, ta, tb, "gelu", seed=M + N + K + 1)
+    for i, epi in enumerate(e for e in ("bias", "gelu", "dgelu", "none") if is_product(ta, tb, e)):
+        _check_matmul(rt, M, N, K, ta, tb, epi, seed=M + N + K + i)
 
 
 # ---- misaligned base pointers force the scalar path although ld % 4 == 0 -----------------
 @gpu
 @pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
-@pytest.mark.parametrize("ta,tb", TRANS)
+@pytest.mark.parametrize("ta,tb", LAYOUTS)
 def test_matmul_misaligned_pointers(rt, precision, no_ws, ta, tb):
     M, N, K = 96, 80, 40
     rng = np.random.default_rng(5)
@@ -197,13 +209,13 @@ def test_matmul_weight_grad_splitk(rt, precision, splitk_ws, M, N):
                   max_ws=splitk_ws.numel)
     assert p.splits > 1, p
     _check_matmul(rt, M, N, K, True, False, "none", seed=M + N)
-    _check_matmul(rt, N, M, K, True, False, "bias", seed=M + N + 1)   # dW^T orientation + bias
+    _check_matmul(rt, N, M, K, True, False, "none", seed=M + N + 1)   # the dW^T orientation
 
 
 @gpu
 @pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
-@pytest.mark.parametrize("ta,tb", TRANS)
-@pytest.mark.parametrize("epi", ["none", "gelu", "residual_bias", "residual_alias", "dgelu"])
+@pytest.mark.parametrize("ta,tb,epi", [c for c in CASES if c[2] in ("none", "gelu", "residual_bias", "residual_alias",
+                                                                      "dgelu")])
 def test_splitk_epilogues_odd(rt, precision, splitk_ws, ta, tb, epi):
     M, N, K = 67, 65, 4133
     p = gemm.plan(M, N, K, 1, rt.info.sm_count, "tf32" if precision == "tf32" else "simt",
@@ -222,7 +234,7 @@ def _tile_shapes(p):
 @gpu
 @pytest.mark.parametrize("tile", [t for t in gemm.TF32_TILES] + [t for t in gemm.SIMT_TILES],
                          ids=lambda t: "x".join(map(str, t)))
-@pytest.mark.parametrize("ta,tb", TRANS)
+@pytest.mark.parametrize("ta,tb", LAYOUTS)
 def test_every_tile_forced(rt, splitk_ws, tile, ta, tb):
     old = rt.precision
     rt.exec = rt.exec.with_precision("tf32" if len(tile) == 6 else "fp32")
@@ -230,11 +242,12 @@ def test_every_tile_forced(rt, splitk_ws, tile, ta, tb):
     try:
         for i, (M, N, K) in enumerate(_tile_shapes(gemm.make_plan(fam, tile, 1, 64))):
             p = gemm.make_plan(fam, tile, 1, K)
-            for epi in ("bias", "gelu", "residual_alias", "dgelu"):
+            for epi in (e for e in ("none", "bias", "gelu", "residual_alias", "dgelu") if is_product(ta, tb, e)):
                 _check_matmul(rt, M, N, K, ta, tb, epi, seed=i * 10 + len(epi), plan=p)
         # split-K partials through the same tile (k chunks of 256, 256 and a ragged 228)
         M, N, K = tile[0] + 4, tile[1] + 8, 740
-        _check_matmul(rt, M, N, K, ta, tb, "bias", seed=7, plan=gemm.make_plan(fam, tile, 3, K))
+        _check_matmul(rt, M, N, K, ta, tb, "bias" if is_product(ta, tb, "bias") else "none", seed=7,
+                      plan=gemm.make_plan(fam, tile, 3, K))
     finally:
         rt.exec = rt.exec.with_precision(old)
 
@@ -321,11 +334,12 @@ def test_wgmma_mn_tile_forced(rt, splitk_ws, _at_buffer, tile):
             for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
                                            (68, 36, 36), (tile[0] * 12 - 20, tile[1] * 12 - 36, 100)]):
                 p = gemm.make_plan("wgmma_mn", tile, 1, K)
-                for epi in ("none", "bias", "residual_alias", "residual_bias"):
-                    _check_matmul(rt, M, N, K, True, False, epi, seed=i * 10 + len(epi), plan=p)
+                _check_matmul(rt, M, N, K, True, False, "none", seed=i * 10, plan=p)
+                with pytest.raises(ValueError, match="not compiled for"):      # dY^T X takes no epilogue
+                    _check_matmul(rt, M, N, K, True, False, "bias", seed=i * 10, plan=p)
             _check_matmul(rt, 300, 200, 740, True, False, "none", seed=5,
                           plan=gemm.make_plan("wgmma_mn", tile, 3, 740))
-            _check_matmul(rt, 1100, 520, 8200, True, False, "bias", seed=6,
+            _check_matmul(rt, 1100, 520, 8200, True, False, "none", seed=6,
                           plan=gemm.make_plan("wgmma_mn", tile, 1, 8200))
     finally:
         rt.exec = rt.exec.with_precision(old)
@@ -527,20 +541,19 @@ def test_wgmma3_ws_tile_forced(rt, precision, splitk_ws, split_ws, fam, tile):
               (tile[0] * 12 - 20, tile[1] * 12 - 36, 100)]
     for i, (M, N, K) in enumerate(shapes):
         p = gemm.make_plan(fam, tile, 1, K)
-        for j, (ta, tb) in enumerate(TRANS):
-            epis = ("none", "bias", "gelu", "residual_alias", "residual_bias", "dgelu") if (i, j) < (1, 0) or \
-                (ta, tb) == (False, True) else ("none", "residual_bias")
-            for epi in epis:
-                _check_matmul(rt, M, N, K, ta, tb, epi, seed=i * 100 + j * 10 + len(epi), plan=p)
+        for j, (ta, tb) in enumerate(LAYOUTS):
+            for epi in ("none", "bias", "gelu", "residual_alias", "residual_bias", "dgelu"):
+                if is_product(ta, tb, epi) and (i == 0 or (ta, tb) == (False, True) or epi == "none"):
+                    _check_matmul(rt, M, N, K, ta, tb, epi, seed=i * 100 + j * 10 + len(epi), plan=p)
     M, N, K = tile[0] * 3 + 4, tile[1] * 2 + 8, 740
-    for j, (ta, tb) in enumerate(TRANS):
-        _check_matmul(rt, M, N, K, ta, tb, "gelu" if not ta else "none", seed=7 + j,
+    for j, (ta, tb) in enumerate(LAYOUTS):
+        _check_matmul(rt, M, N, K, ta, tb, "gelu" if (ta, tb) == (False, True) else "none", seed=7 + j,
                       plan=gemm.make_plan(fam, tile, 3, K))
 
 
 @gpu
 @pytest.mark.parametrize("precision", ["fp32"], indirect=True)
-@pytest.mark.parametrize("ta,tb", TRANS)
+@pytest.mark.parametrize("ta,tb", LAYOUTS)
 def test_wgmma3_ws_equals_the_split_first_kernel(rt, precision, splitk_ws, split_ws, ta, tb):
     """The in-kernel split writes the halves tf32_split / the splitting transpose write (gemm_wgmma3_ra:
     A's in the consumers' registers), and the products, their order and the partial sums are
@@ -785,7 +798,7 @@ def test_wgmma3_ws_a_colsum(rt, precision, splitk_ws, split_ws, fam, tile):
     _wgmma_rt(rt)
     part = rt.empty((256 * 1500,), name="bias_partials")
     with _workspaces(rt, bias_partials=part):
-        _check_a_colsum(rt, fam, tile, (False, True), part)
+        _check_a_colsum(rt, fam, tile, (False,), part)      # (TT is no product: gemm.PRODUCTS)
 
 
 @gpu
@@ -867,7 +880,7 @@ def test_matmul_square_4096(rt, precision, no_ws):
 # ---- batched (attention: scores = q @ k^T * scale, y = att @ v, and their backward) ------
 @gpu
 @pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
-@pytest.mark.parametrize("ta,tb", TRANS)
+@pytest.mark.parametrize("ta,tb", LAYOUTS)
 @pytest.mark.parametrize("lead,M,N,K", [((2, 3), 67, 65, 33), ((4, 6), 256, 256, 64),
                                         ((3, 2), 256, 64, 256), ((5,), 1, 7, 3)])
 def test_matmul_batched(rt, precision, lead, M, N, K, ta, tb):
@@ -976,33 +989,46 @@ _FakeRT, _v = FakeGemmRT, fake_view
 
 
 def test_launcher_names_are_in_variants():
+    """Every kernel the launchers ask for, for the op interface's products (gemm.PRODUCTS) and every plan
+    the tuner may force on them, is a listed variant; a product outside PRODUCTS is refused on a family
+    that reads its operands as stored."""
     variants = {(f, n, tuple(sorted(d.items()))) for f, n, d in gemm.VARIANTS}
+    epilogues = {gemm.EPI_NONE: "none", gemm.EPI_BIAS: "none", gemm.EPI_GELU: "gelu", gemm.EPI_RESID: "residual",
+                 gemm.EPI_DGELU: "dgelu"}
     for prec, arch in (("fp32", None), ("tf32", None), ("tf32", "sm_90"), ("fp32", "sm_90")):
         rt = _FakeRT(prec, ws=1 << 24, arch=arch, bt=1 << 25 if arch else 0, split=1 << 30 if arch else 0)
         shapes = [(67, 65, 33), (16384, 1152, 384), (16384, 65, 384), (1152, 384, 16384),
                   (65, 384, 16384), (4096, 4096, 4096), (64, 64, 64), (8, 8, 8)]
         for (M, N, K) in shapes:
-            for ta, tb in TRANS:
+            for (ta, tb), pairs in gemm.PRODUCTS.items():
                 a = _v((K, M) if ta else (M, K))
                 b = _v((N, K) if tb else (K, N))
-                for epi in ("none", "gelu", "residual", "dgelu"):
-                    for bias in ((None,) if epi == "dgelu" else (None, _v((N,)))):
-                        aux = None if epi == "none" else _v((M, N), 1 << 33)
-                        gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=bias, epilogue=epi, aux=aux)
+                for epi, has_bias in pairs:
+                    aux = None if epilogues[epi] == "none" else _v((M, N), 1 << 33)
+                    gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)) if has_bias else None,
+                                epilogue=epilogues[epi], aux=aux)
                 # misaligned pointers -> scalar variants
                 gemm.matmul(rt, _v((M, N)), _v(a.shape, (1 << 30) + 4), b, ta, tb)
                 gemm.matmul_batched(rt, _v((3, M, N)), _v((3,) + a.shape), _v((3,) + b.shape), ta, tb)
+        if arch is None:
+            with pytest.raises(ValueError, match="not compiled for TT"):
+                gemm.matmul(rt, _v((64, 64)), _v((64, 64)), _v((64, 64)), True, True)
+            with pytest.raises(ValueError, match="not a layout"):
+                gemm.matmul_batched(rt, _v((3, 8, 8)), _v((3, 8, 8)), _v((3, 8, 8)), True, True)
         # every plan the tuner may force
         for (M, N, K) in [(16384, 384, 1536), (384, 1152, 16384)]:
             for mode in (("direct", "transpose") if arch else (False,)):
                 for p in gemm.tune_candidates(M, N, K, 1, "tf32" if prec == "tf32" else "simt", True, 1 << 24,
                                               wgmma=mode):
-                    for ta, tb in (TRANS if not p.family.startswith("wgmma") else [(False, mode == "direct")]):
+                    wg = p.fam.k_major                 # re-lays the operands out: any epilogue
+                    for ta, tb in ([(False, mode == "direct")] if wg else gemm.PRODUCTS):
                         a = _v((K, M) if ta else (M, K))
                         b = _v((N, K) if tb else (K, N))
-                        gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)), plan=p)
-                        gemm.matmul(rt, _v((M, N)), a, b, ta, tb, epilogue="dgelu", aux=_v((M, N), 1 << 33),
-                                    plan=p)
+                        if wg or (ta, tb) == (False, True):
+                            gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)), plan=p)
+                        if wg or (ta, tb) == (False, False):
+                            gemm.matmul(rt, _v((M, N)), a, b, ta, tb, epilogue="dgelu", aux=_v((M, N), 1 << 33),
+                                        plan=p)
         missing = rt.names - variants
         assert not missing, f"launched but not in VARIANTS: {sorted(missing)[:5]}"
         assert (arch is not None) == any(n[0] == gemm.WGMMA_FILE for n in rt.names), (prec, arch)
@@ -1066,7 +1092,7 @@ def test_splitk_plan_and_workspace():
 
 def test_splitk_launch_sequence():
     rt = _FakeRT(ws=1 << 24)
-    gemm.matmul(rt, _v((1152, 384)), _v((16384, 1152)), _v((16384, 384)), True, False, bias=_v((384,)))
+    gemm.matmul(rt, _v((1152, 384)), _v((1152, 16384)), _v((384, 16384)), False, True, bias=_v((384,)))
     assert len(rt.launches) == 2
     assert "splitk_reduce<1,true>" in rt.launches[1][0]
 
