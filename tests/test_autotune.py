@@ -201,7 +201,7 @@ def test_progress_line(table_cache, monkeypatch):
 # ---- which shapes: the products the recorded programs look up ------------------------------------
 def _looked_up(monkeypatch, cfg, programs):
     pytest.importorskip("cuda.bindings.nvrtc")
-    from test_cuda_record import RecordingRuntime
+    from tests.fakes import RecordingRuntime
     from gptcuda.ops.cuda.gemm import launch
     from gptcuda.ops.cuda_backend import CudaBackend
     keys = set()
@@ -229,7 +229,7 @@ def test_model_gemms_are_the_recorded_products(table_cache, monkeypatch, over):
 # ---- when: the Engine -----------------------------------------------------------------------------
 def test_engine_on_a_stand_in_runtime_never_measures(table_cache, monkeypatch):
     pytest.importorskip("cuda.bindings.nvrtc")
-    from test_cuda_record import RecordingRuntime
+    from tests.fakes import RecordingRuntime
     from gptcuda.ops.cuda_backend import CudaBackend
     monkeypatch.setattr(tune, "autotune", lambda *a, **k: pytest.fail("measured on a stand-in runtime"))
     cfg = cfg_of()
@@ -276,7 +276,7 @@ def test_engine_reference_backend_never_measures(table_cache, monkeypatch):
 def _timing_runtime(precision):
     """A recording runtime that also times: every malloc is tracked, graphs replay nothing, events read 1 ms."""
     pytest.importorskip("cuda.bindings.nvrtc")
-    from test_cuda_record import FakeDev, RecordingRuntime
+    from tests.fakes import FakeDev, RecordingRuntime
 
     class Dev(FakeDev):
         def __init__(self):

@@ -243,8 +243,9 @@ class StreamCall:
 class Runtime:
     """One GPU: compiled functions, a stream, the program being recorded, graphs, memory."""
 
-    def __init__(self, device: int = 0, precision: str = "fp32", seed: int = 0, cfg=None):
-        self.dev = Device(device)
+    def __init__(self, device: int = 0, precision: str = "fp32", seed: int = 0, cfg=None, dev=None):
+        # dev: a stand-in for the driver.Device of GPU `device` (the tests' fake device: tests/fakes.py)
+        self.dev = Device(device) if dev is None else dev
         self.info = self.dev.info
         self.arch = self.info.arch
         # which kernels run (gptcuda/runtime/execution.py), resolved once for this device: the config's
@@ -261,6 +262,7 @@ class Runtime:
         self.compile_seconds = 0.0
         self._host_allocs: list = []  # page-locked host buffers (pinned)
         self._side = None            # the communication stream, made on first use
+        self.held_sums = None        # the row sums a backward holds (ops/cuda/elementwise.defer_sums)
 
     @property
     def precision(self) -> str:
