@@ -96,8 +96,8 @@ class FakeDev:
         return bytes(128)
 
 
-_SIZES = [("CUtensorMap", 128), ("TmaMap", 128), ("SumBatch", 392), ("long long", 8), ("size_t", 8), ("u64", 8), ("double", 8), ("int", 4),
-          ("unsigned", 4), ("float", 4), ("u32", 4), ("bool", 1)]
+_SIZES = [("CUtensorMap", 128), ("TmaMap", 128), ("SumBatch", 392), ("long long", 8), ("size_t", 8), ("u64", 8),
+          ("double", 8), ("int", 4), ("unsigned", 4), ("float", 4), ("u32", 4), ("bool", 1)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,14 +144,17 @@ def listed():
 class RecordingRuntime(Runtime):
     """A Runtime over FakeDev whose launches are recorded, not run. `plan`: a Config (its execution
     plan, as the CUDA backend's runtime resolves it) or a precision; arch: the device's (an arch
-    without the warpgroup-MMA kernels leaves them out of the plan); name, sm_count: the device's;
-    dev: a FakeDev of the test's own (its info then describes the device)."""
+    without the warpgroup-MMA kernels leaves them out of the plan); info: name, sm_count (FakeInfo)."""
 
-    def __init__(self, plan, seed=0, arch="sm_90", dev=None, **info):
+    def __init__(self, plan, seed=0, arch="sm_90", **info):
         cfg = None if isinstance(plan, str) else plan
         super().__init__(precision=plan if cfg is None else None, seed=seed, cfg=cfg,
-                         dev=dev or FakeDev(FakeInfo(arch=arch, **info)))
+                         dev=self.make_dev(FakeInfo(arch=arch, **info)))
         self.launched = []                  # launches made outside a program
+
+    def make_dev(self, info):
+        """The device under the runtime (a test's own FakeDev subclass: override this)."""
+        return FakeDev(info)
 
     def function(self, file, name, defines=None):
         key = (file, name, tuple(sorted((defines or {}).items())))
