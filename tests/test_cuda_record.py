@@ -1,6 +1,6 @@
 """Record the CUDA backend's whole training step on a machine without a GPU.
 
-A fake runtime checks that every kernel the launchers ask for is a listed variant (each launcher's
+A fake runtime (tests/fakes.py: a Runtime over a fake device) checks that every kernel the launchers ask for is a listed variant (each launcher's
 VARIANTS, all compiled by tests/test_compiler.py) and packs every argument block, but hands out fake
 device addresses and launches nothing. This runs
 the model's launch sequence, the launchers' shape checks, argument typing and workspace

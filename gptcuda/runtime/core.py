@@ -6,7 +6,8 @@ Launchers in gptcuda/ops/cuda/ use three things:
     rt.launch(fn, grid, block, [part, qkv, kc, vc, pos, i32(H), i32(T), f32(scale)])
     rt.workspace("attention_d")                                         # a planned scratch view
 
-and read which kernels to run from `rt.exec` (gptcuda/runtime/execution.py, resolved once). Arguments are
+and read which kernels to run from `rt.exec` (gptcuda/runtime/execution.py, resolved once); all they may
+use of a runtime is protocol.RuntimeProtocol. Arguments are
 DeviceViews (passed as pointers), None (a null pointer), typed scalars (i32, u32, f32, u64) or a
 Blob (an opaque by-value struct: a TMA tensor map); their sizes are checked against the kernel's
 parameters (cuFuncGetParamInfo). `launch` packs the argument block once into a `Launch` and either
