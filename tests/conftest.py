@@ -3,13 +3,12 @@ import os
 import sys
 from pathlib import Path
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from tests.fakes import RecordingRuntime  # noqa: E402
 # The suite reads the GEMM table but never measures one (an Engine on a GPU would otherwise time the
 # GEMMs of every test config, into a table the parallel workers share); the autotune tests opt in.
 os.environ.setdefault("GPTCUDA_GEMM_TUNE", "table")
@@ -233,47 +232,40 @@ def rel_err(out, ref):
     return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
-class FakeGemmRT:
-    """A recording stand-in for the runtime, for driving launchers on a machine without a GPU:
-    it records the kernels asked for and the launches, and lends a split-K workspace."""
+class FakeGemmRT(RecordingRuntime):
+    """The fake device's runtime for driving launchers alone: `names` holds the kernels asked for
+    ((file, name, sorted defines)), `launches` each launch's (name, grid, block, smem) as the launcher
+    passed them; ws, bt, split: the floats of the split-K, transposed-B and 3xTF32 split workspaces it
+    lends (0: none); arch None: no arch-specific kernels (wgmma) are candidates."""
 
     def __init__(self, precision="fp32", ws=0, name="NVIDIA H200 (test)", sm_count=132, arch=None, bt=0,
                  split=0):
-        from gptcuda.runtime import DeviceView, execution
-        self.arch = arch             # None: no arch-specific kernels (wgmma) are candidates
-        self.exec = execution.resolve(arch=arch, precision=precision)
-        self.info = SimpleNamespace(sm_count=sm_count, name=name)
+        from gptcuda.runtime import DeviceView
+        super().__init__(precision, arch=arch, name=name, sm_count=sm_count)
         self.names = set()
         self.launches = []
-        self._ws = {"gemm_splitk": DeviceView(1 << 20, (ws,), "f32", "ws")} if ws else {}
-        if bt:                       # the wgmma kernel's transposed-B scratch
-            self._ws["gemm_bT"] = DeviceView(1 << 40, (bt,), "f32", "bT")
-        if split:                    # the 3xTF32 kernel's split operands (fp32_gemm: 3xtf32)
-            self._ws["gemm_split_a"] = DeviceView(1 << 41, (split,), "f32", "split_a")
-            self._ws["gemm_split_b"] = DeviceView(1 << 42, (split,), "f32", "split_b")
+        for wname, floats, ptr in (("gemm_splitk", ws, 1 << 20), ("gemm_bT", bt, 1 << 40),
+                                   ("gemm_split_a", split, 1 << 41), ("gemm_split_b", split, 1 << 42)):
+            if floats:
+                self._ws[wname] = DeviceView(ptr, (floats,), "f32", wname)
 
     @property
-    def precision(self):
-        return self.exec.precision
+    def _ws(self):
+        """The workspaces lent, by name (the runtime's own dict: a test adds to it or replaces it)."""
+        return self._workspace
+
+    @_ws.setter
+    def _ws(self, views):
+        self._workspace = views
 
     def function(self, file, name, defines=None):
         self.names.add((file, name, tuple(sorted((defines or {}).items()))))
-        return SimpleNamespace(name=name)
+        return super().function(file, name, defines)
 
     def launch(self, fn, grid, block, args, smem=0, label=None):
+        rec = super().launch(fn, grid, block, args, smem, label)
         self.launches.append((fn.name, tuple(grid), tuple(block), smem))
-
-    def tensor_map(self, view, dims, strides_bytes, box, swizzle=True):
-        from gptcuda.runtime import Blob
-        assert len(dims) == len(box) == len(strides_bytes) + 1 and all(int(b) <= 256 for b in box), (dims, box)
-        assert all(int(s) % 16 == 0 for s in strides_bytes) and view.ptr % 16 == 0, (strides_bytes, view)
-        return Blob(bytes(128))
-
-    def workspace(self, name):
-        try:
-            return self._ws[name]
-        except KeyError:
-            raise KeyError(name) from None
+        return rec
 
 
 def plan_of(precision, wgmma=False, **kw):

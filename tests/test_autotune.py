@@ -18,6 +18,7 @@ from gptcuda.ops.cuda.gemm import tune
 from gptcuda.runtime import execution
 from gptcuda.training.engine import Engine
 from tests.conftest import fake_view, plan_of
+from tests.fakes import FakeDev, RecordingRuntime
 
 GPU = "NVIDIA H200 (test)"
 TOKS = (np.arange(1000) % 65).astype(np.int32)
@@ -27,13 +28,10 @@ def cfg_of(*over):
     return load_config("configs/tiny.yaml", list(over))
 
 
-class FakeRT:
-    """What autotune reads of a runtime: the execution plan, the device's name and SMs, the arch."""
-
-    def __init__(self, cfg, name=GPU):
-        self.exec = execution.resolve(cfg, arch="sm_90")
-        self.info = SimpleNamespace(name=name, sm_count=132)
-        self.arch = "sm_90"
+def FakeRT(cfg, name=GPU):
+    """The fake device's runtime at cfg's plan (an sm_90 device of 132 SMs called `name`): what autotune
+    reads of a runtime is its execution plan, the device's name and SMs, the arch."""
+    return RecordingRuntime(cfg, name=name)
 
 
 class FakeTimer:
@@ -201,7 +199,6 @@ def test_progress_line(table_cache, monkeypatch):
 # ---- which shapes: the products the recorded programs look up ------------------------------------
 def _looked_up(monkeypatch, cfg, programs):
     pytest.importorskip("cuda.bindings.nvrtc")
-    from test_cuda_record import RecordingRuntime
     from gptcuda.ops.cuda.gemm import launch
     from gptcuda.ops.cuda_backend import CudaBackend
     keys = set()
@@ -229,7 +226,6 @@ def test_model_gemms_are_the_recorded_products(table_cache, monkeypatch, over):
 # ---- when: the Engine -----------------------------------------------------------------------------
 def test_engine_on_a_stand_in_runtime_never_measures(table_cache, monkeypatch):
     pytest.importorskip("cuda.bindings.nvrtc")
-    from test_cuda_record import RecordingRuntime
     from gptcuda.ops.cuda_backend import CudaBackend
     monkeypatch.setattr(tune, "autotune", lambda *a, **k: pytest.fail("measured on a stand-in runtime"))
     cfg = cfg_of()
@@ -276,11 +272,10 @@ def test_engine_reference_backend_never_measures(table_cache, monkeypatch):
 def _timing_runtime(precision):
     """A recording runtime that also times: every malloc is tracked, graphs replay nothing, events read 1 ms."""
     pytest.importorskip("cuda.bindings.nvrtc")
-    from test_cuda_record import FakeDev, RecordingRuntime
 
     class Dev(FakeDev):
-        def __init__(self):
-            super().__init__()
+        def __init__(self, info):
+            super().__init__(info)
             self.live, self.fail_on = set(), None
 
         def malloc(self, n):
@@ -311,9 +306,8 @@ def _timing_runtime(precision):
                 self.rt._graphs.remove(self)
 
     class TimingRT(RecordingRuntime):
-        def __init__(self, precision):
-            super().__init__(precision)
-            self.dev = Dev()
+        def make_dev(self, info):
+            return Dev(info)
 
         def capture(self, prog):
             g = Graph(self)

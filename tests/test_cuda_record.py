@@ -1,6 +1,6 @@
 """Record the CUDA backend's whole training step on a machine without a GPU.
 
-A fake runtime checks that every kernel the launchers ask for is a listed variant (each launcher's
+A fake runtime (tests/fakes.py: a Runtime over a fake device) checks that every kernel the launchers ask for is a listed variant (each launcher's
 VARIANTS, all compiled by tests/test_compiler.py) and packs every argument block, but hands out fake
 device addresses and launches nothing. This runs
 the model's launch sequence, the launchers' shape checks, argument typing and workspace
@@ -8,160 +8,17 @@ lookups for each precision and attention kind, so a mistake there shows in CI, n
 Every launch's arguments are checked against the kernel's parameters as its source declares them
 (the check a real runtime makes with cuFuncGetParamInfo)."""
 import itertools
-import re
 
 import numpy as np
 import pytest
 
-from gptcuda.runtime import compiler
 from gptcuda.config import load_config
-from gptcuda.ops.cuda_backend import FAMILIES, CudaBackend
+from gptcuda.ops.cuda_backend import CudaBackend
 from gptcuda.training.engine import Engine
-from gptcuda.runtime import Function, Launch, Memset, Runtime, execution
+from gptcuda.runtime import Launch
+from tests.fakes import RecordingRuntime
 
 pytest.importorskip("cuda.bindings.nvrtc")
-
-
-class FakeDev:
-    def __init__(self):
-        self.next = 1 << 32
-
-    def malloc(self, n):
-        p = self.next
-        self.next += (int(n) + 4095) // 4096 * 4096
-        return p
-
-    def mem_info(self):
-        return 80 << 30, 80 << 30
-
-    def memset32(self, *a):
-        pass
-
-    def sync(self, *a):
-        pass
-
-    def htod(self, *a):
-        pass
-
-    def dtoh(self, host, src):
-        host[...] = 0
-
-    def set_max_dynamic_smem(self, *a):
-        pass
-
-    def graph_destroy(self, graph, exe):
-        self.destroyed = getattr(self, "destroyed", []) + [exe]
-
-    def host_alloc(self, n):
-        buf = (__import__("ctypes").c_char * max(int(n), 1))()
-        self.host = getattr(self, "host", []) + [buf]             # kept alive while the fake runs
-        return __import__("ctypes").addressof(buf)
-
-    def host_free(self, ptr):
-        pass
-
-    def htod_async(self, dst, src, nbytes, stream):
-        self.copies = getattr(self, "copies", []) + [(dst, nbytes)]
-
-    def record(self, *a):
-        pass
-
-    def event_sync(self, *a):
-        pass
-
-    def tensor_map_f32(self, ptr, dims, strides_bytes, box, swizzle=True):
-        assert ptr % 16 == 0 and all(int(s) % 16 == 0 for s in strides_bytes), (ptr, strides_bytes)
-        return bytes(128)
-
-
-class FakeInfo:
-    sm_count, smem_per_block_optin, smem_per_block, cc, name = 132, 227 * 1024, 48 * 1024, (9, 0), "fake H200"
-
-
-_SIZES = [("CUtensorMap", 128), ("TmaMap", 128), ("SumBatch", 392), ("long long", 8), ("size_t", 8), ("u64", 8), ("double", 8), ("int", 4),
-          ("unsigned", 4), ("float", 4), ("u32", 4), ("bool", 1)]
-
-
-def kernel_param_sizes(file, name):
-    """The parameter sizes of __global__ `name` (template arguments dropped) read from its source, as
-    the driver would report them (cuFuncGetParamInfo): a pointer 8 bytes, int / float 4, ..."""
-    src = compiler.expand_source(file)
-    base = name.split("<")[0]
-    def declares(m):                        # `__global__ void __launch_bounds__(...) name(`, nothing between
-        head = src[:m.start()]
-        g = head.rfind("__global__")
-        return g >= 0 and not re.search(r"[;{}]", head[g:])
-    m = next((m for m in re.finditer(r"\b" + re.escape(base) + r"\s*\(", src) if declares(m)), None)
-    assert m, f"{file}: no __global__ {base}"
-    depth, i = 1, m.end()
-    while depth:
-        depth += {"(": 1, ")": -1}.get(src[i], 0)
-        i += 1
-    text = re.sub(r"//[^\n]*", "", src[m.end():i - 1])
-    macros = {k: v.replace("\\\n", " ") for k, v in
-              re.findall(r"^[ \t]*#[ \t]*define[ \t]+(\w+)[ \t]+((?:[^\n]*\\\n)*[^\n]*)", src, re.M)}
-    for _ in range(4):                      # parameter lists written as macros (LN_ARGS_FWD, ...)
-        text = re.sub(r"\b(\w+)\b", lambda w: macros.get(w.group(1), w.group(1)), text)
-    text = re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", text), flags=re.S)
-    sizes = []
-    for param in (p.strip() for p in text.split(",") if p.strip()):
-        if "*" in param:
-            sizes.append(8)
-            continue
-        size = next((n for t, n in _SIZES if re.search(r"\b" + t + r"\b", param)), None)
-        assert size is not None, f"{file}:{base}: parameter {param!r} of unknown size"
-        sizes.append(size)
-    return tuple(sizes)
-
-
-LISTED = {(file, name, tuple(sorted(dict(defines).items()))) for fam in FAMILIES for file, name, defines in fam.VARIANTS}
-
-
-class RecordingRuntime(Runtime):
-    """A Runtime over FakeDev (an sm_90 device of 132 SMs) whose launches are recorded, not run;
-    `plan`: a Config (its execution plan, as the CUDA backend's runtime resolves it) or a precision;
-    arch: the device's (an arch without the warpgroup-MMA kernels leaves them out of the plan)."""
-
-    def __init__(self, plan, seed=0, arch="sm_90"):
-        self.dev, self.info, self.arch = FakeDev(), FakeInfo(), arch
-        self.exec = (execution.resolve(arch=arch, precision=plan) if isinstance(plan, str)
-                     else execution.resolve(plan, arch=arch))
-        self.seed, self.stream = seed, None
-        self._functions, self._recording, self._workspace, self._allocs = {}, None, {}, []
-        self._graphs, self._host_allocs = [], []
-        self.state, self.compile_seconds = None, 0.0
-        self.launched = []
-
-    def function(self, file, name, defines=None):
-        key = (file, name, tuple(sorted((defines or {}).items())))
-        if key not in self._functions:
-            # a listed variant (tests/test_compiler.py compiles every one of them)
-            assert key in LISTED, f"{file}:{name} {defines or ''} is launched but in no launcher's VARIANTS"
-            self._functions[key] = Function(None, name, file, params=kernel_param_sizes(file, name))
-        return self._functions[key]
-
-    def _submit(self, rec):
-        assert isinstance(rec, (Launch, Memset))
-        if self._recording is not None:
-            self._recording.items.append(rec)
-        else:
-            self.launched.append(rec)
-        return rec
-
-    def run(self, prog):
-        self.launched.extend(prog.items)
-
-    def new_event(self, timing=False):
-        return object()
-
-    def capture(self, prog):
-        return None
-
-    def download(self, view):
-        return np.zeros(view.shape, dtype={"f32": np.float32, "i32": np.int32, "u8": np.uint8}[view.dtype])
-
-    def write(self, view, arr):
-        assert np.asarray(arr).size == view.numel, view.name
 
 
 CASES = [c + (r,) for c in itertools.product(["fp32", "tf32"], ["unfused", "fused"], [0.0, 0.1], [True, False])

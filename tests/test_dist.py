@@ -486,7 +486,7 @@ class FakeComm:
 
 def _record_dp(zero, rank=1, world=2, over=(), accum=1):
     pytest.importorskip("cuda.bindings.nvrtc")
-    from test_cuda_record import RecordingRuntime
+    from tests.fakes import RecordingRuntime
     from gptcuda.ops.cuda_backend import CudaBackend
     from gptcuda.training.engine import Engine
 
@@ -730,7 +730,7 @@ def test_a_rank_backend_without_its_dropout_stream_is_refused():
     """The Engine builds a rank's backend with rank_seed(seed, rank); DataParallel checks it and
     refuses a backend built with the world's seed on rank 1 (every rank would drop the same units)."""
     pytest.importorskip("cuda.bindings.nvrtc")
-    from test_cuda_record import RecordingRuntime
+    from tests.fakes import RecordingRuntime
     from gptcuda.ops.cuda_backend import CudaBackend
     from gptcuda.training.engine import Engine
     cfg = load_config("configs/tiny.yaml", ["--dropout=0.1"])

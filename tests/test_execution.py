@@ -72,7 +72,7 @@ def test_run_saves_it(tmp_path):
                                                           ("3xtf32", "0", False)])
 def test_recorded_step_follows_the_plan(fp32_gemm, env, wgmma_kernels, monkeypatch):
     """fp32: the warpgroup-MMA kernels run (as 3xTF32) only where the plan allows them."""
-    from test_cuda_record import RecordingRuntime
+    from tests.fakes import RecordingRuntime
     from gptcuda.ops.cuda_backend import CudaBackend
     from gptcuda.training.engine import Engine
     from gptcuda.runtime import Launch
@@ -96,7 +96,7 @@ def test_precision_round_trip_keeps_fp32_gemm():
 def test_recorded_fused_attention_follows_the_plan(precision, fp32_gemm, env, suffix, monkeypatch):
     """attention: fused runs the kernels of the plan's path: fp32 as 3xTF32 (flash_*_x3) where its GEMMs
     are 3xTF32, the FFMA kernels otherwise, tf32 the _tc kernels (dK/dV: _wg at head size 32)."""
-    from test_cuda_record import RecordingRuntime
+    from tests.fakes import RecordingRuntime
     from gptcuda.ops.cuda_backend import CudaBackend
     from gptcuda.training.engine import Engine
     from gptcuda.runtime import Launch

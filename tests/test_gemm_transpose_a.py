@@ -2,9 +2,8 @@
 decision (`wgmma_mode`), the scratch "gemm_aT" (`workspace`, bounded; k slabs beyond it), the
 cost model's choices at GPT-2 small's (B8 T1024 C768 V50304) and the char model's (B64 T256 C384
 V65) shapes, and the launch sequence, driven by the recording stand-in for the runtime."""
-from types import SimpleNamespace
-
 import dataclasses
+import struct
 import numpy as np
 import pytest
 
@@ -13,6 +12,7 @@ from gptcuda.ops.cuda.gemm.families import ra_name
 from gptcuda.ops.cuda.gemm.plan import check_plan
 from gptcuda.runtime import DeviceView
 from tests.conftest import FakeGemmRT, fake_view as _v
+from tests.fakes import FakeDev
 from gptcuda.config import config_of
 
 HEAD_SLAB = 8192 // gemm.HEAD_SLABS      # the tied head's dwte k slab at GPT-2 B8 T1024 (the planned gemm_aT)
@@ -326,29 +326,54 @@ def test_launched_names_are_in_variants():
 
 
 # ---- the launch sequence executed by numpy stand-ins for the kernels ------------------------------
-class _NumpyRT(FakeGemmRT):
-    """FakeGemmRT whose launches run: gemm_transpose, the wgmma kernels (both loaders, split-K
-    partials, the none / bias / residual epilogues) and the split-K reduction, on a float32 heap."""
+class _HeapDev(FakeDev):
+    """A fake device with memory: a float32 heap (NaN where nothing was written), allocations 256-byte
+    aligned with a gap between them; a tensor map's bytes hold its base and row stride in floats."""
     BASE = 1 << 20
 
-    def __init__(self, floats, **kw):
-        super().__init__("tf32", arch="sm_90", **kw)
+    def __init__(self, floats, info):
+        super().__init__(info)
         self.heap = np.full(floats, np.nan, np.float32)
-        self.top = self.BASE
+        self.next = self.BASE
 
-    def alloc(self, shape, name=""):
-        n = int(np.prod(shape))
-        v = DeviceView(self.top, tuple(shape), "f32", name)
-        self.top += 4 * (-(-n // 64) * 64 + 64)     # 256-byte aligned, a NaN gap between views
-        return v
+    def malloc(self, n):
+        p = self.next
+        self.next += -(-int(n) // 256) * 256 + 256
+        assert self.next - self.BASE <= 4 * self.heap.size, "heap exhausted"
+        return p
 
     def at(self, ptr, n):
         o = (ptr - self.BASE) // 4
         return self.heap[o:o + n]
 
-    def tensor_map(self, view, dims, strides_bytes, box, swizzle=True):
-        super().tensor_map(view, dims, strides_bytes, box, swizzle)
-        return SimpleNamespace(ptr=view.ptr, ld=strides_bytes[0] // 4)
+    def memset32(self, ptr, word, count, stream=None):
+        self.at(ptr, count).view(np.uint32)[:] = word
+
+    def htod(self, dst, host, stream=None):
+        self.at(dst, host.size).view(host.dtype)[:] = host.ravel()
+
+    def dtoh(self, host, src):
+        host.ravel()[:] = self.at(src, host.size).view(host.dtype)
+
+    def tensor_map_f32(self, ptr, dims, strides_bytes, box, swizzle=True):
+        super().tensor_map_f32(ptr, dims, strides_bytes, box, swizzle)
+        return struct.pack("<QQ", ptr, int(strides_bytes[0]) // 4).ljust(128, b"\0")
+
+
+class _NumpyRT(FakeGemmRT):
+    """FakeGemmRT over a device with memory (_HeapDev) whose launches run: gemm_transpose, the wgmma
+    kernels (both loaders, split-K partials, the none / bias / residual epilogues) and the split-K
+    reduction, as numpy stand-ins."""
+
+    def __init__(self, floats, **kw):
+        self.floats = floats
+        super().__init__("tf32", arch="sm_90", **kw)
+
+    def make_dev(self, info):
+        return _HeapDev(self.floats, info)
+
+    def at(self, ptr, n):
+        return self.dev.at(ptr, n)
 
     def _mat(self, ptr, rows, cols, ld):
         return np.stack([self.at(ptr + 4 * r * ld, cols) for r in range(rows)]).astype(np.float64)
@@ -389,7 +414,7 @@ class _NumpyRT(FakeGemmRT):
             if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws", "gemm_wgmma_ra",
                                 "gemm_wgmma3_ra")):
                 C, aux, ma, mb, bias, M, N, K, ldc, sC, alpha, splits, kc = v[:13]
-                (pa, lda), (pb, ldb) = (ma.ptr, ma.ld), (mb.ptr, mb.ld)
+                (pa, lda), (pb, ldb) = struct.unpack_from("<QQ", ma.data), struct.unpack_from("<QQ", mb.data)
             else:
                 C, aux, A, B, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, splits, kc = v
                 pa, pb = A.ptr, B.ptr
@@ -446,16 +471,16 @@ def test_transpose_a_sequence_computes_the_product(tb, tile, epilogue, slab, spl
     rng = np.random.default_rng(M + N + K + tb + splits + slab)
     rt = _NumpyRT(1 << 21)
     at_floats = (M + (0 if tb else N)) * (slab or K) + 7
-    rt._ws = {"gemm_aT": rt.alloc((at_floats,), "gemm_aT"), "gemm_splitk": rt.alloc((splits * M * N,), "ws")}
+    rt._ws = {"gemm_aT": rt.empty((at_floats,), name="gemm_aT"), "gemm_splitk": rt.empty((splits * M * N,), name="ws")}
     a, b = rng.standard_normal((K, M)), rng.standard_normal((N, K) if tb else (K, N))
     bias = rng.standard_normal(N) if epilogue == "bias" else None
     out0 = rng.standard_normal((M, N))
-    da, db, out = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N))
+    da, db, out = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N))
     for view, x in ((da, a), (db, b), (out, out0)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
     kw = {}
     if bias is not None:
-        kw["bias"] = rt.alloc((N,))
+        kw["bias"] = rt.empty((N,))
         rt.at(kw["bias"].ptr, N)[:] = bias
     if epilogue == "residual_alias":
         kw.update(epilogue="residual", aux=out)
@@ -486,11 +511,11 @@ def test_a_colsum_is_the_bias_gradient(tb, slab, K, partials):
     rng = np.random.default_rng(K + tb + slab)
     rt = _NumpyRT(1 << 22)
     at_floats = (M + (0 if tb else N)) * (slab or K) + 7
-    rt._ws = {"gemm_aT": rt.alloc((at_floats,), "gemm_aT"), "gemm_splitk": rt.alloc((M * N,), "ws")}
+    rt._ws = {"gemm_aT": rt.empty((at_floats,), name="gemm_aT"), "gemm_splitk": rt.empty((M * N,), name="ws")}
     if partials is not None:
-        rt._ws["bias_partials"] = rt.alloc((partials,), "bias_partials")
+        rt._ws["bias_partials"] = rt.empty((partials,), name="bias_partials")
     a, b = rng.standard_normal((K, M)), rng.standard_normal((N, K) if tb else (K, N))
-    da, dbv, out, dbias = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N)), rt.alloc((M,))
+    da, dbv, out, dbias = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N)), rt.empty((M,))
     for view, x in ((da, a), (dbv, b)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
     p = gemm.make_plan("wgmma", (128, 128, 3, 0), 1, K, transpose_b=not tb, transpose_a=True, k_slab=slab)
@@ -528,7 +553,7 @@ def test_a_colsum_reads_the_stored_a(fam, tile):
 def test_a_colsum_needs_trans_a():
     rt = _NumpyRT(1 << 16)
     with pytest.raises(ValueError, match="a_colsum"):
-        gemm.matmul(rt, rt.alloc((8, 8)), rt.alloc((8, 8)), rt.alloc((8, 8)), False, True, a_colsum=rt.alloc((8,)))
+        gemm.matmul(rt, rt.empty((8, 8)), rt.empty((8, 8)), rt.empty((8, 8)), False, True, a_colsum=rt.empty((8,)))
 
 
 @pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))
@@ -541,19 +566,20 @@ def test_mn_plan_reads_the_operands_as_stored(tile, epilogue, splits):
     rng = np.random.default_rng(M + N + K + splits + len(epilogue))
     rt = _NumpyRT(1 << 21)
     # (the gemm_aT scratch memory.py plans for TF32: wgmma_mn competes where transpose_ab could run)
-    rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_aT": rt.alloc(((M + N) * K,), "gemm_aT")}
+    rt._ws = {"gemm_splitk": rt.empty((splits * M * N,), name="ws"),
+              "gemm_aT": rt.empty(((M + N) * K,), name="gemm_aT")}
     maps = []
     rt.tensor_map = lambda view, dims, strides, box, swizzle=True: (
         maps.append((tuple(dims), tuple(box), swizzle)) or _NumpyRT.tensor_map(rt, view, dims, strides, box, swizzle))
     a, b = rng.standard_normal((K, M)), rng.standard_normal((K, N))
     out0 = rng.standard_normal((M, N))
-    da, db, out = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N))
+    da, db, out = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N))
     for view, x in ((da, a), (db, b), (out, out0)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
     kw = {}
     bias = rng.standard_normal(N) if epilogue == "bias" else None
     if bias is not None:
-        kw["bias"] = rt.alloc((N,))
+        kw["bias"] = rt.empty((N,))
         rt.at(kw["bias"].ptr, N)[:] = bias
     if epilogue == "residual_alias":
         kw.update(epilogue="residual", aux=out)
@@ -577,12 +603,12 @@ def test_as_stored_plans_run_only_the_op_interfaces_products(fam, epilogue):
     gradient's A^T B takes no epilogue, and a plan forced onto another is refused, naming it."""
     M, N, K = 68, 36, 740
     rt = _NumpyRT(1 << 21)
-    rt._ws = {"gemm_splitk": rt.alloc((M * N,), "ws"), "gemm_aT": rt.alloc(((M + N) * K,), "gemm_aT")}
+    rt._ws = {"gemm_splitk": rt.empty((M * N,), name="ws"), "gemm_aT": rt.empty(((M + N) * K,), name="gemm_aT")}
     if fam != "wgmma_mn":
         rt.exec = rt.exec.with_precision("fp32")
-        rt._ws.update(gemm_split_a=rt.alloc((2 * M * K,), "sa"), gemm_split_b=rt.alloc((2 * N * K,), "sb"))
-    da, db, out = rt.alloc((K, M)), rt.alloc((K, N)), rt.alloc((M, N))
-    kw = {"bias": rt.alloc((N,))} if epilogue == "bias" else {"epilogue": "residual", "aux": out}
+        rt._ws.update(gemm_split_a=rt.empty((2 * M * K,), name="sa"), gemm_split_b=rt.empty((2 * N * K,), name="sb"))
+    da, db, out = rt.empty((K, M)), rt.empty((K, N)), rt.empty((M, N))
+    kw = {"bias": rt.empty((N,))} if epilogue == "bias" else {"epilogue": "residual", "aux": out}
     p = gemm.make_plan(fam, gemm.FAMILIES[fam].tiles[0], 1, K)
     with pytest.raises(ValueError, match="kernels are not compiled for"):
         gemm.matmul(rt, out, da, db, True, False, plan=p, **kw)
@@ -622,13 +648,14 @@ def test_ra_plan_launches(fam, tile, tb, splits, colsum):
     M, N, K = 68, 36, 740
     rng = np.random.default_rng(M + N + K + splits + tb + colsum)
     rt = _NumpyRT(1 << 22)
-    rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_aT": rt.alloc(((M + N) * K,), "gemm_aT"),
-              "bias_partials": rt.alloc((256 * M,), "bias_partials")}
+    rt._ws = {"gemm_splitk": rt.empty((splits * M * N,), name="ws"),
+              "gemm_aT": rt.empty(((M + N) * K,), name="gemm_aT"),
+              "bias_partials": rt.empty((256 * M,), name="bias_partials")}
     maps = []
     rt.tensor_map = lambda view, dims, strides, box, swizzle=True: (
         maps.append((tuple(dims), tuple(box), swizzle)) or _NumpyRT.tensor_map(rt, view, dims, strides, box, swizzle))
     a, b = rng.standard_normal((K, M)), rng.standard_normal((N, K) if tb else (K, N))
-    da, db, out, dbias = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N)), rt.alloc((M,))
+    da, db, out, dbias = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N)), rt.empty((M,))
     for view, x in ((da, a), (db, b)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
     p = gemm.make_plan(fam, tile, splits, K, transpose_b=fam == "wgmma_ra" and not tb)
@@ -698,14 +725,14 @@ def test_wgmma3_ws_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
     rng = np.random.default_rng(M + N + K + splits + 2 * ta + tb)
     rt = _NumpyRT(1 << 21)
     rt.exec = rt.exec.with_precision("fp32")
-    rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_split_a": rt.alloc((2 * M * K,), "sa"),
-              "gemm_split_b": rt.alloc((2 * N * K,), "sb")}
+    rt._ws = {"gemm_splitk": rt.empty((splits * M * N,), name="ws"), "gemm_split_a": rt.empty((2 * M * K,), name="sa"),
+              "gemm_split_b": rt.empty((2 * N * K,), name="sb")}
     maps = []
     rt.tensor_map = lambda view, dims, strides, box, swizzle=True: (
         maps.append((tuple(dims), tuple(box), swizzle)) or _NumpyRT.tensor_map(rt, view, dims, strides, box, swizzle))
     a = rng.standard_normal((K, M) if ta else (M, K))
     b = rng.standard_normal((N, K) if tb else (K, N))
-    da, db, out = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N))
+    da, db, out = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N))
     for view, x in ((da, a), (db, b)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
     p = gemm.make_plan(fam, tile, splits, K)
@@ -757,14 +784,16 @@ def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, par
     M, N, K = 68, 36, 740
     rng = np.random.default_rng(M + N + K + splits + len(epilogue))
     rt = _NumpyRT(1 << 22)
-    rt._ws = {"gemm_splitk": rt.alloc((splits * M * N,), "ws"), "gemm_aT": rt.alloc(((M + N) * K,), "gemm_aT")}
+    rt._ws = {"gemm_splitk": rt.empty((splits * M * N,), name="ws"),
+              "gemm_aT": rt.empty(((M + N) * K,), name="gemm_aT")}
     if fam in ("wgmma3_ws", "wgmma3_ra"):       # fp32 (3xTF32), where the split workspaces are planned
         rt.exec = rt.exec.with_precision("fp32")
-        rt._ws.update(gemm_split_a=rt.alloc((2 * M * K,), "split_a"), gemm_split_b=rt.alloc((2 * N * K,), "split_b"))
+        rt._ws.update(gemm_split_a=rt.empty((2 * M * K,), name="split_a"),
+                      gemm_split_b=rt.empty((2 * N * K,), name="split_b"))
     if partials:
-        rt._ws["bias_partials"] = rt.alloc((256 * M,), "bias_partials")
+        rt._ws["bias_partials"] = rt.empty((256 * M,), name="bias_partials")
     a, b, out0 = rng.standard_normal((K, M)), rng.standard_normal((K, N)), rng.standard_normal((M, N))
-    da, db, out, dbias = rt.alloc(a.shape), rt.alloc(b.shape), rt.alloc((M, N)), rt.alloc((M,))
+    da, db, out, dbias = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N)), rt.empty((M,))
     for view, x in ((da, a), (db, b), (out, out0)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
     kw = dict(epilogue="residual", aux=out) if epilogue == "residual_alias" else {}

@@ -116,7 +116,7 @@ def test_wgmma_scratch_only_where_the_device_reads_it(arch, env, monkeypatch):
     """train.py --plan shows the sm_90 plan; an Engine's backend leaves out the transposed-B and
     3xTF32 scratch where the wgmma kernels cannot run (not sm_90, or GPTCUDA_WGMMA=0)."""
     pytest.importorskip("cuda.bindings.nvrtc")
-    from test_cuda_record import RecordingRuntime
+    from tests.fakes import RecordingRuntime
     from gptcuda.ops.cuda_backend import CudaBackend
     from gptcuda.training.engine import plan_for
     monkeypatch.setenv("GPTCUDA_WGMMA", env)

@@ -8,7 +8,7 @@
 The cases: configs/tiny.yaml over precision x attention x dropout x bias x recompute (32 configs, the
 train and eval programs of each: 64), and every shipped config at its own settings (its batch and
 context; the GPT-2 vocabulary where its tokenizer is gpt2). Each program is recorded through
-tests/test_cuda_record.py's RecordingRuntime (an sm_90 device of 132 SMs, no measured GEMM table: the
+tests/fakes.py's RecordingRuntime (an sm_90 device of 132 SMs, no measured GEMM table: the
 cost model plans every product), and a launch is fingerprinted by its kernel (file, name), grid, block,
 shared memory, packed argument bytes (tensor maps included) and label. A refactor of the launchers
 that changes no launch leaves every fingerprint as it was.
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 os.environ["GPTCUDA_GEMM_TUNE"] = "off"          # the cost model: what a machine without a table runs
 
 import numpy as np  # noqa: E402
@@ -76,7 +76,7 @@ def fingerprint(items, labels=True, ptrs=True, files="") -> str:
 
 
 def record(path, overrides):
-    from test_cuda_record import RecordingRuntime
+    from tests.fakes import RecordingRuntime
     cfg = load_config(str(ROOT / path), overrides)
     vocab = cfg.vocab_size or (50304 if cfg.tokenizer == "gpt2" else 65)
     n_vocab = 50257 if cfg.tokenizer == "gpt2" and not cfg.vocab_size else min(vocab, 65)

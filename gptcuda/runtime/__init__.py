@@ -6,9 +6,11 @@
                   kernel, programs (recorded launch sequences), CUDA graphs, memory
     execution.py  the execution plan: which kernels run and why, resolved once
     profile.py    per-launch timing of a program (the phase table)
+    protocol.py   RuntimeProtocol: what code above the runtime may use of one (Runtime and the tests' fake)
 
 The Runtime and its launch vocabulary are importable from here: `from gptcuda.runtime import
-Runtime, DeviceView, i32, f32`.
+Runtime, DeviceView, i32, f32`; launchers take an `rt: RuntimeProtocol`.
 """
 from gptcuda.runtime.core import (NAN_WORD, NP_DTYPES, Blob, DeviceView, Function, Graph, Launch, Memset,  # noqa: F401
                                   Program, Runtime, StreamCall, StreamFork, StreamJoin, arg_size, f32, i32, u32, u64)
+from gptcuda.runtime.protocol import RuntimeProtocol  # noqa: F401

@@ -6,7 +6,8 @@ Launchers in gptcuda/ops/cuda/ use three things:
     rt.launch(fn, grid, block, [part, qkv, kc, vc, pos, i32(H), i32(T), f32(scale)])
     rt.workspace("attention_d")                                         # a planned scratch view
 
-and read which kernels to run from `rt.exec` (gptcuda/runtime/execution.py, resolved once). Arguments are
+and read which kernels to run from `rt.exec` (gptcuda/runtime/execution.py, resolved once); all they may
+use of a runtime is protocol.RuntimeProtocol. Arguments are
 DeviceViews (passed as pointers), None (a null pointer), typed scalars (i32, u32, f32, u64) or a
 Blob (an opaque by-value struct: a TMA tensor map); their sizes are checked against the kernel's
 parameters (cuFuncGetParamInfo). `launch` packs the argument block once into a `Launch` and either
@@ -243,8 +244,9 @@ class StreamCall:
 class Runtime:
     """One GPU: compiled functions, a stream, the program being recorded, graphs, memory."""
 
-    def __init__(self, device: int = 0, precision: str = "fp32", seed: int = 0, cfg=None):
-        self.dev = Device(device)
+    def __init__(self, device: int = 0, precision: str = "fp32", seed: int = 0, cfg=None, dev=None):
+        # dev: a stand-in for the driver.Device of GPU `device` (the tests' fake device: tests/fakes.py)
+        self.dev = Device(device) if dev is None else dev
         self.info = self.dev.info
         self.arch = self.info.arch
         # which kernels run (gptcuda/runtime/execution.py), resolved once for this device: the config's
@@ -261,6 +263,7 @@ class Runtime:
         self.compile_seconds = 0.0
         self._host_allocs: list = []  # page-locked host buffers (pinned)
         self._side = None            # the communication stream, made on first use
+        self.held_sums = None        # the row sums a backward holds (ops/cuda/elementwise.defer_sums)
 
     @property
     def precision(self) -> str:

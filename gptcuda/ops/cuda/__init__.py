@@ -2,13 +2,15 @@
 arithmetic they share."""
 from __future__ import annotations
 
+from gptcuda.runtime import RuntimeProtocol
+
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for integers (b > 0): the blocks or tiles that cover a items b at a time."""
     return -(-a // b)
 
 
-def dropout_args(rt, p: float, site: int, label: str) -> list:
+def dropout_args(rt: RuntimeProtocol, p: float, site: int, label: str) -> list:
     """The trailing kernel arguments of a dropout of probability p (0 <= p < 1) drawn from stream
     `site`: the StepState, the seed, the site, the keep threshold (rng.keep_threshold) and the scale
     1 / (1 - p); the kernels read the step from the StepState, so a captured graph replays them."""

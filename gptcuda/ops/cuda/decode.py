@@ -19,7 +19,7 @@ import math
 
 from gptcuda.ops.cuda import cdiv, gemm
 from gptcuda.model.memory import DECODE_ATT_CHUNK as ATT_CHUNK
-from gptcuda.runtime import f32, i32
+from gptcuda.runtime import RuntimeProtocol, f32, i32
 
 FILE = "decode.cu"
 HEAD_SIZES = (16, 32, 64, 128)
@@ -35,7 +35,7 @@ VARIANTS = ([(FILE, "decode_embed", {}), (FILE, "decode_sample", {}), (FILE, "de
             + [(FILE, f"decode_linear<{mt}, {e}>", {}) for mt in LINEAR_ROWS for e in LINEAR_EPILOGUES.values()])
 
 
-def decode_embed(rt, out, ctx, wte, wpe, pos):
+def decode_embed(rt: RuntimeProtocol, out, ctx, wte, wpe, pos):
     S, C = int(out.shape[0]), int(out.shape[-1])
     T = int(ctx.shape[1]) - 1
     rt.launch(rt.function(FILE, "decode_embed"), (cdiv(S * C, 256),), (256,),
@@ -47,7 +47,7 @@ def attention_chunks(Tmax: int) -> int:
     return cdiv(int(Tmax), ATT_CHUNK)
 
 
-def decode_attention(rt, y, qkv, kcache, vcache, n_head, pos, part):
+def decode_attention(rt: RuntimeProtocol, y, qkv, kcache, vcache, n_head, pos, part):
     S, C = int(y.shape[0]), int(y.shape[-1])
     hs = C // n_head
     if hs not in HEAD_SIZES:
@@ -63,7 +63,7 @@ def decode_attention(rt, y, qkv, kcache, vcache, n_head, pos, part):
               [y, part, pos, i32(n_head), i32(n)], label="decode_attention_combine")
 
 
-def decode_sample(rt, g, logits, pos, n_vocab):
+def decode_sample(rt: RuntimeProtocol, g, logits, pos, n_vocab):
     S, Vp = int(logits.shape[0]), int(logits.shape[1])
     T, N = int(g["ctx"].shape[1]) - 1, int(g["out"].shape[1])
     if not 0 < n_vocab <= Vp:
@@ -73,11 +73,11 @@ def decode_sample(rt, g, logits, pos, n_vocab):
                i32(S), i32(Vp), i32(n_vocab), i32(T), i32(N)], label="decode_sample")
 
 
-def decode_advance(rt, pos, T):
+def decode_advance(rt: RuntimeProtocol, pos, T):
     rt.launch(rt.function(FILE, "decode_advance"), (1,), (1,), [pos, i32(T)], label="decode_advance")
 
 
-def decode_linear(rt, out, a, w, bias=None, epilogue="none", aux=None):
+def decode_linear(rt: RuntimeProtocol, out, a, w, bias=None, epilogue="none", aux=None):
     M, K = int(a.shape[0]), int(a.shape[-1])
     N = int(w.shape[0])
     if M > LINEAR_ROWS[-1]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import struct
 
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import Blob, DeviceView, i32
+from gptcuda.runtime import Blob, DeviceView, RuntimeProtocol, i32
 from gptcuda.ops.cuda import cdiv, dropout_args
 
 FILE = "elementwise.cu"
@@ -80,21 +80,21 @@ def _check_same(label, *views):
     return n
 
 
-def gelu_fwd(rt, out, x):
+def gelu_fwd(rt: RuntimeProtocol, out, x):
     n = _check_same("gelu_fwd", out, x)
     vec = 4 if _aligned(out, x) else 1
     grid, block = _ew_geometry(n, vec)
     rt.launch(rt.function(FILE, f"gelu_fwd<{vec}>"), grid, block, [out, x, i32(n)], label="gelu_fwd")
 
 
-def gelu_bwd(rt, dpre, dout, pre):
+def gelu_bwd(rt: RuntimeProtocol, dpre, dout, pre):
     n = _check_same("gelu_bwd", dpre, dout, pre)
     vec = 4 if _aligned(dpre, dout, pre) else 1
     grid, block = _ew_geometry(n, vec)
     rt.launch(rt.function(FILE, f"gelu_bwd<{vec}>"), grid, block, [dpre, dout, pre, i32(n)], label="gelu_bwd")
 
 
-def _dropout(rt, out, resid, x, p, site, label):
+def _dropout(rt: RuntimeProtocol, out, resid, x, p, site, label):
     p = float(p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{label}: dropout probability must be in [0, 1), got {p}")
@@ -110,19 +110,19 @@ def _dropout(rt, out, resid, x, p, site, label):
                      [out, resid, x, i32(n)] + dropout_args(rt, p, site, label), label=label)
 
 
-def dropout_fwd(rt, out, x, p, site):
+def dropout_fwd(rt: RuntimeProtocol, out, x, p, site):
     return _dropout(rt, out, None, x, p, site, "dropout_fwd")
 
 
-def dropout_bwd(rt, dx, dout, p, site):
+def dropout_bwd(rt: RuntimeProtocol, dx, dout, p, site):
     return _dropout(rt, dx, None, dout, p, site, "dropout_bwd")
 
 
-def residual_dropout(rt, out, resid, x, p, site):
+def residual_dropout(rt: RuntimeProtocol, out, resid, x, p, site):
     return _dropout(rt, out, resid, x, p, site, "residual_dropout")
 
 
-def bias_grad(rt, db, dout):
+def bias_grad(rt: RuntimeProtocol, db, dout):
     N = int(dout.shape[-1])
     M = rows(dout.shape)
     if db.numel != N:
@@ -147,7 +147,7 @@ class _Held:
         self.ring, self.used, self.items = ring, 0, []
 
 
-def defer_sums(rt, on: bool):
+def defer_sums(rt: RuntimeProtocol, on: bool):
     """on: from here sum_rows holds the sums whose partials came from `partials` (the ring of the
     workspace SUMS; none planned: nothing is held); off: flush_sums, then sum at once again."""
     if not on:
@@ -161,7 +161,7 @@ def defer_sums(rt, on: bool):
     rt.held_sums = _Held(ring) if ring is not None else None
 
 
-def flush_sums(rt):
+def flush_sums(rt: RuntimeProtocol):
     """Launch the held sums (SUM_ITEMS a launch, in the order they were held) and free the ring."""
     held = getattr(rt, "held_sums", None)
     if held is None:
@@ -171,7 +171,7 @@ def flush_sums(rt):
     held.items, held.used = [], 0
 
 
-def partials(rt, rows_: int, cols: int, name: str):
+def partials(rt: RuntimeProtocol, rows_: int, cols: int, name: str):
     """A [rows_, cols] view for partial sums that sum_rows will add up: a region of the ring while
     sums are held (flushing the held ones first when the ring is full), else (or when it could
     never fit) the start of the workspace `name`; None where that is too small."""
@@ -186,7 +186,7 @@ def partials(rt, rows_: int, cols: int, name: str):
     return DeviceView(ws.ptr, (rows_, cols), "f32", name) if ws.numel >= n else None
 
 
-def sum_rows(rt, *sums, label="sum_rows"):
+def sum_rows(rt: RuntimeProtocol, *sums, label="sum_rows"):
     """Each sum (out, parts) or (out, parts, cols, ld): out [cols] = parts [rows, ld][:, :cols] summed
     over the rows in order (cols and ld default to parts' width). Held where parts lie in the ring
     of held sums; the others are launched now, together."""
@@ -208,7 +208,7 @@ def sum_rows(rt, *sums, label="sum_rows"):
         _sum_launch(rt, now[i:i + SUM_ITEMS], label)
 
 
-def _sum_launch(rt, items, label="sum_rows"):
+def _sum_launch(rt: RuntimeProtocol, items, label="sum_rows"):
     """One sum_rows launch over up to SUM_ITEMS (out, parts, rows, cols, ld)."""
     data, grid = sum_batch(items)
     rt.launch(rt.function(FILE, "sum_rows"), (grid,), (BG_WARPS * 32,), [Blob(data)], label=label)
@@ -240,7 +240,7 @@ def unpack_sum_batch(data: bytes) -> list:
     return [tuple(w[k * SUM_ITEMS + i] for k in range(5)) for i in range(n)]
 
 
-def accumulate(rt, dst, src, first):
+def accumulate(rt: RuntimeProtocol, dst, src, first):
     n = _check_same("accumulate", dst, src)
     if _overlap(dst, src):
         raise ValueError("accumulate: dst and src overlap")

@@ -20,7 +20,7 @@ that no token uses are left bitwise as they were by the sorted path. Two ways (`
 """
 from __future__ import annotations
 
-from gptcuda.runtime import i32
+from gptcuda.runtime import RuntimeProtocol, i32
 from gptcuda.ops.cuda import cdiv
 
 FILE = "encoder.cu"
@@ -94,7 +94,7 @@ def _check_idx(idx, out_lead):
         raise ValueError(f"encoder: idx {idx.shape} does not match the leading dims {tuple(out_lead)}")
 
 
-def encoder_fwd(rt, out, idx, wte, wpe):
+def encoder_fwd(rt: RuntimeProtocol, out, idx, wte, wpe):
     B, T = int(idx.shape[0]), int(idx.shape[1])
     V, C = int(wte.shape[0]), int(wte.shape[1])
     Tmax = int(wpe.shape[0])
@@ -111,7 +111,7 @@ def encoder_fwd(rt, out, idx, wte, wpe):
               [out, idx, wte, wpe, i32(N), i32(T), i32(C), i32(V)], label="encoder_fwd")
 
 
-def _bucket_workspace(rt, N, V):
+def _bucket_workspace(rt: RuntimeProtocol, N, V):
     need = workspace_ints(N)
     try:
         ws = rt.workspace(WORKSPACE)
@@ -125,7 +125,7 @@ def _bucket_workspace(rt, N, V):
     return ws
 
 
-def encoder_bwd(rt, dwte, dwpe, dout, idx, *, method=None):
+def encoder_bwd(rt: RuntimeProtocol, dwte, dwpe, dout, idx, *, method=None):
     B, T = int(idx.shape[0]), int(idx.shape[1])
     V, C = int(dwte.shape[0]), int(dwte.shape[1])
     Tmax = int(dwpe.shape[0])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from gptcuda import faults
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import DeviceView, f32, i32, u32
+from gptcuda.runtime import DeviceView, RuntimeProtocol, f32, i32, u32
 from gptcuda.ops.cuda import cdiv, dropout_args, elementwise
 
 FILE = "layernorm.cu"
@@ -72,7 +72,7 @@ def _bias(b) -> str:
     return "true" if b is not None else "false"
 
 
-def _keep_args(rt, p, site, label):
+def _keep_args(rt: RuntimeProtocol, p, site, label):
     """dropout_args of a fused dropout, which needs 0 < p < 1."""
     if not 0.0 < float(p) < 1.0:
         raise ValueError(f"{label}: the fused dropout needs 0 < p < 1, got {p}")
@@ -82,7 +82,7 @@ def _keep_args(rt, p, site, label):
 _NO_DROP = [None, u32(0), u32(0), u32(0), f32(1.0)]
 
 
-def layernorm_fwd(rt, out, mean, rstd, x, w, b, residual=None):
+def layernorm_fwd(rt: RuntimeProtocol, out, mean, rstd, x, w, b, residual=None):
     C = int(x.shape[-1])
     N = rows(x.shape)
     if out.numel != N * C or int(w.shape[-1]) != C or (b is not None and int(b.shape[-1]) != C):
@@ -107,7 +107,7 @@ def layernorm_fwd(rt, out, mean, rstd, x, w, b, residual=None):
                   [out, mean, rstd, x, w, b, i32(N), i32(C)], label="layernorm_fwd")
 
 
-def _drop_args(rt, drop, N, C):
+def _drop_args(rt: RuntimeProtocol, drop, N, C):
     """(kernel flag, trailing arguments) of the backward's dropout output `drop` (None or
     (dropped, p, site) with 0 < p < 1)."""
     if drop is None:
@@ -118,7 +118,7 @@ def _drop_args(rt, drop, N, C):
     return "true", [out] + _keep_args(rt, p, site, "layernorm_bwd")
 
 
-def layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, drop=None):
+def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=None):
     C = int(x.shape[-1])
     N = rows(x.shape)
     if dx.numel != N * C or dout.numel != N * C or int(dw.shape[-1]) != C:

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import f32, i32
+from gptcuda.runtime import RuntimeProtocol, f32, i32
 from gptcuda.ops.cuda import cdiv
 
 FILE = "loss.cu"
@@ -47,7 +47,7 @@ def rows_nv4(V: int, *views) -> int | None:
     return next((n for n in ROWS_NV4 if n * ROWS_THREADS * 4 >= V), None)
 
 
-def crossentropy(rt, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
+def crossentropy(rt: RuntimeProtocol, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
     V = int(logits.shape[-1])
     N = rows(logits.shape)
     Vr = V if n_vocab is None else int(n_vocab)
@@ -74,7 +74,7 @@ def crossentropy(rt, losses, dlogits, logits, targets, grad_scale, n_vocab=None)
         rt.launch(rt.function(FILE, f"crossentropy_block<{g}>"), (N,), (THREADS,), args, label="crossentropy")
 
 
-def loss_reduce(rt, losses, history):
+def loss_reduce(rt: RuntimeProtocol, losses, history):
     if rt.state is None:
         raise RuntimeError("loss_reduce: rt.state (the StepState) is not set")
     N = losses.numel

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gptcuda.runtime import f32, i32, u64
+from gptcuda.runtime import RuntimeProtocol, f32, i32, u64
 from gptcuda.ops.cuda import cdiv
 
 FILE = "optim.cu"
@@ -48,27 +48,27 @@ def _f64_bits(x: float) -> u64:
     return u64(int(np.array([float(x)], dtype=np.float64).view(np.uint64)[0]))
 
 
-def _state(rt, label):
+def _state(rt: RuntimeProtocol, label):
     if rt.state is None:
         raise RuntimeError(f"{label}: rt.state (the StepState) is not set")
     return rt.state
 
 
-def lr_schedule(rt, learning_rate, min_lr, warmup_iters, lr_decay_iters):
+def lr_schedule(rt: RuntimeProtocol, learning_rate, min_lr, warmup_iters, lr_decay_iters):
     rt.launch(rt.function(FILE, "lr_schedule"), (1,), (1,),
               [_state(rt, "lr_schedule"), _f64_bits(learning_rate), _f64_bits(min_lr),
                i32(int(warmup_iters)), i32(int(lr_decay_iters))], label="lr_schedule")
 
 
-def step_advance(rt):
+def step_advance(rt: RuntimeProtocol):
     rt.launch(rt.function(FILE, "step_advance"), (1,), (1,), [_state(rt, "step_advance")], label="step_advance")
 
 
-def eval_advance(rt):
+def eval_advance(rt: RuntimeProtocol):
     rt.launch(rt.function(FILE, "eval_advance"), (1,), (1,), [_state(rt, "eval_advance")], label="eval_advance")
 
 
-def grad_norm(rt, grads):
+def grad_norm(rt: RuntimeProtocol, grads):
     _state(rt, "grad_norm")
     part, G = grad_norm_partial(rt, grads)
     grad_norm_final(rt, part, G)
@@ -79,7 +79,7 @@ def norm_blocks(n: int, vec: int = 4) -> int:
     return max(1, min(NORM_BLOCKS, cdiv(max(n // vec, 1), NORM_THREADS)))
 
 
-def grad_norm_partial(rt, grads, blocks: int | None = None):
+def grad_norm_partial(rt: RuntimeProtocol, grads, blocks: int | None = None):
     """The norm's first pass: per-block double partial sums of grads^2 into the workspace; `blocks`
     (default `norm_blocks` of grads) fixes their number, e.g. the same on every rank of a
     data-parallel run that all-reduces the partials before `grad_norm_final`. Returns (the
@@ -97,14 +97,14 @@ def grad_norm_partial(rt, grads, blocks: int | None = None):
     return part, G
 
 
-def grad_norm_final(rt, part, blocks: int):
+def grad_norm_final(rt: RuntimeProtocol, part, blocks: int):
     """The norm's second pass: state.grad_norm = sqrt of the sum of the first `blocks` partials of
     `part`, in a fixed order."""
     rt.launch(rt.function(FILE, "grad_norm_final"), (1,), (256,), [_state(rt, "grad_norm"), part, i32(blocks)],
               label="grad_norm_final")
 
 
-def adamw(rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
+def adamw(rt: RuntimeProtocol, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
     st = _state(rt, "adamw")
     n = params.numel
     if grads.numel != n or m.numel != n or v.numel != n:

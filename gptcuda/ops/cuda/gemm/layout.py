@@ -6,6 +6,7 @@ re-layout: B transposed first ("transpose"), A (and B) transposed first in k sla
 from __future__ import annotations
 
 from gptcuda.ops.cuda.gemm.families import FAMILIES, SPLIT_ALIGN
+from gptcuda.runtime import RuntimeProtocol
 
 WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT", "gemm_split_a", "gemm_split_b")   # scratch only the wgmma kernels read
 
@@ -87,7 +88,7 @@ def mode_flags(family, wgmma):
 
 
 # ---- a runtime's device and planned workspaces ----------------------------------------------------
-def ws_capacity(rt, name="gemm_splitk"):
+def ws_capacity(rt: RuntimeProtocol, name="gemm_splitk"):
     """(view, floats) of a planned GEMM workspace: split-K partials or the wgmma kernels' scratch
     (WGMMA_WORKSPACES) ((None, 0) when the plan has none)."""
     try:
@@ -97,7 +98,7 @@ def ws_capacity(rt, name="gemm_splitk"):
     return ws, ws.numel
 
 
-def wgmma_device(rt) -> bool:
+def wgmma_device(rt: RuntimeProtocol) -> bool:
     """Whether the warpgroup-MMA kernels run (the execution plan's `wgmma`: sm_90, GPTCUDA_WGMMA != 0)."""
     return rt.exec.wgmma
 
@@ -110,7 +111,7 @@ def device_workspaces(ws: dict, rt) -> dict:
     return {k: v for k, v in ws.items() if k not in WGMMA_WORKSPACES}
 
 
-def wgmma_ok(rt, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0, ex=None):
+def wgmma_ok(rt: RuntimeProtocol, trans_a, trans_b, vec, K=0, N=0, batch=1, M=0, ex=None):
     """`wgmma_layout_mode` of this launch with rt's planned workspaces where the kernels exist (the
     execution plan ex, default rt's: an sm_90 device; GPTCUDA_WGMMA=0: never), else False."""
     mode = (rt.exec if ex is None else ex).wgmma_mode
@@ -126,7 +127,7 @@ def ra_scratch(M, N, K, at_floats) -> dict:
     return {"ra_bt": 0 < N * K <= at_floats, "ra_at": 0 < M * K <= at_floats}
 
 
-def rt_transpose_a_slab(rt, M, N, K, trans_b) -> int:
+def rt_transpose_a_slab(rt: RuntimeProtocol, M, N, K, trans_b) -> int:
     """k rows per slab of a transpose_a plan in rt's "gemm_aT" (`transpose_a_slab`), 0 when all of
     K fits at once (or not even one slab: then `wgmma_ok` answers False)."""
     slab = transpose_a_slab(M, N, K, trans_b, ws_capacity(rt, "gemm_aT")[1])

@@ -14,6 +14,7 @@ from gptcuda.files import atomic_open
 from gptcuda.ops.cuda.gemm.families import EPILOGUE_CODES, FAMILIES
 from gptcuda.ops.cuda.gemm.layout import rt_transpose_a_slab
 from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, plan_unfit, slab_epi_ok
+from gptcuda.runtime import RuntimeProtocol
 
 TUNE_FORMAT = 1
 _tables: dict = {}           # path -> {key: Plan}
@@ -125,7 +126,8 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
     return path
 
 
-def tuned_plan(rt, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=False, ex=None) -> Plan | None:
+def tuned_plan(rt: RuntimeProtocol, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=False,
+               ex=None) -> Plan | None:
     """The table's plan for `key` if there is one this launch can use (its alignment allows the
     tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch; transpose_a: rt's
     "gemm_aT" holds its k slab, and its epilogue is linear where it runs in slabs), else None."""
