@@ -16,7 +16,7 @@
 # each of plot's two runs), GEN_ARGS (more bench/generate.py options), SOAK_DATA / SOAK_KILLS (5) /
 # SOAK_SEED / SOAK_ARGS (soak: bench/soak.py), SASS_OLD (sass: the tree
 # to compare with, default .devcarry/oldtree, e.g. `git archive REV | tar -x -C .devcarry/oldtree`),
-# SASS_FILES (sass: only these kernel files, each tree's names), SASS_JOBS (sass: compiling processes, at most 2).
+# SASS_FILES (sass: only these kernel files, each tree's names), SASS_JOBS (sass: compiling processes, default 2; the H200 machine has 16 cores).
 # llm.c (karpathy/llm.c f1e2ace: Makefile, train_gpt2.cu, llmc/) is read from .devcarry/llmc.
 # A STEP_CASES entry may carry overrides: fp32:fused:fp32_gemm=ffma,batch_size=32.
 # Logs go to $OUT (or ./out/device when OUT is unset). The PyTorch anchor scripts are read from

@@ -293,7 +293,7 @@ def main():
     p.add_argument("--worker", type=Path, default=None)
     p.add_argument("--recheck", type=Path, default=None)
     args = p.parse_args()
-    args.jobs = max(1, min(args.jobs, 2))                        # at most two compiling processes
+    args.jobs = max(1, min(args.jobs, os.cpu_count() or 1))      # at most one compiling process a core
     if args.recheck is not None:
         return recheck(args.recheck, args.out, args.jobs, args.retries)
     if args.worker is not None:
