@@ -11,9 +11,9 @@
 // nothing converts them on the way from global memory to the instruction. Its fp32 accumulation
 // truncates too (round toward zero). gemm_wgmma_tma with PRODUCTS = 3 is the fp32 form (3xTF32):
 // operands split into TF32 hi and lo halves beforehand (gemm_simt.cu tf32_split), three products
-// per k step, each k tile's partial added into the sum on the FMA pipe; gemm_wgmma3_ws (below)
-// computes the same with the split done in shared memory, on A and B as they are stored, and
-// gemm_wgmma3_ra with A split in the consumers' registers. gemm_wgmma_ra (TF32) reads a weight
+// per k step, each k tile's partial added into the sum on the FMA pipe; gemm_wgmma3_ra (below)
+// computes the same on A and B as they are stored, B split in shared memory by the producers and A
+// in the consumers' registers. gemm_wgmma_ra (TF32) reads a weight
 // gradient's A [K, M] as stored through registers (register-A wgmma), with no transposing pass.
 //
 // Shared layout: per stage, the A tile [BM][32] then the B tile [BN][32] (k contiguous, 128 bytes
@@ -37,7 +37,7 @@
 // The 3xTF32 products of k step k8 of a k tile into its partial d, smallest terms first: lo x hi,
 // hi x lo, hi x hi (the first of the tile, k8 = 0, with scale-d 0); a / b: the shared addresses of
 // the warpgroup's A hi tile and of the B hi tile, their lo tiles A_LO / B_LO bytes on
-// (gemm_wgmma_tma<..., 3> and gemm_wgmma3_ws: one order, so their sums are the same).
+// (gemm_wgmma_tma<..., 3> and gemm_wgmma3_ra: one order, so their sums are the same).
 template <int BN, int A_LO, int B_LO>
 __device__ __forceinline__ void wg_mma3_step(float (&d)[BN / 2], unsigned a, unsigned b, int k8) {
     wg_mma_tf32<BN>(d, wg_desc(a + A_LO + 32 * k8), wg_desc(b + 32 * k8), k8 > 0);
@@ -633,7 +633,7 @@ struct RaFragsK {
 // One k tile of gemm_wgmma3_ra (fp32 as 3xTF32, A through registers) into its partial: per k step s
 // the fp32 fragments (F: RaFragsK or RaFrags), split in registers into hi = tf32_hi(x) and lo =
 // tf32_hi(x - hi) (tf32_split's halves), then wg_mma3_step's three products lo x hi, hi x lo, hi x
-// hi (the first of the tile with scale-d 0: the same order, so the same sums as gemm_wgmma3_ws);
+// hi (the first of the tile with scale-d 0: the same order, so the same sums as gemm_wgmma_tma<.., 3>);
 // B's hi tile at bh, its lo tile at bl. A group per k step, two register sets: a step's halves are
 // overwritten once the group that read them is done (wg_wait<1> after the next step's). SUM (MN):
 // cs[0..1] += the fragments' values (before their split) of the thread's two rows.
@@ -809,11 +809,11 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
     __syncthreads();      // the last block-wide barrier: the producer warpgroup leaves early
 }
 
-// The argument list of the persistent kernels (gemm_wgmma_ws, gemm_wgmma_mn, gemm_wgmma3_ws): the
-// launcher's contract, checked against its argument block when a launch is recorded. A and B are
-// K-major ([batch, M, K], [batch, N, K]) for gemm_wgmma_ws; as stored ([batch, K, M], [batch, K, N])
-// for gemm_wgmma_mn, and where MN_A / MN_B say so for gemm_wgmma3_ws. colsum: the bias gradient's
-// partial sums of A as stored (gemm_wgmma_mn, gemm_wgmma3_ws with MN_A, COLSUM: row z = the split's
+// The argument list of the persistent kernels (gemm_wgmma_ws, gemm_wgmma_mn, gemm_wgmma_ra,
+// gemm_wgmma3_ra): the launcher's contract, checked against its argument block when a launch is
+// recorded. A and B are K-major ([batch, M, K], [batch, N, K]) for gemm_wgmma_ws; as stored ([batch,
+// K, M], [batch, K, N]) for gemm_wgmma_mn, and where MN_A / MN_B say so for the others. colsum: the
+// bias gradient's partial sums of A as stored (gemm_wgmma_mn, the others with MN_A, COLSUM: row z = the split's
 // k range, one product).
 #define WS_ARGS                                                                                      \
     float* C,                               /* C [zs, M, N], row stride ldc, matrix stride sC */    \
@@ -897,9 +897,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ws(WS_ARGS)
 // {rows, K, batch}, box {BM or BN, 32, 1}), [32][R], and is rewritten as the K-major [R][32] in
 // the 128-byte swizzle of gemm_wgmma_tma (ws_prepare).
 //
-// gemm_wgmma3_ws: fp32 as 3xTF32 with no pass before it: A [batch, M, K] or, MN_A, [batch, K, M];
-// B [batch, N, K] or, MN_B, [batch, K, N], read as stored (a K-major operand through the swizzled
-// tensor map of gemm_wgmma_tma). The producers split every element x into hi = tf32_hi(x), written
+// PRODUCTS 3 (fp32 as 3xTF32 with no pass before it, gemm_wgmma3_ra's B): an operand [batch, rows, K]
+// or, MN, [batch, K, rows], read as stored (a K-major operand through the swizzled tensor map of
+// gemm_wgmma_tma). The producers split every element x into hi = tf32_hi(x), written
 // where x was (turned first where MN), and lo = tf32_hi(x - hi), written HALF = (BM + BN) * 128
 // bytes on, in the same layout (the swizzle is a function of the address bits below 1024 and HALF
 // is a multiple of 1024): the halves gemm_simt.cu's tf32_split / gemm_transpose<true> would have
@@ -985,7 +985,8 @@ __device__ __forceinline__ void ws_colsum_out(const float (&cs)[R / 32], float* 
     }
 }
 
-// The body of both turning kernels (PRODUCTS 1: gemm_wgmma_mn, MN_A and MN_B; 3: gemm_wgmma3_ws).
+// The body of the turning kernels (PRODUCTS 1: gemm_wgmma_mn, MN_A and MN_B, and gemm_wgmma_ra's B;
+// 3: gemm_wgmma3_ra's B).
 // COLSUM (MN_A): the producers also sum A [K, M] as stored (fp32: the values before their split)
 // over each tile's k range, the bias gradient of a weight gradient dW = dY^T X (A = dY), written by
 // the tiles of the first column tile (n0 = 0) into colsum[split, m] (ws_colsum_out), for
@@ -1094,16 +1095,6 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_mn(WS_ARGS)
 #endif
 }
 
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, bool COLSUM = false>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma3_ws(WS_ARGS) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC,
-                                                                       alpha, splits, k_chunk, zs, colsum);
-#else
-    __trap();
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------
 // gemm_wgmma_ra: C = A^T B^T with A stored [batch, K, M] (MN-major: a weight gradient's dY as it
 // lies) read through registers (register-A wgmma), and B [batch, N, K] K-major (MN_B = false: the
@@ -1135,11 +1126,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ra(WS_ARGS)
 #endif
 }
 
-// gemm_wgmma3_ra: fp32 as 3xTF32 (gemm_wgmma3_ws's products, order and sums) with A through registers:
+// gemm_wgmma3_ra: fp32 as 3xTF32 (gemm_wgmma_tma<..., 3>'s products, order and sums) with A through registers:
 // the copy engine brings A as stored (MN_A: [K, M] in gemm_wgmma_ra's boxes; else K-major, swizzled),
 // the consumers load its fragments (RaFrags, RaFragsK) and split them into hi and lo themselves
 // (ra3_k_tile); the producer warpgroup splits (and, MN_B, turns) only B, whose hi and lo tiles follow
-// A's fp32 tile in the slot: (BM + 2 BN) x 128 bytes, a third less than gemm_wgmma3_ws's, and no
+// A's fp32 tile in the slot: (BM + 2 BN) x 128 bytes, a third less than both operands' halves, and no
 // shared-memory pass over A. COLSUM (MN_A): the consumers' sums of A (the bias gradient's partials).
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, bool COLSUM = false>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma3_ra(WS_ARGS) {

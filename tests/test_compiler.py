@@ -126,10 +126,11 @@ def _wgmma_pipeline_names():
     names += [gemm.FAMILIES["wgmma_ra_t"].kernel(t, True, False, gemm.EPI_NONE, False, True)
               for t in gemm.WGMMA_RA_T_TILES]
     names += [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]            # 3xTF32
-    # 3xTF32 split in shared memory (or, A, in registers): both operands K-major, and both as stored
-    return names + [gemm.FAMILIES[f].kernel(t, ta, tb, gemm.EPI_GELU, True, True)
-                    for f in ("wgmma3_ws", "wgmma3_ra") for t in gemm.FAMILIES[f].tiles
-                    for ta, tb in ((False, True), (True, False))]
+    # 3xTF32 split in the kernel (A in registers, B in shared memory): both operands K-major, and both as
+    # stored (the weight gradient's TN takes no epilogue: its plain kernel)
+    return names + [gemm.FAMILIES["wgmma3_ra"].kernel(t, ta, tb, epi, hb, True)
+                    for t in gemm.FAMILIES["wgmma3_ra"].tiles
+                    for ta, tb, epi, hb in ((False, True, gemm.EPI_GELU, True), (True, False, gemm.EPI_NONE, False))]
 
 
 def _flash_wgmma_names():
@@ -171,7 +172,7 @@ def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines
 # gemm_wgmma3_ra (BM 128) holds two accumulator sets and two k steps' hi / lo fragments in 168
 # registers; at 128 x 128 ptxas spills
 # 4-32 bytes in its bias, residual and GELU variants, which still ran the fp32 step 3% faster than
-# gemm_wgmma3_ws (bench/NOTES.md).
+# the kernel that split both operands in shared memory (bench/NOTES.md).
 SPILL_BUDGET = {"flash_bwd_dkv_wg<64,": 64, "gemm_wgmma3_ra<128,": 32}
 
 

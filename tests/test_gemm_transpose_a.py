@@ -406,12 +406,12 @@ class _NumpyRT(FakeGemmRT):
             mn_a = mn_b = mn
             ra = name.startswith("gemm_wgmma_ra")             # A [K, M] as stored; MN_B; COLSUM; TC
             tc = ra and len(params) > 7 and params[7] == "true"
-            if name.startswith(("gemm_wgmma3_ws", "gemm_wgmma3_ra")):   # each operand as stored, MN_A / MN_B
+            if name.startswith("gemm_wgmma3_ra"):   # each operand as stored, MN_A / MN_B
                 mn_a, mn_b = params[5] == "true", params[6] == "true"
             if ra:
                 mn_a, mn_b = True, params[5] == "true"
             epi, hb = int(params[3]), params[4] == "true"
-            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws", "gemm_wgmma_ra",
+            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma_ra",
                                 "gemm_wgmma3_ra")):
                 C, aux, ma, mb, bias, M, N, K, ldc, sC, alpha, splits, kc = v[:13]
                 (pa, lda), (pb, ldb) = struct.unpack_from("<QQ", ma.data), struct.unpack_from("<QQ", mb.data)
@@ -420,11 +420,11 @@ class _NumpyRT(FakeGemmRT):
                 pa, pb = A.ptr, B.ptr
             a = self._mat(pa, K, M, lda).T if mn_a else self._mat(pa, M, K, lda)
             b = self._mat(pb, K, N, ldb).T if mn_b else self._mat(pb, N, K, ldb)
-            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma3_ws", "gemm_wgmma_ra",
+            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma_ra",
                                           "gemm_wgmma3_ra"))
             colsum = v[14] if persistent else None             # a persistent kernel's last argument
             summed = (mn and len(params) > 5 and params[5] == "true") or \
-                (name.startswith(("gemm_wgmma3_ws", "gemm_wgmma3_ra")) and len(params) > 7 and params[7] == "true") or \
+                (name.startswith("gemm_wgmma3_ra") and len(params) > 7 and params[7] == "true") or \
                 (ra and len(params) > 6 and params[6] == "true")
             if summed:                                          # COLSUM: A's sums, a row per split
                 for z in range(splits):
@@ -596,7 +596,7 @@ def test_mn_plan_reads_the_operands_as_stored(tile, epilogue, splits):
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("fam", ["wgmma_mn", "wgmma3_ws", "wgmma3_ra"])
+@pytest.mark.parametrize("fam", ["wgmma_mn", "wgmma3_ra"])
 @pytest.mark.parametrize("epilogue", ["bias", "residual"])
 def test_as_stored_plans_run_only_the_op_interfaces_products(fam, epilogue):
     """A kernel reading the operands as stored is compiled for gemm.PRODUCTS alone: the weight
@@ -713,9 +713,9 @@ def test_ra_families_compete_for_weight_gradients():
 
 @pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False)])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("fam", ["wgmma3_ws", "wgmma3_ra"])
-def test_wgmma3_ws_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
-    """A wgmma3_ws / wgmma3_ra plan (fp32 as 3xTF32, split in shared memory or, A, in registers)
+@pytest.mark.parametrize("fam", ["wgmma3_ra"])
+def test_wgmma3_ra_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
+    """A wgmma3_ra plan (fp32 as 3xTF32, A split in the consumers' registers, B in shared memory)
     launches one kernel, no split or transpose pass, with a tensor map per operand as it is stored:
     K-major ({K, rows}, swizzled boxes {32, BM or BN}) or MN-major ({rows, K}, unswizzled boxes {BM or
     BN, 32}; wgmma3_ra's A: swizzled boxes {32, 32}), the kernel's MN_A / MN_B naming which; the numpy
@@ -750,10 +750,10 @@ def test_wgmma3_ws_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("fam", ["wgmma3_ws", "wgmma3_ra"])
-def test_wgmma3_ws_competes_for_aligned_fp32_products(fam):
-    """wgmma3_ws and wgmma3_ra join the fp32 candidates wherever the 3xTF32 kernels may run, for
-    aligned operands only, and are refused elsewhere with their reason."""
+@pytest.mark.parametrize("fam", ["wgmma3_ra"])
+def test_wgmma3_ra_competes_for_aligned_fp32_products(fam):
+    """wgmma3_ra joins the fp32 candidates wherever the 3xTF32 kernels may run, for aligned operands
+    only, and is refused elsewhere with its reason; the cost model has its tiles."""
     for mode in ("direct", "transpose"):
         assert fam in gemm.competing("fp32", mode, True)
         assert fam not in gemm.competing("fp32", mode, False)
@@ -770,13 +770,12 @@ def test_wgmma3_ws_competes_for_aligned_fp32_products(fam):
 
 
 @pytest.mark.parametrize("fam,tile", [("wgmma_mn", t) for t in gemm.WGMMA_MN_TILES] +
-                         [("wgmma3_ws", t) for t in gemm.WGMMA3_WS_TILES] +
                          [("wgmma3_ra", t) for t in gemm.WGMMA3_RA_TILES],
                          ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
 @pytest.mark.parametrize("epilogue,splits,partials", [("none", 1, True), ("none", 3, True), ("none", 1, False)],
                          ids=["whole", "split3", "no_workspace"])
 def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, partials):
-    """matmul(..., a_colsum=db) of a plan reading A [K, M] as stored (wgmma_mn in TF32, wgmma3_ws in
+    """matmul(..., a_colsum=db) of a plan reading A [K, M] as stored (wgmma_mn in TF32, wgmma3_ra in
     fp32): its colsum kernel sums A as it reads it, one row of partials per split, and
     sum_rows adds them (no second read of A). With an epilogue (the kernel's column sums are
     those of a plain product only) bias_grad reads A once more; without the partials workspace the
@@ -786,7 +785,7 @@ def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, par
     rt = _NumpyRT(1 << 22)
     rt._ws = {"gemm_splitk": rt.empty((splits * M * N,), name="ws"),
               "gemm_aT": rt.empty(((M + N) * K,), name="gemm_aT")}
-    if fam in ("wgmma3_ws", "wgmma3_ra"):       # fp32 (3xTF32), where the split workspaces are planned
+    if fam == "wgmma3_ra":                       # fp32 (3xTF32), where the split workspaces are planned
         rt.exec = rt.exec.with_precision("fp32")
         rt._ws.update(gemm_split_a=rt.empty((2 * M * K,), name="split_a"),
                       gemm_split_b=rt.empty((2 * N * K,), name="split_b"))

@@ -14,7 +14,8 @@ The rules, in one place:
   table's choice only). Each TF32 layout has a warp-specialized, persistent TMA kernel among its tiles
   (gemm_wgmma_ws). fp32 with fp32_gemm 3xtf32 (`fp32_as_3xtf32`) runs those products as three TF32 products of
   hi / lo splits, made by a pass into "gemm_split_a" / "gemm_split_b" or, for aligned operands, in the
-  kernel's shared memory (family wgmma3_ws); fp32_gemm ffma keeps every fp32 product on SIMT.
+  kernel (family wgmma3_ra: A in the consumers' registers, B in shared memory); fp32_gemm ffma keeps every
+  fp32 product on SIMT.
   Within what may run, a product's kernel, tile and split-K come from the measured table of this GPU
   and these kernel sources (<compile cache>/tune/, gemm/table.py), else from the cost model
   (gptcuda/ops/cuda/gemm/plan.py `plan`), which also sizes the scratch in the memory plan (gemm/plan.py

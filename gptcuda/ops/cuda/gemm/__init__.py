@@ -22,8 +22,9 @@ epilogues only). For "fp32" these layouts, and trans_a = True (the weight gradie
 dY^T @ X), may run as 3xTF32 (family "wgmma3") when the config planned the split scratch
 "gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32): A and B are split into TF32 hi and lo halves
 by a pre-pass (transposing a [K, rows] operand on the way), then three products; or (family
-"wgmma3_ws", 16-byte aligned operands in any layout) with no pass before it: the kernel's producer
-warpgroup splits (and turns K-major) each k tile of A and B as stored in shared memory. The block tile
+"wgmma3_ra", 16-byte aligned operands in the op interface's layouts) with no pass before it: the
+consumers split A's fragments in registers, the producer warpgroup splits (and turns K-major) each k
+tile of B as stored in shared memory. The block tile
 and the split-K factor of a shape come from the measured table of bench/tune.py when it has
 an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel
 sources (`tuned_plan`), else from a cost model (`plan`) fed with rt.info.sm_count. Split-K
@@ -54,7 +55,7 @@ from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_COMBOS,
                                             TF32_FALLBACK_TILES, TF32_FILE, TF32_PLAN_TILES, TF32_TILES,
                                             TRANSPOSE_NAMES, VARIANTS, WGMMA3_EFFICIENCY, WGMMA3_TILES,
                                             WGMMA_ARCHS, WGMMA_EFFICIENCY, WGMMA_FILE, WGMMA_LOADERS,
-                                            WGMMA3_RA_TILES, WGMMA3_WS_TILES, WGMMA_MN_TILES, WGMMA_RA_MN_TILES,
+                                            WGMMA3_RA_TILES, WGMMA_MN_TILES, WGMMA_RA_MN_TILES,
                                             WGMMA_RA_T_TILES, WGMMA_RA_TILES, WGMMA_TILES, Family, cdiv, reduce_name,
                                             simt_name,
                                             tf32_blocks_per_sm, tf32_name, tf32_smem, wgmma_blocks_per_sm,

@@ -8,8 +8,8 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
     wgmma   TF32 warpgroup MMA (kernels/gemm_wgmma.cu, sm_90a): K-major A and B only
     wgmma3  fp32 as three TF32 warpgroup-MMA products over operands split into hi and lo halves
             by a pass before it
-    wgmma3_ws  fp32 as 3xTF32 over A and B as stored, split (and turned K-major) in shared memory
-    wgmma3_ra  the same with A split in the consumers' registers, only B prepared in shared memory
+    wgmma3_ra  fp32 as 3xTF32 over A and B as stored: A split in the consumers' registers, B split (and
+               turned K-major) in shared memory
     wgmma_mn  TF32 warpgroup MMA of A^T B with A [K, M], B [K, N] as stored (the weight gradients)
     wgmma_ra  TF32 A^T B with A [K, M] as stored read through registers, B K-major (or B^T first)
     wgmma_ra_mn  the same with B [K, N] as stored, turned K-major by the producers
@@ -125,18 +125,12 @@ WGMMA_RA_T_TILES = WGMMA_RA_TILES
 # warpgroups (BM 128, up to 255 registers a thread) fit without spilling.
 WGMMA3_TILES = ((128, 128, 3, 1), (128, 192, 2, 1), (128, 64, 4, 1))
 WGMMA3_EFFICIENCY = dict(zip(WGMMA3_TILES, (2.0, 2.1, 1.5)))
-# fp32 as 3xTF32 with no pass before it (family "wgmma3_ws", kernels/gemm_wgmma.cu gemm_wgmma3_ws):
-# (BM, BN, STAGES), the warp-specialized persistent kernel whose producer warpgroup splits each
-# TMA-staged k tile of A and B, as stored, into hi and lo tiles (turning an MN-major one K-major):
-# a slot holds twice the staged bytes. Two consumer warpgroups (BM 128) of sum + partial
-# accumulators (BN / 2 each) beside the producer's 128 threads: BN <= 128 keeps them in 168
-# registers a thread.
-WGMMA3_WS_TILES = ((128, 128, 3), (128, 64, 4))
-WGMMA3_WS_EFFICIENCY = dict(zip(WGMMA3_WS_TILES, (2.0, 1.5)))
-# The same with A through registers (family "wgmma3_ra", gemm_wgmma3_ra): the consumers load A's
-# fragments as stored (K-major, or MN-major in gemm_wgmma_ra's boxes) and split them themselves; the
-# producers split (and turn) B only. A slot holds A once and B's two halves, (BM + 2 BN) x 128 bytes:
-# 4 stages at 128 x 128.
+# fp32 as 3xTF32 with no pass before it (family "wgmma3_ra", kernels/gemm_wgmma.cu gemm_wgmma3_ra):
+# (BM, BN, STAGES), the warp-specialized persistent kernel whose consumers load A's fragments as
+# stored (K-major, or MN-major in gemm_wgmma_ra's boxes) and split them themselves, and whose producers
+# split (and turn) B. A slot holds A once and B's two halves, (BM + 2 BN) x 128 bytes: 4 stages at
+# 128 x 128. Two consumer warpgroups (BM 128) of sum + partial accumulators (BN / 2 each). (It replaced
+# gemm_wgmma3_ws, which split both operands in shared memory: no measured table picked it.)
 WGMMA3_RA_TILES = ((128, 128, 4), (128, 64, 4))
 WGMMA3_RA_EFFICIENCY = dict(zip(WGMMA3_RA_TILES, (2.0, 1.5)))
 
@@ -206,13 +200,6 @@ def ra_name(tile, mn_b, epi, has_bias, colsum=False, tc=False) -> str:
 def wgmma3_ra_name(tile, ta, tb, epi, has_bias, colsum=False) -> str:
     """gemm_wgmma3_ra's name expression (MN_A = trans_a, MN_B = not trans_b; colsum: MN_A only)."""
     return (f"gemm_wgmma3_ra<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)},{_b(ta)},{_b(not tb)}"
-            f"{',true' if colsum else ''}>")
-
-
-def wgmma3_ws_name(tile, ta, tb, epi, has_bias, colsum=False) -> str:
-    """gemm_wgmma3_ws's name expression (MN_A = trans_a: A stored [K, M]; MN_B = not trans_b); colsum
-    (MN_A only): the variant whose producers also sum A as stored (matmul's a_colsum)."""
-    return (f"gemm_wgmma3_ws<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)},{_b(ta)},{_b(not tb)}"
             f"{',true' if colsum else ''}>")
 
 
@@ -358,7 +345,7 @@ FAMILIES = {f.name: f for f in (
            kernel=lambda t, ta, tb, epi, hb, vec: simt_name(t[0], t[1], ta, tb, epi, hb, vec),
            label=lambda t: f"{t[0]}x{t[1]}",
            short=lambda t: f"{t[0]}x{t[1]}",
-           partner="wgmma3", stored_partners=("wgmma3_ws", "wgmma3_ra")),
+           partner="wgmma3", stored_partners=("wgmma3_ra",)),
     Family("tf32", TF32_FILE, TF32_TILES, TF32_PLAN_TILES, TF32_FALLBACK_TILES, TF32_EFFICIENCY,
            TF32_FLOPS_PER_SM,
            threads=lambda t: t[3] * t[4] * 32,
@@ -416,19 +403,7 @@ FAMILIES = {f.name: f for f in (
            label=_wgmma_label, short=_wgmma_short,
            tma=lambda t: True, k_major=True, products=3, split_first=True, base="simt",
            needs="sm_90, K % 4 == 0, one product and the gemm_split_a/_b workspaces"),
-    Family("wgmma3_ws", WGMMA_FILE, WGMMA3_WS_TILES, WGMMA3_WS_TILES, (), WGMMA3_WS_EFFICIENCY,
-           TF32_FLOPS_PER_SM / 3,
-           threads=lambda t: (t[0] // 64 + 1) * 128,
-           blocks_per_sm=lambda t: 1,
-           smem=lambda t: 2 * t[2] * (t[0] + t[1]) * 128 + 1024,
-           kernel=lambda t, ta, tb, epi, hb, vec: wgmma3_ws_name(t, ta, tb, epi, hb),
-           colsum_kernel=lambda t, ta, tb: wgmma3_ws_name(t, ta, tb, EPI_NONE, False, colsum=True) if ta else None,
-           label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split",
-           short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ws",
-           tma=lambda t: True, persistent=lambda t: True,
-           layouts=tuple(PRODUCTS), products=3, base="simt",
-           needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats)"),
-    Family("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, (), (), WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
+    Family("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, WGMMA3_RA_TILES, (), WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
            threads=lambda t: (t[0] // 64 + 1) * 128,
            blocks_per_sm=lambda t: 1,
            smem=lambda t: t[2] * (t[0] + 2 * t[1]) * 128 + 1024,

@@ -240,7 +240,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     plan (benchmarks, bench/tune.py); otherwise the measured table, else the cost model.
     a_colsum [M] (trans_a only): also a_colsum = a.sum(0) of a as stored [K, M], the bias gradient of
     a weight gradient; a transpose_a plan takes the partial sums from its A^T transposes, a plan
-    whose kernel reads A as stored (wgmma_mn, wgmma3_ws: has_colsum_kernel) from that kernel's
+    whose kernel reads A as stored (wgmma_mn, wgmma3_ra: has_colsum_kernel) from that kernel's
     producers, else elementwise.bias_grad reads a once more."""
     M, N, K, lda, ldb, epi, has_bias = matmul_dims(out, a, b, trans_a, trans_b, bias, epilogue, aux)
     if a_colsum is not None and (not trans_a or a_colsum.numel != M):
@@ -278,7 +278,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         trans_a, trans_b, lda, ldb = False, True, K, K
     elif p.transpose_b:          # (a register-A plan's B^T, [N, tokens], goes where the A^T slabs would)
         b, trans_b, ldb = _transpose_b(rt, b, K, N, label, "gemm_aT" if p.fam.b_first else "gemm_bT"), True, K
-    # a kernel that sums A as it reads it (gemm_wgmma_mn, gemm_wgmma3_ws) gives the bias gradient's
+    # a kernel that sums A as it reads it (gemm_wgmma_mn, gemm_wgmma3_ra) gives the bias gradient's
     # partials, one row per split; elsewhere bias_grad reads A once more
     if (trans_a, trans_b, epi, has_bias) not in COMBOS[p.family]:
         raise ValueError(f"{label}: the {p.family} kernels are not compiled for {_layout(trans_a, trans_b)} with "

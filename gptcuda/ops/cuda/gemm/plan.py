@@ -15,7 +15,7 @@ from gptcuda.ops.cuda.gemm.layout import mode_flags
 
 @dataclass(frozen=True)
 class Plan:
-    family: str          # "simt" | "tf32" | "wgmma" | "wgmma_mn" | "wgmma3" | "wgmma3_ws": a FAMILIES key
+    family: str          # "simt" | "tf32" | "wgmma" | "wgmma_mn" | "wgmma3" | "wgmma3_ra" | ...: a FAMILIES key
     tile: tuple          # an entry of the family's tiles
     threads: int
     blocks_per_sm: int
@@ -156,7 +156,7 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, colsum=Fal
     partials and the reduction; the re-layout passes (transposes, 3xTF32 splits) their bytes.
     transpose_a plans: the transposes of A (and B) at ~3 TB/s, then one GEMM per k slab, every
     slab after the first reading out back (the residual epilogue). colsum (matmul's a_colsum, A
-    stored [K, M]): the A^T transposes and the producers of gemm_wgmma_mn / gemm_wgmma3_ws give it
+    stored [K, M]): the A^T transposes and the producers of gemm_wgmma_mn / the consumers of gemm_wgmma3_ra give it
     nearly free, other plans read A once more."""
     extra = 0.0
     if colsum:
