@@ -1,6 +1,6 @@
 """Benchmark the GEMM kernels (fp32 SIMT, TF32 tensor cores) against cuBLAS.
 
-    python bench/gemm.py [--mnk M,N,K ...] [--trans NN|NT|TN|TT] [--precision fp32|tf32|both]
+    python bench/gemm.py [--mnk M,N,K ...] [--trans NN|NT|TN] [--precision fp32|tf32|both]
                          [--sweep] [--ladder] [--iters 30] [--json out.json]
 
 Default shapes: 4096^3 (NN and NT), and every GEMM of the model at B64 T256 (M = 16384 tokens), C=384, V=65:
@@ -280,7 +280,7 @@ def bench_ladder(rt, M, N, K, args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mnk", nargs="*", default=None, help="shapes M,N,K (default: 4096^3 + the model's)")
-    ap.add_argument("--trans", default=None, choices=["NN", "NT", "TN", "TT"],
+    ap.add_argument("--trans", default=None, choices=["NN", "NT", "TN"],          # gemm.PRODUCTS' layouts
                     help="transpose case for every shape (default: the model's case of each shape; NN for --mnk)")
     ap.add_argument("--model", default=None, metavar="B,T,C,V",
                     help="the model's shapes at this batch, context, width and vocabulary (default 64,256,384,65)")
