@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gptcuda.ops.cuda import elementwise, gemm
-from gptcuda.ops.cuda.gemm.families import ra_name
+from gptcuda.ops.cuda.gemm.families import COLSUM_TRANSPOSE_NAMES, ra_name
 from gptcuda.ops.cuda.gemm.plan import check_plan
 from gptcuda.runtime import DeviceView
 from tests.conftest import FakeGemmRT, fake_view as _v
@@ -386,7 +386,7 @@ class _NumpyRT(FakeGemmRT):
             out, x, K, N, colsum, chunk0 = v
             xs = self.at(x.ptr, K * N).reshape(K, N)
             self.at(out.ptr, N * K)[:] = xs.T.ravel()
-            if name.endswith("true>"):                         # COLSUM: one row per 64-row tile
+            if name in COLSUM_TRANSPOSE_NAMES.values():       # one row per 64-row tile
                 for i in range(-(-K // 64)):
                     self.at(colsum.ptr + 4 * (chunk0 + i) * N, N)[:] = xs[64 * i:64 * i + 64].sum(0)
             else:
@@ -530,7 +530,7 @@ def test_a_colsum_is_the_bias_gradient(tb, slab, K, partials):
     assert np.abs(rt.at(out.ptr, M * N).reshape(M, N) - want).max() < 1e-4 * np.abs(want).max()
     names = [n for n, *_ in rt.launches]
     fused = K <= 64 * 256
-    assert any(n.startswith("gemm_transpose") and n.endswith("true>") for n in names) == fused
+    assert any(n in COLSUM_TRANSPOSE_NAMES.values() for n in names) == fused
     assert ("bias_grad_partial<4>" in names or "bias_grad_partial<1>" in names) == (not fused)
     assert names[-1] == "sum_rows"
 
@@ -664,7 +664,8 @@ def test_ra_plan_launches(fam, tile, tb, splits, colsum):
     kern = [n for n in names if n.startswith("gemm_wgmma_ra")]
     assert len(kern) == 1 and len(names) == 1 + (splits > 1) + (fam != "wgmma_ra_mn" and not tb) + colsum, names
     if fam == "wgmma_ra_t":        # A^T first, then out^T = B^T A: B [K, N] through registers
-        assert names[0].startswith("gemm_transpose<") and names[0].endswith(f"{str(colsum).lower()}>"), names
+        assert names[0] in ([*COLSUM_TRANSPOSE_NAMES.values()] if colsum else
+                            [gemm.TRANSPOSE_NAMES[False, vec] for vec in (False, True)]), names
         assert maps == [((N, K, 1), (32, 32, 1), True), ((K, M, 1), (32, tile[1], 1), True)], maps
         assert kern[0] == ra_name(tile, False, 0, False, tc=True)
     else:
@@ -672,7 +673,7 @@ def test_ra_plan_launches(fam, tile, tb, splits, colsum):
         assert maps[1] == (((N, K, 1), (tile[1], 32, 1), False) if fam == "wgmma_ra_mn" else
                            ((K, N, 1), (32, tile[1], 1), True)), maps
         assert kern[0] == ra_name(tile, fam == "wgmma_ra_mn", 0, False, colsum=colsum)
-        assert names[0] == kern[0] or names[0] == "gemm_transpose<false, true, false>", names
+        assert names[0] == kern[0] or names[0] == TRANSPOSE, names
     a32 = a.astype(np.float32).astype(np.float64)
     b32 = b.astype(np.float32).astype(np.float64)
     want = a32.T @ (b32.T if tb else b32)

@@ -51,8 +51,9 @@ PRODUCTS = {(False, True): tuple(e for e in EPI_COMBOS if e[0] != EPI_DGELU),
 # [M, N] arrays an epilogue moves through DRAM: the output, plus aux written (GELU) or read.
 EPI_IO = {EPI_NONE: 1, EPI_BIAS: 1, EPI_GELU: 2, EPI_RESID: 2, EPI_DGELU: 2}
 
-# SIMT block tiles (BM, BN): threads = BM*BN/64; blocks resident per SM (register bound: the
-# kernel's __launch_bounds__ asks for 2 / 3 / 6, see GemmSimtMinBlocks in gemm_simt.cu).
+# SIMT block tiles (BM, BN): threads = BM*BN/64 (an 8x8 tile a thread); blocks resident per SM by threads
+# (register bound: 128x128 <= 128 registers; the smaller tiles stage two float4 per operand and get up
+# to 168), passed to gemm_simt's __launch_bounds__ as template arguments (simt_name).
 SIMT_TILES = ((128, 128), (128, 64), (64, 64))
 SIMT_BLOCKS_PER_SM = {256: 2, 128: 3, 64: 6}
 SIMT_EFFICIENCY = {(128, 128): 1.0, (128, 64): 0.9, (64, 64): 0.8}
@@ -74,7 +75,7 @@ TF32_FALLBACK_TILES = ((64, 64, 32, 2, 2, 4),)
 TF32_PLAN_TILES = TF32_TILES[:4]
 TF32_EFFICIENCY = {TF32_TILES[0]: 1.0, TF32_TILES[1]: 0.9, TF32_TILES[2]: 0.75, TF32_TILES[3]: 0.6,
                    TF32_TILES[4]: 1.0, TF32_TILES[5]: 0.95}
-SMEM_PER_SM = 228 * 1024       # H100/H200; GemmTf32MinBlocks in gemm_tf32.cu uses the same
+SMEM_PER_SM = 228 * 1024       # H100/H200
 
 # Warpgroup-MMA tiles (kernels/gemm_wgmma.cu; sm_90a; A [M, K] and B [N, K] both K-major):
 # (BM, BN, STAGES, LOADER), BM / 64 warpgroups of 128 threads, each computing 64 x BN; LOADER 0:
@@ -144,13 +145,33 @@ WGMMA3_RA_EFFICIENCY = dict(zip(WGMMA3_RA_TILES, (2.0, 1.5)))
 FFMA_FLOPS_PER_SM = 128 * 2 * 1.75e9       # fp32 FMA lanes x 2 x clock
 TF32_FLOPS_PER_SM = 1024 * 2 * 1.75e9 / 2
 
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def _simt_threads(t):
+    return t[0] * t[1] // 64
+
+
+def _tf32_threads(t):
+    return t[3] * t[4] * 32
+
+
 # gemm_simt.cu's transpose [K, N] -> [N, K] of transpose_b plans (split: the hi and lo halves of a
-# wgmma3 operand), by (split, vec: float4 accesses)
-TRANSPOSE_NAMES = {(split, vec): f"gemm_transpose<{str(split).lower()}, {str(vec).lower()}, false>"
-                   for split in (False, True) for vec in (False, True)}
+# wgmma3 operand), by (split, vec: float4 accesses): TRANSPOSE_THREADS threads a square tile of
+# TRANSPOSE_TILE (the kernel asserts both)
+TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256
+
+
+def _transpose_name(split, vec, colsum) -> str:
+    return f"gemm_transpose<{_b(split)}, {_b(vec)}, {_b(colsum)}, {TRANSPOSE_TILE}, {TRANSPOSE_THREADS}>"
+
+
+TRANSPOSE_NAMES = {(split, vec): _transpose_name(split, vec, False) for split in (False, True) for vec in (False, True)}
 # the A^T transpose of a weight gradient that also writes its bias gradient's partial column sums
-COLSUM_TRANSPOSE_NAMES = {vec: f"gemm_transpose<false, {str(vec).lower()}, true>" for vec in (False, True)}
-SPLIT_NAMES = {False: "tf32_split<false>", True: "tf32_split<true>"}   # gemm_simt.cu: the halves of an operand
+COLSUM_TRANSPOSE_NAMES = {vec: _transpose_name(False, vec, True) for vec in (False, True)}
+SPLIT_THREADS = 256        # tf32_split's block (grid-stride)
+SPLIT_NAMES = {vec: f"tf32_split<{_b(vec)},{SPLIT_THREADS}>" for vec in (False, True)}   # the halves of an operand
 
 # Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
 LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
@@ -159,24 +180,25 @@ LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<
 SPLIT_ALIGN = 32          # k_chunk is a multiple of this (keeps 16-byte alignment and whole BK tiles)
 MAX_SPLITS = 32
 MAX_GRID_Z = 65535
-REDUCE_THREADS = 256
-
-
-def _b(x: bool) -> str:
-    return "true" if x else "false"
+REDUCE_THREADS = 256       # gemm_splitk_reduce's block (grid-stride)
 
 
 def simt_name(bm, bn, ta, tb, epi, has_bias, vec) -> str:
-    return f"gemm_simt<{bm},{bn},{_b(ta)},{_b(tb)},{epi},{_b(has_bias)},{_b(vec)}>"
+    """gemm_simt's name expression: the tile, layout and epilogue, then THREADS and MIN_BLOCKS."""
+    threads = _simt_threads((bm, bn))
+    return (f"gemm_simt<{bm},{bn},{_b(ta)},{_b(tb)},{epi},{_b(has_bias)},{_b(vec)},"
+            f"{threads},{SIMT_BLOCKS_PER_SM[threads]}>")
 
 
 def reduce_name(epi, has_bias) -> str:
-    return f"gemm_splitk_reduce<{epi},{_b(has_bias)}>"
+    return f"gemm_splitk_reduce<{epi},{_b(has_bias)},{REDUCE_THREADS}>"
 
 
 def tf32_name(tile, ta, tb, epi, has_bias, vec) -> str:
+    """gemm_tf32's name expression: the tile, layout and epilogue, then THREADS, SMEM and MIN_BLOCKS."""
     bm, bn, bk, wm, wn, st = tile
-    return f"gemm_tf32<{bm},{bn},{bk},{wm},{wn},{st},{_b(ta)},{_b(tb)},{epi},{_b(has_bias)},{_b(vec)}>"
+    return (f"gemm_tf32<{bm},{bn},{bk},{wm},{wn},{st},{_b(ta)},{_b(tb)},{epi},{_b(has_bias)},{_b(vec)},"
+            f"{_tf32_threads(tile)},{tf32_smem(tile)},{tf32_blocks_per_sm(tile)}>")
 
 
 def wgmma_name(tile, epi, has_bias, products=1) -> str:
@@ -223,7 +245,7 @@ def tf32_smem(tile) -> int:
 
 
 def tf32_blocks_per_sm(tile) -> int:
-    """Mirrors GemmTf32MinBlocks: as many as shared memory allows, 1..3."""
+    """As many as shared memory allows (1 KB reserved a block), 1..3: gemm_tf32's MIN_BLOCKS."""
     return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
 
 
@@ -327,8 +349,6 @@ class Family:
         return 2 if self.split_first else 1
 
 
-def _simt_threads(t):
-    return t[0] * t[1] // 64
 
 
 def _wgmma_label(t):
@@ -361,7 +381,7 @@ FAMILIES = {f.name: f for f in (
            partner="wgmma3", stored_partners=("wgmma3_ws", "wgmma3_ra")),
     Family("tf32", TF32_FILE, TF32_TILES, TF32_PLAN_TILES, TF32_FALLBACK_TILES, TF32_EFFICIENCY,
            TF32_FLOPS_PER_SM,
-           threads=lambda t: t[3] * t[4] * 32,
+           threads=_tf32_threads,
            blocks_per_sm=tf32_blocks_per_sm,
            smem=tf32_smem,
            kernel=tf32_name,
