@@ -396,7 +396,7 @@ class _NumpyRT(FakeGemmRT):
             d = self.at(dout.ptr, M * N).reshape(M, N)
             for c in range(-(-M // rpc)):
                 self.at(part.ptr + 4 * c * N, N)[:] = d[c * rpc:(c + 1) * rpc].sum(0)
-        elif name == "sum_rows":
+        elif name == elementwise.SUM_ROWS:
             for out, part, nrows, cols, ld in elementwise.unpack_sum_batch(v[0].data):
                 self.at(out, cols)[:] = np.stack([self.at(part + 4 * r * ld, cols) for r in range(nrows)]).astype(
                     np.float64).sum(0)
@@ -531,8 +531,8 @@ def test_a_colsum_is_the_bias_gradient(tb, slab, K, partials):
     names = [n for n, *_ in rt.launches]
     fused = K <= 64 * 256
     assert any(n in COLSUM_TRANSPOSE_NAMES.values() for n in names) == fused
-    assert ("bias_grad_partial<4>" in names or "bias_grad_partial<1>" in names) == (not fused)
-    assert names[-1] == "sum_rows"
+    assert any(n in (elementwise.bias_grad_name(4), elementwise.bias_grad_name(1)) for n in names) == (not fused)
+    assert names[-1] == elementwise.SUM_ROWS
 
 
 @pytest.mark.parametrize("fam,tile", [("wgmma3", (128, 128, 3, 1)), ("simt", (128, 128))])
@@ -679,7 +679,7 @@ def test_ra_plan_launches(fam, tile, tb, splits, colsum):
     want = a32.T @ (b32.T if tb else b32)
     assert np.abs(rt._mat(out.ptr, M, N, N) - want).max() < 1e-4 * np.abs(want).max()
     if colsum:
-        assert names[-1] == "sum_rows"
+        assert names[-1] == elementwise.SUM_ROWS
         assert np.abs(rt.at(dbias.ptr, M) - a32.sum(0)).max() < 1e-5 * np.abs(a32).sum(0).max()
 
 
@@ -814,4 +814,4 @@ def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, par
     assert names[0] == (f.colsum_kernel(tile, True, False) if fused else
                         f.kernel(tile, True, False, gemm.EPI_RESID, False, True)), names
     assert any(n.startswith("bias_grad_partial") for n in names) == (not fused), names
-    assert names[-1] == "sum_rows"
+    assert names[-1] == elementwise.SUM_ROWS
