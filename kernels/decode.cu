@@ -29,8 +29,12 @@ struct GenOpts {
     int pad[2];
 };
 
+// Blocks, decode_linear's columns a block and the attention's keys a chunk are template arguments
+// chosen in gptcuda/ops/cuda/decode.py; a kernel asserts what its code fixes.
+
 // out[s, c] = wte[ctx[s, pos], c] + wpe[pos, c]
-__global__ void __launch_bounds__(256)
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS)
 decode_embed(float* __restrict__ out,          // out [S, C]
              const int* __restrict__ ctx,      // ctx [S, T+1]
              const float* __restrict__ wte,    // wte [V, C]
@@ -46,29 +50,29 @@ decode_embed(float* __restrict__ out,          // out [S, C]
 
 // out[m, n] = epilogue(sum_k a[m, k] w[n, k] + bias[n]) for the M <= MT rows of a decode step
 // (x @ W^T with W [N, K] as stored), memory bound: each weight is read once. A block's warps
-// form LinearShape<MT>::groups groups of ksplit warps; a group takes NPW output columns, its warps
+// form LinearShape<MT, WARPS>::groups groups of ksplit warps; a group takes NPW output columns, its warps
 // interleaved 128-wide slices of k (for every row of a at once); the block adds the slices' sums
 // in order. Epilogues as the GEMMs' (gemm_epilogue.cuh): none, GELU (aux = the pre-activation),
 // residual (out = aux + ..., aux may be out). fp32 FMA, deterministic.
-#define LINEAR_WARPS 8
-template <int MT>
+template <int MT, int WARPS>
 struct LinearShape {
     static constexpr int npw = MT == 1 ? 1 : 2;             // columns a warp
     static constexpr int ksplit = MT == 16 ? 8 : 4;         // warps sharing a column's k
-    static constexpr int groups = LINEAR_WARPS / ksplit;    // column groups a block
+    static constexpr int groups = WARPS / ksplit;           // column groups a block
 };
 
-template <int MT, int EPI>
-__global__ void __launch_bounds__(32 * LINEAR_WARPS)
+template <int MT, int EPI, int WARPS, int COLS>
+__global__ void __launch_bounds__(32 * WARPS)
 decode_linear(float* __restrict__ out,          // out [M, N]
               float* aux,                       // aux [M, N]  (GELU: written; residual: read, may be out)
               const float* __restrict__ a,      // a [M, K]
               const float* __restrict__ w,      // w [N, K]
               const float* __restrict__ bias,   // bias [N] or null
               int M, int N, int K) {
-    using L = LinearShape<MT>;
+    using L = LinearShape<MT, WARPS>;
     constexpr int NPW = L::npw, KS = L::ksplit;
-    __shared__ float partial[LINEAR_WARPS][NPW][MT];
+    static_assert(WARPS % KS == 0 && COLS == L::groups * NPW, "COLS: the block's groups of NPW columns");
+    __shared__ float partial[WARPS][NPW][MT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int grp = warp / KS, kpart = warp % KS;
     const int n0 = (blockIdx.x * L::groups + grp) * NPW;
@@ -140,36 +144,33 @@ decode_linear(float* __restrict__ out,          // out [M, N]
 }
 
 // Attention of one new query per (sequence, head) over the cache, split over the keys
-// ("flash decoding"): block (chunk, head, sequence) takes keys [chunk * ATT_CHUNK, + ATT_CHUNK)
+// ("flash decoding"): block (chunk, head, sequence) takes keys [chunk * CHUNK, + CHUNK)
 // up to pos and writes its partial result (sum_j p_j v_j, max score, sum_j p_j with p_j =
 // exp(s_j - max)); decode_attention_combine merges the chunks. The block holding key pos reads
 // this position's k and v from qkv and appends them to the cache; no other block reads them.
-#define ATT_CHUNK 64
-#define ATT_THREADS 128
-
-template <int HS>
-__global__ void __launch_bounds__(ATT_THREADS)
+template <int HS, int THREADS, int CHUNK>
+__global__ void __launch_bounds__(THREADS)
 decode_attention(float* __restrict__ part,         // part [S, H, n_chunks, HS + 2]  o | max | sum
                  const float* __restrict__ qkv,    // qkv [S, 3C]         q | k | v   (C = H * HS)
                  float* __restrict__ kcache,       // kcache [S, H, Tmax, HS]
                  float* __restrict__ vcache,       // vcache [S, H, Tmax, HS]
                  const int* __restrict__ pos,      // pos [1]
                  int H, int Tmax, float scale) {
-    constexpr int G = ATT_THREADS / HS > 0 ? ATT_THREADS / HS : 1;   // key groups of the output sum
+    constexpr int G = THREADS / HS > 0 ? THREADS / HS : 1;   // key groups of the output sum
     __shared__ __align__(16) float q[HS];
-    __shared__ float p[ATT_CHUNK];
+    __shared__ float p[CHUNK];
     __shared__ float o[G][HS];
-    __shared__ float red[ATT_THREADS / 32];
+    __shared__ float red[THREADS / 32];
     const int c = blockIdx.x, h = blockIdx.y, s = blockIdx.z, C = H * HS, t = *pos;
-    const int j0 = c * ATT_CHUNK;
+    const int j0 = c * CHUNK;
     if (j0 > t) return;
-    const int n = min(ATT_CHUNK, t + 1 - j0);
+    const int n = min(CHUNK, t + 1 - j0);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* row = qkv + (long long)s * 3 * C + h * HS;
     float* kc = kcache + ((long long)(s * H + h) * Tmax) * HS;
     float* vc = vcache + ((long long)(s * H + h) * Tmax) * HS;
-    const bool last = t - j0 < ATT_CHUNK;                   // this block holds key t
-    for (int d = tid; d < HS; d += ATT_THREADS) {
+    const bool last = t - j0 < CHUNK;                   // this block holds key t
+    for (int d = tid; d < HS; d += THREADS) {
         q[d] = row[d] * scale;
         if (last) {
             kc[(long long)t * HS + d] = row[C + d];
@@ -195,16 +196,16 @@ decode_attention(float* __restrict__ part,         // part [S, H, n_chunks, HS +
     }
     __syncthreads();
     float mx = __int_as_float(0xff800000);
-    for (int i = tid; i < n; i += ATT_THREADS) mx = fmaxf(mx, p[i]);
+    for (int i = tid; i < n; i += THREADS) mx = fmaxf(mx, p[i]);
     mx = gc_warp_max(mx);
     if (lane == 0) red[warp] = mx;
     __syncthreads();
     mx = red[0];
 #pragma unroll
-    for (int w = 1; w < ATT_THREADS / 32; ++w) mx = fmaxf(mx, red[w]);
+    for (int w = 1; w < THREADS / 32; ++w) mx = fmaxf(mx, red[w]);
     __syncthreads();
     float sum = 0.f;
-    for (int i = tid; i < n; i += ATT_THREADS) {
+    for (int i = tid; i < n; i += THREADS) {
         const float e = expf(p[i] - mx);
         p[i] = e;
         sum += e;
@@ -225,7 +226,7 @@ decode_attention(float* __restrict__ part,         // part [S, H, n_chunks, HS +
     }
     __syncthreads();
     float* out = part + ((long long)(s * H + h) * gridDim.x + c) * (HS + 2);
-    for (int e = tid; e < HS; e += ATT_THREADS) {
+    for (int e = tid; e < HS; e += THREADS) {
         float r = 0.f;
 #pragma unroll
         for (int k = 0; k < G; ++k) r += o[k][e];
@@ -234,21 +235,22 @@ decode_attention(float* __restrict__ part,         // part [S, H, n_chunks, HS +
     if (tid == 0) {
         float l = 0.f;
 #pragma unroll
-        for (int w = 0; w < ATT_THREADS / 32; ++w) l += red[w];
+        for (int w = 0; w < THREADS / 32; ++w) l += red[w];
         out[HS] = mx;
         out[HS + 1] = l;
     }
 }
 
 // y[s, h*HS + d] = the chunks' partial sums merged: sum_c e^(m_c - M) o_c[d] / sum_c e^(m_c - M) l_c
-template <int HS>
-__global__ void __launch_bounds__(HS < 32 ? 32 : HS)
+template <int HS, int THREADS, int CHUNK>
+__global__ void __launch_bounds__(THREADS)
 decode_attention_combine(float* __restrict__ y,            // y [S, C]
                          const float* __restrict__ part,   // part [S, H, n_chunks, HS + 2]
                          const int* __restrict__ pos,      // pos [1]
                          int H, int n_chunks) {
+    static_assert(THREADS >= HS && THREADS % 32 == 0, "thread d merges dimension d; whole warps");
     const int h = blockIdx.x, s = blockIdx.y, d = threadIdx.x, t = *pos;
-    const int n = t / ATT_CHUNK + 1;                       // the chunks holding keys 0..t
+    const int n = t / CHUNK + 1;                       // the chunks holding keys 0..t
     const float* pp = part + (long long)(s * H + h) * n_chunks * (HS + 2);
     float M = __int_as_float(0xff800000);
     for (int c = 0; c < n; ++c) M = fmaxf(M, pp[c * (HS + 2) + HS]);
@@ -270,7 +272,6 @@ decode_attention_combine(float* __restrict__ y,            // y [S, C]
 // takes the first token, in vocabulary order, whose running kept weight exceeds
 // floor(r * total / 2^64), r a 64-bit word of the counter RNG at (seed, draw number, sequence).
 
-#define SAMPLE_THREADS 1024
 #define RADIX_BITS 11
 #define RADIX_BINS (1 << RADIX_BITS)
 typedef unsigned long long u64;
@@ -348,7 +349,8 @@ __device__ u32 radix_select(const float* row, int n_vocab, u32 floor_key, u64 ne
 
 // One block per sequence: draw the token after position pos (or pass, while the prompt is read),
 // then at the end of the window (pos + 1 == T) move the last T/2 tokens to its start.
-__global__ void __launch_bounds__(SAMPLE_THREADS)
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS)
 decode_sample(int* __restrict__ ctx,               // ctx [S, T+1]
               int* __restrict__ fill,              // fill [S]
               int* __restrict__ out,               // out [S, N]
@@ -360,6 +362,7 @@ decode_sample(int* __restrict__ ctx,               // ctx [S, T+1]
               const GenOpts* __restrict__ opts,    // opts [1]
               const int* __restrict__ stop,        // stop [STOP_MAX]
               int S, int Vp, int n_vocab, int T, int N) {
+    static_assert(2 * THREADS == RADIX_BINS, "radix_select: two bins a thread");
     __shared__ u64 hist[RADIX_BINS];
     __shared__ u64 sw[32];
     __shared__ u64 sel[2];

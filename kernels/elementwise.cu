@@ -4,11 +4,9 @@
 // Elementwise kernels take VEC = 4 (16-byte aligned pointers; any n: thread i < n/4 handles
 // the float4 i, the next n % 4 threads one tail element each) or VEC = 1 (one element a thread).
 // Outputs may alias inputs: every thread reads its elements before writing them.
+// Blocks are the launcher's (gptcuda/ops/cuda/elementwise.py): THREADS of an elementwise kernel,
+// WARPS of the column sums, ITEMS of a sum_rows launch, all template arguments.
 #include "common.cuh"
-
-#define EW_THREADS 256
-#define BG_WARPS 8
-#define BG_THREADS (BG_WARPS * 32)
 
 #define GELU_K0 0.7978845608028654f   // sqrt(2/pi)
 #define GELU_K1 0.044715f
@@ -27,9 +25,9 @@ __device__ __forceinline__ float gelu_grad(float x) {
 }
 
 // Element range of this thread: returns the count (VEC, 1 or 0) and the first element index.
-template <int VEC>
+template <int VEC, int THREADS>
 __device__ __forceinline__ int ew_slot(long long n, long long& e) {
-    const long long i = (long long)blockIdx.x * EW_THREADS + threadIdx.x;
+    const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
     if constexpr (VEC == 1) {
         e = i;
         return i < n ? 1 : 0;
@@ -41,13 +39,13 @@ __device__ __forceinline__ int ew_slot(long long n, long long& e) {
     }
 }
 
-template <int VEC>
-__global__ void __launch_bounds__(EW_THREADS)
+template <int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 gelu_fwd(float* out,            // out [n]  (may be x)
          const float* x,        // x   [n]
          int n) {
     long long e;
-    const int cnt = ew_slot<VEC>(n, e);
+    const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 4) {
         float4 v = *reinterpret_cast<const float4*>(x + e);
         v.x = gelu_f(v.x); v.y = gelu_f(v.y); v.z = gelu_f(v.z); v.w = gelu_f(v.w);
@@ -57,14 +55,14 @@ gelu_fwd(float* out,            // out [n]  (may be x)
     }
 }
 
-template <int VEC>
-__global__ void __launch_bounds__(EW_THREADS)
+template <int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 gelu_bwd(float* dpre,           // dpre [n]  (may be dout)
          const float* dout,     // dout [n]
          const float* pre,      // pre  [n]  (the GELU input)
          int n) {
     long long e;
-    const int cnt = ew_slot<VEC>(n, e);
+    const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 4) {
         const float4 d = *reinterpret_cast<const float4*>(dout + e);
         const float4 p = *reinterpret_cast<const float4*>(pre + e);
@@ -77,13 +75,13 @@ gelu_bwd(float* dpre,           // dpre [n]  (may be dout)
 
 // dst = src (FIRST) or dst = dst + src: the gradients of a step's micro-batches summed in
 // micro-batch order (gradient accumulation). dst may not alias src.
-template <int VEC, bool FIRST>
-__global__ void __launch_bounds__(EW_THREADS)
+template <int VEC, bool FIRST, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 accumulate(float* __restrict__ dst,        // dst [n]
            const float* __restrict__ src,  // src [n]
            int n) {
     long long e;
-    const int cnt = ew_slot<VEC>(n, e);
+    const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 4) {
         float4 v = *reinterpret_cast<const float4*>(src + e);
         if constexpr (!FIRST) {
@@ -99,8 +97,8 @@ accumulate(float* __restrict__ dst,        // dst [n]
 // out = (RESID ? resid : 0) + (DROP ? (keep(e) ? x * scale : 0) : x),
 // keep(e): the mask is flat (common.cuh), element e takes half e & 1 of word e >> 1 of the stream
 // gc_key(seed, st->step, site).
-template <int VEC, bool RESID, bool DROP>
-__global__ void __launch_bounds__(EW_THREADS)
+template <int VEC, bool RESID, bool DROP, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 dropout_apply(float* out,                 // out   [n]  (may be x or resid)
               const float* resid,         // resid [n]  (RESID only)
               const float* x,             // x     [n]
@@ -108,7 +106,7 @@ dropout_apply(float* out,                 // out   [n]  (may be x or resid)
               const StepState* st,
               u32 seed, u32 site, u32 threshold, float scale) {
     long long e;
-    const int cnt = ew_slot<VEC>(n, e);
+    const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 0) return;
     u32 k = 0;
     if constexpr (DROP) k = gc_key(seed, (u32)st->step, site);
@@ -128,16 +126,16 @@ dropout_apply(float* out,                 // out   [n]  (may be x or resid)
     }
 }
 
-// Bias gradient, pass 1. grid (ceil(N / (32*VEC)), chunks), block 256.
+// Bias gradient, pass 1. grid (ceil(N / (32*VEC)), chunks), block WARPS warps.
 // Block (tile, ch) sums rows [ch*rpc, min(M, (ch+1)*rpc)) of its 32*VEC columns: warp w takes
-// rows w, w + 8, ... of the chunk in order, then the 8 warp sums are added in warp order.
-template <int VEC>
-__global__ void __launch_bounds__(BG_THREADS)
+// rows w, w + WARPS, ... of the chunk in order, then the WARPS warp sums are added in warp order.
+template <int VEC, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
 bias_grad_partial(float* __restrict__ partials,     // partials [chunks, N]
                   const float* __restrict__ dout,   // dout     [M, N]
                   int M, int N, int rpc) {
     constexpr int TILE = 32 * VEC;
-    __shared__ float red[BG_WARPS][TILE];
+    __shared__ float red[WARPS][TILE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.x * TILE + lane * VEC;
     const int r0 = blockIdx.y * rpc;
@@ -147,7 +145,7 @@ bias_grad_partial(float* __restrict__ partials,     // partials [chunks, N]
     for (int k = 0; k < VEC; ++k) acc[k] = 0.f;
     if (c < N) {
 #pragma unroll 4
-        for (int r = r0 + warp; r < r1; r += BG_WARPS) {
+        for (int r = r0 + warp; r < r1; r += WARPS) {
             const float* p = dout + (long long)r * N + c;
             if constexpr (VEC == 4) {
                 const float4 v = *reinterpret_cast<const float4*>(p);
@@ -160,35 +158,36 @@ bias_grad_partial(float* __restrict__ partials,     // partials [chunks, N]
 #pragma unroll
     for (int k = 0; k < VEC; ++k) red[warp][lane * VEC + k] = acc[k];
     __syncthreads();
-    for (int k = threadIdx.x; k < TILE; k += BG_THREADS) {
+    for (int k = threadIdx.x; k < TILE; k += WARPS * 32) {
         const int col = blockIdx.x * TILE + k;
         if (col < N) {
             float s = red[0][k];
 #pragma unroll
-            for (int w = 1; w < BG_WARPS; ++w) s += red[w][k];
+            for (int w = 1; w < WARPS; ++w) s += red[w][k];
             partials[(long long)blockIdx.y * N + col] = s;
         }
     }
 }
 
 // Row sums of partials, pass 2 of the bias gradient and of the layernorm weight gradients, up to
-// SUM_ITEMS of them in one launch: item i is out_i[c] = sum over r < rows_i of in_i[r * ld_i + c]
-// (c < cols_i). Blocks first_i .. first_{i+1} - 1 take 32 columns each; warp w sums rows w, w + 8,
-// ... of its lane's column, then the 8 warp sums are added in warp order: a fixed order, the same
-// for every batching of the items (elementwise.py sum_rows packs SumBatch).
-#define SUM_ITEMS 8
+// ITEMS of them in one launch: item i is out_i[c] = sum over r < rows_i of in_i[r * ld_i + c]
+// (c < cols_i). Blocks first_i .. first_{i+1} - 1 take 32 columns each; warp w sums rows w, w + WARPS,
+// ... of its lane's column, then the WARPS warp sums are added in warp order: a fixed order, the same
+// for every batching of the items (elementwise.py sum_rows packs SumBatch<ITEMS>).
+template <int ITEMS>
 struct SumBatch {
-    unsigned long long out[SUM_ITEMS];   // float* out_i [cols_i]  (=)
-    unsigned long long in[SUM_ITEMS];    // const float* in_i [rows_i, ld_i]
-    long long rows[SUM_ITEMS], cols[SUM_ITEMS], ld[SUM_ITEMS];
-    long long first[SUM_ITEMS + 1];      // first block of each item; first[n] = the grid
+    unsigned long long out[ITEMS];       // float* out_i [cols_i]  (=)
+    unsigned long long in[ITEMS];        // const float* in_i [rows_i, ld_i]
+    long long rows[ITEMS], cols[ITEMS], ld[ITEMS];
+    long long first[ITEMS + 1];          // first block of each item; first[n] = the grid
 };
 
-__global__ void __launch_bounds__(BG_THREADS) sum_rows(const __grid_constant__ SumBatch b) {
-    __shared__ float red[BG_WARPS][32];
+template <int WARPS, int ITEMS>
+__global__ void __launch_bounds__(WARPS * 32) sum_rows(const __grid_constant__ SumBatch<ITEMS> b) {
+    __shared__ float red[WARPS][32];
     int i = 0;
 #pragma unroll
-    for (int j = 1; j < SUM_ITEMS; ++j)
+    for (int j = 1; j < ITEMS; ++j)
         if (blockIdx.x >= b.first[j]) i = j;             // first[] is non-decreasing; past n it is the grid
     const float* in = reinterpret_cast<const float*>(b.in[i]);
     const int rows = (int)b.rows[i], cols = (int)b.cols[i];
@@ -197,13 +196,13 @@ __global__ void __launch_bounds__(BG_THREADS) sum_rows(const __grid_constant__ S
     const int col = (int)(blockIdx.x - b.first[i]) * 32 + lane;
     float s = 0.f;
     if (col < cols)
-        for (int g = warp; g < rows; g += BG_WARPS) s += in[(long long)g * ld + col];
+        for (int g = warp; g < rows; g += WARPS) s += in[(long long)g * ld + col];
     red[warp][lane] = s;
     __syncthreads();
     if (warp == 0 && col < cols) {
         float t = red[0][lane];
 #pragma unroll
-        for (int k = 1; k < BG_WARPS; ++k) t += red[k][lane];
+        for (int k = 1; k < WARPS; ++k) t += red[k][lane];
         reinterpret_cast<float*>(b.out[i])[col] = t;
     }
 }

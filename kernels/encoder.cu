@@ -30,8 +30,8 @@
 //     E = 32 (16384 < N <= 32768) spills ~200 bytes a thread (64 registers at 1024 threads).
 #include "common.cuh"
 
-#define ENC_THREADS 256
-#define ENC_BWD_WARPS 16
+// Blocks (THREADS, WARPS), the sort's digit width and shared memory are template arguments chosen in
+// gptcuda/ops/cuda/encoder.py; a kernel asserts what its code fixes.
 #define ENC_BWD_UNROLL 4
 
 template <int VEC>
@@ -56,15 +56,15 @@ __device__ __forceinline__ void enc_store(float* p, const float (&r)[VEC]) {
 }
 
 // One thread per VEC consecutive columns of one token.
-template <int VEC>
-__global__ void __launch_bounds__(ENC_THREADS)
+template <int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 encoder_fwd(float* __restrict__ out,        // out  [N, C]   (N = B*T)
             const int* __restrict__ idx,    // idx  [N]
             const float* __restrict__ wte,  // wte  [V, C]
             const float* __restrict__ wpe,  // wpe  [Tmax, C]
             int N, int T, int C, int V) {
     const int CV = C / VEC;
-    const long long i = (long long)blockIdx.x * ENC_THREADS + threadIdx.x;
+    const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
     if (i >= (long long)N * CV) return;
     const int n = (int)(i / CV);
     const int c = (int)(i - (long long)n * CV) * VEC;
@@ -84,18 +84,18 @@ encoder_fwd(float* __restrict__ out,        // out  [N, C]   (N = B*T)
     enc_store<VEC>(out + (long long)n * C + c, r);
 }
 
-// grid (V, ceil(C / (32*VEC))), block ENC_BWD_WARPS*32.
+// grid (V, ceil(C / (32*VEC))), block WARPS*32.
 // Warp w takes the token chunks w, w + WARPS, w + 2*WARPS, ... (32 tokens a chunk, in
 // increasing order) and accumulates the matching rows of its 32*VEC columns in registers;
 // the warps' sums are then added in warp order. Fixed order everywhere: bitwise reproducible.
-template <int VEC>
-__global__ void __launch_bounds__(ENC_BWD_WARPS * 32)
+template <int VEC, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
 encoder_bwd_wte(float* __restrict__ dwte,         // dwte [V, C]   (+=)
                 const float* __restrict__ dout,   // dout [N, C]
                 const int* __restrict__ idx,      // idx  [N]
                 int N, int C) {
     constexpr int TILE = 32 * VEC;
-    __shared__ float red[ENC_BWD_WARPS][TILE];
+    __shared__ float red[WARPS][TILE];
     const int v = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.y * TILE + lane * VEC;
@@ -104,17 +104,17 @@ encoder_bwd_wte(float* __restrict__ dwte,         // dwte [V, C]   (+=)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) acc[k] = 0.f;
 
-    for (int base = warp * 32; base < N; base += ENC_BWD_WARPS * 32 * ENC_BWD_UNROLL) {
+    for (int base = warp * 32; base < N; base += WARPS * 32 * ENC_BWD_UNROLL) {
         unsigned hits[ENC_BWD_UNROLL];
 #pragma unroll
         for (int u = 0; u < ENC_BWD_UNROLL; ++u) {          // issue the id loads together
-            const int n = base + u * ENC_BWD_WARPS * 32 + lane;
+            const int n = base + u * WARPS * 32 + lane;
             const bool m = n < N && idx[n] == v;
             hits[u] = __ballot_sync(0xffffffffu, m);
         }
 #pragma unroll
         for (int u = 0; u < ENC_BWD_UNROLL; ++u) {
-            const int chunk = base + u * ENC_BWD_WARPS * 32;
+            const int chunk = base + u * WARPS * 32;
             unsigned h = hits[u];
             while (h) {                                      // two rows at a time, in token order
                 const int j0 = __ffs(h) - 1;
@@ -138,12 +138,12 @@ encoder_bwd_wte(float* __restrict__ dwte,         // dwte [V, C]   (+=)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) red[warp][lane * VEC + k] = acc[k];
     __syncthreads();
-    for (int k = threadIdx.x; k < TILE; k += ENC_BWD_WARPS * 32) {
+    for (int k = threadIdx.x; k < TILE; k += WARPS * 32) {
         const int col = blockIdx.y * TILE + k;
         if (col < C) {
             float s = red[0][k];
 #pragma unroll
-            for (int w = 1; w < ENC_BWD_WARPS; ++w) s += red[w][k];
+            for (int w = 1; w < WARPS; ++w) s += red[w][k];
             float* d = dwte + (long long)v * C + col;
             *d = *d + s;
         }
@@ -151,16 +151,11 @@ encoder_bwd_wte(float* __restrict__ dwte,         // dwte [V, C]   (+=)
 }
 
 // ---- the sorted path ---------------------------------------------------------------------
-#define ENC_SORT_THREADS 1024
-#define ENC_SEG_WARPS 8
 #define ENC_SEG_UNROLL 8          // dout rows in flight per lane (a power of two dividing 32)
-#define ENC_SORT_DIGIT 4          // radix bits a pass
-#define ENC_SORT_BINS 16
-static_assert(ENC_SORT_THREADS == 1024, "enc_block_scan: 32 warps");
 
 __device__ __forceinline__ int enc_pad(int i) { return i + (i >> 5); }   // a word skipped every 32
 
-// Exclusive scan of x over the ENC_SORT_THREADS threads (all must call); tot[31] is the total after.
+// Exclusive scan of x over a block of 1024 threads (all must call); tot[31] is the total after.
 __device__ __forceinline__ int enc_block_scan(int x, int* tot) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int incl = x;
@@ -184,21 +179,24 @@ __device__ __forceinline__ int enc_block_scan(int x, int* tot) {
     return (warp ? tot[warp - 1] : 0) + incl - x;
 }
 
-// grid 1, block ENC_SORT_THREADS (= 32 warps: enc_block_scan), dynamic shared memory
-// 4 * (enc_pad(E * ENC_SORT_THREADS) + enc_pad(ENC_SORT_BINS * ENC_SORT_THREADS)) bytes.
-// A stable LSD radix sort (4-bit digits, `passes` of them: bits of V) of the keys
+// grid 1, block THREADS (= 1024, 32 warps: enc_block_scan), dynamic shared memory SMEM =
+// 4 * (enc_pad(E * THREADS) + enc_pad(BINS * THREADS)) bytes, BINS = 2^DIGIT.
+// A stable LSD radix sort (DIGIT-bit digits, `passes` of them: bits of V) of the keys
 // (id << nbits) | n, n < 2^nbits, by their id (ids outside [0, V) become V: sorted last, dropped).
-// Thread t owns the slots [t*E, t*E + E) (E a power of two, E * ENC_SORT_THREADS >= N): keys in
+// Thread t owns the slots [t*E, t*E + E) (E a power of two, E * THREADS >= N): keys in
 // registers, digit counters in the column t of cnt[digit][thread], scanned digit-major so that
 // a digit's keys keep the order of their slots: stable, so ids increasing and n increasing in an
 // id. The padded layouts (enc_pad) keep the column and row accesses free of bank conflicts.
 // Then the runs of equal id are compacted into the workspace (layout at the top of the file).
-template <int E>
-__global__ void __launch_bounds__(ENC_SORT_THREADS)
+template <int E, int THREADS, int DIGIT, int SMEM>
+__global__ void __launch_bounds__(THREADS)
 encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
                  const int* __restrict__ idx,     // idx [N]
                  int N, int V, int nbits, int passes) {
-    constexpr int TH = ENC_SORT_THREADS;
+    constexpr int TH = THREADS, BINS = 1 << DIGIT;
+    static_assert(TH == 1024, "enc_block_scan: 32 warps");
+    static_assert(SMEM == 4 * ((E * TH + (E * TH >> 5)) + (BINS * TH + (BINS * TH >> 5))),
+                  "keys and digit counters, padded (enc_pad)");
     extern __shared__ u32 enc_smem[];
     u32* keys = enc_smem;                                         // [enc_pad(E * TH)]
     int* cnt = reinterpret_cast<int*>(enc_smem + enc_pad(E * TH)); // [enc_pad(BINS * TH)]
@@ -219,21 +217,21 @@ encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
         }
     }
     for (int pass = 0; pass < passes; ++pass) {
-        const int shift = nbits + ENC_SORT_DIGIT * pass;
+        const int shift = nbits + DIGIT * pass;
 #pragma unroll
-        for (int d = 0; d < ENC_SORT_BINS; ++d) cnt[enc_pad(d * TH + tid)] = 0;
+        for (int d = 0; d < BINS; ++d) cnt[enc_pad(d * TH + tid)] = 0;
 #pragma unroll
         for (int k = 0; k < E; ++k)
-            if (first + k < N) cnt[enc_pad((int)((kk[k] >> shift) & (ENC_SORT_BINS - 1)) * TH + tid)] += 1;
+            if (first + k < N) cnt[enc_pad((int)((kk[k] >> shift) & (BINS - 1)) * TH + tid)] += 1;
         __syncthreads();
         // exclusive scan of cnt in digit-major order: thread t owns the flat entries [t*BINS, t*BINS + BINS)
         int s = 0;
 #pragma unroll
-        for (int j = 0; j < ENC_SORT_BINS; ++j) s += cnt[enc_pad(tid * ENC_SORT_BINS + j)];
+        for (int j = 0; j < BINS; ++j) s += cnt[enc_pad(tid * BINS + j)];
         int pre = enc_block_scan(s, tot);
 #pragma unroll
-        for (int j = 0; j < ENC_SORT_BINS; ++j) {
-            const int f = enc_pad(tid * ENC_SORT_BINS + j);
+        for (int j = 0; j < BINS; ++j) {
+            const int f = enc_pad(tid * BINS + j);
             const int c = cnt[f];
             cnt[f] = pre;
             pre += c;
@@ -242,7 +240,7 @@ encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
 #pragma unroll
         for (int k = 0; k < E; ++k) {
             if (first + k < N) {
-                const int f = enc_pad((int)((kk[k] >> shift) & (ENC_SORT_BINS - 1)) * TH + tid);
+                const int f = enc_pad((int)((kk[k] >> shift) & (BINS - 1)) * TH + tid);
                 const int p = cnt[f];
                 cnt[f] = p + 1;
                 keys[enc_pad(p)] = kk[k];
@@ -293,12 +291,12 @@ encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
     }
 }
 
-// grid G (any; the launcher: a few blocks an SM), block ENC_SEG_WARPS*32. Warp-items it = u * tiles + tile over the U runs of the
+// grid G (any; the launcher: a few blocks an SM), block WARPS*32. Warp-items it = u * tiles + tile over the U runs of the
 // workspace, taken grid-stride by the warps. Lane l owns columns tile*32*VEC + l*VEC .. +VEC; the
 // run's positions come 32 at a time (one load a lane, the next batch prefetched), ENC_SEG_UNROLL
 // rows are loaded together, then added in increasing n.
-template <int VEC>
-__global__ void __launch_bounds__(ENC_SEG_WARPS * 32)
+template <int VEC, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
 encoder_bwd_wte_seg(float* __restrict__ dwte,         // dwte [V, C]   (+=, rows of present ids)
                     const float* __restrict__ dout,   // dout [N, C]
                     const int* __restrict__ ws,       // encoder_bwd_sort's output
@@ -309,8 +307,8 @@ encoder_bwd_wte_seg(float* __restrict__ dwte,         // dwte [V, C]   (+=, rows
     const int U = ws[3 * N + 1];
     const int lane = threadIdx.x & 31;
     const long long items = (long long)U * tiles;
-    const long long step = (long long)gridDim.x * ENC_SEG_WARPS;
-    for (long long it = (long long)blockIdx.x * ENC_SEG_WARPS + (threadIdx.x >> 5); it < items; it += step) {
+    const long long step = (long long)gridDim.x * WARPS;
+    for (long long it = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); it < items; it += step) {
         const int u = (int)(it / tiles);
         const int tile = (int)(it - (long long)u * tiles);
         const int c = tile * 32 * VEC + lane * VEC;
@@ -358,13 +356,13 @@ encoder_bwd_wte_seg(float* __restrict__ dwte,         // dwte [V, C]   (+=, rows
 }
 
 // One thread per VEC columns of one position t of dwpe; sums the batch in order b = 0..B-1.
-template <int VEC>
-__global__ void __launch_bounds__(ENC_THREADS)
+template <int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 encoder_bwd_wpe(float* __restrict__ dwpe,         // dwpe [Tmax, C]  (=)
                 const float* __restrict__ dout,   // dout [B, T, C]
                 int B, int T, int Tmax, int C) {
     const int CV = C / VEC;
-    const long long i = (long long)blockIdx.x * ENC_THREADS + threadIdx.x;
+    const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
     if (i >= (long long)Tmax * CV) return;
     const int t = (int)(i / CV);
     const int c = (int)(i - (long long)t * CV) * VEC;

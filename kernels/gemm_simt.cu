@@ -46,13 +46,10 @@ __device__ __forceinline__ float4 gemm_ld4(const float* __restrict__ p, bool row
     return v;
 }
 
-// Resident blocks per SM asked of the register allocator: 128x128 -> 2 (<= 128 registers);
-// the smaller tiles stage two float4 per operand and get up to 168 registers (3 and 6 blocks).
-template <int THREADS>
-struct GemmSimtMinBlocks { static constexpr int value = THREADS >= 256 ? 2 : (THREADS >= 128 ? 3 : 6); };
-
-template <int BM, int BN, bool TA, bool TB, int EPI, bool HAS_BIAS, bool VEC>
-__global__ void __launch_bounds__((BM / 8) * (BN / 8), GemmSimtMinBlocks<(BM / 8) * (BN / 8)>::value)
+// THREADS = (BM / 8) * (BN / 8) (an 8x8 register tile a thread, asserted) and MIN_BLOCKS, the resident
+// blocks per SM asked of the register allocator, are the launcher's (families.py SIMT_BLOCKS_PER_SM).
+template <int BM, int BN, bool TA, bool TB, int EPI, bool HAS_BIAS, bool VEC, int THREADS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemm_simt(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
           float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C;
                                            //   DGELU: pre-activation in, not C)
@@ -64,7 +61,7 @@ gemm_simt(float* C,                        // C [batch*splits, M, N], row stride
           float alpha, int splits, int k_chunk) {
     constexpr int BK = 8;
     constexpr int PAD = 4;
-    constexpr int THREADS = (BM / 8) * (BN / 8);
+    static_assert(THREADS == (BM / 8) * (BN / 8), "a thread computes an 8x8 tile of the block's");
     constexpr int TC = BN / 8;             // thread columns
     constexpr int WARPS_C = TC / 8;        // a warp is 4 thread rows x 8 thread columns
     constexpr int LA = BM * BK / (4 * THREADS);   // float4 loads of A per thread per tile
@@ -210,8 +207,8 @@ gemm_simt(float* C,                        // C [batch*splits, M, N], row stride
 
 // Deterministic split-K reduction: C[m, n] = epilogue(alpha * sum_{s=0..splits-1} ws[s, m, n]),
 // summed in increasing s for every element. C, aux: [M, N] with row stride ldc.
-template <int EPI, bool HAS_BIAS>
-__global__ void __launch_bounds__(256)
+template <int EPI, bool HAS_BIAS, int THREADS>
+__global__ void __launch_bounds__(THREADS)
 gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
                    float* aux,                      // aux [M, N] (row stride ldc) or null
                    const float* __restrict__ ws,    // ws [splits, M, N] (contiguous)
@@ -250,15 +247,15 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
 // COLSUM: also colsum[chunk0 + blockIdx.y, n] = the sum of in[k, n] over the tile's rows k (the
 // partial column sums of an A [K, M] whose transpose feeds a weight gradient: its bias gradient,
 // finished by elementwise.cu's sum_rows); four 16-row sums added in order: deterministic.
-#define TR_TILE 64
-template <bool SPLIT, bool VEC, bool COLSUM>
-__global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,       // out [N, K] / [2, N, K]
+template <bool SPLIT, bool VEC, bool COLSUM, int TILE, int THREADS>
+__global__ void __launch_bounds__(THREADS) gemm_transpose(float* __restrict__ out,       // out [N, K] / [2, N, K]
                                                       const float* __restrict__ in,  // in [K, N]
                                                       int K, int N,
                                                       float* __restrict__ colsum,    // colsum [chunks, N] (COLSUM)
                                                       int chunk0) {
-    __shared__ float tile[TR_TILE][TR_TILE + 1];                 // tile[k - k0][n - n0]
-    const int n0 = blockIdx.x * TR_TILE, k0 = blockIdx.y * TR_TILE;
+    static_assert(TILE == 64 && THREADS == 256, "16 x 16 threads move a 64 x 64 tile in 4 passes of 16 rows");
+    __shared__ float tile[TILE][TILE + 1];                 // tile[k - k0][n - n0]
+    const int n0 = blockIdx.x * TILE, k0 = blockIdx.y * TILE;
     const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 4;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {                                // rows k0 + r of in, columns n0 + col ..
@@ -282,14 +279,14 @@ __global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,  
     }
     __syncthreads();
     if constexpr (COLSUM) {                                      // rows past K and columns past N are 0
-        __shared__ float part[4][TR_TILE];
-        const int c = threadIdx.x & (TR_TILE - 1), q = threadIdx.x >> 6;
+        __shared__ float part[4][TILE];
+        const int c = threadIdx.x & (TILE - 1), q = threadIdx.x >> 6;
         float sum = 0.f;
 #pragma unroll
         for (int r = 0; r < 16; ++r) sum += tile[16 * q + r][c];
         part[q][c] = sum;
         __syncthreads();
-        if (threadIdx.x < TR_TILE && n0 + c < N)
+        if (threadIdx.x < TILE && n0 + c < N)
             colsum[(long long)(chunk0 + blockIdx.y) * N + n0 + c] = ((part[0][c] + part[1][c]) + part[2][c]) + part[3][c];
     }
     const long long half = (long long)N * K;
@@ -321,9 +318,9 @@ __global__ void __launch_bounds__(256) gemm_transpose(float* __restrict__ out,  
 
 // out [2, rows, cols] = the hi and lo halves of in [rows, cols] (row stride ld): the A (or B) operand
 // of a 3xTF32 product. VEC: cols and ld multiples of 4 and 16-byte aligned rows (float4 accesses).
-// Grid-stride over 4-element groups; a block of 256 threads.
-template <bool VEC>
-__global__ void __launch_bounds__(256) tf32_split(float* __restrict__ out,        // out [2, rows, cols]
+// Grid-stride over 4-element groups; a block of THREADS threads (the launcher's).
+template <bool VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS) tf32_split(float* __restrict__ out,        // out [2, rows, cols]
                                                   const float* __restrict__ in,   // in [rows, ld]
                                                   int rows, int cols, int ld) {
     const long long n = (long long)rows * cols;

@@ -184,25 +184,12 @@ __device__ __forceinline__ void tf32_stage_scalar(float* sm, const float* __rest
     }
 }
 
-template <int THREADS, int SMEM_BYTES>
-struct GemmTf32MinBlocks {
-    // as many blocks as shared memory allows (228 KB per SM, 1 KB reserved per block), at most 3
-    static constexpr int by_smem = (228 * 1024) / (SMEM_BYTES + 1024);
-    static constexpr int value = by_smem < 1 ? 1 : (by_smem > 3 ? 3 : by_smem);
-};
-
-template <int BM, int BN, int BK, int WM, int WN, int STAGES>
-struct GemmTf32Shape {
-    static constexpr int THREADS = WM * WN * 32;
-    static constexpr int STAGE_FLOATS = (BM + BN) * BK;
-    static constexpr int SMEM_BYTES = STAGES * STAGE_FLOATS * 4;
-};
-
+// THREADS = WM * WN * 32, SMEM (STAGES x (BM + BN) x BK floats, bytes) and MIN_BLOCKS, the resident
+// blocks per SM asked of the register allocator, are the launcher's (families.py tf32_blocks_per_sm):
+// the kernel asserts the first two.
 template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB, int EPI, bool HAS_BIAS,
-          bool VEC>
-__global__ void __launch_bounds__(WM * WN * 32,
-                                  GemmTf32MinBlocks<WM * WN * 32,
-                                                    GemmTf32Shape<BM, BN, BK, WM, WN, STAGES>::SMEM_BYTES>::value)
+          bool VEC, int THREADS, int SMEM, int MIN_BLOCKS>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
           float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C;
                                            //   DGELU: pre-activation in, not C)
@@ -213,7 +200,8 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
           long long sA, long long sB, long long sC,
           float alpha, int splits, int k_chunk) {
     static_assert(BK == GEMM_TF32_BK, "the layouts assume a 32-wide k tile");
-    constexpr int THREADS = WM * WN * 32;
+    static_assert(THREADS == WM * WN * 32, "one warp a WTM x WTN warp tile");
+    static_assert(SMEM == STAGES * (BM + BN) * BK * 4, "a ring of STAGES k tiles of A and B");
     constexpr int WTM = BM / WM, WTN = BN / WN;     // warp tile
     constexpr int MT = WTM / 16, NT = WTN / 8;      // m16 / n8 tiles per warp
     static_assert(WTM % 32 == 0 && WTN % 32 == 0, "warp tile must be a multiple of 32x32");

@@ -7,7 +7,8 @@
 //
 // Block: BM / 64 warpgroups of 128 threads; warpgroup w computes rows 64 w .. 64 w + 63 of the
 // BM x BN tile with wgmma.mma_async m64nBNk8 (one instruction per 8-wide k step, BN / 2 fp32
-// accumulators per thread). The tensor core reads the operands' top 19 bits (tf32, truncated):
+// accumulators per thread). Every kernel takes its block (THREADS) and dynamic shared memory (SMEM,
+// bytes) as its last template arguments, chosen in gptcuda/ops/cuda/gemm/families.py and asserted. The tensor core reads the operands' top 19 bits (tf32, truncated):
 // nothing converts them on the way from global memory to the instruction. Its fp32 accumulation
 // truncates too (round toward zero). gemm_wgmma_tma with PRODUCTS = 3 is the fp32 form (3xTF32):
 // operands split into TF32 hi and lo halves beforehand (gemm_simt.cu tf32_split), three products
@@ -203,8 +204,8 @@ struct WgStager {
     }
 };
 
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
-__global__ void __launch_bounds__(BM / 64 * 128, 1)
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM>
+__global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
            float* aux,                      // aux: as in gemm_tf32 (GELU: pre out; RESID: in, may be C;
                                             //   DGELU: pre-activation in, not C)
@@ -214,8 +215,9 @@ gemm_wgmma(float* C,                        // C [batch*splits, M, N], row strid
            int M, int N, int K, int lda, int ldb, int ldc,
            long long sA, long long sB, long long sC,
            float alpha, int splits, int k_chunk) {
+    static_assert(THREADS == BM / 64 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
+                  "a warpgroup a 64-row slice; STAGES slots of A and B, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int THREADS = BM / 64 * 128;
     constexpr int A_BYTES = BM * 128;
     constexpr int STAGE_BYTES = (BM + BN) * 128;
     static_assert(BM % 64 == 0 && BN % 8 == 0 && BN <= 256, "wgmma m64nBNk8 tiles");
@@ -387,8 +389,8 @@ __device__ __forceinline__ void tma_load_ra(int lane, unsigned bar, unsigned byt
 // PRODUCTS = 3: fp32 accuracy from three TF32 products (3xTF32). A and B arrive split, hi and lo
 // (tensor maps {K, rows, 2}, batch 1); each slot holds A hi, A lo, B hi, B lo and every k step
 // issues lo x hi, hi x lo, then hi x hi into the same accumulators (smallest terms first).
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS>
-__global__ void __launch_bounds__(BM / 64 * 128, 1)
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS, int THREADS, int SMEM>
+__global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], row stride ldc, matrix stride sC
                float* aux,                         // aux: as in gemm_wgmma
                const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major); PRODUCTS 3: [2 (hi, lo), M, K]
@@ -396,6 +398,8 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
                const float* __restrict__ bias,     // bias [N] or null
                int M, int N, int K, int ldc, long long sC,
                float alpha, int splits, int k_chunk) {
+    static_assert(THREADS == BM / 64 * 128 && SMEM == STAGES * (PRODUCTS == 3 ? 2 : 1) * (BM + BN) * 128 + 1024,
+                  "a warpgroup a 64-row slice; STAGES slots of A and B (hi and lo), 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int WG = BM / 64;
     constexpr int HALVES = PRODUCTS == 3 ? 2 : 1;        // operand tiles per slot and matrix: hi (, lo)
@@ -872,8 +876,10 @@ __device__ __forceinline__ void ws_gemm(float* C, float* aux, const TmaMap* mapA
                                                                alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
 }
 
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ws(WS_ARGS) {
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM>
+__global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ws(WS_ARGS) {
+    static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
+                  "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
                                            colsum);
@@ -1085,8 +1091,10 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
         smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
 }
 
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool COLSUM = false>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_mn(WS_ARGS) {
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool COLSUM, int THREADS, int SMEM>
+__global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_mn(WS_ARGS) {
+    static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
+                  "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC,
                                                                        alpha, splits, k_chunk, zs, colsum);
@@ -1107,8 +1115,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_mn(WS_ARGS)
 // fragments per row (the bias gradient's partials, colsum[split, m], as gemm_wgmma_mn's). TC (no
 // epilogue, B K-major): C is stored transposed, C[n * ldc + m] (ra_store_t): the launcher runs a
 // weight gradient dW = dY^T X whose X is the larger operand as dW^T = X^T dY, X through registers.
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_B, bool COLSUM = false, bool TC = false>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ra(WS_ARGS) {
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_B, bool COLSUM, bool TC, int THREADS,
+          int SMEM>
+__global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ra(WS_ARGS) {
+    static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
+                  "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(!(TC && (MN_B || COLSUM)), "the transposed store: B K-major, no column sums");
     if constexpr (TC)
@@ -1132,8 +1143,11 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma_ra(WS_ARGS)
 // (ra3_k_tile); the producer warpgroup splits (and, MN_B, turns) only B, whose hi and lo tiles follow
 // A's fp32 tile in the slot: (BM + 2 BN) x 128 bytes, a third less than both operands' halves, and no
 // shared-memory pass over A. COLSUM (MN_A): the consumers' sums of A (the bias gradient's partials).
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, bool COLSUM = false>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1) gemm_wgmma3_ra(WS_ARGS) {
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, bool COLSUM, int THREADS,
+          int SMEM>
+__global__ void __launch_bounds__(THREADS, 1) gemm_wgmma3_ra(WS_ARGS) {
+    static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + 2 * BN) * 128 + 1024,
+                  "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3, COLSUM, true>(C, aux, &mapA, &mapB, bias, M, N, K, ldc,
                                                                             sC, alpha, splits, k_chunk, zs, colsum);

@@ -23,8 +23,9 @@
 #endif
 
 #define LN_EPS 1e-5f
-#define LN_WARPS 8                 // rows per block in the warp-per-row kernels
-#define LN_THREADS (LN_WARPS * 32)
+// Every kernel takes WARPS, the warps of its block (rows a block in the warp-per-row kernels), as its
+// last template argument (gptcuda/ops/cuda/layernorm.py WARPS); layernorm_bwd_reg also SMEM, its
+// dynamic shared memory, asserted to be its layout's size.
 
 __device__ __forceinline__ float4 ln_f4(float a) { return make_float4(a, a, a, a); }
 __device__ __forceinline__ float ln_hsum(float4 a) { return (a.x + a.y) + (a.z + a.w); }
@@ -57,9 +58,9 @@ __device__ __forceinline__ void ln_save_stats(float* __restrict__ mean, float* _
     const float* __restrict__ branch,       /* branch [N, C] */                           \
     const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
 
-template <int NV, bool BIAS, bool RD>
-__global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_reg(LN_ARGS_FWD, LN_ARGS_RD) {
-    const int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+template <int NV, bool BIAS, bool RD, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_ARGS_RD) {
+    const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
     const int C4 = C >> 2;
@@ -122,9 +123,9 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_reg(LN_ARGS_FWD, LN_
     ln_save_stats(mean, rstd, row, mu, rs);
 }
 
-template <bool BIAS>
-__global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_loop(LN_ARGS_FWD) {
-    const int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+template <bool BIAS, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_loop(LN_ARGS_FWD) {
+    const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
     const float* xr = x + (long long)row * C;
@@ -158,23 +159,23 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_fwd_loop(LN_ARGS_FWD) {
     float* __restrict__ dropped,         /* dropped  [N, C]   (DROP only) */              \
     const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
 
-// grid G blocks (G <= the workspace rows); warp gw = blockIdx.x*8 + warp takes rows gw, gw + 8G, ...
+// grid G blocks (G <= the workspace rows); warp gw = blockIdx.x*WARPS + warp takes rows gw, gw + WARPS*G, ...
 // Registers hold a row's dout, x_hat and dx, all loaded at once; w and the warps' dw (db) sums live in
-// dynamic shared memory (LN_BWD_SMEM(NV, BIAS) bytes; each thread its own sum slots), so that two
+// dynamic shared memory (SMEM bytes; each thread its own sum slots), so that two
 // blocks share an SM up to C = 1024.
-#define LN_BWD_SMEM(NV, BIAS) (((BIAS) ? 2 : 1) * LN_WARPS * (NV) * 32 * 16 + (NV) * 32 * 16)
-template <int NV, bool BIAS, bool DROP>
-__global__ void __launch_bounds__(LN_THREADS, 2) layernorm_bwd_reg(LN_ARGS_BWD) {
-    gc_check_smem(LN_BWD_SMEM(NV, BIAS));
+template <int NV, bool BIAS, bool DROP, int WARPS, int SMEM>
+__global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) {
+    static_assert(SMEM == ((BIAS ? 2 : 1) * WARPS + 1) * NV * 32 * 16, "w and each warp's dw (db) sums");
+    gc_check_smem(SMEM);
     extern __shared__ float4 ln_smem4[];
-    constexpr int S = LN_WARPS * NV * 32;                      // floats4 of one sum array
+    constexpr int S = WARPS * NV * 32;                      // floats4 of one sum array
     float4* wsm = ln_smem4;                                    // w [NV * 32]
     float4* acc_w = wsm + NV * 32;                             // [warp][NV * 32]: the warp's dw sums
     float4* acc_b = acc_w + S;                                 // [warp][NV * 32]: db sums (BIAS)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int C4 = C >> 2;
     const float4* w4 = reinterpret_cast<const float4*>(w);
-    for (int k = threadIdx.x; k < NV * 32; k += LN_THREADS) wsm[k] = k < C4 ? w4[k] : ln_f4(0.f);
+    for (int k = threadIdx.x; k < NV * 32; k += WARPS * 32) wsm[k] = k < C4 ? w4[k] : ln_f4(0.f);
     float4* aw = acc_w + warp * NV * 32 + lane;                // this thread's slots aw[32 j] (ab[32 j])
     float4* ab = acc_b + warp * NV * 32 + lane;
 #pragma unroll
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(LN_THREADS, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
     const float invC = 1.0f / (float)C;
     u32 key = 0;
     if constexpr (DROP) key = gc_key(seed, (u32)st->step, site);
-    for (int row = blockIdx.x * LN_WARPS + warp; row < N; row += gridDim.x * LN_WARPS) {
+    for (int row = blockIdx.x * WARPS + warp; row < N; row += gridDim.x * WARPS) {
         const float mu = mean[row], rs = rstd[row];
         const float4* dr = reinterpret_cast<const float4*>(dout + (long long)row * C);
         const float4* xr = reinterpret_cast<const float4*>(x + (long long)row * C);
@@ -248,10 +249,10 @@ __global__ void __launch_bounds__(LN_THREADS, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
     // the warps' sums added in warp order 0, 1, ..., 7
     float4* pw = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 2 * C);
     float4* pb = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 2 * C + C);
-    for (int k = threadIdx.x; k < C4; k += LN_THREADS) {
+    for (int k = threadIdx.x; k < C4; k += WARPS * 32) {
         float4 q = acc_w[k];
 #pragma unroll
-        for (int i = 1; i < LN_WARPS; ++i) {
+        for (int i = 1; i < WARPS; ++i) {
             const float4 r = acc_w[i * NV * 32 + k];
             q.x += r.x; q.y += r.y; q.z += r.z; q.w += r.w;
         }
@@ -259,7 +260,7 @@ __global__ void __launch_bounds__(LN_THREADS, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
         if constexpr (BIAS) {
             q = acc_b[k];
 #pragma unroll
-            for (int i = 1; i < LN_WARPS; ++i) {
+            for (int i = 1; i < WARPS; ++i) {
                 const float4 r = acc_b[i * NV * 32 + k];
                 q.x += r.x; q.y += r.y; q.z += r.z; q.w += r.w;
             }
@@ -269,26 +270,27 @@ __global__ void __launch_bounds__(LN_THREADS, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
 }
 
 // Block sum of one float, the same value returned to every thread; fixed order.
-__device__ __forceinline__ float ln_block_sum(float v, float* sm /* [LN_WARPS] */) {
+template <int WARPS>
+__device__ __forceinline__ float ln_block_sum(float v, float* sm /* [WARPS] */) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     v = gc_warp_sum(v);
     if (lane == 0) sm[warp] = v;
     __syncthreads();
     float s = sm[0];
 #pragma unroll
-    for (int i = 1; i < LN_WARPS; ++i) s += sm[i];
+    for (int i = 1; i < WARPS; ++i) s += sm[i];
     __syncthreads();                               // sm may be rewritten right after
     return s;
 }
 
-// grid G blocks; block g takes rows g, g + G, ...; thread tid owns columns tid, tid + 256, ...
+// grid G blocks; block g takes rows g, g + G, ...; thread tid owns columns tid, tid + 32*WARPS, ...
 // and accumulates their dw (db) directly in its partials row (no other thread touches them).
-template <bool BIAS, bool DROP>
-__global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_loop(LN_ARGS_BWD) {
-    __shared__ float sm[2][LN_WARPS];
+template <bool BIAS, bool DROP, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) layernorm_bwd_loop(LN_ARGS_BWD) {
+    __shared__ float sm[2][WARPS];
     float* pw = partials + (long long)blockIdx.x * 2 * C;
     float* pb = pw + C;
-    for (int c = threadIdx.x; c < C; c += LN_THREADS) {
+    for (int c = threadIdx.x; c < C; c += WARPS * 32) {
         pw[c] = 0.f;
         if constexpr (BIAS) pb[c] = 0.f;
     }
@@ -300,15 +302,15 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_bwd_loop(LN_ARGS_BWD) {
         const float* dr = dout + (long long)row * C;
         const float* xr = x + (long long)row * C;
         float s1 = 0.f, s2 = 0.f;
-        for (int c = threadIdx.x; c < C; c += LN_THREADS) {
+        for (int c = threadIdx.x; c < C; c += WARPS * 32) {
             const float dn = dr[c] * w[c];
             s1 += dn;
             s2 += dn * ((xr[c] - mu) * rs);
         }
-        const float m1 = ln_block_sum(s1, sm[0]) * invC;
-        const float m2 = GC_BREAK_LAYERNORM ? 0.0f : ln_block_sum(s2, sm[1]) * invC;
+        const float m1 = ln_block_sum<WARPS>(s1, sm[0]) * invC;
+        const float m2 = GC_BREAK_LAYERNORM ? 0.0f : ln_block_sum<WARPS>(s2, sm[1]) * invC;
         float* dxr = dx + (long long)row * C;
-        for (int c = threadIdx.x; c < C; c += LN_THREADS) {
+        for (int c = threadIdx.x; c < C; c += WARPS * 32) {
             const float d = dr[c];
             const float n = (xr[c] - mu) * rs;
             const float g = dxr[c] + rs * (d * w[c] - m1 - n * m2);

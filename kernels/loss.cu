@@ -1,27 +1,23 @@
 // Fused softmax + cross-entropy (+ its gradient) per row, and the deterministic mean loss.
 //
-//   crossentropy_warp<GRAD>   one warp per row (small vocabularies)
-//   crossentropy_block<GRAD>  one 256-thread block per row (large vocabularies; any V, any alignment)
-//   crossentropy_rows<GRAD, NV4>  one 512-thread block per row, the row held in registers (V <= NV4 * 2048,
-//       V % 4 == 0, 16-byte aligned rows): thread t holds the float4 vectors j * 512 + t, j < NV4, so DRAM
-//       sees one read of the row (and one write of its gradient) instead of two reads
+//   crossentropy_warp<GRAD, WARPS>   one warp per row (small vocabularies), WARPS rows a block
+//   crossentropy_block<GRAD, WARPS>  one block of WARPS warps per row (large vocabularies; any V, any alignment)
+//   crossentropy_rows<GRAD, NV4, WARPS>  one block of T = 32 WARPS threads per row, the row held in registers
+//       (V <= NV4 * 4T, V % 4 == 0, 16-byte aligned rows): thread t holds the float4 vectors j * T + t,
+//       j < NV4, so DRAM sees one read of the row (and one write of its gradient) instead of two reads
 //       losses[n] = logsumexp(logits[n, :Vr]) - logits[n, target[n]]
 //       GRAD: dlogits[n, i] = (softmax(logits[n, :Vr])_i - [i == target[n]]) * grad_scale for i < Vr,
 //             0 for Vr <= i < V (a padded vocabulary: rows V = Vr rounded up, masked out here)
 //       dlogits may be logits: every element is read (and the target logit fetched) before
 //       any element of the row is overwritten.
-//   loss_reduce               st->loss = mean(losses), history[st->step] = it (one block)
+//   loss_reduce<THREADS>      st->loss = mean(losses), history[st->step] = it (one block)
+// The blocks (WARPS, THREADS) are template arguments, chosen in gptcuda/ops/cuda/loss.py.
 //
 // An out-of-range target (>= Vr) gives a NaN loss (and no one-hot term) instead of reading outside the row.
 #include "common.cuh"
 
-#define CE_WARPS 8
-#define CE_THREADS (CE_WARPS * 32)
 #define CE_LOWEST (-3.402823466e+38f)
 #define CE_NEG_INF __int_as_float(0xff800000)
-#define LR_THREADS 1024
-#define CR_WARPS 16
-#define CR_THREADS (CR_WARPS * 32)
 
 // Merge two (max, sum of exp(x - max)) pairs. Symmetric in its arguments, so both lanes of a
 // butterfly exchange compute the same bits.
@@ -89,9 +85,9 @@ struct CeRow {
     const int* __restrict__ targets,/* targets [N] */                                     \
     int N, int V, int Vr, float grad_scale  /* V: row length; Vr <= V: the real vocabulary */
 
-template <bool GRAD>
-__global__ void __launch_bounds__(CE_THREADS) crossentropy_warp(CE_ARGS) {
-    const int row = blockIdx.x * CE_WARPS + (threadIdx.x >> 5);
+template <bool GRAD, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) crossentropy_warp(CE_ARGS) {
+    const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
     const CeRow<32> r(logits, targets, row, V, Vr, lane);
@@ -102,26 +98,26 @@ __global__ void __launch_bounds__(CE_THREADS) crossentropy_warp(CE_ARGS) {
     }
 }
 
-template <bool GRAD>
-__global__ void __launch_bounds__(CE_THREADS) crossentropy_block(CE_ARGS) {
-    __shared__ float sm_m[CE_WARPS], sm_s[CE_WARPS];
+template <bool GRAD, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) crossentropy_block(CE_ARGS) {
+    __shared__ float sm_m[WARPS], sm_s[WARPS];
     const int row = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    CeRow<CE_THREADS> r(logits, targets, row, V, Vr, threadIdx.x);
+    CeRow<WARPS * 32> r(logits, targets, row, V, Vr, threadIdx.x);
     if (lane == 0) { sm_m[warp] = r.m; sm_s[warp] = r.s; }
     __syncthreads();                               // also orders all reads before the writes
     r.m = sm_m[0];
     r.s = sm_s[0];
 #pragma unroll
-    for (int w = 1; w < CE_WARPS; ++w) ce_merge(r.m, r.s, sm_m[w], sm_s[w]);
+    for (int w = 1; w < WARPS; ++w) ce_merge(r.m, r.s, sm_m[w], sm_s[w]);
     if (threadIdx.x == 0) losses[row] = r.loss();
     if constexpr (GRAD) r.grad(dlogits + (long long)row * V, V, Vr, grad_scale, threadIdx.x);
 }
 
 // v reduced over the block with op: warp butterflies (the same bits in every lane), then the warps'
-// values in order 0..CR_WARPS-1, read from sm (CR_WARPS floats) after a block barrier: deterministic,
+// values in order 0..WARPS-1, read from sm (WARPS floats) after a block barrier: deterministic,
 // and every thread returns the same value.
-template <class Op>
+template <int WARPS, class Op>
 __device__ __forceinline__ float cr_block_reduce(float v, float* sm, Op op) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -129,7 +125,7 @@ __device__ __forceinline__ float cr_block_reduce(float v, float* sm, Op op) {
     __syncthreads();
     v = sm[0];
 #pragma unroll
-    for (int w = 1; w < CR_WARPS; ++w) v = op(v, sm[w]);
+    for (int w = 1; w < WARPS; ++w) v = op(v, sm[w]);
     return v;
 }
 
@@ -140,9 +136,10 @@ __device__ __forceinline__ float cr_block_reduce(float v, float* sm, Op op) {
 // Both block reductions are cr_block_reduce's: deterministic.
 // All reads of the row (the target logit first) precede the first __syncthreads, every write follows the
 // second, so dlogits may be logits.
-template <bool GRAD, int NV4>
-__global__ void __launch_bounds__(CR_THREADS, 1) crossentropy_rows(CE_ARGS) {
-    __shared__ float sm_m[CR_WARPS], sm_s[CR_WARPS];
+template <bool GRAD, int NV4, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, 1) crossentropy_rows(CE_ARGS) {
+    constexpr int CR_THREADS = WARPS * 32;
+    __shared__ float sm_m[WARPS], sm_s[WARPS];
     const int row = blockIdx.x;
     const int t = threadIdx.x;
     const float* lr = logits + (long long)row * V;
@@ -172,7 +169,7 @@ __global__ void __launch_bounds__(CR_THREADS, 1) crossentropy_rows(CE_ARGS) {
     float m = CE_LOWEST;
 #pragma unroll
     for (int j = 0; j < NV4; ++j) m = fmaxf(m, fmaxf(fmaxf(x[j].x, x[j].y), fmaxf(x[j].z, x[j].w)));
-    m = cr_block_reduce(m, sm_m, [](float a, float b) { return fmaxf(a, b); });
+    m = cr_block_reduce<WARPS>(m, sm_m, [](float a, float b) { return fmaxf(a, b); });
 
     // pass 2: sum of exp(x - max), four partial sums per thread
     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
@@ -189,7 +186,7 @@ __global__ void __launch_bounds__(CR_THREADS, 1) crossentropy_rows(CE_ARGS) {
         s3 += e.w;
         if constexpr (GRAD) x[j] = e;
     }
-    const float s = cr_block_reduce((s0 + s1) + (s2 + s3), sm_s, [](float a, float b) { return a + b; });
+    const float s = cr_block_reduce<WARPS>((s0 + s1) + (s2 + s3), sm_s, [](float a, float b) { return a + b; });
     if (t == 0) losses[row] = ce_loss(valid, m, s, xt);
 
     if constexpr (GRAD) {                          // pass 3: (softmax - one-hot) * grad_scale, 0 past Vr
@@ -211,19 +208,21 @@ __global__ void __launch_bounds__(CR_THREADS, 1) crossentropy_rows(CE_ARGS) {
     }
 }
 
-// One block: thread t sums losses t, t + 1024, ... in double, then a fixed tree.
-__global__ void __launch_bounds__(LR_THREADS)
+// One block: thread t sums losses t, t + THREADS, ... in double, then a fixed tree.
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS)
 loss_reduce(StepState* st,
             const float* __restrict__ losses,   // losses  [N]
             int N,
             float* __restrict__ history,        // history [hist_len] (may be null)
             int hist_len) {
-    __shared__ double red[LR_THREADS];
+    static_assert((THREADS & (THREADS - 1)) == 0, "the tree halves the block");
+    __shared__ double red[THREADS];
     double s = 0.0;
-    for (int i = threadIdx.x; i < N; i += LR_THREADS) s += (double)losses[i];
+    for (int i = threadIdx.x; i < N; i += THREADS) s += (double)losses[i];
     red[threadIdx.x] = s;
     __syncthreads();
-    for (int o = LR_THREADS / 2; o > 0; o >>= 1) {
+    for (int o = THREADS / 2; o > 0; o >>= 1) {
         if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
         __syncthreads();
     }

@@ -11,9 +11,7 @@
 // VEC = 4 needs 16-byte aligned buffers (any n: the last n % 4 elements go one per thread).
 #include "common.cuh"
 
-#define NORM_THREADS 512
-#define FINAL_THREADS 256
-#define ADAM_THREADS 256
+// The blocks (THREADS) are template arguments chosen in gptcuda/ops/cuda/optim.py.
 
 __global__ void __launch_bounds__(1)
 lr_schedule(StepState* st, double learning_rate, double min_lr, int warmup_iters, int lr_decay_iters) {
@@ -37,7 +35,7 @@ __global__ void __launch_bounds__(1) eval_advance(StepState* st) { st->eval_draw
 
 // grid G, block 512. Thread (b, t) takes the vectors b*512 + t + k*G*512 in order; the block
 // sum is a fixed butterfly + warp-order sum; partial b goes to partials[b].
-template <int VEC>
+template <int VEC, int NORM_THREADS>
 __global__ void __launch_bounds__(NORM_THREADS)
 grad_norm_partial(double* __restrict__ partials,   // partials [G]
                   const float* __restrict__ g,     // g        [n]
@@ -82,8 +80,10 @@ grad_norm_partial(double* __restrict__ partials,   // partials [G]
     }
 }
 
+template <int FINAL_THREADS>
 __global__ void __launch_bounds__(FINAL_THREADS)
 grad_norm_final(StepState* st, const double* __restrict__ partials /* [G] */, int G) {
+    static_assert((FINAL_THREADS & (FINAL_THREADS - 1)) == 0, "the tree halves the block");
     __shared__ double red[FINAL_THREADS];
     double s = 0.0;
     for (int i = threadIdx.x; i < G; i += FINAL_THREADS) s += partials[i];
@@ -111,7 +111,7 @@ __device__ __forceinline__ void adam_one(float& p, float g, float& m, float& v, 
 }
 
 // Grid-stride over vectors: thread gt takes vectors gt, gt + stride, ...; element e decays iff e < n_decay.
-template <int VEC>
+template <int VEC, int ADAM_THREADS>
 __global__ void __launch_bounds__(ADAM_THREADS)
 adamw(float* __restrict__ params,        // params [n]
       const float* __restrict__ grads,   // grads  [n]

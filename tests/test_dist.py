@@ -524,7 +524,7 @@ def _ptrs(rec):
     from gptcuda.runtime import Launch, Memset
     if isinstance(rec, Launch):
         ptrs = {int(v) for v in rec.slots if int(v) >= 1 << 32}
-        if rec.fn.name == "sum_rows":                       # its pointers ride in the SumBatch argument
+        if rec.fn.name == elementwise.SUM_ROWS:      # its pointers ride in the SumBatch argument
             for buf, addr in rec.blobs.values():
                 off = addr - buf.ctypes.data
                 data = buf[off:off + 8 * (6 * elementwise.SUM_ITEMS + 1)].tobytes()

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from gptcuda.ops.cuda import elementwise, gemm
-from gptcuda.ops.cuda.gemm.families import ra_name
+from gptcuda.ops.cuda.gemm import families
+from gptcuda.ops.cuda.gemm.families import COLSUM_TRANSPOSE_NAMES, ra_name
 from gptcuda.ops.cuda.gemm.plan import check_plan
 from gptcuda.runtime import DeviceView
 from tests.conftest import FakeGemmRT, fake_view as _v
@@ -386,7 +387,7 @@ class _NumpyRT(FakeGemmRT):
             out, x, K, N, colsum, chunk0 = v
             xs = self.at(x.ptr, K * N).reshape(K, N)
             self.at(out.ptr, N * K)[:] = xs.T.ravel()
-            if name.endswith("true>"):                         # COLSUM: one row per 64-row tile
+            if name in COLSUM_TRANSPOSE_NAMES.values():       # one row per 64-row tile
                 for i in range(-(-K // 64)):
                     self.at(colsum.ptr + 4 * (chunk0 + i) * N, N)[:] = xs[64 * i:64 * i + 64].sum(0)
             else:
@@ -396,7 +397,7 @@ class _NumpyRT(FakeGemmRT):
             d = self.at(dout.ptr, M * N).reshape(M, N)
             for c in range(-(-M // rpc)):
                 self.at(part.ptr + 4 * c * N, N)[:] = d[c * rpc:(c + 1) * rpc].sum(0)
-        elif name == "sum_rows":
+        elif name == elementwise.SUM_ROWS:
             for out, part, nrows, cols, ld in elementwise.unpack_sum_batch(v[0].data):
                 self.at(out, cols)[:] = np.stack([self.at(part + 4 * r * ld, cols) for r in range(nrows)]).astype(
                     np.float64).sum(0)
@@ -530,9 +531,9 @@ def test_a_colsum_is_the_bias_gradient(tb, slab, K, partials):
     assert np.abs(rt.at(out.ptr, M * N).reshape(M, N) - want).max() < 1e-4 * np.abs(want).max()
     names = [n for n, *_ in rt.launches]
     fused = K <= 64 * 256
-    assert any(n.startswith("gemm_transpose") and n.endswith("true>") for n in names) == fused
-    assert ("bias_grad_partial<4>" in names or "bias_grad_partial<1>" in names) == (not fused)
-    assert names[-1] == "sum_rows"
+    assert any(n in COLSUM_TRANSPOSE_NAMES.values() for n in names) == fused
+    assert any(n in (elementwise.bias_grad_name(4), elementwise.bias_grad_name(1)) for n in names) == (not fused)
+    assert names[-1] == elementwise.SUM_ROWS
 
 
 @pytest.mark.parametrize("fam,tile", [("wgmma3", (128, 128, 3, 1)), ("simt", (128, 128))])
@@ -664,7 +665,8 @@ def test_ra_plan_launches(fam, tile, tb, splits, colsum):
     kern = [n for n in names if n.startswith("gemm_wgmma_ra")]
     assert len(kern) == 1 and len(names) == 1 + (splits > 1) + (fam != "wgmma_ra_mn" and not tb) + colsum, names
     if fam == "wgmma_ra_t":        # A^T first, then out^T = B^T A: B [K, N] through registers
-        assert names[0].startswith("gemm_transpose<") and names[0].endswith(f"{str(colsum).lower()}>"), names
+        assert names[0] in ([*COLSUM_TRANSPOSE_NAMES.values()] if colsum else
+                            [gemm.TRANSPOSE_NAMES[False, vec] for vec in (False, True)]), names
         assert maps == [((N, K, 1), (32, 32, 1), True), ((K, M, 1), (32, tile[1], 1), True)], maps
         assert kern[0] == ra_name(tile, False, 0, False, tc=True)
     else:
@@ -672,13 +674,13 @@ def test_ra_plan_launches(fam, tile, tb, splits, colsum):
         assert maps[1] == (((N, K, 1), (tile[1], 32, 1), False) if fam == "wgmma_ra_mn" else
                            ((K, N, 1), (32, tile[1], 1), True)), maps
         assert kern[0] == ra_name(tile, fam == "wgmma_ra_mn", 0, False, colsum=colsum)
-        assert names[0] == kern[0] or names[0] == "gemm_transpose<false, true, false>", names
+        assert names[0] == kern[0] or names[0] == TRANSPOSE, names
     a32 = a.astype(np.float32).astype(np.float64)
     b32 = b.astype(np.float32).astype(np.float64)
     want = a32.T @ (b32.T if tb else b32)
     assert np.abs(rt._mat(out.ptr, M, N, N) - want).max() < 1e-4 * np.abs(want).max()
     if colsum:
-        assert names[-1] == "sum_rows"
+        assert names[-1] == elementwise.SUM_ROWS
         assert np.abs(rt.at(dbias.ptr, M) - a32.sum(0)).max() < 1e-5 * np.abs(a32).sum(0).max()
 
 
@@ -742,7 +744,8 @@ def test_wgmma3_ra_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
                  ((K, N, 1), (32, tile[1], 1), True) if tb else ((N, K, 1), (tile[1], 32, 1), False)]
     assert maps == want_maps
     names = [n for n, *_ in rt.launches]
-    assert names[0] == f"gemm_{fam}<{tile[0]},{tile[1]},{tile[2]},0,false,{str(ta).lower()},{str(not tb).lower()}>"
+    assert names[0] == getattr(families, f"{fam}_name")(tile, ta, tb, 0, False)
+    assert names[0].startswith(f"gemm_{fam}<{tile[0]},{tile[1]},{tile[2]},0,false,{str(ta).lower()},{str(not tb).lower()},")
     assert len(names) == (2 if splits > 1 else 1) and not any("transpose" in n or "split<" in n for n in names), names
     a32, b32 = a.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64)
     want = (a32.T if ta else a32) @ (b32.T if tb else b32)
@@ -812,4 +815,4 @@ def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, par
     assert names[0] == (f.colsum_kernel(tile, True, False) if fused else
                         f.kernel(tile, True, False, gemm.EPI_RESID, False, True)), names
     assert any(n.startswith("bias_grad_partial") for n in names) == (not fused), names
-    assert names[-1] == "sum_rows"
+    assert names[-1] == elementwise.SUM_ROWS

@@ -8,7 +8,7 @@ import pytest
 
 from bench import tune
 from gptcuda.config import load_config
-from gptcuda.ops.cuda import gemm
+from gptcuda.ops.cuda import elementwise, gemm
 from tests.conftest import FakeGemmRT, fake_view, plan_of
 
 GPU = "NVIDIA H200 (test)"
@@ -138,7 +138,7 @@ def test_table_entry_that_cannot_run_falls_back(cache):
     gemm.save_table(GPU, {key: gemm.plan_to_json(gemm.make_plan("tf32", (256, 128, 32, 4, 2, 4), 1, K))})
     rt = FakeRT("tf32")
     assert _run(rt, M, N, K)[0].startswith("gemm_tf32<256,128,32,4,2,4,")
-    assert _run(rt, M, N, K, a_ptr=(1 << 30) + 4)[0].startswith("gemm_tf32<64,64,32,2,2,4,false,true,0,false,false>")
+    assert _run(rt, M, N, K, a_ptr=(1 << 30) + 4)[0] == gemm.tf32_name((64, 64, 32, 2, 2, 4), False, True, gemm.EPI_NONE, False, False)
 
 
 def test_batched_lookup(cache):
@@ -286,7 +286,7 @@ def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     assert op.colsum                                  # its bias gradient comes with it: a key of its own
     names = _run(rt, op.M, op.N, op.K, op.ta, op.tb, colsum=True)
     assert rt.launches[0][1][2] == 8 and "splitk_reduce" in names[1]
-    assert names[-2:] == ["bias_grad_partial<4>", "sum_rows"]     # the tf32 plan reads A once more
+    assert names[-2:] == [elementwise.bias_grad_name(4), elementwise.SUM_ROWS]     # the tf32 plan reads A once more
 
 
 def test_pick_winner_ignores_failed_and_unmeasured():

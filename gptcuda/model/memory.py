@@ -216,7 +216,7 @@ def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int, max_new: in
     return p
 
 
-DECODE_ATT_CHUNK = 64  # kernels/decode.cu ATT_CHUNK: keys a block of the split decode attention
+DECODE_ATT_CHUNK = 64  # keys a block of the split decode attention (decode.py passes it to the kernels)
 
 # kernels/decode.cu GenOpts: the words of the `opts` buffer
 GEN_OPTS_WORDS = 8

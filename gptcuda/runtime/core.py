@@ -2,7 +2,7 @@
 
 Launchers in gptcuda/ops/cuda/ use three things:
 
-    fn = rt.function("decode.cu", "decode_attention<64>")               # compiled once, cached
+    fn = rt.function("decode.cu", "decode_attention<64,128,64>")      # compiled once, cached
     rt.launch(fn, grid, block, [part, qkv, kc, vc, pos, i32(H), i32(T), f32(scale)])
     rt.workspace("attention_d")                                         # a planned scratch view
 

@@ -1092,7 +1092,7 @@ def test_splitk_launch_sequence():
     rt = _FakeRT(ws=1 << 24)
     gemm.matmul(rt, _v((1152, 384)), _v((1152, 16384)), _v((384, 16384)), False, True, bias=_v((384,)))
     assert len(rt.launches) == 2
-    assert "splitk_reduce<1,true>" in rt.launches[1][0]
+    assert rt.launches[1][0] == gemm.reduce_name(gemm.EPI_BIAS, True)
 
 
 def test_3xtf32_weight_gradient_launch_sequence():
@@ -1111,7 +1111,7 @@ def test_3xtf32_weight_gradient_launch_sequence():
     gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N)), True, False, plan=p)
     names = [n for n, *_ in rt.launches]
     assert names[:2] == [gemm.TRANSPOSE_NAMES[True, True]] * 2, names
-    assert names[2].startswith("gemm_wgmma_tma") and names[2].endswith(",3>") and "splitk_reduce" in names[3], names
+    assert names[2] == gemm.wgmma_name(gemm.WGMMA3_TILES[0], gemm.EPI_NONE, False, 3) and "splitk_reduce" in names[3], names
     assert rt.launches[0][1] == (M // 64, K // 64) and rt.launches[1][1] == (N // 64, K // 64)
     rt = _FakeRT(ws=ws["gemm_splitk"], arch="sm_90")
     gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N)), True, False)

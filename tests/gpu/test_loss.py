@@ -176,10 +176,9 @@ def test_crossentropy_rows(env, lead, Vr, V, nv4, mode):
     rl, rd = _ce_reference(logits_h, tg_h, Vr, scale)
     logits, tg = rt.upload(logits_h), rt.upload(tg_h)
     losses = rt.empty(lead)                                # NaN-poisoned
-    g = "false" if mode == "nograd" else "true"
     dlogits = {"grad": rt.empty((*lead, V)), "inplace": logits, "nograd": None}[mode]
     name = _launched(rt, losses, dlogits, logits, tg, 0.0 if mode == "nograd" else scale, n_vocab=Vr)
-    assert name == (f"crossentropy_rows<{g}, {nv4}>", (L.ROWS_THREADS,))
+    assert name == (L.ce_name("rows", mode != "nograd", nv4), (L.ROWS_THREADS,))
     got_l = rt.download(losses)
     assert rel_err(got_l, rl) < 1e-5
     if mode == "nograd":
@@ -208,7 +207,7 @@ def test_crossentropy_rows_out_of_range_target(env, inplace):
     losses = rt.empty(lead)
     dlogits = logits if inplace else rt.empty((*lead, V))
     name = _launched(rt, losses, dlogits, logits, tg, scale, n_vocab=Vr)
-    assert name == ("crossentropy_rows<true, 25>", (L.ROWS_THREADS,))
+    assert name == (L.ce_name("rows", True, 25), (L.ROWS_THREADS,))
     lo = rt.download(losses)
     assert np.all(np.isnan(lo[:4])) and rel_err(lo[4:], rl[4:]) < 1e-5
     got = rt.download(dlogits)
@@ -251,7 +250,7 @@ def test_crossentropy_block_fallback(env, case):
         dlogits = _offset(rt, (*lead, V)) if case == "dlogits_misaligned" else rt.empty((*lead, V))
     losses = rt.empty(lead)
     name = _launched(rt, losses, dlogits, logits, rt.upload(tg_h), scale, n_vocab=Vr)
-    assert name == (f"crossentropy_block<{'true' if grad else 'false'}>", (L.THREADS,))
+    assert name == (L.ce_name("block", grad), (L.THREADS,))
     assert rel_err(rt.download(losses), rl) < 1e-5
     if grad:
         got = rt.download(dlogits)

@@ -10,6 +10,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def expression(base: str, *args, sep: str = ",") -> str:
+    """A kernel's name expression: base<args> (bools as true / false), the template arguments through
+    which a launcher passes the geometry it chose (the kernels restate none of it)."""
+    return f"{base}<{sep.join(('true' if a else 'false') if isinstance(a, bool) else str(int(a)) for a in args)}>"
+
+
 def dropout_args(rt: RuntimeProtocol, p: float, site: int, label: str) -> list:
     """The trailing kernel arguments of a dropout of probability p (0 <= p < 1) drawn from stream
     `site`: the StepState, the seed, the site, the keep threshold (rng.keep_threshold) and the scale

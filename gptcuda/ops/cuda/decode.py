@@ -17,33 +17,51 @@ from __future__ import annotations
 
 import math
 
-from gptcuda.ops.cuda import cdiv, gemm
+from gptcuda.ops.cuda import cdiv, expression, gemm
 from gptcuda.model.memory import DECODE_ATT_CHUNK as ATT_CHUNK
 from gptcuda.runtime import RuntimeProtocol, f32, i32
 
 FILE = "decode.cu"
 HEAD_SIZES = (16, 32, 64, 128)
-SAMPLE_THREADS = 1024                  # kernels/decode.cu SAMPLE_THREADS: the radix select assumes it
-ATT_THREADS = 128                      # kernels/decode.cu ATT_THREADS: the split attention's block
+# The kernels' geometry, passed as their template arguments (the names below); each kernel asserts
+# what its code fixes.
+EMBED_THREADS = 256
+SAMPLE_THREADS = 1024                  # the radix select: two of its 2048 bins a thread (asserted)
+ATT_THREADS = 128                      # the split attention's block; ATT_CHUNK keys a block
 LINEAR_ROWS = (1, 4, 16)                # decode_linear's row tiles (MT); more rows go to the GEMM
-LINEAR_BLOCK_COLS = {1: 2, 4: 4, 16: 2}  # kernels/decode.cu LinearShape: npw * groups, columns a block
-LINEAR_WARPS = 8                        # kernels/decode.cu LINEAR_WARPS
+LINEAR_BLOCK_COLS = {1: 2, 4: 4, 16: 2}  # columns a block (its LinearShape: npw * groups, asserted)
+LINEAR_WARPS = 8
 LINEAR_EPILOGUES = {"none": 0, "gelu": 2, "residual": 3}    # gemm_epilogue.cuh GEMM_EPI_*
-VARIANTS = ([(FILE, "decode_embed", {}), (FILE, "decode_sample", {}), (FILE, "decode_advance", {})]
-            + [(FILE, f"decode_attention<{hs}>", {}) for hs in HEAD_SIZES]
-            + [(FILE, f"decode_attention_combine<{hs}>", {}) for hs in HEAD_SIZES]
-            + [(FILE, f"decode_linear<{mt}, {e}>", {}) for mt in LINEAR_ROWS for e in LINEAR_EPILOGUES.values()])
+EMBED_NAME = expression("decode_embed", EMBED_THREADS)
+SAMPLE_NAME = expression("decode_sample", SAMPLE_THREADS)
+
+
+def attention_names(hs: int) -> tuple:
+    """decode_attention<HS, ATT_THREADS, ATT_CHUNK> and decode_attention_combine<HS, THREADS, ATT_CHUNK>
+    (a thread a dimension, a warp at least), and the combine's threads."""
+    threads = max(hs, 32)
+    return (expression("decode_attention", hs, ATT_THREADS, ATT_CHUNK),
+            expression("decode_attention_combine", hs, threads, ATT_CHUNK), threads)
+
+
+def linear_name(mt: int, epi: int) -> str:
+    return expression("decode_linear", mt, epi, LINEAR_WARPS, LINEAR_BLOCK_COLS[mt], sep=", ")
+
+
+VARIANTS = ([(FILE, EMBED_NAME, {}), (FILE, SAMPLE_NAME, {}), (FILE, "decode_advance", {})]
+            + [(FILE, n, {}) for hs in HEAD_SIZES for n in attention_names(hs)[:2]]
+            + [(FILE, linear_name(mt, e), {}) for mt in LINEAR_ROWS for e in LINEAR_EPILOGUES.values()])
 
 
 def decode_embed(rt: RuntimeProtocol, out, ctx, wte, wpe, pos):
     S, C = int(out.shape[0]), int(out.shape[-1])
     T = int(ctx.shape[1]) - 1
-    rt.launch(rt.function(FILE, "decode_embed"), (cdiv(S * C, 256),), (256,),
+    rt.launch(rt.function(FILE, EMBED_NAME), (cdiv(S * C, EMBED_THREADS),), (EMBED_THREADS,),
               [out, ctx, wte, wpe, pos, i32(S), i32(C), i32(T)], label="decode_embed")
 
 
 def attention_chunks(Tmax: int) -> int:
-    """Key chunks of the split attention (kernels/decode.cu ATT_CHUNK keys each)."""
+    """Key chunks of the split attention (ATT_CHUNK keys each)."""
     return cdiv(int(Tmax), ATT_CHUNK)
 
 
@@ -56,10 +74,11 @@ def decode_attention(rt: RuntimeProtocol, y, qkv, kcache, vcache, n_head, pos, p
     n = attention_chunks(Tmax)
     if tuple(part.shape) != (S, n_head, n, hs + 2):
         raise ValueError(f"decode_attention: part {part.shape}, expected {(S, n_head, n, hs + 2)}")
-    rt.launch(rt.function(FILE, f"decode_attention<{hs}>"), (n, n_head, S), (ATT_THREADS,),
+    att, combine, combine_threads = attention_names(hs)
+    rt.launch(rt.function(FILE, att), (n, n_head, S), (ATT_THREADS,),
               [part, qkv, kcache, vcache, pos, i32(n_head), i32(Tmax), f32(1.0 / math.sqrt(hs))],
               label="decode_attention")
-    rt.launch(rt.function(FILE, f"decode_attention_combine<{hs}>"), (n_head, S), (max(hs, 32),),
+    rt.launch(rt.function(FILE, combine), (n_head, S), (combine_threads,),
               [y, part, pos, i32(n_head), i32(n)], label="decode_attention_combine")
 
 
@@ -68,7 +87,7 @@ def decode_sample(rt: RuntimeProtocol, g, logits, pos, n_vocab):
     T, N = int(g["ctx"].shape[1]) - 1, int(g["out"].shape[1])
     if not 0 < n_vocab <= Vp:
         raise ValueError(f"decode_sample: n_vocab {n_vocab} must be in 1..{Vp}")
-    rt.launch(rt.function(FILE, "decode_sample"), (S,), (SAMPLE_THREADS,),
+    rt.launch(rt.function(FILE, SAMPLE_NAME), (S,), (SAMPLE_THREADS,),
               [g["ctx"], g["fill"], g["out"], g["n_out"], g["done"], g["emit"], logits, pos, g["opts"], g["stop"],
                i32(S), i32(Vp), i32(n_vocab), i32(T), i32(N)], label="decode_sample")
 
@@ -90,5 +109,5 @@ def decode_linear(rt: RuntimeProtocol, out, a, w, bias=None, epilogue="none", au
                          f"aux {'given' if aux is not None else 'none'}")
     mt = next(r for r in LINEAR_ROWS if M <= r)
     cols = LINEAR_BLOCK_COLS[mt]
-    rt.launch(rt.function(FILE, f"decode_linear<{mt}, {LINEAR_EPILOGUES[epilogue]}>"), (cdiv(N, cols),),
+    rt.launch(rt.function(FILE, linear_name(mt, LINEAR_EPILOGUES[epilogue])), (cdiv(N, cols),),
               (32 * LINEAR_WARPS,), [out, aux, a, w, bias, i32(M), i32(N), i32(K)], label="decode_linear")

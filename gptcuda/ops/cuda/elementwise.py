@@ -30,25 +30,41 @@ import struct
 
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import Blob, DeviceView, RuntimeProtocol, i32
-from gptcuda.ops.cuda import cdiv, dropout_args
+from gptcuda.ops.cuda import cdiv, dropout_args, expression
 
 FILE = "elementwise.cu"
-THREADS = 256
-BG_WARPS = 8
+THREADS = 256             # the elementwise kernels' block (their last template argument)
+BG_WARPS = 8              # bias_grad_partial's and sum_rows' warps a block (their WARPS)
 MAX_CHUNKS = 256          # row chunks of the bias gradient (rows of the partials workspace)
 MIN_CHUNK_ROWS = 32
 WORKSPACE = "bias_partials"
+SUM_ITEMS = 8             # sums a sum_rows launch takes (its ITEMS: SumBatch's arrays)
 
-_B = ("true", "false")
+
+def _name(base: str, *args) -> str:
+    return expression(base, *args, sep=", ")
+
+
+def ew_name(base: str, vec: int, *flags) -> str:
+    """gelu_fwd / gelu_bwd <VEC, THREADS>, accumulate <VEC, FIRST, THREADS>, dropout_apply <VEC, RESID,
+    DROP, THREADS>."""
+    return _name(base, vec, *flags, THREADS)
+
+
+def bias_grad_name(vec: int) -> str:
+    return _name("bias_grad_partial", vec, BG_WARPS)
+
+
+SUM_ROWS = _name("sum_rows", BG_WARPS, SUM_ITEMS)
+
+_TF = (True, False)
 VARIANTS = (
-    [(FILE, f"gelu_fwd<{v}>", {}) for v in (4, 1)]
-    + [(FILE, f"gelu_bwd<{v}>", {}) for v in (4, 1)]
-    + [(FILE, f"dropout_apply<{v}, {r}, {d}>", {}) for v in (4, 1) for r in _B for d in _B]
-    + [(FILE, f"bias_grad_partial<{v}>", {}) for v in (4, 1)]
-    + [(FILE, f"accumulate<{v}, {f}>", {}) for v in (4, 1) for f in _B]
-    + [(FILE, "sum_rows", {})]
+    [(FILE, ew_name(k, v), {}) for k in ("gelu_fwd", "gelu_bwd") for v in (4, 1)]
+    + [(FILE, ew_name("dropout_apply", v, r, d), {}) for v in (4, 1) for r in _TF for d in _TF]
+    + [(FILE, bias_grad_name(v), {}) for v in (4, 1)]
+    + [(FILE, ew_name("accumulate", v, f), {}) for v in (4, 1) for f in _TF]
+    + [(FILE, SUM_ROWS, {})]
 )
-SUM_ITEMS = 8             # sums a sum_rows launch takes (SUM_ITEMS in elementwise.cu)
 SUMS = "sum_partials"     # the deferred sums' partials: a ring of one backward point's (layernorm.workspace)
 SUMS_ALIGN = 64           # floats: every region starts 256-byte aligned
 
@@ -84,14 +100,14 @@ def gelu_fwd(rt: RuntimeProtocol, out, x):
     n = _check_same("gelu_fwd", out, x)
     vec = 4 if _aligned(out, x) else 1
     grid, block = _ew_geometry(n, vec)
-    rt.launch(rt.function(FILE, f"gelu_fwd<{vec}>"), grid, block, [out, x, i32(n)], label="gelu_fwd")
+    rt.launch(rt.function(FILE, ew_name("gelu_fwd", vec)), grid, block, [out, x, i32(n)], label="gelu_fwd")
 
 
 def gelu_bwd(rt: RuntimeProtocol, dpre, dout, pre):
     n = _check_same("gelu_bwd", dpre, dout, pre)
     vec = 4 if _aligned(dpre, dout, pre) else 1
     grid, block = _ew_geometry(n, vec)
-    rt.launch(rt.function(FILE, f"gelu_bwd<{vec}>"), grid, block, [dpre, dout, pre, i32(n)], label="gelu_bwd")
+    rt.launch(rt.function(FILE, ew_name("gelu_bwd", vec)), grid, block, [dpre, dout, pre, i32(n)], label="gelu_bwd")
 
 
 def _dropout(rt: RuntimeProtocol, out, resid, x, p, site, label):
@@ -104,7 +120,7 @@ def _dropout(rt: RuntimeProtocol, out, resid, x, p, site, label):
         return None                      # identity in place: nothing to do
     drop = p > 0.0
     vec = 4 if _aligned(*views) else 1
-    name = f"dropout_apply<{vec}, {'true' if resid is not None else 'false'}, {'true' if drop else 'false'}>"
+    name = ew_name("dropout_apply", vec, resid is not None, drop)
     grid, block = _ew_geometry(n, vec)
     return rt.launch(rt.function(FILE, name), grid, block,
                      [out, resid, x, i32(n)] + dropout_args(rt, p, site, label), label=label)
@@ -133,7 +149,7 @@ def bias_grad(rt: RuntimeProtocol, db, dout):
     if part is None:
         raise ValueError(f"workspace {WORKSPACE} is too small for {chunks} chunks x {N} columns")
     vec = 4 if N % 4 == 0 and _aligned(dout) else 1
-    rt.launch(rt.function(FILE, f"bias_grad_partial<{vec}>"), (cdiv(N, 32 * vec), chunks), (BG_WARPS * 32,),
+    rt.launch(rt.function(FILE, bias_grad_name(vec)), (cdiv(N, 32 * vec), chunks), (BG_WARPS * 32,),
               [part, dout, i32(M), i32(N), i32(rpc)], label="bias_grad_partial")
     sum_rows(rt, (db, part), label="bias_grad_reduce")
 
@@ -211,7 +227,7 @@ def sum_rows(rt: RuntimeProtocol, *sums, label="sum_rows"):
 def _sum_launch(rt: RuntimeProtocol, items, label="sum_rows"):
     """One sum_rows launch over up to SUM_ITEMS (out, parts, rows, cols, ld)."""
     data, grid = sum_batch(items)
-    rt.launch(rt.function(FILE, "sum_rows"), (grid,), (BG_WARPS * 32,), [Blob(data)], label=label)
+    rt.launch(rt.function(FILE, SUM_ROWS), (grid,), (BG_WARPS * 32,), [Blob(data)], label=label)
 
 
 def sum_batch(items) -> tuple:
@@ -246,7 +262,7 @@ def accumulate(rt: RuntimeProtocol, dst, src, first):
         raise ValueError("accumulate: dst and src overlap")
     vec = 4 if _aligned(dst, src) else 1
     grid, block = _ew_geometry(n, vec)
-    rt.launch(rt.function(FILE, f"accumulate<{vec}, {'true' if first else 'false'}>"), grid, block,
+    rt.launch(rt.function(FILE, ew_name("accumulate", vec, first)), grid, block,
               [dst, src, i32(n)], label="accumulate")
 
 

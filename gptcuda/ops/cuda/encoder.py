@@ -21,15 +21,19 @@ that no token uses are left bitwise as they were by the sorted path. Two ways (`
 from __future__ import annotations
 
 from gptcuda.runtime import RuntimeProtocol, i32
-from gptcuda.ops.cuda import cdiv
+from gptcuda.ops.cuda import cdiv, expression
 
 FILE = "encoder.cu"
+# The kernels' geometry, passed as template arguments (the names below): blocks of the elementwise
+# kernels, of encoder_bwd_wte (warps) and of the sorted path (the sort's threads, asserted 1024: its
+# block scan; the run kernel's warps), and the sort's digit width.
 THREADS = 256
-BWD_WARPS = 16        # ENC_BWD_WARPS in the kernel
-SORT_THREADS = 1024   # ENC_SORT_THREADS
-SEG_WARPS = 8         # ENC_SEG_WARPS
+BWD_WARPS = 16
+SORT_THREADS = 1024
+SEG_WARPS = 8
 SEG_BLOCKS_PER_SM = 4  # the run kernel's grid: resident blocks (59 registers), warps stride over the runs
-SORT_BINS = 16        # ENC_SORT_BINS (4-bit digits)
+SORT_DIGIT = 4        # radix bits a pass
+SORT_BINS = 1 << SORT_DIGIT
 SORT_KEYS = (1, 2, 4, 8, 16, 32)   # encoder_bwd_sort<E>: E keys a thread, N <= E * SORT_THREADS
 SORT_MAX_TOKENS = SORT_KEYS[-1] * SORT_THREADS   # 32768: 203 KB of shared memory
 # The scan kernel reads V * tiles * N ids (measured on the H200: ~2.1e6 block-ids a microsecond,
@@ -37,9 +41,28 @@ SORT_MAX_TOKENS = SORT_KEYS[-1] * SORT_THREADS   # 32768: 203 KB of shared memor
 SCAN_MAX_WORK = 1 << 25
 WORKSPACE = "encoder_buckets"
 
-VARIANTS = ([(FILE, f"{k}<{vec}>", {}) for k in ("encoder_fwd", "encoder_bwd_wte", "encoder_bwd_wte_seg",
-                                                 "encoder_bwd_wpe") for vec in (4, 1)]
-            + [(FILE, f"encoder_bwd_sort<{e}>", {}) for e in SORT_KEYS])
+_BLOCK = {"encoder_fwd": THREADS, "encoder_bwd_wte": BWD_WARPS, "encoder_bwd_wte_seg": SEG_WARPS,
+          "encoder_bwd_wpe": THREADS}
+
+
+def enc_name(kernel: str, vec: int) -> str:
+    """encoder_fwd / encoder_bwd_wpe <VEC, THREADS>, encoder_bwd_wte / _seg <VEC, WARPS>."""
+    return expression(kernel, vec, _BLOCK[kernel])
+
+
+def _sort_kernel(e: int) -> tuple:
+    """(name expression, dynamic shared bytes) of encoder_bwd_sort<E, SORT_THREADS, SORT_DIGIT, SMEM>:
+    the keys and the digit counters, each padded a word every 32 (enc_pad)."""
+    smem = 4 * (_pad(e * SORT_THREADS) + _pad(SORT_BINS * SORT_THREADS))
+    return expression("encoder_bwd_sort", e, SORT_THREADS, SORT_DIGIT, smem), smem
+
+
+def _pad(i: int) -> int:
+    return i + (i >> 5)          # enc_pad
+
+
+VARIANTS = ([(FILE, enc_name(k, vec), {}) for k in _BLOCK for vec in (4, 1)]
+            + [(FILE, _sort_kernel(e)[0], {}) for e in SORT_KEYS])
 
 
 def workspace_ints(N: int) -> int:
@@ -64,15 +87,10 @@ def _sortable(N: int, V: int) -> bool:
     return 1 <= N <= SORT_MAX_TOKENS and ((V + 1) << _key_bits(N)) <= 2 ** 32
 
 
-def _pad(i: int) -> int:
-    return i + (i >> 5)          # enc_pad
-
-
 def sort_plan(N: int, V: int):
     """(kernel name, dynamic shared bytes, nbits, passes) of encoder_bwd_sort for N tokens."""
-    e = next(e for e in SORT_KEYS if e * SORT_THREADS >= N)
-    smem = 4 * (_pad(e * SORT_THREADS) + _pad(SORT_BINS * SORT_THREADS))
-    return f"encoder_bwd_sort<{e}>", smem, _key_bits(N), cdiv(V.bit_length(), 4)
+    name, smem = _sort_kernel(next(e for e in SORT_KEYS if e * SORT_THREADS >= N))
+    return name, smem, _key_bits(N), cdiv(V.bit_length(), SORT_DIGIT)
 
 
 def bwd_wte_method(N: int, C: int, V: int, vec: int = 4) -> str:
@@ -105,7 +123,7 @@ def encoder_fwd(rt: RuntimeProtocol, out, idx, wte, wpe):
         raise ValueError(f"encoder_fwd: sequence length {T} exceeds wpe rows {Tmax}")
     N = B * T
     vec = 4 if C % 4 == 0 and _aligned(out, wte, wpe) else 1
-    fn = rt.function(FILE, f"encoder_fwd<{vec}>")
+    fn = rt.function(FILE, enc_name("encoder_fwd", vec))
     total = N * (C // vec)
     rt.launch(fn, (cdiv(total, THREADS),), (THREADS,),
               [out, idx, wte, wpe, i32(N), i32(T), i32(C), i32(V)], label="encoder_fwd")
@@ -148,16 +166,16 @@ def encoder_bwd(rt: RuntimeProtocol, dwte, dwpe, dout, idx, *, method=None):
                   [ws, idx, i32(N), i32(V), i32(nbits), i32(passes)], smem=smem, label="encoder_bwd_sort")
         sms = int(getattr(getattr(rt, "info", None), "sm_count", 132))
         grid = max(1, min(SEG_BLOCKS_PER_SM * sms, cdiv(N * tiles, SEG_WARPS)))
-        rt.launch(rt.function(FILE, f"encoder_bwd_wte_seg<{vec}>"), (grid,), (SEG_WARPS * 32,),
+        rt.launch(rt.function(FILE, enc_name("encoder_bwd_wte_seg", vec)), (grid,), (SEG_WARPS * 32,),
                   [dwte, dout, ws, i32(N), i32(C), i32(tiles)], label="encoder_bwd_wte_seg")
     elif method == "scan":
-        fn = rt.function(FILE, f"encoder_bwd_wte<{vec}>")
+        fn = rt.function(FILE, enc_name("encoder_bwd_wte", vec))
         rt.launch(fn, (V, tiles), (BWD_WARPS * 32,),
                   [dwte, dout, idx, i32(N), i32(C)], label="encoder_bwd_wte")
     else:
         raise ValueError(f"encoder_bwd: method {method!r} is not 'scan' or 'sort'")
     vec = 4 if C % 4 == 0 and _aligned(dwpe, dout) else 1
-    fn = rt.function(FILE, f"encoder_bwd_wpe<{vec}>")
+    fn = rt.function(FILE, enc_name("encoder_bwd_wpe", vec))
     total = Tmax * (C // vec)
     rt.launch(fn, (cdiv(total, THREADS),), (THREADS,),
               [dwpe, dout, i32(B), i32(T), i32(Tmax), i32(C)], label="encoder_bwd_wpe")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gptcuda.ops.cuda import expression  # noqa: F401 (attention.py names its kernels through it)
 from gptcuda.runtime.execution import FLASH_WG_HEAD_SIZES  # noqa: F401 (the plan decides where dK/dV runs)
 
 FLASH_FILES = {"flash": "flash_simt.cu", "flash_tc": "flash_tc.cu", "flash_3x": "flash_x3.cu"}   # a path's kernels
@@ -38,15 +39,6 @@ class FlashKernel:
     name: str
     rows: int
     smem: int
-
-
-def _arg(v) -> str:
-    return ("true" if v else "false") if isinstance(v, bool) else str(int(v))
-
-
-def expression(base: str, *args) -> str:
-    """A kernel's name expression: base<args> (bools as true / false)."""
-    return f"{base}<{','.join(_arg(a) for a in args)}>"
 
 
 def flash_tc_plan(kind: str, hs: int, x3: bool = False) -> dict:

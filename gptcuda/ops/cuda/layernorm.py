@@ -19,22 +19,41 @@ from __future__ import annotations
 from gptcuda import faults
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import DeviceView, RuntimeProtocol, f32, i32, u32
-from gptcuda.ops.cuda import cdiv, dropout_args, elementwise
+from gptcuda.ops.cuda import cdiv, dropout_args, elementwise, expression
 
 FILE = "layernorm.cu"
-WARPS = 8
+WARPS = 8                 # every kernel's block (rows a block in the warp-per-row ones): its template argument
 THREADS = WARPS * 32
 MAX_NV = 8                # register path up to C = 128 * MAX_NV = 1024
 MAX_BLOCKS = 512          # backward blocks (rows of the partials workspace)
 WORKSPACE = "layernorm_partials"
 
+
+
+def bwd_smem(nv: int, bias: bool) -> int:
+    """Dynamic shared memory of layernorm_bwd_reg<nv, bias, ...> (its SMEM): w and each warp's dw (and
+    db) sums, nv float4 a lane each (0: the loop kernel takes none)."""
+    return ((2 if bias else 1) * WARPS + 1) * nv * 32 * 16
+
+
+def fwd_name(nv: int, bias: bool, fused: bool = False) -> str:
+    """layernorm_fwd_reg<NV, BIAS, RD, WARPS> (nv > 0) or layernorm_fwd_loop<BIAS, WARPS>."""
+    return (expression("layernorm_fwd_reg", nv, bias, fused, WARPS, sep=", ") if nv
+            else expression("layernorm_fwd_loop", bias, WARPS, sep=", "))
+
+
+def bwd_name(nv: int, bias: bool, drop: bool) -> str:
+    """layernorm_bwd_reg<NV, BIAS, DROP, WARPS, SMEM> (nv > 0) or layernorm_bwd_loop<BIAS, DROP, WARPS>."""
+    return (expression("layernorm_bwd_reg", nv, bias, drop, WARPS, bwd_smem(nv, bias), sep=", ") if nv
+            else expression("layernorm_bwd_loop", bias, drop, WARPS, sep=", "))
+
+
+_TF = (True, False)
 VARIANTS = (
-    [(FILE, f"layernorm_fwd_reg<{nv}, {b}, {r}>", {}) for nv in range(1, MAX_NV + 1) for b in ("true", "false")
-     for r in ("true", "false")]
-    + [(FILE, f"layernorm_fwd_loop<{b}>", {}) for b in ("true", "false")]
-    + [(FILE, f"layernorm_bwd_reg<{nv}, {b}, {d}>", {}) for nv in range(1, MAX_NV + 1) for b in ("true", "false")
-       for d in ("true", "false")]
-    + [(FILE, f"layernorm_bwd_loop<{b}, {d}>", {}) for b in ("true", "false") for d in ("true", "false")]
+    [(FILE, fwd_name(nv, b, r), {}) for nv in range(1, MAX_NV + 1) for b in _TF for r in _TF]
+    + [(FILE, fwd_name(0, b), {}) for b in _TF]
+    + [(FILE, bwd_name(nv, b, d), {}) for nv in range(1, MAX_NV + 1) for b in _TF for d in _TF]
+    + [(FILE, bwd_name(0, b, d), {}) for b in _TF for d in _TF]
 )
 # the deliberately wrong backward of gradcheck.py --break=layernorm (gptcuda/faults.py)
 BROKEN = {"GC_BREAK_LAYERNORM": 1}
@@ -62,16 +81,6 @@ def _nv(C: int, *views) -> int:
     return 0
 
 
-def bwd_smem(nv: int, bias: bool) -> int:
-    """Dynamic shared memory of layernorm_bwd_reg<nv, bias, ...> (its LN_BWD_SMEM): w and each
-    warp's dw (and db) sums, nv float4 a lane each (0: the loop kernel takes none)."""
-    return ((2 if bias else 1) * WARPS + 1) * nv * 32 * 16
-
-
-def _bias(b) -> str:
-    return "true" if b is not None else "false"
-
-
 def _keep_args(rt: RuntimeProtocol, p, site, label):
     """dropout_args of a fused dropout, which needs 0 < p < 1."""
     if not 0.0 < float(p) < 1.0:
@@ -97,25 +106,25 @@ def layernorm_fwd(rt: RuntimeProtocol, out, mean, rstd, x, w, b, residual=None):
             elementwise.residual_dropout(rt, x, resid, branch, p, site)
     if nv:
         fused = residual is not None
-        name = f"layernorm_fwd_reg<{nv}, {_bias(b)}, {'true' if fused else 'false'}>"
+        name = fwd_name(nv, b is not None, fused)
         tail = ([x, resid, branch] + _keep_args(rt, p, site, "layernorm_fwd") if fused
                 else [None, None, None] + _NO_DROP)
         rt.launch(rt.function(FILE, name), (cdiv(N, WARPS),), (THREADS,),
                   [out, mean, rstd, None if fused else x, w, b, i32(N), i32(C)] + tail, label="layernorm_fwd")
     else:
-        rt.launch(rt.function(FILE, f"layernorm_fwd_loop<{_bias(b)}>"), (cdiv(N, WARPS),), (THREADS,),
+        rt.launch(rt.function(FILE, fwd_name(0, b is not None)), (cdiv(N, WARPS),), (THREADS,),
                   [out, mean, rstd, x, w, b, i32(N), i32(C)], label="layernorm_fwd")
 
 
 def _drop_args(rt: RuntimeProtocol, drop, N, C):
-    """(kernel flag, trailing arguments) of the backward's dropout output `drop` (None or
+    """(DROP, trailing arguments) of the backward's dropout output `drop` (None or
     (dropped, p, site) with 0 < p < 1)."""
     if drop is None:
-        return "false", [None] + _NO_DROP
+        return False, [None] + _NO_DROP
     out, p, site = drop
     if out.numel != N * C:
         raise ValueError(f"layernorm_bwd: dropped {out.shape} is not [{N}, {C}]")
-    return "true", [out] + _keep_args(rt, p, site, "layernorm_bwd")
+    return True, [out] + _keep_args(rt, p, site, "layernorm_bwd")
 
 
 def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=None):
@@ -131,8 +140,7 @@ def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=
         raise ValueError(f"workspace {WORKSPACE} is too small for {G} blocks x 2*{C}")
     if nv and not _aligned(part):
         raise ValueError(f"layernorm_bwd: partials at {part.ptr:#x} are not 16-byte aligned")
-    name = (f"layernorm_bwd_reg<{nv}, {_bias(db)}, {dflag}>" if nv
-            else f"layernorm_bwd_loop<{_bias(db)}, {dflag}>")
+    name = bwd_name(nv, db is not None, dflag)
     defines = BROKEN if "layernorm" in faults.broken else {}
     rt.launch(rt.function(FILE, name, defines), (G,), (THREADS,),
               [dx, part, dout, x, mean, rstd, w, i32(N), i32(C)] + dargs, smem=bwd_smem(nv, db is not None),

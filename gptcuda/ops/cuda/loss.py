@@ -18,20 +18,31 @@ from __future__ import annotations
 
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import RuntimeProtocol, f32, i32
-from gptcuda.ops.cuda import cdiv
+from gptcuda.ops.cuda import cdiv, expression
 
 FILE = "loss.cu"
-WARPS = 8
+WARPS = 8                   # crossentropy_warp's rows a block, crossentropy_block's warps (their WARPS)
 THREADS = WARPS * 32
 WARP_MAX_V = 1024           # one warp per row up to this vocabulary size, then one block per row
-REDUCE_THREADS = 1024
-ROWS_THREADS = 512          # crossentropy_rows: thread t holds float4 vectors j * 512 + t, j < NV4
+REDUCE_THREADS = 1024       # loss_reduce's block (a power of two: its tree)
+ROWS_WARPS = 16             # crossentropy_rows' WARPS: thread t holds float4 vectors j * 512 + t, j < NV4
+ROWS_THREADS = ROWS_WARPS * 32
 ROWS_NV4 = (8, 16, 25, 28)  # 28: the most without spills at 128 registers (ptxas, sm_90); 25: V = 50304
 
+
+
+def ce_name(kind: str, grad: bool, nv4: int = 0) -> str:
+    """crossentropy_warp / crossentropy_block <GRAD, WARPS>, crossentropy_rows <GRAD, NV4, ROWS_WARPS>."""
+    if kind == "rows":
+        return expression("crossentropy_rows", grad, nv4, ROWS_WARPS, sep=", ")
+    return expression(f"crossentropy_{kind}", grad, WARPS, sep=", ")
+
+
+REDUCE_NAME = expression("loss_reduce", REDUCE_THREADS)
 VARIANTS = (
-    [(FILE, f"crossentropy_{k}<{g}>", {}) for k in ("warp", "block") for g in ("true", "false")]
-    + [(FILE, f"crossentropy_rows<{g}, {n}>", {}) for n in ROWS_NV4 for g in ("true", "false")]
-    + [(FILE, "loss_reduce", {})]
+    [(FILE, ce_name(k, g), {}) for k in ("warp", "block") for g in (True, False)]
+    + [(FILE, ce_name("rows", g, n), {}) for n in ROWS_NV4 for g in (True, False)]
+    + [(FILE, REDUCE_NAME, {})]
 )
 
 
@@ -61,17 +72,16 @@ def crossentropy(rt: RuntimeProtocol, losses, dlogits, logits, targets, grad_sca
     grad = grad_scale != 0.0
     if grad and (dlogits is None or dlogits.numel != N * V):
         raise ValueError(f"crossentropy: a gradient needs dlogits of {N}x{V} elements")
-    g = "true" if grad else "false"
     args = [losses, dlogits if grad else None, logits, targets, i32(N), i32(V), i32(Vr), f32(grad_scale)]
     nv4 = None if V <= WARP_MAX_V else rows_nv4(V, logits, dlogits if grad else None)
     if V <= WARP_MAX_V:
-        rt.launch(rt.function(FILE, f"crossentropy_warp<{g}>"), (cdiv(N, WARPS),), (THREADS,), args,
+        rt.launch(rt.function(FILE, ce_name("warp", grad)), (cdiv(N, WARPS),), (THREADS,), args,
                   label="crossentropy")
     elif nv4 is not None:
-        rt.launch(rt.function(FILE, f"crossentropy_rows<{g}, {nv4}>"), (N,), (ROWS_THREADS,), args,
+        rt.launch(rt.function(FILE, ce_name("rows", grad, nv4)), (N,), (ROWS_THREADS,), args,
                   label="crossentropy")
     else:
-        rt.launch(rt.function(FILE, f"crossentropy_block<{g}>"), (N,), (THREADS,), args, label="crossentropy")
+        rt.launch(rt.function(FILE, ce_name("block", grad)), (N,), (THREADS,), args, label="crossentropy")
 
 
 def loss_reduce(rt: RuntimeProtocol, losses, history):
@@ -79,5 +89,5 @@ def loss_reduce(rt: RuntimeProtocol, losses, history):
         raise RuntimeError("loss_reduce: rt.state (the StepState) is not set")
     N = losses.numel
     hist_len = 0 if history is None else history.numel
-    rt.launch(rt.function(FILE, "loss_reduce"), (1,), (REDUCE_THREADS,),
+    rt.launch(rt.function(FILE, REDUCE_NAME), (1,), (REDUCE_THREADS,),
               [rt.state, losses, i32(N), history, i32(hist_len)], label="loss_reduce")

@@ -18,19 +18,31 @@ from __future__ import annotations
 import numpy as np
 
 from gptcuda.runtime import RuntimeProtocol, f32, i32, u64
-from gptcuda.ops.cuda import cdiv
+from gptcuda.ops.cuda import cdiv, expression
 
 FILE = "optim.cu"
-NORM_THREADS = 512
+NORM_THREADS = 512         # the kernels' blocks: their last template argument
 NORM_BLOCKS = 264          # 2 x 132 SMs; a constant so the sum order never depends on the device
+FINAL_THREADS = 256        # (a power of two: grad_norm_final's tree)
 ADAM_THREADS = 256
 ADAM_BLOCKS_PER_SM = 8
 WORKSPACE = "optim_partials"
 
+FINAL_NAME = expression("grad_norm_final", FINAL_THREADS)
+
+
+def norm_name(vec: int) -> str:
+    return expression("grad_norm_partial", vec, NORM_THREADS)
+
+
+def adamw_name(vec: int) -> str:
+    return expression("adamw", vec, ADAM_THREADS)
+
+
 VARIANTS = (
-    [(FILE, n, {}) for n in ("lr_schedule", "step_advance", "eval_advance", "grad_norm_final")]
-    + [(FILE, f"grad_norm_partial<{v}>", {}) for v in (4, 1)]
-    + [(FILE, f"adamw<{v}>", {}) for v in (4, 1)]
+    [(FILE, n, {}) for n in ("lr_schedule", "step_advance", "eval_advance", FINAL_NAME)]
+    + [(FILE, norm_name(v), {}) for v in (4, 1)]
+    + [(FILE, adamw_name(v), {}) for v in (4, 1)]
 )
 
 
@@ -92,7 +104,7 @@ def grad_norm_partial(rt: RuntimeProtocol, grads, blocks: int | None = None):
         raise ValueError(f"workspace {WORKSPACE} {part.shape} must hold {NORM_BLOCKS} doubles (8-byte aligned)")
     vec = 4 if _aligned(grads) else 1
     G = norm_blocks(n, vec) if blocks is None else int(blocks)
-    rt.launch(rt.function(FILE, f"grad_norm_partial<{vec}>"), (G,), (NORM_THREADS,),
+    rt.launch(rt.function(FILE, norm_name(vec)), (G,), (NORM_THREADS,),
               [part, grads, i32(n)], label="grad_norm_partial")
     return part, G
 
@@ -100,7 +112,7 @@ def grad_norm_partial(rt: RuntimeProtocol, grads, blocks: int | None = None):
 def grad_norm_final(rt: RuntimeProtocol, part, blocks: int):
     """The norm's second pass: state.grad_norm = sqrt of the sum of the first `blocks` partials of
     `part`, in a fixed order."""
-    rt.launch(rt.function(FILE, "grad_norm_final"), (1,), (256,), [_state(rt, "grad_norm"), part, i32(blocks)],
+    rt.launch(rt.function(FILE, FINAL_NAME), (1,), (FINAL_THREADS,), [_state(rt, "grad_norm"), part, i32(blocks)],
               label="grad_norm_final")
 
 
@@ -118,6 +130,6 @@ def adamw(rt: RuntimeProtocol, params, grads, m, v, n_decay, beta1, beta2, eps, 
     units = n // 4 + n % 4 if vec == 4 else n
     sms = int(getattr(getattr(rt, "info", None), "sm_count", 132) or 132)
     G = max(1, min(cdiv(units, ADAM_THREADS), sms * ADAM_BLOCKS_PER_SM))
-    rt.launch(rt.function(FILE, f"adamw<{vec}>"), (G,), (ADAM_THREADS,),
+    rt.launch(rt.function(FILE, adamw_name(vec)), (G,), (ADAM_THREADS,),
               [params, grads, m, v, i32(n), i32(n_decay), f32(beta1), f32(beta2), f32(eps),
                f32(weight_decay), f32(grad_clip), st], label="adamw")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gptcuda.runtime.execution import WGMMA_ARCHS  # noqa: F401 (gemm/__init__ re-exports it)
-from gptcuda.ops.cuda import cdiv  # noqa: F401 (plan.py, launch.py and gemm/__init__ import it from here)
+from gptcuda.ops.cuda import cdiv, expression  # noqa: F401 (plan.py, launch.py and gemm/__init__ import cdiv from here)
 
 SIMT_FILE = "gemm_simt.cu"
 TF32_FILE = "gemm_tf32.cu"
@@ -51,8 +51,9 @@ PRODUCTS = {(False, True): tuple(e for e in EPI_COMBOS if e[0] != EPI_DGELU),
 # [M, N] arrays an epilogue moves through DRAM: the output, plus aux written (GELU) or read.
 EPI_IO = {EPI_NONE: 1, EPI_BIAS: 1, EPI_GELU: 2, EPI_RESID: 2, EPI_DGELU: 2}
 
-# SIMT block tiles (BM, BN): threads = BM*BN/64; blocks resident per SM (register bound: the
-# kernel's __launch_bounds__ asks for 2 / 3 / 6, see GemmSimtMinBlocks in gemm_simt.cu).
+# SIMT block tiles (BM, BN): threads = BM*BN/64 (an 8x8 tile a thread); blocks resident per SM by threads
+# (register bound: 128x128 <= 128 registers; the smaller tiles stage two float4 per operand and get up
+# to 168), passed to gemm_simt's __launch_bounds__ as template arguments (simt_name).
 SIMT_TILES = ((128, 128), (128, 64), (64, 64))
 SIMT_BLOCKS_PER_SM = {256: 2, 128: 3, 64: 6}
 SIMT_EFFICIENCY = {(128, 128): 1.0, (128, 64): 0.9, (64, 64): 0.8}
@@ -74,7 +75,7 @@ TF32_FALLBACK_TILES = ((64, 64, 32, 2, 2, 4),)
 TF32_PLAN_TILES = TF32_TILES[:4]
 TF32_EFFICIENCY = {TF32_TILES[0]: 1.0, TF32_TILES[1]: 0.9, TF32_TILES[2]: 0.75, TF32_TILES[3]: 0.6,
                    TF32_TILES[4]: 1.0, TF32_TILES[5]: 0.95}
-SMEM_PER_SM = 228 * 1024       # H100/H200; GemmTf32MinBlocks in gemm_tf32.cu uses the same
+SMEM_PER_SM = 228 * 1024       # H100/H200
 
 # Warpgroup-MMA tiles (kernels/gemm_wgmma.cu; sm_90a; A [M, K] and B [N, K] both K-major):
 # (BM, BN, STAGES, LOADER), BM / 64 warpgroups of 128 threads, each computing 64 x BN; LOADER 0:
@@ -138,13 +139,29 @@ WGMMA3_RA_EFFICIENCY = dict(zip(WGMMA3_RA_TILES, (2.0, 1.5)))
 FFMA_FLOPS_PER_SM = 128 * 2 * 1.75e9       # fp32 FMA lanes x 2 x clock
 TF32_FLOPS_PER_SM = 1024 * 2 * 1.75e9 / 2
 
-# gemm_simt.cu's transpose [K, N] -> [N, K] of transpose_b plans (split: the hi and lo halves of a
-# wgmma3 operand), by (split, vec: float4 accesses)
-TRANSPOSE_NAMES = {(split, vec): f"gemm_transpose<{str(split).lower()}, {str(vec).lower()}, false>"
-                   for split in (False, True) for vec in (False, True)}
+
+def _simt_threads(t):             # an 8x8 tile a thread
+    return t[0] * t[1] // 64
+
+
+def _tf32_threads(t):             # a warp a warp tile
+    return t[3] * t[4] * 32
+
+
+# gemm_simt.cu's transpose [K, N] -> [N, K] of transpose_b plans (split: the hi and lo halves of a wgmma3
+# operand), by (split, vec: float4 accesses): TRANSPOSE_THREADS threads a TRANSPOSE_TILE square (asserted)
+TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256
+
+
+def _transpose_name(split, vec, colsum) -> str:
+    return expression("gemm_transpose", split, vec, colsum, TRANSPOSE_TILE, TRANSPOSE_THREADS, sep=", ")
+
+
+TRANSPOSE_NAMES = {(split, vec): _transpose_name(split, vec, False) for split in (False, True) for vec in (False, True)}
 # the A^T transpose of a weight gradient that also writes its bias gradient's partial column sums
-COLSUM_TRANSPOSE_NAMES = {vec: f"gemm_transpose<false, {str(vec).lower()}, true>" for vec in (False, True)}
-SPLIT_NAMES = {False: "tf32_split<false>", True: "tf32_split<true>"}   # gemm_simt.cu: the halves of an operand
+COLSUM_TRANSPOSE_NAMES = {vec: _transpose_name(False, vec, True) for vec in (False, True)}
+SPLIT_THREADS = 256        # tf32_split's block (grid-stride)
+SPLIT_NAMES = {vec: expression("tf32_split", vec, SPLIT_THREADS) for vec in (False, True)}   # the halves of an operand
 
 # Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
 LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
@@ -153,54 +170,69 @@ LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<
 SPLIT_ALIGN = 32          # k_chunk is a multiple of this (keeps 16-byte alignment and whole BK tiles)
 MAX_SPLITS = 32
 MAX_GRID_Z = 65535
-REDUCE_THREADS = 256
-
-
-def _b(x: bool) -> str:
-    return "true" if x else "false"
+REDUCE_THREADS = 256       # gemm_splitk_reduce's block (grid-stride)
 
 
 def simt_name(bm, bn, ta, tb, epi, has_bias, vec) -> str:
-    return f"gemm_simt<{bm},{bn},{_b(ta)},{_b(tb)},{epi},{_b(has_bias)},{_b(vec)}>"
+    """gemm_simt's name expression: the tile, layout and epilogue, then THREADS and MIN_BLOCKS."""
+    threads = _simt_threads((bm, bn))
+    return expression("gemm_simt", bm, bn, ta, tb, epi, has_bias, vec, threads, SIMT_BLOCKS_PER_SM[threads])
 
 
 def reduce_name(epi, has_bias) -> str:
-    return f"gemm_splitk_reduce<{epi},{_b(has_bias)}>"
+    return expression("gemm_splitk_reduce", epi, has_bias, REDUCE_THREADS)
 
 
 def tf32_name(tile, ta, tb, epi, has_bias, vec) -> str:
-    bm, bn, bk, wm, wn, st = tile
-    return f"gemm_tf32<{bm},{bn},{bk},{wm},{wn},{st},{_b(ta)},{_b(tb)},{epi},{_b(has_bias)},{_b(vec)}>"
+    """gemm_tf32's name expression: the tile, layout and epilogue, then THREADS, SMEM and MIN_BLOCKS."""
+    return expression("gemm_tf32", *tile, ta, tb, epi, has_bias, vec, _tf32_threads(tile), tf32_smem(tile),
+                      tf32_blocks_per_sm(tile))
+
+
+def ws_threads(tile) -> int:
+    """A warp-specialized kernel's block: BM / 64 consumer warpgroups and the producer's."""
+    return (tile[0] // 64 + 1) * 128
+
+
+def ring_smem(stages, rows) -> int:
+    """Bytes of `stages` slots of `rows` 128-byte rows, + 1 KB the kernel may skip to align them to 1024 bytes."""
+    return stages * rows * 128 + 1024
+
+
+def persistent_smem(tile) -> int:          # a slot: A and B
+    return ring_smem(tile[2], tile[0] + tile[1])
+
+
+def wgmma3_ra_smem(tile) -> int:           # a slot: A once (split in the consumers' registers), B's halves
+    return ring_smem(tile[2], tile[0] + 2 * tile[1])
+
+
+def _ws(kernel, tile, smem, *args) -> str:
+    """A warp-specialized kernel's name expression: <BM, BN, STAGES, args..., THREADS, SMEM>."""
+    return expression(kernel, *tile[:3], *args, ws_threads(tile), smem)
 
 
 def wgmma_name(tile, epi, has_bias, products=1) -> str:
-    bm, bn, st, loader = tile
-    if loader == 2:
-        assert products == 1, "3xTF32 runs on the TMA kernel only"
-        return f"gemm_wgmma_ws<{bm},{bn},{st},{epi},{_b(has_bias)}>"
-    if loader:
-        return f"gemm_wgmma_tma<{bm},{bn},{st},{epi},{_b(has_bias)},{products}>"
-    assert products == 1, "3xTF32 runs on the TMA kernel only"
-    return f"gemm_wgmma<{bm},{bn},{st},{epi},{_b(has_bias)}>"
+    assert products == 1 or tile[3] == 1, "3xTF32 runs on the TMA kernel only"
+    kernel, extra = (("gemm_wgmma", ()), ("gemm_wgmma_tma", (products,)), ("gemm_wgmma_ws", ()))[tile[3]]
+    return expression(kernel, *tile[:3], epi, has_bias, *extra, wgmma_threads(tile), wgmma_smem(tile, products))
 
 
 def mn_name(tile, epi, has_bias, colsum=False) -> str:
     """gemm_wgmma_mn's name expression; colsum: the variant whose producers also write the column
     sums of A as stored (the bias gradient's partials, matmul's a_colsum)."""
-    return f"gemm_wgmma_mn<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)}{',true' if colsum else ''}>"
+    return _ws("gemm_wgmma_mn", tile, persistent_smem(tile), epi, has_bias, colsum)
 
 
 def ra_name(tile, mn_b, epi, has_bias, colsum=False, tc=False) -> str:
     """gemm_wgmma_ra's name expression (MN_B: B stored [K, N], turned by the producers); colsum: the
     variant whose consumers also sum A's fragments (matmul's a_colsum); tc: C stored transposed."""
-    return (f"gemm_wgmma_ra<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)},{_b(mn_b)}"
-            f"{',true' if colsum else ',false,true' if tc else ''}>")
+    return _ws("gemm_wgmma_ra", tile, persistent_smem(tile), epi, has_bias, mn_b, colsum, tc)
 
 
 def wgmma3_ra_name(tile, ta, tb, epi, has_bias, colsum=False) -> str:
     """gemm_wgmma3_ra's name expression (MN_A = trans_a, MN_B = not trans_b; colsum: MN_A only)."""
-    return (f"gemm_wgmma3_ra<{tile[0]},{tile[1]},{tile[2]},{epi},{_b(has_bias)},{_b(ta)},{_b(not tb)}"
-            f"{',true' if colsum else ''}>")
+    return _ws("gemm_wgmma3_ra", tile, wgmma3_ra_smem(tile), epi, has_bias, ta, not tb, colsum)
 
 
 def tf32_smem(tile) -> int:
@@ -210,15 +242,15 @@ def tf32_smem(tile) -> int:
 
 
 def tf32_blocks_per_sm(tile) -> int:
-    """Mirrors GemmTf32MinBlocks: as many as shared memory allows, 1..3."""
+    """As many as shared memory allows (1 KB reserved a block), 1..3: gemm_tf32's MIN_BLOCKS."""
     return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
 
 
 def wgmma_smem(tile, products=1) -> int:
     """Dynamic shared memory of a wgmma tile: stages x (BM + BN) rows of 128 bytes (3xTF32: twice,
-    hi and lo), plus 1 KB the kernel may skip to align its tiles to 1024 bytes (the swizzle's period)."""
+    hi and lo), plus the 1 KB of ring_smem."""
     bm, bn, stages, _ = tile
-    return stages * (bm + bn) * 128 * (2 if products == 3 else 1) + 1024
+    return ring_smem(stages, (bm + bn) * (2 if products == 3 else 1))
 
 
 def wgmma_blocks_per_sm(tile, products=1) -> int:
@@ -229,7 +261,7 @@ def wgmma_blocks_per_sm(tile, products=1) -> int:
 
 def wgmma_threads(tile) -> int:
     """BM / 64 warpgroups computing, plus the loading warpgroup of the warp-specialized kernel."""
-    return (tile[0] // 64 + (1 if tile[3] == 2 else 0)) * 128
+    return ws_threads(tile) if tile[3] == 2 else tile[0] // 64 * 128
 
 
 @dataclass(frozen=True)
@@ -314,8 +346,6 @@ class Family:
         return 2 if self.split_first else 1
 
 
-def _simt_threads(t):
-    return t[0] * t[1] // 64
 
 
 def _wgmma_label(t):
@@ -332,8 +362,8 @@ def _persistent_tf32(name, tiles, efficiency, **kw) -> Family:
     STAGES slots of (BM + BN) x 128 bytes, TMA; the cost model leaves it to the measured table (no
     plan_tiles)."""
     return Family(name, WGMMA_FILE, tiles, (), (), efficiency, TF32_FLOPS_PER_SM,
-                  threads=lambda t: (t[0] // 64 + 1) * 128, blocks_per_sm=lambda t: 1,
-                  smem=lambda t: t[2] * (t[0] + t[1]) * 128 + 1024,
+                  threads=ws_threads, blocks_per_sm=lambda t: 1,
+                  smem=persistent_smem,
                   tma=lambda t: True, persistent=lambda t: True, base="tf32", **kw)
 
 
@@ -348,7 +378,7 @@ FAMILIES = {f.name: f for f in (
            partner="wgmma3", stored_partners=("wgmma3_ra",)),
     Family("tf32", TF32_FILE, TF32_TILES, TF32_PLAN_TILES, TF32_FALLBACK_TILES, TF32_EFFICIENCY,
            TF32_FLOPS_PER_SM,
-           threads=lambda t: t[3] * t[4] * 32,
+           threads=_tf32_threads,
            blocks_per_sm=tf32_blocks_per_sm,
            smem=tf32_smem,
            kernel=tf32_name,
@@ -396,7 +426,7 @@ FAMILIES = {f.name: f for f in (
                      needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product, no "
                            "epilogue, A^T [M, K] room in the gemm_aT workspace"),
     Family("wgmma3", WGMMA_FILE, WGMMA3_TILES, WGMMA3_TILES, (), WGMMA3_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
-           threads=lambda t: t[0] // 64 * 128,
+           threads=wgmma_threads,
            blocks_per_sm=lambda t: wgmma_blocks_per_sm(t, 3),
            smem=lambda t: wgmma_smem(t, 3),
            kernel=lambda t, ta, tb, epi, hb, vec: wgmma_name(t, epi, hb, 3),
@@ -404,9 +434,9 @@ FAMILIES = {f.name: f for f in (
            tma=lambda t: True, k_major=True, products=3, split_first=True, base="simt",
            needs="sm_90, K % 4 == 0, one product and the gemm_split_a/_b workspaces"),
     Family("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, WGMMA3_RA_TILES, (), WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
-           threads=lambda t: (t[0] // 64 + 1) * 128,
+           threads=ws_threads,
            blocks_per_sm=lambda t: 1,
-           smem=lambda t: t[2] * (t[0] + 2 * t[1]) * 128 + 1024,
+           smem=wgmma3_ra_smem,
            kernel=lambda t, ta, tb, epi, hb, vec: wgmma3_ra_name(t, ta, tb, epi, hb),
            colsum_kernel=lambda t, ta, tb: wgmma3_ra_name(t, ta, tb, EPI_NONE, False, colsum=True) if ta else None,
            label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split, A in registers",

@@ -11,8 +11,8 @@ from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPI_RESID, EPILOGUE_CODES,
                                             COLSUM_TRANSPOSE_NAMES, FAMILIES, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS,
-                                            SIMT_FILE,
-                                            SPLIT_NAMES, TRANSPOSE_NAMES, cdiv, reduce_name)
+                                            SIMT_FILE, SPLIT_NAMES, SPLIT_THREADS, TRANSPOSE_NAMES, TRANSPOSE_THREADS,
+                                            TRANSPOSE_TILE, cdiv, reduce_name)
 from gptcuda.ops.cuda.gemm.layout import ra_scratch, rt_transpose_a_slab, wgmma_ok, ws_capacity
 from gptcuda.ops.cuda.gemm.plan import Plan, check_plan, has_colsum_kernel
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
@@ -311,7 +311,6 @@ def _scratch(rt, name, shape, label):
     return DeviceView(ws.ptr, tuple(shape), "f32", name)
 
 
-TRANSPOSE_TILE = 64     # gemm_transpose's square tile
 
 
 def _transpose_into(rt, out, x, K, N, split, label, what="B^T", colsum=None, chunk0=0):
@@ -320,7 +319,7 @@ def _transpose_into(rt, out, x, K, N, split, label, what="B^T", colsum=None, chu
     vec = K % 4 == 0 and N % 4 == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0
     name = TRANSPOSE_NAMES[split, vec] if colsum is None else COLSUM_TRANSPOSE_NAMES[vec]
     rt.launch(rt.function(SIMT_FILE, name),
-              (cdiv(N, TRANSPOSE_TILE), cdiv(K, TRANSPOSE_TILE)), (256,),
+              (cdiv(N, TRANSPOSE_TILE), cdiv(K, TRANSPOSE_TILE)), (TRANSPOSE_THREADS,),
               [out, x, i32(K), i32(N), colsum, i32(chunk0)], label=f"{label}:{what}")
 
 
@@ -393,8 +392,8 @@ def _transpose_b(rt, b, K, N, label, scratch="gemm_bT"):
 def _split_into(rt, out, x, rows_, cols, ld, label, what):
     vec = x.ptr % 16 == 0 and cols % 4 == 0 and ld % 4 == 0
     groups = rows_ * cdiv(cols, 4)
-    blocks = max(1, min(cdiv(groups, 256), rt.info.sm_count * 8))
-    rt.launch(rt.function(SIMT_FILE, SPLIT_NAMES[vec]), (blocks,), (256,),
+    blocks = max(1, min(cdiv(groups, SPLIT_THREADS), rt.info.sm_count * 8))
+    rt.launch(rt.function(SIMT_FILE, SPLIT_NAMES[vec]), (blocks,), (SPLIT_THREADS,),
               [out, x, i32(rows_), i32(cols), i32(ld)], label=f"{label}:split {what}")
 
 
