@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.common import Arena, ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402  (graph replay on bench.common's event timing)
 from gptcuda.ops.cuda import gemm  # noqa: E402
+from gptcuda.ops.cuda.gemm.launch import _vec_ok  # noqa: E402
 from gptcuda.runtime import Runtime, i32  # noqa: E402
 
 B, T, C, V = 64, 256, 384, 65
@@ -170,7 +171,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
                           "gemm_split_a": ar.empty((2 * M * K,)), "gemm_split_b": ar.empty((2 * N * K,))})
         lda = M if ta else K
         ldb = K if tb else N
-        vec = gemm._vec_ok(da, db, lda, ldb, 0, 0)
+        vec = _vec_ok(da, db, lda, ldb, 0, 0)
         for prec in precisions:
             rt.exec = rt.exec.with_precision(prec)
             family = "tf32" if prec == "tf32" else "simt"

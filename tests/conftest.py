@@ -218,9 +218,9 @@ def table_cache(tmp_path, monkeypatch):
     from gptcuda.ops.cuda import gemm
     monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
     monkeypatch.delenv("GPTCUDA_GEMM_TUNE", raising=False)
-    gemm._tables.clear()
+    gemm.forget_tables()
     yield tmp_path / "kc"
-    gemm._tables.clear()
+    gemm.forget_tables()
 
 
 def rel_err(out, ref):

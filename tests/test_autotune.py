@@ -330,7 +330,7 @@ def test_event_timer_frees_its_buffers_and_restores_the_workspaces(table_cache, 
     assert rt._recording is None
     # a failure half-way: still nothing left behind
     gemm.table_path(rt.info.name).unlink()
-    gemm._tables.clear()
+    gemm.forget_tables()
     rt.dev.fail_on = True
     with pytest.raises(RuntimeError, match="went away"):
         tune.autotune(rt, cfg, 65, quiet=True, build=no_build)

@@ -10,7 +10,7 @@ import pytest
 from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.ops.cuda.gemm import families
 from gptcuda.ops.cuda.gemm.families import COLSUM_TRANSPOSE_NAMES, ra_name
-from gptcuda.ops.cuda.gemm.plan import check_plan
+from gptcuda.ops.cuda.gemm.plan import _LAUNCH_S, _TRANSPOSE_BYTES_PER_S, check_plan
 from gptcuda.runtime import DeviceView
 from tests.conftest import FakeGemmRT, fake_view as _v
 from tests.fakes import FakeDev
@@ -202,9 +202,9 @@ def test_estimate_counts_the_transposes_and_slabs():
     M, N, K = 3072, 768, 8192
     p = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, transpose_b=True, transpose_a=True)
     direct = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K)
-    moved = 8.0 * K * (M + N) / gemm._TRANSPOSE_BYTES_PER_S
+    moved = 8.0 * K * (M + N) / _TRANSPOSE_BYTES_PER_S
     assert gemm.estimate_s(p, M, N, K) == pytest.approx(gemm.estimate_s(direct, M, N, K) + moved
-                                                        + 2 * gemm._LAUNCH_S / 3)
+                                                        + 2 * _LAUNCH_S / 3)
     only_a = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, transpose_a=True)
     assert gemm.estimate_s(only_a, M, N, K) < gemm.estimate_s(p, M, N, K)
     slabs = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, transpose_b=True, transpose_a=True, k_slab=1024)
@@ -226,7 +226,7 @@ def test_make_plan_rules():
 def test_table_roundtrip_and_fit(tmp_path, monkeypatch):
     monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
     monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "1")
-    gemm._tables.clear()
+    gemm.forget_tables()
     try:
         M, N, K = 50304, 768, 8192
         p = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, True, True, 256)
@@ -242,7 +242,7 @@ def test_table_roundtrip_and_fit(tmp_path, monkeypatch):
         gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
         assert sum(n.startswith("gemm_wgmma") for n, *_ in rt.launches) in (0, K // 128)
     finally:
-        gemm._tables.clear()
+        gemm.forget_tables()
 
 
 # ---- the launches -------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def test_head_weight_grad_in_slabs():
     assert names[0::3] == [TRANSPOSE] * n and names[1::3] == [TRANSPOSE] * n
     assert names[2] == gemm.wgmma_name(p.tile, gemm.EPI_BIAS, True)
     assert names[5::3] == [gemm.wgmma_name(p.tile, gemm.EPI_RESID, False)] * (n - 1)
-    assert rt.launches[-3][1] == (gemm._cdiv(M, 64), gemm._cdiv(K - (n - 1) * HEAD_SLAB, 64))
+    assert rt.launches[-3][1] == (gemm.cdiv(M, 64), gemm.cdiv(K - (n - 1) * HEAD_SLAB, 64))
     # a non-linear epilogue cannot be split into slabs: refused when forced
     with pytest.raises(ValueError, match="slabs"):
         gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False, epilogue="gelu",

@@ -9,6 +9,8 @@ import pytest
 from bench import tune
 from gptcuda.config import load_config
 from gptcuda.ops.cuda import elementwise, gemm
+from gptcuda.ops.cuda.gemm.plan import _BYTES_PER_S
+from gptcuda.ops.cuda.gemm.table import _key_K
 from tests.conftest import FakeGemmRT, fake_view, plan_of
 
 GPU = "NVIDIA H200 (test)"
@@ -43,7 +45,7 @@ def test_key_names_every_field():
         args[i] = alt
         variants.add(gemm.tune_key(*args))
     assert len(variants) == 10                       # every field changes the key
-    assert gemm._key_K(k) == 384
+    assert _key_K(k) == 384
 
 
 def test_table_path_per_gpu_and_source(cache):
@@ -63,7 +65,7 @@ def test_save_load_roundtrip_and_merge(cache):
     path = gemm.save_table(GPU, {k1: {**gemm.plan_to_json(p1), "ms": 0.04}})
     assert path.exists()
     gemm.save_table(GPU, {k2: gemm.plan_to_json(p2)})                  # merged with k1
-    gemm._tables.clear()
+    gemm.forget_tables()
     t = gemm.load_table(GPU)
     assert t == {k1: p1, k2: p2}
     assert p2.k_chunk == 2048 and p2.splits == 8
@@ -95,7 +97,7 @@ def test_invalid_entries_are_dropped(cache):
         gemm.tune_key("fp32", False, False, "none", False, 64, 64, 64): {"tile": [128, 128]},
     }
     gemm.save_table(GPU, entries)
-    gemm._tables.clear()
+    gemm.forget_tables()
     assert list(gemm.load_table(GPU).values()) == [good]
 
 
@@ -197,7 +199,7 @@ def test_estimate_prefers_hidden_epilogues_and_full_waves():
     assert e(big, gemm.EPI_GELU) - e(big, gemm.EPI_BIAS) > e(two, gemm.EPI_GELU) - e(two, gemm.EPI_BIAS)
     # never below the DRAM floor
     p = gemm.make_plan("tf32", (64, 64, 32, 2, 2, 4), 1, 8)
-    assert gemm.estimate_s(p, 65536, 4096, 8) >= 4.0 * (65536 * 8 + 8 * 4096 + 65536 * 4096) / gemm._BYTES_PER_S
+    assert gemm.estimate_s(p, 65536, 4096, 8) >= 4.0 * (65536 * 8 + 8 * 4096 + 65536 * 4096) / _BYTES_PER_S
 
 
 # ---- bench/tune.py driven by a fake timing function --------------------------------------------
@@ -275,7 +277,7 @@ def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     assert "winner" in text and "x floor" in text and "MISMATCH" in text and "tuned" in text
     entries = tune.table_entries(results, plan_of("tf32"))
     gemm.save_table(GPU, entries)
-    gemm._tables.clear()
+    gemm.forget_tables()
     table = gemm.load_table(GPU)
     for op, p in out:
         assert table[op.key("tf32")] == p

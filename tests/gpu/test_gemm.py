@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from gptcuda.ops.cuda import gemm
+from gptcuda.ops.cuda.gemm.launch import _split_into, _transpose_into
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import DeviceView, i32
 from tests.conftest import FakeGemmRT, fake_view, rel_err
@@ -615,7 +616,7 @@ def test_tf32_split_halves(rt, rows, cols, ld):
     flat[:6] = [0.0, -0.0, 1e-41, -3e-39, 1.0 + 2.0 ** -11, -(1.0 + 3 * 2.0 ** -11)]   # subnormals, ties
     out = rt.empty((2, rows, cols))
     rt.memset(out, 0x7FC00000)
-    gemm._split_into(rt, out, rt.upload(x), rows, cols, ld, "test", "x")
+    _split_into(rt, out, rt.upload(x), rows, cols, ld, "test", "x")
     hi, lo = rt.download(out)
     xs = x[:, :cols]
     assert np.array_equal(hi, tf32_round(xs)), "hi is not tf32(x)"
@@ -637,7 +638,7 @@ def test_transpose_and_split(rt, K, N, split):
     x = (rng.standard_normal((K, N)) * 10.0 ** rng.integers(-3, 3, (K, N))).astype(np.float32)
     out = rt.empty((2, N, K) if split else (N, K))
     rt.memset(out, 0x7FC00000)
-    gemm._transpose_into(rt, out, rt.upload(x), K, N, split, "test")
+    _transpose_into(rt, out, rt.upload(x), K, N, split, "test")
     got = rt.download(out)
     if split:
         hi = tf32_round(x.T)
@@ -657,7 +658,7 @@ def test_transpose_colsum(rt, K, N):
     out, colsum = rt.empty((N, K)), rt.empty((chunk0 + tiles + 2, N))
     rt.memset(out, 0x7FC00000)
     rt.memset(colsum, 0x7FC00000)
-    gemm._transpose_into(rt, out, rt.upload(x), K, N, False, "test", colsum=colsum, chunk0=chunk0)
+    _transpose_into(rt, out, rt.upload(x), K, N, False, "test", colsum=colsum, chunk0=chunk0)
     assert np.array_equal(rt.download(out), x.T)
     got = rt.download(colsum)
     assert np.all(np.isnan(got[:chunk0])) and np.all(np.isnan(got[chunk0 + tiles:]))
@@ -833,7 +834,7 @@ def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
 def test_tuned_table_is_used(rt, splitk_ws, tmp_path, monkeypatch):
     """A table entry (as bench/tune.py writes it) changes the kernel matmul launches; results agree."""
     monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
-    gemm._tables.clear()
+    gemm.forget_tables()
     old = rt.precision
     rt.exec = rt.exec.with_precision("tf32")
     try:
@@ -850,7 +851,7 @@ def test_tuned_table_is_used(rt, splitk_ws, tmp_path, monkeypatch):
         _check_matmul(rt, M, N, K, False, True, "gelu", seed=3)
     finally:
         rt.exec = rt.exec.with_precision(old)
-        gemm._tables.clear()
+        gemm.forget_tables()
 
 
 @gpu

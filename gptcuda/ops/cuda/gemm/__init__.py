@@ -64,18 +64,15 @@ from gptcuda.ops.cuda.gemm.layout import (WGMMA_WORKSPACES, device_workspaces, m
                                           rt_transpose_a_slab, transpose_a_slab, wgmma3_mode, wgmma_device,
                                           wgmma_layout_mode, wgmma_mode, wgmma_ok)
 # `plan` is the function from here on (it was the submodule's name until this import rebinds it)
-from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, _LAUNCH_S, _TRANSPOSE_BYTES_PER_S, HEAD_SLABS,
-                                        TUNE_SPLITS, Plan, b_reads, competing, estimate_s, kernel_label, make_plan,
+from gptcuda.ops.cuda.gemm.plan import (HEAD_SLABS, TUNE_SPLITS, Plan, b_reads, competing, estimate_s, kernel_label, make_plan,
                                         plan, plan_label, plan_unfit, prune_candidates, split_chunk, tune_candidates,
                                         workspace)
-from gptcuda.ops.cuda.gemm.table import (_key_K, _tables, TUNE_FORMAT, load_table, plan_from_json,
+from gptcuda.ops.cuda.gemm.table import (TUNE_FORMAT, forget_tables, load_table, plan_from_json,
                                          plan_to_json, save_table, source_hash, table_path, tune_key,
                                          tuned_plan)
-from gptcuda.ops.cuda.gemm.launch import (TRANSPOSE_TILE, _split_into, _transpose_into, _vec_ok, matmul,
-                                          matmul_batched, matmul_batched_dims, matmul_dims, matmul_plan)
+from gptcuda.ops.cuda.gemm.launch import (TRANSPOSE_TILE, matmul, matmul_batched, matmul_batched_dims, matmul_dims,
+                                          matmul_plan)
 from gptcuda.ops.cuda.gemm.tune import GemmOp, TuneSummary, autotune, model_gemms
-
-_cdiv = cdiv     # the name tests use
 
 __all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kernel_label",
            "VARIANTS", "Plan", "tune_key", "tuned_plan", "load_table", "save_table", "table_path",

@@ -18,6 +18,12 @@ from gptcuda.runtime import RuntimeProtocol
 
 TUNE_FORMAT = 1
 _tables: dict = {}           # path -> {key: Plan}
+
+
+def forget_tables():
+    """Drop the tables read so far (each is read once a process; tests and benchmarks that write or
+    point at another table file re-read it)."""
+    _tables.clear()
 _source_hash = None
 
 
