@@ -86,6 +86,24 @@ def test_recorded_step_follows_the_plan(fp32_gemm, env, wgmma_kernels, monkeypat
     assert eng.exec.fp32_as_3xtf32 == wgmma_kernels
 
 
+@pytest.mark.parametrize("attention", [None, "fused"])
+def test_derived_decisions(attention):
+    """What the plan derives: the warpgroup-MMA mode and scratch, the dK / dV kernel (a runtime's plan
+    without an attention path too: where its precision's fused path is flash_tc), the table's tag."""
+    def plan(precision, arch="sm_90", wgmma="1", fp32_gemm="3xtf32"):
+        return execution.resolve(arch=arch, precision=precision, attention=attention, fp32_gemm=fp32_gemm,
+                                 env={"GPTCUDA_WGMMA": wgmma})
+    assert (plan("tf32").wgmma_mode, plan("fp32").wgmma_mode) == ("tf32", "3xtf32")
+    assert plan("fp32", fp32_gemm="ffma").wgmma_mode is None and plan("tf32", wgmma="0").wgmma_mode is None
+    assert plan("tf32", arch="sm_80").scratch_kind == "tf32"            # planned without the GPU, as --plan
+    assert plan("fp32", fp32_gemm="ffma").scratch_kind is None and plan("fp32").scratch_kind == "3xtf32"
+    assert plan("tf32").dkv_on_wgmma(64) and plan("tf32").dkv_on_wgmma(32) and not plan("tf32").dkv_on_wgmma(128)
+    assert not plan("tf32", wgmma="0").dkv_on_wgmma(64) and not plan("fp32").dkv_on_wgmma(64)
+    assert plan("tf32").fused_path() == "flash_tc" and plan("fp32").fused_path() == "flash_3x"
+    assert not execution.resolve(arch="sm_90", precision="tf32", attention="unfused", env={}).dkv_on_wgmma(64)
+    assert plan("fp32", fp32_gemm="ffma").fused_path() == "flash" and plan("tf32").table_tag == "tf32"
+
+
 def test_precision_round_trip_keeps_fp32_gemm():
     p = execution.resolve(cfg_of("--precision=fp32", "--fp32_gemm=ffma"))
     assert p.with_precision("tf32").with_precision("fp32") == p and not p.fp32_as_3xtf32

@@ -56,9 +56,6 @@ PRECISIONS = ("fp32", "tf32")
 GEMM_FAMILIES = {"fp32": "simt", "tf32": "tf32"}      # precision -> the base GEMM family
 FP32_GEMMS = ("3xtf32", "ffma")
 ATTENTION_PATHS = ("unfused", "flash", "flash_tc", "flash_3x")
-# the warpgroup-MMA kernels' scratch a precision plans (gemm/plan.py `workspace` sizes it): TF32 re-lays
-# operands out (B^T; A^T and B^T in k slabs), 3xTF32 splits them into hi and lo halves
-WGMMA_SCRATCH = {"tf32": ("gemm_bT", "gemm_aT"), "3xtf32": ("gemm_split_a", "gemm_split_b")}
 # head sizes whose flash_tc dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg)
 FLASH_WG_HEAD_SIZES = (32, 64)
 # dense peak rates of the H100 / H200 SXM (datasheet), TFLOP/s, by what multiplies: the MFU denominator
@@ -96,9 +93,10 @@ class ExecutionPlan:
 
     @property
     def scratch_kind(self) -> str | None:
-        """Which warpgroup-MMA scratch the memory plan holds (WGMMA_SCRATCH): planned from the config
-        alone, so a plan made without the GPU (train.py --plan) is the one the GPU runs; a device
-        without the kernels leaves it unallocated (gemm.device_workspaces)."""
+        """Which warpgroup-MMA scratch the memory plan holds (gemm/plan.py `workspace` sizes it): "tf32"
+        (gemm_bT, gemm_aT: operands re-laid out), "3xtf32" (gemm_split_a / _b: hi and lo halves), or
+        None. Planned from the config alone, so a plan made without the GPU (train.py --plan) is the
+        one the GPU runs; a device without the kernels leaves it unallocated (gemm.device_workspaces)."""
         if self.precision == "tf32":
             return "tf32"
         return "3xtf32" if self.precision == "fp32" and self.fp32_gemm == "3xtf32" else None
@@ -125,8 +123,10 @@ class ExecutionPlan:
         return PEAK_TFLOPS["3xtf32" if self.fp32_as_3xtf32 else "ffma"]
 
     def dkv_on_wgmma(self, head_size: int) -> bool:
-        """flash_tc's dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg) at this head size."""
-        return self.attention == "flash_tc" and self.wgmma and head_size in FLASH_WG_HEAD_SIZES
+        """flash_tc's dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg) at this head size (a
+        runtime's plan without an attention path: where its precision's fused path is flash_tc)."""
+        return (self.attention != "unfused" and self.fused_path() == "flash_tc" and self.wgmma
+                and head_size in FLASH_WG_HEAD_SIZES)
 
     def fused_path(self) -> str:
         """The fused attention kernels this plan's precision runs (the attention path itself where
