@@ -62,7 +62,7 @@ def _dims(cfg):
 
 def _fused(cfg, ex) -> bool:
     """The plan's attention is a flash path (ex: the execution plan; default the config's)."""
-    return (ex or execution.resolve(cfg)).attention != "unfused"
+    return (ex or execution.resolve(cfg)).attention not in ("unfused", None)     # (None: the reference's plan)
 
 
 def saved_shapes(cfg, ex=None) -> dict:
