@@ -21,7 +21,8 @@ from gptcuda.training.trainer import open_run_data  # noqa: E402
 
 
 def picks(cfg, V, ex, table) -> dict:
-    """{table key: (family, tile, plan label)} of this config's GEMMs under plan ex."""
+    """{table key: (family, tile, plan label, the op's label)} of this config's GEMMs the table has,
+    under plan ex."""
     out = {}
     for op in gemm.model_gemms(cfg, V, True, ex):
         e = table.get(op.key(ex.table_tag))

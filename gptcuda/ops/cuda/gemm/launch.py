@@ -278,12 +278,12 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         trans_a, trans_b, lda, ldb = False, True, K, K
     elif p.transpose_b:          # (a register-A plan's B^T, [N, tokens], goes where the A^T slabs would)
         b, trans_b, ldb = _transpose_b(rt, b, K, N, label, "gemm_aT" if p.fam.b_first else "gemm_bT"), True, K
-    # a kernel that sums A as it reads it (gemm_wgmma_mn, gemm_wgmma3_ra) gives the bias gradient's
-    # partials, one row per split; elsewhere bias_grad reads A once more
     if (trans_a, trans_b, epi, has_bias) not in COMBOS[p.family]:
         raise ValueError(f"{label}: the {p.family} kernels are not compiled for {_layout(trans_a, trans_b)} with "
                          f"epilogue code {epi}{' and a bias' if has_bias else ''} (the op interface's products: "
                          f"gemm.PRODUCTS; others run re-laid out, on the warpgroup-MMA kernels)")
+    # a kernel that sums A as it reads it (gemm_wgmma_mn, gemm_wgmma3_ra) gives the bias gradient's
+    # partials, one row per split; elsewhere bias_grad reads A once more
     part = None
     if a_colsum is not None and has_colsum_kernel(p, trans_a, trans_b) and epi == EPI_NONE:
         part = _partials(rt, p.splits, M)
