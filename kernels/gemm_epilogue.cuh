@@ -4,6 +4,7 @@
 // accesses where aligned), and GemmBlock, a block's place in the grid (batching and split-K).
 #pragma once
 #include "common.cuh"
+#include "bf16.cuh"
 
 #define GEMM_EPI_NONE 0
 #define GEMM_EPI_BIAS 1
@@ -91,14 +92,38 @@ __device__ __forceinline__ void gemm_store4_vec(float* C, float* aux, const floa
     *reinterpret_cast<float4*>(C + off) = out;
 }
 
-// Whether the epilogue may use 16-byte accesses: C rows (and aux, bias) 16-byte aligned.
-template <int EPI, bool HAS_BIAS>
-__device__ __forceinline__ bool gemm_epi_vec_ok(const float* C, const float* aux, const float* bias, int ldc,
+// Whether the epilogue may move 4 values at once: C rows (and aux) aligned to 4 elements of TO
+// (16 bytes of fp32, 8 of bf16), the bias (fp32) to 16 bytes.
+template <int EPI, bool HAS_BIAS, class TO = float>
+__device__ __forceinline__ bool gemm_epi_vec_ok(const TO* C, const TO* aux, const float* bias, int ldc,
                                                 long long sC) {
-    bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & 15) == 0);
+    constexpr unsigned long long A = 4 * sizeof(TO) - 1;
+    bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & A) == 0);
     if constexpr (HAS_BIAS) vec = vec && ((reinterpret_cast<unsigned long long>(bias) & 15) == 0);
-    if constexpr (GEMM_EPI_USES_AUX(EPI)) vec = vec && ((reinterpret_cast<unsigned long long>(aux) & 15) == 0);
+    if constexpr (GEMM_EPI_USES_AUX(EPI)) vec = vec && ((reinterpret_cast<unsigned long long>(aux) & A) == 0);
     return vec;
+}
+
+// One value, and four consecutive ones (aligned: 16 bytes of fp32, 8 of bf16), of C or aux in fp32
+// or bf16 (bf16.cuh: widened exactly, narrowed to nearest even).
+__device__ __forceinline__ float gemm_ld(const float* p) { return *p; }
+__device__ __forceinline__ float gemm_ld(const bf16* p) { return bf16_f32(*p); }
+__device__ __forceinline__ void gemm_st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void gemm_st(bf16* p, float v) { *p = bf16_rn(v); }
+__device__ __forceinline__ void gemm_ld4(const float* p, float (&x)[4]) {
+    const float4 t = *reinterpret_cast<const float4*>(p);
+    x[0] = t.x; x[1] = t.y; x[2] = t.z; x[3] = t.w;
+}
+__device__ __forceinline__ void gemm_ld4(const bf16* p, float (&x)[4]) {
+    const uint2 t = *reinterpret_cast<const uint2*>(p);
+    x[0] = __uint_as_float(t.x << 16); x[1] = __uint_as_float(t.x & 0xFFFF0000u);
+    x[2] = __uint_as_float(t.y << 16); x[3] = __uint_as_float(t.y & 0xFFFF0000u);
+}
+__device__ __forceinline__ void gemm_st4(float* p, const float (&x)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void gemm_st4(bf16* p, const float (&x)[4]) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(bf16x2_rn(x[0], x[1]), bf16x2_rn(x[2], x[3]));
 }
 
 // Store four consecutive values v[0..3] of row r at columns c..c+3 with the epilogue applied.
@@ -128,10 +153,13 @@ __device__ __forceinline__ void gemm_store4(float* C, float* aux, const float* b
 
 // gemm_store4 with one copy of the epilogue's arithmetic (wg_store_tile, gemm_wgmma.cu: its loops are
 // unrolled over a whole tile, where two copies of GELU per four values doubled the code and stalled
-// on instruction fetch): `wide` (row r and columns c .. c + 3 in C, 16-byte accesses allowed) loads and
-// stores 16 bytes, otherwise each element in C on its own; the values, and so C, are gemm_store4's.
-template <int EPI, bool HAS_BIAS>
-__device__ __forceinline__ void gemm_store4_once(float* C, float* aux, const float* bias, int r, int c,
+// on instruction fetch): `wide` (row r and columns c .. c + 3 in C, 4-value accesses allowed) loads and
+// stores 4 values at once, otherwise each element in C on its own; the values, and so C, are
+// gemm_store4's. TO: C's and aux's element type (fp32, or bf16: the values rounded once, when stored;
+// GELU's output computed from the pre-activation as stored, so that the backward's gelu' at the saved
+// pre-activation is the derivative of what the forward used).
+template <int EPI, bool HAS_BIAS, class TO = float>
+__device__ __forceinline__ void gemm_store4_once(TO* C, TO* aux, const float* bias, int r, int c,
                                                  int M, int N, int ldc, float alpha, bool wide,
                                                  const float (&v)[4]) {
     const long long off = (long long)r * ldc + c;
@@ -140,35 +168,35 @@ __device__ __forceinline__ void gemm_store4_once(float* C, float* aux, const flo
 #pragma unroll
     for (int e = 0; e < 4; ++e) ok[e] = r < M && c + e < N;
     if (wide) {
-        if constexpr (HAS_BIAS) {
-            const float4 t = *reinterpret_cast<const float4*>(bias + c);
-            b[0] = t.x; b[1] = t.y; b[2] = t.z; b[3] = t.w;
-        }
-        if constexpr (GEMM_EPI_READS_AUX(EPI)) {
-            const float4 t = *reinterpret_cast<const float4*>(aux + off);
-            in[0] = t.x; in[1] = t.y; in[2] = t.z; in[3] = t.w;
-        }
+        if constexpr (HAS_BIAS) gemm_ld4(bias + c, b);
+        if constexpr (GEMM_EPI_READS_AUX(EPI)) gemm_ld4(aux + off, in);
     } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             if (ok[e]) {
                 if constexpr (HAS_BIAS) b[e] = bias[c + e];
-                if constexpr (GEMM_EPI_READS_AUX(EPI)) in[e] = aux[off + e];
+                if constexpr (GEMM_EPI_READS_AUX(EPI)) in[e] = gemm_ld(aux + off + e);
             }
         }
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) out[e] = gemm_epi_value<EPI, HAS_BIAS>(v[e], alpha, b[e], in[e], &pre[e]);
+    for (int e = 0; e < 4; ++e) {
+        if constexpr (EPI == GEMM_EPI_GELU && sizeof(TO) == 2) {
+            pre[e] = bf16_f32(bf16_rn(gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr)));
+            out[e] = gemm_gelu(pre[e]);
+        } else {
+            out[e] = gemm_epi_value<EPI, HAS_BIAS>(v[e], alpha, b[e], in[e], &pre[e]);
+        }
+    }
     if (wide) {
-        if constexpr (EPI == GEMM_EPI_GELU)
-            *reinterpret_cast<float4*>(aux + off) = make_float4(pre[0], pre[1], pre[2], pre[3]);
-        *reinterpret_cast<float4*>(C + off) = make_float4(out[0], out[1], out[2], out[3]);
+        if constexpr (EPI == GEMM_EPI_GELU) gemm_st4(aux + off, pre);
+        gemm_st4(C + off, out);
     } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             if (ok[e]) {
-                if constexpr (EPI == GEMM_EPI_GELU) aux[off + e] = pre[e];
-                C[off + e] = out[e];
+                if constexpr (EPI == GEMM_EPI_GELU) gemm_st(aux + off + e, pre[e]);
+                gemm_st(C + off + e, out[e]);
             }
         }
     }

@@ -46,8 +46,38 @@ __device__ __forceinline__ void wg_mma3_step(float (&d)[BN / 2], unsigned a, uns
     wg_mma_tf32<BN>(d, wg_desc(a + 32 * k8), wg_desc(b + 32 * k8));
 }
 
-// The number of 32-wide k tiles of the block's k range (GemmBlock, gemm_epilogue.cuh).
-__device__ __forceinline__ int wg_k_tiles(int klen) { return klen > 0 ? (klen + GEMM_WG_BK - 1) / GEMM_WG_BK : 0; }
+// The number of BK-wide k tiles of the block's k range (GemmBlock, gemm_epilogue.cuh).
+template <int BK = GEMM_WG_BK>
+__device__ __forceinline__ int wg_k_tiles(int klen) { return klen > 0 ? (klen + BK - 1) / BK : 0; }
+
+// The operand type of the warp-specialized product (ws_gemm's OP): a k tile is 128 bytes of every row
+// of a K-major operand tile (TF32: 32 k, BF16: 64 k), consumed by 4 instructions (k8 / k16) whose
+// descriptors start 32 bytes apart. TF32 reads K-major operands only; BF16 also MN-major ones
+// (Bf16Op's MN_A / MN_B: A [K, M], B [K, N] as stored, in boxes of 64 rows of M or N by 64 k, the
+// instruction's transpose bits set), whose k steps start 2048 bytes apart (wg_desc_mn).
+struct Tf32Op {
+    static constexpr int BK = GEMM_WG_BK;
+    static constexpr bool MN_A = false, MN_B = false;
+    template <int BN>
+    static __device__ __forceinline__ void mma(float (&acc)[BN / 2], unsigned a, unsigned b, int s) {
+        wg_mma_tf32<BN>(acc, wg_desc(a + 32 * s), wg_desc(b + 32 * s));
+    }
+};
+template <bool A_MN, bool B_MN>
+struct Bf16Op {
+    static constexpr int BK = 64;
+    static constexpr bool MN_A = A_MN, MN_B = B_MN;
+    template <int BN>
+    static __device__ __forceinline__ void mma(float (&acc)[BN / 2], unsigned a, unsigned b, int s) {
+        WgBf16<BN>::template mma<A_MN, B_MN>(acc, A_MN ? wg_desc_mn(a + 2048 * s) : wg_desc(a + 32 * s),
+                                             B_MN ? wg_desc_mn(b + 2048 * s) : wg_desc(b + 32 * s));
+    }
+};
+// gemm_wgmma_ws's DT / OUT codes (the launcher's): 0 fp32 (TF32 products), 1 bf16
+template <int DT, bool MN_A, bool MN_B> struct OpOf { using T = Tf32Op; };
+template <bool MN_A, bool MN_B> struct OpOf<1, MN_A, MN_B> { using T = Bf16Op<MN_A, MN_B>; };
+template <int OUT> struct TypeOf { using T = float; };
+template <> struct TypeOf<1> { using T = bf16; };
 
 // gemm_wgmma_ra's row permutation: accumulator (and register-A fragment) rows 16 w + g and 16 w + g + 8
 // of warp w, lane 4 g + q, hold the warpgroup's rows ra_row(w, g) and ra_row(w, g) + 1 of the tile.
@@ -60,8 +90,9 @@ __device__ __forceinline__ int ra_row(int w, int g) { return 16 * (g >> 1) + 4 *
 // epilogue helpers. Lanes q and q ^ 1 swap halves so that each thread holds 4 consecutive columns:
 // even q keeps row g, columns 2q .. 2q + 3 of each n8 block; odd q gets row g + 8, 2 (q - 1) .. + 3.
 // RA (gemm_wgmma_ra): the accumulator rows are the register-A fragments' permuted rows (ra_row).
-template <int BM, int BN, int EPI, bool HAS_BIAS, bool RA = false>
-__device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], float* C, float* aux, const float* bias,
+// TO: C's and aux's element type (fp32 or bf16).
+template <int BM, int BN, int EPI, bool HAS_BIAS, bool RA = false, class TO = float>
+__device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C, TO* aux, const float* bias,
                                               int M, int N, int ldc, long long sC, int m0, int n0, float alpha) {
     const int tid = threadIdx.x;
     const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -70,7 +101,7 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], float*
     int r = m0 + wg * 64 + warp * 16 + g + (odd ? 8 : 0);
     if constexpr (RA) r = m0 + wg * 64 + ra_row(warp, g) + (odd ? 1 : 0);
     const int c0 = n0 + 2 * (q & 2);
-    const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS>(C, aux, bias, ldc, sC);
+    const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS, TO>(C, aux, bias, ldc, sC);
     const bool interior = vec && m0 + BM <= M && n0 + BN <= N;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
@@ -84,7 +115,7 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], float*
         v[2] = odd ? acc[4 * j + 2] : r0;
         v[3] = odd ? acc[4 * j + 3] : r1;
         const int c = c0 + 8 * j;
-        gemm_store4_once<EPI, HAS_BIAS>(C, aux, bias, r, c, M, N, ldc, alpha,
+        gemm_store4_once<EPI, HAS_BIAS, TO>(C, aux, bias, r, c, M, N, ldc, alpha,
                                         interior || (vec && r < M && c + 3 < N), v);
     }
 }
@@ -122,13 +153,14 @@ __device__ __forceinline__ void ra_store_t(const float (&acc)[BN / 2], float* C,
 // wg_epi_prefetch: the 128-byte lines of aux (residual input, saved pre-activation) under rows
 // row0 .. row0 + 63 (a warpgroup's) and columns n0 .. n0 + BN - 1, into the L2 (wt: the thread's place
 // in the warpgroup).
-template <int BN, int EPI>
-__device__ __forceinline__ void wg_epi_prefetch(const float* aux, int ldc, int M, int N, int row0, int n0, int wt) {
+template <int BN, int EPI, class TO = float>
+__device__ __forceinline__ void wg_epi_prefetch(const TO* aux, int ldc, int M, int N, int row0, int n0, int wt) {
     if constexpr (GEMM_EPI_READS_AUX(EPI)) {
-        constexpr int LINES = BN / 32;                   // lines of a row's BN floats
+        constexpr int PER = 128 / sizeof(TO);            // elements of a line
+        constexpr int LINES = BN / PER;                  // lines of a row's BN values
 #pragma unroll
         for (int i = wt; i < 64 * LINES; i += 128) {
-            const int r = row0 + i / LINES, c = n0 + (i % LINES) * 32;
+            const int r = row0 + i / LINES, c = n0 + (i % LINES) * PER;
             if (r < M && c < N) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(aux + (long long)r * ldc + c));
         }
     }
@@ -698,15 +730,20 @@ template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 // do not wait for the group of kt - 1 that reads the other) and go to the register-A wgmma. CSUM (RA):
 // the consumers also sum A's fragments per row over the tile's k range and, in the tiles of the
 // first column tile, write colsum[z, m] (the lanes of a row added in one order: deterministic).
+//
+// OP (Tf32Op, Bf16Op: PRODUCTS 1, no RA) the operand type and layouts of the plain product; TO: C's and
+// aux's element type.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS = 1, bool RA = false, bool CSUM = false,
-          bool TC = false, bool A_MN = true>
-__device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, float* C, float* aux,
+          bool TC = false, bool A_MN = true, class OP = Tf32Op, class TO = float>
+__device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, TO* C, TO* aux,
                                            const float* bias, int M, int N, int K, int ldc, long long sC,
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
                                            int total, float* colsum = nullptr) {
     static_assert(!RA || PRODUCTS == 3 || A_MN, "register A in TF32: MN-major");
     static_assert(!CSUM || (RA && A_MN), "the consumers' column sums read MN-major register-A fragments");
     static_assert(!TC || (RA && EPI == GEMM_EPI_NONE && !HAS_BIAS), "the transposed store: gemm_wgmma_ra, no epilogue");
+    static_assert(OP::BK == GEMM_WG_BK || (PRODUCTS == 1 && !RA), "BF16: the plain product");
+    static_assert(sizeof(TO) == 4 || !TC, "the transposed store writes fp32");
     constexpr int A_BYTES = BM * 128;
     constexpr int HALF = (BM + BN) * 128;
     // 3xTF32: the lo tiles after the hi ones; RA: A once (split in registers), B's lo tile after its hi one
@@ -722,13 +759,13 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     int it = 0, tn = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
-        const int nk = wg_k_tiles(tl.klen);
+        const int nk = wg_k_tiles<OP::BK>(tl.klen);
         const bool sum_here = CSUM && tl.n0 == 0;        // (uniform in the block)
         float cs[2] = {0.f, 0.f};
-        float* aux_z = aux;
+        TO* aux_z = aux;
         if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
         tile_bias.fetch(bias, tl.n0, N, threadIdx.x);
-        wg_epi_prefetch<BN, EPI>(aux_z, ldc, M, N, tl.m0 + wg * 64, tl.n0, wt);
+        wg_epi_prefetch<BN, EPI, TO>(aux_z, ldc, M, N, tl.m0 + wg * 64, tl.n0, wt);
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
         for (int kt = 0; kt < nk; ++kt, ++it) {
@@ -766,8 +803,7 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 wg_fence_acc(acc);
                 wg_fence();
 #pragma unroll
-                for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8)
-                    wg_mma_tf32<BN>(acc, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
+                for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) OP::template mma<BN>(acc, a_wg, b_t, k8);
                 wg_commit();
                 wg_fence_acc(acc);
                 wg_wait<1>();             // the group of the k tile before is done: release its slot
@@ -792,8 +828,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         if constexpr (TC)
             ra_store_t<BN>(acc, C + tl.z * sC, M, N, ldc, tl.m0, tl.n0, alpha);
         else
-            wg_store_tile<BM, BN, EPI, HAS_BIAS, RA && A_MN>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC, tl.m0,
-                                                              tl.n0, alpha);
+            wg_store_tile<BM, BN, EPI, HAS_BIAS, RA && A_MN, TO>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
+                                                                  tl.m0, tl.n0, alpha);
     }
 }
 
@@ -822,16 +858,35 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
 #define WS_ARGS                                                                                      \
     float* C,                               /* C [zs, M, N], row stride ldc, matrix stride sC */    \
     float* aux,                             /* aux: as in gemm_wgmma */                             \
+    WS_ARGS_AB
+// (gemm_wgmma_ws: C and aux of its OUT type, then these)
+#define WS_ARGS_AB                                                                                   \
     const __grid_constant__ TmaMap mapA,    /* A (see above) */                                     \
     const __grid_constant__ TmaMap mapB,    /* B (see above) */                                     \
     const float* __restrict__ bias,         /* bias [N] or null */                                  \
     int M, int N, int K, int ldc, long long sC, float alpha, int splits, int k_chunk, int zs,      \
     float* colsum                           /* COLSUM (mn, 3_ws with MN_A): [splits, M], else unused */
 
+// BF16 copies of one k tile (lane 0 only, converged): expect `bytes` on bar, then A's and B's boxes: a
+// K-major operand (rows R) one box {64 k, R rows} at (k0, row0), an MN-major one R / 64 boxes {64 rows,
+// 64 k} at (row0 + 64 j, k0), 8192 bytes apart (the layout wg_desc_mn describes).
+template <int R, bool MN>
+__device__ __forceinline__ void tma_operand(int lane, unsigned bar, unsigned dst, const TmaMap* map, int k0, int row0,
+                                            int batch) {
+    if constexpr (MN) {
+#pragma unroll
+        for (int j = 0; j < R / 64; ++j) tma_copy(lane, bar, dst + 8192 * j, map, row0 + 64 * j, k0, batch);
+    } else {
+        tma_copy(lane, bar, dst, map, k0, row0, batch);
+    }
+}
+
 // The body of gemm_wgmma_ws and of gemm_wgmma_ra with a K-major B (RA: A's k tile as BM / 32 MN-major
-// boxes, tma_load_ra; CSUM: the consumers' column sums of A, RaFrags; TC: ra_store_t).
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool RA = false, bool CSUM = false, bool TC = false>
-__device__ __forceinline__ void ws_gemm(float* C, float* aux, const TmaMap* mapA, const TmaMap* mapB,
+// boxes, tma_load_ra; CSUM: the consumers' column sums of A, RaFrags; TC: ra_store_t). OP: the operands'
+// type and layouts (Tf32Op, or Bf16Op: copied by tma_operand); TO: C's and aux's element type.
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool RA = false, bool CSUM = false, bool TC = false,
+          class OP = Tf32Op, class TO = float>
+__device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, const TmaMap* mapB,
                                         const float* bias, int M, int N, int K, int ldc, long long sC, float alpha,
                                         int splits, int k_chunk, int zs, float* colsum) {
     constexpr int WG = BM / 64;                         // consumer warpgroups; warpgroup WG loads
@@ -855,13 +910,19 @@ __device__ __forceinline__ void ws_gemm(float* C, float* aux, const TmaMap* mapA
             int it = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
                 const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
-                const int nk = wg_k_tiles(tl.klen);
+                const int nk = wg_k_tiles<OP::BK>(tl.klen);
                 for (int kt = 0; kt < nk; ++kt, ++it) {
                     const int s = it % STAGES;
                     if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
                     const unsigned sa = smem0 + s * STAGE_BYTES;
-                    const int k0 = tl.kb0 + kt * GEMM_WG_BK;
-                    if constexpr (RA)
+                    const int k0 = tl.kb0 + kt * OP::BK;
+                    if constexpr (OP::BK != GEMM_WG_BK) {
+                        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
+                                     "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n}\n"
+                                     ::"r"(lane), "r"(full0 + 8 * s), "r"(STAGE_BYTES) : "memory");
+                        tma_operand<BM, OP::MN_A>(lane, full0 + 8 * s, sa, mapA, k0, tl.m0, tl.batch);
+                        tma_operand<BN, OP::MN_B>(lane, full0 + 8 * s, sa + A_BYTES, mapB, k0, tl.n0, tl.batch);
+                    } else if constexpr (RA)
                         tma_load_ra<BM / 32>(lane, full0 + 8 * s, STAGE_BYTES, sa, mapA, tl.m0, k0, sa + A_BYTES, mapB,
                                              k0, tl.n0, tl.batch);
                     else
@@ -872,17 +933,24 @@ __device__ __forceinline__ void ws_gemm(float* C, float* aux, const TmaMap* mapA
         }
         return;
     }
-    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC>(smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC,
-                                                               alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO>(
+        smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
 }
 
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM>
-__global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ws(WS_ARGS) {
+// DT: the operands' type (0: fp32, read as TF32; 1: bf16, A and B K-major unless MN_A / MN_B); OUT: C's
+// and aux's (0: fp32, 1: bf16). The bias is fp32. TF32 reads K-major operands only.
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT = 0, bool MN_A = false,
+          bool MN_B = false, int OUT = 0>
+__global__ void __launch_bounds__(THREADS, 1)
+gemm_wgmma_ws(typename TypeOf<OUT>::T* C, typename TypeOf<OUT>::T* aux, WS_ARGS_AB) {
     static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
+    static_assert(DT == 1 || (!MN_A && !MN_B), "TF32 operands are K-major");
+    static_assert(!MN_A && !MN_B || (BM % 64 == 0 && BN % 64 == 0), "MN-major operands in boxes of 64 rows");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
-                                           colsum);
+    ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, false, false, typename OpOf<DT, MN_A, MN_B>::T,
+            typename TypeOf<OUT>::T>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
+                                     colsum);
 #else
     __trap();
 #endif

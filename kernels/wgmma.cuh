@@ -1,7 +1,8 @@
-// Hopper warpgroup MMA (wgmma, sm_90a) for 32-bit operands: the shared-memory descriptor of the
-// 128-byte swizzled K-major layout, the fences and group waits, and the m64nNk8 TF32 instructions
-// with both operands in shared memory (wg_mma_tf32) or A in registers (wg_mma_tf32_rs). Used by
-// gemm_wgmma.cu and flash_wg.cu; only valid where __CUDA_ARCH_FEAT_SM90_ALL is defined.
+// Hopper warpgroup MMA (wgmma, sm_90a): the shared-memory descriptors of the 128-byte swizzled
+// layouts (K-major; MN-major for 16-bit operands), the fences and group waits, the m64nNk8 TF32
+// instructions with both operands in shared memory (wg_mma_tf32) or A in registers (wg_mma_tf32_rs),
+// and the m64nNk16 BF16 ones (WgBf16). Used by gemm_wgmma.cu and flash_wg.cu; only valid where
+// __CUDA_ARCH_FEAT_SM90_ALL is defined.
 #pragma once
 
 // Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle (PTX ISA, "Matrix
@@ -12,6 +13,17 @@
 // (no carry out of the field below 256 KB of shared memory).
 __device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
     return static_cast<unsigned long long>((addr & 0x3FFFFu) >> 4) | (1ull << 16) |
+           (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// The descriptor of an MN-major tile of 16-bit elements in the 128-byte swizzle, as the copy engine
+// writes boxes of {64 (M or N, contiguous), k rows}: each k row of a box is 128 bytes (64 elements),
+// 8 k rows (1024 bytes) are one swizzle atom, and the instruction's 16 k rows span two atoms: stride
+// byte offset 1024 (the next 8 k rows), leading byte offset 8192 (the next 64 columns of M or N: the
+// next box of 64 k rows, for instructions with n > 64). The k step s of a 64-row box starts 2048 s
+// bytes on.
+__device__ __forceinline__ unsigned long long wg_desc_mn(unsigned addr) {
+    return static_cast<unsigned long long>((addr & 0x3FFFFu) >> 4) | (static_cast<unsigned long long>(8192 >> 4) << 16) |
            (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
 }
 
@@ -90,6 +102,33 @@ WG_MMA_TF32_RS(64, WG_REGS_0, 32, 33, 34, 35, 36, 37, WG_ACC32(0))
 WG_MMA_TF32_RS(128, WG_REGS_0 ", " WG_REGS_1, 64, 65, 66, 67, 68, 69, WG_ACC32(0), WG_ACC32(32))
 WG_MMA_TF32_RS(192, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2, 96, 97, 98, 99, 100, 101, WG_ACC32(0), WG_ACC32(32),
                WG_ACC32(64))
+// d[N/2] += A (64 x 16 bf16, descriptor da) * B^T (16 x N bf16, descriptor db), fp32 accumulation:
+// WgBf16<N>::mma<TA, TB>. TA / TB = 1: the operand is MN-major in shared memory (wg_desc_mn: A [K, M],
+// B [K, N] as a weight gradient's operands are stored), 0: K-major (wg_desc). The accumulators' layout
+// is wg_mma_tf32's.
+template <int N>
+struct WgBf16;
+// ITA, ITB: the placeholders of the transpose immediates (after the scale-d flag's IP)
+#define WG_MMA_BF16(N, REGS, IA, IB, IP, ITA, ITB, ...)                                               \
+    template <>                                                                                        \
+    struct WgBf16<N> {                                                                                 \
+        template <int TA, int TB>                                                                      \
+        static __device__ __forceinline__ void mma(float (&d)[N / 2], unsigned long long da,           \
+                                                   unsigned long long db, int scale_d = 1) {          \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                             \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 "                    \
+                         "{" REGS "}, %" #IA ", %" #IB ", p, 1, 1, %" #ITA ", %" #ITB ";\n}\n"          \
+                         : __VA_ARGS__                                                                 \
+                         : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));                          \
+        }                                                                                              \
+    };
+WG_MMA_BF16(64, WG_REGS_0, 32, 33, 34, 35, 36, WG_ACC32(0))
+WG_MMA_BF16(128, WG_REGS_0 ", " WG_REGS_1, 64, 65, 66, 67, 68, WG_ACC32(0), WG_ACC32(32))
+WG_MMA_BF16(192, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2, 96, 97, 98, 99, 100, WG_ACC32(0), WG_ACC32(32),
+            WG_ACC32(64))
+WG_MMA_BF16(256, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2 ", " WG_REGS_3, 128, 129, 130, 131, 132, WG_ACC32(0),
+            WG_ACC32(32), WG_ACC32(64), WG_ACC32(96))
+#undef WG_MMA_BF16
 #undef WG_MMA_TF32_RS
 #undef WG_MMA_TF32
 #undef WG_ACC32

@@ -88,7 +88,7 @@ class FakeDev:
     def event_sync(self, *a):
         pass
 
-    def tensor_map_f32(self, ptr, dims, strides_bytes, box, swizzle=True):
+    def tensor_map(self, ptr, dims, strides_bytes, box, swizzle=True, dtype="f32"):
         # what cuTensorMapEncodeTiled refuses: a rank disagreement, a box side over 256, a base or a
         # stride not 16-byte aligned
         assert len(dims) == len(box) == len(strides_bytes) + 1 and all(int(b) <= 256 for b in box), (dims, box)

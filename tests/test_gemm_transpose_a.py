@@ -356,8 +356,8 @@ class _HeapDev(FakeDev):
     def dtoh(self, host, src):
         host.ravel()[:] = self.at(src, host.size).view(host.dtype)
 
-    def tensor_map_f32(self, ptr, dims, strides_bytes, box, swizzle=True):
-        super().tensor_map_f32(ptr, dims, strides_bytes, box, swizzle)
+    def tensor_map(self, ptr, dims, strides_bytes, box, swizzle=True, dtype="f32"):
+        super().tensor_map(ptr, dims, strides_bytes, box, swizzle, dtype)
         return struct.pack("<QQ", ptr, int(strides_bytes[0]) // 4).ljust(128, b"\0")
 
 

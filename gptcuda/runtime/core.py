@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gptcuda.runtime import compiler, execution
+from gptcuda.runtime import bf16, compiler, execution
 from gptcuda.runtime.driver import Device, call
 
 NAN_WORD = 0x7FC00000
+POISON_WORDS = {"f32": NAN_WORD, "bf16": 0x7FC07FC0}     # NaN in every element
 
 
 class Program:
@@ -44,7 +45,7 @@ class DeviceView:
     """A typed window into device memory. Only `.shape` matters to model code."""
     ptr: int
     shape: tuple
-    dtype: str = "f32"       # f32 | i32 | u8
+    dtype: str = "f32"       # f32 | i32 | u8 | bf16 (bit patterns, gptcuda/runtime/bf16.py)
     name: str = ""
 
     @property
@@ -67,7 +68,7 @@ class DeviceView:
         return DeviceView(self.ptr + i * inner * item, tuple(self.shape[1:]), self.dtype, f"{self.name}[{i}]")
 
 
-NP_DTYPES = {"f32": np.float32, "i32": np.int32, "u8": np.uint8}
+NP_DTYPES = {"f32": np.float32, "i32": np.int32, "u8": np.uint8, "bf16": np.uint16}
 
 
 class _Scalar:
@@ -285,9 +286,9 @@ class Runtime:
         return fn
 
     def tensor_map(self, view, dims, strides_bytes, box, swizzle=True) -> Blob:
-        """A TMA tensor map over the fp32 tensor at view.ptr (see Device.tensor_map_f32), as the
-        by-value argument of a launch."""
-        return Blob(self.dev.tensor_map_f32(view.ptr, dims, strides_bytes, box, swizzle))
+        """A TMA tensor map over the tensor at view.ptr, of view's dtype (see Device.tensor_map), as
+        the by-value argument of a launch."""
+        return Blob(self.dev.tensor_map(view.ptr, dims, strides_bytes, box, swizzle, view.dtype))
 
     def set_max_smem(self, fn: Function, nbytes: int):
         if nbytes > 48 * 1024 and nbytes > fn.max_smem:
@@ -388,19 +389,21 @@ class Runtime:
         """A fresh allocation (for tests and tools); poisoned with NaN so unwritten outputs show."""
         shape = tuple(int(s) for s in shape)
         v = DeviceView(0, shape, dtype, name)
-        v = DeviceView(self.alloc(v.nbytes), shape, dtype, name)
+        v = DeviceView(self.alloc(-(-v.nbytes // 4) * 4), shape, dtype, name)      # (whole words: fill)
         if poison:
-            self.fill(v, NAN_WORD if dtype == "f32" else 0x7FFFFFFF)
+            self.fill(v, POISON_WORDS.get(dtype, 0x7FFFFFFF))
         return v
 
     def fill(self, view: DeviceView, word: int):
-        """Fill now, outside any program."""
-        assert view.nbytes % 4 == 0
-        self.dev.memset32(view.ptr, word, view.nbytes // 4, self.stream)
+        """Fill now, outside any program (a view of a whole number of words, or one of `empty`'s)."""
+        self.dev.memset32(view.ptr, word, -(-view.nbytes // 4), self.stream)
 
     def upload(self, arr, dtype: str | None = None, name: str = "") -> DeviceView:
+        """A new view holding arr (dtype "bf16": float values rounded to bf16, or bit patterns)."""
         arr = np.asarray(arr)
         dtype = dtype or {"f": "f32", "i": "i32", "u": "u8"}[arr.dtype.kind]
+        if dtype == "bf16" and arr.dtype.kind == "f":
+            arr = bf16.bits(arr)
         v = self.empty(arr.shape, dtype, poison=False, name=name)
         self.write(v, arr)
         return v

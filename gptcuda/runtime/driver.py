@@ -230,14 +230,16 @@ class Device:
             "max_threads": call(self.drv.cuFuncGetAttribute, A.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn),
         }
 
-    def tensor_map_f32(self, ptr: int, dims, strides_bytes, box, swizzle=True) -> bytes:
-        """The 128 bytes of a TMA tensor map over an fp32 tensor at ptr: dims innermost first,
-        strides (bytes) of every dim but the innermost, box (elements per dim). swizzle: the
+    def tensor_map(self, ptr: int, dims, strides_bytes, box, swizzle=True, dtype="f32") -> bytes:
+        """The 128 bytes of a TMA tensor map over an fp32 (or bf16) tensor at ptr: dims innermost
+        first, strides (bytes) of every dim but the innermost, box (elements per dim). swizzle: the
         128-byte swizzle (the innermost box must span 128 bytes or less), else the box lands
         dense, row after row; out-of-bounds elements read as zero."""
         d = self.drv
         u64, u32 = d.cuuint64_t, d.cuuint32_t
-        tm = call(d.cuTensorMapEncodeTiled, d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        kind = {"f32": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                "bf16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[dtype]
+        tm = call(d.cuTensorMapEncodeTiled, kind,
                   len(dims), ptr, [u64(int(x)) for x in dims], [u64(int(x)) for x in strides_bytes],
                   [u32(int(x)) for x in box], [u32(1)] * len(dims),
                   d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
