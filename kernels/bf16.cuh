@@ -1,7 +1,9 @@
 // bfloat16 storage and conversion, shared by the kernels that read or write bf16 tensors: a bf16
 // value is the top 16 bits of the fp32 value (8 exponent bits, 7 mantissa bits), kept as its bit
 // pattern (no header: NVRTC compiles these without cuda_bf16.h). Widening is exact; narrowing rounds
-// to nearest, ties to even (cvt.rn), as numpy's reference (gptcuda/runtime/bf16.py) does.
+// to nearest, ties to even (cvt.rn), as numpy's reference (gptcuda/runtime/bf16.py) does. val_ld /
+// val_st (and the 4-value forms) let a kernel templated on its tensors' element type T (float or
+// bf16) compute in fp32 and store in T: for float they are plain loads and stores.
 #pragma once
 
 typedef unsigned short bf16;
@@ -15,3 +17,25 @@ __device__ __forceinline__ unsigned bf16x2_rn(float lo, float hi) {
     return r;
 }
 __device__ __forceinline__ bf16 bf16_rn(float x) { return static_cast<bf16>(bf16x2_rn(x, 0.f) & 0xFFFFu); }
+
+// One value, and four consecutive ones (aligned: 16 bytes of fp32, 8 of bf16), of a tensor of fp32
+// or bf16, widened exactly to fp32; stored from fp32, rounded to nearest even.
+__device__ __forceinline__ float val_ld(const float* p) { return *p; }
+__device__ __forceinline__ float val_ld(const bf16* p) { return bf16_f32(*p); }
+__device__ __forceinline__ void val_st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void val_st(bf16* p, float v) { *p = bf16_rn(v); }
+__device__ __forceinline__ void val_ld4(const float* p, float (&x)[4]) {
+    const float4 t = *reinterpret_cast<const float4*>(p);
+    x[0] = t.x; x[1] = t.y; x[2] = t.z; x[3] = t.w;
+}
+__device__ __forceinline__ void val_ld4(const bf16* p, float (&x)[4]) {
+    const uint2 t = *reinterpret_cast<const uint2*>(p);
+    x[0] = __uint_as_float(t.x << 16); x[1] = __uint_as_float(t.x & 0xFFFF0000u);
+    x[2] = __uint_as_float(t.y << 16); x[3] = __uint_as_float(t.y & 0xFFFF0000u);
+}
+__device__ __forceinline__ void val_st4(float* p, const float (&x)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void val_st4(bf16* p, const float (&x)[4]) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(bf16x2_rn(x[0], x[1]), bf16x2_rn(x[2], x[3]));
+}

@@ -104,28 +104,6 @@ __device__ __forceinline__ bool gemm_epi_vec_ok(const TO* C, const TO* aux, cons
     return vec;
 }
 
-// One value, and four consecutive ones (aligned: 16 bytes of fp32, 8 of bf16), of C or aux in fp32
-// or bf16 (bf16.cuh: widened exactly, narrowed to nearest even).
-__device__ __forceinline__ float gemm_ld(const float* p) { return *p; }
-__device__ __forceinline__ float gemm_ld(const bf16* p) { return bf16_f32(*p); }
-__device__ __forceinline__ void gemm_st(float* p, float v) { *p = v; }
-__device__ __forceinline__ void gemm_st(bf16* p, float v) { *p = bf16_rn(v); }
-__device__ __forceinline__ void gemm_ld4(const float* p, float (&x)[4]) {
-    const float4 t = *reinterpret_cast<const float4*>(p);
-    x[0] = t.x; x[1] = t.y; x[2] = t.z; x[3] = t.w;
-}
-__device__ __forceinline__ void gemm_ld4(const bf16* p, float (&x)[4]) {
-    const uint2 t = *reinterpret_cast<const uint2*>(p);
-    x[0] = __uint_as_float(t.x << 16); x[1] = __uint_as_float(t.x & 0xFFFF0000u);
-    x[2] = __uint_as_float(t.y << 16); x[3] = __uint_as_float(t.y & 0xFFFF0000u);
-}
-__device__ __forceinline__ void gemm_st4(float* p, const float (&x)[4]) {
-    *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
-}
-__device__ __forceinline__ void gemm_st4(bf16* p, const float (&x)[4]) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(bf16x2_rn(x[0], x[1]), bf16x2_rn(x[2], x[3]));
-}
-
 // Store four consecutive values v[0..3] of row r at columns c..c+3 with the epilogue applied.
 // C, aux rows have stride ldc. vec: 16-byte accesses allowed (alignment checked by the caller).
 template <int EPI, bool HAS_BIAS>
@@ -168,14 +146,14 @@ __device__ __forceinline__ void gemm_store4_once(TO* C, TO* aux, const float* bi
 #pragma unroll
     for (int e = 0; e < 4; ++e) ok[e] = r < M && c + e < N;
     if (wide) {
-        if constexpr (HAS_BIAS) gemm_ld4(bias + c, b);
-        if constexpr (GEMM_EPI_READS_AUX(EPI)) gemm_ld4(aux + off, in);
+        if constexpr (HAS_BIAS) val_ld4(bias + c, b);
+        if constexpr (GEMM_EPI_READS_AUX(EPI)) val_ld4(aux + off, in);
     } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             if (ok[e]) {
                 if constexpr (HAS_BIAS) b[e] = bias[c + e];
-                if constexpr (GEMM_EPI_READS_AUX(EPI)) in[e] = gemm_ld(aux + off + e);
+                if constexpr (GEMM_EPI_READS_AUX(EPI)) in[e] = val_ld(aux + off + e);
             }
         }
     }
@@ -189,14 +167,14 @@ __device__ __forceinline__ void gemm_store4_once(TO* C, TO* aux, const float* bi
         }
     }
     if (wide) {
-        if constexpr (EPI == GEMM_EPI_GELU) gemm_st4(aux + off, pre);
-        gemm_st4(C + off, out);
+        if constexpr (EPI == GEMM_EPI_GELU) val_st4(aux + off, pre);
+        val_st4(C + off, out);
     } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             if (ok[e]) {
-                if constexpr (EPI == GEMM_EPI_GELU) gemm_st(aux + off + e, pre[e]);
-                gemm_st(C + off + e, out[e]);
+                if constexpr (EPI == GEMM_EPI_GELU) val_st(aux + off + e, pre[e]);
+                val_st(C + off + e, out[e]);
             }
         }
     }
