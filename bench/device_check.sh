@@ -4,7 +4,7 @@
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
 #                              [interop] [finetune] [generate] [speed] [anchors] [hellaswag] [plot] [tables]
-#                              [soak] [sass]
+#                              [soak] [sass] [bf16]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
@@ -102,6 +102,11 @@ fi
 # the four workloads of the speed goals, each with its phase table: the char model in TF32 and in fp32
 # (3xTF32), the T2048 context, GPT-2 124M at B8 (SPEED_CASES selects; GEMM_MODELS adds bench/gemm.py at
 # those models' shapes, e.g. "8,1024,768,50304")
+if has bf16; then            # the BF16 warpgroup-MMA product against float64 (and its speed beside TF32)
+  log "bf16 GEMM: bench/bf16_gemm.py --check ${BF16_GEMM_ARGS:-}"
+  python3 bench/bf16_gemm.py --check ${BF16_GEMM_ARGS:-} --json "$OUT/bf16_gemm.json" > "$OUT/bf16_gemm.log" 2>&1
+  grep -E "FAIL|check:|sum |TFLOP" "$OUT/bf16_gemm.log" | tail -20 | tee -a "$OUT/summary.txt"
+fi
 if has speed; then
   for c in ${SPEED_CASES:-char_tf32 char_fp32 ctx2048 gpt2_b8}; do
     case $c in
