@@ -8,6 +8,12 @@
 
 typedef unsigned short bf16;
 
+// The element type of a launcher's type code (a template argument: 0 fp32, 1 bf16; gptcuda/ops/cuda
+// DTYPE_CODES), for the kernels whose tensors may be of either type: elem<TO>* out.
+template <int CODE> struct ElemOf { using T = float; };
+template <> struct ElemOf<1> { using T = bf16; };
+template <int CODE> using elem = typename ElemOf<CODE>::T;
+
 __device__ __forceinline__ float bf16_f32(bf16 b) { return __uint_as_float(static_cast<unsigned>(b) << 16); }
 
 // lo into the low half (the lower address), hi into the high half, each rounded to nearest even

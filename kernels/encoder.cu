@@ -1,14 +1,19 @@
 // Token + position embedding: forward gather and deterministic backward scatter.
 //
-//   encoder_fwd<VEC>          out[n, :] = wte[idx[n], :] + wpe[n % T, :]
-//   encoder_bwd_wte<VEC>      dwte[v, :] += sum of dout[n, :] over the tokens n with idx[n] == v
+//   encoder_fwd<VEC, TW, TO>  out[n, :] = wte[idx[n], :] + wpe[n % T, :]
+//   encoder_bwd_wte<VEC, TD>  dwte[v, :] += sum of dout[n, :] over the tokens n with idx[n] == v
 //                             ("scan": small vocabularies; every block scans every id)
 //   encoder_bwd_sort<E>       bucket the token positions by id (one block, a stable radix sort in
 //                             shared memory) into the workspace: runs of equal id, positions increasing
-//   encoder_bwd_wte_seg<VEC>  dwte[v, :] += the sum of one run's dout rows ("sort": large vocabularies)
-//   encoder_bwd_wpe<VEC>      dwpe[t, :]  = sum over b of dout[b, t, :] (t < T), 0 for t >= T
+//   encoder_bwd_wte_seg<VEC, TD>  dwte[v, :] += the sum of one run's dout rows ("sort": large vocabularies)
+//   encoder_bwd_wpe<VEC, TD>  dwpe[t, :]  = sum over b of dout[b, t, :] (t < T), 0 for t >= T
 //
-// VEC is 4 (float4 loads/stores; needs C % 4 == 0 and 16-byte aligned pointers) or 1.
+// Element types (bf16.cuh's codes: 0 fp32, 1 bf16): TW of wte and wpe (the fp32 parameters or their
+// bf16 working copy), TO of out, TD of dout; dwte and dwpe are fp32. Values are added in fp32 and
+// rounded once where stored in bf16 (out); bf16 inputs are widened exactly, so the backward's sums and
+// their order are those of fp32 dout holding the same values.
+// VEC is 4 (4 values a load / store: needs C % 4 == 0 and pointers aligned to 4 elements, 16 bytes
+// of fp32, 8 of bf16) or 1.
 // The backward uses no float atomics and sums in an order fixed by the inputs alone, so it is
 // bitwise reproducible whatever the scheduling:
 //   * scan (grid (V, C / (32*VEC))): a block owns one (vocabulary row, column tile) of dwte and
@@ -29,39 +34,40 @@
 //     GPT-2) is ~100 shared-memory accesses a thread a pass: ~8 us at N = 8192 on one SM.
 //     E = 32 (16384 < N <= 32768) spills ~200 bytes a thread (64 registers at 1024 threads).
 #include "common.cuh"
+#include "bf16.cuh"
 
 // Blocks (THREADS, WARPS), the sort's digit width and shared memory are template arguments chosen in
 // gptcuda/ops/cuda/encoder.py; a kernel asserts what its code fixes.
 #define ENC_BWD_UNROLL 4
 
-template <int VEC>
-__device__ __forceinline__ void enc_load(float (&r)[VEC], const float* p) {
+// VEC consecutive values of fp32 or bf16 (T), in fp32
+template <int VEC, class T>
+__device__ __forceinline__ void enc_load(float (&r)[VEC], const T* p) {
     if constexpr (VEC == 4) {
-        float4 t = *reinterpret_cast<const float4*>(p);
-        r[0] = t.x; r[1] = t.y; r[2] = t.z; r[3] = t.w;
+        val_ld4(p, r);
     } else {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) r[k] = p[k];
+        for (int k = 0; k < VEC; ++k) r[k] = val_ld(p + k);
     }
 }
 
-template <int VEC>
-__device__ __forceinline__ void enc_store(float* p, const float (&r)[VEC]) {
+template <int VEC, class T>
+__device__ __forceinline__ void enc_store(T* p, const float (&r)[VEC]) {
     if constexpr (VEC == 4) {
-        *reinterpret_cast<float4*>(p) = make_float4(r[0], r[1], r[2], r[3]);
+        val_st4(p, r);
     } else {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) p[k] = r[k];
+        for (int k = 0; k < VEC; ++k) val_st(p + k, r[k]);
     }
 }
 
 // One thread per VEC consecutive columns of one token.
-template <int VEC, int THREADS>
+template <int VEC, int THREADS, int TW, int TO>
 __global__ void __launch_bounds__(THREADS)
-encoder_fwd(float* __restrict__ out,        // out  [N, C]   (N = B*T)
-            const int* __restrict__ idx,    // idx  [N]
-            const float* __restrict__ wte,  // wte  [V, C]
-            const float* __restrict__ wpe,  // wpe  [Tmax, C]
+encoder_fwd(elem<TO>* __restrict__ out,        // out  [N, C]   (N = B*T)
+            const int* __restrict__ idx,       // idx  [N]
+            const elem<TW>* __restrict__ wte,  // wte  [V, C]
+            const elem<TW>* __restrict__ wpe,  // wpe  [Tmax, C]
             int N, int T, int C, int V) {
     const int CV = C / VEC;
     const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
@@ -88,10 +94,10 @@ encoder_fwd(float* __restrict__ out,        // out  [N, C]   (N = B*T)
 // Warp w takes the token chunks w, w + WARPS, w + 2*WARPS, ... (32 tokens a chunk, in
 // increasing order) and accumulates the matching rows of its 32*VEC columns in registers;
 // the warps' sums are then added in warp order. Fixed order everywhere: bitwise reproducible.
-template <int VEC, int WARPS>
+template <int VEC, int WARPS, int TD>
 __global__ void __launch_bounds__(WARPS * 32)
-encoder_bwd_wte(float* __restrict__ dwte,         // dwte [V, C]   (+=)
-                const float* __restrict__ dout,   // dout [N, C]
+encoder_bwd_wte(float* __restrict__ dwte,            // dwte [V, C]   (+=)
+                const elem<TD>* __restrict__ dout,   // dout [N, C]
                 const int* __restrict__ idx,      // idx  [N]
                 int N, int C) {
     constexpr int TILE = 32 * VEC;
@@ -295,10 +301,10 @@ encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
 // workspace, taken grid-stride by the warps. Lane l owns columns tile*32*VEC + l*VEC .. +VEC; the
 // run's positions come 32 at a time (one load a lane, the next batch prefetched), ENC_SEG_UNROLL
 // rows are loaded together, then added in increasing n.
-template <int VEC, int WARPS>
+template <int VEC, int WARPS, int TD>
 __global__ void __launch_bounds__(WARPS * 32)
-encoder_bwd_wte_seg(float* __restrict__ dwte,         // dwte [V, C]   (+=, rows of present ids)
-                    const float* __restrict__ dout,   // dout [N, C]
+encoder_bwd_wte_seg(float* __restrict__ dwte,            // dwte [V, C]   (+=, rows of present ids)
+                    const elem<TD>* __restrict__ dout,   // dout [N, C]
                     const int* __restrict__ ws,       // encoder_bwd_sort's output
                     int N, int C, int tiles) {
     const int* pos = ws;
@@ -356,10 +362,10 @@ encoder_bwd_wte_seg(float* __restrict__ dwte,         // dwte [V, C]   (+=, rows
 }
 
 // One thread per VEC columns of one position t of dwpe; sums the batch in order b = 0..B-1.
-template <int VEC, int THREADS>
+template <int VEC, int THREADS, int TD>
 __global__ void __launch_bounds__(THREADS)
-encoder_bwd_wpe(float* __restrict__ dwpe,         // dwpe [Tmax, C]  (=)
-                const float* __restrict__ dout,   // dout [B, T, C]
+encoder_bwd_wpe(float* __restrict__ dwpe,            // dwpe [Tmax, C]  (=)
+                const elem<TD>* __restrict__ dout,   // dout [B, T, C]
                 int B, int T, int Tmax, int C) {
     const int CV = C / VEC;
     const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
@@ -371,7 +377,7 @@ encoder_bwd_wpe(float* __restrict__ dwpe,         // dwpe [Tmax, C]  (=)
     for (int k = 0; k < VEC; ++k) s[k] = 0.f;
     if (t < T) {
         const long long stride = (long long)T * C;
-        const float* p = dout + (long long)t * C + c;
+        const elem<TD>* p = dout + (long long)t * C + c;
         for (int b = 0; b < B; ++b) {
             float a[VEC];
             enc_load<VEC>(a, p + b * stride);

@@ -1,20 +1,30 @@
 // Fused softmax + cross-entropy (+ its gradient) per row, and the deterministic mean loss.
 //
-//   crossentropy_warp<GRAD, WARPS>   one warp per row (small vocabularies), WARPS rows a block
-//   crossentropy_block<GRAD, WARPS>  one block of WARPS warps per row (large vocabularies; any V, any alignment)
-//   crossentropy_rows<GRAD, NV4, WARPS>  one block of T = 32 WARPS threads per row, the row held in registers
-//       (V <= NV4 * 4T, V % 4 == 0, 16-byte aligned rows): thread t holds the float4 vectors j * T + t,
-//       j < NV4, so DRAM sees one read of the row (and one write of its gradient) instead of two reads
+//   crossentropy_warp<GRAD, WARPS, TL>   one warp per row (small vocabularies), WARPS rows a block
+//   crossentropy_block<GRAD, WARPS, TL>  one block of WARPS warps per row (large vocabularies; any V, any alignment)
+//   crossentropy_rows<GRAD, NV4, WARPS, TL>  one block of T = 32 WARPS threads per row, the row held in
+//       registers (V <= NV4 * 4T, V % 4 == 0, rows aligned to 4 elements: 16 bytes of fp32, 8 of bf16):
+//       thread t holds the 4-value vectors j * T + t, j < NV4, so DRAM sees one read of the row (and one
+//       write of its gradient) instead of two reads
 //       losses[n] = logsumexp(logits[n, :Vr]) - logits[n, target[n]]
 //       GRAD: dlogits[n, i] = (softmax(logits[n, :Vr])_i - [i == target[n]]) * grad_scale for i < Vr,
 //             0 for Vr <= i < V (a padded vocabulary: rows V = Vr rounded up, masked out here)
 //       dlogits may be logits: every element is read (and the target logit fetched) before
 //       any element of the row is overwritten.
 //   loss_reduce<THREADS>      st->loss = mean(losses), history[st->step] = it (one block)
-// The blocks (WARPS, THREADS) are template arguments, chosen in gptcuda/ops/cuda/loss.py.
+// The blocks (WARPS, THREADS) are template arguments, chosen in gptcuda/ops/cuda/loss.py. TL: the element
+// type of logits and dlogits (bf16.cuh's codes: 0 fp32, 1 bf16); a bf16 logit is widened exactly, the
+// softmax, the loss and every reduction are fp32, a bf16 gradient is rounded once where stored. losses
+// are fp32.
 //
 // An out-of-range target (>= Vr) gives a NaN loss (and no one-hot term) instead of reading outside the row.
 #include "common.cuh"
+#include "bf16.cuh"
+
+// Four consecutive values of type code TL as one access (val_ld4 / val_st4): a row's vector v is at l4 + v
+template <int TL> struct Pack4Of { using T = float4; };
+template <> struct Pack4Of<1> { using T = uint2; };
+template <int TL> using Pack4 = typename Pack4Of<TL>::T;
 
 #define CE_LOWEST (-3.402823466e+38f)
 #define CE_NEG_INF __int_as_float(0xff800000)
@@ -41,20 +51,20 @@ __device__ __forceinline__ float ce_loss(bool valid, float m, float s, float xt)
     return valid ? (m + logf(s)) - xt : __int_as_float(0x7fc00000);
 }
 
-// One row of the logits and its target; this thread's elements are first, first + STRIDE, ...
-template <int STRIDE>
+// One row of the logits (of fp32 or bf16, T) and its target; this thread's elements are first, first + STRIDE, ...
+template <int STRIDE, class T>
 struct CeRow {
-    const float* lr;     // logits[row, :]
+    const T* lr;         // logits[row, :]
     int tg;
     bool valid;          // 0 <= tg < Vr: an out-of-range target reads no logit
     float xt;            // logits[row, tg] (0 when not valid)
     float m, s;          // (max, sum of exp(x - max)): this thread's, then merged
 
-    __device__ __forceinline__ CeRow(const float* logits, const int* __restrict__ targets, int row, int V, int Vr,
+    __device__ __forceinline__ CeRow(const T* logits, const int* __restrict__ targets, int row, int V, int Vr,
                                      int first)
         : lr(logits + (long long)row * V), tg(targets[row]), valid((unsigned)tg < (unsigned)Vr),
-          xt(valid ? lr[tg] : 0.f), m(CE_LOWEST), s(0.f) {
-        for (int i = first; i < Vr; i += STRIDE) ce_push(m, s, lr[i]);
+          xt(valid ? val_ld(lr + tg) : 0.f), m(CE_LOWEST), s(0.f) {
+        for (int i = first; i < Vr; i += STRIDE) ce_push(m, s, val_ld(lr + i));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {      // merged over the warp
             const float mo = __shfl_xor_sync(0xffffffffu, m, o);
@@ -67,30 +77,30 @@ struct CeRow {
 
     // dr [V] = (softmax - one-hot) * grad_scale, 0 past Vr; dr may be lr (each element is read before
     // it is written)
-    __device__ __forceinline__ void grad(float* dr, int V, int Vr, float grad_scale, int first) const {
+    __device__ __forceinline__ void grad(T* dr, int V, int Vr, float grad_scale, int first) const {
         const float rs = 1.0f / s;
         int i = first;
         for (; i < Vr; i += STRIDE) {
-            const float p = expf(lr[i] - m) * rs;
-            dr[i] = (p - (i == tg ? 1.0f : 0.0f)) * grad_scale;
+            const float p = expf(val_ld(lr + i) - m) * rs;
+            val_st(dr + i, (p - (i == tg ? 1.0f : 0.0f)) * grad_scale);
         }
-        for (; i < V; i += STRIDE) dr[i] = 0.0f;
+        for (; i < V; i += STRIDE) val_st(dr + i, 0.0f);
     }
 };
 
 #define CE_ARGS                                                                           \
     float* __restrict__ losses,     /* losses  [N] */                                     \
-    float* dlogits,                 /* dlogits [N, V] (GRAD only; may be logits) */       \
-    const float* logits,            /* logits  [N, V] */                                  \
+    elem<TL>* dlogits,              /* dlogits [N, V] (GRAD only; may be logits) */       \
+    const elem<TL>* logits,         /* logits  [N, V] */                                  \
     const int* __restrict__ targets,/* targets [N] */                                     \
     int N, int V, int Vr, float grad_scale  /* V: row length; Vr <= V: the real vocabulary */
 
-template <bool GRAD, int WARPS>
+template <bool GRAD, int WARPS, int TL>
 __global__ void __launch_bounds__(WARPS * 32) crossentropy_warp(CE_ARGS) {
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
-    const CeRow<32> r(logits, targets, row, V, Vr, lane);
+    const CeRow<32, elem<TL>> r(logits, targets, row, V, Vr, lane);
     if (lane == 0) losses[row] = r.loss();
     if constexpr (GRAD) {
         __syncwarp();                              // every lane's reads precede any write
@@ -98,12 +108,12 @@ __global__ void __launch_bounds__(WARPS * 32) crossentropy_warp(CE_ARGS) {
     }
 }
 
-template <bool GRAD, int WARPS>
+template <bool GRAD, int WARPS, int TL>
 __global__ void __launch_bounds__(WARPS * 32) crossentropy_block(CE_ARGS) {
     __shared__ float sm_m[WARPS], sm_s[WARPS];
     const int row = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    CeRow<WARPS * 32> r(logits, targets, row, V, Vr, threadIdx.x);
+    CeRow<WARPS * 32, elem<TL>> r(logits, targets, row, V, Vr, threadIdx.x);
     if (lane == 0) { sm_m[warp] = r.m; sm_s[warp] = r.s; }
     __syncthreads();                               // also orders all reads before the writes
     r.m = sm_m[0];
@@ -129,40 +139,40 @@ __device__ __forceinline__ float cr_block_reduce(float v, float* sm, Op op) {
     return v;
 }
 
-// The row in registers: x[j] = logits[row, 4v .. 4v + 3] for the vector v = j * CR_THREADS + t (none past V:
+// The row in registers (fp32): x[j] = logits[row, 4v .. 4v + 3] for the vector v = j * CR_THREADS + t (none past V:
 // V % 4 == 0, so a vector is wholly inside the row or wholly outside). Columns >= Vr are set to -inf, so
 // they add nothing to the max and exp(-inf - max) = 0 to the sum. Pass 1: the block's max (no exp);
-// pass 2: the sum of exp(x - max), kept in x for the gradient; pass 3 (GRAD): the gradient as float4.
+// pass 2: the sum of exp(x - max), kept in x for the gradient; pass 3 (GRAD): the gradient, 4 values a store.
 // Both block reductions are cr_block_reduce's: deterministic.
 // All reads of the row (the target logit first) precede the first __syncthreads, every write follows the
 // second, so dlogits may be logits.
-template <bool GRAD, int NV4, int WARPS>
+template <bool GRAD, int NV4, int WARPS, int TL>
 __global__ void __launch_bounds__(WARPS * 32, 1) crossentropy_rows(CE_ARGS) {
     constexpr int CR_THREADS = WARPS * 32;
     __shared__ float sm_m[WARPS], sm_s[WARPS];
     const int row = blockIdx.x;
     const int t = threadIdx.x;
-    const float* lr = logits + (long long)row * V;
+    const elem<TL>* lr = logits + (long long)row * V;
     const int tg = targets[row];
     const bool valid = (unsigned)tg < (unsigned)Vr;
-    const float xt = valid ? lr[tg] : 0.f;
+    const float xt = valid ? val_ld(lr + tg) : 0.f;
     const int V4 = V >> 2;
-    const float4* l4 = reinterpret_cast<const float4*>(lr);
+    const Pack4<TL>* l4 = reinterpret_cast<const Pack4<TL>*>(lr);
 
     float4 x[NV4];
 #pragma unroll
     for (int j = 0; j < NV4; ++j) {
         const int v = j * CR_THREADS + t;
-        float4 a = make_float4(CE_NEG_INF, CE_NEG_INF, CE_NEG_INF, CE_NEG_INF);
-        if (v < V4) a = l4[v];
+        float a[4] = {CE_NEG_INF, CE_NEG_INF, CE_NEG_INF, CE_NEG_INF};
+        if (v < V4) val_ld4(reinterpret_cast<const elem<TL>*>(l4 + v), a);
         const int i = 4 * v;
         if (i + 3 >= Vr) {                          // padded columns (and vectors past V)
-            if (i >= Vr) a.x = CE_NEG_INF;
-            if (i + 1 >= Vr) a.y = CE_NEG_INF;
-            if (i + 2 >= Vr) a.z = CE_NEG_INF;
-            a.w = CE_NEG_INF;
+            if (i >= Vr) a[0] = CE_NEG_INF;
+            if (i + 1 >= Vr) a[1] = CE_NEG_INF;
+            if (i + 2 >= Vr) a[2] = CE_NEG_INF;
+            a[3] = CE_NEG_INF;
         }
-        x[j] = a;
+        x[j] = make_float4(a[0], a[1], a[2], a[3]);
     }
 
     // pass 1: max (its barrier also orders every read of the row before the writes)
@@ -191,18 +201,18 @@ __global__ void __launch_bounds__(WARPS * 32, 1) crossentropy_rows(CE_ARGS) {
 
     if constexpr (GRAD) {                          // pass 3: (softmax - one-hot) * grad_scale, 0 past Vr
         const float rs = 1.0f / s;
-        float4* d4 = reinterpret_cast<float4*>(dlogits + (long long)row * V);
+        Pack4<TL>* d4 = reinterpret_cast<Pack4<TL>*>(dlogits + (long long)row * V);
 #pragma unroll
         for (int j = 0; j < NV4; ++j) {
             const int v = j * CR_THREADS + t;
             if (v < V4) {
                 const int i = 4 * v;
-                float4 g;
-                g.x = i < Vr ? (x[j].x * rs - (i == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
-                g.y = i + 1 < Vr ? (x[j].y * rs - (i + 1 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
-                g.z = i + 2 < Vr ? (x[j].z * rs - (i + 2 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
-                g.w = i + 3 < Vr ? (x[j].w * rs - (i + 3 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
-                d4[v] = g;
+                float g[4];
+                g[0] = i < Vr ? (x[j].x * rs - (i == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                g[1] = i + 1 < Vr ? (x[j].y * rs - (i + 1 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                g[2] = i + 2 < Vr ? (x[j].z * rs - (i + 2 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                g[3] = i + 3 < Vr ? (x[j].w * rs - (i + 3 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                val_st4(reinterpret_cast<elem<TL>*>(d4 + v), g);
             }
         }
     }

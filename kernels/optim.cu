@@ -7,9 +7,14 @@
 //   grad_norm_final      st->grad_norm = sqrt(sum of partials in a fixed order)
 //   adamw<VEC>           one pass of PyTorch AdamW over the flat buffers, gradient clipping by
 //                        st->grad_norm, decoupled weight decay on the first n_decay elements
+//   adamw_copy<VEC>      adamw, and the updated parameters rounded to bf16 into their working copy
+//                        (a bf16 model's products read it; the fp32 update is adamw's, bit for bit)
+//   to_bf16<VEC>         out = in rounded to bf16 (the working copy of fp32 parameters at init / load)
 //
-// VEC = 4 needs 16-byte aligned buffers (any n: the last n % 4 elements go one per thread).
+// VEC = 4 needs 16-byte aligned buffers, 8-byte aligned bf16 ones (any n: the last n % 4 elements go
+// one per thread).
 #include "common.cuh"
+#include "bf16.cuh"
 
 // The blocks (THREADS) are template arguments chosen in gptcuda/ops/cuda/optim.py.
 
@@ -110,16 +115,13 @@ __device__ __forceinline__ void adam_one(float& p, float g, float& m, float& v, 
     p -= c.lr * mhat / (sqrtf(vhat) + c.eps);
 }
 
-// Grid-stride over vectors: thread gt takes vectors gt, gt + stride, ...; element e decays iff e < n_decay.
-template <int VEC, int ADAM_THREADS>
-__global__ void __launch_bounds__(ADAM_THREADS)
-adamw(float* __restrict__ params,        // params [n]
-      const float* __restrict__ grads,   // grads  [n]
-      float* __restrict__ m,             // m      [n]
-      float* __restrict__ v,             // v      [n]
-      int n, int n_decay,
-      float beta1, float beta2, float eps, float weight_decay, float grad_clip,
-      const StepState* st) {
+// adamw's and adamw_copy's body. Grid-stride over vectors: thread gt takes vectors gt, gt + stride, ...;
+// element e decays iff e < n_decay. COPY: work[e] = the updated params[e] rounded to bf16.
+template <int VEC, int ADAM_THREADS, bool COPY>
+__device__ __forceinline__ void
+adamw_run(float* __restrict__ params, const float* __restrict__ grads, float* __restrict__ m, float* __restrict__ v,
+          bf16* __restrict__ work, int n, int n_decay, float beta1, float beta2, float eps, float weight_decay,
+          float grad_clip, const StepState* st) {
     AdamCoef c;
     c.lr = st->lr;
     const int t = st->step + 1;
@@ -150,12 +152,62 @@ adamw(float* __restrict__ params,        // params [n]
             adam_one(p.z, g.z, mm.z, vv.z, e + 2 < n_decay, c);
             adam_one(p.w, g.w, mm.w, vv.w, e + 3 < n_decay, c);
             p4[i] = p; m4[i] = mm; v4[i] = vv;
+            if constexpr (COPY) val_st4(work + e, {p.x, p.y, p.z, p.w});
         }
         if (gt < n - nv * 4) {
             const long long e = nv * 4 + gt;
             adam_one(params[e], grads[e], m[e], v[e], e < n_decay, c);
+            if constexpr (COPY) val_st(work + e, params[e]);
         }
     } else {
-        for (long long e = gt; e < n; e += stride) adam_one(params[e], grads[e], m[e], v[e], e < n_decay, c);
+        for (long long e = gt; e < n; e += stride) {
+            adam_one(params[e], grads[e], m[e], v[e], e < n_decay, c);
+            if constexpr (COPY) val_st(work + e, params[e]);
+        }
+    }
+}
+
+#define ADAMW_ARGS                                                                              \
+    float* __restrict__ params,        /* params [n] */                                         \
+    const float* __restrict__ grads,   /* grads  [n] */                                         \
+    float* __restrict__ m,             /* m      [n] */                                         \
+    float* __restrict__ v              /* v      [n] */
+#define ADAMW_ARGS_TAIL                                                                         \
+    int n, int n_decay, float beta1, float beta2, float eps, float weight_decay, float grad_clip, \
+    const StepState* st
+
+template <int VEC, int ADAM_THREADS>
+__global__ void __launch_bounds__(ADAM_THREADS) adamw(ADAMW_ARGS, ADAMW_ARGS_TAIL) {
+    adamw_run<VEC, ADAM_THREADS, false>(params, grads, m, v, nullptr, n, n_decay, beta1, beta2, eps, weight_decay,
+                                        grad_clip, st);
+}
+
+template <int VEC, int ADAM_THREADS>
+__global__ void __launch_bounds__(ADAM_THREADS)
+adamw_copy(ADAMW_ARGS,
+           bf16* __restrict__ work,   /* work [n]: the bf16 working copy of params */
+           ADAMW_ARGS_TAIL) {
+    adamw_run<VEC, ADAM_THREADS, true>(params, grads, m, v, work, n, n_decay, beta1, beta2, eps, weight_decay,
+                                       grad_clip, st);
+}
+
+// Grid-stride over vectors of VEC elements (the last n % 4 one per thread when VEC = 4).
+template <int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+to_bf16(bf16* __restrict__ out,        // out [n]
+        const float* __restrict__ in,  // in  [n]
+        int n) {
+    const long long gt = (long long)blockIdx.x * THREADS + threadIdx.x;
+    const long long stride = (long long)gridDim.x * THREADS;
+    if constexpr (VEC == 4) {
+        const long long nv = n / 4;
+        for (long long i = gt; i < nv; i += stride) {
+            float x[4];
+            val_ld4(in + 4 * i, x);
+            val_st4(out + 4 * i, x);
+        }
+        if (gt < n - nv * 4) val_st(out + nv * 4 + gt, in[nv * 4 + gt]);
+    } else {
+        for (long long e = gt; e < n; e += stride) val_st(out + e, in[e]);
     }
 }

@@ -232,6 +232,22 @@ def rel_err(out, ref):
     return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
+BF16_ROUNDING = 2.0 ** -8       # one rounding to bf16 (8 significant bits, to nearest): <= 2^-8 |x|
+
+
+def bf16_err(out, ref, fp32_tol):
+    """The error model of an output stored in bf16, computed in fp32 from inputs exact in both (ref: float64
+    of the same inputs): one rounding of each element, 2^-8 |ref|, plus the fp32 computation's error,
+    fp32_tol * max|ref|. Returns the largest |out - ref| over that bound (<= 1: within the model; NaN
+    anywhere: inf); out: values (bf16 bit patterns widened with runtime.bf16.values)."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    bound = BF16_ROUNDING * np.abs(ref) + fp32_tol * max(np.max(np.abs(ref)), 1e-30)
+    return float(np.max(np.abs(out - ref) / bound))
+
+
 class FakeGemmRT(RecordingRuntime):
     """The fake device's runtime for driving launchers alone: `names` holds the kernels asked for
     ((file, name, sorted defines)), `launches` each launch's (name, grid, block, smem) as the launcher
@@ -273,6 +289,20 @@ def plan_of(precision, wgmma=False, **kw):
     environment left out."""
     from gptcuda.runtime import execution
     return execution.resolve(arch="sm_90" if wgmma else None, precision=precision, env={}, **kw)
+
+
+def shifted_view(rt, shape, dtype="f32", shift=0, data=None):
+    """A view of `shape` `shift` bytes (a multiple of the element size) past the start of a fresh
+    allocation (aligned), to meet or miss a launcher's alignment rule: holding `data` (values, rounded to
+    nearest even for bf16) or, without, NaN-poisoned (rt.empty)."""
+    from gptcuda.runtime import NP_DTYPES, DeviceView, bf16
+    item = np.dtype(NP_DTYPES[dtype]).itemsize
+    assert shift % item == 0, (shift, dtype)
+    base = rt.empty((int(np.prod(shape)) + shift // item,), dtype)
+    v = DeviceView(base.ptr + shift, tuple(int(d) for d in shape), dtype, f"{base.name}+{shift}")
+    if data is not None:
+        rt.write(v, bf16.bits(data) if dtype == "bf16" else data)
+    return v
 
 
 def fake_view(shape, ptr=1 << 30):

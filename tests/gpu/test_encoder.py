@@ -7,8 +7,9 @@ import pytest
 
 from gptcuda.ops.cuda import encoder as enc
 from gptcuda.ops.reference import ops as ref
-from tests.conftest import FakeGemmRT, fake_view, rel_err
+from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err, shifted_view
 from gptcuda.config import config_of
+from gptcuda.runtime import bf16
 
 gpu = pytest.mark.gpu
 
@@ -200,6 +201,90 @@ def test_encoder_bwd_sorted_graph_equals_eager(rt):
             rt.write(dwte, dwte0)
             g.launch()
             assert np.array_equal(rt.download(dwte).view(np.uint32), eager.view(np.uint32))
+
+
+# ---- bf16 -----------------------------------------------------------------------------------
+# The inputs are bf16 (exact in fp32 and float64): references are float64 of the same values. Error
+# model: the forward adds two values in fp32 (exact here but for an exponent gap > 16: <= 2^-24 of the
+# sum) and rounds a bf16 out once (bf16_err: 2^-8 |ref| plus the fp32 error); the backward sums
+# bf16 dout in fp32 as it sums fp32 dout (the fp32 tests' 1e-5), and its orders are the fp32 kernels'.
+
+@gpu
+@pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("shift", [0, 4])
+@pytest.mark.parametrize("B,T,C,V,Tmax", SHAPES)
+def test_encoder_fwd_bf16(rt, B, T, C, V, Tmax, shift, out_dtype):
+    """wte, wpe bf16 (a working copy; shift 4: misaligned for 4-value loads) into out bf16 or fp32:
+    against float64 within the model, and bitwise the fp32 sum of the two values, rounded once to bf16."""
+    r = np.random.default_rng(B * 1000 + C + shift)
+    idx_h = _ids(r, B, T, V)
+    wte_v, wpe_v = bf16.round_f32(_randn(r, V, C)), bf16.round_f32(_randn(r, Tmax, C))
+    idx = rt.upload(idx_h)
+    wte, wpe = (shifted_view(rt, w.shape, "bf16", shift, w) for w in (wte_v, wpe_v))
+    out = rt.empty((B, T, C), out_dtype)                          # NaN-poisoned
+    enc.encoder_fwd(rt, out, idx, wte, wpe)
+    want = ref.encoder_forward(idx_h, wte_v, wpe_v)
+    sum32 = wte_v[idx_h] + wpe_v[:T]                             # float32 adds, as the kernel
+    got = rt.download(out)
+    if out_dtype == "bf16":
+        assert bf16_err(bf16.values(got), want, 2.0 ** -22) <= 1
+        assert np.array_equal(got, bf16.bits(sum32))
+    else:
+        assert rel_err(got, want) < 1e-6
+        assert np.array_equal(got.view(np.uint32), sum32.view(np.uint32))
+
+
+def _sequential_dwpe(dout, Tmax):
+    """float32 ((0 + dout[0, t]) + dout[1, t]) + ... for t < T, 0 after: encoder_bwd_wpe's order."""
+    B, T, C = dout.shape
+    acc = np.zeros((Tmax, C), np.float32)
+    for b in range(B):
+        acc[:T] = acc[:T] + dout[b]
+    return acc
+
+
+@gpu
+@pytest.mark.parametrize("method", ["scan", "sort"])
+@pytest.mark.parametrize("shift", [0, 4])
+@pytest.mark.parametrize("B,T,C,V,Tmax", SHAPES)
+def test_encoder_bwd_bf16(rt, B, T, C, V, Tmax, method, shift):
+    """dout bf16 into fp32 dwte (+=) and dwpe (=): against float64 (the fp32 sums' error), bitwise the
+    sorted path's and the dwpe kernel's summation orders, reproducible; absent ids' rows untouched."""
+    r = np.random.default_rng(B * 7 + C + shift)
+    idx_h = _ids(r, B, T, V)
+    dout_v = bf16.round_f32(_randn(r, B, T, C))
+    dwte0 = _randn(r, V, C)
+    idx, dout = rt.upload(idx_h), shifted_view(rt, dout_v.shape, "bf16", shift, dout_v)
+    ref_dwte, ref_dwpe = ref.encoder_backward(dout_v, idx_h, V, Tmax)
+    with _workspace(rt, B * T):
+        (g_wte, g_wpe), (g_wte2, g_wpe2) = [_run_bwd(rt, dwte0, dout, idx, Tmax, method) for _ in range(2)]
+    assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
+    assert rel_err(g_wpe, ref_dwpe) < 1e-5
+    assert np.array_equal(g_wpe.view(np.uint32), _sequential_dwpe(dout_v, Tmax).view(np.uint32))
+    if V > 2:
+        assert np.array_equal(g_wte[V - 1].view(np.uint32), dwte0[V - 1].view(np.uint32))
+    assert np.array_equal(g_wte.view(np.uint32), g_wte2.view(np.uint32))
+    assert np.array_equal(g_wpe.view(np.uint32), g_wpe2.view(np.uint32))
+    if method == "sort":
+        assert np.array_equal(g_wte.view(np.uint32), _sequential_dwte(dwte0, dout_v, idx_h, V).view(np.uint32))
+
+
+@gpu
+def test_encoder_bwd_bf16_gpt2_scale(rt):
+    """GPT-2's shape (the sorted path) with bf16 dout: the fp32 sums of the same values, bitwise."""
+    B, T, C, V, Tmax = 8, 1024, 768, 50304, 1024
+    r = np.random.default_rng(8 * 1024 + 1)
+    idx_h = _skewed_ids(r, B, T, V)
+    dout_v = bf16.round_f32(_randn(r, B, T, C))
+    dwte0 = _randn(r, V, C)
+    idx, dout = rt.upload(idx_h), rt.upload(dout_v, "bf16")
+    ref_dwte, ref_dwpe = ref.encoder_backward(dout_v, idx_h, V, Tmax)
+    with _workspace(rt, B * T):
+        g_wte, g_wpe = _run_bwd(rt, dwte0, dout, idx, Tmax, None)
+    assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
+    assert rel_err(g_wpe, ref_dwpe) < 1e-5
+    assert np.array_equal(g_wte.view(np.uint32), _sequential_dwte(dwte0, dout_v, idx_h, V).view(np.uint32))
+    assert np.array_equal(g_wpe.view(np.uint32), _sequential_dwpe(dout_v, Tmax).view(np.uint32))
 
 
 # ---- no GPU needed: the launchers' choices -------------------------------------------------

@@ -4,8 +4,8 @@ import pytest
 
 from gptcuda.ops.cuda import loss as L
 from gptcuda.ops.reference import ops as ref
-from gptcuda.runtime import DeviceView
-from tests.conftest import rel_err
+from gptcuda.runtime import DeviceView, bf16
+from tests.conftest import bf16_err, rel_err, shifted_view
 
 pytestmark = pytest.mark.gpu
 
@@ -256,6 +256,66 @@ def test_crossentropy_block_fallback(env, case):
         got = rt.download(dlogits)
         assert rel_err(got, rd) < 1e-5
         assert np.all(got[..., Vr:] == 0)
+
+
+# ---- bf16 logits (a bf16 model's head output) and their gradient in bf16 ------------------------
+# Error model: the logits are bf16, exact in fp32 and float64 (the reference: float64 of the same
+# values); the kernels compute in fp32 as for fp32 logits, so the fp32 losses keep the fp32 tests' bound
+# (1e-5 of max|ref|), and a bf16 gradient adds one rounding (bf16_err: 2^-8 |ref| an element plus the
+# fp32 error, 1e-5 of max|ref|). Padding columns: exactly 0.
+
+# (leading dims, real vocabulary, row length, kernel): each kernel, padded and not
+BF16_CASES = [((4, 64), 65, 65, "warp"), ((37,), 1, 1, "warp"), ((9,), 1024, 1024, "warp"),
+              ((4, 16), 65, 128, "warp"),
+              ((5,), 1025, 1025, "block"), ((3, 2), 5003, 5003, "block"), ((7,), 1000, 1025, "block"),
+              ((4, 2), 50257, 50304, "rows"), ((5,), 1028, 1028, "rows"), ((2, 2), 4093, 4096, "rows"),
+              ((3,), 2048 * 8 + 4, 2048 * 8 + 4, "rows"), ((3,), 57341, 57344, "rows")]
+
+
+def _check_ce_bf16(rt, lead, Vr, V, kind, mode, shift=0):
+    """crossentropy on bf16 logits `shift` bytes into their allocation (dlogits: as far into theirs, or
+    the logits, or none): the kernel `kind` launched, losses and gradient against float64 within the
+    model, padding exactly 0, the logits untouched without a gradient. Returns (losses, dlogits bits)."""
+    logits_h, tg_h = _rows_inputs(Vr + V + len(lead) + shift, lead, Vr, V)
+    logits_v = bf16.round_f32(logits_h)
+    scale = 0.0 if mode == "nograd" else 0.37
+    rl, rd = _ce_reference(logits_v, tg_h, Vr, scale)
+    logits = shifted_view(rt, (*lead, V), "bf16", shift, logits_v)
+    dlogits = {"grad": lambda: shifted_view(rt, (*lead, V), "bf16", shift), "inplace": lambda: logits,
+               "nograd": lambda: None}[mode]()
+    losses = rt.empty(lead)                                # NaN-poisoned, as dlogits
+    name = _launched(rt, losses, dlogits, logits, rt.upload(tg_h), scale, n_vocab=Vr)
+    rows = kind == "rows"
+    assert name == (L.ce_name(kind, mode != "nograd", L.rows_nv4(V) if rows else 0, "bf16"),
+                    (L.ROWS_THREADS if rows else L.THREADS,))
+    got_l = rt.download(losses)
+    assert rel_err(got_l, rl) < 1e-5
+    if mode == "nograd":
+        assert np.array_equal(rt.download(logits), bf16.bits(logits_v))
+        return got_l, None
+    got_d = rt.download(dlogits)
+    got = bf16.values(got_d)
+    assert bf16_err(got, rd, 1e-5) <= 1
+    assert np.all(got[..., Vr:] == 0)
+    return got_l, got_d
+
+
+@pytest.mark.parametrize("mode", ["grad", "inplace", "nograd"])
+@pytest.mark.parametrize("lead,Vr,V,kind", BF16_CASES)
+def test_crossentropy_bf16(env, lead, Vr, V, kind, mode):
+    """bf16 logits (and dlogits, in place or not) through each kernel, within the model; the same bits
+    on a second run."""
+    got_l, got_d = _check_ce_bf16(env, lead, Vr, V, kind, mode)
+    if mode == "grad":
+        got_l2, got_d2 = _check_ce_bf16(env, lead, Vr, V, kind, mode)
+        assert np.array_equal(got_l2.view(np.uint32), got_l.view(np.uint32)) and np.array_equal(got_d2, got_d)
+
+
+# bf16 rows are 8-byte aligned for the register kernel (16 for fp32); 2 or 4 bytes off: the block kernel
+@pytest.mark.parametrize("mode", ["grad", "inplace", "nograd"])
+@pytest.mark.parametrize("shift,kind", [(8, "rows"), (4, "block"), (2, "block")])
+def test_crossentropy_bf16_alignment(env, shift, kind, mode):
+    _check_ce_bf16(env, (3,), 50257, 50304, kind, mode, shift)
 
 
 @pytest.mark.parametrize("N", [16384, 1, 1023, 1025, 3000])

@@ -5,8 +5,8 @@ import pytest
 
 from gptcuda.ops.cuda import optim
 from gptcuda.ops.reference import ops as ref
-from gptcuda.runtime import DeviceView
-from tests.conftest import rel_err
+from gptcuda.runtime import DeviceView, bf16
+from tests.conftest import rel_err, shifted_view
 from gptcuda.config import config_of
 
 pytestmark = pytest.mark.gpu
@@ -96,21 +96,26 @@ def test_grad_norm(env, P, misalign):
     assert _read(rt)[1][3] == first                      # bitwise reproducible
 
 
-@pytest.mark.parametrize("misalign", [False, True])
-@pytest.mark.parametrize("P,n_decay,step,norm,clip,wd", [
+ADAM_CASES = [
     (100_003, 60_001, 4, 3.0, 1.0, 0.1),      # clipping active, decay boundary inside a float4
     (100_003, 60_002, 0, 0.5, 1.0, 0.1),      # norm below clip: no scaling; t = 1
     (4099, 4099, 999, 7.0, 0.0, 0.1),         # clipping disabled, everything decays
     (4099, 0, 12, 2.0, 1.0, 0.3),             # nothing decays
     (5, 3, 2, 1.5, 1.0, 0.1),
-])
+]
+
+
+def _adam_inputs(r, P):
+    """Random parameters, gradients and moments (v > 0), none zero."""
+    return _randn(r, P), _randn(r, P), _randn(r, P) * 0.1, (np.abs(_randn(r, P)) * 0.01).astype(np.float32)
+
+
+@pytest.mark.parametrize("misalign", [False, True])
+@pytest.mark.parametrize("P,n_decay,step,norm,clip,wd", ADAM_CASES)
 def test_adamw(env, P, n_decay, step, norm, clip, wd, misalign):
     rt = env
     r = np.random.default_rng(P + n_decay + step)
-    p_h = _randn(r, P)
-    g_h = _randn(r, P)
-    m_h = _randn(r, P) * 0.1
-    v_h = (np.abs(_randn(r, P)) * 0.01).astype(np.float32)
+    p_h, g_h, m_h, v_h = _adam_inputs(r, P)
     lr = np.float32(3e-3)
     beta1, beta2, eps = 0.9, 0.99, 1e-8
     _state(rt, step=step, lr=float(lr), grad_norm=norm)
@@ -128,3 +133,52 @@ def test_adamw(env, P, n_decay, step, norm, clip, wd, misalign):
     assert np.array_equal(rt.download(g), g_h)           # grads untouched
     s, f = _read(rt)
     assert s[0] == step                                  # the step is advanced elsewhere
+
+
+# ---- a bf16 model's working copy ---------------------------------------------------------------
+# adamw_copy is adamw's update (the same fp32 arithmetic, element by element, whatever the vector width)
+# plus one rounding of each updated parameter to bf16: checked bitwise, no tolerance.
+
+# shifts in bytes of (the fp32 buffers, the copy): aligned; fp32 misaligned (one value a thread); the
+# copy alone not 8-byte aligned (one value a thread while adamw without it takes 4)
+@pytest.mark.parametrize("shifts", [(0, 0), (4, 0), (0, 2), (0, 4)])
+@pytest.mark.parametrize("P,n_decay,step,norm,clip,wd", ADAM_CASES)
+def test_adamw_bf16_copy(env, P, n_decay, step, norm, clip, wd, shifts):
+    """The fp32 update with the working copy written is adamw's bit for bit (params, m, v; adamw run on
+    the same inputs, aligned), and the copy (poisoned before) is bf16.bits of the updated params."""
+    rt = env
+    r = np.random.default_rng(P + n_decay + step + 1)
+    host = _adam_inputs(r, P)
+    beta1, beta2, eps = 0.9, 0.99, 1e-8
+    _state(rt, step=step, lr=3e-3, grad_norm=norm)
+    plain = [rt.upload(a) for a in host]
+    optim.adamw(rt, *plain, n_decay, beta1, beta2, eps, wd, clip)
+    fshift, wshift = shifts
+    bufs = [shifted_view(rt, (P,), "f32", fshift, a) for a in host]
+    work = shifted_view(rt, (P,), "bf16", wshift)                # NaN-poisoned
+    optim.adamw(rt, *bufs, n_decay, beta1, beta2, eps, wd, clip, work=work)
+    for a, b in zip(plain, bufs):                                # params, grads (untouched), m, v
+        assert np.array_equal(rt.download(a).view(np.uint32), rt.download(b).view(np.uint32))
+    assert np.array_equal(rt.download(work), bf16.bits(rt.download(bufs[0])))
+    assert _read(rt)[0][0] == step
+
+
+@pytest.mark.parametrize("shifts", [(0, 0), (4, 0), (0, 2), (0, 4)])
+@pytest.mark.parametrize("P", [1_000_003, 4099, 7, 1])
+def test_to_bf16(env, P, shifts):
+    """The working copy at init / load: every fp32 value rounded to nearest even, bitwise (exact ties
+    both ways, values just off a tie, magnitudes from subnormal to overflow, infinities)."""
+    rt = env
+    r = np.random.default_rng(P)
+    x = (_randn(r, P) * np.float32(10.0) ** r.integers(-30, 30, P).astype(np.float32)).astype(np.float32)
+    u = x.view(np.uint32)
+    k = r.integers(0, 4, P)
+    u[k == 1] = (u[k == 1] & 0xFFFF0000) | 0x8000               # ties: to the even pattern
+    u[k == 2] = (u[k == 2] & 0xFFFF0000) | r.choice([0x7FFF, 0x8001], int((k == 2).sum())).astype(np.uint32)
+    special = np.array([1e-39, -3e-41, 3.4e38, -3.39e38, np.inf, -np.inf, 1 + 2 ** -8, 1 + 3 * 2 ** -8], np.float32)
+    x[:min(P, len(special))] = special[:P]
+    assert np.all(x != 0) and not np.any(np.isnan(x))
+    src = shifted_view(rt, (P,), "f32", shifts[0], x)
+    out = shifted_view(rt, (P,), "bf16", shifts[1])              # NaN-poisoned
+    optim.to_bf16(rt, out, src)
+    assert np.array_equal(rt.download(out), bf16.bits(x))

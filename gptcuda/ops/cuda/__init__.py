@@ -2,7 +2,9 @@
 arithmetic they share."""
 from __future__ import annotations
 
-from gptcuda.runtime import RuntimeProtocol
+import numpy as np
+
+from gptcuda.runtime import NP_DTYPES, RuntimeProtocol
 
 
 def cdiv(a: int, b: int) -> int:
@@ -14,6 +16,33 @@ def expression(base: str, *args, sep: str = ",") -> str:
     """A kernel's name expression: base<args> (bools as true / false), the template arguments through
     which a launcher passes the geometry it chose (the kernels restate none of it)."""
     return f"{base}<{sep.join(('true' if a else 'false') if isinstance(a, bool) else str(int(a)) for a in args)}>"
+
+
+# The element types a kernel may take as template arguments (kernels/bf16.cuh ElemOf), by view dtype
+DTYPE_CODES = {"f32": 0, "bf16": 1}
+
+
+def aligned4(*views) -> bool:
+    """Whether every view (None: none) starts on 4 of its elements, so that 4 consecutive values move in
+    one access: 16 bytes of fp32 or i32, 8 of bf16."""
+    return all(v is None or v.ptr % (4 * np.dtype(NP_DTYPES[v.dtype]).itemsize) == 0 for v in views)
+
+
+def element_types(label: str, kernels, **views) -> tuple:
+    """The views' dtypes (in the order given) as the kernel's type codes (DTYPE_CODES), where `kernels`
+    (tuples of dtypes in that order) has a kernel for them; else a ValueError of one line naming what
+    was given and what there is."""
+    got = tuple(v.dtype for v in views.values())
+    if got not in kernels:
+        given = ", ".join(f"{k} {d}" for k, d in zip(views, got))
+        there = "; ".join(" ".join(c) for c in kernels)
+        raise ValueError(f"{label}: no kernel for {given} (there are, in that order: {there})")
+    return type_codes(got)
+
+
+def type_codes(dtypes) -> tuple:
+    """The kernel template arguments of these element types (DTYPE_CODES)."""
+    return tuple(DTYPE_CODES[d] for d in dtypes)
 
 
 def dropout_args(rt: RuntimeProtocol, p: float, site: int, label: str) -> list:

@@ -3,6 +3,10 @@
     encoder_fwd(rt, out[B,T,C], idx[B,T] i32, wte[V,C], wpe[Tmax,C])     out = wte[idx] + wpe[t]
     encoder_bwd(rt, dwte[V,C], dwpe[Tmax,C], dout[B,T,C], idx[B,T])      dwte += ; dwpe = (t >= T zeroed)
 
+Element types (the views' dtypes pick the kernel, FWD_TYPES / BWD_TYPES; another combination is a
+ValueError): fp32 throughout, or a bf16 model's: wte and wpe its bf16 working copy, out bf16 or fp32;
+dout bf16 (or fp32) into the fp32 dwte, dwpe. The sums are fp32; a bf16 out is rounded once.
+
 The backward is deterministic without float atomics: each (v, column) of dwte is read, added to
 and written once, with a summation order fixed by idx alone (see the kernel file). dwte's rows
 that no token uses are left bitwise as they were by the sorted path. Two ways (`bwd_wte_method`):
@@ -21,7 +25,7 @@ that no token uses are left bitwise as they were by the sorted path. Two ways (`
 from __future__ import annotations
 
 from gptcuda.runtime import RuntimeProtocol, i32
-from gptcuda.ops.cuda import cdiv, expression
+from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, type_codes
 
 FILE = "encoder.cu"
 # The kernels' geometry, passed as template arguments (the names below): blocks of the elementwise
@@ -43,11 +47,19 @@ WORKSPACE = "encoder_buckets"
 
 _BLOCK = {"encoder_fwd": THREADS, "encoder_bwd_wte": BWD_WARPS, "encoder_bwd_wte_seg": SEG_WARPS,
           "encoder_bwd_wpe": THREADS}
+# The element types there are kernels for: (wte, wpe, out) of the forward, (dwte, dwpe, dout) of the
+# backward: fp32, and a bf16 model's (its working copy read; the embedding's output, and so its
+# gradient, bf16 or fp32 as the model keeps that tensor)
+FWD_TYPES = (("f32", "f32", "f32"), ("bf16", "bf16", "bf16"), ("bf16", "bf16", "f32"))
+BWD_TYPES = (("f32", "f32", "f32"), ("f32", "f32", "bf16"))
 
 
-def enc_name(kernel: str, vec: int) -> str:
-    """encoder_fwd / encoder_bwd_wpe <VEC, THREADS>, encoder_bwd_wte / _seg <VEC, WARPS>."""
-    return expression(kernel, vec, _BLOCK[kernel])
+def enc_name(kernel: str, vec: int, codes=None) -> str:
+    """encoder_fwd <VEC, THREADS, TW, TO>, encoder_bwd_wpe <VEC, THREADS, TD>, encoder_bwd_wte / _seg
+    <VEC, WARPS, TD>: codes the element types' (DTYPE_CODES: (TW, TO) or (TD,)), fp32 unless given."""
+    if codes is None:
+        codes = (0, 0) if kernel == "encoder_fwd" else (0,)
+    return expression(kernel, vec, _BLOCK[kernel], *codes)
 
 
 def _sort_kernel(e: int) -> tuple:
@@ -61,7 +73,9 @@ def _pad(i: int) -> int:
     return i + (i >> 5)          # enc_pad
 
 
-VARIANTS = ([(FILE, enc_name(k, vec), {}) for k in _BLOCK for vec in (4, 1)]
+VARIANTS = ([(FILE, enc_name("encoder_fwd", vec, type_codes(t[1:])), {}) for t in FWD_TYPES for vec in (4, 1)]
+            + [(FILE, enc_name(k, vec, type_codes(t[2:])), {}) for k in _BLOCK if k != "encoder_fwd"
+               for t in BWD_TYPES for vec in (4, 1)]
             + [(FILE, _sort_kernel(e)[0], {}) for e in SORT_KEYS])
 
 
@@ -101,10 +115,6 @@ def bwd_wte_method(N: int, C: int, V: int, vec: int = 4) -> str:
     return "scan" if V * tiles * N <= SCAN_MAX_WORK else "sort"
 
 
-def _aligned(*views) -> bool:
-    return all(v is None or v.ptr % 16 == 0 for v in views)
-
-
 def _check_idx(idx, out_lead):
     if idx.dtype != "i32":
         raise TypeError(f"encoder: token ids must be i32, got {idx.dtype}")
@@ -121,9 +131,10 @@ def encoder_fwd(rt: RuntimeProtocol, out, idx, wte, wpe):
         raise ValueError(f"encoder_fwd: widths differ: out {out.shape}, wte {wte.shape}, wpe {wpe.shape}")
     if T > Tmax:
         raise ValueError(f"encoder_fwd: sequence length {T} exceeds wpe rows {Tmax}")
+    _, tw, to = element_types("encoder_fwd", FWD_TYPES, wte=wte, wpe=wpe, out=out)
     N = B * T
-    vec = 4 if C % 4 == 0 and _aligned(out, wte, wpe) else 1
-    fn = rt.function(FILE, enc_name("encoder_fwd", vec))
+    vec = 4 if C % 4 == 0 and aligned4(out, wte, wpe) else 1
+    fn = rt.function(FILE, enc_name("encoder_fwd", vec, (tw, to)))
     total = N * (C // vec)
     rt.launch(fn, (cdiv(total, THREADS),), (THREADS,),
               [out, idx, wte, wpe, i32(N), i32(T), i32(C), i32(V)], label="encoder_fwd")
@@ -152,8 +163,9 @@ def encoder_bwd(rt: RuntimeProtocol, dwte, dwpe, dout, idx, *, method=None):
         raise ValueError(f"encoder_bwd: widths differ: dout {dout.shape}, dwte {dwte.shape}, dwpe {dwpe.shape}")
     if T > Tmax:
         raise ValueError(f"encoder_bwd: sequence length {T} exceeds wpe rows {Tmax}")
+    *_, td = element_types("encoder_bwd", BWD_TYPES, dwte=dwte, dwpe=dwpe, dout=dout)
     N = B * T
-    vec = 4 if C % 4 == 0 and _aligned(dwte, dout) else 1
+    vec = 4 if C % 4 == 0 and aligned4(dwte, dout) else 1
     tiles = cdiv(C, 32 * vec)
     method = method or bwd_wte_method(N, C, V, vec)
     if method == "sort":
@@ -166,16 +178,16 @@ def encoder_bwd(rt: RuntimeProtocol, dwte, dwpe, dout, idx, *, method=None):
                   [ws, idx, i32(N), i32(V), i32(nbits), i32(passes)], smem=smem, label="encoder_bwd_sort")
         sms = int(getattr(getattr(rt, "info", None), "sm_count", 132))
         grid = max(1, min(SEG_BLOCKS_PER_SM * sms, cdiv(N * tiles, SEG_WARPS)))
-        rt.launch(rt.function(FILE, enc_name("encoder_bwd_wte_seg", vec)), (grid,), (SEG_WARPS * 32,),
+        rt.launch(rt.function(FILE, enc_name("encoder_bwd_wte_seg", vec, (td,))), (grid,), (SEG_WARPS * 32,),
                   [dwte, dout, ws, i32(N), i32(C), i32(tiles)], label="encoder_bwd_wte_seg")
     elif method == "scan":
-        fn = rt.function(FILE, enc_name("encoder_bwd_wte", vec))
+        fn = rt.function(FILE, enc_name("encoder_bwd_wte", vec, (td,)))
         rt.launch(fn, (V, tiles), (BWD_WARPS * 32,),
                   [dwte, dout, idx, i32(N), i32(C)], label="encoder_bwd_wte")
     else:
         raise ValueError(f"encoder_bwd: method {method!r} is not 'scan' or 'sort'")
-    vec = 4 if C % 4 == 0 and _aligned(dwpe, dout) else 1
-    fn = rt.function(FILE, enc_name("encoder_bwd_wpe", vec))
+    vec = 4 if C % 4 == 0 and aligned4(dwpe, dout) else 1
+    fn = rt.function(FILE, enc_name("encoder_bwd_wpe", vec, (td,)))
     total = Tmax * (C // vec)
     rt.launch(fn, (cdiv(total, THREADS),), (THREADS,),
               [dwpe, dout, i32(B), i32(T), i32(Tmax), i32(C)], label="encoder_bwd_wpe")

@@ -7,9 +7,12 @@
         padded columns (dlogits may be logits)
         grad_scale == 0: no gradient is written (dlogits may be None)
         kernel (V the row length): V <= WARP_MAX_V: crossentropy_warp (one warp per row); else
-        V % 4 == 0, V <= max(ROWS_NV4) * 2048 and logits / dlogits 16-byte aligned: crossentropy_rows<NV4>
-        (one 512-thread block per row held in registers, NV4 the smallest of ROWS_NV4 with
-        NV4 * 2048 >= V: one DRAM read of the row); else crossentropy_block (one 256-thread block per row)
+        V % 4 == 0, V <= max(ROWS_NV4) * 2048 and logits / dlogits aligned to 4 elements (16 bytes of
+        fp32, 8 of bf16): crossentropy_rows<NV4> (one 512-thread block per row held in registers, NV4 the
+        smallest of ROWS_NV4 with NV4 * 2048 >= V: one DRAM read of the row); else crossentropy_block
+        (one 256-thread block per row)
+        logits and dlogits: fp32, or bf16 (a bf16 model's head output; its gradient rounded once, the
+        rest computed in fp32), of one type (TYPES); losses fp32
     loss_reduce(rt, losses[N], history[max_steps]|None)
         state.loss = mean(losses) (deterministic, one block); history[state.step] = the same value
         when state.step < len(history)
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import RuntimeProtocol, f32, i32
-from gptcuda.ops.cuda import cdiv, expression
+from gptcuda.ops.cuda import DTYPE_CODES, aligned4, cdiv, element_types, expression
 
 FILE = "loss.cu"
 WARPS = 8                   # crossentropy_warp's rows a block, crossentropy_block's warps (their WARPS)
@@ -28,20 +31,21 @@ REDUCE_THREADS = 1024       # loss_reduce's block (a power of two: its tree)
 ROWS_WARPS = 16             # crossentropy_rows' WARPS: thread t holds float4 vectors j * 512 + t, j < NV4
 ROWS_THREADS = ROWS_WARPS * 32
 ROWS_NV4 = (8, 16, 25, 28)  # 28: the most without spills at 128 registers (ptxas, sm_90); 25: V = 50304
+TYPES = ("f32", "bf16")     # the element types of logits (and dlogits) there are kernels for
 
 
-
-def ce_name(kind: str, grad: bool, nv4: int = 0) -> str:
-    """crossentropy_warp / crossentropy_block <GRAD, WARPS>, crossentropy_rows <GRAD, NV4, ROWS_WARPS>."""
+def ce_name(kind: str, grad: bool, nv4: int = 0, dtype: str = "f32") -> str:
+    """crossentropy_warp / crossentropy_block <GRAD, WARPS, TL>, crossentropy_rows <GRAD, NV4, ROWS_WARPS, TL>
+    (TL: the logits' element type's code)."""
     if kind == "rows":
-        return expression("crossentropy_rows", grad, nv4, ROWS_WARPS, sep=", ")
-    return expression(f"crossentropy_{kind}", grad, WARPS, sep=", ")
+        return expression("crossentropy_rows", grad, nv4, ROWS_WARPS, DTYPE_CODES[dtype], sep=", ")
+    return expression(f"crossentropy_{kind}", grad, WARPS, DTYPE_CODES[dtype], sep=", ")
 
 
 REDUCE_NAME = expression("loss_reduce", REDUCE_THREADS)
 VARIANTS = (
-    [(FILE, ce_name(k, g), {}) for k in ("warp", "block") for g in (True, False)]
-    + [(FILE, ce_name("rows", g, n), {}) for n in ROWS_NV4 for g in (True, False)]
+    [(FILE, ce_name(k, g, dtype=t), {}) for t in TYPES for k in ("warp", "block") for g in (True, False)]
+    + [(FILE, ce_name("rows", g, n, t), {}) for t in TYPES for n in ROWS_NV4 for g in (True, False)]
     + [(FILE, REDUCE_NAME, {})]
 )
 
@@ -52,8 +56,8 @@ def workspace(cfg, ex=None) -> dict:
 
 def rows_nv4(V: int, *views) -> int | None:
     """NV4 of the crossentropy_rows variant for rows of length V over these views (None where the
-    row does not fit any, V % 4 != 0, or a view is not 16-byte aligned)."""
-    if V % 4 or not all(v is None or v.ptr % 16 == 0 for v in views):
+    row does not fit any, V % 4 != 0, or a view does not start on 4 of its elements)."""
+    if V % 4 or not aligned4(*views):
         return None
     return next((n for n in ROWS_NV4 if n * ROWS_THREADS * 4 >= V), None)
 
@@ -72,16 +76,23 @@ def crossentropy(rt: RuntimeProtocol, losses, dlogits, logits, targets, grad_sca
     grad = grad_scale != 0.0
     if grad and (dlogits is None or dlogits.numel != N * V):
         raise ValueError(f"crossentropy: a gradient needs dlogits of {N}x{V} elements")
+    if losses.dtype != "f32":
+        raise ValueError(f"crossentropy: losses must be f32, got {losses.dtype}")
+    kinds = [(t, t) for t in TYPES] if grad else [(t,) for t in TYPES]
+    views = dict(logits=logits, dlogits=dlogits) if grad else dict(logits=logits)
+    dtype = logits.dtype
+    element_types("crossentropy", kinds, **views)
     args = [losses, dlogits if grad else None, logits, targets, i32(N), i32(V), i32(Vr), f32(grad_scale)]
     nv4 = None if V <= WARP_MAX_V else rows_nv4(V, logits, dlogits if grad else None)
     if V <= WARP_MAX_V:
-        rt.launch(rt.function(FILE, ce_name("warp", grad)), (cdiv(N, WARPS),), (THREADS,), args,
+        rt.launch(rt.function(FILE, ce_name("warp", grad, dtype=dtype)), (cdiv(N, WARPS),), (THREADS,), args,
                   label="crossentropy")
     elif nv4 is not None:
-        rt.launch(rt.function(FILE, ce_name("rows", grad, nv4)), (N,), (ROWS_THREADS,), args,
+        rt.launch(rt.function(FILE, ce_name("rows", grad, nv4, dtype)), (N,), (ROWS_THREADS,), args,
                   label="crossentropy")
     else:
-        rt.launch(rt.function(FILE, ce_name("block", grad)), (N,), (THREADS,), args, label="crossentropy")
+        rt.launch(rt.function(FILE, ce_name("block", grad, dtype=dtype)), (N,), (THREADS,), args,
+                  label="crossentropy")
 
 
 def loss_reduce(rt: RuntimeProtocol, losses, history):

@@ -6,9 +6,13 @@
     grad_norm(rt, grads[P])                       state.grad_norm = ||grads||_2 (deterministic)
         = grad_norm_partial (NORM_BLOCKS-bounded partials) then grad_norm_final (gptcuda/dist
         all-reduces the partials of ZeRO-1 shards in between)
-    adamw(rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip)
+    adamw(rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip, work=None)
         one launch over the flat buffers [P]; clip scale min(1, clip / (state.grad_norm + 1e-6))
         when grad_clip > 0; decoupled decay on elements < n_decay; bias correction t = step + 1.
+        work (a bf16 view of P elements: a bf16 model's working copy of the parameters): also
+        written, the updated parameters rounded to nearest even (adamw_copy; the fp32 update the same
+        bits as without it)
+    to_bf16(rt, out, src)                         out = src rounded to bf16 (the working copy at init / load)
 
 The norm is two launches: NORM_BLOCKS (fixed, not device dependent) blocks write double
 partials into the workspace "optim_partials", then one block sums them in a fixed order.
@@ -18,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from gptcuda.runtime import RuntimeProtocol, f32, i32, u64
-from gptcuda.ops.cuda import cdiv, expression
+from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression
 
 FILE = "optim.cu"
 NORM_THREADS = 512         # the kernels' blocks: their last template argument
@@ -35,24 +39,26 @@ def norm_name(vec: int) -> str:
     return expression("grad_norm_partial", vec, NORM_THREADS)
 
 
-def adamw_name(vec: int) -> str:
-    return expression("adamw", vec, ADAM_THREADS)
+def adamw_name(vec: int, copy: bool = False) -> str:
+    """adamw <VEC, ADAM_THREADS>, or adamw_copy (the bf16 working copy written too)."""
+    return expression("adamw_copy" if copy else "adamw", vec, ADAM_THREADS)
+
+
+def to_bf16_name(vec: int) -> str:
+    return expression("to_bf16", vec, ADAM_THREADS)
 
 
 VARIANTS = (
     [(FILE, n, {}) for n in ("lr_schedule", "step_advance", "eval_advance", FINAL_NAME)]
     + [(FILE, norm_name(v), {}) for v in (4, 1)]
-    + [(FILE, adamw_name(v), {}) for v in (4, 1)]
+    + [(FILE, adamw_name(v, c), {}) for c in (False, True) for v in (4, 1)]
+    + [(FILE, to_bf16_name(v), {}) for v in (4, 1)]
 )
 
 
 def workspace(cfg, ex=None) -> dict:
     """NORM_BLOCKS double partials (stored as 2 * NORM_BLOCKS f32 words)."""
     return {WORKSPACE: ((2 * NORM_BLOCKS,), "f32")}
-
-
-def _aligned(*views) -> bool:
-    return all(v is None or v.ptr % 16 == 0 for v in views)
 
 
 def _f64_bits(x: float) -> u64:
@@ -102,7 +108,7 @@ def grad_norm_partial(rt: RuntimeProtocol, grads, blocks: int | None = None):
     part = rt.workspace(WORKSPACE)
     if part.numel < 2 * NORM_BLOCKS or part.ptr % 8:
         raise ValueError(f"workspace {WORKSPACE} {part.shape} must hold {NORM_BLOCKS} doubles (8-byte aligned)")
-    vec = 4 if _aligned(grads) else 1
+    vec = 4 if aligned4(grads) else 1
     G = norm_blocks(n, vec) if blocks is None else int(blocks)
     rt.launch(rt.function(FILE, norm_name(vec)), (G,), (NORM_THREADS,),
               [part, grads, i32(n)], label="grad_norm_partial")
@@ -116,20 +122,44 @@ def grad_norm_final(rt: RuntimeProtocol, part, blocks: int):
               label="grad_norm_final")
 
 
-def adamw(rt: RuntimeProtocol, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
+# The element types there are AdamW kernels for: (params, grads, m, v), and the same with the working copy
+ADAM_TYPES = (("f32",) * 4, ("f32",) * 4 + ("bf16",))
+
+
+def _grid(rt: RuntimeProtocol, n: int, vec: int) -> int:
+    """Blocks of a grid-stride pass over n elements, vec at a time (the n % 4 left one a thread)."""
+    units = n // 4 + n % 4 if vec == 4 else n
+    sms = int(getattr(getattr(rt, "info", None), "sm_count", 132) or 132)
+    return max(1, min(cdiv(units, ADAM_THREADS), sms * ADAM_BLOCKS_PER_SM))
+
+
+def adamw(rt: RuntimeProtocol, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip, work=None):
     st = _state(rt, "adamw")
     n = params.numel
-    if grads.numel != n or m.numel != n or v.numel != n:
-        raise ValueError(f"adamw: sizes differ: {params.shape} {grads.shape} {m.shape} {v.shape}")
+    if grads.numel != n or m.numel != n or v.numel != n or (work is not None and work.numel != n):
+        raise ValueError(f"adamw: sizes differ: {params.shape} {grads.shape} {m.shape} {v.shape}"
+                         + ("" if work is None else f" (work {work.shape})"))
     if n >= 2 ** 31:
         raise ValueError(f"adamw: {n} elements exceed int32")
     n_decay = int(n_decay)
     if not 0 <= n_decay <= n:
         raise ValueError(f"adamw: n_decay {n_decay} outside 0..{n}")
-    vec = 4 if _aligned(params, grads, m, v) else 1
-    units = n // 4 + n % 4 if vec == 4 else n
-    sms = int(getattr(getattr(rt, "info", None), "sm_count", 132) or 132)
-    G = max(1, min(cdiv(units, ADAM_THREADS), sms * ADAM_BLOCKS_PER_SM))
-    rt.launch(rt.function(FILE, adamw_name(vec)), (G,), (ADAM_THREADS,),
-              [params, grads, m, v, i32(n), i32(n_decay), f32(beta1), f32(beta2), f32(eps),
-               f32(weight_decay), f32(grad_clip), st], label="adamw")
+    copy = {} if work is None else {"work": work}
+    element_types("adamw", ADAM_TYPES, params=params, grads=grads, m=m, v=v, **copy)
+    vec = 4 if aligned4(params, grads, m, v, work) else 1
+    tail = [i32(n), i32(n_decay), f32(beta1), f32(beta2), f32(eps), f32(weight_decay), f32(grad_clip), st]
+    rt.launch(rt.function(FILE, adamw_name(vec, work is not None)), (_grid(rt, n, vec),), (ADAM_THREADS,),
+              [params, grads, m, v, *copy.values(), *tail], label="adamw")
+
+
+def to_bf16(rt: RuntimeProtocol, out, src):
+    """out = src rounded to bf16, nearest even (e.g. the working copy of the fp32 parameters)."""
+    n = src.numel
+    if out.numel != n:
+        raise ValueError(f"to_bf16: sizes differ: out {out.shape}, src {src.shape}")
+    if n >= 2 ** 31:
+        raise ValueError(f"to_bf16: {n} elements exceed int32")
+    element_types("to_bf16", (("bf16", "f32"),), out=out, src=src)
+    vec = 4 if aligned4(out, src) else 1
+    rt.launch(rt.function(FILE, to_bf16_name(vec)), (_grid(rt, n, vec),), (ADAM_THREADS,),
+              [out, src, i32(n)], label="to_bf16")
