@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call's side-by-side speed rows: bench/step.py on the speed cases in OLD (a tree unpacked
+# under .devcarry, e.g. `git archive REV | tar -x -C .devcarry/oldtree`) and in this tree, alternating
+# case by case, each with the measured GEMM table (gemm_tune auto: measured on first use, per tree, as
+# the kernel sources differ) or the cost model alone (TUNES="off").
+#   OLD=.devcarry/oldtree CASES="char_tf32 char_fp32 ctx2048 gpt2_b8" TUNES="auto" bash bench/ab_speed.sh
+# Logs under $OUT (ab_<case>_<tune>_<old|new>.log) and one line per run in $OUT/ab_summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OLD=${OLD:-.devcarry/oldtree}
+OUT=${OUT:-out/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
+GPT2_DATA=/tmp/shakespeare_gpt2
+for c in ${CASES:-char_tf32 char_fp32 ctx2048 gpt2_b8}; do
+  case $c in
+    char_tf32) args="configs/ctx256_tf32.yaml" ;;
+    char_fp32) args="configs/ctx256_tf32.yaml --precision=fp32" ;;
+    ctx2048)   args="configs/ctx2048_tf32.yaml" ;;
+    gpt2_b8)   [ -f $GPT2_DATA/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt \
+                 --tokenizer gpt2 --out $GPT2_DATA > /dev/null 2>&1
+               args="configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8" ;;
+    *) echo "unknown case $c"; continue ;;
+  esac
+  for tune in ${TUNES:-auto}; do
+    for side in old new; do
+      tree=$([ $side = old ] && echo "$OLD" || echo .)
+      log="$OUT/ab_${c}_${tune}_${side}.log"
+      (cd "$tree" && python3 bench/step.py $args --gemm_tune=$tune --iters ${ITERS:-20} > "$log" 2>&1)
+      echo "$c gemm_tune=$tune $side: $(grep -E "^graph" "$log" | head -1) | $(grep -E "clock" "$log" | head -1)" \
+        | tee -a "$OUT/ab_summary.txt"
+    done
+  done
+done
