@@ -329,7 +329,7 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 // converged, which keeps ptxas from serializing the wgmma in flight around it):
 // expect `bytes` on bar, then the boxes at coordinates {a0, a1, batch} of tensor map a and
 // {b0, b1, batch} of b into shared memory at dsta / dstb, completing on bar. The K-major maps'
-// coordinates are (k0, first row); gemm_wgmma_mn's, over operands as stored, (first row, k0).
+// coordinates are (k0, first row); the maps over MN-major operands as stored, (first row, k0).
 __device__ __forceinline__ void tma_load_pair(int lane, unsigned bar, unsigned bytes, unsigned dsta,
                                               const TmaMap* mapa, int a0, int a1, unsigned dstb, const TmaMap* mapb,
                                               int b0, int b1, int batch) {
@@ -785,8 +785,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         // the tile's bias into one of the two buffers (the other may still be read by a consumer
         // finishing the tile before); the consumers' barrier (named barrier 2: the producer warpgroup
         // has its own loop) orders these writes before this epilogue's reads, and that epilogue's
-        // reads before the next writes to the buffer. 2 x BN floats: 128x128 s7 (gemm_wgmma_mn)
-        // leaves no more room than that beside its 224 KB of slots.
+        // reads before the next writes to the buffer. 2 x BN floats: 128x128 s7 (gemm_wgmma_ra with
+        // MN_B) leaves no more room than that beside its 224 KB of slots.
         const float* bias_t = tile_bias.put(ws_bias + (tn & 1) * BN, bias, tl.n0, threadIdx.x);
         if constexpr (HAS_BIAS) asm volatile("bar.sync 2, %0;\n" ::"n"(WG * 128) : "memory");
         if constexpr (TC)
@@ -799,7 +799,7 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
 
 // Barrier set-up of the warp-specialized kernels: full[s] (`full_count` producer arrivals, or 1
 // with the copy's bytes), empty[s] (one arrival per consumer thread), then `extra` single-arrival
-// barriers (the staging ring of gemm_wgmma_mn).
+// barriers (the staging ring of the turning kernels).
 __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigned full_count, unsigned consumers,
                                              int extra) {
     if (threadIdx.x == 0) {
@@ -813,12 +813,11 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
     __syncthreads();      // the last block-wide barrier: the producer warpgroup leaves early
 }
 
-// The argument list of the persistent kernels (gemm_wgmma_ws, gemm_wgmma_mn, gemm_wgmma_ra,
-// gemm_wgmma3_ra): the launcher's contract, checked against its argument block when a launch is
-// recorded. A and B are K-major ([batch, M, K], [batch, N, K]) for gemm_wgmma_ws; as stored ([batch,
-// K, M], [batch, K, N]) for gemm_wgmma_mn, and where MN_A / MN_B say so for the others. colsum: the
-// bias gradient's partial sums of A as stored (gemm_wgmma_mn, the others with MN_A, COLSUM: row z = the split's
-// k range, one product).
+// The argument list of the persistent kernels (gemm_wgmma_ws, gemm_wgmma_ra, gemm_wgmma3_ra): the
+// launcher's contract, checked against its argument block when a launch is recorded. A and B are
+// K-major ([batch, M, K], [batch, N, K]) for gemm_wgmma_ws; as stored ([batch, K, M], [batch, K, N])
+// where MN_A / MN_B say so for the others. colsum: the bias gradient's partial sums of A as stored
+// (the kernels with MN_A, COLSUM: row z = the split's k range, one product).
 #define WS_ARGS                                                                                      \
     float* C,                               /* C [zs, M, N], row stride ldc, matrix stride sC */    \
     float* aux,                             /* aux: as in gemm_wgmma */                             \
@@ -892,16 +891,16 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ws(WS_ARGS) {
 // The turning kernels: the warp-specialized persistent product of gemm_wgmma_ws, whose producer
 // warpgroup prepares each TMA-staged k tile in shared memory before the consumers (ws_consume)
 // read it. Lane 0 of its first warp has the copy engine bring a k tile of A and B as they are
-// stored into a slot (staged[s]); the 128 producer threads prepare it in place, fence their stores
-// into the async proxy and arrive on full[s] (128 arrivals); A, then B (each operand's staged
-// bytes are exactly its K-major tile's place). A slot's next copy (k tile it + STAGES - 1 goes
+// stored into a slot (staged[s]); the 128 producer threads prepare B in place (its staged bytes are
+// exactly its K-major tile's place), fence their stores into the async proxy and arrive on full[s]
+// (128 arrivals). A slot's next copy (k tile it + STAGES - 1 goes
 // where tile it - 1 was) is issued once the consumers released it: STAGES - 2 copies in flight.
 //
-// gemm_wgmma_mn: C = A^T B with A stored [batch, K, M] and B stored [batch, K, N] (both MN-major:
-// the weight gradient dW = dY^T X with K = tokens) in TF32. wgmma reads TF32 operands K-major
-// only, so the producers turn them: an MN-major operand arrives as it lies (no swizzle; tensor map
-// {rows, K, batch}, box {BM or BN, 32, 1}), [32][R], and is rewritten as the K-major [R][32] in
-// the 128-byte swizzle of gemm_wgmma_tma (ws_prepare).
+// MN (gemm_wgmma_ra's B stored [batch, K, N], gemm_wgmma3_ra's with MN_B): wgmma reads TF32
+// operands K-major only, so the producers turn the operand: it arrives as it lies (no swizzle;
+// tensor map {rows, K, batch}, box {BN, 32, 1}), [32][R], and is rewritten as the K-major [R][32] in
+// the 128-byte swizzle of gemm_wgmma_tma (ws_prepare). (A, read as stored, goes to the consumers'
+// registers: the producers leave it as the copy engine wrote it.)
 //
 // PRODUCTS 3 (fp32 as 3xTF32 with no pass before it, gemm_wgmma3_ra's B): an operand [batch, rows, K]
 // or, MN, [batch, K, rows], read as stored (a K-major operand through the swizzled tensor map of
@@ -919,8 +918,8 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ws(WS_ARGS) {
 // distinct bank groups). K-major (SPLIT only): thread pt splits the 16-byte chunks pt, pt + 128, ...
 // where they are (consecutive chunks: conflict-free). SPLIT: the hi half in place, the lo half at
 // tile + HALF.
-template <int R, bool MN, bool SPLIT, int HALF, bool SUM = false>
-__device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt, float* sums = nullptr) {
+template <int R, bool MN, bool SPLIT, int HALF>
+__device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt) {
     constexpr int CH = R * 8 / 128;
     static_assert(MN || SPLIT, "a K-major TF32 operand needs no preparation");
     auto put = [&](unsigned char* dst, float4 x) {
@@ -944,12 +943,6 @@ __device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt, float* s
             const float* src = stg + 4 * c * R + row;
             v[i] = make_float4(src[0], src[R], src[2 * R], src[3 * R]);
         }
-        if constexpr (SUM) {        // chunks i = 2j, 2j + 1 (c = w, w + 4) are of row 32 j + lane
-#pragma unroll
-            for (int j = 0; j < CH / 2; ++j)
-                sums[j] += ((v[2 * j].x + v[2 * j].y) + (v[2 * j].z + v[2 * j].w)) +
-                           ((v[2 * j + 1].x + v[2 * j + 1].y) + (v[2 * j + 1].z + v[2 * j + 1].w));
-        }
         asm volatile("bar.sync 1, 128;\n" ::: "memory");       // every read of the staged operand done
 #pragma unroll
         for (int i = 0; i < CH; ++i) {
@@ -966,55 +959,28 @@ __device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt, float* s
     }
 }
 
-// ws_colsum_out: the producers' column sums of an MN-major A tile over its k range (ws_prepare's
-// SUM: thread pt of warp w holds rows 32 j + lane, summed over its chunks w and w + 4 of every k
-// tile), added in warp order through red [R] in shared memory (named barrier 1 of the producers),
-// warp 3 writing out[m0 + r] for the rows inside M: deterministic, one order for every tile.
-template <int R>
-__device__ __forceinline__ void ws_colsum_out(const float (&cs)[R / 32], float* red, float* out, int m0, int M,
-                                              int pt) {
-    const int w = pt >> 5, lane = pt & 31;
-#pragma unroll
-    for (int step = 0; step < 4; ++step) {
-        if (w == step) {
-#pragma unroll
-            for (int j = 0; j < R / 32; ++j) {
-                const int r = 32 * j + lane;
-                const float v = step == 0 ? cs[j] : red[r] + cs[j];
-                if (step < 3)
-                    red[r] = v;
-                else if (m0 + r < M)
-                    out[m0 + r] = v;
-            }
-        }
-        asm volatile("bar.sync 1, 128;\n" ::: "memory");    // (the last: red is free for the next tile)
-    }
-}
-
-// The body of the turning kernels (PRODUCTS 1: gemm_wgmma_mn, MN_A and MN_B, and gemm_wgmma_ra's B;
-// 3: gemm_wgmma3_ra's B).
-// COLSUM (MN_A): the producers also sum A [K, M] as stored (fp32: the values before their split)
+// The body of the turning kernels (PRODUCTS 1: gemm_wgmma_ra's B, MN_A and MN_B; 3: gemm_wgmma3_ra's
+// B). A goes to the consumers' registers as the copy engine brought it (MN_A: gemm_wgmma_ra's boxes).
+// COLSUM (MN_A): the consumers also sum A [K, M] as stored (fp32: the values before their split)
 // over each tile's k range, the bias gradient of a weight gradient dW = dY^T X (A = dY), written by
-// the tiles of the first column tile (n0 = 0) into colsum[split, m] (ws_colsum_out), for
-// elementwise.cu's sum_rows to add the splits in order.
+// the tiles of the first column tile (n0 = 0) into colsum[split, m] (ws_consume), for elementwise.cu's
+// sum_rows to add the splits in order.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, int PRODUCTS,
-          bool COLSUM = false, bool RA = false>
+          bool COLSUM = false>
 __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap* mapA, const TmaMap* mapB,
                                              const float* bias, int M, int N, int K, int ldc, long long sC,
                                              float alpha, int splits, int k_chunk, int zs, float* colsum) {
     constexpr int WG = BM / 64;
     constexpr int A_BYTES = BM * 128;
     constexpr int HALF = (BM + BN) * 128;                       // the staged bytes of a k tile
-    // 3xTF32: the lo tiles after them (RA: A is split in the consumers' registers, B's lo tile only)
-    constexpr int STAGE_BYTES = PRODUCTS == 3 ? (RA ? (BM + 2 * BN) * 128 : 2 * HALF) : HALF;
-    constexpr int B_LO = RA ? BN * 128 : HALF;                  // B's lo tile, from its hi tile
+    // 3xTF32: B's lo tile after them (A is split in the consumers' registers)
+    constexpr int STAGE_BYTES = PRODUCTS == 3 ? (BM + 2 * BN) * 128 : HALF;
+    constexpr int B_LO = BN * 128;                              // B's lo tile, from its hi tile
     constexpr bool SPLIT = PRODUCTS == 3;
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 16 == 0 && BN <= 256, "wgmma tiles, TMA boxes <= 256");
     static_assert(STAGES >= 3, "a slot is refilled after the consumers issued the k tile after it");
     static_assert(PRODUCTS == 3 || (MN_A && MN_B), "TF32: the as-stored weight gradient only");
     static_assert(!COLSUM || MN_A, "column sums of an MN-major A");
-    constexpr bool PSUM = COLSUM && !RA;                        // the producers' sums (RA: the consumers')
-    __shared__ float ws_red[PSUM ? BM : 1];
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[3 * STAGES];    // full, empty, staged
@@ -1047,7 +1013,7 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
             if (ld >= STAGES) mbar_wait(empty0 + 8 * s, ((ld / STAGES) - 1) & 1);
             const unsigned st = smem0 + s * STAGE_BYTES;
             const int k0 = lkb0 + lkt * GEMM_WG_BK;     // MN maps' coordinates (row, k); K-major (k, row)
-            if constexpr (RA && MN_A)
+            if constexpr (MN_A)
                 tma_load_ra<BM / 32>(lane, staged0 + 8 * s, HALF, st, mapA, lm0, k0, st + A_BYTES, mapB,
                                      MN_B ? ln0 : k0, MN_B ? k0 : ln0, lbatch);
             else
@@ -1065,42 +1031,23 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
             for (int i = 0; i < STAGES - 1; ++i) stage_next();
         }
         int it = 0;
-        float cs[PSUM ? BM / 32 : 1];
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
             const int nk = wg_k_tiles(tl.klen);
-#pragma unroll
-            for (int j = 0; j < (PSUM ? BM / 32 : 1); ++j) cs[j] = 0.f;
             for (int kt = 0; kt < nk; ++kt, ++it) {
                 const int s = it % STAGES;
                 mbar_wait(staged0 + 8 * s, (it / STAGES) & 1);
                 unsigned char* slot = base + s * STAGE_BYTES;
-                if constexpr ((MN_A || SPLIT) && !RA) ws_prepare<BM, MN_A, SPLIT, HALF, PSUM>(slot, pt, cs);
                 if constexpr (MN_B || SPLIT) ws_prepare<BN, MN_B, SPLIT, B_LO>(slot + A_BYTES, pt);
                 wg_fence_async_smem();                        // the stores, into the async proxy
                 mbar_arrive(full0 + 8 * s);
                 if (pt < 32) stage_next();                    // k tile it + STAGES - 1, where it - 1 was
             }
-            if constexpr (PSUM) {
-                if (tl.n0 == 0) ws_colsum_out<BM>(cs, ws_red, colsum + (long long)tl.z * M, tl.m0, M, pt);
-            }
         }
         return;
     }
-    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS, RA, RA && COLSUM, false, MN_A>(
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS, true, COLSUM, false, MN_A>(
         smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
-}
-
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool COLSUM, int THREADS, int SMEM>
-__global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_mn(WS_ARGS) {
-    static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
-                  "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC,
-                                                                       alpha, splits, k_chunk, zs, colsum);
-#else
-    __trap();
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1112,7 +1059,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_mn(WS_ARGS) {
 // inner); the consumers load their fragments from it (RaFrags) with rows permuted (ra_row), which
 // the epilogue undoes. No transposing pass over A and no producer work on it: the weight
 // gradients' A^T transposes of the transposing plans go away. COLSUM: the consumers sum A's
-// fragments per row (the bias gradient's partials, colsum[split, m], as gemm_wgmma_mn's). TC (no
+// fragments per row (the bias gradient's partials, colsum[split, m]). TC (no
 // epilogue, B K-major): C is stored transposed, C[n * ldc + m] (ra_store_t): the launcher runs a
 // weight gradient dW = dY^T X whose X is the larger operand as dW^T = X^T dY, X through registers.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_B, bool COLSUM, bool TC, int THREADS,
@@ -1126,9 +1073,8 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ra(WS_ARGS) {
         ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, false, true>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
                                                                   splits, k_chunk, zs, colsum);
     else if constexpr (MN_B)
-        ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1, COLSUM, true>(C, aux, &mapA, &mapB, bias, M, N, K,
-                                                                                 ldc, sC, alpha, splits, k_chunk, zs,
-                                                                                 colsum);
+        ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc,
+                                                                           sC, alpha, splits, k_chunk, zs, colsum);
     else
         ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
                                                              splits, k_chunk, zs, colsum);
@@ -1149,8 +1095,8 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma3_ra(WS_ARGS) {
     static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + 2 * BN) * 128 + 1024,
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3, COLSUM, true>(C, aux, &mapA, &mapB, bias, M, N, K, ldc,
-                                                                            sC, alpha, splits, k_chunk, zs, colsum);
+    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC,
+                                                                       alpha, splits, k_chunk, zs, colsum);
 #else
     __trap();
 #endif

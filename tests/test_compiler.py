@@ -117,8 +117,6 @@ def test_forbid_compiles(tmp_path, monkeypatch):
 def _wgmma_pipeline_names():
     from gptcuda.ops.cuda import gemm
     names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]      # every loader
-    names += [gemm.FAMILIES["wgmma_mn"].kernel(t, True, False, gemm.EPI_RESID, True, True)     # dW as stored
-              for t in gemm.WGMMA_MN_TILES]
     # A through registers (two fragment buffers): B K-major with column sums, B turned, C stored transposed
     names += [gemm.FAMILIES["wgmma_ra"].colsum_kernel(t, True, True) for t in gemm.WGMMA_RA_TILES]
     names += [gemm.FAMILIES["wgmma_ra_mn"].kernel(t, True, False, gemm.EPI_RESID, False, True)

@@ -403,8 +403,7 @@ class _NumpyRT(FakeGemmRT):
                     np.float64).sum(0)
         elif name.startswith("gemm_wgmma"):
             params = name[name.index("<") + 1:-1].split(",")
-            mn = name.startswith("gemm_wgmma_mn")            # A [K, M] and B [K, N] as stored
-            mn_a = mn_b = mn
+            mn_a = mn_b = False                               # K-major A and B
             ra = name.startswith("gemm_wgmma_ra")             # A [K, M] as stored; MN_B; COLSUM; TC
             tc = ra and len(params) > 7 and params[7] == "true"
             if name.startswith("gemm_wgmma3_ra"):   # each operand as stored, MN_A / MN_B
@@ -412,8 +411,7 @@ class _NumpyRT(FakeGemmRT):
             if ra:
                 mn_a, mn_b = True, params[5] == "true"
             epi, hb = int(params[3]), params[4] == "true"
-            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma_ra",
-                                "gemm_wgmma3_ra")):
+            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_ra", "gemm_wgmma3_ra")):
                 C, aux, ma, mb, bias, M, N, K, ldc, sC, alpha, splits, kc = v[:13]
                 (pa, lda), (pb, ldb) = struct.unpack_from("<QQ", ma.data), struct.unpack_from("<QQ", mb.data)
             else:
@@ -421,11 +419,9 @@ class _NumpyRT(FakeGemmRT):
                 pa, pb = A.ptr, B.ptr
             a = self._mat(pa, K, M, lda).T if mn_a else self._mat(pa, M, K, lda)
             b = self._mat(pb, K, N, ldb).T if mn_b else self._mat(pb, N, K, ldb)
-            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_mn", "gemm_wgmma_ra",
-                                          "gemm_wgmma3_ra"))
+            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_ra", "gemm_wgmma3_ra"))
             colsum = v[14] if persistent else None             # a persistent kernel's last argument
-            summed = (mn and len(params) > 5 and params[5] == "true") or \
-                (name.startswith("gemm_wgmma3_ra") and len(params) > 7 and params[7] == "true") or \
+            summed = (name.startswith("gemm_wgmma3_ra") and len(params) > 7 and params[7] == "true") or \
                 (ra and len(params) > 6 and params[6] == "true")
             if summed:                                          # COLSUM: A's sums, a row per split
                 for z in range(splits):
@@ -557,47 +553,7 @@ def test_a_colsum_needs_trans_a():
         gemm.matmul(rt, rt.empty((8, 8)), rt.empty((8, 8)), rt.empty((8, 8)), False, True, a_colsum=rt.empty((8,)))
 
 
-@pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))
-@pytest.mark.parametrize("epilogue,splits", [("none", 1), ("none", 3)])
-def test_mn_plan_reads_the_operands_as_stored(tile, epilogue, splits):
-    """A wgmma_mn plan launches one kernel (no transposes) with tensor maps over A [K, M] and B [K, N]
-    as they are ({rows, K}, unswizzled boxes {BM or BN, 32}), split-K through the reduction; the
-    numpy stand-in of the kernel gives A^T @ B (+ bias) (+ out)."""
-    M, N, K = 68, 36, 740
-    rng = np.random.default_rng(M + N + K + splits + len(epilogue))
-    rt = _NumpyRT(1 << 21)
-    # (the gemm_aT scratch memory.py plans for TF32: wgmma_mn competes where transpose_ab could run)
-    rt._ws = {"gemm_splitk": rt.empty((splits * M * N,), name="ws"),
-              "gemm_aT": rt.empty(((M + N) * K,), name="gemm_aT")}
-    maps = []
-    rt.tensor_map = lambda view, dims, strides, box, swizzle=True: (
-        maps.append((tuple(dims), tuple(box), swizzle)) or _NumpyRT.tensor_map(rt, view, dims, strides, box, swizzle))
-    a, b = rng.standard_normal((K, M)), rng.standard_normal((K, N))
-    out0 = rng.standard_normal((M, N))
-    da, db, out = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N))
-    for view, x in ((da, a), (db, b), (out, out0)):
-        rt.at(view.ptr, x.size)[:] = x.ravel()
-    kw = {}
-    bias = rng.standard_normal(N) if epilogue == "bias" else None
-    if bias is not None:
-        kw["bias"] = rt.empty((N,))
-        rt.at(kw["bias"].ptr, N)[:] = bias
-    if epilogue == "residual_alias":
-        kw.update(epilogue="residual", aux=out)
-    p = gemm.make_plan("wgmma_mn", tile, splits, K)
-    gemm.matmul(rt, out, da, db, True, False, plan=p, **kw)
-    assert maps == [((M, K, 1), (tile[0], 32, 1), False), ((N, K, 1), (tile[1], 32, 1), False)]
-    names = [n for n, *_ in rt.launches]
-    assert names[0].startswith("gemm_wgmma_mn<") and not any("transpose" in n for n in names), names
-    grid = rt.launches[0][1]
-    assert grid == (min(132, splits * -(-M // tile[0]) * -(-N // tile[1])), 1, 1), grid
-    want = a.astype(np.float32).astype(np.float64).T @ b.astype(np.float32).astype(np.float64)
-    want = want + (bias.astype(np.float32) if bias is not None else 0) + (out0 if epilogue == "residual_alias" else 0)
-    got = rt._mat(out.ptr, M, N, N)
-    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
-
-
-@pytest.mark.parametrize("fam", ["wgmma_mn", "wgmma3_ra"])
+@pytest.mark.parametrize("fam", ["wgmma3_ra"])
 @pytest.mark.parametrize("epilogue", ["bias", "residual"])
 def test_as_stored_plans_run_only_the_op_interfaces_products(fam, epilogue):
     """A kernel reading the operands as stored is compiled for gemm.PRODUCTS alone: the weight
@@ -605,7 +561,7 @@ def test_as_stored_plans_run_only_the_op_interfaces_products(fam, epilogue):
     M, N, K = 68, 36, 740
     rt = _NumpyRT(1 << 21)
     rt._ws = {"gemm_splitk": rt.empty((M * N,), name="ws"), "gemm_aT": rt.empty(((M + N) * K,), name="gemm_aT")}
-    if fam != "wgmma_mn":
+    if fam == "wgmma3_ra":
         rt.exec = rt.exec.with_precision("fp32")
         rt._ws.update(gemm_split_a=rt.empty((2 * M * K,), name="sa"), gemm_split_b=rt.empty((2 * N * K,), name="sb"))
     da, db, out = rt.empty((K, M)), rt.empty((K, N)), rt.empty((M, N))
@@ -614,22 +570,6 @@ def test_as_stored_plans_run_only_the_op_interfaces_products(fam, epilogue):
     with pytest.raises(ValueError, match="kernels are not compiled for"):
         gemm.matmul(rt, out, da, db, True, False, plan=p, **kw)
     assert rt.launches == []
-
-
-def test_mn_family_competes_only_for_stored_weight_gradients():
-    """wgmma_mn joins the candidates for A^T B as stored (transpose_ab), 16-byte aligned, and is refused
-    elsewhere with its reason."""
-    assert "wgmma_mn" in gemm.competing("tf32", "transpose_ab", True)
-    assert "wgmma_mn" not in gemm.competing("tf32", "transpose_ab", False)
-    assert "wgmma_mn" not in gemm.competing("tf32", "direct", True)
-    assert "wgmma_mn" not in gemm.competing("fp32", "transpose_ab", True)
-    cands = gemm.tune_candidates(768, 3072, 8192, 1, "tf32", True, 1 << 24, wgmma="transpose_ab")
-    assert {p.family for p in cands} >= {"tf32", "wgmma", "wgmma_mn"}
-    p = gemm.make_plan("wgmma_mn", gemm.WGMMA_MN_TILES[0], 1, 64)
-    assert gemm.plan_unfit(p, "tf32", True, "transpose_ab") is None
-    assert "needs" in gemm.plan_unfit(p, "tf32", True, "direct")
-    assert "needs" in gemm.plan_unfit(p, "tf32", False, "transpose_ab")
-    assert "rt.precision" in gemm.plan_unfit(p, "simt", True, "transpose_ab")
 
 
 RA_PLANS = [("wgmma_ra", t, tb) for t in gemm.WGMMA_RA_TILES for tb in (False, True)] + \
@@ -772,14 +712,14 @@ def test_wgmma3_ra_competes_for_aligned_fp32_products(fam):
     assert {p.family for p in cands} >= {"simt", "wgmma3", fam}
 
 
-@pytest.mark.parametrize("fam,tile", [("wgmma_mn", t) for t in gemm.WGMMA_MN_TILES] +
+@pytest.mark.parametrize("fam,tile", [("wgmma_ra_mn", t) for t in gemm.WGMMA_RA_MN_TILES] +
                          [("wgmma3_ra", t) for t in gemm.WGMMA3_RA_TILES],
                          ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
 @pytest.mark.parametrize("epilogue,splits,partials", [("none", 1, True), ("none", 3, True), ("none", 1, False)],
                          ids=["whole", "split3", "no_workspace"])
 def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, partials):
-    """matmul(..., a_colsum=db) of a plan reading A [K, M] as stored (wgmma_mn in TF32, wgmma3_ra in
-    fp32): its colsum kernel sums A as it reads it, one row of partials per split, and
+    """matmul(..., a_colsum=db) of a plan reading A [K, M] as stored (wgmma_ra_mn in TF32, wgmma3_ra
+    in fp32): its colsum kernel sums A as it reads it, one row of partials per split, and
     sum_rows adds them (no second read of A). With an epilogue (the kernel's column sums are
     those of a plain product only) bias_grad reads A once more; without the partials workspace the
     bias gradient says it is missing."""

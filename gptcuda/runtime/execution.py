@@ -10,8 +10,8 @@ The rules, in one place:
   warpgroup-MMA kernels (kernels/gemm_wgmma.cu, TMA-fed) compete for every product whose layout they
   run, directly or after a re-layout into scratch: x @ W^T directly, dY @ W through a transposed
   copy of W ("gemm_bT"), the weight gradient dY^T @ X through transposed copies of both ("gemm_aT")
-  or, in TF32, read as stored and turned K-major in shared memory (family wgmma_mn: the measured
-  table's choice only). Each TF32 layout has a warp-specialized, persistent TMA kernel among its tiles
+  or, in TF32, with dY read as stored through registers (families wgmma_ra*: the measured table's
+  choice only). Each TF32 layout has a warp-specialized, persistent TMA kernel among its tiles
   (gemm_wgmma_ws). fp32 with fp32_gemm 3xtf32 (`fp32_as_3xtf32`) runs those products as three TF32 products of
   hi / lo splits, made by a pass into "gemm_split_a" / "gemm_split_b" or, for aligned operands, in the
   kernel (family wgmma3_ra: A in the consumers' registers, B in shared memory); fp32_gemm ffma keeps every
@@ -157,7 +157,7 @@ class ExecutionPlan:
             wg = "off" + ("" if self.arch in WGMMA_ARCHS else f" (not on {self.arch})")
         elif self.precision == "tf32":
             wg = ("on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW via gemm_aT or read as stored "
-                  "(wgmma_mn, the measured table's choice)")
+                  "(wgmma_ra*, the measured table's choice)")
         elif self.fp32_as_3xtf32:
             wg = "on as 3xTF32 (gemm_wgmma.cu): x @ W^T, dY @ W and dW via gemm_split_a / gemm_split_b"
         else:

@@ -320,32 +320,6 @@ def test_wgmma_ws_walks_many_tiles(rt, splitk_ws, tile):
         rt.exec = rt.exec.with_precision(old)
 
 
-@gpu
-@pytest.mark.parametrize("tile", gemm.WGMMA_MN_TILES, ids=lambda t: "x".join(map(str, t)))
-def test_wgmma_mn_tile_forced(rt, splitk_ws, _at_buffer, tile):
-    """dW = A^T @ B with A [K, M] and B [K, N] read as stored by gemm_wgmma_mn (the producer turns
-    each staged k tile K-major in shared memory): ragged m, n and k, the epilogues a weight
-    gradient may take, split-K, and more tiles than blocks (each block walks several). (It competes
-    where the transposing plans could run: with the gemm_aT scratch TF32 plans.)"""
-    _wgmma_rt(rt)
-    old = rt.precision
-    rt.exec = rt.exec.with_precision("tf32")
-    try:
-        with _at_ws(rt, _at_buffer):
-            for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
-                                           (68, 36, 36), (tile[0] * 12 - 20, tile[1] * 12 - 36, 100)]):
-                p = gemm.make_plan("wgmma_mn", tile, 1, K)
-                _check_matmul(rt, M, N, K, True, False, "none", seed=i * 10, plan=p)
-                with pytest.raises(ValueError, match="not compiled for"):      # dY^T X takes no epilogue
-                    _check_matmul(rt, M, N, K, True, False, "bias", seed=i * 10, plan=p)
-            _check_matmul(rt, 300, 200, 740, True, False, "none", seed=5,
-                          plan=gemm.make_plan("wgmma_mn", tile, 3, 740))
-            _check_matmul(rt, 1100, 520, 8200, True, False, "none", seed=6,
-                          plan=gemm.make_plan("wgmma_mn", tile, 1, 8200))
-    finally:
-        rt.exec = rt.exec.with_precision(old)
-
-
 @pytest.fixture
 def bt_ws(rt):
     """The wgmma kernel's transposed-B scratch, as memory.py plans it for TF32."""
@@ -736,11 +710,11 @@ RA_CASES = [("wgmma_ra", t) for t in gemm.WGMMA_RA_TILES] + [("wgmma_ra_mn", t) 
 
 
 @gpu
-@pytest.mark.parametrize("fam,tile", [("wgmma_mn", t) for t in gemm.WGMMA_MN_TILES] + RA_CASES,
+@pytest.mark.parametrize("fam,tile", RA_CASES,
                          ids=lambda x: x if isinstance(x, str) else "x".join(map(str, x)))
 def test_tf32_as_stored_a_colsum(rt, _at_buffer, splitk_ws, fam, tile):
-    """The weight gradient's bias gradient (TF32) from gemm_wgmma_mn's producers, gemm_wgmma_ra's
-    consumers, or wgmma_ra_t's A^T transpose: _check_a_colsum (wgmma_ra: B [K, N] and [N, K])."""
+    """The weight gradient's bias gradient (TF32) from gemm_wgmma_ra's consumers, or wgmma_ra_t's A^T
+    transpose: _check_a_colsum (wgmma_ra: B [K, N] and [N, K])."""
     _wgmma_rt(rt)
     old = rt.precision
     rt.exec = rt.exec.with_precision("tf32")

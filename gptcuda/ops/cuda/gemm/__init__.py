@@ -32,12 +32,10 @@ writes partials into the workspace "gemm_splitk" [splits, M, N] and a fixed-orde
 applies the epilogue, so results are deterministic and do not depend on timing at run time
 (which plan a shape gets is fixed once the table is written; GPTCUDA_GEMM_TUNE=0 ignores it).
 
-For TF32 weight gradients (trans_a, not trans_b, 16-byte aligned, one product) a third family,
-"wgmma_mn", reads A [K, M] and B [K, N] as stored (its producer warpgroup turns each k tile K-major in
-shared memory); the cost model leaves it to the measured table. Two more read A [K, M] as stored
-through registers (register-A warpgroup MMA, no pass over A): "wgmma_ra" with B [N, K], or B [K, N]
-transposed first into "gemm_aT", and "wgmma_ra_mn" with B [K, N] as stored, turned K-major by the
-producers. The table is measured on a run's first use of a GPU (tune.py `autotune`, the config's
+For TF32 weight gradients (trans_a, 16-byte aligned, one product) three more families read A [K, M]
+as stored through registers (register-A warpgroup MMA, no pass over A): "wgmma_ra" with B [N, K], or
+B [K, N] transposed first into "gemm_aT", "wgmma_ra_mn" with B [K, N] as stored, turned K-major by
+the producers, and "wgmma_ra_t", the swapped product with A^T first into "gemm_aT". The table is measured on a run's first use of a GPU (tune.py `autotune`, the config's
 gemm_tune auto) or by bench/tune.py.
 
 The modules: families.py (the kernel families: files, tiles, kernel names and arguments, rates;
@@ -55,7 +53,7 @@ from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_COMBOS,
                                             TF32_FALLBACK_TILES, TF32_FILE, TF32_PLAN_TILES, TF32_TILES,
                                             TRANSPOSE_NAMES, VARIANTS, WGMMA3_EFFICIENCY, WGMMA3_TILES,
                                             WGMMA_ARCHS, WGMMA_EFFICIENCY, WGMMA_FILE, WGMMA_LOADERS,
-                                            WGMMA3_RA_TILES, WGMMA_MN_TILES, WGMMA_RA_MN_TILES,
+                                            WGMMA3_RA_TILES, WGMMA_RA_MN_TILES,
                                             WGMMA_RA_T_TILES, WGMMA_RA_TILES, WGMMA_TILES, Family, cdiv, reduce_name,
                                             simt_name,
                                             tf32_blocks_per_sm, tf32_name, tf32_smem, wgmma_blocks_per_sm,

@@ -10,14 +10,13 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
             by a pass before it
     wgmma3_ra  fp32 as 3xTF32 over A and B as stored: A split in the consumers' registers, B split (and
                turned K-major) in shared memory
-    wgmma_mn  TF32 warpgroup MMA of A^T B with A [K, M], B [K, N] as stored (the weight gradients)
     wgmma_ra  TF32 A^T B with A [K, M] as stored read through registers, B K-major (or B^T first)
     wgmma_ra_mn  the same with B [K, N] as stored, turned K-major by the producers
     wgmma_ra_t  TF32 A^T B as (B^T A)^T: B [K, N] through registers, A^T first, out stored transposed
 
 The execution plan picks a base family (ExecutionPlan.gemm_family); on sm_90 its warpgroup-MMA partner competes
 with it (`Family.partner`), for fp32 also `Family.stored_partners` (aligned operands in any layout),
-and for TF32 weight gradients `Family.mn_partner` and `Family.ra_partners`.
+and for TF32 weight gradients `Family.ra_partners`.
 """
 from __future__ import annotations
 
@@ -94,25 +93,18 @@ WGMMA_TILES = ((128, 128, 3, 0), (128, 192, 4, 0), (128, 256, 4, 0), (256, 128, 
 # bench/gemm.py --sweep on the H200: TMA beats cp.async by 5-20% at 192- and 256-wide tiles
 WGMMA_EFFICIENCY = dict(zip(WGMMA_TILES, (1.35, 1.5, 1.5, 1.5, 1.1, 1.4, 1.65, 1.75, 1.7,
                                           1.6, 1.75, 1.8, 1.75)))
-# The weight gradients' products A^T B with A [K, M] and B [K, N] as they are stored (family
-# "wgmma_mn", kernels/gemm_wgmma.cu gemm_wgmma_mn): (BM, BN, STAGES), the warp-specialized
-# persistent kernel whose producer warpgroup turns each TMA-staged k tile K-major in its slot,
-# through registers ((BM + BN) / 4 floats per producer thread: BM 128 only, where 384 threads leave
-# room for them).
-WGMMA_MN_TILES = ((128, 128, 7), (128, 192, 5))
-WGMMA_MN_EFFICIENCY = dict(zip(WGMMA_MN_TILES, (0.75, 1.05)))   # measured ~120 / ~170 TFLOP/s (split-K)
 # The weight gradients' products A^T B with A [K, M] as stored read through registers (family
 # "wgmma_ra", kernels/gemm_wgmma.cu gemm_wgmma_ra, MN_B false): (BM, BN, STAGES), the warp-specialized
 # persistent kernel of gemm_wgmma_ws whose consumers load A's fragments from its MN-major swizzled
 # k tiles (register-A wgmma), so A needs no transposing pass; B K-major ([N, K] as stored, or a
 # B [K, N] transposed first into "gemm_aT"). "wgmma_ra_mn" (MN_B true): B [K, N] as stored, turned
-# K-major by the producer warpgroup as in gemm_wgmma_mn (no pass at all). BM 128: a consumer thread
-# holds 96 accumulators and two k tiles' fragments (32) at BN 192.
+# K-major by the producer warpgroup, through its registers (no pass at all). BM 128: a consumer
+# thread holds 96 accumulators and two k tiles' fragments (32) at BN 192.
 WGMMA_RA_TILES = ((128, 128, 4), (128, 192, 4))
 # (modelled as gemm_wgmma_ws's; measured ~20% slower a product, without the transposes that path needs)
 WGMMA_RA_EFFICIENCY = dict(zip(WGMMA_RA_TILES, (1.6, 1.75)))
 WGMMA_RA_MN_TILES = ((128, 128, 7), (128, 192, 5))
-WGMMA_RA_MN_EFFICIENCY = dict(zip(WGMMA_RA_MN_TILES, (1.0, 1.3)))  # between gemm_wgmma_mn's and ws's
+WGMMA_RA_MN_EFFICIENCY = dict(zip(WGMMA_RA_MN_TILES, (1.0, 1.3)))
 # what a weight gradient's product takes: none (split-K partials, or all of K) or residual (k slabs)
 RA_EPI_COMBOS = ((EPI_NONE, False), (EPI_RESID, False))
 # "wgmma_ra_t": out = A^T B (A [K, M], B [K, N] as stored) run as out^T = B^T A with B through
@@ -218,12 +210,6 @@ def wgmma_name(tile, epi, has_bias, products=1) -> str:
     return expression(kernel, *tile[:3], epi, has_bias, *extra, wgmma_threads(tile), wgmma_smem(tile, products))
 
 
-def mn_name(tile, epi, has_bias, colsum=False) -> str:
-    """gemm_wgmma_mn's name expression; colsum: the variant whose producers also write the column
-    sums of A as stored (the bias gradient's partials, matmul's a_colsum)."""
-    return _ws("gemm_wgmma_mn", tile, persistent_smem(tile), epi, has_bias, colsum)
-
-
 def ra_name(tile, mn_b, epi, has_bias, colsum=False, tc=False) -> str:
     """gemm_wgmma_ra's name expression (MN_B: B stored [K, N], turned by the producers); colsum: the
     variant whose consumers also sum A's fragments (matmul's a_colsum); tc: C stored transposed."""
@@ -301,7 +287,6 @@ class Family:
     transposes_a: bool = False    # A stored [K, M] runs after A^T into "gemm_aT" (transpose_a plans)
     split_waves: int = 1          # the cost model tries split-K below this many waves of blocks
     partner: str | None = None    # the warpgroup-MMA family competing on sm_90 (base families)
-    mn_partner: str | None = None # the one competing for A^T B as stored (trans_a, not trans_b)
     ra_partners: tuple = ()       # the register-A ones competing for trans_a products: (B K-major or
                                   # transposed first, B [K, N] as stored, the swapped product)
     stored_partners: tuple = ()   # the ones competing for aligned operands in any layout
@@ -358,7 +343,7 @@ def _wgmma_short(t):
 
 def _persistent_tf32(name, tiles, efficiency, **kw) -> Family:
     """A TF32 warp-specialized persistent family of gemm_wgmma.cu reading the weight gradient's A [K, M]
-    as stored (wgmma_mn, wgmma_ra*): BM / 64 consumer warpgroups and a producer's, one block per SM,
+    as stored (wgmma_ra*): BM / 64 consumer warpgroups and a producer's, one block per SM,
     STAGES slots of (BM + BN) x 128 bytes, TMA; the cost model leaves it to the measured table (no
     plan_tiles)."""
     return Family(name, WGMMA_FILE, tiles, (), (), efficiency, TF32_FLOPS_PER_SM,
@@ -384,7 +369,7 @@ FAMILIES = {f.name: f for f in (
            kernel=tf32_name,
            label=lambda t: f"{t[0]}x{t[1]}x{t[2]} w{t[3]}x{t[4]} s{t[5]}",
            short=lambda t: f"{t[0]}x{t[1]}s{t[5]}",
-           partner="wgmma", mn_partner="wgmma_mn", ra_partners=("wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t")),
+           partner="wgmma", ra_partners=("wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t")),
     Family("wgmma", WGMMA_FILE, WGMMA_TILES, WGMMA_TILES, (), WGMMA_EFFICIENCY, TF32_FLOPS_PER_SM,
            threads=wgmma_threads,
            blocks_per_sm=wgmma_blocks_per_sm,
@@ -394,15 +379,7 @@ FAMILIES = {f.name: f for f in (
            tma=lambda t: bool(t[3]), persistent=lambda t: t[3] == 2, k_major=True, transposes_a=True, split_waves=4, base="tf32",
            needs="sm_90 with K-major, aligned A and B, or their transposes in the gemm_bT / gemm_aT "
                  "workspaces"),
-    # the cost model does not pick it (no plan_tiles): where it beats the transposing plans (the
-    # char model's weight gradients, against mma.sync) is for the measured table to find
-    _persistent_tf32("wgmma_mn", WGMMA_MN_TILES, WGMMA_MN_EFFICIENCY,
-                     kernel=lambda t, ta, tb, epi, hb, vec: mn_name(t, epi, hb),
-                     colsum_kernel=lambda t, ta, tb: mn_name(t, EPI_NONE, False, colsum=True),
-                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws mn",
-                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}mn", layouts=((True, False),),
-                     needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product"),
-    # (as wgmma_mn: the cost model does not pick them; the measured table does where they win)
+    # the cost model does not pick them (no plan_tiles): the measured table does where they win
     _persistent_tf32("wgmma_ra", WGMMA_RA_TILES, WGMMA_RA_EFFICIENCY,
                      kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb),
                      colsum_kernel=lambda t, ta, tb: ra_name(t, False, EPI_NONE, False, colsum=True),

@@ -240,8 +240,8 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     plan (benchmarks, bench/tune.py); otherwise the measured table, else the cost model.
     a_colsum [M] (trans_a only): also a_colsum = a.sum(0) of a as stored [K, M], the bias gradient of
     a weight gradient; a transpose_a plan takes the partial sums from its A^T transposes, a plan
-    whose kernel reads A as stored (wgmma_mn, wgmma3_ra: has_colsum_kernel) from that kernel's
-    producers, else elementwise.bias_grad reads a once more."""
+    whose kernel reads A as stored (wgmma_ra, wgmma_ra_mn, wgmma3_ra: has_colsum_kernel) from that
+    kernel's consumers, else elementwise.bias_grad reads a once more."""
     M, N, K, lda, ldb, epi, has_bias = matmul_dims(out, a, b, trans_a, trans_b, bias, epilogue, aux)
     if a_colsum is not None and (not trans_a or a_colsum.numel != M):
         raise ValueError(f"matmul: a_colsum needs trans_a and {M} elements, got {a_colsum.shape} (trans_a {trans_a})")
@@ -282,7 +282,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         raise ValueError(f"{label}: the {p.family} kernels are not compiled for {_layout(trans_a, trans_b)} with "
                          f"epilogue code {epi}{' and a bias' if has_bias else ''} (the op interface's products: "
                          f"gemm.PRODUCTS; others run re-laid out, on the warpgroup-MMA kernels)")
-    # a kernel that sums A as it reads it (gemm_wgmma_mn, gemm_wgmma3_ra) gives the bias gradient's
+    # a kernel that sums A as it reads it (gemm_wgmma_ra, gemm_wgmma3_ra) gives the bias gradient's
     # partials, one row per split; elsewhere bias_grad reads A once more
     part = None
     if a_colsum is not None and has_colsum_kernel(p, trans_a, trans_b) and epi == EPI_NONE:

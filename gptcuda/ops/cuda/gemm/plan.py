@@ -15,7 +15,7 @@ from gptcuda.ops.cuda.gemm.layout import mode_flags
 
 @dataclass(frozen=True)
 class Plan:
-    family: str          # "simt" | "tf32" | "wgmma" | "wgmma_mn" | "wgmma3" | "wgmma3_ra" | ...: a FAMILIES key
+    family: str          # "simt" | "tf32" | "wgmma" | "wgmma3" | "wgmma3_ra" | "wgmma_ra" | ...: a FAMILIES key
     tile: tuple          # an entry of the family's tiles
     threads: int
     blocks_per_sm: int
@@ -156,7 +156,7 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, colsum=Fal
     partials and the reduction; the re-layout passes (transposes, 3xTF32 splits) their bytes.
     transpose_a plans: the transposes of A (and B) at ~3 TB/s, then one GEMM per k slab, every
     slab after the first reading out back (the residual epilogue). colsum (matmul's a_colsum, A
-    stored [K, M]): the A^T transposes and the producers of gemm_wgmma_mn / the consumers of gemm_wgmma3_ra give it
+    stored [K, M]): the A^T transposes and the consumers of gemm_wgmma_ra / gemm_wgmma3_ra give it
     nearly free, other plans read A once more."""
     extra = 0.0
     if colsum:
@@ -196,9 +196,8 @@ def slab_epi_ok(epi) -> bool:
 def competing(family, wgmma, vec=True, epi=None, ra_bt=True, ra_at=True) -> list:
     """The families that compete for a product: the base family of `family`, and where `wgmma_ok`
     answered `wgmma` its warpgroup-MMA partner, plus, with 16-byte aligned operands, the partner
-    that read any layout as stored (`stored_partners`) or (A^T B with A [K, M] and B [K, N] as
-    stored, "transpose_ab") the one that reads those (`mn_partner`), and for A [K, M] ("transpose_a"
-    / "transpose_ab") the register-A ones (`ra_partners`: the first with B [N, K], or with B [K, N]
+    that read any layout as stored (`stored_partners`), and for A [K, M] ("transpose_a" /
+    "transpose_ab") the register-A ones (`ra_partners`: the first with B [N, K], or with B [K, N]
     transposed into "gemm_aT" where that holds it (ra_bt), the second with B [K, N] as stored, the
     third (swaps) with A^T [M, K] in "gemm_aT" where that holds it (ra_at)) whose kernels exist for
     epilogue code epi (None: any)."""
@@ -206,8 +205,6 @@ def competing(family, wgmma, vec=True, epi=None, ra_bt=True, ra_at=True) -> list
     out = [base.name] + ([base.partner] if wgmma else [])
     if wgmma and vec:
         out += list(base.stored_partners)
-    if wgmma == "transpose_ab" and vec and base.mn_partner:
-        out.append(base.mn_partner)
     if wgmma in ("transpose_a", "transpose_ab") and vec:
         for name in base.ra_partners:
             fam = FAMILIES[name]
@@ -407,7 +404,7 @@ def plan_unfit(p: Plan, family, vec, wgmma, slab=0) -> str | None:
             return f"a {p.family} plan needs {fam.needs}"
         if fam.b_first and p.transpose_b != (wgmma == "transpose_ab"):
             return f"a {p.family} plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
-    elif fam.layouts:            # reads its layouts as stored (wgmma_mn: A [K, M] and B [K, N] only)
+    elif fam.layouts:            # reads its layouts as stored (wgmma3_ra)
         if family != fam.base:
             return f"plan family {p.family} but rt.precision wants {family}"
         if not wgmma or not vec or (fam.mn_major and wgmma != "transpose_ab"):
