@@ -49,10 +49,15 @@ def cases():
         yield name, f"configs/{name}", ["--total_batch_tokens=0"]
 
 
+def _no_ptrs(words: np.ndarray) -> np.ndarray:
+    """64-bit words with the fake device addresses (>= 2**32) as 0."""
+    return np.where(words >= np.uint64(1 << 32), np.uint64(0), words)
+
+
 def fingerprint(items, labels=True, ptrs=True, files="") -> str:
     """A launch sequence's hash; labels / ptrs False: without the launches' labels / device addresses
-    (a slot holding a fake device address, >= 2**32, hashes as 0); files: only launches of kernel files
-    whose names start with this."""
+    (a slot, or a 64-bit word of an argument blob such as sum_rows' SumBatch, holding a fake device
+    address, >= 2**32, hashes as 0); files: only launches of kernel files whose names start with this."""
     h = hashlib.sha256()
     for rec in items:
         if isinstance(rec, Launch) and not rec.fn.file.startswith(files):
@@ -60,12 +65,12 @@ def fingerprint(items, labels=True, ptrs=True, files="") -> str:
         if isinstance(rec, Launch):
             h.update(repr((rec.fn.file, rec.fn.name, rec.grid, rec.block, rec.smem,
                            rec.label if labels else "")).encode())
-            slots = rec.slots if ptrs else np.where(rec.slots >= np.uint64(1 << 32), np.uint64(0), rec.slots)
-            h.update(slots.tobytes())
+            h.update((rec.slots if ptrs else _no_ptrs(rec.slots)).tobytes())
             for i in sorted(rec.blobs):                  # the blob's bytes, not its alignment padding
                 buf, addr = rec.blobs[i]
                 off = addr - buf.ctypes.data
-                h.update(bytes(buf[off:off + len(buf) - Blob.ALIGN]))
+                blob = bytes(buf[off:off + len(buf) - Blob.ALIGN])
+                h.update(blob if ptrs or len(blob) % 8 else _no_ptrs(np.frombuffer(blob, np.uint64)).tobytes())
         elif files:
             continue
         elif isinstance(rec, Memset):
