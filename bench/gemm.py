@@ -164,11 +164,9 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         out = ar.empty((M, N))
         ws = ar.empty((ws_floats,))
         # as memory.py plans them for training: the wgmma kernel's B^T scratch for the A @ B shapes,
-        # A^T (+ B^T) of the weight gradients A^T @ B (all of K at once), the 3xTF32 kernel's split
-        # operands (fp32_gemm: 3xtf32)
+        # A^T (+ B^T) of the weight gradients A^T @ B (all of K at once)
         rt.set_workspace({"gemm_splitk": ws, "gemm_bT": ar.empty((K * N if trans == "NN" else 1,)),
-                          "gemm_aT": ar.empty(((M + N) * K if ta else 1,)),
-                          "gemm_split_a": ar.empty((2 * M * K,)), "gemm_split_b": ar.empty((2 * N * K,))})
+                          "gemm_aT": ar.empty(((M + N) * K if ta else 1,))})
         lda = M if ta else K
         ldb = K if tb else N
         vec = _vec_ok(da, db, lda, ldb, 0, 0)

@@ -10,12 +10,11 @@
 // accumulators per thread). Every kernel takes its block (THREADS) and dynamic shared memory (SMEM,
 // bytes) as its last template arguments, chosen in gptcuda/ops/cuda/gemm/families.py and asserted. The tensor core reads the operands' top 19 bits (tf32, truncated):
 // nothing converts them on the way from global memory to the instruction. Its fp32 accumulation
-// truncates too (round toward zero). gemm_wgmma_tma with PRODUCTS = 3 is the fp32 form (3xTF32):
-// operands split into TF32 hi and lo halves beforehand (gemm_simt.cu tf32_split), three products
-// per k step, each k tile's partial added into the sum on the FMA pipe; gemm_wgmma3_ra (below)
-// computes the same on A and B as they are stored, B split in shared memory by the producers and A
-// in the consumers' registers. gemm_wgmma_ra (TF32) reads a weight
-// gradient's A [K, M] as stored through registers (register-A wgmma), with no transposing pass.
+// truncates too (round toward zero). gemm_wgmma3_ra (below) is the fp32 form (3xTF32): A and B as
+// they are stored, split into TF32 hi and lo halves (B in shared memory by the producers, A in the
+// consumers' registers), three products per k step, each k tile's partial added into the sum on the
+// FMA pipe. gemm_wgmma_ra (TF32) reads a weight gradient's A [K, M] as stored through registers
+// (register-A wgmma), with no transposing pass.
 //
 // Shared layout: per stage, the A tile [BM][32] then the B tile [BN][32] (k contiguous, 128 bytes
 // a row), in the 128-byte swizzle the instruction's descriptor names: the 16-byte chunk c of
@@ -34,17 +33,6 @@
 #include "wgmma.cuh"
 
 #define GEMM_WG_BK 32
-
-// The 3xTF32 products of k step k8 of a k tile into its partial d, smallest terms first: lo x hi,
-// hi x lo, hi x hi (the first of the tile, k8 = 0, with scale-d 0); a / b: the shared addresses of
-// the warpgroup's A hi tile and of the B hi tile, their lo tiles A_LO / B_LO bytes on
-// (gemm_wgmma_tma<..., 3> and gemm_wgmma3_ra: one order, so their sums are the same).
-template <int BN, int A_LO, int B_LO>
-__device__ __forceinline__ void wg_mma3_step(float (&d)[BN / 2], unsigned a, unsigned b, int k8) {
-    wg_mma_tf32<BN>(d, wg_desc(a + A_LO + 32 * k8), wg_desc(b + 32 * k8), k8 > 0);
-    wg_mma_tf32<BN>(d, wg_desc(a + 32 * k8), wg_desc(b + B_LO + 32 * k8));
-    wg_mma_tf32<BN>(d, wg_desc(a + 32 * k8), wg_desc(b + 32 * k8));
-}
 
 // The number of 32-wide k tiles of the block's k range (GemmBlock, gemm_epilogue.cuh).
 __device__ __forceinline__ int wg_k_tiles(int klen) { return klen > 0 ? (klen + GEMM_WG_BK - 1) / GEMM_WG_BK : 0; }
@@ -342,25 +330,6 @@ __device__ __forceinline__ void tma_load_pair(int lane, unsigned bar, unsigned b
           "r"(a1), "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(b0), "r"(b1), "r"(batch)
         : "memory");
 }
-// The 3xTF32 form (PRODUCTS = 3): each tensor map covers {K, rows, 2} (the hi and lo halves of a
-// split operand, tf32_split below); expect `bytes` on bar, then the hi and lo tiles of A to dsta and
-// dsta + a_half, those of B to dstb and dstb + b_half. Lane 0 only, converged as above.
-__device__ __forceinline__ void tma_load_split(int lane, unsigned bar, unsigned bytes, unsigned dsta, unsigned a_half,
-                                               const TmaMap* mapa, int row0a, unsigned dstb, unsigned b_half,
-                                               const TmaMap* mapb, int row0b, int k0) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
-        "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%3], [%4, {%9, %5, 0}], [%1];\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%10], [%4, {%9, %5, 1}], [%1];\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%6], [%7, {%9, %8, 0}], [%1];\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%11], [%7, {%9, %8, 1}], [%1];\n}\n"
-        ::"r"(lane), "r"(bar), "r"(bytes), "r"(dsta), "l"(reinterpret_cast<unsigned long long>(mapa)), "r"(row0a),
-          "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(row0b), "r"(k0), "r"(dsta + a_half),
-          "r"(dstb + b_half)
-        : "memory");
-}
-
 // One box of tensor map `map` at coordinates {c0, c1, batch} into shared memory at dst, completing on
 // bar (lane 0 only, converged as above).
 __device__ __forceinline__ void tma_copy(int lane, unsigned bar, unsigned dst, const TmaMap* map, int c0, int c1,
@@ -386,28 +355,23 @@ __device__ __forceinline__ void tma_load_ra(int lane, unsigned bar, unsigned byt
     tma_copy(lane, bar, dstb, mapb, b0, b1, batch);
 }
 
-// PRODUCTS = 3: fp32 accuracy from three TF32 products (3xTF32). A and B arrive split, hi and lo
-// (tensor maps {K, rows, 2}, batch 1); each slot holds A hi, A lo, B hi, B lo and every k step
-// issues lo x hi, hi x lo, then hi x hi into the same accumulators (smallest terms first).
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS, int THREADS, int SMEM>
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], row stride ldc, matrix stride sC
                float* aux,                         // aux: as in gemm_wgmma
-               const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major); PRODUCTS 3: [2 (hi, lo), M, K]
-               const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major); PRODUCTS 3: [2 (hi, lo), N, K]
+               const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major)
+               const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major)
                const float* __restrict__ bias,     // bias [N] or null
                int M, int N, int K, int ldc, long long sC,
                float alpha, int splits, int k_chunk) {
-    static_assert(THREADS == BM / 64 * 128 && SMEM == STAGES * (PRODUCTS == 3 ? 2 : 1) * (BM + BN) * 128 + 1024,
-                  "a warpgroup a 64-row slice; STAGES slots of A and B (hi and lo), 1 KB to align them");
+    static_assert(THREADS == BM / 64 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
+                  "a warpgroup a 64-row slice; STAGES slots of A and B, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int WG = BM / 64;
-    constexpr int HALVES = PRODUCTS == 3 ? 2 : 1;        // operand tiles per slot and matrix: hi (, lo)
-    constexpr int A_BYTES = HALVES * BM * 128;
-    constexpr int STAGE_BYTES = HALVES * (BM + BN) * 128;
+    constexpr int A_BYTES = BM * 128;
+    constexpr int STAGE_BYTES = (BM + BN) * 128;
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 8 == 0 && BN <= 256, "wgmma m64nBNk8 tiles, TMA boxes <= 256");
     static_assert(STAGES >= 2, "a ring");
-    static_assert(PRODUCTS == 1 || PRODUCTS == 3, "TF32 or 3xTF32");
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[2 * STAGES];     // full[0..S), empty[0..S)
@@ -427,12 +391,8 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
     auto issue = [&](int kt) {      // warp 0 (lane 0 acts): tile kt into its slot
         const int s = kt % STAGES;
         const unsigned sa = smem0 + s * STAGE_BYTES;
-        if constexpr (PRODUCTS == 3)
-            tma_load_split(lane, full0 + 8 * s, STAGE_BYTES, sa, BM * 128, &mapA, blk.m0, sa + A_BYTES, BN * 128,
-                           &mapB, blk.n0, blk.kb0 + kt * GEMM_WG_BK);
-        else
-            tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, blk.kb0 + kt * GEMM_WG_BK, blk.m0, sa + A_BYTES,
-                          &mapB, blk.kb0 + kt * GEMM_WG_BK, blk.n0, blk.batch);
+        tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, blk.kb0 + kt * GEMM_WG_BK, blk.m0, sa + A_BYTES,
+                      &mapB, blk.kb0 + kt * GEMM_WG_BK, blk.n0, blk.batch);
     };
     if (tid == 0) {
 #pragma unroll
@@ -447,10 +407,8 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
         for (int kt = 0; kt < STAGES && kt < nk; ++kt) issue(kt);
     }
 
-    // Tile kt's wgmma into d (3xTF32: d is the tile's own partial sum, its first product issued
-    // with scale-d 0), commit, then wait: TF32 for the group before (tile kt - 1, whose slot is
-    // then released and refilled), 3xTF32 for this one (tile kt's slot is released at once).
-    constexpr int DONE = PRODUCTS == 3 ? 0 : 1;
+    // Tile kt's wgmma into d, commit, then wait for the group before (tile kt - 1, whose slot is then
+    // released and refilled).
     auto mma_tile = [&](int kt, float (&d)[BN / 2]) {
         const int s = kt % STAGES;
         mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
@@ -459,17 +417,11 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
         wg_fence_acc(d);
         wg_fence();
 #pragma unroll
-        for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) {
-            if constexpr (PRODUCTS == 3)
-                wg_mma3_step<BN, BM * 128, BN * 128>(d, a_wg, b_t, k8);
-            else
-                wg_mma_tf32<BN>(d, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
-        }
+        for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) wg_mma_tf32<BN>(d, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
         wg_commit();
         wg_fence_acc(d);
-        wg_wait<DONE>();
-        if constexpr (DONE == 0) wg_fence_acc(d);       // d is read next (3xTF32): not before the wait
-        const int kr = kt - DONE;                       // every wgmma of this warpgroup on tile kr is done
+        wg_wait<1>();
+        const int kr = kt - 1;                          // every wgmma of this warpgroup on tile kr is done
         if (kr >= 0) {
             const int sp = kr % STAGES;
             mbar_arrive(empty0 + 8 * sp);
@@ -484,25 +436,9 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
 
-    if constexpr (PRODUCTS == 1) {
-        for (int kt = 0; kt < nk; ++kt) mma_tile(kt, acc);
-        wg_wait<0>();
-        wg_fence_acc(acc);
-    } else {
-        // The tensor core accumulates with truncation (round toward zero), which biases a long
-        // sum by about an ulp per addition: each 32-wide k tile is summed on its own (12 products
-        // into the partial) and the partials are added into acc on the FMA pipe, rounded to
-        // nearest. (Reading a partial while the next tile's wgmma run would be the better
-        // pipeline, but ptxas then serializes every wgmma: C7514.)
-        float part[BN / 2];
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) part[i] = 0.f;
-        for (int kt = 0; kt < nk; ++kt) {
-            mma_tile(kt, part);
-#pragma unroll
-            for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
-        }
-    }
+    for (int kt = 0; kt < nk; ++kt) mma_tile(kt, acc);
+    wg_wait<0>();
+    wg_fence_acc(acc);
 
     const float* bias_s = tile_bias.put(s_bias, bias, blk.n0, tid);
     if constexpr (HAS_BIAS) __syncthreads();
@@ -636,9 +572,8 @@ struct RaFragsK {
 
 // One k tile of gemm_wgmma3_ra (fp32 as 3xTF32, A through registers) into its partial: per k step s
 // the fp32 fragments (F: RaFragsK or RaFrags), split in registers into hi = tf32_hi(x) and lo =
-// tf32_hi(x - hi) (tf32_split's halves), then wg_mma3_step's three products lo x hi, hi x lo, hi x
-// hi (the first of the tile with scale-d 0: the same order, so the same sums as gemm_wgmma_tma<.., 3>);
-// B's hi tile at bh, its lo tile at bl. A group per k step, two register sets: a step's halves are
+// tf32_hi(x - hi), then three products, smallest terms first: lo x hi, hi x lo, hi x hi (the first of
+// the tile with scale-d 0); B's hi tile at bh, its lo tile at bl. A group per k step, two register sets: a step's halves are
 // overwritten once the group that read them is done (wg_wait<1> after the next step's). SUM (MN):
 // cs[0..1] += the fragments' values (before their split) of the thread's two rows.
 template <int BN, bool SUM, class F>
@@ -683,15 +618,17 @@ __device__ __forceinline__ void ra3_k_tile(const F& fr, float (&part)[BN / 2], u
 // The consumers' fragment loader: RaFrags (MN-major A), RaFragsK (K-major A, 3xTF32), none.
 template <bool RA, bool A_MN, int PRODUCTS> struct RaOf { using T = RaFrags; };
 template <bool A_MN> struct RaOf<false, A_MN, 1> { struct T {}; };   // (no fragments: the other kernels keep their code)
-template <bool A_MN> struct RaOf<false, A_MN, 3> { struct T {}; };
 template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 
 // The consumer warpgroups of the warp-specialized kernels: for each of the block's output tiles,
 // wait for each k tile's slot (full), its 4 wgmma, release the slot of the k tile before once its
-// group is done (empty), then the epilogue from the accumulators. PRODUCTS = 3 (3xTF32, the slot
-// holds the hi tiles of A and B, then their lo tiles HALF bytes on): each k tile's 12 wgmma go into
-// its own partial (the first with scale-d 0), whose group is waited for at once, so the tile's slot
-// is released before the partial is added into the sum on the FMA pipe (as in gemm_wgmma_tma).
+// group is done (empty), then the epilogue from the accumulators. PRODUCTS = 3 (3xTF32, RA: the slot
+// holds A's fp32 tile, then B's hi and lo tiles): each k tile's 12 wgmma go into its own partial (the
+// first with scale-d 0), whose group is waited for at once, so the tile's slot is released before
+// the partial is added into the sum on the FMA pipe. The tensor core accumulates with truncation
+// (round toward zero), which biases a long sum by about an ulp per addition: each 32-wide k tile is
+// summed on its own and the partials are added rounded to nearest. (Reading a partial while the
+// next tile's wgmma run would be the better pipeline, but ptxas then serializes every wgmma: C7514.)
 //
 // RA (gemm_wgmma_ra): the slot's A tile is MN-major ([BM / 32] boxes of [32 k][32 m], 128-byte
 // swizzle); each k tile's fragments come from it by ra_load (two buffers, so the loads of k tile kt
@@ -705,12 +642,12 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
                                            int total, float* colsum = nullptr) {
     static_assert(!RA || PRODUCTS == 3 || A_MN, "register A in TF32: MN-major");
+    static_assert(RA || PRODUCTS == 1, "3xTF32: A through registers");
     static_assert(!CSUM || (RA && A_MN), "the consumers' column sums read MN-major register-A fragments");
     static_assert(!TC || (RA && EPI == GEMM_EPI_NONE && !HAS_BIAS), "the transposed store: gemm_wgmma_ra, no epilogue");
     constexpr int A_BYTES = BM * 128;
-    constexpr int HALF = (BM + BN) * 128;
-    // 3xTF32: the lo tiles after the hi ones; RA: A once (split in registers), B's lo tile after its hi one
-    constexpr int STAGE_BYTES = PRODUCTS == 3 ? (RA ? (BM + 2 * BN) * 128 : 2 * HALF) : HALF;
+    // 3xTF32: A once (split in registers), B's lo tile after its hi one
+    constexpr int STAGE_BYTES = PRODUCTS == 3 ? (BM + 2 * BN) * 128 : (BM + BN) * 128;
     constexpr int WG = BM / 64;
     __shared__ __align__(16) float ws_bias[HAS_BIAS ? 2 * BN : 4];      // a pair of buffers
     const int wg = threadIdx.x >> 7, wt = threadIdx.x & 127;
@@ -736,21 +673,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
             mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
             const unsigned sa = smem0 + s * STAGE_BYTES;
             const unsigned a_wg = sa + wg * 64 * 128, b_t = sa + A_BYTES;
-            if constexpr (PRODUCTS == 3 && RA) {
+            if constexpr (PRODUCTS == 3) {
                 ra3_k_tile<BN, CSUM>(ra, part, sa, b_t, b_t + BN * 128, sum_here, cs);
-                mbar_arrive(empty0 + 8 * s);
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
-            } else if constexpr (PRODUCTS == 3) {
-                wg_fence_acc(part);
-                wg_fence();
-#pragma unroll
-                for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8)
-                    wg_mma3_step<BN, HALF, HALF>(part, a_wg, b_t, k8);
-                wg_commit();
-                wg_fence_acc(part);
-                wg_wait<0>();
-                wg_fence_acc(part);
                 mbar_arrive(empty0 + 8 * s);
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
@@ -902,13 +826,11 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ws(WS_ARGS) {
 // the 128-byte swizzle of gemm_wgmma_tma (ws_prepare). (A, read as stored, goes to the consumers'
 // registers: the producers leave it as the copy engine wrote it.)
 //
-// PRODUCTS 3 (fp32 as 3xTF32 with no pass before it, gemm_wgmma3_ra's B): an operand [batch, rows, K]
-// or, MN, [batch, K, rows], read as stored (a K-major operand through the swizzled tensor map of
-// gemm_wgmma_tma). The producers split every element x into hi = tf32_hi(x), written
-// where x was (turned first where MN), and lo = tf32_hi(x - hi), written HALF = (BM + BN) * 128
-// bytes on, in the same layout (the swizzle is a function of the address bits below 1024 and HALF
-// is a multiple of 1024): the halves gemm_simt.cu's tf32_split / gemm_transpose<true> would have
-// written, so the products, their order and the sums are those of gemm_wgmma_tma<..., 3>.
+// PRODUCTS 3 (fp32 as 3xTF32, gemm_wgmma3_ra's B): B [batch, N, K] or, MN, [batch, K, N], read as
+// stored (a K-major operand through the swizzled tensor map of gemm_wgmma_tma). The producers split
+// every element x into hi = tf32_hi(x), written where x was (turned first where MN), and lo =
+// tf32_hi(x - hi), written HALF = BN * 128 bytes on, in the same layout (the swizzle is a function of
+// the address bits below 1024 and HALF is a multiple of 1024).
 //
 // ws_prepare: one operand of a staged k tile (R rows) at `tile`, by the 128 producer threads
 // (pt = 0..127). MN: a warp takes 32 consecutive rows r and one 16-byte chunk c (k 4c .. 4c + 3):
@@ -1083,12 +1005,12 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ra(WS_ARGS) {
 #endif
 }
 
-// gemm_wgmma3_ra: fp32 as 3xTF32 (gemm_wgmma_tma<..., 3>'s products, order and sums) with A through registers:
-// the copy engine brings A as stored (MN_A: [K, M] in gemm_wgmma_ra's boxes; else K-major, swizzled),
-// the consumers load its fragments (RaFrags, RaFragsK) and split them into hi and lo themselves
-// (ra3_k_tile); the producer warpgroup splits (and, MN_B, turns) only B, whose hi and lo tiles follow
-// A's fp32 tile in the slot: (BM + 2 BN) x 128 bytes, a third less than both operands' halves, and no
-// shared-memory pass over A. COLSUM (MN_A): the consumers' sums of A (the bias gradient's partials).
+// gemm_wgmma3_ra: fp32 as 3xTF32 with A through registers: the copy engine brings A as stored (MN_A:
+// [K, M] in gemm_wgmma_ra's boxes; else K-major, swizzled), the consumers load its fragments
+// (RaFrags, RaFragsK) and split them into hi and lo themselves (ra3_k_tile); the producer warpgroup
+// splits (and, MN_B, turns) only B, whose hi and lo tiles follow A's fp32 tile in the slot: (BM + 2 BN)
+// x 128 bytes, a third less than both operands' halves, and no shared-memory pass over A. COLSUM
+// (MN_A): the consumers' sums of A (the bias gradient's partials).
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, bool COLSUM, int THREADS,
           int SMEM>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma3_ra(WS_ARGS) {

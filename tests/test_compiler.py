@@ -123,7 +123,6 @@ def _wgmma_pipeline_names():
               for t in gemm.WGMMA_RA_MN_TILES]
     names += [gemm.FAMILIES["wgmma_ra_t"].kernel(t, True, False, gemm.EPI_NONE, False, True)
               for t in gemm.WGMMA_RA_T_TILES]
-    names += [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]            # 3xTF32
     # 3xTF32 split in the kernel (A in registers, B in shared memory): both operands K-major, and both as
     # stored (the weight gradient's TN takes no epilogue: its plain kernel)
     return names + [gemm.FAMILIES["wgmma3_ra"].kernel(t, ta, tb, epi, hb, True)

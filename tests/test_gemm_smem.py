@@ -16,7 +16,7 @@ OPTIN_MAX = 227 * 1024          # cudaDevAttrMaxSharedMemoryPerBlockOptin on the
 
 def _cases():
     out = []
-    for name in ("wgmma", "wgmma_ra_mn", "wgmma3", "wgmma3_ra"):
+    for name in ("wgmma", "wgmma_ra_mn", "wgmma3_ra"):
         fam = families.FAMILIES[name]
         for tile in fam.tiles:
             # the bias epilogue: the largest static footprint (its bias buffers), GELU the widest

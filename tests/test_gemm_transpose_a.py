@@ -9,7 +9,7 @@ import pytest
 
 from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.ops.cuda.gemm import families
-from gptcuda.ops.cuda.gemm.families import COLSUM_TRANSPOSE_NAMES, ra_name
+from gptcuda.ops.cuda.gemm.families import ra_name
 from gptcuda.ops.cuda.gemm.plan import _LAUNCH_S, _TRANSPOSE_BYTES_PER_S, check_plan
 from gptcuda.runtime import DeviceView
 from tests.conftest import FakeGemmRT, fake_view as _v
@@ -21,7 +21,8 @@ GPT2 = config_of(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=1
                        precision="tf32", attention="fused")
 CHAR = config_of(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6, vocab_size=65,
                        precision="tf32", attention="fused")
-TRANSPOSE = gemm.TRANSPOSE_NAMES[False, True]
+TRANSPOSE = gemm.transpose_name(True)
+COLSUM_TRANSPOSES = (gemm.transpose_name(False, True), gemm.transpose_name(True, True))
 
 
 def _floats(cfg):
@@ -77,8 +78,8 @@ def test_wgmma_mode_for_trans_a():
     # the other layouts are decided as before
     assert gemm.wgmma_mode(False, True, True, K, N, 1, 0, M, big) == "direct"
     assert gemm.wgmma_mode(False, False, True, K, N, 1, K * N, M, big) == "transpose"
-    # fp32 (3xTF32) ignores gemm_aT
-    assert gemm.wgmma_layout_mode("3xtf32", True, False, True, M, N, K, 1, {"gemm_aT": big}) is False
+    # fp32 (3xTF32: wgmma3_ra) reads the weight gradient as stored, no scratch
+    assert gemm.wgmma_layout_mode("3xtf32", True, False, True, M, N, K, 1, {}) == "transpose"
     assert gemm.wgmma_layout_mode("tf32", True, False, True, M, N, K, 1, {"gemm_aT": big}) == "transpose_ab"
 
 
@@ -219,7 +220,7 @@ def test_make_plan_rules():
     assert gemm.make_plan("wgmma", t, 4, K, True, True).splits == 4              # whole K may split
     assert gemm.make_plan("wgmma", t, 2, K, True, True, 608) is None             # slabs never split
     assert gemm.make_plan("wgmma", t, 1, K, True, True, 600) is None             # whole BK tiles
-    assert gemm.make_plan("wgmma3", t, 1, K, True, True) is None                 # 3xTF32 splits A itself
+    assert gemm.make_plan("wgmma3_ra", (128, 128, 4), 1, K, True, True) is None  # no transpose_a
     assert gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K, False, True) is None
 
 
@@ -383,11 +384,11 @@ class _NumpyRT(FakeGemmRT):
         super().launch(fn, grid, block, args, smem, label)
         v = [a.value if hasattr(a, "value") else a for a in args]
         name = fn.name
-        if name.startswith("gemm_transpose<false"):
+        if name.startswith("gemm_transpose<"):
             out, x, K, N, colsum, chunk0 = v
             xs = self.at(x.ptr, K * N).reshape(K, N)
             self.at(out.ptr, N * K)[:] = xs.T.ravel()
-            if name in COLSUM_TRANSPOSE_NAMES.values():       # one row per 64-row tile
+            if name in COLSUM_TRANSPOSES:                      # one row per 64-row tile
                 for i in range(-(-K // 64)):
                     self.at(colsum.ptr + 4 * (chunk0 + i) * N, N)[:] = xs[64 * i:64 * i + 64].sum(0)
             else:
@@ -527,19 +528,17 @@ def test_a_colsum_is_the_bias_gradient(tb, slab, K, partials):
     assert np.abs(rt.at(out.ptr, M * N).reshape(M, N) - want).max() < 1e-4 * np.abs(want).max()
     names = [n for n, *_ in rt.launches]
     fused = K <= 64 * 256
-    assert any(n in COLSUM_TRANSPOSE_NAMES.values() for n in names) == fused
+    assert any(n in COLSUM_TRANSPOSES for n in names) == fused
     assert any(n in (elementwise.bias_grad_name(4), elementwise.bias_grad_name(1)) for n in names) == (not fused)
     assert names[-1] == elementwise.SUM_ROWS
 
 
-@pytest.mark.parametrize("fam,tile", [("wgmma3", (128, 128, 3, 1)), ("simt", (128, 128))])
-def test_a_colsum_reads_the_stored_a(fam, tile):
-    """fp32 plans without A^T transposes (3xTF32 split first: A is split into hi / lo halves on the
-    way; SIMT: read as stored): the bias gradient reads the caller's A [K, M], not the halves."""
+def test_a_colsum_reads_the_stored_a():
+    """A plan whose kernel does not sum A (SIMT): bias_grad reads the caller's A [K, M]."""
     M, N, K = 68, 36, 740
-    rt = FakeGemmRT("fp32", arch="sm_90", ws=1 << 20, split=2 * 2048 * 2048)
+    rt = FakeGemmRT("fp32", arch="sm_90", ws=1 << 20)
     rt._ws["bias_partials"] = _v((256 * M,), 1 << 43)
-    p = gemm.make_plan(fam, tile, 1, K, transpose_b=fam == "wgmma3")
+    p = gemm.make_plan("simt", (128, 128), 1, K)
     gemm.matmul(rt, _v((M, N)), _v((K, M), 1 << 30), _v((K, N), 1 << 31), True, False,
                 plan=p, a_colsum=_v((M,), 1 << 35))
     part = [(g, b) for n, g, b, _ in rt.launches if n.startswith("bias_grad_partial")]
@@ -563,7 +562,6 @@ def test_as_stored_plans_run_only_the_op_interfaces_products(fam, epilogue):
     rt._ws = {"gemm_splitk": rt.empty((M * N,), name="ws"), "gemm_aT": rt.empty(((M + N) * K,), name="gemm_aT")}
     if fam == "wgmma3_ra":
         rt.exec = rt.exec.with_precision("fp32")
-        rt._ws.update(gemm_split_a=rt.empty((2 * M * K,), name="sa"), gemm_split_b=rt.empty((2 * N * K,), name="sb"))
     da, db, out = rt.empty((K, M)), rt.empty((K, N)), rt.empty((M, N))
     kw = {"bias": rt.empty((N,))} if epilogue == "bias" else {"epilogue": "residual", "aux": out}
     p = gemm.make_plan(fam, gemm.FAMILIES[fam].tiles[0], 1, K)
@@ -605,8 +603,7 @@ def test_ra_plan_launches(fam, tile, tb, splits, colsum):
     kern = [n for n in names if n.startswith("gemm_wgmma_ra")]
     assert len(kern) == 1 and len(names) == 1 + (splits > 1) + (fam != "wgmma_ra_mn" and not tb) + colsum, names
     if fam == "wgmma_ra_t":        # A^T first, then out^T = B^T A: B [K, N] through registers
-        assert names[0] in ([*COLSUM_TRANSPOSE_NAMES.values()] if colsum else
-                            [gemm.TRANSPOSE_NAMES[False, vec] for vec in (False, True)]), names
+        assert names[0] in (COLSUM_TRANSPOSES if colsum else [gemm.transpose_name(vec) for vec in (False, True)]), names
         assert maps == [((N, K, 1), (32, 32, 1), True), ((K, M, 1), (32, tile[1], 1), True)], maps
         assert kern[0] == ra_name(tile, False, 0, False, tc=True)
     else:
@@ -667,8 +664,7 @@ def test_wgmma3_ra_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
     rng = np.random.default_rng(M + N + K + splits + 2 * ta + tb)
     rt = _NumpyRT(1 << 21)
     rt.exec = rt.exec.with_precision("fp32")
-    rt._ws = {"gemm_splitk": rt.empty((splits * M * N,), name="ws"), "gemm_split_a": rt.empty((2 * M * K,), name="sa"),
-              "gemm_split_b": rt.empty((2 * N * K,), name="sb")}
+    rt._ws = {"gemm_splitk": rt.empty((splits * M * N,), name="ws")}
     maps = []
     rt.tensor_map = lambda view, dims, strides, box, swizzle=True: (
         maps.append((tuple(dims), tuple(box), swizzle)) or _NumpyRT.tensor_map(rt, view, dims, strides, box, swizzle))
@@ -709,7 +705,7 @@ def test_wgmma3_ra_competes_for_aligned_fp32_products(fam):
     assert "rt.precision" in gemm.plan_unfit(p, "tf32", True, "direct")
     assert gemm.mode_flags(fam, "transpose") == (False, False)
     cands = gemm.tune_candidates(384, 1536, 16384, 1, "simt", True, 1 << 24, wgmma="transpose")
-    assert {p.family for p in cands} >= {"simt", "wgmma3", fam}
+    assert {p.family for p in cands} == {"simt", fam}
 
 
 @pytest.mark.parametrize("fam,tile", [("wgmma_ra_mn", t) for t in gemm.WGMMA_RA_MN_TILES] +
@@ -728,10 +724,8 @@ def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, par
     rt = _NumpyRT(1 << 22)
     rt._ws = {"gemm_splitk": rt.empty((splits * M * N,), name="ws"),
               "gemm_aT": rt.empty(((M + N) * K,), name="gemm_aT")}
-    if fam == "wgmma3_ra":                       # fp32 (3xTF32), where the split workspaces are planned
+    if fam == "wgmma3_ra":                       # fp32 (3xTF32)
         rt.exec = rt.exec.with_precision("fp32")
-        rt._ws.update(gemm_split_a=rt.empty((2 * M * K,), name="split_a"),
-                      gemm_split_b=rt.empty((2 * N * K,), name="split_b"))
     if partials:
         rt._ws["bias_partials"] = rt.empty((256 * M,), name="bias_partials")
     a, b, out0 = rng.standard_normal((K, M)), rng.standard_normal((K, N)), rng.standard_normal((M, N))

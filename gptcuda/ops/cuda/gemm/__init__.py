@@ -18,13 +18,10 @@ GPTCUDA_WGMMA=0 leaves it out); for trans_a = True (the weight gradient dW = dY^
 after A [K, M] (and B [K, N]) are transposed into the workspace "gemm_aT" as [M, k] (and [N, k]):
 when the scratch cannot hold the whole of them the product runs as k slabs in a fixed order,
 the first writing out and the others adding to it (the residual epilogue with aux = out; linear
-epilogues only). For "fp32" these layouts, and trans_a = True (the weight gradient
-dY^T @ X), may run as 3xTF32 (family "wgmma3") when the config planned the split scratch
-"gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32): A and B are split into TF32 hi and lo halves
-by a pre-pass (transposing a [K, rows] operand on the way), then three products; or (family
-"wgmma3_ra", 16-byte aligned operands in the op interface's layouts) with no pass before it: the
-consumers split A's fragments in registers, the producer warpgroup splits (and turns K-major) each k
-tile of B as stored in shared memory. The block tile
+epilogues only). For "fp32" (fp32_gemm: 3xtf32) the op interface's products, 16-byte aligned, one
+product, may run as 3xTF32 (family "wgmma3_ra"): three TF32 products of hi and lo halves, the
+consumers splitting A's fragments in registers, the producer warpgroup splitting (and turning K-major)
+each k tile of B as stored in shared memory. The block tile
 and the split-K factor of a shape come from the measured table of bench/tune.py when it has
 an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel
 sources (`tuned_plan`), else from a cost model (`plan`) fed with rt.info.sm_count. Split-K
@@ -49,15 +46,14 @@ from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_COMBOS,
                                             EPI_NONE, EPI_RESID, EPILOGUE_CODES, FAMILIES, LADDER_NAMES,
                                             MAX_GRID_Z, MAX_SPLITS, PRODUCTS, REDUCE_THREADS,
                                             SIMT_BLOCKS_PER_SM, SIMT_EFFICIENCY, SIMT_FILE, SIMT_TILES,
-                                            SMEM_PER_SM, SPLIT_ALIGN, SPLIT_NAMES, TF32_EFFICIENCY,
+                                            SMEM_PER_SM, SPLIT_ALIGN, TF32_EFFICIENCY,
                                             TF32_FALLBACK_TILES, TF32_FILE, TF32_PLAN_TILES, TF32_TILES,
-                                            TRANSPOSE_NAMES, VARIANTS, WGMMA3_EFFICIENCY, WGMMA3_TILES,
-                                            WGMMA_ARCHS, WGMMA_EFFICIENCY, WGMMA_FILE, WGMMA_LOADERS,
+                                            VARIANTS, WGMMA_ARCHS, WGMMA_EFFICIENCY, WGMMA_FILE, WGMMA_LOADERS,
                                             WGMMA3_RA_TILES, WGMMA_RA_MN_TILES,
                                             WGMMA_RA_T_TILES, WGMMA_RA_TILES, WGMMA_TILES, Family, cdiv, reduce_name,
                                             simt_name,
                                             tf32_blocks_per_sm, tf32_name, tf32_smem, wgmma_blocks_per_sm,
-                                            wgmma_name, wgmma_smem)
+                                            transpose_name, wgmma_name, wgmma_smem)
 from gptcuda.ops.cuda.gemm.layout import (WGMMA_WORKSPACES, device_workspaces, mode_flags, ra_scratch,
                                           rt_transpose_a_slab, transpose_a_slab, wgmma3_mode, wgmma_device,
                                           wgmma_layout_mode, wgmma_mode, wgmma_ok)

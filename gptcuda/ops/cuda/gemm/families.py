@@ -6,16 +6,14 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
     simt    fp32 on the CUDA cores (kernels/gemm_simt.cu), every layout, aligned or not
     tf32    TF32 mma.sync (kernels/gemm_tf32.cu), every layout; unaligned operands on a few tiles
     wgmma   TF32 warpgroup MMA (kernels/gemm_wgmma.cu, sm_90a): K-major A and B only
-    wgmma3  fp32 as three TF32 warpgroup-MMA products over operands split into hi and lo halves
-            by a pass before it
-    wgmma3_ra  fp32 as 3xTF32 over A and B as stored: A split in the consumers' registers, B split (and
-               turned K-major) in shared memory
+    wgmma3_ra  fp32 as three TF32 warpgroup-MMA products (3xTF32) over A and B as stored: A split into
+               hi and lo halves in the consumers' registers, B split (and turned K-major) in shared memory
     wgmma_ra  TF32 A^T B with A [K, M] as stored read through registers, B K-major (or B^T first)
     wgmma_ra_mn  the same with B [K, N] as stored, turned K-major by the producers
     wgmma_ra_t  TF32 A^T B as (B^T A)^T: B [K, N] through registers, A^T first, out stored transposed
 
 The execution plan picks a base family (ExecutionPlan.gemm_family); on sm_90 its warpgroup-MMA partner competes
-with it (`Family.partner`), for fp32 also `Family.stored_partners` (aligned operands in any layout),
+with it (`Family.partner`, TF32), for fp32 `Family.stored_partners` (aligned operands in any layout),
 and for TF32 weight gradients `Family.ra_partners`.
 """
 from __future__ import annotations
@@ -42,7 +40,7 @@ EPI_COMBOS = ((EPI_NONE, False), (EPI_BIAS, True), (EPI_GELU, False), (EPI_GELU,
 # The products the op interface asks for, by (trans_a, trans_b): x @ W^T with any epilogue and bias, dY @ W
 # plain or with the GELU backward folded in, the weight gradients dY^T @ X plain (batched: these three
 # layouts, plain). A family whose kernels read the operands as stored is compiled for these alone; the
-# K-major ones, which run the others re-laid out, and the internal layouts (TT: a register-A kernel after
+# K-major one, which runs the others re-laid out, and the internal layouts (TT: a register-A kernel after
 # B^T) for every pair they declare (Family.combos).
 PRODUCTS = {(False, True): tuple(e for e in EPI_COMBOS if e[0] != EPI_DGELU),
             (False, False): ((EPI_NONE, False), (EPI_DGELU, False)),
@@ -112,18 +110,13 @@ RA_EPI_COMBOS = ((EPI_NONE, False), (EPI_RESID, False))
 # (gemm_wgmma_ra's TC): for the weight gradient whose B is the larger operand (dW fcproj = dY^T act).
 WGMMA_RA_T_TILES = WGMMA_RA_TILES
 # the warpgroup-MMA kernels' devices (compiled for sm_90a: compiler.ARCH_SPECIFIC): gptcuda/runtime/execution.py
-# fp32 through three TF32 products (family "wgmma3", the TMA kernel with PRODUCTS = 3): each slot
-# holds hi and lo tiles of both operands, twice a TF32 slot, so fewer stages fit: (BM, BN, STAGES, 1).
-# A thread keeps two sets of BN / 2 accumulators (the sum and the k tile's partial), so only two
-# warpgroups (BM 128, up to 255 registers a thread) fit without spilling.
-WGMMA3_TILES = ((128, 128, 3, 1), (128, 192, 2, 1), (128, 64, 4, 1))
-WGMMA3_EFFICIENCY = dict(zip(WGMMA3_TILES, (2.0, 2.1, 1.5)))
-# fp32 as 3xTF32 with no pass before it (family "wgmma3_ra", kernels/gemm_wgmma.cu gemm_wgmma3_ra):
+# fp32 through three TF32 products (3xTF32; family "wgmma3_ra", kernels/gemm_wgmma.cu gemm_wgmma3_ra):
 # (BM, BN, STAGES), the warp-specialized persistent kernel whose consumers load A's fragments as
-# stored (K-major, or MN-major in gemm_wgmma_ra's boxes) and split them themselves, and whose producers
-# split (and turn) B. A slot holds A once and B's two halves, (BM + 2 BN) x 128 bytes: 4 stages at
-# 128 x 128. Two consumer warpgroups (BM 128) of sum + partial accumulators (BN / 2 each). (It replaced
-# gemm_wgmma3_ws, which split both operands in shared memory: no measured table picked it.)
+# stored (K-major, or MN-major in gemm_wgmma_ra's boxes) and split them into hi and lo halves
+# themselves, and whose producers split (and turn) B. A slot holds A once and B's two halves, (BM + 2 BN)
+# x 128 bytes: 4 stages at 128 x 128. Two consumer warpgroups (BM 128) of sum + partial accumulators
+# (BN / 2 each). (It replaced gemm_wgmma3_ws, which split both operands in shared memory, and the
+# TMA kernel over halves a pass wrote first: the measured tables picked neither.)
 WGMMA3_RA_TILES = ((128, 128, 4), (128, 64, 4))
 WGMMA3_RA_EFFICIENCY = dict(zip(WGMMA3_RA_TILES, (2.0, 1.5)))
 
@@ -140,20 +133,16 @@ def _tf32_threads(t):             # a warp a warp tile
     return t[3] * t[4] * 32
 
 
-# gemm_simt.cu's transpose [K, N] -> [N, K] of transpose_b plans (split: the hi and lo halves of a wgmma3
-# operand), by (split, vec: float4 accesses): TRANSPOSE_THREADS threads a TRANSPOSE_TILE square (asserted)
+# gemm_simt.cu's transpose [K, N] -> [N, K] of transpose_b plans: TRANSPOSE_THREADS threads a TRANSPOSE_TILE
+# square (asserted)
 TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256
 
 
-def _transpose_name(split, vec, colsum) -> str:
-    return expression("gemm_transpose", split, vec, colsum, TRANSPOSE_TILE, TRANSPOSE_THREADS, sep=", ")
+def transpose_name(vec, colsum=False) -> str:
+    """gemm_transpose's name expression: vec, float4 accesses; colsum, the A^T of a weight gradient that
+    also writes its bias gradient's partial column sums."""
+    return expression("gemm_transpose", vec, colsum, TRANSPOSE_TILE, TRANSPOSE_THREADS, sep=", ")
 
-
-TRANSPOSE_NAMES = {(split, vec): _transpose_name(split, vec, False) for split in (False, True) for vec in (False, True)}
-# the A^T transpose of a weight gradient that also writes its bias gradient's partial column sums
-COLSUM_TRANSPOSE_NAMES = {vec: _transpose_name(False, vec, True) for vec in (False, True)}
-SPLIT_THREADS = 256        # tf32_split's block (grid-stride)
-SPLIT_NAMES = {vec: expression("tf32_split", vec, SPLIT_THREADS) for vec in (False, True)}   # the halves of an operand
 
 # Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
 LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
@@ -204,10 +193,9 @@ def _ws(kernel, tile, smem, *args) -> str:
     return expression(kernel, *tile[:3], *args, ws_threads(tile), smem)
 
 
-def wgmma_name(tile, epi, has_bias, products=1) -> str:
-    assert products == 1 or tile[3] == 1, "3xTF32 runs on the TMA kernel only"
-    kernel, extra = (("gemm_wgmma", ()), ("gemm_wgmma_tma", (products,)), ("gemm_wgmma_ws", ()))[tile[3]]
-    return expression(kernel, *tile[:3], epi, has_bias, *extra, wgmma_threads(tile), wgmma_smem(tile, products))
+def wgmma_name(tile, epi, has_bias) -> str:
+    kernel = ("gemm_wgmma", "gemm_wgmma_tma", "gemm_wgmma_ws")[tile[3]]
+    return expression(kernel, *tile[:3], epi, has_bias, wgmma_threads(tile), wgmma_smem(tile))
 
 
 def ra_name(tile, mn_b, epi, has_bias, colsum=False, tc=False) -> str:
@@ -232,17 +220,17 @@ def tf32_blocks_per_sm(tile) -> int:
     return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
 
 
-def wgmma_smem(tile, products=1) -> int:
-    """Dynamic shared memory of a wgmma tile: stages x (BM + BN) rows of 128 bytes (3xTF32: twice,
-    hi and lo), plus the 1 KB of ring_smem."""
+def wgmma_smem(tile) -> int:
+    """Dynamic shared memory of a wgmma tile: stages x (BM + BN) rows of 128 bytes, plus the 1 KB of
+    ring_smem."""
     bm, bn, stages, _ = tile
-    return ring_smem(stages, (bm + bn) * (2 if products == 3 else 1))
+    return ring_smem(stages, bm + bn)
 
 
-def wgmma_blocks_per_sm(tile, products=1) -> int:
+def wgmma_blocks_per_sm(tile) -> int:
     if tile[3] == 2:              # persistent: one block per SM at most (ws_grid)
         return 1
-    return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile, products) + 1024)))
+    return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile) + 1024)))
 
 
 def wgmma_threads(tile) -> int:
@@ -283,7 +271,6 @@ class Family:
     layouts: tuple = ()           # (trans_a, trans_b) its kernels read as stored (default: K-major
                                   # families (False, True), the others all four)
     products: int = 1             # 3: fp32 as 3xTF32 over operands split into hi and lo halves
-    split_first: bool = False     # 3xTF32 over halves a pass wrote before the kernel (else split in it)
     transposes_a: bool = False    # A stored [K, M] runs after A^T into "gemm_aT" (transpose_a plans)
     split_waves: int = 1          # the cost model tries split-K below this many waves of blocks
     partner: str | None = None    # the warpgroup-MMA family competing on sm_90 (base families)
@@ -325,11 +312,6 @@ class Family:
         """Whether its kernels are compiled for epilogue code epi (EPI_BIAS: with a bias) in some layout."""
         return any(e == epi for _, _, e, _ in self.combos())
 
-    @property
-    def halves(self) -> int:
-        """Copies of each operand a product streams from memory (3xTF32 split first: hi and lo)."""
-        return 2 if self.split_first else 1
-
 
 
 
@@ -360,7 +342,7 @@ FAMILIES = {f.name: f for f in (
            kernel=lambda t, ta, tb, epi, hb, vec: simt_name(t[0], t[1], ta, tb, epi, hb, vec),
            label=lambda t: f"{t[0]}x{t[1]}",
            short=lambda t: f"{t[0]}x{t[1]}",
-           partner="wgmma3", stored_partners=("wgmma3_ra",)),
+           stored_partners=("wgmma3_ra",)),
     Family("tf32", TF32_FILE, TF32_TILES, TF32_PLAN_TILES, TF32_FALLBACK_TILES, TF32_EFFICIENCY,
            TF32_FLOPS_PER_SM,
            threads=_tf32_threads,
@@ -402,14 +384,6 @@ FAMILIES = {f.name: f for f in (
                      epis=((EPI_NONE, False),), a_regs=True, swaps=True,
                      needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product, no "
                            "epilogue, A^T [M, K] room in the gemm_aT workspace"),
-    Family("wgmma3", WGMMA_FILE, WGMMA3_TILES, WGMMA3_TILES, (), WGMMA3_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
-           threads=wgmma_threads,
-           blocks_per_sm=lambda t: wgmma_blocks_per_sm(t, 3),
-           smem=lambda t: wgmma_smem(t, 3),
-           kernel=lambda t, ta, tb, epi, hb, vec: wgmma_name(t, epi, hb, 3),
-           label=_wgmma_label, short=_wgmma_short,
-           tma=lambda t: True, k_major=True, products=3, split_first=True, base="simt",
-           needs="sm_90, K % 4 == 0, one product and the gemm_split_a/_b workspaces"),
     Family("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, WGMMA3_RA_TILES, (), WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
            threads=ws_threads,
            blocks_per_sm=lambda t: 1,
@@ -438,8 +412,7 @@ def _variants():
         out.append((SIMT_FILE, reduce_name(epi, hb), {}))
     for name in LADDER_NAMES:
         out.append((SIMT_FILE, name, {}))
-    out += [(SIMT_FILE, n, {}) for n in (*TRANSPOSE_NAMES.values(), *COLSUM_TRANSPOSE_NAMES.values(),
-                                         *SPLIT_NAMES.values())]
+    out += [(SIMT_FILE, transpose_name(vec, colsum), {}) for colsum in (False, True) for vec in (False, True)]
     out.append((TF32_FILE, "mma_probe", {}))
     out.append((TF32_FILE, "tf32_round_probe", {}))
     return out

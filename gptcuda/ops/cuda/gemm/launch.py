@@ -1,6 +1,6 @@
 """The GEMM launchers: validate the views, pick the plan (forced, the measured table, else the
-cost model), re-lay the operands out where the plan needs it (B^T, A^T in k slabs, 3xTF32 halves)
-and launch the family's kernel (and the split-K reduction)."""
+cost model), re-lay the operands out where the plan needs it (B^T, A^T in k slabs) and launch the
+family's kernel (and the split-K reduction)."""
 from __future__ import annotations
 
 import math
@@ -10,9 +10,8 @@ from gptcuda.ops.backend import rows
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPI_RESID, EPILOGUE_CODES,
-                                            COLSUM_TRANSPOSE_NAMES, FAMILIES, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS,
-                                            SIMT_FILE, SPLIT_NAMES, SPLIT_THREADS, TRANSPOSE_NAMES, TRANSPOSE_THREADS,
-                                            TRANSPOSE_TILE, cdiv, reduce_name)
+                                            FAMILIES, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS, SIMT_FILE,
+                                            TRANSPOSE_THREADS, TRANSPOSE_TILE, cdiv, reduce_name, transpose_name)
 from gptcuda.ops.cuda.gemm.layout import ra_scratch, rt_transpose_a_slab, wgmma_ok, ws_capacity
 from gptcuda.ops.cuda.gemm.plan import Plan, check_plan, has_colsum_kernel
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
@@ -136,15 +135,11 @@ def _launch_gemm(rt, p: Plan, c: GemmCall, ws=None):
 
 
 def _operands(rt, p: Plan, c: GemmCall) -> tuple:
-    """A and B as the kernel takes them: pointers, or TMA tensor maps. The 3xTF32 split halves {K, rows,
-    2 (hi, lo)}, dense; a K-major operand (A [M, K], B [N, K]) {K, rows, batch} with boxes {32, BM or BN}
-    in the 128-byte swizzle; an MN-major one (A [K, M]: ta, B [K, N]: not tb, read as stored) {rows, K,
-    batch}, boxes {BM or BN, 32}, unswizzled, except A read through registers (a_regs): boxes {32, 32} in
-    the 128-byte swizzle."""
+    """A and B as the kernel takes them: pointers, or TMA tensor maps. A K-major operand (A [M, K], B
+    [N, K]) {K, rows, batch} with boxes {32, BM or BN} in the 128-byte swizzle; an MN-major one (A [K, M]:
+    ta, B [K, N]: not tb, read as stored) {rows, K, batch}, boxes {BM or BN, 32}, unswizzled, except A
+    read through registers (a_regs): boxes {32, 32} in the 128-byte swizzle."""
     fam = p.fam
-    if fam.split_first:
-        return tuple(rt.tensor_map(x, (c.K, rows_, 2), (4 * c.K, 4 * rows_ * c.K), (32, box, 1))
-                     for x, rows_, box in ((c.a, c.M, p.bm), (c.b, c.N, p.bn)))
     if not fam.tma(p.tile):
         return c.a, c.b
     out = []
@@ -272,11 +267,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     if p.fam.swaps:
         _matmul_swapped(rt, p, out, a, b, M, N, K, a_colsum, ws, label)
         return
-    stored_a = a                 # (a 3xTF32 plan re-binds a to its split halves)
-    if p.fam.split_first:
-        a, b = _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label)
-        trans_a, trans_b, lda, ldb = False, True, K, K
-    elif p.transpose_b:          # (a register-A plan's B^T, [N, tokens], goes where the A^T slabs would)
+    if p.transpose_b:          # (a register-A plan's B^T, [N, tokens], goes where the A^T slabs would)
         b, trans_b, ldb = _transpose_b(rt, b, K, N, label, "gemm_aT" if p.fam.b_first else "gemm_bT"), True, K
     if (trans_a, trans_b, epi, has_bias) not in COMBOS[p.family]:
         raise ValueError(f"{label}: the {p.family} kernels are not compiled for {_layout(trans_a, trans_b)} with "
@@ -292,7 +283,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     if part is not None:
         elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
     elif a_colsum is not None:
-        elementwise.bias_grad(rt, a_colsum, stored_a)
+        elementwise.bias_grad(rt, a_colsum, a)
 
 
 def matmul_plan(rt, p: Plan, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none",
@@ -313,12 +304,11 @@ def _scratch(rt, name, shape, label):
 
 
 
-def _transpose_into(rt, out, x, K, N, split, label, what="B^T", colsum=None, chunk0=0):
-    """x [K, N] (dense) -> out [N, K], or its hi and lo halves [2, N, K] when split. colsum (not with
-    split): also colsum[chunk0 + i, :] = the column sums of x's rows 64 i .. 64 i + 63."""
+def _transpose_into(rt, out, x, K, N, label, what="B^T", colsum=None, chunk0=0):
+    """x [K, N] (dense) -> out [N, K]. colsum: also colsum[chunk0 + i, :] = the column sums of x's rows
+    64 i .. 64 i + 63."""
     vec = K % 4 == 0 and N % 4 == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0
-    name = TRANSPOSE_NAMES[split, vec] if colsum is None else COLSUM_TRANSPOSE_NAMES[vec]
-    rt.launch(rt.function(SIMT_FILE, name),
+    rt.launch(rt.function(SIMT_FILE, transpose_name(vec, colsum is not None)),
               (cdiv(N, TRANSPOSE_TILE), cdiv(K, TRANSPOSE_TILE)), (TRANSPOSE_THREADS,),
               [out, x, i32(K), i32(N), colsum, i32(chunk0)], label=f"{label}:{what}")
 
@@ -351,15 +341,14 @@ def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, ep
     for k0 in range(0, K, kc):
         kl = min(kc, K - k0)
         a_t = DeviceView(at.ptr, (M, kl), "f32", "gemm_aT")
-        _transpose_into(rt, a_t, DeviceView(a.ptr + 4 * k0 * M, (kl, M), "f32", "A slab"), kl, M, False,
-                        label, "A^T", part, chunk)
+        _transpose_into(rt, a_t, DeviceView(a.ptr + 4 * k0 * M, (kl, M), "f32", "A slab"), kl, M, label, "A^T",
+                        part, chunk)
         chunk += cdiv(kl, TRANSPOSE_TILE)
         if trans_b:
             b_op, ldb = DeviceView(b.ptr + 4 * k0, (N, kl), "f32", "B slab"), K
         else:
             b_op, ldb = DeviceView(at.ptr + 4 * M * kl, (N, kl), "f32", "gemm_aT"), kl
-            _transpose_into(rt, b_op, DeviceView(b.ptr + 4 * k0 * N, (kl, N), "f32", "B slab"), kl, N, False,
-                            label, "B^T")
+            _transpose_into(rt, b_op, DeviceView(b.ptr + 4 * k0 * N, (kl, N), "f32", "B slab"), kl, N, label, "B^T")
         first = k0 == 0
         _launch_gemm(rt, p, GemmCall(out, a_t, b_op, M, N, kl, kl, ldb, N, False, True, epi if first else EPI_RESID,
                                      bias if first else None, aux if first else out, sC=M * N,
@@ -374,7 +363,7 @@ def _matmul_swapped(rt, p: Plan, out, a, b, M, N, K, a_colsum, ws, label):
     is the larger operand (dW fcproj = dY^T act) transposes dY instead of act."""
     part = None if a_colsum is None else _colsum_partials(rt, M, K, K)
     at = _scratch(rt, "gemm_aT", (M, K), label)
-    _transpose_into(rt, at, a, K, M, False, label, "A^T", colsum=part)
+    _transpose_into(rt, at, a, K, M, label, "A^T", colsum=part)
     _launch_gemm(rt, p, GemmCall(out, b, at, N, M, K, N, K, N, True, True, sC=M * N, label=label), ws)
     if part is not None:
         elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
@@ -385,33 +374,8 @@ def _matmul_swapped(rt, p: Plan, out, a, b, M, N, K, a_colsum, ws, label):
 def _transpose_b(rt, b, K, N, label, scratch="gemm_bT"):
     """B [K, N] -> the workspace `scratch` as [N, K] (the operand of a transpose_b plan)."""
     bt = _scratch(rt, scratch, (N, K), label)
-    _transpose_into(rt, bt, b, K, N, False, label)
+    _transpose_into(rt, bt, b, K, N, label)
     return bt
-
-
-def _split_into(rt, out, x, rows_, cols, ld, label, what):
-    vec = x.ptr % 16 == 0 and cols % 4 == 0 and ld % 4 == 0
-    groups = rows_ * cdiv(cols, 4)
-    blocks = max(1, min(cdiv(groups, SPLIT_THREADS), rt.info.sm_count * 8))
-    rt.launch(rt.function(SIMT_FILE, SPLIT_NAMES[vec]), (blocks,), (SPLIT_THREADS,),
-              [out, x, i32(rows_), i32(cols), i32(ld)], label=f"{label}:split {what}")
-
-
-def _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label):
-    """The operands of a 3xTF32 plan: A, [M, K] or [K, M] (trans_a: transposed on the way), ->
-    "gemm_split_a" [2, M, K] (hi, lo); B, [N, K] (trans_b) or [K, N] (transposed on the way), ->
-    "gemm_split_b" [2, N, K]."""
-    sa = _scratch(rt, "gemm_split_a", (2, M, K), label)
-    sb = _scratch(rt, "gemm_split_b", (2, N, K), label)
-    if trans_a:
-        _transpose_into(rt, sa, a, K, M, True, label, "split A^T")
-    else:
-        _split_into(rt, sa, a, M, K, lda, label, "A")
-    if trans_b:
-        _split_into(rt, sb, b, N, K, ldb, label, "B")
-    else:
-        _transpose_into(rt, sb, b, K, N, True, label, "split B^T")
-    return sa, sb
 
 
 def matmul_batched_dims(out, a, b, trans_a=False, trans_b=False):

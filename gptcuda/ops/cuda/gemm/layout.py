@@ -1,14 +1,14 @@
 """Which operand layouts the warpgroup-MMA families (K-major A and B only) can run, and with which
 re-layout: B transposed first ("transpose"), A (and B) transposed first in k slabs
-("transpose_a" / "transpose_ab"), or, for 3xTF32, both split into hi and lo halves; on which device
-(`wgmma_device`: the runtime's execution plan, rt.exec) and with which planned scratch
+("transpose_a" / "transpose_ab"); for 3xTF32 (wgmma3_ra) the op interface's layouts as stored; on
+which device (`wgmma_device`: the runtime's execution plan, rt.exec) and with which planned scratch
 (WGMMA_WORKSPACES) of a runtime."""
 from __future__ import annotations
 
-from gptcuda.ops.cuda.gemm.families import FAMILIES, SPLIT_ALIGN
+from gptcuda.ops.cuda.gemm.families import FAMILIES, PRODUCTS, SPLIT_ALIGN
 from gptcuda.runtime import RuntimeProtocol
 
-WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT", "gemm_split_a", "gemm_split_b")   # scratch only the wgmma kernels read
+WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT")   # scratch only the wgmma kernels read
 
 
 def transpose_a_slab(M, N, K, trans_b, floats) -> int:
@@ -42,31 +42,25 @@ def wgmma_mode(trans_a, trans_b, vec, K, N, batch, bt_floats, M=0, at_floats=0):
     return "transpose" if batch == 1 and K % 4 == 0 and 0 < K * N <= bt_floats else False
 
 
-def wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, a_floats, b_floats):
-    """`wgmma_mode` for the 3xTF32 kernel: one product (batch 1: the tensor maps' third dim is hi /
-    lo), K % 4 == 0 (the split rows are the tensor maps' 16-byte strides), whose split operands fit
-    the workspaces: A's halves [2, M, K] in a_floats, B's [2, N, K] in b_floats. Both operands are
-    split in either layout: A stored [K, M] (trans_a) is transposed by its split, B stored [K, N]
-    by its split for "transpose"."""
-    if batch != 1 or K % 4 or not 0 < 2 * M * K <= a_floats or not 0 < 2 * N * K <= b_floats:
+def wgmma3_mode(trans_a, trans_b, vec, K, batch):
+    """`wgmma_mode` for the 3xTF32 kernel, which reads the op interface's layouts (gemm.PRODUCTS) as
+    stored: 16-byte aligned operands, one product, K % 4 == 0; "direct" (trans_b) or "transpose"."""
+    if not vec or batch != 1 or K % 4 or (trans_a, trans_b) not in PRODUCTS:
         return False
-    # the split passes read both operands at any alignment and write them densely, so a forced plan
-    # runs on unaligned operands too (the cost model and bench/tune.py offer 3xTF32 for aligned ones)
-    return wgmma_mode(False, trans_b, True, K, N, batch, b_floats)
+    return "direct" if trans_b else "transpose"
 
 
 def wgmma_layout_mode(mode, trans_a, trans_b, vec, M, N, K, batch, scratch: dict):
     """How the warpgroup-MMA kernels can run this product in the execution plan's `wgmma_mode`:
     "tf32": `wgmma_mode` with "gemm_bT" as the B^T scratch and "gemm_aT" as the A^T (+ B^T) slabs of
-    trans_a products (the slab size: `transpose_a_slab`); "3xtf32": `wgmma3_mode` with the split
-    scratch "gemm_split_a" / "gemm_split_b"; scratch: {name: floats} of the planned WGMMA_WORKSPACES
-    (a missing one: none). False: not at all (mode None: the kernels do not run)."""
+    trans_a products (the slab size: `transpose_a_slab`); "3xtf32": `wgmma3_mode`; scratch: {name:
+    floats} of the planned WGMMA_WORKSPACES (a missing one: none). False: not at all (mode None: the
+    kernels do not run)."""
     if mode == "tf32":
         return wgmma_mode(trans_a, trans_b, vec, K, N, batch, scratch.get("gemm_bT", 0), M,
                           scratch.get("gemm_aT", 0))
     if mode == "3xtf32":
-        return wgmma3_mode(trans_a, trans_b, vec, M, N, K, batch, scratch.get("gemm_split_a", 0),
-                           scratch.get("gemm_split_b", 0))
+        return wgmma3_mode(trans_a, trans_b, vec, K, batch)
     return False
 
 
@@ -76,8 +70,7 @@ _MODE_FLAGS = {"direct": (False, False), "transpose": (True, False), "transpose_
 
 
 def mode_flags(family, wgmma):
-    """(transpose_b, transpose_a) of a `family` plan for a launch whose `wgmma_ok` answer is wgmma
-    (the 3xTF32 family re-lays A [K, M] out in its split pass: no transpose_a)."""
+    """(transpose_b, transpose_a) of a `family` plan for a launch whose `wgmma_ok` answer is wgmma."""
     fam = FAMILIES.get(family)
     if fam is not None and fam.b_first:              # TF32 register A: B^T first
         return wgmma == "transpose_ab", False
@@ -105,7 +98,7 @@ def wgmma_device(rt: RuntimeProtocol) -> bool:
 
 def device_workspaces(ws: dict, rt) -> dict:
     """`workspace(cfg)`'s entries that rt's device uses: without the wgmma kernels (not sm_90, or
-    GPTCUDA_WGMMA=0) the transposed-B / -A and 3xTF32 scratch would never be read."""
+    GPTCUDA_WGMMA=0) the transposed-B / -A scratch would never be read."""
     if wgmma_device(rt):
         return dict(ws)
     return {k: v for k, v in ws.items() if k not in WGMMA_WORKSPACES}

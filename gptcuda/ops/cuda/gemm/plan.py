@@ -15,7 +15,7 @@ from gptcuda.ops.cuda.gemm.layout import mode_flags
 
 @dataclass(frozen=True)
 class Plan:
-    family: str          # "simt" | "tf32" | "wgmma" | "wgmma3" | "wgmma3_ra" | "wgmma_ra" | ...: a FAMILIES key
+    family: str          # "simt" | "tf32" | "wgmma" | "wgmma3_ra" | "wgmma_ra" | ...: a FAMILIES key
     tile: tuple          # an entry of the family's tiles
     threads: int
     blocks_per_sm: int
@@ -23,10 +23,9 @@ class Plan:
     k_chunk: int
     smem: int = 0
     transpose_b: bool = False   # wgmma on B [K, N]: B is first transposed into "gemm_bT" [N, K]
-                                # (wgmma3: into "gemm_split_b" [2, N, K]; transpose_a: into
-                                # "gemm_aT" after A^T, as [N, k slab])
+                                # (transpose_a: into "gemm_aT" after A^T, as [N, k slab])
     transpose_a: bool = False   # wgmma on A stored [K, M] (trans_a, the weight gradients): A is first
-                                # transposed into "gemm_aT" [M, k slab] (TF32 only; wgmma3 splits it)
+                                # transposed into "gemm_aT" [M, k slab] (TF32 only)
     k_slab: int = 0             # transpose_a: k rows per slab (a multiple of SPLIT_ALIGN, splits == 1);
                                 # 0: the whole K at once
 
@@ -115,10 +114,10 @@ def make_plan(family, tile, splits, K, transpose_b=False, transpose_a=False, k_s
 def b_reads(p: Plan, M, N, k_chunk, sm_count=132) -> int:
     """How often B comes from DRAM: the grid's x (N tiles) runs fastest, so a wave of sm_count x
     blocks_per_sm blocks covers a few rows of output tiles (or part of one), each sweeping all of
-    B's panels; when B's part of one split, N x k_chunk floats (x2: 3xTF32 halves), is more than the
-    L2 keeps, every later wave re-reads it: min(row tiles, waves) reads (the head's logits = lnf @
-    wte^T, wte 154 MB: 64 reads of wte with 128-row tiles, 32 with 256-row tiles), else one."""
-    if 4.0 * p.fam.halves * N * max(k_chunk, 1) <= _L2_RESIDENT_BYTES:
+    B's panels; when B's part of one split, N x k_chunk floats, is more than the L2 keeps, every
+    later wave re-reads it: min(row tiles, waves) reads (the head's logits = lnf @ wte^T, wte 154 MB:
+    64 reads of wte with 128-row tiles, 32 with 256-row tiles), else one."""
+    if 4.0 * N * max(k_chunk, 1) <= _L2_RESIDENT_BYTES:
         return 1
     rows_, tiles = cdiv(M, p.bm), cdiv(M, p.bm) * cdiv(N, p.bn)
     return max(1, min(rows_, cdiv(tiles, sm_count * p.blocks_per_sm)))
@@ -134,10 +133,8 @@ def _gemm_estimate(p: Plan, M, N, K, k_chunk, batch, epi, sm_count) -> float:
     per_block = _FILL_S + p.bm * p.bn * 4 * io / (_BYTES_PER_S / sm_count)
     per_sm = cdiv(blocks, sm_count)
     t += per_sm * per_block * (_HIDDEN if p.blocks_per_sm >= 2 else 1.0)
-    halves = fam.halves
-    t = max(t, 4.0 * batch * (halves * (M * K + b_reads(p, M, N, k_chunk, sm_count) * K * N) + M * N * io)
-            / _BYTES_PER_S,
-            4.0 * halves * blocks * (p.bm + p.bn) * max(k_chunk, 1) / _L2_BYTES_PER_S)
+    t = max(t, 4.0 * batch * (M * K + b_reads(p, M, N, k_chunk, sm_count) * K * N + M * N * io) / _BYTES_PER_S,
+            4.0 * blocks * (p.bm + p.bn) * max(k_chunk, 1) / _L2_BYTES_PER_S)
     if p.splits > 1:
         t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
     return t
@@ -153,7 +150,7 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, colsum=Fal
     per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's
     main loop when blocks_per_sm >= 2), at least the DRAM traffic (B re-read where it outgrows
     the L2: `b_reads`) and the operand panels every block streams from L2; split-K adds its
-    partials and the reduction; the re-layout passes (transposes, 3xTF32 splits) their bytes.
+    partials and the reduction; the re-layout passes (transposes) their bytes.
     transpose_a plans: the transposes of A (and B) at ~3 TB/s, then one GEMM per k slab, every
     slab after the first reading out back (the residual epilogue). colsum (matmul's a_colsum, A
     stored [K, M]): the A^T transposes and the consumers of gemm_wgmma_ra / gemm_wgmma3_ra give it
@@ -180,9 +177,7 @@ def _estimate_s(p: Plan, M, N, K, batch, epi, sm_count) -> float:
         return _gemm_estimate(p, N, M, K, p.k_chunk, batch, epi, sm_count) + _LAUNCH_S / 3 + \
             8.0 * batch * K * M / _BYTES_PER_S
     t = _gemm_estimate(p, M, N, K, p.k_chunk, batch, epi, sm_count)
-    if p.fam.split_first:              # the split passes: read 4 bytes, write 8, per element of A and B
-        t += 2 * _LAUNCH_S / 3 + 12.0 * (M * K + K * N) / _BYTES_PER_S
-    elif p.transpose_b:
+    if p.transpose_b:
         t += _LAUNCH_S / 3 + 8.0 * batch * K * N / _BYTES_PER_S
     return t
 
@@ -202,7 +197,7 @@ def competing(family, wgmma, vec=True, epi=None, ra_bt=True, ra_at=True) -> list
     third (swaps) with A^T [M, K] in "gemm_aT" where that holds it (ra_at)) whose kernels exist for
     epilogue code epi (None: any)."""
     base = FAMILIES[_base_family(family)]
-    out = [base.name] + ([base.partner] if wgmma else [])
+    out = [base.name] + ([base.partner] if wgmma and base.partner else [])
     if wgmma and vec:
         out += list(base.stored_partners)
     if wgmma in ("transpose_a", "transpose_ab") and vec:
@@ -334,10 +329,9 @@ HEAD_SLABS = 2
 def workspace(cfg, ex=None) -> dict:
     """Split-K partials for the weight-gradient GEMMs (K = batch_size * block_size tokens),
     sized for both orientations (dW and dW^T) and both base families at 132 SMs; the wgmma
-    kernels' re-laid operands (the plan's `scratch_kind`, default the config's plan on sm_90: TF32
-    "gemm_bT" and "gemm_aT", fp32 with fp32_gemm 3xtf32 "gemm_split_a" / "gemm_split_b").
-    bench/tune.py only times splits that fit this size."""
-    kind = (ex or execution.resolve(cfg)).scratch_kind
+    kernels' re-laid operands where the plan holds them (`wgmma_scratch`, default the config's plan on
+    sm_90: TF32's "gemm_bT" and "gemm_aT"). bench/tune.py only times splits that fit this size."""
+    relayout = (ex or execution.resolve(cfg)).wgmma_scratch
     K = cfg.batch_size * cfg.block_size
     need = 0
     for (m, n) in _weight_grad_shapes(cfg):
@@ -348,7 +342,7 @@ def workspace(cfg, ex=None) -> dict:
                     need = max(need, p.splits * M * N)
     out = {"gemm_splitk": ((need,), "f32")} if need else {}
     w_max = max(m * n for m, n in _weight_grad_shapes(cfg))
-    if kind == "tf32":
+    if relayout:
         # B^T of the backward's dX = dY @ W (W [out, in]: [C, 4C] the largest), for the wgmma kernel
         out["gemm_bT"] = ((w_max,), "f32")
         # A^T and B^T of a weight gradient dW = dY^T @ X (trans_a) for the wgmma kernel, [out + in,
@@ -359,12 +353,6 @@ def workspace(cfg, ex=None) -> dict:
         V = int(cfg.vocab_size or 0)
         head = (V + cfg.n_embd) * cdiv(K, HEAD_SLABS) if V else 0
         out["gemm_aT"] = ((max(max((m + n) * K for m, n in layer_shapes), head),), "f32")
-    elif kind == "3xtf32":
-        # the hi and lo halves of the 3xTF32 operands, up to [tokens, 4C] each: A the MLP's second
-        # product's input, the backward's dY of the first or, transposed, a weight gradient's dY;
-        # B a weight (or its transpose) or, transposed, a weight gradient's input activation
-        out["gemm_split_a"] = ((2 * K * 4 * cfg.n_embd,), "f32")
-        out["gemm_split_b"] = ((2 * max(w_max, K * 4 * cfg.n_embd),), "f32")
     return out
 
 
