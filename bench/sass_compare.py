@@ -287,7 +287,7 @@ def compare(old: dict, new: dict, dropped=()):
         if moved:
             line += f" (moved from {', '.join(moved)})"
         if renamed:
-            line += f"; {renamed} renamed by appended template arguments"
+            line += f"; {renamed} renamed (template arguments appended, or --dropped)"
         if nvinfo:
             line += f", .nv.info differs (not a failure) for {nvinfo}"
         ex_o, ex_n = old["extras"].get(f, set()), new["extras"].get(f, set())
