@@ -111,9 +111,10 @@ def launch_diff(old: list, new: list, dropped=()) -> str:
     a = [json.dumps([without_dropped(n, dropped), k]) for n, k in old]
     b = [json.dumps(x) for x in new]
     count = collections.Counter()
-    for line in difflib.unified_diff(a, b, lineterm="", n=0):
-        if line[:1] in "+-" and line[:3] not in ("---", "+++"):
-            count[line[0], json.loads(line[1:])[0]] += 1
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        for sign, lines in (("-", a[i1:i2]), ("+", b[j1:j2])) if op != "equal" else ():
+            for line in lines:
+                count[sign, json.loads(line)[0]] += 1
     return "; ".join(f"{sign}{n} {name}" for (sign, name), n in sorted(count.items(), key=lambda x: (x[0][1], x[0][0])))
 
 
