@@ -164,26 +164,26 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         out = ar.empty((M, N))
         ws = ar.empty((ws_floats,))
         # as memory.py plans them for training: the wgmma kernel's B^T scratch for the A @ B shapes,
-        # A^T (+ B^T) of the weight gradients A^T @ B (all of K at once)
+        # the register-A kernels' B^T or A^T of the weight gradients A^T @ B
         rt.set_workspace({"gemm_splitk": ws, "gemm_bT": ar.empty((K * N if trans == "NN" else 1,)),
-                          "gemm_aT": ar.empty(((M + N) * K if ta else 1,))})
+                          "gemm_aT": ar.empty((max(M, N) * K if ta else 1,))})
         lda = M if ta else K
         ldb = K if tb else N
         vec = _vec_ok(da, db, lda, ldb, 0, 0)
         for prec in precisions:
             rt.exec = rt.exec.with_precision(prec)
             family = "tf32" if prec == "tf32" else "simt"
-            wg = gemm.wgmma_ok(rt, ta, tb, vec, K, N, 1, M)
+            wg = gemm.wgmma_ok(rt, ta, tb, vec, K)
             # what gemm.matmul launches: the measured table's entry (bench/tune.py), else the cost model
             chosen = gemm.tuned_plan(rt, gemm.tune_key(prec, ta, tb, "none", False, M, N, K), vec, ws_floats,
                                      M, N, wg) \
                 or gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec, wgmma=wg)
             cands = [(chosen, True)]
-            if chosen.fam.products == 3:           # the FMA kernel beside it (fp32_gemm: ffma)
+            if chosen.family == "wgmma3_ra":       # the FMA kernel beside it (fp32_gemm: ffma)
                 cands.append((gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec), False))
             if args.sweep:
                 tiles = []                     # every tile of every family competing for this product
-                for name in gemm.competing(family, wg, vec):
+                for name in gemm.competing(family, wg):
                     fam = gemm.FAMILIES[name]
                     tiles += fam.tiles if vec or name != family else fam.unaligned_tiles
                 for tile in tiles:

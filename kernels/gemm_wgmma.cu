@@ -979,11 +979,10 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
 // [batch, K, N] turned K-major by the producer warpgroup (ws_turn_gemm). A's k tile arrives as
 // BM / 32 boxes {32 m, 32 k} in the 128-byte swizzle (tensor map {M, K, batch}, 128 bytes of m
 // inner); the consumers load their fragments from it (RaFrags) with rows permuted (ra_row), which
-// the epilogue undoes. No transposing pass over A and no producer work on it: the weight
-// gradients' A^T transposes of the transposing plans go away. COLSUM: the consumers sum A's
-// fragments per row (the bias gradient's partials, colsum[split, m]). TC (no
-// epilogue, B K-major): C is stored transposed, C[n * ldc + m] (ra_store_t): the launcher runs a
-// weight gradient dW = dY^T X whose X is the larger operand as dW^T = X^T dY, X through registers.
+// the epilogue undoes. No transposing pass over A and no producer work on it. COLSUM: the consumers
+// sum A's fragments per row (the bias gradient's partials, colsum[split, m]). TC (no epilogue, B
+// K-major): C is stored transposed, C[n * ldc + m] (ra_store_t): the launcher runs a weight gradient
+// dW = dY^T X whose X is the larger operand as dW^T = X^T dY, X through registers.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_B, bool COLSUM, bool TC, int THREADS,
           int SMEM>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ra(WS_ARGS) {

@@ -119,7 +119,7 @@ def _wgmma_pipeline_names():
     names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]      # every loader
     # A through registers (two fragment buffers): B K-major with column sums, B turned, C stored transposed
     names += [gemm.FAMILIES["wgmma_ra"].colsum_kernel(t, True, True) for t in gemm.WGMMA_RA_TILES]
-    names += [gemm.FAMILIES["wgmma_ra_mn"].kernel(t, True, False, gemm.EPI_RESID, False, True)
+    names += [gemm.FAMILIES["wgmma_ra_mn"].kernel(t, True, False, gemm.EPI_NONE, False, True)
               for t in gemm.WGMMA_RA_MN_TILES]
     names += [gemm.FAMILIES["wgmma_ra_t"].kernel(t, True, False, gemm.EPI_NONE, False, True)
               for t in gemm.WGMMA_RA_T_TILES]

@@ -1,7 +1,9 @@
-"""TF32 weight gradients dW = dY^T @ X (trans_a) on the wgmma kernel without a GPU: the layout
-decision (`wgmma_mode`), the scratch "gemm_aT" (`workspace`, bounded; k slabs beyond it), the
-cost model's choices at GPT-2 small's (B8 T1024 C768 V50304) and the char model's (B64 T256 C384
-V65) shapes, and the launch sequence, driven by the recording stand-in for the runtime."""
+"""TF32 weight gradients dW = dY^T @ X (trans_a) on the register-A warpgroup-MMA kernels without a GPU:
+the layout decision (`wgmma_layout`), the scratch "gemm_aT" (`workspace`: X^T or dY^T of a layer's
+weight gradient, lnf^T of the tied head's), the cost model's choices at GPT-2 small's (B8 T1024 C768
+V50304) and the char model's (B64 T256 C384 V65) shapes (the families the H200's measured table
+picks), and the launch sequences, driven by the recording stand-in for the runtime and by numpy
+stand-ins for the kernels."""
 import dataclasses
 import struct
 import numpy as np
@@ -10,17 +12,16 @@ import pytest
 from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.ops.cuda.gemm import families
 from gptcuda.ops.cuda.gemm.families import ra_name
-from gptcuda.ops.cuda.gemm.plan import _LAUNCH_S, _TRANSPOSE_BYTES_PER_S, check_plan
+from gptcuda.ops.cuda.gemm.plan import _BYTES_PER_S, _LAUNCH_S, check_plan
 from gptcuda.runtime import DeviceView
 from tests.conftest import FakeGemmRT, fake_view as _v
 from tests.fakes import FakeDev
 from gptcuda.config import config_of
 
-HEAD_SLAB = 8192 // gemm.HEAD_SLABS      # the tied head's dwte k slab at GPT-2 B8 T1024 (the planned gemm_aT)
 GPT2 = config_of(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12, vocab_size=50304,
-                       precision="tf32", attention="fused")
+                 precision="tf32", attention="fused")
 CHAR = config_of(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6, vocab_size=65,
-                       precision="tf32", attention="fused")
+                 precision="tf32", attention="fused")
 TRANSPOSE = gemm.transpose_name(True)
 COLSUM_TRANSPOSES = (gemm.transpose_name(False, True), gemm.transpose_name(True, True))
 
@@ -32,9 +33,7 @@ def _floats(cfg):
 def _rt(cfg, arch="sm_90", at=None):
     """A recording runtime with the workspaces memory.py plans for cfg (at: gemm_aT's floats)."""
     ws = _floats(cfg)
-    rt = FakeGemmRT("tf32", ws=ws["gemm_splitk"], arch=arch, bt=ws["gemm_bT"])
-    rt._ws["gemm_aT"] = DeviceView(1 << 43, (ws["gemm_aT"] if at is None else at,), "f32", "aT")
-    return rt
+    return FakeGemmRT("tf32", ws=ws["gemm_splitk"], arch=arch, bt=ws["gemm_bT"], at=ws["gemm_aT"] if at is None else at)
 
 
 @pytest.fixture(autouse=True)
@@ -51,62 +50,45 @@ def _weight_grads(cfg):
 def _plan(cfg, M, N, K, ta=True, tb=False, epi=gemm.EPI_NONE):
     """The cost model's plan on an sm_90 H200 with cfg's workspaces (what matmul picks)."""
     ws = _floats(cfg)
-    scratch = {n: ws.get(n, 0) for n in gemm.WGMMA_WORKSPACES}
     vec = (M if ta else K) % 4 == 0 and (K if tb else N) % 4 == 0
-    mode = gemm.wgmma_layout_mode("tf32", ta, tb, vec, M, N, K, 1, scratch)
-    slab = 0
-    if mode in ("transpose_ab", "transpose_a"):
-        slab = gemm.transpose_a_slab(M, N, K, tb, scratch["gemm_aT"])
-        slab = 0 if slab >= K else slab
-    return gemm.plan(M, N, K, 1, 132, "tf32", max_ws=ws["gemm_splitk"], vec=vec, epi=epi, wgmma=mode,
-                     k_slab=slab)
+    return gemm.plan(M, N, K, 1, 132, "tf32", max_ws=ws["gemm_splitk"], vec=vec, epi=epi,
+                     wgmma=gemm.wgmma_layout("tf32", ta, tb, vec, K), scratch={n: ws[n] for n in gemm.WGMMA_WORKSPACES})
 
 
 # ---- the layout decision -----------------------------------------------------------------------
-def test_wgmma_mode_for_trans_a():
-    M, N, K = 3072, 768, 8192
-    big = (M + N) * K
-    assert gemm.wgmma_mode(True, False, True, K, N, 1, 0, M, big) == "transpose_ab"
-    assert gemm.wgmma_mode(True, False, False, K, N, 1, 0, M, big) == "transpose_ab"   # any alignment
-    assert gemm.wgmma_mode(True, True, True, K, N, 1, 0, M, M * K) == "transpose_a"    # B read in place
-    assert not gemm.wgmma_mode(True, True, False, K, N, 1, 0, M, big)                 # ... aligned only
-    assert not gemm.wgmma_mode(True, False, True, K, N, 1, 0, M, 0)                   # no scratch
-    assert not gemm.wgmma_mode(True, False, True, K, N, 1, 0, M, (M + N) * 32 - 1)    # not one slab
-    assert gemm.wgmma_mode(True, False, True, K, N, 1, 0, M, (M + N) * 32) == "transpose_ab"
-    assert not gemm.wgmma_mode(True, False, True, K - 2, N, 1, 0, M, big)             # K % 4: TMA strides
-    assert not gemm.wgmma_mode(True, False, True, K, N, 2, 0, M, big)                 # batched
-    # the other layouts are decided as before
-    assert gemm.wgmma_mode(False, True, True, K, N, 1, 0, M, big) == "direct"
-    assert gemm.wgmma_mode(False, False, True, K, N, 1, K * N, M, big) == "transpose"
-    # fp32 (3xTF32: wgmma3_ra) reads the weight gradient as stored, no scratch
-    assert gemm.wgmma_layout_mode("3xtf32", True, False, True, M, N, K, 1, {}) == "transpose"
-    assert gemm.wgmma_layout_mode("tf32", True, False, True, M, N, K, 1, {"gemm_aT": big}) == "transpose_ab"
-
-
-def test_transpose_a_slab():
-    assert gemm.transpose_a_slab(3072, 768, 8192, False, 3840 * 8192) == 8192
-    assert gemm.transpose_a_slab(3072, 768, 8192, True, 3072 * 8192) == 8192
-    s = gemm.transpose_a_slab(50304, 768, 8192, False, 3840 * 8192)
-    assert s % gemm.SPLIT_ALIGN == 0 and (50304 + 768) * s <= 3840 * 8192 < (50304 + 768) * (s + 32)
-    assert s == 608
-    assert gemm.transpose_a_slab(100, 100, 740, False, 200 * 64 + 100) == 64
-    assert gemm.transpose_a_slab(100, 100, 740, False, 200 * 31) == 0
+def test_wgmma_layout():
+    """TF32: x @ W^T on wgmma (batched too); one product with K % 4 == 0 for the others: dY @ W (wgmma
+    after B^T), the weight gradients A^T B and A^T B^T (the register-A families); 16-byte aligned
+    operands only. 3xTF32: the op interface's layouts, one product. No mode: never."""
+    K = 8192
+    assert gemm.wgmma_layout("tf32", False, True, True, K, 4) == "NT"
+    assert gemm.wgmma_layout("tf32", False, False, True, K) == "NN"
+    assert gemm.wgmma_layout("tf32", True, False, True, K) == "TN"
+    assert gemm.wgmma_layout("tf32", True, True, True, K) == "TT"
+    for ta, tb in ((False, False), (True, False), (True, True)):
+        assert not gemm.wgmma_layout("tf32", ta, tb, True, K, 2)               # batched
+        assert not gemm.wgmma_layout("tf32", ta, tb, True, K - 2)              # K % 4: TMA strides
+        assert not gemm.wgmma_layout("tf32", ta, tb, False, K)                 # unaligned
+    assert gemm.wgmma_layout("3xtf32", True, False, True, K) == "TN"
+    assert not gemm.wgmma_layout("3xtf32", True, True, True, K)                # TT: no product
+    assert not gemm.wgmma_layout("3xtf32", False, True, True, K, 4)            # batched
+    assert not gemm.wgmma_layout(None, False, True, True, K)
 
 
 # ---- the workspace -----------------------------------------------------------------------------
 @pytest.mark.parametrize("cfg", [GPT2, CHAR], ids=["gpt2", "char"])
-def test_gemm_aT_is_bounded(cfg):
-    """gemm_aT holds A^T and B^T of the largest per-layer weight gradient ([4C + C, tokens]) or a
-    HEAD_SLABS-th of the head's [V + C, tokens], whichever is larger: never the whole head (dwte's
-    A^T alone would be 1.65 GB at GPT-2's V and 8192 tokens)."""
-    K = cfg.batch_size * cfg.block_size
+def test_gemm_aT_holds_what_the_register_a_plans_re_lay_out(cfg):
+    """gemm_aT holds the re-laid operand of every layer's weight gradient dW [M, N] (X^T [N, tokens]
+    for wgmma_ra, dY^T [M, tokens] for wgmma_ra_t: 4C rows the most) and of the tied head's lnf^T [C,
+    tokens], never its dlogits^T [V, tokens] (1.65 GB at GPT-2's V and 8192 tokens): there wgmma_ra_t
+    cannot compete."""
+    K, shapes = _weight_grads(cfg)
     ws = _floats(cfg)
-    head = (cfg.vocab_size + cfg.n_embd) * -(-K // gemm.HEAD_SLABS)
-    assert ws["gemm_aT"] == max(5 * cfg.n_embd * K, head)
-    assert ws["gemm_aT"] < (cfg.vocab_size + cfg.n_embd) * K or cfg.vocab_size < 4 * cfg.n_embd
-    assert ws["gemm_aT"] * 4 <= 840e6           # GPT-2: half the head's 1.67 GB (the logits are 1.65 GB)
-    s = gemm.transpose_a_slab(cfg.vocab_size, cfg.n_embd, K, False, ws["gemm_aT"])
-    assert s * gemm.HEAD_SLABS >= K or cfg.vocab_size < 4 * cfg.n_embd    # the head in <= HEAD_SLABS slabs
+    assert ws["gemm_aT"] == 4 * cfg.n_embd * K
+    for M, N in shapes[:4]:
+        assert max(M, N) * K <= ws["gemm_aT"]
+    V, C = shapes[4]
+    assert C * K <= ws["gemm_aT"] < V * K or V < 4 * C
     assert "gemm_aT" in gemm.WGMMA_WORKSPACES
     assert "gemm_aT" not in gemm.workspace(dataclasses.replace(cfg, precision="fp32", fp32_gemm="3xtf32"))
 
@@ -123,32 +105,30 @@ def test_gemm_aT_only_where_wgmma_runs(arch, env, monkeypatch):
     gemm.matmul(rt, _v((3072, 768)), _v((K, 3072)), _v((K, 768), 1 << 31), True, False)
     names = [n for n, *_ in rt.launches]
     if arch == "sm_90" and env == "1":
-        assert names[:2] == [TRANSPOSE] * 2 and names[2].startswith("gemm_wgmma"), names
+        assert names[0] == TRANSPOSE and names[1].startswith("gemm_wgmma_ra<"), names
     else:
         assert names[0].startswith("gemm_tf32<") and TRANSPOSE not in names, names
 
 
 # ---- the cost model's choices -------------------------------------------------------------------
-def test_gpt2_weight_grads_choose_wgmma():
-    """GPT-2 small: every weight gradient runs on the wgmma kernel through gemm_aT (modelled
-    faster than mma.sync with the transposes' bytes at 3 TB/s); the head's dwte in k slabs."""
-    K, shapes = _weight_grads(GPT2)
-    base = {}
-    for M, N in shapes:
-        p = _plan(GPT2, M, N, K)
-        old = gemm.plan(M, N, K, 1, 132, "tf32", max_ws=_floats(GPT2)["gemm_splitk"])
-        assert old.family == "tf32"
-        base[M, N] = (gemm.estimate_s(old, M, N, K), gemm.estimate_s(p, M, N, K))
-        assert p.family == "wgmma" and p.transpose_a and p.transpose_b and p.tile[3] >= 1, (M, N, p)  # TMA
-        assert base[M, N][1] <= base[M, N][0], (M, N, base[M, N])
-        if M == GPT2.vocab_size:
-            assert p.k_slab == HEAD_SLAB and p.splits == 1
-        else:
-            assert p.k_slab == 0
-    # the per-layer products together: modelled >= 15% faster than on mma.sync
-    old = sum(base[s][0] for s in shapes[:4])
-    new = sum(base[s][1] for s in shapes[:4])
-    assert new < 0.85 * old, (old, new)
+# the families the H200's measured table picks for the weight gradients (bench/NOTES.md 2026-12-02)
+TABLE_PICKS = {"gpt2": ["wgmma_ra", "wgmma_ra", "wgmma_ra", "wgmma_ra_t", "wgmma_ra"],
+               "char": ["wgmma_ra", "wgmma_ra_mn", "wgmma_ra", "wgmma_ra_t", "tf32"]}
+
+
+@pytest.mark.parametrize("cfg,name", [(GPT2, "gpt2"), (CHAR, "char")], ids=["gpt2", "char"])
+def test_weight_grads_choose_what_the_table_picks(cfg, name):
+    """Without a table the cost model sends each weight gradient (dW qkv, attn proj, fc, fcproj, the
+    tied head's dwte) to the family the H200's measured table picked for it: wgmma_ra after X^T,
+    wgmma_ra_t (dY^T first) where X is the wider operand, wgmma_ra_mn for the char model's C x C, and
+    mma.sync for the char vocabulary's unaligned 65 rows; each modelled faster than mma.sync."""
+    K, shapes = _weight_grads(cfg)
+    for (M, N), fam in zip(shapes, TABLE_PICKS[name]):
+        p = _plan(cfg, M, N, K, epi=gemm.EPI_NONE)
+        assert p.family == fam, (M, N, p)
+        old = gemm.plan(M, N, K, 1, 132, "tf32", max_ws=_floats(cfg)["gemm_splitk"], vec=M % 4 == 0)
+        assert gemm.estimate_s(p, M, N, K) <= gemm.estimate_s(old, M, N, K), (M, N, p, old)
+        assert p.transpose_b == (fam == "wgmma_ra")
 
 
 def test_gpt2_head_products():
@@ -162,143 +142,111 @@ def test_gpt2_head_products():
     assert gemm.b_reads(small, Ntok, V, C) == 64 and gemm.b_reads(p, Ntok, V, C) == 32
     assert gemm.estimate_s(small, Ntok, V, C) > 1.4 * gemm.estimate_s(p, Ntok, V, C)
     d = _plan(GPT2, Ntok, C, V, ta=False, tb=False)
-    assert d.family == "wgmma" and d.transpose_b and not d.transpose_a and d.tile[3] >= 1 and d.splits == 2, d
+    assert d.family == "wgmma" and d.transpose_b and d.tile[3] >= 1 and d.splits == 2, d
     assert _floats(GPT2)["gemm_splitk"] >= d.splits * Ntok * C
 
 
 def test_ties_go_to_tma():
     # DRAM-bound: a cp.async tile and its TMA twin model the same time
     M, N, K = 16384, 65, 384
-    p = gemm.plan(M, N, K, 1, 132, "tf32", vec=True, wgmma="direct")
+    p = gemm.plan(M, N, K, 1, 132, "tf32", vec=True, wgmma="NT")
     assert p.family == "wgmma" and p.tile[3] == 1, p
 
 
-def test_char_model_choices():
-    """B64 T256 C384: the transposes (8 bytes per element of dY and X) cost more than wgmma saves
-    on these small products, so the weight gradients stay on mma.sync with split-K."""
-    K, shapes = _weight_grads(CHAR)
-    for M, N in shapes:
-        p = _plan(CHAR, M, N, K)
-        assert p.family == "tf32" and p.splits > 1, (M, N, p)
-        assert p == gemm.plan(M, N, K, 1, 132, "tf32", max_ws=_floats(CHAR)["gemm_splitk"],
-                              vec=M % 4 == 0 and N % 4 == 0)
-    # ... but the wgmma candidates are there for bench/tune.py to time
-    c = gemm.tune_candidates(1536, 384, K, 1, "tf32", True, _floats(CHAR)["gemm_splitk"], wgmma="transpose_ab")
-    assert any(q.transpose_a for q in c) and all(q.transpose_b for q in c if q.transpose_a)
-
-
-def test_slabs_only_for_linear_epilogues():
-    M, N, K = 50304, 768, 8192
-    for epi in (gemm.EPI_NONE, gemm.EPI_BIAS, gemm.EPI_RESID):
-        assert _plan(GPT2, M, N, K, epi=epi).k_slab == HEAD_SLAB
-    for epi in (gemm.EPI_GELU, gemm.EPI_DGELU):
-        assert not _plan(GPT2, M, N, K, epi=epi).transpose_a
-        assert not any(p.k_slab for p in gemm.tune_candidates(M, N, K, 1, "tf32", True, 1 << 24,
-                                                              wgmma="transpose_ab", epi=epi, k_slab=HEAD_SLAB))
-    assert all(p.splits == 1 for p in gemm.tune_candidates(M, N, K, 1, "tf32", True, 1 << 24,
-                                                           wgmma="transpose_ab", k_slab=HEAD_SLAB) if p.k_slab)
-
-
-def test_estimate_counts_the_transposes_and_slabs():
+def test_estimate_counts_the_relayout():
+    """A plan's re-layout pass: wgmma_ra's X^T [N, K] and wgmma_ra_t's dY^T [M, K] (read 4 bytes, write
+    4, at DRAM speed, one more launch); wgmma_ra_t's kernel runs the swapped product [N, M]."""
     M, N, K = 3072, 768, 8192
-    p = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, transpose_b=True, transpose_a=True)
-    direct = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K)
-    moved = 8.0 * K * (M + N) / _TRANSPOSE_BYTES_PER_S
-    assert gemm.estimate_s(p, M, N, K) == pytest.approx(gemm.estimate_s(direct, M, N, K) + moved
-                                                        + 2 * _LAUNCH_S / 3)
-    only_a = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, transpose_a=True)
-    assert gemm.estimate_s(only_a, M, N, K) < gemm.estimate_s(p, M, N, K)
-    slabs = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, transpose_b=True, transpose_a=True, k_slab=1024)
-    assert gemm.estimate_s(slabs, M, N, K) > gemm.estimate_s(p, M, N, K)     # 7 more passes over out
+    bt = gemm.make_plan("wgmma_ra", (128, 192, 4), 1, K, transpose_b=True)
+    stored = gemm.make_plan("wgmma_ra", (128, 192, 4), 1, K)
+    assert gemm.estimate_s(bt, M, N, K) == pytest.approx(gemm.estimate_s(stored, M, N, K) + _LAUNCH_S / 3 +
+                                                         8.0 * K * N / _BYTES_PER_S)
+    swapped = gemm.make_plan("wgmma_ra_t", (128, 192, 4), 1, K)
+    assert gemm.estimate_s(swapped, N, M, K) == pytest.approx(gemm.estimate_s(stored, M, N, K) + _LAUNCH_S / 3 +
+                                                              8.0 * K * N / _BYTES_PER_S)
+    assert bt.relaid(M, N, K) == ("gemm_aT", N * K) and swapped.relaid(M, N, K) == ("gemm_aT", M * K)
+    assert stored.relaid(M, N, K) is None and gemm.make_plan("wgmma", (128, 128, 3, 1), 1, K, True).relaid(
+        M, N, K) == ("gemm_bT", N * K)
 
 
 def test_make_plan_rules():
     K = 8192
-    t = (128, 128, 3, 1)
-    assert gemm.make_plan("wgmma", t, 1, K, True, True, 608).k_slab == 608
-    assert gemm.make_plan("wgmma", t, 1, K, True, True, K).k_slab == 0           # all of K: no slabs
-    assert gemm.make_plan("wgmma", t, 4, K, True, True).splits == 4              # whole K may split
-    assert gemm.make_plan("wgmma", t, 2, K, True, True, 608) is None             # slabs never split
-    assert gemm.make_plan("wgmma", t, 1, K, True, True, 600) is None             # whole BK tiles
-    assert gemm.make_plan("wgmma3_ra", (128, 128, 4), 1, K, True, True) is None  # no transpose_a
-    assert gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K, False, True) is None
+    assert gemm.make_plan("wgmma_ra", (128, 192, 4), 4, K, True).splits == 4
+    assert gemm.make_plan("wgmma_ra_mn", (128, 192, 5), 1, K, True) is None      # transposes nothing
+    assert gemm.make_plan("wgmma_ra_t", (128, 192, 4), 1, K, True) is None       # (A^T: its own re-layout)
+    assert gemm.make_plan("wgmma_ra", (128, 192, 5), 1, K) is None               # not its tile
+    assert gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K, True) is None
+    assert gemm.make_plan("wgmma_ra", (128, 192, 4), 33, K) is None              # past MAX_SPLITS
 
 
 def test_table_roundtrip_and_fit(tmp_path, monkeypatch):
+    """A table entry of a plan that transposes B first comes back as it was written and is launched;
+    where rt's gemm_aT cannot hold B^T the cost model plans instead (a plan that re-lays nothing
+    out)."""
     monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
     monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "1")
     gemm.forget_tables()
     try:
-        M, N, K = 50304, 768, 8192
-        p = gemm.make_plan("wgmma", (256, 128, 4, 1), 1, K, True, True, 256)
+        M, N, K = 3072, 768, 8192
+        p = gemm.make_plan("wgmma_ra", (128, 128, 4), 2, K, True)
         d = gemm.plan_to_json(p)
-        assert d["transpose_a"] and d["k_slab"] == 256 and gemm.plan_from_json(d, K) == p
+        assert d["transpose_b"] and gemm.plan_from_json(d, K) == p
+        assert gemm.plan_from_json({**d, "transpose_a": True}, K) is None       # a plan this tree no longer has
         key = gemm.tune_key("tf32", True, False, "none", False, M, N, K)
         gemm.save_table("NVIDIA H200 (test)", {key: d})
         rt = _rt(GPT2)
         gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
-        assert sum(n.startswith("gemm_wgmma") for n, *_ in rt.launches) == K // 256
-        # a scratch that holds less than the entry's slab: the cost model's plan instead
-        rt = _rt(GPT2, at=(M + N) * 128)
+        assert [n for n, *_ in rt.launches][:2] == [TRANSPOSE, ra_name((128, 128, 4), False, 0, False)]
+        rt = _rt(GPT2, at=N * K - 1)
         gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
-        assert sum(n.startswith("gemm_wgmma") for n, *_ in rt.launches) in (0, K // 128)
+        assert TRANSPOSE not in [n for n, *_ in rt.launches], rt.launches
     finally:
         gemm.forget_tables()
 
 
 # ---- the launches -------------------------------------------------------------------------------
 def test_weight_grad_launch_sequence():
-    """dW fc [3072, 768] = dY^T @ X: A^T [3072, 8192] and B^T [768, 8192] into gemm_aT (one
-    transpose each), then the TMA kernel on the K-major copies (split-K: partials + reduction)."""
+    """dW fc [3072, 768] = dY^T @ X: X^T [768, 8192] into gemm_aT (one transpose), then the register-A
+    kernel on dY as stored and X^T (split-K: partials + reduction)."""
     rt = _rt(GPT2)
     M, N, K = 3072, 768, 8192
     gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
     names = [n for n, *_ in rt.launches]
     p = _plan(GPT2, M, N, K)
-    assert names[:2] == [TRANSPOSE, TRANSPOSE], names
-    assert rt.launches[0][1] == (M // 64, K // 64) and rt.launches[1][1] == (N // 64, K // 64)
-    assert names[2] == gemm.wgmma_name(p.tile, gemm.EPI_NONE, False)
-    tiles = (N // p.bn, M // p.bm, p.splits)        # the persistent kernel: one block per SM at most
-    assert rt.launches[2][1] == ((min(132, tiles[0] * tiles[1] * tiles[2]), 1, 1) if p.tile[3] == 2 else tiles)
-    assert len(names) == (4 if p.splits > 1 else 3) and (p.splits == 1 or "splitk_reduce" in names[3])
+    assert names[0] == TRANSPOSE and rt.launches[0][1] == (N // 64, K // 64), names
+    assert names[1] == ra_name(p.tile, False, gemm.EPI_NONE, False)
+    assert rt.launches[1][1] == (min(132, N // p.bn * (M // p.bm) * p.splits), 1, 1)    # persistent
+    assert len(names) == (3 if p.splits > 1 else 2) and (p.splits == 1 or "splitk_reduce" in names[2])
 
 
-def test_head_weight_grad_in_slabs():
-    """dwte [V, C] = dlogits^T @ lnf: HEAD_SLABS slabs of K / HEAD_SLABS rows in a fixed order; the
-    first writes out (bias there, once), the others add to it through the residual epilogue."""
+def test_head_weight_grad():
+    """dwte [V, C] = dlogits^T @ lnf: lnf^T [C, tokens] into gemm_aT, then wgmma_ra over dlogits as
+    stored; the swapped product would transpose dlogits [tokens, V]: it does not compete."""
     rt = _rt(GPT2)
     M, N, K = 50304, 768, 8192
-    gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False, bias=_v((N,), 1 << 34))
+    gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
     names = [n for n, *_ in rt.launches]
-    p = _plan(GPT2, M, N, K, epi=gemm.EPI_BIAS)
-    n = -(-K // HEAD_SLAB)
-    assert p.k_slab == HEAD_SLAB and len(names) == 3 * n
-    assert names[0::3] == [TRANSPOSE] * n and names[1::3] == [TRANSPOSE] * n
-    assert names[2] == gemm.wgmma_name(p.tile, gemm.EPI_BIAS, True)
-    assert names[5::3] == [gemm.wgmma_name(p.tile, gemm.EPI_RESID, False)] * (n - 1)
-    assert rt.launches[-3][1] == (gemm.cdiv(M, 64), gemm.cdiv(K - (n - 1) * HEAD_SLAB, 64))
-    # a non-linear epilogue cannot be split into slabs: refused when forced
-    with pytest.raises(ValueError, match="slabs"):
-        gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False, epilogue="gelu",
-                    aux=_v((M, N), 1 << 33), plan=p)
-    # a plan asking for bigger slabs than the scratch holds is refused
-    big = gemm.make_plan("wgmma", p.tile, 1, K, True, True, 2 * HEAD_SLAB)
-    with pytest.raises(ValueError, match="gemm_aT"):
-        gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False, plan=big)
+    assert names[0] == TRANSPOSE and rt.launches[0][1] == (N // 64, K // 64), names
+    assert names[1].startswith("gemm_wgmma_ra<") and len(names) == 2, names
+    assert "wgmma_ra_t" not in {p.family for p in gemm.tune_candidates(
+        M, N, K, 1, "tf32", True, 1 << 24, wgmma="TN", scratch={"gemm_aT": _floats(GPT2)["gemm_aT"]})}
 
 
 def test_trans_a_trans_b_reads_b_in_place():
+    """A^T @ B^T (B stored [N, K]): wgmma_ra reads both operands as stored, no transpose; a wgmma_ra plan
+    that transposes B first does not fit, nor one without the transpose A^T @ B."""
     rt = _rt(GPT2)
     M, N, K = 768, 3072, 8192
-    p = gemm.make_plan("wgmma", (128, 128, 3, 1), 1, K, transpose_a=True, k_slab=2048)
+    p = gemm.make_plan("wgmma_ra", (128, 192, 4), 1, K)
     gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((N, K), 1 << 31), True, True, plan=p)
-    names = [n for n, *_ in rt.launches]
-    assert names == [TRANSPOSE, gemm.wgmma_name(p.tile, 0, False)] + \
-        [TRANSPOSE, gemm.wgmma_name(p.tile, gemm.EPI_RESID, False)] * 3, names
-    # the transpose_a plan does not fit A^T @ B (B must be transposed too) nor A @ B
-    with pytest.raises(ValueError, match="transpose"):
+    assert [n for n, *_ in rt.launches] == [ra_name(p.tile, False, 0, False)]
+    assert _plan(GPT2, M, N, K, tb=True).family == "wgmma_ra"
+    with pytest.raises(ValueError, match="transpose_b"):
         gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False, plan=p)
-    with pytest.raises(ValueError, match="transpose"):
+    with pytest.raises(ValueError, match="transpose_b"):
+        gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((N, K), 1 << 31), True, True,
+                    plan=gemm.make_plan("wgmma_ra", (128, 192, 4), 1, K, True))
+    with pytest.raises(ValueError, match="needs"):
         gemm.matmul(rt, _v((M, N)), _v((M, K)), _v((K, N), 1 << 31), False, False, plan=p)
 
 
@@ -308,20 +256,22 @@ def test_launched_names_are_in_variants():
         K, shapes = _weight_grads(cfg)
         for at in (None, 5000 * 64):
             rt = _rt(cfg, at=at)
-            for M, N in shapes + [(67, 65)]:
+            for M, N in shapes + [(68, 64)]:
                 for tb in (False, True):
-                    mode = gemm.wgmma_ok(rt, True, tb, M % 4 == 0 and (tb or N % 4 == 0), K, N, 1, M)
+                    mode = gemm.wgmma_ok(rt, True, tb, M % 4 == 0 and (tb or N % 4 == 0), K)
                     if not mode:
                         continue
-                    assert mode == ("transpose_a" if tb else "transpose_ab")
+                    assert mode == ("TT" if tb else "TN")
+                    scratch = {"gemm_aT": rt.workspace("gemm_aT").numel}
                     for p in gemm.tune_candidates(M, N, K, 1, "tf32", True, _floats(cfg)["gemm_splitk"], wgmma=mode,
-                                                  k_slab=gemm.rt_transpose_a_slab(rt, M, N, K, tb)):
-                        if not p.transpose_a:
+                                                  scratch=scratch):
+                        if tb and p.family == "tf32":          # (TT is no product of the interface: not compiled)
                             continue
-                        for bias in (None, _v((N,), 1 << 34)):
+                        for colsum in (None, _v((M,), 1 << 35)):
+                            rt._ws["bias_partials"] = _v((256 * M,), 1 << 42)
                             gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((N, K) if tb else (K, N), 1 << 31),
-                                        True, tb, bias=bias, plan=p)
-            missing = {(f, n) for f, n, _ in rt.names} - variants
+                                        True, tb, plan=p, a_colsum=colsum)
+            missing = {(f, n) for f, n, _ in rt.names if f.startswith("gemm_")} - variants   # (not bias_grad's)
             assert not missing, sorted(missing)[:5]
             for name, grid, block, smem in rt.launches:
                 assert all(1 <= g <= 65535 for g in grid[1:]) and grid[0] >= 1, (name, grid)
@@ -364,8 +314,8 @@ class _HeapDev(FakeDev):
 
 class _NumpyRT(FakeGemmRT):
     """FakeGemmRT over a device with memory (_HeapDev) whose launches run: gemm_transpose, the wgmma
-    kernels (both loaders, split-K partials, the none / bias / residual epilogues) and the split-K
-    reduction, as numpy stand-ins."""
+    kernels (split-K partials, the none / bias / residual epilogues, the column sums), the split-K
+    reduction and the bias gradient's sums, as numpy stand-ins."""
 
     def __init__(self, floats, **kw):
         self.floats = floats
@@ -457,74 +407,32 @@ class _NumpyRT(FakeGemmRT):
             raise AssertionError(f"no stand-in for {name}")
 
 
-@pytest.mark.parametrize("tb", [False, True])
-@pytest.mark.parametrize("tile", [(128, 128, 3, 0), (256, 128, 4, 1)], ids=["cpasync", "tma"])
-@pytest.mark.parametrize("epilogue", ["none", "bias", "residual_alias"])
-@pytest.mark.parametrize("slab,splits", [(0, 1), (0, 3), (64, 1)])
-def test_transpose_a_sequence_computes_the_product(tb, tile, epilogue, slab, splits):
-    """The launches of a transpose_a plan, run by numpy stand-ins: the slab views' offsets, the
-    transposes into gemm_aT, B^T beside A^T or B read in place, the first slab's epilogue and the
-    later slabs' accumulation give A^T @ op(B) (+ bias) (+ out)."""
-    M, N, K = 68, 36, 740
-    rng = np.random.default_rng(M + N + K + tb + splits + slab)
-    rt = _NumpyRT(1 << 21)
-    at_floats = (M + (0 if tb else N)) * (slab or K) + 7
-    rt._ws = {"gemm_aT": rt.empty((at_floats,), name="gemm_aT"), "gemm_splitk": rt.empty((splits * M * N,), name="ws")}
-    a, b = rng.standard_normal((K, M)), rng.standard_normal((N, K) if tb else (K, N))
-    bias = rng.standard_normal(N) if epilogue == "bias" else None
-    out0 = rng.standard_normal((M, N))
-    da, db, out = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N))
-    for view, x in ((da, a), (db, b), (out, out0)):
-        rt.at(view.ptr, x.size)[:] = x.ravel()
-    kw = {}
-    if bias is not None:
-        kw["bias"] = rt.empty((N,))
-        rt.at(kw["bias"].ptr, N)[:] = bias
-    if epilogue == "residual_alias":
-        kw.update(epilogue="residual", aux=out)
-    p = gemm.make_plan("wgmma", tile, splits, K, transpose_b=not tb, transpose_a=True, k_slab=slab)
-    gemm.matmul(rt, out, da, db, True, tb, plan=p, **kw)
-    a32, b32 = a.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64)
-    want = a32.T @ (b32.T if tb else b32)
-    if bias is not None:
-        want += bias.astype(np.float32)
-    if epilogue == "residual_alias":
-        want += out0.astype(np.float32)
-    got = rt.at(out.ptr, M * N).reshape(M, N)
-    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
-    n_gemm = sum(n.startswith("gemm_wgmma") for n, *_ in rt.launches)
-    assert n_gemm == (-(-K // slab) if slab else 1)
-
-
-@pytest.mark.parametrize("tb", [False, True])
-@pytest.mark.parametrize("slab,K,partials", [(0, 740, 256 * 68), (64, 740, 256 * 68), (96, 740, 256 * 68),
-                                             (0, 64 * 256 + 8, 256 * 68), (0, 740, None)],
-                         ids=["whole", "slab64", "slab96", "over_max_chunks", "no_workspace"])
-def test_a_colsum_is_the_bias_gradient(tb, slab, K, partials):
-    """matmul(..., a_colsum=db) of a transpose_a plan: the A^T transposes write the column sums of
-    their 64-row tiles (chunk rows numbered across the slabs) and sum_rows adds them: db =
-    a.sum(0). Past MAX_CHUNKS 64-row tiles, the product runs as before and bias_grad reads A once
-    more; without the partials workspace the bias gradient says it is missing."""
+@pytest.mark.parametrize("K,partials", [(740, 256 * 68), (64 * 256 + 8, 256 * 68), (740, None)],
+                         ids=["whole", "over_max_chunks", "no_workspace"])
+def test_a_colsum_is_the_bias_gradient(K, partials):
+    """matmul(..., a_colsum=db) of a swapped plan (wgmma_ra_t): its A^T transpose writes the column
+    sums of its 64-row tiles and sum_rows adds them: db = a.sum(0). Past MAX_CHUNKS 64-row tiles, the
+    product runs as before and bias_grad reads A once more; without the partials workspace the bias
+    gradient says it is missing."""
     M, N = 68, 36
-    rng = np.random.default_rng(K + tb + slab)
+    rng = np.random.default_rng(K)
     rt = _NumpyRT(1 << 22)
-    at_floats = (M + (0 if tb else N)) * (slab or K) + 7
-    rt._ws = {"gemm_aT": rt.empty((at_floats,), name="gemm_aT"), "gemm_splitk": rt.empty((M * N,), name="ws")}
+    rt._ws = {"gemm_aT": rt.empty((M * K,), name="gemm_aT"), "gemm_splitk": rt.empty((M * N,), name="ws")}
     if partials is not None:
         rt._ws["bias_partials"] = rt.empty((partials,), name="bias_partials")
-    a, b = rng.standard_normal((K, M)), rng.standard_normal((N, K) if tb else (K, N))
+    a, b = rng.standard_normal((K, M)), rng.standard_normal((K, N))
     da, dbv, out, dbias = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N)), rt.empty((M,))
     for view, x in ((da, a), (dbv, b)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
-    p = gemm.make_plan("wgmma", (128, 128, 3, 0), 1, K, transpose_b=not tb, transpose_a=True, k_slab=slab)
+    p = gemm.make_plan("wgmma_ra_t", (128, 128, 4), 1, K)
     if partials is None:
         with pytest.raises(KeyError, match="bias_partials"):
-            gemm.matmul(rt, out, da, dbv, True, tb, plan=p, a_colsum=dbias)
+            gemm.matmul(rt, out, da, dbv, True, False, plan=p, a_colsum=dbias)
         return
-    gemm.matmul(rt, out, da, dbv, True, tb, plan=p, a_colsum=dbias)
+    gemm.matmul(rt, out, da, dbv, True, False, plan=p, a_colsum=dbias)
     a32 = a.astype(np.float32).astype(np.float64)
     assert np.abs(rt.at(dbias.ptr, M) - a32.sum(0)).max() < 1e-5 * np.abs(a32).sum(0).max()
-    want = a32.T @ (b.astype(np.float32).astype(np.float64).T if tb else b.astype(np.float32).astype(np.float64))
+    want = a32.T @ b.astype(np.float32).astype(np.float64)
     assert np.abs(rt.at(out.ptr, M * N).reshape(M, N) - want).max() < 1e-4 * np.abs(want).max()
     names = [n for n, *_ in rt.launches]
     fused = K <= 64 * 256
@@ -552,7 +460,7 @@ def test_a_colsum_needs_trans_a():
         gemm.matmul(rt, rt.empty((8, 8)), rt.empty((8, 8)), rt.empty((8, 8)), False, True, a_colsum=rt.empty((8,)))
 
 
-@pytest.mark.parametrize("fam", ["wgmma3_ra"])
+@pytest.mark.parametrize("fam", ["wgmma_ra_mn", "wgmma3_ra"])
 @pytest.mark.parametrize("epilogue", ["bias", "residual"])
 def test_as_stored_plans_run_only_the_op_interfaces_products(fam, epilogue):
     """A kernel reading the operands as stored is compiled for gemm.PRODUCTS alone: the weight
@@ -622,32 +530,31 @@ def test_ra_plan_launches(fam, tile, tb, splits, colsum):
 
 
 def test_ra_families_compete_for_weight_gradients():
-    """The register-A families join the TF32 candidates of A [K, M] products (16-byte aligned) only
-    for epilogues their kernels have and where gemm_aT holds what they re-lay out; a plan is refused
-    elsewhere with its reason."""
-    assert {"wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t"} <= set(gemm.competing("tf32", "transpose_ab", True))
-    assert gemm.competing("tf32", "transpose_a", True)[-1:] == ["wgmma_ra"]      # B [N, K]: no swap, no turn
-    assert not {"wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t"} & set(gemm.competing("tf32", "transpose_ab", False))
-    assert not {"wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t"} & set(gemm.competing("tf32", "direct", True))
-    assert not {"wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t"} & set(gemm.competing("fp32", "transpose_ab", True))
-    assert set(gemm.competing("tf32", "transpose_ab", True, gemm.EPI_RESID)) >= {"wgmma_ra", "wgmma_ra_mn"}
-    assert "wgmma_ra_t" not in gemm.competing("tf32", "transpose_ab", True, gemm.EPI_RESID)
-    assert "wgmma_ra" not in gemm.competing("tf32", "transpose_ab", True, gemm.EPI_BIAS)
-    assert "wgmma_ra" not in gemm.competing("tf32", "transpose_ab", True, ra_bt=False)
-    assert "wgmma_ra_t" not in gemm.competing("tf32", "transpose_ab", True, ra_at=False)
-    assert "wgmma_ra" in gemm.competing("tf32", "transpose_a", True, ra_bt=False)
+    """The register-A families join the TF32 candidates of A [K, M] products only (TN: all three; TT,
+    B [N, K]: wgmma_ra as stored), for the plain product their kernels are compiled for, and plan
+    where gemm_aT holds what they re-lay out; a plan is refused elsewhere with its reason."""
+    ra = {"wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t"}
+    assert set(gemm.competing("tf32", "TN")) == {"tf32"} | ra
+    assert gemm.competing("tf32", "TT") == ["tf32", "wgmma_ra"]
+    assert not ra & set(gemm.competing("tf32", "NT")) and not ra & set(gemm.competing("fp32", "TN"))
+    assert gemm.competing("tf32", "TN", gemm.EPI_RESID) == gemm.competing("tf32", "TN", gemm.EPI_BIAS) == ["tf32"]
+    M, N, K = 384, 1536, 8192
+    plans = lambda at: {p.family for p in gemm.tune_candidates(M, N, K, 1, "tf32", True, 0, wgmma="TN",  # noqa: E731
+                                                               scratch={"gemm_aT": at})}
+    assert plans(N * K) == {"tf32"} | ra and plans(M * K) == {"tf32", "wgmma_ra_mn", "wgmma_ra_t"}
+    assert plans(M * K - 1) == {"tf32", "wgmma_ra_mn"} and plans(N * K - 1) == plans(M * K)
     p = gemm.make_plan("wgmma_ra", gemm.WGMMA_RA_TILES[0], 1, 64, transpose_b=True)
-    assert gemm.plan_unfit(p, "tf32", True, "transpose_ab") is None
-    assert "transpose_b" in gemm.plan_unfit(p, "tf32", True, "transpose_a")
-    assert "needs" in gemm.plan_unfit(p, "tf32", True, "direct")
-    assert "needs" in gemm.plan_unfit(p, "tf32", False, "transpose_ab")
-    assert "rt.precision" in gemm.plan_unfit(p, "simt", True, "transpose_ab")
+    assert gemm.plan_unfit(p, "tf32", True, "TN") is None
+    assert "transpose_b" in gemm.plan_unfit(p, "tf32", True, "TT")
+    assert "needs" in gemm.plan_unfit(p, "tf32", True, "NT")
+    assert "needs" in gemm.plan_unfit(p, "tf32", False, "TN")
+    assert "rt.precision" in gemm.plan_unfit(p, "simt", True, "TN")
     q = gemm.make_plan("wgmma_ra_mn", gemm.WGMMA_RA_MN_TILES[0], 1, 64)
-    assert gemm.plan_unfit(q, "tf32", True, "transpose_ab") is None
-    assert "needs" in gemm.plan_unfit(q, "tf32", True, "transpose_a")
+    assert gemm.plan_unfit(q, "tf32", True, "TN") is None
+    assert "needs" in gemm.plan_unfit(q, "tf32", True, "TT")
     with pytest.raises(ValueError, match="not compiled for epilogue"):
         check_plan("x", gemm.make_plan("wgmma_ra_t", gemm.WGMMA_RA_T_TILES[0], 1, 64), "tf32", True, 1, 0,
-                        64, 64, 64, "transpose_ab", epi=gemm.EPI_RESID)
+                   64, 64, 64, "TN", epi=gemm.EPI_RESID)
 
 
 @pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False)])
@@ -691,21 +598,22 @@ def test_wgmma3_ra_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
 
 @pytest.mark.parametrize("fam", ["wgmma3_ra"])
 def test_wgmma3_ra_competes_for_aligned_fp32_products(fam):
-    """wgmma3_ra joins the fp32 candidates wherever the 3xTF32 kernels may run, for aligned operands
-    only, and is refused elsewhere with its reason; the cost model has its tiles."""
-    for mode in ("direct", "transpose"):
-        assert fam in gemm.competing("fp32", mode, True)
-        assert fam not in gemm.competing("fp32", mode, False)
-        assert fam not in gemm.competing("tf32", mode, True)
-    assert fam not in gemm.competing("fp32", False, True)
+    """wgmma3_ra joins the fp32 candidates wherever the 3xTF32 kernels may run (the op interface's
+    layouts, aligned operands: `wgmma_layout`), and is refused elsewhere with its reason; the cost
+    model has its tiles."""
+    for mode in ("NT", "NN", "TN"):
+        assert gemm.competing("fp32", mode) == ["simt", fam]
+        assert fam not in gemm.competing("tf32", mode)
+        assert gemm.plan_unfit(gemm.make_plan(fam, gemm.FAMILIES[fam].tiles[0], 1, 64), "simt", True, mode) is None
+    assert gemm.competing("fp32", False) == ["simt"]
     p = gemm.make_plan(fam, gemm.FAMILIES[fam].tiles[0], 1, 64)
-    assert gemm.plan_unfit(p, "simt", True, "transpose") is None
-    assert "needs" in gemm.plan_unfit(p, "simt", False, "direct")
+    assert "needs" in gemm.plan_unfit(p, "simt", False, "NT")
     assert "needs" in gemm.plan_unfit(p, "simt", True, False)
-    assert "rt.precision" in gemm.plan_unfit(p, "tf32", True, "direct")
-    assert gemm.mode_flags(fam, "transpose") == (False, False)
-    cands = gemm.tune_candidates(384, 1536, 16384, 1, "simt", True, 1 << 24, wgmma="transpose")
+    assert "rt.precision" in gemm.plan_unfit(p, "tf32", True, "NT")
+    cands = gemm.tune_candidates(384, 1536, 16384, 1, "simt", True, 1 << 24, wgmma="TN")
     assert {p.family for p in cands} == {"simt", fam}
+    assert gemm.tune_candidates(384, 1536, 16384, 1, "simt", False, 1 << 24, wgmma="TN") == \
+        gemm.tune_candidates(384, 1536, 16384, 1, "simt", False, 1 << 24)            # unaligned: SIMT only
 
 
 @pytest.mark.parametrize("fam,tile", [("wgmma_ra_mn", t) for t in gemm.WGMMA_RA_MN_TILES] +

@@ -9,9 +9,8 @@ The rules, in one place:
   mma.sync tensor cores (kernels/gemm_tf32.cu). On sm_90 (`wgmma`; GPTCUDA_WGMMA=0 turns it off) the
   warpgroup-MMA kernels (kernels/gemm_wgmma.cu, TMA-fed) compete for every product whose layout they
   run, directly or after a re-layout into scratch: x @ W^T directly, dY @ W through a transposed
-  copy of W ("gemm_bT"), the weight gradient dY^T @ X through transposed copies of both ("gemm_aT")
-  or, in TF32, with dY read as stored through registers (families wgmma_ra*: the measured table's
-  choice only). Each TF32 layout has a warp-specialized, persistent TMA kernel among its tiles
+  copy of W ("gemm_bT"), the weight gradient dY^T @ X with dY read as stored through registers
+  (families wgmma_ra*: X as stored, or X^T, or the swapped product's dY^T, in "gemm_aT"). Each TF32 layout has a warp-specialized, persistent TMA kernel among its tiles
   (gemm_wgmma_ws). fp32 with fp32_gemm 3xtf32 (`fp32_as_3xtf32`) runs those products, for aligned
   operands, as three TF32 products of hi / lo splits made in the kernel (family wgmma3_ra: A in the
   consumers' registers, B in shared memory); fp32_gemm ffma keeps every fp32 product on SIMT.
@@ -153,8 +152,8 @@ class ExecutionPlan:
         if not self.wgmma:
             wg = "off" + ("" if self.arch in WGMMA_ARCHS else f" (not on {self.arch})")
         elif self.precision == "tf32":
-            wg = ("on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW via gemm_aT or read as stored "
-                  "(wgmma_ra*, the measured table's choice)")
+            wg = ("on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW with dY through registers "
+                  "(wgmma_ra*, X^T or dY^T via gemm_aT)")
         elif self.fp32_as_3xtf32:
             wg = "on as 3xTF32 (gemm_wgmma.cu): x @ W^T, dY @ W and dW, aligned operands read as stored"
         else:

@@ -348,7 +348,7 @@ def test_wgmma_transposed_b(rt, splitk_ws, bt_ws, tile):
         rt.exec = rt.exec.with_precision(old)
 
 
-# ---- weight gradients A^T @ B on wgmma: A^T (and B^T) into "gemm_aT", whole K or k slabs ---------
+# ---- weight gradients A^T @ B on the register-A kernels: B^T or A^T into "gemm_aT" -------------
 @pytest.fixture(scope="module")
 def _at_buffer(rt):
     return rt.empty((8 << 20,), name="gemm_aT")      # 32 MB, once per module
@@ -356,84 +356,18 @@ def _at_buffer(rt):
 
 @contextmanager
 def _at_ws(rt, buf, floats=None):
-    """The transpose_a scratch "gemm_aT", limited to its first `floats` (None: all of buf)."""
+    """The register-A kernels' scratch "gemm_aT", limited to its first `floats` (None: all of buf)."""
     view = buf if floats is None else DeviceView(buf.ptr, (int(floats),), "f32", "gemm_aT")
     with _workspaces(rt, gemm_aT=view):
         yield view
 
 
-TA_TILES = [t for t in gemm.WGMMA_TILES if t[:2] in ((128, 128), (256, 128))]
-
-
 @gpu
-@pytest.mark.parametrize("tile", TA_TILES, ids=lambda t: "x".join(map(str, t)))
-def test_wgmma_transposed_a(rt, splitk_ws, _at_buffer, tile):
-    """dW = A^T @ B with A [K, M], B [K, N] (and A^T @ B^T, B [N, K] read in place) on the wgmma
-    kernel through gemm_aT, all of K at once: ragged M and N (the transposes' scalar fallback at
-    M = 67), the epilogues a weight gradient may take, split-K partials."""
-    _wgmma_rt(rt)
-    old = rt.precision
-    rt.exec = rt.exec.with_precision("tf32")
-    try:
-        with _at_ws(rt, _at_buffer):
-            for i, (M, N, K) in enumerate([(2 * tile[0], tile[1], 96), (tile[0] + 36, tile[1] + 44, 132),
-                                           (67, 65, 36)]):
-                for tb in (False, True):
-                    if tb and M % 4:
-                        continue                 # A^T @ B^T reads B in place: 16-byte aligned only
-                    p = gemm.make_plan("wgmma", tile, 1, K, transpose_b=not tb, transpose_a=True)
-                    for epi in ("none", "bias", "residual_alias", "residual_bias"):
-                        _check_matmul(rt, M, N, K, True, tb, epi, seed=i * 10 + len(epi) + tb, plan=p)
-            for tb in (False, True):
-                _check_matmul(rt, 300, 200, 740, True, tb, "none", seed=5 + tb,
-                              plan=gemm.make_plan("wgmma", tile, 3, 740, transpose_b=not tb, transpose_a=True))
-    finally:
-        rt.exec = rt.exec.with_precision(old)
-
-
-@gpu
-@pytest.mark.parametrize("tile", TA_TILES, ids=lambda t: "x".join(map(str, t)))
-def test_wgmma_transposed_a_slabs(rt, _at_buffer, no_ws, tile):
-    """A K too long for the scratch: gemm_aT shrunk to 64 k rows of A^T (+ B^T), so K = 740 runs
-    as 11 slabs of 64 and a ragged last one of 36, the first writing the (NaN-poisoned) output and
-    each later one adding to it; bias and residual applied once; bit-identical when repeated;
-    the cost model's own plan with this scratch slabs too and agrees."""
-    _wgmma_rt(rt)
-    old = rt.precision
-    rt.exec = rt.exec.with_precision("tf32")
-    M, N, K = tile[0] + 36, tile[1] + 44, 740
-    try:
-        for tb in (False, True):
-            with _at_ws(rt, _at_buffer, (M + (0 if tb else N)) * 64 + 100):
-                assert gemm.rt_transpose_a_slab(rt, M, N, K, tb) == 64
-                p = gemm.make_plan("wgmma", tile, 1, K, transpose_b=not tb, transpose_a=True, k_slab=64)
-                for epi in ("none", "bias", "residual_bias", "residual_alias"):
-                    _check_matmul(rt, M, N, K, True, tb, epi, seed=len(epi) + tb, plan=p)
-                rng = np.random.default_rng(17 + tb)
-                a, b = _operands(rng, M, N, K, True, tb)
-                da, db = rt.upload(a), rt.upload(b)
-                outs = []
-                for _ in range(2):
-                    out = rt.empty((M, N))
-                    gemm.matmul(rt, out, da, db, True, tb, plan=p)
-                    outs.append(rt.download(out))
-                assert np.array_equal(outs[0], outs[1]), "k slabs are not deterministic"
-                mode = gemm.wgmma_ok(rt, True, tb, True, K, N, 1, M)
-                chosen = gemm.plan(M, N, K, 1, rt.info.sm_count, "tf32", wgmma=mode, k_slab=64, tiles=[tile])
-                assert chosen.transpose_a and chosen.k_slab == 64, chosen
-                out = rt.empty((M, N))
-                gemm.matmul(rt, out, da, db, True, tb, plan=chosen)
-                _close("tf32", rt.download(out), lambda x, y: ref.matmul_forward(x, y, True, tb), a, b,
-                       f"slabs chosen {gemm.plan_label(chosen)}")
-    finally:
-        rt.exec = rt.exec.with_precision(old)
-
-
-@gpu
-def test_wgmma_transposed_a_is_chosen_for_weight_grads(rt, splitk_ws, monkeypatch):
+def test_register_a_is_chosen_for_weight_grads(rt, splitk_ws, monkeypatch):
     """On sm_90 with the workspaces memory.py plans for GPT-2 small (B8 T1024, TF32), the cost
-    model (no measured table) sends every per-layer weight gradient dW = dY^T @ X to the wgmma
-    kernel through gemm_aT (A^T, B^T, then the product); the MLP's is checked against float64."""
+    model (no measured table) sends every per-layer weight gradient dW = dY^T @ X to a register-A
+    kernel after one transpose into gemm_aT (X^T for wgmma_ra, dY^T for the swapped wgmma_ra_t, as
+    the measured table does); the MLP's is checked against float64."""
     _wgmma_rt(rt)
     monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "0")
     cfg = config_of(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12,
@@ -453,8 +387,9 @@ def test_wgmma_transposed_a_is_chosen_for_weight_grads(rt, splitk_ws, monkeypatc
                 finally:
                     rt.end()
                 names = [it.fn.name for it in prog.items]
-                assert names[:2] == [gemm.transpose_name(True)] * 2, (M, N, names)
-                assert names[2].startswith("gemm_wgmma"), (M, N, names)
+                assert names[0] == gemm.transpose_name(True), (M, N, names)
+                swapped = ",true,384," in names[1]                 # TC: out^T stored transposed (wgmma_ra_t)
+                assert names[1].startswith("gemm_wgmma_ra<") and swapped == (N > M), (M, N, names)
             _check_matmul(rt, 3072, 768, K, True, False, "none", seed=1)
     finally:
         rt.exec = rt.exec.with_precision(old)
@@ -504,7 +439,7 @@ def test_3xtf32_is_as_accurate_as_simt(rt, precision, no_ws, M, N, K, ta, tb):
     errs = {}
     for fam in ("wgmma3_ra", "simt"):
         p = gemm.plan(M, N, K, 1, rt.info.sm_count, "simt", tiles=gemm.WGMMA3_RA_TILES,
-                      wgmma="direct" if tb else "transpose")
+                      wgmma=gemm.layout_code(ta, tb))
         if fam == "simt":
             p = gemm.plan(M, N, K, 1, rt.info.sm_count, "simt")
         assert p.family == fam, p
@@ -556,25 +491,20 @@ def test_transpose_colsum(rt, K, N):
 
 
 @gpu
-@pytest.mark.parametrize("slab", [0, 64])
-def test_weight_grad_a_colsum(rt, _at_buffer, no_ws, slab):
-    """matmul(dW, dY, X, trans_a, a_colsum=db) on a transpose_a plan (all of K, or 12 slabs of 64):
-    db = dY.sum(0) from the transposes' partials, dW unchanged by it (bit for bit against the same
-    plan without a_colsum), db NaN-poisoned before; the same on a plan without transposes (bias_grad)."""
-    _wgmma_rt(rt)
+def test_weight_grad_a_colsum(rt, no_ws):
+    """matmul(dW, dY, X, trans_a, a_colsum=db) on a plan whose kernel does not sum A (mma.sync):
+    db = dY.sum(0) by bias_grad, dW unchanged by it (bit for bit against the same plan without
+    a_colsum), db NaN-poisoned before."""
     old = rt.precision
     rt.exec = rt.exec.with_precision("tf32")
     M, N, K = 196, 172, 740
-    rng = np.random.default_rng(slab)
+    rng = np.random.default_rng(0)
     a, b = _operands(rng, M, N, K, True, False)
     da, db = rt.upload(a), rt.upload(b)
     part = rt.empty((256 * M,), name="bias_partials")
     try:
-        floats = None if slab == 0 else (M + N) * 64 + 100
-        with _at_ws(rt, _at_buffer, floats), _workspaces(rt, bias_partials=part):
-            p = gemm.make_plan("wgmma", (128, 128, 3, 0), 1, K, transpose_b=True, transpose_a=True, k_slab=slab)
-            plans = [p, gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K)]
-            for q in plans:
+        with _workspaces(rt, bias_partials=part):
+            for q in [gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K)]:
                 out, out2, bias = rt.empty((M, N)), rt.empty((M, N)), rt.empty((M,))
                 rt.memset(bias, 0x7FC00000)
                 gemm.matmul(rt, out, da, db, True, False, plan=q, a_colsum=bias)
@@ -647,24 +577,23 @@ def test_wgmma_ra_tile_forced(rt, splitk_ws, _at_buffer, fam, tile):
     old = rt.precision
     rt.exec = rt.exec.with_precision("tf32")
     tbs = (False, True) if fam == "wgmma_ra" else (False,)
-    epis = ("none",) if fam == "wgmma_ra_t" else ("none", "residual_alias", "residual")
     try:
         with _at_ws(rt, _at_buffer):
             for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
                                            (68, 36, 36), (tile[0] * 12 - 20, tile[1] * 12 - 36, 100)]):
                 for tb in tbs:
                     p = gemm.make_plan(fam, tile, 1, K, transpose_b=fam == "wgmma_ra" and not tb)
-                    for epi in epis:
-                        _check_matmul(rt, M, N, K, True, tb, epi, seed=i * 10 + len(epi) + tb, plan=p)
+                    _check_matmul(rt, M, N, K, True, tb, "none", seed=i * 10 + tb, plan=p)
             for tb in tbs:
                 bt = fam == "wgmma_ra" and not tb
                 _check_matmul(rt, 300, 200, 740, True, tb, "none", seed=5,
                               plan=gemm.make_plan(fam, tile, 3, 740, transpose_b=bt))
                 _check_matmul(rt, 900, 520, 8200, True, tb, "none", seed=6,     # (A^T of wgmma_ra_t: 7.4 M floats)
                               plan=gemm.make_plan(fam, tile, 1, 8200, transpose_b=bt))
-            with pytest.raises(ValueError, match="not compiled for epilogue"):
-                _check_matmul(rt, 64, 64, 64, True, False, "bias", plan=gemm.make_plan(
-                    fam, tile, 1, 64, transpose_b=fam == "wgmma_ra"))
+            for epi in ("bias", "residual"):            # dY^T X takes no epilogue
+                with pytest.raises(ValueError, match="not compiled for epilogue"):
+                    _check_matmul(rt, 64, 64, 64, True, False, epi, plan=gemm.make_plan(
+                        fam, tile, 1, 64, transpose_b=fam == "wgmma_ra"))
     finally:
         rt.exec = rt.exec.with_precision(old)
 
@@ -684,8 +613,9 @@ def test_wgmma3_ra_a_colsum(rt, precision, splitk_ws, fam, tile):
 @gpu
 def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
     """On sm_90 the cost model sends the model's x @ W^T products to the wgmma kernel and its
-    dY @ W products there through B^T (when the scratch is planned), never the other transposes;
-    a wgmma plan is refused where the kernel cannot run."""
+    dY @ W products there through B^T (when the scratch is planned), and its weight gradients with no
+    gemm_aT planned to a kernel that transposes nothing; a wgmma plan is refused where the kernel
+    cannot run."""
     _wgmma_rt(rt)
     old = rt.precision
     rt.exec = rt.exec.with_precision("tf32")
@@ -701,7 +631,7 @@ def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
         names = [it.fn.name for it in prog.items]
         assert names[0].startswith("gemm_wgmma"), names           # gemm_wgmma / gemm_wgmma_tma
         assert names[1] == gemm.transpose_name(True) and names[2].startswith("gemm_wgmma"), names
-        assert all(n.startswith(("gemm_tf32<", "gemm_splitk")) for n in names[3:]), names
+        assert not any(n.startswith("gemm_transpose") for n in names[3:]), names
         p = gemm.make_plan("wgmma", gemm.WGMMA_TILES[0], 1, 64)
         with pytest.raises(ValueError, match="wgmma"):
             gemm.matmul(rt, rt.empty((64, 64)), rt.empty((64, 64)), rt.empty((64, 64)), False, False, plan=p)
@@ -876,7 +806,7 @@ def test_launcher_names_are_in_variants():
     epilogues = {gemm.EPI_NONE: "none", gemm.EPI_BIAS: "none", gemm.EPI_GELU: "gelu", gemm.EPI_RESID: "residual",
                  gemm.EPI_DGELU: "dgelu"}
     for prec, arch in (("fp32", None), ("tf32", None), ("tf32", "sm_90"), ("fp32", "sm_90")):
-        rt = _FakeRT(prec, ws=1 << 24, arch=arch, bt=1 << 25 if arch else 0)
+        rt = _FakeRT(prec, ws=1 << 24, arch=arch, bt=1 << 25 if arch else 0, at=1 << 25 if arch else 0)
         shapes = [(67, 65, 33), (16384, 1152, 384), (16384, 65, 384), (1152, 384, 16384),
                   (65, 384, 16384), (4096, 4096, 4096), (64, 64, 64), (8, 8, 8)]
         for (M, N, K) in shapes:
@@ -895,20 +825,16 @@ def test_launcher_names_are_in_variants():
                 gemm.matmul(rt, _v((64, 64)), _v((64, 64)), _v((64, 64)), True, True)
             with pytest.raises(ValueError, match="not a layout"):
                 gemm.matmul_batched(rt, _v((3, 8, 8)), _v((3, 8, 8)), _v((3, 8, 8)), True, True)
-        # every plan the tuner may force
+        # every plan the tuner may force on each of them
         for (M, N, K) in [(16384, 384, 1536), (384, 1152, 16384)]:
-            for mode in (("direct", "transpose") if arch else (False,)):
-                for p in gemm.tune_candidates(M, N, K, 1, "tf32" if prec == "tf32" else "simt", True, 1 << 24,
-                                              wgmma=mode):
-                    wg = p.fam.k_major                 # re-lays the operands out: any epilogue
-                    for ta, tb in ([(False, mode == "direct")] if wg else gemm.PRODUCTS):
-                        a = _v((K, M) if ta else (M, K))
-                        b = _v((N, K) if tb else (K, N))
-                        if wg or (ta, tb) == (False, True):
-                            gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)), plan=p)
-                        if wg or (ta, tb) == (False, False):
-                            gemm.matmul(rt, _v((M, N)), a, b, ta, tb, epilogue="dgelu", aux=_v((M, N), 1 << 33),
-                                        plan=p)
+            for (ta, tb), pairs in gemm.PRODUCTS.items():
+                a, b = _v((K, M) if ta else (M, K)), _v((N, K) if tb else (K, N))
+                for epi, has_bias in pairs:
+                    for p in gemm.tune_candidates(M, N, K, 1, "tf32" if prec == "tf32" else "simt", True, 1 << 24,
+                                                  wgmma=arch and gemm.layout_code(ta, tb), epi=epi):
+                        aux = None if epilogues[epi] == "none" else _v((M, N), 1 << 33)
+                        gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)) if has_bias else None,
+                                    epilogue=epilogues[epi], aux=aux, plan=p)
         missing = rt.names - variants
         assert not missing, f"launched but not in VARIANTS: {sorted(missing)[:5]}"
         assert (arch is not None) == any(n[0] == gemm.WGMMA_FILE for n in rt.names), (prec, arch)

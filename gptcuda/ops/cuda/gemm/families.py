@@ -12,9 +12,8 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
     wgmma_ra_mn  the same with B [K, N] as stored, turned K-major by the producers
     wgmma_ra_t  TF32 A^T B as (B^T A)^T: B [K, N] through registers, A^T first, out stored transposed
 
-The execution plan picks a base family (ExecutionPlan.gemm_family); on sm_90 its warpgroup-MMA partner competes
-with it (`Family.partner`, TF32), for fp32 `Family.stored_partners` (aligned operands in any layout),
-and for TF32 weight gradients `Family.ra_partners`.
+The execution plan picks a base family (ExecutionPlan.gemm_family); on sm_90 its warpgroup-MMA
+families compete with it (`Family.partners`) for the layouts each runs (`Family.layouts`).
 """
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ EPI_COMBOS = ((EPI_NONE, False), (EPI_BIAS, True), (EPI_GELU, False), (EPI_GELU,
               (EPI_RESID, False), (EPI_RESID, True), (EPI_DGELU, False))
 # The products the op interface asks for, by (trans_a, trans_b): x @ W^T with any epilogue and bias, dY @ W
 # plain or with the GELU backward folded in, the weight gradients dY^T @ X plain (batched: these three
-# layouts, plain). A family whose kernels read the operands as stored is compiled for these alone; the
-# K-major one, which runs the others re-laid out, and the internal layouts (TT: a register-A kernel after
-# B^T) for every pair they declare (Family.combos).
+# layouts, plain). Every family's kernels are compiled for these alone, in the layout each kernel reads
+# (after B^T first: A @ B as x @ W^T, A^T B as A^T (B^T)^T; Family.combos).
 PRODUCTS = {(False, True): tuple(e for e in EPI_COMBOS if e[0] != EPI_DGELU),
             (False, False): ((EPI_NONE, False), (EPI_DGELU, False)),
             (True, False): ((EPI_NONE, False),)}
@@ -99,17 +97,15 @@ WGMMA_EFFICIENCY = dict(zip(WGMMA_TILES, (1.35, 1.5, 1.5, 1.5, 1.1, 1.4, 1.65, 1
 # K-major by the producer warpgroup, through its registers (no pass at all). BM 128: a consumer
 # thread holds 96 accumulators and two k tiles' fragments (32) at BN 192.
 WGMMA_RA_TILES = ((128, 128, 4), (128, 192, 4))
-# (modelled as gemm_wgmma_ws's; measured ~20% slower a product, without the transposes that path needs)
-WGMMA_RA_EFFICIENCY = dict(zip(WGMMA_RA_TILES, (1.6, 1.75)))
 WGMMA_RA_MN_TILES = ((128, 128, 7), (128, 192, 5))
-WGMMA_RA_MN_EFFICIENCY = dict(zip(WGMMA_RA_MN_TILES, (1.0, 1.3)))
-# what a weight gradient's product takes: none (split-K partials, or all of K) or residual (k slabs)
-RA_EPI_COMBOS = ((EPI_NONE, False), (EPI_RESID, False))
 # "wgmma_ra_t": out = A^T B (A [K, M], B [K, N] as stored) run as out^T = B^T A with B through
 # registers and A transposed first (into "gemm_aT", with its column sums), out^T stored transposed
 # (gemm_wgmma_ra's TC): for the weight gradient whose B is the larger operand (dW fcproj = dY^T act).
 WGMMA_RA_T_TILES = WGMMA_RA_TILES
-# the warpgroup-MMA kernels' devices (compiled for sm_90a: compiler.ARCH_SPECIFIC): gptcuda/runtime/execution.py
+# Their rates, set so that the cost model picks what the H200's measured table picks for the shipped
+# configs' weight gradients (bench/plan_check.py; bench/NOTES.md 2026-12-02).
+WGMMA_RA_EFFICIENCY = dict(zip(WGMMA_RA_TILES, (1.7, 1.9)))      # (wgmma_ra_t: the same kernel)
+WGMMA_RA_MN_EFFICIENCY = dict(zip(WGMMA_RA_MN_TILES, (0.8, 1.0)))
 # fp32 through three TF32 products (3xTF32; family "wgmma3_ra", kernels/gemm_wgmma.cu gemm_wgmma3_ra):
 # (BM, BN, STAGES), the warp-specialized persistent kernel whose consumers load A's fragments as
 # stored (K-major, or MN-major in gemm_wgmma_ra's boxes) and split them into hi and lo halves
@@ -238,10 +234,15 @@ def wgmma_threads(tile) -> int:
     return ws_threads(tile) if tile[3] == 2 else tile[0] // 64 * 128
 
 
+def layout_code(trans_a, trans_b) -> str:
+    """"NT", "NN", "TN" or "TT": T where the operand is stored transposed (A [K, M], B [N, K])."""
+    return ("T" if trans_a else "N") + ("T" if trans_b else "N")
+
+
 @dataclass(frozen=True)
 class Family:
     """One kernel family: its file and tiles, and per tile the launch geometry, the kernel's name
-    expression and the cost model's rate."""
+    expression and the cost model's rate; for a warpgroup-MMA family, the layouts it runs and how."""
     name: str
     file: str
     tiles: tuple                  # every tile its kernels are compiled for (aligned operands)
@@ -255,64 +256,44 @@ class Family:
     kernel: Callable              # (tile, trans_a, trans_b, epi, has_bias, vec) -> name expression
     label: Callable               # tile -> its description in kernel_label
     short: Callable               # tile -> its compact name in plan_label
+    base: str                     # the base family whose precision it serves (a base family: its own name)
     tma: Callable = lambda tile: False   # the kernel takes TMA tensor maps of A and B (and no A/B strides)
     persistent: Callable = lambda tile: False   # a grid of at most blocks_per_sm x SMs blocks walks the
                                                 # tiles; the kernel takes their z extent last (ws_grid)
     colsum_kernel: Callable | None = None       # (tile, trans_a, trans_b) -> the kernel (epilogue none, one
                                                 # product) that also writes A's column sums as stored
                                                 # (matmul's a_colsum), or None for that layout
-    epis: tuple = EPI_COMBOS      # the (EPI, HAS_BIAS) pairs its kernels are compiled for
+    layouts: tuple = tuple(layout_code(*lay) for lay in PRODUCTS)   # the layouts (layout_code) of the
+                                  # products it runs: as stored, or after the re-layout below
+    transposes_b: str = ""        # the layout whose B [K, N] it transposes first into `scratch` (transpose_b plans)
+    swaps: bool = False           # runs A^T B as (B^T A)^T: A^T first into `scratch`, B through registers
+    scratch: str = ""             # the workspace of its re-laid operand
     a_regs: bool = False          # A read through registers, an MN-major A [K, M] from swizzled boxes {32, 32}
-                                  # (wgmma_ra*, wgmma3_ra); TF32 with layouts ((True, True),): a B [K, N]
-                                  # is transposed first
-    swaps: bool = False           # runs A^T B as (B^T A)^T: A transposed first, B through registers (wgmma_ra_t)
-    k_major: bool = False         # A and B K-major only (trans_a False, trans_b True, aligned): other
-                                  # layouts are re-laid out first (transpose_b / transpose_a plans)
-    layouts: tuple = ()           # (trans_a, trans_b) its kernels read as stored (default: K-major
-                                  # families (False, True), the others all four)
-    products: int = 1             # 3: fp32 as 3xTF32 over operands split into hi and lo halves
-    transposes_a: bool = False    # A stored [K, M] runs after A^T into "gemm_aT" (transpose_a plans)
     split_waves: int = 1          # the cost model tries split-K below this many waves of blocks
-    partner: str | None = None    # the warpgroup-MMA family competing on sm_90 (base families)
-    ra_partners: tuple = ()       # the register-A ones competing for trans_a products: (B K-major or
-                                  # transposed first, B [K, N] as stored, the swapped product)
-    stored_partners: tuple = ()   # the ones competing for aligned operands in any layout
-    base: str = ""                # the base family whose precision a warpgroup-MMA family serves
+    partners: tuple = ()          # a base family's warpgroup-MMA families, competing with it on sm_90
     needs: str = ""               # what a warpgroup-MMA plan needs (the reason a plan is refused)
 
-    @property
-    def mn_major(self) -> bool:
-        """Reads A [K, M] and B [K, N] as stored (tensor maps {rows, K, batch}; B, and A unless a_regs,
-        unswizzled)."""
-        return self.layouts == ((True, False),)
-
-    @property
-    def b_first(self) -> bool:
-        """A TF32 register-A family reading B K-major (wgmma_ra): a B stored [K, N] is transposed first,
-        into "gemm_aT" (transpose_b plans)."""
-        return self.a_regs and self.products == 1 and self.layouts == ((True, True),)
-
-    @property
-    def all_layouts(self) -> tuple:
-        """The (trans_a, trans_b) its kernels read: its own, else K-major only, else the op interface's."""
-        return self.layouts or (((False, True),) if self.k_major else tuple(PRODUCTS))
+    def kernel_layout(self, code) -> tuple:
+        """(trans_a, trans_b) its kernel reads for a product of layout `code`: B^T first reads B [N, K],
+        the swapped product B^T A reads both K-major ((True, True) in its kernel's terms)."""
+        ta, tb = code[0] == "T", code[1] == "T"
+        return (True, True) if self.swaps else (ta, True) if code == self.transposes_b else (ta, tb)
 
     def combos(self) -> list:
-        """(trans_a, trans_b, EPI, HAS_BIAS) its kernels are compiled for: per layout, the declared
-        epilogues, and for one reading the op interface's products as stored only those PRODUCTS
-        asks of that layout."""
+        """(trans_a, trans_b, EPI, HAS_BIAS) its kernels are compiled for: per layout it runs, the
+        epilogues the op interface asks of it (gemm.PRODUCTS; TT, no product of the interface: none),
+        in the layout its kernel reads."""
         out = []
-        for ta, tb in self.all_layouts:
-            for epi, hb in self.epis:
-                if self.k_major or self.epis != EPI_COMBOS or (epi, hb) in PRODUCTS.get((ta, tb), ()):
-                    out.append((ta, tb, epi, hb))
+        for code in self.layouts:
+            ta, tb = code[0] == "T", code[1] == "T"
+            for epi, hb in PRODUCTS.get((ta, tb), ((EPI_NONE, False),)):
+                if (combo := (*self.kernel_layout(code), epi, hb)) not in out:
+                    out.append(combo)
         return out
 
     def runs_epi(self, epi) -> bool:
         """Whether its kernels are compiled for epilogue code epi (EPI_BIAS: with a bias) in some layout."""
         return any(e == epi for _, _, e, _ in self.combos())
-
-
 
 
 def _wgmma_label(t):
@@ -323,15 +304,12 @@ def _wgmma_short(t):
     return f"{t[0]}x{t[1]}s{t[2]}" + ("", "tma", "ws")[t[3]]
 
 
-def _persistent_tf32(name, tiles, efficiency, **kw) -> Family:
-    """A TF32 warp-specialized persistent family of gemm_wgmma.cu reading the weight gradient's A [K, M]
-    as stored (wgmma_ra*): BM / 64 consumer warpgroups and a producer's, one block per SM,
-    STAGES slots of (BM + BN) x 128 bytes, TMA; the cost model leaves it to the measured table (no
-    plan_tiles)."""
-    return Family(name, WGMMA_FILE, tiles, (), (), efficiency, TF32_FLOPS_PER_SM,
-                  threads=ws_threads, blocks_per_sm=lambda t: 1,
-                  smem=persistent_smem,
-                  tma=lambda t: True, persistent=lambda t: True, base="tf32", **kw)
+def _persistent(name, tiles, efficiency, rate, smem, base, **kw) -> Family:
+    """A warp-specialized persistent family of gemm_wgmma.cu reading A as stored through registers
+    (wgmma_ra*, wgmma3_ra): BM / 64 consumer warpgroups and a producer's, one block per SM, TMA."""
+    return Family(name, WGMMA_FILE, tiles, tiles, (), efficiency, rate, threads=ws_threads,
+                  blocks_per_sm=lambda t: 1, smem=smem, base=base, tma=lambda t: True, persistent=lambda t: True,
+                  a_regs=True, **kw)
 
 
 FAMILIES = {f.name: f for f in (
@@ -341,8 +319,8 @@ FAMILIES = {f.name: f for f in (
            smem=lambda t: 0,
            kernel=lambda t, ta, tb, epi, hb, vec: simt_name(t[0], t[1], ta, tb, epi, hb, vec),
            label=lambda t: f"{t[0]}x{t[1]}",
-           short=lambda t: f"{t[0]}x{t[1]}",
-           stored_partners=("wgmma3_ra",)),
+           short=lambda t: f"{t[0]}x{t[1]}", base="simt",
+           partners=("wgmma3_ra",)),
     Family("tf32", TF32_FILE, TF32_TILES, TF32_PLAN_TILES, TF32_FALLBACK_TILES, TF32_EFFICIENCY,
            TF32_FLOPS_PER_SM,
            threads=_tf32_threads,
@@ -350,63 +328,56 @@ FAMILIES = {f.name: f for f in (
            smem=tf32_smem,
            kernel=tf32_name,
            label=lambda t: f"{t[0]}x{t[1]}x{t[2]} w{t[3]}x{t[4]} s{t[5]}",
-           short=lambda t: f"{t[0]}x{t[1]}s{t[5]}",
-           partner="wgmma", ra_partners=("wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t")),
+           short=lambda t: f"{t[0]}x{t[1]}s{t[5]}", base="tf32",
+           partners=("wgmma", "wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t")),
     Family("wgmma", WGMMA_FILE, WGMMA_TILES, WGMMA_TILES, (), WGMMA_EFFICIENCY, TF32_FLOPS_PER_SM,
            threads=wgmma_threads,
            blocks_per_sm=wgmma_blocks_per_sm,
            smem=wgmma_smem,
            kernel=lambda t, ta, tb, epi, hb, vec: wgmma_name(t, epi, hb),
-           label=_wgmma_label, short=_wgmma_short,
-           tma=lambda t: bool(t[3]), persistent=lambda t: t[3] == 2, k_major=True, transposes_a=True, split_waves=4, base="tf32",
-           needs="sm_90 with K-major, aligned A and B, or their transposes in the gemm_bT / gemm_aT "
-                 "workspaces"),
-    # the cost model does not pick them (no plan_tiles): the measured table does where they win
-    _persistent_tf32("wgmma_ra", WGMMA_RA_TILES, WGMMA_RA_EFFICIENCY,
-                     kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb),
-                     colsum_kernel=lambda t, ta, tb: ra_name(t, False, EPI_NONE, False, colsum=True),
-                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws A in registers",
-                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra", layouts=((True, True),), epis=RA_EPI_COMBOS,
-                     a_regs=True,
-                     needs="sm_90, A^T B with A [K, M] as stored and B [N, K] (or [K, N] transposed first into "
-                           "the gemm_aT workspace), 16-byte aligned, one product"),
-    _persistent_tf32("wgmma_ra_mn", WGMMA_RA_MN_TILES, WGMMA_RA_MN_EFFICIENCY,
-                     kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, True, epi, hb),
-                     colsum_kernel=lambda t, ta, tb: ra_name(t, True, EPI_NONE, False, colsum=True),
-                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws A in registers, B turned",
-                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ramn", layouts=((True, False),), epis=RA_EPI_COMBOS,
-                     a_regs=True,
-                     needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product"),
-    _persistent_tf32("wgmma_ra_t", WGMMA_RA_T_TILES, WGMMA_RA_EFFICIENCY,
-                     kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb, tc=True),
-                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws B in registers, A^T first, out^T",
-                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}rat", layouts=((True, False),),
-                     epis=((EPI_NONE, False),), a_regs=True, swaps=True,
-                     needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product, no "
-                           "epilogue, A^T [M, K] room in the gemm_aT workspace"),
-    Family("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, WGMMA3_RA_TILES, (), WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
-           threads=ws_threads,
-           blocks_per_sm=lambda t: 1,
-           smem=wgmma3_ra_smem,
-           kernel=lambda t, ta, tb, epi, hb, vec: wgmma3_ra_name(t, ta, tb, epi, hb),
-           colsum_kernel=lambda t, ta, tb: wgmma3_ra_name(t, ta, tb, EPI_NONE, False, colsum=True) if ta else None,
-           label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split, A in registers",
-           short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra3",
-           tma=lambda t: True, persistent=lambda t: True,
-           layouts=tuple(PRODUCTS), products=3, base="simt", a_regs=True,
-           needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats)"),
+           label=_wgmma_label, short=_wgmma_short, base="tf32",
+           tma=lambda t: bool(t[3]), persistent=lambda t: t[3] == 2, layouts=("NT", "NN"), transposes_b="NN",
+           scratch="gemm_bT", split_waves=4,
+           needs="sm_90 with K-major, aligned A and B, or B's transpose in the gemm_bT workspace"),
+    _persistent("wgmma_ra", WGMMA_RA_TILES, WGMMA_RA_EFFICIENCY, TF32_FLOPS_PER_SM, persistent_smem, "tf32",
+                kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb),
+                colsum_kernel=lambda t, ta, tb: ra_name(t, False, EPI_NONE, False, colsum=True),
+                label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws A in registers",
+                short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra", layouts=("TT", "TN"), transposes_b="TN",
+                scratch="gemm_aT",
+                needs="sm_90, A^T B with A [K, M] as stored and B [N, K] (or [K, N] transposed first into "
+                      "the gemm_aT workspace), 16-byte aligned, one product"),
+    _persistent("wgmma_ra_mn", WGMMA_RA_MN_TILES, WGMMA_RA_MN_EFFICIENCY, TF32_FLOPS_PER_SM, persistent_smem,
+                "tf32",
+                kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, True, epi, hb),
+                colsum_kernel=lambda t, ta, tb: ra_name(t, True, EPI_NONE, False, colsum=True),
+                label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws A in registers, B turned",
+                short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ramn", layouts=("TN",),
+                needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product"),
+    _persistent("wgmma_ra_t", WGMMA_RA_T_TILES, WGMMA_RA_EFFICIENCY, TF32_FLOPS_PER_SM, persistent_smem, "tf32",
+                kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb, tc=True),
+                label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws B in registers, A^T first, out^T",
+                short=lambda t: f"{t[0]}x{t[1]}s{t[2]}rat", layouts=("TN",), swaps=True, scratch="gemm_aT",
+                needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product, no "
+                      "epilogue, A^T [M, K] room in the gemm_aT workspace"),
+    _persistent("wgmma3_ra", WGMMA3_RA_TILES, WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3, wgmma3_ra_smem, "simt",
+                kernel=lambda t, ta, tb, epi, hb, vec: wgmma3_ra_name(t, ta, tb, epi, hb),
+                colsum_kernel=lambda t, ta, tb: wgmma3_ra_name(t, ta, tb, EPI_NONE, False, colsum=True) if ta else None,
+                label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split, A in registers",
+                short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra3",
+                needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats), one product"),
 )}
 
 
 def _variants():
     out = []
     for fam in FAMILIES.values():
-        for tile, (ta, tb, epi, hb), vec in itertools.product(
-                fam.tiles, fam.combos(), (True,) if fam.k_major or fam.layouts else (False, True)):
+        for tile, (ta, tb, epi, hb), vec in itertools.product(fam.tiles, fam.combos(), (False, True)):
             if vec or tile in fam.unaligned_tiles:
                 out.append((fam.file, fam.kernel(tile, ta, tb, epi, hb, vec), {}))
         if fam.colsum_kernel is not None:
-            out += [(fam.file, k, {}) for tile, (ta, tb) in itertools.product(fam.tiles, fam.all_layouts)
+            layouts = dict.fromkeys(fam.kernel_layout(code) for code in fam.layouts)
+            out += [(fam.file, k, {}) for tile, (ta, tb) in itertools.product(fam.tiles, layouts)
                     if (k := fam.colsum_kernel(tile, ta, tb)) is not None]
     for epi, hb in EPI_COMBOS:
         out.append((SIMT_FILE, reduce_name(epi, hb), {}))
