@@ -196,7 +196,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
             reps = reps_for(flop, 150.0 if prec == "tf32" else 30.0)
             base = None
             for p, is_chosen in cands:
-                ms = time_graphed_ms(rt, lambda p=p: gemm.matmul_plan(rt, p, out, da, db, ta, tb),
+                ms = time_graphed_ms(rt, lambda p=p: gemm.matmul(rt, out, da, db, ta, tb, plan=p),
                                      warmup=args.warmup, iters=args.iters, reps=reps)
                 err = sampled_rel_err(rt.download(out), a, b, ta, tb, rows)
                 row = {"shape": label, "M": M, "N": N, "K": K, "trans": trans, "precision": prec,
@@ -264,7 +264,7 @@ def bench_ladder(rt, M, N, K, args):
         for prec, fam in (("fp32", "simt"), ("tf32", "tf32")):      # the production kernels
             rt.exec = rt.exec.with_precision(prec)
             p = gemm.plan(M, N, K, 1, rt.info.sm_count, fam)
-            ms = time_graphed_ms(rt, lambda: gemm.matmul_plan(rt, p, out, da, db), warmup=args.warmup,
+            ms = time_graphed_ms(rt, lambda: gemm.matmul(rt, out, da, db, plan=p), warmup=args.warmup,
                                  iters=args.iters, reps=5)
             out_rows.append((gemm.kernel_label(p, False, False), ms, flop / ms / 1e9,
                              sampled_rel_err(rt.download(out), a, b, False, False, rows)))

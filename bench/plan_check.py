@@ -4,13 +4,14 @@
 
 TABLE.json is a table file bench/tune.py wrote (<compile cache>/tune/<gpu>-<hash>.json: its "entries",
 {key: the winning plan, its time, the cost model's plan then ("heuristic") and its time}). For every
-GEMM of the shipped configs (configs/*.yaml at their own settings, the GPT-2 vocabulary where the
-tokenizer is gpt2, plus configs/tiny.yaml in fp32 and tf32, unfused and fused) whose key the table
-has (the vocabulary: the tokenizer's, rounded up to vocab_multiple), the cost model's plan now (gemm/tune.py candidates_for: the execution plan and workspaces of that
-config on an sm_90 H200, no table) is compared with the table's winner: the same family, the same
-family and tile, the same plan (tile, split-K, transpose). Where they differ the line names both, the
-winner's time and, where the cost model now picks the plan the table timed as its cost model's, that
-time. A table measured on other kernel sources is read all the same (its plans are rebuilt by name).
+GEMM of the shipped configs (configs/*.yaml at their own settings, the vocabulary the tokenizer's
+rounded up to vocab_multiple, plus configs/tiny.yaml in fp32 and tf32, unfused and fused) whose key
+the table has, the cost model's plan now (gemm/tune.py candidates_for: the execution plan and
+workspaces of that config on an sm_90 H200, no table) is compared with the table's winner: the same
+family, the same family and tile, the same plan (tile, split-K, transpose). Where they differ the line
+names both, the winner's time and, where the cost model now picks the plan the table timed as its
+cost model's, that time. A table measured on other kernel sources is read all the same (its plans
+are rebuilt by name).
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def check(entries: dict, cfgs, verbose=False, out=sys.stdout) -> dict:
     """Compare the cost model with the table for every op of cfgs the table has; returns the counts."""
     seen, counts = set(), {"shapes": 0, "family": 0, "tile": 0, "plan": 0}
     for name, cfg in cfgs:
-        vocab = cfg.vocab_size or cdiv(50257 if cfg.tokenizer == "gpt2" else 65, cfg.vocab_multiple) * cfg.vocab_multiple
+        mult = cfg.vocab_multiple
+        vocab = cfg.vocab_size or cdiv(50257 if cfg.tokenizer == "gpt2" else 65, mult) * mult
         ex = execution.resolve(cfg, arch="sm_90", env={})
         ws, scratch = ws_floats_of(cfg, vocab, ex=ex), scratch_of(cfg, vocab, ex)
         for op in model_gemms(cfg, vocab, ex=ex):

@@ -155,10 +155,10 @@ def test_forced_plan_is_checked():
     rt = FakeRT("tf32", ws=1 << 20)
     p = gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 8, 16384)
     with pytest.raises(ValueError, match="workspace"):
-        gemm.matmul_plan(rt, p, _v((384, 384)), _v((16384, 384)), _v((16384, 384), 1 << 31), True, False)
+        gemm.matmul(rt, _v((384, 384)), _v((16384, 384)), _v((16384, 384), 1 << 31), True, False, plan=p)
     with pytest.raises(ValueError, match="family"):
-        gemm.matmul_plan(FakeRT("fp32"), gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, 64),
-                         _v((64, 64)), _v((64, 64)), _v((64, 64), 1 << 31))
+        gemm.matmul(FakeRT("fp32"), _v((64, 64)), _v((64, 64)), _v((64, 64), 1 << 31),
+                    plan=gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, 64))
 
 
 # ---- candidates and pruning -----------------------------------------------------------------

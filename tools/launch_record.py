@@ -160,7 +160,8 @@ def main(argv=None):
         Path(a.out).write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     if a.compare:
         want = json.loads(Path(a.compare).read_text())
-        pick = (lambda v: v and v.get(a.key)) if a.key else (lambda v: v and {k: x for k, x in v.items() if k != "kernels"})
+        pick = (lambda v: v and v.get(a.key)) if a.key else \
+            (lambda v: v and {k: x for k, x in v.items() if k != "kernels"})
         keys = set(got) if a.only else set(want) | set(got)          # (--only: the cases recorded now)
         bad = [k for k in sorted(keys) if pick(want.get(k)) != pick(got.get(k))]
         if dropped:

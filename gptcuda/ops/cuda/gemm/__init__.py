@@ -34,31 +34,20 @@ tune.py (measuring it; timer.py: timing candidates on the GPU), launch.py (the l
 """
 from __future__ import annotations
 
-from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_COMBOS, EPI_DGELU, EPI_GELU, EPI_IO,
-                                            EPI_NONE, EPI_RESID, EPILOGUE_CODES, FAMILIES, LADDER_NAMES,
-                                            MAX_GRID_Z, MAX_SPLITS, PRODUCTS, REDUCE_THREADS,
-                                            SIMT_BLOCKS_PER_SM, SIMT_EFFICIENCY, SIMT_FILE, SIMT_TILES,
-                                            SMEM_PER_SM, SPLIT_ALIGN, TF32_EFFICIENCY,
-                                            TF32_FALLBACK_TILES, TF32_FILE, TF32_PLAN_TILES, TF32_TILES,
-                                            VARIANTS, WGMMA_ARCHS, WGMMA_EFFICIENCY, WGMMA_FILE, WGMMA_LOADERS,
-                                            WGMMA3_RA_TILES, WGMMA_RA_MN_TILES,
-                                            WGMMA_RA_T_TILES, WGMMA_RA_TILES, WGMMA_TILES, Family, cdiv, layout_code,
-                                            reduce_name, simt_name,
-                                            tf32_blocks_per_sm, tf32_name, tf32_smem, transpose_name,
-                                            wgmma_blocks_per_sm, wgmma_name, wgmma_smem)
+# what the backend, bench/ and tests use (each module's own names, private helpers included, from it)
+from gptcuda.ops.cuda.gemm.families import (EPI_BIAS, EPI_DGELU, EPI_GELU, EPI_NONE, EPI_RESID, FAMILIES, MAX_SPLITS,
+                                            PRODUCTS, SIMT_FILE, SIMT_TILES, SPLIT_ALIGN, TF32_FALLBACK_TILES,
+                                            TF32_FILE, TF32_TILES, VARIANTS, WGMMA3_RA_TILES, WGMMA_ARCHS, WGMMA_FILE,
+                                            WGMMA_RA_MN_TILES, WGMMA_RA_T_TILES, WGMMA_RA_TILES, WGMMA_TILES, cdiv,
+                                            layout_code, reduce_name, tf32_name, tf32_smem, transpose_name,
+                                            wgmma_name)
 from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, device_workspaces, wgmma_layout, wgmma_ok
 # `plan` is the function from here on (it was the submodule's name until this import rebinds it)
-from gptcuda.ops.cuda.gemm.plan import (TUNE_SPLITS, Plan, b_reads, competing, estimate_s, kernel_label, make_plan,
-                                        plan, plan_label, plan_unfit, prune_candidates, split_chunk, tune_candidates,
-                                        workspace)
-from gptcuda.ops.cuda.gemm.table import (TUNE_FORMAT, forget_tables, load_table, plan_from_json,
-                                         plan_to_json, save_table, source_hash, table_path, tune_key,
-                                         tuned_plan)
-from gptcuda.ops.cuda.gemm.launch import (TRANSPOSE_TILE, matmul, matmul_batched, matmul_batched_dims, matmul_dims,
-                                          matmul_plan)
-from gptcuda.ops.cuda.gemm.tune import GemmOp, TuneSummary, autotune, model_gemms
+from gptcuda.ops.cuda.gemm.plan import (b_reads, competing, estimate_s, kernel_label, make_plan, plan, plan_label,
+                                        plan_unfit, prune_candidates, split_chunk, tune_candidates, workspace)
+from gptcuda.ops.cuda.gemm.table import (forget_tables, load_table, plan_from_json, plan_to_json, save_table,
+                                         source_hash, table_path, tune_key, tuned_plan)
+from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
+from gptcuda.ops.cuda.gemm.tune import model_gemms
 
-__all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kernel_label",
-           "VARIANTS", "Plan", "tune_key", "tuned_plan", "load_table", "save_table", "table_path",
-           "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan", "wgmma_ok",
-           "wgmma_layout", "autotune", "model_gemms", "GemmOp", "TuneSummary"]
+__all__ = ["matmul", "matmul_batched", "workspace", "device_workspaces", "VARIANTS"]     # the backend's

@@ -111,8 +111,9 @@ WGMMA_RA_MN_EFFICIENCY = dict(zip(WGMMA_RA_MN_TILES, (0.8, 1.0)))
 # stored (K-major, or MN-major in gemm_wgmma_ra's boxes) and split them into hi and lo halves
 # themselves, and whose producers split (and turn) B. A slot holds A once and B's two halves, (BM + 2 BN)
 # x 128 bytes: 4 stages at 128 x 128. Two consumer warpgroups (BM 128) of sum + partial accumulators
-# (BN / 2 each). (It replaced gemm_wgmma3_ws, which split both operands in shared memory, and the
-# TMA kernel over halves a pass wrote first: the measured tables picked neither.)
+# (BN / 2 each). (It replaced gemm_wgmma3_ws, which split both operands in shared memory and no measured
+# table picked, and the TMA kernel over halves a pass wrote first, which the H200's table picked for one
+# shape of the shipped configs: bench/NOTES.md 2026-12-02.)
 WGMMA3_RA_TILES = ((128, 128, 4), (128, 64, 4))
 WGMMA3_RA_EFFICIENCY = dict(zip(WGMMA3_RA_TILES, (2.0, 1.5)))
 

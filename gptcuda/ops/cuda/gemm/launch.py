@@ -72,27 +72,10 @@ class GemmCall:
         return self.bias is not None
 
 
-@dataclass(frozen=True)
-class KernelLaunch:
-    """One launch as the runtime takes it: the kernel (file, name expression), grid, threads, dynamic
-    shared memory and its arguments by name, in the kernel's parameter order."""
-    file: str
-    kernel: str
-    grid: tuple
-    threads: int
-    args: tuple                  # ((name, value), ...)
-    smem: int = 0
-    label: str = ""
-
-    def run(self, rt):
-        rt.launch(rt.function(self.file, self.kernel), self.grid, (self.threads,), [v for _, v in self.args],
-                  smem=self.smem, label=self.label)
-
-
-def gemm_launches(rt, p: Plan, c: GemmCall, ws=None) -> list:
-    """The launches of one product by plan p: the family's kernel, and for split-K its partials into
-    ws [splits, M, N] then the fixed-order reduction that applies the epilogue (a swaps kernel stores
-    them transposed, [splits, N, M]: out's layout). rt: the device's SM count and its tensor maps."""
+def _launch_gemm(rt, p: Plan, c: GemmCall, ws=None):
+    """Launch one product by plan p: the family's kernel, and for split-K its partials into ws [splits,
+    M, N] then the fixed-order reduction that applies the epilogue (a swaps kernel stores them
+    transposed, [splits, N, M]: out's layout). rt: the device's SM count and its tensor maps."""
     fam = p.fam
     if c.colsum is not None and (not has_colsum_kernel(p, c.ta, c.tb) or c.epi != EPI_NONE or c.batch != 1):
         raise AssertionError(f"{c.label}: column sums need the {p.family} colsum kernel, no epilogue, batch 1")
@@ -103,32 +86,25 @@ def gemm_launches(rt, p: Plan, c: GemmCall, ws=None) -> list:
     elif not vec and p.tile not in fam.unaligned_tiles:
         raise AssertionError(f"{c.label}: {p.family.upper()} tile {p.tile} has no unaligned variant")
 
-    def kernel(epi, has_bias):
-        if c.colsum is not None:
-            return fam.colsum_kernel(p.tile, c.ta, c.tb)
-        return fam.kernel(p.tile, c.ta, c.tb, epi, has_bias, vec)
+    def launch(file, kernel, grid, threads, args, smem=0, label=""):    # args: ((name, value), ...) in order
+        rt.launch(rt.function(file, kernel), grid, (threads,), [v for _, v in args], smem=smem, label=label)
 
+    kernel = fam.colsum_kernel(p.tile, c.ta, c.tb) if c.colsum is not None else \
+        fam.kernel(p.tile, c.ta, c.tb, EPI_NONE if p.splits > 1 else c.epi, p.splits == 1 and c.has_bias, vec)
     operands = _operands(rt, p, c)
-    if p.splits > 1:
-        rM, rN = (c.N, c.M) if fam.swaps else (c.M, c.N)
-        part = GemmCall(ws, c.a, c.b, c.M, c.N, c.K, c.lda, c.ldb, rN, c.ta, c.tb, sC=c.M * c.N, batch=p.splits,
-                        colsum=c.colsum, label=c.label)
-        total = c.M * c.N
-        blocks = max(1, min(cdiv(total, REDUCE_THREADS), rt.info.sm_count * 8))
-        return [KernelLaunch(fam.file, kernel(EPI_NONE, False), _grid(rt, p, c.M, c.N, p.splits), p.threads,
-                             _gemm_args(p, part, operands, p.splits, p.k_chunk), p.smem,
-                             f"{c.label}:splitk{p.splits}"),
-                KernelLaunch(SIMT_FILE, reduce_name(c.epi, c.has_bias), (blocks,), REDUCE_THREADS,
-                             (("out", c.out), ("aux", c.aux), ("partials", ws), ("bias", c.bias), ("M", i32(rM)),
-                              ("N", i32(rN)), ("ldc", i32(c.ldc)), ("splits", i32(p.splits)),
-                              ("alpha", f32(c.alpha))), label=f"{c.label}:reduce")]
-    return [KernelLaunch(fam.file, kernel(c.epi, c.has_bias), _grid(rt, p, c.M, c.N, c.batch), p.threads,
-                         _gemm_args(p, c, operands, 1, max(c.K, 1)), p.smem, c.label)]
-
-
-def _launch_gemm(rt, p: Plan, c: GemmCall, ws=None):
-    for launch in gemm_launches(rt, p, c, ws):
-        launch.run(rt)
+    if p.splits == 1:
+        launch(fam.file, kernel, _grid(rt, p, c.M, c.N, c.batch), p.threads,
+               _gemm_args(p, c, operands, 1, max(c.K, 1)), p.smem, c.label)
+        return
+    rM, rN = (c.N, c.M) if fam.swaps else (c.M, c.N)
+    part = GemmCall(ws, c.a, c.b, c.M, c.N, c.K, c.lda, c.ldb, rN, c.ta, c.tb, sC=c.M * c.N, batch=p.splits,
+                    colsum=c.colsum, label=c.label)
+    launch(fam.file, kernel, _grid(rt, p, c.M, c.N, p.splits), p.threads,
+           _gemm_args(p, part, operands, p.splits, p.k_chunk), p.smem, f"{c.label}:splitk{p.splits}")
+    blocks = max(1, min(cdiv(c.M * c.N, REDUCE_THREADS), rt.info.sm_count * 8))
+    launch(SIMT_FILE, reduce_name(c.epi, c.has_bias), (blocks,), REDUCE_THREADS,
+           (("out", c.out), ("aux", c.aux), ("partials", ws), ("bias", c.bias), ("M", i32(rM)), ("N", i32(rN)),
+            ("ldc", i32(c.ldc)), ("splits", i32(p.splits)), ("alpha", f32(c.alpha))), label=f"{c.label}:reduce")
 
 
 def _operands(rt, p: Plan, c: GemmCall) -> tuple:
@@ -268,13 +244,6 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
     elif a_colsum is not None:
         elementwise.bias_grad(rt, a_colsum, a)
-
-
-def matmul_plan(rt, p: Plan, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none",
-                aux=None):
-    """matmul with a given plan (benchmarks, tile sweeps, bench/tune.py). Split-K plans read
-    rt.workspace("gemm_splitk")."""
-    matmul(rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, plan=p)
 
 
 def _scratch(rt, name, shape, label):
