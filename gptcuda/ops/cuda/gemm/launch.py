@@ -248,13 +248,9 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
 
 def _scratch(rt, name, shape, label):
     ws, cap = ws_capacity(rt, name)
-    shape = (shape,) if isinstance(shape, int) else shape
-    n = math.prod(shape)
-    if ws is None or cap < n:
-        raise ValueError(f"{label}: this plan needs the workspace {name} of {n} floats")
+    if ws is None or cap < math.prod(shape):
+        raise ValueError(f"{label}: this plan needs the workspace {name} of {math.prod(shape)} floats")
     return DeviceView(ws.ptr, tuple(shape), "f32", name)
-
-
 
 
 def _transpose_into(rt, out, x, K, N, label, what="B^T", colsum=None, chunk0=0):
@@ -288,7 +284,7 @@ def _matmul_swapped(rt, p: Plan, out, a, b, M, N, K, a_colsum, ws, label):
     return part
 
 
-def _transpose_b(rt, b, K, N, label, scratch="gemm_bT"):
+def _transpose_b(rt, b, K, N, label, scratch):
     """B [K, N] -> the workspace `scratch` as [N, K] (the operand of a transpose_b plan)."""
     bt = _scratch(rt, scratch, (N, K), label)
     _transpose_into(rt, bt, b, K, N, label)
