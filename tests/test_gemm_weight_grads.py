@@ -13,7 +13,6 @@ from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.ops.cuda.gemm import families
 from gptcuda.ops.cuda.gemm.families import ra_name
 from gptcuda.ops.cuda.gemm.plan import _BYTES_PER_S, _LAUNCH_S, check_plan
-from gptcuda.runtime import DeviceView
 from tests.conftest import FakeGemmRT, fake_view as _v
 from tests.fakes import FakeDev
 from gptcuda.config import config_of
