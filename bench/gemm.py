@@ -164,28 +164,26 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         out = ar.empty((M, N))
         ws = ar.empty((ws_floats,))
         # as memory.py plans them for training: the wgmma kernel's B^T scratch for the A @ B shapes,
-        # A^T (+ B^T) of the weight gradients A^T @ B (all of K at once), the 3xTF32 kernel's split
-        # operands (fp32_gemm: 3xtf32)
+        # the register-A kernels' B^T or A^T of the weight gradients A^T @ B
         rt.set_workspace({"gemm_splitk": ws, "gemm_bT": ar.empty((K * N if trans == "NN" else 1,)),
-                          "gemm_aT": ar.empty(((M + N) * K if ta else 1,)),
-                          "gemm_split_a": ar.empty((2 * M * K,)), "gemm_split_b": ar.empty((2 * N * K,))})
+                          "gemm_aT": ar.empty((max(M, N) * K if ta else 1,))})
         lda = M if ta else K
         ldb = K if tb else N
         vec = _vec_ok(da, db, lda, ldb, 0, 0)
         for prec in precisions:
             rt.exec = rt.exec.with_precision(prec)
             family = "tf32" if prec == "tf32" else "simt"
-            wg = gemm.wgmma_ok(rt, ta, tb, vec, K, N, 1, M)
+            wg = gemm.wgmma_ok(rt, ta, tb, vec, K)
             # what gemm.matmul launches: the measured table's entry (bench/tune.py), else the cost model
             chosen = gemm.tuned_plan(rt, gemm.tune_key(prec, ta, tb, "none", False, M, N, K), vec, ws_floats,
                                      M, N, wg) \
                 or gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec, wgmma=wg)
             cands = [(chosen, True)]
-            if chosen.fam.products == 3:           # the FMA kernel beside it (fp32_gemm: ffma)
+            if chosen.family == "wgmma3_ra":       # the FMA kernel beside it (fp32_gemm: ffma)
                 cands.append((gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec), False))
             if args.sweep:
                 tiles = []                     # every tile of every family competing for this product
-                for name in gemm.competing(family, wg, vec):
+                for name in gemm.competing(family, wg):
                     fam = gemm.FAMILIES[name]
                     tiles += fam.tiles if vec or name != family else fam.unaligned_tiles
                 for tile in tiles:
@@ -198,7 +196,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
             reps = reps_for(flop, 150.0 if prec == "tf32" else 30.0)
             base = None
             for p, is_chosen in cands:
-                ms = time_graphed_ms(rt, lambda p=p: gemm.matmul_plan(rt, p, out, da, db, ta, tb),
+                ms = time_graphed_ms(rt, lambda p=p: gemm.matmul(rt, out, da, db, ta, tb, plan=p),
                                      warmup=args.warmup, iters=args.iters, reps=reps)
                 err = sampled_rel_err(rt.download(out), a, b, ta, tb, rows)
                 row = {"shape": label, "M": M, "N": N, "K": K, "trans": trans, "precision": prec,
@@ -266,7 +264,7 @@ def bench_ladder(rt, M, N, K, args):
         for prec, fam in (("fp32", "simt"), ("tf32", "tf32")):      # the production kernels
             rt.exec = rt.exec.with_precision(prec)
             p = gemm.plan(M, N, K, 1, rt.info.sm_count, fam)
-            ms = time_graphed_ms(rt, lambda: gemm.matmul_plan(rt, p, out, da, db), warmup=args.warmup,
+            ms = time_graphed_ms(rt, lambda: gemm.matmul(rt, out, da, db, plan=p), warmup=args.warmup,
                                  iters=args.iters, reps=5)
             out_rows.append((gemm.kernel_label(p, False, False), ms, flop / ms / 1e9,
                              sampled_rel_err(rt.download(out), a, b, False, False, rows)))

@@ -1,6 +1,7 @@
 """Is the machine code of every kernel variant the same in two source trees?
 
     python bench/sass_compare.py OLD_TREE NEW_TREE [--out DIR] [--jobs 2] [--grouped] [--files a.cu ...]
+                                 [--dropped KERNEL:INDEX=VALUE ...]
 
 OLD_TREE and NEW_TREE are checkouts of this repository (e.g. `git archive REV | tar -x -C DIR`), of
 any package layout: each is imported in its own subprocess (PYTHONPATH = the tree), which collects
@@ -18,7 +19,11 @@ Each kernel is read out of its cubin (a plain ELF64 parse: no disassembler neede
 defines and name expression, in whichever file it lives (a kernel that moved between files is compared
 with itself), or with the new tree's expression that only appends template arguments to the old one
 (geometry passed by the launcher: flash_fwd_tc<64,false> -> flash_fwd_tc<64,false,128,...>; its mangled
-name then differs, its code must not). Identical means: the same bytes of .text.<mangled> (the machine
+name then differs, its code must not). --dropped KERNEL:INDEX=VALUE names a template parameter the new
+tree's KERNEL no longer has (its other values went with the code they chose): an old variant whose
+argument INDEX (from 0) is VALUE is compared with the new one that lacks it (gemm_wgmma_tma:5=1: the
+TF32 form of a kernel that had a 3xTF32 one); old variants with another value there are old-only.
+Identical means: the same bytes of .text.<mangled> (the machine
 code), the same register count (ptxas's report in the compile log), static shared memory
 (.nv.shared.<mangled>) and parameter bank size (.nv.constant0.<mangled>). Differences of
 .nv.info.<mangled> (attributes, which hold symbol indices that shift with the module's other
@@ -211,16 +216,31 @@ def same_kernel(old_name: str, new_name: str) -> bool:
     return new_name.startswith(old_name[:-1] + "," if old_name.endswith(">") else old_name + "<")
 
 
-def pair(ro: dict, rn: dict) -> list:
+def without_dropped(name: str, dropped=()) -> str:
+    """The old tree's name expression with the template argument of each (kernel, index, value) of
+    `dropped` removed where the expression is that kernel's and has that value there (--dropped)."""
+    base, _, args = name.partition("<")
+    for kernel, index, value in dropped:
+        sep = ", " if ", " in args else ","
+        parts = [x.strip() for x in args[:-1].split(",")] if args.endswith(">") else []
+        if base == kernel and index < len(parts) and parts[index] == value:
+            del parts[index]
+            args = sep.join(parts) + ">"
+    return f"{base}<{args}" if args else base
+
+
+def pair(ro: dict, rn: dict, dropped=()) -> list:
     """[(old key, new key)] of the variants compiled in both trees: the same defines and the same kernel
-    (same_kernel), in whichever file it lives; the same name expression first, then appended arguments."""
+    (same_kernel; the old name less the `dropped` arguments), in whichever file it lives; the same name
+    expression first, then appended arguments."""
     pairs, used_o, used_n = [], set(), set()
+    old_name = {ko: without_dropped(ko[2], dropped) for ko in ro}
     for exact in (True, False):
         for kn in sorted(rn):
             if kn in used_n:
                 continue
             cands = [ko for ko in sorted(ro) if ko not in used_o and ko[1] == kn[1] and
-                     (ko[2] == kn[2] if exact else same_kernel(ko[2], kn[2]))]
+                     (old_name[ko] == kn[2] if exact else same_kernel(old_name[ko], kn[2]))]
             cands.sort(key=lambda ko: ko[0] != kn[0])                   # the same file first
             if cands:
                 used_o.add(cands[0])
@@ -229,11 +249,11 @@ def pair(ro: dict, rn: dict) -> list:
     return pairs
 
 
-def compare(old: dict, new: dict):
+def compare(old: dict, new: dict, dropped=()):
     """Prints the per-file summary (by the new tree's file; a kernel that moved counts under its new
     file, its old file named); returns (failed, [(old key, new key)] whose code differs)."""
     ro, rn = old["results"], new["results"]
-    pairs = pair(ro, rn)
+    pairs = pair(ro, rn, dropped)
     matched_o, matched_n = {o for o, _ in pairs}, {n for _, n in pairs}
     files = sorted({k[0] for k in rn} | {k[0] for k in ro if k not in matched_o})
     failed, retry = False, []
@@ -267,7 +287,7 @@ def compare(old: dict, new: dict):
         if moved:
             line += f" (moved from {', '.join(moved)})"
         if renamed:
-            line += f"; {renamed} renamed by appended template arguments"
+            line += f"; {renamed} renamed (template arguments appended, or --dropped)"
         if nvinfo:
             line += f", .nv.info differs (not a failure) for {nvinfo}"
         ex_o, ex_n = old["extras"].get(f, set()), new["extras"].get(f, set())
@@ -290,6 +310,8 @@ def main():
     p.add_argument("--grouped", action="store_true")
     p.add_argument("--files", nargs="*", default=None)
     p.add_argument("--retries", type=int, default=4)
+    p.add_argument("--dropped", nargs="*", default=[], metavar="KERNEL:INDEX=VALUE",
+                   help="a template argument the new tree's kernel no longer takes")
     p.add_argument("--worker", type=Path, default=None)
     p.add_argument("--recheck", type=Path, default=None)
     args = p.parse_args()
@@ -303,7 +325,9 @@ def main():
     old_t, new_t = (t.resolve() for t in args.trees)
     res = [run_tree(t, args.out / tag, args) for tag, t in (("old", old_t), ("new", new_t))]
     print(f"\nold: {old_t}\nnew: {new_t}\n")
-    failed, retry = compare(*res)
+    dropped = [(k, int(i), v) for k, rest in (d.split(":", 1) for d in args.dropped)
+               for i, v in [rest.split("=", 1)]]
+    failed, retry = compare(*res, dropped)
     if retry and args.retries > 0:
         print(f"\nRECHECK: each differing kernel compiled {args.retries}x more per tree (PTX and machine code):")
         checked = []

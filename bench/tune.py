@@ -14,7 +14,7 @@ transposes, epilogue and bias, the eval forward's residual epilogue, the MLP bac
   1. candidates: every tile of the precision's kernel family x every split-K count that fits the
      workspace memory.py plans (gemm.workspace(cfg)) (gemm.tune_candidates); on sm_90 the wgmma
      tiles too, through the planned scratch where a layout needs it (B^T in gemm_bT; the weight
-     gradients' A^T and B^T in gemm_aT, in k slabs where it cannot hold all of K);
+     gradients' register-A families with X^T or dY^T in gemm_aT);
   2. pruned by the cost model (roofline + occupancy + waves, gemm.estimate_s): those within
      --keep x the best estimate, at most --max_candidates, plus the cost model's own choice;
   3. timed paired in one window: each candidate's launches are captured back to back in a CUDA

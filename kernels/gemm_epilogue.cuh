@@ -42,7 +42,7 @@ __device__ __forceinline__ float gemm_gelu_grad(float x) {
     return u > 40.0f ? 1.0f : (u < -40.0f ? 0.0f : g);
 }
 
-// The 3xTF32 split (gemm_simt.cu tf32_split / gemm_transpose<true>, gemm_wgmma.cu ws_prepare):
+// The 3xTF32 split (gemm_wgmma.cu: ws_prepare of B, ra3_step of A's fragments):
 // x = hi + lo with hi = tf32(x) and lo = tf32(x - hi), both rounded to nearest (ties away from
 // zero, as cvt.rna.tf32.f32) and stored with the 13 low mantissa bits cleared, so the tensor core,
 // which reads only the top 19 bits, sees them exactly. x - hi is exact in fp32; hi and lo together

@@ -231,24 +231,21 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Operand preparation for the wgmma kernels (gemm_wgmma.cu reads K-major operands only, and its
-// 3xTF32 form reads them split in two).
-//
-// The hi / lo split: tf32_hi in gemm_epilogue.cuh.
+// Operand preparation for the wgmma kernels (gemm_wgmma.cu's TF32 kernels read B, and the swapped
+// weight gradient A, K-major).
 
-// out [N, K] = in [K, N] (row-major, dense rows): the B operand of a transpose_b plan, or with
-// SPLIT out [2, N, K], the hi then the lo half of each element (the 3xTF32 split of an operand
-// stored [K, rows]: B [K, N], or A [K, M] of a weight gradient). A block of 256 threads moves a
-// 64 (k) x 64 (n) tile through shared memory, rows padded to 65 floats (column reads: at most
-// 2-way bank conflicts); each thread loads four 4-wide row pieces and stores four 4-wide pieces
-// per output half, so reads and writes are coalesced and several loads are in flight per thread.
+// out [N, K] = in [K, N] (row-major, dense rows): the B operand of a transpose_b plan, or the A^T of
+// a swapped weight gradient. A block of 256 threads moves a 64 (k) x 64 (n) tile through shared
+// memory, rows padded to 65 floats (column reads: at most 2-way bank conflicts); each thread loads
+// four 4-wide row pieces and stores four 4-wide pieces, so reads and writes are coalesced and
+// several loads are in flight per thread.
 // VEC: K and N multiples of 4, in and out 16-byte aligned: float4 loads and stores; else the same
 // tile with guarded scalar accesses. Grid (ceil(N / 64), ceil(K / 64)).
 // COLSUM: also colsum[chunk0 + blockIdx.y, n] = the sum of in[k, n] over the tile's rows k (the
 // partial column sums of an A [K, M] whose transpose feeds a weight gradient: its bias gradient,
 // finished by elementwise.cu's sum_rows); four 16-row sums added in order: deterministic.
-template <bool SPLIT, bool VEC, bool COLSUM, int TILE, int THREADS>
-__global__ void __launch_bounds__(THREADS) gemm_transpose(float* __restrict__ out,       // out [N, K] / [2, N, K]
+template <bool VEC, bool COLSUM, int TILE, int THREADS>
+__global__ void __launch_bounds__(THREADS) gemm_transpose(float* __restrict__ out,       // out [N, K]
                                                       const float* __restrict__ in,  // in [K, N]
                                                       int K, int N,
                                                       float* __restrict__ colsum,    // colsum [chunks, N] (COLSUM)
@@ -289,62 +286,20 @@ __global__ void __launch_bounds__(THREADS) gemm_transpose(float* __restrict__ ou
         if (threadIdx.x < TILE && n0 + c < N)
             colsum[(long long)(chunk0 + blockIdx.y) * N + n0 + c] = ((part[0][c] + part[1][c]) + part[2][c]) + part[3][c];
     }
-    const long long half = (long long)N * K;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {                                // rows n0 + r of out, columns k0 + col ..
         const int r = row + 16 * i, n = n0 + r, k = k0 + col;
         if (n >= N || k >= K) continue;
-        float v[4], lo[4];
+        float v[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float x = tile[col + e][r];
-            v[e] = SPLIT ? tf32_hi(x) : x;
-            lo[e] = SPLIT ? tf32_hi(x - v[e]) : 0.f;
-        }
+        for (int e = 0; e < 4; ++e) v[e] = tile[col + e][r];
         float* dst = out + (long long)n * K + k;
         if constexpr (VEC) {
             *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
-            if constexpr (SPLIT) *reinterpret_cast<float4*>(dst + half) = make_float4(lo[0], lo[1], lo[2], lo[3]);
         } else {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                if (k + e < K) {
-                    dst[e] = v[e];
-                    if constexpr (SPLIT) dst[half + e] = lo[e];
-                }
-        }
-    }
-}
-
-// out [2, rows, cols] = the hi and lo halves of in [rows, cols] (row stride ld): the A (or B) operand
-// of a 3xTF32 product. VEC: cols and ld multiples of 4 and 16-byte aligned rows (float4 accesses).
-// Grid-stride over 4-element groups; a block of THREADS threads (the launcher's).
-template <bool VEC, int THREADS>
-__global__ void __launch_bounds__(THREADS) tf32_split(float* __restrict__ out,        // out [2, rows, cols]
-                                                  const float* __restrict__ in,   // in [rows, ld]
-                                                  int rows, int cols, int ld) {
-    const long long n = (long long)rows * cols;
-    const int cg = (cols + 3) / 4;
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < (long long)rows * cg;
-         g += (long long)gridDim.x * blockDim.x) {
-        const int r = (int)(g / cg), c = (int)(g % cg) * 4;
-        const float* src = in + (long long)r * ld + c;
-        float* hi = out + (long long)r * cols + c;
-        if constexpr (VEC) {
-            const float4 v = *reinterpret_cast<const float4*>(src);
-            float4 h, l;
-            h.x = tf32_hi(v.x); l.x = tf32_hi(v.x - h.x);
-            h.y = tf32_hi(v.y); l.y = tf32_hi(v.y - h.y);
-            h.z = tf32_hi(v.z); l.z = tf32_hi(v.z - h.z);
-            h.w = tf32_hi(v.w); l.w = tf32_hi(v.w - h.w);
-            *reinterpret_cast<float4*>(hi) = h;
-            *reinterpret_cast<float4*>(hi + n) = l;
-        } else {
-            for (int j = 0; j < 4 && c + j < cols; ++j) {
-                const float x = src[j], h = tf32_hi(x);
-                hi[j] = h;
-                hi[n + j] = tf32_hi(x - h);
-            }
+                if (k + e < K) dst[e] = v[e];
         }
     }
 }

@@ -10,12 +10,11 @@
 // accumulators per thread). Every kernel takes its block (THREADS) and dynamic shared memory (SMEM,
 // bytes) as its last template arguments, chosen in gptcuda/ops/cuda/gemm/families.py and asserted. The tensor core reads the operands' top 19 bits (tf32, truncated):
 // nothing converts them on the way from global memory to the instruction. Its fp32 accumulation
-// truncates too (round toward zero). gemm_wgmma_tma with PRODUCTS = 3 is the fp32 form (3xTF32):
-// operands split into TF32 hi and lo halves beforehand (gemm_simt.cu tf32_split), three products
-// per k step, each k tile's partial added into the sum on the FMA pipe; gemm_wgmma3_ra (below)
-// computes the same on A and B as they are stored, B split in shared memory by the producers and A
-// in the consumers' registers. gemm_wgmma_ra (TF32) reads a weight
-// gradient's A [K, M] as stored through registers (register-A wgmma), with no transposing pass.
+// truncates too (round toward zero). gemm_wgmma3_ra (below) is the fp32 form (3xTF32): A and B as
+// they are stored, split into TF32 hi and lo halves (B in shared memory by the producers, A in the
+// consumers' registers), three products per k step, each k tile's partial added into the sum on the
+// FMA pipe. gemm_wgmma_ra (TF32) reads a weight gradient's A [K, M] as stored through registers
+// (register-A wgmma), with no transposing pass.
 //
 // Shared layout: per stage, the A tile [BM][32] then the B tile [BN][32] (k contiguous, 128 bytes
 // a row), in the 128-byte swizzle the instruction's descriptor names: the 16-byte chunk c of
@@ -34,17 +33,6 @@
 #include "wgmma.cuh"
 
 #define GEMM_WG_BK 32
-
-// The 3xTF32 products of k step k8 of a k tile into its partial d, smallest terms first: lo x hi,
-// hi x lo, hi x hi (the first of the tile, k8 = 0, with scale-d 0); a / b: the shared addresses of
-// the warpgroup's A hi tile and of the B hi tile, their lo tiles A_LO / B_LO bytes on
-// (gemm_wgmma_tma<..., 3> and gemm_wgmma3_ra: one order, so their sums are the same).
-template <int BN, int A_LO, int B_LO>
-__device__ __forceinline__ void wg_mma3_step(float (&d)[BN / 2], unsigned a, unsigned b, int k8) {
-    wg_mma_tf32<BN>(d, wg_desc(a + A_LO + 32 * k8), wg_desc(b + 32 * k8), k8 > 0);
-    wg_mma_tf32<BN>(d, wg_desc(a + 32 * k8), wg_desc(b + B_LO + 32 * k8));
-    wg_mma_tf32<BN>(d, wg_desc(a + 32 * k8), wg_desc(b + 32 * k8));
-}
 
 // The number of BK-wide k tiles of the block's k range (GemmBlock, gemm_epilogue.cuh).
 template <int BK = GEMM_WG_BK>
@@ -73,11 +61,9 @@ struct Bf16Op {
                                              B_MN ? wg_desc_mn(b + 2048 * s) : wg_desc(b + 32 * s));
     }
 };
-// gemm_wgmma_ws's DT / OUT codes (the launcher's): 0 fp32 (TF32 products), 1 bf16
+// gemm_wgmma_ws's DT code (bf16.cuh's element codes): 0 fp32 (TF32 products), 1 bf16
 template <int DT, bool MN_A, bool MN_B> struct OpOf { using T = Tf32Op; };
 template <bool MN_A, bool MN_B> struct OpOf<1, MN_A, MN_B> { using T = Bf16Op<MN_A, MN_B>; };
-template <int OUT> struct TypeOf { using T = float; };
-template <> struct TypeOf<1> { using T = bf16; };
 
 // gemm_wgmma_ra's row permutation: accumulator (and register-A fragment) rows 16 w + g and 16 w + g + 8
 // of warp w, lane 4 g + q, hold the warpgroup's rows ra_row(w, g) and ra_row(w, g) + 1 of the tile.
@@ -361,7 +347,7 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 // converged, which keeps ptxas from serializing the wgmma in flight around it):
 // expect `bytes` on bar, then the boxes at coordinates {a0, a1, batch} of tensor map a and
 // {b0, b1, batch} of b into shared memory at dsta / dstb, completing on bar. The K-major maps'
-// coordinates are (k0, first row); gemm_wgmma_mn's, over operands as stored, (first row, k0).
+// coordinates are (k0, first row); the maps over MN-major operands as stored, (first row, k0).
 __device__ __forceinline__ void tma_load_pair(int lane, unsigned bar, unsigned bytes, unsigned dsta,
                                               const TmaMap* mapa, int a0, int a1, unsigned dstb, const TmaMap* mapb,
                                               int b0, int b1, int batch) {
@@ -374,25 +360,6 @@ __device__ __forceinline__ void tma_load_pair(int lane, unsigned bar, unsigned b
           "r"(a1), "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(b0), "r"(b1), "r"(batch)
         : "memory");
 }
-// The 3xTF32 form (PRODUCTS = 3): each tensor map covers {K, rows, 2} (the hi and lo halves of a
-// split operand, tf32_split below); expect `bytes` on bar, then the hi and lo tiles of A to dsta and
-// dsta + a_half, those of B to dstb and dstb + b_half. Lane 0 only, converged as above.
-__device__ __forceinline__ void tma_load_split(int lane, unsigned bar, unsigned bytes, unsigned dsta, unsigned a_half,
-                                               const TmaMap* mapa, int row0a, unsigned dstb, unsigned b_half,
-                                               const TmaMap* mapb, int row0b, int k0) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
-        "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%3], [%4, {%9, %5, 0}], [%1];\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%10], [%4, {%9, %5, 1}], [%1];\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%6], [%7, {%9, %8, 0}], [%1];\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%11], [%7, {%9, %8, 1}], [%1];\n}\n"
-        ::"r"(lane), "r"(bar), "r"(bytes), "r"(dsta), "l"(reinterpret_cast<unsigned long long>(mapa)), "r"(row0a),
-          "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(row0b), "r"(k0), "r"(dsta + a_half),
-          "r"(dstb + b_half)
-        : "memory");
-}
-
 // One box of tensor map `map` at coordinates {c0, c1, batch} into shared memory at dst, completing on
 // bar (lane 0 only, converged as above).
 __device__ __forceinline__ void tma_copy(int lane, unsigned bar, unsigned dst, const TmaMap* map, int c0, int c1,
@@ -418,28 +385,23 @@ __device__ __forceinline__ void tma_load_ra(int lane, unsigned bar, unsigned byt
     tma_copy(lane, bar, dstb, mapb, b0, b1, batch);
 }
 
-// PRODUCTS = 3: fp32 accuracy from three TF32 products (3xTF32). A and B arrive split, hi and lo
-// (tensor maps {K, rows, 2}, batch 1); each slot holds A hi, A lo, B hi, B lo and every k step
-// issues lo x hi, hi x lo, then hi x hi into the same accumulators (smallest terms first).
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS, int THREADS, int SMEM>
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], row stride ldc, matrix stride sC
                float* aux,                         // aux: as in gemm_wgmma
-               const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major); PRODUCTS 3: [2 (hi, lo), M, K]
-               const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major); PRODUCTS 3: [2 (hi, lo), N, K]
+               const __grid_constant__ TmaMap mapA,  // A [batch, M, K] (K-major)
+               const __grid_constant__ TmaMap mapB,  // B [batch, N, K] (K-major)
                const float* __restrict__ bias,     // bias [N] or null
                int M, int N, int K, int ldc, long long sC,
                float alpha, int splits, int k_chunk) {
-    static_assert(THREADS == BM / 64 * 128 && SMEM == STAGES * (PRODUCTS == 3 ? 2 : 1) * (BM + BN) * 128 + 1024,
-                  "a warpgroup a 64-row slice; STAGES slots of A and B (hi and lo), 1 KB to align them");
+    static_assert(THREADS == BM / 64 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
+                  "a warpgroup a 64-row slice; STAGES slots of A and B, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int WG = BM / 64;
-    constexpr int HALVES = PRODUCTS == 3 ? 2 : 1;        // operand tiles per slot and matrix: hi (, lo)
-    constexpr int A_BYTES = HALVES * BM * 128;
-    constexpr int STAGE_BYTES = HALVES * (BM + BN) * 128;
+    constexpr int A_BYTES = BM * 128;
+    constexpr int STAGE_BYTES = (BM + BN) * 128;
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 8 == 0 && BN <= 256, "wgmma m64nBNk8 tiles, TMA boxes <= 256");
     static_assert(STAGES >= 2, "a ring");
-    static_assert(PRODUCTS == 1 || PRODUCTS == 3, "TF32 or 3xTF32");
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[2 * STAGES];     // full[0..S), empty[0..S)
@@ -459,12 +421,8 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
     auto issue = [&](int kt) {      // warp 0 (lane 0 acts): tile kt into its slot
         const int s = kt % STAGES;
         const unsigned sa = smem0 + s * STAGE_BYTES;
-        if constexpr (PRODUCTS == 3)
-            tma_load_split(lane, full0 + 8 * s, STAGE_BYTES, sa, BM * 128, &mapA, blk.m0, sa + A_BYTES, BN * 128,
-                           &mapB, blk.n0, blk.kb0 + kt * GEMM_WG_BK);
-        else
-            tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, blk.kb0 + kt * GEMM_WG_BK, blk.m0, sa + A_BYTES,
-                          &mapB, blk.kb0 + kt * GEMM_WG_BK, blk.n0, blk.batch);
+        tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, &mapA, blk.kb0 + kt * GEMM_WG_BK, blk.m0, sa + A_BYTES,
+                      &mapB, blk.kb0 + kt * GEMM_WG_BK, blk.n0, blk.batch);
     };
     if (tid == 0) {
 #pragma unroll
@@ -479,10 +437,8 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
         for (int kt = 0; kt < STAGES && kt < nk; ++kt) issue(kt);
     }
 
-    // Tile kt's wgmma into d (3xTF32: d is the tile's own partial sum, its first product issued
-    // with scale-d 0), commit, then wait: TF32 for the group before (tile kt - 1, whose slot is
-    // then released and refilled), 3xTF32 for this one (tile kt's slot is released at once).
-    constexpr int DONE = PRODUCTS == 3 ? 0 : 1;
+    // Tile kt's wgmma into d, commit, then wait for the group before (tile kt - 1, whose slot is then
+    // released and refilled).
     auto mma_tile = [&](int kt, float (&d)[BN / 2]) {
         const int s = kt % STAGES;
         mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
@@ -491,17 +447,11 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
         wg_fence_acc(d);
         wg_fence();
 #pragma unroll
-        for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) {
-            if constexpr (PRODUCTS == 3)
-                wg_mma3_step<BN, BM * 128, BN * 128>(d, a_wg, b_t, k8);
-            else
-                wg_mma_tf32<BN>(d, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
-        }
+        for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) wg_mma_tf32<BN>(d, wg_desc(a_wg + 32 * k8), wg_desc(b_t + 32 * k8));
         wg_commit();
         wg_fence_acc(d);
-        wg_wait<DONE>();
-        if constexpr (DONE == 0) wg_fence_acc(d);       // d is read next (3xTF32): not before the wait
-        const int kr = kt - DONE;                       // every wgmma of this warpgroup on tile kr is done
+        wg_wait<1>();
+        const int kr = kt - 1;                          // every wgmma of this warpgroup on tile kr is done
         if (kr >= 0) {
             const int sp = kr % STAGES;
             mbar_arrive(empty0 + 8 * sp);
@@ -516,25 +466,9 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
 
-    if constexpr (PRODUCTS == 1) {
-        for (int kt = 0; kt < nk; ++kt) mma_tile(kt, acc);
-        wg_wait<0>();
-        wg_fence_acc(acc);
-    } else {
-        // The tensor core accumulates with truncation (round toward zero), which biases a long
-        // sum by about an ulp per addition: each 32-wide k tile is summed on its own (12 products
-        // into the partial) and the partials are added into acc on the FMA pipe, rounded to
-        // nearest. (Reading a partial while the next tile's wgmma run would be the better
-        // pipeline, but ptxas then serializes every wgmma: C7514.)
-        float part[BN / 2];
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) part[i] = 0.f;
-        for (int kt = 0; kt < nk; ++kt) {
-            mma_tile(kt, part);
-#pragma unroll
-            for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
-        }
-    }
+    for (int kt = 0; kt < nk; ++kt) mma_tile(kt, acc);
+    wg_wait<0>();
+    wg_fence_acc(acc);
 
     const float* bias_s = tile_bias.put(s_bias, bias, blk.n0, tid);
     if constexpr (HAS_BIAS) __syncthreads();
@@ -668,9 +602,8 @@ struct RaFragsK {
 
 // One k tile of gemm_wgmma3_ra (fp32 as 3xTF32, A through registers) into its partial: per k step s
 // the fp32 fragments (F: RaFragsK or RaFrags), split in registers into hi = tf32_hi(x) and lo =
-// tf32_hi(x - hi) (tf32_split's halves), then wg_mma3_step's three products lo x hi, hi x lo, hi x
-// hi (the first of the tile with scale-d 0: the same order, so the same sums as gemm_wgmma_tma<.., 3>);
-// B's hi tile at bh, its lo tile at bl. A group per k step, two register sets: a step's halves are
+// tf32_hi(x - hi), then three products, smallest terms first: lo x hi, hi x lo, hi x hi (the first of
+// the tile with scale-d 0); B's hi tile at bh, its lo tile at bl. A group per k step, two register sets: a step's halves are
 // overwritten once the group that read them is done (wg_wait<1> after the next step's). SUM (MN):
 // cs[0..1] += the fragments' values (before their split) of the thread's two rows.
 template <int BN, bool SUM, class F>
@@ -715,15 +648,17 @@ __device__ __forceinline__ void ra3_k_tile(const F& fr, float (&part)[BN / 2], u
 // The consumers' fragment loader: RaFrags (MN-major A), RaFragsK (K-major A, 3xTF32), none.
 template <bool RA, bool A_MN, int PRODUCTS> struct RaOf { using T = RaFrags; };
 template <bool A_MN> struct RaOf<false, A_MN, 1> { struct T {}; };   // (no fragments: the other kernels keep their code)
-template <bool A_MN> struct RaOf<false, A_MN, 3> { struct T {}; };
 template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 
 // The consumer warpgroups of the warp-specialized kernels: for each of the block's output tiles,
 // wait for each k tile's slot (full), its 4 wgmma, release the slot of the k tile before once its
-// group is done (empty), then the epilogue from the accumulators. PRODUCTS = 3 (3xTF32, the slot
-// holds the hi tiles of A and B, then their lo tiles HALF bytes on): each k tile's 12 wgmma go into
-// its own partial (the first with scale-d 0), whose group is waited for at once, so the tile's slot
-// is released before the partial is added into the sum on the FMA pipe (as in gemm_wgmma_tma).
+// group is done (empty), then the epilogue from the accumulators. PRODUCTS = 3 (3xTF32, RA: the slot
+// holds A's fp32 tile, then B's hi and lo tiles): each k tile's 12 wgmma go into its own partial (the
+// first with scale-d 0), whose group is waited for at once, so the tile's slot is released before
+// the partial is added into the sum on the FMA pipe. The tensor core accumulates with truncation
+// (round toward zero), which biases a long sum by about an ulp per addition: each 32-wide k tile is
+// summed on its own and the partials are added rounded to nearest. (Reading a partial while the
+// next tile's wgmma run would be the better pipeline, but ptxas then serializes every wgmma: C7514.)
 //
 // RA (gemm_wgmma_ra): the slot's A tile is MN-major ([BM / 32] boxes of [32 k][32 m], 128-byte
 // swizzle); each k tile's fragments come from it by ra_load (two buffers, so the loads of k tile kt
@@ -740,14 +675,14 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
                                            int total, float* colsum = nullptr) {
     static_assert(!RA || PRODUCTS == 3 || A_MN, "register A in TF32: MN-major");
+    static_assert(RA || PRODUCTS == 1, "3xTF32: A through registers");
     static_assert(!CSUM || (RA && A_MN), "the consumers' column sums read MN-major register-A fragments");
     static_assert(!TC || (RA && EPI == GEMM_EPI_NONE && !HAS_BIAS), "the transposed store: gemm_wgmma_ra, no epilogue");
     static_assert(OP::BK == GEMM_WG_BK || (PRODUCTS == 1 && !RA), "BF16: the plain product");
     static_assert(sizeof(TO) == 4 || !TC, "the transposed store writes fp32");
     constexpr int A_BYTES = BM * 128;
-    constexpr int HALF = (BM + BN) * 128;
-    // 3xTF32: the lo tiles after the hi ones; RA: A once (split in registers), B's lo tile after its hi one
-    constexpr int STAGE_BYTES = PRODUCTS == 3 ? (RA ? (BM + 2 * BN) * 128 : 2 * HALF) : HALF;
+    // 3xTF32: A once (split in registers), B's lo tile after its hi one
+    constexpr int STAGE_BYTES = PRODUCTS == 3 ? (BM + 2 * BN) * 128 : (BM + BN) * 128;
     constexpr int WG = BM / 64;
     __shared__ __align__(16) float ws_bias[HAS_BIAS ? 2 * BN : 4];      // a pair of buffers
     const int wg = threadIdx.x >> 7, wt = threadIdx.x & 127;
@@ -773,21 +708,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
             mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
             const unsigned sa = smem0 + s * STAGE_BYTES;
             const unsigned a_wg = sa + wg * 64 * 128, b_t = sa + A_BYTES;
-            if constexpr (PRODUCTS == 3 && RA) {
+            if constexpr (PRODUCTS == 3) {
                 ra3_k_tile<BN, CSUM>(ra, part, sa, b_t, b_t + BN * 128, sum_here, cs);
-                mbar_arrive(empty0 + 8 * s);
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
-            } else if constexpr (PRODUCTS == 3) {
-                wg_fence_acc(part);
-                wg_fence();
-#pragma unroll
-                for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8)
-                    wg_mma3_step<BN, HALF, HALF>(part, a_wg, b_t, k8);
-                wg_commit();
-                wg_fence_acc(part);
-                wg_wait<0>();
-                wg_fence_acc(part);
                 mbar_arrive(empty0 + 8 * s);
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i) acc[i] += part[i];
@@ -821,8 +743,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         // the tile's bias into one of the two buffers (the other may still be read by a consumer
         // finishing the tile before); the consumers' barrier (named barrier 2: the producer warpgroup
         // has its own loop) orders these writes before this epilogue's reads, and that epilogue's
-        // reads before the next writes to the buffer. 2 x BN floats: 128x128 s7 (gemm_wgmma_mn)
-        // leaves no more room than that beside its 224 KB of slots.
+        // reads before the next writes to the buffer. 2 x BN floats: 128x128 s7 (gemm_wgmma_ra with
+        // MN_B) leaves no more room than that beside its 224 KB of slots.
         const float* bias_t = tile_bias.put(ws_bias + (tn & 1) * BN, bias, tl.n0, threadIdx.x);
         if constexpr (HAS_BIAS) asm volatile("bar.sync 2, %0;\n" ::"n"(WG * 128) : "memory");
         if constexpr (TC)
@@ -835,7 +757,7 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
 
 // Barrier set-up of the warp-specialized kernels: full[s] (`full_count` producer arrivals, or 1
 // with the copy's bytes), empty[s] (one arrival per consumer thread), then `extra` single-arrival
-// barriers (the staging ring of gemm_wgmma_mn).
+// barriers (the staging ring of the turning kernels).
 __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigned full_count, unsigned consumers,
                                              int extra) {
     if (threadIdx.x == 0) {
@@ -849,12 +771,11 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
     __syncthreads();      // the last block-wide barrier: the producer warpgroup leaves early
 }
 
-// The argument list of the persistent kernels (gemm_wgmma_ws, gemm_wgmma_mn, gemm_wgmma_ra,
-// gemm_wgmma3_ra): the launcher's contract, checked against its argument block when a launch is
-// recorded. A and B are K-major ([batch, M, K], [batch, N, K]) for gemm_wgmma_ws; as stored ([batch,
-// K, M], [batch, K, N]) for gemm_wgmma_mn, and where MN_A / MN_B say so for the others. colsum: the
-// bias gradient's partial sums of A as stored (gemm_wgmma_mn, the others with MN_A, COLSUM: row z = the split's
-// k range, one product).
+// The argument list of the persistent kernels (gemm_wgmma_ws, gemm_wgmma_ra, gemm_wgmma3_ra): the
+// launcher's contract, checked against its argument block when a launch is recorded. A and B are
+// K-major ([batch, M, K], [batch, N, K]) for gemm_wgmma_ws; as stored ([batch, K, M], [batch, K, N])
+// where MN_A / MN_B say so for the others. colsum: the bias gradient's partial sums of A as stored
+// (the kernels with MN_A, COLSUM: row z = the split's k range, one product).
 #define WS_ARGS                                                                                      \
     float* C,                               /* C [zs, M, N], row stride ldc, matrix stride sC */    \
     float* aux,                             /* aux: as in gemm_wgmma */                             \
@@ -942,14 +863,14 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT = 0, bool MN_A = false,
           bool MN_B = false, int OUT = 0>
 __global__ void __launch_bounds__(THREADS, 1)
-gemm_wgmma_ws(typename TypeOf<OUT>::T* C, typename TypeOf<OUT>::T* aux, WS_ARGS_AB) {
+gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
     static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
     static_assert(DT == 1 || (!MN_A && !MN_B), "TF32 operands are K-major");
     static_assert(!MN_A && !MN_B || (BM % 64 == 0 && BN % 64 == 0), "MN-major operands in boxes of 64 rows");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, false, false, typename OpOf<DT, MN_A, MN_B>::T,
-            typename TypeOf<OUT>::T>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
+            elem<OUT>>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
                                      colsum);
 #else
     __trap();
@@ -960,24 +881,22 @@ gemm_wgmma_ws(typename TypeOf<OUT>::T* C, typename TypeOf<OUT>::T* aux, WS_ARGS_
 // The turning kernels: the warp-specialized persistent product of gemm_wgmma_ws, whose producer
 // warpgroup prepares each TMA-staged k tile in shared memory before the consumers (ws_consume)
 // read it. Lane 0 of its first warp has the copy engine bring a k tile of A and B as they are
-// stored into a slot (staged[s]); the 128 producer threads prepare it in place, fence their stores
-// into the async proxy and arrive on full[s] (128 arrivals); A, then B (each operand's staged
-// bytes are exactly its K-major tile's place). A slot's next copy (k tile it + STAGES - 1 goes
+// stored into a slot (staged[s]); the 128 producer threads prepare B in place (its staged bytes are
+// exactly its K-major tile's place), fence their stores into the async proxy and arrive on full[s]
+// (128 arrivals). A slot's next copy (k tile it + STAGES - 1 goes
 // where tile it - 1 was) is issued once the consumers released it: STAGES - 2 copies in flight.
 //
-// gemm_wgmma_mn: C = A^T B with A stored [batch, K, M] and B stored [batch, K, N] (both MN-major:
-// the weight gradient dW = dY^T X with K = tokens) in TF32. wgmma reads TF32 operands K-major
-// only, so the producers turn them: an MN-major operand arrives as it lies (no swizzle; tensor map
-// {rows, K, batch}, box {BM or BN, 32, 1}), [32][R], and is rewritten as the K-major [R][32] in
-// the 128-byte swizzle of gemm_wgmma_tma (ws_prepare).
+// MN (gemm_wgmma_ra's B stored [batch, K, N], gemm_wgmma3_ra's with MN_B): wgmma reads TF32
+// operands K-major only, so the producers turn the operand: it arrives as it lies (no swizzle;
+// tensor map {rows, K, batch}, box {BN, 32, 1}), [32][R], and is rewritten as the K-major [R][32] in
+// the 128-byte swizzle of gemm_wgmma_tma (ws_prepare). (A, read as stored, goes to the consumers'
+// registers: the producers leave it as the copy engine wrote it.)
 //
-// PRODUCTS 3 (fp32 as 3xTF32 with no pass before it, gemm_wgmma3_ra's B): an operand [batch, rows, K]
-// or, MN, [batch, K, rows], read as stored (a K-major operand through the swizzled tensor map of
-// gemm_wgmma_tma). The producers split every element x into hi = tf32_hi(x), written
-// where x was (turned first where MN), and lo = tf32_hi(x - hi), written HALF = (BM + BN) * 128
-// bytes on, in the same layout (the swizzle is a function of the address bits below 1024 and HALF
-// is a multiple of 1024): the halves gemm_simt.cu's tf32_split / gemm_transpose<true> would have
-// written, so the products, their order and the sums are those of gemm_wgmma_tma<..., 3>.
+// PRODUCTS 3 (fp32 as 3xTF32, gemm_wgmma3_ra's B): B [batch, N, K] or, MN, [batch, K, N], read as
+// stored (a K-major operand through the swizzled tensor map of gemm_wgmma_tma). The producers split
+// every element x into hi = tf32_hi(x), written where x was (turned first where MN), and lo =
+// tf32_hi(x - hi), written HALF = BN * 128 bytes on, in the same layout (the swizzle is a function of
+// the address bits below 1024 and HALF is a multiple of 1024).
 //
 // ws_prepare: one operand of a staged k tile (R rows) at `tile`, by the 128 producer threads
 // (pt = 0..127). MN: a warp takes 32 consecutive rows r and one 16-byte chunk c (k 4c .. 4c + 3):
@@ -987,8 +906,8 @@ gemm_wgmma_ws(typename TypeOf<OUT>::T* C, typename TypeOf<OUT>::T* aux, WS_ARGS_
 // distinct bank groups). K-major (SPLIT only): thread pt splits the 16-byte chunks pt, pt + 128, ...
 // where they are (consecutive chunks: conflict-free). SPLIT: the hi half in place, the lo half at
 // tile + HALF.
-template <int R, bool MN, bool SPLIT, int HALF, bool SUM = false>
-__device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt, float* sums = nullptr) {
+template <int R, bool MN, bool SPLIT, int HALF>
+__device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt) {
     constexpr int CH = R * 8 / 128;
     static_assert(MN || SPLIT, "a K-major TF32 operand needs no preparation");
     auto put = [&](unsigned char* dst, float4 x) {
@@ -1012,12 +931,6 @@ __device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt, float* s
             const float* src = stg + 4 * c * R + row;
             v[i] = make_float4(src[0], src[R], src[2 * R], src[3 * R]);
         }
-        if constexpr (SUM) {        // chunks i = 2j, 2j + 1 (c = w, w + 4) are of row 32 j + lane
-#pragma unroll
-            for (int j = 0; j < CH / 2; ++j)
-                sums[j] += ((v[2 * j].x + v[2 * j].y) + (v[2 * j].z + v[2 * j].w)) +
-                           ((v[2 * j + 1].x + v[2 * j + 1].y) + (v[2 * j + 1].z + v[2 * j + 1].w));
-        }
         asm volatile("bar.sync 1, 128;\n" ::: "memory");       // every read of the staged operand done
 #pragma unroll
         for (int i = 0; i < CH; ++i) {
@@ -1034,55 +947,28 @@ __device__ __forceinline__ void ws_prepare(unsigned char* tile, int pt, float* s
     }
 }
 
-// ws_colsum_out: the producers' column sums of an MN-major A tile over its k range (ws_prepare's
-// SUM: thread pt of warp w holds rows 32 j + lane, summed over its chunks w and w + 4 of every k
-// tile), added in warp order through red [R] in shared memory (named barrier 1 of the producers),
-// warp 3 writing out[m0 + r] for the rows inside M: deterministic, one order for every tile.
-template <int R>
-__device__ __forceinline__ void ws_colsum_out(const float (&cs)[R / 32], float* red, float* out, int m0, int M,
-                                              int pt) {
-    const int w = pt >> 5, lane = pt & 31;
-#pragma unroll
-    for (int step = 0; step < 4; ++step) {
-        if (w == step) {
-#pragma unroll
-            for (int j = 0; j < R / 32; ++j) {
-                const int r = 32 * j + lane;
-                const float v = step == 0 ? cs[j] : red[r] + cs[j];
-                if (step < 3)
-                    red[r] = v;
-                else if (m0 + r < M)
-                    out[m0 + r] = v;
-            }
-        }
-        asm volatile("bar.sync 1, 128;\n" ::: "memory");    // (the last: red is free for the next tile)
-    }
-}
-
-// The body of the turning kernels (PRODUCTS 1: gemm_wgmma_mn, MN_A and MN_B, and gemm_wgmma_ra's B;
-// 3: gemm_wgmma3_ra's B).
-// COLSUM (MN_A): the producers also sum A [K, M] as stored (fp32: the values before their split)
+// The body of the turning kernels (PRODUCTS 1: gemm_wgmma_ra's B, MN_A and MN_B; 3: gemm_wgmma3_ra's
+// B). A goes to the consumers' registers as the copy engine brought it (MN_A: gemm_wgmma_ra's boxes).
+// COLSUM (MN_A): the consumers also sum A [K, M] as stored (fp32: the values before their split)
 // over each tile's k range, the bias gradient of a weight gradient dW = dY^T X (A = dY), written by
-// the tiles of the first column tile (n0 = 0) into colsum[split, m] (ws_colsum_out), for
-// elementwise.cu's sum_rows to add the splits in order.
+// the tiles of the first column tile (n0 = 0) into colsum[split, m] (ws_consume), for elementwise.cu's
+// sum_rows to add the splits in order.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, int PRODUCTS,
-          bool COLSUM = false, bool RA = false>
+          bool COLSUM = false>
 __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap* mapA, const TmaMap* mapB,
                                              const float* bias, int M, int N, int K, int ldc, long long sC,
                                              float alpha, int splits, int k_chunk, int zs, float* colsum) {
     constexpr int WG = BM / 64;
     constexpr int A_BYTES = BM * 128;
     constexpr int HALF = (BM + BN) * 128;                       // the staged bytes of a k tile
-    // 3xTF32: the lo tiles after them (RA: A is split in the consumers' registers, B's lo tile only)
-    constexpr int STAGE_BYTES = PRODUCTS == 3 ? (RA ? (BM + 2 * BN) * 128 : 2 * HALF) : HALF;
-    constexpr int B_LO = RA ? BN * 128 : HALF;                  // B's lo tile, from its hi tile
+    // 3xTF32: B's lo tile after them (A is split in the consumers' registers)
+    constexpr int STAGE_BYTES = PRODUCTS == 3 ? (BM + 2 * BN) * 128 : HALF;
+    constexpr int B_LO = BN * 128;                              // B's lo tile, from its hi tile
     constexpr bool SPLIT = PRODUCTS == 3;
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 16 == 0 && BN <= 256, "wgmma tiles, TMA boxes <= 256");
     static_assert(STAGES >= 3, "a slot is refilled after the consumers issued the k tile after it");
     static_assert(PRODUCTS == 3 || (MN_A && MN_B), "TF32: the as-stored weight gradient only");
     static_assert(!COLSUM || MN_A, "column sums of an MN-major A");
-    constexpr bool PSUM = COLSUM && !RA;                        // the producers' sums (RA: the consumers')
-    __shared__ float ws_red[PSUM ? BM : 1];
 
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[3 * STAGES];    // full, empty, staged
@@ -1115,7 +1001,7 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
             if (ld >= STAGES) mbar_wait(empty0 + 8 * s, ((ld / STAGES) - 1) & 1);
             const unsigned st = smem0 + s * STAGE_BYTES;
             const int k0 = lkb0 + lkt * GEMM_WG_BK;     // MN maps' coordinates (row, k); K-major (k, row)
-            if constexpr (RA && MN_A)
+            if constexpr (MN_A)
                 tma_load_ra<BM / 32>(lane, staged0 + 8 * s, HALF, st, mapA, lm0, k0, st + A_BYTES, mapB,
                                      MN_B ? ln0 : k0, MN_B ? k0 : ln0, lbatch);
             else
@@ -1133,42 +1019,23 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
             for (int i = 0; i < STAGES - 1; ++i) stage_next();
         }
         int it = 0;
-        float cs[PSUM ? BM / 32 : 1];
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
             const int nk = wg_k_tiles(tl.klen);
-#pragma unroll
-            for (int j = 0; j < (PSUM ? BM / 32 : 1); ++j) cs[j] = 0.f;
             for (int kt = 0; kt < nk; ++kt, ++it) {
                 const int s = it % STAGES;
                 mbar_wait(staged0 + 8 * s, (it / STAGES) & 1);
                 unsigned char* slot = base + s * STAGE_BYTES;
-                if constexpr ((MN_A || SPLIT) && !RA) ws_prepare<BM, MN_A, SPLIT, HALF, PSUM>(slot, pt, cs);
                 if constexpr (MN_B || SPLIT) ws_prepare<BN, MN_B, SPLIT, B_LO>(slot + A_BYTES, pt);
                 wg_fence_async_smem();                        // the stores, into the async proxy
                 mbar_arrive(full0 + 8 * s);
                 if (pt < 32) stage_next();                    // k tile it + STAGES - 1, where it - 1 was
             }
-            if constexpr (PSUM) {
-                if (tl.n0 == 0) ws_colsum_out<BM>(cs, ws_red, colsum + (long long)tl.z * M, tl.m0, M, pt);
-            }
         }
         return;
     }
-    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS, RA, RA && COLSUM, false, MN_A>(
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS, true, COLSUM, false, MN_A>(
         smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
-}
-
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool COLSUM, int THREADS, int SMEM>
-__global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_mn(WS_ARGS) {
-    static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
-                  "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC,
-                                                                       alpha, splits, k_chunk, zs, colsum);
-#else
-    __trap();
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1178,11 +1045,10 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_mn(WS_ARGS) {
 // [batch, K, N] turned K-major by the producer warpgroup (ws_turn_gemm). A's k tile arrives as
 // BM / 32 boxes {32 m, 32 k} in the 128-byte swizzle (tensor map {M, K, batch}, 128 bytes of m
 // inner); the consumers load their fragments from it (RaFrags) with rows permuted (ra_row), which
-// the epilogue undoes. No transposing pass over A and no producer work on it: the weight
-// gradients' A^T transposes of the transposing plans go away. COLSUM: the consumers sum A's
-// fragments per row (the bias gradient's partials, colsum[split, m], as gemm_wgmma_mn's). TC (no
-// epilogue, B K-major): C is stored transposed, C[n * ldc + m] (ra_store_t): the launcher runs a
-// weight gradient dW = dY^T X whose X is the larger operand as dW^T = X^T dY, X through registers.
+// the epilogue undoes. No transposing pass over A and no producer work on it. COLSUM: the consumers
+// sum A's fragments per row (the bias gradient's partials, colsum[split, m]). TC (no epilogue, B
+// K-major): C is stored transposed, C[n * ldc + m] (ra_store_t): the launcher runs a weight gradient
+// dW = dY^T X whose X is the larger operand as dW^T = X^T dY, X through registers.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_B, bool COLSUM, bool TC, int THREADS,
           int SMEM>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ra(WS_ARGS) {
@@ -1194,9 +1060,8 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ra(WS_ARGS) {
         ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, false, true>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
                                                                   splits, k_chunk, zs, colsum);
     else if constexpr (MN_B)
-        ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1, COLSUM, true>(C, aux, &mapA, &mapB, bias, M, N, K,
-                                                                                 ldc, sC, alpha, splits, k_chunk, zs,
-                                                                                 colsum);
+        ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, true, 1, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc,
+                                                                           sC, alpha, splits, k_chunk, zs, colsum);
     else
         ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, true, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha,
                                                              splits, k_chunk, zs, colsum);
@@ -1205,20 +1070,20 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ra(WS_ARGS) {
 #endif
 }
 
-// gemm_wgmma3_ra: fp32 as 3xTF32 (gemm_wgmma_tma<..., 3>'s products, order and sums) with A through registers:
-// the copy engine brings A as stored (MN_A: [K, M] in gemm_wgmma_ra's boxes; else K-major, swizzled),
-// the consumers load its fragments (RaFrags, RaFragsK) and split them into hi and lo themselves
-// (ra3_k_tile); the producer warpgroup splits (and, MN_B, turns) only B, whose hi and lo tiles follow
-// A's fp32 tile in the slot: (BM + 2 BN) x 128 bytes, a third less than both operands' halves, and no
-// shared-memory pass over A. COLSUM (MN_A): the consumers' sums of A (the bias gradient's partials).
+// gemm_wgmma3_ra: fp32 as 3xTF32 with A through registers: the copy engine brings A as stored (MN_A:
+// [K, M] in gemm_wgmma_ra's boxes; else K-major, swizzled), the consumers load its fragments
+// (RaFrags, RaFragsK) and split them into hi and lo themselves (ra3_k_tile); the producer warpgroup
+// splits (and, MN_B, turns) only B, whose hi and lo tiles follow A's fp32 tile in the slot: (BM + 2 BN)
+// x 128 bytes, a third less than both operands' halves, and no shared-memory pass over A. COLSUM
+// (MN_A): the consumers' sums of A (the bias gradient's partials).
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, bool COLSUM, int THREADS,
           int SMEM>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma3_ra(WS_ARGS) {
     static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + 2 * BN) * 128 + 1024,
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3, COLSUM, true>(C, aux, &mapA, &mapB, bias, M, N, K, ldc,
-                                                                            sC, alpha, splits, k_chunk, zs, colsum);
+    ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC,
+                                                                       alpha, splits, k_chunk, zs, colsum);
 #else
     __trap();
 #endif

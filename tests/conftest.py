@@ -251,17 +251,15 @@ def bf16_err(out, ref, fp32_tol):
 class FakeGemmRT(RecordingRuntime):
     """The fake device's runtime for driving launchers alone: `names` holds the kernels asked for
     ((file, name, sorted defines)), `launches` each launch's (name, grid, block, smem) as the launcher
-    passed them; ws, bt, split: the floats of the split-K, transposed-B and 3xTF32 split workspaces it
-    lends (0: none); arch None: no arch-specific kernels (wgmma) are candidates."""
+    passed them; ws, bt, at: the floats of the split-K, transposed-B (gemm_bT) and register-A re-layout
+    (gemm_aT) workspaces it lends (0: none); arch None: no arch-specific kernels (wgmma) are candidates."""
 
-    def __init__(self, precision="fp32", ws=0, name="NVIDIA H200 (test)", sm_count=132, arch=None, bt=0,
-                 split=0):
+    def __init__(self, precision="fp32", ws=0, name="NVIDIA H200 (test)", sm_count=132, arch=None, bt=0, at=0):
         from gptcuda.runtime import DeviceView
         super().__init__(precision, arch=arch, name=name, sm_count=sm_count)
         self.names = set()
         self.launches = []
-        for wname, floats, ptr in (("gemm_splitk", ws, 1 << 20), ("gemm_bT", bt, 1 << 40),
-                                   ("gemm_split_a", split, 1 << 41), ("gemm_split_b", split, 1 << 42)):
+        for wname, floats, ptr in (("gemm_splitk", ws, 1 << 20), ("gemm_bT", bt, 1 << 40), ("gemm_aT", at, 1 << 43)):
             if floats:
                 self._ws[wname] = DeviceView(ptr, (floats,), "f32", wname)
 

@@ -117,15 +117,12 @@ def test_forbid_compiles(tmp_path, monkeypatch):
 def _wgmma_pipeline_names():
     from gptcuda.ops.cuda import gemm
     names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]      # every loader
-    names += [gemm.FAMILIES["wgmma_mn"].kernel(t, True, False, gemm.EPI_RESID, True, True)     # dW as stored
-              for t in gemm.WGMMA_MN_TILES]
     # A through registers (two fragment buffers): B K-major with column sums, B turned, C stored transposed
     names += [gemm.FAMILIES["wgmma_ra"].colsum_kernel(t, True, True) for t in gemm.WGMMA_RA_TILES]
-    names += [gemm.FAMILIES["wgmma_ra_mn"].kernel(t, True, False, gemm.EPI_RESID, False, True)
+    names += [gemm.FAMILIES["wgmma_ra_mn"].kernel(t, True, False, gemm.EPI_NONE, False, True)
               for t in gemm.WGMMA_RA_MN_TILES]
     names += [gemm.FAMILIES["wgmma_ra_t"].kernel(t, True, False, gemm.EPI_NONE, False, True)
               for t in gemm.WGMMA_RA_T_TILES]
-    names += [gemm.wgmma_name(t, gemm.EPI_GELU, True, 3) for t in gemm.WGMMA3_TILES]            # 3xTF32
     # 3xTF32 split in the kernel (A in registers, B in shared memory): both operands K-major, and both as
     # stored (the weight gradient's TN takes no epilogue: its plain kernel)
     return names + [gemm.FAMILIES["wgmma3_ra"].kernel(t, ta, tb, epi, hb, True)

@@ -95,8 +95,8 @@ def test_derived_decisions(attention):
                                  env={"GPTCUDA_WGMMA": wgmma})
     assert (plan("tf32").wgmma_mode, plan("fp32").wgmma_mode) == ("tf32", "3xtf32")
     assert plan("fp32", fp32_gemm="ffma").wgmma_mode is None and plan("tf32", wgmma="0").wgmma_mode is None
-    assert plan("tf32", arch="sm_80").scratch_kind == "tf32"            # planned without the GPU, as --plan
-    assert plan("fp32", fp32_gemm="ffma").scratch_kind is None and plan("fp32").scratch_kind == "3xtf32"
+    assert plan("tf32", arch="sm_80").wgmma_scratch                     # planned without the GPU, as --plan
+    assert not plan("fp32", fp32_gemm="ffma").wgmma_scratch and not plan("fp32").wgmma_scratch
     assert plan("tf32").dkv_on_wgmma(64) and plan("tf32").dkv_on_wgmma(32) and not plan("tf32").dkv_on_wgmma(128)
     assert not plan("tf32", wgmma="0").dkv_on_wgmma(64) and not plan("fp32").dkv_on_wgmma(64)
     assert plan("tf32").fused_path() == "flash_tc" and plan("fp32").fused_path() == "flash_3x"

@@ -4,6 +4,8 @@
     python tools/launch_record.py --compare before.json   # record again; name every case that differs
     python tools/launch_record.py --files gemm --compare before.json --key no_ptrs   # the GEMM launches alone,
                                                           # device addresses left out (another memory plan)
+    python tools/launch_record.py --compare before.json --dropped gemm_transpose:0=false   # a kernel lost
+                                                          # a template parameter (bench/sass_compare.py's)
 
 The cases: configs/tiny.yaml over precision x attention x dropout x bias x recompute (32 configs, the
 train and eval programs of each: 64), and every shipped config at its own settings (its batch and
@@ -11,7 +13,11 @@ context; the GPT-2 vocabulary where its tokenizer is gpt2). Each program is reco
 tests/fakes.py's RecordingRuntime (an sm_90 device of 132 SMs, no measured GEMM table: the
 cost model plans every product), and a launch is fingerprinted by its kernel (file, name), grid, block,
 shared memory, packed argument bytes (tensor maps included) and label. A refactor of the launchers
-that changes no launch leaves every fingerprint as it was.
+that changes no launch leaves every fingerprint as it was. The file also keeps each program's launches
+one by one (kernel name, and a hash of the rest without label and device addresses): --compare names
+the kernels whose launches a differing program lost and gained, and with --dropped (the old record's
+kernel names less a template argument the kernel no longer has, as in bench/sass_compare.py) a
+program whose launches differ by those names and device addresses alone counts as unchanged.
 """
 from __future__ import annotations
 
@@ -49,23 +55,34 @@ def cases():
         yield name, f"configs/{name}", ["--total_batch_tokens=0"]
 
 
+def _no_ptrs(words: np.ndarray) -> np.ndarray:
+    """64-bit words with the fake device addresses (>= 2**32) as 0."""
+    return np.where(words >= np.uint64(1 << 32), np.uint64(0), words)
+
+
+def _hash_launch(h, rec, labels=True, ptrs=True, name=True):
+    """Feed a launch to hash h: its kernel, geometry, label, argument slots and blobs (labels / ptrs /
+    name False: without its label / device addresses / kernel name)."""
+    h.update(repr((rec.fn.file, rec.fn.name if name else "", rec.grid, rec.block, rec.smem,
+                   rec.label if labels else "")).encode())
+    h.update((rec.slots if ptrs else _no_ptrs(rec.slots)).tobytes())
+    for i in sorted(rec.blobs):                  # the blob's bytes, not its alignment padding
+        buf, addr = rec.blobs[i]
+        off = addr - buf.ctypes.data
+        blob = bytes(buf[off:off + len(buf) - Blob.ALIGN])
+        h.update(blob if ptrs or len(blob) % 8 else _no_ptrs(np.frombuffer(blob, np.uint64)).tobytes())
+
+
 def fingerprint(items, labels=True, ptrs=True, files="") -> str:
     """A launch sequence's hash; labels / ptrs False: without the launches' labels / device addresses
-    (a slot holding a fake device address, >= 2**32, hashes as 0); files: only launches of kernel files
-    whose names start with this."""
+    (a slot, or a 64-bit word of an argument blob such as sum_rows' SumBatch, holding a fake device
+    address, >= 2**32, hashes as 0); files: only launches of kernel files whose names start with this."""
     h = hashlib.sha256()
     for rec in items:
         if isinstance(rec, Launch) and not rec.fn.file.startswith(files):
             continue
         if isinstance(rec, Launch):
-            h.update(repr((rec.fn.file, rec.fn.name, rec.grid, rec.block, rec.smem,
-                           rec.label if labels else "")).encode())
-            slots = rec.slots if ptrs else np.where(rec.slots >= np.uint64(1 << 32), np.uint64(0), rec.slots)
-            h.update(slots.tobytes())
-            for i in sorted(rec.blobs):                  # the blob's bytes, not its alignment padding
-                buf, addr = rec.blobs[i]
-                off = addr - buf.ctypes.data
-                h.update(bytes(buf[off:off + len(buf) - Blob.ALIGN]))
+            _hash_launch(h, rec, labels, ptrs)
         elif files:
             continue
         elif isinstance(rec, Memset):
@@ -73,6 +90,32 @@ def fingerprint(items, labels=True, ptrs=True, files="") -> str:
         else:
             h.update(type(rec).__name__.encode())
     return h.hexdigest()[:16]
+
+
+def launches(items, files="") -> list:
+    """[[kernel name, hash of the rest of the launch without label and device addresses]] of a program."""
+    out = []
+    for rec in items:
+        if isinstance(rec, Launch) and rec.fn.file.startswith(files):
+            h = hashlib.sha256()
+            _hash_launch(h, rec, labels=False, ptrs=False, name=False)
+            out.append([rec.fn.name, h.hexdigest()[:12]])
+    return out
+
+
+def launch_diff(old: list, new: list, dropped=()) -> str:
+    """The kernels whose launches a program lost (-) and gained (+), counted ('' when none)."""
+    import collections
+    import difflib
+    from bench.sass_compare import without_dropped
+    a = [json.dumps([without_dropped(n, dropped), k]) for n, k in old]
+    b = [json.dumps(x) for x in new]
+    count = collections.Counter()
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        for sign, lines in (("-", a[i1:i2]), ("+", b[j1:j2])) if op != "equal" else ():
+            for line in lines:
+                count[sign, json.loads(line)[0]] += 1
+    return "; ".join(f"{sign}{n} {name}" for (sign, name), n in sorted(count.items(), key=lambda x: (x[0][1], x[0][0])))
 
 
 def record(path, overrides):
@@ -97,7 +140,10 @@ def main(argv=None):
     ap.add_argument("--key", default="", help="compare this fingerprint only (with_labels, no_labels, no_ptrs)")
     ap.add_argument("--only", default="", help="record only cases whose name contains this")
     ap.add_argument("--files", default="", help="fingerprint only launches of kernel files starting with this")
+    ap.add_argument("--dropped", nargs="*", default=[], metavar="KERNEL:INDEX=VALUE",
+                    help="compare the recorded launches one by one, the old kernel names less this argument")
     a = ap.parse_args(argv)
+    dropped = [(k, int(i), v) for k, rest in (d.split(":", 1) for d in a.dropped) for i, v in [rest.split("=", 1)]]
     got = {}
     for name, path, overrides in cases():
         if a.only and a.only not in name:
@@ -107,16 +153,24 @@ def main(argv=None):
                                                      for r in items),
                                      "with_labels": fingerprint(items, files=a.files),
                                      "no_labels": fingerprint(items, False, files=a.files),
-                                     "no_ptrs": fingerprint(items, False, False, files=a.files)}
+                                     "no_ptrs": fingerprint(items, False, False, files=a.files),
+                                     "kernels": launches(items, a.files)}
     print(f"{len(got)} programs, {sum(v['launches'] for v in got.values())} launches")
     if a.out:
         Path(a.out).write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     if a.compare:
         want = json.loads(Path(a.compare).read_text())
-        pick = (lambda v: v and v.get(a.key)) if a.key else (lambda v: v)
-        bad = [k for k in sorted(set(want) | set(got)) if pick(want.get(k)) != pick(got.get(k))]
+        pick = (lambda v: v and v.get(a.key)) if a.key else \
+            (lambda v: v and {k: x for k, x in v.items() if k != "kernels"})
+        keys = set(got) if a.only else set(want) | set(got)          # (--only: the cases recorded now)
+        bad = [k for k in sorted(keys) if pick(want.get(k)) != pick(got.get(k))]
+        if dropped:
+            bad = [k for k in bad if "kernels" not in (want.get(k) or {}) or k not in got or
+                   launch_diff(want[k]["kernels"], got[k]["kernels"], dropped)]
         for k in bad:
-            print(f"DIFFERS {k}: {want.get(k)} -> {got.get(k)}")
+            old, new = want.get(k) or {}, got.get(k) or {}
+            diff = launch_diff(old["kernels"], new["kernels"], dropped) if "kernels" in old and "kernels" in new else ""
+            print(f"DIFFERS {k}: {pick(old)} -> {pick(new)}" + (f"\n    {diff}" if diff else ""))
         print(f"{len(got) - len(bad)} of {len(got)} identical")
         return 1 if bad else 0
     return 0

@@ -9,13 +9,11 @@ The rules, in one place:
   mma.sync tensor cores (kernels/gemm_tf32.cu). On sm_90 (`wgmma`; GPTCUDA_WGMMA=0 turns it off) the
   warpgroup-MMA kernels (kernels/gemm_wgmma.cu, TMA-fed) compete for every product whose layout they
   run, directly or after a re-layout into scratch: x @ W^T directly, dY @ W through a transposed
-  copy of W ("gemm_bT"), the weight gradient dY^T @ X through transposed copies of both ("gemm_aT")
-  or, in TF32, read as stored and turned K-major in shared memory (family wgmma_mn: the measured
-  table's choice only). Each TF32 layout has a warp-specialized, persistent TMA kernel among its tiles
-  (gemm_wgmma_ws). fp32 with fp32_gemm 3xtf32 (`fp32_as_3xtf32`) runs those products as three TF32 products of
-  hi / lo splits, made by a pass into "gemm_split_a" / "gemm_split_b" or, for aligned operands, in the
-  kernel (family wgmma3_ra: A in the consumers' registers, B in shared memory); fp32_gemm ffma keeps every
-  fp32 product on SIMT.
+  copy of W ("gemm_bT"), the weight gradient dY^T @ X with dY read as stored through registers
+  (families wgmma_ra*: X as stored, or X^T, or the swapped product's dY^T, in "gemm_aT"). Each TF32 layout has a warp-specialized, persistent TMA kernel among its tiles
+  (gemm_wgmma_ws). fp32 with fp32_gemm 3xtf32 (`fp32_as_3xtf32`) runs those products, for aligned
+  operands, as three TF32 products of hi / lo splits made in the kernel (family wgmma3_ra: A in the
+  consumers' registers, B in shared memory); fp32_gemm ffma keeps every fp32 product on SIMT.
   Within what may run, a product's kernel, tile and split-K come from the measured table of this GPU
   and these kernel sources (<compile cache>/tune/, gemm/table.py), else from the cost model
   (gptcuda/ops/cuda/gemm/plan.py `plan`), which also sizes the scratch in the memory plan (gemm/plan.py
@@ -34,7 +32,7 @@ The rules, in one place:
 - Generation (sample.py) runs its own products: kernels/decode.cu decode_linear for up to 16 rows,
   the GEMMs above beyond.
 
-- Derived here too: the warpgroup-MMA scratch the memory plan holds (`scratch_kind`), the products'
+- Derived here too: whether the memory plan holds the warpgroup-MMA scratch (`wgmma_scratch`), the products'
   mode on those kernels (`wgmma_mode`), flash_tc's dK / dV on warpgroup MMA (`dkv_on_wgmma`), the
   peak rate MFU divides by (`peak_tflops`: of what actually multiplies), the GEMM table's key prefix.
 
@@ -92,14 +90,12 @@ class ExecutionPlan:
         return "tf32" if self.precision == "tf32" else "3xtf32" if self.fp32_as_3xtf32 else None
 
     @property
-    def scratch_kind(self) -> str | None:
-        """Which warpgroup-MMA scratch the memory plan holds (gemm/plan.py `workspace` sizes it): "tf32"
-        (gemm_bT, gemm_aT: operands re-laid out), "3xtf32" (gemm_split_a / _b: hi and lo halves), or
-        None. Planned from the config alone, so a plan made without the GPU (train.py --plan) is the
-        one the GPU runs; a device without the kernels leaves it unallocated (gemm.device_workspaces)."""
-        if self.precision == "tf32":
-            return "tf32"
-        return "3xtf32" if self.precision == "fp32" and self.fp32_gemm == "3xtf32" else None
+    def wgmma_scratch(self) -> bool:
+        """The memory plan holds the warpgroup-MMA kernels' scratch (gemm/plan.py `workspace` sizes it:
+        gemm_bT, gemm_aT, operands re-laid out for TF32). Planned from the config alone, so a plan made
+        without the GPU (train.py --plan) is the one the GPU runs; a device without the kernels leaves
+        it unallocated (gemm.device_workspaces)."""
+        return self.precision == "tf32"
 
     @property
     def table_tag(self) -> str:
@@ -156,10 +152,10 @@ class ExecutionPlan:
         if not self.wgmma:
             wg = "off" + ("" if self.arch in WGMMA_ARCHS else f" (not on {self.arch})")
         elif self.precision == "tf32":
-            wg = ("on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW via gemm_aT or read as stored "
-                  "(wgmma_mn, the measured table's choice)")
+            wg = ("on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW with dY through registers "
+                  "(wgmma_ra*, X^T or dY^T via gemm_aT)")
         elif self.fp32_as_3xtf32:
-            wg = "on as 3xTF32 (gemm_wgmma.cu): x @ W^T, dY @ W and dW via gemm_split_a / gemm_split_b"
+            wg = "on as 3xTF32 (gemm_wgmma.cu): x @ W^T, dY @ W and dW, aligned operands read as stored"
         else:
             wg = "not for fp32 (fp32_gemm ffma)"
         att = {"unfused": "unfused: saved probabilities (attention.cu)",

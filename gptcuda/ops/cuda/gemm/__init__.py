@@ -1,5 +1,5 @@
 """GEMM launchers: fp32 SIMT (kernels/gemm_simt.cu) and TF32 tensor cores (kernels/gemm_tf32.cu,
-mma.sync; kernels/gemm_wgmma.cu, Hopper's warpgroup MMA for the x @ W^T case, also fp32 as 3xTF32).
+mma.sync; kernels/gemm_wgmma.cu, Hopper's warpgroup MMA, also fp32 as 3xTF32).
 
     matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None)
         out[M, N] = op(a) @ op(b) (+ bias) (+ epilogue); a is [M, K] or stored [K, M] (trans_a),
@@ -10,72 +10,44 @@ mma.sync; kernels/gemm_wgmma.cu, Hopper's warpgroup MMA for the x @ W^T case, al
     matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0)
         out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch.
 
-rt.precision picks the kernel family: "fp32" -> SIMT, "tf32" -> tensor cores (the "wgmma" family
-joins the candidates when the device is sm_90 and both operands are K-major: trans_a = False,
-trans_b = True, 16-byte aligned; or, for trans_b = False, after B is transposed into the
-workspace "gemm_bT" (one small launch: the backward's dX = dY @ W with W a weight; `wgmma_ok`;
-GPTCUDA_WGMMA=0 leaves it out); for trans_a = True (the weight gradient dW = dY^T @ X, K = tokens)
-after A [K, M] (and B [K, N]) are transposed into the workspace "gemm_aT" as [M, k] (and [N, k]):
-when the scratch cannot hold the whole of them the product runs as k slabs in a fixed order,
-the first writing out and the others adding to it (the residual epilogue with aux = out; linear
-epilogues only). For "fp32" these layouts, and trans_a = True (the weight gradient
-dY^T @ X), may run as 3xTF32 (family "wgmma3") when the config planned the split scratch
-"gemm_split_a" / "gemm_split_b" (fp32_gemm: 3xtf32): A and B are split into TF32 hi and lo halves
-by a pre-pass (transposing a [K, rows] operand on the way), then three products; or (family
-"wgmma3_ra", 16-byte aligned operands in the op interface's layouts) with no pass before it: the
-consumers split A's fragments in registers, the producer warpgroup splits (and turns K-major) each k
-tile of B as stored in shared memory. The block tile
-and the split-K factor of a shape come from the measured table of bench/tune.py when it has
-an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel
-sources (`tuned_plan`), else from a cost model (`plan`) fed with rt.info.sm_count. Split-K
-writes partials into the workspace "gemm_splitk" [splits, M, N] and a fixed-order reduction
-applies the epilogue, so results are deterministic and do not depend on timing at run time
-(which plan a shape gets is fixed once the table is written; GPTCUDA_GEMM_TUNE=0 ignores it).
+The execution plan's precision picks the base family: "fp32" -> SIMT, "tf32" -> mma.sync. On sm_90
+(GPTCUDA_WGMMA=0: not) warpgroup-MMA families compete for the layouts they run, with 16-byte aligned
+operands (`wgmma_ok`): in TF32 "wgmma" for x @ W^T (K-major A and B; batched too) and, after B is
+transposed into the workspace "gemm_bT", the backward's dX = dY @ W; for the weight gradients dW = dY^T
+@ X (trans_a, K = tokens) the register-A families, which read dY [K, M] as stored through registers:
+"wgmma_ra" with X^T transposed first into "gemm_aT" (or a B stored [N, K]), "wgmma_ra_mn" with X as
+stored, turned K-major by its producers, "wgmma_ra_t" as (X^T dY)^T with dY^T first into "gemm_aT".
+In fp32 (fp32_gemm 3xtf32) "wgmma3_ra" runs the op interface's products as three TF32 products of hi
+and lo halves split in the kernel (A in the consumers' registers, B in shared memory by the producers).
+The block tile and the split-K factor of a shape come from the measured table of bench/tune.py when it
+has an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel sources
+(`tuned_plan`; measured on a run's first use of a GPU: tune.py `autotune`), else from a cost model
+(`plan`) fed with rt.info.sm_count. Split-K writes partials into the workspace "gemm_splitk" [splits, M,
+N] and a fixed-order reduction applies the epilogue, so results are deterministic and do not depend on
+timing at run time (which plan a shape gets is fixed once the table is written; GPTCUDA_GEMM_TUNE=0
+ignores it).
 
-For TF32 weight gradients (trans_a, not trans_b, 16-byte aligned, one product) a third family,
-"wgmma_mn", reads A [K, M] and B [K, N] as stored (its producer warpgroup turns each k tile K-major in
-shared memory); the cost model leaves it to the measured table. Two more read A [K, M] as stored
-through registers (register-A warpgroup MMA, no pass over A): "wgmma_ra" with B [N, K], or B [K, N]
-transposed first into "gemm_aT", and "wgmma_ra_mn" with B [K, N] as stored, turned K-major by the
-producers. The table is measured on a run's first use of a GPU (tune.py `autotune`, the config's
-gemm_tune auto) or by bench/tune.py.
-
-The modules: families.py (the kernel families: files, tiles, kernel names and arguments, rates;
-the compiled VARIANTS), layout.py (which layouts the warpgroup-MMA kernels run, and with which
-scratch), plan.py (the cost model and the planner), table.py (the measured table), tune.py (measuring
-it; timer.py: timing candidates on the GPU), launch.py (the launchers).
+The modules: families.py (the kernel families: files, tiles, layouts, kernel names and arguments,
+rates; the compiled VARIANTS), layout.py (which layouts the warpgroup-MMA families may run on a
+runtime, and its scratch), plan.py (the cost model and the planner), table.py (the measured table),
+tune.py (measuring it; timer.py: timing candidates on the GPU), launch.py (the launchers).
 """
 from __future__ import annotations
 
-from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_COMBOS, EPI_DGELU, EPI_GELU, EPI_IO,
-                                            EPI_NONE, EPI_RESID, EPILOGUE_CODES, FAMILIES, LADDER_NAMES,
-                                            MAX_GRID_Z, MAX_SPLITS, PRODUCTS, REDUCE_THREADS,
-                                            SIMT_BLOCKS_PER_SM, SIMT_EFFICIENCY, SIMT_FILE, SIMT_TILES,
-                                            SMEM_PER_SM, SPLIT_ALIGN, SPLIT_NAMES, TF32_EFFICIENCY,
-                                            TF32_FALLBACK_TILES, TF32_FILE, TF32_PLAN_TILES, TF32_TILES,
-                                            TRANSPOSE_NAMES, VARIANTS, WGMMA3_EFFICIENCY, WGMMA3_TILES,
-                                            WGMMA_ARCHS, WGMMA_EFFICIENCY, WGMMA_FILE, WGMMA_LOADERS,
-                                            WGMMA3_RA_TILES, WGMMA_MN_TILES, WGMMA_RA_MN_TILES,
-                                            WGMMA_RA_T_TILES, WGMMA_RA_TILES, WGMMA_TILES, Family, cdiv, reduce_name,
-                                            simt_name,
-                                            tf32_blocks_per_sm, tf32_name, tf32_smem, wgmma_blocks_per_sm,
-                                            wgmma_name, wgmma_smem)
-from gptcuda.ops.cuda.gemm.layout import (WGMMA_WORKSPACES, device_workspaces, mode_flags, ra_scratch,
-                                          rt_transpose_a_slab, transpose_a_slab, wgmma3_mode, wgmma_device,
-                                          wgmma_layout_mode, wgmma_mode, wgmma_ok)
+# what the backend, bench/ and tests use (each module's own names, private helpers included, from it)
+from gptcuda.ops.cuda.gemm.families import (EPI_BIAS, EPI_DGELU, EPI_GELU, EPI_NONE, EPI_RESID, FAMILIES, MAX_SPLITS,
+                                            PRODUCTS, SIMT_FILE, SIMT_TILES, SPLIT_ALIGN, TF32_FALLBACK_TILES,
+                                            TF32_FILE, TF32_TILES, VARIANTS, WGMMA3_RA_TILES, WGMMA_ARCHS, WGMMA_FILE,
+                                            WGMMA_RA_MN_TILES, WGMMA_RA_T_TILES, WGMMA_RA_TILES, WGMMA_TILES, cdiv,
+                                            layout_code, reduce_name, tf32_name, tf32_smem, transpose_name,
+                                            wgmma_name)
+from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, device_workspaces, wgmma_layout, wgmma_ok
 # `plan` is the function from here on (it was the submodule's name until this import rebinds it)
-from gptcuda.ops.cuda.gemm.plan import (HEAD_SLABS, TUNE_SPLITS, Plan, b_reads, competing, estimate_s, kernel_label, make_plan,
-                                        plan, plan_label, plan_unfit, prune_candidates, split_chunk, tune_candidates,
-                                        workspace)
-from gptcuda.ops.cuda.gemm.table import (TUNE_FORMAT, forget_tables, load_table, plan_from_json,
-                                         plan_to_json, save_table, source_hash, table_path, tune_key,
-                                         tuned_plan)
-from gptcuda.ops.cuda.gemm.launch import (TRANSPOSE_TILE, matmul, matmul_batched, matmul_batched_dims, matmul_dims,
-                                          matmul_plan)
-from gptcuda.ops.cuda.gemm.tune import GemmOp, TuneSummary, autotune, model_gemms
+from gptcuda.ops.cuda.gemm.plan import (b_reads, competing, estimate_s, kernel_label, make_plan, plan, plan_label,
+                                        plan_unfit, prune_candidates, split_chunk, tune_candidates, workspace)
+from gptcuda.ops.cuda.gemm.table import (forget_tables, load_table, plan_from_json, plan_to_json, save_table,
+                                         source_hash, table_path, tune_key, tuned_plan)
+from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
+from gptcuda.ops.cuda.gemm.tune import model_gemms
 
-__all__ = ["matmul", "matmul_batched", "matmul_plan", "workspace", "plan", "kernel_label",
-           "VARIANTS", "Plan", "tune_key", "tuned_plan", "load_table", "save_table", "table_path",
-           "source_hash", "tune_candidates", "prune_candidates", "estimate_s", "make_plan", "wgmma_ok",
-           "wgmma_mode", "wgmma3_mode", "wgmma_layout_mode", "wgmma_device", "transpose_a_slab",
-           "mode_flags", "autotune", "model_gemms", "GemmOp", "TuneSummary"]
+__all__ = ["matmul", "matmul_batched", "workspace", "device_workspaces", "VARIANTS"]     # the backend's

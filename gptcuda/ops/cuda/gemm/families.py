@@ -6,18 +6,14 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
     simt    fp32 on the CUDA cores (kernels/gemm_simt.cu), every layout, aligned or not
     tf32    TF32 mma.sync (kernels/gemm_tf32.cu), every layout; unaligned operands on a few tiles
     wgmma   TF32 warpgroup MMA (kernels/gemm_wgmma.cu, sm_90a): K-major A and B only
-    wgmma3  fp32 as three TF32 warpgroup-MMA products over operands split into hi and lo halves
-            by a pass before it
-    wgmma3_ra  fp32 as 3xTF32 over A and B as stored: A split in the consumers' registers, B split (and
-               turned K-major) in shared memory
-    wgmma_mn  TF32 warpgroup MMA of A^T B with A [K, M], B [K, N] as stored (the weight gradients)
+    wgmma3_ra  fp32 as three TF32 warpgroup-MMA products (3xTF32) over A and B as stored: A split into
+               hi and lo halves in the consumers' registers, B split (and turned K-major) in shared memory
     wgmma_ra  TF32 A^T B with A [K, M] as stored read through registers, B K-major (or B^T first)
     wgmma_ra_mn  the same with B [K, N] as stored, turned K-major by the producers
     wgmma_ra_t  TF32 A^T B as (B^T A)^T: B [K, N] through registers, A^T first, out stored transposed
 
-The execution plan picks a base family (ExecutionPlan.gemm_family); on sm_90 its warpgroup-MMA partner competes
-with it (`Family.partner`), for fp32 also `Family.stored_partners` (aligned operands in any layout),
-and for TF32 weight gradients `Family.mn_partner` and `Family.ra_partners`.
+The execution plan picks a base family (ExecutionPlan.gemm_family); on sm_90 its warpgroup-MMA
+families compete with it (`Family.partners`) for the layouts each runs (`Family.layouts`).
 """
 from __future__ import annotations
 
@@ -42,9 +38,8 @@ EPI_COMBOS = ((EPI_NONE, False), (EPI_BIAS, True), (EPI_GELU, False), (EPI_GELU,
               (EPI_RESID, False), (EPI_RESID, True), (EPI_DGELU, False))
 # The products the op interface asks for, by (trans_a, trans_b): x @ W^T with any epilogue and bias, dY @ W
 # plain or with the GELU backward folded in, the weight gradients dY^T @ X plain (batched: these three
-# layouts, plain). A family whose kernels read the operands as stored is compiled for these alone; the
-# K-major ones, which run the others re-laid out, and the internal layouts (TT: a register-A kernel after
-# B^T) for every pair they declare (Family.combos).
+# layouts, plain). Every family's kernels are compiled for these alone, in the layout each kernel reads
+# (after B^T first: A @ B as x @ W^T, A^T B as A^T (B^T)^T; Family.combos).
 PRODUCTS = {(False, True): tuple(e for e in EPI_COMBOS if e[0] != EPI_DGELU),
             (False, False): ((EPI_NONE, False), (EPI_DGELU, False)),
             (True, False): ((EPI_NONE, False),)}
@@ -94,44 +89,31 @@ WGMMA_TILES = ((128, 128, 3, 0), (128, 192, 4, 0), (128, 256, 4, 0), (256, 128, 
 # bench/gemm.py --sweep on the H200: TMA beats cp.async by 5-20% at 192- and 256-wide tiles
 WGMMA_EFFICIENCY = dict(zip(WGMMA_TILES, (1.35, 1.5, 1.5, 1.5, 1.1, 1.4, 1.65, 1.75, 1.7,
                                           1.6, 1.75, 1.8, 1.75)))
-# The weight gradients' products A^T B with A [K, M] and B [K, N] as they are stored (family
-# "wgmma_mn", kernels/gemm_wgmma.cu gemm_wgmma_mn): (BM, BN, STAGES), the warp-specialized
-# persistent kernel whose producer warpgroup turns each TMA-staged k tile K-major in its slot,
-# through registers ((BM + BN) / 4 floats per producer thread: BM 128 only, where 384 threads leave
-# room for them).
-WGMMA_MN_TILES = ((128, 128, 7), (128, 192, 5))
-WGMMA_MN_EFFICIENCY = dict(zip(WGMMA_MN_TILES, (0.75, 1.05)))   # measured ~120 / ~170 TFLOP/s (split-K)
 # The weight gradients' products A^T B with A [K, M] as stored read through registers (family
 # "wgmma_ra", kernels/gemm_wgmma.cu gemm_wgmma_ra, MN_B false): (BM, BN, STAGES), the warp-specialized
 # persistent kernel of gemm_wgmma_ws whose consumers load A's fragments from its MN-major swizzled
 # k tiles (register-A wgmma), so A needs no transposing pass; B K-major ([N, K] as stored, or a
 # B [K, N] transposed first into "gemm_aT"). "wgmma_ra_mn" (MN_B true): B [K, N] as stored, turned
-# K-major by the producer warpgroup as in gemm_wgmma_mn (no pass at all). BM 128: a consumer thread
-# holds 96 accumulators and two k tiles' fragments (32) at BN 192.
+# K-major by the producer warpgroup, through its registers (no pass at all). BM 128: a consumer
+# thread holds 96 accumulators and two k tiles' fragments (32) at BN 192.
 WGMMA_RA_TILES = ((128, 128, 4), (128, 192, 4))
-# (modelled as gemm_wgmma_ws's; measured ~20% slower a product, without the transposes that path needs)
-WGMMA_RA_EFFICIENCY = dict(zip(WGMMA_RA_TILES, (1.6, 1.75)))
 WGMMA_RA_MN_TILES = ((128, 128, 7), (128, 192, 5))
-WGMMA_RA_MN_EFFICIENCY = dict(zip(WGMMA_RA_MN_TILES, (1.0, 1.3)))  # between gemm_wgmma_mn's and ws's
-# what a weight gradient's product takes: none (split-K partials, or all of K) or residual (k slabs)
-RA_EPI_COMBOS = ((EPI_NONE, False), (EPI_RESID, False))
 # "wgmma_ra_t": out = A^T B (A [K, M], B [K, N] as stored) run as out^T = B^T A with B through
 # registers and A transposed first (into "gemm_aT", with its column sums), out^T stored transposed
 # (gemm_wgmma_ra's TC): for the weight gradient whose B is the larger operand (dW fcproj = dY^T act).
 WGMMA_RA_T_TILES = WGMMA_RA_TILES
-# the warpgroup-MMA kernels' devices (compiled for sm_90a: compiler.ARCH_SPECIFIC): gptcuda/runtime/execution.py
-# fp32 through three TF32 products (family "wgmma3", the TMA kernel with PRODUCTS = 3): each slot
-# holds hi and lo tiles of both operands, twice a TF32 slot, so fewer stages fit: (BM, BN, STAGES, 1).
-# A thread keeps two sets of BN / 2 accumulators (the sum and the k tile's partial), so only two
-# warpgroups (BM 128, up to 255 registers a thread) fit without spilling.
-WGMMA3_TILES = ((128, 128, 3, 1), (128, 192, 2, 1), (128, 64, 4, 1))
-WGMMA3_EFFICIENCY = dict(zip(WGMMA3_TILES, (2.0, 2.1, 1.5)))
-# fp32 as 3xTF32 with no pass before it (family "wgmma3_ra", kernels/gemm_wgmma.cu gemm_wgmma3_ra):
+# Their rates, set so that the cost model picks what the H200's measured table picks for the shipped
+# configs' weight gradients (bench/plan_check.py; bench/NOTES.md 2026-12-02).
+WGMMA_RA_EFFICIENCY = dict(zip(WGMMA_RA_TILES, (1.7, 1.9)))      # (wgmma_ra_t: the same kernel)
+WGMMA_RA_MN_EFFICIENCY = dict(zip(WGMMA_RA_MN_TILES, (0.8, 1.0)))
+# fp32 through three TF32 products (3xTF32; family "wgmma3_ra", kernels/gemm_wgmma.cu gemm_wgmma3_ra):
 # (BM, BN, STAGES), the warp-specialized persistent kernel whose consumers load A's fragments as
-# stored (K-major, or MN-major in gemm_wgmma_ra's boxes) and split them themselves, and whose producers
-# split (and turn) B. A slot holds A once and B's two halves, (BM + 2 BN) x 128 bytes: 4 stages at
-# 128 x 128. Two consumer warpgroups (BM 128) of sum + partial accumulators (BN / 2 each). (It replaced
-# gemm_wgmma3_ws, which split both operands in shared memory: no measured table picked it.)
+# stored (K-major, or MN-major in gemm_wgmma_ra's boxes) and split them into hi and lo halves
+# themselves, and whose producers split (and turn) B. A slot holds A once and B's two halves, (BM + 2 BN)
+# x 128 bytes: 4 stages at 128 x 128. Two consumer warpgroups (BM 128) of sum + partial accumulators
+# (BN / 2 each). (It replaced gemm_wgmma3_ws, which split both operands in shared memory and no measured
+# table picked, and the TMA kernel over halves a pass wrote first, which the H200's table picked for one
+# shape of the shipped configs: bench/NOTES.md 2026-12-02.)
 WGMMA3_RA_TILES = ((128, 128, 4), (128, 64, 4))
 WGMMA3_RA_EFFICIENCY = dict(zip(WGMMA3_RA_TILES, (2.0, 1.5)))
 
@@ -148,20 +130,16 @@ def _tf32_threads(t):             # a warp a warp tile
     return t[3] * t[4] * 32
 
 
-# gemm_simt.cu's transpose [K, N] -> [N, K] of transpose_b plans (split: the hi and lo halves of a wgmma3
-# operand), by (split, vec: float4 accesses): TRANSPOSE_THREADS threads a TRANSPOSE_TILE square (asserted)
+# gemm_simt.cu's transpose [K, N] -> [N, K] of transpose_b plans: TRANSPOSE_THREADS threads a TRANSPOSE_TILE
+# square (asserted)
 TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256
 
 
-def _transpose_name(split, vec, colsum) -> str:
-    return expression("gemm_transpose", split, vec, colsum, TRANSPOSE_TILE, TRANSPOSE_THREADS, sep=", ")
+def transpose_name(vec, colsum=False) -> str:
+    """gemm_transpose's name expression: vec, float4 accesses; colsum, the A^T of a weight gradient that
+    also writes its bias gradient's partial column sums."""
+    return expression("gemm_transpose", vec, colsum, TRANSPOSE_TILE, TRANSPOSE_THREADS, sep=", ")
 
-
-TRANSPOSE_NAMES = {(split, vec): _transpose_name(split, vec, False) for split in (False, True) for vec in (False, True)}
-# the A^T transpose of a weight gradient that also writes its bias gradient's partial column sums
-COLSUM_TRANSPOSE_NAMES = {vec: _transpose_name(False, vec, True) for vec in (False, True)}
-SPLIT_THREADS = 256        # tf32_split's block (grid-stride)
-SPLIT_NAMES = {vec: expression("tf32_split", vec, SPLIT_THREADS) for vec in (False, True)}   # the halves of an operand
 
 # Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
 LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
@@ -212,16 +190,9 @@ def _ws(kernel, tile, smem, *args) -> str:
     return expression(kernel, *tile[:3], *args, ws_threads(tile), smem)
 
 
-def wgmma_name(tile, epi, has_bias, products=1) -> str:
-    assert products == 1 or tile[3] == 1, "3xTF32 runs on the TMA kernel only"
-    kernel, extra = (("gemm_wgmma", ()), ("gemm_wgmma_tma", (products,)), ("gemm_wgmma_ws", ()))[tile[3]]
-    return expression(kernel, *tile[:3], epi, has_bias, *extra, wgmma_threads(tile), wgmma_smem(tile, products))
-
-
-def mn_name(tile, epi, has_bias, colsum=False) -> str:
-    """gemm_wgmma_mn's name expression; colsum: the variant whose producers also write the column
-    sums of A as stored (the bias gradient's partials, matmul's a_colsum)."""
-    return _ws("gemm_wgmma_mn", tile, persistent_smem(tile), epi, has_bias, colsum)
+def wgmma_name(tile, epi, has_bias) -> str:
+    kernel = ("gemm_wgmma", "gemm_wgmma_tma", "gemm_wgmma_ws")[tile[3]]
+    return expression(kernel, *tile[:3], epi, has_bias, wgmma_threads(tile), wgmma_smem(tile))
 
 
 def ra_name(tile, mn_b, epi, has_bias, colsum=False, tc=False) -> str:
@@ -246,17 +217,17 @@ def tf32_blocks_per_sm(tile) -> int:
     return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
 
 
-def wgmma_smem(tile, products=1) -> int:
-    """Dynamic shared memory of a wgmma tile: stages x (BM + BN) rows of 128 bytes (3xTF32: twice,
-    hi and lo), plus the 1 KB of ring_smem."""
+def wgmma_smem(tile) -> int:
+    """Dynamic shared memory of a wgmma tile: stages x (BM + BN) rows of 128 bytes, plus the 1 KB of
+    ring_smem."""
     bm, bn, stages, _ = tile
-    return ring_smem(stages, (bm + bn) * (2 if products == 3 else 1))
+    return ring_smem(stages, bm + bn)
 
 
-def wgmma_blocks_per_sm(tile, products=1) -> int:
+def wgmma_blocks_per_sm(tile) -> int:
     if tile[3] == 2:              # persistent: one block per SM at most (ws_grid)
         return 1
-    return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile, products) + 1024)))
+    return max(1, min(2, SMEM_PER_SM // (wgmma_smem(tile) + 1024)))
 
 
 def wgmma_threads(tile) -> int:
@@ -264,10 +235,15 @@ def wgmma_threads(tile) -> int:
     return ws_threads(tile) if tile[3] == 2 else tile[0] // 64 * 128
 
 
+def layout_code(trans_a, trans_b) -> str:
+    """"NT", "NN", "TN" or "TT": T where the operand is stored transposed (A [K, M], B [N, K])."""
+    return ("T" if trans_a else "N") + ("T" if trans_b else "N")
+
+
 @dataclass(frozen=True)
 class Family:
     """One kernel family: its file and tiles, and per tile the launch geometry, the kernel's name
-    expression and the cost model's rate."""
+    expression and the cost model's rate; for a warpgroup-MMA family, the layouts it runs and how."""
     name: str
     file: str
     tiles: tuple                  # every tile its kernels are compiled for (aligned operands)
@@ -281,71 +257,44 @@ class Family:
     kernel: Callable              # (tile, trans_a, trans_b, epi, has_bias, vec) -> name expression
     label: Callable               # tile -> its description in kernel_label
     short: Callable               # tile -> its compact name in plan_label
+    base: str                     # the base family whose precision it serves (a base family: its own name)
     tma: Callable = lambda tile: False   # the kernel takes TMA tensor maps of A and B (and no A/B strides)
     persistent: Callable = lambda tile: False   # a grid of at most blocks_per_sm x SMs blocks walks the
                                                 # tiles; the kernel takes their z extent last (ws_grid)
     colsum_kernel: Callable | None = None       # (tile, trans_a, trans_b) -> the kernel (epilogue none, one
                                                 # product) that also writes A's column sums as stored
                                                 # (matmul's a_colsum), or None for that layout
-    epis: tuple = EPI_COMBOS      # the (EPI, HAS_BIAS) pairs its kernels are compiled for
+    layouts: tuple = tuple(layout_code(*lay) for lay in PRODUCTS)   # the layouts (layout_code) of the
+                                  # products it runs: as stored, or after the re-layout below
+    transposes_b: str = ""        # the layout whose B [K, N] it transposes first into `scratch` (transpose_b plans)
+    swaps: bool = False           # runs A^T B as (B^T A)^T: A^T first into `scratch`, B through registers
+    scratch: str = ""             # the workspace of its re-laid operand
     a_regs: bool = False          # A read through registers, an MN-major A [K, M] from swizzled boxes {32, 32}
-                                  # (wgmma_ra*, wgmma3_ra); TF32 with layouts ((True, True),): a B [K, N]
-                                  # is transposed first
-    swaps: bool = False           # runs A^T B as (B^T A)^T: A transposed first, B through registers (wgmma_ra_t)
-    k_major: bool = False         # A and B K-major only (trans_a False, trans_b True, aligned): other
-                                  # layouts are re-laid out first (transpose_b / transpose_a plans)
-    layouts: tuple = ()           # (trans_a, trans_b) its kernels read as stored (default: K-major
-                                  # families (False, True), the others all four)
-    products: int = 1             # 3: fp32 as 3xTF32 over operands split into hi and lo halves
-    split_first: bool = False     # 3xTF32 over halves a pass wrote before the kernel (else split in it)
-    transposes_a: bool = False    # A stored [K, M] runs after A^T into "gemm_aT" (transpose_a plans)
     split_waves: int = 1          # the cost model tries split-K below this many waves of blocks
-    partner: str | None = None    # the warpgroup-MMA family competing on sm_90 (base families)
-    mn_partner: str | None = None # the one competing for A^T B as stored (trans_a, not trans_b)
-    ra_partners: tuple = ()       # the register-A ones competing for trans_a products: (B K-major or
-                                  # transposed first, B [K, N] as stored, the swapped product)
-    stored_partners: tuple = ()   # the ones competing for aligned operands in any layout
-    base: str = ""                # the base family whose precision a warpgroup-MMA family serves
+    partners: tuple = ()          # a base family's warpgroup-MMA families, competing with it on sm_90
     needs: str = ""               # what a warpgroup-MMA plan needs (the reason a plan is refused)
 
-    @property
-    def mn_major(self) -> bool:
-        """Reads A [K, M] and B [K, N] as stored (tensor maps {rows, K, batch}; B, and A unless a_regs,
-        unswizzled)."""
-        return self.layouts == ((True, False),)
-
-    @property
-    def b_first(self) -> bool:
-        """A TF32 register-A family reading B K-major (wgmma_ra): a B stored [K, N] is transposed first,
-        into "gemm_aT" (transpose_b plans)."""
-        return self.a_regs and self.products == 1 and self.layouts == ((True, True),)
-
-    @property
-    def all_layouts(self) -> tuple:
-        """The (trans_a, trans_b) its kernels read: its own, else K-major only, else the op interface's."""
-        return self.layouts or (((False, True),) if self.k_major else tuple(PRODUCTS))
+    def kernel_layout(self, code) -> tuple:
+        """(trans_a, trans_b) its kernel reads for a product of layout `code`: B^T first reads B [N, K],
+        the swapped product B^T A reads both K-major ((True, True) in its kernel's terms)."""
+        ta, tb = code[0] == "T", code[1] == "T"
+        return (True, True) if self.swaps else (ta, True) if code == self.transposes_b else (ta, tb)
 
     def combos(self) -> list:
-        """(trans_a, trans_b, EPI, HAS_BIAS) its kernels are compiled for: per layout, the declared
-        epilogues, and for one reading the op interface's products as stored only those PRODUCTS
-        asks of that layout."""
+        """(trans_a, trans_b, EPI, HAS_BIAS) its kernels are compiled for: per layout it runs, the
+        epilogues the op interface asks of it (gemm.PRODUCTS; TT, no product of the interface: none),
+        in the layout its kernel reads."""
         out = []
-        for ta, tb in self.all_layouts:
-            for epi, hb in self.epis:
-                if self.k_major or self.epis != EPI_COMBOS or (epi, hb) in PRODUCTS.get((ta, tb), ()):
-                    out.append((ta, tb, epi, hb))
+        for code in self.layouts:
+            ta, tb = code[0] == "T", code[1] == "T"
+            for epi, hb in PRODUCTS.get((ta, tb), ((EPI_NONE, False),)):
+                if (combo := (*self.kernel_layout(code), epi, hb)) not in out:
+                    out.append(combo)
         return out
 
     def runs_epi(self, epi) -> bool:
         """Whether its kernels are compiled for epilogue code epi (EPI_BIAS: with a bias) in some layout."""
         return any(e == epi for _, _, e, _ in self.combos())
-
-    @property
-    def halves(self) -> int:
-        """Copies of each operand a product streams from memory (3xTF32 split first: hi and lo)."""
-        return 2 if self.split_first else 1
-
-
 
 
 def _wgmma_label(t):
@@ -356,15 +305,12 @@ def _wgmma_short(t):
     return f"{t[0]}x{t[1]}s{t[2]}" + ("", "tma", "ws")[t[3]]
 
 
-def _persistent_tf32(name, tiles, efficiency, **kw) -> Family:
-    """A TF32 warp-specialized persistent family of gemm_wgmma.cu reading the weight gradient's A [K, M]
-    as stored (wgmma_mn, wgmma_ra*): BM / 64 consumer warpgroups and a producer's, one block per SM,
-    STAGES slots of (BM + BN) x 128 bytes, TMA; the cost model leaves it to the measured table (no
-    plan_tiles)."""
-    return Family(name, WGMMA_FILE, tiles, (), (), efficiency, TF32_FLOPS_PER_SM,
-                  threads=ws_threads, blocks_per_sm=lambda t: 1,
-                  smem=persistent_smem,
-                  tma=lambda t: True, persistent=lambda t: True, base="tf32", **kw)
+def _persistent(name, tiles, efficiency, rate, smem, base, **kw) -> Family:
+    """A warp-specialized persistent family of gemm_wgmma.cu reading A as stored through registers
+    (wgmma_ra*, wgmma3_ra): BM / 64 consumer warpgroups and a producer's, one block per SM, TMA."""
+    return Family(name, WGMMA_FILE, tiles, tiles, (), efficiency, rate, threads=ws_threads,
+                  blocks_per_sm=lambda t: 1, smem=smem, base=base, tma=lambda t: True, persistent=lambda t: True,
+                  a_regs=True, **kw)
 
 
 FAMILIES = {f.name: f for f in (
@@ -374,8 +320,8 @@ FAMILIES = {f.name: f for f in (
            smem=lambda t: 0,
            kernel=lambda t, ta, tb, epi, hb, vec: simt_name(t[0], t[1], ta, tb, epi, hb, vec),
            label=lambda t: f"{t[0]}x{t[1]}",
-           short=lambda t: f"{t[0]}x{t[1]}",
-           partner="wgmma3", stored_partners=("wgmma3_ra",)),
+           short=lambda t: f"{t[0]}x{t[1]}", base="simt",
+           partners=("wgmma3_ra",)),
     Family("tf32", TF32_FILE, TF32_TILES, TF32_PLAN_TILES, TF32_FALLBACK_TILES, TF32_EFFICIENCY,
            TF32_FLOPS_PER_SM,
            threads=_tf32_threads,
@@ -383,86 +329,62 @@ FAMILIES = {f.name: f for f in (
            smem=tf32_smem,
            kernel=tf32_name,
            label=lambda t: f"{t[0]}x{t[1]}x{t[2]} w{t[3]}x{t[4]} s{t[5]}",
-           short=lambda t: f"{t[0]}x{t[1]}s{t[5]}",
-           partner="wgmma", mn_partner="wgmma_mn", ra_partners=("wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t")),
+           short=lambda t: f"{t[0]}x{t[1]}s{t[5]}", base="tf32",
+           partners=("wgmma", "wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t")),
     Family("wgmma", WGMMA_FILE, WGMMA_TILES, WGMMA_TILES, (), WGMMA_EFFICIENCY, TF32_FLOPS_PER_SM,
            threads=wgmma_threads,
            blocks_per_sm=wgmma_blocks_per_sm,
            smem=wgmma_smem,
            kernel=lambda t, ta, tb, epi, hb, vec: wgmma_name(t, epi, hb),
-           label=_wgmma_label, short=_wgmma_short,
-           tma=lambda t: bool(t[3]), persistent=lambda t: t[3] == 2, k_major=True, transposes_a=True, split_waves=4, base="tf32",
-           needs="sm_90 with K-major, aligned A and B, or their transposes in the gemm_bT / gemm_aT "
-                 "workspaces"),
-    # the cost model does not pick it (no plan_tiles): where it beats the transposing plans (the
-    # char model's weight gradients, against mma.sync) is for the measured table to find
-    _persistent_tf32("wgmma_mn", WGMMA_MN_TILES, WGMMA_MN_EFFICIENCY,
-                     kernel=lambda t, ta, tb, epi, hb, vec: mn_name(t, epi, hb),
-                     colsum_kernel=lambda t, ta, tb: mn_name(t, EPI_NONE, False, colsum=True),
-                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws mn",
-                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}mn", layouts=((True, False),),
-                     needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product"),
-    # (as wgmma_mn: the cost model does not pick them; the measured table does where they win)
-    _persistent_tf32("wgmma_ra", WGMMA_RA_TILES, WGMMA_RA_EFFICIENCY,
-                     kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb),
-                     colsum_kernel=lambda t, ta, tb: ra_name(t, False, EPI_NONE, False, colsum=True),
-                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws A in registers",
-                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra", layouts=((True, True),), epis=RA_EPI_COMBOS,
-                     a_regs=True,
-                     needs="sm_90, A^T B with A [K, M] as stored and B [N, K] (or [K, N] transposed first into "
-                           "the gemm_aT workspace), 16-byte aligned, one product"),
-    _persistent_tf32("wgmma_ra_mn", WGMMA_RA_MN_TILES, WGMMA_RA_MN_EFFICIENCY,
-                     kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, True, epi, hb),
-                     colsum_kernel=lambda t, ta, tb: ra_name(t, True, EPI_NONE, False, colsum=True),
-                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws A in registers, B turned",
-                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ramn", layouts=((True, False),), epis=RA_EPI_COMBOS,
-                     a_regs=True,
-                     needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product"),
-    _persistent_tf32("wgmma_ra_t", WGMMA_RA_T_TILES, WGMMA_RA_EFFICIENCY,
-                     kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb, tc=True),
-                     label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws B in registers, A^T first, out^T",
-                     short=lambda t: f"{t[0]}x{t[1]}s{t[2]}rat", layouts=((True, False),),
-                     epis=((EPI_NONE, False),), a_regs=True, swaps=True,
-                     needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product, no "
-                           "epilogue, A^T [M, K] room in the gemm_aT workspace"),
-    Family("wgmma3", WGMMA_FILE, WGMMA3_TILES, WGMMA3_TILES, (), WGMMA3_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
-           threads=wgmma_threads,
-           blocks_per_sm=lambda t: wgmma_blocks_per_sm(t, 3),
-           smem=lambda t: wgmma_smem(t, 3),
-           kernel=lambda t, ta, tb, epi, hb, vec: wgmma_name(t, epi, hb, 3),
-           label=_wgmma_label, short=_wgmma_short,
-           tma=lambda t: True, k_major=True, products=3, split_first=True, base="simt",
-           needs="sm_90, K % 4 == 0, one product and the gemm_split_a/_b workspaces"),
-    Family("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, WGMMA3_RA_TILES, (), WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3,
-           threads=ws_threads,
-           blocks_per_sm=lambda t: 1,
-           smem=wgmma3_ra_smem,
-           kernel=lambda t, ta, tb, epi, hb, vec: wgmma3_ra_name(t, ta, tb, epi, hb),
-           colsum_kernel=lambda t, ta, tb: wgmma3_ra_name(t, ta, tb, EPI_NONE, False, colsum=True) if ta else None,
-           label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split, A in registers",
-           short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra3",
-           tma=lambda t: True, persistent=lambda t: True,
-           layouts=tuple(PRODUCTS), products=3, base="simt", a_regs=True,
-           needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats)"),
+           label=_wgmma_label, short=_wgmma_short, base="tf32",
+           tma=lambda t: bool(t[3]), persistent=lambda t: t[3] == 2, layouts=("NT", "NN"), transposes_b="NN",
+           scratch="gemm_bT", split_waves=4,
+           needs="sm_90 with K-major, aligned A and B, or B's transpose in the gemm_bT workspace"),
+    _persistent("wgmma_ra", WGMMA_RA_TILES, WGMMA_RA_EFFICIENCY, TF32_FLOPS_PER_SM, persistent_smem, "tf32",
+                kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb),
+                colsum_kernel=lambda t, ta, tb: ra_name(t, False, EPI_NONE, False, colsum=True),
+                label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws A in registers",
+                short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra", layouts=("TT", "TN"), transposes_b="TN",
+                scratch="gemm_aT",
+                needs="sm_90, A^T B with A [K, M] as stored and B [N, K] (or [K, N] transposed first into "
+                      "the gemm_aT workspace), 16-byte aligned, one product"),
+    _persistent("wgmma_ra_mn", WGMMA_RA_MN_TILES, WGMMA_RA_MN_EFFICIENCY, TF32_FLOPS_PER_SM, persistent_smem,
+                "tf32",
+                kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, True, epi, hb),
+                colsum_kernel=lambda t, ta, tb: ra_name(t, True, EPI_NONE, False, colsum=True),
+                label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws A in registers, B turned",
+                short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ramn", layouts=("TN",),
+                needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product"),
+    _persistent("wgmma_ra_t", WGMMA_RA_T_TILES, WGMMA_RA_EFFICIENCY, TF32_FLOPS_PER_SM, persistent_smem, "tf32",
+                kernel=lambda t, ta, tb, epi, hb, vec: ra_name(t, False, epi, hb, tc=True),
+                label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws B in registers, A^T first, out^T",
+                short=lambda t: f"{t[0]}x{t[1]}s{t[2]}rat", layouts=("TN",), swaps=True, scratch="gemm_aT",
+                needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product, no "
+                      "epilogue, A^T [M, K] room in the gemm_aT workspace"),
+    _persistent("wgmma3_ra", WGMMA3_RA_TILES, WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3, wgmma3_ra_smem, "simt",
+                kernel=lambda t, ta, tb, epi, hb, vec: wgmma3_ra_name(t, ta, tb, epi, hb),
+                colsum_kernel=lambda t, ta, tb: wgmma3_ra_name(t, ta, tb, EPI_NONE, False, colsum=True) if ta else None,
+                label=lambda t: f"{t[0]}x{t[1]}x32 s{t[2]} tma ws split, A in registers",
+                short=lambda t: f"{t[0]}x{t[1]}s{t[2]}ra3",
+                needs="sm_90, 16-byte aligned A and B (rows and batches: multiples of 4 floats), one product"),
 )}
 
 
 def _variants():
     out = []
     for fam in FAMILIES.values():
-        for tile, (ta, tb, epi, hb), vec in itertools.product(
-                fam.tiles, fam.combos(), (True,) if fam.k_major or fam.layouts else (False, True)):
+        for tile, (ta, tb, epi, hb), vec in itertools.product(fam.tiles, fam.combos(), (False, True)):
             if vec or tile in fam.unaligned_tiles:
                 out.append((fam.file, fam.kernel(tile, ta, tb, epi, hb, vec), {}))
         if fam.colsum_kernel is not None:
-            out += [(fam.file, k, {}) for tile, (ta, tb) in itertools.product(fam.tiles, fam.all_layouts)
+            layouts = dict.fromkeys(fam.kernel_layout(code) for code in fam.layouts)
+            out += [(fam.file, k, {}) for tile, (ta, tb) in itertools.product(fam.tiles, layouts)
                     if (k := fam.colsum_kernel(tile, ta, tb)) is not None]
     for epi, hb in EPI_COMBOS:
         out.append((SIMT_FILE, reduce_name(epi, hb), {}))
     for name in LADDER_NAMES:
         out.append((SIMT_FILE, name, {}))
-    out += [(SIMT_FILE, n, {}) for n in (*TRANSPOSE_NAMES.values(), *COLSUM_TRANSPOSE_NAMES.values(),
-                                         *SPLIT_NAMES.values())]
+    out += [(SIMT_FILE, transpose_name(vec, colsum), {}) for colsum in (False, True) for vec in (False, True)]
     out.append((TF32_FILE, "mma_probe", {}))
     out.append((TF32_FILE, "tf32_round_probe", {}))
     return out

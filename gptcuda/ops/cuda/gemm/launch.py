@@ -1,6 +1,6 @@
 """The GEMM launchers: validate the views, pick the plan (forced, the measured table, else the
-cost model), re-lay the operands out where the plan needs it (B^T, A^T in k slabs, 3xTF32 halves)
-and launch the family's kernel (and the split-K reduction)."""
+cost model), re-lay an operand out where the plan needs it (B^T, or the swapped product's A^T) and
+launch the family's kernel (and the split-K reduction)."""
 from __future__ import annotations
 
 import math
@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from gptcuda.ops.backend import rows
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, f32, i32, u64
-from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPI_RESID, EPILOGUE_CODES,
-                                            COLSUM_TRANSPOSE_NAMES, FAMILIES, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS,
-                                            SIMT_FILE, SPLIT_NAMES, SPLIT_THREADS, TRANSPOSE_NAMES, TRANSPOSE_THREADS,
-                                            TRANSPOSE_TILE, cdiv, reduce_name)
-from gptcuda.ops.cuda.gemm.layout import ra_scratch, rt_transpose_a_slab, wgmma_ok, ws_capacity
+from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, EPILOGUE_CODES, FAMILIES, MAX_GRID_Z,
+                                            PRODUCTS, REDUCE_THREADS, SIMT_FILE, TRANSPOSE_THREADS, TRANSPOSE_TILE,
+                                            cdiv, layout_code, reduce_name, transpose_name)
+from gptcuda.ops.cuda.gemm.layout import rt_scratch, wgmma_ok, ws_capacity
 from gptcuda.ops.cuda.gemm.plan import Plan, check_plan, has_colsum_kernel
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
 from gptcuda.ops.cuda.gemm.table import tune_key, tuned_plan
@@ -73,78 +72,47 @@ class GemmCall:
         return self.bias is not None
 
 
-@dataclass(frozen=True)
-class KernelLaunch:
-    """One launch as the runtime takes it: the kernel (file, name expression), grid, threads, dynamic
-    shared memory and its arguments by name, in the kernel's parameter order."""
-    file: str
-    kernel: str
-    grid: tuple
-    threads: int
-    args: tuple                  # ((name, value), ...)
-    smem: int = 0
-    label: str = ""
-
-    def run(self, rt):
-        rt.launch(rt.function(self.file, self.kernel), self.grid, (self.threads,), [v for _, v in self.args],
-                  smem=self.smem, label=self.label)
-
-
-def gemm_launches(rt, p: Plan, c: GemmCall, ws=None) -> list:
-    """The launches of one product by plan p: the family's kernel, and for split-K its partials into
-    ws [splits, M, N] then the fixed-order reduction that applies the epilogue (a swaps kernel stores
-    them transposed, [splits, N, M]: out's layout). rt: the device's SM count and its tensor maps."""
+def _launch_gemm(rt, p: Plan, c: GemmCall, ws=None):
+    """Launch one product by plan p: the family's kernel, and for split-K its partials into ws [splits,
+    M, N] then the fixed-order reduction that applies the epilogue (a swaps kernel stores them
+    transposed, [splits, N, M]: out's layout). rt: the device's SM count and its tensor maps."""
     fam = p.fam
     if c.colsum is not None and (not has_colsum_kernel(p, c.ta, c.tb) or c.epi != EPI_NONE or c.batch != 1):
         raise AssertionError(f"{c.label}: column sums need the {p.family} colsum kernel, no epilogue, batch 1")
     vec = _vec_ok(c.a, c.b, c.lda, c.ldb, c.sA, c.sB) and (p.splits == 1 or p.k_chunk % 4 == 0)
-    if fam.k_major:
-        if c.ta or not c.tb or not vec:
-            raise AssertionError(f"{c.label}: the wgmma kernel needs K-major, 16-byte aligned A and B")
-    elif fam.layouts:            # (a swaps family's kernel runs the swapped product: B' K-major)
-        if (c.ta, c.tb) not in (((True, True),) if fam.swaps else fam.layouts) or not vec:
+    if fam.name != fam.base:     # a warpgroup-MMA kernel: the layouts it reads, aligned
+        if (c.ta, c.tb) not in {fam.kernel_layout(code) for code in fam.layouts} or not vec:
             raise AssertionError(f"{c.label}: the {p.family} kernel needs {fam.needs}")
     elif not vec and p.tile not in fam.unaligned_tiles:
         raise AssertionError(f"{c.label}: {p.family.upper()} tile {p.tile} has no unaligned variant")
 
-    def kernel(epi, has_bias):
-        if c.colsum is not None:
-            return fam.colsum_kernel(p.tile, c.ta, c.tb)
-        return fam.kernel(p.tile, c.ta, c.tb, epi, has_bias, vec)
+    def launch(file, kernel, grid, threads, args, smem=0, label=""):    # args: ((name, value), ...) in order
+        rt.launch(rt.function(file, kernel), grid, (threads,), [v for _, v in args], smem=smem, label=label)
 
+    kernel = fam.colsum_kernel(p.tile, c.ta, c.tb) if c.colsum is not None else \
+        fam.kernel(p.tile, c.ta, c.tb, EPI_NONE if p.splits > 1 else c.epi, p.splits == 1 and c.has_bias, vec)
     operands = _operands(rt, p, c)
-    if p.splits > 1:
-        rM, rN = (c.N, c.M) if fam.swaps else (c.M, c.N)
-        part = GemmCall(ws, c.a, c.b, c.M, c.N, c.K, c.lda, c.ldb, rN, c.ta, c.tb, sC=c.M * c.N, batch=p.splits,
-                        colsum=c.colsum, label=c.label)
-        total = c.M * c.N
-        blocks = max(1, min(cdiv(total, REDUCE_THREADS), rt.info.sm_count * 8))
-        return [KernelLaunch(fam.file, kernel(EPI_NONE, False), _grid(rt, p, c.M, c.N, p.splits), p.threads,
-                             _gemm_args(p, part, operands, p.splits, p.k_chunk), p.smem,
-                             f"{c.label}:splitk{p.splits}"),
-                KernelLaunch(SIMT_FILE, reduce_name(c.epi, c.has_bias), (blocks,), REDUCE_THREADS,
-                             (("out", c.out), ("aux", c.aux), ("partials", ws), ("bias", c.bias), ("M", i32(rM)),
-                              ("N", i32(rN)), ("ldc", i32(c.ldc)), ("splits", i32(p.splits)),
-                              ("alpha", f32(c.alpha))), label=f"{c.label}:reduce")]
-    return [KernelLaunch(fam.file, kernel(c.epi, c.has_bias), _grid(rt, p, c.M, c.N, c.batch), p.threads,
-                         _gemm_args(p, c, operands, 1, max(c.K, 1)), p.smem, c.label)]
-
-
-def _launch_gemm(rt, p: Plan, c: GemmCall, ws=None):
-    for launch in gemm_launches(rt, p, c, ws):
-        launch.run(rt)
+    if p.splits == 1:
+        launch(fam.file, kernel, _grid(rt, p, c.M, c.N, c.batch), p.threads,
+               _gemm_args(p, c, operands, 1, max(c.K, 1)), p.smem, c.label)
+        return
+    rM, rN = (c.N, c.M) if fam.swaps else (c.M, c.N)
+    part = GemmCall(ws, c.a, c.b, c.M, c.N, c.K, c.lda, c.ldb, rN, c.ta, c.tb, sC=c.M * c.N, batch=p.splits,
+                    colsum=c.colsum, label=c.label)
+    launch(fam.file, kernel, _grid(rt, p, c.M, c.N, p.splits), p.threads,
+           _gemm_args(p, part, operands, p.splits, p.k_chunk), p.smem, f"{c.label}:splitk{p.splits}")
+    blocks = max(1, min(cdiv(c.M * c.N, REDUCE_THREADS), rt.info.sm_count * 8))
+    launch(SIMT_FILE, reduce_name(c.epi, c.has_bias), (blocks,), REDUCE_THREADS,
+           (("out", c.out), ("aux", c.aux), ("partials", ws), ("bias", c.bias), ("M", i32(rM)), ("N", i32(rN)),
+            ("ldc", i32(c.ldc)), ("splits", i32(p.splits)), ("alpha", f32(c.alpha))), label=f"{c.label}:reduce")
 
 
 def _operands(rt, p: Plan, c: GemmCall) -> tuple:
-    """A and B as the kernel takes them: pointers, or TMA tensor maps. The 3xTF32 split halves {K, rows,
-    2 (hi, lo)}, dense; a K-major operand (A [M, K], B [N, K]) {K, rows, batch} with boxes {32, BM or BN}
-    in the 128-byte swizzle; an MN-major one (A [K, M]: ta, B [K, N]: not tb, read as stored) {rows, K,
-    batch}, boxes {BM or BN, 32}, unswizzled, except A read through registers (a_regs): boxes {32, 32} in
-    the 128-byte swizzle."""
+    """A and B as the kernel takes them: pointers, or TMA tensor maps. A K-major operand (A [M, K], B
+    [N, K]) {K, rows, batch} with boxes {32, BM or BN} in the 128-byte swizzle; an MN-major one (A [K, M]:
+    ta, B [K, N]: not tb, read as stored) {rows, K, batch}, boxes {BM or BN, 32}, unswizzled, except A
+    read through registers (a_regs): boxes {32, 32} in the 128-byte swizzle."""
     fam = p.fam
-    if fam.split_first:
-        return tuple(rt.tensor_map(x, (c.K, rows_, 2), (4 * c.K, 4 * rows_ * c.K), (32, box, 1))
-                     for x, rows_, box in ((c.a, c.M, p.bm), (c.b, c.N, p.bn)))
     if not fam.tma(p.tile):
         return c.a, c.b
     out = []
@@ -224,10 +192,6 @@ def matmul_dims(out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="no
     return M, N, K, lda, ldb, epi, has_bias
 
 
-def _layout(trans_a, trans_b) -> str:
-    return ("T" if trans_a else "N") + ("T" if trans_b else "N")
-
-
 def _overlap(x, y):
     ptr_x, ptr_y = int(getattr(x, "ptr", 0)), int(getattr(y, "ptr", 0))
     return ptr_x < ptr_y + y.nbytes and ptr_y < ptr_x + x.nbytes
@@ -239,9 +203,9 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     execution plan whose choices apply (the backend passes its own; default rt's). `plan` forces a
     plan (benchmarks, bench/tune.py); otherwise the measured table, else the cost model.
     a_colsum [M] (trans_a only): also a_colsum = a.sum(0) of a as stored [K, M], the bias gradient of
-    a weight gradient; a transpose_a plan takes the partial sums from its A^T transposes, a plan
-    whose kernel reads A as stored (wgmma_mn, wgmma3_ra: has_colsum_kernel) from that kernel's
-    producers, else elementwise.bias_grad reads a once more."""
+    a weight gradient; a swapped product (wgmma_ra_t) takes the partial sums from its A^T transpose, a
+    plan whose kernel reads A as stored (wgmma_ra, wgmma_ra_mn, wgmma3_ra: has_colsum_kernel) from
+    that kernel's consumers, else elementwise.bias_grad reads a once more."""
     M, N, K, lda, ldb, epi, has_bias = matmul_dims(out, a, b, trans_a, trans_b, bias, epilogue, aux)
     if a_colsum is not None and (not trans_a or a_colsum.numel != M):
         raise ValueError(f"matmul: a_colsum needs trans_a and {M} elements, got {a_colsum.shape} (trans_a {trans_a})")
@@ -249,84 +213,53 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     family = ex.gemm_family
     ws, cap = ws_capacity(rt)
     vec = _vec_ok(a, b, lda, ldb, 0, 0)
-    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, 1, M, ex=ex)
-    slab = rt_transpose_a_slab(rt, M, N, K, trans_b) if wg in ("transpose_ab", "transpose_a") else 0
+    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, 1, ex=ex)
     label = f"matmul[{M}x{N}x{K}]"
     p = plan
     if p is not None:
-        check_plan(label, p, family, vec, 1, cap, M, N, K, wg, slab, epi)
+        check_plan(label, p, family, vec, 1, cap, M, N, K, wg, epi)
     else:
         key = tune_key(ex.table_tag, trans_a, trans_b, epilogue, has_bias, M, N, K, 1, a_colsum is not None)
         p = tuned_plan(rt, key, vec, cap, M, N, wg, ex=ex)
     if p is None:
-        p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg, k_slab=slab,
-                       colsum=a_colsum is not None, **ra_scratch(M, N, K, ws_capacity(rt, "gemm_aT")[1]))
-    if p.transpose_a:
-        part = None if a_colsum is None else _colsum_partials(rt, M, K, p.k_slab or K)
-        _matmul_transposed_a(rt, p, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label, part)
-        if part is not None:
-            elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
-        elif a_colsum is not None:
-            elementwise.bias_grad(rt, a_colsum, a)
-        return
+        p = model_plan(M, N, K, 1, rt.info.sm_count, family, max_ws=cap, vec=vec, epi=epi, wgmma=wg,
+                       colsum=a_colsum is not None, scratch=rt_scratch(rt))
     if p.fam.swaps:
-        _matmul_swapped(rt, p, out, a, b, M, N, K, a_colsum, ws, label)
-        return
-    stored_a = a                 # (a 3xTF32 plan re-binds a to its split halves)
-    if p.fam.split_first:
-        a, b = _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label)
-        trans_a, trans_b, lda, ldb = False, True, K, K
-    elif p.transpose_b:          # (a register-A plan's B^T, [N, tokens], goes where the A^T slabs would)
-        b, trans_b, ldb = _transpose_b(rt, b, K, N, label, "gemm_aT" if p.fam.b_first else "gemm_bT"), True, K
-    if (trans_a, trans_b, epi, has_bias) not in COMBOS[p.family]:
-        raise ValueError(f"{label}: the {p.family} kernels are not compiled for {_layout(trans_a, trans_b)} with "
-                         f"epilogue code {epi}{' and a bias' if has_bias else ''} (the op interface's products: "
-                         f"gemm.PRODUCTS; others run re-laid out, on the warpgroup-MMA kernels)")
-    # a kernel that sums A as it reads it (gemm_wgmma_mn, gemm_wgmma3_ra) gives the bias gradient's
-    # partials, one row per split; elsewhere bias_grad reads A once more
-    part = None
-    if a_colsum is not None and has_colsum_kernel(p, trans_a, trans_b) and epi == EPI_NONE:
-        part = _partials(rt, p.splits, M)
-    _launch_gemm(rt, p, GemmCall(out, a, b, M, N, K, lda, ldb, N, trans_a, trans_b, epi, bias, aux, sC=M * N,
-                                 colsum=part, label=label), ws)
+        part = _matmul_swapped(rt, p, out, a, b, M, N, K, a_colsum, ws, label)
+    else:
+        if p.transpose_b:
+            b, trans_b, ldb = _transpose_b(rt, b, K, N, label, p.fam.scratch), True, K
+        if (trans_a, trans_b, epi, has_bias) not in COMBOS[p.family]:
+            raise ValueError(f"{label}: the {p.family} kernels are not compiled for {layout_code(trans_a, trans_b)} "
+                             f"with epilogue code {epi}{' and a bias' if has_bias else ''} (the op interface's "
+                             f"products: gemm.PRODUCTS)")
+        # a kernel that sums A as it reads it (gemm_wgmma_ra, gemm_wgmma3_ra) gives the bias gradient's
+        # partials, one row per split; elsewhere bias_grad reads A once more
+        part = None
+        if a_colsum is not None and has_colsum_kernel(p, trans_a, trans_b) and epi == EPI_NONE:
+            part = _partials(rt, p.splits, M)
+        _launch_gemm(rt, p, GemmCall(out, a, b, M, N, K, lda, ldb, N, trans_a, trans_b, epi, bias, aux, sC=M * N,
+                                     colsum=part, label=label), ws)
     if part is not None:
         elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
     elif a_colsum is not None:
-        elementwise.bias_grad(rt, a_colsum, stored_a)
-
-
-def matmul_plan(rt, p: Plan, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none",
-                aux=None):
-    """matmul with a given plan (benchmarks, tile sweeps, bench/tune.py). Split-K plans read
-    rt.workspace("gemm_splitk")."""
-    matmul(rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, plan=p)
+        elementwise.bias_grad(rt, a_colsum, a)
 
 
 def _scratch(rt, name, shape, label):
     ws, cap = ws_capacity(rt, name)
-    shape = (shape,) if isinstance(shape, int) else shape
-    n = math.prod(shape)
-    if ws is None or cap < n:
-        raise ValueError(f"{label}: this plan needs the workspace {name} of {n} floats")
+    if ws is None or cap < math.prod(shape):
+        raise ValueError(f"{label}: this plan needs the workspace {name} of {math.prod(shape)} floats")
     return DeviceView(ws.ptr, tuple(shape), "f32", name)
 
 
-
-
-def _transpose_into(rt, out, x, K, N, split, label, what="B^T", colsum=None, chunk0=0):
-    """x [K, N] (dense) -> out [N, K], or its hi and lo halves [2, N, K] when split. colsum (not with
-    split): also colsum[chunk0 + i, :] = the column sums of x's rows 64 i .. 64 i + 63."""
+def _transpose_into(rt, out, x, K, N, label, what="B^T", colsum=None, chunk0=0):
+    """x [K, N] (dense) -> out [N, K]. colsum: also colsum[chunk0 + i, :] = the column sums of x's rows
+    64 i .. 64 i + 63."""
     vec = K % 4 == 0 and N % 4 == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0
-    name = TRANSPOSE_NAMES[split, vec] if colsum is None else COLSUM_TRANSPOSE_NAMES[vec]
-    rt.launch(rt.function(SIMT_FILE, name),
+    rt.launch(rt.function(SIMT_FILE, transpose_name(vec, colsum is not None)),
               (cdiv(N, TRANSPOSE_TILE), cdiv(K, TRANSPOSE_TILE)), (TRANSPOSE_THREADS,),
               [out, x, i32(K), i32(N), colsum, i32(chunk0)], label=f"{label}:{what}")
-
-
-def _colsum_partials(rt, M, K, kc):
-    """The bias-gradient partials workspace viewed [chunks, M] for the A^T transposes of K rows in
-    slabs of kc (one chunk per 64-row tile of a slab), or None where it does not hold them."""
-    return _partials(rt, sum(cdiv(min(kc, K - k0), TRANSPOSE_TILE) for k0 in range(0, K, kc)), M)
 
 
 def _partials(rt, chunks, M):
@@ -337,81 +270,25 @@ def _partials(rt, chunks, M):
     return elementwise.partials(rt, chunks, M, elementwise.WORKSPACE)
 
 
-def _matmul_transposed_a(rt, p: Plan, out, aux, a, b, bias, M, N, K, trans_b, epi, has_bias, ws, label,
-                         part=None):
-    """A transpose_a plan: per k slab [k0, k0 + kc) (all of K when p.k_slab is 0), A's rows k0 ..
-    of [K, M] (a contiguous sub-view) -> "gemm_aT" as [M, kc], B's rows of [K, N] -> after it as
-    [N, kc] (trans_b: B [N, K] is read in place, columns k0 ..), then the K-major wgmma product;
-    the first slab applies the epilogue, the later ones add to out (residual with aux = out), in
-    slab order: deterministic. part (`_colsum_partials`): the A^T transposes also write the column
-    sums of their 64-row tiles into its rows, in k order (elementwise.sum_rows then adds them up)."""
-    kc = p.k_slab or K
-    at = _scratch(rt, "gemm_aT", (M + (0 if trans_b else N)) * min(kc, K), label)
-    chunk = 0
-    for k0 in range(0, K, kc):
-        kl = min(kc, K - k0)
-        a_t = DeviceView(at.ptr, (M, kl), "f32", "gemm_aT")
-        _transpose_into(rt, a_t, DeviceView(a.ptr + 4 * k0 * M, (kl, M), "f32", "A slab"), kl, M, False,
-                        label, "A^T", part, chunk)
-        chunk += cdiv(kl, TRANSPOSE_TILE)
-        if trans_b:
-            b_op, ldb = DeviceView(b.ptr + 4 * k0, (N, kl), "f32", "B slab"), K
-        else:
-            b_op, ldb = DeviceView(at.ptr + 4 * M * kl, (N, kl), "f32", "gemm_aT"), kl
-            _transpose_into(rt, b_op, DeviceView(b.ptr + 4 * k0 * N, (kl, N), "f32", "B slab"), kl, N, False,
-                            label, "B^T")
-        first = k0 == 0
-        _launch_gemm(rt, p, GemmCall(out, a_t, b_op, M, N, kl, kl, ldb, N, False, True, epi if first else EPI_RESID,
-                                     bias if first else None, aux if first else out, sC=M * N,
-                                     label=label if K == kl else f"{label}:k{k0}"), ws)
-
-
 def _matmul_swapped(rt, p: Plan, out, a, b, M, N, K, a_colsum, ws, label):
     """A swaps plan (wgmma_ra_t) of out [M, N] = a^T b, a [K, M] and b [K, N] as stored, run as the
-    product P = out^T = b^T a: a transposed into "gemm_aT" as [M, K] (a_colsum: its column sums on
-    the way, `_colsum_partials`), b read as stored through registers, P stored transposed into out
-    (split-K: its partials in out's layout, the usual reduction). The weight gradient whose input b
-    is the larger operand (dW fcproj = dY^T act) transposes dY instead of act."""
-    part = None if a_colsum is None else _colsum_partials(rt, M, K, K)
-    at = _scratch(rt, "gemm_aT", (M, K), label)
-    _transpose_into(rt, at, a, K, M, False, label, "A^T", colsum=part)
+    product P = out^T = b^T a: a transposed into its scratch as [M, K], b read as stored through
+    registers, P stored transposed into out (split-K: its partials in out's layout, the usual
+    reduction). The weight gradient whose input b is the larger operand (dW fcproj = dY^T act)
+    transposes dY instead of act. a_colsum: the transpose writes a's column sums, a row per 64-row
+    tile of a, into the partials it returns (None where they do not fit: bias_grad then)."""
+    part = None if a_colsum is None else _partials(rt, cdiv(K, TRANSPOSE_TILE), M)
+    at = _scratch(rt, p.fam.scratch, (M, K), label)
+    _transpose_into(rt, at, a, K, M, label, "A^T", colsum=part)
     _launch_gemm(rt, p, GemmCall(out, b, at, N, M, K, N, K, N, True, True, sC=M * N, label=label), ws)
-    if part is not None:
-        elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
-    elif a_colsum is not None:
-        elementwise.bias_grad(rt, a_colsum, a)
+    return part
 
 
-def _transpose_b(rt, b, K, N, label, scratch="gemm_bT"):
+def _transpose_b(rt, b, K, N, label, scratch):
     """B [K, N] -> the workspace `scratch` as [N, K] (the operand of a transpose_b plan)."""
     bt = _scratch(rt, scratch, (N, K), label)
-    _transpose_into(rt, bt, b, K, N, False, label)
+    _transpose_into(rt, bt, b, K, N, label)
     return bt
-
-
-def _split_into(rt, out, x, rows_, cols, ld, label, what):
-    vec = x.ptr % 16 == 0 and cols % 4 == 0 and ld % 4 == 0
-    groups = rows_ * cdiv(cols, 4)
-    blocks = max(1, min(cdiv(groups, SPLIT_THREADS), rt.info.sm_count * 8))
-    rt.launch(rt.function(SIMT_FILE, SPLIT_NAMES[vec]), (blocks,), (SPLIT_THREADS,),
-              [out, x, i32(rows_), i32(cols), i32(ld)], label=f"{label}:split {what}")
-
-
-def _split_operands(rt, a, b, trans_a, trans_b, M, N, K, lda, ldb, label):
-    """The operands of a 3xTF32 plan: A, [M, K] or [K, M] (trans_a: transposed on the way), ->
-    "gemm_split_a" [2, M, K] (hi, lo); B, [N, K] (trans_b) or [K, N] (transposed on the way), ->
-    "gemm_split_b" [2, N, K]."""
-    sa = _scratch(rt, "gemm_split_a", (2, M, K), label)
-    sb = _scratch(rt, "gemm_split_b", (2, N, K), label)
-    if trans_a:
-        _transpose_into(rt, sa, a, K, M, True, label, "split A^T")
-    else:
-        _split_into(rt, sa, a, M, K, lda, label, "A")
-    if trans_b:
-        _split_into(rt, sb, b, N, K, ldb, label, "B")
-    else:
-        _transpose_into(rt, sb, b, K, N, True, label, "split B^T")
-    return sa, sb
 
 
 def matmul_batched_dims(out, a, b, trans_a=False, trans_b=False):
@@ -440,7 +317,7 @@ def matmul_batched_dims(out, a, b, trans_a=False, trans_b=False):
     if batch > MAX_GRID_Z:
         raise ValueError(f"matmul_batched: batch {batch} exceeds {MAX_GRID_Z}")
     if (trans_a, trans_b) not in PRODUCTS:
-        raise ValueError(f"matmul_batched: {_layout(trans_a, trans_b)} is not a layout the kernels are built for "
+        raise ValueError(f"matmul_batched: {layout_code(trans_a, trans_b)} is not a layout the kernels are built for "
                          f"(NT, NN, TN)")
     lda = M if trans_a else K
     ldb = N if not trans_b else K
@@ -454,8 +331,7 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
     ex = rt.exec if ex is None else ex
     family = ex.gemm_family
     vec = _vec_ok(a, b, lda, ldb, M * K, K * N)
-    # the batched launch re-lays nothing out: K-major operands only
-    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, N, batch, ex=ex) == "direct" and "direct"
+    wg = wgmma_ok(rt, trans_a, trans_b, vec, K, batch, ex=ex)        # (batched: x @ W^T only)
     label = f"matmul_batched[{batch}x{M}x{N}x{K}]"
     p = plan
     if p is not None:

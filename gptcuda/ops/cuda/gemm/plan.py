@@ -1,34 +1,24 @@
 """Planning a GEMM: the block tile, the split-K factor and the operand re-layout of a shape, from a
 cost model (`plan`, `estimate_s`), the candidates bench/tune.py times (`tune_candidates`), the
 workspaces a config plans (`workspace`), and whether a plan can run a launch (`plan_unfit`).
-Which layouts the warpgroup-MMA families can run, and with which scratch, is layout.py's."""
+Which layouts the warpgroup-MMA families may run on a runtime is layout.py's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from gptcuda.runtime import execution
 from gptcuda.runtime.execution import GEMM_FAMILIES
-from gptcuda.ops.cuda.gemm.families import (EPI_BIAS, EPI_IO, EPI_NONE, EPI_RESID, FAMILIES, MAX_GRID_Z,
-                                            MAX_SPLITS, SPLIT_ALIGN, cdiv)
-from gptcuda.ops.cuda.gemm.layout import mode_flags
+from gptcuda.ops.cuda.gemm.families import (EPI_IO, EPI_NONE, FAMILIES, MAX_GRID_Z, MAX_SPLITS, SPLIT_ALIGN,
+                                            WGMMA_FILE, cdiv, layout_code)
 
 
 @dataclass(frozen=True)
 class Plan:
-    family: str          # "simt" | "tf32" | "wgmma" | "wgmma_mn" | "wgmma3" | "wgmma3_ra" | ...: a FAMILIES key
+    family: str          # "simt" | "tf32" | "wgmma" | "wgmma_ra" | ... | "wgmma3_ra": a FAMILIES key
     tile: tuple          # an entry of the family's tiles
-    threads: int
-    blocks_per_sm: int
     splits: int
     k_chunk: int
-    smem: int = 0
-    transpose_b: bool = False   # wgmma on B [K, N]: B is first transposed into "gemm_bT" [N, K]
-                                # (wgmma3: into "gemm_split_b" [2, N, K]; transpose_a: into
-                                # "gemm_aT" after A^T, as [N, k slab])
-    transpose_a: bool = False   # wgmma on A stored [K, M] (trans_a, the weight gradients): A is first
-                                # transposed into "gemm_aT" [M, k slab] (TF32 only; wgmma3 splits it)
-    k_slab: int = 0             # transpose_a: k rows per slab (a multiple of SPLIT_ALIGN, splits == 1);
-                                # 0: the whole K at once
+    transpose_b: bool = False   # B [K, N] first transposed into the family's scratch as [N, K]
 
     @property
     def fam(self):
@@ -42,6 +32,30 @@ class Plan:
     def bn(self):
         return self.tile[1]
 
+    @property
+    def threads(self):
+        return self.fam.threads(self.tile)
+
+    @property
+    def blocks_per_sm(self):
+        return self.fam.blocks_per_sm(self.tile)
+
+    @property
+    def smem(self):
+        return self.fam.smem(self.tile)
+
+    def relaid(self, M, N, K):
+        """(workspace, floats) of the operand this plan re-lays out before its kernel: B^T [N, K]
+        (transpose_b), A^T [M, K] (the swapped product); None."""
+        if self.transpose_b or self.fam.swaps:
+            return self.fam.scratch, (M if self.fam.swaps else N) * K
+        return None
+
+    def fits(self, M, N, K, scratch=None) -> bool:
+        """Whether the planned scratch ({workspace: floats}; None: unlimited) holds what it re-lays out."""
+        need = self.relaid(M, N, K)
+        return need is None or scratch is None or 0 < need[1] <= scratch.get(need[0], 0)
+
 
 # The rest of the rough machine model (H200-like; the peak rates are the families'), only used to
 # rank candidate plans against each other.
@@ -49,20 +63,10 @@ _BYTES_PER_S = 3.5e12
 _L2_BYTES_PER_S = 9e12                # L2 -> SM operand streaming, all SMs together: the wgmma TMA kernel
                                       # streamed 3.2 GB of operand panels in 0.365 ms at 4096^3 (8.8 TB/s)
 _LAUNCH_S = 3e-6
-_TRANSPOSE_BYTES_PER_S = 3e12         # gemm_transpose<false> measured ~3.2 TB/s (bench/NOTES.md)
 _L2_RESIDENT_BYTES = 40e6             # an operand above this (H200: 50 MB of L2) is re-read from DRAM
                                       # by every row of output tiles that sweeps it (see estimate_s)
 _FILL_S = 1.5e-6                      # a block's pipeline fill: latency of its first operand tiles
 _HIDDEN = 0.25                        # share of fill + epilogue not hidden when another block is resident
-
-
-def _candidates(family, vec=True, tiles=None):
-    """(tile, threads, blocks/SM, efficiency, smem) of the family's tiles that run operands of this
-    alignment (`tiles`: restrict to these; default: the cost model's own set)."""
-    fam = FAMILIES[family]
-    pool = fam.tiles if vec else fam.unaligned_tiles
-    return [(t, fam.threads(t), fam.blocks_per_sm(t), fam.efficiency[t], fam.smem(t))
-            for t in pool if (t in fam.plan_tiles if tiles is None else t in tiles)]
 
 
 def _util(warps):
@@ -90,35 +94,25 @@ def split_chunk(K, splits):
     return chunk if cdiv(K, chunk) == splits else None
 
 
-def make_plan(family, tile, splits, K, transpose_b=False, transpose_a=False, k_slab=0) -> Plan | None:
+def make_plan(family, tile, splits, K, transpose_b=False) -> Plan | None:
     """The Plan of a family / tile / split count for reduction length K (None: no such plan);
-    transpose_b: a wgmma plan that first transposes B; transpose_a: a TF32 wgmma plan that first
-    transposes A (stored [K, M]; with transpose_b B too) into "gemm_aT", in slabs of k_slab k rows
-    (0 or >= K: all of K at once; else a multiple of SPLIT_ALIGN, and no split-K)."""
+    transpose_b: a family that transposes B first (its `transposes_b` layout)."""
     fam = FAMILIES.get(family)
-    if fam is None or not 1 <= splits <= MAX_SPLITS or K < 1:
+    if fam is None or tile not in fam.tiles + fam.unaligned_tiles or not 1 <= splits <= MAX_SPLITS or K < 1:
         return None
-    if transpose_b and not (fam.k_major or fam.b_first):
-        return None
-    k_slab = 0 if not transpose_a or k_slab >= K else int(k_slab)
-    if transpose_a and (not fam.transposes_a or k_slab < 0 or k_slab % SPLIT_ALIGN or (k_slab and splits > 1)):
+    if transpose_b and not fam.transposes_b:
         return None
     chunk = split_chunk(K, splits)
-    if chunk is None:
-        return None
-    for t, threads, bps, _eff, smem in _candidates(family, True, tiles=[tile]) or \
-            _candidates(family, False, tiles=[tile]):
-        return Plan(family, t, threads, bps, splits, chunk, smem, transpose_b, transpose_a, k_slab)
-    return None
+    return None if chunk is None else Plan(family, tile, splits, chunk, transpose_b)
 
 
 def b_reads(p: Plan, M, N, k_chunk, sm_count=132) -> int:
     """How often B comes from DRAM: the grid's x (N tiles) runs fastest, so a wave of sm_count x
     blocks_per_sm blocks covers a few rows of output tiles (or part of one), each sweeping all of
-    B's panels; when B's part of one split, N x k_chunk floats (x2: 3xTF32 halves), is more than the
-    L2 keeps, every later wave re-reads it: min(row tiles, waves) reads (the head's logits = lnf @
-    wte^T, wte 154 MB: 64 reads of wte with 128-row tiles, 32 with 256-row tiles), else one."""
-    if 4.0 * p.fam.halves * N * max(k_chunk, 1) <= _L2_RESIDENT_BYTES:
+    B's panels; when B's part of one split, N x k_chunk floats, is more than the L2 keeps, every
+    later wave re-reads it: min(row tiles, waves) reads (the head's logits = lnf @ wte^T, wte 154 MB:
+    64 reads of wte with 128-row tiles, 32 with 256-row tiles), else one."""
+    if 4.0 * N * max(k_chunk, 1) <= _L2_RESIDENT_BYTES:
         return 1
     rows_, tiles = cdiv(M, p.bm), cdiv(M, p.bm) * cdiv(N, p.bn)
     return max(1, min(rows_, cdiv(tiles, sm_count * p.blocks_per_sm)))
@@ -134,10 +128,8 @@ def _gemm_estimate(p: Plan, M, N, K, k_chunk, batch, epi, sm_count) -> float:
     per_block = _FILL_S + p.bm * p.bn * 4 * io / (_BYTES_PER_S / sm_count)
     per_sm = cdiv(blocks, sm_count)
     t += per_sm * per_block * (_HIDDEN if p.blocks_per_sm >= 2 else 1.0)
-    halves = fam.halves
-    t = max(t, 4.0 * batch * (halves * (M * K + b_reads(p, M, N, k_chunk, sm_count) * K * N) + M * N * io)
-            / _BYTES_PER_S,
-            4.0 * halves * blocks * (p.bm + p.bn) * max(k_chunk, 1) / _L2_BYTES_PER_S)
+    t = max(t, 4.0 * batch * (M * K + b_reads(p, M, N, k_chunk, sm_count) * K * N + M * N * io) / _BYTES_PER_S,
+            4.0 * blocks * (p.bm + p.bn) * max(k_chunk, 1) / _L2_BYTES_PER_S)
     if p.splits > 1:
         t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
     return t
@@ -153,74 +145,26 @@ def estimate_s(p: Plan, M, N, K, batch=1, epi=EPI_NONE, sm_count=132, colsum=Fal
     per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's
     main loop when blocks_per_sm >= 2), at least the DRAM traffic (B re-read where it outgrows
     the L2: `b_reads`) and the operand panels every block streams from L2; split-K adds its
-    partials and the reduction; the re-layout passes (transposes, 3xTF32 splits) their bytes.
-    transpose_a plans: the transposes of A (and B) at ~3 TB/s, then one GEMM per k slab, every
-    slab after the first reading out back (the residual epilogue). colsum (matmul's a_colsum, A
-    stored [K, M]): the A^T transposes and the producers of gemm_wgmma_mn / the consumers of gemm_wgmma3_ra give it
-    nearly free, other plans read A once more."""
+    partials and the reduction; the re-layout passes (transposes) their bytes. colsum (matmul's
+    a_colsum, A stored [K, M]): the A^T transpose of a swapped product and the consumers of
+    gemm_wgmma_ra / gemm_wgmma3_ra give it nearly free, other plans read A once more."""
     extra = 0.0
     if colsum:
-        fused = p.transpose_a or p.fam.swaps or has_colsum_kernel(p, True, False)
+        fused = p.fam.swaps or has_colsum_kernel(p, True, False)
         extra = _LAUNCH_S / 3 + (0.0 if fused else _LAUNCH_S / 3 + 4.0 * K * M / _BYTES_PER_S)
-    return extra + _estimate_s(p, M, N, K, batch, epi, sm_count)
+    t = _gemm_estimate(p, *((N, M) if p.fam.swaps else (M, N)), K, p.k_chunk, batch, epi, sm_count)
+    if (relaid := p.relaid(M, N, K)) is not None:     # (swaps: out^T = B^T A after A^T [M, K])
+        t += _LAUNCH_S / 3 + 8.0 * batch * relaid[1] / _BYTES_PER_S
+    return extra + t
 
 
-def _estimate_s(p: Plan, M, N, K, batch, epi, sm_count) -> float:
-    if p.transpose_a:
-        kc = p.k_slab or K
-        n, last = cdiv(K, kc), K - (cdiv(K, kc) - 1) * kc
-        t = _gemm_estimate(p, M, N, kc if n > 1 else K, kc if n > 1 else p.k_chunk, batch, epi, sm_count)
-        if n > 1:
-            t += (n - 2) * _gemm_estimate(p, M, N, kc, kc, batch, EPI_RESID, sm_count)
-            t += _gemm_estimate(p, M, N, last, last, batch, EPI_RESID, sm_count)
-        ops = 2 if p.transpose_b else 1
-        return t + n * ops * _LAUNCH_S / 3 + \
-            8.0 * batch * K * (M + (N if p.transpose_b else 0)) / _TRANSPOSE_BYTES_PER_S
-    if p.fam.swaps:                    # out^T = B^T A after A^T [M, K]
-        return _gemm_estimate(p, N, M, K, p.k_chunk, batch, epi, sm_count) + _LAUNCH_S / 3 + \
-            8.0 * batch * K * M / _BYTES_PER_S
-    t = _gemm_estimate(p, M, N, K, p.k_chunk, batch, epi, sm_count)
-    if p.fam.split_first:              # the split passes: read 4 bytes, write 8, per element of A and B
-        t += 2 * _LAUNCH_S / 3 + 12.0 * (M * K + K * N) / _BYTES_PER_S
-    elif p.transpose_b:
-        t += _LAUNCH_S / 3 + 8.0 * batch * K * N / _BYTES_PER_S
-    return t
-
-
-def slab_epi_ok(epi) -> bool:
-    """Whether a product in k slabs can apply this epilogue (linear ones: bias and residual on the
-    first slab, the later ones add to out)."""
-    return epi in (EPI_NONE, EPI_BIAS, EPI_RESID)
-
-
-def competing(family, wgmma, vec=True, epi=None, ra_bt=True, ra_at=True) -> list:
-    """The families that compete for a product: the base family of `family`, and where `wgmma_ok`
-    answered `wgmma` its warpgroup-MMA partner, plus, with 16-byte aligned operands, the partner
-    that read any layout as stored (`stored_partners`) or (A^T B with A [K, M] and B [K, N] as
-    stored, "transpose_ab") the one that reads those (`mn_partner`), and for A [K, M] ("transpose_a"
-    / "transpose_ab") the register-A ones (`ra_partners`: the first with B [N, K], or with B [K, N]
-    transposed into "gemm_aT" where that holds it (ra_bt), the second with B [K, N] as stored, the
-    third (swaps) with A^T [M, K] in "gemm_aT" where that holds it (ra_at)) whose kernels exist for
-    epilogue code epi (None: any)."""
+def competing(family, wgmma=False, epi=None) -> list:
+    """The families that compete for a product: the base family of `family` and, where `wgmma_ok`
+    answered layout `wgmma`, its warpgroup-MMA partners that run that layout, compiled for epilogue
+    code epi (None: any)."""
     base = FAMILIES[_base_family(family)]
-    out = [base.name] + ([base.partner] if wgmma else [])
-    if wgmma and vec:
-        out += list(base.stored_partners)
-    if wgmma == "transpose_ab" and vec and base.mn_partner:
-        out.append(base.mn_partner)
-    if wgmma in ("transpose_a", "transpose_ab") and vec:
-        for name in base.ra_partners:
-            fam = FAMILIES[name]
-            if epi is not None and not fam.runs_epi(epi):
-                continue
-            b_stored = wgmma == "transpose_ab"           # B [K, N]
-            if fam.swaps:
-                ok = b_stored and ra_at
-            else:
-                ok = (fam.mn_major and b_stored) or (not fam.mn_major and (ra_bt or not b_stored))
-            if ok:
-                out.append(name)
-    return out
+    return [base.name] + [name for name in base.partners if wgmma in FAMILIES[name].layouts and
+                          (epi is None or FAMILIES[name].runs_epi(epi))]
 
 
 def _base_family(family):
@@ -229,43 +173,38 @@ def _base_family(family):
 
 
 def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=True,
-         vec=True, tiles=None, splits=None, epi=EPI_NONE, wgmma=False, k_slab=0, colsum=False,
-         ra_bt=True, ra_at=True) -> Plan:
+         vec=True, tiles=None, splits=None, epi=EPI_NONE, wgmma=False, colsum=False, scratch=None) -> Plan:
     """The tile and split count with the lowest modelled time (`estimate_s`). max_ws: floats
     available for split-K partials (0 disables split-K); vec: whether 16-byte loads are possible
     (TF32 has its guarded fallback for fewer tiles); tiles / splits: restrict the candidates to
     these tiles / this split count (benchmarks, sweeps, tuning); epi: the epilogue code (its
-    [M, N] traffic weighs on the choice); wgmma: `wgmma_ok`'s answer, the warpgroup-MMA tiles
-    compete too ("transpose": their plans transpose B first; "transpose_ab" / "transpose_a": A
-    (and B) first, in slabs of k_slab k rows (`transpose_a_slab`; 0: all of K), no split-K when
-    that is less than K; for the simt family: the 3xTF32 tiles). A wgmma tile's tie with its TMA
-    twin goes to the TMA loader (5-20% faster where measured). colsum: the product also gives A's
-    column sums (estimate_s); ra_bt / ra_at: "gemm_aT" holds B^T [N, K] / A^T [M, K] for a register-A
-    plan (`competing`)."""
+    [M, N] traffic weighs on the choice); wgmma: `wgmma_ok`'s answer, the layout whose
+    warpgroup-MMA families compete too (`competing`; aligned operands only), those that re-lay an
+    operand out where the planned scratch ({workspace: floats}, None: any) holds it. A wgmma tile's
+    tie with its TMA twin goes to the TMA loader (5-20% faster where measured). colsum: the product
+    also gives A's column sums (estimate_s)."""
     best = None
-    for name in competing(family, wgmma, vec, epi, ra_bt, ra_at):
+    for name in competing(family, wgmma if vec else False, epi):
         fam = FAMILIES[name]
-        tb, ta = mode_flags(name, wgmma)
-        slab = k_slab if ta and 0 < k_slab < K else 0
-        if slab and (not slab_epi_ok(epi) or slab % SPLIT_ALIGN):
-            continue
-        # transpose_ab re-lays both operands out densely: the tiles' 16-byte loads read the scratch
-        for tile, threads, bps, _eff, smem in _candidates(name, vec or (ta and tb), tiles):
+        pool = fam.tiles if vec else fam.unaligned_tiles
+        for tile in (t for t in pool if t in (fam.plan_tiles if tiles is None else tiles)):
             blocks = cdiv(M, tile[0]) * cdiv(N, tile[1]) * batch
             split_opts = [1]
             if splits is not None:
                 split_opts = [splits]
-            elif allow_split and batch == 1 and max_ws > 0 and K >= 2 * SPLIT_ALIGN and not slab \
-                    and blocks < fam.split_waves * sm_count * bps:
+            elif allow_split and batch == 1 and max_ws > 0 and K >= 2 * SPLIT_ALIGN \
+                    and blocks < fam.split_waves * sm_count * fam.blocks_per_sm(tile):
                 # wgmma: also past one wave (a long K over few output tiles, the head's dlnf =
                 # dlogits @ wte: 192 256x128 tiles, 1.45 waves; split 2: 2.9)
                 split_opts = range(1, min(MAX_SPLITS, cdiv(K, SPLIT_ALIGN)) + 1)
             for s in split_opts:
                 chunk = split_chunk(K, s)
-                if chunk is None or (s > 1 and (s * M * N > max_ws or s > MAX_GRID_Z or slab)):
+                if chunk is None or (s > 1 and (s * M * N > max_ws or s > MAX_GRID_Z)):
                     continue
-                p = Plan(name, tile, threads, bps, s, chunk, smem, tb, ta, slab)
-                cp_async = fam.k_major and not fam.tma(tile)      # a tie with its TMA twin: TMA
+                p = Plan(name, tile, s, chunk, wgmma == fam.transposes_b)
+                if not p.fits(M, N, K, scratch):
+                    continue
+                cp_async = fam.file == WGMMA_FILE and not fam.tma(tile)    # a tie with its TMA twin: TMA
                 key = (estimate_s(p, M, N, K, batch, epi, sm_count, colsum), s, -tile[0] * tile[1], cp_async)
                 if best is None or key < best[0]:
                     best = (key, p)
@@ -280,29 +219,20 @@ TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0, wgmma=False, epi=EPI_NONE,
-                    k_slab=0, ra_bt=True, ra_at=True) -> list:
-    """Every plan bench/tune.py may time for a shape: each tile of the family that can run it
-    (unaligned operands: the fallback tiles only; wgmma: the warpgroup-MMA tiles too, transpose_a
-    ones in slabs of k_slab (0: all of K; no split-K and only linear epilogues `epi` when less)) x
-    each split count that fits the workspace."""
-    base = FAMILIES[_base_family(family)]
-    pool = [(base.name, t) for t in (base.tiles if vec else base.unaligned_tiles)]
-    for name in competing(family, wgmma, vec, epi, ra_bt, ra_at)[1:]:
-        fam = FAMILIES[name]
-        if vec or wgmma == "transpose_ab" and fam.transposes_a:
-            pool += [(name, t) for t in fam.tiles]
+                    scratch=None) -> list:
+    """Every plan bench/tune.py may time for a shape: each tile of the families that can run it
+    (unaligned operands: the base family's fallback tiles only; wgmma: the warpgroup-MMA families of
+    that layout, as in `plan`) x each split count that fits the workspace."""
     out = []
-    for fam, tile in pool:
-        tb, ta = mode_flags(fam, wgmma)
-        slab = k_slab if ta and 0 < k_slab < K else 0
-        if slab and not slab_epi_ok(epi):
-            continue
-        for s in TUNE_SPLITS:
-            if s > 1 and (batch != 1 or s * M * N > max_ws or K < 2 * SPLIT_ALIGN or slab):
-                continue
-            p = make_plan(fam, tile, s, K, tb, ta, slab)
-            if p is not None and p not in out:
-                out.append(p)
+    for name in competing(family, wgmma if vec else False, epi):
+        fam = FAMILIES[name]
+        for tile in fam.tiles if vec else fam.unaligned_tiles:
+            for s in TUNE_SPLITS:
+                if s > 1 and (batch != 1 or s * M * N > max_ws or K < 2 * SPLIT_ALIGN):
+                    continue
+                p = make_plan(name, tile, s, K, wgmma == fam.transposes_b)
+                if p is not None and p not in out and p.fits(M, N, K, scratch):
+                    out.append(p)
     return out
 
 
@@ -331,16 +261,11 @@ def _weight_grad_shapes(cfg):
     return shapes
 
 
-HEAD_SLABS = 2
-
-
 def workspace(cfg, ex=None) -> dict:
     """Split-K partials for the weight-gradient GEMMs (K = batch_size * block_size tokens),
     sized for both orientations (dW and dW^T) and both base families at 132 SMs; the wgmma
-    kernels' re-laid operands (the plan's `scratch_kind`, default the config's plan on sm_90: TF32
-    "gemm_bT" and "gemm_aT", fp32 with fp32_gemm 3xtf32 "gemm_split_a" / "gemm_split_b").
-    bench/tune.py only times splits that fit this size."""
-    kind = (ex or execution.resolve(cfg)).scratch_kind
+    kernels' re-laid operands where the plan holds them (`wgmma_scratch`, default the config's plan on
+    sm_90: TF32's "gemm_bT" and "gemm_aT"). bench/tune.py only times splits that fit this size."""
     K = cfg.batch_size * cfg.block_size
     need = 0
     for (m, n) in _weight_grad_shapes(cfg):
@@ -350,100 +275,56 @@ def workspace(cfg, ex=None) -> dict:
                 if p.splits > 1:
                     need = max(need, p.splits * M * N)
     out = {"gemm_splitk": ((need,), "f32")} if need else {}
-    w_max = max(m * n for m, n in _weight_grad_shapes(cfg))
-    if kind == "tf32":
+    if (ex or execution.resolve(cfg)).wgmma_scratch:
+        shapes = _weight_grad_shapes(cfg)
         # B^T of the backward's dX = dY @ W (W [out, in]: [C, 4C] the largest), for the wgmma kernel
-        out["gemm_bT"] = ((w_max,), "f32")
-        # A^T and B^T of a weight gradient dW = dY^T @ X (trans_a) for the wgmma kernel, [out + in,
-        # tokens] of the per-layer weights (the MLP's 4C + C the largest: 126 MB at C 768 and 8192
-        # tokens); the tied head's dwte (V + C rows) runs in k slabs of it, at most HEAD_SLABS
-        # (every slab after the first reads and writes dwte [V, C] once more: 0.3 GB at GPT-2's V)
-        layer_shapes = _weight_grad_shapes(cfg)[:4]
-        V = int(cfg.vocab_size or 0)
-        head = (V + cfg.n_embd) * cdiv(K, HEAD_SLABS) if V else 0
-        out["gemm_aT"] = ((max(max((m + n) * K for m, n in layer_shapes), head),), "f32")
-    elif kind == "3xtf32":
-        # the hi and lo halves of the 3xTF32 operands, up to [tokens, 4C] each: A the MLP's second
-        # product's input, the backward's dY of the first or, transposed, a weight gradient's dY;
-        # B a weight (or its transpose) or, transposed, a weight gradient's input activation
-        out["gemm_split_a"] = ((2 * K * 4 * cfg.n_embd,), "f32")
-        out["gemm_split_b"] = ((2 * max(w_max, K * 4 * cfg.n_embd),), "f32")
+        out["gemm_bT"] = ((max(m * n for m, n in shapes),), "f32")
+        # a weight gradient dW [M, N] = dY^T @ X's re-laid operand, for the register-A kernels: X^T
+        # [N, tokens] (wgmma_ra) or dY^T [M, tokens] (wgmma_ra_t) of the per-layer weights (4C rows the
+        # most: 101 MB at C 768 and 8192 tokens); of the tied head's dwte, lnf^T [C, tokens] only
+        # (dlogits^T [V, tokens] would be 1.65 GB at GPT-2's V)
+        rows = [max(m, n) for m, n in shapes[:4]] + [n for _, n in shapes[4:]]
+        out["gemm_aT"] = ((max(rows) * K,), "f32")
     return out
 
 
 def kernel_label(p: Plan, trans_a, trans_b, vec=True) -> str:
     """Short description of a plan: family, tile, split."""
-    tile = p.fam.label(p.tile)
-    if p.transpose_a:
-        tile += (" A^T, B^T first" if p.transpose_b else " A^T first") + \
-            (f" in k slabs of {p.k_slab}" if p.k_slab else "")
-    elif p.transpose_b:
-        tile += " B^T first"
-    t = ("T" if trans_a else "N") + ("T" if trans_b else "N")
-    return f"{p.family} {tile} {t}{'' if vec else ' unaligned'}" + (f" splitK={p.splits}" if p.splits > 1 else "")
+    tile = p.fam.label(p.tile) + (" B^T first" if p.transpose_b else "")
+    return f"{p.family} {tile} {layout_code(trans_a, trans_b)}{'' if vec else ' unaligned'}" + \
+        (f" splitK={p.splits}" if p.splits > 1 else "")
 
 
 def plan_label(p: Plan) -> str:
     """Compact plan name for tables: tf32 256x128s3, simt 128x128, + /splitK."""
-    tile = p.fam.short(p.tile)
-    if p.transpose_a:
-        tile += (" +aT" if p.transpose_b else " +aT,b") + (f" slab{p.k_slab}" if p.k_slab else "")
-    elif p.transpose_b:
-        tile += " +bT"
-    return f"{p.family} {tile}" + (f" split{p.splits}" if p.splits > 1 else "")
+    return f"{p.family} {p.fam.short(p.tile)}{' +bT' if p.transpose_b else ''}" + \
+        (f" split{p.splits}" if p.splits > 1 else "")
 
 
-def plan_unfit(p: Plan, family, vec, wgmma, slab=0) -> str | None:
+def plan_unfit(p: Plan, family, vec, wgmma) -> str | None:
     """Why plan p cannot run a launch of base family `family` (rt.precision's), alignment `vec`
-    and `wgmma_ok` answer `wgmma` (slab: the k rows per slab rt's "gemm_aT" holds for it, 0: all
-    of K, `rt_transpose_a_slab`); None when it can. (A table entry that does not fit is skipped; a
+    and `wgmma_ok` answer `wgmma`; None when it can. (A table entry that does not fit is skipped; a
     plan the caller forces is refused with this reason.)"""
     fam = p.fam
-    if fam.a_regs and fam.products == 1:    # TF32 weight gradients: A [K, M] through registers; B [N, K],
-                                            # [K, N] transposed first, or as stored
-        if family != fam.base:
-            return f"plan family {p.family} but rt.precision wants {family}"
-        if wgmma not in ("transpose_a", "transpose_ab") or not vec or (fam.mn_major and wgmma != "transpose_ab"):
-            return f"a {p.family} plan needs {fam.needs}"
-        if fam.b_first and p.transpose_b != (wgmma == "transpose_ab"):
-            return f"a {p.family} plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
-    elif fam.layouts:            # reads its layouts as stored (wgmma_mn: A [K, M] and B [K, N] only)
-        if family != fam.base:
-            return f"plan family {p.family} but rt.precision wants {family}"
-        if not wgmma or not vec or (fam.mn_major and wgmma != "transpose_ab"):
-            return f"a {p.family} plan needs {fam.needs}"
-    elif fam.k_major:
-        if family != fam.base:
-            return f"plan family {p.family} but rt.precision wants {family}"
-        if not wgmma:
-            return f"a {p.family} plan needs {fam.needs}"
-        want_tb, want_ta = mode_flags(p.family, wgmma)
-        if p.transpose_a != want_ta:
-            return (f"a wgmma plan {'with' if p.transpose_a else 'without'} transpose_a does not fit "
-                    f"trans_a here")
-        if p.transpose_b != want_tb:
-            return f"a wgmma plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
-        if p.transpose_a and slab and (p.k_slab == 0 or p.k_slab > slab):
-            return (f"the gemm_aT workspace holds k slabs of {slab or 'all'} rows here, the plan needs "
-                    f"{p.k_slab or 'all of K'}")
-    elif p.family != family:
+    if fam.base != family:
         return f"plan family {p.family} but rt.precision wants {family}"
-    elif not vec and p.tile not in fam.unaligned_tiles:
-        return f"{p.family.upper()} tile {p.tile} needs 16-byte aligned operands"
+    if fam.name == fam.base:            # a base family: every layout, unaligned operands on some tiles
+        return None if vec or p.tile in fam.unaligned_tiles else \
+            f"{p.family.upper()} tile {p.tile} needs 16-byte aligned operands"
+    if not vec or wgmma not in fam.layouts:
+        return f"a {p.family} plan needs {fam.needs}"
+    if p.transpose_b != (wgmma == fam.transposes_b):
+        return f"a {p.family} plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
     return None
 
 
-def check_plan(label, p: Plan, family, vec, batch, cap, M, N, K, wgmma=False, slab=0, epi=EPI_NONE):
-    """A plan given by the caller must be runnable here (wgmma: `wgmma_ok` for this launch;
-    transpose_a: slab as in `plan_unfit`, a linear epilogue when it runs in k slabs)."""
-    why = plan_unfit(p, family, vec, wgmma, slab)
+def check_plan(label, p: Plan, family, vec, batch, cap, M, N, K, wgmma=False, epi=EPI_NONE):
+    """A plan given by the caller must be runnable here (wgmma: `wgmma_ok` for this launch)."""
+    why = plan_unfit(p, family, vec, wgmma)
     if why:
         raise ValueError(f"{label}: {why}")
     if not p.fam.runs_epi(epi):
         raise ValueError(f"{label}: the {p.family} kernels are not compiled for epilogue {epi}")
-    if p.k_slab and not slab_epi_ok(epi):
-        raise ValueError(f"{label}: a plan in k slabs adds them through the residual epilogue: "
-                         f"epilogue {epi} cannot run in slabs")
     if p.splits > 1:
         if batch != 1:
             raise ValueError(f"{label}: split-K is not available for batched GEMMs")

@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 
 from gptcuda.files import atomic_open
-from gptcuda.ops.cuda.gemm.families import EPILOGUE_CODES, FAMILIES
-from gptcuda.ops.cuda.gemm.layout import rt_transpose_a_slab
-from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, plan_unfit, slab_epi_ok
+from gptcuda.ops.cuda.gemm.families import FAMILIES
+from gptcuda.ops.cuda.gemm.layout import rt_scratch
+from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, plan_unfit
 from gptcuda.runtime import RuntimeProtocol
 
 TUNE_FORMAT = 1
@@ -59,22 +59,18 @@ def plan_to_json(p: Plan) -> dict:
     d = {"family": p.family, "tile": list(p.tile), "splits": p.splits, "k_chunk": p.k_chunk}
     if p.transpose_b:
         d["transpose_b"] = True
-    if p.transpose_a:
-        d["transpose_a"] = True
-        if p.k_slab:
-            d["k_slab"] = p.k_slab
     return d
 
 
 def plan_from_json(d: dict, K: int) -> Plan | None:
-    """The Plan an entry names, rebuilt for reduction length K (None if it is not a valid plan)."""
+    """The Plan an entry names, rebuilt for reduction length K (None if it is not a valid plan: also
+    one of a family or a re-layout this tree no longer has)."""
     try:
         tile = tuple(int(x) for x in d["tile"])
-        p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K), bool(d.get("transpose_b", False)),
-                      bool(d.get("transpose_a", False)), int(d.get("k_slab", 0)))
+        p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K), bool(d.get("transpose_b", False)))
     except (KeyError, TypeError, ValueError):
         return None
-    if p is None or p.k_chunk != int(d.get("k_chunk", p.k_chunk)):
+    if p is None or p.k_chunk != int(d.get("k_chunk", p.k_chunk)) or d.get("transpose_a"):
         return None
     return p
 
@@ -135,8 +131,8 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
 def tuned_plan(rt: RuntimeProtocol, key: str, vec: bool, ws_floats: int, M: int, N: int, wgmma=False,
                ex=None) -> Plan | None:
     """The table's plan for `key` if there is one this launch can use (its alignment allows the
-    tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch; transpose_a: rt's
-    "gemm_aT" holds its k slab, and its epilogue is linear where it runs in slabs), else None."""
+    tile, the workspace holds its split, wgmma: `wgmma_ok` for this launch, rt's scratch holds what it
+    re-lays out), else None."""
     ex = rt.exec if ex is None else ex         # the execution plan (default rt's)
     if not ex.gemm_table:                               # gemm_tune off (GPTCUDA_GEMM_TUNE=0)
         return None
@@ -146,14 +142,7 @@ def tuned_plan(rt: RuntimeProtocol, key: str, vec: bool, ws_floats: int, M: int,
     p = load_table(name).get(key)
     if p is None:
         return None
-    slab = 0
-    if p.transpose_a:            # the key names the layout, K and the epilogue
-        _, trans, epilogue, _, _ = key.split(":")
-        K = _key_K(key)
-        slab = rt_transpose_a_slab(rt, M, N, K, trans[1] == "T")
-        if p.k_slab and not slab_epi_ok(EPILOGUE_CODES.get(epilogue.split("+")[0], -1)):
-            return None
-    if plan_unfit(p, ex.gemm_family, vec, wgmma, slab):
+    if plan_unfit(p, ex.gemm_family, vec, wgmma) or not p.fits(M, N, _key_K(key), rt_scratch(rt)):
         return None
     if p.splits > 1 and p.splits * M * N > ws_floats:
         return None

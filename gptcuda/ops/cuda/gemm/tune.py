@@ -26,7 +26,7 @@ import numpy as np
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import Blob, DeviceView, Function, execution
 from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_IO, EPILOGUE_CODES
-from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, ra_scratch, transpose_a_slab, wgmma_layout_mode
+from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, wgmma_layout
 from gptcuda.ops.cuda.gemm.timer import EventTimer, _launch, _operand_shapes  # noqa: F401 (EventTimer: bench/tune.py)
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan_label, prune_candidates, tune_candidates, workspace)
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan
@@ -131,22 +131,13 @@ def floor_s(op: GemmOp, ex) -> float:
 
 def candidates_for(op: GemmOp, ex, sm_count: int, ws_floats: int, keep=1.6, max_n=6, scratch=None):
     """(cost-model plan, pruned candidate plans with it first) under execution plan ex: its base
-    family, and where it runs the warpgroup-MMA kernels (`wgmma_mode`) those too, for the ops they can
-    run (scratch: floats of the planned workspaces they need, {name: floats})."""
-    mode = wgmma_layout_mode(ex.wgmma_mode, op.ta, op.tb, op.vec, op.M, op.N, op.K, op.batch, scratch or {})
-    if op.batch > 1 and mode != "direct":      # matmul_batched re-lays nothing out
-        mode = False
-    slab = 0                                   # transpose_a: k rows per slab of "gemm_aT" (0: all of K)
-    if mode in ("transpose_ab", "transpose_a"):
-        slab = transpose_a_slab(op.M, op.N, op.K, op.tb, (scratch or {}).get("gemm_aT", 0))
-        slab = 0 if slab >= op.K else slab
-    fam = ex.gemm_family
-    ra = ra_scratch(op.M, op.N, op.K, (scratch or {}).get("gemm_aT", 0))
+    family, and where it runs the warpgroup-MMA kernels (`wgmma_layout`) those too, for the ops they can
+    run (scratch: floats of the planned workspaces they re-lay operands out in, {name: floats})."""
+    mode = wgmma_layout(ex.wgmma_mode, op.ta, op.tb, op.vec, op.K, op.batch)
+    fam, scratch = ex.gemm_family, scratch or {}
     heur = model_plan(op.M, op.N, op.K, op.batch, sm_count, fam, max_ws=ws_floats if op.batch == 1 else 0,
-                      allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode, k_slab=slab, colsum=op.colsum,
-                      **ra)
-    cands = tune_candidates(op.M, op.N, op.K, op.batch, fam, op.vec, ws_floats, wgmma=mode, epi=op.epi, k_slab=slab,
-                            **ra)
+                      allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode, colsum=op.colsum, scratch=scratch)
+    cands = tune_candidates(op.M, op.N, op.K, op.batch, fam, op.vec, ws_floats, wgmma=mode, epi=op.epi, scratch=scratch)
     pruned = prune_candidates(cands, op.M, op.N, op.K, op.batch, op.epi, sm_count, keep=keep, max_n=max_n,
                               always=[heur], colsum=op.colsum)
     return heur, [heur] + [p for p in pruned if p != heur]
