@@ -8,9 +8,9 @@ Error model. Each kernel computes in fp32 what its fp32 variant computes and rou
 bf16, to nearest even; so against the float64 reference:
   * an fp32 output is off by the fp32 computation's error only: the bound of the fp32 variants' tests
     (tests/gpu/test_layernorm.py, test_elementwise.py), FP32 times max|ref|;
-  * a bf16 output adds one rounding of the fp32 value, at most U = 2^-8 of it (bf16 keeps 8 significant
-    bits): |out - ref| <= U |ref| + (1 + U) FP32 max|ref|, element by element (a truncating kernel fails
-    it);
+  * a bf16 output adds one rounding, at most U = 2^-8 of the value (bf16 keeps 8 significant bits):
+    |out - ref| <= U |ref| + FP32 max|ref|, element by element (tests/conftest.py bf16_err; a truncating
+    kernel fails it);
   * where the fp32 arithmetic is a single operation (dropout's x * scale, accumulate's dst + src), numpy
     does the same fp32 operation and rounds the same way: equal bit for bit;
   * the statistics (mean, rstd) and the parameter gradients (dw, db) are fp32 sums of widened values:
@@ -25,12 +25,11 @@ from gptcuda.model import rng
 from gptcuda.ops.cuda import elementwise as ew
 from gptcuda.ops.cuda import layernorm as ln
 from gptcuda.ops.reference import ops as ref
-from gptcuda.runtime import DeviceView, bf16
-from tests.conftest import rel_err
+from gptcuda.runtime import bf16
+from tests.conftest import bf16_err, rel_err, shifted_view
 
 pytestmark = pytest.mark.gpu
 
-U = 2.0 ** -8                      # one bf16 rounding, relative to the value
 SIZE = {"f32": 4, "bf16": 2}
 STEP = 9
 P = 0.2                            # dropout: scale 1 / (1 - p) = 1.25, exact in fp32
@@ -61,14 +60,11 @@ def _randn(r, shape, dtype, scale=1.0, shift=0.0):
 def _up(rt, vals, dtype, shift=0):
     """A view of dtype holding vals, `shift` elements past its allocation's start (1 bf16: 2-byte
     aligned, the scalar kernels; 4 bf16: 8-byte aligned, the 4-value paths)."""
-    flat = np.concatenate([np.ones(shift, np.float32), np.asarray(vals, np.float32).reshape(-1)])
-    base = rt.upload(flat, dtype)
-    return DeviceView(base.ptr + shift * SIZE[dtype], tuple(vals.shape), dtype, "in")
+    return shifted_view(rt, vals.shape, dtype, shift * SIZE[dtype], vals)
 
 
 def _empty(rt, shape, dtype, shift=0):
-    base = rt.empty((int(np.prod(shape)) + shift,), dtype)               # poisoned: NaN
-    return DeviceView(base.ptr + shift * SIZE[dtype], tuple(shape), dtype, "out")
+    return shifted_view(rt, shape, dtype, shift * SIZE[dtype])               # poisoned: NaN
 
 
 def _down(rt, v):
@@ -82,16 +78,10 @@ def _bits(rt, v):
 
 
 def _check(got, want, fp32, dtype):
-    """The error model: an fp32 out within fp32 * max|ref|; a bf16 out within U |ref| + (1 + U) fp32 *
-    max|ref|, element by element. Returns the worst error relative to max|ref|."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.all(np.isfinite(got)), "an output was not written (NaN poison) or overflowed"
-    scale = max(float(np.max(np.abs(want))), 1e-30)
-    bound = fp32 * scale + (U * (np.abs(want) + fp32 * scale) if dtype == "bf16" else 0.0)
-    err = np.abs(got - want)
-    assert np.all(err <= bound), (f"{dtype}: worst error {np.max(err / scale):.3e} of max|ref|, "
-                                  f"{int(np.sum(err > bound))} elements past U|ref| + {fp32:g} max|ref|")
-    return float(np.max(err / scale))
+    """The error model: an fp32 output within fp32 * max|ref| (rel_err), a bf16 one within one rounding
+    more, U |ref| + fp32 * max|ref| element by element (bf16_err)."""
+    err = bf16_err(got, want, fp32) if dtype == "bf16" else rel_err(got, want) / fp32
+    assert err <= 1, f"{dtype} output: {err:.3g} times the error model's bound (NaN: an output never written)"
 
 
 def _keep(rt, n, p):
