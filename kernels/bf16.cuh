@@ -45,3 +45,38 @@ __device__ __forceinline__ void val_st4(float* p, const float (&x)[4]) {
 __device__ __forceinline__ void val_st4(bf16* p, const float (&x)[4]) {
     *reinterpret_cast<uint2*>(p) = make_uint2(bf16x2_rn(x[0], x[1]), bf16x2_rn(x[2], x[3]));
 }
+
+// Four consecutive values of a tensor of type code CODE as one access (val_ld4's alignment), the
+// registers of the vector kernels: Pack4<CODE> is float4 (fp32) or uint2 (bf16: two bf16x2 words), so
+// that a kernel indexes rows of Pack4<CODE> as it indexed rows of float4 (an element address, row + 4 v,
+// had given fp32 another address computation). val_ld4p widens one to a float4 (exactly); val_put4
+// stores a float4 into one (bf16: rounded to nearest even). val_ldf4 / val_stf4: the same at an
+// element's address (4-aligned).
+template <int CODE> struct Pack4Of { using T = float4; };
+template <> struct Pack4Of<1> { using T = uint2; };
+template <int CODE> using Pack4 = typename Pack4Of<CODE>::T;
+__device__ __forceinline__ float4 bf16x4_f32(uint2 t) {
+    return make_float4(__uint_as_float(t.x << 16), __uint_as_float(t.x & 0xFFFF0000u),
+                       __uint_as_float(t.y << 16), __uint_as_float(t.y & 0xFFFF0000u));
+}
+__device__ __forceinline__ float4 val_ld4p(const float4* p) { return *p; }
+__device__ __forceinline__ float4 val_ld4p(const uint2* p) { return bf16x4_f32(*p); }
+// val_put / val_put4 leave in v what the tensor now holds, for a kernel that goes on computing with a
+// value it stored: v itself in fp32 (taken by value: the fp32 kernels' code is that of a plain store),
+// v rounded in bf16.
+__device__ __forceinline__ void val_put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void val_put(bf16* p, float& v) {
+    const bf16 b = bf16_rn(v);
+    *p = b;
+    v = bf16_f32(b);
+}
+__device__ __forceinline__ void val_put4(float4* p, float4 v) { *p = v; }
+__device__ __forceinline__ void val_put4(uint2* p, float4& v) {
+    const uint2 t = make_uint2(bf16x2_rn(v.x, v.y), bf16x2_rn(v.z, v.w));
+    *p = t;
+    v = bf16x4_f32(t);
+}
+__device__ __forceinline__ float4 val_ldf4(const float* p) { return val_ld4p(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ float4 val_ldf4(const bf16* p) { return val_ld4p(reinterpret_cast<const uint2*>(p)); }
+__device__ __forceinline__ void val_stf4(float* p, float4 v) { val_put4(reinterpret_cast<float4*>(p), v); }
+__device__ __forceinline__ void val_stf4(bf16* p, float4 v) { val_put4(reinterpret_cast<uint2*>(p), v); }

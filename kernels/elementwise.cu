@@ -1,12 +1,17 @@
 // Elementwise ops: tanh-GELU forward/backward, dropout (forward, backward, fused residual add),
 // the deterministic bias gradient (column sums) and the gradient accumulation dst (+)= src.
 //
-// Elementwise kernels take VEC = 4 (16-byte aligned pointers; any n: thread i < n/4 handles
-// the float4 i, the next n % 4 threads one tail element each) or VEC = 1 (one element a thread).
-// Outputs may alias inputs: every thread reads its elements before writing them.
+// Elementwise kernels take VEC = 4 (pointers aligned to 4 elements: 16 bytes of fp32, 8 of bf16; any
+// n: thread i < n/4 handles the values 4i .. 4i + 3, the next n % 4 threads one tail element each) or
+// VEC = 1 (one element a thread). Outputs may alias inputs of their element type: every thread reads
+// its elements before writing them.
 // Blocks are the launcher's (gptcuda/ops/cuda/elementwise.py): THREADS of an elementwise kernel,
 // WARPS of the column sums, ITEMS of a sum_rows launch, all template arguments.
+// Element types (bf16.cuh's codes, the last template arguments: 0 fp32, 1 bf16), one a tensor: the
+// values are widened exactly, computed in fp32 and rounded once where stored in bf16. The column sums'
+// partials and sum_rows are fp32.
 #include "common.cuh"
+#include "bf16.cuh"
 
 #define GELU_K0 0.7978845608028654f   // sqrt(2/pi)
 #define GELU_K1 0.044715f
@@ -39,69 +44,69 @@ __device__ __forceinline__ int ew_slot(long long n, long long& e) {
     }
 }
 
-template <int VEC, int THREADS>
+template <int VEC, int THREADS, int TO, int TX>
 __global__ void __launch_bounds__(THREADS)
-gelu_fwd(float* out,            // out [n]  (may be x)
-         const float* x,        // x   [n]
+gelu_fwd(elem<TO>* out,         // out [n]  (may be x)
+         const elem<TX>* x,     // x   [n]
          int n) {
     long long e;
     const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 4) {
-        float4 v = *reinterpret_cast<const float4*>(x + e);
+        float4 v = val_ldf4(x + e);
         v.x = gelu_f(v.x); v.y = gelu_f(v.y); v.z = gelu_f(v.z); v.w = gelu_f(v.w);
-        *reinterpret_cast<float4*>(out + e) = v;
+        val_stf4(out + e, v);
     } else if (cnt == 1) {
-        out[e] = gelu_f(x[e]);
+        val_st(out + e, gelu_f(val_ld(x + e)));
     }
 }
 
-template <int VEC, int THREADS>
+template <int VEC, int THREADS, int TDP, int TDO, int TP>
 __global__ void __launch_bounds__(THREADS)
-gelu_bwd(float* dpre,           // dpre [n]  (may be dout)
-         const float* dout,     // dout [n]
-         const float* pre,      // pre  [n]  (the GELU input)
+gelu_bwd(elem<TDP>* dpre,       // dpre [n]  (may be dout)
+         const elem<TDO>* dout, // dout [n]
+         const elem<TP>* pre,   // pre  [n]  (the GELU input)
          int n) {
     long long e;
     const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 4) {
-        const float4 d = *reinterpret_cast<const float4*>(dout + e);
-        const float4 p = *reinterpret_cast<const float4*>(pre + e);
-        *reinterpret_cast<float4*>(dpre + e) =
-            make_float4(d.x * gelu_grad(p.x), d.y * gelu_grad(p.y), d.z * gelu_grad(p.z), d.w * gelu_grad(p.w));
+        const float4 d = val_ldf4(dout + e);
+        const float4 p = val_ldf4(pre + e);
+        val_stf4(dpre + e,
+                 make_float4(d.x * gelu_grad(p.x), d.y * gelu_grad(p.y), d.z * gelu_grad(p.z), d.w * gelu_grad(p.w)));
     } else if (cnt == 1) {
-        dpre[e] = dout[e] * gelu_grad(pre[e]);
+        val_st(dpre + e, val_ld(dout + e) * gelu_grad(val_ld(pre + e)));
     }
 }
 
 // dst = src (FIRST) or dst = dst + src: the gradients of a step's micro-batches summed in
 // micro-batch order (gradient accumulation). dst may not alias src.
-template <int VEC, bool FIRST, int THREADS>
+template <int VEC, bool FIRST, int THREADS, int TD, int TS>
 __global__ void __launch_bounds__(THREADS)
-accumulate(float* __restrict__ dst,        // dst [n]
-           const float* __restrict__ src,  // src [n]
+accumulate(elem<TD>* __restrict__ dst,        // dst [n]
+           const elem<TS>* __restrict__ src,  // src [n]
            int n) {
     long long e;
     const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 4) {
-        float4 v = *reinterpret_cast<const float4*>(src + e);
+        float4 v = val_ldf4(src + e);
         if constexpr (!FIRST) {
-            const float4 d = *reinterpret_cast<const float4*>(dst + e);
+            const float4 d = val_ldf4(dst + e);
             v.x = d.x + v.x; v.y = d.y + v.y; v.z = d.z + v.z; v.w = d.w + v.w;
         }
-        *reinterpret_cast<float4*>(dst + e) = v;
+        val_stf4(dst + e, v);
     } else if (cnt == 1) {
-        dst[e] = FIRST ? src[e] : dst[e] + src[e];
+        val_st(dst + e, FIRST ? val_ld(src + e) : val_ld(dst + e) + val_ld(src + e));
     }
 }
 
 // out = (RESID ? resid : 0) + (DROP ? (keep(e) ? x * scale : 0) : x),
 // keep(e): the mask is flat (common.cuh), element e takes half e & 1 of word e >> 1 of the stream
 // gc_key(seed, st->step, site).
-template <int VEC, bool RESID, bool DROP, int THREADS>
+template <int VEC, bool RESID, bool DROP, int THREADS, int TO, int TR, int TX>
 __global__ void __launch_bounds__(THREADS)
-dropout_apply(float* out,                 // out   [n]  (may be x or resid)
-              const float* resid,         // resid [n]  (RESID only)
-              const float* x,             // x     [n]
+dropout_apply(elem<TO>* out,              // out   [n]  (may be x or resid)
+              const elem<TR>* resid,      // resid [n]  (RESID only)
+              const elem<TX>* x,          // x     [n]
               int n,
               const StepState* st,
               u32 seed, u32 site, u32 threshold, float scale) {
@@ -111,28 +116,28 @@ dropout_apply(float* out,                 // out   [n]  (may be x or resid)
     u32 k = 0;
     if constexpr (DROP) k = gc_key(seed, (u32)st->step, site);
     if (cnt == 4) {                                  // e % 4 == 0
-        float4 y = *reinterpret_cast<const float4*>(x + e);
+        float4 y = val_ldf4(x + e);
         if constexpr (DROP) y = gc_dropout4(y, k, e, threshold, scale);
         if constexpr (RESID) {
-            const float4 r = *reinterpret_cast<const float4*>(resid + e);
+            const float4 r = val_ldf4(resid + e);
             y = make_float4(r.x + y.x, r.y + y.y, r.z + y.z, r.w + y.w);
         }
-        *reinterpret_cast<float4*>(out + e) = y;
+        val_stf4(out + e, y);
     } else {
-        float y = x[e];
+        float y = val_ld(x + e);
         if constexpr (DROP) y = gc_dropout1(y, k, e, threshold, scale);
-        if constexpr (RESID) y = resid[e] + y;
-        out[e] = y;
+        if constexpr (RESID) y = val_ld(resid + e) + y;
+        val_st(out + e, y);
     }
 }
 
 // Bias gradient, pass 1. grid (ceil(N / (32*VEC)), chunks), block WARPS warps.
 // Block (tile, ch) sums rows [ch*rpc, min(M, (ch+1)*rpc)) of its 32*VEC columns: warp w takes
 // rows w, w + WARPS, ... of the chunk in order, then the WARPS warp sums are added in warp order.
-template <int VEC, int WARPS>
+template <int VEC, int WARPS, int TD>
 __global__ void __launch_bounds__(WARPS * 32)
-bias_grad_partial(float* __restrict__ partials,     // partials [chunks, N]
-                  const float* __restrict__ dout,   // dout     [M, N]
+bias_grad_partial(float* __restrict__ partials,        // partials [chunks, N]
+                  const elem<TD>* __restrict__ dout,   // dout     [M, N]
                   int M, int N, int rpc) {
     constexpr int TILE = 32 * VEC;
     __shared__ float red[WARPS][TILE];
@@ -146,12 +151,12 @@ bias_grad_partial(float* __restrict__ partials,     // partials [chunks, N]
     if (c < N) {
 #pragma unroll 4
         for (int r = r0 + warp; r < r1; r += WARPS) {
-            const float* p = dout + (long long)r * N + c;
+            const auto* p = dout + (long long)r * N + c;
             if constexpr (VEC == 4) {
-                const float4 v = *reinterpret_cast<const float4*>(p);
+                const float4 v = val_ldf4(p);
                 acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
             } else {
-                acc[0] += p[0];
+                acc[0] += val_ld(p);
             }
         }
     }

@@ -1,8 +1,8 @@
 // LayerNorm over the last dimension (biased variance, eps 1e-5), forward and backward.
 //
 //   layernorm_fwd_reg<NV, BIAS, RD>  one warp per row, the row in registers as NV float4 per lane
-//                                 (C % 4 == 0, C <= 128*NV, 16-byte aligned pointers); RD: the row
-//                                 is first made and stored, xw = resid + dropout(branch), as
+//                                 (C % 4 == 0, C <= 128*NV, pointers aligned to 4 elements); RD: the
+//                                 row is first made and stored, xw = resid + dropout(branch), as
 //                                 elementwise.cu's dropout_apply<4, true, true> makes it
 //   layernorm_fwd_loop<BIAS>      one warp per row, any C (three passes over the row)
 //   layernorm_bwd_reg<NV, BIAS, DROP>  dx += ; per-block partial sums of dw (and db) -> partials;
@@ -14,7 +14,15 @@
 //
 // Partials layout: partials[g, 0:C] = sum over block g's rows of dout * norm, partials[g, C:2C]
 // = sum of dout (only with BIAS). Every sum runs in a fixed order: bitwise reproducible.
+//
+// Element types (bf16.cuh's codes, the last template arguments: 0 fp32, 1 bf16): the forward's TX (x,
+// and the fused residual's resid and xw: the residual stream), TB (branch), TO (out); the backward's
+// TDO (dout), TX (x), TDX (dx, read and accumulated into), TDR (dropped). w, b, mean, rstd and the
+// partials are fp32, and so is every computation: bf16 values are widened exactly and rounded once,
+// where stored. A value the kernel stores and goes on using (xw, dx) is used as stored, so that the
+// fused forms give what the unfused ones do (dropout_apply, then the plain kernel; dropout_bwd of dx).
 #include "common.cuh"
+#include "bf16.cuh"
 
 // GC_BREAK_LAYERNORM=1 builds the deliberately wrong backward that gradcheck.py --break=layernorm
 // must catch: the x_hat * mean(dx_hat * x_hat) term of dx is deleted.
@@ -43,22 +51,22 @@ __device__ __forceinline__ void ln_save_stats(float* __restrict__ mean, float* _
 }
 
 #define LN_ARGS_FWD                                                                       \
-    float* __restrict__ out,        /* out  [N, C] */                                     \
+    elem<TO>* __restrict__ out,     /* out  [N, C] */                                     \
     float* __restrict__ mean,       /* mean [N]   (may be null) */                        \
     float* __restrict__ rstd,       /* rstd [N]   (may be null) */                        \
-    const float* __restrict__ x,    /* x    [N, C] */                                     \
+    const elem<TX>* __restrict__ x, /* x    [N, C] */                                     \
     const float* __restrict__ w,    /* w    [C] */                                        \
     const float* __restrict__ b,    /* b    [C]   (BIAS only) */                          \
     int N, int C
 
 // the residual-dropout input of layernorm_fwd_reg<..., RD = true> (x is then not read)
 #define LN_ARGS_RD                                                                        \
-    float* __restrict__ xw,                 /* xw     [N, C]  (=) resid + dropout(branch) */\
-    const float* __restrict__ resid,        /* resid  [N, C] */                           \
-    const float* __restrict__ branch,       /* branch [N, C] */                           \
+    elem<TX>* __restrict__ xw,              /* xw     [N, C]  (=) resid + dropout(branch) */\
+    const elem<TX>* __restrict__ resid,     /* resid  [N, C] */                           \
+    const elem<TB>* __restrict__ branch,    /* branch [N, C] */                           \
     const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
 
-template <int NV, bool BIAS, bool RD, int WARPS>
+template <int NV, bool BIAS, bool RD, int WARPS, int TX, int TB, int TO>
 __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_ARGS_RD) {
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -68,27 +76,28 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_
     float s = 0.f;
     if constexpr (RD) {
         const u32 key = gc_key(seed, (u32)st->step, site);
-        const float4* rr = reinterpret_cast<const float4*>(resid + (long long)row * C);
-        const float4* br = reinterpret_cast<const float4*>(branch + (long long)row * C);
-        float4* xo = reinterpret_cast<float4*>(xw + (long long)row * C);
+        const Pack4<TX>* rr = reinterpret_cast<const Pack4<TX>*>(resid + (long long)row * C);
+        const Pack4<TB>* br = reinterpret_cast<const Pack4<TB>*>(branch + (long long)row * C);
+        Pack4<TX>* xo = reinterpret_cast<Pack4<TX>*>(xw + (long long)row * C);
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
             if (k < C4) {
-                const float4 r = rr[k], d = gc_dropout4(br[k], key, (long long)row * C + 4 * k, threshold, scale);
+                const float4 r = val_ld4p(rr + k), d = gc_dropout4(val_ld4p(br + k), key, (long long)row * C + 4 * k,
+                                                                    threshold, scale);
                 v[j] = make_float4(r.x + d.x, r.y + d.y, r.z + d.z, r.w + d.w);
-                xo[k] = v[j];
+                val_put4(xo + k, v[j]);            // v[j] as stored (rounded in bf16)
             } else {
                 v[j] = ln_f4(0.f);
             }
             s += ln_hsum(v[j]);
         }
     } else {
-        const float4* xr = reinterpret_cast<const float4*>(x + (long long)row * C);
+        const Pack4<TX>* xr = reinterpret_cast<const Pack4<TX>*>(x + (long long)row * C);
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
-            v[j] = k < C4 ? xr[k] : ln_f4(0.f);
+            v[j] = k < C4 ? val_ld4p(xr + k) : ln_f4(0.f);
             s += ln_hsum(v[j]);
         }
     }
@@ -103,7 +112,7 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_
         }
     }
     const float rs = ln_rstd(q, C);
-    float4* o = reinterpret_cast<float4*>(out + (long long)row * C);
+    Pack4<TO>* o = reinterpret_cast<Pack4<TO>*>(out + (long long)row * C);
     const float4* w4 = reinterpret_cast<const float4*>(w);
     const float4* b4 = reinterpret_cast<const float4*>(b);
 #pragma unroll
@@ -117,53 +126,53 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_
                 const float4 bb = b4[k];
                 r.x += bb.x; r.y += bb.y; r.z += bb.z; r.w += bb.w;
             }
-            o[k] = r;
+            val_put4(o + k, r);
         }
     }
     ln_save_stats(mean, rstd, row, mu, rs);
 }
 
-template <bool BIAS, int WARPS>
+template <bool BIAS, int WARPS, int TX, int TO>
 __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_loop(LN_ARGS_FWD) {
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
-    const float* xr = x + (long long)row * C;
+    const elem<TX>* xr = x + (long long)row * C;
     float s = 0.f;
-    for (int c = lane; c < C; c += 32) s += xr[c];
+    for (int c = lane; c < C; c += 32) s += val_ld(xr + c);
     const float mu = gc_warp_sum(s) / (float)C;
     float q = 0.f;
     for (int c = lane; c < C; c += 32) {
-        const float d = xr[c] - mu;
+        const float d = val_ld(xr + c) - mu;
         q += d * d;
     }
     const float rs = ln_rstd(q, C);
-    float* o = out + (long long)row * C;
+    elem<TO>* o = out + (long long)row * C;
     for (int c = lane; c < C; c += 32) {
-        float r = (xr[c] - mu) * rs * w[c];
+        float r = (val_ld(xr + c) - mu) * rs * w[c];
         if constexpr (BIAS) r += b[c];
-        o[c] = r;
+        val_st(o + c, r);
     }
     ln_save_stats(mean, rstd, row, mu, rs);
 }
 
 #define LN_ARGS_BWD                                                                       \
-    float* __restrict__ dx,              /* dx       [N, C]   (+=) */                     \
+    elem<TDX>* __restrict__ dx,          /* dx       [N, C]   (+=) */                     \
     float* __restrict__ partials,        /* partials [G, 2C] */                           \
-    const float* __restrict__ dout,      /* dout     [N, C] */                            \
-    const float* __restrict__ x,         /* x        [N, C] */                            \
+    const elem<TDO>* __restrict__ dout,  /* dout     [N, C] */                            \
+    const elem<TX>* __restrict__ x,      /* x        [N, C] */                            \
     const float* __restrict__ mean,      /* mean     [N] */                               \
     const float* __restrict__ rstd,      /* rstd     [N] */                               \
     const float* __restrict__ w,         /* w        [C] */                               \
     int N, int C,                                                                         \
-    float* __restrict__ dropped,         /* dropped  [N, C]   (DROP only) */              \
+    elem<TDR>* __restrict__ dropped,     /* dropped  [N, C]   (DROP only) */              \
     const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
 
 // grid G blocks (G <= the workspace rows); warp gw = blockIdx.x*WARPS + warp takes rows gw, gw + WARPS*G, ...
 // Registers hold a row's dout, x_hat and dx, all loaded at once; w and the warps' dw (db) sums live in
 // dynamic shared memory (SMEM bytes; each thread its own sum slots), so that two
 // blocks share an SM up to C = 1024.
-template <int NV, bool BIAS, bool DROP, int WARPS, int SMEM>
+template <int NV, bool BIAS, bool DROP, int WARPS, int SMEM, int TDO, int TX, int TDX, int TDR>
 __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) {
     static_assert(SMEM == ((BIAS ? 2 : 1) * WARPS + 1) * NV * 32 * 16, "w and each warp's dw (db) sums");
     gc_check_smem(SMEM);
@@ -189,17 +198,17 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
     if constexpr (DROP) key = gc_key(seed, (u32)st->step, site);
     for (int row = blockIdx.x * WARPS + warp; row < N; row += gridDim.x * WARPS) {
         const float mu = mean[row], rs = rstd[row];
-        const float4* dr = reinterpret_cast<const float4*>(dout + (long long)row * C);
-        const float4* xr = reinterpret_cast<const float4*>(x + (long long)row * C);
-        float4* dxr = reinterpret_cast<float4*>(dx + (long long)row * C);
+        const Pack4<TDO>* dr = reinterpret_cast<const Pack4<TDO>*>(dout + (long long)row * C);
+        const Pack4<TX>* xr = reinterpret_cast<const Pack4<TX>*>(x + (long long)row * C);
+        Pack4<TDX>* dxr = reinterpret_cast<Pack4<TDX>*>(dx + (long long)row * C);
         float4 d[NV], nv[NV], g[NV];
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
             if (k < C4) {
-                d[j] = dr[k];
-                nv[j] = xr[k];
-                g[j] = dxr[k];
+                d[j] = val_ld4p(dr + k);
+                nv[j] = val_ld4p(xr + k);
+                g[j] = val_ld4p(dxr + k);
             }
         }
         float s1 = 0.f, s2 = 0.f;
@@ -229,10 +238,11 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
                 g[j].y += rs * (d[j].y * wv.y - m1 - nv[j].y * m2);
                 g[j].z += rs * (d[j].z * wv.z - m1 - nv[j].z * m2);
                 g[j].w += rs * (d[j].w * wv.w - m1 - nv[j].w * m2);
-                dxr[k] = g[j];
-                if constexpr (DROP)
-                    reinterpret_cast<float4*>(dropped + (long long)row * C)[k] =
-                        gc_dropout4(g[j], key, (long long)row * C + 4 * k, threshold, scale);
+                val_put4(dxr + k, g[j]);           // g[j] as stored (rounded in bf16)
+                if constexpr (DROP) {
+                    float4 dq = gc_dropout4(g[j], key, (long long)row * C + 4 * k, threshold, scale);
+                    val_put4(reinterpret_cast<Pack4<TDR>*>(dropped + (long long)row * C) + k, dq);
+                }
                 float4 q = aw[32 * j];
                 q.x += d[j].x * nv[j].x; q.y += d[j].y * nv[j].y;
                 q.z += d[j].z * nv[j].z; q.w += d[j].w * nv[j].w;
@@ -285,7 +295,7 @@ __device__ __forceinline__ float ln_block_sum(float v, float* sm /* [WARPS] */) 
 
 // grid G blocks; block g takes rows g, g + G, ...; thread tid owns columns tid, tid + 32*WARPS, ...
 // and accumulates their dw (db) directly in its partials row (no other thread touches them).
-template <bool BIAS, bool DROP, int WARPS>
+template <bool BIAS, bool DROP, int WARPS, int TDO, int TX, int TDX, int TDR>
 __global__ void __launch_bounds__(WARPS * 32) layernorm_bwd_loop(LN_ARGS_BWD) {
     __shared__ float sm[2][WARPS];
     float* pw = partials + (long long)blockIdx.x * 2 * C;
@@ -299,25 +309,26 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_bwd_loop(LN_ARGS_BWD) {
     if constexpr (DROP) key = gc_key(seed, (u32)st->step, site);
     for (int row = blockIdx.x; row < N; row += gridDim.x) {
         const float mu = mean[row], rs = rstd[row];
-        const float* dr = dout + (long long)row * C;
-        const float* xr = x + (long long)row * C;
+        const elem<TDO>* dr = dout + (long long)row * C;
+        const elem<TX>* xr = x + (long long)row * C;
         float s1 = 0.f, s2 = 0.f;
         for (int c = threadIdx.x; c < C; c += WARPS * 32) {
-            const float dn = dr[c] * w[c];
+            const float dn = val_ld(dr + c) * w[c];
             s1 += dn;
-            s2 += dn * ((xr[c] - mu) * rs);
+            s2 += dn * ((val_ld(xr + c) - mu) * rs);
         }
         const float m1 = ln_block_sum<WARPS>(s1, sm[0]) * invC;
         const float m2 = GC_BREAK_LAYERNORM ? 0.0f : ln_block_sum<WARPS>(s2, sm[1]) * invC;
-        float* dxr = dx + (long long)row * C;
+        elem<TDX>* dxr = dx + (long long)row * C;
         for (int c = threadIdx.x; c < C; c += WARPS * 32) {
-            const float d = dr[c];
-            const float n = (xr[c] - mu) * rs;
-            const float g = dxr[c] + rs * (d * w[c] - m1 - n * m2);
-            dxr[c] = g;
+            const float d = val_ld(dr + c);
+            const float n = (val_ld(xr + c) - mu) * rs;
+            float g = val_ld(dxr + c) + rs * (d * w[c] - m1 - n * m2);
+            val_put(dxr + c, g);                   // g as stored (rounded in bf16)
             if constexpr (DROP) {
                 const long long e = (long long)row * C + c;
-                dropped[e] = gc_dropout1(g, key, e, threshold, scale);
+                const float q = gc_dropout1(g, key, e, threshold, scale);
+                val_st(dropped + e, q);
             }
             pw[c] += d * n;
             if constexpr (BIAS) pb[c] += d;

@@ -21,11 +21,6 @@
 #include "common.cuh"
 #include "bf16.cuh"
 
-// Four consecutive values of type code TL as one access (val_ld4 / val_st4): a row's vector v is at l4 + v
-template <int TL> struct Pack4Of { using T = float4; };
-template <> struct Pack4Of<1> { using T = uint2; };
-template <int TL> using Pack4 = typename Pack4Of<TL>::T;
-
 #define CE_LOWEST (-3.402823466e+38f)
 #define CE_NEG_INF __int_as_float(0xff800000)
 

@@ -6,7 +6,7 @@ import pytest
 from gptcuda.model import rng
 from gptcuda.ops.cuda import elementwise as ew
 from gptcuda.ops.reference import ops as ref
-from gptcuda.runtime import DeviceView
+from gptcuda.runtime import DeviceView, bf16
 from tests.conftest import rel_err
 from gptcuda.config import config_of
 
@@ -34,13 +34,15 @@ def _randn(r, *shape):
     return x
 
 
-def _upload(rt, arr, misalign=False):
-    """Upload arr; with misalign the view starts 4 bytes into its allocation (forces the scalar kernels)."""
+def _upload(rt, arr, misalign=False, dtype="f32"):
+    """Upload arr (as dtype); with misalign the view starts 4 bytes into its allocation (forces the
+    scalar kernels: 4-value accesses need 16 bytes of alignment in fp32, 8 in bf16)."""
     if not misalign:
-        return rt.upload(arr)
-    flat = np.concatenate([np.full(1, 9.0, np.float32), np.asarray(arr, np.float32).reshape(-1)])
-    base = rt.upload(flat)
-    return DeviceView(base.ptr + 4, tuple(arr.shape), "f32", "misaligned")
+        return rt.upload(arr, dtype)
+    pad = 1 if dtype == "f32" else 2
+    flat = np.concatenate([np.full(pad, 9.0, np.float32), np.asarray(arr, np.float32).reshape(-1)])
+    base = rt.upload(flat, dtype)
+    return DeviceView(base.ptr + 4, tuple(arr.shape), dtype, "misaligned")
 
 
 def _empty(rt, shape, misalign=False):
@@ -145,14 +147,19 @@ def _plan_bias(rt, width):
     rt.set_workspace({**getattr(rt, "_workspace", {}), **views})
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("misalign", [False, True])
 @pytest.mark.parametrize("M,N", [(16384, 384), (2048, 1536), (37, 13), (1000, 1155), (1, 4), (300, 1)])
-def test_bias_grad(env, M, N, misalign):
+def test_bias_grad(env, M, N, misalign, dtype):
+    """db (fp32) = dout's column sums in fp32: within the fp32 summation's error of the float64 sums
+    of the same values (a bf16 dout's values are exact in fp32), bitwise reproducible."""
     rt = env
     _plan_bias(rt, N)
     r = np.random.default_rng(M + N)
     d_h = _randn(r, M, N)
-    d = _upload(rt, d_h, misalign)
+    if dtype == "bf16":
+        d_h = bf16.round_f32(d_h)                     # the values the bf16 tensor holds
+    d = _upload(rt, d_h, misalign, dtype)
     outs = []
     for _ in range(2):
         db = rt.empty((N,))

@@ -45,6 +45,28 @@ def type_codes(dtypes) -> tuple:
     return tuple(DTYPE_CODES[d] for d in dtypes)
 
 
+def kernel_types(label: str, kernels, **views) -> tuple:
+    """The first of `kernels` (tuples of dtypes, one a keyword of views, in that order) that agrees with
+    every view given, a view None being a tensor the call has not (any dtype there): the dtypes of the
+    kernel to launch, an absent tensor's as that tuple has it. Else element_types' ValueError, over the
+    views given."""
+    cols = [i for i, v in enumerate(views.values()) if v is not None]
+    given = {k: v for k, v in views.items() if v is not None}
+    seen = [tuple(t[i] for i in cols) for t in kernels]
+    element_types(label, seen, **given)
+    got = tuple(v.dtype for v in given.values())
+    return next(t for t, s in zip(kernels, seen) if s == got)
+
+
+def fp32_only(label: str, **views):
+    """A ValueError of one line where a view given (None: none) is not fp32: the parameters, their
+    gradients, the statistics and the partial sums that every kernel keeps in fp32."""
+    for k, v in views.items():
+        if v is not None and v.dtype != "f32":
+            raise ValueError(f"{label}: {k} must be f32 (parameters, their gradients, statistics and sums are), "
+                             f"got {v.dtype}")
+
+
 def dropout_args(rt: RuntimeProtocol, p: float, site: int, label: str) -> list:
     """The trailing kernel arguments of a dropout of probability p (0 <= p < 1) drawn from stream
     `site`: the StepState, the seed, the site, the keep threshold (rng.keep_threshold) and the scale

@@ -12,6 +12,11 @@
                                                 together, up to SUM_ITEMS a launch, at flush_sums
     accumulate(rt, dst, src, first)             dst = src (first) or dst + src (gradient accumulation)
 
+Element types (the views' dtypes pick the kernel: the *_TYPES tables below; another combination is
+a ValueError): fp32, or every tensor bf16; residual_dropout also adds a bf16 branch into an fp32
+residual stream; bias_grad sums a bf16 or fp32 dout into the fp32 db. Values are computed in fp32 and
+rounded once where stored in bf16. An output may alias an input of its own element type only.
+
 keep(e) is element e of the flat mask rng.dropout_mask draws from the stream
 gc_key(rt.seed, state.step, site): half e & 1 of keep word e >> 1 compared with
 threshold = min(floor(p * 2^16), 2^16 - 1) (rng.keep_threshold); p == 0 draws nothing. The bias gradient writes per-chunk column sums into the workspace
@@ -30,7 +35,7 @@ import struct
 
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import Blob, DeviceView, RuntimeProtocol, i32
-from gptcuda.ops.cuda import cdiv, dropout_args, expression
+from gptcuda.ops.cuda import aligned4, cdiv, dropout_args, expression, fp32_only, kernel_types, type_codes
 
 FILE = "elementwise.cu"
 THREADS = 256             # the elementwise kernels' block (their last template argument)
@@ -39,30 +44,45 @@ MAX_CHUNKS = 256          # row chunks of the bias gradient (rows of the partial
 MIN_CHUNK_ROWS = 32
 WORKSPACE = "bias_partials"
 SUM_ITEMS = 8             # sums a sum_rows launch takes (its ITEMS: SumBatch's arrays)
+# The element types there are kernels for, one a tensor in the kernel's parameter order: fp32, every
+# tensor bf16, and residual_dropout's bf16 branch added into an fp32 residual stream
+GELU_TYPES = (("f32", "f32"), ("bf16", "bf16"))                              # (out, x)
+GELU_BWD_TYPES = (("f32", "f32", "f32"), ("bf16", "bf16", "bf16"))           # (dpre, dout, pre)
+DROPOUT_TYPES = (("f32", "f32"), ("bf16", "bf16"))                           # (out, x)
+RESIDUAL_TYPES = (("f32", "f32", "f32"), ("bf16", "bf16", "bf16"), ("f32", "f32", "bf16"))  # (out, resid, x)
+ACCUMULATE_TYPES = (("f32", "f32"), ("bf16", "bf16"))                        # (dst, src)
+BIAS_GRAD_TYPES = (("f32",), ("bf16",))                                      # (dout,); db fp32
 
 
 def _name(base: str, *args) -> str:
     return expression(base, *args, sep=", ")
 
 
-def ew_name(base: str, vec: int, *flags) -> str:
-    """gelu_fwd / gelu_bwd <VEC, THREADS>, accumulate <VEC, FIRST, THREADS>, dropout_apply <VEC, RESID,
-    DROP, THREADS>."""
-    return _name(base, vec, *flags, THREADS)
+def ew_name(base: str, vec: int, *flags, types=None) -> str:
+    """gelu_fwd <VEC, THREADS, TO, TX>, gelu_bwd <VEC, THREADS, TDP, TDO, TP>, accumulate <VEC, FIRST,
+    THREADS, TD, TS>, dropout_apply <VEC, RESID, DROP, THREADS, TO, TR, TX> of the tensors' element types
+    (dtypes in that order; fp32 unless given; dropout_apply without RESID: TR is TO's)."""
+    n = {"gelu_fwd": 2, "gelu_bwd": 3, "accumulate": 2, "dropout_apply": 3}[base]
+    return _name(base, vec, *flags, THREADS, *type_codes(types or ("f32",) * n))
 
 
-def bias_grad_name(vec: int) -> str:
-    return _name("bias_grad_partial", vec, BG_WARPS)
+def bias_grad_name(vec: int, dtype: str = "f32") -> str:
+    """bias_grad_partial <VEC, WARPS, TD> of dout's element type."""
+    return _name("bias_grad_partial", vec, BG_WARPS, *type_codes((dtype,)))
 
 
 SUM_ROWS = _name("sum_rows", BG_WARPS, SUM_ITEMS)
 
 _TF = (True, False)
+_VEC = (4, 1)
 VARIANTS = (
-    [(FILE, ew_name(k, v), {}) for k in ("gelu_fwd", "gelu_bwd") for v in (4, 1)]
-    + [(FILE, ew_name("dropout_apply", v, r, d), {}) for v in (4, 1) for r in _TF for d in _TF]
-    + [(FILE, bias_grad_name(v), {}) for v in (4, 1)]
-    + [(FILE, ew_name("accumulate", v, f), {}) for v in (4, 1) for f in _TF]
+    [(FILE, ew_name("gelu_fwd", v, types=t), {}) for t in GELU_TYPES for v in _VEC]
+    + [(FILE, ew_name("gelu_bwd", v, types=t), {}) for t in GELU_BWD_TYPES for v in _VEC]
+    + [(FILE, ew_name("dropout_apply", v, False, d, types=(t[0], t[0], t[1])), {})
+       for t in DROPOUT_TYPES for v in _VEC for d in _TF]
+    + [(FILE, ew_name("dropout_apply", v, True, d, types=t), {}) for t in RESIDUAL_TYPES for v in _VEC for d in _TF]
+    + [(FILE, bias_grad_name(v, *t), {}) for t in BIAS_GRAD_TYPES for v in _VEC]
+    + [(FILE, ew_name("accumulate", v, f, types=t), {}) for t in ACCUMULATE_TYPES for v in _VEC for f in _TF]
     + [(FILE, SUM_ROWS, {})]
 )
 SUMS = "sum_partials"     # the deferred sums' partials: a ring of one backward point's (layernorm.workspace)
@@ -75,10 +95,6 @@ def workspace(cfg, ex=None) -> dict:
     C = int(cfg.n_embd)
     width = max(4 * C, 3 * C, C, int(cfg.vocab_size or 0))
     return {WORKSPACE: ((MAX_CHUNKS, width), "f32")}
-
-
-def _aligned(*views) -> bool:
-    return all(v is None or v.ptr % 16 == 0 for v in views)
 
 
 def _ew_geometry(n: int, vec: int):
@@ -98,16 +114,20 @@ def _check_same(label, *views):
 
 def gelu_fwd(rt: RuntimeProtocol, out, x):
     n = _check_same("gelu_fwd", out, x)
-    vec = 4 if _aligned(out, x) else 1
+    types = kernel_types("gelu_fwd", GELU_TYPES, out=out, x=x)
+    vec = 4 if aligned4(out, x) else 1
     grid, block = _ew_geometry(n, vec)
-    rt.launch(rt.function(FILE, ew_name("gelu_fwd", vec)), grid, block, [out, x, i32(n)], label="gelu_fwd")
+    rt.launch(rt.function(FILE, ew_name("gelu_fwd", vec, types=types)), grid, block, [out, x, i32(n)],
+              label="gelu_fwd")
 
 
 def gelu_bwd(rt: RuntimeProtocol, dpre, dout, pre):
     n = _check_same("gelu_bwd", dpre, dout, pre)
-    vec = 4 if _aligned(dpre, dout, pre) else 1
+    types = kernel_types("gelu_bwd", GELU_BWD_TYPES, dpre=dpre, dout=dout, pre=pre)
+    vec = 4 if aligned4(dpre, dout, pre) else 1
     grid, block = _ew_geometry(n, vec)
-    rt.launch(rt.function(FILE, ew_name("gelu_bwd", vec)), grid, block, [dpre, dout, pre, i32(n)], label="gelu_bwd")
+    rt.launch(rt.function(FILE, ew_name("gelu_bwd", vec, types=types)), grid, block, [dpre, dout, pre, i32(n)],
+              label="gelu_bwd")
 
 
 def _dropout(rt: RuntimeProtocol, out, resid, x, p, site, label):
@@ -116,11 +136,20 @@ def _dropout(rt: RuntimeProtocol, out, resid, x, p, site, label):
         raise ValueError(f"{label}: dropout probability must be in [0, 1), got {p}")
     views = (out, x) if resid is None else (out, resid, x)
     n = _check_same(label, *views)
+    if resid is None:
+        to, tx = kernel_types(label, DROPOUT_TYPES, out=out, x=x)
+        types = (to, to, tx)
+    else:
+        types = kernel_types(label, RESIDUAL_TYPES, out=out, resid=resid, x=x)
+    for name, v in (("resid", resid), ("x", x)):
+        if v is not None and v.dtype != out.dtype and _overlap(out, v):
+            raise ValueError(f"{label}: out ({out.dtype}) overlaps {name} ({v.dtype}): an output may alias an "
+                             "input of its own element type only")
     if p == 0.0 and resid is None and out.ptr == x.ptr:
         return None                      # identity in place: nothing to do
     drop = p > 0.0
-    vec = 4 if _aligned(*views) else 1
-    name = ew_name("dropout_apply", vec, resid is not None, drop)
+    vec = 4 if aligned4(*views) else 1
+    name = ew_name("dropout_apply", vec, resid is not None, drop, types=types)
     grid, block = _ew_geometry(n, vec)
     return rt.launch(rt.function(FILE, name), grid, block,
                      [out, resid, x, i32(n)] + dropout_args(rt, p, site, label), label=label)
@@ -143,13 +172,15 @@ def bias_grad(rt: RuntimeProtocol, db, dout):
     M = rows(dout.shape)
     if db.numel != N:
         raise ValueError(f"bias_grad: db {db.shape} does not match dout {dout.shape}")
+    fp32_only("bias_grad", db=db)
+    (dtype,) = kernel_types("bias_grad", BIAS_GRAD_TYPES, dout=dout)
     rpc = max(MIN_CHUNK_ROWS, cdiv(M, MAX_CHUNKS))
     chunks = cdiv(M, rpc)
     part = partials(rt, chunks, N, WORKSPACE)
     if part is None:
         raise ValueError(f"workspace {WORKSPACE} is too small for {chunks} chunks x {N} columns")
-    vec = 4 if N % 4 == 0 and _aligned(dout) else 1
-    rt.launch(rt.function(FILE, bias_grad_name(vec)), (cdiv(N, 32 * vec), chunks), (BG_WARPS * 32,),
+    vec = 4 if N % 4 == 0 and aligned4(dout) else 1
+    rt.launch(rt.function(FILE, bias_grad_name(vec, dtype)), (cdiv(N, 32 * vec), chunks), (BG_WARPS * 32,),
               [part, dout, i32(M), i32(N), i32(rpc)], label="bias_grad_partial")
     sum_rows(rt, (db, part), label="bias_grad_reduce")
 
@@ -213,6 +244,7 @@ def sum_rows(rt: RuntimeProtocol, *sums, label="sum_rows"):
         nrows, width = (int(d) for d in parts.shape)
         cols = int(s[2]) if len(s) > 2 else width
         ld = int(s[3]) if len(s) > 3 else width
+        fp32_only(label, out=out, partials=parts)
         if out.numel != cols or cols > ld:
             raise ValueError(f"{label}: out {out.shape} does not match {cols} columns of partials {parts.shape}")
         item = (out, parts, nrows, cols, ld)
@@ -260,9 +292,10 @@ def accumulate(rt: RuntimeProtocol, dst, src, first):
     n = _check_same("accumulate", dst, src)
     if _overlap(dst, src):
         raise ValueError("accumulate: dst and src overlap")
-    vec = 4 if _aligned(dst, src) else 1
+    types = kernel_types("accumulate", ACCUMULATE_TYPES, dst=dst, src=src)
+    vec = 4 if aligned4(dst, src) else 1
     grid, block = _ew_geometry(n, vec)
-    rt.launch(rt.function(FILE, ew_name("accumulate", vec, first)), grid, block,
+    rt.launch(rt.function(FILE, ew_name("accumulate", vec, first, types=types)), grid, block,
               [dst, src, i32(n)], label="accumulate")
 
 

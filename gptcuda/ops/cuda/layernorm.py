@@ -8,18 +8,24 @@
         drop = (dropped[N,C], p, site): also dropped = dropout_bwd(dx) with dropout p of stream
         site, in the same pass (the residual gradient's next use: the branch before it)
 
-Rows are the flattened leading dimensions. With C % 4 == 0, C <= 1024 and 16-byte aligned
-views a warp holds its row in registers (NV = ceil(C/128) float4 per lane); otherwise the
-loop kernels handle any C. The backward writes per-block partial sums of dw/db into the
-workspace "layernorm_partials" [MAX_BLOCKS, 2*C] (or, while a backward holds its sums, a region
-of elementwise.py's ring) and elementwise.sum_rows adds them up in block order.
+Element types (the views' dtypes pick the kernel: FWD_TYPES, BWD_TYPES; another combination is a
+ValueError): fp32 throughout; a bf16 model's, every tensor bf16; or an fp32 residual stream (x, resid,
+dx) with bf16 activations and their gradients (out, branch, dout, dropped). w, b, mean, rstd, dw and db
+are fp32 always, and so is every sum; a bf16 output is rounded once.
+
+Rows are the flattened leading dimensions. With C % 4 == 0, C <= 1024 and views aligned to 4 of
+their elements (16 bytes of fp32, 8 of bf16) a warp holds its row in registers (NV = ceil(C/128)
+groups of 4 values per lane); otherwise the loop kernels handle any C. The backward writes per-block
+partial sums of dw/db into the workspace "layernorm_partials" [MAX_BLOCKS, 2*C] (or, while a backward
+holds its sums, a region of elementwise.py's ring) and elementwise.sum_rows adds them up in block order.
 """
 from __future__ import annotations
 
 from gptcuda import faults
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import DeviceView, RuntimeProtocol, f32, i32, u32
-from gptcuda.ops.cuda import cdiv, dropout_args, elementwise, expression
+from gptcuda.ops.cuda import (aligned4, cdiv, dropout_args, elementwise, expression, fp32_only, kernel_types,
+                              type_codes)
 
 FILE = "layernorm.cu"
 WARPS = 8                 # every kernel's block (rows a block in the warp-per-row ones): its template argument
@@ -27,7 +33,13 @@ THREADS = WARPS * 32
 MAX_NV = 8                # register path up to C = 128 * MAX_NV = 1024
 MAX_BLOCKS = 512          # backward blocks (rows of the partials workspace)
 WORKSPACE = "layernorm_partials"
-
+# The element types there are kernels for: (x, branch, out) of the forward, x also the fused residual's
+# resid and xw (the residual stream); (dout, x, dx, dropped) of the backward, dx read and accumulated
+# into. fp32; all bf16; an fp32 residual stream normalized into bf16, whose bf16 branch (a product's
+# output) is added in, and whose gradient dx is accumulated in fp32 from a bf16 dout, the branch's
+# gradient (dropped: the next product's operand) bf16.
+FWD_TYPES = (("f32", "f32", "f32"), ("bf16", "bf16", "bf16"), ("f32", "bf16", "bf16"))
+BWD_TYPES = (("f32", "f32", "f32", "f32"), ("bf16", "bf16", "bf16", "bf16"), ("bf16", "f32", "f32", "bf16"))
 
 
 def bwd_smem(nv: int, bias: bool) -> int:
@@ -36,28 +48,32 @@ def bwd_smem(nv: int, bias: bool) -> int:
     return ((2 if bias else 1) * WARPS + 1) * nv * 32 * 16
 
 
-def fwd_name(nv: int, bias: bool, fused: bool = False) -> str:
-    """layernorm_fwd_reg<NV, BIAS, RD, WARPS> (nv > 0) or layernorm_fwd_loop<BIAS, WARPS>."""
-    return (expression("layernorm_fwd_reg", nv, bias, fused, WARPS, sep=", ") if nv
-            else expression("layernorm_fwd_loop", bias, WARPS, sep=", "))
+def fwd_name(nv: int, bias: bool, fused: bool = False, types=FWD_TYPES[0]) -> str:
+    """layernorm_fwd_reg<NV, BIAS, RD, WARPS, TX, TB, TO> (nv > 0) or layernorm_fwd_loop<BIAS, WARPS, TX, TO>
+    of the forward's element types (a FWD_TYPES entry)."""
+    tx, tb, to = type_codes(types)
+    return (expression("layernorm_fwd_reg", nv, bias, fused, WARPS, tx, tb, to, sep=", ") if nv
+            else expression("layernorm_fwd_loop", bias, WARPS, tx, to, sep=", "))
 
 
-def bwd_name(nv: int, bias: bool, drop: bool) -> str:
-    """layernorm_bwd_reg<NV, BIAS, DROP, WARPS, SMEM> (nv > 0) or layernorm_bwd_loop<BIAS, DROP, WARPS>."""
-    return (expression("layernorm_bwd_reg", nv, bias, drop, WARPS, bwd_smem(nv, bias), sep=", ") if nv
-            else expression("layernorm_bwd_loop", bias, drop, WARPS, sep=", "))
+def bwd_name(nv: int, bias: bool, drop: bool, types=BWD_TYPES[0]) -> str:
+    """layernorm_bwd_reg<NV, BIAS, DROP, WARPS, SMEM, TDO, TX, TDX, TDR> (nv > 0) or
+    layernorm_bwd_loop<BIAS, DROP, WARPS, TDO, TX, TDX, TDR> of the backward's element types (a BWD_TYPES
+    entry)."""
+    codes = type_codes(types)
+    return (expression("layernorm_bwd_reg", nv, bias, drop, WARPS, bwd_smem(nv, bias), *codes, sep=", ") if nv
+            else expression("layernorm_bwd_loop", bias, drop, WARPS, *codes, sep=", "))
 
 
 _TF = (True, False)
+_NVS = range(0, MAX_NV + 1)               # 0: the loop kernels
 VARIANTS = (
-    [(FILE, fwd_name(nv, b, r), {}) for nv in range(1, MAX_NV + 1) for b in _TF for r in _TF]
-    + [(FILE, fwd_name(0, b), {}) for b in _TF]
-    + [(FILE, bwd_name(nv, b, d), {}) for nv in range(1, MAX_NV + 1) for b in _TF for d in _TF]
-    + [(FILE, bwd_name(0, b, d), {}) for b in _TF for d in _TF]
+    [(FILE, fwd_name(nv, b, r, t), {}) for t in FWD_TYPES for nv in _NVS for b in _TF for r in _TF if nv or not r]
+    + [(FILE, bwd_name(nv, b, d, t), {}) for t in BWD_TYPES for nv in _NVS for b in _TF for d in _TF]
 )
-# the deliberately wrong backward of gradcheck.py --break=layernorm (gptcuda/faults.py)
+# the deliberately wrong backward of gradcheck.py --break=layernorm (gptcuda/faults.py), fp32 only
 BROKEN = {"GC_BREAK_LAYERNORM": 1}
-VARIANTS += [(f, n, BROKEN) for f, n, _ in VARIANTS if n.startswith("layernorm_bwd_")]
+VARIANTS += [(FILE, bwd_name(nv, b, d), BROKEN) for nv in _NVS for b in _TF for d in _TF]
 
 
 def workspace(cfg, ex=None) -> dict:
@@ -70,13 +86,9 @@ def workspace(cfg, ex=None) -> dict:
     return {WORKSPACE: ((MAX_BLOCKS, 2 * C), "f32"), elementwise.SUMS: ((ring,), "f32")}
 
 
-def _aligned(*views) -> bool:
-    return all(v is None or v.ptr % 16 == 0 for v in views)
-
-
 def _nv(C: int, *views) -> int:
-    """Register-path float4 count per lane, or 0 for the loop kernels."""
-    if C % 4 == 0 and C <= 128 * MAX_NV and _aligned(*views):
+    """Register-path groups of 4 values per lane, or 0 for the loop kernels."""
+    if C % 4 == 0 and C <= 128 * MAX_NV and aligned4(*views):
         return cdiv(C, 128)
     return 0
 
@@ -96,23 +108,25 @@ def layernorm_fwd(rt: RuntimeProtocol, out, mean, rstd, x, w, b, residual=None):
     N = rows(x.shape)
     if out.numel != N * C or int(w.shape[-1]) != C or (b is not None and int(b.shape[-1]) != C):
         raise ValueError(f"layernorm_fwd: shapes out {out.shape}, x {x.shape}, w {w.shape}")
-    views = (out, x, w, b) + (tuple(residual[:2]) if residual is not None else ())
-    nv = _nv(C, *views)
-    if residual is not None:
-        resid, branch, p, site = residual
+    fp32_only("layernorm_fwd", mean=mean, rstd=rstd, w=w, b=b)
+    fused = residual is not None
+    resid, branch, p, site = residual if fused else (None, None, 0.0, 0)
+    t = kernel_types("layernorm_fwd", [(tx, tx, tb, to) for tx, tb, to in FWD_TYPES],
+                     x=x, resid=resid, branch=branch, out=out)
+    types = (t[0], t[2], t[3])
+    nv = _nv(C, out, x, w, b, resid, branch)
+    if fused:
         if resid.numel != N * C or branch.numel != N * C:
             raise ValueError(f"layernorm_fwd: resid {resid.shape} / branch {branch.shape} are not [{N}, {C}]")
         if not nv:                       # the loop kernels take x as it is: make it first
             elementwise.residual_dropout(rt, x, resid, branch, p, site)
     if nv:
-        fused = residual is not None
-        name = fwd_name(nv, b is not None, fused)
         tail = ([x, resid, branch] + _keep_args(rt, p, site, "layernorm_fwd") if fused
                 else [None, None, None] + _NO_DROP)
-        rt.launch(rt.function(FILE, name), (cdiv(N, WARPS),), (THREADS,),
+        rt.launch(rt.function(FILE, fwd_name(nv, b is not None, fused, types)), (cdiv(N, WARPS),), (THREADS,),
                   [out, mean, rstd, None if fused else x, w, b, i32(N), i32(C)] + tail, label="layernorm_fwd")
     else:
-        rt.launch(rt.function(FILE, fwd_name(0, b is not None)), (cdiv(N, WARPS),), (THREADS,),
+        rt.launch(rt.function(FILE, fwd_name(0, b is not None, types=types)), (cdiv(N, WARPS),), (THREADS,),
                   [out, mean, rstd, x, w, b, i32(N), i32(C)], label="layernorm_fwd")
 
 
@@ -132,15 +146,20 @@ def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=
     N = rows(x.shape)
     if dx.numel != N * C or dout.numel != N * C or int(dw.shape[-1]) != C:
         raise ValueError(f"layernorm_bwd: shapes dx {dx.shape}, dout {dout.shape}, x {x.shape}, dw {dw.shape}")
+    fp32_only("layernorm_bwd", dw=dw, db=db, mean=mean, rstd=rstd, w=w)
+    types = kernel_types("layernorm_bwd", BWD_TYPES, dout=dout, x=x, dx=dx,
+                         dropped=drop[0] if drop is not None else None)
+    if "layernorm" in faults.broken and types != BWD_TYPES[0]:
+        raise ValueError("layernorm_bwd: the deliberately wrong backward (gradcheck --break=layernorm) is fp32 only")
     dflag, dargs = _drop_args(rt, drop, N, C)
     nv = _nv(C, dx, dout, x, w, drop[0] if drop is not None else None)
     G = min(cdiv(N, WARPS), MAX_BLOCKS) if nv else min(N, MAX_BLOCKS)
     part = elementwise.partials(rt, G, 2 * C, WORKSPACE)     # the held sums' ring or the workspace
     if part is None:
         raise ValueError(f"workspace {WORKSPACE} is too small for {G} blocks x 2*{C}")
-    if nv and not _aligned(part):
+    if nv and not aligned4(part):
         raise ValueError(f"layernorm_bwd: partials at {part.ptr:#x} are not 16-byte aligned")
-    name = bwd_name(nv, db is not None, dflag)
+    name = bwd_name(nv, db is not None, dflag, types)
     defines = BROKEN if "layernorm" in faults.broken else {}
     rt.launch(rt.function(FILE, name, defines), (G,), (THREADS,),
               [dx, part, dout, x, mean, rstd, w, i32(N), i32(C)] + dargs, smem=bwd_smem(nv, db is not None),
