@@ -1,18 +1,19 @@
-"""The BF16 warpgroup-MMA product (kernels/gemm_wgmma.cu gemm_wgmma_ws with DT = 1) against float64, and its
-speed beside the TF32 kernel it extends, on the GPT-2 124M shapes.
+"""The BF16 products (gemm family bf16: kernels/gemm_wgmma.cu gemm_wgmma_ws with DT = 1, through gemm.matmul)
+against float64, and their speed beside TF32's, on the GPT-2 124M shapes.
 
     python bench/bf16_gemm.py [--check] [--speed] [--iters 30] [--json out.json]
 
---check: every layout the kernel reads (NT: A [M, K] and B [N, K] K-major; NN: B [K, N] as stored, MN-major;
-TN: A [K, M] and B [K, N] as stored; TT), fp32 and bf16 outputs, the epilogues (bias, GELU with its
-pre-activation, residual, dGELU), edge tiles (M, N, K not multiples of the tile), split-K partials and a
-batch, each against a float64 product of the same bf16 inputs. Error model: the inputs are exact in
+--check: every layout of the op interface (NT: A [M, K] and B [N, K] K-major; NN: B [K, N] as stored,
+MN-major; TN: A [K, M] and B [K, N] as stored) into its C type (bf16; the weight gradients' TN fp32), the
+epilogues (bias, GELU with its pre-activation, residual, dGELU), edge tiles (M, N, K not multiples of the
+tile), split-K partials and their reduction, on every tile, each against a float64 product of the same
+bf16 inputs. Error model: the inputs are exact in
 bf16, the products exact in fp32, the sums in fp32 (K terms: <= K 2^-24 of sum |a b| where the
 accumulation rounds to nearest, up to twice that where it truncates); a bf16 output adds one rounding
 (2^-9 relative). PASS: max|out - ref| / max|ref| <= 4e-5 (fp32 out; K <= 3072) or 6e-3 (bf16 out).
---speed: the median time of each GPT-2 124M product (B8 T1024: M = 8192 tokens, C 768, V 50304) in TF32
-(gemm_wgmma_ws as the training step runs it, K-major operands) and in BF16 (every layout as stored),
-with TFLOP/s, the SM clock read before and after.
+--speed: the median time of each GPT-2 124M product (B8 T1024: M = 8192 tokens, C 768, V 50304), replayed
+in a CUDA graph, in TF32 as the training step plans it (with its re-layouts) and in BF16 (its best tile,
+every layout as stored), with TFLOP/s, the SM clock read before and after.
 """
 from __future__ import annotations
 
@@ -24,48 +25,21 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import ClockWatch, median_ms, write_results  # noqa: E402
-from gptcuda.ops.cuda import expression  # noqa: E402
-from gptcuda.runtime import Runtime, bf16, f32, i32, u64  # noqa: E402
+from bench.common import ClockWatch, write_results  # noqa: E402
+from bench.timing import time_graphed_ms  # noqa: E402
+from gptcuda.ops.cuda import gemm  # noqa: E402
+from gptcuda.runtime import Runtime, bf16  # noqa: E402
 
-FILE = "gemm_wgmma.cu"
-EPI = {"none": 0, "bias": 1, "gelu": 2, "residual": 3, "dgelu": 4}
-SIZE = {"f32": 4, "bf16": 2}
-
-
-def kernel(tile, epi, has_bias, dt, mn_a, mn_b, out):
-    bm, bn, stages = tile
-    return expression("gemm_wgmma_ws", bm, bn, stages, epi, has_bias, (bm // 64 + 1) * 128,
-                      stages * (bm + bn) * 128 + 1024, dt, mn_a, mn_b, out)
+EPILOGUES = {"bias": "none", "gelu": "gelu", "residual": "residual", "dgelu": "dgelu", "none": "none"}
 
 
-def operand_map(rt, x, rows, K, mn, box_rows, batch=1):
-    """The tensor map of an operand: K-major [batch, rows, K] (box {BK, rows of the tile}) or MN-major
-    [batch, K, rows] (boxes {64, 64}); BK = 128 bytes of k."""
-    e = SIZE[x.dtype]
-    bk = 128 // e
-    if mn:
-        return rt.tensor_map(x, (rows, K, batch), (e * rows, e * rows * K), (64, bk, 1))
-    return rt.tensor_map(x, (K, rows, batch), (e * K, e * K * rows), (bk, box_rows, 1))
-
-
-def launch(rt, tile, c, a, b, M, N, K, mn_a, mn_b, epi="none", bias=None, aux=None, splits=1, batch=1, alpha=1.0):
-    """c [batch * splits, M, N] = alpha * op(a) op(b) (+ bias) (+ epilogue); a, b of one dtype."""
-    dt = 1 if a.dtype == "bf16" else 0
-    bm, bn, stages = tile
-    bk = 64 if dt else 32
-    k_chunk = -(-K // splits)
-    k_chunk = -(-k_chunk // bk) * bk
-    assert splits == 1 or -(-K // k_chunk) == splits
-    name = kernel(tile, EPI[epi], bias is not None, dt, mn_a, mn_b, 1 if c.dtype == "bf16" else 0)
-    fn = rt.function(FILE, name)
-    ma = operand_map(rt, a, M, K, mn_a, bm, batch)
-    mb = operand_map(rt, b, N, K, mn_b, bn, batch)
-    zs = batch * splits
-    tiles = -(-M // bm) * -(-N // bn) * zs
-    rt.launch(fn, (max(1, min(tiles, rt.info.sm_count)), 1, 1), ((bm // 64 + 1) * 128,),
-              [c, aux, ma, mb, bias, i32(M), i32(N), i32(K), i32(N), u64(M * N), f32(alpha), i32(splits),
-               i32(k_chunk), i32(zs), None], smem=stages * (bm + bn) * 128 + 1024, label=name)
+def product(rt, ex, c, a, b, ta, tb, epi="none", bias=None, aux=None, tile=None, splits=1):
+    """c = op(a) op(b) (+ bias) (+ epilogue) through gemm.matmul in plan ex, the tile (and split count)
+    forced where given (else the cost model's)."""
+    K = a.shape[-2] if ta else a.shape[-1]
+    fam = ex.gemm_family
+    p = gemm.make_plan(fam, tile, splits, K) if tile is not None else None
+    gemm.matmul(rt, c, a, b, ta, tb, bias=bias, epilogue=EPILOGUES[epi], aux=aux, plan=p, ex=ex)
 
 
 def gelu(x):
@@ -86,45 +60,38 @@ def rel(got, ref):
 
 
 def check(rt, rng) -> bool:
+    ex = rt.exec
     ok = True
     cases = []
-    for ta, tb in ((False, True), (False, False), (True, False), (True, True)):
+    for ta, tb in ((False, True), (False, False), (True, False)):
+        out_t = "f32" if ta else "bf16"
         for (M, N, K) in ((256, 256, 256), (200, 136, 72), (1000, 520, 3072)):
-            cases.append((ta, tb, M, N, K, "none", False, "f32", 1, 1))
-            cases.append((ta, tb, M, N, K, "none", False, "bf16", 1, 1))
-    for epi, hb in (("bias", True), ("gelu", True), ("gelu", False), ("residual", True), ("dgelu", False)):
-        cases.append((False, True, 520, 392, 264, epi, hb, "bf16", 1, 1))
-        cases.append((False, False, 520, 392, 264, epi, hb, "bf16", 1, 1))
-    cases.append((True, False, 384, 768, 4096, "none", False, "f32", 4, 1))   # split-K partials
-    cases.append((False, True, 256, 192, 128, "none", False, "bf16", 1, 3))   # a batch
-    for tile in ((128, 128, 4), (128, 256, 4), (256, 128, 4), (128, 192, 4)):
-        for ta, tb, M, N, K, epi, hb, out_t, splits, batch in cases:
-            if tile != (128, 128, 4) and (epi != "none" or splits > 1 or batch > 1 or K != 3072):
-                continue          # the other tiles: each layout and output type at the largest shape
-            a_shape = (batch, K, M) if ta else (batch, M, K)
-            b_shape = (batch, N, K) if tb else (batch, K, N)
-            a64 = bf16.round_f32(rng.standard_normal(a_shape)).astype(np.float64)
-            b64 = bf16.round_f32(rng.standard_normal(b_shape)).astype(np.float64)
+            cases.append((ta, tb, M, N, K, "none", False, out_t, 1))
+    for epi, hb in (("bias", True), ("gelu", True), ("gelu", False), ("residual", True), ("residual", False)):
+        cases.append((False, True, 520, 392, 264, epi, hb, "bf16", 1))
+    cases.append((False, False, 520, 392, 264, "dgelu", False, "bf16", 1))
+    cases.append((True, False, 384, 768, 4096, "none", False, "f32", 4))     # split-K partials, the reduction
+    for tile in gemm.BF16_TILES:
+        for ta, tb, M, N, K, epi, hb, out_t, splits in cases:
+            if tile != (128, 128, 4) and (epi != "none" or splits > 1 or K != 3072):
+                continue          # the other tiles: each layout at the largest shape
+            a64 = bf16.round_f32(rng.standard_normal((K, M) if ta else (M, K))).astype(np.float64)
+            b64 = bf16.round_f32(rng.standard_normal((N, K) if tb else (K, N))).astype(np.float64)
             a, b = rt.upload(a64, "bf16"), rt.upload(b64, "bf16")
-            prod = np.einsum("zkm,zkn->zmn" if ta else "zmk,zkn->zmn", a64,
-                             np.swapaxes(b64, 1, 2) if tb else b64)
+            prod = (a64.T if ta else a64) @ (b64.T if tb else b64)
             bias = rng.standard_normal(N).astype(np.float32) if hb else None
             pre = prod + (bias.astype(np.float64) if hb else 0.0)
-            aux64 = None
-            if epi in ("residual", "dgelu"):
-                aux64 = bf16.round_f32(rng.standard_normal((batch, M, N))).astype(np.float64)
-            c = rt.empty((batch * splits, M, N), out_t)
-            aux = rt.upload(aux64, "bf16") if aux64 is not None else (rt.empty((batch, M, N), "bf16")
-                                                                       if epi == "gelu" else None)
-            launch(rt, tile, c, a, b, M, N, K, ta, not tb, epi, rt.upload(bias) if hb else None, aux, splits, batch)
+            aux64 = bf16.round_f32(rng.standard_normal((M, N))).astype(np.float64) \
+                if epi in ("residual", "dgelu") else None
+            c = rt.empty((M, N), out_t)
+            aux = rt.upload(aux64, "bf16") if aux64 is not None else (rt.empty((M, N), "bf16") if epi == "gelu"
+                                                                       else None)
+            product(rt, ex, c, a, b, ta, tb, epi, rt.upload(bias) if hb else None, aux, tile, splits)
             got = rt.download(c)
-            got = bf16.values(got) if out_t == "bf16" else got
-            if splits > 1:
-                got = got.astype(np.float64).sum(0, keepdims=True)
+            got = (bf16.values(got) if out_t == "bf16" else got).astype(np.float64)
             if epi == "gelu":
                 pre_got = bf16.values(rt.download(aux)).astype(np.float64)
-                ref = gelu(pre_got)
-                err = max(rel(got, ref), rel(pre_got, pre))
+                err = max(rel(got, gelu(pre_got)), rel(pre_got, pre))
             elif epi == "residual":
                 err = rel(got, aux64 + pre)
             elif epi == "dgelu":
@@ -134,9 +101,9 @@ def check(rt, rng) -> bool:
             tol = 6e-3 if out_t == "bf16" else 4e-5
             good = err <= tol
             ok &= good
-            print(f"{'PASS' if good else 'FAIL'} tile {tile[0]}x{tile[1]} {'T' if ta else 'N'}{'T' if tb else 'N'} "
-                  f"{M}x{N}x{K} batch {batch} split {splits} {epi}{'+bias' if hb else ''} out {out_t}: "
-                  f"rel err {err:.2e} (tol {tol:.0e})", flush=True)
+            print(f"{'PASS' if good else 'FAIL'} tile {tile[0]}x{tile[1]} {gemm.layout_code(ta, tb)} {M}x{N}x{K} "
+                  f"split {splits} {epi}{'+bias' if hb else ''} out {out_t}: rel err {err:.2e} (tol {tol:.0e})",
+                  flush=True)
     return ok
 
 
@@ -151,32 +118,30 @@ def gpt2_shapes(tokens=8192, C=768, V=50304):
 
 
 def speed(rt, rng, iters) -> list:
+    """Each product's best tile (one product, no split), replayed in a CUDA graph: TF32 as the training
+    step runs it (the cost model's plan: B^T first for NN, the register-A kernels for TN), BF16 as stored."""
     rows = []
     watch = ClockWatch()
+    tf32, bf = rt.exec.with_precision("tf32"), rt.exec
     for label, M, N, K, lay in gpt2_shapes():
         ta, tb = lay[0] == "T", lay[1] == "T"
         flop = 2.0 * M * N * K
         best = {}
-        for dtype in ("f32", "bf16"):
-            # TF32 runs K-major operands only (the training step re-lays the others out first, not timed
-            # here); BF16 reads every layout as stored
-            mn_a, mn_b = (ta, not tb) if dtype == "bf16" else (False, False)
-            a = rt.upload(rng.standard_normal((K, M) if mn_a else (M, K)).astype(np.float32), dtype)
-            b = rt.upload(rng.standard_normal((K, N) if mn_b else (N, K)).astype(np.float32), dtype)
-            c = rt.empty((M, N), "bf16" if dtype == "bf16" and lay != "TN" else "f32")
-            for tile in ((128, 256, 4), (256, 128, 4), (128, 192, 4), (128, 128, 4)):
-                if dtype == "f32" and tile == (128, 128, 4):
-                    continue
-                ms = median_ms(rt, lambda: launch(rt, tile, c, a, b, M, N, K, mn_a, mn_b), iters)
+        for ex, dtype in ((tf32, "f32"), (bf, "bf16")):
+            a = rt.upload(rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32), dtype)
+            b = rt.upload(rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32), dtype)
+            c = rt.empty((M, N), "bf16" if dtype == "bf16" and not ta else "f32")
+            tiles = gemm.BF16_TILES if dtype == "bf16" else (None,)
+            for tile in tiles:
+                ms = time_graphed_ms(rt, lambda: product(rt, ex, c, a, b, ta, tb, tile=tile), iters=iters, reps=5)
                 if dtype not in best or ms < best[dtype][0]:
-                    best[dtype] = (ms, tile)
-        tf, bf = best["f32"], best["bf16"]
-        rows.append({"op": label, "M": M, "N": N, "K": K, "layout": lay, "tf32_ms": tf[0], "tf32_tile": tf[1],
-                     "bf16_ms": bf[0], "bf16_tile": bf[1], "bf16_tflops": flop / bf[0] / 1e9,
-                     "tf32_tflops": flop / tf[0] / 1e9})
-        print(f"{label:<14} {lay} {M:>6}x{N:<6}x{K:<6} tf32 {tf[0]:8.4f} ms ({flop / tf[0] / 1e9:6.1f} TFLOP/s "
-              f"{tf[1][0]}x{tf[1][1]})  bf16 {bf[0]:8.4f} ms ({flop / bf[0] / 1e9:6.1f} TFLOP/s "
-              f"{bf[1][0]}x{bf[1][1]})  x{tf[0] / bf[0]:.2f}", flush=True)
+                    best[dtype] = (ms, tile or "model")
+        tf, bb = best["f32"], best["bf16"]
+        rows.append({"op": label, "M": M, "N": N, "K": K, "layout": lay, "tf32_ms": tf[0], "bf16_ms": bb[0],
+                     "bf16_tile": bb[1], "bf16_tflops": flop / bb[0] / 1e9, "tf32_tflops": flop / tf[0] / 1e9})
+        print(f"{label:<14} {lay} {M:>6}x{N:<6}x{K:<6} tf32 {tf[0]:8.4f} ms ({flop / tf[0] / 1e9:6.1f} TFLOP/s)  "
+              f"bf16 {bb[0]:8.4f} ms ({flop / bb[0] / 1e9:6.1f} TFLOP/s {bb[1][0]}x{bb[1][1]})  "
+              f"x{tf[0] / bb[0]:.2f}", flush=True)
     total_tf, total_bf = sum(r["tf32_ms"] for r in rows), sum(r["bf16_ms"] for r in rows)
     print(f"sum (one layer + head): tf32 {total_tf:.3f} ms, bf16 {total_bf:.3f} ms; {watch.stop()}")
     return rows
@@ -189,7 +154,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rt = Runtime(0, precision="tf32", seed=0)
+    rt = Runtime(0, precision="bf16", seed=0)
+    rt.set_workspace({"gemm_splitk": rt.empty((32 * 768 * 768,)), "gemm_bT": rt.empty((768 * 50304,)),
+                      "gemm_aT": rt.empty((3072 * 8192,))})
     rng = np.random.default_rng(0)
     ok = True
     result = {}

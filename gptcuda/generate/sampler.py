@@ -27,8 +27,8 @@ import numpy as np
 
 from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.errors import UsageError
-from gptcuda.config import Config
-from gptcuda.runtime import compiler, execution
+from gptcuda.config import PRECISIONS, Config
+from gptcuda.runtime import compiler
 from gptcuda.training.engine import backend_class, workspaces_for
 from gptcuda.model.gpt import GPT
 from gptcuda.model.memory import STOP_MAX, check_fits, pack_gen_opts, plan_decode
@@ -231,8 +231,8 @@ def parse_options(opts) -> dict:
     )
     if out["backend"] not in (None, "cuda", "reference"):
         raise UsageError(f"--backend must be cuda or reference, got {out['backend']!r}")
-    if out["precision"] not in execution.PRECISIONS:
-        raise UsageError(f"--precision must be fp32 or tf32, got {out['precision']!r}")
+    if out["precision"] not in PRECISIONS:          # what a config may ask for
+        raise UsageError(f"--precision must be {' or '.join(PRECISIONS)}, got {out['precision']!r}")
     return out
 
 

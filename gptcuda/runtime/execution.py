@@ -50,22 +50,24 @@ WGMMA_ARCHS = ("sm_90",)
 ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE")
 GEMM_TUNES = ("auto", "table", "off")
 _TUNE_ENV = {"0": "off", "off": "off", "table": "table", "auto": "auto"}     # GPTCUDA_GEMM_TUNE -> gemm_tune
-PRECISIONS = ("fp32", "tf32")
-GEMM_FAMILIES = {"fp32": "simt", "tf32": "tf32"}      # precision -> the base GEMM family
+# bf16: products on the BF16 warpgroup-MMA kernel (sm_90); a runtime's precision for the bf16 kernels'
+# benchmarks and tests (a config cannot ask for it until the model's bf16 path exists: config.PRECISIONS)
+PRECISIONS = ("fp32", "tf32", "bf16")
+GEMM_FAMILIES = {"fp32": "simt", "tf32": "tf32", "bf16": "bf16"}      # precision -> the base GEMM family
 FP32_GEMMS = ("3xtf32", "ffma")
 ATTENTION_PATHS = ("unfused", "flash", "flash_tc", "flash_3x")
 # head sizes whose flash_tc dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg)
 FLASH_WG_HEAD_SIZES = (32, 64)
 # dense peak rates of the H100 / H200 SXM (datasheet), TFLOP/s, by what multiplies: the MFU denominator
-PEAK_TFLOPS = {"ffma": 67.0, "tf32": 495.0, "3xtf32": 495.0 / 3}
+PEAK_TFLOPS = {"ffma": 67.0, "tf32": 495.0, "3xtf32": 495.0 / 3, "bf16": 989.0}
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecutionPlan:
     arch: str                 # the device's ("sm_90"); "cpu" for the reference backend
-    precision: str            # fp32 | tf32 (reference: float64)
+    precision: str            # fp32 | tf32 | bf16 (reference: float64)
     fp32_gemm: str            # how fp32 multiplies where it may: 3xtf32 | ffma (the config's)
-    gemm_family: str          # the base GEMM family: simt | tf32
+    gemm_family: str          # the base GEMM family: simt | tf32 | bf16
     wgmma: bool               # the warpgroup-MMA kernels compete (sm_90, GPTCUDA_WGMMA != 0)
     gemm_tune: str            # the measured GEMM table: auto (measure what it lacks) | table | off
     attention: str | None     # unfused | flash | flash_tc | flash_3x (None: a runtime not built from a config)
@@ -83,8 +85,9 @@ class ExecutionPlan:
 
     @property
     def wgmma_mode(self) -> str | None:
-        """How products run on the warpgroup-MMA kernels: "tf32", "3xtf32" (fp32 as three TF32
-        products of hi / lo halves), or None (they do not: no sm_90, GPTCUDA_WGMMA=0, fp32_gemm ffma)."""
+        """How products run on the warpgroup-MMA kernels beside the base family: "tf32", "3xtf32" (fp32 as
+        three TF32 products of hi / lo halves), or None (they do not: no sm_90, GPTCUDA_WGMMA=0, fp32_gemm
+        ffma; bf16, whose base family is the warpgroup-MMA kernel itself)."""
         if not self.wgmma:
             return None
         return "tf32" if self.precision == "tf32" else "3xtf32" if self.fp32_as_3xtf32 else None
@@ -106,16 +109,16 @@ class ExecutionPlan:
     def check_tolerance(self) -> float:
         """Largest relative difference between two correct candidate plans of one product (gemm/tune.py
         checks each against the cost model's): TF32 truncating (wgmma) against rounding (mma.sync)
-        operands ~1e-3; fp32 (SIMT against 3xTF32) ~1e-7."""
-        return 2e-3 if self.precision == "tf32" else 1e-5
+        operands ~1e-3; fp32 (SIMT against 3xTF32) ~1e-7; bf16 outputs rounded to 2^-9 of a value."""
+        return {"tf32": 2e-3, "bf16": 1e-2}.get(self.precision, 1e-5)
 
     @property
     def peak_tflops(self) -> float:
         """The MFU denominator: the dense rate of what multiplies here: TF32 tensor cores, fp32 as
         3xTF32 (a third of TF32's, above the FMA rate) where the warpgroup-MMA kernels run it, else the
         FMA units (fp32_gemm ffma, GPTCUDA_WGMMA=0, a device without them)."""
-        if self.precision == "tf32":
-            return PEAK_TFLOPS["tf32"]
+        if self.precision in ("tf32", "bf16"):
+            return PEAK_TFLOPS[self.precision]
         return PEAK_TFLOPS["3xtf32" if self.fp32_as_3xtf32 else "ffma"]
 
     def dkv_on_wgmma(self, head_size: int) -> bool:
@@ -190,6 +193,8 @@ def fused_path(precision: str, as_3xtf32: bool) -> str:
     run as 3xTF32 (ExecutionPlan.fp32_as_3xtf32), else flash (FFMA)."""
     if precision == "tf32":
         return "flash_tc"
+    if precision == "bf16":
+        raise ValueError("precision bf16 has no attention kernels yet (its products only: gemm family bf16)")
     return "flash_3x" if as_3xtf32 else "flash"
 
 
@@ -215,13 +220,16 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     # the environment overrides the config (GPTCUDA_GEMM_TUNE=0 has always meant: no table)
     gemm_tune = _TUNE_ENV.get(env.get("GPTCUDA_GEMM_TUNE", "").strip().lower()) or gemm_tune or "table"
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r} (fp32 | tf32)")
+        raise ValueError(f"unknown precision {precision!r} ({' | '.join(PRECISIONS)})")
     if fp32_gemm not in FP32_GEMMS:
         raise ValueError(f"unknown fp32_gemm {fp32_gemm!r} (3xtf32 | ffma)")
     if gemm_tune not in GEMM_TUNES:
         raise ValueError(f"unknown gemm_tune {gemm_tune!r} (auto | table | off)")
     read = tuple((k, env[k]) for k in ENV_KEYS if k in env)
     wgmma = arch in WGMMA_ARCHS and env.get("GPTCUDA_WGMMA", "1") != "0"
+    if precision == "bf16" and not wgmma and arch != "cpu":
+        raise ValueError(f"precision bf16 runs on the warpgroup-MMA kernels: an sm_90 device (this one: {arch}) "
+                         f"with GPTCUDA_WGMMA unset or 1")
     plan = ExecutionPlan(arch or "?", precision, fp32_gemm, GEMM_FAMILIES[precision], wgmma, gemm_tune, None,
                          read)
     if attention is not None:

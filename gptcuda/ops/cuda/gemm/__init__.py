@@ -19,6 +19,9 @@ transposed into the workspace "gemm_bT", the backward's dX = dY @ W; for the wei
 stored, turned K-major by its producers, "wgmma_ra_t" as (X^T dY)^T with dY^T first into "gemm_aT".
 In fp32 (fp32_gemm 3xtf32) "wgmma3_ra" runs the op interface's products as three TF32 products of hi
 and lo halves split in the kernel (A in the consumers' registers, B in shared memory by the producers).
+Precision "bf16" (sm_90 only) has one family, "bf16": the TF32 persistent kernel with bf16 operands,
+every layout read as stored (no re-layout, no scratch), C bf16 for x @ W^T and dY @ W and fp32 for the
+weight gradients (BF16_OUTS); a bf16 C is one product (no split-K: its reduction writes fp32).
 The block tile and the split-K factor of a shape come from the measured table of bench/tune.py when it
 has an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel sources
 (`tuned_plan`; measured on a run's first use of a GPU: tune.py `autotune`), else from a cost model
@@ -35,7 +38,7 @@ tune.py (measuring it; timer.py: timing candidates on the GPU), launch.py (the l
 from __future__ import annotations
 
 # what the backend, bench/ and tests use (each module's own names, private helpers included, from it)
-from gptcuda.ops.cuda.gemm.families import (EPI_BIAS, EPI_DGELU, EPI_GELU, EPI_NONE, EPI_RESID, FAMILIES, MAX_SPLITS,
+from gptcuda.ops.cuda.gemm.families import (BF16_OUTS, BF16_TILES, EPI_BIAS, EPI_DGELU, EPI_GELU, EPI_NONE, EPI_RESID, FAMILIES, MAX_SPLITS,
                                             PRODUCTS, SIMT_FILE, SIMT_TILES, SPLIT_ALIGN, TF32_FALLBACK_TILES,
                                             TF32_FILE, TF32_TILES, VARIANTS, WGMMA3_RA_TILES, WGMMA_ARCHS, WGMMA_FILE,
                                             WGMMA_RA_MN_TILES, WGMMA_RA_T_TILES, WGMMA_RA_TILES, WGMMA_TILES, cdiv,

@@ -11,6 +11,7 @@ argument layout, modelled rate), the epilogue codes, and the catalogue of compil
     wgmma_ra  TF32 A^T B with A [K, M] as stored read through registers, B K-major (or B^T first)
     wgmma_ra_mn  the same with B [K, N] as stored, turned K-major by the producers
     wgmma_ra_t  TF32 A^T B as (B^T A)^T: B [K, N] through registers, A^T first, out stored transposed
+    bf16    BF16 warpgroup MMA (gemm_wgmma_ws with DT 1): every layout as stored, C bf16 or fp32
 
 The execution plan picks a base family (ExecutionPlan.gemm_family); on sm_90 its warpgroup-MMA
 families compete with it (`Family.partners`) for the layouts each runs (`Family.layouts`).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gptcuda.runtime.execution import WGMMA_ARCHS  # noqa: F401 (gemm/__init__ re-exports it)
-from gptcuda.ops.cuda import cdiv, expression  # noqa: F401 (plan.py, launch.py and gemm/__init__ import cdiv from here)
+from gptcuda.ops.cuda import DTYPE_CODES, cdiv, expression  # noqa: F401 (plan.py, launch.py and gemm/__init__ import cdiv from here)
 
 SIMT_FILE = "gemm_simt.cu"
 TF32_FILE = "gemm_tf32.cu"
@@ -117,6 +118,18 @@ WGMMA_RA_MN_EFFICIENCY = dict(zip(WGMMA_RA_MN_TILES, (0.8, 1.0)))
 WGMMA3_RA_TILES = ((128, 128, 4), (128, 64, 4))
 WGMMA3_RA_EFFICIENCY = dict(zip(WGMMA3_RA_TILES, (2.0, 1.5)))
 
+# BF16 (family "bf16", precision bf16's base family; gemm_wgmma_ws with DT = 1): the persistent TMA tiles
+# (BM, BN, STAGES) of the TF32 kernel, a k tile 64 bf16 (128 bytes a row, as TF32's 32); every layout
+# read as stored: an operand stored [K, rows] is MN-major in shared memory and read through the
+# instruction's transpose bits, so nothing is re-laid out and no scratch is planned. C (and aux) are
+# bf16 where a product makes activations (NT, NN) and fp32 for the weight gradients (TN; their split-K
+# partials too). Rates relative to TF32_FLOPS_PER_SM (BF16's dense peak is twice TF32's) from
+# bench/bf16_gemm.py on the H200: 445-782 TFLOP/s at GPT-2's large products (bench/NOTES.md 2026-12-02).
+BF16_TILES = ((128, 256, 4), (256, 128, 4), (128, 192, 4), (128, 128, 4))
+BF16_EFFICIENCY = dict(zip(BF16_TILES, (3.3, 3.2, 3.2, 2.9)))
+BF16_OUTS = {"NT": ("bf16",), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
+BF16_K_TILE = 64
+
 # A rough machine model (H200-like) of the peak rates, only used to rank candidate plans.
 FFMA_FLOPS_PER_SM = 128 * 2 * 1.75e9       # fp32 FMA lanes x 2 x clock
 TF32_FLOPS_PER_SM = 1024 * 2 * 1.75e9 / 2
@@ -145,7 +158,8 @@ def transpose_name(vec, colsum=False) -> str:
 LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
                 "gemm_ladder_regtile<64,64,8,4,4>")
 
-SPLIT_ALIGN = 32          # k_chunk is a multiple of this (keeps 16-byte alignment and whole BK tiles)
+SPLIT_ALIGN = 32          # k_chunk is a multiple of this (keeps 16-byte alignment and whole BK tiles;
+                          # Family.k_align: the bf16 family's k tile, 64)
 MAX_SPLITS = 32
 MAX_GRID_Z = 65535
 REDUCE_THREADS = 256       # gemm_splitk_reduce's block (grid-stride)
@@ -193,6 +207,13 @@ def _ws(kernel, tile, smem, *args) -> str:
 def wgmma_name(tile, epi, has_bias) -> str:
     kernel = ("gemm_wgmma", "gemm_wgmma_tma", "gemm_wgmma_ws")[tile[3]]
     return expression(kernel, *tile[:3], epi, has_bias, wgmma_threads(tile), wgmma_smem(tile))
+
+
+def bf16_name(tile, ta, tb, epi, has_bias, out) -> str:
+    """gemm_wgmma_ws's BF16 name expression: DT 1, A MN-major where stored [K, M] (ta), B where stored
+    [K, N] (not tb), C's type code (`out`: "bf16" or "f32")."""
+    return expression("gemm_wgmma_ws", *tile, epi, has_bias, ws_threads(tile), persistent_smem(tile), DTYPE_CODES["bf16"],
+                      ta, not tb, DTYPE_CODES[out])
 
 
 def ra_name(tile, mn_b, epi, has_bias, colsum=False, tc=False) -> str:
@@ -254,7 +275,8 @@ class Family:
     threads: Callable             # tile -> threads of a block
     blocks_per_sm: Callable       # tile -> blocks resident on one SM
     smem: Callable                # tile -> dynamic shared memory of a block (bytes)
-    kernel: Callable              # (tile, trans_a, trans_b, epi, has_bias, vec) -> name expression
+    kernel: Callable              # (tile, trans_a, trans_b, epi, has_bias, vec) -> name expression (a bf16
+                                  # family: (tile, trans_a, trans_b, epi, has_bias, out dtype); `variant`)
     label: Callable               # tile -> its description in kernel_label
     short: Callable               # tile -> its compact name in plan_label
     base: str                     # the base family whose precision it serves (a base family: its own name)
@@ -273,6 +295,19 @@ class Family:
     split_waves: int = 1          # the cost model tries split-K below this many waves of blocks
     partners: tuple = ()          # a base family's warpgroup-MMA families, competing with it on sm_90
     needs: str = ""               # what a warpgroup-MMA plan needs (the reason a plan is refused)
+    dtype: str = "f32"            # its operands' element type (view dtype)
+    outs: dict = None             # a bf16 family: layout code -> the dtypes of C its kernels write (fp32 only: None)
+    k_align: int = SPLIT_ALIGN    # a split-K chunk is a multiple of this (its k tile)
+
+    def variant(self, tile, ta, tb, epi, hb, vec=True, out="f32") -> str:
+        """The kernel's name expression for this tile, layout (as its kernel reads it), epilogue and C dtype."""
+        if self.outs is None:
+            return self.kernel(tile, ta, tb, epi, hb, vec)
+        return self.kernel(tile, ta, tb, epi, hb, out)
+
+    def out_dtypes(self, ta, tb) -> tuple:
+        """The dtypes of C its kernels write for the layout its kernel reads as (ta, tb)."""
+        return ("f32",) if self.outs is None else self.outs.get(layout_code(ta, tb), ())
 
     def kernel_layout(self, code) -> tuple:
         """(trans_a, trans_b) its kernel reads for a product of layout `code`: B^T first reads B [N, K],
@@ -361,6 +396,13 @@ FAMILIES = {f.name: f for f in (
                 short=lambda t: f"{t[0]}x{t[1]}s{t[2]}rat", layouts=("TN",), swaps=True, scratch="gemm_aT",
                 needs="sm_90, A^T B with A [K, M] and B [K, N] as stored, 16-byte aligned, one product, no "
                       "epilogue, A^T [M, K] room in the gemm_aT workspace"),
+    Family("bf16", WGMMA_FILE, BF16_TILES, BF16_TILES, (), BF16_EFFICIENCY, TF32_FLOPS_PER_SM,
+           threads=ws_threads, blocks_per_sm=lambda t: 1, smem=persistent_smem,
+           kernel=lambda t, ta, tb, epi, hb, out: bf16_name(t, ta, tb, epi, hb, out),
+           label=lambda t: f"{t[0]}x{t[1]}x64 s{t[2]} tma ws bf16", short=lambda t: f"{t[0]}x{t[1]}s{t[2]}",
+           base="bf16", tma=lambda t: True, persistent=lambda t: True, layouts=tuple(BF16_OUTS), dtype="bf16",
+           outs=BF16_OUTS, k_align=BF16_K_TILE, split_waves=4,
+           needs="sm_90, bf16 A and B with 16-byte aligned rows (multiples of 8 elements)"),
     _persistent("wgmma3_ra", WGMMA3_RA_TILES, WGMMA3_RA_EFFICIENCY, TF32_FLOPS_PER_SM / 3, wgmma3_ra_smem, "simt",
                 kernel=lambda t, ta, tb, epi, hb, vec: wgmma3_ra_name(t, ta, tb, epi, hb),
                 colsum_kernel=lambda t, ta, tb: wgmma3_ra_name(t, ta, tb, EPI_NONE, False, colsum=True) if ta else None,
@@ -375,7 +417,7 @@ def _variants():
     for fam in FAMILIES.values():
         for tile, (ta, tb, epi, hb), vec in itertools.product(fam.tiles, fam.combos(), (False, True)):
             if vec or tile in fam.unaligned_tiles:
-                out.append((fam.file, fam.kernel(tile, ta, tb, epi, hb, vec), {}))
+                out += [(fam.file, fam.variant(tile, ta, tb, epi, hb, vec, o), {}) for o in fam.out_dtypes(ta, tb)]
         if fam.colsum_kernel is not None:
             layouts = dict.fromkeys(fam.kernel_layout(code) for code in fam.layouts)
             out += [(fam.file, k, {}) for tile, (ta, tb) in itertools.product(fam.tiles, layouts)

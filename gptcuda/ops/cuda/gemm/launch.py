@@ -28,14 +28,29 @@ def _check_f32(label, **views):
             raise TypeError(f"{label}: {k} must be f32, got {v.dtype}")
 
 
-def _aligned(*xs):
-    return all(int(x) % 4 == 0 for x in xs)
+def _check_dtypes(label, family, out, a, b, bias, aux):
+    """The views' dtypes against the execution plan's base family: fp32 operands, C and aux for the fp32
+    and TF32 families; bf16 operands for the bf16 family, C (and aux) bf16 or fp32; the bias fp32."""
+    want = "bf16" if family == "bf16" else "f32"
+    if a.dtype != want or b.dtype != want:
+        raise TypeError(f"{label}: a {a.dtype} and b {b.dtype}, but the {family} products take {want} operands")
+    _check_f32(label, bias=bias)
+    if want == "f32":
+        _check_f32(label, out=out, aux=aux)
+    elif out.dtype not in ("f32", "bf16") or (aux is not None and aux.dtype != out.dtype):
+        raise TypeError(f"{label}: out {out.dtype}{f' and aux {aux.dtype}' if aux is not None else ''}: bf16 "
+                        f"products write f32 or bf16, aux of out's type")
 
 
 def _vec_ok(a, b, lda, ldb, sA, sB):
-    """16-byte loads of A and B: aligned bases, row and batch strides multiples of 4 floats
-    (split k_chunk is a multiple of SPLIT_ALIGN, so split offsets keep the alignment)."""
-    return a.ptr % 16 == 0 and b.ptr % 16 == 0 and _aligned(lda, ldb, sA, sB)
+    """16-byte loads of A and B: aligned bases, row and batch strides multiples of 16 bytes (split
+    k_chunk is a multiple of the family's k_align, so split offsets keep the alignment)."""
+    per = 16 // _itemsize(a)
+    return a.ptr % 16 == 0 and b.ptr % 16 == 0 and all(int(x) % per == 0 for x in (lda, ldb, sA, sB))
+
+
+def _itemsize(v) -> int:
+    return 2 if v.dtype == "bf16" else 4
 
 
 @dataclass(frozen=True)
@@ -79,7 +94,7 @@ def _launch_gemm(rt, p: Plan, c: GemmCall, ws=None):
     fam = p.fam
     if c.colsum is not None and (not has_colsum_kernel(p, c.ta, c.tb) or c.epi != EPI_NONE or c.batch != 1):
         raise AssertionError(f"{c.label}: column sums need the {p.family} colsum kernel, no epilogue, batch 1")
-    vec = _vec_ok(c.a, c.b, c.lda, c.ldb, c.sA, c.sB) and (p.splits == 1 or p.k_chunk % 4 == 0)
+    vec = _vec_ok(c.a, c.b, c.lda, c.ldb, c.sA, c.sB) and (p.splits == 1 or p.k_chunk % (16 // _itemsize(c.a)) == 0)
     if fam.name != fam.base:     # a warpgroup-MMA kernel: the layouts it reads, aligned
         if (c.ta, c.tb) not in {fam.kernel_layout(code) for code in fam.layouts} or not vec:
             raise AssertionError(f"{c.label}: the {p.family} kernel needs {fam.needs}")
@@ -90,7 +105,8 @@ def _launch_gemm(rt, p: Plan, c: GemmCall, ws=None):
         rt.launch(rt.function(file, kernel), grid, (threads,), [v for _, v in args], smem=smem, label=label)
 
     kernel = fam.colsum_kernel(p.tile, c.ta, c.tb) if c.colsum is not None else \
-        fam.kernel(p.tile, c.ta, c.tb, EPI_NONE if p.splits > 1 else c.epi, p.splits == 1 and c.has_bias, vec)
+        fam.variant(p.tile, c.ta, c.tb, EPI_NONE if p.splits > 1 else c.epi, p.splits == 1 and c.has_bias, vec,
+                    "f32" if p.splits > 1 else c.out.dtype)
     operands = _operands(rt, p, c)
     if p.splits == 1:
         launch(fam.file, kernel, _grid(rt, p, c.M, c.N, c.batch), p.threads,
@@ -109,19 +125,23 @@ def _launch_gemm(rt, p: Plan, c: GemmCall, ws=None):
 
 def _operands(rt, p: Plan, c: GemmCall) -> tuple:
     """A and B as the kernel takes them: pointers, or TMA tensor maps. A K-major operand (A [M, K], B
-    [N, K]) {K, rows, batch} with boxes {32, BM or BN} in the 128-byte swizzle; an MN-major one (A [K, M]:
-    ta, B [K, N]: not tb, read as stored) {rows, K, batch}, boxes {BM or BN, 32}, unswizzled, except A
-    read through registers (a_regs): boxes {32, 32} in the 128-byte swizzle."""
+    [N, K]) {K, rows, batch} with boxes {a k tile (128 bytes: 32 fp32, 64 bf16), BM or BN} in the 128-byte
+    swizzle; an MN-major one (A [K, M]: ta, B [K, N]: not tb, read as stored) {rows, K, batch}, boxes
+    {BM or BN, 32}, unswizzled, except A read through registers (a_regs): boxes {32, 32}, and a bf16
+    operand's: boxes {64, 64}, in the 128-byte swizzle."""
     fam = p.fam
     if not fam.tma(p.tile):
         return c.a, c.b
     out = []
     for x, rows_, ld, stride, box, mn in ((c.a, c.M, c.lda, c.sA, p.bm, c.ta), (c.b, c.N, c.ldb, c.sB, p.bn, not c.tb)):
+        e = _itemsize(x)
+        kt = 128 // e
         inner, outer = (rows_, c.K) if mn else (c.K, rows_)
         regs = mn and fam.a_regs and x is c.a
-        out.append(rt.tensor_map(x, (inner, outer, c.batch), (4 * ld, 4 * max(stride, outer * ld)),
-                                 (32, 32, 1) if regs else (box, 32, 1) if mn else (32, box, 1),
-                                 swizzle=regs or not mn))
+        swizzled = regs or not mn or e == 2
+        out.append(rt.tensor_map(x, (inner, outer, c.batch), (e * ld, e * max(stride, outer * ld)),
+                                 (32, 32, 1) if regs else (64, 64, 1) if mn and e == 2 else (box, 32, 1) if mn
+                                 else (kt, box, 1), swizzle=swizzled))
     return tuple(out)
 
 
@@ -151,7 +171,6 @@ def matmul_dims(out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="no
     """Validate a matmul's views; returns (M, N, K, lda, ldb, epi code, has_bias)."""
     if epilogue not in EPILOGUE_CODES:
         raise ValueError(f"matmul: epilogue {epilogue!r} is not one of {tuple(EPILOGUE_CODES)}")
-    _check_f32("matmul", out=out, a=a, b=b, bias=bias, aux=aux)
     if len(out.shape) < 2 or len(a.shape) < 2 or len(b.shape) < 2:
         raise ValueError(f"matmul: out {out.shape}, a {a.shape}, b {b.shape} must have >= 2 dims")
     M, N = rows(out.shape), int(out.shape[-1])
@@ -211,7 +230,10 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         raise ValueError(f"matmul: a_colsum needs trans_a and {M} elements, got {a_colsum.shape} (trans_a {trans_a})")
     ex = rt.exec if ex is None else ex
     family = ex.gemm_family
+    _check_dtypes("matmul", family, out, a, b, bias, aux)
     ws, cap = ws_capacity(rt)
+    if out.dtype != "f32":
+        cap = 0                  # the split-K reduction writes fp32: a bf16 C is one product
     vec = _vec_ok(a, b, lda, ldb, 0, 0)
     wg = wgmma_ok(rt, trans_a, trans_b, vec, K, 1, ex=ex)
     label = f"matmul[{M}x{N}x{K}]"
@@ -229,10 +251,11 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     else:
         if p.transpose_b:
             b, trans_b, ldb = _transpose_b(rt, b, K, N, label, p.fam.scratch), True, K
-        if (trans_a, trans_b, epi, has_bias) not in COMBOS[p.family]:
+        if (trans_a, trans_b, epi, has_bias) not in COMBOS[p.family] or \
+                out.dtype not in p.fam.out_dtypes(trans_a, trans_b):
             raise ValueError(f"{label}: the {p.family} kernels are not compiled for {layout_code(trans_a, trans_b)} "
-                             f"with epilogue code {epi}{' and a bias' if has_bias else ''} (the op interface's "
-                             f"products: gemm.PRODUCTS)")
+                             f"with epilogue code {epi}{' and a bias' if has_bias else ''} into {out.dtype} (the op "
+                             f"interface's products: gemm.PRODUCTS; bf16: gemm.BF16_OUTS)")
         # a kernel that sums A as it reads it (gemm_wgmma_ra, gemm_wgmma3_ra) gives the bias gradient's
         # partials, one row per split; elsewhere bias_grad reads A once more
         part = None

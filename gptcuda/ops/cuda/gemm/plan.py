@@ -85,12 +85,12 @@ def _model_time(blocks, work_per_block, threads, bps, eff, rate, sm_count):
     return t
 
 
-def split_chunk(K, splits):
-    """k_chunk of a split count (a multiple of SPLIT_ALIGN), or None when `splits` chunks of that
-    size would leave one empty."""
+def split_chunk(K, splits, align=SPLIT_ALIGN):
+    """k_chunk of a split count (a multiple of `align`: the family's k_align), or None when `splits`
+    chunks of that size would leave one empty."""
     if splits == 1:
         return K
-    chunk = cdiv(cdiv(K, splits), SPLIT_ALIGN) * SPLIT_ALIGN
+    chunk = cdiv(cdiv(K, splits), align) * align
     return chunk if cdiv(K, chunk) == splits else None
 
 
@@ -102,7 +102,7 @@ def make_plan(family, tile, splits, K, transpose_b=False) -> Plan | None:
         return None
     if transpose_b and not fam.transposes_b:
         return None
-    chunk = split_chunk(K, splits)
+    chunk = split_chunk(K, splits, fam.k_align)
     return None if chunk is None else Plan(family, tile, splits, chunk, transpose_b)
 
 
@@ -168,8 +168,8 @@ def competing(family, wgmma=False, epi=None) -> list:
 
 
 def _base_family(family):
-    """The base family a `family` argument names: "tf32", else "simt"."""
-    return "tf32" if family == "tf32" else "simt"
+    """The base family a `family` argument names: "tf32" or "bf16", else "simt"."""
+    return family if family in ("tf32", "bf16") else "simt"
 
 
 def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=True,
@@ -192,13 +192,13 @@ def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=Tr
             split_opts = [1]
             if splits is not None:
                 split_opts = [splits]
-            elif allow_split and batch == 1 and max_ws > 0 and K >= 2 * SPLIT_ALIGN \
+            elif allow_split and batch == 1 and max_ws > 0 and K >= 2 * fam.k_align \
                     and blocks < fam.split_waves * sm_count * fam.blocks_per_sm(tile):
                 # wgmma: also past one wave (a long K over few output tiles, the head's dlnf =
                 # dlogits @ wte: 192 256x128 tiles, 1.45 waves; split 2: 2.9)
-                split_opts = range(1, min(MAX_SPLITS, cdiv(K, SPLIT_ALIGN)) + 1)
+                split_opts = range(1, min(MAX_SPLITS, cdiv(K, fam.k_align)) + 1)
             for s in split_opts:
-                chunk = split_chunk(K, s)
+                chunk = split_chunk(K, s, fam.k_align)
                 if chunk is None or (s > 1 and (s * M * N > max_ws or s > MAX_GRID_Z)):
                     continue
                 p = Plan(name, tile, s, chunk, wgmma == fam.transposes_b)
@@ -228,7 +228,7 @@ def tune_candidates(M, N, K, batch=1, family="simt", vec=True, max_ws=0, wgmma=F
         fam = FAMILIES[name]
         for tile in fam.tiles if vec else fam.unaligned_tiles:
             for s in TUNE_SPLITS:
-                if s > 1 and (batch != 1 or s * M * N > max_ws or K < 2 * SPLIT_ALIGN):
+                if s > 1 and (batch != 1 or s * M * N > max_ws or K < 2 * fam.k_align):
                     continue
                 p = make_plan(name, tile, s, K, wgmma == fam.transposes_b)
                 if p is not None and p not in out and p.fits(M, N, K, scratch):
@@ -263,19 +263,21 @@ def _weight_grad_shapes(cfg):
 
 def workspace(cfg, ex=None) -> dict:
     """Split-K partials for the weight-gradient GEMMs (K = batch_size * block_size tokens),
-    sized for both orientations (dW and dW^T) and both base families at 132 SMs; the wgmma
+    sized for both orientations (dW and dW^T) and the fp32 and tf32 base families at 132 SMs (and
+    the plan's own, bf16); the wgmma
     kernels' re-laid operands where the plan holds them (`wgmma_scratch`, default the config's plan on
     sm_90: TF32's "gemm_bT" and "gemm_aT"). bench/tune.py only times splits that fit this size."""
+    ex = ex or execution.resolve(cfg)
     K = cfg.batch_size * cfg.block_size
     need = 0
     for (m, n) in _weight_grad_shapes(cfg):
         for (M, N) in ((m, n), (n, m)):
-            for fam in GEMM_FAMILIES.values():
+            for fam in dict.fromkeys((GEMM_FAMILIES["fp32"], GEMM_FAMILIES["tf32"], ex.gemm_family)):
                 p = plan(M, N, K, 1, 132, fam, max_ws=MAX_SPLITS * M * N)
                 if p.splits > 1:
                     need = max(need, p.splits * M * N)
     out = {"gemm_splitk": ((need,), "f32")} if need else {}
-    if (ex or execution.resolve(cfg)).wgmma_scratch:
+    if ex.wgmma_scratch:
         shapes = _weight_grad_shapes(cfg)
         # B^T of the backward's dX = dY @ W (W [out, in]: [C, 4C] the largest), for the wgmma kernel
         out["gemm_bT"] = ((max(m * n for m, n in shapes),), "f32")
@@ -330,5 +332,5 @@ def check_plan(label, p: Plan, family, vec, batch, cap, M, N, K, wgmma=False, ep
             raise ValueError(f"{label}: split-K is not available for batched GEMMs")
         if cap < p.splits * M * N:
             raise ValueError(f"{label}: workspace gemm_splitk holds {cap} floats < {p.splits} x {M} x {N}")
-        if split_chunk(K, p.splits) != p.k_chunk:
+        if split_chunk(K, p.splits, p.fam.k_align) != p.k_chunk:
             raise ValueError(f"{label}: k_chunk {p.k_chunk} does not split K={K} into {p.splits}")

@@ -1,0 +1,181 @@
+"""The bf16 GEMM family (gemm_wgmma_ws with DT = 1, through gemm.matmul) against float64.
+
+Error model: the inputs are exact in bf16 and their products exact in fp32; the kernel sums K products
+in fp32 (relative error <= K 2^-24 of sum |a b|, twice that where the tensor core truncates), and a bf16
+C adds one rounding of each element (2^-9 of it; conftest.bf16_err's 2^-8 bound). fp32 C: within
+FP32_TOL of max|ref| at K <= 4096; bf16 C: bf16_err <= 1 with that fp32 term. GELU's output is checked
+against gelu of the pre-activation as stored (bf16), the pre-activation against the float64 one.
+CPU tests at the bottom drive the launcher on the recording runtime: the variant and the tensor maps each
+layout gets, and the dtypes it refuses.
+"""
+import numpy as np
+import pytest
+
+from gptcuda.ops.cuda import gemm
+from gptcuda.runtime import bf16
+from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
+
+gpu = pytest.mark.gpu
+FP32_TOL = 4e-5
+LAYOUTS = [(False, True), (False, False), (True, False)]          # NT, NN, TN: the op interface's products
+
+
+def _gelu(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _gelu_grad(x):
+    t = np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * np.sqrt(2.0 / np.pi) * (1 + 3 * 0.044715 * x * x)
+
+
+@pytest.fixture
+def bf16_rt(rt):
+    """The session runtime in precision bf16 with a split-K workspace (restored after)."""
+    old_exec, old_ws = rt.exec, dict(rt._workspace)
+    rt.exec = rt.exec.with_precision("bf16")
+    rt.set_workspace({**old_ws, "gemm_splitk": rt.empty((4 << 20,), name="gemm_splitk")})
+    yield rt
+    rt.exec = old_exec
+    rt.set_workspace(old_ws)
+
+
+def _operands(rt, rng, ta, tb, M, N, K):
+    a64 = bf16.round_f32(rng.standard_normal((K, M) if ta else (M, K))).astype(np.float64)
+    b64 = bf16.round_f32(rng.standard_normal((N, K) if tb else (K, N))).astype(np.float64)
+    prod = (a64.T if ta else a64) @ (b64.T if tb else b64)
+    return rt.upload(a64, "bf16"), rt.upload(b64, "bf16"), prod
+
+
+def _check(got, ref, out_dtype):
+    if out_dtype == "bf16":
+        assert bf16_err(bf16.values(got), ref, FP32_TOL) <= 1.0
+    else:
+        assert rel_err(got, ref) <= FP32_TOL
+
+
+@gpu
+@pytest.mark.parametrize("tile", gemm.BF16_TILES)
+@pytest.mark.parametrize("ta,tb", LAYOUTS)
+@pytest.mark.parametrize("M,N,K", [(256, 256, 256), (200, 136, 72), (1000, 520, 3072)])
+def test_bf16_layouts(bf16_rt, tile, ta, tb, M, N, K):
+    rt, rng = bf16_rt, np.random.default_rng(M + N + K)
+    a, b, prod = _operands(rt, rng, ta, tb, M, N, K)
+    out_dtype = gemm.BF16_OUTS[gemm.layout_code(ta, tb)][0]
+    c = rt.empty((M, N), out_dtype)
+    gemm.matmul(rt, c, a, b, ta, tb, plan=gemm.make_plan("bf16", tile, 1, K))
+    _check(rt.download(c), prod, out_dtype)
+
+
+@gpu
+@pytest.mark.parametrize("epi,has_bias", [("none", True), ("gelu", True), ("gelu", False), ("residual", True),
+                                          ("residual", False)])
+def test_bf16_forward_epilogues(bf16_rt, epi, has_bias):
+    rt, rng = bf16_rt, np.random.default_rng(7)
+    M, N, K = 520, 392, 264
+    a, b, prod = _operands(rt, rng, False, True, M, N, K)
+    bias = rng.standard_normal(N).astype(np.float32) if has_bias else None
+    pre = prod + (bias.astype(np.float64) if has_bias else 0.0)
+    c = rt.empty((M, N), "bf16")
+    if epi == "residual":
+        r64 = bf16.round_f32(rng.standard_normal((M, N))).astype(np.float64)
+        aux = rt.upload(r64, "bf16")
+        pre = pre + r64
+    else:
+        aux = rt.empty((M, N), "bf16") if epi == "gelu" else None
+    gemm.matmul(rt, c, a, b, False, True, bias=rt.upload(bias) if has_bias else None, epilogue=epi, aux=aux)
+    got = bf16.values(rt.download(c)).astype(np.float64)
+    if epi == "gelu":
+        stored = bf16.values(rt.download(aux)).astype(np.float64)
+        assert bf16_err(stored, pre, FP32_TOL) <= 1.0
+        assert bf16_err(got, _gelu(stored), 1e-6) <= 1.0         # gelu of the pre-activation as stored
+    else:
+        assert bf16_err(got, pre, FP32_TOL) <= 1.0
+
+
+@gpu
+def test_bf16_dgelu(bf16_rt):
+    rt, rng = bf16_rt, np.random.default_rng(8)
+    M, N, K = 520, 392, 264
+    a, b, prod = _operands(rt, rng, False, False, M, N, K)
+    pre64 = bf16.round_f32(rng.standard_normal((M, N))).astype(np.float64)
+    c = rt.empty((M, N), "bf16")
+    gemm.matmul(rt, c, a, b, False, False, epilogue="dgelu", aux=rt.upload(pre64, "bf16"))
+    assert bf16_err(bf16.values(rt.download(c)), prod * _gelu_grad(pre64), FP32_TOL) <= 1.0
+
+
+@gpu
+@pytest.mark.parametrize("splits", [2, 4])
+def test_bf16_weight_gradient_split_k(bf16_rt, splits):
+    """TN into fp32 in split-K partials of whole 64-wide k tiles, then the fixed-order reduction; the
+    bias gradient (a_colsum) of the bf16 dY beside it."""
+    rt, rng = bf16_rt, np.random.default_rng(splits)
+    M, N, K = 384, 768, 4096
+    a, b, prod = _operands(rt, rng, True, False, M, N, K)
+    p = gemm.make_plan("bf16", (128, 128, 4), splits, K)
+    assert p.k_chunk % 64 == 0
+    c, db = rt.empty((M, N)), rt.empty((M,))
+    gemm.matmul(rt, c, a, b, True, False, plan=p, a_colsum=db)
+    assert rel_err(rt.download(c), prod) <= FP32_TOL
+    assert rel_err(rt.download(db), bf16.values(rt.download(a)).astype(np.float64).sum(0)) <= 1e-5
+
+
+# ---- CPU: the launcher on the recording runtime ---------------------------------------------------------
+def _fake(shape, dtype, ptr):
+    v = fake_view(shape, ptr)
+    return type(v)(v.ptr, v.shape, dtype, v.name)
+
+
+@pytest.mark.parametrize("ta,tb", LAYOUTS)
+def test_bf16_variant_and_tensor_maps(ta, tb):
+    """Each layout launches gemm_wgmma_ws<..., 1, MN_A = ta, MN_B = not tb, OUT> with its operands' tensor
+    maps: a K-major operand boxes of one 64-wide k tile by the tile's rows, an MN-major one boxes {64, 64},
+    all in the 128-byte swizzle, bf16 strides (2 bytes an element)."""
+    rt = FakeGemmRT("bf16", arch="sm_90")
+    maps = []
+    real = rt.dev.tensor_map
+    rt.dev.tensor_map = lambda ptr, dims, strides, box, swizzle=True, dtype="f32": \
+        maps.append((tuple(dims), tuple(strides), tuple(box), swizzle, dtype)) or real(ptr, dims, strides, box,
+                                                                                       swizzle, dtype)
+    M, N, K = 1024, 768, 512
+    out = "f32" if ta else "bf16"
+    a = _fake((K, M) if ta else (M, K), "bf16", 1 << 30)
+    b = _fake((N, K) if tb else (K, N), "bf16", 1 << 32)
+    gemm.matmul(rt, _fake((M, N), out, 1 << 34), a, b, ta, tb, plan=gemm.make_plan("bf16", (128, 256, 4), 1, K))
+    (name, grid, block, smem), = rt.launches
+    assert name.startswith("gemm_wgmma_ws<128,256,4,0,false,384,") and \
+        name.endswith(f",1,{str(ta).lower()},{str(not tb).lower()},{1 if out == 'bf16' else 0}>")
+    (da, sa, ba, swa, ta_), (db, sb, bb, swb, tb_) = maps
+    assert ta_ == tb_ == "bf16" and swa and swb
+    assert (da, ba, sa[0]) == (((M, K, 1), (64, 64, 1), 2 * M) if ta else ((K, M, 1), (64, 128, 1), 2 * K))
+    assert (db, bb, sb[0]) == (((K, N, 1), (64, 256, 1), 2 * K) if tb else ((N, K, 1), (64, 64, 1), 2 * N))
+
+
+def test_bf16_dtype_refusals():
+    rt = FakeGemmRT("bf16", arch="sm_90")
+    a, b = _fake((256, 128), "bf16", 1 << 30), _fake((256, 128), "bf16", 1 << 32)
+    with pytest.raises(TypeError, match="take bf16 operands"):
+        gemm.matmul(rt, _fake((256, 256), "bf16", 1 << 34), _fake((256, 128), "f32", 1 << 30), b, False, True)
+    with pytest.raises(ValueError, match="into f32"):      # x @ W^T writes bf16 activations
+        gemm.matmul(rt, _fake((256, 256), "f32", 1 << 34), a, b, False, True)
+    with pytest.raises(TypeError, match="aux of out's type"):
+        gemm.matmul(rt, _fake((256, 256), "bf16", 1 << 34), a, b, False, True, epilogue="residual",
+                    aux=_fake((256, 256), "f32", 1 << 36))
+    tf = FakeGemmRT("tf32", arch="sm_90")
+    with pytest.raises(TypeError, match="take f32 operands"):
+        gemm.matmul(tf, _fake((256, 256), "f32", 1 << 34), a, b, False, True)
+
+
+def test_bf16_plans():
+    """The cost model plans bf16 products on the bf16 family, split-K chunks in whole 64-wide k tiles,
+    and none for a bf16 C (the reduction writes fp32); the variants are compiled for what it plans."""
+    p = gemm.plan(768, 768, 8192, family="bf16", max_ws=32 * 768 * 768)
+    assert p.family == "bf16" and p.splits > 1 and p.k_chunk % 64 == 0
+    assert gemm.make_plan("bf16", (128, 128, 4), 3, 1000).k_chunk == 384          # 334 rounded up to 64s
+    rt = FakeGemmRT("bf16", ws=1 << 24, arch="sm_90")
+    M, N, K = 256, 256, 8192
+    gemm.matmul(rt, _fake((M, N), "bf16", 1 << 34), _fake((M, K), "bf16", 1 << 30), _fake((N, K), "bf16", 1 << 32),
+                False, True)
+    assert len(rt.launches) == 1                            # one product: no split-K into a bf16 C
+    names = {n for _, n, _ in gemm.VARIANTS}
+    assert all(n in names for _, n, _ in rt.names)
