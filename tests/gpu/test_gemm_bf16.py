@@ -11,7 +11,7 @@ layout gets, and the dtypes it refuses.
 import numpy as np
 import pytest
 
-from gptcuda.ops.cuda import gemm
+from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.runtime import bf16
 from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
 
@@ -34,7 +34,8 @@ def bf16_rt(rt):
     """The session runtime in precision bf16 with a split-K workspace (restored after)."""
     old_exec, old_ws = rt.exec, dict(rt._workspace)
     rt.exec = rt.exec.with_precision("bf16")
-    rt.set_workspace({**old_ws, "gemm_splitk": rt.empty((4 << 20,), name="gemm_splitk")})
+    rt.set_workspace({**old_ws, "gemm_splitk": rt.empty((4 << 20,), name="gemm_splitk"),
+                      elementwise.WORKSPACE: rt.empty((elementwise.MAX_CHUNKS, 1024), name=elementwise.WORKSPACE)})
     yield rt
     rt.exec = old_exec
     rt.set_workspace(old_ws)

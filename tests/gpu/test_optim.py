@@ -136,8 +136,10 @@ def test_adamw(env, P, n_decay, step, norm, clip, wd, misalign):
 
 
 # ---- a bf16 model's working copy ---------------------------------------------------------------
-# adamw_copy is adamw's update (the same fp32 arithmetic, element by element, whatever the vector width)
-# plus one rounding of each updated parameter to bf16: checked bitwise, no tolerance.
+# adamw_copy is adamw's update (the same fp32 arithmetic, element by element, at the same vector width:
+# the 4-value and the one-value loops may contract the arithmetic into FMAs differently, as seen on the
+# H200, so a kernel is compared with adamw of its own width) plus one rounding of each updated parameter
+# to bf16: checked bitwise, no tolerance.
 
 # shifts in bytes of (the fp32 buffers, the copy): aligned; fp32 misaligned (one value a thread); the
 # copy alone not 8-byte aligned (one value a thread while adamw without it takes 4)
@@ -145,15 +147,17 @@ def test_adamw(env, P, n_decay, step, norm, clip, wd, misalign):
 @pytest.mark.parametrize("P,n_decay,step,norm,clip,wd", ADAM_CASES)
 def test_adamw_bf16_copy(env, P, n_decay, step, norm, clip, wd, shifts):
     """The fp32 update with the working copy written is adamw's bit for bit (params, m, v; adamw run on
-    the same inputs, aligned), and the copy (poisoned before) is bf16.bits of the updated params."""
+    the same inputs at the same vector width: fp32 buffers 4 bytes off where the copy kernel takes one
+    value a thread), and the copy (poisoned before) is bf16.bits of the updated params."""
     rt = env
     r = np.random.default_rng(P + n_decay + step + 1)
     host = _adam_inputs(r, P)
     beta1, beta2, eps = 0.9, 0.99, 1e-8
     _state(rt, step=step, lr=3e-3, grad_norm=norm)
-    plain = [rt.upload(a) for a in host]
-    optim.adamw(rt, *plain, n_decay, beta1, beta2, eps, wd, clip)
     fshift, wshift = shifts
+    one_value = fshift % 16 or wshift % 8                        # the copy kernel's width: 1, else 4
+    plain = [shifted_view(rt, (P,), "f32", 4 if one_value else 0, a) for a in host]
+    optim.adamw(rt, *plain, n_decay, beta1, beta2, eps, wd, clip)
     bufs = [shifted_view(rt, (P,), "f32", fshift, a) for a in host]
     work = shifted_view(rt, (P,), "bf16", wshift)                # NaN-poisoned
     optim.adamw(rt, *bufs, n_decay, beta1, beta2, eps, wd, clip, work=work)
