@@ -35,7 +35,7 @@ OPTIONS = {
     "--top_p P": "sample among the fewest most likely tokens holding P of the probability (default 1: all)",
     "--stop TEXT": "end a sample once it has generated TEXT (<|endoftext|>: GPT-2's end-of-text token)",
     "--seed S": "the sampling seed, in [0, 2**32) (default 1337)",
-    "--precision P": "fp32 (default) or tf32",
+    "--precision P": "fp32 (default) or tf32 (generation has no bf16 path yet)",
     "--backend B": "cuda or reference (default: the run's)",
 }
 NAMES = tuple(o[2:].split()[0] for o in OPTIONS)

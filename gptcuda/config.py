@@ -30,7 +30,7 @@ __all__ = [
     "PRECISIONS", "ATTENTIONS", "BACKENDS", "config_keys", "MODEL_KEYS", "compare_for_resume",
 ]
 
-PRECISIONS = ("fp32", "tf32")
+PRECISIONS = ("fp32", "tf32", "bf16")
 ATTENTIONS = ("unfused", "fused")
 FP32_GEMMS = ("3xtf32", "ffma")
 GEMM_TUNES = ("auto", "table", "off")
@@ -58,7 +58,7 @@ class Config:
     vocab_size: int = 0  # the model's vocabulary; 0: the tokenizer's, rounded up to vocab_multiple
     vocab_multiple: int = 1  # round the tokenizer's vocabulary up to this (GPT-2: 128, 50257 -> 50304)
     # execution
-    precision: str = "fp32"  # fp32 | tf32
+    precision: str = "fp32"  # fp32 | tf32 | bf16 (sm_90: bf16 activations and products, fp32 master weights)
     fp32_gemm: str = "3xtf32"  # fp32's GEMMs: 3xtf32 (three TF32 tensor-core products, sm_90) | ffma (SIMT)
     attention: str = "unfused"  # unfused | fused
     gemm_tune: str = "auto"  # GEMM plans: auto (measure what the GPU's table lacks, at setup) | table | off
@@ -343,6 +343,14 @@ def validate(cfg: Config) -> Config:
         raise err("dropout", f"must be in [0, 1), got {cfg.dropout}")
     if cfg.precision not in PRECISIONS:
         raise err("precision", f"must be one of {'|'.join(PRECISIONS)}, got {cfg.precision!r}")
+    if cfg.precision == "bf16" and cfg.backend != "reference":
+        if cfg.attention == "unfused":
+            raise err("attention", "precision bf16 runs fused attention only: --attention=fused")
+        if cfg.n_embd % 8:
+            raise err("n_embd", f"({cfg.n_embd}) must be a multiple of 8 for precision bf16 (16-byte bf16 rows)")
+        if (cfg.vocab_size or cfg.vocab_multiple) % 8:
+            raise err("vocab_multiple", "precision bf16 needs a vocabulary that is a multiple of 8 (16-byte bf16 "
+                                        "rows of the logits): --vocab_multiple=8 (or 128)")
     if cfg.fp32_gemm not in FP32_GEMMS:
         raise err("fp32_gemm", f"must be one of {'|'.join(FP32_GEMMS)}, got {cfg.fp32_gemm!r}")
     if cfg.attention not in ATTENTIONS:

@@ -293,7 +293,7 @@ def test_elementwise_refuses_types_without_a_kernel(rt):
     refused("dropout_fwd: no kernel for out f32, x bf16", ew.dropout_fwd, rt, f, b, 0.1, 3)
     refused("dropout_bwd: no kernel for out bf16, x f32", ew.dropout_bwd, rt, b, f, 0.1, 3)
     refused("residual_dropout: no kernel for out bf16, resid f32, x bf16", ew.residual_dropout, rt, b, f, b, 0.1, 3)
-    refused("accumulate: no kernel for dst f32, src bf16", ew.accumulate, rt, f, b, False)
+    refused("accumulate: no kernel for dst i32, src bf16", ew.accumulate, rt, view(rt, (64,), "i32"), b, False)
     refused("bias_grad: db must be f32", ew.bias_grad, rt, b, view(rt, (2, 64), B))
     refused("sum_rows: partials must be f32", ew.sum_rows, rt, (f, view(rt, (2, 64), B)))
     assert not launched(rt)

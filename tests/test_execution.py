@@ -128,3 +128,23 @@ def test_recorded_fused_attention_follows_the_plan(precision, fp32_gemm, env, su
     dkv = "flash_bwd_dkv_wg" if suffix == "_tc" else f"flash_bwd_dkv{suffix}"
     assert names == {f"flash_fwd{suffix}", f"flash_bwd_dq{suffix}", dkv, "flash_rowsum_do"}
     assert eng.exec.attention == {"_x3": "flash_3x", "": "flash", "_tc": "flash_tc"}[suffix]
+
+
+def test_bf16_plan_and_config_rules():
+    """precision bf16: bf16 activations on the bf16 GEMM family, fused attention on fp32 copies (flash_tc),
+    the GEMM table read but not measured (the tuner times fp32 operands), MFU over the dense BF16 peak;
+    refused without the warpgroup-MMA kernels, with unfused attention, or widths that are not 16-byte
+    bf16 rows, each in one line."""
+    from gptcuda.config import ConfigError
+    p = execution.resolve(cfg_of("--precision=bf16", "--attention=fused", "--vocab_multiple=8"))
+    assert (p.gemm_family, p.act_dtype, p.attention, p.gemm_tune, p.peak_tflops) == \
+        ("bf16", "bf16", "flash_tc", "table", execution.PEAK_TFLOPS["bf16"])
+    assert execution.resolve(cfg_of("--precision=tf32")).act_dtype == "f32"
+    assert "BF16 warpgroup MMA" in p.format() and "fp32 copies" in p.format()
+    with pytest.raises(ValueError, match="sm_90"):
+        execution.resolve(cfg_of("--precision=bf16", "--attention=fused", "--vocab_multiple=8"), arch="sm_80")
+    for over, key in ((["--attention=unfused", "--vocab_multiple=8"], "attention"),
+                      (["--attention=fused", "--vocab_multiple=8", "--n_embd=68", "--n_head=1"], "n_embd"),
+                      (["--attention=fused"], "vocab_multiple")):
+        with pytest.raises(ConfigError, match=key):
+            cfg_of("--precision=bf16", *over)

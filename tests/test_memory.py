@@ -149,3 +149,20 @@ def test_decode_plan_holds_parameters_scratch_and_state():
     with pytest.raises(PlanTooLarge, match="fewer sequences"):
         check_fits(p, p.total_bytes - 1, cfg, hints=["fewer sequences"])
     check_fits(p, p.total_bytes, cfg, hints=["fewer sequences"])
+
+
+def test_plan_bf16_activations():
+    """act bf16: the activations and their gradients at 2 bytes, statistics and losses fp32, and the
+    parameters' bf16 working copy planned beside them; the flat buffer (fp32 params, grads, Adam) unchanged."""
+    cfg = cfg_small()
+    t = param_table(cfg, 64)
+    saved = {"lse": ((cfg.batch_size, cfg.n_head, cfg.block_size), "f32")}
+    f32 = plan_memory(cfg, t, 64, 1, saved, {}, cfg.max_iters + 1)
+    b16 = plan_memory(cfg, t, 64, 1, saved, {}, cfg.max_iters + 1, act="bf16")
+    assert b16.flat_bytes == f32.flat_bytes
+    for name in ("res", "qkv", "fc_pre", "logits", "dres", "dfc"):
+        assert b16[name].dtype == "bf16" and 2 * b16[name].nbytes == f32[name].nbytes
+    for name in ("ln1_mean", "losses", "saved_lse", "history"):
+        assert b16[name].dtype == f32[name].dtype
+    assert b16["params_bf16"].numel == t.total and b16["params_bf16"].nbytes == 2 * t.total
+    assert "params_bf16" not in [e.name for e in f32.entries]

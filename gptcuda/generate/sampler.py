@@ -27,7 +27,7 @@ import numpy as np
 
 from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.errors import UsageError
-from gptcuda.config import PRECISIONS, Config
+from gptcuda.config import Config
 from gptcuda.runtime import compiler
 from gptcuda.training.engine import backend_class, workspaces_for
 from gptcuda.model.gpt import GPT
@@ -51,6 +51,9 @@ class Model:
     n_vocab: int          # tokens that exist (the rest of wte's rows are padding)
     source: str           # what was read, for the log
     step: int | None = None
+
+
+GEN_PRECISIONS = ("fp32", "tf32")     # the decode kernels' (config.PRECISIONS has bf16 for training)
 
 
 def load_model(source: str, ckpt: str | None = None) -> Model:
@@ -231,8 +234,9 @@ def parse_options(opts) -> dict:
     )
     if out["backend"] not in (None, "cuda", "reference"):
         raise UsageError(f"--backend must be cuda or reference, got {out['backend']!r}")
-    if out["precision"] not in PRECISIONS:          # what a config may ask for
-        raise UsageError(f"--precision must be {' or '.join(PRECISIONS)}, got {out['precision']!r}")
+    if out["precision"] not in GEN_PRECISIONS:
+        raise UsageError(f"--precision must be {' or '.join(GEN_PRECISIONS)} (generation has no bf16 path yet), got "
+                         f"{out['precision']!r}")
     return out
 
 

@@ -19,6 +19,7 @@ class GPT:
     def __init__(self, cfg, ops, bufs, table, n_vocab=None, accum: int = 1):
         self.cfg, self.ops, self.b, self.table = cfg, ops, bufs, table
         self.p = bufs.params      # name -> view
+        self.w = bufs.work        # name -> the view the products and the embedding read (bf16: the working copy)
         self.g = bufs.grads       # name -> view
         self.a = bufs.acts        # plan entry name -> view
         self.n_vocab = n_vocab    # the tokenizer's vocabulary (None: all of V)
@@ -34,11 +35,11 @@ class GPT:
 
     def forward(self, train: bool, grad_scale: float):
         """Logits, per-token losses, and (grad_scale != 0) the logits' gradient in place."""
-        o, a, p, cfg = self.ops, self.a, self.p, self.cfg
+        o, a, p, w, cfg = self.ops, self.a, self.p, self.w, self.cfg
         drop = cfg.dropout if train else 0.0
         H = cfg.n_head
         k = self.micro
-        o.encoder_fwd(a["res"][0], a["idx"][k], p["wte"], p["wpe"])              # [B,T,C]
+        o.encoder_fwd(a["res"][0], a["idx"][k], w["wte"], w["wpe"])              # [B,T,C]
         o.dropout_fwd(a["res"][0], a["res"][0], drop, self.site(rng.DROPOUT_EMB))
         pend = None         # a residual add with dropout, made by the layernorm that reads its sum
         for l in range(cfg.n_layer):
@@ -46,20 +47,20 @@ class GPT:
             h = f"h{l}."
             o.layernorm_fwd(a["ln1"][l], a["ln1_mean"][l], a["ln1_rstd"][l], x, p[h + "ln1.w"], self._pb(h + "ln1.b"),
                             pend)
-            o.matmul(a["qkv"][l], a["ln1"][l], p[h + "attn.w"], False, True, bias=self._pb(h + "attn.b"))  # [B,T,3C]
+            o.matmul(a["qkv"][l], a["ln1"][l], w[h + "attn.w"], False, True, bias=self._pb(h + "attn.b"))  # [B,T,3C]
             o.attention_fwd(a["atty"][l], a["qkv"][l], self.saved(l), H, drop, self.site(rng.dropout_site(l, 0)))
-            pend = self._residual(mid, x, a["atty"][l], p[h + "proj.w"], self._pb(h + "proj.b"), drop,
+            pend = self._residual(mid, x, a["atty"][l], w[h + "proj.w"], self._pb(h + "proj.b"), drop,
                                   self.site(rng.dropout_site(l, 1)))
             o.layernorm_fwd(a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l], mid, p[h + "ln2.w"], self._pb(h + "ln2.b"),
                             pend)
             act = self.fc_act(l)                                                   # [B,T,4C]
-            o.matmul(act, a["ln2"][l], p[h + "fc.w"], False, True, bias=self._pb(h + "fc.b"),
+            o.matmul(act, a["ln2"][l], w[h + "fc.w"], False, True, bias=self._pb(h + "fc.b"),
                      epilogue="gelu", aux=a["fc_pre"][l])
-            pend = self._residual(out, mid, act, p[h + "fcproj.w"], self._pb(h + "fcproj.b"), drop,
+            pend = self._residual(out, mid, act, w[h + "fcproj.w"], self._pb(h + "fcproj.b"), drop,
                                   self.site(rng.dropout_site(l, 2)))
         L = cfg.n_layer
         o.layernorm_fwd(a["lnf"], a["lnf_mean"], a["lnf_rstd"], a["res"][L], p["lnf.w"], self._pb("lnf.b"), pend)
-        o.matmul(a["logits"], a["lnf"], p["wte"], False, True)                   # [B,T,V], tied head
+        o.matmul(a["logits"], a["lnf"], w["wte"], False, True)                   # [B,T,V], tied head
         o.crossentropy(a["losses"][k], a["logits"] if grad_scale else None, a["logits"], a["targets"][k], grad_scale,
                        n_vocab=self.n_vocab)
 
@@ -93,12 +94,12 @@ class GPT:
             self.ops.defer_sums(False)
 
     def _backward(self):
-        o, a, p, g, cfg = self.ops, self.a, self.p, self.g, self.cfg
+        o, a, p, w, g, cfg = self.ops, self.a, self.p, self.w, self.g, self.cfg
         drop, H, L = cfg.dropout, cfg.n_head, cfg.n_layer
         dres, dln, dfc, dqkv = a["dres"], a["dln"], a["dfc"], a["dqkv"]
         datty = dln         # the attention output's gradient is dead before dln is written again
         # head: logits = lnf @ wte^T
-        o.matmul(dln, a["logits"], p["wte"], False, False)                        # dlnf [B,T,C]
+        o.matmul(dln, a["logits"], w["wte"], False, False)                        # dlnf [B,T,C]
         o.matmul(g["wte"], a["logits"], a["lnf"], True, False)                    # dwte [V,C] =
         o.zero(dres)
         # each layernorm backward also writes the gradient of the branch before it (dropout's
@@ -114,17 +115,17 @@ class GPT:
                 o.gelu_fwd(dfc, a["fc_pre"][l])                                    # rebuild the GELU output
             o.matmul(g[h + "fcproj.w"], d, self.fc_act(l), True, False,          # before dfc is overwritten
                      a_colsum=g.get(h + "fcproj.b"))                               # (+ the bias gradient)
-            o.matmul(dfc, d, p[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
-            o.matmul(dln, dfc, p[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
+            o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
+            o.matmul(dln, dfc, w[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
             o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False, a_colsum=g.get(h + "fc.b"))
             o.layernorm_bwd(dres, g[h + "ln2.w"], g.get(h + "ln2.b"), dln, a["mid"][l], a["ln2_mean"][l],
                             a["ln2_rstd"][l], p[h + "ln2.w"], self._drop_out(drop, self.site(rng.dropout_site(l, 1))))
             # attention half: mid = res[l] + drop(atty @ proj^T + b); d: its branch's gradient
-            o.matmul(datty, d, p[h + "proj.w"], False, False)
+            o.matmul(datty, d, w[h + "proj.w"], False, False)
             o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False, a_colsum=g.get(h + "proj.b"))
             o.attention_bwd(dqkv, datty, a["qkv"][l], a["atty"][l], self.saved(l), H, drop,
                             self.site(rng.dropout_site(l, 0)))
-            o.matmul(dln, dqkv, p[h + "attn.w"], False, False)                    # d ln1 [B,T,C]
+            o.matmul(dln, dqkv, w[h + "attn.w"], False, False)                    # d ln1 [B,T,C]
             o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False, a_colsum=g.get(h + "attn.b"))
             below = rng.dropout_site(l - 1, 2) if l > 0 else rng.DROPOUT_EMB   # the branch before res[l]
             o.layernorm_bwd(dres, g[h + "ln1.w"], g.get(h + "ln1.b"), dln, a["res"][l], a["ln1_mean"][l],
@@ -152,6 +153,13 @@ class GPT:
         if self.on_grads_ready is not None:
             self.on_grads_ready(point)
 
+    def _refresh_work(self):
+        """A program's first op where the products read a bf16 working copy (memory plan entry
+        params_bf16): the copy made from the fp32 parameters as they are now (initialised, loaded, or
+        updated by the last step), so no path that writes the parameters needs to know of it."""
+        if "params_bf16" in self.a:
+            self.ops.work_copy(self.a["params_bf16"], self.b.flat_params)
+
     def _points(self):
         """The backward's hook points in the order it reaches them."""
         return ["head", *reversed(range(self.cfg.n_layer)), "embed"]
@@ -164,6 +172,7 @@ class GPT:
         the communication stream, during the last backward when A = 1, after it otherwise; the history
         gets the mean over ranks."""
         o, cfg, b, dp, A = self.ops, self.cfg, self.b, self.dp, self.accum
+        self._refresh_work()
         o.lr_schedule(cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
         n_tok = A * cfg.batch_size * cfg.block_size
         acc = self.a.get("grad_acc")
@@ -204,6 +213,7 @@ class GPT:
     def record_eval_batch(self, split: str):
         """One evaluation batch (already in idx[0] / targets[0]): forward without dropout, mean loss
         into the state, eval_draws += 1."""
+        self._refresh_work()
         self.forward(train=False, grad_scale=0.0)
         self.ops.loss_reduce(self.a["losses"][0], None)
         self.ops.eval_advance()
@@ -211,6 +221,7 @@ class GPT:
     def record_forward_backward(self):
         """Forward and backward on the batch already in idx[0]/targets[0] (gradcheck, golden tests)."""
         n_tok = self.cfg.batch_size * self.cfg.block_size
+        self._refresh_work()
         self.forward(train=True, grad_scale=1.0 / n_tok)
         self.ops.loss_reduce(self.a["losses"][0], None)
         self.backward()
@@ -239,5 +250,6 @@ class GPT:
         o.decode_advance(d["pos"], cfg.block_size)
 
     def record_forward(self, train: bool = False):
+        self._refresh_work()
         self.forward(train=train, grad_scale=0.0)
         self.ops.loss_reduce(self.a["losses"][0], None)

@@ -24,7 +24,7 @@ from gptcuda.model.params import ParamTable
 
 ARENA_ALIGN = 256
 REGIONS = ("params", "grads", "adam_m", "adam_v")     # the flat buffer of training, in order
-ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1}
+ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1, "bf16": 2}
 KINDS = ("activation", "backward", "workspace", "data", "state")
 
 
@@ -131,11 +131,13 @@ def check_fits(plan: MemoryPlan, free_bytes: int, cfg, hints: list | None = None
 
 
 def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
-                attention_saved: dict, workspaces: dict, history: int) -> MemoryPlan:
+                attention_saved: dict, workspaces: dict, history: int, act: str = "f32") -> MemoryPlan:
     """The whole arena for training at cfg.batch_size x cfg.block_size, `accum` micro-batches a step.
 
     attention_saved: per-layer saved tensors of the attention implementation {name: (shape, dtype)}
     workspaces: scratch shared by all layers {name: (shape, dtype)} from the op families
+    act: the dtype of the activations and their gradients (ExecutionPlan.act_dtype); bf16 also plans
+    the parameters' bf16 working copy the products read. Statistics and losses stay fp32.
     The activations serve one micro-batch at a time; only the token ids and the per-token losses
     are kept for every micro-batch of the step.
     """
@@ -143,33 +145,36 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
     p = MemoryPlan(table)
     p.add("idx", (A, B, T), "i32", "data", "input tokens of each micro-batch [A, B, T]")
     p.add("targets", (A, B, T), "i32", "data", "target tokens of each micro-batch [A, B, T]")
-    p.add("res", (L + 1, B, T, C), "f32", "activation", "residual stream into each block and out of the last")
-    p.add("mid", (L, B, T, C), "f32", "activation", "residual stream after each attention half")
-    p.add("ln1", (L, B, T, C), "f32", "activation", "layernorm 1 outputs")
+    p.add("res", (L + 1, B, T, C), act, "activation", "residual stream into each block and out of the last")
+    p.add("mid", (L, B, T, C), act, "activation", "residual stream after each attention half")
+    p.add("ln1", (L, B, T, C), act, "activation", "layernorm 1 outputs")
     p.add("ln1_mean", (L, B, T), "f32", "activation")
     p.add("ln1_rstd", (L, B, T), "f32", "activation")
-    p.add("qkv", (L, B, T, 3 * C), "f32", "activation", "q|k|v projections [B, T, 3C]")
-    p.add("atty", (L, B, T, C), "f32", "activation", "attention outputs, heads interleaved [B, T, C]")
+    p.add("qkv", (L, B, T, 3 * C), act, "activation", "q|k|v projections [B, T, 3C]")
+    p.add("atty", (L, B, T, C), act, "activation", "attention outputs, heads interleaved [B, T, C]")
     for name, (shape, dtype) in attention_saved.items():
         p.add(f"saved_{name}", (L, *shape), dtype, "activation", f"attention saves {name} per layer")
-    p.add("ln2", (L, B, T, C), "f32", "activation", "layernorm 2 outputs")
+    p.add("ln2", (L, B, T, C), act, "activation", "layernorm 2 outputs")
     p.add("ln2_mean", (L, B, T), "f32", "activation")
     p.add("ln2_rstd", (L, B, T), "f32", "activation")
-    p.add("fc_pre", (L, B, T, 4 * C), "f32", "activation", "mlp pre-activation (for GELU backward)")
+    p.add("fc_pre", (L, B, T, 4 * C), act, "activation", "mlp pre-activation (for GELU backward)")
     if not cfg.recompute:
-        p.add("fc_act", (L, B, T, 4 * C), "f32", "activation", "mlp GELU output")
-    p.add("lnf", (B, T, C), "f32", "activation", "final layernorm output")
+        p.add("fc_act", (L, B, T, 4 * C), act, "activation", "mlp GELU output")
+    p.add("lnf", (B, T, C), act, "activation", "final layernorm output")
     p.add("lnf_mean", (B, T), "f32", "activation")
     p.add("lnf_rstd", (B, T), "f32", "activation")
-    p.add("logits", (B, T, V), "f32", "activation", "logits, turned into their gradient in place")
+    p.add("logits", (B, T, V), act, "activation", "logits, turned into their gradient in place")
     p.add("losses", (A, B, T), "f32", "activation", "per-token losses of each micro-batch")
-    p.add("branch", (B, T, C), "f32", "backward",
+    p.add("branch", (B, T, C), act, "backward",
           "a branch output before dropout + residual (forward); its gradient (backward)")
-    p.add("dres", (B, T, C), "f32", "backward", "gradient of the residual stream")
-    p.add("dln", (B, T, C), "f32", "backward", "gradient of a layernorm output, or of the attention output")
-    p.add("dqkv", (B, T, 3 * C), "f32", "backward", "gradient of qkv")
-    p.add("dfc", (B, T, 4 * C), "f32", "backward",
+    p.add("dres", (B, T, C), act, "backward", "gradient of the residual stream")
+    p.add("dln", (B, T, C), act, "backward", "gradient of a layernorm output, or of the attention output")
+    p.add("dqkv", (B, T, 3 * C), act, "backward", "gradient of qkv")
+    p.add("dfc", (B, T, 4 * C), act, "backward",
           "gradient of the mlp activation; with recompute also the GELU output of the layer at hand")
+    if act == "bf16":
+        p.add("params_bf16", (table.total,), "bf16", "activation",
+              "the parameters' bf16 working copy, the products' (written at each program's start)")
     p.add_workspaces(workspaces)
     if A > 1:
         p.add("grad_acc", (table.total,), "f32", "backward",

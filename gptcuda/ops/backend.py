@@ -44,19 +44,23 @@ class Buffers:
     """The views a model runs on: parameters, gradients and Adam state by name and as flat
     regions, and every arena entry of the memory plan by name."""
 
-    def __init__(self, params, grads, flat_params, flat_grads, flat_m, flat_v, acts):
+    def __init__(self, params, grads, flat_params, flat_grads, flat_m, flat_v, acts, work=None):
         self.params, self.grads = params, grads
         self.flat_params, self.flat_grads, self.flat_m, self.flat_v = flat_params, flat_grads, flat_m, flat_v
         self.acts = acts
+        # the views the products and the embedding read the parameters through: the bf16 working copy
+        # by name (precision bf16: memory plan entry params_bf16), else the parameters themselves
+        self.work = work if work is not None else params
 
     @classmethod
     def of(cls, regions: dict, named, acts) -> "Buffers":
         """From the flat regions a plan has ({"params": view, ...}: memory.REGIONS, or the
         parameters alone for generation, where the rest are None); named(region) gives the
-        region's views by parameter name."""
+        region's views by parameter name (and those of the bf16 working copy, acts["params_bf16"])."""
         g = regions.get
+        work = named(acts["params_bf16"]) if "params_bf16" in acts else None
         return cls(named(regions["params"]), named(regions["grads"]) if "grads" in regions else None,
-                   g("params"), g("grads"), g("adam_m"), g("adam_v"), acts)
+                   g("params"), g("grads"), g("adam_m"), g("adam_v"), acts, work)
 
 
 class Ops(Protocol):
@@ -134,6 +138,9 @@ class Ops(Protocol):
 
     def accumulate(self, dst, src, first: bool) -> None:
         """dst = src (first) or dst += src (gradient accumulation)"""
+
+    def work_copy(self, work, params) -> None:
+        """work = params in the working copy's dtype (bf16: rounded to nearest even), the flat buffers"""
 
     def loss_reduce(self, losses, history) -> None:
         """state.loss = mean(losses[N]); history[state.step] = it (history may be None)"""

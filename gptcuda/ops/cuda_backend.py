@@ -13,7 +13,7 @@ from gptcuda.runtime import execution
 from gptcuda.model import state
 from gptcuda.ops.backend import Buffers, Program
 from gptcuda.ops.cuda import attention, decode, elementwise, encoder, gemm, layernorm, loss, optim
-from gptcuda.runtime import DeviceView, Runtime
+from gptcuda.runtime import POISON_WORDS, DeviceView, Runtime
 
 FAMILIES = (encoder, layernorm, elementwise, loss, optim, gemm, attention, decode)
 
@@ -69,8 +69,10 @@ class CudaBackend:
         for r in regions.values():
             rt.fill(r, 0)
 
-        def named(region_view):
-            return {s.name: DeviceView(region_view.ptr + 4 * s.offset, s.shape, "f32", s.name) for s in table}
+        def named(region_view):          # (fp32 regions, or the bf16 working copy)
+            e = 2 if region_view.dtype == "bf16" else 4
+            return {s.name: DeviceView(region_view.ptr + e * s.offset, s.shape, region_view.dtype, s.name)
+                    for s in table}
 
         acts = self.allocate_arena(plan)
         rt.set_workspace({e.name: acts[e.name] for e in plan.entries if e.kind == "workspace"})
@@ -86,7 +88,7 @@ class CudaBackend:
         arena = rt.alloc(plan.arena_bytes)
         acts = {e.name: DeviceView(arena + e.offset, e.shape, e.dtype, e.name) for e in plan.entries}
         for e in plan.entries:
-            rt.fill(acts[e.name], 0x7FC00000 if e.dtype == "f32" else 0)
+            rt.fill(acts[e.name], POISON_WORDS.get(e.dtype, 0))
         return acts
 
     def upload(self, view, arr):
@@ -184,6 +186,9 @@ class CudaBackend:
 
     def accumulate(self, dst, src, first):
         elementwise.accumulate(self.rt, dst, src, first)
+
+    def work_copy(self, work, params):
+        optim.to_bf16(self.rt, work, params)
 
     def loss_reduce(self, losses, history):
         loss.loss_reduce(self.rt, losses, history)

@@ -50,8 +50,8 @@ WGMMA_ARCHS = ("sm_90",)
 ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE")
 GEMM_TUNES = ("auto", "table", "off")
 _TUNE_ENV = {"0": "off", "off": "off", "table": "table", "auto": "auto"}     # GPTCUDA_GEMM_TUNE -> gemm_tune
-# bf16: products on the BF16 warpgroup-MMA kernel (sm_90); a runtime's precision for the bf16 kernels'
-# benchmarks and tests (a config cannot ask for it until the model's bf16 path exists: config.PRECISIONS)
+# bf16: activations in bf16, products on the BF16 warpgroup-MMA kernel (sm_90), fp32 master parameters,
+# gradients, statistics and sums
 PRECISIONS = ("fp32", "tf32", "bf16")
 GEMM_FAMILIES = {"fp32": "simt", "tf32": "tf32", "bf16": "bf16"}      # precision -> the base GEMM family
 FP32_GEMMS = ("3xtf32", "ffma")
@@ -99,6 +99,12 @@ class ExecutionPlan:
         without the GPU (train.py --plan) is the one the GPU runs; a device without the kernels leaves
         it unallocated (gemm.device_workspaces)."""
         return self.precision == "tf32"
+
+    @property
+    def act_dtype(self) -> str:
+        """The dtype of the activations and their gradients the memory plan holds: bf16 for precision
+        bf16 (the statistics, losses, parameters and their gradients stay fp32), else fp32."""
+        return "bf16" if self.precision == "bf16" else "f32"
 
     @property
     def table_tag(self) -> str:
@@ -151,12 +157,15 @@ class ExecutionPlan:
     def format(self) -> str:
         if self.arch == "cpu":
             return "execution plan\n  reference backend: float64 numpy ops (gptcuda/ops/reference/ops.py)"
-        fam = {"simt": "SIMT FFMA (gemm_simt.cu)", "tf32": "TF32 mma.sync (gemm_tf32.cu)"}[self.gemm_family]
+        fam = {"simt": "SIMT FFMA (gemm_simt.cu)", "tf32": "TF32 mma.sync (gemm_tf32.cu)",
+               "bf16": "BF16 warpgroup MMA (gemm_wgmma.cu gemm_wgmma_ws), every layout as stored"}[self.gemm_family]
         if not self.wgmma:
             wg = "off" + ("" if self.arch in WGMMA_ARCHS else f" (not on {self.arch})")
         elif self.precision == "tf32":
             wg = ("on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW with dY through registers "
                   "(wgmma_ra*, X^T or dY^T via gemm_aT)")
+        elif self.precision == "bf16":
+            wg = "on: the base family (bf16 activations, fp32 master weights, gradients and statistics)"
         elif self.fp32_as_3xtf32:
             wg = "on as 3xTF32 (gemm_wgmma.cu): x @ W^T, dY @ W and dW, aligned operands read as stored"
         else:
@@ -165,7 +174,8 @@ class ExecutionPlan:
                "flash": "flash, FFMA (flash_simt.cu)",
                "flash_3x": "flash on tensor cores as 3xTF32 (flash_x3.cu)",
                "flash_tc": "flash on tensor cores (flash_tc.cu" + ("; dK/dV on warpgroup MMA up to head size 64: flash_wg.cu)"
-                                                                           if self.wgmma else ")"),
+                                                                           if self.wgmma else ")")
+                           + (", on fp32 copies of the bf16 qkv and y" if self.precision == "bf16" else ""),
                None: "as the saved tensors say"}[self.attention]
         env = ", ".join(f"{k}={v}" for k, v in self.env) or "none set"
         return "\n".join([
@@ -194,7 +204,7 @@ def fused_path(precision: str, as_3xtf32: bool) -> str:
     if precision == "tf32":
         return "flash_tc"
     if precision == "bf16":
-        raise ValueError("precision bf16 has no attention kernels yet (its products only: gemm family bf16)")
+        return "flash_tc"          # on fp32 copies of qkv and y (attention.py): no bf16 flash kernels yet
     return "flash_3x" if as_3xtf32 else "flash"
 
 
@@ -225,6 +235,8 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
         raise ValueError(f"unknown fp32_gemm {fp32_gemm!r} (3xtf32 | ffma)")
     if gemm_tune not in GEMM_TUNES:
         raise ValueError(f"unknown gemm_tune {gemm_tune!r} (auto | table | off)")
+    if precision == "bf16" and gemm_tune == "auto":
+        gemm_tune = "table"       # the tuner's timing buffers are fp32: bf16 products are not measured yet
     read = tuple((k, env[k]) for k in ENV_KEYS if k in env)
     wgmma = arch in WGMMA_ARCHS and env.get("GPTCUDA_WGMMA", "1") != "0"
     if precision == "bf16" and not wgmma and arch != "cpu":
@@ -233,6 +245,8 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     plan = ExecutionPlan(arch or "?", precision, fp32_gemm, GEMM_FAMILIES[precision], wgmma, gemm_tune, None,
                          read)
     if attention is not None:
+        if precision == "bf16" and attention == "unfused":
+            raise ValueError("precision bf16 runs fused attention only (attention: fused)")
         path = "unfused" if attention == "unfused" else fused_path(precision, plan.fp32_as_3xtf32)
         plan = dataclasses.replace(plan, attention=path)
     return plan

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from gptcuda.runtime import compiler
+from gptcuda.runtime import compiler, execution
 from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.data.batches import Batches
 from gptcuda.model.memory import check_fits, plan_memory
@@ -48,8 +48,9 @@ def plan_for(cfg, vocab_size: int, backend=None, accum: int = 1):
     cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     be = backend or backend_class(cfg)
     ex = backend.exec if backend is not None else None
+    act = (ex or execution.resolve(cfg)).act_dtype
     return plan_memory(cfg, param_table(cfg, vocab_size), vocab_size, accum,
-                       be.attention_saved(cfg, ex), workspaces_for(cfg, backend), cfg.max_iters + 1)
+                       be.attention_saved(cfg, ex), workspaces_for(cfg, backend), cfg.max_iters + 1, act)
 
 
 def workspaces_for(cfg, backend=None) -> dict:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 from gptcuda.runtime import execution
-from gptcuda.ops.cuda import cdiv, dropout_args, flash
+from gptcuda.ops.cuda import cdiv, dropout_args, elementwise, flash
 from gptcuda.ops.cuda.flash import (FLASH_HEAD_SIZES, FLASH_PATHS, FLASH_THREADS, FLASH_WG_HEAD_SIZES, ROWSUM_FILE,  # noqa: F401
                                     ROWSUM_THREADS, expression)
 from gptcuda.runtime import DeviceView, f32, i32
@@ -74,10 +74,14 @@ def saved_shapes(cfg, ex=None) -> dict:
 
 
 def workspace(cfg, ex=None) -> dict:
-    """Scratch shared by all layers (name -> (shape, dtype))."""
+    """Scratch shared by all layers (name -> (shape, dtype)); bf16 activations: the fp32 copies the
+    flash kernels run on, qkv | y | dy | dqkv (`_on_fp32`)."""
     B, T, C, H, hs = _dims(cfg)
     if _fused(cfg, ex):
-        return {"attention_d": ((B, H, T), "f32")}           # D = rowsum(dO * O) of the backward
+        out = {"attention_d": ((B, H, T), "f32")}            # D = rowsum(dO * O) of the backward
+        if (ex or execution.resolve(cfg)).act_dtype == "bf16":
+            out[F32_COPIES] = ((B * T * 8 * C,), "f32")
+        return out
     heads = ((B, H, T, hs), "f32")
     return {
         "attention_q": heads, "attention_k": heads, "attention_v": heads,
@@ -164,8 +168,32 @@ def _path(saved, op, ex):
     return want, fused
 
 
+F32_COPIES = "attention_f32"
+
+
+def _on_fp32(rt, label, *views):
+    """fp32 views of the F32_COPIES workspace in the shapes of `views` (bf16 tensors of the attention:
+    qkv, y, dy, dqkv, in that order), laid one after the other."""
+    ws = rt.workspace(F32_COPIES)
+    out, off = [], 0
+    for v in views:
+        if off + v.numel > ws.numel:
+            raise ValueError(f"{label}: the workspace {F32_COPIES} holds {ws.numel} floats, not {off + v.numel}")
+        out.append(DeviceView(ws.ptr + 4 * off, v.shape, "f32", f"{F32_COPIES}:{v.name}"))
+        off += v.numel
+    return out
+
+
 def attention_fwd(rt, y, qkv, saved, n_head, p, site, ex=None):
+    """y = attention(qkv) (saving what the backward needs). bf16 qkv and y: the fp32 kernels on copies of
+    them (qkv widened exactly, y rounded once), until the flash kernels take bf16."""
     ex = rt.exec if ex is None else ex      # the execution plan (the backend passes its own)
+    if qkv.dtype == "bf16":
+        q32, y32 = _on_fp32(rt, "attention_fwd", qkv, y)
+        elementwise.accumulate(rt, q32, qkv, first=True)
+        attention_fwd(rt, y32, q32, saved, n_head, p, site, ex)
+        elementwise.accumulate(rt, y, y32, first=True)
+        return None
     want, path = _path(saved, "attention_fwd", ex)
     if want == "probs":
         return _unfused_fwd(rt, y, qkv, saved["probs"], n_head, p, site, ex)
@@ -173,7 +201,15 @@ def attention_fwd(rt, y, qkv, saved, n_head, p, site, ex=None):
 
 
 def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, ex=None):
+    """dqkv from dy (bf16: on fp32 copies of qkv, y and dy, dqkv rounded once, as attention_fwd)."""
     ex = rt.exec if ex is None else ex
+    if qkv.dtype == "bf16":
+        q32, y32, dy32, dq32 = _on_fp32(rt, "attention_bwd", qkv, y, dy, dqkv)
+        for dst, src in ((q32, qkv), (y32, y), (dy32, dy)):
+            elementwise.accumulate(rt, dst, src, first=True)
+        attention_bwd(rt, dq32, dy32, q32, y32, saved, n_head, p, site, ex)
+        elementwise.accumulate(rt, dqkv, dq32, first=True)
+        return None
     want, path = _path(saved, "attention_bwd", ex)
     if want == "probs":
         return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site, ex)

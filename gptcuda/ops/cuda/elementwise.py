@@ -50,7 +50,8 @@ GELU_TYPES = (("f32", "f32"), ("bf16", "bf16"))                              # (
 GELU_BWD_TYPES = (("f32", "f32", "f32"), ("bf16", "bf16", "bf16"))           # (dpre, dout, pre)
 DROPOUT_TYPES = (("f32", "f32"), ("bf16", "bf16"))                           # (out, x)
 RESIDUAL_TYPES = (("f32", "f32", "f32"), ("bf16", "bf16", "bf16"), ("f32", "f32", "bf16"))  # (out, resid, x)
-ACCUMULATE_TYPES = (("f32", "f32"), ("bf16", "bf16"))                        # (dst, src)
+# (dst, src); the mixed pairs with first = True convert (the attention's fp32 copies of bf16 tensors)
+ACCUMULATE_TYPES = (("f32", "f32"), ("bf16", "bf16"), ("f32", "bf16"), ("bf16", "f32"))
 BIAS_GRAD_TYPES = (("f32",), ("bf16",))                                      # (dout,); db fp32
 
 

@@ -129,6 +129,11 @@ class ReferenceBackend:
     def batch_feeder(self, x, y, rows: int, block: int):
         return _Feeder(x.reshape(-1, block), y.reshape(-1, block))
 
+    def work_copy(self, work, params):
+        def f():
+            work[...] = params
+        self._rec(f)
+
     def accumulate(self, dst, src, first):
         def f():
             if first:
