@@ -121,7 +121,7 @@ def launch_diff(old: list, new: list, dropped=()) -> str:
 def record(path, overrides):
     from tests.fakes import RecordingRuntime
     cfg = load_config(str(ROOT / path), overrides)
-    vocab = cfg.vocab_size or (50304 if cfg.tokenizer == "gpt2" else 65)
+    vocab = cfg.vocab_size or (50304 if cfg.tokenizer == "gpt2" else -(-65 // cfg.vocab_multiple) * cfg.vocab_multiple)
     n_vocab = 50257 if cfg.tokenizer == "gpt2" and not cfg.vocab_size else min(vocab, 65)
     try:
         rt = RecordingRuntime(cfg)
