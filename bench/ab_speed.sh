@@ -19,7 +19,7 @@ for c in ${CASES:-char_tf32 char_fp32 ctx2048 gpt2_b8}; do
     ctx2048)   args="configs/ctx2048_tf32.yaml" ;;
     gpt2_b8)   [ -f $GPT2_DATA/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt \
                  --tokenizer gpt2 --out $GPT2_DATA > /dev/null 2>&1
-               args="configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8" ;;
+               args="configs/gpt2_124m_tf32.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8" ;;
     *) echo "unknown case $c"; continue ;;
   esac
   for tune in ${TUNES:-auto}; do

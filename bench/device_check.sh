@@ -10,7 +10,7 @@
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
 # bench/seeds.py; a group label@TREE runs another checkout, e.g. one unpacked under .devcarry),
 # TRAIN_CONFIG (for train_config), DIST_WORLDS ("1,2"), DIST_ZERO ("0 1"), TORCH_WHICH ("steps compile"), TUNE_PRECISIONS ("tf32 fp32"),
-# GPT2_BATCHES ("8 16": bench/step.py of configs/gpt2_124m.yaml and the PyTorch / llm.c anchors at these
+# GPT2_BATCHES ("8 16": bench/step.py of configs/gpt2_124m_tf32.yaml and the PyTorch / llm.c anchors at these
 # micro-batches), ACCUM_STEPS (50: gpt2_accum's steps of 524288 tokens), GEN_BATCHES ("1,16,64,256"),
 # GEN_TORCH_MODES ("eager,compile"), HELLASWAG_ARGS (more bench/hellaswag_check.py options), PLOT_ITERS (500:
 # each of plot's two runs), GEN_ARGS (more bench/generate.py options), SOAK_DATA / SOAK_KILLS (5) /
@@ -108,12 +108,15 @@ if has bf16; then            # the BF16 warpgroup-MMA product against float64 (a
   grep -E "FAIL|check:|sum |TFLOP" "$OUT/bf16_gemm.log" | tail -20 | tee -a "$OUT/summary.txt"
 fi
 if has speed; then
-  for c in ${SPEED_CASES:-char_tf32 char_fp32 ctx2048 gpt2_b8}; do
+  for c in ${SPEED_CASES:-char_tf32 char_fp32 ctx2048 gpt2_b8 char_bf16 gpt2_b8_bf16}; do
     case $c in
       char_tf32) args="configs/ctx256_tf32.yaml" ;;
       char_fp32) args="configs/ctx256_tf32.yaml --precision=fp32" ;;
       ctx2048)   args="configs/ctx2048_tf32.yaml" ;;
       gpt2_b8)   gpt2_shards
+                 args="configs/gpt2_124m_tf32.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8" ;;
+      char_bf16) args="configs/ctx256_bf16.yaml" ;;
+      gpt2_b8_bf16) gpt2_shards
                  args="configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8" ;;
       *) echo "unknown speed case $c"; continue ;;
     esac
@@ -202,7 +205,7 @@ fi
 if has gpt2_step; then
   for b in ${GPT2_BATCHES:-8 16}; do
     log "step GPT-2 124M B$b T1024 tf32 (vocabulary 50304)"
-    python3 bench/step.py configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 \
+    python3 bench/step.py configs/gpt2_124m_tf32.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 \
       --batch_size=$b --iters 20 --json "$OUT/step_gpt2_b$b.json" > "$OUT/step_gpt2_b$b.log" 2>&1
     sed -n '1,40p' "$OUT/step_gpt2_b$b.log"
   done
