@@ -118,6 +118,9 @@ def fd_config(cfg):
 
 
 def _validate(cfg, vocab_size, broken, only):
+    if check_mode(cfg) not in SETTINGS:
+        raise UsageError(f"gradcheck: no error model for precision {cfg.precision} yet (it checks "
+                         f"{' | '.join(k for k in SETTINGS if k != 'reference')}, or --backend=reference)")
     try:
         faults.set_broken(broken)
     except ValueError as e:
