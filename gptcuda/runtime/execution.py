@@ -13,7 +13,11 @@ The rules, in one place:
   (families wgmma_ra*: X as stored, or X^T, or the swapped product's dY^T, in "gemm_aT"). Each TF32 layout has a warp-specialized, persistent TMA kernel among its tiles
   (gemm_wgmma_ws). fp32 with fp32_gemm 3xtf32 (`fp32_as_3xtf32`) runs those products, for aligned
   operands, as three TF32 products of hi / lo splits made in the kernel (family wgmma3_ra: A in the
-  consumers' registers, B in shared memory); fp32_gemm ffma keeps every fp32 product on SIMT.
+  consumers' registers, B in shared memory); fp32_gemm ffma keeps every fp32 product on SIMT. bf16
+  (sm_90 only) has one family: the persistent TMA kernel with bf16 operands, every layout read as
+  stored, C bf16 or (weight gradients) fp32; its activations and their gradients are bf16
+  (`act_dtype`), parameters, gradients, statistics and losses fp32, the products reading a bf16
+  working copy of the parameters.
   Within what may run, a product's kernel, tile and split-K come from the measured table of this GPU
   and these kernel sources (<compile cache>/tune/, gemm/table.py), else from the cost model
   (gptcuda/ops/cuda/gemm/plan.py `plan`), which also sizes the scratch in the memory plan (gemm/plan.py
@@ -22,13 +26,14 @@ The rules, in one place:
   lacks when the Engine is set up (gemm/tune.py `autotune`: a first run on a GPU; never in a
   data-parallel run), then reads the table; "table" reads it as it is (bench/tune.py, or an earlier
   run, wrote it); "off" leaves it unread (`gemm_table` False): the cost model alone. A shape is
-  measured once and its entry never changes, so a resumed run launches the plans it launched.
+  measured once and its entry never changes, so a resumed run launches the plans it launched. (bf16:
+  "auto" reads the table as "table" does: the tuner's timing operands are fp32.)
 - Attention. `attention: unfused` saves the [B, H, T, T] probabilities (kernels/attention.cu);
   `fused` runs flash attention (kernels/flash_*.cu) saving the log-sum-exp: in tf32 on
   tensor cores (`flash_tc`: the _tc kernels, dK/dV on warpgroup MMA (_wg) up to head size 64 where
   wgmma is on); in fp32 as 3xTF32 on tensor cores where `fp32_as_3xtf32` holds (`flash_3x`: the _x3
   kernels, hi / lo splits at fragment load, as the fp32 GEMMs), else in FFMA (`flash`: fp32_gemm ffma,
-  or no wgmma).
+  or no wgmma); in bf16 the tf32 flash kernels on fp32 copies of qkv and y (attention.py), fused only.
 - Generation (sample.py) runs its own products: kernels/decode.cu decode_linear for up to 16 rows,
   the GEMMs above beyond.
 
