@@ -1,7 +1,9 @@
-// TF32 GEMM on Hopper's warpgroup MMA (wgmma, sm_90a): C = alpha * A B^T (+ bias) (+ epilogue).
-// A [batch, M, K] and B [batch, N, K] are both K-major (row-major with k contiguous): wgmma reads
-// 32-bit operands from shared memory only in that orientation, so this kernel serves the
-// x @ W^T products (trans_a = false, trans_b = true); the other cases stay on gemm_tf32.cu.
+// TF32 and BF16 GEMMs on Hopper's warpgroup MMA (wgmma, sm_90a): C = alpha * A B^T (+ bias) (+ epilogue).
+// TF32: A [batch, M, K] and B [batch, N, K] both K-major (row-major with k contiguous): wgmma reads
+// 32-bit operands from shared memory only in that orientation, so these kernels serve the x @ W^T
+// products (trans_a = false, trans_b = true), the others after a re-layout or through registers
+// (gemm_wgmma_ra). BF16 (gemm_wgmma_ws with DT = 1, Bf16Op): any layout as stored, an operand stored
+// [K, rows] read MN-major through the instruction's transpose bits; C and aux fp32 or bf16 (OUT).
 // Arguments, epilogues, batching and split-K are those of gemm_tf32 / gemm_simt (the epilogue
 // helpers come from gemm_epilogue.cuh), so the launcher treats it as one more tile family.
 //
