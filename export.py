@@ -1,7 +1,7 @@
 """Export a trained run for other tools: a Hugging Face GPT-2 directory or an llm.c model file.
 
     python export.py RUN --to hf DIR      [--ckpt best|last|PATH] [--overwrite]
-    python export.py RUN --to llmc FILE   [--ckpt best|last|PATH] [--overwrite]
+    python export.py RUN --to llmc FILE   [--ckpt best|last|PATH] [--overwrite] [--dtype f32|bf16]
 
 RUN is a run directory (train.py's out_dir: config.yaml, tokenizer.json, best.ckpt, last.ckpt); --ckpt
 picks its checkpoint (default best.ckpt, else last.ckpt).
@@ -11,7 +11,9 @@ picks its checkpoint (default best.ckpt, else last.ckpt).
         tokenizer.json for bpe:N. Load it with transformers.GPT2LMHeadModel.from_pretrained(DIR).
         A char-tokenizer run cannot be written (GPT-2 directories carry a BPE tokenizer).
   llmc  FILE is llm.c's fp32 model file (header version 3, vocabulary padded to a multiple of 128),
-        for `./train_gpt2fp32cu -e FILE` or train_gpt2cu built with PRECISION=FP32.
+        for `./train_gpt2fp32cu -e FILE` or train_gpt2cu built with PRECISION=FP32; --dtype bf16: its
+        bf16 file (version 5, every tensor rounded to nearest even), for train_gpt2cu's default BF16 build.
+        (A run's checkpoint holds fp32 master weights, whatever its precision.)
 
 Both need bias=true (GPT-2 has biases). DIR / FILE is written beside itself and renamed into place; an
 existing non-empty DIR or an existing FILE is refused unless --overwrite.
@@ -24,7 +26,7 @@ USAGE = __doc__
 
 def parse(argv):
     from gptcuda.cli import UsageError
-    run, target, dest, ckpt, overwrite = None, None, None, None, False
+    run, target, dest, ckpt, overwrite, dtype = None, None, None, None, False, "f32"
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -32,7 +34,7 @@ def parse(argv):
             return None
         if a == "--overwrite":
             overwrite = True
-        elif a.split("=", 1)[0] in ("--to", "--ckpt"):
+        elif a.split("=", 1)[0] in ("--to", "--ckpt", "--dtype"):
             key = a.split("=", 1)[0]
             if "=" in a:
                 val = a.split("=", 1)[1]
@@ -43,6 +45,10 @@ def parse(argv):
                 val = argv[i]
             if key == "--ckpt":
                 ckpt = val
+            elif key == "--dtype":
+                if val not in ("f32", "bf16"):
+                    raise UsageError(f"--dtype must be f32 or bf16, got {val!r}")
+                dtype = val
             else:
                 if val not in ("hf", "llmc"):
                     raise UsageError(f"--to must be hf or llmc, got {val!r}")
@@ -61,7 +67,7 @@ def parse(argv):
         i += 1
     if run is None or target is None or dest is None:
         raise UsageError("usage: export.py RUN --to hf DIR | --to llmc FILE [--ckpt best|last|PATH] [--overwrite]")
-    return run, target, dest, ckpt, overwrite
+    return run, target, dest, ckpt, overwrite, dtype
 
 
 def main(argv=None):
@@ -81,8 +87,8 @@ def _main(argv):
     from gptcuda.config import ConfigError
     from gptcuda.interop import InteropError, export_run
     try:
-        run, target, dest, ckpt, overwrite = parse(argv)
-        print(export_run(run, target, dest, ckpt=ckpt, overwrite=overwrite))
+        run, target, dest, ckpt, overwrite, dtype = parse(argv)
+        print(export_run(run, target, dest, ckpt=ckpt, overwrite=overwrite, dtype=dtype))
     except (UsageError, InteropError, CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -104,6 +104,27 @@ def test_llmc_round_trip_is_exact(gpt2_run):
         assert np.array_equal(named[k], v.astype(np.float32)), k      # padded wte rows included
 
 
+def test_llmc_bf16_export(gpt2_run):
+    """--to llmc --dtype bf16: llm.c's version 5 file, half the fp32 file's tensor bytes, every tensor the
+    checkpoint's fp32 master weights rounded to nearest even (reads back as bf16.round_f32 of them); the
+    Hugging Face target refuses --dtype bf16 in one line."""
+    from gptcuda.runtime import bf16
+    out = gpt2_run["tmp"] / "model_bf16.bin"
+    p = export(gpt2_run["run"], "--to", "llmc", out, "--dtype", "bf16")
+    assert p.returncode == 0 and "llm.c bf16 model" in p.stdout, p.stderr
+    raw, fp32 = out.read_bytes(), gpt2_run["llmc"].read_bytes()
+    assert np.frombuffer(raw[:8], "<i4").tolist() == [20240326, 5]
+    assert len(raw) - 1024 == (len(fp32) - 1024) // 2
+    named, _ = load_init(f"llmc:{out}", Config())
+    for k, v in gpt2_run["named"].items():
+        want = bf16.round_f32(v.astype(np.float32))
+        assert np.array_equal(named[k][:want.shape[0]], want), k
+    p = export(gpt2_run["run"], "--to", "hf", gpt2_run["tmp"] / "hf16", "--dtype", "bf16")
+    assert p.returncode == 2 and "llm.c files only" in p.stderr and len(p.stderr.splitlines()) == 1
+    p = export(gpt2_run["run"], "--to", "llmc", gpt2_run["tmp"] / "x.bin", "--dtype", "fp16")
+    assert p.returncode == 2 and "--dtype must be f32 or bf16" in p.stderr
+
+
 def test_run_dir_init(gpt2_run):
     named, ov = load_init(str(gpt2_run["run"]), Config())
     assert ov["tokenizer"] == "gpt2" and ov["vocab_size"] == 50304

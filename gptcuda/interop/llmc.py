@@ -1,4 +1,4 @@
-"""llm.c model files (train_gpt2.cu's gpt2_write_to_checkpoint): `write_llmc` (fp32, atomically),
+"""llm.c model files (train_gpt2.cu's gpt2_write_to_checkpoint): `write_llmc` (fp32 or bf16, atomically),
 `read_llmc` (fp32 or bf16) and `from_llmc` (its tensors in our names)."""
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import numpy as np
 from gptcuda.files import atomic_open
 from gptcuda.config import Config
 from gptcuda.interop.common import InteropError, _round_up
+from gptcuda.runtime import bf16
 
 LLMC_MAGIC = 20240326
 LLMC_FP32 = 3            # all tensors fp32, padded vocabulary
-LLMC_BF16 = 5            # all tensors bf16 (read only)
+LLMC_BF16 = 5            # all tensors bf16 (rounded to nearest even when written)
 LLMC_HEADER_INTS = 256
 LLMC_VP_MULTIPLE = 128   # llm.c pads its vocabulary to a multiple of 128 (train_gpt2.py pad_vocab)
 
@@ -53,8 +54,12 @@ def llmc_tensors(named: dict, n_layer: int, Vp: int) -> list:
     return out
 
 
-def write_llmc(path: str, named: dict, cfg: Config, n_vocab: int, overwrite: bool = False) -> np.ndarray:
-    """llm.c's fp32 model file at path (atomically); Vp = our vocabulary rounded up to 128. Returns the header."""
+def write_llmc(path: str, named: dict, cfg: Config, n_vocab: int, overwrite: bool = False,
+               dtype: str = "f32") -> np.ndarray:
+    """llm.c's model file at path (atomically): fp32 (version 3) or, dtype "bf16", every tensor rounded to
+    bf16 (version 5, llm.c's BF16 build's); Vp = our vocabulary rounded up to 128. Returns the header."""
+    if dtype not in ("f32", "bf16"):
+        raise InteropError(f"--dtype must be f32 or bf16, got {dtype!r}")
     path = os.fspath(path)
     if os.path.isdir(path):
         raise InteropError(f"{path} is a directory; --to llmc writes one file")
@@ -62,11 +67,11 @@ def write_llmc(path: str, named: dict, cfg: Config, n_vocab: int, overwrite: boo
         raise InteropError(f"{path} exists (pass --overwrite to replace it)")
     V = np.asarray(named["wte"]).shape[0]
     Vp = _round_up(V, LLMC_VP_MULTIPLE)
-    header = llmc_header(cfg, n_vocab, Vp)
+    header = llmc_header(cfg, n_vocab, Vp, LLMC_BF16 if dtype == "bf16" else LLMC_FP32)
     with atomic_open(path, "wb", sync_dir=True) as f:
         f.write(header.tobytes())
         for _, a in llmc_tensors(named, cfg.n_layer, Vp):
-            f.write(a.tobytes())
+            f.write((bf16.bits(a).astype("<u2") if dtype == "bf16" else a).tobytes())
     return header
 
 
@@ -112,7 +117,7 @@ def read_llmc(path: str) -> tuple[dict, dict]:
                            f"implies {need}")
     flat = np.fromfile(path, dtype="<f4" if item == 4 else "<u2", offset=LLMC_HEADER_INTS * 4)
     if item == 2:
-        flat = (flat.astype(np.uint32) << 16).view(np.float32)
+        flat = bf16.values(flat)
     out, pos = {}, 0
     for name, s in shapes:
         n = int(np.prod(s))

@@ -98,10 +98,15 @@ def load_run(run_dir: str, ckpt: str | None = None) -> Run:
     return Run(cfg, tok, n_vocab, unflatten(table, flat), path, int(meta.get("step", 0)))
 
 
-def export_run(run_dir: str, target: str, dest: str, ckpt: str | None = None, overwrite: bool = False) -> str:
-    """Write a run's checkpoint as `target` ("hf" | "llmc") at dest; a one-line summary."""
+def export_run(run_dir: str, target: str, dest: str, ckpt: str | None = None, overwrite: bool = False,
+               dtype: str = "f32") -> str:
+    """Write a run's checkpoint (its fp32 master weights) as `target` ("hf" | "llmc") at dest, in fp32 or
+    (dtype "bf16": llm.c files) bf16; a one-line summary."""
     if target not in ("hf", "llmc"):
         raise InteropError(f"--to must be hf or llmc, got {target!r}")
+    if dtype != "f32" and target != "llmc":
+        raise InteropError(f"--dtype {dtype}: llm.c files only (--to llmc); Hugging Face directories are written "
+                           f"in fp32")
     run = load_run(run_dir, ckpt)
     check_expressible(run.cfg, run.tokenizer, target)
     c = run.cfg
@@ -111,6 +116,7 @@ def export_run(run_dir: str, target: str, dest: str, ckpt: str | None = None, ov
         kind = run.tokenizer.get("type")
         return (f"wrote {dest}: Hugging Face GPT-2 ({shape}, vocab {run.n_vocab}, tokenizer {kind}) "
                 f"from {run.path} (step {run.step})")
-    h = write_llmc(dest, run.named, c, run.n_vocab, overwrite)
-    return (f"wrote {dest}: llm.c fp32 model ({shape}, vocab {run.n_vocab} padded to {int(h[7])}) "
+    h = write_llmc(dest, run.named, c, run.n_vocab, overwrite, dtype)
+    return (f"wrote {dest}: llm.c {'bf16' if dtype == 'bf16' else 'fp32'} model ({shape}, vocab {run.n_vocab} "
+            f"padded to {int(h[7])}) "
             f"from {run.path} (step {run.step})")
