@@ -70,7 +70,7 @@ class CudaBackend:
             rt.fill(r, 0)
 
         def named(region_view):          # (fp32 regions, or the bf16 working copy)
-            e = 2 if region_view.dtype == "bf16" else 4
+            e = region_view.itemsize
             return {s.name: DeviceView(region_view.ptr + e * s.offset, s.shape, region_view.dtype, s.name)
                     for s in table}
 

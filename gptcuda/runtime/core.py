@@ -56,16 +56,20 @@ class DeviceView:
         return n
 
     @property
+    def itemsize(self) -> int:
+        """Bytes of one element (bf16: 2)."""
+        return np.dtype(NP_DTYPES[self.dtype]).itemsize
+
+    @property
     def nbytes(self) -> int:
-        return self.numel * np.dtype(NP_DTYPES[self.dtype]).itemsize
+        return self.numel * self.itemsize
 
     def __getitem__(self, i: int) -> "DeviceView":
         """Index the leading dimension: a contiguous sub-view."""
         inner = self.numel // int(self.shape[0])
         if not 0 <= i < self.shape[0]:
             raise IndexError(f"{self.name}[{i}] out of range {self.shape}")
-        item = np.dtype(NP_DTYPES[self.dtype]).itemsize
-        return DeviceView(self.ptr + i * inner * item, tuple(self.shape[1:]), self.dtype, f"{self.name}[{i}]")
+        return DeviceView(self.ptr + i * inner * self.itemsize, tuple(self.shape[1:]), self.dtype, f"{self.name}[{i}]")
 
 
 NP_DTYPES = {"f32": np.float32, "i32": np.int32, "u8": np.uint8, "bf16": np.uint16}

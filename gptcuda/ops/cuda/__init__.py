@@ -2,9 +2,7 @@
 arithmetic they share."""
 from __future__ import annotations
 
-import numpy as np
-
-from gptcuda.runtime import NP_DTYPES, RuntimeProtocol
+from gptcuda.runtime import RuntimeProtocol
 
 
 def cdiv(a: int, b: int) -> int:
@@ -25,7 +23,7 @@ DTYPE_CODES = {"f32": 0, "bf16": 1}
 def aligned4(*views) -> bool:
     """Whether every view (None: none) starts on 4 of its elements, so that 4 consecutive values move in
     one access: 16 bytes of fp32 or i32, 8 of bf16."""
-    return all(v is None or v.ptr % (4 * np.dtype(NP_DTYPES[v.dtype]).itemsize) == 0 for v in views)
+    return all(v is None or v.ptr % (4 * v.itemsize) == 0 for v in views)
 
 
 def element_types(label: str, kernels, **views) -> tuple:

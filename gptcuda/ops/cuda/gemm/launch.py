@@ -45,12 +45,9 @@ def _check_dtypes(label, family, out, a, b, bias, aux):
 def _vec_ok(a, b, lda, ldb, sA, sB):
     """16-byte loads of A and B: aligned bases, row and batch strides multiples of 16 bytes (split
     k_chunk is a multiple of the family's k_align, so split offsets keep the alignment)."""
-    per = 16 // _itemsize(a)
+    per = 16 // a.itemsize
     return a.ptr % 16 == 0 and b.ptr % 16 == 0 and all(int(x) % per == 0 for x in (lda, ldb, sA, sB))
 
-
-def _itemsize(v) -> int:
-    return 2 if v.dtype == "bf16" else 4
 
 
 @dataclass(frozen=True)
@@ -94,7 +91,7 @@ def _launch_gemm(rt, p: Plan, c: GemmCall, ws=None):
     fam = p.fam
     if c.colsum is not None and (not has_colsum_kernel(p, c.ta, c.tb) or c.epi != EPI_NONE or c.batch != 1):
         raise AssertionError(f"{c.label}: column sums need the {p.family} colsum kernel, no epilogue, batch 1")
-    vec = _vec_ok(c.a, c.b, c.lda, c.ldb, c.sA, c.sB) and (p.splits == 1 or p.k_chunk % (16 // _itemsize(c.a)) == 0)
+    vec = _vec_ok(c.a, c.b, c.lda, c.ldb, c.sA, c.sB) and (p.splits == 1 or p.k_chunk % (16 // c.a.itemsize) == 0)
     if fam.name != fam.base:     # a warpgroup-MMA kernel: the layouts it reads, aligned
         if (c.ta, c.tb) not in {fam.kernel_layout(code) for code in fam.layouts} or not vec:
             raise AssertionError(f"{c.label}: the {p.family} kernel needs {fam.needs}")
@@ -134,7 +131,7 @@ def _operands(rt, p: Plan, c: GemmCall) -> tuple:
         return c.a, c.b
     out = []
     for x, rows_, ld, stride, box, mn in ((c.a, c.M, c.lda, c.sA, p.bm, c.ta), (c.b, c.N, c.ldb, c.sB, p.bn, not c.tb)):
-        e = _itemsize(x)
+        e = x.itemsize
         kt = 128 // e
         inner, outer = (rows_, c.K) if mn else (c.K, rows_)
         regs = mn and fam.a_regs and x is c.a
