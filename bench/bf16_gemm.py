@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.common import ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402
 from gptcuda.ops.cuda import gemm  # noqa: E402
+from gptcuda.ops.reference import ops as ref  # noqa: E402
 from gptcuda.runtime import Runtime, bf16  # noqa: E402
 
 EPILOGUES = {"bias": "none", "gelu": "gelu", "residual": "residual", "dgelu": "dgelu", "none": "none"}
@@ -40,16 +41,6 @@ def product(rt, ex, c, a, b, ta, tb, epi="none", bias=None, aux=None, tile=None,
     fam = ex.gemm_family
     p = gemm.make_plan(fam, tile, splits, K) if tile is not None else None
     gemm.matmul(rt, c, a, b, ta, tb, bias=bias, epilogue=EPILOGUES[epi], aux=aux, plan=p, ex=ex)
-
-
-def gelu(x):
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
-
-
-def gelu_grad(x):
-    u = np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)
-    t = np.tanh(u)
-    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * np.sqrt(2.0 / np.pi) * (1 + 3 * 0.044715 * x * x)
 
 
 def rel(got, ref):
@@ -91,11 +82,11 @@ def check(rt, rng) -> bool:
             got = (bf16.values(got) if out_t == "bf16" else got).astype(np.float64)
             if epi == "gelu":
                 pre_got = bf16.values(rt.download(aux)).astype(np.float64)
-                err = max(rel(got, gelu(pre_got)), rel(pre_got, pre))
+                err = max(rel(got, ref.gelu_forward(pre_got)), rel(pre_got, pre))
             elif epi == "residual":
                 err = rel(got, aux64 + pre)
             elif epi == "dgelu":
-                err = rel(got, prod * gelu_grad(aux64))
+                err = rel(got, ref.gelu_backward(prod, aux64))
             else:
                 err = rel(got, pre)
             tol = 6e-3 if out_t == "bf16" else 4e-5

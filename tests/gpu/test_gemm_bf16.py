@@ -12,21 +12,13 @@ import numpy as np
 import pytest
 
 from gptcuda.ops.cuda import elementwise, gemm
+from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import bf16
 from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
 
 gpu = pytest.mark.gpu
 FP32_TOL = 4e-5
 LAYOUTS = [(False, True), (False, False), (True, False)]          # NT, NN, TN: the op interface's products
-
-
-def _gelu(x):
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
-
-
-def _gelu_grad(x):
-    t = np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3))
-    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * np.sqrt(2.0 / np.pi) * (1 + 3 * 0.044715 * x * x)
 
 
 @pytest.fixture
@@ -89,7 +81,7 @@ def test_bf16_forward_epilogues(bf16_rt, epi, has_bias):
     if epi == "gelu":
         stored = bf16.values(rt.download(aux)).astype(np.float64)
         assert bf16_err(stored, pre, FP32_TOL) <= 1.0
-        assert bf16_err(got, _gelu(stored), 1e-6) <= 1.0         # gelu of the pre-activation as stored
+        assert bf16_err(got, ref.gelu_forward(stored), 1e-6) <= 1.0         # gelu of the pre-activation as stored
     else:
         assert bf16_err(got, pre, FP32_TOL) <= 1.0
 
@@ -102,7 +94,7 @@ def test_bf16_dgelu(bf16_rt):
     pre64 = bf16.round_f32(rng.standard_normal((M, N))).astype(np.float64)
     c = rt.empty((M, N), "bf16")
     gemm.matmul(rt, c, a, b, False, False, epilogue="dgelu", aux=rt.upload(pre64, "bf16"))
-    assert bf16_err(bf16.values(rt.download(c)), prod * _gelu_grad(pre64), FP32_TOL) <= 1.0
+    assert bf16_err(bf16.values(rt.download(c)), ref.gelu_backward(prod, pre64), FP32_TOL) <= 1.0
 
 
 @gpu
