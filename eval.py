@@ -14,7 +14,6 @@ import sys
 import time
 
 from gptcuda.cli import UsageError, guarded, print_help, split_args
-from gptcuda.runtime import execution
 
 OPTIONS = {
     "--hellaswag FILE": "HellaSwag examples, one JSON object a line (llm.c's hellaswag_val.jsonl)",
@@ -67,7 +66,8 @@ def main(argv):
         raise UsageError("--hellaswag FILE is required (the examples to score)")
     limit, rows = _int(opts, "limit", 0, 0), _int(opts, "batch_size", 64, 1)
     backend = _choice(opts, "backend", ("cuda", "reference"))
-    precision = _choice(opts, "precision", execution.PRECISIONS)
+    from gptcuda.generate.sampler import GEN_PRECISIONS        # (no bf16 inference path yet)
+    precision = _choice(opts, "precision", GEN_PRECISIONS)
     attention = _choice(opts, "attention", ("unfused", "fused"))
     import dataclasses
     from gptcuda.generate.sampler import load_model

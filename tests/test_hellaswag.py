@@ -148,7 +148,8 @@ def test_eval_py(run, capsys):
                       (["--hellaswag", str(FILE)], "name the weights"),
                       ([str(run), "--hellaswag", str(FILE), "--limit", "x"], "--limit must be an integer"),
                       ([str(run), "--hellaswag", str(run / "no.jsonl"), "--backend", "reference"], "not found"),
-                      ([str(run), "--hellaswag", str(FILE), "--backend", "cpu"], "--backend must be one of")]:
+                      ([str(run), "--hellaswag", str(FILE), "--backend", "cpu"], "--backend must be one of"),
+                      ([str(run), "--hellaswag", str(FILE), "--precision", "bf16"], "--precision must be one of fp32|tf32")]:
         assert ev.main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and msg in err, err
