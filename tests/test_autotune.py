@@ -19,6 +19,7 @@ from gptcuda.runtime import execution
 from gptcuda.training.engine import Engine
 from tests.conftest import fake_view, plan_of
 from tests.fakes import FakeDev, RecordingRuntime
+from gptcuda.runtime import bf16
 
 GPU = "NVIDIA H200 (test)"
 TOKS = (np.arange(1000) % 65).astype(np.int32)
@@ -54,12 +55,20 @@ def run(rt, cfg, timer, **kw):
     return tune.autotune(rt, cfg, 65, out=io.StringIO(), timer=timer, build=kw.pop("build", no_build), **kw)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+BF16 = ("--attention=fused", "--vocab_multiple=8")      # what a bf16 config needs (vocab 65 -> 72)
+
+
+def _precision_cfg(precision):
+    return (cfg_of(f"--precision={precision}", "--dropout=0.1", *(BF16 if precision == "bf16" else ())),
+            72 if precision == "bf16" else 65)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_measures_what_is_missing_and_saves_it(table_cache, precision):
-    cfg = cfg_of(f"--precision={precision}", "--dropout=0.1")
+    cfg, vocab = _precision_cfg(precision)
     rt, timer = FakeRT(cfg), FakeTimer()
-    keys = [op.key(precision) for op in tune.model_gemms(cfg, 65)]
-    s = run(rt, cfg, timer)
+    keys = [op.key(precision) for op in tune.model_gemms(cfg, vocab)]
+    s = tune.autotune(rt, cfg, vocab, out=io.StringIO(), timer=timer, build=no_build)
     assert s.measured == len(keys) and s.known == 0 and s.dropped == 0
     assert [op.key(precision) for op, _ in timer.ops] == keys
     doc = json.loads(gemm.table_path(GPU).read_text())
@@ -71,7 +80,7 @@ def test_measures_what_is_missing_and_saves_it(table_cache, precision):
     # nothing missing: nothing timed, nothing written
     mtime = gemm.table_path(GPU).stat().st_mtime_ns
     again = FakeTimer()
-    s2 = run(rt, cfg, again)
+    s2 = tune.autotune(rt, cfg, vocab, out=io.StringIO(), timer=again, build=no_build)
     assert again.ops == [] and s2.measured == 0 and s2.known == len(keys)
     assert gemm.table_path(GPU).stat().st_mtime_ns == mtime
     assert str(len(keys)) in s2.format()
@@ -317,15 +326,15 @@ def _timing_runtime(precision):
     return TimingRT(precision)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_event_timer_frees_its_buffers_and_restores_the_workspaces(table_cache, precision):
-    cfg = cfg_of(f"--precision={precision}", "--dropout=0.1")
+    cfg, vocab = _precision_cfg(precision)
     rt = _timing_runtime(precision)
     rt.exec = execution.resolve(cfg, arch="sm_90")
     planned = {"gemm_splitk": fake_view((4,))}                   # the planned one, replaced while timing
     rt.set_workspace(planned)
-    s = tune.autotune(rt, cfg, 65, quiet=True, build=no_build)     # the real EventTimer; every candidate's
-    assert s.measured == len(tune.model_gemms(cfg, 65))          # kernels a listed variant (RecordingRuntime)
+    s = tune.autotune(rt, cfg, vocab, quiet=True, build=no_build)  # the real EventTimer; every candidate's
+    assert s.measured == len(tune.model_gemms(cfg, vocab))       # kernels a listed variant (RecordingRuntime)
     assert rt.dev.live == set() and rt._graphs == [] and rt._workspace == planned
     assert rt._recording is None
     # a failure half-way: still nothing left behind
@@ -333,7 +342,7 @@ def test_event_timer_frees_its_buffers_and_restores_the_workspaces(table_cache, 
     gemm.forget_tables()
     rt.dev.fail_on = True
     with pytest.raises(RuntimeError, match="went away"):
-        tune.autotune(rt, cfg, 65, quiet=True, build=no_build)
+        tune.autotune(rt, cfg, vocab, quiet=True, build=no_build)
     assert rt.dev.live == set() and rt._graphs == [] and rt._workspace == planned
 
 
@@ -347,3 +356,29 @@ def test_event_timer_checks_part_of_a_large_output():
     head, tail = got
     assert head.numel == tail.numel == 500 and tail.ptr - head.ptr == 4 * (64 * 64 - 500)
     assert rt.dev.live == set()
+
+
+@pytest.mark.parametrize("trans_b,out", [(True, "bf16"), (False, "bf16")])
+def test_event_timer_times_bf16_products_on_bf16_operands(trans_b, out):
+    """bf16: A and B uploaded as bf16 bit patterns (2 bytes an element, values of the noise rounded),
+    C of the dtype the layout's kernels write, read back as values for the check."""
+    rt = _timing_runtime("bf16")
+    cfg, _ = _precision_cfg("bf16")
+    rt.exec = execution.resolve(cfg, arch="sm_90")
+    writes, got = [], []
+    real_write = rt.write
+    rt.write = lambda v, arr: writes.append((v, np.asarray(arr).copy())) or real_write(v, arr)
+    rt.download = lambda v: got.append(v) or np.full(v.shape, 0x3F80, np.uint16)     # bf16 1.0
+    timer = tune.EventTimer(rt, 0, rounds=1, check_floats=1000)
+    op = tune.GemmOp("x", 64, 64, 64, False, trans_b)
+    samples, ok = timer(op, [tune.candidates_for(op, rt.exec, 132, 0)[0]])
+    assert [v.dtype for v, _ in writes] == ["bf16", "bf16"] and all(a.dtype == np.uint16 for _, a in writes)
+    assert all(np.all(np.isfinite(bf16.values(a))) and np.std(bf16.values(a)) > 0.5 for _, a in writes)
+    head, tail = got
+    assert head.dtype == tail.dtype == out and tail.ptr - head.ptr == 2 * (64 * 64 - 500)
+    assert ok == [True] and rt.dev.live == set()
+    # the weight gradient's layout writes fp32
+    op = tune.GemmOp("dW", 64, 64, 64, True, False)
+    rt.download = lambda v: got.append(v) or np.ones(v.shape, np.float32)
+    timer(op, [tune.candidates_for(op, rt.exec, 132, 0)[0]])
+    assert got[-1].dtype == "f32"

@@ -132,13 +132,13 @@ def test_recorded_fused_attention_follows_the_plan(precision, fp32_gemm, env, su
 
 def test_bf16_plan_and_config_rules():
     """precision bf16: bf16 activations on the bf16 GEMM family, fused attention on fp32 copies (flash_tc),
-    the GEMM table read but not measured (the tuner times fp32 operands), MFU over the dense BF16 peak;
+    the GEMM table measured as for tf32 (gemm_tune auto stays auto), MFU over the dense BF16 peak;
     refused without the warpgroup-MMA kernels, with unfused attention, or widths that are not 16-byte
     bf16 rows, each in one line."""
     from gptcuda.config import ConfigError
-    p = execution.resolve(cfg_of("--precision=bf16", "--attention=fused", "--vocab_multiple=8"))
+    p = execution.resolve(cfg_of("--precision=bf16", "--attention=fused", "--vocab_multiple=8"), env={})
     assert (p.gemm_family, p.act_dtype, p.attention, p.gemm_tune, p.peak_tflops) == \
-        ("bf16", "bf16", "flash_tc", "table", execution.PEAK_TFLOPS["bf16"])
+        ("bf16", "bf16", "flash_tc", "auto", execution.PEAK_TFLOPS["bf16"])
     assert execution.resolve(cfg_of("--precision=tf32")).act_dtype == "f32"
     assert "BF16 warpgroup MMA" in p.format() and "fp32 copies" in p.format()
     with pytest.raises(ValueError, match="sm_90"):

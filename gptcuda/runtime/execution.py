@@ -26,8 +26,8 @@ The rules, in one place:
   lacks when the Engine is set up (gemm/tune.py `autotune`: a first run on a GPU; never in a
   data-parallel run), then reads the table; "table" reads it as it is (bench/tune.py, or an earlier
   run, wrote it); "off" leaves it unread (`gemm_table` False): the cost model alone. A shape is
-  measured once and its entry never changes, so a resumed run launches the plans it launched. (bf16:
-  "auto" reads the table as "table" does: the tuner's timing operands are fp32.)
+  measured once and its entry never changes, so a resumed run launches the plans it launched (bf16
+  shapes are timed on bf16 operands, under their own key prefix).
 - Attention. `attention: unfused` saves the [B, H, T, T] probabilities (kernels/attention.cu);
   `fused` runs flash attention (kernels/flash_*.cu) saving the log-sum-exp: in tf32 on
   tensor cores (`flash_tc`: the _tc kernels, dK/dV on warpgroup MMA (_wg) up to head size 64 where
@@ -240,8 +240,6 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
         raise ValueError(f"unknown fp32_gemm {fp32_gemm!r} (3xtf32 | ffma)")
     if gemm_tune not in GEMM_TUNES:
         raise ValueError(f"unknown gemm_tune {gemm_tune!r} (auto | table | off)")
-    if precision == "bf16" and gemm_tune == "auto":
-        gemm_tune = "table"       # the tuner's timing buffers are fp32: bf16 products are not measured yet
     read = tuple((k, env[k]) for k in ENV_KEYS if k in env)
     wgmma = arch in WGMMA_ARCHS and env.get("GPTCUDA_WGMMA", "1") != "0"
     if precision == "bf16" and not wgmma and arch != "cpu":

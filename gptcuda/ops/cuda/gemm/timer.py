@@ -8,8 +8,8 @@ import math
 import numpy as np
 
 from gptcuda.ops.cuda import elementwise
-from gptcuda.runtime import DeviceView
-from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES
+from gptcuda.runtime import DeviceView, bf16
+from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, FAMILIES
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
 from gptcuda.ops.cuda.gemm.plan import estimate_s
 
@@ -25,6 +25,14 @@ def _operand_shapes(op):
     return (lead + ((op.K, op.M) if op.ta else (op.M, op.K)), lead + ((op.N, op.K) if op.tb else (op.K, op.N)),
             lead + (op.M, op.N), (op.N,) if op.bias else None,
             (op.M, op.N) if op.epilogue in AUX_EPILOGUES else None, (op.M,) if op.colsum else None)
+
+
+def _operand_dtypes(op, ex):
+    """The dtypes of _operand_shapes' views under execution plan ex: A and B of its base family's
+    operand type, C (and aux) of the type its kernels write for the layout, bias and a_colsum fp32."""
+    fam = FAMILIES[ex.gemm_family]
+    out = (fam.out_dtypes(op.ta, op.tb) or ("f32",))[0]
+    return fam.dtype, fam.dtype, out, "f32", out, "f32"
 
 
 def _launch(rt, op, p, a, b, out, bias, aux, colsum=None):
@@ -49,27 +57,31 @@ class EventTimer:
         self.ws = self._alloc((max(ws_floats, 1),)) if ws_floats else None
         self.scratch = {name: self._alloc((n,)) for name, n in (scratch or {}).items() if n}
 
-    def _alloc(self, shape):
-        n = max(1, int(np.prod(shape)))
-        return DeviceView(self.rt.dev.malloc(4 * n), tuple(int(s) for s in shape), "f32", "tune")
+    def _alloc(self, shape, dtype="f32"):
+        v = DeviceView(0, tuple(int(s) for s in shape), dtype, "tune")
+        return DeviceView(self.rt.dev.malloc(max(1, v.nbytes)), v.shape, dtype, "tune")
 
-    def _upload(self, shape):
-        v = self._alloc(shape)
+    def _upload(self, shape, dtype="f32"):
+        v = self._alloc(shape, dtype)
         n = v.numel
         start = int(self.rng.integers(_BLOCK))
         block = self.noise[start:start + min(n, _BLOCK)]
+        block = bf16.bits(block) if dtype == "bf16" else block
         for off in range(0, n, _BLOCK):
             m = min(_BLOCK, n - off)
-            self.rt.write(DeviceView(v.ptr + 4 * off, (m,), "f32", "tune"), block[:m])
+            self.rt.write(DeviceView(v.ptr + v.itemsize * off, (m,), dtype, "tune"), block[:m])
         return v
 
     def _result(self, out) -> np.ndarray:
         n, lim = out.numel, self.check_floats
         if lim is None or n <= lim:
-            return self.rt.download(out).reshape(-1)
-        h = lim // 2
-        return np.concatenate([self.rt.download(DeviceView(out.ptr, (h,), "f32", "head")),
-                               self.rt.download(DeviceView(out.ptr + 4 * (n - h), (h,), "f32", "tail"))])
+            parts = [self.rt.download(out).reshape(-1)]
+        else:
+            h = lim // 2
+            parts = [self.rt.download(DeviceView(out.ptr + out.itemsize * at, (h,), out.dtype, "part"))
+                     for at in (0, n - h)]
+        got = np.concatenate(parts)
+        return bf16.values(got) if out.dtype == "bf16" else got
 
     def __call__(self, op, plans):
         rt, dev = self.rt, self.rt.dev
@@ -77,10 +89,9 @@ class EventTimer:
         old_ws = dict(rt._workspace)
         destroy = getattr(getattr(dev, "drv", None), "cuEventDestroy", None)
         try:
-            a_s, b_s, out_s, bias_s, aux_s, colsum_s = _operand_shapes(op)
-            for shape, make in ((a_s, self._upload), (b_s, self._upload), (out_s, self._alloc),
-                                (bias_s, self._upload), (aux_s, self._upload), (colsum_s, self._alloc)):
-                bufs.append(make(shape) if shape is not None else None)
+            makes = (self._upload, self._upload, self._alloc, self._upload, self._upload, self._alloc)
+            for shape, dtype, make in zip(_operand_shapes(op), _operand_dtypes(op, rt.exec), makes):
+                bufs.append(make(shape, dtype) if shape is not None else None)
             views = tuple(bufs)
             # a colsum op's bias-gradient partials (elementwise.bias_grad's workspace, planned per config)
             parts = {}

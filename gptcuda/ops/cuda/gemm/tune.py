@@ -27,7 +27,7 @@ from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import Blob, DeviceView, Function, execution
 from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_IO, EPILOGUE_CODES
 from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, wgmma_layout
-from gptcuda.ops.cuda.gemm.timer import EventTimer, _launch, _operand_shapes  # noqa: F401 (EventTimer: bench/tune.py)
+from gptcuda.ops.cuda.gemm.timer import EventTimer, _launch, _operand_dtypes, _operand_shapes  # noqa: F401 (EventTimer: bench/tune.py)
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan_label, prune_candidates, tune_candidates, workspace)
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan
 from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_path, tune_key
@@ -222,8 +222,8 @@ class _Variants:
         if op.colsum:            # the bias-gradient partials a colsum op writes (as EventTimer provides)
             self._ws[elementwise.WORKSPACE] = DeviceView(15 << 38, (elementwise.MAX_CHUNKS * op.M,), "f32",
                                                          elementwise.WORKSPACE)
-        _launch(self, op, p, *[DeviceView((i + 1) << 38, s, "f32", "x") if s else None
-                               for i, s in enumerate(_operand_shapes(op))])
+        _launch(self, op, p, *[DeviceView((i + 1) << 38, s, dt, "x") if s else None
+                               for i, (s, dt) in enumerate(zip(_operand_shapes(op), _operand_dtypes(op, self.exec)))])
         return self.asked
 
 
