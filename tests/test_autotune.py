@@ -382,3 +382,18 @@ def test_event_timer_times_bf16_products_on_bf16_operands(trans_b, out):
     rt.download = lambda v: got.append(v) or np.ones(v.shape, np.float32)
     timer(op, [tune.candidates_for(op, rt.exec, 132, 0)[0]])
     assert got[-1].dtype == "f32"
+
+
+def test_bf16_candidates_split_only_into_fp32():
+    """GPT-2 124M in bf16: the tuner's candidates (as matmul's plans) split K only where C is fp32 (the
+    weight gradients): the split-K reduction writes fp32, a bf16 C is one product."""
+    cfg = load_config("configs/gpt2_124m.yaml", ["--batch_size=8", "--total_batch_tokens=0"])
+    ex, V = execution.resolve(cfg, arch="sm_90"), 50304
+    ws = tune.ws_floats_of(cfg, V, ex=ex)
+    assert ex.precision == "bf16" and ws > 0
+    seen = set()
+    for op in tune.model_gemms(cfg, V, ex=ex):
+        for p in tune.candidates_for(op, ex, 132, ws, scratch=tune.scratch_of(cfg, V, ex))[1]:
+            seen.add((op.trans(), p.splits > 1))
+            assert p.splits == 1 or op.trans() == "TN", (op.label, p)
+    assert ("TN", True) in seen and ("NN", False) in seen

@@ -13,7 +13,7 @@ from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_BIAS, EPI_NONE, E
                                             PRODUCTS, REDUCE_THREADS, SIMT_FILE, TRANSPOSE_THREADS, TRANSPOSE_TILE,
                                             cdiv, layout_code, reduce_name, transpose_name)
 from gptcuda.ops.cuda.gemm.layout import rt_scratch, wgmma_ok, ws_capacity
-from gptcuda.ops.cuda.gemm.plan import Plan, check_plan, has_colsum_kernel
+from gptcuda.ops.cuda.gemm.plan import Plan, check_plan, has_colsum_kernel, split_room
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
 from gptcuda.ops.cuda.gemm.table import tune_key, tuned_plan
 
@@ -229,8 +229,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     family = ex.gemm_family
     _check_dtypes("matmul", family, out, a, b, bias, aux)
     ws, cap = ws_capacity(rt)
-    if out.dtype != "f32":
-        cap = 0                  # the split-K reduction writes fp32: a bf16 C is one product
+    cap = split_room(out.dtype, cap)
     vec = _vec_ok(a, b, lda, ldb, 0, 0)
     wg = wgmma_ok(rt, trans_a, trans_b, vec, K, 1, ex=ex)
     label = f"matmul[{M}x{N}x{K}]"

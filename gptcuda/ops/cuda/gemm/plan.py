@@ -172,6 +172,12 @@ def _base_family(family):
     return family if family in ("tf32", "bf16") else "simt"
 
 
+def split_room(out_dtype: str, floats: int) -> int:
+    """The workspace floats split-K partials may use for a C of out_dtype: the split-K reduction
+    writes fp32, so a bf16 C is one product (0)."""
+    return floats if out_dtype == "f32" else 0
+
+
 def plan(M, N, K, batch=1, sm_count=132, family="simt", max_ws=0, allow_split=True,
          vec=True, tiles=None, splits=None, epi=EPI_NONE, wgmma=False, colsum=False, scratch=None) -> Plan:
     """The tile and split count with the lowest modelled time (`estimate_s`). max_ws: floats

@@ -28,7 +28,8 @@ from gptcuda.runtime import Blob, DeviceView, Function, execution
 from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_IO, EPILOGUE_CODES
 from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, wgmma_layout
 from gptcuda.ops.cuda.gemm.timer import EventTimer, _launch, _operand_dtypes, _operand_shapes  # noqa: F401 (EventTimer: bench/tune.py)
-from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan_label, prune_candidates, tune_candidates, workspace)
+from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan_label, prune_candidates, split_room, tune_candidates,
+                                        workspace)
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan
 from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_path, tune_key
 
@@ -135,6 +136,7 @@ def candidates_for(op: GemmOp, ex, sm_count: int, ws_floats: int, keep=1.6, max_
     run (scratch: floats of the planned workspaces they re-lay operands out in, {name: floats})."""
     mode = wgmma_layout(ex.wgmma_mode, op.ta, op.tb, op.vec, op.K, op.batch)
     fam, scratch = ex.gemm_family, scratch or {}
+    ws_floats = split_room(_operand_dtypes(op, ex)[2], ws_floats)
     heur = model_plan(op.M, op.N, op.K, op.batch, sm_count, fam, max_ws=ws_floats if op.batch == 1 else 0,
                       allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode, colsum=op.colsum, scratch=scratch)
     cands = tune_candidates(op.M, op.N, op.K, op.batch, fam, op.vec, ws_floats, wgmma=mode, epi=op.epi, scratch=scratch)
