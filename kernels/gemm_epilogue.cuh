@@ -42,6 +42,36 @@ __device__ __forceinline__ float gemm_gelu_grad(float x) {
     return u > 40.0f ? 1.0f : (u < -40.0f ? 0.0f : g);
 }
 
+// gemm_gelu and gemm_gelu_grad with the exponential and the reciprocal as single approximate
+// instructions (ex2.approx, rcp.approx: relative errors near 2^-22), for a bf16 C, whose rounding
+// (2^-9) they leave as it is; the full-precision forms cost as much as the product itself there
+// (a 256 x 128 tile's epilogue ran as long as its k loop). Limits as above: x -> -inf gives -0
+// (1 + e = inf), +inf stays, NaN stays NaN.
+__device__ __forceinline__ float gemm_ex2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float gemm_rcp_fast(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float gemm_gelu_fast(float x) {
+    const float s = 0.7978845608028654f * -2.0f * 1.4426950408889634f;   // -2 sqrt(2/pi) log2 e
+    return x * gemm_rcp_fast(1.0f + gemm_ex2_fast(s * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float gemm_gelu_grad_fast(float x) {
+    const float k = 0.7978845608028654f;   // sqrt(2/pi)
+    const float x2 = x * x;
+    const float u = k * (x + 0.044715f * x2 * x);
+    const float du = k * (1.0f + 3.0f * 0.044715f * x2);
+    const float e = gemm_ex2_fast(-2.0f * 1.4426950408889634f * fmaxf(fminf(u, 40.0f), -40.0f));
+    const float s = gemm_rcp_fast(1.0f + e);
+    const float g = s * (1.0f + 2.0f * x * du * e * s);
+    return u > 40.0f ? 1.0f : (u < -40.0f ? 0.0f : g);
+}
+
 // The 3xTF32 split (gemm_wgmma.cu: ws_prepare of B, ra3_step of A's fragments):
 // x = hi + lo with hi = tf32(x) and lo = tf32(x - hi), both rounded to nearest (ties away from
 // zero, as cvt.rna.tf32.f32) and stored with the 13 low mantissa bits cleared, so the tensor core,
@@ -135,7 +165,7 @@ __device__ __forceinline__ void gemm_store4(float* C, float* aux, const float* b
 // stores 4 values at once, otherwise each element in C on its own; the values, and so C, are
 // gemm_store4's. TO: C's and aux's element type (fp32, or bf16: the values rounded once, when stored;
 // GELU's output computed from the pre-activation as stored, so that the backward's gelu' at the saved
-// pre-activation is the derivative of what the forward used).
+// pre-activation is the derivative of what the forward used; GELU and its derivative in the _fast forms).
 template <int EPI, bool HAS_BIAS, class TO = float>
 __device__ __forceinline__ void gemm_store4_once(TO* C, TO* aux, const float* bias, int r, int c,
                                                  int M, int N, int ldc, float alpha, bool wide,
@@ -161,7 +191,9 @@ __device__ __forceinline__ void gemm_store4_once(TO* C, TO* aux, const float* bi
     for (int e = 0; e < 4; ++e) {
         if constexpr (EPI == GEMM_EPI_GELU && sizeof(TO) == 2) {
             pre[e] = bf16_f32(bf16_rn(gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr)));
-            out[e] = gemm_gelu(pre[e]);
+            out[e] = gemm_gelu_fast(pre[e]);
+        } else if constexpr (EPI == GEMM_EPI_DGELU && sizeof(TO) == 2) {
+            out[e] = gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr) * gemm_gelu_grad_fast(in[e]);
         } else {
             out[e] = gemm_epi_value<EPI, HAS_BIAS>(v[e], alpha, b[e], in[e], &pre[e]);
         }

@@ -328,23 +328,6 @@ gemm_wgmma(float* C,                        // C [batch*splits, M, N], row strid
 // that tile's slot (empty); warp 0 waits for the slot to be released by everyone and its lane 0
 // refills it with tile kt - 1 + STAGES. Nothing diverges inside a warp while a wgmma is in flight. Split-K chunks are multiples of 32 (the launcher's
 // SPLIT_ALIGN), so a tile never spans two splits; the last tile's k beyond K reads zeros.
-struct __align__(64) TmaMap {
-    unsigned long long v[16];     // CUtensorMap: 128 opaque bytes
-};
-
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    asm volatile(
-        "{\n.reg .pred done;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
 // Lane 0 of the calling warp only (a predicate inside the asm, not a branch: the warp stays
 // converged, which keeps ptxas from serializing the wgmma in flight around it):
 // expect `bytes` on bar, then the boxes at coordinates {a0, a1, batch} of tensor map a and
@@ -362,16 +345,6 @@ __device__ __forceinline__ void tma_load_pair(int lane, unsigned bar, unsigned b
           "r"(a1), "r"(dstb), "l"(reinterpret_cast<unsigned long long>(mapb)), "r"(b0), "r"(b1), "r"(batch)
         : "memory");
 }
-// One box of tensor map `map` at coordinates {c0, c1, batch} into shared memory at dst, completing on
-// bar (lane 0 only, converged as above).
-__device__ __forceinline__ void tma_copy(int lane, unsigned bar, unsigned dst, const TmaMap* map, int c0, int c1,
-                                         int batch) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
-        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3, {%4, %5, %6}], [%1];\n}\n"
-        ::"r"(lane), "r"(bar), "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(batch)
-        : "memory");
-}
 // gemm_wgmma_ra's copies (lane 0 only): expect `bytes` on bar, then the NA boxes {32 m, 32 k} of the
 // MN-major A map (128-byte swizzle) at (m0 + 32 j, k0) into dsta + 4096 j, then the box of map b at
 // {b0, b1} into dstb.
@@ -379,9 +352,7 @@ template <int NA>
 __device__ __forceinline__ void tma_load_ra(int lane, unsigned bar, unsigned bytes, unsigned dsta, const TmaMap* mapa,
                                             int m0, int k0, unsigned dstb, const TmaMap* mapb, int b0, int b1,
                                             int batch) {
-    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
-                 "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n}\n" ::"r"(lane), "r"(bar), "r"(bytes)
-                 : "memory");
+    mbar_expect(lane, bar, bytes);
 #pragma unroll
     for (int j = 0; j < NA; ++j) tma_copy(lane, bar, dsta + 4096 * j, mapa, m0 + 32 * j, k0, batch);
     tma_copy(lane, bar, dstb, mapb, b0, b1, batch);
@@ -840,9 +811,7 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
                     const unsigned sa = smem0 + s * STAGE_BYTES;
                     const int k0 = tl.kb0 + kt * OP::BK;
                     if constexpr (OP::BK != GEMM_WG_BK) {
-                        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
-                                     "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n}\n"
-                                     ::"r"(lane), "r"(full0 + 8 * s), "r"(STAGE_BYTES) : "memory");
+                        mbar_expect(lane, full0 + 8 * s, STAGE_BYTES);
                         tma_operand<BM, OP::MN_A>(lane, full0 + 8 * s, sa, mapA, k0, tl.m0, tl.batch);
                         tma_operand<BN, OP::MN_B>(lane, full0 + 8 * s, sa + A_BYTES, mapB, k0, tl.n0, tl.batch);
                     } else if constexpr (RA)

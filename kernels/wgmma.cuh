@@ -22,8 +22,9 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
 // byte offset 1024 (the next 8 k rows), leading byte offset 8192 (the next 64 columns of M or N: the
 // next box of 64 k rows, for instructions with n > 64). The k step s of a 64-row box starts 2048 s
 // bytes on.
-__device__ __forceinline__ unsigned long long wg_desc_mn(unsigned addr) {
-    return static_cast<unsigned long long>((addr & 0x3FFFFu) >> 4) | (static_cast<unsigned long long>(8192 >> 4) << 16) |
+// (lbo: another stride between the boxes of 64 columns, for boxes of other than 64 k rows)
+__device__ __forceinline__ unsigned long long wg_desc_mn(unsigned addr, unsigned lbo = 8192) {
+    return static_cast<unsigned long long>((addr & 0x3FFFFu) >> 4) | (static_cast<unsigned long long>(lbo >> 4) << 16) |
            (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
 }
 
@@ -128,6 +129,31 @@ WG_MMA_BF16(192, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2, 96, 97, 98, 99, 100, W
             WG_ACC32(64))
 WG_MMA_BF16(256, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2 ", " WG_REGS_3, 128, 129, 130, 131, 132, WG_ACC32(0),
             WG_ACC32(32), WG_ACC32(64), WG_ACC32(96))
+// d[N/2] += A (64 x 16 bf16, from registers) * B^T (16 x N bf16, descriptor db): WgBf16Rs<N>::mma<TB>,
+// TB as WgBf16's. The fragment of warp w, lane 4 g + q (pairs of bf16, the lower column in the low
+// half): a[0] = A[16 w + g][2q, 2q + 1], a[1] = A[16 w + g + 8][2q, 2q + 1], a[2] = A[16 w + g][2q + 8,
+// 2q + 9], a[3] = A[16 w + g + 8][2q + 8, 2q + 9]: the accumulators d[8 s .. 8 s + 7] of a product whose
+// columns 16 s .. 16 s + 15 are this one's k, rounded in pairs, are its k step s.
+template <int N>
+struct WgBf16Rs;
+// IA: the placeholder of a[0] (a[1..3] follow), then the descriptor's, the scale-d flag's, TB's
+#define WG_MMA_BF16_RS(N, REGS, IA, IA1, IA2, IA3, IB, IP, ITB, ...)                                   \
+    template <>                                                                                        \
+    struct WgBf16Rs<N> {                                                                               \
+        template <int TB>                                                                              \
+        static __device__ __forceinline__ void mma(float (&d)[N / 2], const unsigned (&a)[4],          \
+                                                   unsigned long long db, int scale_d = 1) {          \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                             \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 "                    \
+                         "{" REGS "}, {%" #IA ", %" #IA1 ", %" #IA2 ", %" #IA3 "}, %" #IB ", p, 1, 1, %" #ITB \
+                         ";\n}\n"                                                                     \
+                         : __VA_ARGS__                                                                 \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB)); \
+        }                                                                                              \
+    };
+WG_MMA_BF16_RS(64, WG_REGS_0, 32, 33, 34, 35, 36, 37, 38, WG_ACC32(0))
+WG_MMA_BF16_RS(128, WG_REGS_0 ", " WG_REGS_1, 64, 65, 66, 67, 68, 69, 70, WG_ACC32(0), WG_ACC32(32))
+#undef WG_MMA_BF16_RS
 #undef WG_MMA_BF16
 #undef WG_MMA_TF32_RS
 #undef WG_MMA_TF32
@@ -138,3 +164,39 @@ WG_MMA_BF16(256, WG_REGS_0 ", " WG_REGS_1 ", " WG_REGS_2 ", " WG_REGS_3, 128, 12
 #undef WG_REGS_1
 #undef WG_REGS_2
 #undef WG_REGS_3
+
+// TMA and mbarriers (sm_90): a CUtensorMap as a kernel argument, the transaction barriers the copy
+// engine completes, and one box's copy.
+struct __align__(64) TmaMap {
+    unsigned long long v[16];     // CUtensorMap: 128 opaque bytes
+};
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// expect `bytes` more on bar (lane 0 of the calling warp only, converged as tma_copy)
+__device__ __forceinline__ void mbar_expect(int lane, unsigned bar, unsigned bytes) {
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
+                 "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n}\n" ::"r"(lane), "r"(bar), "r"(bytes)
+                 : "memory");
+}
+// One box of tensor map `map` at coordinates {c0, c1, batch} into shared memory at dst, completing on
+// bar (lane 0 only, converged as above).
+__device__ __forceinline__ void tma_copy(int lane, unsigned bar, unsigned dst, const TmaMap* map, int c0, int c1,
+                                         int batch) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, %0, 0;\n"
+        "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3, {%4, %5, %6}], [%1];\n}\n"
+        ::"r"(lane), "r"(bar), "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(batch)
+        : "memory");
+}

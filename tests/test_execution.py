@@ -148,3 +148,17 @@ def test_bf16_plan_and_config_rules():
                       (["--attention=fused"], "vocab_multiple")):
         with pytest.raises(ConfigError, match=key):
             cfg_of("--precision=bf16", *over)
+
+
+def test_bf16_attention_path_by_head_size():
+    """precision bf16 at head sizes 64 and 128 runs flash_bf16 with no fp32 copies of the attention's
+    tensors in the memory plan; at other head sizes the tf32 kernels on copies (attention_f32)."""
+    from gptcuda.ops.cuda import attention as attn
+    for C, H, path in ((768, 12, "flash_bf16"), (256, 2, "flash_bf16"), (64, 2, "flash_tc"), (384, 4, "flash_tc")):
+        cfg = cfg_of("--precision=bf16", "--attention=fused", "--vocab_multiple=8", f"--n_embd={C}", f"--n_head={H}")
+        ex = execution.resolve(cfg, arch="sm_90")
+        assert ex.attention == path and ex.fused_path() == path
+        assert (attn.F32_COPIES in attn.workspace(cfg, ex)) == (path == "flash_tc")
+        assert not ex.dkv_on_wgmma(C // H) or path == "flash_tc"
+    assert "flash_bf16.cu" in execution.resolve(cfg_of("--precision=bf16", "--attention=fused", "--vocab_multiple=8",
+                                                       "--n_embd=128", "--n_head=2")).format()

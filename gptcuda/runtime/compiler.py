@@ -278,7 +278,7 @@ def _nvrtc_compile(filename: str, source: str, names, options):
 # of that architecture; their kernels trap elsewhere and the launchers never pick them there. The
 # other flash files share flash_wg.cu's headers and take its target too.
 ARCH_SPECIFIC = {f: ("sm_90",) for f in ("gemm_wgmma.cu", "flash_wg.cu", "flash_simt.cu", "flash_tc.cu",
-                                         "flash_x3.cu", "flash_rowsum.cu")}
+                                         "flash_x3.cu", "flash_rowsum.cu", "flash_bf16.cu")}
 
 
 def target_arch(filename: str, arch: str) -> str:

@@ -33,7 +33,9 @@ The rules, in one place:
   tensor cores (`flash_tc`: the _tc kernels, dK/dV on warpgroup MMA (_wg) up to head size 64 where
   wgmma is on); in fp32 as 3xTF32 on tensor cores where `fp32_as_3xtf32` holds (`flash_3x`: the _x3
   kernels, hi / lo splits at fragment load, as the fp32 GEMMs), else in FFMA (`flash`: fp32_gemm ffma,
-  or no wgmma); in bf16 the tf32 flash kernels on fp32 copies of qkv and y (attention.py), fused only.
+  or no wgmma); in bf16 (fused only) `flash_bf16` (flash_bf16.cu: bf16 operands on warpgroup MMA with
+  TMA, head sizes FLASH_BF16_HEAD_SIZES), at other head sizes the tf32 flash kernels on fp32 copies of
+  qkv and y (attention.py).
 - Generation (sample.py) runs its own products: kernels/decode.cu decode_linear for up to 16 rows,
   the GEMMs above beyond.
 
@@ -60,7 +62,9 @@ _TUNE_ENV = {"0": "off", "off": "off", "table": "table", "auto": "auto"}     # G
 PRECISIONS = ("fp32", "tf32", "bf16")
 GEMM_FAMILIES = {"fp32": "simt", "tf32": "tf32", "bf16": "bf16"}      # precision -> the base GEMM family
 FP32_GEMMS = ("3xtf32", "ffma")
-ATTENTION_PATHS = ("unfused", "flash", "flash_tc", "flash_3x")
+ATTENTION_PATHS = ("unfused", "flash", "flash_tc", "flash_3x", "flash_bf16")
+# head sizes of the bf16 flash kernels (flash_bf16); bf16 at other head sizes runs flash_tc on fp32 copies
+FLASH_BF16_HEAD_SIZES = (64, 128)
 # head sizes whose flash_tc dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg)
 FLASH_WG_HEAD_SIZES = (32, 64)
 # dense peak rates of the H100 / H200 SXM (datasheet), TFLOP/s, by what multiplies: the MFU denominator
@@ -178,6 +182,7 @@ class ExecutionPlan:
         att = {"unfused": "unfused: saved probabilities (attention.cu)",
                "flash": "flash, FFMA (flash_simt.cu)",
                "flash_3x": "flash on tensor cores as 3xTF32 (flash_x3.cu)",
+               "flash_bf16": "flash in bf16 on warpgroup MMA and TMA (flash_bf16.cu)",
                "flash_tc": "flash on tensor cores (flash_tc.cu" + ("; dK/dV on warpgroup MMA up to head size 64: flash_wg.cu)"
                                                                            if self.wgmma else ")")
                            + (", on fp32 copies of the bf16 qkv and y" if self.precision == "bf16" else ""),
@@ -203,13 +208,14 @@ _TUNE_TEXT = {
 }
 
 
-def fused_path(precision: str, as_3xtf32: bool) -> str:
+def fused_path(precision: str, as_3xtf32: bool, head_size: int | None = None) -> str:
     """The fused attention path of a precision: tf32 -> flash_tc; fp32 -> flash_3x where fp32 products
-    run as 3xTF32 (ExecutionPlan.fp32_as_3xtf32), else flash (FFMA)."""
+    run as 3xTF32 (ExecutionPlan.fp32_as_3xtf32), else flash (FFMA); bf16 -> flash_bf16 at its head
+    sizes (FLASH_BF16_HEAD_SIZES), else (or head size unknown) flash_tc on fp32 copies of qkv and y."""
     if precision == "tf32":
         return "flash_tc"
     if precision == "bf16":
-        return "flash_tc"          # on fp32 copies of qkv and y (attention.py): no bf16 flash kernels yet
+        return "flash_bf16" if head_size in FLASH_BF16_HEAD_SIZES else "flash_tc"
     return "flash_3x" if as_3xtf32 else "flash"
 
 
@@ -250,6 +256,7 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     if attention is not None:
         if precision == "bf16" and attention == "unfused":
             raise ValueError("precision bf16 runs fused attention only (attention: fused)")
-        path = "unfused" if attention == "unfused" else fused_path(precision, plan.fp32_as_3xtf32)
+        hs = cfg.n_embd // cfg.n_head if cfg is not None and cfg.n_head else None
+        path = "unfused" if attention == "unfused" else fused_path(precision, plan.fp32_as_3xtf32, hs)
         plan = dataclasses.replace(plan, attention=path)
     return plan

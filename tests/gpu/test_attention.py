@@ -8,6 +8,7 @@ import pytest
 from gptcuda.model import rng
 from gptcuda.ops.cuda import attention as attn
 from gptcuda.ops.reference import ops as ref
+from gptcuda.runtime import bf16
 from tests.conftest import rel_err
 from gptcuda.config import config_of
 
@@ -17,6 +18,10 @@ STEP = 7
 SITE = rng.dropout_site(2, 0)
 FP32_FWD, FP32_BWD = 2e-5, 5e-5
 TF32_FWD, TF32_BWD = 2e-3, 3e-3
+# bf16 (flash_bf16): the inputs are bf16 values (exact), every sum fp32; what rounds is P (fwd), Pd and
+# dS (bwd) to bf16 before the second products and y / dqkv once at the end, each a relative 2^-9: four
+# and six unit roundoffs, as tf32's tolerances are of its 2^-11; lse is fp32 throughout.
+BF16_FWD, BF16_BWD, BF16_LSE = 4 * 2.0 ** -9, 6 * 2.0 ** -9, 1e-5
 
 
 @pytest.fixture
@@ -241,16 +246,70 @@ def test_dkv_wgmma_equals_mma_sync(env, B, T, C, H, p):
     assert rel_err(wg[..., C:], want[..., C:]) < TF32_BWD
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("hs", attn.FLASH_HEAD_SIZES)
-def test_rowsum_do(rt, hs):
+def test_rowsum_do(rt, hs, dtype):
     """D [B, H, T] = rowsum over each head's columns of dy * y, for every head size the fused path
-    takes, with a row count that leaves the last block part empty; D poisoned before."""
+    takes (bf16 dy and y: their values, summed in fp32), with a row count that leaves the last block
+    part empty; D poisoned before."""
+    if dtype == "bf16" and hs not in attn.flash.FLASH_BF16_HEAD_SIZES:
+        pytest.skip("no bf16 flash kernels at this head size")
     B, T, H = 3, 37, 5
     g = np.random.default_rng(hs)
-    dy = g.standard_normal((B, T, H * hs)).astype(np.float32)
-    y = g.standard_normal((B, T, H * hs)).astype(np.float32)
+    dy = bf16.round_f32(g.standard_normal((B, T, H * hs))) if dtype == "bf16" else \
+        g.standard_normal((B, T, H * hs)).astype(np.float32)
+    y = bf16.round_f32(g.standard_normal((B, T, H * hs))) if dtype == "bf16" else \
+        g.standard_normal((B, T, H * hs)).astype(np.float32)
     D = rt.empty((B, H, T))
     rt.memset(D, 0x7FC00000)
-    attn.rowsum_do(rt, D, rt.upload(dy), rt.upload(y), B, T, H, hs)
+    attn.rowsum_do(rt, D, rt.upload(dy, dtype), rt.upload(y, dtype), B, T, H, hs)
     want = (dy.astype(np.float64) * y).reshape(B, T, H, hs).sum(-1).transpose(0, 2, 1)
     assert rel_err(rt.download(D), want) < 1e-6
+
+
+# ---- bf16: flash_bf16 (warpgroup MMA, TMA, a producer warpgroup), head sizes 64 and 128
+
+def _run_bf16(rt, B, T, C, H, p, seed=0):
+    """qkv and dy drawn as bf16 values, the bf16 flash kernels, outputs (poisoned first) widened."""
+    r = np.random.default_rng(seed + 1000 * T + C)
+    qkv_h = bf16.round_f32(r.standard_normal((B, T, 3 * C)))
+    dy_h = bf16.round_f32(r.standard_normal((B, T, C)))
+    saved = _setup(rt, B, T, C, H, "fused", p, "bf16")
+    ex = dataclasses.replace(rt.exec, attention="flash_bf16")
+    qkv, dy = rt.upload(qkv_h, "bf16"), rt.upload(dy_h, "bf16")
+    y, dqkv = rt.empty((B, T, C), "bf16"), rt.empty((B, T, 3 * C), "bf16")
+    rt.memset(saved["lse"], 0x7FC00000)
+    attn.attention_fwd(rt, y, qkv, saved, H, p, SITE, ex)
+    attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, SITE, ex)
+    rt.synchronize()
+    keep = _keep(rt, B, H, T, p)
+    y_ref, probs_ref = ref.attention_forward(qkv_h, H, keep, p)
+    dqkv_ref = ref.attention_backward(dy_h, qkv_h, probs_ref, H, keep, p)
+    return {"y": (bf16.values(rt.download(y)), y_ref), "dqkv": (bf16.values(rt.download(dqkv)), dqkv_ref),
+            "lse": (rt.download(saved["lse"]), _ref_lse(qkv_h, H))}
+
+
+BF16_SHAPES = [
+    (1, 256, 128, 2),    # hs 64: two query tiles
+    (1, 1000, 64, 1),    # hs 64, long rows, a part tile at the end
+    (2, 200, 384, 6),    # hs 64, two sequences (the tensor maps' third dimension), six heads
+    (3, 5, 128, 2),      # tiny T: one part tile
+    (2, 67, 256, 2),     # hs 128, a part tile
+    (1, 384, 256, 2),    # hs 128
+]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("B,T,C,H", BF16_SHAPES)
+def test_fused_bf16(env, B, T, C, H, p):
+    out = _run_bf16(env, B, T, C, H, p)
+    errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
+    for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE)):
+        assert errs[k] < tol, f"{k}: rel_err {errs[k]:.3g} >= {tol:g} (all: {errs})"
+
+
+def test_fused_bf16_deterministic(env):
+    a = _run_bf16(env, 2, 200, 384, 6, 0.1)
+    b = _run_bf16(env, 2, 200, 384, 6, 0.1)
+    for k in a:
+        assert np.array_equal(a[k][0], b[k][0]), k

@@ -74,12 +74,13 @@ def saved_shapes(cfg, ex=None) -> dict:
 
 
 def workspace(cfg, ex=None) -> dict:
-    """Scratch shared by all layers (name -> (shape, dtype)); bf16 activations: the fp32 copies the
-    flash kernels run on, qkv | y | dy | dqkv (`_on_fp32`)."""
+    """Scratch shared by all layers (name -> (shape, dtype)); bf16 activations at a head size without
+    bf16 flash kernels: the fp32 copies the tf32 flash kernels run on, qkv | y | dy | dqkv (`_on_fp32`)."""
     B, T, C, H, hs = _dims(cfg)
+    ex = ex or execution.resolve(cfg)
     if _fused(cfg, ex):
         out = {"attention_d": ((B, H, T), "f32")}            # D = rowsum(dO * O) of the backward
-        if (ex or execution.resolve(cfg)).act_dtype == "bf16":
+        if ex.act_dtype == "bf16" and ex.attention != "flash_bf16":
             out[F32_COPIES] = ((B * T * 8 * C,), "f32")
         return out
     heads = ((B, H, T, hs), "f32")
@@ -185,9 +186,12 @@ def _on_fp32(rt, label, *views):
 
 
 def attention_fwd(rt, y, qkv, saved, n_head, p, site, ex=None):
-    """y = attention(qkv) (saving what the backward needs). bf16 qkv and y: the fp32 kernels on copies of
-    them (qkv widened exactly, y rounded once), until the flash kernels take bf16."""
+    """y = attention(qkv) (saving what the backward needs). bf16 qkv and y: the bf16 flash kernels
+    (flash_bf16), or at other head sizes the tf32 ones on fp32 copies (qkv widened exactly, y rounded
+    once)."""
     ex = rt.exec if ex is None else ex      # the execution plan (the backend passes its own)
+    if qkv.dtype == "bf16" and _path(saved, "attention_fwd", ex)[1] == "flash_bf16":
+        return _bf16_fwd(rt, y, qkv, saved["lse"], n_head, p, site)
     if qkv.dtype == "bf16":
         q32, y32 = _on_fp32(rt, "attention_fwd", qkv, y)
         elementwise.accumulate(rt, q32, qkv, first=True)
@@ -201,8 +205,11 @@ def attention_fwd(rt, y, qkv, saved, n_head, p, site, ex=None):
 
 
 def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, ex=None):
-    """dqkv from dy (bf16: on fp32 copies of qkv, y and dy, dqkv rounded once, as attention_fwd)."""
+    """dqkv from dy (bf16: flash_bf16, or on fp32 copies of qkv, y and dy, dqkv rounded once, as
+    attention_fwd)."""
     ex = rt.exec if ex is None else ex
+    if qkv.dtype == "bf16" and _path(saved, "attention_bwd", ex)[1] == "flash_bf16":
+        return _bf16_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site)
     if qkv.dtype == "bf16":
         q32, y32, dy32, dq32 = _on_fp32(rt, "attention_bwd", qkv, y, dy, dqkv)
         for dst, src in ((q32, qkv), (y32, y), (dy32, dy)):
@@ -290,10 +297,10 @@ def _fused_fwd(rt, y, qkv, lse, n_head, p, site, path):
 
 
 def rowsum_do(rt, D, dy, y, B, T, H, hs):
-    """D [B, H, T] = the row sums of dy * y per head (dy, y [B, T, H * hs], 16-byte aligned): the
-    backward's D = rowsum(dO * O) = rowsum(P * dP), also with dropout."""
+    """D [B, H, T] = the row sums of dy * y per head (dy, y [B, T, H * hs], fp32 or bf16, 16-byte
+    aligned): the backward's D = rowsum(dO * O) = rowsum(P * dP), also with dropout."""
     rows = B * T * H
-    rt.launch(rt.function(ROWSUM_FILE, flash.rowsum_name(hs)), (cdiv(rows * (hs // 4), ROWSUM_THREADS),),
+    rt.launch(rt.function(ROWSUM_FILE, flash.rowsum_name(hs, dy.dtype)), (cdiv(rows * (hs // 4), ROWSUM_THREADS),),
               (ROWSUM_THREADS,), [D, dy, y, i32(rows), i32(T), i32(H)], label="flash_rowsum_do")
 
 
@@ -312,3 +319,48 @@ def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, path, wg=False):
                     ("dkv", flash.flash_kernel("dkv", path, hs, float(p) > 0, wg))):
         rt.launch(rt.function(k.file, k.name), (B * H, cdiv(T, k.rows)), (FLASH_THREADS,), args,
                   smem=k.smem, label=f"flash_bwd_{kind}")
+
+
+# ---- bf16 (flash_bf16.cu: qkv and dy read through TMA tensor maps)
+
+def _bf16_map(rt, x, rows):
+    """The tensor map of bf16 x [B, T, width] as [B][T][width] (a box never leaves its sequence: rows past
+    T read as zeros), boxes of 64 columns (128 bytes, the 128-byte swizzle) by `rows`."""
+    B, T, width = (int(s) for s in x.shape)
+    return rt.tensor_map(x, (width, T, B), (2 * width, 2 * width * T), (64, rows, 1))
+
+
+def _bf16_check(hs, *views):
+    if any(v.dtype != "bf16" for v in views):
+        raise TypeError(f"the bf16 flash kernels take bf16 qkv / y / dy / dqkv, got {[v.dtype for v in views]}")
+    if not _aligned(*views):
+        raise ValueError("fused attention needs 16-byte aligned qkv / y / dy / dqkv")
+    flash.flash_bf16_plan("fwd", hs)          # (refuses a head size it has no kernels for)
+
+
+def _bf16_fwd(rt, y, qkv, lse, n_head, p, site):
+    B, T, C, H, hs = _split(qkv, n_head)
+    _bf16_check(hs, qkv, y)
+    lse = _view(lse, (B, H, T))
+    k = flash.flash_kernel("fwd", "flash_bf16", hs, float(p) > 0)
+    maps = [_bf16_map(rt, qkv, k.rows), _bf16_map(rt, qkv, k.stream_rows)]
+    rt.launch(rt.function(k.file, k.name), (B * H, cdiv(T, k.rows)), (k.threads,),
+              [y, lse] + maps + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
+              smem=k.smem, label="flash_fwd")
+
+
+def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
+    B, T, C, H, hs = _split(qkv, n_head)
+    _bf16_check(hs, qkv, y, dy, dqkv)
+    lse = _view(lse, (B, H, T))
+    D = _view(rt.workspace("attention_d"), (B, H, T))
+    rowsum_do(rt, D, dy, y, B, T, H, hs)
+    tail = [lse, D] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
+    kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0)
+    maps = [_bf16_map(rt, qkv, kq.rows), _bf16_map(rt, dy, kq.rows), _bf16_map(rt, qkv, kq.stream_rows)]
+    rt.launch(rt.function(kq.file, kq.name), (B * H, cdiv(T, kq.rows)), (kq.threads,), [dqkv] + maps + tail,
+              smem=kq.smem, label="flash_bwd_dq")
+    kk = flash.flash_kernel("dkv", "flash_bf16", hs, float(p) > 0)
+    maps = [_bf16_map(rt, qkv, kk.rows), _bf16_map(rt, qkv, kk.stream_rows), _bf16_map(rt, dy, kk.stream_rows)]
+    rt.launch(rt.function(kk.file, kk.name), (B * H, cdiv(T, kk.rows)), (kk.threads,), [dqkv] + maps + tail,
+              smem=kk.smem, label="flash_bwd_dkv")

@@ -2,8 +2,9 @@
 
     flash_kernel(kind, path, hs, drop, wg=False) -> FlashKernel(file, name, rows, smem)
 
-kind: fwd | dq | dkv; path: the fused path (flash: FFMA, flash_tc: TF32, flash_3x: 3xTF32); wg: dK/dV
-on warpgroup MMA (flash_tc, head sizes FLASH_WG_HEAD_SIZES). A plan's choices (rows a block, the other
+kind: fwd | dq | dkv; path: the fused path (flash: FFMA, flash_tc: TF32, flash_3x: 3xTF32, flash_bf16:
+bf16 on warpgroup MMA and TMA, head sizes FLASH_BF16_HEAD_SIZES); wg: dK/dV on warpgroup MMA (flash_tc,
+head sizes FLASH_WG_HEAD_SIZES). A plan's choices (rows a block, the other
 side's tile, ring stages, which operands stay in registers) and its shared memory in bytes go to the
 kernel as template arguments after <HS, DROP>; each kernel static_asserts that the threads are its
 block's and that the bytes are what its layout of those tiles takes, so a plan the kernel cannot run
@@ -15,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gptcuda.ops.cuda import expression  # noqa: F401 (attention.py names its kernels through it)
-from gptcuda.runtime.execution import FLASH_WG_HEAD_SIZES  # noqa: F401 (the plan decides where dK/dV runs)
+from gptcuda.runtime.execution import FLASH_BF16_HEAD_SIZES, FLASH_WG_HEAD_SIZES  # noqa: F401 (the plan decides)
 
-FLASH_FILES = {"flash": "flash_simt.cu", "flash_tc": "flash_tc.cu", "flash_3x": "flash_x3.cu"}   # a path's kernels
+FLASH_FILES = {"flash": "flash_simt.cu", "flash_tc": "flash_tc.cu", "flash_3x": "flash_x3.cu",   # a path's kernels
+               "flash_bf16": "flash_bf16.cu"}
 FLASH_WG_FILE = "flash_wg.cu"          # flash_bwd_dkv_wg: flash_tc's dK/dV on warpgroup MMA
 ROWSUM_FILE = "flash_rowsum.cu"        # flash_rowsum_do: D of every fused path's backward
 FLASH_PATHS = tuple(FLASH_FILES)       # the fused paths of execution.ATTENTION_PATHS
@@ -27,7 +29,7 @@ FLASH_BQ = 64                          # FFMA kernels: query rows a block of fwd
 FLASH_BK = 64                          # FFMA kernels: key rows a block of dkv
 ROWSUM_THREADS = 256
 
-_SUFFIX = {"flash": "", "flash_tc": "_tc", "flash_3x": "_x3"}
+_SUFFIX = {"flash": "", "flash_tc": "_tc", "flash_3x": "_x3", "flash_bf16": "_bf16"}
 _KIND = {"fwd": "fwd", "dq": "bwd_dq", "dkv": "bwd_dkv"}
 
 
@@ -39,6 +41,8 @@ class FlashKernel:
     name: str
     rows: int
     smem: int
+    threads: int = FLASH_THREADS
+    stream_rows: int = 0          # flash_bf16: rows of its streamed tiles (the TMA boxes of the other side)
 
 
 def flash_tc_plan(kind: str, hs: int, x3: bool = False) -> dict:
@@ -104,6 +108,23 @@ def flash_dkv_wg_plan(hs: int) -> dict:
     return {"rows": bk, "smem": smem, "args": (FLASH_THREADS, bk, bq, ns, smem)}
 
 
+def flash_bf16_plan(kind: str, hs: int) -> dict:
+    """Tile plan of a bf16 flash kernel (flash_bf16.cu, sm_90a): bm = 128 rows of the block's side (two
+    consumer warpgroups and the producer's: 384 threads), streamed tiles of bn rows of the other side
+    (fwd at head size 64: 128 keys, else 64) in a ring of ns = 2 stages; the resident tiles (fwd: Q;
+    dq: Q, dO; dkv: K, V), the ring, 1 KB to align the base. args: threads, bm, bn, ns, smem (bytes)."""
+    if hs not in FLASH_BF16_HEAD_SIZES:
+        raise ValueError(f"the bf16 flash kernels take head sizes {FLASH_BF16_HEAD_SIZES}, not {hs}")
+    if kind not in _KIND:
+        raise ValueError(kind)
+    bm, ns = 128, 2
+    bn = 128 if kind == "fwd" and hs == 64 else 64
+    resident = 1 if kind == "fwd" else 2
+    smem = resident * bm * hs * 2 + ns * 2 * bn * hs * 2 + 1024
+    threads = 128 * (bm // 64 + 1)
+    return {"rows": bm, "smem": smem, "threads": threads, "stream_rows": bn, "args": (threads, bm, bn, ns, smem)}
+
+
 def _x3(path: str) -> bool:
     if path not in FLASH_PATHS:
         raise ValueError(f"unknown fused attention path {path!r} (one of {FLASH_PATHS})")
@@ -113,6 +134,8 @@ def _x3(path: str) -> bool:
 def flash_plan(kind: str, hs: int, path: str) -> dict:
     """The plan of the `kind` kernel of the fused `path` (flash | flash_tc | flash_3x)."""
     x3 = _x3(path)
+    if path == "flash_bf16":
+        return flash_bf16_plan(kind, hs)
     return flash_simt_plan(kind, hs) if path == "flash" else flash_tc_plan(kind, hs, x3)
 
 
@@ -125,11 +148,13 @@ def flash_kernel(kind: str, path: str, hs: int, drop: bool, wg: bool = False) ->
         plan, file, base = flash_dkv_wg_plan(hs), FLASH_WG_FILE, "flash_bwd_dkv_wg"
     else:
         plan, file, base = flash_plan(kind, hs, path), FLASH_FILES[path], f"flash_{_KIND[kind]}{_SUFFIX[path]}"
-    return FlashKernel(file, expression(base, hs, bool(drop), *plan["args"]), plan["rows"], plan["smem"])
+    return FlashKernel(file, expression(base, hs, bool(drop), *plan["args"]), plan["rows"], plan["smem"],
+                       plan.get("threads", FLASH_THREADS), plan.get("stream_rows", 0))
 
 
-def rowsum_name(hs: int) -> str:
-    return expression("flash_rowsum_do", hs, ROWSUM_THREADS)
+def rowsum_name(hs: int, dtype: str = "f32") -> str:
+    """flash_rowsum_do <HS, THREADS> (fp32 dy and y), <HS, THREADS, 1> (bf16)."""
+    return expression("flash_rowsum_do", hs, ROWSUM_THREADS, *((1,) if dtype == "bf16" else ()))
 
 
 def variants() -> list:
@@ -138,8 +163,10 @@ def variants() -> list:
     for hs in FLASH_HEAD_SIZES:
         for drop in (False, True):
             out += [(k.file, k.name, {}) for path in FLASH_PATHS for kind in _KIND
+                    if path != "flash_bf16" or hs in FLASH_BF16_HEAD_SIZES
                     for k in [flash_kernel(kind, path, hs, drop)]]
             if hs in FLASH_WG_HEAD_SIZES:
                 k = flash_kernel("dkv", "flash_tc", hs, drop, wg=True)
                 out.append((k.file, k.name, {}))
-    return out + [(ROWSUM_FILE, rowsum_name(hs), {}) for hs in FLASH_HEAD_SIZES]
+    return out + [(ROWSUM_FILE, rowsum_name(hs, dt), {}) for hs in FLASH_HEAD_SIZES for dt in ("f32", "bf16")
+                  if dt == "f32" or hs in FLASH_BF16_HEAD_SIZES]

@@ -1,0 +1,503 @@
+// The bf16 flash kernels (precision bf16's fused attention, head sizes 64 and 128): flash_fwd_bf16,
+// flash_bwd_dq_bf16, flash_bwd_dkv_bf16, on warpgroup MMA (sm_90a) with TMA and a producer warpgroup
+// (the structure of FlashAttention-3). Arguments, grids and results are flash_common.cuh's, except that
+// qkv, y, dy and dqkv are bf16 and the kernels read qkv and dy through TMA tensor maps; lse and D stay
+// fp32, every sum is fp32 (the tensor cores' accumulators), scores are exponentiated in fp32.
+//
+// A block is CW = BM / 64 consumer warpgroups and one producer warpgroup (THREADS = 128 (CW + 1)); the
+// producer drops to 40 registers and the consumers rise to 232 (setmaxnreg), so a consumer holds a
+// 64 x BN score tile, its second product's tile and its outputs without spilling. The block owns BM
+// rows (queries in fwd and dq, keys in dkv): its resident tiles (fwd: Q; dq: Q, dO; dkv: K, V) are
+// loaded once; the other side streams through a ring of NS stages of BN rows (fwd and dq: K and V; dkv:
+// Q and dO). Lane 0 of the producer's first warp issues the copies: a stage's two tiles complete on
+// full[s] (the copy engine's byte count), the consumers release it on empty[s] (one arrival a thread)
+// once their products that read it are done.
+//
+// Tiles in shared memory: R rows x HS bf16 as HS / 64 boxes of [R rows][128 bytes] in the 128-byte
+// swizzle, as the copy engine writes boxes of {64 columns, R rows}. The same bytes are a K-major
+// operand (k = the head's columns: k step s at box s / 4, 32 (s % 4) bytes into each row; wg_desc) and
+// an MN-major one (k = the rows: k step s 2048 s bytes on, N = the columns, its boxes of 64 R * 128
+// bytes apart; wg_desc_mn), so no tile is transposed:
+//   fwd   S = Q K^T (K-major Q, K); O += P V (P from registers, V MN-major)
+//   dq    S = Q K^T, dP = dO V^T (K-major); dQ += dS K (dS from registers, K MN-major)
+//   dkv   S^T = K Q^T, dP^T = V dO^T (K-major); dV += Pd^T dO, dK += dS^T Q (registers; dO, Q MN-major)
+// The accumulators of warp w of a consumer warpgroup hold rows 16 w + g and 16 w + g + 8 (g = lane / 4)
+// and columns 8 j + 2 q, 8 j + 2 q + 1 (q = lane % 4): the mma.sync layout of flash_tc.cuh, so the
+// dropout words and row reductions are the tf32 kernels'; a product's columns 16 s .. 16 s + 15 rounded
+// in pairs are the register-A fragment of k step s of the next product (WgBf16Rs).
+//
+// Scores are S * scale * log2 e in fp32 (the operands are not rescaled: bf16 Q stays exact); the
+// backward rebuilds P = exp2(S * scale * log2 e - lse * log2 e) from the forward's lse. The causal mask
+// and the keys and queries past T (the copy engine reads zeros there; a 3-d map [B][T][cols] keeps a
+// tile inside its sequence) are masked where a warp's tile can reach them.
+//
+// The launcher (gptcuda/ops/cuda/flash.py flash_bf16_plan) chooses <HS, DROP, THREADS, BM, BN, NS, SMEM>:
+// SMEM = the resident tiles + NS stages + 1 KB to align the base to 1024 bytes.
+#include "flash_common.cuh"
+#include "bf16.cuh"
+#include "wgmma.cuh"
+
+// The plan's layout: NRES resident tiles of BM rows, a ring of NS stages of two BN-row tiles.
+template <int HS, int THREADS, int BM, int BN, int NS, int SMEM, int NRES>
+struct FaBf16 {
+    static constexpr int HS_ = HS, BM_ = BM, BN_ = BN, NS_ = NS, NRES_ = NRES;
+    static constexpr int CW = BM / 64;                 // consumer warpgroups
+    static constexpr int KB = HS / 64;                 // boxes of 64 columns a row
+    static constexpr int RT = BM * HS * 2;             // bytes of a resident tile
+    static constexpr int ST = BN * HS * 2;             // bytes of a streamed tile
+    static constexpr int STAGE = 2 * ST;
+    static constexpr int SMEM_NEED = NRES * RT + NS * STAGE + 1024;
+    static_assert(HS == 64 || HS == 128, "head sizes 64 and 128 (rows of 128-byte boxes)");
+    static_assert(BM % 64 == 0 && THREADS == 128 * (CW + 1), "a consumer warpgroup per 64 rows, and the producer");
+    static_assert(BN % 16 == 0 && BN <= 128 && BM <= 256, "k16 steps over a streamed tile, boxes of at most 256 rows");
+    static_assert(NS >= 2, "a ring");
+};
+
+// descriptor of k step s (16 columns) of a K-major operand at t, in a tile of R rows
+template <int R>
+__device__ __forceinline__ unsigned long long fb_desc_k(unsigned t, int s) {
+    return wg_desc(t + (s >> 2) * (R * 128) + 32 * (s & 3));
+}
+// descriptor of k step s (16 rows) of an MN-major use of a tile of R rows at t
+template <int R>
+__device__ __forceinline__ unsigned long long fb_desc_mn(unsigned t, int s) {
+    return wg_desc_mn(t + 2048 * s, R * 128);
+}
+// the register-A fragments of every k step of a product whose k runs over d's N columns (16 a k step)
+template <int N>
+__device__ __forceinline__ void fb_pack(unsigned (&a)[N / 16][4], const float (&d)[N / 2]) {
+#pragma unroll
+    for (int s = 0; s < N / 16; ++s)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[s][i] = bf16x2_rn(d[8 * s + 2 * i], d[8 * s + 2 * i + 1]);
+}
+// keeps fragments in their registers until the wgmma that read them are waited for
+template <int N>
+__device__ __forceinline__ void fb_fence_frags(unsigned (&a)[N][4]) {
+#pragma unroll
+    for (int s = 0; s < N; ++s)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[s][i])::"memory");
+}
+// d (HS columns) += A B over KS k steps, A from registers (a[s]), B the MN-major use of a tile of R rows at b
+template <int HS, int R, int KS>
+__device__ __forceinline__ void fb_mma_rs(float (&d)[HS / 2], unsigned (&a)[KS][4], unsigned b) {
+    wg_fence_acc(d);
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < KS; ++s) WgBf16Rs<HS>::template mma<1>(d, a[s], fb_desc_mn<R>(b, s));
+}
+// d = A B^T over the head's columns, both K-major: A the warpgroup's 64 rows at a (tile of RA rows), B
+// at b (tile of N rows)
+template <int HS, int RA, int N>
+__device__ __forceinline__ void fb_mma_ss(float (&d)[N / 2], unsigned a, unsigned b) {
+    wg_fence_acc(d);
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < HS / 16; ++s) WgBf16<N>::template mma<0, 0>(d, fb_desc_k<RA>(a, s), fb_desc_k<N>(b, s), s > 0);
+}
+__device__ __forceinline__ void fb_regs_producer() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
+__device__ __forceinline__ void fb_regs_consumer() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory"); }
+
+// barriers: full[0..NS), empty[0..NS) (a consumer thread's arrival each), then the resident tiles'
+template <int NS, int CW>
+__device__ __forceinline__ void fb_init_bars(unsigned bars) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < NS; ++s) {
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 8 * (NS + s), CW * 128);
+        }
+        mbar_init(bars + 16 * NS, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();      // the last block-wide barrier: the producer warpgroup leaves early
+}
+// the copies of one tile of R rows (KB boxes): columns c0.. of map, rows r0.. of sequence b
+template <int R, int KB>
+__device__ __forceinline__ void fb_copy_tile(int lane, unsigned bar, unsigned dst, const TmaMap* map, int c0, int r0,
+                                             int b) {
+#pragma unroll
+    for (int j = 0; j < KB; ++j) tma_copy(lane, bar, dst + j * (R * 128), map, c0 + 64 * j, r0, b);
+}
+// The producer (its first warp; lane 0 issues, converged): NR resident tiles (map ra at columns ca,
+// then rb at cb, rows r0) into res, then n stages of the ring, stage it the rows (first + it) BN of map
+// sa at columns cs and of map sb at columns ct.
+template <class F, int NR>
+__device__ __forceinline__ void fb_produce(unsigned bars, unsigned res, unsigned ring, const TmaMap* ra, int ca,
+                                           const TmaMap* rb, int cb, int r0, const TmaMap* sa, int cs,
+                                           const TmaMap* sb, int ct, int first, int n, int b) {
+    constexpr int NS = F::NS_, BM = F::BM_, BN = F::BN_, KB = F::KB;
+    const int lane = threadIdx.x & 31;
+    const unsigned rbar = bars + 16 * NS;
+    mbar_expect(lane, rbar, NR * F::RT);
+    fb_copy_tile<BM, KB>(lane, rbar, res, ra, ca, r0, b);
+    if (NR == 2) fb_copy_tile<BM, KB>(lane, rbar, res + F::RT, rb, cb, r0, b);
+    for (int it = 0; it < n; ++it) {
+        const int s = it % NS;
+        if (it >= NS) mbar_wait(bars + 8 * (NS + s), ((it / NS) - 1) & 1);
+        const unsigned full = bars + 8 * s, dst = ring + s * F::STAGE;
+        const int r = (first + it) * BN;
+        mbar_expect(lane, full, F::STAGE);
+        fb_copy_tile<BN, KB>(lane, full, dst, sa, cs, r, b);
+        fb_copy_tile<BN, KB>(lane, full, dst + F::ST, sb, ct, r, b);
+    }
+}
+
+// What every kernel sets up: the aligned base, barriers, the block's head and rows; the producer
+// warpgroup is told apart by `producer`.
+template <class F>
+struct FbBlock {
+    unsigned res, ring, bars;
+    int bh, b, h, r0, C, wg, w, g, q;
+    bool producer;
+    __device__ __forceinline__ FbBlock(unsigned char* smem, unsigned long long* bar_words, int H, bool rev) {
+        res = (fa_smem_u32(smem) + 1023u) & ~1023u;
+        ring = res + F::NRES_ * F::RT;
+        bars = fa_smem_u32(bar_words);
+        bh = blockIdx.x, b = bh / H, h = bh - b * H;
+        r0 = (rev ? gridDim.y - 1 - blockIdx.y : blockIdx.y) * F::BM_;
+        C = H * F::HS_;
+        wg = threadIdx.x >> 7;
+        w = (threadIdx.x >> 5) & 3;
+        g = (threadIdx.x & 31) >> 2;
+        q = threadIdx.x & 3;
+        producer = wg == F::CW;
+        fb_init_bars<F::NS_, F::CW>(bars);
+    }
+    __device__ __forceinline__ void wait_full(int it) const { mbar_wait(bars + 8 * (it % F::NS_), (it / F::NS_) & 1); }
+    __device__ __forceinline__ void release(int it) const { mbar_arrive(bars + 8 * (F::NS_ + it % F::NS_)); }
+    __device__ __forceinline__ void wait_resident() const { mbar_wait(bars + 16 * F::NS_, 0); }
+    __device__ __forceinline__ unsigned stage(int it) const { return ring + (it % F::NS_) * F::STAGE; }
+};
+
+#define FB_PLAN int THREADS, int BM, int BN, int NS, int SMEM
+#define FB_ARGS_DROP const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float inv_keep, float scale, \
+                     int T, int H
+
+// ------------------------------------------------------------------------------------------- forward
+// One block per (b*H + h, query tile of BM), longest first; keys up to the tile's last query.
+template <int HS, bool DROP, FB_PLAN>
+__global__ void __launch_bounds__(THREADS, 1)
+flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
+               float* __restrict__ lse,                     // [B,H,T]
+               const __grid_constant__ TmaMap map_q,        // qkv [B][T][3C], boxes {64, BM}
+               const __grid_constant__ TmaMap map_kv,       // qkv, boxes {64, BN}
+               FB_ARGS_DROP) {
+    using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 1>;
+    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q and NS stages of K, V, + 1 KB");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) unsigned char fb_smem[];
+    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 1];
+    const FbBlock<F> k(fb_smem, fb_bars, H, true);
+    const int q0 = k.r0;
+    const int nkt = (min(q0 + BM, T) + BN - 1) / BN;     // key tiles up to the block's last query
+    if (k.producer) {
+        fb_regs_producer();
+        if (threadIdx.x < F::CW * 128 + 32)
+            fb_produce<F, 1>(k.bars, k.res, k.ring, &map_q, k.h * HS, &map_q, 0, q0, &map_kv, k.C + k.h * HS,
+                             &map_kv, 2 * k.C + k.h * HS, 0, nkt, k.b);
+        return;
+    }
+    fb_regs_consumer();
+    const int wr0 = q0 + 64 * k.wg + 16 * k.w;            // the warp's first query
+    const int wg_last = q0 + 64 * k.wg + 63;
+    const float sl2 = scale * FA_LOG2E, ninf = __int_as_float(0xff800000);
+    const u32 key = fa_drop_key<DROP>(st, seed, site);
+    const u32 Th = (u32)((T + 1) / 2);
+    const u32 rpair = (u32)(k.bh * T + wr0 + k.g) * Th + (u32)k.q;   // row g's keep word of keys 2q, 2q + 1
+    const unsigned qa = k.res + k.wg * 64 * 128;            // the warpgroup's rows of Q
+    float o[HS / 2], m[2] = {ninf, ninf}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
+    k.wait_resident();
+    for (int it = 0; it < nkt; ++it) {
+        const int k0 = it * BN;
+        k.wait_full(it);
+        if (k0 <= wg_last) {                               // (uniform in the warpgroup)
+            const unsigned kt = k.stage(it), vt = kt + F::ST;
+            float sc[BN / 2];
+            fb_mma_ss<HS, BM, BN>(sc, qa, kt);
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_acc(sc);
+            const bool edge = k0 + BN - 1 > wr0;           // the tile reaches past the warp's first query
+            float mx[2] = {m[0], m[1]};
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = sc[4 * j + e] * sl2;
+                    if (edge && k0 + 8 * j + 2 * k.q + (e & 1) > wr0 + k.g + 8 * (e >> 1)) x = ninf;
+                    sc[4 * j + e] = x;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                }
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+                const float alpha = fa_exp2(m[hh] - mx[hh]);   // 0 on tile 0 (m = -inf; key 0 is finite)
+                m[hh] = mx[hh];
+                l[hh] *= alpha;
+#pragma unroll
+                for (int j = 0; j < HS / 8; ++j) {
+                    o[4 * j + 2 * hh] *= alpha;
+                    o[4 * j + 2 * hh + 1] *= alpha;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    u32 kw = 0;                            // keys k0 + 8j + 2q and + 1 share one keep word
+                    if (DROP) kw = gc_keep_word(key, rpair + (u32)(8 * hh) * Th + (u32)((k0 >> 1) + 4 * j));
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float p = fa_exp2(sc[4 * j + 2 * hh + e] - m[hh]);
+                        l[hh] += p;
+                        if (DROP && gc_keep_half(kw, e) < threshold) p = 0.f;   // 1/(1-p) on O at the end
+                        sc[4 * j + 2 * hh + e] = p;
+                    }
+                }
+            unsigned pa[BN / 16][4];
+            fb_pack<BN>(pa, sc);
+            fb_mma_rs<HS, BN, BN / 16>(o, pa, vt);
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_acc(o);
+            fb_fence_frags(pa);
+        }
+        k.release(it);
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float L = l[hh];
+        L += __shfl_xor_sync(0xffffffffu, L, 1);
+        L += __shfl_xor_sync(0xffffffffu, L, 2);
+        const int i = wr0 + k.g + 8 * hh;
+        if (i < T) {
+            const float f = (DROP ? inv_keep : 1.f) / L;
+            unsigned* yr = reinterpret_cast<unsigned*>(y + ((long long)k.b * T + i) * k.C + k.h * HS + 2 * k.q);
+#pragma unroll
+            for (int j = 0; j < HS / 8; ++j) yr[4 * j] = bf16x2_rn(o[4 * j + 2 * hh] * f, o[4 * j + 2 * hh + 1] * f);
+            if (k.q == 0) lse[(long long)k.bh * T + i] = m[hh] * FA_LN2 + logf(L);
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+// ------------------------------------------------------------------------------------- backward: dQ
+// One block per (b*H + h, query tile of BM), longest first: Q and dO resident, K and V streamed.
+template <int HS, bool DROP, FB_PLAN>
+__global__ void __launch_bounds__(THREADS, 1)
+flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q columns
+                  const __grid_constant__ TmaMap map_r,     // qkv [B][T][3C], boxes {64, BM}
+                  const __grid_constant__ TmaMap map_dy,    // dy [B][T][C], boxes {64, BM}
+                  const __grid_constant__ TmaMap map_s,     // qkv, boxes {64, BN}
+                  const float* __restrict__ lse,            // [B,H,T]
+                  const float* __restrict__ Dg,             // [B,H,T] rowsum(dy * y)
+                  FB_ARGS_DROP) {
+    using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
+    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q, dO and NS stages of K, V, + 1 KB");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) unsigned char fb_smem[];
+    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 1];
+    const FbBlock<F> k(fb_smem, fb_bars, H, true);
+    const int q0 = k.r0;
+    const int nkt = (min(q0 + BM, T) + BN - 1) / BN;
+    if (k.producer) {
+        fb_regs_producer();
+        if (threadIdx.x < F::CW * 128 + 32)
+            fb_produce<F, 2>(k.bars, k.res, k.ring, &map_r, k.h * HS, &map_dy, k.h * HS, q0, &map_s,
+                             k.C + k.h * HS, &map_s, 2 * k.C + k.h * HS, 0, nkt, k.b);
+        return;
+    }
+    fb_regs_consumer();
+    const int wr0 = q0 + 64 * k.wg + 16 * k.w;
+    const int wg_last = q0 + 64 * k.wg + 63;
+    const float sl2 = scale * FA_LOG2E;
+    const u32 key = fa_drop_key<DROP>(st, seed, site);
+    const u32 Th = (u32)((T + 1) / 2);
+    const u32 rpair = (u32)(k.bh * T + wr0 + k.g) * Th + (u32)k.q;
+    const unsigned qa = k.res + k.wg * 64 * 128, da = qa + F::RT;   // the warpgroup's rows of Q, dO
+    float lse2[2], Dr[2];                                  // per row: lse in log2 units, D
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int i = wr0 + k.g + 8 * hh;
+        lse2[hh] = i < T ? lse[(long long)k.bh * T + i] * FA_LOG2E : 0.f;
+        Dr[hh] = i < T ? Dg[(long long)k.bh * T + i] : 0.f;
+    }
+    float dq[HS / 2];
+#pragma unroll
+    for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
+    k.wait_resident();
+    for (int it = 0; it < nkt; ++it) {
+        const int k0 = it * BN;
+        k.wait_full(it);
+        if (k0 <= wg_last) {
+            const unsigned kt = k.stage(it), vt = kt + F::ST;
+            float sc[BN / 2], dp[BN / 2];
+            fb_mma_ss<HS, BM, BN>(sc, qa, kt);               // S = Q K^T
+            wg_fence_acc(dp);
+#pragma unroll
+            for (int s = 0; s < HS / 16; ++s)                // dPd = dO V^T
+                WgBf16<BN>::template mma<0, 0>(dp, fb_desc_k<BM>(da, s), fb_desc_k<BN>(vt, s), s > 0);
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_acc(sc);
+            wg_fence_acc(dp);
+            const bool edge = k0 + BN - 1 > wr0;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    u32 kw = 0;
+                    if (DROP) kw = gc_keep_word(key, rpair + (u32)(8 * hh) * Th + (u32)((k0 >> 1) + 4 * j));
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int c = 4 * j + 2 * hh + e;
+                        float p = fa_exp2(sc[c] * sl2 - lse2[hh]);
+                        if (edge && k0 + 8 * j + 2 * k.q + e > wr0 + k.g + 8 * hh) p = 0.f;
+                        float d = dp[c];                    // dP = dPd keep / (1 - p)
+                        if (DROP) d = gc_keep_half(kw, e) < threshold ? 0.f : d * inv_keep;
+                        sc[c] = p * (d - Dr[hh]);            // dS
+                    }
+                }
+            unsigned ds[BN / 16][4];
+            fb_pack<BN>(ds, sc);
+            fb_mma_rs<HS, BN, BN / 16>(dq, ds, kt);        // dQ += dS K
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_acc(dq);
+            fb_fence_frags(ds);
+        }
+        k.release(it);
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int i = wr0 + k.g + 8 * hh;
+        if (i < T) {
+            unsigned* r = reinterpret_cast<unsigned*>(dqkv + ((long long)k.b * T + i) * 3 * k.C + k.h * HS + 2 * k.q);
+#pragma unroll
+            for (int j = 0; j < HS / 8; ++j) r[4 * j] = bf16x2_rn(dq[4 * j + 2 * hh] * scale, dq[4 * j + 2 * hh + 1] * scale);
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+// ----------------------------------------------------------------------------------- backward: dK dV
+// One block per (b*H + h, key tile of BM), the first key tiles (the most queries) first: K and V
+// resident, Q and dO streamed from the first query tile that reaches the block's keys to the end;
+// lse and D of a tile's queries read by each thread for its columns.
+template <int HS, bool DROP, FB_PLAN>
+__global__ void __launch_bounds__(THREADS, 1)
+flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k and v columns
+                   const __grid_constant__ TmaMap map_r,    // qkv [B][T][3C], boxes {64, BM}
+                   const __grid_constant__ TmaMap map_s,    // qkv, boxes {64, BN}
+                   const __grid_constant__ TmaMap map_dy,   // dy [B][T][C], boxes {64, BN}
+                   const float* __restrict__ lse,           // [B,H,T]
+                   const float* __restrict__ Dg,            // [B,H,T]
+                   FB_ARGS_DROP) {
+    using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
+    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V and NS stages of Q, dO, + 1 KB");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) unsigned char fb_smem[];
+    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 1];
+    const FbBlock<F> k(fb_smem, fb_bars, H, false);
+    const int kb0 = k.r0;                                  // the block's first key
+    const int first = kb0 / BN;                            // the first query tile that sees a key of the block
+    const int nqt = (T + BN - 1) / BN - first;
+    if (k.producer) {
+        fb_regs_producer();
+        if (threadIdx.x < F::CW * 128 + 32)
+            fb_produce<F, 2>(k.bars, k.res, k.ring, &map_r, k.C + k.h * HS, &map_r, 2 * k.C + k.h * HS, kb0,
+                             &map_s, k.h * HS, &map_dy, k.h * HS, first, nqt, k.b);
+        return;
+    }
+    fb_regs_consumer();
+    const int kw0 = kb0 + 64 * k.wg + 16 * k.w;           // the warp's first key
+    const int wg_first = kb0 + 64 * k.wg;
+    const float sl2 = scale * FA_LOG2E;
+    const u32 key = fa_drop_key<DROP>(st, seed, site);
+    const u32 Th = (u32)((T + 1) / 2);
+    const unsigned ka = k.res + k.wg * 64 * 128, va = ka + F::RT;   // the warpgroup's keys of K, V
+    const float* lse_h = lse + (long long)k.bh * T;
+    const float* D_h = Dg + (long long)k.bh * T;
+    float dk[HS / 2], dv[HS / 2];
+#pragma unroll
+    for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
+    k.wait_resident();
+    for (int it = 0; it < nqt; ++it) {
+        const int i0 = (first + it) * BN;
+        k.wait_full(it);
+        if (i0 + BN - 1 >= wg_first) {                     // some query of the tile sees a key of the warpgroup
+            const unsigned qt = k.stage(it), dot = qt + F::ST;
+            float sc[BN / 2], dp[BN / 2];
+            fb_mma_ss<HS, BM, BN>(sc, ka, qt);               // S^T = K Q^T
+            wg_fence_acc(dp);
+#pragma unroll
+            for (int s = 0; s < HS / 16; ++s)                // dPd^T = V dO^T
+                WgBf16<BN>::template mma<0, 0>(dp, fb_desc_k<BM>(va, s), fb_desc_k<BN>(dot, s), s > 0);
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_acc(sc);
+            wg_fence_acc(dp);
+            const bool edge = i0 < kw0 + 15;                   // a query of the tile precedes a key of the warp
+            unsigned pa[BN / 16][4];
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e2 = 0; e2 < 2; ++e2) {
+                    const int i = i0 + 8 * j + 2 * k.q + e2;   // the column's query
+                    const float l2 = i < T ? lse_h[i] * FA_LOG2E : __int_as_float(0x7f800000);
+                    const float Di = i < T ? D_h[i] : 0.f;
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int c = 4 * j + 2 * hh + e2, kk = kw0 + k.g + 8 * hh;   // the row's key
+                        float p = fa_exp2(sc[c] * sl2 - l2);
+                        if (edge && kk > i) p = 0.f;
+                        float d = dp[c], pd = p;
+                        if (DROP) {                        // keys 2c' and 2c' + 1 of query i share a word
+                            const u32 kw = gc_keep_word(key, (u32)(k.bh * T + i) * Th + (u32)(kk >> 1));
+                            const bool keep = gc_keep_half(kw, (u32)(kk & 1)) >= threshold;
+                            d = keep ? d * inv_keep : 0.f;
+                            pd = keep ? p * inv_keep : 0.f;
+                        }
+                        sc[c] = pd;                        // Pd^T for dV
+                        dp[c] = p * (d - Di);              // dS^T
+                    }
+                }
+            fb_pack<BN>(pa, sc);
+            unsigned ds[BN / 16][4];
+            fb_pack<BN>(ds, dp);
+            fb_mma_rs<HS, BN, BN / 16>(dv, pa, dot);       // dV += Pd^T dO
+            fb_mma_rs<HS, BN, BN / 16>(dk, ds, qt);        // dK += dS^T Q
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_acc(dv);
+            wg_fence_acc(dk);
+            fb_fence_frags(pa);
+            fb_fence_frags(ds);
+        }
+        k.release(it);
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int kk = kw0 + k.g + 8 * hh;
+        if (kk < T) {
+            unsigned* r = reinterpret_cast<unsigned*>(dqkv + ((long long)k.b * T + kk) * 3 * k.C + k.C + k.h * HS +
+                                                      2 * k.q);
+#pragma unroll
+            for (int j = 0; j < HS / 8; ++j) {
+                r[4 * j] = bf16x2_rn(dk[4 * j + 2 * hh] * scale, dk[4 * j + 2 * hh + 1] * scale);
+                r[k.C / 2 + 4 * j] = bf16x2_rn(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}
