@@ -66,8 +66,7 @@ def main(argv):
         raise UsageError("--hellaswag FILE is required (the examples to score)")
     limit, rows = _int(opts, "limit", 0, 0), _int(opts, "batch_size", 64, 1)
     backend = _choice(opts, "backend", ("cuda", "reference"))
-    from gptcuda.generate.sampler import GEN_PRECISIONS        # (no bf16 inference path yet)
-    precision = _choice(opts, "precision", GEN_PRECISIONS)
+    precision = _choice(opts, "precision", ("fp32", "tf32"))     # (scoring has no bf16 check yet)
     attention = _choice(opts, "attention", ("unfused", "fused"))
     import dataclasses
     from gptcuda.generate.sampler import load_model

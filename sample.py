@@ -6,6 +6,7 @@
     python sample.py --temp 0                         # greedy: always the most likely token
     python sample.py --init_from hf:gpt2_dir --prompt "Hello" --top_p 0.9 --stop "<|endoftext|>"
     python sample.py --prompt_file prompts.txt        # one prompt a line, all generated together
+    python sample.py --precision bf16                 # bf16 weights and KV cache (sm_90): half the bytes a token
     python sample.py --backend reference              # float64 numpy on the CPU
 
 Loads best.ckpt (else last.ckpt), the run's config.yaml and tokenizer.json (or the --init_from
@@ -35,7 +36,8 @@ OPTIONS = {
     "--top_p P": "sample among the fewest most likely tokens holding P of the probability (default 1: all)",
     "--stop TEXT": "end a sample once it has generated TEXT (<|endoftext|>: GPT-2's end-of-text token)",
     "--seed S": "the sampling seed, in [0, 2**32) (default 1337)",
-    "--precision P": "fp32 (default) or tf32 (generation has no bf16 path yet)",
+    "--precision P": "fp32 (default), tf32, or bf16 (sm_90: weights read from a bf16 copy, bf16 KV cache; "
+                     "fp32 sums, softmax and logits)",
     "--backend B": "cuda or reference (default: the run's)",
 }
 NAMES = tuple(o[2:].split()[0] for o in OPTIONS)

@@ -3,11 +3,14 @@
     python bench/generate.py                           # batches 1 16 64 256, 128-token prompts -> 256 new
     python bench/generate.py --batches 1,64 --side ours
     python bench/generate.py --init_from hf:DIR        # real weights (default: a random GPT-2 124M, vocab 50304)
+    python bench/generate.py --precision fp32          # our fp32 rows alone (default fp32,bf16; tf32 too)
 
 Both sides run the same weights in fp32 (random ones are written as a Hugging Face directory for
 transformers), greedy, on the same prompts of random tokens, and draw exactly --new tokens (HF:
-min_new_tokens). The time is the wall time of a whole generate() call, prompt included, median of
---repeats after a warm-up; ms/token = time / new tokens, tokens/s = batch x new tokens / time.
+min_new_tokens). Ours also runs them in bf16 (the weights rounded into a bf16 working copy, a bf16 KV
+cache): a row of its own for each batch, measured the same way. The time is the wall time of a whole
+generate() call, prompt included, median of --repeats after a warm-up; ms/token = time / new tokens,
+tokens/s = batch x new tokens / time.
 
 The PyTorch side runs in a subprocess (gptcuda never imports torch): transformers' generate with
 the default dynamic cache in eager mode, with the static cache that generate() compiles itself
@@ -62,11 +65,22 @@ def our_model(args):
     return Model(cfg, tokenizer_from_dict({"type": "gpt2"}), named, GPT2_VOCAB, "random GPT-2 124M")
 
 
-def time_ours(model, batch, args):
+def _tag(precision: str) -> str:
+    """What names a row of ours in the summary lines: nothing for fp32 (the lines as they were), else
+    the precision."""
+    return "" if precision == "fp32" else f" ({precision})"
+
+
+def _precision(row) -> str:
+    """The precision of a row of ours (its mode: "graph, <precision>")."""
+    return row["mode"].rsplit(", ", 1)[1]
+
+
+def time_ours(model, batch, args, precision):
     from gptcuda.generate.sampler import Generator, steps_needed
     prompts = prompts_for(batch, args.prompt, model.n_vocab)
     t0 = time.perf_counter()
-    gen = Generator(model, batch, args.new, "cuda", args.precision)
+    gen = Generator(model, batch, args.new, "cuda", precision)
     setup = time.perf_counter() - t0
     out = gen.generate(list(prompts), temp=0.0)                  # warm-up
     times = []
@@ -75,12 +89,12 @@ def time_ours(model, batch, args):
         out = gen.generate(list(prompts), temp=0.0)
         times.append(time.perf_counter() - t)
     steps = steps_needed([args.prompt] * batch, args.new, model.cfg.block_size)
-    res = dict(side="gptcuda", mode=f"graph, {args.precision}", batch=batch, seconds=statistics.median(times),
+    res = dict(side="gptcuda", mode=f"graph, {precision}", batch=batch, seconds=statistics.median(times),
                all=times, steps=steps, setup_s=setup, plan_bytes=gen.plan.total_bytes,
                tokens=[o[:args.check].tolist() for o in out[:2]])
     if args.profile:                 # where a step's time goes, at the position the last run ended
         from gptcuda.runtime.profile import phase_table
-        print(f"batch {batch}: " + phase_table(gen.be.rt, gen.program, top=12), flush=True)
+        print(f"batch {batch}{_tag(precision)}: " + phase_table(gen.be.rt, gen.program, top=12), flush=True)
     gen.be.rt.close()
     return res
 
@@ -167,7 +181,7 @@ def main():
     ap.add_argument("--torch_modes", default="eager,static,compile", help=f"of {tuple(MODES)}")
     ap.add_argument("--profile", action="store_true", help="print the phase table of our decode step")
     ap.add_argument("--torch_timeout", type=int, default=420)
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "tf32"])
+    ap.add_argument("--precision", default="fp32,bf16", help="ours: fp32, tf32, bf16, comma-separated (a row each)")
     ap.add_argument("--init_from", default=None)
     ap.add_argument("--hf_dir", default=None)
     ap.add_argument("--check", type=int, default=32, help="leading greedy tokens compared between the sides")
@@ -175,6 +189,10 @@ def main():
     args = ap.parse_args()
     if args.side == "torch-child":
         return torch_main(args)
+    precisions = args.precision.split(",")
+    bad = [p for p in precisions if p not in ("fp32", "tf32", "bf16")]
+    if bad or len(set(precisions)) != len(precisions):
+        ap.error(f"--precision: fp32, tf32 or bf16, each at most once, comma-separated; got {args.precision!r}")
     batches = [int(b) for b in args.batches.split(",")]
     rows, clock = [], [sm_clock()]
     model = our_model(args)
@@ -187,12 +205,14 @@ def main():
             clock.append(sm_clock())
         if args.side in ("both", "ours"):
             for b in batches:
-                rows.append(time_ours(model, b, args))
-                print(json.dumps({k: v for k, v in rows[-1].items() if k != "tokens"}), flush=True)
+                for precision in precisions:
+                    rows.append(time_ours(model, b, args, precision))
+                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "tokens"}), flush=True)
             clock.append(sm_clock())
     info = next((r["info"] for r in rows if "info" in r), {})
     print(f"\n# generation: {model.source}, prompt {args.prompt} -> {args.new} new tokens, greedy, fp32 "
-          f"(ours: {args.precision}); torch {info.get('torch', '-')}, transformers {info.get('transformers', '-')}; "
+          f"(ours: {', '.join(precisions)}); torch {info.get('torch', '-')}, "
+          f"transformers {info.get('transformers', '-')}; "
           f"SM clock (MHz) along the run: {' -> '.join(clock)}")
     print(f"{'side':<9} {'mode':<46} {'batch':>5} {'ms/token':>9} {'tokens/s':>10}  note")
     best = {}
@@ -211,13 +231,26 @@ def main():
             b = best.get(r["batch"])
             if b is None or r["seconds"] < b["seconds"]:
                 best[r["batch"]] = r
+
+    def same_tokens(r, t):
+        return (sum(a == b for x, y in zip(r["tokens"], t["tokens"]) for a, b in zip(x, y)),
+                sum(len(x) for x in r["tokens"]))
+
     for r in rows:
         if r.get("side") == "gptcuda" and r["batch"] in best:
             t = best[r["batch"]]
-            same = sum(a == b for x, y in zip(r["tokens"], t["tokens"]) for a, b in zip(x, y))
-            total = sum(len(x) for x in r["tokens"])
-            print(f"batch {r['batch']:>3}: ours / PyTorch's best ({t['mode']}): time {r['seconds'] / t['seconds']:.3f}x, "
+            same, total = same_tokens(r, t)
+            print(f"batch {r['batch']:>3}: ours{_tag(_precision(r))} / PyTorch's best ({t['mode']}): "
+                  f"time {r['seconds'] / t['seconds']:.3f}x, "
                   f"tokens/s {t['seconds'] / r['seconds']:.2f}x; greedy tokens equal {same}/{total}")
+    ours = {(r["batch"], _precision(r)): r for r in rows if r.get("side") == "gptcuda" and "error" not in r}
+    for b in batches:
+        for p in precisions[1:]:
+            if (b, p) in ours and (b, precisions[0]) in ours:
+                r, t = ours[(b, p)], ours[(b, precisions[0])]
+                same, total = same_tokens(r, t)
+                print(f"batch {b:>3}: ours {p} / ours {precisions[0]}: time {r['seconds'] / t['seconds']:.3f}x, "
+                      f"tokens/s {t['seconds'] / r['seconds']:.2f}x; greedy tokens equal {same}/{total}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -12,6 +12,12 @@
 //   done  [S]       1 once N tokens or the stop sequence were drawn
 //   emit  [2, S]    this step's draw (-1: none) and done, copied to the host after every step
 // and shared: pos [1] (the position decoded), opts [8] (GenOpts), stop [STOP_MAX].
+//
+// Element types (template arguments, type codes of bf16.cuh: 0 fp32, 1 bf16): decode_linear's
+// operands (DT: the activation a and the weights w) and its output (OUT), the attention's KV cache
+// (KT) and output (YT). A bf16 generation reads the weights from their bf16 working copy and keeps
+// the cache, and what the products read, in bf16; every sum, the softmax, the residual stream,
+// qkv and the logits stay fp32.
 #include "common.cuh"
 #include "gemm_epilogue.cuh"
 
@@ -51,9 +57,11 @@ decode_embed(float* __restrict__ out,          // out [S, C]
 // out[m, n] = epilogue(sum_k a[m, k] w[n, k] + bias[n]) for the M <= MT rows of a decode step
 // (x @ W^T with W [N, K] as stored), memory bound: each weight is read once. A block's warps
 // form LinearShape<MT, WARPS>::groups groups of ksplit warps; a group takes NPW output columns, its warps
-// interleaved 128-wide slices of k (for every row of a at once); the block adds the slices' sums
-// in order. Epilogues as the GEMMs' (gemm_epilogue.cuh): none, GELU (aux = the pre-activation),
-// residual (out = aux + ..., aux may be out). fp32 FMA, deterministic.
+// interleaved slices of k, 16 bytes of a row a lane (128 values of fp32 a warp, 256 of bf16), for every
+// row of a at once; the block adds the slices' sums in order. Epilogues as the GEMMs' (gemm_epilogue.cuh):
+// none, GELU (aux = the pre-activation), residual (out = aux + ..., aux may be out). a and w of type
+// code DT, out and aux of OUT (bf16: rounded once when stored; GELU's output from the pre-activation as
+// stored, as the bf16 GEMM computes it), the bias fp32; fp32 FMA, deterministic.
 template <int MT, int WARPS>
 struct LinearShape {
     static constexpr int npw = MT == 1 ? 1 : 2;             // columns a warp
@@ -61,16 +69,31 @@ struct LinearShape {
     static constexpr int groups = WARPS / ksplit;           // column groups a block
 };
 
-template <int MT, int EPI, int WARPS, int COLS>
+// 16 bytes of a row widened to fp32, as float4s: one of fp32 (4 values), two of bf16 (8 values)
+template <int CODE> struct Row16 { float4 v[CODE == 1 ? 2 : 1]; };
+__device__ __forceinline__ Row16<0> row16(const float* p) { return {*reinterpret_cast<const float4*>(p)}; }
+__device__ __forceinline__ Row16<1> row16(const bf16* p) {
+    const uint4 t = *reinterpret_cast<const uint4*>(p);
+    return {bf16x4_f32(make_uint2(t.x, t.y)), bf16x4_f32(make_uint2(t.z, t.w))};
+}
+template <int CODE> __device__ __forceinline__ Row16<CODE> row16_zero() {
+    Row16<CODE> r;
+#pragma unroll
+    for (int q = 0; q < (CODE == 1 ? 2 : 1); ++q) r.v[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+    return r;
+}
+
+template <int MT, int EPI, int WARPS, int COLS, int DT, int OUT>
 __global__ void __launch_bounds__(32 * WARPS)
-decode_linear(float* __restrict__ out,          // out [M, N]
-              float* aux,                       // aux [M, N]  (GELU: written; residual: read, may be out)
-              const float* __restrict__ a,      // a [M, K]
-              const float* __restrict__ w,      // w [N, K]
+decode_linear(elem<OUT>* __restrict__ out,      // out [M, N]
+              elem<OUT>* aux,                   // aux [M, N]  (GELU: written; residual: read, may be out)
+              const elem<DT>* __restrict__ a,   // a [M, K]
+              const elem<DT>* __restrict__ w,   // w [N, K]
               const float* __restrict__ bias,   // bias [N] or null
               int M, int N, int K) {
     using L = LinearShape<MT, WARPS>;
     constexpr int NPW = L::npw, KS = L::ksplit;
+    constexpr int P = DT == 1 ? 2 : 1, VW = 4 * P;          // float4s, values a lane loads at once
     static_assert(WARPS % KS == 0 && COLS == L::groups * NPW, "COLS: the block's groups of NPW columns");
     __shared__ float partial[WARPS][NPW][MT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -81,25 +104,27 @@ decode_linear(float* __restrict__ out,          // out [M, N]
     for (int c = 0; c < NPW; ++c)
 #pragma unroll
         for (int m = 0; m < MT; ++m) acc[c][m] = 0.f;
-    const bool vec = (K & 3) == 0 && ((reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(a)) & 15) == 0;
+    const bool vec = (K & (VW - 1)) == 0 && ((reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(a)) & 15) == 0;
     if (n0 < N && vec) {
 #pragma unroll 2
-        for (int k = (kpart * 32 + lane) * 4; k < K; k += 128 * KS) {
-            float4 wv[NPW];
+        for (int k = (kpart * 32 + lane) * VW; k < K; k += 32 * VW * KS) {
+            Row16<DT> wv[NPW];
 #pragma unroll
             for (int c = 0; c < NPW; ++c)
-                wv[c] = n0 + c < N ? *reinterpret_cast<const float4*>(w + (long long)(n0 + c) * K + k)
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+                wv[c] = n0 + c < N ? row16(w + (long long)(n0 + c) * K + k) : row16_zero<DT>();
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 if (m < M) {
-                    const float4 av = *reinterpret_cast<const float4*>(a + (long long)m * K + k);
+                    const Row16<DT> av = row16(a + (long long)m * K + k);
 #pragma unroll
                     for (int c = 0; c < NPW; ++c) {
-                        acc[c][m] = fmaf(av.x, wv[c].x, acc[c][m]);
-                        acc[c][m] = fmaf(av.y, wv[c].y, acc[c][m]);
-                        acc[c][m] = fmaf(av.z, wv[c].z, acc[c][m]);
-                        acc[c][m] = fmaf(av.w, wv[c].w, acc[c][m]);
+#pragma unroll
+                        for (int q = 0; q < P; ++q) {
+                            acc[c][m] = fmaf(av.v[q].x, wv[c].v[q].x, acc[c][m]);
+                            acc[c][m] = fmaf(av.v[q].y, wv[c].v[q].y, acc[c][m]);
+                            acc[c][m] = fmaf(av.v[q].z, wv[c].v[q].z, acc[c][m]);
+                            acc[c][m] = fmaf(av.v[q].w, wv[c].v[q].w, acc[c][m]);
+                        }
                     }
                 }
             }
@@ -108,10 +133,10 @@ decode_linear(float* __restrict__ out,          // out [M, N]
         for (int k = kpart * 32 + lane; k < K; k += 32 * KS) {
 #pragma unroll
             for (int c = 0; c < NPW; ++c) {
-                const float wv = n0 + c < N ? w[(long long)(n0 + c) * K + k] : 0.f;
+                const float wv = n0 + c < N ? val_ld(w + ((long long)(n0 + c) * K + k)) : 0.f;
 #pragma unroll
                 for (int m = 0; m < MT; ++m)
-                    if (m < M) acc[c][m] = fmaf(a[(long long)m * K + k], wv, acc[c][m]);
+                    if (m < M) acc[c][m] = fmaf(val_ld(a + ((long long)m * K + k)), wv, acc[c][m]);
             }
         }
     }
@@ -134,11 +159,16 @@ decode_linear(float* __restrict__ out,          // out [M, N]
             for (int q = 0; q < KS; ++q) v += partial[warp + q][c][lane < MT ? lane : 0];
             const long long off = (long long)lane * N + n;
             const float b = bias != nullptr ? bias[n] : 0.f;
-            float in = 0.f, pre;
-            if constexpr (GEMM_EPI_READS_AUX(EPI)) in = aux[off];
-            const float o = gemm_epi_value<EPI, true>(v, 1.f, b, in, &pre);
-            if constexpr (EPI == GEMM_EPI_GELU) aux[off] = pre;
-            out[off] = o;
+            float in = 0.f, pre, o;
+            if constexpr (GEMM_EPI_READS_AUX(EPI)) in = val_ld(aux + off);
+            if constexpr (EPI == GEMM_EPI_GELU && OUT == 1) {
+                pre = bf16_f32(bf16_rn(gemm_epi_value<GEMM_EPI_NONE, true>(v, 1.f, b, 0.f, nullptr)));
+                o = gemm_gelu(pre);
+            } else {
+                o = gemm_epi_value<EPI, true>(v, 1.f, b, in, &pre);
+            }
+            if constexpr (EPI == GEMM_EPI_GELU) val_st(aux + off, pre);
+            val_st(out + off, o);
         }
     }
 }
@@ -147,13 +177,16 @@ decode_linear(float* __restrict__ out,          // out [M, N]
 // ("flash decoding"): block (chunk, head, sequence) takes keys [chunk * CHUNK, + CHUNK)
 // up to pos and writes its partial result (sum_j p_j v_j, max score, sum_j p_j with p_j =
 // exp(s_j - max)); decode_attention_combine merges the chunks. The block holding key pos reads
-// this position's k and v from qkv and appends them to the cache; no other block reads them.
-template <int HS, int THREADS, int CHUNK>
+// this position's k and v from qkv and appends them to the cache; no other block reads them. KT:
+// the cache's element type; a bf16 cache holds k and v rounded to nearest even, and the block reads
+// key pos as the cache holds it (written before the first barrier), so that every step sees a key
+// as the same value; an fp32 one reads it from qkv.
+template <int HS, int THREADS, int CHUNK, int KT>
 __global__ void __launch_bounds__(THREADS)
 decode_attention(float* __restrict__ part,         // part [S, H, n_chunks, HS + 2]  o | max | sum
                  const float* __restrict__ qkv,    // qkv [S, 3C]         q | k | v   (C = H * HS)
-                 float* __restrict__ kcache,       // kcache [S, H, Tmax, HS]
-                 float* __restrict__ vcache,       // vcache [S, H, Tmax, HS]
+                 elem<KT>* __restrict__ kcache,    // kcache [S, H, Tmax, HS]
+                 elem<KT>* __restrict__ vcache,    // vcache [S, H, Tmax, HS]
                  const int* __restrict__ pos,      // pos [1]
                  int H, int Tmax, float scale) {
     constexpr int G = THREADS / HS > 0 ? THREADS / HS : 1;   // key groups of the output sum
@@ -167,14 +200,16 @@ decode_attention(float* __restrict__ part,         // part [S, H, n_chunks, HS +
     const int n = min(CHUNK, t + 1 - j0);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* row = qkv + (long long)s * 3 * C + h * HS;
-    float* kc = kcache + ((long long)(s * H + h) * Tmax) * HS;
-    float* vc = vcache + ((long long)(s * H + h) * Tmax) * HS;
+    elem<KT>* kc = kcache + ((long long)(s * H + h) * Tmax) * HS;
+    elem<KT>* vc = vcache + ((long long)(s * H + h) * Tmax) * HS;
     const bool last = t - j0 < CHUNK;                   // this block holds key t
     for (int d = tid; d < HS; d += THREADS) {
         q[d] = row[d] * scale;
         if (last) {
-            kc[(long long)t * HS + d] = row[C + d];
-            vc[(long long)t * HS + d] = row[2 * C + d];
+            const float kt = row[C + d];
+            val_st(kc + (long long)t * HS + d, kt);
+            const float vt = row[2 * C + d];
+            val_st(vc + (long long)t * HS + d, vt);
         }
     }
     __syncthreads();
@@ -183,10 +218,12 @@ decode_attention(float* __restrict__ part,         // part [S, H, n_chunks, HS +
         const int i = tid >> 1, half = tid & 1, j = j0 + i;
         float v = 0.f;
         if (i < n) {
-            const float* k = j == t ? row + C : kc + (long long)j * HS;
+            const elem<KT>* k;
+            if constexpr (KT == 0) k = j == t ? row + C : kc + (long long)j * HS;
+            else k = kc + (long long)j * HS;
 #pragma unroll
             for (int d = half * (HS / 2); d < (half + 1) * (HS / 2); d += 4) {
-                const float4 kv = *reinterpret_cast<const float4*>(k + d);
+                const float4 kv = val_ldf4(k + d);
                 v = fmaf(q[d], kv.x, v); v = fmaf(q[d + 1], kv.y, v);
                 v = fmaf(q[d + 2], kv.z, v); v = fmaf(q[d + 3], kv.w, v);
             }
@@ -219,7 +256,9 @@ decode_attention(float* __restrict__ part,         // part [S, H, n_chunks, HS +
         float acc = 0.f;
         for (int i = g; i < n; i += G) {
             const int j = j0 + i;
-            const float vv = j == t ? row[2 * C + d] : vc[(long long)j * HS + d];
+            float vv;
+            if constexpr (KT == 0) vv = j == t ? row[2 * C + d] : vc[(long long)j * HS + d];
+            else vv = val_ld(vc + (long long)j * HS + d);
             acc = fmaf(p[i], vv, acc);
         }
         o[g][d] = acc;
@@ -242,9 +281,10 @@ decode_attention(float* __restrict__ part,         // part [S, H, n_chunks, HS +
 }
 
 // y[s, h*HS + d] = the chunks' partial sums merged: sum_c e^(m_c - M) o_c[d] / sum_c e^(m_c - M) l_c
-template <int HS, int THREADS, int CHUNK>
+// (YT: y's element type; bf16: rounded to nearest even)
+template <int HS, int THREADS, int CHUNK, int YT>
 __global__ void __launch_bounds__(THREADS)
-decode_attention_combine(float* __restrict__ y,            // y [S, C]
+decode_attention_combine(elem<YT>* __restrict__ y,         // y [S, C]
                          const float* __restrict__ part,   // part [S, H, n_chunks, HS + 2]
                          const int* __restrict__ pos,      // pos [1]
                          int H, int n_chunks) {
@@ -260,7 +300,10 @@ decode_attention_combine(float* __restrict__ y,            // y [S, C]
         den = fmaf(w, pp[c * (HS + 2) + HS + 1], den);
         if (d < HS) num = fmaf(w, pp[c * (HS + 2) + d], num);
     }
-    if (d < HS) y[(long long)s * H * HS + h * HS + d] = num / den;
+    if (d < HS) {
+        const float r = num / den;
+        val_st(y + (long long)s * H * HS + h * HS + d, r);
+    }
 }
 
 // ---- drawing a token ------------------------------------------------------------------------

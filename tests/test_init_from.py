@@ -70,7 +70,7 @@ def test_sample_from_weights(source, capsys):
     (["--top_p", "1.5"], "--top_p"),
     (["--stop", ""], "--stop"),
     (["--stop", "x" * 17], "--stop"),
-    (["--precision", "bf16"], "--precision"),
+    (["--precision", "fp16"], "--precision"),
     (["--out_dir", "."], "excludes"),
     (["--prompt", "a", "--prompt_file", "f"], "exclude each other"),
 ])

@@ -53,7 +53,7 @@ class Model:
     step: int | None = None
 
 
-GEN_PRECISIONS = ("fp32", "tf32")     # the decode kernels' (config.PRECISIONS has bf16 for training)
+GEN_PRECISIONS = ("fp32", "tf32", "bf16")     # the decode step's (Generator)
 
 
 def load_model(source: str, ckpt: str | None = None) -> Model:
@@ -97,24 +97,49 @@ def steps_needed(lengths, max_new: int, T: int) -> int:
 
 class Generator:
     """n_seq sequences of up to max_new new tokens each from one model. precision: "fp32" (the
-    default: a few small products a token, where TF32 buys little) or "tf32"."""
+    default: a few small products a token, where TF32 buys little), "tf32", or "bf16" (sm_90): the
+    products read a bf16 working copy of the weights (half the bytes a step reads), made once from
+    the loaded fp32 weights, and the activations they multiply and the KV cache are bf16; sums, the
+    residual stream, qkv, the softmax, the layernorm statistics and the logits stay fp32
+    (memory.plan_decode dtype bf16). The reference backend runs every precision in float64."""
 
     def __init__(self, model: Model, n_seq: int, max_new: int, backend: str = "cuda", precision: str = "fp32"):
         V = model.named["wte"].shape[0]
+        if precision not in GEN_PRECISIONS:
+            raise UsageError(f"precision must be {' or '.join(GEN_PRECISIONS)}, got {precision!r}")
         # the op families' scratch is sized for batch_size x block_size rows: batch_size covers the
         # n_seq rows a step multiplies
-        cfg = dataclasses.replace(model.cfg, batch_size=max(1, -(-n_seq // model.cfg.block_size)), max_iters=0,
-                                  dropout=0.0, backend=backend, graph=False, precision=precision, vocab_size=V)
-        self.be = be = backend_class(cfg)(cfg)
+        over = dict(batch_size=max(1, -(-n_seq // model.cfg.block_size)), max_iters=0, dropout=0.0, backend=backend,
+                    graph=False, precision=precision, vocab_size=V)
+        if precision == "bf16":
+            # the execution plan's rule for bf16 (the decode step has an attention of its own); the bf16
+            # products read rows of 16 bytes (the working copy's matrices, the activations they multiply)
+            over["attention"] = "fused"
+            if backend == "cuda" and model.cfg.n_embd % 8:
+                raise UsageError(f"precision bf16 needs n_embd a multiple of 8 (16-byte bf16 rows); this model's "
+                                 f"is {model.cfg.n_embd}: use --precision fp32 or tf32")
+        cfg = dataclasses.replace(model.cfg, **over)
+        try:
+            self.be = be = backend_class(cfg)(cfg)
+        except ValueError as e:            # the execution plan refuses: bf16 off sm_90
+            raise UsageError(f"precision {precision}: {e}") from None
         table = param_table(cfg, V)
         # the parameters, the KV cache, the decode buffers and the scratch: no gradients, Adam state
-        # or training activations
-        self.plan = plan_decode(cfg, table, V, n_seq, max_new, workspaces_for(cfg, be))
+        # or training activations (bf16: the products' operands and the cache in bf16, and the
+        # parameters' bf16 working copy)
+        dtype = be.exec.act_dtype
+        self.plan = plan_decode(cfg, table, V, n_seq, max_new, workspaces_for(cfg, be), dtype)
         check_fits(self.plan, be.free_bytes(), cfg, hints=[f"fewer sequences at once (now {n_seq})"])
         self.bufs = bufs = be.allocate(self.plan, table)
         be.upload(bufs.flat_params, flatten(table, model.named))
         self.model, self.cfg, self.n_seq, self.max_new = model, cfg, int(n_seq), int(max_new)
         self.d = bufs.acts
+        if "params_bf16" in self.d:
+            # the working copy of the weights as loaded, made once: nothing changes the parameters
+            # while the generator lives, so the replayed step does not remake it
+            be.begin("work_copy")
+            be.work_copy(self.d["params_bf16"], bufs.flat_params)
+            be.run(be.end())
         be.begin("decode")
         GPT(cfg, be, bufs, table, n_vocab=model.n_vocab).record_decode_step(self.d, model.n_vocab)
         self.program = be.end()
@@ -235,7 +260,7 @@ def parse_options(opts) -> dict:
     if out["backend"] not in (None, "cuda", "reference"):
         raise UsageError(f"--backend must be cuda or reference, got {out['backend']!r}")
     if out["precision"] not in GEN_PRECISIONS:
-        raise UsageError(f"--precision must be {' or '.join(GEN_PRECISIONS)} (generation has no bf16 path yet), got "
+        raise UsageError(f"--precision must be {', '.join(GEN_PRECISIONS[:-1])} or {GEN_PRECISIONS[-1]}, got "
                          f"{out['precision']!r}")
     return out
 

@@ -230,22 +230,25 @@ class GPT:
         """One position of every sequence with the KV cache (d: the views of memory.plan_decode):
         the logits of the token at ctx[:, pos], the next token drawn where the prompt is read,
         then pos advances. Nothing here depends on the position, so the recorded step serves
-        every token."""
-        o, p, cfg = self.ops, self.p, self.cfg
+        every token. The products read the weights through self.w: in a bf16 generation the
+        working copy (plan entry params_bf16), which the caller makes once from the loaded weights
+        (the parameters do not change between steps); the embedding rows, the layernorms and the
+        biases read the fp32 parameters."""
+        o, p, w, cfg = self.ops, self.p, self.w, self.cfg
         x, h = d["x"], d["h"]
         o.decode_embed(x, d["ctx"], p["wte"], p["wpe"], d["pos"])                # [S,C]
         for l in range(cfg.n_layer):
             n = f"h{l}."
             o.layernorm_fwd(h, d["h_mean"], d["h_rstd"], x, p[n + "ln1.w"], self._pb(n + "ln1.b"))
-            o.decode_linear(d["qkv"], h, p[n + "attn.w"], self._pb(n + "attn.b"))
+            o.decode_linear(d["qkv"], h, w[n + "attn.w"], self._pb(n + "attn.b"))
             o.decode_attention(d["y"], d["qkv"], d["kcache"][l], d["vcache"][l], cfg.n_head, d["pos"],
                                d["attn_part"])
-            o.decode_linear(x, d["y"], p[n + "proj.w"], self._pb(n + "proj.b"), "residual", x)
+            o.decode_linear(x, d["y"], w[n + "proj.w"], self._pb(n + "proj.b"), "residual", x)
             o.layernorm_fwd(h, d["h_mean"], d["h_rstd"], x, p[n + "ln2.w"], self._pb(n + "ln2.b"))
-            o.decode_linear(d["fc_act"], h, p[n + "fc.w"], self._pb(n + "fc.b"), "gelu", d["fc_pre"])
-            o.decode_linear(x, d["fc_act"], p[n + "fcproj.w"], self._pb(n + "fcproj.b"), "residual", x)
+            o.decode_linear(d["fc_act"], h, w[n + "fc.w"], self._pb(n + "fc.b"), "gelu", d["fc_pre"])
+            o.decode_linear(x, d["fc_act"], w[n + "fcproj.w"], self._pb(n + "fcproj.b"), "residual", x)
         o.layernorm_fwd(h, d["h_mean"], d["h_rstd"], x, p["lnf.w"], self._pb("lnf.b"))
-        o.decode_linear(d["logits"], h, p["wte"])                                   # [S,V]
+        o.decode_linear(d["logits"], h, w["wte"])                                   # [S,V]
         o.decode_sample(d, d["logits"], d["pos"], n_vocab)
         o.decode_advance(d["pos"], cfg.block_size)
 

@@ -185,13 +185,19 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
 
 
 def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int, max_new: int = 1,
-                workspaces: dict | None = None) -> MemoryPlan:
+                workspaces: dict | None = None, dtype: str = "f32") -> MemoryPlan:
     """Buffers of generation with a KV cache: S sequences, one position a step, up to block_size,
     and the device-side state of drawing up to max_new tokens each (kernels/decode.cu). The flat
     buffer is the parameters alone: no gradients, no Adam state, no training activations.
     workspaces (the op families' scratch {name: (shape, dtype)}): planned too, with the step state,
-    for a plan that is allocated on its own (Generator); None: the decode buffers only."""
+    for a plan that is allocated on its own (Generator); None: the decode buffers only.
+    dtype bf16: what the products read (the layernorm outputs h, the attention output y, the GELU
+    output and its pre-activation) and the KV cache in bf16, with the parameters' bf16 working copy
+    (params_bf16) the products and the head read; the residual stream x, qkv, the logits, the
+    statistics and the attention's partial results stay fp32."""
     S, T, C, L, H = n_seq, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head
+    if dtype not in ("f32", "bf16"):
+        raise ValueError(f"plan_decode: dtype {dtype!r} (f32 or bf16)")
     p = MemoryPlan(table, regions=("params",))
     p.add("ctx", (S, T + 1), "i32", "state", "the tokens of each sequence's cache window")
     p.add("fill", (S,), "i32", "state", "how many tokens of ctx are known (prompt, then drawn)")
@@ -203,18 +209,21 @@ def plan_decode(cfg, table: ParamTable, vocab_size: int, n_seq: int, max_new: in
     p.add("stop", (STOP_MAX,), "i32", "state", "the stop sequence")
     p.add("pos", (1,), "i32", "state", "the position being decoded")
     p.add("x", (S, C), "f32", "activation", "residual stream at this position")
-    p.add("h", (S, C), "f32", "activation", "a layernorm output")
+    p.add("h", (S, C), dtype, "activation", "a layernorm output")
     p.add("h_mean", (S,), "f32", "activation")
     p.add("h_rstd", (S,), "f32", "activation")
     p.add("qkv", (S, 3 * C), "f32", "activation")
-    p.add("y", (S, C), "f32", "activation", "attention output")
+    p.add("y", (S, C), dtype, "activation", "attention output")
     p.add("attn_part", (S, H, -(-T // DECODE_ATT_CHUNK), C // H + 2), "f32", "activation",
           "the split attention's partial results, a chunk of keys each")
-    p.add("fc_pre", (S, 4 * C), "f32", "activation")
-    p.add("fc_act", (S, 4 * C), "f32", "activation")
+    p.add("fc_pre", (S, 4 * C), dtype, "activation")
+    p.add("fc_act", (S, 4 * C), dtype, "activation")
     p.add("logits", (S, vocab_size), "f32", "activation")
-    p.add("kcache", (L, S, H, T, C // H), "f32", "activation", "keys of every layer, head and position")
-    p.add("vcache", (L, S, H, T, C // H), "f32", "activation", "values")
+    p.add("kcache", (L, S, H, T, C // H), dtype, "activation", "keys of every layer, head and position")
+    p.add("vcache", (L, S, H, T, C // H), dtype, "activation", "values")
+    if dtype == "bf16":
+        p.add("params_bf16", (table.total,), "bf16", "activation",
+              "the parameters' bf16 working copy, the products' (made once, from the loaded weights)")
     if workspaces is not None:
         p.add_workspaces(workspaces)
         p.add("state", (state.WORDS,), "i32", "state", "StepState (gptcuda/model/state.py)")

@@ -37,7 +37,8 @@ The rules, in one place:
   TMA, head sizes FLASH_BF16_HEAD_SIZES), at other head sizes the tf32 flash kernels on fp32 copies of
   qkv and y (attention.py).
 - Generation (sample.py) runs its own products: kernels/decode.cu decode_linear for up to 16 rows,
-  the GEMMs above beyond.
+  the GEMMs above beyond; in bf16 with bf16 operands (a working copy of the weights made once) and a
+  bf16 KV cache, the bf16 family writing qkv, the residual stream and the logits in fp32.
 
 - Derived here too: whether the memory plan holds the warpgroup-MMA scratch (`wgmma_scratch`), the products'
   mode on those kernels (`wgmma_mode`), flash_tc's dK / dV on warpgroup MMA (`dkv_on_wgmma`), the

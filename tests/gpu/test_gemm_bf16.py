@@ -61,22 +61,31 @@ def test_bf16_layouts(bf16_rt, tile, ta, tb, M, N, K):
 
 
 @gpu
+@pytest.mark.parametrize("out", ["bf16", "f32"])
 @pytest.mark.parametrize("epi,has_bias", [("none", True), ("gelu", True), ("gelu", False), ("residual", True),
                                           ("residual", False)])
-def test_bf16_forward_epilogues(bf16_rt, epi, has_bias):
+def test_bf16_forward_epilogues(bf16_rt, epi, has_bias, out):
+    """x @ W^T into bf16 (activations) or fp32 (a bf16 generation's qkv, residual stream and logits: C and
+    aux fp32, the GELU output from the fp32 pre-activation)."""
     rt, rng = bf16_rt, np.random.default_rng(7)
     M, N, K = 520, 392, 264
     a, b, prod = _operands(rt, rng, False, True, M, N, K)
     bias = rng.standard_normal(N).astype(np.float32) if has_bias else None
     pre = prod + (bias.astype(np.float64) if has_bias else 0.0)
-    c = rt.empty((M, N), "bf16")
+    c = rt.empty((M, N), out)
     if epi == "residual":
         r64 = bf16.round_f32(rng.standard_normal((M, N))).astype(np.float64)
-        aux = rt.upload(r64, "bf16")
+        aux = rt.upload(r64, out)
         pre = pre + r64
     else:
-        aux = rt.empty((M, N), "bf16") if epi == "gelu" else None
+        aux = rt.empty((M, N), out) if epi == "gelu" else None
     gemm.matmul(rt, c, a, b, False, True, bias=rt.upload(bias) if has_bias else None, epilogue=epi, aux=aux)
+    if out == "f32":
+        want = ref.gelu_forward(pre) if epi == "gelu" else pre
+        assert rel_err(rt.download(c), want) <= FP32_TOL
+        if epi == "gelu":
+            assert rel_err(rt.download(aux), pre) <= FP32_TOL
+        return
     got = bf16.values(rt.download(c)).astype(np.float64)
     if epi == "gelu":
         stored = bf16.values(rt.download(aux)).astype(np.float64)
@@ -149,8 +158,8 @@ def test_bf16_dtype_refusals():
     a, b = _fake((256, 128), "bf16", 1 << 30), _fake((256, 128), "bf16", 1 << 32)
     with pytest.raises(TypeError, match="take bf16 operands"):
         gemm.matmul(rt, _fake((256, 256), "bf16", 1 << 34), _fake((256, 128), "f32", 1 << 30), b, False, True)
-    with pytest.raises(ValueError, match="into f32"):      # x @ W^T writes bf16 activations
-        gemm.matmul(rt, _fake((256, 256), "f32", 1 << 34), a, b, False, True)
+    with pytest.raises(ValueError, match="into f32"):      # dY @ W writes bf16 activation gradients
+        gemm.matmul(rt, _fake((256, 128), "f32", 1 << 34), a, _fake((128, 128), "bf16", 1 << 32), False, False)
     with pytest.raises(TypeError, match="aux of out's type"):
         gemm.matmul(rt, _fake((256, 256), "bf16", 1 << 34), a, b, False, True, epilogue="residual",
                     aux=_fake((256, 256), "f32", 1 << 36))

@@ -12,12 +12,18 @@
     decode_linear(rt, out[M,N], a[M,K], w[N,K], bias, epilogue, aux)   matmul(out, a, w, trans_b=True, ...)
         up to LINEAR_ROWS rows: a warp a column, each weight read once (a decode step is memory bound);
         more rows: the GEMM (gemm.matmul)
+
+Element types, chosen by the views' dtypes: fp32 throughout, or a bf16 generation's (memory.plan_decode
+dtype bf16): the weights (the bf16 working copy) and the activations the products read (a) bf16, the
+products' outputs fp32 (qkv, the residual stream, the logits) or bf16 (the GELU output and its saved
+pre-activation), the KV cache and the attention's output y bf16, qkv and the partial results fp32. The
+bias, the layernorm parameters, the embeddings and every sum stay fp32.
 """
 from __future__ import annotations
 
 import math
 
-from gptcuda.ops.cuda import cdiv, expression, gemm
+from gptcuda.ops.cuda import cdiv, expression, fp32_only, gemm, kernel_types, type_codes
 from gptcuda.model.memory import DECODE_ATT_CHUNK as ATT_CHUNK
 from gptcuda.runtime import RuntimeProtocol, f32, i32
 
@@ -34,28 +40,39 @@ LINEAR_WARPS = 8
 LINEAR_EPILOGUES = {"none": 0, "gelu": 2, "residual": 3}    # gemm_epilogue.cuh GEMM_EPI_*
 EMBED_NAME = expression("decode_embed", EMBED_THREADS)
 SAMPLE_NAME = expression("decode_sample", SAMPLE_THREADS)
+# The dtypes each kernel is compiled for, in the order of its views: decode_linear (a, w, out; aux is
+# out's type): fp32, or bf16 operands into fp32 (qkv, the residual stream, the logits) or into bf16 (the
+# GELU output); the attention (qkv, kcache, vcache, y): fp32, or qkv fp32 with a bf16 cache and output.
+LINEAR_TYPES = (("f32", "f32", "f32"), ("bf16", "bf16", "f32"), ("bf16", "bf16", "bf16"))
+ATT_TYPES = (("f32", "f32", "f32", "f32"), ("f32", "bf16", "bf16", "bf16"))
 
 
-def attention_names(hs: int) -> tuple:
-    """decode_attention<HS, ATT_THREADS, ATT_CHUNK> and decode_attention_combine<HS, THREADS, ATT_CHUNK>
-    (a thread a dimension, a warp at least), and the combine's threads."""
+def attention_names(hs: int, types=ATT_TYPES[0]) -> tuple:
+    """decode_attention<HS, ATT_THREADS, ATT_CHUNK, KT> and decode_attention_combine<HS, THREADS,
+    ATT_CHUNK, YT> (a thread a dimension, a warp at least) for the dtypes `types` (ATT_TYPES: the cache's
+    KT, y's YT), and the combine's threads."""
     threads = max(hs, 32)
-    return (expression("decode_attention", hs, ATT_THREADS, ATT_CHUNK),
-            expression("decode_attention_combine", hs, threads, ATT_CHUNK), threads)
+    _, kt, _, yt = type_codes(types)
+    return (expression("decode_attention", hs, ATT_THREADS, ATT_CHUNK, kt),
+            expression("decode_attention_combine", hs, threads, ATT_CHUNK, yt), threads)
 
 
-def linear_name(mt: int, epi: int) -> str:
-    return expression("decode_linear", mt, epi, LINEAR_WARPS, LINEAR_BLOCK_COLS[mt], sep=", ")
+def linear_name(mt: int, epi: int, types=LINEAR_TYPES[0]) -> str:
+    """decode_linear<MT, EPI, WARPS, COLS, DT, OUT> for the dtypes (a, w, out) of LINEAR_TYPES."""
+    dt, _, out = type_codes(types)
+    return expression("decode_linear", mt, epi, LINEAR_WARPS, LINEAR_BLOCK_COLS[mt], dt, out, sep=", ")
 
 
 VARIANTS = ([(FILE, EMBED_NAME, {}), (FILE, SAMPLE_NAME, {}), (FILE, "decode_advance", {})]
-            + [(FILE, n, {}) for hs in HEAD_SIZES for n in attention_names(hs)[:2]]
-            + [(FILE, linear_name(mt, e), {}) for mt in LINEAR_ROWS for e in LINEAR_EPILOGUES.values()])
+            + [(FILE, n, {}) for types in ATT_TYPES for hs in HEAD_SIZES for n in attention_names(hs, types)[:2]]
+            + [(FILE, linear_name(mt, e, types), {}) for types in LINEAR_TYPES for mt in LINEAR_ROWS
+               for e in LINEAR_EPILOGUES.values()])
 
 
 def decode_embed(rt: RuntimeProtocol, out, ctx, wte, wpe, pos):
     S, C = int(out.shape[0]), int(out.shape[-1])
     T = int(ctx.shape[1]) - 1
+    fp32_only("decode_embed", out=out, wte=wte, wpe=wpe)       # a row a sequence: the fp32 parameters
     rt.launch(rt.function(FILE, EMBED_NAME), (cdiv(S * C, EMBED_THREADS),), (EMBED_THREADS,),
               [out, ctx, wte, wpe, pos, i32(S), i32(C), i32(T)], label="decode_embed")
 
@@ -74,7 +91,8 @@ def decode_attention(rt: RuntimeProtocol, y, qkv, kcache, vcache, n_head, pos, p
     n = attention_chunks(Tmax)
     if tuple(part.shape) != (S, n_head, n, hs + 2):
         raise ValueError(f"decode_attention: part {part.shape}, expected {(S, n_head, n, hs + 2)}")
-    att, combine, combine_threads = attention_names(hs)
+    types = kernel_types("decode_attention", ATT_TYPES, qkv=qkv, kcache=kcache, vcache=vcache, y=y)
+    att, combine, combine_threads = attention_names(hs, types)
     rt.launch(rt.function(FILE, att), (n, n_head, S), (ATT_THREADS,),
               [part, qkv, kcache, vcache, pos, i32(n_head), i32(Tmax), f32(1.0 / math.sqrt(hs))],
               label="decode_attention")
@@ -87,6 +105,8 @@ def decode_sample(rt: RuntimeProtocol, g, logits, pos, n_vocab):
     T, N = int(g["ctx"].shape[1]) - 1, int(g["out"].shape[1])
     if not 0 < n_vocab <= Vp:
         raise ValueError(f"decode_sample: n_vocab {n_vocab} must be in 1..{Vp}")
+    if logits.dtype != "f32":
+        raise ValueError(f"decode_sample: logits must be f32 (the draw reads fp32 logits), got {logits.dtype}")
     rt.launch(rt.function(FILE, SAMPLE_NAME), (S,), (SAMPLE_THREADS,),
               [g["ctx"], g["fill"], g["out"], g["n_out"], g["done"], g["emit"], logits, pos, g["opts"], g["stop"],
                i32(S), i32(Vp), i32(n_vocab), i32(T), i32(N)], label="decode_sample")
@@ -107,7 +127,11 @@ def decode_linear(rt: RuntimeProtocol, out, a, w, bias=None, epilogue="none", au
     if (epilogue != "none") != (aux is not None) or tuple(out.shape) != (M, N) or int(w.shape[1]) != K:
         raise ValueError(f"decode_linear: out {out.shape}, a {a.shape}, w {w.shape}, epilogue {epilogue}, "
                          f"aux {'given' if aux is not None else 'none'}")
+    types = kernel_types("decode_linear", LINEAR_TYPES, a=a, w=w, out=out)
+    if aux is not None and aux.dtype != out.dtype:
+        raise ValueError(f"decode_linear: aux {aux.dtype} must be of out's type ({out.dtype})")
+    fp32_only("decode_linear", bias=bias)
     mt = next(r for r in LINEAR_ROWS if M <= r)
     cols = LINEAR_BLOCK_COLS[mt]
-    rt.launch(rt.function(FILE, linear_name(mt, LINEAR_EPILOGUES[epilogue])), (cdiv(N, cols),),
+    rt.launch(rt.function(FILE, linear_name(mt, LINEAR_EPILOGUES[epilogue], types)), (cdiv(N, cols),),
               (32 * LINEAR_WARPS,), [out, aux, a, w, bias, i32(M), i32(N), i32(K)], label="decode_linear")

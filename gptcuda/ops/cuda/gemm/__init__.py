@@ -21,7 +21,8 @@ In fp32 (fp32_gemm 3xtf32) "wgmma3_ra" runs the op interface's products as three
 and lo halves split in the kernel (A in the consumers' registers, B in shared memory by the producers).
 Precision "bf16" (sm_90 only) has one family, "bf16": the TF32 persistent kernel with bf16 operands,
 every layout read as stored (no re-layout, no scratch), C bf16 for x @ W^T and dY @ W and fp32 for the
-weight gradients (BF16_OUTS); a bf16 C is one product (no split-K: its reduction writes fp32).
+weight gradients and for x @ W^T (a bf16 generation's fp32 outputs) (BF16_OUTS); a bf16 C is one product
+(no split-K: its reduction writes fp32).
 The block tile and the split-K factor of a shape come from the measured table of bench/tune.py when it
 has an entry for (precision, transposes, epilogue, M, N, K, batch) on this GPU and these kernel sources
 (`tuned_plan`; measured on a run's first use of a GPU: tune.py `autotune`), else from a cost model

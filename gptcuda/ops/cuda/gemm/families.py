@@ -123,11 +123,12 @@ WGMMA3_RA_EFFICIENCY = dict(zip(WGMMA3_RA_TILES, (2.0, 1.5)))
 # read as stored: an operand stored [K, rows] is MN-major in shared memory and read through the
 # instruction's transpose bits, so nothing is re-laid out and no scratch is planned. C (and aux) are
 # bf16 where a product makes activations (NT, NN) and fp32 for the weight gradients (TN; their split-K
-# partials too). Rates relative to TF32_FLOPS_PER_SM (BF16's dense peak is twice TF32's) from
+# partials too); x @ W^T (NT) also into fp32, for a bf16 generation's products whose outputs stay fp32
+# (qkv, the residual stream, the logits: gptcuda/ops/cuda/decode.py). Rates relative to TF32_FLOPS_PER_SM (BF16's dense peak is twice TF32's) from
 # bench/bf16_gemm.py on the H200: 445-782 TFLOP/s at GPT-2's large products (bench/NOTES.md 2026-12-02).
 BF16_TILES = ((128, 256, 4), (256, 128, 4), (128, 192, 4), (128, 128, 4))
 BF16_EFFICIENCY = dict(zip(BF16_TILES, (3.3, 3.2, 3.2, 2.9)))
-BF16_OUTS = {"NT": ("bf16",), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
+BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
 BF16_K_TILE = 64
 
 # A rough machine model (H200-like) of the peak rates, only used to rank candidate plans.
