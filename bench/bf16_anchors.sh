@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The BF16 issue's speed rows beside their anchors, one group a device call (a row is compared only with
+# anchors timed in the same call). Ours: bench/step.py (CUDA-event medians of the captured step, the SM
+# clock before and after); PyTorch: torch_reference.py shape (SHAPE_MODES: bf16c = torch.compile + bf16
+# autocast with fp32 weights, tf32c = torch.compile in TF32); llm.c: llmc_anchor.sh (FP32 = TF32 cuBLAS,
+# and BF16). The anchor scripts are read from .devcarry/reference/, llm.c from .devcarry/llmc.
+#   GROUP=gpt2  bash bench/bf16_anchors.sh   # GPT-2 124M B8 and B16 bf16, B8 tf32; PyTorch; llm.c
+#   GROUP=small bash bench/bf16_anchors.sh   # char B64 T256 and B16 T2048 (dropout 0.2) bf16, tf32, fp32
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
+G=/tmp/shakespeare_gpt2
+ours() {
+  local tag=$1; shift
+  echo "== ours $tag: bench/step.py $*"
+  python3 bench/step.py "$@" --iters ${ITERS:-30} --json "$OUT/ours_$tag.json" > "$OUT/ours_$tag.log" 2>&1
+  grep -E "graph :|SM clock|rror" "$OUT/ours_$tag.log"
+}
+torch_shape() {      # SHAPES SHAPE_MODES DROPOUT tag
+  echo "== PyTorch shape: SHAPES=$1 SHAPE_MODES=$2 DROPOUT=$3"
+  mkdir -p "$OUT/torch_$4"
+  (cd "$OUT/torch_$4" && SHAPES="$1" SHAPE_MODES="$2" DROPOUT=$3 OUT="$OUT/torch_$4" \
+    python3 "$OLDPWD/.devcarry/reference/torch_reference.py" shape 2>&1 | tail -12)
+}
+echo "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader)"
+case ${GROUP:-gpt2} in
+  gpt2)
+    [ -f $G/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 --out $G > /dev/null 2>&1
+    for B in 8 16; do
+      ours gpt2_b${B}_bf16 configs/gpt2_124m.yaml --data=$G --val_data= --total_batch_tokens=0 --batch_size=$B
+    done
+    ours gpt2_b8_tf32 configs/gpt2_124m_tf32.yaml --data=$G --val_data= --total_batch_tokens=0 --batch_size=8
+    torch_shape "8,1024,12,12,768,50304;16,1024,12,12,768,50304" bf16c,tf32c 0 gpt2
+    rm -rf /tmp/llmc && cp -r .devcarry/llmc /tmp/llmc
+    bash .devcarry/reference/llmc_anchor.sh /tmp/llmc 8 16 2>&1 | tail -14
+    ;;
+  small)
+    ours char_bf16 configs/ctx256_bf16.yaml
+    ours char_tf32 configs/ctx256_tf32.yaml
+    ours char_fp32 configs/ctx256_tf32.yaml --precision=fp32
+    ours ctx2048_bf16 configs/ctx2048_bf16.yaml
+    ours ctx2048_tf32 configs/ctx2048_tf32.yaml
+    torch_shape "64,256,6,6,384;16,2048,6,6,384" bf16c 0.2 small
+    ;;
+  *) echo "unknown GROUP ${GROUP}"; exit 2 ;;
+esac
+echo "end: $(nvidia-smi --query-gpu=clocks.sm --format=csv,noheader)"
