@@ -171,6 +171,10 @@ struct FbBlock {
 };
 
 #define FB_PLAN int THREADS, int BM, int BN, int NS, int SMEM
+// fwd: the rows' reference max m moves only when a tile's max passes it by more than 2^8 (log2 units),
+// as flash_tc's forward does: P = exp2(S - m) <= 2^8 (bf16 keeps its relative precision there), and most
+// tiles skip the rescaling of O and l
+#define FB_RESCALE_LOG2 8.f
 #define FB_ARGS_DROP const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float inv_keep, float scale, \
                      int T, int H
 
@@ -221,27 +225,36 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
             wg_wait<0>();
             wg_fence_acc(sc);
             const bool edge = k0 + BN - 1 > wr0;           // the tile reaches past the warp's first query
-            float mx[2] = {m[0], m[1]};
+            float mx[2] = {ninf, ninf};                    // the rows' max of the raw scores
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float x = sc[4 * j + e] * sl2;
+                    float x = sc[4 * j + e];
                     if (edge && k0 + 8 * j + 2 * k.q + (e & 1) > wr0 + k.g + 8 * (e >> 1)) x = ninf;
                     sc[4 * j + e] = x;
                     mx[e >> 1] = fmaxf(mx[e >> 1], x);
                 }
+            bool grow = false;
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
                 mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-                const float alpha = fa_exp2(m[hh] - mx[hh]);   // 0 on tile 0 (m = -inf; key 0 is finite)
-                m[hh] = mx[hh];
-                l[hh] *= alpha;
+                mx[hh] *= sl2;                             // (finite: every row sees key k0 of a tile it reads)
+                grow |= mx[hh] > m[hh] + FB_RESCALE_LOG2;
+            }
+            if (__any_sync(0xffffffffu, grow)) {           // move the reference max (always on tile 0)
 #pragma unroll
-                for (int j = 0; j < HS / 8; ++j) {
-                    o[4 * j + 2 * hh] *= alpha;
-                    o[4 * j + 2 * hh + 1] *= alpha;
+                for (int hh = 0; hh < 2; ++hh) {
+                    const float mnew = fmaxf(m[hh], mx[hh]);
+                    const float alpha = fa_exp2(m[hh] - mnew);   // 0 on tile 0 (m = -inf)
+                    m[hh] = mnew;
+                    l[hh] *= alpha;
+#pragma unroll
+                    for (int j = 0; j < HS / 8; ++j) {
+                        o[4 * j + 2 * hh] *= alpha;
+                        o[4 * j + 2 * hh + 1] *= alpha;
+                    }
                 }
             }
 #pragma unroll
@@ -252,7 +265,7 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
                     if (DROP) kw = gc_keep_word(key, rpair + (u32)(8 * hh) * Th + (u32)((k0 >> 1) + 4 * j));
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        float p = fa_exp2(sc[4 * j + 2 * hh + e] - m[hh]);
+                        float p = fa_exp2(fmaf(sc[4 * j + 2 * hh + e], sl2, -m[hh]));   // <= 2^FB_RESCALE_LOG2
                         l[hh] += p;
                         if (DROP && gc_keep_half(kw, e) < threshold) p = 0.f;   // 1/(1-p) on O at the end
                         sc[4 * j + 2 * hh + e] = p;
