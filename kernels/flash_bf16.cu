@@ -448,6 +448,13 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
         k.wait_full(it);
         if (i0 + BN - 1 >= wg_first) {                     // some query of the tile sees a key of the warpgroup
             const unsigned qt = k.stage(it), dot = qt + F::ST;
+            float l2[BN / 4], Dq[BN / 4];                  // the thread's columns' lse (log2 units) and D,
+#pragma unroll                                             // read while the products run
+            for (int c = 0; c < BN / 4; ++c) {
+                const int i = i0 + 8 * (c >> 1) + 2 * k.q + (c & 1);
+                l2[c] = i < T ? lse_h[i] * FA_LOG2E : __int_as_float(0x7f800000);
+                Dq[c] = i < T ? D_h[i] : 0.f;
+            }
             float sc[BN / 2], dp[BN / 2];
             fb_mma_ss<HS, BM, BN>(sc, ka, qt);               // S^T = K Q^T
             wg_fence_acc(dp);
@@ -465,12 +472,11 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
 #pragma unroll
                 for (int e2 = 0; e2 < 2; ++e2) {
                     const int i = i0 + 8 * j + 2 * k.q + e2;   // the column's query
-                    const float l2 = i < T ? lse_h[i] * FA_LOG2E : __int_as_float(0x7f800000);
-                    const float Di = i < T ? D_h[i] : 0.f;
+                    const float l2i = l2[2 * j + e2], Di = Dq[2 * j + e2];
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
                         const int c = 4 * j + 2 * hh + e2, kk = kw0 + k.g + 8 * hh;   // the row's key
-                        float p = fa_exp2(sc[c] * sl2 - l2);
+                        float p = fa_exp2(fmaf(sc[c], sl2, -l2i));
                         if (edge && kk > i) p = 0.f;
                         float d = dp[c], pd = p;
                         if (DROP) {                        // keys 2c' and 2c' + 1 of query i share a word
