@@ -2,8 +2,9 @@
 float64 simulation of the CUDA bf16 path: the reference backend with every value the CUDA path stores
 or reads in bf16 rounded to nearest even where it does (`Bf16Sim`). Its gradient against the exact
 float64 one stays inside the model at the GPU test's shapes; the bf16 mode's code path (finite
-differences on a second engine) passes it and catches --break=layernorm; the command line's bf16
-errors are one line."""
+differences on a second engine) passes it and catches --break=layernorm; the golden test's bf16
+tolerances (tests/gpu/test_golden.py) hold for it on configs/tiny.yaml; the command line's bf16 errors
+are one line."""
 import dataclasses
 import math
 
@@ -20,8 +21,10 @@ from gptcuda.model.params import param_table
 from gptcuda.ops.reference import ops as R
 from gptcuda.ops.reference.backend import ReferenceBackend, _2d
 from gptcuda.runtime import bf16 as B16
+from gptcuda.runtime import execution
 from gptcuda.training import gradcheck as gc
-from gptcuda.training.engine import Engine
+from gptcuda.training.engine import Engine, plan_for
+from tests.gpu import test_golden as golden
 from tests.gpu.test_gradcheck_gpu import BF16_BREAK_CASE, BF16_BREAK_FAILS, BF16_CASES
 
 U = 2.0 ** -8
@@ -416,6 +419,36 @@ def test_gpu_engines_record_on_a_fake_device(case):
     e = Engine(fcfg, toks, toks[:200], V72, backend=CudaBackend(fcfg, rt=rt32), programs=("forward_train",),
                n_vocab=65, tune=False)
     assert e.exec.precision == "fp32" and e.bufs.acts["res"].dtype == "f32"
+
+
+# ---- the golden test's bf16 case ------------------------------------------------------------------
+
+def test_golden_bf16_case_is_well_formed():
+    """The golden test's bf16 overrides resolve on configs/tiny.yaml for the CUDA backend: bf16 on the
+    warpgroup-MMA family, fused attention, the vocabulary 65 -> 72, a bf16 memory plan."""
+    cfg = load_config(str(ROOT / "configs/tiny.yaml"), golden.BF16 + ["--backend=cuda", "--max_iters=10"])
+    ex = execution.resolve(cfg, arch="sm_90")
+    assert (ex.precision, ex.gemm_family, ex.attention, ex.act_dtype) == ("bf16", "bf16", "flash_tc", "bf16")
+    V = model_vocab(cfg, DATA.vocab_size)
+    assert V == 72 and V % 8 == 0
+    plan = plan_for(cfg, V)
+    assert plan["logits"].shape == (4, 16, 72) and plan["logits"].dtype == "bf16"
+    assert plan["params_bf16"].dtype == "bf16"
+    with pytest.raises(ValueError):
+        execution.resolve(cfg, arch="sm_80")             # bf16 needs the H200's warpgroup MMA
+
+
+def test_golden_bf16_tolerances_hold_for_the_simulation():
+    """The golden test's bf16 comparison run between the simulation and the float64 reference: logits,
+    every gradient and ten AdamW losses within its tolerances, each within 2/3 of its bound (room for
+    what the GPU does otherwise: fp32 arithmetic, another summation order, TF32 attention today)."""
+    cfg = load_config(str(ROOT / "configs/tiny.yaml"), golden.BF16 + [
+        f"--data={ROOT / 'data/tinyshakespeare/input.txt'}", "--backend=reference", "--max_iters=10"])
+    progs = ("train", "forward", "fwdbwd")
+    sim, ref = engine(cfg, True, progs), engine(cfg, False, progs)
+    ratios = golden.compare_bf16(sim, ref, DATA)
+    assert max(ratios.values()) <= 2 / 3, ratios
+    assert min(ratios.values()) > 0.0, ratios                 # the simulation differs: the check saw something
 
 
 # ---- the command line ------------------------------------------------------------------------------
