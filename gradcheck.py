@@ -3,6 +3,7 @@
     python gradcheck.py                                   # configs/tiny.yaml on the GPU
     python gradcheck.py configs/tiny.yaml --backend=reference
     python gradcheck.py configs/tiny.yaml --precision=tf32 --attention=fused
+    python gradcheck.py --precision=bf16 --attention=fused --vocab_multiple=8
     python gradcheck.py --break=layernorm                 # must FAIL upstream of the final layernorm
     python gradcheck.py --tensors=h0.attn.w,lnf.w         # only these tensors
 
@@ -14,6 +15,9 @@ relative error and the verdict; the exit code is 1 when any tensor fails.
 With --precision=tf32 the finite differences are taken on an fp32 forward (3xTF32 GEMMs) of the
 same weights, batch and dropout masks, against a tolerance from TF32's error model, and the two
 largest entries of each tensor are checked as well (gptcuda/training/gradcheck.py says why and how much).
+--precision=bf16 likewise, against BF16's error model (every bf16 store and operand rounded to nearest,
+counted along the longest path), checking the eight largest entries; bf16 runs fused attention on an
+sm_90 GPU, with a vocabulary that is a multiple of 8 (--vocab_multiple=8 for the character models).
 """
 import sys
 

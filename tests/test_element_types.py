@@ -232,12 +232,14 @@ def test_layernorm_refuses_types_without_a_kernel(rt):
 
 def test_layernorm_variants_are_the_tables():
     """VARIANTS: every NV, bias and fusion of each FWD_TYPES / BWD_TYPES entry, not the types' cross
-    product; the deliberately wrong backward in fp32 only."""
+    product; the deliberately wrong backward in fp32 and all bf16 (the fp32 / tf32 and the bf16 models')."""
     plain = {n for f, n, d in ln.VARIANTS if not d}
     fwd = {n for n in plain if n.startswith("layernorm_fwd")}
     bwd = {n for n in plain if n.startswith("layernorm_bwd")}
     assert len(fwd) == len(ln.FWD_TYPES) * (ln.MAX_NV * 4 + 2) and len(bwd) == len(ln.BWD_TYPES) * (ln.MAX_NV + 1) * 4
-    assert all(n.endswith(", 0, 0, 0, 0>") for f, n, d in ln.VARIANTS if d)
+    broken = [n for f, n, d in ln.VARIANTS if d]
+    assert all(n.endswith((", 0, 0, 0, 0>", ", 1, 1, 1, 1>")) for n in broken)
+    assert len(broken) == len(set(broken)) == 2 * (ln.MAX_NV + 1) * 4
     assert len(plain) == sum(1 for v in ln.VARIANTS if not v[2])                     # no variant twice
 
 

@@ -219,11 +219,3 @@ def test_bad_options_are_one_line(args, word):
     assert p.returncode == 2, p
     assert len(p.stderr.strip().splitlines()) == 1 and word in p.stderr and "Traceback" not in p.stderr
     assert p.stdout == ""
-
-
-def test_bf16_is_refused_until_it_has_an_error_model(capsys):
-    """gradcheck's soundness rests on an error model per precision (SETTINGS); bf16 has none yet: one
-    line, exit 2, before any engine is built."""
-    import gradcheck as script
-    assert script.main(["--precision=bf16", "--attention=fused", "--vocab_multiple=8"]) == 2
-    assert "no error model for precision bf16" in capsys.readouterr().err

@@ -71,9 +71,11 @@ VARIANTS = (
     [(FILE, fwd_name(nv, b, r, t), {}) for t in FWD_TYPES for nv in _NVS for b in _TF for r in _TF if nv or not r]
     + [(FILE, bwd_name(nv, b, d, t), {}) for t in BWD_TYPES for nv in _NVS for b in _TF for d in _TF]
 )
-# the deliberately wrong backward of gradcheck.py --break=layernorm (gptcuda/faults.py), fp32 only
+# the deliberately wrong backward of gradcheck.py --break=layernorm (gptcuda/faults.py), in the element
+# types of the fp32 / tf32 models and of the bf16 model (all bf16)
 BROKEN = {"GC_BREAK_LAYERNORM": 1}
-VARIANTS += [(FILE, bwd_name(nv, b, d), BROKEN) for nv in _NVS for b in _TF for d in _TF]
+BROKEN_TYPES = BWD_TYPES[:2]
+VARIANTS += [(FILE, bwd_name(nv, b, d, t), BROKEN) for t in BROKEN_TYPES for nv in _NVS for b in _TF for d in _TF]
 
 
 def workspace(cfg, ex=None) -> dict:
@@ -149,8 +151,9 @@ def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=
     fp32_only("layernorm_bwd", dw=dw, db=db, mean=mean, rstd=rstd, w=w)
     types = kernel_types("layernorm_bwd", BWD_TYPES, dout=dout, x=x, dx=dx,
                          dropped=drop[0] if drop is not None else None)
-    if "layernorm" in faults.broken and types != BWD_TYPES[0]:
-        raise ValueError("layernorm_bwd: the deliberately wrong backward (gradcheck --break=layernorm) is fp32 only")
+    if "layernorm" in faults.broken and types not in BROKEN_TYPES:
+        raise ValueError("layernorm_bwd: the deliberately wrong backward (gradcheck --break=layernorm) is fp32 or "
+                         "all bf16 only")
     dflag, dargs = _drop_args(rt, drop, N, C)
     nv = _nv(C, dx, dout, x, w, drop[0] if drop is not None else None)
     G = min(cdiv(N, WARPS), MAX_BLOCKS) if nv else min(N, MAX_BLOCKS)
