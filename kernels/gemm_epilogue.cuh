@@ -44,7 +44,7 @@ __device__ __forceinline__ float gemm_gelu_grad(float x) {
 
 // gemm_gelu and gemm_gelu_grad with the exponential and the reciprocal as single approximate
 // instructions (ex2.approx, rcp.approx: relative errors near 2^-22), for a bf16 C, whose rounding
-// (2^-9) they leave as it is; the full-precision forms cost as much as the product itself there
+// (within 2^-8 of a value) they leave as it is; the full-precision forms cost as much as the product itself there
 // (a 256 x 128 tile's epilogue ran as long as its k loop). Limits as above: x -> -inf gives -0
 // (1 + e = inf), +inf stays, NaN stays NaN.
 __device__ __forceinline__ float gemm_ex2_fast(float x) {

@@ -125,7 +125,7 @@ class ExecutionPlan:
     def check_tolerance(self) -> float:
         """Largest relative difference between two correct candidate plans of one product (gemm/tune.py
         checks each against the cost model's): TF32 truncating (wgmma) against rounding (mma.sync)
-        operands ~1e-3; fp32 (SIMT against 3xTF32) ~1e-7; bf16 outputs rounded to 2^-9 of a value."""
+        operands ~1e-3; fp32 (SIMT against 3xTF32) ~1e-7; bf16 outputs rounded to within 2^-8 of a value."""
         return {"tf32": 2e-3, "bf16": 1e-2}.get(self.precision, 1e-5)
 
     @property

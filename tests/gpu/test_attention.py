@@ -19,8 +19,9 @@ SITE = rng.dropout_site(2, 0)
 FP32_FWD, FP32_BWD = 2e-5, 5e-5
 TF32_FWD, TF32_BWD = 2e-3, 3e-3
 # bf16 (flash_bf16): the inputs are bf16 values (exact), every sum fp32; what rounds is P (fwd), Pd and
-# dS (bwd) to bf16 before the second products and y / dqkv once at the end, each a relative 2^-9: four
-# and six unit roundoffs, as tf32's tolerances are of its 2^-11; lse is fp32 throughout.
+# dS (bwd) to bf16 before the second products and y / dqkv once at the end, each within 2^-8 (bf16's
+# unit roundoff: 8 significant bits): two and three unit roundoffs (tf32's tolerances are four and six
+# of its 2^-11); lse is fp32 throughout.
 BF16_FWD, BF16_BWD, BF16_LSE = 4 * 2.0 ** -9, 6 * 2.0 ** -9, 1e-5
 
 
