@@ -96,6 +96,14 @@ __device__ __forceinline__ void fb_mma_ss(float (&d)[N / 2], unsigned a, unsigne
 #pragma unroll
     for (int s = 0; s < HS / 16; ++s) WgBf16<N>::template mma<0, 0>(d, fb_desc_k<RA>(a, s), fb_desc_k<N>(b, s), s > 0);
 }
+// row g + 8 hh of a warp's accumulators over the head's columns (HS / 2 of them), times f, as bf16 pairs
+// into the row whose column 2q is at r
+template <int HS>
+__device__ __forceinline__ void fb_store_row(bf16* r, const float (&a)[HS / 2], int hh, float f) {
+    unsigned* u = reinterpret_cast<unsigned*>(r);
+#pragma unroll
+    for (int j = 0; j < HS / 8; ++j) u[4 * j] = bf16x2_rn(a[4 * j + 2 * hh] * f, a[4 * j + 2 * hh + 1] * f);
+}
 __device__ __forceinline__ void fb_regs_producer() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
 __device__ __forceinline__ void fb_regs_consumer() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory"); }
 
@@ -288,10 +296,7 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
         L += __shfl_xor_sync(0xffffffffu, L, 2);
         const int i = wr0 + k.g + 8 * hh;
         if (i < T) {
-            const float f = (DROP ? inv_keep : 1.f) / L;
-            unsigned* yr = reinterpret_cast<unsigned*>(y + ((long long)k.b * T + i) * k.C + k.h * HS + 2 * k.q);
-#pragma unroll
-            for (int j = 0; j < HS / 8; ++j) yr[4 * j] = bf16x2_rn(o[4 * j + 2 * hh] * f, o[4 * j + 2 * hh + 1] * f);
+            fb_store_row<HS>(y + ((long long)k.b * T + i) * k.C + k.h * HS + 2 * k.q, o, hh, (DROP ? inv_keep : 1.f) / L);
             if (k.q == 0) lse[(long long)k.bh * T + i] = m[hh] * FA_LN2 + logf(L);
         }
     }
@@ -390,11 +395,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int i = wr0 + k.g + 8 * hh;
-        if (i < T) {
-            unsigned* r = reinterpret_cast<unsigned*>(dqkv + ((long long)k.b * T + i) * 3 * k.C + k.h * HS + 2 * k.q);
-#pragma unroll
-            for (int j = 0; j < HS / 8; ++j) r[4 * j] = bf16x2_rn(dq[4 * j + 2 * hh] * scale, dq[4 * j + 2 * hh + 1] * scale);
-        }
+        if (i < T) fb_store_row<HS>(dqkv + ((long long)k.b * T + i) * 3 * k.C + k.h * HS + 2 * k.q, dq, hh, scale);
     }
 #else
     __trap();
@@ -507,13 +508,9 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     for (int hh = 0; hh < 2; ++hh) {
         const int kk = kw0 + k.g + 8 * hh;
         if (kk < T) {
-            unsigned* r = reinterpret_cast<unsigned*>(dqkv + ((long long)k.b * T + kk) * 3 * k.C + k.C + k.h * HS +
-                                                      2 * k.q);
-#pragma unroll
-            for (int j = 0; j < HS / 8; ++j) {
-                r[4 * j] = bf16x2_rn(dk[4 * j + 2 * hh] * scale, dk[4 * j + 2 * hh + 1] * scale);
-                r[k.C / 2 + 4 * j] = bf16x2_rn(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
-            }
+            bf16* r = dqkv + ((long long)k.b * T + kk) * 3 * k.C + k.C + k.h * HS + 2 * k.q;
+            fb_store_row<HS>(r, dk, hh, scale);
+            fb_store_row<HS>(r + k.C, dv, hh, 1.f);
         }
     }
 #else

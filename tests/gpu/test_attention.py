@@ -76,23 +76,28 @@ def _plan(rt, path):
 
 
 def _run(rt, B, T, C, H, kind, p, precision="fp32", seed=0, path=None):
-    """path: the fused path to run (flash | flash_tc | flash_3x), else the plan's."""
+    """path: the fused path to run (flash | flash_tc | flash_3x | flash_bf16), else the plan's. bf16:
+    qkv and dy drawn as bf16 values, the tensors bf16, outputs widened (every output poisoned first)."""
     r = np.random.default_rng(seed + 1000 * T + C)
+    dt = "bf16" if precision == "bf16" else "f32"
     qkv_h = r.standard_normal((B, T, 3 * C)).astype(np.float32)
     dy_h = r.standard_normal((B, T, C)).astype(np.float32)
+    if dt == "bf16":
+        qkv_h, dy_h = bf16.round_f32(qkv_h), bf16.round_f32(dy_h)
     saved = _setup(rt, B, T, C, H, kind, p, precision)
     ex = _plan(rt, path)
-    qkv = rt.upload(qkv_h)
-    dy = rt.upload(dy_h)
-    y = rt.empty((B, T, C))
-    dqkv = rt.empty((B, T, 3 * C))
+    qkv = rt.upload(qkv_h, dt)
+    dy = rt.upload(dy_h, dt)
+    y = rt.empty((B, T, C), dt)
+    dqkv = rt.empty((B, T, 3 * C), dt)           # (rt.empty poisons; _setup's saved tensors too)
     attn.attention_fwd(rt, y, qkv, saved, H, p, SITE, ex)
     attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, SITE, ex)
     rt.synchronize()
     keep = _keep(rt, B, H, T, p)
     y_ref, probs_ref = ref.attention_forward(qkv_h, H, keep, p)
     dqkv_ref = ref.attention_backward(dy_h, qkv_h, probs_ref, H, keep, p)
-    out = {"y": (rt.download(y), y_ref), "dqkv": (rt.download(dqkv), dqkv_ref)}
+    got = (lambda v: bf16.values(rt.download(v))) if dt == "bf16" else rt.download
+    out = {"y": (got(y), y_ref), "dqkv": (got(dqkv), dqkv_ref)}
     if "probs" in saved:
         out["probs"] = (rt.download(saved["probs"]), probs_ref)
     if "lse" in saved:
@@ -271,23 +276,7 @@ def test_rowsum_do(rt, hs, dtype):
 # ---- bf16: flash_bf16 (warpgroup MMA, TMA, a producer warpgroup), head sizes 64 and 128
 
 def _run_bf16(rt, B, T, C, H, p, seed=0):
-    """qkv and dy drawn as bf16 values, the bf16 flash kernels, outputs (poisoned first) widened."""
-    r = np.random.default_rng(seed + 1000 * T + C)
-    qkv_h = bf16.round_f32(r.standard_normal((B, T, 3 * C)))
-    dy_h = bf16.round_f32(r.standard_normal((B, T, C)))
-    saved = _setup(rt, B, T, C, H, "fused", p, "bf16")
-    ex = dataclasses.replace(rt.exec, attention="flash_bf16")
-    qkv, dy = rt.upload(qkv_h, "bf16"), rt.upload(dy_h, "bf16")
-    y, dqkv = rt.empty((B, T, C), "bf16"), rt.empty((B, T, 3 * C), "bf16")
-    rt.memset(saved["lse"], 0x7FC00000)
-    attn.attention_fwd(rt, y, qkv, saved, H, p, SITE, ex)
-    attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, SITE, ex)
-    rt.synchronize()
-    keep = _keep(rt, B, H, T, p)
-    y_ref, probs_ref = ref.attention_forward(qkv_h, H, keep, p)
-    dqkv_ref = ref.attention_backward(dy_h, qkv_h, probs_ref, H, keep, p)
-    return {"y": (bf16.values(rt.download(y)), y_ref), "dqkv": (bf16.values(rt.download(dqkv)), dqkv_ref),
-            "lse": (rt.download(saved["lse"]), _ref_lse(qkv_h, H))}
+    return _run(rt, B, T, C, H, "fused", p, "bf16", seed, path="flash_bf16")
 
 
 BF16_SHAPES = [
