@@ -5,7 +5,8 @@
 # autocast with fp32 weights, tf32c = torch.compile in TF32); llm.c: llmc_anchor.sh (FP32 = TF32 cuBLAS,
 # and BF16). The anchor scripts are read from .devcarry/reference/, llm.c from .devcarry/llmc.
 #   GROUP=gpt2  bash bench/bf16_anchors.sh   # GPT-2 124M B8 and B16 bf16, B8 tf32; PyTorch; llm.c
-#   GROUP=small bash bench/bf16_anchors.sh   # char B64 T256 and B16 T2048 (dropout 0.2) bf16, tf32, fp32
+#   GROUP=small bash bench/bf16_anchors.sh   # char B64 T256 bf16 and tf32, B16 T2048 bf16 (dropout 0.2);
+#                                            # FULL=1: also char fp32 and T2048 tf32
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/device}
@@ -39,9 +40,11 @@ case ${GROUP:-gpt2} in
   small)
     ours char_bf16 configs/ctx256_bf16.yaml
     ours char_tf32 configs/ctx256_tf32.yaml
-    ours char_fp32 configs/ctx256_tf32.yaml --precision=fp32
     ours ctx2048_bf16 configs/ctx2048_bf16.yaml
-    ours ctx2048_tf32 configs/ctx2048_tf32.yaml
+    if [ -n "${FULL:-}" ]; then        # the fp32 and T2048 tf32 rows too
+      ours char_fp32 configs/ctx256_tf32.yaml --precision=fp32
+      ours ctx2048_tf32 configs/ctx2048_tf32.yaml
+    fi
     torch_shape "64,256,6,6,384;16,2048,6,6,384" bf16c 0.2 small
     ;;
   *) echo "unknown GROUP ${GROUP}"; exit 2 ;;
