@@ -6,15 +6,16 @@ products the recorded programs look up, and that the device timer frees what it 
 import dataclasses
 import io
 import json
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from gptcuda.config import ConfigError, load_config
-from gptcuda.ops.cuda import gemm
 from gptcuda.ops.cuda.gemm import tune
+from gptcuda.ops.cuda.gemm.families import WGMMA_FILE
+from gptcuda.ops.cuda.gemm.plan import Gemm
+from gptcuda.ops.cuda.gemm.table import forget_tables, load_table, plan_to_json, save_table, table_path
 from gptcuda.runtime import execution
 from gptcuda.training.engine import Engine
 from tests.conftest import fake_view, plan_of
@@ -71,18 +72,18 @@ def test_measures_what_is_missing_and_saves_it(table_cache, precision):
     s = tune.autotune(rt, cfg, vocab, out=io.StringIO(), timer=timer, build=no_build)
     assert s.measured == len(keys) and s.known == 0 and s.dropped == 0
     assert [op.key(precision) for op, _ in timer.ops] == keys
-    doc = json.loads(gemm.table_path(GPU).read_text())
-    assert set(doc["entries"]) == set(keys) and str(gemm.table_path(GPU)) == s.path
-    table = gemm.load_table(GPU, refresh=True)
+    doc = json.loads(table_path(GPU).read_text())
+    assert set(doc["entries"]) == set(keys) and str(table_path(GPU)) == s.path
+    table = load_table(GPU, refresh=True)
     for op, plans in timer.ops:
         assert table[op.key(precision)] == plans[-1]            # the fastest
     assert "measured" in s.format() and "cost model" in s.format()
     # nothing missing: nothing timed, nothing written
-    mtime = gemm.table_path(GPU).stat().st_mtime_ns
+    mtime = table_path(GPU).stat().st_mtime_ns
     again = FakeTimer()
     s2 = tune.autotune(rt, cfg, vocab, out=io.StringIO(), timer=again, build=no_build)
     assert again.ops == [] and s2.measured == 0 and s2.known == len(keys)
-    assert gemm.table_path(GPU).stat().st_mtime_ns == mtime
+    assert table_path(GPU).stat().st_mtime_ns == mtime
     assert str(len(keys)) in s2.format()
 
 
@@ -91,13 +92,13 @@ def test_entries_already_there_are_never_measured_again(table_cache):
     cfg = cfg_of("--precision=tf32")
     ops = tune.model_gemms(cfg, 65)
     held = ops[:3]
-    mine = {op.key("tf32"): gemm.plan_to_json(tune.candidates_for(op, plan_of("tf32"), 132, 0)[0]) for op in held}
-    gemm.save_table(GPU, mine)
+    mine = {op.key("tf32"): plan_to_json(tune.candidates_for(op, plan_of("tf32"), 132, 0)[0]) for op in held}
+    save_table(GPU, mine)
     timer = FakeTimer()
     s = run(FakeRT(cfg), cfg, timer)
     assert s.measured == len(ops) - 3 and s.known == 3
     assert {op.key("tf32") for op, _ in timer.ops}.isdisjoint(mine)
-    entries = json.loads(gemm.table_path(GPU).read_text())["entries"]
+    entries = json.loads(table_path(GPU).read_text())["entries"]
     assert all(entries[k] == v for k, v in mine.items())     # untouched (no time, label added)
     # another precision's keys are other shapes
     cfg32 = cfg_of("--precision=fp32")
@@ -114,19 +115,19 @@ def test_an_entry_another_run_wrote_meanwhile_stays(table_cache):
     class Racing(FakeTimer):
         def __call__(self, op, plans):
             if op == first:                   # the other run saves its winner while this one measures
-                gemm.save_table(GPU, {op.key("tf32"): gemm.plan_to_json(theirs)})
+                save_table(GPU, {op.key("tf32"): plan_to_json(theirs)})
             return super().__call__(op, plans)
 
     timer = Racing()
     run(FakeRT(cfg), cfg, timer)
     assert timer.ops[0][1][-1] != theirs
-    assert gemm.load_table(GPU)[first.key("tf32")] == theirs
-    assert gemm.load_table(GPU, refresh=True)[first.key("tf32")] == theirs
+    assert load_table(GPU)[first.key("tf32")] == theirs
+    assert load_table(GPU, refresh=True)[first.key("tf32")] == theirs
     # bench/tune.py replaces entries (and a merge keeps the file's meta)
-    gemm.save_table(GPU, {}, meta={"config": "x"})
-    gemm.save_table(GPU, {first.key("tf32"): gemm.plan_to_json(timer.ops[0][1][-1])})
-    assert gemm.load_table(GPU)[first.key("tf32")] == timer.ops[0][1][-1]
-    assert json.loads(gemm.table_path(GPU).read_text())["meta"] == {"config": "x"}
+    save_table(GPU, {}, meta={"config": "x"})
+    save_table(GPU, {first.key("tf32"): plan_to_json(timer.ops[0][1][-1])})
+    assert load_table(GPU)[first.key("tf32")] == timer.ops[0][1][-1]
+    assert json.loads(table_path(GPU).read_text())["meta"] == {"config": "x"}
 
 
 @pytest.mark.parametrize("setting,env", [("table", None), ("off", None), ("auto", "0"), ("auto", "off"),
@@ -137,7 +138,7 @@ def test_table_and_off_never_measure(table_cache, monkeypatch, setting, env):
     cfg = cfg_of(f"--gemm_tune={setting}")
     timer = FakeTimer()
     assert run(FakeRT(cfg), cfg, timer) is None and timer.ops == []
-    assert not gemm.table_path(GPU).exists()
+    assert not table_path(GPU).exists()
 
 
 def test_resolved_setting(monkeypatch):
@@ -174,7 +175,7 @@ def test_candidates_that_do_not_compile_are_left_out(table_cache):
 
     def build(jobs, progress):
         asked.extend(jobs)
-        return {i for i, (file, name, defines, arch) in enumerate(jobs) if file == gemm.WGMMA_FILE}
+        return {i for i, (file, name, defines, arch) in enumerate(jobs) if file == WGMMA_FILE}
 
     timer = FakeTimer()
     s = run(FakeRT(cfg), cfg, timer, build=build)
@@ -184,8 +185,7 @@ def test_candidates_that_do_not_compile_are_left_out(table_cache):
     for op, plans in timer.ops:
         # the warpgroup-MMA candidates are left out, but for the cost model's own, which stays first
         assert all(p.family == "tf32" for p in plans[1:])
-        assert plans[0] == tune.candidates_for(op, plan_of("tf32", True), 132, tune.ws_floats_of(cfg, 65),
-                                               scratch=tune.scratch_of(cfg, 65))[0]
+        assert plans[0] == tune.candidates_for(op, plan_of("tf32", True), 132, tune.workspace_floats(cfg, 65))[0]
 
 
 def test_progress_line(table_cache, monkeypatch):
@@ -194,14 +194,9 @@ def test_progress_line(table_cache, monkeypatch):
     tune.autotune(FakeRT(cfg), cfg, 65, out=buf, timer=FakeTimer(), build=no_build)
     text = buf.getvalue()
     assert "GEMM table" in text and "cost model" in text and "tuned" in text
-    monkeypatch.setitem(sys.modules, "tqdm", None)                     # without tqdm: a \r line
-    buf = io.StringIO()
-    tune.autotune(FakeRT(cfg, name="other GPU"), cfg, 65, out=buf, timer=FakeTimer(), build=no_build)
-    text = buf.getvalue()
     n = len(tune.model_gemms(cfg, 65))
-    assert text.startswith("\rGEMM table: compiling") and text.endswith("\n") and text.count("\n") == 1
-    assert f"\rGEMM table: measuring fp32 shapes: {n}/{n} cost model" in text
-    assert tune.autotune(FakeRT(cfg, name="other GPU"), cfg, 65, out=buf, timer=FakeTimer()).measured == 0
+    assert "GEMM table: compiling" in text and "GEMM table: measuring fp32 shapes" in text and f"{n}/{n}" in text
+    assert tune.autotune(FakeRT(cfg), cfg, 65, out=buf, timer=FakeTimer()).measured == 0
     assert buf.getvalue() == text                                       # nothing to do: silent
 
 
@@ -212,7 +207,7 @@ def _looked_up(monkeypatch, cfg, programs):
     from gptcuda.ops.cuda_backend import CudaBackend
     keys = set()
     real = launch.tuned_plan
-    monkeypatch.setattr(launch, "tuned_plan", lambda rt, key, *a, **k: keys.add(key) or real(rt, key, *a, **k))
+    monkeypatch.setattr(launch, "tuned_plan", lambda rt, g, ex, *a: keys.add(g.key(ex.table_tag)) or real(rt, g, ex, *a))
     Engine(cfg, TOKS, TOKS[:200], 65, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg)),
            programs=programs)
     return keys
@@ -338,8 +333,8 @@ def test_event_timer_frees_its_buffers_and_restores_the_workspaces(table_cache, 
     assert rt.dev.live == set() and rt._graphs == [] and rt._workspace == planned
     assert rt._recording is None
     # a failure half-way: still nothing left behind
-    gemm.table_path(rt.info.name).unlink()
-    gemm.forget_tables()
+    table_path(rt.info.name).unlink()
+    forget_tables()
     rt.dev.fail_on = True
     with pytest.raises(RuntimeError, match="went away"):
         tune.autotune(rt, cfg, vocab, quiet=True, build=no_build)
@@ -350,8 +345,8 @@ def test_event_timer_checks_part_of_a_large_output():
     rt = _timing_runtime("tf32")
     got = []
     rt.download = lambda v: got.append(v) or np.zeros(v.shape, np.float32)
-    timer = tune.EventTimer(rt, 0, rounds=1, check_floats=1000)
-    op = tune.GemmOp("x", 64, 64, 8, False, True)
+    timer = tune.EventTimer(rt, {}, rounds=1, check_floats=1000)
+    op = Gemm(64, 64, 8, False, True)
     timer(op, [tune.candidates_for(op, plan_of("tf32"), 132, 0)[0]])
     head, tail = got
     assert head.numel == tail.numel == 500 and tail.ptr - head.ptr == 4 * (64 * 64 - 500)
@@ -369,8 +364,8 @@ def test_event_timer_times_bf16_products_on_bf16_operands(trans_b, out):
     real_write = rt.write
     rt.write = lambda v, arr: writes.append((v, np.asarray(arr).copy())) or real_write(v, arr)
     rt.download = lambda v: got.append(v) or np.full(v.shape, 0x3F80, np.uint16)     # bf16 1.0
-    timer = tune.EventTimer(rt, 0, rounds=1, check_floats=1000)
-    op = tune.GemmOp("x", 64, 64, 64, False, trans_b)
+    timer = tune.EventTimer(rt, {}, rounds=1, check_floats=1000)
+    op = Gemm(64, 64, 64, False, trans_b)
     samples, ok = timer(op, [tune.candidates_for(op, rt.exec, 132, 0)[0]])
     assert [v.dtype for v, _ in writes] == ["bf16", "bf16"] and all(a.dtype == np.uint16 for _, a in writes)
     assert all(np.all(np.isfinite(bf16.values(a))) and np.std(bf16.values(a)) > 0.5 for _, a in writes)
@@ -378,7 +373,7 @@ def test_event_timer_times_bf16_products_on_bf16_operands(trans_b, out):
     assert head.dtype == tail.dtype == out and tail.ptr - head.ptr == 2 * (64 * 64 - 500)
     assert ok == [True] and rt.dev.live == set()
     # the weight gradient's layout writes fp32
-    op = tune.GemmOp("dW", 64, 64, 64, True, False)
+    op = Gemm(64, 64, 64, True, False)
     rt.download = lambda v: got.append(v) or np.ones(v.shape, np.float32)
     timer(op, [tune.candidates_for(op, rt.exec, 132, 0)[0]])
     assert got[-1].dtype == "f32"
@@ -389,11 +384,11 @@ def test_bf16_candidates_split_only_into_fp32():
     weight gradients): the split-K reduction writes fp32, a bf16 C is one product."""
     cfg = load_config("configs/gpt2_124m.yaml", ["--batch_size=8", "--total_batch_tokens=0"])
     ex, V = execution.resolve(cfg, arch="sm_90"), 50304
-    ws = tune.ws_floats_of(cfg, V, ex=ex)
-    assert ex.precision == "bf16" and ws > 0
+    ws = tune.workspace_floats(cfg, V, ex)
+    assert ex.precision == "bf16" and ws["gemm_splitk"] > 0
     seen = set()
     for op in tune.model_gemms(cfg, V, ex=ex):
-        for p in tune.candidates_for(op, ex, 132, ws, scratch=tune.scratch_of(cfg, V, ex))[1]:
-            seen.add((op.trans(), p.splits > 1))
-            assert p.splits == 1 or op.trans() == "TN", (op.label, p)
+        for p in tune.candidates_for(op, ex, 132, ws)[1]:
+            seen.add((op.layout, p.splits > 1))
+            assert p.splits == 1 or op.layout == "TN", (op.label, p)
     assert ("TN", True) in seen and ("NN", False) in seen

@@ -21,8 +21,8 @@ def _cases():
         for tile in fam.tiles:
             # the bias epilogue: the largest static footprint (its bias buffers), GELU the widest
             kernels = [fam.kernel(tile, True, False, families.EPI_GELU, True, True)]
-            if fam.colsum_kernel is not None:            # the variant that also sums A
-                kernels.append(fam.colsum_kernel(tile, True, False))
+            if fam.colsum:                               # the variant that also sums A
+                kernels.append(fam.kernel(tile, True, False, families.EPI_NONE, False, colsum=True))
             out += [pytest.param(name, tile, k, id=f"{name}:{k}") for k in kernels]
     return out
 

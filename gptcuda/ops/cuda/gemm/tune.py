@@ -2,12 +2,10 @@
 
     summary = autotune(rt, cfg, vocab)    # the Engine's setup does it (config gemm_tune: auto)
 
-Per shape of the config (`model_gemms`, with transposes, epilogue and bias; `tune_op`): the
-candidates (`candidates_for`: the base family's tiles x the split-K counts the planned workspace
-holds, and the warpgroup-MMA tiles through the planned scratch where they run), pruned by the cost
-model (within `keep` x its best, at most `max_n`, its own choice first); timed paired (`EventTimer`:
-timer.py: a CUDA graph per candidate, rounds replaying each once in a rotated order between
-events, the median); checked against the cost model's choice (one that disagrees never wins); the fastest goes
+Per product of the config (`model_gemms`; `tune_op`): the candidates (`candidates_for`: every tile and
+split count of the families that can run it, through the workspaces the memory plan gives), pruned by
+the cost model (within `keep` x its best, at most `max_n`, its own choice first); timed paired (timer.py
+EventTimer); checked against the cost model's choice (one that disagrees never wins); the fastest goes
 into the GPU's table (table.py). `autotune` measures only what the table lacks (an entry is never
 measured again: a resumed run launches the plans it launched), in a short window, the candidates'
 kernels compiled in parallel first; bench/tune.py is the command line over every shape.
@@ -21,59 +19,22 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from gptcuda.ops.cuda import elementwise
-from gptcuda.runtime import Blob, DeviceView, Function, execution
-from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_IO, EPILOGUE_CODES
-from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, wgmma_layout
-from gptcuda.ops.cuda.gemm.timer import EventTimer, _launch, _operand_dtypes, _operand_shapes  # noqa: F401 (EventTimer: bench/tune.py)
-from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan_label, prune_candidates, split_room, tune_candidates,
-                                        workspace)
-from gptcuda.ops.cuda.gemm.plan import plan as model_plan
-from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_path, tune_key
+from gptcuda.runtime import DeviceView, execution
+from gptcuda.ops.cuda.gemm.families import EPI_IO, FAMILIES
+from gptcuda.ops.cuda.gemm.plan import (Gemm, estimate_s, plan, plan_label, prune_candidates, split_room,
+                                        tune_candidates, workspace)
+from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_path
+from gptcuda.ops.cuda.gemm.timer import EventTimer, launch, views
 
 PEAK_BYTES = 4.2e12
 
 
-@dataclass(frozen=True)
-class GemmOp:
-    """One GEMM of the model: out[M, N] = op(a) @ op(b) (batched: `batch` of them)."""
-    label: str
-    M: int
-    N: int
-    K: int
-    ta: bool
-    tb: bool
-    epilogue: str = "none"
-    bias: bool = False
-    batch: int = 1
-    count: int = 1           # launches per training step (0: evaluation / alternative form only)
-    colsum: bool = False     # a weight gradient that also gives its bias gradient (matmul's a_colsum)
-
-    @property
-    def epi(self) -> int:
-        return EPI_BIAS if (self.epilogue == "none" and self.bias) else EPILOGUE_CODES[self.epilogue]
-
-    @property
-    def vec(self) -> bool:
-        """16-byte operand loads possible (row strides lda, ldb and batch strides multiples of 4 floats)."""
-        strides = [self.M if self.ta else self.K, self.K if self.tb else self.N]
-        return all(s % 4 == 0 for s in strides + ([self.M * self.K, self.K * self.N] if self.batch > 1 else []))
-
-    def key(self, tag) -> str:
-        """The table key under a plan's table_tag."""
-        return tune_key(tag, self.ta, self.tb, self.epilogue, self.bias, self.M, self.N, self.K, self.batch,
-                        self.colsum)
-
-    def trans(self) -> str:
-        return ("T" if self.ta else "N") + ("T" if self.tb else "N")
-
-
 def model_gemms(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
-    """Every GEMM model/gpt.py records for this config (one entry per distinct key; counts summed);
-    backward False: the forward's alone (a model that only evaluates); ex: the execution plan
-    (default the config's)."""
+    """Every GEMM product model/gpt.py records for this config (and the unfused attention's batched ones),
+    each a Gemm with its label and its launches in a training step (count; 0: evaluation or an alternative
+    form only), one per table key (counts summed), vec as its dense operands allow. backward False: the
+    forward's alone (a model that only evaluates); ex: the execution plan (default the config's)."""
     Ntok, C, V, L = cfg.batch_size * cfg.block_size, cfg.n_embd, vocab_size, cfg.n_layer
     bias, drop = bool(cfg.bias), cfg.dropout > 0
     unfused = (ex or execution.resolve(cfg)).attention == "unfused"
@@ -81,8 +42,10 @@ def model_gemms(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
     hs, BH = C // H, cfg.batch_size * H
     ops = []
 
-    def add(*a, **k):
-        ops.append(GemmOp(*a, **k))
+    def add(label, M, N, K, ta, tb, epilogue="none", bias=False, batch=1, count=1, colsum=False):
+        strides = [M if ta else K, K if tb else N] + ([M * K, K * N] if batch > 1 else [])
+        ops.append(Gemm(M, N, K, ta, tb, epilogue, bias, batch, colsum, all(s % 4 == 0 for s in strides), label,
+                        count))
 
     # forward (train): the residual branches go through dropout when there is dropout
     resid_epi = "none" if drop else "residual"
@@ -122,31 +85,31 @@ def model_gemms(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
     return list(merged.values())
 
 
-def floor_s(op: GemmOp, ex) -> float:
+def floor_s(g: Gemm, ex) -> float:
     """Roofline floor: max(flops / peak, DRAM bytes / bandwidth), each operand and [M, N] array once;
     the peak of what multiplies in execution plan ex."""
-    flops = 2.0 * op.M * op.N * op.K * op.batch
-    nbytes = 4.0 * op.batch * (op.M * op.K + op.K * op.N + EPI_IO[op.epi] * op.M * op.N)
+    flops = 2.0 * g.M * g.N * g.K * g.batch
+    nbytes = 4.0 * g.batch * (g.M * g.K + g.K * g.N + EPI_IO[g.epi] * g.M * g.N)
     return max(flops / (ex.peak_tflops * 1e12), nbytes / PEAK_BYTES)
 
 
-def candidates_for(op: GemmOp, ex, sm_count: int, ws_floats: int, keep=1.6, max_n=6, scratch=None):
-    """(cost-model plan, pruned candidate plans with it first) under execution plan ex: its base
-    family, and where it runs the warpgroup-MMA kernels (`wgmma_layout`) those too, for the ops they can
-    run (scratch: floats of the planned workspaces they re-lay operands out in, {name: floats})."""
-    mode = wgmma_layout(ex.wgmma_mode, op.ta, op.tb, op.vec, op.K, op.batch)
-    fam, scratch = ex.gemm_family, scratch or {}
-    ws_floats = split_room(_operand_dtypes(op, ex)[2], ws_floats)
-    heur = model_plan(op.M, op.N, op.K, op.batch, sm_count, fam, max_ws=ws_floats if op.batch == 1 else 0,
-                      allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode, colsum=op.colsum, scratch=scratch)
-    cands = tune_candidates(op.M, op.N, op.K, op.batch, fam, op.vec, ws_floats, wgmma=mode, epi=op.epi, scratch=scratch)
-    pruned = prune_candidates(cands, op.M, op.N, op.K, op.batch, op.epi, sm_count, keep=keep, max_n=max_n,
-                              always=[heur], colsum=op.colsum)
+def workspace_floats(cfg, vocab, ex=None) -> dict:
+    """{name: floats} of the GEMM workspaces the memory plan gives this config (plan.workspace)."""
+    return {name: math.prod(shape) for name, (shape, _) in
+            workspace(dataclasses.replace(cfg, vocab_size=vocab), ex).items()}
+
+
+def candidates_for(g: Gemm, ex, sm_count=132, workspaces=None, keep=1.6, max_n=6) -> tuple:
+    """(cost-model plan, pruned candidate plans with it first) of product g under execution plan ex: its
+    base family and, where it runs the warpgroup-MMA kernels, those that run g; workspaces: {name:
+    floats} of the split-K partials and the scratch they re-lay operands out in (workspace_floats)."""
+    workspaces = workspaces or {}
+    out = (FAMILIES[ex.gemm_family].out_dtypes(g.ta, g.tb) or ("f32",))[0]
+    ws = split_room(out, workspaces.get("gemm_splitk", 0))
+    heur = plan(g, ex.gemm_family, ex.wgmma_mode, sm_count, ws, workspaces)
+    cands = tune_candidates(g, ex.gemm_family, ex.wgmma_mode, ws, workspaces)
+    pruned = prune_candidates(cands, g, sm_count, keep=keep, max_n=max_n, always=[heur])
     return heur, [heur] + [p for p in pruned if p != heur]
-
-
-def rounds_median(samples: list) -> float:
-    return statistics.median(samples) if samples else math.inf
 
 
 def pick_winner(plans, times_ms, ok=None):
@@ -155,26 +118,25 @@ def pick_winner(plans, times_ms, ok=None):
     return min(fine, key=lambda i: times_ms[i]) if fine else None
 
 
-def tune_op(op: GemmOp, ex, timer, sm_count=132, ws_floats=0, keep=1.6, max_n=6, scratch=None, plans=None):
-    """Time one op's candidates (`plans`, the cost model's first; default candidates_for's) under
-    execution plan ex with timer(op, plans) -> (samples per plan [ms lists], ok per plan or None);
-    returns a result dict."""
+def tune_op(g: Gemm, ex, timer, sm_count=132, workspaces=None, keep=1.6, max_n=6, plans=None) -> dict:
+    """Time product g's candidates (`plans`, the cost model's first; default candidates_for's) under
+    execution plan ex with timer(g, plans) -> (samples per plan [ms lists], ok per plan or None); returns
+    a result dict: the plans, their median times, which agreed, the winner, the floor, the model's times."""
     if plans is None:
-        plans = candidates_for(op, ex, sm_count, ws_floats, keep, max_n, scratch)[1]
-    samples, ok = timer(op, plans)
-    times = [rounds_median(s) for s in samples]
-    w = pick_winner(plans, times, ok)
-    return {"op": op, "plans": plans, "times_ms": times, "ok": ok, "winner": w,
-            "floor_ms": floor_s(op, ex) * 1e3,
-            "est_ms": [estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, sm_count, op.colsum) * 1e3 for p in plans]}
+        plans = candidates_for(g, ex, sm_count, workspaces, keep, max_n)[1]
+    samples, ok = timer(g, plans)
+    times = [statistics.median(s) if s else math.inf for s in samples]
+    return {"op": g, "plans": plans, "times_ms": times, "ok": ok, "winner": pick_winner(plans, times, ok),
+            "floor_ms": floor_s(g, ex) * 1e3, "est_ms": [estimate_s(p, g, sm_count) * 1e3 for p in plans]}
 
 
 def table_entries(results, ex) -> dict:
     """{key: entry} of the winners (the plan, its time, the cost model's plan and time, the floor)."""
     return {r["op"].key(ex.table_tag): {**plan_to_json(r["plans"][r["winner"]]),
-                                     "ms": round(r["times_ms"][r["winner"]], 5),
-                                     "heuristic_ms": round(r["times_ms"][0], 5), "heuristic": plan_label(r["plans"][0]),
-                                     "floor_ms": round(r["floor_ms"], 5), "label": r["op"].label}
+                                        "ms": round(r["times_ms"][r["winner"]], 5),
+                                        "heuristic_ms": round(r["times_ms"][0], 5),
+                                        "heuristic": plan_label(r["plans"][0]), "floor_ms": round(r["floor_ms"], 5),
+                                        "label": r["op"].label}
             for r in results if r["winner"] is not None}
 
 
@@ -184,51 +146,7 @@ def step_ms(results) -> tuple:
             sum(r["op"].count * r["times_ms"][r["winner"]] for r in results if r["winner"] is not None))
 
 
-def ws_floats_of(cfg, vocab, name="gemm_splitk", ex=None) -> int:
-    """Floats of the GEMM workspace `name` the memory plan gives this config (0: none)."""
-    ws = workspace(dataclasses.replace(cfg, vocab_size=vocab), ex)
-    return int(np.prod(ws[name][0])) if name in ws else 0
-
-
-def scratch_of(cfg, vocab, ex=None) -> dict:
-    """{name: floats} of the warpgroup-MMA kernels' planned scratch (WGMMA_WORKSPACES)."""
-    return {name: ws_floats_of(cfg, vocab, name, ex) for name in WGMMA_WORKSPACES}
-
-
 # ---- the candidates' kernels, compiled in parallel before the timing ------------------------
-class _Variants:
-    """Stands in for the runtime while candidates' launches are planned: notes the kernel variants
-    the launch code asks for, launches and allocates nothing."""
-
-    def __init__(self, rt, workspaces: dict):
-        self.exec, self.info, self.arch, self.asked = rt.exec, rt.info, rt.arch, []
-        self._ws = {name: DeviceView((16 + i) << 38, (n,), "f32", name)
-                    for i, (name, n) in enumerate(workspaces.items()) if n}
-
-    def function(self, file, name, defines=None):
-        self.asked.append((file, name, tuple(sorted((defines or {}).items())), self.arch))
-        return Function(None, name, file)
-
-    def launch(self, *a, **k):
-        pass
-
-    def tensor_map(self, *a, **k):
-        return Blob(bytes(128))
-
-    def workspace(self, name):
-        return self._ws[name]
-
-    def of(self, op: GemmOp, p) -> list:
-        """The variants (file, name, sorted define items, arch) op's launch with plan p asks for."""
-        self.asked = []
-        if op.colsum:            # the bias-gradient partials a colsum op writes (as EventTimer provides)
-            self._ws[elementwise.WORKSPACE] = DeviceView(15 << 38, (elementwise.MAX_CHUNKS * op.M,), "f32",
-                                                         elementwise.WORKSPACE)
-        _launch(self, op, p, *[DeviceView((i + 1) << 38, s, dt, "x") if s else None
-                               for i, (s, dt) in enumerate(zip(_operand_shapes(op), _operand_dtypes(op, self.exec)))])
-        return self.asked
-
-
 def build_variants(jobs, progress=None) -> set:
     """Compile jobs, (file, name, defines, arch), into the kernel cache in a pool of worker processes
     (runtime/compiler.py build_in_background); the indices of those that did not compile."""
@@ -249,11 +167,26 @@ def build_variants(jobs, progress=None) -> set:
 
 
 def _prebuild(rt, ops, cands, workspaces, build, line):
-    """Compile the kernels of every candidate plan at once (`build`); candidates whose kernels did
-    not compile are left out (the cost model's, first, stays: the run launches it anyway, and its
-    error shows there). Returns the candidate lists and how many were left out."""
-    stand_in = _Variants(rt, workspaces)
-    needs = [[stand_in.of(op, p) for p in plans] for op, plans in zip(ops, cands)]
+    """Compile the kernels of every candidate plan at once (`build`): those their launches ask for, made on
+    views at fake addresses in rt's noting mode (nothing runs). Candidates whose kernels did not compile
+    are left out (the cost model's, first, stays: the run launches it anyway, and its error shows there).
+    Returns the candidate lists and how many were left out."""
+    def fake(i, shape, dtype="f32"):
+        return DeviceView((i + 1) << 38, tuple(shape), dtype, "x")
+
+    lend = {**workspaces, elementwise.WORKSPACE: elementwise.MAX_CHUNKS * max(op.M for op in ops)}
+    old = rt.set_workspace({name: fake(15 + i, (n,)) for i, (name, n) in enumerate(lend.items()) if n})
+    needs = []
+    try:
+        for op, plans in zip(ops, cands):
+            vs, per = views(op, rt.exec, fake), []
+            for p in plans:
+                with rt.noting() as asked:
+                    launch(rt, op, p, *vs)
+                per.append(asked)
+            needs.append(per)
+    finally:
+        rt.set_workspace(old)
     jobs = list(dict.fromkeys(v for per in needs for vs in per for v in vs))
     line.phase(len(jobs), f"GEMM table: compiling {len(jobs)} kernels")
     bad = {jobs[i] for i in build([(f, n, dict(d), a) for f, n, d, a in jobs], line.show)}
@@ -265,13 +198,13 @@ def _prebuild(rt, ops, cands, workspaces, build, line):
 # ---- measuring a run's missing shapes ------------------------------------------------------
 def on_device(rt) -> bool:
     """rt drives a GPU: its device is the driver's (gptcuda.runtime.driver.Device). A test's stand-in
-    runtime (a Runtime over a fake device, or a recording object) has none, and is never timed on."""
+    runtime (a Runtime over a fake device) has none, and is never timed on."""
     from gptcuda.runtime.driver import Device
     return isinstance(getattr(rt, "dev", None), Device)
 
 
 def missing_ops(rt, cfg, vocab, backward=True) -> list:
-    """The ops of this config (model_gemms) the table of rt's GPU lacks under rt's execution plan."""
+    """The products of this config (model_gemms) the table of rt's GPU lacks under rt's execution plan."""
     tag, have = rt.exec.table_tag, load_table(rt.info.name)
     return [op for op in model_gemms(cfg, vocab, backward, rt.exec) if op.key(tag) not in have]
 
@@ -296,37 +229,31 @@ class TuneSummary:
 
 
 class _Line:
-    """One progress line that updates, phase by phase: tqdm's bar where tqdm is installed, else a
-    carriage-return line; nothing when out is None."""
+    """One progress line (tqdm's bar) that updates, phase by phase; nothing when out is None."""
 
     def __init__(self, out):
-        self.out, self.bar, self.total, self.desc = out, None, 0, ""
+        self.out, self.bar = out, None
 
     def phase(self, total, desc):
-        self.total, self.desc = total, desc
-        if self.out is not None and self.bar is None:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, desc=desc, unit="", file=self.out, dynamic_ncols=True)
-            except ImportError:
-                self.bar = False
-        elif self.bar:
+        if self.out is None:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=desc, unit="", file=self.out, dynamic_ncols=True)
+        else:
             self.bar.reset(total=total)
             self.bar.set_description_str(desc)
         self.show(0)
 
     def show(self, n, note=""):
-        if self.bar:
+        if self.bar is not None:
             self.bar.set_postfix_str(note, refresh=False)
             self.bar.update(n - self.bar.n)
-        elif self.bar is False:
-            self.out.write(f"\r{self.desc}: {n}/{self.total} {note}"[:119].ljust(119))
-            self.out.flush()
 
     def close(self, note=""):
         if self.bar is not None:
-            self.show(self.total, note)
-            self.bar.close() if self.bar else self.out.write("\n")
+            self.show(self.bar.total, note)
+            self.bar.close()
 
 
 def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None, build=build_variants,
@@ -349,16 +276,16 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     path = str(table_path(name))
     if not missing:
         return TuneSummary(0, known, time.perf_counter() - t0, 0.0, 0.0, path)
-    ws, scratch = ws_floats_of(cfg, vocab, ex=ex), scratch_of(cfg, vocab, ex)
-    cands = [candidates_for(op, ex, sm, ws, keep, max_n, scratch)[1] for op in missing]
+    ws = workspace_floats(cfg, vocab, ex)
+    cands = [candidates_for(op, ex, sm, ws, keep, max_n)[1] for op in missing]
     line = _Line(None if quiet else sys.stderr if out is None else out)
     results, dropped, own = [], 0, timer is None
     try:
         if build is not None:
-            cands, dropped = _prebuild(rt, missing, cands, {"gemm_splitk": ws, **scratch}, build, line)
+            cands, dropped = _prebuild(rt, missing, cands, ws, build, line)
         line.phase(len(missing), f"GEMM table: measuring {ex.table_tag} shapes")
         if own:
-            timer = EventTimer(rt, ws, rounds=rounds, target_ms=target_ms, scratch=scratch, check_floats=1 << 22)
+            timer = EventTimer(rt, ws, rounds=rounds, target_ms=target_ms, check_floats=1 << 22)
         for i, (op, plans) in enumerate(zip(missing, cands)):
             line.show(i, op.label)
             results.append(tune_op(op, ex, timer, sm, plans=plans))
@@ -367,5 +294,5 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
             timer.close()
         base, tuned = step_ms(results)
         line.close(f"cost model {base:.3f} -> tuned {tuned:.3f} ms a step" if results else "")
-    save_table(name, table_entries(results, ex), merge=True, replace=False)
+    save_table(name, table_entries(results, ex), replace=False)
     return TuneSummary(len(results), known, time.perf_counter() - t0, base, tuned, path, dropped)
