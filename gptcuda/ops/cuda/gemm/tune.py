@@ -13,11 +13,14 @@ kernels compiled in parallel first; bench/tune.py is the command line over every
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+
+from tqdm import tqdm
 
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, execution
@@ -166,7 +169,7 @@ def build_variants(jobs, progress=None) -> set:
     return failed
 
 
-def _prebuild(rt, ops, cands, workspaces, build, line):
+def _prebuild(rt, ops, cands, workspaces, build, bar):
     """Compile the kernels of every candidate plan at once (`build`): those their launches ask for, made on
     views at fake addresses in rt's noting mode (nothing runs). Candidates whose kernels did not compile
     are left out (the cost model's, first, stays: the run launches it anyway, and its error shows there).
@@ -188,8 +191,8 @@ def _prebuild(rt, ops, cands, workspaces, build, line):
     finally:
         rt.set_workspace(old)
     jobs = list(dict.fromkeys(v for per in needs for vs in per for v in vs))
-    line.phase(len(jobs), f"GEMM table: compiling {len(jobs)} kernels")
-    bad = {jobs[i] for i in build([(f, n, dict(d), a) for f, n, d, a in jobs], line.show)}
+    with bar(total=len(jobs), desc=f"GEMM table: compiling {len(jobs)} kernels", leave=False) as line:
+        bad = {jobs[i] for i in build([(f, n, dict(d), a) for f, n, d, a in jobs], lambda n: line.update(n - line.n))}
     out = [[p for i, (p, vs) in enumerate(zip(plans, per)) if i == 0 or bad.isdisjoint(vs)]
            for plans, per in zip(cands, needs)]
     return out, sum(map(len, cands)) - sum(map(len, out))
@@ -228,34 +231,6 @@ class TuneSummary:
                 f"({self.path}){drop}")
 
 
-class _Line:
-    """One progress line (tqdm's bar) that updates, phase by phase; nothing when out is None."""
-
-    def __init__(self, out):
-        self.out, self.bar = out, None
-
-    def phase(self, total, desc):
-        if self.out is None:
-            return
-        if self.bar is None:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=desc, unit="", file=self.out, dynamic_ncols=True)
-        else:
-            self.bar.reset(total=total)
-            self.bar.set_description_str(desc)
-        self.show(0)
-
-    def show(self, n, note=""):
-        if self.bar is not None:
-            self.bar.set_postfix_str(note, refresh=False)
-            self.bar.update(n - self.bar.n)
-
-    def close(self, note=""):
-        if self.bar is not None:
-            self.show(self.bar.total, note)
-            self.bar.close()
-
-
 def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None, build=build_variants,
              rounds=5, target_ms=0.3, keep=1.6, max_n=6) -> TuneSummary | None:
     """Measure the GEMMs of this config (model_gemms) that the table of rt's GPU lacks, at the
@@ -278,21 +253,23 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
         return TuneSummary(0, known, time.perf_counter() - t0, 0.0, 0.0, path)
     ws = workspace_floats(cfg, vocab, ex)
     cands = [candidates_for(op, ex, sm, ws, keep, max_n)[1] for op in missing]
-    line = _Line(None if quiet else sys.stderr if out is None else out)
-    results, dropped, own = [], 0, timer is None
+    # one progress line: the compiling phase's bar (cleared when done), then the measuring one's
+    bar = functools.partial(tqdm, unit="", file=sys.stderr if out is None else out, dynamic_ncols=True, disable=quiet)
+    dropped = 0
+    if build is not None:
+        cands, dropped = _prebuild(rt, missing, cands, ws, build, bar)
+    own, results = timer is None, []
+    timer = timer or EventTimer(rt, ws, rounds=rounds, target_ms=target_ms, check_floats=1 << 22)
     try:
-        if build is not None:
-            cands, dropped = _prebuild(rt, missing, cands, ws, build, line)
-        line.phase(len(missing), f"GEMM table: measuring {ex.table_tag} shapes")
-        if own:
-            timer = EventTimer(rt, ws, rounds=rounds, target_ms=target_ms, check_floats=1 << 22)
-        for i, (op, plans) in enumerate(zip(missing, cands)):
-            line.show(i, op.label)
-            results.append(tune_op(op, ex, timer, sm, plans=plans))
+        with bar(total=len(missing), desc=f"GEMM table: measuring {ex.table_tag} shapes") as line:
+            for op, plans in zip(missing, cands):
+                line.set_postfix_str(op.label, refresh=False)
+                results.append(tune_op(op, ex, timer, sm, plans=plans))
+                line.update()
+            base, tuned = step_ms(results)
+            line.set_postfix_str(f"cost model {base:.3f} -> tuned {tuned:.3f} ms a step", refresh=False)
     finally:
-        if own and timer is not None:
+        if own:
             timer.close()
-        base, tuned = step_ms(results)
-        line.close(f"cost model {base:.3f} -> tuned {tuned:.3f} ms a step" if results else "")
     save_table(name, table_entries(results, ex), replace=False)
     return TuneSummary(len(results), known, time.perf_counter() - t0, base, tuned, path, dropped)
