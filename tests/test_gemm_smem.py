@@ -34,5 +34,5 @@ def test_static_and_dynamic_smem_fit(fam, tile, kernel):
     report = re.search(rf"Function properties for {re.escape(lowered)}\n.*\n.*?(\d+) bytes smem", c.log)
     assert report, f"no ptxas report for {kernel}"
     static = int(report[1])
-    dynamic = families.FAMILIES[fam].smem(tile)
+    dynamic = families.FAMILIES[fam].geometry(tile).smem
     assert static + dynamic <= OPTIN_MAX, f"{kernel}: {dynamic} dynamic + {static} static bytes > {OPTIN_MAX}"

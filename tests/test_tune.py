@@ -123,7 +123,7 @@ def test_matmul_uses_the_table_else_the_cost_model(cache, monkeypatch):
     key = key_of("tf32", False, True, "none", True, M, N, K)
     save_table(GPU, {key: plan_to_json(forced)})
     assert _run(rt, M, N, K, bias=True) == [tf32_name(forced.tile, False, True, EPI_BIAS, True, True)]
-    assert rt.launches[0][2] == (192,) and rt.launches[0][3] == FAMILIES["tf32"].smem(forced.tile)
+    assert rt.launches[0][2] == (192,) and rt.launches[0][3] == forced.geo.smem
     # other epilogue / no bias / other precision / other GPU: not this entry
     assert _run(rt, M, N, K, bias=False) != [tf32_name(forced.tile, False, True, EPI_NONE, False, True)]
     assert _run(rt, M, N, K, epilogue="residual", bias=True)[0].startswith("gemm_tf32<128,128")
@@ -204,7 +204,7 @@ def test_estimate_prefers_hidden_epilogues_and_full_waves():
     # GELU writes two [M, N] arrays: with two resident blocks the stores hide behind the other's main loop
     big = make_plan("tf32", (256, 128, 32, 4, 2, 3), 1, 384)
     two = make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, 384)
-    assert big.blocks_per_sm == 1 and two.blocks_per_sm == 2
+    assert big.geo.blocks_per_sm == 1 and two.geo.blocks_per_sm == 2
     e = lambda p, epi: estimate_s(p, Gemm(16384, 1536, 384, epilogue=epi, bias=True))  # noqa: E731
     assert e(two, "gelu") < e(big, "gelu")
     assert e(big, "gelu") - e(big, "none") > e(two, "gelu") - e(two, "none")

@@ -304,7 +304,7 @@ def _check_batched_wgmma(rt, tile, batch, M, N, K, seed):
            f"batched wgmma {tile}")
 
 
-WS_TILES = [t for t in FAMILIES["wgmma"].tiles if FAMILIES["wgmma"].persistent(t)]
+WS_TILES = [t for t in FAMILIES["wgmma"].tiles if FAMILIES["wgmma"].geometry(t).persistent]
 
 
 @gpu

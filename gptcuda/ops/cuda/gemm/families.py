@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gptcuda.ops.cuda import DTYPE_CODES, expression
 
@@ -147,6 +148,16 @@ def layout_code(trans_a, trans_b) -> str:
     return ("T" if trans_a else "N") + ("T" if trans_b else "N")
 
 
+class Geometry(NamedTuple):
+    """How a tile's kernel is launched."""
+    threads: int                  # a block's
+    blocks_per_sm: int            # resident on one SM
+    smem: int                     # a block's dynamic shared memory (bytes)
+    tma: bool = True              # it takes TMA tensor maps of A and B (and no A / B strides)
+    persistent: bool = True       # a grid of at most blocks_per_sm x SMs blocks walks the tiles; it takes their
+                                  # z extent and the column sums' partials last
+
+
 @dataclass(frozen=True)
 class Family:
     """One kernel family: its file, tiles and rates, where it runs (a warpgroup-MMA family: the layouts it
@@ -178,20 +189,8 @@ class Family:
     def tiles(self) -> tuple:
         return tuple(self.rates)
 
-    def threads(self, t) -> int:
-        return (t[0] // 64 + 1) * 128
-
-    def blocks_per_sm(self, t) -> int:
-        return 1
-
-    def smem(self, t) -> int:     # a slot: A and B
-        return ring_smem(t[2], t[0] + t[1])
-
-    def tma(self, t) -> bool:     # the kernel takes TMA tensor maps of A and B (and no A/B strides)
-        return True
-
-    def persistent(self, t) -> bool:      # a grid of at most blocks_per_sm x SMs blocks walks the tiles; the
-        return True                       # kernel takes their z extent and the column sums' partials last
+    def geometry(self, t) -> Geometry:        # (BM, BN, STAGES): BM / 64 consumer warpgroups and a producer's
+        return Geometry((t[0] // 64 + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]))      # a slot: A and B
 
     def short(self, t) -> str:
         return f"{t[0]}x{t[1]}s{t[2]}{self.suffix}"
@@ -227,85 +226,65 @@ class Family:
         return any(e == epi for _, _, e, _ in self.combos())
 
 
-class Simt(Family):
-    def threads(self, t):         # an 8x8 tile a thread
-        return t[0] * t[1] // 64
-
-    def blocks_per_sm(self, t):
-        return SIMT_BLOCKS_PER_SM[self.threads(t)]
-
-    def smem(self, t):
-        return 0
-
-    def tma(self, t):
-        return False
-
-    def persistent(self, t):
-        return False
+class Simt(Family):               # (BM, BN): an 8x8 tile a thread, operands by pointer
+    def geometry(self, t):
+        return Geometry(t[0] * t[1] // 64, SIMT_BLOCKS_PER_SM[t[0] * t[1] // 64], 0, False, False)
 
     def short(self, t):
         return f"{t[0]}x{t[1]}"
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
-        return expression("gemm_simt", *t, ta, tb, epi, hb, vec, self.threads(t), self.blocks_per_sm(t))
+        geo = self.geometry(t)
+        return expression("gemm_simt", *t, ta, tb, epi, hb, vec, geo.threads, geo.blocks_per_sm)
 
 
-class MmaSync(Simt):              # (as SIMT: one block a tile, operands by pointer)
-    def threads(self, t):         # a warp a warp tile
-        return t[3] * t[4] * 32
-
-    def blocks_per_sm(self, t):
-        return tf32_blocks_per_sm(t)
-
-    def smem(self, t):
-        return tf32_smem(t)
+class MmaSync(Family):            # (BM, BN, BK, warps_m, warps_n, stages): a warp a warp tile, operands by pointer
+    def geometry(self, t):
+        return Geometry(t[3] * t[4] * 32, tf32_blocks_per_sm(t), tf32_smem(t), False, False)
 
     def short(self, t):
         return f"{t[0]}x{t[1]}s{t[5]}"
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
-        return expression("gemm_tf32", *t, ta, tb, epi, hb, vec, self.threads(t), self.smem(t), self.blocks_per_sm(t))
+        geo = self.geometry(t)
+        return expression("gemm_tf32", *t, ta, tb, epi, hb, vec, geo.threads, geo.smem, geo.blocks_per_sm)
 
 
-class Wgmma(Family):
-    def threads(self, t):         # BM / 64 warpgroups computing, plus the warp-specialized kernel's loader
-        return (t[0] // 64 + (t[3] == 2)) * 128
-
-    def blocks_per_sm(self, t):
-        return 1 if t[3] == 2 else max(1, min(2, SMEM_PER_SM // (self.smem(t) + 1024)))
-
-    def tma(self, t):
-        return t[3] >= 1
-
-    def persistent(self, t):
-        return t[3] == 2
+class Wgmma(Family):              # (BM, BN, STAGES, LOADER): BM / 64 warpgroups computing, + LOADER 2's producer
+    def geometry(self, t):
+        smem = ring_smem(t[2], t[0] + t[1])
+        blocks = 1 if t[3] == 2 else max(1, min(2, SMEM_PER_SM // (smem + 1024)))
+        return Geometry((t[0] // 64 + (t[3] == 2)) * 128, blocks, smem, t[3] >= 1, t[3] == 2)
 
     def short(self, t):
         return f"{t[0]}x{t[1]}s{t[2]}" + ("", "tma", "ws")[t[3]]
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
-        name = ("gemm_wgmma", "gemm_wgmma_tma", "gemm_wgmma_ws")[t[3]]
-        return expression(name, *t[:3], epi, hb, self.threads(t), self.smem(t))
+        geo = self.geometry(t)
+        return expression(("gemm_wgmma", "gemm_wgmma_tma", "gemm_wgmma_ws")[t[3]], *t[:3], epi, hb, geo.threads, geo.smem)
 
 
 class RegisterA(Family):          # gemm_wgmma_ra<..., MN_B (B turned by the producers), COLSUM, TC (C stored transposed)>
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
+        geo = self.geometry(t)
         return expression("gemm_wgmma_ra", *t, epi, hb, not self.transposes_b and not self.swaps, colsum, self.swaps,
-                          self.threads(t), self.smem(t))
+                          geo.threads, geo.smem)
 
 
 class Split3(Family):             # gemm_wgmma3_ra<..., MN_A = trans_a, MN_B = not trans_b, COLSUM (MN_A only)>
-    def smem(self, t):            # a slot: A once (split in the consumers' registers), B's halves
-        return ring_smem(t[2], t[0] + 2 * t[1])
+    def geometry(self, t):        # a slot: A once (split in the consumers' registers), B's halves
+        return Geometry((t[0] // 64 + 1) * 128, 1, ring_smem(t[2], t[0] + 2 * t[1]))
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
-        return expression("gemm_wgmma3_ra", *t, epi, hb, ta, not tb, colsum, self.threads(t), self.smem(t))
+        geo = self.geometry(t)
+        return expression("gemm_wgmma3_ra", *t, epi, hb, ta, not tb, colsum, geo.threads, geo.smem)
 
 
 class Bf16(Family):               # gemm_wgmma_ws<..., DT 1, A MN-major (ta), B MN-major (not tb), C's type code>
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
-        return expression("gemm_wgmma_ws", *t, epi, hb, self.threads(t), self.smem(t), DTYPE_CODES["bf16"], ta,
-                          not tb, DTYPE_CODES[out])
+        geo = self.geometry(t)
+        return expression("gemm_wgmma_ws", *t, epi, hb, geo.threads, geo.smem, DTYPE_CODES["bf16"], ta, not tb,
+                          DTYPE_CODES[out])
 
 
 _ALIGNED = "16-byte aligned"

@@ -59,7 +59,7 @@ def _launch_gemm(rt, p: Plan, g: Gemm, out, a, b, bias=None, aux=None, colsum=No
     family's kernel, and for split-K its partials into ws [splits, M, N] then the fixed-order reduction
     that applies the epilogue. colsum (a family whose kernels sum A, epilogue none): also colsum[z, m] =
     the sums of A's rows of split z, as stored [K, M] (a weight gradient's bias-gradient partials)."""
-    fam, whole, zs = p.fam, p.splits == 1, g.batch * p.splits
+    fam, geo, whole, zs = p.fam, p.geo, p.splits == 1, g.batch * p.splits
     lda, ldb, ldc = g.M if g.ta else g.K, g.K if g.tb else g.N, g.M if fam.swaps else g.N
     sA, sB = (g.M * g.K, g.K * g.N) if batched else (0, 0)
     fn = rt.function(fam.file, fam.kernel(p.tile, g.ta, g.tb, g.epi if whole else EPI_NONE, whole and g.bias, vec=g.vec,
@@ -69,13 +69,13 @@ def _launch_gemm(rt, p: Plan, g: Gemm, out, a, b, bias=None, aux=None, colsum=No
     # the z extent of its tiles and the column sums' partials (or null) last
     args = [out if whole else ws, aux if whole else None, *_operands(rt, p, g, a, b, lda, ldb, sA, sB),
             bias if whole else None, i32(g.M), i32(g.N), i32(g.K)]
-    args += [i32(ldc)] if fam.tma(p.tile) else [i32(lda), i32(ldb), i32(ldc), u64(sA), u64(sB)]
+    args += [i32(ldc)] if geo.tma else [i32(lda), i32(ldb), i32(ldc), u64(sA), u64(sB)]
     args += [u64(g.M * g.N), f32(alpha), i32(p.splits), i32(max(g.K, 1) if whole else p.k_chunk)]
-    args += [i32(zs), colsum] if fam.persistent(p.tile) else []
+    args += [i32(zs), colsum] if geo.persistent else []
     tiles = (cdiv(g.N, p.tile[1]), cdiv(g.M, p.tile[0]), zs)
-    if fam.persistent(p.tile):        # at most blocks_per_sm x SMs blocks, each walking tiles x, x + gridDim.x, ...
-        tiles = (max(1, min(tiles[0] * tiles[1] * zs, rt.info.sm_count * p.blocks_per_sm)), 1, 1)
-    rt.launch(fn, tiles, (p.threads,), args, smem=p.smem, label=g.label if whole else f"{g.label}:splitk{p.splits}")
+    if geo.persistent:                # at most blocks_per_sm x SMs blocks, each walking tiles x, x + gridDim.x, ...
+        tiles = (max(1, min(tiles[0] * tiles[1] * zs, rt.info.sm_count * geo.blocks_per_sm)), 1, 1)
+    rt.launch(fn, tiles, (geo.threads,), args, smem=geo.smem, label=g.label if whole else f"{g.label}:splitk{p.splits}")
     if not whole:
         rM, rN = (g.N, g.M) if fam.swaps else (g.M, g.N)
         rt.launch(rt.function(SIMT_FILE, reduce_name(g.epi, g.bias)),
@@ -89,7 +89,7 @@ def _operands(rt, p: Plan, g: Gemm, a, b, lda, ldb, sA, sB) -> tuple:
     swizzle; an MN-major one (A [K, M]: ta, B [K, N]: not tb, read as stored) {rows, K, batch}, boxes
     {BM or BN, 32}, unswizzled, except A read through registers (a_regs): boxes {32, 32}, and a bf16
     operand's: boxes {64, 64}, in the 128-byte swizzle."""
-    if not p.fam.tma(p.tile):
+    if not p.geo.tma:
         return a, b
     out = []
     for x, rows_, ld, stride, box, mn in ((a, g.M, lda, sA, p.tile[0], g.ta), (b, g.N, ldb, sB, p.tile[1], not g.tb)):

@@ -77,16 +77,8 @@ class Plan:
         return FAMILIES[self.family]
 
     @property
-    def threads(self):
-        return self.fam.threads(self.tile)
-
-    @property
-    def blocks_per_sm(self):
-        return self.fam.blocks_per_sm(self.tile)
-
-    @property
-    def smem(self):
-        return self.fam.smem(self.tile)
+    def geo(self):
+        return self.fam.geometry(self.tile)
 
     def relaid(self, g: Gemm):
         """(workspace, floats) of the operand this plan re-lays out before its kernel: B^T [N, K]
@@ -155,19 +147,19 @@ def b_reads(p: Plan, M, N, k_chunk, sm_count=132) -> int:
     if 4.0 * N * max(k_chunk, 1) <= _L2_RESIDENT_BYTES:
         return 1
     rows_, tiles = cdiv(M, p.tile[0]), cdiv(M, p.tile[0]) * cdiv(N, p.tile[1])
-    return max(1, min(rows_, cdiv(tiles, sm_count * p.blocks_per_sm)))
+    return max(1, min(rows_, cdiv(tiles, sm_count * p.geo.blocks_per_sm)))
 
 
 def _gemm_estimate(p: Plan, M, N, K, k_chunk, batch, epi, sm_count) -> float:
     """estimate_s of the GEMM kernel (and split-K reduction) alone, reduction length K."""
     bm, bn = p.tile[:2]
     blocks = cdiv(M, bm) * cdiv(N, bn) * batch * p.splits
-    t = _model_time(blocks, 2.0 * bm * bn * max(k_chunk, 1), p.threads, p.blocks_per_sm, p.fam.rates[p.tile],
+    t = _model_time(blocks, 2.0 * bm * bn * max(k_chunk, 1), p.geo.threads, p.geo.blocks_per_sm, p.fam.rates[p.tile],
                     p.fam.rate, sm_count)
     io = 1 if p.splits > 1 else EPI_IO[epi]
     per_block = _FILL_S + bm * bn * 4 * io / (_BYTES_PER_S / sm_count)
     per_sm = cdiv(blocks, sm_count)
-    t += per_sm * per_block * (_HIDDEN if p.blocks_per_sm >= 2 else 1.0)
+    t += per_sm * per_block * (_HIDDEN if p.geo.blocks_per_sm >= 2 else 1.0)
     t = max(t, 4.0 * batch * (M * K + b_reads(p, M, N, k_chunk, sm_count) * K * N + M * N * io) / _BYTES_PER_S,
             4.0 * blocks * (bm + bn) * max(k_chunk, 1) / _L2_BYTES_PER_S)
     if p.splits > 1:
@@ -243,12 +235,12 @@ def plan(g: Gemm, family, mode=None, sm_count=132, max_ws=0, scratch=None, tiles
         # wgmma: also past one wave (a long K over few output tiles, the head's dlnf = dlogits @ wte:
         # 192 256x128 tiles, 1.45 waves; split 2: 2.9)
         if g.batch == 1 and max_ws > 0 and g.K >= 2 * fam.k_align and \
-                cdiv(g.M, tile[0]) * cdiv(g.N, tile[1]) < fam.split_waves * sm_count * fam.blocks_per_sm(tile):
+                cdiv(g.M, tile[0]) * cdiv(g.N, tile[1]) < fam.split_waves * sm_count * fam.geometry(tile).blocks_per_sm:
             return range(1, min(MAX_SPLITS, cdiv(g.K, fam.k_align)) + 1)
         return [1]
 
     def rank(p):
-        cp_async = p.fam.file == WGMMA_FILE and not p.fam.tma(p.tile)
+        cp_async = p.fam.file == WGMMA_FILE and not p.geo.tma
         return estimate_s(p, g, sm_count), p.splits, -p.tile[0] * p.tile[1], cp_async
 
     best = min(_plans(g, family, mode, max_ws, scratch, tiles_of, splits_of), key=rank, default=None)
