@@ -228,7 +228,8 @@ class Family:
 
 class Simt(Family):               # (BM, BN): an 8x8 tile a thread, operands by pointer
     def geometry(self, t):
-        return Geometry(t[0] * t[1] // 64, SIMT_BLOCKS_PER_SM[t[0] * t[1] // 64], 0, False, False)
+        threads = t[0] * t[1] // 64
+        return Geometry(threads, SIMT_BLOCKS_PER_SM[threads], 0, False, False)
 
     def short(self, t):
         return f"{t[0]}x{t[1]}"
@@ -238,7 +239,7 @@ class Simt(Family):               # (BM, BN): an 8x8 tile a thread, operands by 
         return expression("gemm_simt", *t, ta, tb, epi, hb, vec, geo.threads, geo.blocks_per_sm)
 
 
-class MmaSync(Family):            # (BM, BN, BK, warps_m, warps_n, stages): a warp a warp tile, operands by pointer
+class MmaSync(Family):            # (BM, BN, BK, warps_m, warps_n, stages): a warp a warp tile, A and B by pointer
     def geometry(self, t):
         return Geometry(t[3] * t[4] * 32, tf32_blocks_per_sm(t), tf32_smem(t), False, False)
 
@@ -261,7 +262,8 @@ class Wgmma(Family):              # (BM, BN, STAGES, LOADER): BM / 64 warpgroups
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t)
-        return expression(("gemm_wgmma", "gemm_wgmma_tma", "gemm_wgmma_ws")[t[3]], *t[:3], epi, hb, geo.threads, geo.smem)
+        name = ("gemm_wgmma", "gemm_wgmma_tma", "gemm_wgmma_ws")[t[3]]
+        return expression(name, *t[:3], epi, hb, geo.threads, geo.smem)
 
 
 class RegisterA(Family):          # gemm_wgmma_ra<..., MN_B (B turned by the producers), COLSUM, TC (C stored transposed)>

@@ -80,7 +80,8 @@ def _launch_gemm(rt, p: Plan, g: Gemm, out, a, b, bias=None, aux=None, colsum=No
         rM, rN = (g.N, g.M) if fam.swaps else (g.M, g.N)
         rt.launch(rt.function(SIMT_FILE, reduce_name(g.epi, g.bias)),
                   (max(1, min(cdiv(g.M * g.N, REDUCE_THREADS), rt.info.sm_count * 8)),), (REDUCE_THREADS,),
-                  [out, aux, ws, bias, i32(rM), i32(rN), i32(ldc), i32(p.splits), f32(alpha)], label=f"{g.label}:reduce")
+                  [out, aux, ws, bias, i32(rM), i32(rN), i32(ldc), i32(p.splits), f32(alpha)],
+                  label=f"{g.label}:reduce")
 
 
 def _operands(rt, p: Plan, g: Gemm, a, b, lda, ldb, sA, sB) -> tuple:
@@ -202,7 +203,8 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
     M, N, K, lda, ldb = _dims("matmul_batched", out, a, b, trans_a, trans_b, batched=True)
     batch = rows(out.shape[:-1])
     if rows(a.shape[:-1]) != batch or rows(b.shape[:-1]) != batch:
-        raise ValueError(f"matmul_batched: batch sizes differ: out {out.shape[:-2]}, a {a.shape[:-2]}, b {b.shape[:-2]}")
+        raise ValueError(f"matmul_batched: batch sizes differ: out {out.shape[:-2]}, a {a.shape[:-2]}, "
+                         f"b {b.shape[:-2]}")
     if batch > MAX_GRID_Z:
         raise ValueError(f"matmul_batched: batch {batch} exceeds {MAX_GRID_Z}")
     if (trans_a, trans_b) not in PRODUCTS:

@@ -50,16 +50,14 @@ def plan_to_json(p: Plan) -> dict:
 
 
 def plan_from_json(d: dict, K: int) -> Plan | None:
-    """The Plan an entry names, rebuilt for reduction length K (None if it is not a valid plan: also
-    one of a family or a re-layout this tree no longer has)."""
+    """The Plan an entry names, rebuilt for reduction length K (None if it is not a valid plan: also one
+    of a family or a tile this tree does not have)."""
     try:
         tile = tuple(int(x) for x in d["tile"])
         p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K), bool(d.get("transpose_b", False)))
     except (KeyError, TypeError, ValueError):
         return None
-    if p is None or p.k_chunk != int(d.get("k_chunk", p.k_chunk)) or d.get("transpose_a"):
-        return None
-    return p
+    return None if p is None or p.k_chunk != int(d.get("k_chunk", p.k_chunk)) else p
 
 
 def load_table(gpu_name: str, src_hash: str | None = None, refresh: bool = False) -> dict:
