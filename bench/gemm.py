@@ -28,10 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.common import Arena, ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402  (graph replay on bench.common's event timing)
+from gptcuda.model.products import Product  # noqa: E402
 from gptcuda.ops.cuda import gemm  # noqa: E402
 from gptcuda.ops.cuda.gemm.families import FAMILIES, MAX_SPLITS, SIMT_FILE  # noqa: E402
 from gptcuda.ops.cuda.gemm.launch import _vec_ok  # noqa: E402
-from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Gemm, competing, plan, plan_label, wgmma_layout  # noqa: E402
+from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, competing, plan, plan_label, wgmma_layout  # noqa: E402
 from gptcuda.ops.cuda.gemm.table import tuned_plan  # noqa: E402
 from gptcuda.runtime import Runtime, i32  # noqa: E402
 
@@ -172,7 +173,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
                           "gemm_aT": ar.empty((max(M, N) * K if ta else 1,))})
         lda = M if ta else K
         ldb = K if tb else N
-        g = Gemm(M, N, K, ta, tb, vec=_vec_ok(da, db, lda, ldb))
+        g = Product(M, N, K, ta, tb, vec=_vec_ok(da, db, lda, ldb))
         scratch = {name: rt.workspace(name).numel for name in WGMMA_WORKSPACES}
         for prec in precisions:
             rt.exec = rt.exec.with_precision(prec)
@@ -262,7 +263,7 @@ def bench_ladder(rt, M, N, K, args):
             out_rows.append((name, ms, flop / ms / 1e9, err))
         for prec, fam in (("fp32", "simt"), ("tf32", "tf32")):      # the production kernels
             rt.exec = rt.exec.with_precision(prec)
-            p = plan(Gemm(M, N, K), fam, sm_count=rt.info.sm_count)
+            p = plan(Product(M, N, K), fam, sm_count=rt.info.sm_count)
             ms = time_graphed_ms(rt, lambda: gemm.matmul(rt, out, da, db, plan=p), warmup=args.warmup,
                                  iters=args.iters, reps=5)
             out_rows.append((f"{plan_label(p)} NN", ms, flop / ms / 1e9,

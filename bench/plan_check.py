@@ -28,8 +28,9 @@ os.environ["GPTCUDA_GEMM_TUNE"] = "off"          # the cost model alone
 from gptcuda.config import load_config  # noqa: E402
 from gptcuda.ops.cuda import cdiv  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import plan_label  # noqa: E402
-from gptcuda.ops.cuda.gemm.table import plan_from_json  # noqa: E402
-from gptcuda.ops.cuda.gemm.tune import candidates_for, model_gemms, workspace_floats  # noqa: E402
+from gptcuda.ops.cuda.gemm.table import plan_from_json, table_key  # noqa: E402
+from gptcuda.model.products import products  # noqa: E402
+from gptcuda.ops.cuda.gemm.tune import candidates_for, workspace_floats  # noqa: E402
 from gptcuda.runtime import execution  # noqa: E402
 
 
@@ -56,8 +57,8 @@ def check(entries: dict, cfgs, verbose=False, out=sys.stdout) -> dict:
         vocab = cfg.vocab_size or cdiv(50257 if cfg.tokenizer == "gpt2" else 65, mult) * mult
         ex = execution.resolve(cfg, arch="sm_90", env={})
         ws = workspace_floats(cfg, vocab, ex)
-        for op in model_gemms(cfg, vocab, ex=ex):
-            key = op.key(ex.table_tag)
+        for op in products(cfg, vocab, ex=ex):
+            key = table_key(ex.table_tag, op)
             if key in seen or key not in entries:
                 continue
             seen.add(key)

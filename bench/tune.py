@@ -6,7 +6,7 @@
 The command line over gptcuda/ops/cuda/gemm/tune.py, which a training run also uses at its setup
 (config gemm_tune: auto) to measure the shapes its GPU's table lacks; this measures every shape of
 the config again (an entry already there is replaced), with longer windows, and prints each
-candidate. The shapes come from the config (tune.model_gemms): N = batch_size * block_size tokens,
+candidate. The shapes come from the config (model/products.py products): N = batch_size * block_size tokens,
 C, 3C, 4C and the vocabulary V (every matmul of model.py's forward and backward with its
 transposes, epilogue and bias, the eval forward's residual epilogue, the MLP backward both as
 "none" and fused "dgelu", and the unfused attention's batched GEMMs). For each shape:
@@ -43,8 +43,9 @@ from gptcuda.runtime import execution  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import estimate_s, plan_label  # noqa: E402
 from gptcuda.ops.cuda.gemm.table import save_table, table_path  # noqa: E402
 # (pick_winner: the package's, reached here as bench.tune's too)
-from gptcuda.ops.cuda.gemm.tune import (EventTimer, candidates_for, floor_s, model_gemms, pick_winner,  # noqa: E402,F401
+from gptcuda.ops.cuda.gemm.tune import (EventTimer, candidates_for, floor_s, pick_winner,  # noqa: E402,F401
                                         step_ms, table_entries, tune_op, workspace_floats)
+from gptcuda.model.products import products  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ def main(argv=None):
         return 2
     cfg = load_config(path, overrides)
     vocab = vocab_of(cfg)
-    ops = model_gemms(cfg, vocab)
+    ops = products(cfg, vocab)
     if "only" in opts:
         ops = [o for o in ops if opts["only"] in o.label]
     keep = float(opts.get("keep", 1.6))

@@ -9,11 +9,12 @@ import struct
 import numpy as np
 import pytest
 
+from gptcuda.model.products import Product
 from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_NONE, EPI_RESID, FAMILIES, transpose_name
-from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, _LAUNCH_S, WGMMA_WORKSPACES, Gemm, b_reads, competing,
+from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, _LAUNCH_S, WGMMA_WORKSPACES, b_reads, competing,
                                         estimate_s, make_plan, plan, plan_unfit, tune_candidates, wgmma_layout)
-from gptcuda.ops.cuda.gemm.table import forget_tables, plan_from_json, plan_to_json, save_table
+from gptcuda.ops.cuda.gemm.table import forget_tables, plan_from_json, plan_to_json, save_table, table_key
 from tests.conftest import FakeGemmRT, fake_view as _v
 from tests.fakes import FakeDev
 from gptcuda.config import config_of
@@ -57,19 +58,19 @@ def _plan(cfg, M, N, K, ta=True, tb=False):
     """The cost model's plan on an sm_90 H200 with cfg's workspaces (what matmul picks)."""
     ws = _floats(cfg)
     vec = (M if ta else K) % 4 == 0 and (K if tb else N) % 4 == 0
-    return plan(Gemm(M, N, K, ta, tb, vec=vec), "tf32", "tf32", max_ws=ws["gemm_splitk"],
+    return plan(Product(M, N, K, ta, tb, vec=vec), "tf32", "tf32", max_ws=ws["gemm_splitk"],
                 scratch={n: ws[n] for n in WGMMA_WORKSPACES})
 
 
 def _layout(mode, ta, tb, vec, K, batch=1):
-    return wgmma_layout(mode, Gemm(64, 64, K, ta, tb, batch=batch, vec=vec))
+    return wgmma_layout(mode, Product(64, 64, K, ta, tb, batch=batch, vec=vec))
 
 
 def _unfit(p, family, vec, layout):
     """plan_unfit of a 64^3 product of this layout code (False: the warpgroup-MMA kernels off)."""
     code = layout or "NT"
     mode = layout and ("tf32" if family == "tf32" else "3xtf32")
-    return plan_unfit(p, Gemm(64, 64, 64, code[0] == "T", code[1] == "T", vec=vec), family, mode or None)
+    return plan_unfit(p, Product(64, 64, 64, code[0] == "T", code[1] == "T", vec=vec), family, mode or None)
 
 
 # ---- the layout decision -----------------------------------------------------------------------
@@ -143,8 +144,8 @@ def test_weight_grads_choose_what_the_table_picks(cfg, name):
     for (M, N), fam in zip(shapes, TABLE_PICKS[name]):
         p = _plan(cfg, M, N, K)
         assert p.family == fam, (M, N, p)
-        old = plan(Gemm(M, N, K, True, False, vec=M % 4 == 0), "tf32", max_ws=_floats(cfg)["gemm_splitk"])
-        assert estimate_s(p, Gemm(M, N, K)) <= estimate_s(old, Gemm(M, N, K)), (M, N, p, old)
+        old = plan(Product(M, N, K, True, False, vec=M % 4 == 0), "tf32", max_ws=_floats(cfg)["gemm_splitk"])
+        assert estimate_s(p, Product(M, N, K)) <= estimate_s(old, Product(M, N, K)), (M, N, p, old)
         assert p.transpose_b == (fam == "wgmma_ra")
 
 
@@ -157,7 +158,7 @@ def test_gpt2_head_products():
     assert p.family == "wgmma" and p.tile[:2] == (256, 128) and p.tile[3] >= 1 and p.splits == 1, p
     small = make_plan("wgmma", (128, 128, 3, 0), 1, C)
     assert b_reads(small, Ntok, V, C) == 64 and b_reads(p, Ntok, V, C) == 32
-    assert estimate_s(small, Gemm(Ntok, V, C)) > 1.4 * estimate_s(p, Gemm(Ntok, V, C))
+    assert estimate_s(small, Product(Ntok, V, C)) > 1.4 * estimate_s(p, Product(Ntok, V, C))
     d = _plan(GPT2, Ntok, C, V, ta=False, tb=False)
     assert d.family == "wgmma" and d.transpose_b and d.tile[3] >= 1 and d.splits == 2, d
     assert _floats(GPT2)["gemm_splitk"] >= d.splits * Ntok * C
@@ -166,7 +167,7 @@ def test_gpt2_head_products():
 def test_ties_go_to_tma():
     # DRAM-bound: a cp.async tile and its TMA twin model the same time
     M, N, K = 16384, 65, 384
-    p = plan(Gemm(M, N, K, False, True), "tf32", "tf32")
+    p = plan(Product(M, N, K, False, True), "tf32", "tf32")
     assert p.family == "wgmma" and p.tile[3] == 1, p
 
 
@@ -176,11 +177,11 @@ def test_estimate_counts_the_relayout():
     M, N, K = 3072, 768, 8192
     bt = make_plan("wgmma_ra", (128, 192, 4), 1, K, transpose_b=True)
     stored = make_plan("wgmma_ra", (128, 192, 4), 1, K)
-    g = Gemm(M, N, K, True, False)
+    g = Product(M, N, K, True, False)
     assert estimate_s(bt, g) == pytest.approx(estimate_s(stored, g) + _LAUNCH_S / 3 +
                                                          8.0 * K * N / _BYTES_PER_S)
     swapped = make_plan("wgmma_ra_t", (128, 192, 4), 1, K)
-    assert estimate_s(swapped, Gemm(N, M, K)) == pytest.approx(estimate_s(stored, g) + _LAUNCH_S / 3 +
+    assert estimate_s(swapped, Product(N, M, K)) == pytest.approx(estimate_s(stored, g) + _LAUNCH_S / 3 +
                                                               8.0 * K * N / _BYTES_PER_S)
     assert bt.relaid(g) == ("gemm_aT", N * K) and swapped.relaid(g) == ("gemm_aT", M * K)
     assert stored.relaid(g) is None and make_plan("wgmma", (128, 128, 3, 1), 1, K, True).relaid(g) == ("gemm_bT", N * K)
@@ -209,7 +210,7 @@ def test_table_roundtrip_and_fit(tmp_path, monkeypatch):
         d = plan_to_json(p)
         assert d["transpose_b"] and plan_from_json(d, K) == p
         assert plan_from_json({**d, "family": "wgmma_ta"}, K) is None         # a family this tree does not have
-        key = Gemm(M, N, K, True, False).key("tf32")
+        key = table_key("tf32", Product(M, N, K, True, False))
         save_table("NVIDIA H200 (test)", {key: d})
         rt = _rt(GPT2)
         gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
@@ -246,7 +247,7 @@ def test_head_weight_grad():
     assert names[0] == TRANSPOSE and rt.launches[0][1] == (N // 64, K // 64), names
     assert names[1].startswith("gemm_wgmma_ra<") and len(names) == 2, names
     assert "wgmma_ra_t" not in {p.family for p in tune_candidates(
-        Gemm(M, N, K, True, False), "tf32", "tf32", 1 << 24, scratch={"gemm_aT": _floats(GPT2)["gemm_aT"]})}
+        Product(M, N, K, True, False), "tf32", "tf32", 1 << 24, scratch={"gemm_aT": _floats(GPT2)["gemm_aT"]})}
 
 
 def test_trans_a_trans_b_reads_b_in_place():
@@ -280,7 +281,7 @@ def test_launched_names_are_in_variants():
                         continue
                     assert mode == ("TT" if tb else "TN")
                     scratch = {"gemm_aT": rt.workspace("gemm_aT").numel}
-                    for p in tune_candidates(Gemm(M, N, K, True, tb), "tf32", "tf32", _floats(cfg)["gemm_splitk"],
+                    for p in tune_candidates(Product(M, N, K, True, tb), "tf32", "tf32", _floats(cfg)["gemm_splitk"],
                                              scratch=scratch):
                         if tb and p.family == "tf32":          # (TT is no product of the interface: not compiled)
                             continue
@@ -557,7 +558,7 @@ def test_ra_families_compete_for_weight_gradients():
     assert not ra & set(competing("tf32", "NT")) and not ra & set(competing("simt", "TN"))
     assert competing("tf32", "TN", EPI_RESID) == competing("tf32", "TN", EPI_BIAS) == ["tf32"]
     M, N, K = 384, 1536, 8192
-    plans = lambda at: {p.family for p in tune_candidates(Gemm(M, N, K, True, False), "tf32", "tf32",  # noqa: E731
+    plans = lambda at: {p.family for p in tune_candidates(Product(M, N, K, True, False), "tf32", "tf32",  # noqa: E731
                                                                scratch={"gemm_aT": at})}
     assert plans(N * K) == {"tf32"} | ra and plans(M * K) == {"tf32", "wgmma_ra_mn", "wgmma_ra_t"}
     assert plans(M * K - 1) == {"tf32", "wgmma_ra_mn"} and plans(N * K - 1) == plans(M * K)
@@ -571,7 +572,7 @@ def test_ra_families_compete_for_weight_gradients():
     assert _unfit(q, "tf32", True, "TN") is None
     assert "needs" in _unfit(q, "tf32", True, "TT")
     t = make_plan("wgmma_ra_t", FAMILIES["wgmma_ra_t"].tiles[0], 1, 64)
-    assert "not compiled for TT with epilogue code 3" in plan_unfit(t, Gemm(64, 64, 64, True, False, "residual"),
+    assert "not compiled for TT with epilogue code 3" in plan_unfit(t, Product(64, 64, 64, True, False, "residual"),
                                                                     "tf32", "tf32")
 
 
@@ -628,9 +629,9 @@ def test_wgmma3_ra_competes_for_aligned_fp32_products(fam):
     assert "needs" in _unfit(p, "simt", False, "NT")
     assert "needs" in _unfit(p, "simt", True, False)
     assert "rt.precision" in _unfit(p, "tf32", True, "NT")
-    cands = tune_candidates(Gemm(384, 1536, 16384, True, False), "simt", "3xtf32", 1 << 24)
+    cands = tune_candidates(Product(384, 1536, 16384, True, False), "simt", "3xtf32", 1 << 24)
     assert {p.family for p in cands} == {"simt", fam}
-    unaligned = Gemm(384, 1536, 16384, True, False, vec=False)
+    unaligned = Product(384, 1536, 16384, True, False, vec=False)
     assert tune_candidates(unaligned, "simt", "3xtf32", 1 << 24) == tune_candidates(unaligned, "simt", None, 1 << 24)
 
 

@@ -7,14 +7,15 @@ import math
 import pytest
 
 from bench import tune
+from gptcuda.model.products import Product, products
 from gptcuda.config import load_config
 from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.ops.cuda.gemm import table
 from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_NONE, FAMILIES, SIMT_TILES, SPLIT_ALIGN, \
     TF32_FALLBACK_TILES, TF32_TILES
-from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, WGMMA_WORKSPACES, Gemm, estimate_s, make_plan, plan,
+from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, WGMMA_WORKSPACES, estimate_s, make_plan, plan,
                                         prune_candidates, split_chunk, tune_candidates)
-from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_path
+from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_key, table_path
 from tests.conftest import FakeGemmRT, fake_view, plan_of
 
 GPU = "NVIDIA H200 (test)"
@@ -44,14 +45,14 @@ def _run(rt, M, N, K, ta=False, tb=True, epilogue="none", bias=False, a_ptr=1 <<
 
 # ---- keys and the table file ------------------------------------------------------------
 def key_of(tag, ta, tb, epilogue, bias, M, N, K, batch=1):
-    return Gemm(M, N, K, ta, tb, epilogue, bias, batch).key(tag)
+    return table_key(tag, Product(M, N, K, ta, tb, epilogue, bias, batch))
 
 
 def test_key_names_every_field():
     base = ("tf32", False, True, "gelu", True, 16384, 1536, 384, 1)
     k = key_of(*base)
     assert k == "tf32:NT:gelu+bias:16384x1536x384:b1"
-    variants = {k, Gemm(16384, 1536, 384, False, True, "gelu", True, colsum=True).key("tf32")}
+    variants = {k, table_key("tf32", Product(16384, 1536, 384, False, True, "gelu", True, colsum=True))}
     for i, alt in enumerate(["fp32", True, False, "none", False, 16383, 1535, 385, 2]):
         args = list(base)
         args[i] = alt
@@ -174,19 +175,19 @@ def test_forced_plan_is_checked():
 
 # ---- candidates and pruning -----------------------------------------------------------------
 def test_candidates_respect_alignment_workspace_and_batch():
-    c = tune_candidates(Gemm(384, 384, 16384), "tf32", max_ws=8 * 384 * 384)
+    c = tune_candidates(Product(384, 384, 16384), "tf32", max_ws=8 * 384 * 384)
     assert {p.tile for p in c} == set(TF32_TILES)
     assert max(p.splits for p in c) == 8 and all(p.splits * 384 * 384 <= 8 * 384 * 384 for p in c)
     assert all(p.k_chunk == split_chunk(16384, p.splits) and p.k_chunk % SPLIT_ALIGN == 0 for p in c)
-    assert {p.tile for p in tune_candidates(Gemm(384, 384, 16384, vec=False), "tf32", max_ws=1 << 24)} == \
+    assert {p.tile for p in tune_candidates(Product(384, 384, 16384, vec=False), "tf32", max_ws=1 << 24)} == \
         set(TF32_FALLBACK_TILES)
-    assert all(p.splits == 1 for p in tune_candidates(Gemm(256, 256, 64, batch=24), "tf32", max_ws=1 << 24))
-    simt = tune_candidates(Gemm(16384, 384, 384), "simt")
+    assert all(p.splits == 1 for p in tune_candidates(Product(256, 256, 64, batch=24), "tf32", max_ws=1 << 24))
+    simt = tune_candidates(Product(16384, 384, 384), "simt")
     assert {p.tile for p in simt} == set(SIMT_TILES) and all(p.splits == 1 for p in simt)
 
 
 def test_prune_keeps_the_close_ones_and_the_cost_model_choice():
-    g = Gemm(384, 1152, 16384)
+    g = Product(384, 1152, 16384)
     cands = tune_candidates(g, "tf32", max_ws=1 << 24)
     est = {p: estimate_s(p, g) for p in cands}
     best = min(est.values())
@@ -205,12 +206,12 @@ def test_estimate_prefers_hidden_epilogues_and_full_waves():
     big = make_plan("tf32", (256, 128, 32, 4, 2, 3), 1, 384)
     two = make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, 384)
     assert big.geo.blocks_per_sm == 1 and two.geo.blocks_per_sm == 2
-    e = lambda p, epi: estimate_s(p, Gemm(16384, 1536, 384, epilogue=epi, bias=True))  # noqa: E731
+    e = lambda p, epi: estimate_s(p, Product(16384, 1536, 384, epilogue=epi, bias=True))  # noqa: E731
     assert e(two, "gelu") < e(big, "gelu")
     assert e(big, "gelu") - e(big, "none") > e(two, "gelu") - e(two, "none")
     # never below the DRAM floor
     p = make_plan("tf32", (64, 64, 32, 2, 2, 4), 1, 8)
-    assert estimate_s(p, Gemm(65536, 4096, 8)) >= 4.0 * (65536 * 8 + 8 * 4096 + 65536 * 4096) / _BYTES_PER_S
+    assert estimate_s(p, Product(65536, 4096, 8)) >= 4.0 * (65536 * 8 + 8 * 4096 + 65536 * 4096) / _BYTES_PER_S
 
 
 # ---- bench/tune.py driven by a fake timing function --------------------------------------------
@@ -218,10 +219,10 @@ def _cfg(**over):
     return load_config("configs/tiny.yaml", [f"--{k}={v}" for k, v in over.items()])
 
 
-def test_model_gemms_cover_the_model():
+def test_products_cover_the_model():
     cfg = _cfg(batch_size=8, block_size=32, n_embd=64, n_head=2, dropout=0.1, attention="unfused")
-    ops = tune.model_gemms(cfg, 65)
-    keys = [o.key("tf32") for o in ops]
+    ops = products(cfg, 65)
+    keys = [table_key("tf32", o) for o in ops]
     assert len(keys) == len(set(keys))
     by = {o.label.split(" / ")[0]: o for o in ops}
     N, C, L = 8 * 32, 64, cfg.n_layer
@@ -235,7 +236,7 @@ def test_model_gemms_cover_the_model():
     # dX attn proj and fwd attn proj differ in transposes; dX proj (N x C x C NN) merges nothing else
     assert by["dX attn proj"].count == L
     # no dropout: residual fused into the forward, no eval-only shapes; fused attention: no batched GEMMs
-    ops2 = tune.model_gemms(_cfg(dropout=0.0, attention="fused", bias=False), 65)
+    ops2 = products(_cfg(dropout=0.0, attention="fused", bias=False), 65)
     labels = " ".join(o.label for o in ops2)
     assert "eval" not in labels and "att " not in labels
     assert all(not o.bias for o in ops2)
@@ -244,7 +245,7 @@ def test_model_gemms_cover_the_model():
 
 def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     cfg = _cfg(batch_size=64, block_size=256, n_embd=384, n_head=6, dropout=0.2)
-    ops = [o for o in tune.model_gemms(cfg, 65) if o.label in ("fwd qkv", "dW qkv", "dX fc")]
+    ops = [o for o in products(cfg, 65) if o.label in ("fwd qkv", "dW qkv", "dX fc")]
     assert len(ops) == 3
     ws = tune.workspace_floats(cfg, 65)
     calls = []
@@ -291,7 +292,7 @@ def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     table.forget_tables()
     got = load_table(GPU)
     for op, p in out:
-        assert got[op.key("tf32")] == p
+        assert got[table_key("tf32", op)] == p
     # and matmul launches the winner
     rt = FakeRT("tf32", ws=ws["gemm_splitk"])
     rt._ws["bias_partials"] = _v((256 * 4096,), 1 << 43)
@@ -310,9 +311,9 @@ def test_pick_winner_ignores_failed_and_unmeasured():
 
 
 def test_floor():
-    op = Gemm(4096, 4096, 4096)
+    op = Product(4096, 4096, 4096)
     assert tune.floor_s(op, plan_of("tf32")) == pytest.approx(2 * 4096 ** 3 / 495e12)
-    op = Gemm(16384, 1536, 8, False, True, "gelu", True)
+    op = Product(16384, 1536, 8, False, True, "gelu", True)
     assert tune.floor_s(op, plan_of("fp32")) == pytest.approx(4 * (16384 * 8 + 8 * 1536 + 2 * 16384 * 1536) / 4.2e12)
 
 
@@ -333,7 +334,7 @@ def test_candidates_for_weight_grads_on_wgmma():
     V = 50304
     ws = tune.workspace_floats(cfg, V)
     assert ws["gemm_aT"] == 4 * 768 * 8192 and set(WGMMA_WORKSPACES) <= set(ws)
-    ops = {o.label.split(" / ")[0]: o for o in tune.model_gemms(cfg, V)}
+    ops = {o.label.split(" / ")[0]: o for o in products(cfg, V)}
     want = {"dW wte": "wgmma_ra", "dW fc": "wgmma_ra", "dW qkv": "wgmma_ra", "dW attn proj": "wgmma_ra",
             "dW fcproj": "wgmma_ra_t"}
     for label, fam in want.items():

@@ -7,10 +7,11 @@ import time
 import numpy as np
 import pytest
 
+from gptcuda.model.products import products
 from gptcuda.config import load_config
 from gptcuda.data.text import TextDataset
 from gptcuda.ops.cuda.gemm import tune
-from gptcuda.ops.cuda.gemm.table import load_table, table_path
+from gptcuda.ops.cuda.gemm.table import load_table, table_key, table_path
 from gptcuda.runtime import execution
 from gptcuda.training.engine import Engine
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.gpu
 def test_autotune_measures_every_shape_once(rt, table_cache, precision):
     cfg = load_config("configs/tiny.yaml", [f"--precision={precision}", "--dropout=0.1"])
     V = 65
-    keys = {op.key(precision) for op in tune.model_gemms(cfg, V)}
+    keys = {table_key(precision, op) for op in products(cfg, V)}
     saved_exec, saved_ws = rt.exec, dict(rt._workspace)
     graphs = list(rt._graphs)
     rt.exec = execution.resolve(cfg, arch=rt.arch)              # as the CUDA backend resolves it: auto
@@ -50,7 +51,7 @@ def test_engine_records_from_the_table(monkeypatch):
     cfg = load_config("configs/tiny.yaml", ["--precision=tf32", "--dropout=0.1", "--max_iters=3"])
     eng = Engine(cfg, data.train, data.val, data.vocab_size, programs=("train",))
     assert eng.exec.gemm_tune == "auto" and eng.tuning is not None
-    want = {op.key("tf32") for op in tune.model_gemms(eng.cfg, data.vocab_size)}
+    want = {table_key("tf32", op) for op in products(eng.cfg, data.vocab_size)}
     assert want <= set(load_table(eng.be.rt.info.name))
     for _ in range(3):
         eng.train_step()

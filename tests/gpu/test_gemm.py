@@ -8,12 +8,13 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+from gptcuda.model.products import Product
 from gptcuda.ops.cuda import cdiv, gemm
 from gptcuda.ops.cuda.gemm.families import (EPI_BIAS, EPI_DGELU, EPI_GELU, EPI_NONE, EPI_RESID, FAMILIES, PRODUCTS,
                                             SIMT_FILE, SPLIT_ALIGN, TF32_FILE, TRANSPOSE_THREADS, WGMMA_FILE,
                                             reduce_name, transpose_name)
-from gptcuda.ops.cuda.gemm.plan import Gemm, make_plan, plan, plan_label, tune_candidates
-from gptcuda.ops.cuda.gemm.table import forget_tables, plan_to_json, save_table
+from gptcuda.ops.cuda.gemm.plan import make_plan, plan, plan_label, tune_candidates
+from gptcuda.ops.cuda.gemm.table import forget_tables, plan_to_json, save_table, table_key
 from gptcuda.runtime.execution import WGMMA_ARCHS
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import DeviceView, i32
@@ -219,7 +220,7 @@ def test_matmul_model_forward(rt, precision, splitk_ws, M, N, K):
 def test_matmul_weight_grad_splitk(rt, precision, splitk_ws, M, N):
     # dW[M, N] = dout^T @ x with K = tokens (TN): long K, small output -> split-K
     K = 16384
-    p = plan(Gemm(M, N, K, True, False), "tf32" if precision == "tf32" else "simt", sm_count=rt.info.sm_count,
+    p = plan(Product(M, N, K, True, False), "tf32" if precision == "tf32" else "simt", sm_count=rt.info.sm_count,
              max_ws=splitk_ws.numel)
     assert p.splits > 1, p
     _check_matmul(rt, M, N, K, True, False, "none", seed=M + N)
@@ -232,7 +233,7 @@ def test_matmul_weight_grad_splitk(rt, precision, splitk_ws, M, N):
                                                                       "dgelu")])
 def test_splitk_epilogues_odd(rt, precision, splitk_ws, ta, tb, epi):
     M, N, K = 67, 65, 4133
-    p = plan(Gemm(M, N, K, ta, tb), "tf32" if precision == "tf32" else "simt", sm_count=rt.info.sm_count,
+    p = plan(Product(M, N, K, ta, tb), "tf32" if precision == "tf32" else "simt", sm_count=rt.info.sm_count,
              max_ws=splitk_ws.numel)
     assert p.splits > 1, p
     _check_matmul(rt, M, N, K, ta, tb, epi, seed=K)
@@ -451,9 +452,9 @@ def test_3xtf32_is_as_accurate_as_simt(rt, precision, no_ws, M, N, K, ta, tb):
     da, db = rt.upload(a), rt.upload(b)
     errs = {}
     for fam in ("wgmma3_ra", "simt"):
-        p = plan(Gemm(M, N, K, ta, tb), "simt", "3xtf32", rt.info.sm_count, tiles=FAMILIES["wgmma3_ra"].tiles)
+        p = plan(Product(M, N, K, ta, tb), "simt", "3xtf32", rt.info.sm_count, tiles=FAMILIES["wgmma3_ra"].tiles)
         if fam == "simt":
-            p = plan(Gemm(M, N, K, ta, tb), "simt", sm_count=rt.info.sm_count)
+            p = plan(Product(M, N, K, ta, tb), "simt", sm_count=rt.info.sm_count)
         assert p.family == fam, p
         out = rt.empty((M, N))
         rt.memset(out, 0x7FC00000)                       # poison: NaN
@@ -662,7 +663,7 @@ def test_tuned_table_is_used(rt, splitk_ws, tmp_path, monkeypatch):
     try:
         M, N, K = 1000, 384, 200
         p = make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, K)
-        save_table(rt.info.name, {Gemm(M, N, K, False, True, "gelu", True).key("tf32"): plan_to_json(p)})
+        save_table(rt.info.name, {table_key("tf32", Product(M, N, K, False, True, "gelu", True)): plan_to_json(p)})
         prog = rt.begin("probe")
         try:
             gemm.matmul(rt, rt.empty((M, N)), rt.empty((M, K)), rt.empty((N, K)), False, True,
@@ -841,7 +842,7 @@ def test_launcher_names_are_in_variants():
             for (ta, tb), pairs in PRODUCTS.items():
                 a, b = _v((K, M) if ta else (M, K)), _v((N, K) if tb else (K, N))
                 for epi, has_bias in pairs:
-                    for p in tune_candidates(Gemm(M, N, K, ta, tb, epilogues[epi], has_bias), rt.exec.gemm_family,
+                    for p in tune_candidates(Product(M, N, K, ta, tb, epilogues[epi], has_bias), rt.exec.gemm_family,
                                              rt.exec.wgmma_mode, 1 << 24):
                         aux = None if epilogues[epi] == "none" else _v((M, N), 1 << 33)
                         gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)) if has_bias else None,
@@ -897,13 +898,13 @@ def test_splitk_plan_and_workspace():
     for fam in ("simt", "tf32"):
         for (M, N) in [(1152, 384), (384, 384), (1536, 384), (384, 1536), (65, 384),
                        (384, 1152), (384, 65)]:
-            p = plan(Gemm(M, N, K), fam, max_ws=cap)
+            p = plan(Product(M, N, K), fam, max_ws=cap)
             assert p.splits > 1 and p.splits * M * N <= cap, (M, N, p)
             assert p.k_chunk % SPLIT_ALIGN == 0
             assert (p.splits - 1) * p.k_chunk < K <= p.splits * p.k_chunk
     # without a workspace there is no split, and the big forward GEMMs never split
-    assert plan(Gemm(1152, 384, K), "simt", max_ws=0).splits == 1
-    assert plan(Gemm(16384, 1152, 384), "simt", max_ws=cap).splits == 1
+    assert plan(Product(1152, 384, K), "simt", max_ws=0).splits == 1
+    assert plan(Product(16384, 1152, 384), "simt", max_ws=cap).splits == 1
 
 
 def test_splitk_launch_sequence():

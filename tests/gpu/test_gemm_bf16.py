@@ -11,9 +11,10 @@ layout gets, and the dtypes it refuses.
 import numpy as np
 import pytest
 
+from gptcuda.model.products import Product
 from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.ops.cuda.gemm.families import BF16_OUTS, BF16_TILES, layout_code
-from gptcuda.ops.cuda.gemm.plan import Gemm, make_plan, plan
+from gptcuda.ops.cuda.gemm.plan import make_plan, plan
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import bf16
 from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
@@ -173,7 +174,7 @@ def test_bf16_dtype_refusals():
 def test_bf16_plans():
     """The cost model plans bf16 products on the bf16 family, split-K chunks in whole 64-wide k tiles,
     and none for a bf16 C (the reduction writes fp32); the variants are compiled for what it plans."""
-    p = plan(Gemm(768, 768, 8192, True, False), "bf16", max_ws=32 * 768 * 768)
+    p = plan(Product(768, 768, 8192, True, False), "bf16", max_ws=32 * 768 * 768)
     assert p.family == "bf16" and p.splits > 1 and p.k_chunk % 64 == 0
     assert make_plan("bf16", (128, 128, 4), 3, 1000).k_chunk == 384          # 334 rounded up to 64s
     rt = FakeGemmRT("bf16", ws=1 << 24, arch="sm_90")

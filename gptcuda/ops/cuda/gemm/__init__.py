@@ -11,7 +11,7 @@ and do not depend on timing at run time (which plan a product gets is fixed once
 GPTCUDA_GEMM_TUNE=0 ignores it).
 
     families.py   the kernel families: files, tiles, layouts, launch geometry, kernel names, rates; VARIANTS
-    plan.py       a product (Gemm), the cost model and the planner, the workspaces a config plans
+    plan.py       the cost model and the planner of a product (model/products.py), the workspaces a config plans
     table.py      the measured table
     tune.py       measuring it (autotune; timer.py: timing candidates on the GPU)
     launch.py     the launchers

@@ -21,6 +21,7 @@ import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from gptcuda.model.products import layout_code
 from gptcuda.ops.cuda import DTYPE_CODES, expression
 
 SIMT_FILE, TF32_FILE, WGMMA_FILE = "gemm_simt.cu", "gemm_tf32.cu", "gemm_wgmma.cu"
@@ -143,9 +144,9 @@ def tf32_blocks_per_sm(tile) -> int:
     return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
 
 
-def layout_code(trans_a, trans_b) -> str:
-    """"NT", "NN", "TN" or "TT": T where the operand is stored transposed (A [K, M], B [N, K])."""
-    return ("T" if trans_a else "N") + ("T" if trans_b else "N")
+def epi_code(g) -> int:
+    """The kernels' epilogue code of a product (model/products.py Product): EPI_BIAS for none with a bias."""
+    return EPI_BIAS if g.epilogue == "none" and g.bias else EPILOGUE_CODES[g.epilogue]
 
 
 class Geometry(NamedTuple):
@@ -266,7 +267,7 @@ class Wgmma(Family):              # (BM, BN, STAGES, LOADER): BM / 64 warpgroups
         return expression(name, *t[:3], epi, hb, geo.threads, geo.smem)
 
 
-class RegisterA(Family):          # gemm_wgmma_ra<..., MN_B (B turned by the producers), COLSUM, TC (C stored transposed)>
+class RegisterA(Family):          # gemm_wgmma_ra<..., MN_B (B turned by its producers), COLSUM, TC (C transposed)>
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t)
         return expression("gemm_wgmma_ra", *t, epi, hb, not self.transposes_b and not self.swaps, colsum, self.swaps,

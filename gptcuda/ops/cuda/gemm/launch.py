@@ -9,9 +9,10 @@ from gptcuda.ops.backend import rows
 from gptcuda.ops.cuda import cdiv, elementwise
 from gptcuda.runtime import DeviceView, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_NONE, EPILOGUE_CODES, MAX_GRID_Z, PRODUCTS,
-                                            REDUCE_THREADS, SIMT_FILE, TRANSPOSE_THREADS, TRANSPOSE_TILE, layout_code,
-                                            reduce_name, transpose_name)
-from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Gemm, Plan, plan_unfit, split_room
+                                            REDUCE_THREADS, SIMT_FILE, TRANSPOSE_THREADS, TRANSPOSE_TILE, epi_code,
+                                            layout_code, reduce_name, transpose_name)
+from gptcuda.model.products import Product
+from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Plan, plan_unfit, split_room
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
 from gptcuda.ops.cuda.gemm.table import tuned_plan
 
@@ -52,7 +53,7 @@ def _workspace(rt, name):
     return ws, ws.numel
 
 
-def _launch_gemm(rt, p: Plan, g: Gemm, out, a, b, bias=None, aux=None, colsum=None, alpha=1.0, ws=None,
+def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum=None, alpha=1.0, ws=None,
                  batched=False):
     """Launch product g as the kernel computes it (dense operands: lda, ldb from the layout, batched: batch
     strides M K and K N; the swapped product's out^T = B^T A stored transposed, ldc = M) by plan p: the
@@ -62,8 +63,8 @@ def _launch_gemm(rt, p: Plan, g: Gemm, out, a, b, bias=None, aux=None, colsum=No
     fam, geo, whole, zs = p.fam, p.geo, p.splits == 1, g.batch * p.splits
     lda, ldb, ldc = g.M if g.ta else g.K, g.K if g.tb else g.N, g.M if fam.swaps else g.N
     sA, sB = (g.M * g.K, g.K * g.N) if batched else (0, 0)
-    fn = rt.function(fam.file, fam.kernel(p.tile, g.ta, g.tb, g.epi if whole else EPI_NONE, whole and g.bias, vec=g.vec,
-                                          out=out.dtype if whole else "f32", colsum=colsum is not None))
+    fn = rt.function(fam.file, fam.kernel(p.tile, g.ta, g.tb, epi_code(g) if whole else EPI_NONE, whole and g.bias,
+                                          vec=g.vec, out=out.dtype if whole else "f32", colsum=colsum is not None))
     # the kernels' parameters: C, aux, A, B, bias, M, N, K, [lda, ldb,] ldc, [sA, sB,] sC, alpha, splits,
     # k_chunk[, zs, colsum]: a TMA kernel takes tensor maps of A and B and no A / B strides, a persistent one
     # the z extent of its tiles and the column sums' partials (or null) last
@@ -78,13 +79,13 @@ def _launch_gemm(rt, p: Plan, g: Gemm, out, a, b, bias=None, aux=None, colsum=No
     rt.launch(fn, tiles, (geo.threads,), args, smem=geo.smem, label=g.label if whole else f"{g.label}:splitk{p.splits}")
     if not whole:
         rM, rN = (g.N, g.M) if fam.swaps else (g.M, g.N)
-        rt.launch(rt.function(SIMT_FILE, reduce_name(g.epi, g.bias)),
+        rt.launch(rt.function(SIMT_FILE, reduce_name(epi_code(g), g.bias)),
                   (max(1, min(cdiv(g.M * g.N, REDUCE_THREADS), rt.info.sm_count * 8)),), (REDUCE_THREADS,),
                   [out, aux, ws, bias, i32(rM), i32(rN), i32(ldc), i32(p.splits), f32(alpha)],
                   label=f"{g.label}:reduce")
 
 
-def _operands(rt, p: Plan, g: Gemm, a, b, lda, ldb, sA, sB) -> tuple:
+def _operands(rt, p: Plan, g: Product, a, b, lda, ldb, sA, sB) -> tuple:
     """A and B as the kernel takes them: pointers, or TMA tensor maps. A K-major operand (A [M, K], B
     [N, K]) {K, rows, batch} with boxes {a k tile (128 bytes: 32 fp32, 64 bf16), BM or BN} in the 128-byte
     swizzle; an MN-major one (A [K, M]: ta, B [K, N]: not tb, read as stored) {rows, K, batch}, boxes
@@ -103,7 +104,7 @@ def _operands(rt, p: Plan, g: Gemm, a, b, lda, ldb, sA, sB) -> tuple:
     return tuple(out)
 
 
-def _plan(rt, g: Gemm, forced, ex, out_dtype) -> tuple:
+def _plan(rt, g: Product, forced, ex, out_dtype) -> tuple:
     """(plan, split-K workspace view) of product g under execution plan ex: `forced` (benchmarks,
     bench/tune.py), else the measured table's, else the cost model's; refused with its reason where it
     cannot run (`plan_unfit`)."""
@@ -158,18 +159,18 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         raise ValueError(f"matmul: a_colsum needs trans_a and {M} elements, got {a_colsum.shape} (trans_a {trans_a})")
     ex = rt.exec if ex is None else ex
     _check_dtypes("matmul", ex.gemm_family, out, a, b, bias, aux)
-    g = Gemm(M, N, K, trans_a, trans_b, epilogue, bias is not None, colsum=a_colsum is not None,
+    g = Product(M, N, K, trans_a, trans_b, epilogue, bias is not None, colsum=a_colsum is not None,
              vec=_vec_ok(a, b, lda, ldb), label=f"matmul[{M}x{N}x{K}]")
     p, ws = _plan(rt, g, plan, ex, out.dtype)
     if p.fam.swaps:           # out^T = b^T a: a^T first into the family's scratch (with a's column sums)
         part = None if a_colsum is None else _partials(rt, cdiv(K, TRANSPOSE_TILE), M)
         at = _transposed(rt, p.fam.scratch, a, K, M, g.label, "A^T", colsum=part)
-        _launch_gemm(rt, p, Gemm(N, M, K, True, True, vec=g.vec, label=g.label), out, b, at, ws=ws)
+        _launch_gemm(rt, p, Product(N, M, K, True, True, vec=g.vec, label=g.label), out, b, at, ws=ws)
     else:
         if p.transpose_b:
             b, g = _transposed(rt, p.fam.scratch, b, K, N, g.label, "B^T"), dataclasses.replace(g, tb=True)
         # a kernel that sums A as it reads it gives the bias gradient's partials, one row per split
-        part = _partials(rt, p.splits, M) if a_colsum is not None and p.fam.colsum and g.epi == EPI_NONE else None
+        part = _partials(rt, p.splits, M) if a_colsum is not None and p.fam.colsum and epi_code(g) == EPI_NONE else None
         _launch_gemm(rt, p, g, out, a, b, bias, aux, colsum=part, ws=ws)
     if part is not None:
         elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
@@ -210,7 +211,7 @@ def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=
     if (trans_a, trans_b) not in PRODUCTS:
         raise ValueError(f"matmul_batched: {layout_code(trans_a, trans_b)} is not a layout the kernels are built for "
                          f"(NT, NN, TN)")
-    g = Gemm(M, N, K, trans_a, trans_b, batch=batch, vec=_vec_ok(a, b, lda, ldb, M * K, K * N),
+    g = Product(M, N, K, trans_a, trans_b, batch=batch, vec=_vec_ok(a, b, lda, ldb, M * K, K * N),
              label=f"matmul_batched[{batch}x{M}x{N}x{K}]")
     p, _ = _plan(rt, g, plan, rt.exec if ex is None else ex, "f32")
     _launch_gemm(rt, p, g, out, a, b, alpha=float(alpha), batched=True)

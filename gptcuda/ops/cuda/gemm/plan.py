@@ -1,4 +1,4 @@
-"""Planning a GEMM: a product (`Gemm`), which layouts the warpgroup-MMA families may run (`wgmma_layout`),
+"""Planning a GEMM: which layouts the warpgroup-MMA families may run (`wgmma_layout`),
 its plans (family, tile, split-K, operand re-layout), the cost model that ranks them (`estimate_s`,
 `plan`), the candidates bench/tune.py times (`tune_candidates`, `prune_candidates`), why a plan cannot
 run a product (`plan_unfit`), and the GEMM workspaces a config plans (`workspace`)."""
@@ -9,47 +9,14 @@ from dataclasses import dataclass
 from gptcuda.ops.cuda import cdiv
 from gptcuda.runtime import execution
 from gptcuda.runtime.execution import GEMM_FAMILIES
-from gptcuda.ops.cuda.gemm.families import (EPI_BIAS, EPI_IO, EPILOGUE_CODES, FAMILIES, MAX_SPLITS, PRODUCTS,
-                                            SPLIT_ALIGN, WGMMA_FILE, layout_code)
+from gptcuda.model.products import Product
+from gptcuda.ops.cuda.gemm.families import (EPI_IO, FAMILIES, MAX_SPLITS, PRODUCTS, SPLIT_ALIGN, WGMMA_FILE, epi_code,
+                                            layout_code)
 
 WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT")   # scratch only the warpgroup-MMA kernels read
 
 
-@dataclass(frozen=True)
-class Gemm:
-    """One product: out[M, N] = op(a) @ op(b) (batched: `batch` of them), op transposing an a stored [K, M]
-    (ta) or a b stored [N, K] (tb), with an epilogue of the op interface ("none", "gelu", "residual",
-    "dgelu") and a bias; colsum: it also gives A's column sums (matmul's a_colsum); vec: 16-byte operand
-    loads are possible. label: what it is; count: its launches in a training step (tune.model_gemms)."""
-    M: int
-    N: int
-    K: int
-    ta: bool = False
-    tb: bool = False
-    epilogue: str = "none"
-    bias: bool = False
-    batch: int = 1
-    colsum: bool = False
-    vec: bool = True
-    label: str = ""
-    count: int = 1
-
-    @property
-    def epi(self) -> int:
-        """The kernels' epilogue code (EPI_BIAS: none with a bias)."""
-        return EPI_BIAS if self.epilogue == "none" and self.bias else EPILOGUE_CODES[self.epilogue]
-
-    @property
-    def layout(self) -> str:
-        return layout_code(self.ta, self.tb)
-
-    def key(self, tag) -> str:
-        """Its key in the measured table (table.py) under an execution plan's table_tag."""
-        return (f"{tag}:{self.layout}:{self.epilogue}{'+bias' if self.bias else ''}{'+colsum' if self.colsum else ''}:"
-                f"{self.M}x{self.N}x{self.K}:b{self.batch}")
-
-
-def wgmma_layout(mode, g: Gemm):
+def wgmma_layout(mode, g: Product):
     """The layout code of product g that the warpgroup-MMA families may run in an execution plan's
     `wgmma_mode`, else False. 16-byte aligned operands only; "tf32": x @ W^T ("NT", batched too) and, one
     product with K % 4 == 0 (the re-laid operands' rows are tensor maps' 16-byte strides), "NN" (wgmma
@@ -80,14 +47,14 @@ class Plan:
     def geo(self):
         return self.fam.geometry(self.tile)
 
-    def relaid(self, g: Gemm):
+    def relaid(self, g: Product):
         """(workspace, floats) of the operand this plan re-lays out before its kernel: B^T [N, K]
         (transpose_b), A^T [M, K] (the swapped product); None."""
         if self.transpose_b or self.fam.swaps:
             return self.fam.scratch, (g.M if self.fam.swaps else g.N) * g.K
         return None
 
-    def fits(self, g: Gemm, scratch=None) -> bool:
+    def fits(self, g: Product, scratch=None) -> bool:
         """Whether the planned scratch ({workspace: floats}; None: unlimited) holds what it re-lays out."""
         need = self.relaid(g)
         return need is None or scratch is None or 0 < need[1] <= scratch.get(need[0], 0)
@@ -167,7 +134,7 @@ def _gemm_estimate(p: Plan, M, N, K, k_chunk, batch, epi, sm_count) -> float:
     return t
 
 
-def estimate_s(p: Plan, g: Gemm, sm_count=132) -> float:
+def estimate_s(p: Plan, g: Product, sm_count=132) -> float:
     """Modelled seconds of product g by plan p (split-K: both kernels): the busiest SM's main loops, plus
     per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's main loop
     when blocks_per_sm >= 2), at least the DRAM traffic (B re-read where it outgrows the L2: `b_reads`)
@@ -180,7 +147,7 @@ def estimate_s(p: Plan, g: Gemm, sm_count=132) -> float:
         fused = p.fam.swaps or p.fam.colsum
         extra = _LAUNCH_S / 3 + (0.0 if fused else _LAUNCH_S / 3 + 4.0 * g.K * g.M / _BYTES_PER_S)
     M, N = (g.N, g.M) if p.fam.swaps else (g.M, g.N)       # (swaps: out^T = B^T A after A^T [M, K])
-    t = _gemm_estimate(p, M, N, g.K, p.k_chunk, g.batch, g.epi, sm_count)
+    t = _gemm_estimate(p, M, N, g.K, p.k_chunk, g.batch, epi_code(g), sm_count)
     if (relaid := p.relaid(g)) is not None:
         t += _LAUNCH_S / 3 + 8.0 * g.batch * relaid[1] / _BYTES_PER_S
     return extra + t
@@ -200,12 +167,12 @@ def split_room(out_dtype: str, floats: int) -> int:
     return floats if out_dtype == "f32" else 0
 
 
-def _plans(g: Gemm, family, mode, max_ws, scratch, tiles_of, splits_of):
+def _plans(g: Product, family, mode, max_ws, scratch, tiles_of, splits_of):
     """The plans of product g by the families competing for it (`competing`), each family's tiles
     tiles_of(fam) x split counts splits_of(fam, tile): those whose split-K fits (one product, its
     partials within max_ws floats) and whose re-laid operand the scratch holds (`Plan.fits`)."""
     wg = wgmma_layout(mode, g)
-    for name in competing(family, wg, g.epi):
+    for name in competing(family, wg, epi_code(g)):
         fam = FAMILIES[name]
         for tile in tiles_of(fam):
             for s in splits_of(fam, tile):
@@ -217,7 +184,7 @@ def _plans(g: Gemm, family, mode, max_ws, scratch, tiles_of, splits_of):
                     yield p
 
 
-def plan(g: Gemm, family, mode=None, sm_count=132, max_ws=0, scratch=None, tiles=None, splits=None) -> Plan:
+def plan(g: Product, family, mode=None, sm_count=132, max_ws=0, scratch=None, tiles=None, splits=None) -> Plan:
     """The plan of product g with the lowest modelled time (`estimate_s`) among those of the base `family`
     and, in an execution plan's wgmma_mode `mode`, the warpgroup-MMA families that run g's layout
     (`wgmma_layout`) where the planned scratch ({workspace: floats}; None: any) holds what they re-lay
@@ -253,7 +220,7 @@ def plan(g: Gemm, family, mode=None, sm_count=132, max_ws=0, scratch=None, tiles
 TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
-def tune_candidates(g: Gemm, family, mode=None, max_ws=0, scratch=None) -> list:
+def tune_candidates(g: Product, family, mode=None, max_ws=0, scratch=None) -> list:
     """Every plan bench/tune.py may time for product g: each tile of the families that can run it
     (unaligned operands: the base family's fallback tiles only) x each split count of TUNE_SPLITS that
     fits, as in `plan`."""
@@ -261,7 +228,7 @@ def tune_candidates(g: Gemm, family, mode=None, max_ws=0, scratch=None) -> list:
                        lambda fam, tile: [s for s in TUNE_SPLITS if s == 1 or g.K >= 2 * fam.k_align]))
 
 
-def prune_candidates(cands, g: Gemm, sm_count=132, keep=1.6, max_n=6, always=()) -> list:
+def prune_candidates(cands, g: Product, sm_count=132, keep=1.6, max_n=6, always=()) -> list:
     """The candidates worth timing: modelled time (`estimate_s`) within `keep` x the best, at most
     max_n of them, fastest first; plans in `always` (the cost model's choice) are kept."""
     scored = sorted((estimate_s(p, g, sm_count), i, p) for i, p in enumerate(cands))
@@ -271,7 +238,7 @@ def prune_candidates(cands, g: Gemm, sm_count=132, keep=1.6, max_n=6, always=())
     return out + [p for p in always if p not in out]
 
 
-def plan_unfit(p: Plan, g: Gemm, family, mode=None, ws_floats=None, scratch=None, out="f32") -> str | None:
+def plan_unfit(p: Plan, g: Product, family, mode=None, ws_floats=None, scratch=None, out="f32") -> str | None:
     """Why plan p cannot run product g in an execution plan of base family `family` and wgmma_mode `mode`,
     into a C of dtype out, with ws_floats of split-K workspace and the scratch {workspace: floats} planned
     (None: not checked); None when it can. (A table entry that does not fit is skipped; a plan the caller
@@ -287,8 +254,8 @@ def plan_unfit(p: Plan, g: Gemm, family, mode=None, ws_floats=None, scratch=None
     elif p.transpose_b != (wg == fam.transposes_b):
         return f"a {p.family} plan {'with' if p.transpose_b else 'without'} transpose_b does not fit trans_b here"
     ta, tb = fam.kernel_layout(g.layout)
-    if (ta, tb, g.epi, g.bias) not in fam.combos() or out not in fam.out_dtypes(ta, tb):
-        return (f"the {p.family} kernels are not compiled for {layout_code(ta, tb)} with epilogue code {g.epi}"
+    if (ta, tb, epi_code(g), g.bias) not in fam.combos() or out not in fam.out_dtypes(ta, tb):
+        return (f"the {p.family} kernels are not compiled for {layout_code(ta, tb)} with epilogue code {epi_code(g)}"
                 f"{' and a bias' if g.bias else ''} into {out} (the op interface's products: gemm.PRODUCTS; bf16: "
                 f"gemm.BF16_OUTS)")
     if p.splits > 1 and g.batch != 1:
@@ -322,7 +289,7 @@ def workspace(cfg, ex=None) -> dict:
     for (m, n) in shapes:
         for (M, N) in ((m, n), (n, m)):
             for fam in dict.fromkeys((GEMM_FAMILIES["fp32"], GEMM_FAMILIES["tf32"], ex.gemm_family)):
-                p = plan(Gemm(M, N, K), fam, max_ws=MAX_SPLITS * M * N)
+                p = plan(Product(M, N, K), fam, max_ws=MAX_SPLITS * M * N)
                 if p.splits > 1:
                     need = max(need, p.splits * M * N)
     out = {"gemm_splitk": ((need,), "f32")} if need else {}

@@ -1,5 +1,5 @@
 """The measured plan table: one JSON file per GPU and kernel sources,
-<compile cache>/tune/<gpu>-<source hash>.json, {Gemm.key: plan_to_json}, written by tune.py
+<compile cache>/tune/<gpu>-<source hash>.json, {table_key: plan_to_json}, written by tune.py
 (`autotune`, at a run's setup, for the shapes it lacks; bench/tune.py, for every shape of a config);
 `tuned_plan` answers with an entry a launch can use (the execution plan's gemm_tune off: never)."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from gptcuda.files import atomic_open
 from gptcuda.ops.cuda.gemm.families import FAMILIES
-from gptcuda.ops.cuda.gemm.plan import Gemm, Plan, make_plan, plan_unfit
+from gptcuda.model.products import Product
+from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, plan_unfit
 
 TUNE_FORMAT = 1
 _tables: dict = {}           # path -> {key: Plan}, each table read once a process
@@ -35,6 +36,12 @@ def source_hash() -> str:
             h.update(f.encode() + b"\0" + compiler.expand_source(f).encode() + b"\0")
         _source_hash = h.hexdigest()
     return _source_hash
+
+
+def table_key(tag, g: Product) -> str:
+    """A product's key under an execution plan's table_tag: its layout, epilogue (+bias, +colsum), shape, batch."""
+    return (f"{tag}:{g.layout}:{g.epilogue}{'+bias' if g.bias else ''}{'+colsum' if g.colsum else ''}:"
+            f"{g.M}x{g.N}x{g.K}:b{g.batch}")
 
 
 def table_path(gpu_name: str, src_hash: str | None = None) -> Path:
@@ -106,13 +113,13 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
     return path
 
 
-def tuned_plan(rt, g: Gemm, ex, ws_floats: int, scratch: dict, out="f32") -> Plan | None:
+def tuned_plan(rt, g: Product, ex, ws_floats: int, scratch: dict, out="f32") -> Plan | None:
     """The table's plan for product g under execution plan ex, on rt's GPU, if there is one this launch can
     use (`plan_unfit`: its alignment allows the tile, the split-K workspace of ws_floats holds its split,
     the scratch {workspace: floats} what it re-lays out, its kernels write C of dtype out), else None."""
     if not ex.gemm_table:                               # gemm_tune off (GPTCUDA_GEMM_TUNE=0)
         return None
-    p = load_table(rt.info.name).get(g.key(ex.table_tag))
+    p = load_table(rt.info.name).get(table_key(ex.table_tag, g))
     if p is None or plan_unfit(p, g, ex.gemm_family, ex.wgmma_mode, ws_floats, scratch, out):
         return None
     return p

@@ -11,7 +11,8 @@ from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, bf16
 from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, FAMILIES
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
-from gptcuda.ops.cuda.gemm.plan import Gemm, estimate_s
+from gptcuda.model.products import Product
+from gptcuda.ops.cuda.gemm.plan import estimate_s
 
 # random operands are uploaded as repeats of a block this long (a window of noise drawn once): no
 # factor below 2048, so no two rows of a product repeat (a wrong row or k offset shows), and the
@@ -20,7 +21,7 @@ _BLOCK = (1 << 22) - 3
 OUT, COLSUM = 2, 5           # the views `views` makes that a launch writes (the others: inputs)
 
 
-def views(g: Gemm, ex, make) -> tuple:
+def views(g: Product, ex, make) -> tuple:
     """(a, b, out, bias, aux, a_colsum) of product g's launch, each make(index, shape, dtype) (None where g
     has none): under execution plan ex, A and B of its base family's operand type, C and aux of the type
     its kernels write for g's layout, the bias and a_colsum fp32."""
@@ -34,7 +35,7 @@ def views(g: Gemm, ex, make) -> tuple:
     return tuple(None if shape is None else make(i, shape, dtype) for i, (shape, dtype) in enumerate(specs))
 
 
-def launch(rt, g: Gemm, p, a, b, out, bias, aux, colsum):
+def launch(rt, g: Product, p, a, b, out, bias, aux, colsum):
     """Launch (or record) product g by plan p on these views."""
     if g.batch > 1:
         matmul_batched(rt, out, a, b, g.ta, g.tb, plan=p)
@@ -79,7 +80,7 @@ class EventTimer:
                                                                "part")) for at in (0, n - lim // 2)])
         return bf16.values(got) if out.dtype == "bf16" else got
 
-    def __call__(self, g: Gemm, plans):
+    def __call__(self, g: Product, plans):
         """(per plan its samples in ms, per plan whether its output agreed: None without the check)."""
         rt, dev = self.rt, self.rt.dev
         bufs, graphs, evs = [], [], []

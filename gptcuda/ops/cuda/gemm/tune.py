@@ -2,7 +2,7 @@
 
     summary = autotune(rt, cfg, vocab)    # the Engine's setup does it (config gemm_tune: auto)
 
-Per product of the config (`model_gemms`; `tune_op`): the candidates (`candidates_for`: every tile and
+Per product of the config (model/products.py `products`; `tune_op`): the candidates (`candidates_for`: every tile and
 split count of the families that can run it, through the workspaces the memory plan gives), pruned by
 the cost model (within `keep` x its best, at most `max_n`, its own choice first); timed paired (timer.py
 EventTimer); checked against the cost model's choice (one that disagrees never wins); the fastest goes
@@ -22,77 +22,23 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from gptcuda.model.products import Product, products
 from gptcuda.ops.cuda import elementwise
-from gptcuda.runtime import DeviceView, execution
-from gptcuda.ops.cuda.gemm.families import EPI_IO, FAMILIES
-from gptcuda.ops.cuda.gemm.plan import (Gemm, estimate_s, plan, plan_label, prune_candidates, split_room,
-                                        tune_candidates, workspace)
-from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_path
+from gptcuda.runtime import DeviceView
+from gptcuda.ops.cuda.gemm.families import EPI_IO, FAMILIES, epi_code
+from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
+                                        workspace)
+from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_key, table_path
 from gptcuda.ops.cuda.gemm.timer import EventTimer, launch, views
 
 PEAK_BYTES = 4.2e12
 
 
-def model_gemms(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
-    """Every GEMM product model/gpt.py records for this config (and the unfused attention's batched ones),
-    each a Gemm with its label and its launches in a training step (count; 0: evaluation or an alternative
-    form only), one per table key (counts summed), vec as its dense operands allow. backward False: the
-    forward's alone (a model that only evaluates); ex: the execution plan (default the config's)."""
-    Ntok, C, V, L = cfg.batch_size * cfg.block_size, cfg.n_embd, vocab_size, cfg.n_layer
-    bias, drop = bool(cfg.bias), cfg.dropout > 0
-    unfused = (ex or execution.resolve(cfg)).attention == "unfused"
-    T, H = cfg.block_size, cfg.n_head
-    hs, BH = C // H, cfg.batch_size * H
-    ops = []
-
-    def add(label, M, N, K, ta, tb, epilogue="none", bias=False, batch=1, count=1, colsum=False):
-        strides = [M if ta else K, K if tb else N] + ([M * K, K * N] if batch > 1 else [])
-        ops.append(Gemm(M, N, K, ta, tb, epilogue, bias, batch, colsum, all(s % 4 == 0 for s in strides), label,
-                        count))
-
-    # forward (train): the residual branches go through dropout when there is dropout
-    resid_epi = "none" if drop else "residual"
-    add("fwd qkv", Ntok, 3 * C, C, False, True, "none", bias, count=L)
-    add("fwd attn proj", Ntok, C, C, False, True, resid_epi, bias, count=L)
-    add("fwd fc +gelu", Ntok, 4 * C, C, False, True, "gelu", bias, count=L)
-    add("fwd fcproj", Ntok, C, 4 * C, False, True, resid_epi, bias, count=L)
-    add("fwd head", Ntok, V, C, False, True, count=1)
-    if drop:     # evaluation forward: no dropout, residual fused
-        add("eval attn proj", Ntok, C, C, False, True, "residual", bias, count=0)
-        add("eval fcproj", Ntok, C, 4 * C, False, True, "residual", bias, count=0)
-    if unfused:
-        add("att scores", T, T, hs, False, True, batch=BH, count=L)
-        add("att y", T, hs, T, False, False, batch=BH, count=L)
-    if backward:
-        add("dX head", Ntok, C, V, False, False, count=1)
-        add("dW wte", V, C, Ntok, True, False, count=1)
-        add("dW fcproj", C, 4 * C, Ntok, True, False, count=L, colsum=bias)
-        add("dX fcproj +dgelu", Ntok, 4 * C, C, False, False, "dgelu", count=L)
-        add("dX fcproj", Ntok, 4 * C, C, False, False, count=0)          # the unfused form (+ gelu_bwd)
-        add("dW fc", 4 * C, C, Ntok, True, False, count=L, colsum=bias)
-        add("dX fc", Ntok, C, 4 * C, False, False, count=L)
-        add("dX attn proj", Ntok, C, C, False, False, count=L)
-        add("dW attn proj", C, C, Ntok, True, False, count=L, colsum=bias)
-        add("dX qkv", Ntok, C, 3 * C, False, False, count=L)
-        add("dW qkv", 3 * C, C, Ntok, True, False, count=L, colsum=bias)
-        if unfused:
-            add("att dv", T, hs, T, True, False, batch=BH, count=L)
-            add("att dP", T, T, hs, False, True, batch=BH, count=L)
-            add("att dq", T, hs, T, False, False, batch=BH, count=L)
-            add("att dk", T, hs, T, True, False, batch=BH, count=L)
-    merged = {}
-    for op in ops:
-        old = merged.get(op.key("x"))
-        merged[op.key("x")] = op if old is None else dataclasses.replace(old, label=old.label + " / " + op.label,
-                                                                         count=old.count + op.count)
-    return list(merged.values())
-
-
-def floor_s(g: Gemm, ex) -> float:
+def floor_s(g: Product, ex) -> float:
     """Roofline floor: max(flops / peak, DRAM bytes / bandwidth), each operand and [M, N] array once;
     the peak of what multiplies in execution plan ex."""
     flops = 2.0 * g.M * g.N * g.K * g.batch
-    nbytes = 4.0 * g.batch * (g.M * g.K + g.K * g.N + EPI_IO[g.epi] * g.M * g.N)
+    nbytes = 4.0 * g.batch * (g.M * g.K + g.K * g.N + EPI_IO[epi_code(g)] * g.M * g.N)
     return max(flops / (ex.peak_tflops * 1e12), nbytes / PEAK_BYTES)
 
 
@@ -102,7 +48,7 @@ def workspace_floats(cfg, vocab, ex=None) -> dict:
             workspace(dataclasses.replace(cfg, vocab_size=vocab), ex).items()}
 
 
-def candidates_for(g: Gemm, ex, sm_count=132, workspaces=None, keep=1.6, max_n=6) -> tuple:
+def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=1.6, max_n=6) -> tuple:
     """(cost-model plan, pruned candidate plans with it first) of product g under execution plan ex: its
     base family and, where it runs the warpgroup-MMA kernels, those that run g; workspaces: {name:
     floats} of the split-K partials and the scratch they re-lay operands out in (workspace_floats)."""
@@ -121,7 +67,7 @@ def pick_winner(plans, times_ms, ok=None):
     return min(fine, key=lambda i: times_ms[i]) if fine else None
 
 
-def tune_op(g: Gemm, ex, timer, sm_count=132, workspaces=None, keep=1.6, max_n=6, plans=None) -> dict:
+def tune_op(g: Product, ex, timer, sm_count=132, workspaces=None, keep=1.6, max_n=6, plans=None) -> dict:
     """Time product g's candidates (`plans`, the cost model's first; default candidates_for's) under
     execution plan ex with timer(g, plans) -> (samples per plan [ms lists], ok per plan or None); returns
     a result dict: the plans, their median times, which agreed, the winner, the floor, the model's times."""
@@ -135,7 +81,7 @@ def tune_op(g: Gemm, ex, timer, sm_count=132, workspaces=None, keep=1.6, max_n=6
 
 def table_entries(results, ex) -> dict:
     """{key: entry} of the winners (the plan, its time, the cost model's plan and time, the floor)."""
-    return {r["op"].key(ex.table_tag): {**plan_to_json(r["plans"][r["winner"]]),
+    return {table_key(ex.table_tag, r["op"]): {**plan_to_json(r["plans"][r["winner"]]),
                                         "ms": round(r["times_ms"][r["winner"]], 5),
                                         "heuristic_ms": round(r["times_ms"][0], 5),
                                         "heuristic": plan_label(r["plans"][0]), "floor_ms": round(r["floor_ms"], 5),
@@ -207,9 +153,9 @@ def on_device(rt) -> bool:
 
 
 def missing_ops(rt, cfg, vocab, backward=True) -> list:
-    """The products of this config (model_gemms) the table of rt's GPU lacks under rt's execution plan."""
+    """The products of this config the table of rt's GPU lacks under rt's execution plan."""
     tag, have = rt.exec.table_tag, load_table(rt.info.name)
-    return [op for op in model_gemms(cfg, vocab, backward, rt.exec) if op.key(tag) not in have]
+    return [op for op in products(cfg, vocab, backward, rt.exec) if table_key(tag, op) not in have]
 
 
 @dataclass
@@ -233,7 +179,7 @@ class TuneSummary:
 
 def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None, build=build_variants,
              rounds=5, target_ms=0.3, keep=1.6, max_n=6) -> TuneSummary | None:
-    """Measure the GEMMs of this config (model_gemms) that the table of rt's GPU lacks, at the
+    """Measure the GEMM products of this config that the table of rt's GPU lacks, at the
     precision and with the warpgroup-MMA kernels the runtime's execution plan resolved and the
     workspaces the memory plan gives, and merge the winners into the table (an entry written
     meanwhile by another process stays). None when the plan's gemm_tune is not "auto"; with
@@ -247,7 +193,7 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     t0 = time.perf_counter()
     name, sm = rt.info.name, rt.info.sm_count
     missing = missing_ops(rt, cfg, vocab, backward)
-    known = len(model_gemms(cfg, vocab, backward, ex)) - len(missing)
+    known = len(products(cfg, vocab, backward, ex)) - len(missing)
     path = str(table_path(name))
     if not missing:
         return TuneSummary(0, known, time.perf_counter() - t0, 0.0, 0.0, path)
