@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from gptcuda.files import atomic_open
+from gptcuda.runtime import compiler
 from gptcuda.ops.cuda.gemm.families import FAMILIES
 from gptcuda.model.products import Product
 from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, plan_unfit
@@ -30,7 +31,6 @@ def source_hash() -> str:
     sources is not used."""
     global _source_hash
     if _source_hash is None:
-        from gptcuda.runtime import compiler
         h = hashlib.sha256()
         for f in dict.fromkeys(fam.file for fam in FAMILIES.values()):
             h.update(f.encode() + b"\0" + compiler.expand_source(f).encode() + b"\0")
@@ -46,7 +46,6 @@ def table_key(tag, g: Product) -> str:
 
 def table_path(gpu_name: str, src_hash: str | None = None) -> Path:
     """<compile cache>/tune/<gpu>-<first 16 hex of the source hash>.json"""
-    from gptcuda.runtime import compiler
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-") or "gpu"
     return compiler.cache_dir() / "tune" / f"{slug}-{(src_hash or source_hash())[:16]}.json"
 

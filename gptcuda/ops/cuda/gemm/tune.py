@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from gptcuda.model.products import Product, products
 from gptcuda.ops.cuda import elementwise
-from gptcuda.runtime import DeviceView
+from gptcuda.runtime import DeviceView, compiler
 from gptcuda.ops.cuda.gemm.families import EPI_IO, FAMILIES, epi_code
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
                                         workspace)
@@ -96,25 +96,6 @@ def step_ms(results) -> tuple:
 
 
 # ---- the candidates' kernels, compiled in parallel before the timing ------------------------
-def build_variants(jobs, progress=None) -> set:
-    """Compile jobs, (file, name, defines, arch), into the kernel cache in a pool of worker processes
-    (runtime/compiler.py build_in_background); the indices of those that did not compile."""
-    from gptcuda.runtime import compiler
-    if not jobs:
-        return set()
-    pool, futures = compiler.build_in_background(jobs, workers=min(len(jobs), compiler.default_workers()))
-    failed = set()
-    try:
-        for i, f in enumerate(futures):
-            if f.result():
-                failed.add(i)
-            if progress is not None:
-                progress(i + 1)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    return failed
-
-
 def _prebuild(rt, ops, cands, workspaces, build, bar):
     """Compile the kernels of every candidate plan at once (`build`): those their launches ask for, made on
     views at fake addresses in rt's noting mode (nothing runs). Candidates whose kernels did not compile
@@ -177,7 +158,7 @@ class TuneSummary:
                 f"({self.path}){drop}")
 
 
-def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None, build=build_variants,
+def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None, build=compiler.build_all,
              rounds=5, target_ms=0.3, keep=1.6, max_n=6) -> TuneSummary | None:
     """Measure the GEMM products of this config that the table of rt's GPU lacks, at the
     precision and with the warpgroup-MMA kernels the runtime's execution plan resolved and the
@@ -185,7 +166,7 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     meanwhile by another process stays). None when the plan's gemm_tune is not "auto"; with
     nothing missing it returns at once, the GPU untouched. One progress line on `out` (default
     sys.stderr; quiet: none). timer: EventTimer's interface (tests); build: compiles the
-    candidates' kernels (build_variants's interface; None: each when first launched). The timing
+    candidates' kernels (compiler.build_all's interface; None: each when first launched). The timing
     buffers are freed and rt's workspaces restored."""
     ex = rt.exec
     if ex.gemm_tune != "auto":
