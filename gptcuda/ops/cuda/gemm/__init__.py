@@ -13,7 +13,7 @@ GPTCUDA_GEMM_TUNE=0 ignores it).
     families.py   the kernel families: files, tiles, layouts, launch geometry, kernel names, rates; VARIANTS
     plan.py       the cost model and the planner of a product (model/products.py), the workspaces a config plans
     table.py      the measured table
-    tune.py       measuring it (autotune; timer.py: timing candidates on the GPU)
+    tune.py       measuring it: candidates, timing them on the GPU, autotune
     launch.py     the launchers
 What the backend uses is here; bench/ and the tests import each module's own names.
 """
