@@ -207,7 +207,8 @@ def _looked_up(monkeypatch, cfg, programs):
     from gptcuda.ops.cuda_backend import CudaBackend
     keys = set()
     real = launch.tuned_plan
-    monkeypatch.setattr(launch, "tuned_plan", lambda rt, g, ex, *a: keys.add(table_key(ex.table_tag, g)) or real(rt, g, ex, *a))
+    monkeypatch.setattr(launch, "tuned_plan",
+                        lambda rt, g, ex, *a: keys.add(table_key(ex.table_tag, g)) or real(rt, g, ex, *a))
     Engine(cfg, TOKS, TOKS[:200], 65, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg)),
            programs=programs)
     return keys

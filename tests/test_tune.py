@@ -152,7 +152,8 @@ def test_table_entry_that_cannot_run_falls_back(cache):
     save_table(GPU, {key: plan_to_json(make_plan("tf32", (256, 128, 32, 4, 2, 4), 1, K))})
     rt = FakeRT("tf32")
     assert _run(rt, M, N, K)[0].startswith("gemm_tf32<256,128,32,4,2,4,")
-    assert _run(rt, M, N, K, a_ptr=(1 << 30) + 4)[0] == tf32_name((64, 64, 32, 2, 2, 4), False, True, EPI_NONE, False, False)
+    assert _run(rt, M, N, K, a_ptr=(1 << 30) + 4)[0] == tf32_name((64, 64, 32, 2, 2, 4), False, True, EPI_NONE, False,
+                                                               False)
 
 
 def test_batched_lookup(cache):

@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 
 from gptcuda.files import atomic_open
+from gptcuda.model.products import Product
 from gptcuda.runtime import compiler
 from gptcuda.ops.cuda.gemm.families import FAMILIES
-from gptcuda.model.products import Product
 from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, plan_unfit
 
 TUNE_FORMAT = 1
