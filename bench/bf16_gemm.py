@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.common import ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402
 from gptcuda.ops.cuda import gemm  # noqa: E402
+from gptcuda.ops.cuda.gemm.families import BF16_TILES, layout_code  # noqa: E402
+from gptcuda.ops.cuda.gemm.plan import make_plan  # noqa: E402
 from gptcuda.ops.reference import ops as ref  # noqa: E402
 from gptcuda.runtime import Runtime, bf16  # noqa: E402
 
@@ -39,7 +41,7 @@ def product(rt, ex, c, a, b, ta, tb, epi="none", bias=None, aux=None, tile=None,
     forced where given (else the cost model's)."""
     K = a.shape[-2] if ta else a.shape[-1]
     fam = ex.gemm_family
-    p = gemm.make_plan(fam, tile, splits, K) if tile is not None else None
+    p = make_plan(fam, tile, splits, K) if tile is not None else None
     gemm.matmul(rt, c, a, b, ta, tb, bias=bias, epilogue=EPILOGUES[epi], aux=aux, plan=p, ex=ex)
 
 
@@ -62,7 +64,7 @@ def check(rt, rng) -> bool:
         cases.append((False, True, 520, 392, 264, epi, hb, "bf16", 1))
     cases.append((False, False, 520, 392, 264, "dgelu", False, "bf16", 1))
     cases.append((True, False, 384, 768, 4096, "none", False, "f32", 4))     # split-K partials, the reduction
-    for tile in gemm.BF16_TILES:
+    for tile in BF16_TILES:
         for ta, tb, M, N, K, epi, hb, out_t, splits in cases:
             if tile != (128, 128, 4) and (epi != "none" or splits > 1 or K != 3072):
                 continue          # the other tiles: each layout at the largest shape
@@ -92,7 +94,7 @@ def check(rt, rng) -> bool:
             tol = 6e-3 if out_t == "bf16" else 4e-5
             good = err <= tol
             ok &= good
-            print(f"{'PASS' if good else 'FAIL'} tile {tile[0]}x{tile[1]} {gemm.layout_code(ta, tb)} {M}x{N}x{K} "
+            print(f"{'PASS' if good else 'FAIL'} tile {tile[0]}x{tile[1]} {layout_code(ta, tb)} {M}x{N}x{K} "
                   f"split {splits} {epi}{'+bias' if hb else ''} out {out_t}: rel err {err:.2e} (tol {tol:.0e})",
                   flush=True)
     return ok
@@ -122,7 +124,7 @@ def speed(rt, rng, iters) -> list:
             a = rt.upload(rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32), dtype)
             b = rt.upload(rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32), dtype)
             c = rt.empty((M, N), "bf16" if dtype == "bf16" and not ta else "f32")
-            tiles = gemm.BF16_TILES if dtype == "bf16" else (None,)
+            tiles = tuple(BF16_TILES) if dtype == "bf16" else (None,)
             for tile in tiles:
                 ms = time_graphed_ms(rt, lambda: product(rt, ex, c, a, b, ta, tb, tile=tile), iters=iters, reps=5)
                 if dtype not in best or ms < best[dtype][0]:

@@ -28,8 +28,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.common import Arena, ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402  (graph replay on bench.common's event timing)
+from gptcuda.model.products import Product  # noqa: E402
 from gptcuda.ops.cuda import gemm  # noqa: E402
+from gptcuda.ops.cuda.gemm.families import FAMILIES, MAX_SPLITS, SIMT_FILE  # noqa: E402
 from gptcuda.ops.cuda.gemm.launch import _vec_ok  # noqa: E402
+from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, competing, plan, plan_label, wgmma_layout  # noqa: E402
+from gptcuda.ops.cuda.gemm.table import tuned_plan  # noqa: E402
 from gptcuda.runtime import Runtime, i32  # noqa: E402
 
 B, T, C, V = 64, 256, 384, 65
@@ -169,28 +173,24 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
                           "gemm_aT": ar.empty((max(M, N) * K if ta else 1,))})
         lda = M if ta else K
         ldb = K if tb else N
-        vec = _vec_ok(da, db, lda, ldb, 0, 0)
+        g = Product(M, N, K, ta, tb, vec=_vec_ok(da, db, lda, ldb))
+        scratch = {name: rt.workspace(name).numel for name in WGMMA_WORKSPACES}
         for prec in precisions:
             rt.exec = rt.exec.with_precision(prec)
-            family = "tf32" if prec == "tf32" else "simt"
-            wg = gemm.wgmma_ok(rt, ta, tb, vec, K)
+            family, mode, sm = rt.exec.gemm_family, rt.exec.wgmma_mode, rt.info.sm_count
             # what gemm.matmul launches: the measured table's entry (bench/tune.py), else the cost model
-            chosen = gemm.tuned_plan(rt, gemm.tune_key(prec, ta, tb, "none", False, M, N, K), vec, ws_floats,
-                                     M, N, wg) \
-                or gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec, wgmma=wg)
+            chosen = tuned_plan(rt, g, rt.exec, ws_floats, scratch) or plan(g, family, mode, sm, ws_floats)
             cands = [(chosen, True)]
             if chosen.family == "wgmma3_ra":       # the FMA kernel beside it (fp32_gemm: ffma)
-                cands.append((gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec), False))
+                cands.append((plan(g, family, None, sm, ws_floats), False))
             if args.sweep:
                 tiles = []                     # every tile of every family competing for this product
-                for name in gemm.competing(family, wg):
-                    fam = gemm.FAMILIES[name]
-                    tiles += fam.tiles if vec or name != family else fam.unaligned_tiles
+                for name in competing(family, wgmma_layout(mode, g)):
+                    fam = FAMILIES[name]
+                    tiles += fam.tiles if g.vec or name != family else fam.unaligned_tiles
                 for tile in tiles:
-                    for sp in sorted({1, gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats,
-                                                   vec=vec, tiles=[tile], wgmma=wg).splits}):
-                        p = gemm.plan(M, N, K, 1, rt.info.sm_count, family, max_ws=ws_floats, vec=vec,
-                                      tiles=[tile], splits=sp, wgmma=wg)
+                    for sp in sorted({1, plan(g, family, mode, sm, ws_floats, tiles=[tile]).splits}):
+                        p = plan(g, family, mode, sm, ws_floats, tiles=[tile], splits=sp)
                         if p != chosen:
                             cands.append((p, False))
             reps = reps_for(flop, 150.0 if prec == "tf32" else 30.0)
@@ -200,7 +200,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
                                      warmup=args.warmup, iters=args.iters, reps=reps)
                 err = sampled_rel_err(rt.download(out), a, b, ta, tb, rows)
                 row = {"shape": label, "M": M, "N": N, "K": K, "trans": trans, "precision": prec,
-                       "kernel": gemm.kernel_label(p, ta, tb, vec), "chosen": is_chosen,
+                       "kernel": f"{plan_label(p)} {trans}{'' if g.vec else ' unaligned'}", "chosen": is_chosen,
                        "ms": ms, "tflops": flop / ms / 1e9, "rel_err": err}
                 if is_chosen:
                     base = row
@@ -253,7 +253,7 @@ def bench_ladder(rt, M, N, K, args):
     try:
         da, db, out = ar.upload(a), ar.upload(b), ar.empty((M, N))
         for name, block, tile in LADDER:
-            fn = rt.function(gemm.SIMT_FILE, name)
+            fn = rt.function(SIMT_FILE, name)
             grid = (-(-N // tile[1]), -(-M // tile[0]))
 
             def rec(fn=fn, grid=grid, block=block):
@@ -263,10 +263,10 @@ def bench_ladder(rt, M, N, K, args):
             out_rows.append((name, ms, flop / ms / 1e9, err))
         for prec, fam in (("fp32", "simt"), ("tf32", "tf32")):      # the production kernels
             rt.exec = rt.exec.with_precision(prec)
-            p = gemm.plan(M, N, K, 1, rt.info.sm_count, fam)
+            p = plan(Product(M, N, K), fam, sm_count=rt.info.sm_count)
             ms = time_graphed_ms(rt, lambda: gemm.matmul(rt, out, da, db, plan=p), warmup=args.warmup,
                                  iters=args.iters, reps=5)
-            out_rows.append((gemm.kernel_label(p, False, False), ms, flop / ms / 1e9,
+            out_rows.append((f"{plan_label(p)} NN", ms, flop / ms / 1e9,
                              sampled_rel_err(rt.download(out), a, b, False, False, rows)))
     finally:
         ar.free()
@@ -312,8 +312,8 @@ def main(argv=None):
                                n_layer=6, vocab_size=dims[3], attention="unfused"))
     ws_model = max([s for s, _ in gemm.workspace(cfg).values()] or [(0,)])[0]
     # room for the largest split the planner may pick for these shapes (at most 256 MB)
-    ws_floats = max([ws_model, 1] + [gemm.MAX_SPLITS * M * N for _, M, N, K, _ in shapes
-                                     if gemm.MAX_SPLITS * M * N <= 64 << 20])
+    ws_floats = max([ws_model, 1] + [MAX_SPLITS * M * N for _, M, N, K, _ in shapes
+                                     if MAX_SPLITS * M * N <= 64 << 20])
     results = []
     if args.ladder:
         n = args.ladder_size

@@ -28,8 +28,9 @@ os.environ["GPTCUDA_GEMM_TUNE"] = "off"          # the cost model alone
 from gptcuda.config import load_config  # noqa: E402
 from gptcuda.ops.cuda import cdiv  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import plan_label  # noqa: E402
-from gptcuda.ops.cuda.gemm.table import plan_from_json  # noqa: E402
-from gptcuda.ops.cuda.gemm.tune import candidates_for, model_gemms, scratch_of, ws_floats_of  # noqa: E402
+from gptcuda.ops.cuda.gemm.table import plan_from_json, table_key  # noqa: E402
+from gptcuda.model.products import products  # noqa: E402
+from gptcuda.ops.cuda.gemm.tune import candidates_for, workspace_floats  # noqa: E402
 from gptcuda.runtime import execution  # noqa: E402
 
 
@@ -55,15 +56,15 @@ def check(entries: dict, cfgs, verbose=False, out=sys.stdout) -> dict:
         mult = cfg.vocab_multiple
         vocab = cfg.vocab_size or cdiv(50257 if cfg.tokenizer == "gpt2" else 65, mult) * mult
         ex = execution.resolve(cfg, arch="sm_90", env={})
-        ws, scratch = ws_floats_of(cfg, vocab, ex=ex), scratch_of(cfg, vocab, ex)
-        for op in model_gemms(cfg, vocab, ex=ex):
-            key = op.key(ex.table_tag)
+        ws = workspace_floats(cfg, vocab, ex)
+        for op in products(cfg, vocab, ex=ex):
+            key = table_key(ex.table_tag, op)
             if key in seen or key not in entries:
                 continue
             seen.add(key)
             e = entries[key]
             win = plan_from_json(e, op.K)
-            heur = candidates_for(op, ex, 132, ws, scratch=scratch)[0]
+            heur = candidates_for(op, ex, 132, ws)[0]
             counts["shapes"] += 1
             same = [win is not None and heur.family == win.family, win is not None and
                     (heur.family, heur.tile) == (win.family, win.tile), heur == win]

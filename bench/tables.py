@@ -15,7 +15,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gptcuda.config import load_config  # noqa: E402
-from gptcuda.ops.cuda import gemm  # noqa: E402
+from gptcuda.model.products import products  # noqa: E402
+from gptcuda.ops.cuda.gemm.plan import plan_label  # noqa: E402
+from gptcuda.ops.cuda.gemm.table import load_table, plan_from_json, table_key  # noqa: E402
 from gptcuda.training.engine import Engine  # noqa: E402
 from gptcuda.training.trainer import open_run_data  # noqa: E402
 
@@ -24,11 +26,11 @@ def picks(cfg, V, ex, table) -> dict:
     """{table key: (family, tile, plan label, the op's label)} of this config's GEMMs the table has,
     under plan ex."""
     out = {}
-    for op in gemm.model_gemms(cfg, V, True, ex):
-        e = table.get(op.key(ex.table_tag))
-        p = gemm.plan_from_json(e, op.K) if e is not None else None
+    for op in products(cfg, V, True, ex):
+        e = table.get(table_key(ex.table_tag, op))
+        p = plan_from_json(e, op.K) if e is not None else None
         if p is not None:
-            out[op.key(ex.table_tag)] = (p.family, list(p.tile), gemm.plan_label(p), op.label)
+            out[table_key(ex.table_tag, op)] = (p.family, list(p.tile), plan_label(p), op.label)
     return out
 
 
@@ -42,7 +44,7 @@ def main(argv):
         cfg = load_config(path, overrides + ["--max_iters=100000"])
         data, V, accum = open_run_data(cfg)
         eng = Engine(cfg, data.train, data.val, V, programs=("train", "eval"), n_vocab=data.vocab_size, accum=accum)
-        table = gemm.load_table(eng.be.rt.info.name)
+        table = load_table(eng.be.rt.info.name)
         got = picks(eng.cfg, V, eng.exec, table)
         result[spec] = {k: v[2] for k, v in got.items()}
         for fam, tile, label, what in got.values():

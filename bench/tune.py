@@ -6,16 +6,16 @@
 The command line over gptcuda/ops/cuda/gemm/tune.py, which a training run also uses at its setup
 (config gemm_tune: auto) to measure the shapes its GPU's table lacks; this measures every shape of
 the config again (an entry already there is replaced), with longer windows, and prints each
-candidate. The shapes come from the config (tune.model_gemms): N = batch_size * block_size tokens,
+candidate. The shapes come from the config (model/products.py products): N = batch_size * block_size tokens,
 C, 3C, 4C and the vocabulary V (every matmul of model.py's forward and backward with its
 transposes, epilogue and bias, the eval forward's residual epilogue, the MLP backward both as
 "none" and fused "dgelu", and the unfused attention's batched GEMMs). For each shape:
 
   1. candidates: every tile of the precision's kernel family x every split-K count that fits the
-     workspace memory.py plans (gemm.workspace(cfg)) (gemm.tune_candidates); on sm_90 the wgmma
+     workspace memory.py plans (gemm.workspace(cfg)) (gemm/plan.py tune_candidates); on sm_90 the wgmma
      tiles too, through the planned scratch where a layout needs it (B^T in gemm_bT; the weight
      gradients' register-A families with X^T or dY^T in gemm_aT);
-  2. pruned by the cost model (roofline + occupancy + waves, gemm.estimate_s): those within
+  2. pruned by the cost model (roofline + occupancy + waves, gemm/plan.py estimate_s): those within
      --keep x the best estimate, at most --max_candidates, plus the cost model's own choice;
   3. timed paired in one window: each candidate's launches are captured back to back in a CUDA
      graph (enough of them for ~--target_ms), then --rounds rounds replay every graph once, in
@@ -23,7 +23,7 @@ transposes, epilogue and bias, the eval forward's residual epilogue, the MLP bac
   4. checked: every candidate's output is compared with the cost model's choice (a candidate that
      disagrees is reported and never wins);
   5. the fastest wins; the table {key: plan} is written under the compile cache
-     (<GPTCUDA_CACHE>/tune/<gpu>-<source hash>.json, gemm.table_path), where gemm.matmul finds it.
+     (<GPTCUDA_CACHE>/tune/<gpu>-<source hash>.json, gemm/table.py table_path), where gemm.matmul finds it.
 
 Printed per shape: every candidate's time, its distance from the roofline floor (time / floor,
 floor = max(flops / peak, bytes / bandwidth), peaks 495 TF32 / 67 fp32 TFLOP/s dense, 4.2 TB/s),
@@ -39,12 +39,13 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gptcuda.ops.cuda import gemm  # noqa: E402
 from gptcuda.runtime import execution  # noqa: E402
-# (GemmOp, pick_winner, rounds_median: the package's, reached here as bench.tune's too)
-from gptcuda.ops.cuda.gemm.tune import (EventTimer, GemmOp, candidates_for, floor_s, model_gemms,  # noqa: E402,F401
-                                        pick_winner, rounds_median, scratch_of, step_ms, table_entries, tune_op,
-                                        ws_floats_of)
+from gptcuda.ops.cuda.gemm.plan import estimate_s, plan_label  # noqa: E402
+from gptcuda.ops.cuda.gemm.table import save_table, table_path  # noqa: E402
+# (pick_winner: the package's, reached here as bench.tune's too)
+from gptcuda.ops.cuda.gemm.tune import (EventTimer, candidates_for, floor_s, pick_winner,  # noqa: E402,F401
+                                        step_ms, table_entries, tune_op, workspace_floats)
+from gptcuda.model.products import products  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------
@@ -53,7 +54,7 @@ from gptcuda.ops.cuda.gemm.tune import (EventTimer, GemmOp, candidates_for, floo
 def print_result(r, file=sys.stdout):
     op = r["op"]
     head = (f"{op.label}: {op.M}x{op.N}x{op.K}" + (f" batch {op.batch}" if op.batch > 1 else "") +
-            f" {op.trans()} {op.epilogue}{'+bias' if op.bias else ''}"
+            f" {op.layout} {op.epilogue}{'+bias' if op.bias else ''}"
             f"  floor {r['floor_ms']:.4f} ms  x{op.count}/step")
     print(head, file=file)
     for i, p in enumerate(r["plans"]):
@@ -64,7 +65,7 @@ def print_result(r, file=sys.stdout):
         if r["ok"] is not None and not r["ok"][i]:
             mark += " MISMATCH"
         ts = f"{t:9.4f} ms {t / r['floor_ms']:6.2f}x floor" if math.isfinite(t) else f"{'-':>9}    {'':>13}"
-        print(f"    {gemm.plan_label(p):<26} model {r['est_ms'][i]:8.4f} ms  {ts}{mark}", file=file)
+        print(f"    {plan_label(p):<26} model {r['est_ms'][i]:8.4f} ms  {ts}{mark}", file=file)
 
 
 def print_summary(results, file=sys.stdout):
@@ -83,11 +84,12 @@ def vocab_of(cfg) -> int:
     return open_run_data(cfg)[1]
 
 
-def run(cfg, ops, ex, timer, sm_count, ws_floats, keep, max_n, out=sys.stdout, scratch=None):
-    """Time every op's candidates under execution plan ex; print each and the step's summary."""
+def run(cfg, ops, ex, timer, sm_count, workspaces, keep, max_n, out=sys.stdout):
+    """Time every op's candidates under execution plan ex with the GEMM workspaces {name: floats}; print
+    each and the step's summary."""
     results = []
     for op in ops:
-        r = tune_op(op, ex, timer, sm_count, ws_floats, keep, max_n, scratch)
+        r = tune_op(op, ex, timer, sm_count, workspaces, keep, max_n)
         print_result(r, file=out)
         out.flush()
         results.append(r)
@@ -107,41 +109,39 @@ def main(argv=None):
         return 2
     cfg = load_config(path, overrides)
     vocab = vocab_of(cfg)
-    ops = model_gemms(cfg, vocab)
+    ops = products(cfg, vocab)
     if "only" in opts:
         ops = [o for o in ops if opts["only"] in o.label]
     keep = float(opts.get("keep", 1.6))
     max_n = int(opts.get("max_candidates", 6))
     ex = execution.resolve(cfg, arch="sm_90")         # as on an H200 (GPTCUDA_WGMMA=0: without wgmma)
-    ws_floats = ws_floats_of(cfg, vocab, ex=ex)
-    scratch = scratch_of(cfg, vocab, ex)
+    ws = workspace_floats(cfg, vocab, ex)
     print(f"{path}: {ex.table_tag}, {len(ops)} GEMM shapes, tokens {cfg.batch_size * cfg.block_size}, "
-          f"C {cfg.n_embd}, V {vocab}, split-K workspace {ws_floats} floats")
+          f"C {cfg.n_embd}, V {vocab}, split-K workspace {ws.get('gemm_splitk', 0)} floats")
     if "dry_run" in flags:
         for op in ops:
-            heur, plans = candidates_for(op, ex, 132, ws_floats, keep, max_n, scratch=scratch)   # as on an H200
-            print(f"{op.label}: {op.M}x{op.N}x{op.K} b{op.batch} {op.trans()} {op.epilogue}"
+            heur, plans = candidates_for(op, ex, 132, ws, keep, max_n)   # as on an H200
+            print(f"{op.label}: {op.M}x{op.N}x{op.K} b{op.batch} {op.layout} {op.epilogue}"
                   f"{'+bias' if op.bias else ''}{' +colsum' if op.colsum else ''} floor {floor_s(op, ex) * 1e3:.4f} ms")
             for p in plans:
-                est = gemm.estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, 132, op.colsum) * 1e3
-                print(f"    {gemm.plan_label(p):<26} model {est:8.4f} ms")
+                print(f"    {plan_label(p):<26} model {estimate_s(p, op) * 1e3:8.4f} ms")
         return 0
 
     from bench.common import ClockWatch
     from gptcuda.runtime import Runtime
     rt = Runtime(cfg.device, seed=cfg.seed, cfg=cfg)
-    print(f"{rt.info.name}, {rt.info.sm_count} SMs; table {gemm.table_path(rt.info.name)}")
-    timer = EventTimer(rt, ws_floats, rounds=int(opts.get("rounds", 7)), scratch=scratch,
+    print(f"{rt.info.name}, {rt.info.sm_count} SMs; table {table_path(rt.info.name)}")
+    timer = EventTimer(rt, ws, rounds=int(opts.get("rounds", 7)),
                        target_ms=float(opts.get("target_ms", 0.5)), check="no_check" not in flags)
     watch = ClockWatch(cfg.device)
     try:
-        results = run(cfg, ops, rt.exec, timer, rt.info.sm_count, ws_floats, keep, max_n, scratch=scratch)
+        results = run(cfg, ops, rt.exec, timer, rt.info.sm_count, ws, keep, max_n)
     finally:
         timer.close()
     print(watch.stop())
     entries = table_entries(results, rt.exec)
     if "no_save" not in flags:
-        p = gemm.save_table(rt.info.name, entries, meta={"config": path, "overrides": overrides})
+        p = save_table(rt.info.name, entries, meta={"config": path, "overrides": overrides})
         print(f"wrote {len(entries)} entries to {p}")
     if "json" in opts:
         with open(opts["json"], "w") as f:

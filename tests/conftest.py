@@ -215,12 +215,12 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def table_cache(tmp_path, monkeypatch):
     """A compile cache of the test's own: no measured GEMM table (<cache>/tune/) yet, GPTCUDA_GEMM_TUNE
     unset, and the tables the process read forgotten (before and after). Yields the cache's path."""
-    from gptcuda.ops.cuda import gemm
+    from gptcuda.ops.cuda.gemm.table import forget_tables
     monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
     monkeypatch.delenv("GPTCUDA_GEMM_TUNE", raising=False)
-    gemm.forget_tables()
+    forget_tables()
     yield tmp_path / "kc"
-    gemm.forget_tables()
+    forget_tables()
 
 
 def rel_err(out, ref):

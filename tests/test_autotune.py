@@ -1,20 +1,21 @@
 """The GEMM table measured at a run's setup (gptcuda/ops/cuda/gemm/tune.py autotune), without a GPU:
 what it measures (only the shapes the table lacks, never an entry already there), what it saves,
 when it runs (the config's gemm_tune, GPTCUDA_GEMM_TUNE, the Engine on a real device only, never
-in a data-parallel run or for an Engine without programs), that model_gemms names exactly the
+in a data-parallel run or for an Engine without programs), that model/products.py lists exactly the
 products the recorded programs look up, and that the device timer frees what it allocates."""
 import dataclasses
 import io
 import json
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from gptcuda.model.products import Product, products
 from gptcuda.config import ConfigError, load_config
-from gptcuda.ops.cuda import gemm
 from gptcuda.ops.cuda.gemm import tune
+from gptcuda.ops.cuda.gemm.families import WGMMA_FILE
+from gptcuda.ops.cuda.gemm.table import forget_tables, load_table, plan_to_json, save_table, table_key, table_path
 from gptcuda.runtime import execution
 from gptcuda.training.engine import Engine
 from tests.conftest import fake_view, plan_of
@@ -67,66 +68,66 @@ def _precision_cfg(precision):
 def test_measures_what_is_missing_and_saves_it(table_cache, precision):
     cfg, vocab = _precision_cfg(precision)
     rt, timer = FakeRT(cfg), FakeTimer()
-    keys = [op.key(precision) for op in tune.model_gemms(cfg, vocab)]
+    keys = [table_key(precision, op) for op in products(cfg, vocab)]
     s = tune.autotune(rt, cfg, vocab, out=io.StringIO(), timer=timer, build=no_build)
     assert s.measured == len(keys) and s.known == 0 and s.dropped == 0
-    assert [op.key(precision) for op, _ in timer.ops] == keys
-    doc = json.loads(gemm.table_path(GPU).read_text())
-    assert set(doc["entries"]) == set(keys) and str(gemm.table_path(GPU)) == s.path
-    table = gemm.load_table(GPU, refresh=True)
+    assert [table_key(precision, op) for op, _ in timer.ops] == keys
+    doc = json.loads(table_path(GPU).read_text())
+    assert set(doc["entries"]) == set(keys) and str(table_path(GPU)) == s.path
+    table = load_table(GPU, refresh=True)
     for op, plans in timer.ops:
-        assert table[op.key(precision)] == plans[-1]            # the fastest
+        assert table[table_key(precision, op)] == plans[-1]            # the fastest
     assert "measured" in s.format() and "cost model" in s.format()
     # nothing missing: nothing timed, nothing written
-    mtime = gemm.table_path(GPU).stat().st_mtime_ns
+    mtime = table_path(GPU).stat().st_mtime_ns
     again = FakeTimer()
     s2 = tune.autotune(rt, cfg, vocab, out=io.StringIO(), timer=again, build=no_build)
     assert again.ops == [] and s2.measured == 0 and s2.known == len(keys)
-    assert gemm.table_path(GPU).stat().st_mtime_ns == mtime
+    assert table_path(GPU).stat().st_mtime_ns == mtime
     assert str(len(keys)) in s2.format()
 
 
 def test_entries_already_there_are_never_measured_again(table_cache):
     """A resumed run launches the plans it launched: an entry, once in the table, stays."""
     cfg = cfg_of("--precision=tf32")
-    ops = tune.model_gemms(cfg, 65)
+    ops = products(cfg, 65)
     held = ops[:3]
-    mine = {op.key("tf32"): gemm.plan_to_json(tune.candidates_for(op, plan_of("tf32"), 132, 0)[0]) for op in held}
-    gemm.save_table(GPU, mine)
+    mine = {table_key("tf32", op): plan_to_json(tune.candidates_for(op, plan_of("tf32"), 132, 0)[0]) for op in held}
+    save_table(GPU, mine)
     timer = FakeTimer()
     s = run(FakeRT(cfg), cfg, timer)
     assert s.measured == len(ops) - 3 and s.known == 3
-    assert {op.key("tf32") for op, _ in timer.ops}.isdisjoint(mine)
-    entries = json.loads(gemm.table_path(GPU).read_text())["entries"]
+    assert {table_key("tf32", op) for op, _ in timer.ops}.isdisjoint(mine)
+    entries = json.loads(table_path(GPU).read_text())["entries"]
     assert all(entries[k] == v for k, v in mine.items())     # untouched (no time, label added)
     # another precision's keys are other shapes
     cfg32 = cfg_of("--precision=fp32")
-    assert run(FakeRT(cfg32), cfg32, FakeTimer()).measured == len(tune.model_gemms(cfg32, 65))
+    assert run(FakeRT(cfg32), cfg32, FakeTimer()).measured == len(products(cfg32, 65))
 
 
 def test_an_entry_another_run_wrote_meanwhile_stays(table_cache):
     """Two runs measuring at once: the plan written first stays, and this process launches it too
     (so does a resume of either run)."""
     cfg = cfg_of("--precision=tf32")
-    first = tune.model_gemms(cfg, 65)[0]
+    first = products(cfg, 65)[0]
     theirs = tune.candidates_for(first, plan_of("tf32"), 132, 0)[0]
 
     class Racing(FakeTimer):
         def __call__(self, op, plans):
             if op == first:                   # the other run saves its winner while this one measures
-                gemm.save_table(GPU, {op.key("tf32"): gemm.plan_to_json(theirs)})
+                save_table(GPU, {table_key("tf32", op): plan_to_json(theirs)})
             return super().__call__(op, plans)
 
     timer = Racing()
     run(FakeRT(cfg), cfg, timer)
     assert timer.ops[0][1][-1] != theirs
-    assert gemm.load_table(GPU)[first.key("tf32")] == theirs
-    assert gemm.load_table(GPU, refresh=True)[first.key("tf32")] == theirs
+    assert load_table(GPU)[table_key("tf32", first)] == theirs
+    assert load_table(GPU, refresh=True)[table_key("tf32", first)] == theirs
     # bench/tune.py replaces entries (and a merge keeps the file's meta)
-    gemm.save_table(GPU, {}, meta={"config": "x"})
-    gemm.save_table(GPU, {first.key("tf32"): gemm.plan_to_json(timer.ops[0][1][-1])})
-    assert gemm.load_table(GPU)[first.key("tf32")] == timer.ops[0][1][-1]
-    assert json.loads(gemm.table_path(GPU).read_text())["meta"] == {"config": "x"}
+    save_table(GPU, {}, meta={"config": "x"})
+    save_table(GPU, {table_key("tf32", first): plan_to_json(timer.ops[0][1][-1])})
+    assert load_table(GPU)[table_key("tf32", first)] == timer.ops[0][1][-1]
+    assert json.loads(table_path(GPU).read_text())["meta"] == {"config": "x"}
 
 
 @pytest.mark.parametrize("setting,env", [("table", None), ("off", None), ("auto", "0"), ("auto", "off"),
@@ -137,7 +138,7 @@ def test_table_and_off_never_measure(table_cache, monkeypatch, setting, env):
     cfg = cfg_of(f"--gemm_tune={setting}")
     timer = FakeTimer()
     assert run(FakeRT(cfg), cfg, timer) is None and timer.ops == []
-    assert not gemm.table_path(GPU).exists()
+    assert not table_path(GPU).exists()
 
 
 def test_resolved_setting(monkeypatch):
@@ -174,7 +175,7 @@ def test_candidates_that_do_not_compile_are_left_out(table_cache):
 
     def build(jobs, progress):
         asked.extend(jobs)
-        return {i for i, (file, name, defines, arch) in enumerate(jobs) if file == gemm.WGMMA_FILE}
+        return {i for i, (file, name, defines, arch) in enumerate(jobs) if file == WGMMA_FILE}
 
     timer = FakeTimer()
     s = run(FakeRT(cfg), cfg, timer, build=build)
@@ -184,8 +185,7 @@ def test_candidates_that_do_not_compile_are_left_out(table_cache):
     for op, plans in timer.ops:
         # the warpgroup-MMA candidates are left out, but for the cost model's own, which stays first
         assert all(p.family == "tf32" for p in plans[1:])
-        assert plans[0] == tune.candidates_for(op, plan_of("tf32", True), 132, tune.ws_floats_of(cfg, 65),
-                                               scratch=tune.scratch_of(cfg, 65))[0]
+        assert plans[0] == tune.candidates_for(op, plan_of("tf32", True), 132, tune.workspace_floats(cfg, 65))[0]
 
 
 def test_progress_line(table_cache, monkeypatch):
@@ -194,14 +194,9 @@ def test_progress_line(table_cache, monkeypatch):
     tune.autotune(FakeRT(cfg), cfg, 65, out=buf, timer=FakeTimer(), build=no_build)
     text = buf.getvalue()
     assert "GEMM table" in text and "cost model" in text and "tuned" in text
-    monkeypatch.setitem(sys.modules, "tqdm", None)                     # without tqdm: a \r line
-    buf = io.StringIO()
-    tune.autotune(FakeRT(cfg, name="other GPU"), cfg, 65, out=buf, timer=FakeTimer(), build=no_build)
-    text = buf.getvalue()
-    n = len(tune.model_gemms(cfg, 65))
-    assert text.startswith("\rGEMM table: compiling") and text.endswith("\n") and text.count("\n") == 1
-    assert f"\rGEMM table: measuring fp32 shapes: {n}/{n} cost model" in text
-    assert tune.autotune(FakeRT(cfg, name="other GPU"), cfg, 65, out=buf, timer=FakeTimer()).measured == 0
+    n = len(products(cfg, 65))
+    assert "GEMM table: compiling" in text and "GEMM table: measuring fp32 shapes" in text and f"{n}/{n}" in text
+    assert tune.autotune(FakeRT(cfg), cfg, 65, out=buf, timer=FakeTimer()).measured == 0
     assert buf.getvalue() == text                                       # nothing to do: silent
 
 
@@ -212,7 +207,8 @@ def _looked_up(monkeypatch, cfg, programs):
     from gptcuda.ops.cuda_backend import CudaBackend
     keys = set()
     real = launch.tuned_plan
-    monkeypatch.setattr(launch, "tuned_plan", lambda rt, key, *a, **k: keys.add(key) or real(rt, key, *a, **k))
+    monkeypatch.setattr(launch, "tuned_plan",
+                        lambda rt, g, ex, *a: keys.add(table_key(ex.table_tag, g)) or real(rt, g, ex, *a))
     Engine(cfg, TOKS, TOKS[:200], 65, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg)),
            programs=programs)
     return keys
@@ -221,14 +217,14 @@ def _looked_up(monkeypatch, cfg, programs):
 @pytest.mark.parametrize("over", [["--precision=tf32", "--dropout=0.1"], ["--attention=fused", "--bias=false"],
                                   ["--precision=tf32", "--recompute=true", "--attention=fused", "--dropout=0.1"],
                                   ["--dropout=0.0"]])
-def test_model_gemms_are_the_recorded_products(table_cache, monkeypatch, over):
+def test_products_are_the_recorded_ones(table_cache, monkeypatch, over):
     cfg = cfg_of(*over)
-    ops = tune.model_gemms(cfg, 65)
-    keys = {op.key(cfg.precision) for op in ops}
+    ops = products(cfg, 65)
+    keys = {table_key(cfg.precision, op) for op in ops}
     got = _looked_up(monkeypatch, cfg, ("train", "eval"))
     assert got <= keys, got - keys
-    assert {op.key(cfg.precision) for op in ops if op.count} <= got
-    fwd = {op.key(cfg.precision) for op in tune.model_gemms(cfg, 65, backward=False)}
+    assert {table_key(cfg.precision, op) for op in ops if op.count} <= got
+    fwd = {table_key(cfg.precision, op) for op in products(cfg, 65, backward=False)}
     assert _looked_up(monkeypatch, cfg, ("forward",)) <= fwd < keys
 
 
@@ -334,12 +330,12 @@ def test_event_timer_frees_its_buffers_and_restores_the_workspaces(table_cache, 
     planned = {"gemm_splitk": fake_view((4,))}                   # the planned one, replaced while timing
     rt.set_workspace(planned)
     s = tune.autotune(rt, cfg, vocab, quiet=True, build=no_build)  # the real EventTimer; every candidate's
-    assert s.measured == len(tune.model_gemms(cfg, vocab))       # kernels a listed variant (RecordingRuntime)
+    assert s.measured == len(products(cfg, vocab))       # kernels a listed variant (RecordingRuntime)
     assert rt.dev.live == set() and rt._graphs == [] and rt._workspace == planned
     assert rt._recording is None
     # a failure half-way: still nothing left behind
-    gemm.table_path(rt.info.name).unlink()
-    gemm.forget_tables()
+    table_path(rt.info.name).unlink()
+    forget_tables()
     rt.dev.fail_on = True
     with pytest.raises(RuntimeError, match="went away"):
         tune.autotune(rt, cfg, vocab, quiet=True, build=no_build)
@@ -350,8 +346,8 @@ def test_event_timer_checks_part_of_a_large_output():
     rt = _timing_runtime("tf32")
     got = []
     rt.download = lambda v: got.append(v) or np.zeros(v.shape, np.float32)
-    timer = tune.EventTimer(rt, 0, rounds=1, check_floats=1000)
-    op = tune.GemmOp("x", 64, 64, 8, False, True)
+    timer = tune.EventTimer(rt, {}, rounds=1, check_floats=1000)
+    op = Product(64, 64, 8, False, True)
     timer(op, [tune.candidates_for(op, plan_of("tf32"), 132, 0)[0]])
     head, tail = got
     assert head.numel == tail.numel == 500 and tail.ptr - head.ptr == 4 * (64 * 64 - 500)
@@ -369,8 +365,8 @@ def test_event_timer_times_bf16_products_on_bf16_operands(trans_b, out):
     real_write = rt.write
     rt.write = lambda v, arr: writes.append((v, np.asarray(arr).copy())) or real_write(v, arr)
     rt.download = lambda v: got.append(v) or np.full(v.shape, 0x3F80, np.uint16)     # bf16 1.0
-    timer = tune.EventTimer(rt, 0, rounds=1, check_floats=1000)
-    op = tune.GemmOp("x", 64, 64, 64, False, trans_b)
+    timer = tune.EventTimer(rt, {}, rounds=1, check_floats=1000)
+    op = Product(64, 64, 64, False, trans_b)
     samples, ok = timer(op, [tune.candidates_for(op, rt.exec, 132, 0)[0]])
     assert [v.dtype for v, _ in writes] == ["bf16", "bf16"] and all(a.dtype == np.uint16 for _, a in writes)
     assert all(np.all(np.isfinite(bf16.values(a))) and np.std(bf16.values(a)) > 0.5 for _, a in writes)
@@ -378,7 +374,7 @@ def test_event_timer_times_bf16_products_on_bf16_operands(trans_b, out):
     assert head.dtype == tail.dtype == out and tail.ptr - head.ptr == 2 * (64 * 64 - 500)
     assert ok == [True] and rt.dev.live == set()
     # the weight gradient's layout writes fp32
-    op = tune.GemmOp("dW", 64, 64, 64, True, False)
+    op = Product(64, 64, 64, True, False)
     rt.download = lambda v: got.append(v) or np.ones(v.shape, np.float32)
     timer(op, [tune.candidates_for(op, rt.exec, 132, 0)[0]])
     assert got[-1].dtype == "f32"
@@ -389,11 +385,11 @@ def test_bf16_candidates_split_only_into_fp32():
     weight gradients): the split-K reduction writes fp32, a bf16 C is one product."""
     cfg = load_config("configs/gpt2_124m.yaml", ["--batch_size=8", "--total_batch_tokens=0"])
     ex, V = execution.resolve(cfg, arch="sm_90"), 50304
-    ws = tune.ws_floats_of(cfg, V, ex=ex)
-    assert ex.precision == "bf16" and ws > 0
+    ws = tune.workspace_floats(cfg, V, ex)
+    assert ex.precision == "bf16" and ws["gemm_splitk"] > 0
     seen = set()
-    for op in tune.model_gemms(cfg, V, ex=ex):
-        for p in tune.candidates_for(op, ex, 132, ws, scratch=tune.scratch_of(cfg, V, ex))[1]:
-            seen.add((op.trans(), p.splits > 1))
-            assert p.splits == 1 or op.trans() == "TN", (op.label, p)
+    for op in products(cfg, V, ex=ex):
+        for p in tune.candidates_for(op, ex, 132, ws)[1]:
+            seen.add((op.layout, p.splits > 1))
+            assert p.splits == 1 or op.layout == "TN", (op.label, p)
     assert ("TN", True) in seen and ("NN", False) in seen

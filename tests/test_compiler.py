@@ -115,19 +115,17 @@ def test_forbid_compiles(tmp_path, monkeypatch):
 
 
 def _wgmma_pipeline_names():
-    from gptcuda.ops.cuda import gemm
-    names = [gemm.wgmma_name(t, gemm.EPI_GELU, True) for t in gemm.WGMMA_TILES]      # every loader
+    from gptcuda.ops.cuda.gemm.families import EPI_GELU, EPI_NONE, FAMILIES
+    names = [FAMILIES["wgmma"].kernel(t, False, True, EPI_GELU, True) for t in FAMILIES["wgmma"].tiles]  # every loader
     # A through registers (two fragment buffers): B K-major with column sums, B turned, C stored transposed
-    names += [gemm.FAMILIES["wgmma_ra"].colsum_kernel(t, True, True) for t in gemm.WGMMA_RA_TILES]
-    names += [gemm.FAMILIES["wgmma_ra_mn"].kernel(t, True, False, gemm.EPI_NONE, False, True)
-              for t in gemm.WGMMA_RA_MN_TILES]
-    names += [gemm.FAMILIES["wgmma_ra_t"].kernel(t, True, False, gemm.EPI_NONE, False, True)
-              for t in gemm.WGMMA_RA_T_TILES]
+    names += [FAMILIES["wgmma_ra"].kernel(t, True, True, EPI_NONE, False, colsum=True) for t in FAMILIES["wgmma_ra"].tiles]
+    names += [FAMILIES[f].kernel(t, True, False, EPI_NONE, False) for f in ("wgmma_ra_mn", "wgmma_ra_t")
+              for t in FAMILIES[f].tiles]
     # 3xTF32 split in the kernel (A in registers, B in shared memory): both operands K-major, and both as
     # stored (the weight gradient's TN takes no epilogue: its plain kernel)
-    return names + [gemm.FAMILIES["wgmma3_ra"].kernel(t, ta, tb, epi, hb, True)
-                    for t in gemm.FAMILIES["wgmma3_ra"].tiles
-                    for ta, tb, epi, hb in ((False, True, gemm.EPI_GELU, True), (True, False, gemm.EPI_NONE, False))]
+    return names + [FAMILIES["wgmma3_ra"].kernel(t, ta, tb, epi, hb, True)
+                    for t in FAMILIES["wgmma3_ra"].tiles
+                    for ta, tb, epi, hb in ((False, True, EPI_GELU, True), (True, False, EPI_NONE, False))]
 
 
 def _flash_wgmma_names():
@@ -147,8 +145,8 @@ def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines
     target. The report is the one the session's compile of the variant left in its cache entry
     (compile_kernel keeps ptxas's report in the log); one test a variant, so that pytest-xdist
     spreads these full-optimization compiles over the workers."""
-    from gptcuda.ops.cuda import gemm
-    assert gemm.WGMMA_FILE == "gemm_wgmma.cu"
+    from gptcuda.ops.cuda.gemm.families import WGMMA_FILE
+    assert WGMMA_FILE == "gemm_wgmma.cu"
     arch = compiler.target_arch(file, "sm_90")
     assert arch == "sm_90a"
     prebuilt_kernels.wait(file, name)

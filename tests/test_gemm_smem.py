@@ -21,8 +21,8 @@ def _cases():
         for tile in fam.tiles:
             # the bias epilogue: the largest static footprint (its bias buffers), GELU the widest
             kernels = [fam.kernel(tile, True, False, families.EPI_GELU, True, True)]
-            if fam.colsum_kernel is not None:            # the variant that also sums A
-                kernels.append(fam.colsum_kernel(tile, True, False))
+            if fam.colsum:                               # the variant that also sums A
+                kernels.append(fam.kernel(tile, True, False, families.EPI_NONE, False, colsum=True))
             out += [pytest.param(name, tile, k, id=f"{name}:{k}") for k in kernels]
     return out
 
@@ -34,5 +34,5 @@ def test_static_and_dynamic_smem_fit(fam, tile, kernel):
     report = re.search(rf"Function properties for {re.escape(lowered)}\n.*\n.*?(\d+) bytes smem", c.log)
     assert report, f"no ptxas report for {kernel}"
     static = int(report[1])
-    dynamic = families.FAMILIES[fam].smem(tile)
+    dynamic = families.FAMILIES[fam].geometry(tile).smem
     assert static + dynamic <= OPTIN_MAX, f"{kernel}: {dynamic} dynamic + {static} static bytes > {OPTIN_MAX}"

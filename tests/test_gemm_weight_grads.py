@@ -9,10 +9,12 @@ import struct
 import numpy as np
 import pytest
 
+from gptcuda.model.products import Product
 from gptcuda.ops.cuda import elementwise, gemm
-from gptcuda.ops.cuda.gemm import families
-from gptcuda.ops.cuda.gemm.families import ra_name
-from gptcuda.ops.cuda.gemm.plan import _BYTES_PER_S, _LAUNCH_S, check_plan
+from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_NONE, EPI_RESID, FAMILIES, transpose_name
+from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, _LAUNCH_S, WGMMA_WORKSPACES, b_reads, competing,
+                                        estimate_s, make_plan, plan, plan_unfit, tune_candidates, wgmma_layout)
+from gptcuda.ops.cuda.gemm.table import forget_tables, plan_from_json, plan_to_json, save_table, table_key
 from tests.conftest import FakeGemmRT, fake_view as _v
 from tests.fakes import FakeDev
 from gptcuda.config import config_of
@@ -21,8 +23,14 @@ GPT2 = config_of(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=1
                  precision="tf32", attention="fused")
 CHAR = config_of(batch_size=64, block_size=256, n_embd=384, n_head=6, n_layer=6, vocab_size=65,
                  precision="tf32", attention="fused")
-TRANSPOSE = gemm.transpose_name(True)
-COLSUM_TRANSPOSES = (gemm.transpose_name(False, True), gemm.transpose_name(True, True))
+TRANSPOSE = transpose_name(True)
+COLSUM_TRANSPOSES = (transpose_name(False, True), transpose_name(True, True))
+
+
+def ra_name(tile, mn_b, epi, has_bias, colsum=False, tc=False):
+    """gemm_wgmma_ra's name: the family whose kernel reads B as stored (mn_b), or stores C transposed (tc)."""
+    return FAMILIES["wgmma_ra_t" if tc else "wgmma_ra_mn" if mn_b else "wgmma_ra"].kernel(
+        tile, True, not mn_b, epi, has_bias, colsum=colsum)
 
 
 def _floats(cfg):
@@ -46,12 +54,23 @@ def _weight_grads(cfg):
     return K, [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C), (cfg.vocab_size, C)]
 
 
-def _plan(cfg, M, N, K, ta=True, tb=False, epi=gemm.EPI_NONE):
+def _plan(cfg, M, N, K, ta=True, tb=False):
     """The cost model's plan on an sm_90 H200 with cfg's workspaces (what matmul picks)."""
     ws = _floats(cfg)
     vec = (M if ta else K) % 4 == 0 and (K if tb else N) % 4 == 0
-    return gemm.plan(M, N, K, 1, 132, "tf32", max_ws=ws["gemm_splitk"], vec=vec, epi=epi,
-                     wgmma=gemm.wgmma_layout("tf32", ta, tb, vec, K), scratch={n: ws[n] for n in gemm.WGMMA_WORKSPACES})
+    return plan(Product(M, N, K, ta, tb, vec=vec), "tf32", "tf32", max_ws=ws["gemm_splitk"],
+                scratch={n: ws[n] for n in WGMMA_WORKSPACES})
+
+
+def _layout(mode, ta, tb, vec, K, batch=1):
+    return wgmma_layout(mode, Product(64, 64, K, ta, tb, batch=batch, vec=vec))
+
+
+def _unfit(p, family, vec, layout):
+    """plan_unfit of a 64^3 product of this layout code (False: the warpgroup-MMA kernels off)."""
+    code = layout or "NT"
+    mode = layout and ("tf32" if family == "tf32" else "3xtf32")
+    return plan_unfit(p, Product(64, 64, 64, code[0] == "T", code[1] == "T", vec=vec), family, mode or None)
 
 
 # ---- the layout decision -----------------------------------------------------------------------
@@ -60,18 +79,18 @@ def test_wgmma_layout():
     after B^T), the weight gradients A^T B and A^T B^T (the register-A families); 16-byte aligned
     operands only. 3xTF32: the op interface's layouts, one product. No mode: never."""
     K = 8192
-    assert gemm.wgmma_layout("tf32", False, True, True, K, 4) == "NT"
-    assert gemm.wgmma_layout("tf32", False, False, True, K) == "NN"
-    assert gemm.wgmma_layout("tf32", True, False, True, K) == "TN"
-    assert gemm.wgmma_layout("tf32", True, True, True, K) == "TT"
+    assert _layout("tf32", False, True, True, K, 4) == "NT"
+    assert _layout("tf32", False, False, True, K) == "NN"
+    assert _layout("tf32", True, False, True, K) == "TN"
+    assert _layout("tf32", True, True, True, K) == "TT"
     for ta, tb in ((False, False), (True, False), (True, True)):
-        assert not gemm.wgmma_layout("tf32", ta, tb, True, K, 2)               # batched
-        assert not gemm.wgmma_layout("tf32", ta, tb, True, K - 2)              # K % 4: TMA strides
-        assert not gemm.wgmma_layout("tf32", ta, tb, False, K)                 # unaligned
-    assert gemm.wgmma_layout("3xtf32", True, False, True, K) == "TN"
-    assert not gemm.wgmma_layout("3xtf32", True, True, True, K)                # TT: no product
-    assert not gemm.wgmma_layout("3xtf32", False, True, True, K, 4)            # batched
-    assert not gemm.wgmma_layout(None, False, True, True, K)
+        assert not _layout("tf32", ta, tb, True, K, 2)               # batched
+        assert not _layout("tf32", ta, tb, True, K - 2)              # K % 4: TMA strides
+        assert not _layout("tf32", ta, tb, False, K)                 # unaligned
+    assert _layout("3xtf32", True, False, True, K) == "TN"
+    assert not _layout("3xtf32", True, True, True, K)                # TT: no product
+    assert not _layout("3xtf32", False, True, True, K, 4)            # batched
+    assert not _layout(None, False, True, True, K)
 
 
 # ---- the workspace -----------------------------------------------------------------------------
@@ -88,7 +107,7 @@ def test_gemm_aT_holds_what_the_register_a_plans_re_lay_out(cfg):
         assert max(M, N) * K <= ws["gemm_aT"]
     V, C = shapes[4]
     assert C * K <= ws["gemm_aT"] < V * K or V < 4 * C
-    assert "gemm_aT" in gemm.WGMMA_WORKSPACES
+    assert "gemm_aT" in WGMMA_WORKSPACES
     assert "gemm_aT" not in gemm.workspace(dataclasses.replace(cfg, precision="fp32", fp32_gemm="3xtf32"))
 
 
@@ -123,10 +142,10 @@ def test_weight_grads_choose_what_the_table_picks(cfg, name):
     mma.sync for the char vocabulary's unaligned 65 rows; each modelled faster than mma.sync."""
     K, shapes = _weight_grads(cfg)
     for (M, N), fam in zip(shapes, TABLE_PICKS[name]):
-        p = _plan(cfg, M, N, K, epi=gemm.EPI_NONE)
+        p = _plan(cfg, M, N, K)
         assert p.family == fam, (M, N, p)
-        old = gemm.plan(M, N, K, 1, 132, "tf32", max_ws=_floats(cfg)["gemm_splitk"], vec=M % 4 == 0)
-        assert gemm.estimate_s(p, M, N, K) <= gemm.estimate_s(old, M, N, K), (M, N, p, old)
+        old = plan(Product(M, N, K, True, False, vec=M % 4 == 0), "tf32", max_ws=_floats(cfg)["gemm_splitk"])
+        assert estimate_s(p, Product(M, N, K)) <= estimate_s(old, Product(M, N, K)), (M, N, p, old)
         assert p.transpose_b == (fam == "wgmma_ra")
 
 
@@ -137,9 +156,9 @@ def test_gpt2_head_products():
     Ntok, C, V = 8192, 768, 50304
     p = _plan(GPT2, Ntok, V, C, ta=False, tb=True)
     assert p.family == "wgmma" and p.tile[:2] == (256, 128) and p.tile[3] >= 1 and p.splits == 1, p
-    small = gemm.make_plan("wgmma", (128, 128, 3, 0), 1, C)
-    assert gemm.b_reads(small, Ntok, V, C) == 64 and gemm.b_reads(p, Ntok, V, C) == 32
-    assert gemm.estimate_s(small, Ntok, V, C) > 1.4 * gemm.estimate_s(p, Ntok, V, C)
+    small = make_plan("wgmma", (128, 128, 3, 0), 1, C)
+    assert b_reads(small, Ntok, V, C) == 64 and b_reads(p, Ntok, V, C) == 32
+    assert estimate_s(small, Product(Ntok, V, C)) > 1.4 * estimate_s(p, Product(Ntok, V, C))
     d = _plan(GPT2, Ntok, C, V, ta=False, tb=False)
     assert d.family == "wgmma" and d.transpose_b and d.tile[3] >= 1 and d.splits == 2, d
     assert _floats(GPT2)["gemm_splitk"] >= d.splits * Ntok * C
@@ -148,7 +167,7 @@ def test_gpt2_head_products():
 def test_ties_go_to_tma():
     # DRAM-bound: a cp.async tile and its TMA twin model the same time
     M, N, K = 16384, 65, 384
-    p = gemm.plan(M, N, K, 1, 132, "tf32", vec=True, wgmma="NT")
+    p = plan(Product(M, N, K, False, True), "tf32", "tf32")
     assert p.family == "wgmma" and p.tile[3] == 1, p
 
 
@@ -156,26 +175,26 @@ def test_estimate_counts_the_relayout():
     """A plan's re-layout pass: wgmma_ra's X^T [N, K] and wgmma_ra_t's dY^T [M, K] (read 4 bytes, write
     4, at DRAM speed, one more launch); wgmma_ra_t's kernel runs the swapped product [N, M]."""
     M, N, K = 3072, 768, 8192
-    bt = gemm.make_plan("wgmma_ra", (128, 192, 4), 1, K, transpose_b=True)
-    stored = gemm.make_plan("wgmma_ra", (128, 192, 4), 1, K)
-    assert gemm.estimate_s(bt, M, N, K) == pytest.approx(gemm.estimate_s(stored, M, N, K) + _LAUNCH_S / 3 +
+    bt = make_plan("wgmma_ra", (128, 192, 4), 1, K, transpose_b=True)
+    stored = make_plan("wgmma_ra", (128, 192, 4), 1, K)
+    g = Product(M, N, K, True, False)
+    assert estimate_s(bt, g) == pytest.approx(estimate_s(stored, g) + _LAUNCH_S / 3 +
                                                          8.0 * K * N / _BYTES_PER_S)
-    swapped = gemm.make_plan("wgmma_ra_t", (128, 192, 4), 1, K)
-    assert gemm.estimate_s(swapped, N, M, K) == pytest.approx(gemm.estimate_s(stored, M, N, K) + _LAUNCH_S / 3 +
+    swapped = make_plan("wgmma_ra_t", (128, 192, 4), 1, K)
+    assert estimate_s(swapped, Product(N, M, K)) == pytest.approx(estimate_s(stored, g) + _LAUNCH_S / 3 +
                                                               8.0 * K * N / _BYTES_PER_S)
-    assert bt.relaid(M, N, K) == ("gemm_aT", N * K) and swapped.relaid(M, N, K) == ("gemm_aT", M * K)
-    assert stored.relaid(M, N, K) is None and gemm.make_plan("wgmma", (128, 128, 3, 1), 1, K, True).relaid(
-        M, N, K) == ("gemm_bT", N * K)
+    assert bt.relaid(g) == ("gemm_aT", N * K) and swapped.relaid(g) == ("gemm_aT", M * K)
+    assert stored.relaid(g) is None and make_plan("wgmma", (128, 128, 3, 1), 1, K, True).relaid(g) == ("gemm_bT", N * K)
 
 
 def test_make_plan_rules():
     K = 8192
-    assert gemm.make_plan("wgmma_ra", (128, 192, 4), 4, K, True).splits == 4
-    assert gemm.make_plan("wgmma_ra_mn", (128, 192, 5), 1, K, True) is None      # transposes nothing
-    assert gemm.make_plan("wgmma_ra_t", (128, 192, 4), 1, K, True) is None       # (A^T: its own re-layout)
-    assert gemm.make_plan("wgmma_ra", (128, 192, 5), 1, K) is None               # not its tile
-    assert gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K, True) is None
-    assert gemm.make_plan("wgmma_ra", (128, 192, 4), 33, K) is None              # past MAX_SPLITS
+    assert make_plan("wgmma_ra", (128, 192, 4), 4, K, True).splits == 4
+    assert make_plan("wgmma_ra_mn", (128, 192, 5), 1, K, True) is None      # transposes nothing
+    assert make_plan("wgmma_ra_t", (128, 192, 4), 1, K, True) is None       # (A^T: its own re-layout)
+    assert make_plan("wgmma_ra", (128, 192, 5), 1, K) is None               # not its tile
+    assert make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K, True) is None
+    assert make_plan("wgmma_ra", (128, 192, 4), 33, K) is None              # past MAX_SPLITS
 
 
 def test_table_roundtrip_and_fit(tmp_path, monkeypatch):
@@ -184,15 +203,15 @@ def test_table_roundtrip_and_fit(tmp_path, monkeypatch):
     out)."""
     monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
     monkeypatch.setenv("GPTCUDA_GEMM_TUNE", "1")
-    gemm.forget_tables()
+    forget_tables()
     try:
         M, N, K = 3072, 768, 8192
-        p = gemm.make_plan("wgmma_ra", (128, 128, 4), 2, K, True)
-        d = gemm.plan_to_json(p)
-        assert d["transpose_b"] and gemm.plan_from_json(d, K) == p
-        assert gemm.plan_from_json({**d, "transpose_a": True}, K) is None       # a plan this tree no longer has
-        key = gemm.tune_key("tf32", True, False, "none", False, M, N, K)
-        gemm.save_table("NVIDIA H200 (test)", {key: d})
+        p = make_plan("wgmma_ra", (128, 128, 4), 2, K, True)
+        d = plan_to_json(p)
+        assert d["transpose_b"] and plan_from_json(d, K) == p
+        assert plan_from_json({**d, "family": "wgmma_ta"}, K) is None         # a family this tree does not have
+        key = table_key("tf32", Product(M, N, K, True, False))
+        save_table("NVIDIA H200 (test)", {key: d})
         rt = _rt(GPT2)
         gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
         assert [n for n, *_ in rt.launches][:2] == [TRANSPOSE, ra_name((128, 128, 4), False, 0, False)]
@@ -200,7 +219,7 @@ def test_table_roundtrip_and_fit(tmp_path, monkeypatch):
         gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False)
         assert TRANSPOSE not in [n for n, *_ in rt.launches], rt.launches
     finally:
-        gemm.forget_tables()
+        forget_tables()
 
 
 # ---- the launches -------------------------------------------------------------------------------
@@ -213,8 +232,8 @@ def test_weight_grad_launch_sequence():
     names = [n for n, *_ in rt.launches]
     p = _plan(GPT2, M, N, K)
     assert names[0] == TRANSPOSE and rt.launches[0][1] == (N // 64, K // 64), names
-    assert names[1] == ra_name(p.tile, False, gemm.EPI_NONE, False)
-    assert rt.launches[1][1] == (min(132, N // p.bn * (M // p.bm) * p.splits), 1, 1)    # persistent
+    assert names[1] == ra_name(p.tile, False, EPI_NONE, False)
+    assert rt.launches[1][1] == (min(132, N // p.tile[1] * (M // p.tile[0]) * p.splits), 1, 1)    # persistent
     assert len(names) == (3 if p.splits > 1 else 2) and (p.splits == 1 or "splitk_reduce" in names[2])
 
 
@@ -227,8 +246,8 @@ def test_head_weight_grad():
     names = [n for n, *_ in rt.launches]
     assert names[0] == TRANSPOSE and rt.launches[0][1] == (N // 64, K // 64), names
     assert names[1].startswith("gemm_wgmma_ra<") and len(names) == 2, names
-    assert "wgmma_ra_t" not in {p.family for p in gemm.tune_candidates(
-        M, N, K, 1, "tf32", True, 1 << 24, wgmma="TN", scratch={"gemm_aT": _floats(GPT2)["gemm_aT"]})}
+    assert "wgmma_ra_t" not in {p.family for p in tune_candidates(
+        Product(M, N, K, True, False), "tf32", "tf32", 1 << 24, scratch={"gemm_aT": _floats(GPT2)["gemm_aT"]})}
 
 
 def test_trans_a_trans_b_reads_b_in_place():
@@ -236,7 +255,7 @@ def test_trans_a_trans_b_reads_b_in_place():
     that transposes B first does not fit, nor one without the transpose A^T @ B."""
     rt = _rt(GPT2)
     M, N, K = 768, 3072, 8192
-    p = gemm.make_plan("wgmma_ra", (128, 192, 4), 1, K)
+    p = make_plan("wgmma_ra", (128, 192, 4), 1, K)
     gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((N, K), 1 << 31), True, True, plan=p)
     assert [n for n, *_ in rt.launches] == [ra_name(p.tile, False, 0, False)]
     assert _plan(GPT2, M, N, K, tb=True).family == "wgmma_ra"
@@ -244,7 +263,7 @@ def test_trans_a_trans_b_reads_b_in_place():
         gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((K, N), 1 << 31), True, False, plan=p)
     with pytest.raises(ValueError, match="transpose_b"):
         gemm.matmul(rt, _v((M, N)), _v((K, M)), _v((N, K), 1 << 31), True, True,
-                    plan=gemm.make_plan("wgmma_ra", (128, 192, 4), 1, K, True))
+                    plan=make_plan("wgmma_ra", (128, 192, 4), 1, K, True))
     with pytest.raises(ValueError, match="needs"):
         gemm.matmul(rt, _v((M, N)), _v((M, K)), _v((K, N), 1 << 31), False, False, plan=p)
 
@@ -257,13 +276,13 @@ def test_launched_names_are_in_variants():
             rt = _rt(cfg, at=at)
             for M, N in shapes + [(68, 64)]:
                 for tb in (False, True):
-                    mode = gemm.wgmma_ok(rt, True, tb, M % 4 == 0 and (tb or N % 4 == 0), K)
+                    mode = _layout(rt.exec.wgmma_mode, True, tb, M % 4 == 0 and (tb or N % 4 == 0), K)
                     if not mode:
                         continue
                     assert mode == ("TT" if tb else "TN")
                     scratch = {"gemm_aT": rt.workspace("gemm_aT").numel}
-                    for p in gemm.tune_candidates(M, N, K, 1, "tf32", True, _floats(cfg)["gemm_splitk"], wgmma=mode,
-                                                  scratch=scratch):
+                    for p in tune_candidates(Product(M, N, K, True, tb), "tf32", "tf32", _floats(cfg)["gemm_splitk"],
+                                             scratch=scratch):
                         if tb and p.family == "tf32":          # (TT is no product of the interface: not compiled)
                             continue
                         for colsum in (None, _v((M,), 1 << 35)):
@@ -382,11 +401,11 @@ class _NumpyRT(FakeGemmRT):
                 acc = a[:, z * kc:(z + 1) * kc] @ b[:, z * kc:(z + 1) * kc].T
                 if hb:
                     acc = acc + self.at(bias.ptr, N)
-                if epi == gemm.EPI_RESID:
+                if epi == EPI_RESID:
                     acc = acc + self._mat(aux.ptr, M, N, ldc)
-                assert epi in (gemm.EPI_NONE, gemm.EPI_BIAS, gemm.EPI_RESID), name
+                assert epi in (EPI_NONE, EPI_BIAS, EPI_RESID), name
                 if tc:                                          # C stored transposed: C[c * ldc + r]
-                    assert epi == gemm.EPI_NONE and not hb, name
+                    assert epi == EPI_NONE and not hb, name
                     for c in range(N):
                         self.at(C.ptr + 4 * (z * sC + c * ldc), M)[:] = acc[:, c]
                     continue
@@ -398,7 +417,7 @@ class _NumpyRT(FakeGemmRT):
             acc = self.at(ws.ptr, splits * M * N).reshape(splits, M, N).astype(np.float64).sum(0)
             if params[1] == "true":
                 acc = acc + self.at(bias.ptr, N)
-            if int(params[0]) == gemm.EPI_RESID:
+            if int(params[0]) == EPI_RESID:
                 acc = acc + self._mat(aux.ptr, M, N, ldc)
             for r in range(M):
                 self.at(out.ptr + 4 * r * ldc, N)[:] = acc[r]
@@ -423,7 +442,7 @@ def test_a_colsum_is_the_bias_gradient(K, partials):
     da, dbv, out, dbias = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N)), rt.empty((M,))
     for view, x in ((da, a), (dbv, b)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
-    p = gemm.make_plan("wgmma_ra_t", (128, 128, 4), 1, K)
+    p = make_plan("wgmma_ra_t", (128, 128, 4), 1, K)
     if partials is None:
         with pytest.raises(KeyError, match="bias_partials"):
             gemm.matmul(rt, out, da, dbv, True, False, plan=p, a_colsum=dbias)
@@ -445,7 +464,7 @@ def test_a_colsum_reads_the_stored_a():
     M, N, K = 68, 36, 740
     rt = FakeGemmRT("fp32", arch="sm_90", ws=1 << 20)
     rt._ws["bias_partials"] = _v((256 * M,), 1 << 43)
-    p = gemm.make_plan("simt", (128, 128), 1, K)
+    p = make_plan("simt", (128, 128), 1, K)
     gemm.matmul(rt, _v((M, N)), _v((K, M), 1 << 30), _v((K, N), 1 << 31), True, False,
                 plan=p, a_colsum=_v((M,), 1 << 35))
     part = [(g, b) for n, g, b, _ in rt.launches if n.startswith("bias_grad_partial")]
@@ -471,14 +490,15 @@ def test_as_stored_plans_run_only_the_op_interfaces_products(fam, epilogue):
         rt.exec = rt.exec.with_precision("fp32")
     da, db, out = rt.empty((K, M)), rt.empty((K, N)), rt.empty((M, N))
     kw = {"bias": rt.empty((N,))} if epilogue == "bias" else {"epilogue": "residual", "aux": out}
-    p = gemm.make_plan(fam, gemm.FAMILIES[fam].tiles[0], 1, K)
+    p = make_plan(fam, FAMILIES[fam].tiles[0], 1, K)
     with pytest.raises(ValueError, match="kernels are not compiled for"):
         gemm.matmul(rt, out, da, db, True, False, plan=p, **kw)
     assert rt.launches == []
 
 
-RA_PLANS = [("wgmma_ra", t, tb) for t in gemm.WGMMA_RA_TILES for tb in (False, True)] + \
-    [("wgmma_ra_mn", t, False) for t in gemm.WGMMA_RA_MN_TILES] + [("wgmma_ra_t", t, False) for t in gemm.WGMMA_RA_T_TILES]
+RA_PLANS = [("wgmma_ra", t, tb) for t in FAMILIES["wgmma_ra"].tiles for tb in (False, True)] + \
+    [("wgmma_ra_mn", t, False) for t in FAMILIES["wgmma_ra_mn"].tiles] + \
+    [("wgmma_ra_t", t, False) for t in FAMILIES["wgmma_ra_t"].tiles]
 
 
 @pytest.mark.parametrize("fam,tile,tb", RA_PLANS, ids=lambda v: v if isinstance(v, str) else
@@ -504,13 +524,13 @@ def test_ra_plan_launches(fam, tile, tb, splits, colsum):
     da, db, out, dbias = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N)), rt.empty((M,))
     for view, x in ((da, a), (db, b)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
-    p = gemm.make_plan(fam, tile, splits, K, transpose_b=fam == "wgmma_ra" and not tb)
+    p = make_plan(fam, tile, splits, K, transpose_b=fam == "wgmma_ra" and not tb)
     gemm.matmul(rt, out, da, db, True, tb, plan=p, a_colsum=dbias if colsum else None)
     names = [n for n, *_ in rt.launches]
     kern = [n for n in names if n.startswith("gemm_wgmma_ra")]
     assert len(kern) == 1 and len(names) == 1 + (splits > 1) + (fam != "wgmma_ra_mn" and not tb) + colsum, names
     if fam == "wgmma_ra_t":        # A^T first, then out^T = B^T A: B [K, N] through registers
-        assert names[0] in (COLSUM_TRANSPOSES if colsum else [gemm.transpose_name(vec) for vec in (False, True)]), names
+        assert names[0] in (COLSUM_TRANSPOSES if colsum else [transpose_name(vec) for vec in (False, True)]), names
         assert maps == [((N, K, 1), (32, 32, 1), True), ((K, M, 1), (32, tile[1], 1), True)], maps
         assert kern[0] == ra_name(tile, False, 0, False, tc=True)
     else:
@@ -533,27 +553,27 @@ def test_ra_families_compete_for_weight_gradients():
     B [N, K]: wgmma_ra as stored), for the plain product their kernels are compiled for, and plan
     where gemm_aT holds what they re-lay out; a plan is refused elsewhere with its reason."""
     ra = {"wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t"}
-    assert set(gemm.competing("tf32", "TN")) == {"tf32"} | ra
-    assert gemm.competing("tf32", "TT") == ["tf32", "wgmma_ra"]
-    assert not ra & set(gemm.competing("tf32", "NT")) and not ra & set(gemm.competing("fp32", "TN"))
-    assert gemm.competing("tf32", "TN", gemm.EPI_RESID) == gemm.competing("tf32", "TN", gemm.EPI_BIAS) == ["tf32"]
+    assert set(competing("tf32", "TN")) == {"tf32"} | ra
+    assert competing("tf32", "TT") == ["tf32", "wgmma_ra"]
+    assert not ra & set(competing("tf32", "NT")) and not ra & set(competing("simt", "TN"))
+    assert competing("tf32", "TN", EPI_RESID) == competing("tf32", "TN", EPI_BIAS) == ["tf32"]
     M, N, K = 384, 1536, 8192
-    plans = lambda at: {p.family for p in gemm.tune_candidates(M, N, K, 1, "tf32", True, 0, wgmma="TN",  # noqa: E731
+    plans = lambda at: {p.family for p in tune_candidates(Product(M, N, K, True, False), "tf32", "tf32",  # noqa: E731
                                                                scratch={"gemm_aT": at})}
     assert plans(N * K) == {"tf32"} | ra and plans(M * K) == {"tf32", "wgmma_ra_mn", "wgmma_ra_t"}
     assert plans(M * K - 1) == {"tf32", "wgmma_ra_mn"} and plans(N * K - 1) == plans(M * K)
-    p = gemm.make_plan("wgmma_ra", gemm.WGMMA_RA_TILES[0], 1, 64, transpose_b=True)
-    assert gemm.plan_unfit(p, "tf32", True, "TN") is None
-    assert "transpose_b" in gemm.plan_unfit(p, "tf32", True, "TT")
-    assert "needs" in gemm.plan_unfit(p, "tf32", True, "NT")
-    assert "needs" in gemm.plan_unfit(p, "tf32", False, "TN")
-    assert "rt.precision" in gemm.plan_unfit(p, "simt", True, "TN")
-    q = gemm.make_plan("wgmma_ra_mn", gemm.WGMMA_RA_MN_TILES[0], 1, 64)
-    assert gemm.plan_unfit(q, "tf32", True, "TN") is None
-    assert "needs" in gemm.plan_unfit(q, "tf32", True, "TT")
-    with pytest.raises(ValueError, match="not compiled for epilogue"):
-        check_plan("x", gemm.make_plan("wgmma_ra_t", gemm.WGMMA_RA_T_TILES[0], 1, 64), "tf32", True, 1, 0,
-                   64, 64, 64, "TN", epi=gemm.EPI_RESID)
+    p = make_plan("wgmma_ra", FAMILIES["wgmma_ra"].tiles[0], 1, 64, transpose_b=True)
+    assert _unfit(p, "tf32", True, "TN") is None
+    assert "transpose_b" in _unfit(p, "tf32", True, "TT")
+    assert "needs" in _unfit(p, "tf32", True, "NT")
+    assert "needs" in _unfit(p, "tf32", False, "TN")
+    assert "rt.precision" in _unfit(p, "simt", True, "TN")
+    q = make_plan("wgmma_ra_mn", FAMILIES["wgmma_ra_mn"].tiles[0], 1, 64)
+    assert _unfit(q, "tf32", True, "TN") is None
+    assert "needs" in _unfit(q, "tf32", True, "TT")
+    t = make_plan("wgmma_ra_t", FAMILIES["wgmma_ra_t"].tiles[0], 1, 64)
+    assert "not compiled for TT with epilogue code 3" in plan_unfit(t, Product(64, 64, 64, True, False, "residual"),
+                                                                    "tf32", "tf32")
 
 
 @pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False)])
@@ -566,7 +586,7 @@ def test_wgmma3_ra_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
     BN, 32}; wgmma3_ra's A: swizzled boxes {32, 32}), the kernel's MN_A / MN_B naming which; the numpy
     stand-in of the kernel gives op(A) @ op(B)."""
     M, N, K = 68, 36, 740
-    tile = gemm.FAMILIES[fam].tiles[0]
+    tile = FAMILIES[fam].tiles[0]
     rng = np.random.default_rng(M + N + K + splits + 2 * ta + tb)
     rt = _NumpyRT(1 << 21)
     rt.exec = rt.exec.with_precision("fp32")
@@ -579,14 +599,14 @@ def test_wgmma3_ra_plan_reads_every_layout_as_stored(ta, tb, splits, fam):
     da, db, out = rt.empty(a.shape), rt.empty(b.shape), rt.empty((M, N))
     for view, x in ((da, a), (db, b)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
-    p = gemm.make_plan(fam, tile, splits, K)
+    p = make_plan(fam, tile, splits, K)
     gemm.matmul(rt, out, da, db, ta, tb, plan=p)
     a_mn = ((M, K, 1), (32, 32, 1), True) if fam == "wgmma3_ra" else ((M, K, 1), (tile[0], 32, 1), False)
     want_maps = [a_mn if ta else ((K, M, 1), (32, tile[0], 1), True),
                  ((K, N, 1), (32, tile[1], 1), True) if tb else ((N, K, 1), (tile[1], 32, 1), False)]
     assert maps == want_maps
     names = [n for n, *_ in rt.launches]
-    assert names[0] == getattr(families, f"{fam}_name")(tile, ta, tb, 0, False)
+    assert names[0] == FAMILIES[fam].kernel(tile, ta, tb, 0, False)
     assert names[0].startswith(f"gemm_{fam}<{tile[0]},{tile[1]},{tile[2]},0,false,{str(ta).lower()},{str(not tb).lower()},")
     assert len(names) == (2 if splits > 1 else 1) and not any("transpose" in n or "split<" in n for n in names), names
     a32, b32 = a.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64)
@@ -601,22 +621,22 @@ def test_wgmma3_ra_competes_for_aligned_fp32_products(fam):
     layouts, aligned operands: `wgmma_layout`), and is refused elsewhere with its reason; the cost
     model has its tiles."""
     for mode in ("NT", "NN", "TN"):
-        assert gemm.competing("fp32", mode) == ["simt", fam]
-        assert fam not in gemm.competing("tf32", mode)
-        assert gemm.plan_unfit(gemm.make_plan(fam, gemm.FAMILIES[fam].tiles[0], 1, 64), "simt", True, mode) is None
-    assert gemm.competing("fp32", False) == ["simt"]
-    p = gemm.make_plan(fam, gemm.FAMILIES[fam].tiles[0], 1, 64)
-    assert "needs" in gemm.plan_unfit(p, "simt", False, "NT")
-    assert "needs" in gemm.plan_unfit(p, "simt", True, False)
-    assert "rt.precision" in gemm.plan_unfit(p, "tf32", True, "NT")
-    cands = gemm.tune_candidates(384, 1536, 16384, 1, "simt", True, 1 << 24, wgmma="TN")
+        assert competing("simt", mode) == ["simt", fam]
+        assert fam not in competing("tf32", mode)
+        assert _unfit(make_plan(fam, FAMILIES[fam].tiles[0], 1, 64), "simt", True, mode) is None
+    assert competing("simt", False) == ["simt"]
+    p = make_plan(fam, FAMILIES[fam].tiles[0], 1, 64)
+    assert "needs" in _unfit(p, "simt", False, "NT")
+    assert "needs" in _unfit(p, "simt", True, False)
+    assert "rt.precision" in _unfit(p, "tf32", True, "NT")
+    cands = tune_candidates(Product(384, 1536, 16384, True, False), "simt", "3xtf32", 1 << 24)
     assert {p.family for p in cands} == {"simt", fam}
-    assert gemm.tune_candidates(384, 1536, 16384, 1, "simt", False, 1 << 24, wgmma="TN") == \
-        gemm.tune_candidates(384, 1536, 16384, 1, "simt", False, 1 << 24)            # unaligned: SIMT only
+    unaligned = Product(384, 1536, 16384, True, False, vec=False)
+    assert tune_candidates(unaligned, "simt", "3xtf32", 1 << 24) == tune_candidates(unaligned, "simt", None, 1 << 24)
 
 
-@pytest.mark.parametrize("fam,tile", [("wgmma_ra_mn", t) for t in gemm.WGMMA_RA_MN_TILES] +
-                         [("wgmma3_ra", t) for t in gemm.WGMMA3_RA_TILES],
+@pytest.mark.parametrize("fam,tile", [("wgmma_ra_mn", t) for t in FAMILIES["wgmma_ra_mn"].tiles] +
+                         [("wgmma3_ra", t) for t in FAMILIES["wgmma3_ra"].tiles],
                          ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
 @pytest.mark.parametrize("epilogue,splits,partials", [("none", 1, True), ("none", 3, True), ("none", 1, False)],
                          ids=["whole", "split3", "no_workspace"])
@@ -640,7 +660,7 @@ def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, par
     for view, x in ((da, a), (db, b), (out, out0)):
         rt.at(view.ptr, x.size)[:] = x.ravel()
     kw = dict(epilogue="residual", aux=out) if epilogue == "residual_alias" else {}
-    p = gemm.make_plan(fam, tile, splits, K)
+    p = make_plan(fam, tile, splits, K)
     if not partials:
         with pytest.raises(KeyError, match="bias_partials"):
             gemm.matmul(rt, out, da, db, True, False, plan=p, a_colsum=dbias, **kw)
@@ -652,8 +672,8 @@ def test_as_stored_plan_gives_the_bias_gradient(fam, tile, epilogue, splits, par
     assert np.abs(rt._mat(out.ptr, M, N, N) - want).max() < 1e-4 * np.abs(want).max()
     names = [n for n, *_ in rt.launches]
     fused = epilogue == "none"
-    f = gemm.FAMILIES[fam]
-    assert names[0] == (f.colsum_kernel(tile, True, False) if fused else
-                        f.kernel(tile, True, False, gemm.EPI_RESID, False, True)), names
+    f = FAMILIES[fam]
+    assert names[0] == (f.kernel(tile, True, False, EPI_NONE, False, colsum=True) if fused else
+                        f.kernel(tile, True, False, EPI_RESID, False, True)), names
     assert any(n.startswith("bias_grad_partial") for n in names) == (not fused), names
     assert names[-1] == elementwise.SUM_ROWS

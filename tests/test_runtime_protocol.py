@@ -13,7 +13,6 @@ from tests.fakes import FakeDev, RecordingRuntime
 
 ROOT = Path(__file__).resolve().parent.parent
 ABOVE = ("ops", "model", "data", "dist", "interop", "training", "generate")     # the layers above runtime/
-PRIVATE = {"_workspace", "_graphs"}     # the GEMM timer saves and restores the workspaces, frees its graphs
 
 
 def members(proto=RuntimeProtocol):
@@ -72,5 +71,22 @@ def test_code_above_the_runtime_uses_only_declared_members():
             for name in re.findall(r"\brt\.(\w+)", path.read_text()):
                 used.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     assert used, "no runtime use found: the scan is broken"
-    undeclared = {n: sorted(files) for n, files in used.items() if n not in members() and n not in PRIVATE}
+    undeclared = {n: sorted(files) for n, files in used.items() if n not in members()}
     assert not undeclared, f"used of a runtime but not in RuntimeProtocol: {undeclared}"
+
+
+def test_noting_notes_the_kernels_and_compiles_records_runs_nothing():
+    """Inside rt.noting() a launch only notes its kernel (file, name, sorted defines, arch): the real
+    Runtime compiles nothing (no NVRTC), records nothing into an open program and runs nothing (FakeDev
+    has no launch), and a tensor map is blank."""
+    from gptcuda.runtime import DeviceView, i32
+    rt = Runtime(precision="tf32", seed=3, dev=FakeDev())
+    view = DeviceView(1 << 32, (64, 64), "f32", "x")
+    prog = rt.begin("p")
+    with rt.noting() as noted:
+        fn = rt.function("gemm_simt.cu", "k<1>", {"D": 1})
+        rt.launch(fn, (1,), (32,), [view, i32(3), rt.tensor_map(view, (64, 64, 1), (256, 16384), (32, 32, 1))],
+                  smem=100_000)
+    rt.end()
+    assert noted == [("gemm_simt.cu", "k<1>", (("D", 1),), "sm_90")] and prog.items == []
+    assert rt._noted is None and not rt._functions                    # (and none cached for later)

@@ -22,12 +22,11 @@ def test_layouts_pass(sb, capsys):
 
 
 def test_every_tile_and_case_is_checked(sb):
-    from gptcuda.ops.cuda.gemm import TF32_FALLBACK_TILES, TF32_TILES
     rep = sb.Report()
-    for tile in TF32_TILES:
+    for tile in sb.TF32_TILES:
         for ta in (False, True):
             for tb in (False, True):
-                for vec in ((True, False) if tile in TF32_FALLBACK_TILES else (True,)):
+                for vec in ((True, False) if tile in sb.TF32_FALLBACK_TILES else (True,)):
                     staging, frag = sb.check_tile(rep, tile, ta, tb, vec)
                     assert staging <= 2 and frag == 1, (tile, ta, tb, vec, staging, frag)
     assert not rep.fail, rep.fail[:3]

@@ -7,10 +7,15 @@ import math
 import pytest
 
 from bench import tune
+from gptcuda.model.products import Product, products
 from gptcuda.config import load_config
 from gptcuda.ops.cuda import elementwise, gemm
-from gptcuda.ops.cuda.gemm.plan import _BYTES_PER_S
-from gptcuda.ops.cuda.gemm.table import _key_K
+from gptcuda.ops.cuda.gemm import table
+from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_NONE, FAMILIES, SIMT_TILES, SPLIT_ALIGN, \
+    TF32_FALLBACK_TILES, TF32_TILES
+from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, WGMMA_WORKSPACES, estimate_s, make_plan, plan,
+                                        prune_candidates, split_chunk, tune_candidates)
+from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_key, table_path
 from tests.conftest import FakeGemmRT, fake_view, plan_of
 
 GPU = "NVIDIA H200 (test)"
@@ -24,6 +29,10 @@ def cache(table_cache):
 FakeRT, _v = FakeGemmRT, fake_view
 
 
+def tf32_name(tile, ta, tb, epi, hb, vec):
+    return FAMILIES["tf32"].kernel(tile, ta, tb, epi, hb, vec)
+
+
 def _run(rt, M, N, K, ta=False, tb=True, epilogue="none", bias=False, a_ptr=1 << 30, colsum=False):
     rt.launches.clear()
     a = _v((K, M) if ta else (M, K), a_ptr)
@@ -35,70 +44,73 @@ def _run(rt, M, N, K, ta=False, tb=True, epilogue="none", bias=False, a_ptr=1 <<
 
 
 # ---- keys and the table file ------------------------------------------------------------
+def key_of(tag, ta, tb, epilogue, bias, M, N, K, batch=1):
+    return table_key(tag, Product(M, N, K, ta, tb, epilogue, bias, batch))
+
+
 def test_key_names_every_field():
     base = ("tf32", False, True, "gelu", True, 16384, 1536, 384, 1)
-    k = gemm.tune_key(*base)
+    k = key_of(*base)
     assert k == "tf32:NT:gelu+bias:16384x1536x384:b1"
-    variants = {k}
+    variants = {k, table_key("tf32", Product(16384, 1536, 384, False, True, "gelu", True, colsum=True))}
     for i, alt in enumerate(["fp32", True, False, "none", False, 16383, 1535, 385, 2]):
         args = list(base)
         args[i] = alt
-        variants.add(gemm.tune_key(*args))
-    assert len(variants) == 10                       # every field changes the key
-    assert _key_K(k) == 384
+        variants.add(key_of(*args))
+    assert len(variants) == 11                       # every field changes the key
 
 
 def test_table_path_per_gpu_and_source(cache):
-    p = gemm.table_path(GPU)
+    p = table_path(GPU)
     assert p.parent == cache / "tune"
-    assert p.name.startswith("NVIDIA-H200-test-") and p.name.endswith(gemm.source_hash()[:16] + ".json")
-    assert gemm.table_path("other") != p
-    assert gemm.table_path(GPU, "0" * 64) != p
-    assert len(gemm.source_hash()) == 64
+    assert p.name.startswith("NVIDIA-H200-test-") and p.name.endswith(table.source_hash()[:16] + ".json")
+    assert table_path("other") != p
+    assert table_path(GPU, "0" * 64) != p
+    assert len(table.source_hash()) == 64
 
 
 def test_save_load_roundtrip_and_merge(cache):
-    p1 = gemm.make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, 384)
-    p2 = gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 8, 16384)
-    k1 = gemm.tune_key("tf32", False, True, "none", True, 16384, 384, 384)
-    k2 = gemm.tune_key("tf32", True, False, "none", False, 384, 384, 16384)
-    path = gemm.save_table(GPU, {k1: {**gemm.plan_to_json(p1), "ms": 0.04}})
+    p1 = make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, 384)
+    p2 = make_plan("tf32", (128, 128, 32, 2, 2, 3), 8, 16384)
+    k1 = key_of("tf32", False, True, "none", True, 16384, 384, 384)
+    k2 = key_of("tf32", True, False, "none", False, 384, 384, 16384)
+    path = save_table(GPU, {k1: {**plan_to_json(p1), "ms": 0.04}})
     assert path.exists()
-    gemm.save_table(GPU, {k2: gemm.plan_to_json(p2)})                  # merged with k1
-    gemm.forget_tables()
-    t = gemm.load_table(GPU)
+    save_table(GPU, {k2: plan_to_json(p2)})                  # merged with k1
+    table.forget_tables()
+    t = load_table(GPU)
     assert t == {k1: p1, k2: p2}
     assert p2.k_chunk == 2048 and p2.splits == 8
     # another GPU, other kernel sources: no table
-    assert gemm.load_table("NVIDIA A100") == {}
-    assert gemm.load_table(GPU, "f" * 64) == {}
+    assert load_table("NVIDIA A100") == {}
+    assert load_table(GPU, "f" * 64) == {}
     # a document written for another source hash under this name is ignored
     doc = json.loads(path.read_text())
     doc["source_hash"] = "0" * 64
     path.write_text(json.dumps(doc))
-    assert gemm.load_table(GPU, refresh=True) == {}
+    assert load_table(GPU, refresh=True) == {}
     # a corrupt file is no table (and no crash)
     path.write_text("{not json")
-    assert gemm.load_table(GPU, refresh=True) == {}
+    assert load_table(GPU, refresh=True) == {}
 
 
 def test_invalid_entries_are_dropped(cache):
-    good = gemm.make_plan("tf32", (256, 128, 32, 4, 2, 4), 1, 384)
+    good = make_plan("tf32", (256, 128, 32, 4, 2, 4), 1, 384)
     entries = {
-        gemm.tune_key("tf32", False, True, "none", False, 4096, 384, 384): gemm.plan_to_json(good),
-        gemm.tune_key("tf32", False, True, "none", False, 4096, 768, 384): {"family": "tf32", "tile": [96, 96, 32, 1, 1, 3],
+        key_of("tf32", False, True, "none", False, 4096, 384, 384): plan_to_json(good),
+        key_of("tf32", False, True, "none", False, 4096, 768, 384): {"family": "tf32", "tile": [96, 96, 32, 1, 1, 3],
                                                                           "splits": 1, "k_chunk": 384},
-        gemm.tune_key("tf32", True, False, "none", False, 384, 384, 16384): {"family": "tf32",
+        key_of("tf32", True, False, "none", False, 384, 384, 16384): {"family": "tf32",
                                                                           "tile": [128, 128, 32, 2, 2, 3],
                                                                           "splits": 8, "k_chunk": 999},
-        gemm.tune_key("tf32", True, False, "none", False, 384, 384, 100): {"family": "tf32",
+        key_of("tf32", True, False, "none", False, 384, 384, 100): {"family": "tf32",
                                                                         "tile": [128, 128, 32, 2, 2, 3],
                                                                         "splits": 40, "k_chunk": 32},
-        gemm.tune_key("fp32", False, False, "none", False, 64, 64, 64): {"tile": [128, 128]},
+        key_of("fp32", False, False, "none", False, 64, 64, 64): {"tile": [128, 128]},
     }
-    gemm.save_table(GPU, entries)
-    gemm.forget_tables()
-    assert list(gemm.load_table(GPU).values()) == [good]
+    save_table(GPU, entries)
+    table.forget_tables()
+    assert list(load_table(GPU).values()) == [good]
 
 
 # ---- lookup in matmul ---------------------------------------------------------------------
@@ -107,14 +119,14 @@ def test_matmul_uses_the_table_else_the_cost_model(cache, monkeypatch):
     M, N, K = 16384, 384, 1536
     heur = _run(rt, M, N, K, bias=True)
     assert len(heur) == 1
-    forced = gemm.make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, K)
-    assert gemm.tf32_name(forced.tile, False, True, gemm.EPI_BIAS, True, True) != heur[0]
-    key = gemm.tune_key("tf32", False, True, "none", True, M, N, K)
-    gemm.save_table(GPU, {key: gemm.plan_to_json(forced)})
-    assert _run(rt, M, N, K, bias=True) == [gemm.tf32_name(forced.tile, False, True, gemm.EPI_BIAS, True, True)]
-    assert rt.launches[0][2] == (192,) and rt.launches[0][3] == gemm.tf32_smem(forced.tile)
+    forced = make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, K)
+    assert tf32_name(forced.tile, False, True, EPI_BIAS, True, True) != heur[0]
+    key = key_of("tf32", False, True, "none", True, M, N, K)
+    save_table(GPU, {key: plan_to_json(forced)})
+    assert _run(rt, M, N, K, bias=True) == [tf32_name(forced.tile, False, True, EPI_BIAS, True, True)]
+    assert rt.launches[0][2] == (192,) and rt.launches[0][3] == forced.geo.smem
     # other epilogue / no bias / other precision / other GPU: not this entry
-    assert _run(rt, M, N, K, bias=False) != [gemm.tf32_name(forced.tile, False, True, gemm.EPI_NONE, False, True)]
+    assert _run(rt, M, N, K, bias=False) != [tf32_name(forced.tile, False, True, EPI_NONE, False, True)]
     assert _run(rt, M, N, K, epilogue="residual", bias=True)[0].startswith("gemm_tf32<128,128")
     assert _run(FakeRT("fp32", ws=1 << 24), M, N, K, bias=True)[0].startswith("gemm_simt<")
     assert _run(FakeRT("tf32", ws=1 << 24, name="other"), M, N, K, bias=True) == heur
@@ -125,9 +137,9 @@ def test_matmul_uses_the_table_else_the_cost_model(cache, monkeypatch):
 
 def test_table_entry_that_cannot_run_falls_back(cache):
     M, N, K = 384, 384, 16384
-    split = gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 24, K)
-    key = gemm.tune_key("tf32", True, False, "none", False, M, N, K)
-    gemm.save_table(GPU, {key: gemm.plan_to_json(split)})
+    split = make_plan("tf32", (128, 128, 32, 2, 2, 3), 24, K)
+    key = key_of("tf32", True, False, "none", False, M, N, K)
+    save_table(GPU, {key: plan_to_json(split)})
     big = FakeRT("tf32", ws=24 * M * N)
     names = _run(big, M, N, K, ta=True, tb=False)
     assert len(names) == 2 and "splitk_reduce" in names[1] and big.launches[0][1][2] == 24
@@ -136,70 +148,71 @@ def test_table_entry_that_cannot_run_falls_back(cache):
     assert small.launches[0][1][2] != 24
     # an aligned-only tile for a misaligned operand: the cost model's fallback tile instead
     M, N, K = 4096, 384, 384
-    key = gemm.tune_key("tf32", False, True, "none", False, M, N, K)
-    gemm.save_table(GPU, {key: gemm.plan_to_json(gemm.make_plan("tf32", (256, 128, 32, 4, 2, 4), 1, K))})
+    key = key_of("tf32", False, True, "none", False, M, N, K)
+    save_table(GPU, {key: plan_to_json(make_plan("tf32", (256, 128, 32, 4, 2, 4), 1, K))})
     rt = FakeRT("tf32")
     assert _run(rt, M, N, K)[0].startswith("gemm_tf32<256,128,32,4,2,4,")
-    assert _run(rt, M, N, K, a_ptr=(1 << 30) + 4)[0] == gemm.tf32_name((64, 64, 32, 2, 2, 4), False, True, gemm.EPI_NONE, False, False)
+    assert _run(rt, M, N, K, a_ptr=(1 << 30) + 4)[0] == tf32_name((64, 64, 32, 2, 2, 4), False, True, EPI_NONE, False,
+                                                               False)
 
 
 def test_batched_lookup(cache):
     rt = FakeRT("tf32")
-    p = gemm.make_plan("tf32", (64, 64, 32, 2, 2, 4), 1, 64)
-    gemm.save_table(GPU, {gemm.tune_key("tf32", False, True, "none", False, 256, 256, 64, 24): gemm.plan_to_json(p)})
+    p = make_plan("tf32", (64, 64, 32, 2, 2, 4), 1, 64)
+    save_table(GPU, {key_of("tf32", False, True, "none", False, 256, 256, 64, 24): plan_to_json(p)})
     gemm.matmul_batched(rt, _v((24, 256, 256)), _v((24, 256, 64)), _v((24, 256, 64), 1 << 31), False, True)
     assert rt.launches[-1][0].startswith("gemm_tf32<64,64,") and rt.launches[-1][1][2] == 24
 
 
 def test_forced_plan_is_checked():
     rt = FakeRT("tf32", ws=1 << 20)
-    p = gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 8, 16384)
+    p = make_plan("tf32", (128, 128, 32, 2, 2, 3), 8, 16384)
     with pytest.raises(ValueError, match="workspace"):
         gemm.matmul(rt, _v((384, 384)), _v((16384, 384)), _v((16384, 384), 1 << 31), True, False, plan=p)
     with pytest.raises(ValueError, match="family"):
         gemm.matmul(FakeRT("fp32"), _v((64, 64)), _v((64, 64)), _v((64, 64), 1 << 31),
-                    plan=gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, 64))
+                    plan=make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, 64))
 
 
 # ---- candidates and pruning -----------------------------------------------------------------
 def test_candidates_respect_alignment_workspace_and_batch():
-    c = gemm.tune_candidates(384, 384, 16384, 1, "tf32", True, max_ws=8 * 384 * 384)
-    assert {p.tile for p in c} == set(gemm.TF32_TILES)
+    c = tune_candidates(Product(384, 384, 16384), "tf32", max_ws=8 * 384 * 384)
+    assert {p.tile for p in c} == set(TF32_TILES)
     assert max(p.splits for p in c) == 8 and all(p.splits * 384 * 384 <= 8 * 384 * 384 for p in c)
-    assert all(p.k_chunk == gemm.split_chunk(16384, p.splits) and p.k_chunk % gemm.SPLIT_ALIGN == 0 for p in c)
-    assert {p.tile for p in gemm.tune_candidates(384, 384, 16384, 1, "tf32", False, 1 << 24)} == \
-        set(gemm.TF32_FALLBACK_TILES)
-    assert all(p.splits == 1 for p in gemm.tune_candidates(256, 256, 64, 24, "tf32", True, 1 << 24))
-    simt = gemm.tune_candidates(16384, 384, 384, 1, "simt", True, 0)
-    assert {p.tile for p in simt} == set(gemm.SIMT_TILES) and all(p.splits == 1 for p in simt)
+    assert all(p.k_chunk == split_chunk(16384, p.splits) and p.k_chunk % SPLIT_ALIGN == 0 for p in c)
+    assert {p.tile for p in tune_candidates(Product(384, 384, 16384, vec=False), "tf32", max_ws=1 << 24)} == \
+        set(TF32_FALLBACK_TILES)
+    assert all(p.splits == 1 for p in tune_candidates(Product(256, 256, 64, batch=24), "tf32", max_ws=1 << 24))
+    simt = tune_candidates(Product(16384, 384, 384), "simt")
+    assert {p.tile for p in simt} == set(SIMT_TILES) and all(p.splits == 1 for p in simt)
 
 
 def test_prune_keeps_the_close_ones_and_the_cost_model_choice():
-    M, N, K = 384, 1152, 16384
-    cands = gemm.tune_candidates(M, N, K, 1, "tf32", True, 1 << 24)
-    est = {p: gemm.estimate_s(p, M, N, K) for p in cands}
+    g = Product(384, 1152, 16384)
+    cands = tune_candidates(g, "tf32", max_ws=1 << 24)
+    est = {p: estimate_s(p, g) for p in cands}
     best = min(est.values())
-    kept = gemm.prune_candidates(cands, M, N, K, keep=1.3, max_n=100)
+    kept = prune_candidates(cands, g, keep=1.3, max_n=100)
     assert kept == sorted((p for p in cands if est[p] <= 1.3 * best), key=lambda p: est[p])
     assert len(kept) < len(cands)
-    top3 = gemm.prune_candidates(cands, M, N, K, keep=10, max_n=3)
+    top3 = prune_candidates(cands, g, keep=10, max_n=3)
     assert top3 == kept[:3]
     worst = max(cands, key=lambda p: est[p])
-    assert gemm.prune_candidates(cands, M, N, K, keep=1.3, max_n=2, always=[worst])[-1] == worst
-    assert gemm.prune_candidates([], M, N, K) == []
+    assert prune_candidates(cands, g, keep=1.3, max_n=2, always=[worst])[-1] == worst
+    assert prune_candidates([], g) == []
 
 
 def test_estimate_prefers_hidden_epilogues_and_full_waves():
     # GELU writes two [M, N] arrays: with two resident blocks the stores hide behind the other's main loop
-    big = gemm.make_plan("tf32", (256, 128, 32, 4, 2, 3), 1, 384)
-    two = gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, 384)
-    assert big.blocks_per_sm == 1 and two.blocks_per_sm == 2
-    e = lambda p, epi: gemm.estimate_s(p, 16384, 1536, 384, 1, epi)  # noqa: E731
-    assert e(two, gemm.EPI_GELU) < e(big, gemm.EPI_GELU)
-    assert e(big, gemm.EPI_GELU) - e(big, gemm.EPI_BIAS) > e(two, gemm.EPI_GELU) - e(two, gemm.EPI_BIAS)
+    big = make_plan("tf32", (256, 128, 32, 4, 2, 3), 1, 384)
+    two = make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, 384)
+    assert big.geo.blocks_per_sm == 1 and two.geo.blocks_per_sm == 2
+    e = lambda p, epi: estimate_s(p, Product(16384, 1536, 384, epilogue=epi, bias=True))  # noqa: E731
+    assert e(two, "gelu") < e(big, "gelu")
+    assert e(big, "gelu") - e(big, "none") > e(two, "gelu") - e(two, "none")
     # never below the DRAM floor
-    p = gemm.make_plan("tf32", (64, 64, 32, 2, 2, 4), 1, 8)
-    assert gemm.estimate_s(p, 65536, 4096, 8) >= 4.0 * (65536 * 8 + 8 * 4096 + 65536 * 4096) / _BYTES_PER_S
+    p = make_plan("tf32", (64, 64, 32, 2, 2, 4), 1, 8)
+    assert estimate_s(p, Product(65536, 4096, 8)) >= 4.0 * (65536 * 8 + 8 * 4096 + 65536 * 4096) / _BYTES_PER_S
 
 
 # ---- bench/tune.py driven by a fake timing function --------------------------------------------
@@ -207,10 +220,10 @@ def _cfg(**over):
     return load_config("configs/tiny.yaml", [f"--{k}={v}" for k, v in over.items()])
 
 
-def test_model_gemms_cover_the_model():
+def test_products_cover_the_model():
     cfg = _cfg(batch_size=8, block_size=32, n_embd=64, n_head=2, dropout=0.1, attention="unfused")
-    ops = tune.model_gemms(cfg, 65)
-    keys = [o.key("tf32") for o in ops]
+    ops = products(cfg, 65)
+    keys = [table_key("tf32", o) for o in ops]
     assert len(keys) == len(set(keys))
     by = {o.label.split(" / ")[0]: o for o in ops}
     N, C, L = 8 * 32, 64, cfg.n_layer
@@ -224,7 +237,7 @@ def test_model_gemms_cover_the_model():
     # dX attn proj and fwd attn proj differ in transposes; dX proj (N x C x C NN) merges nothing else
     assert by["dX attn proj"].count == L
     # no dropout: residual fused into the forward, no eval-only shapes; fused attention: no batched GEMMs
-    ops2 = tune.model_gemms(_cfg(dropout=0.0, attention="fused", bias=False), 65)
+    ops2 = products(_cfg(dropout=0.0, attention="fused", bias=False), 65)
     labels = " ".join(o.label for o in ops2)
     assert "eval" not in labels and "att " not in labels
     assert all(not o.bias for o in ops2)
@@ -233,9 +246,9 @@ def test_model_gemms_cover_the_model():
 
 def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     cfg = _cfg(batch_size=64, block_size=256, n_embd=384, n_head=6, dropout=0.2)
-    ops = [o for o in tune.model_gemms(cfg, 65) if o.label in ("fwd qkv", "dW qkv", "dX fc")]
+    ops = [o for o in products(cfg, 65) if o.label in ("fwd qkv", "dW qkv", "dX fc")]
     assert len(ops) == 3
-    ws = tune.ws_floats_of(cfg, 65)
+    ws = tune.workspace_floats(cfg, 65)
     calls = []
 
     def fake_timer(op, plans):
@@ -263,7 +276,7 @@ def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     assert [c[0] for c in calls] == ops
     for r in results:
         op, plans, times = r["op"], r["plans"], r["times_ms"]
-        assert plans[0] == gemm.plan(op.M, op.N, op.K, 1, 132, "tf32", max_ws=ws, vec=op.vec, epi=op.epi)
+        assert plans[0] == plan(op, "tf32", max_ws=ws["gemm_splitk"])
         assert len(plans) <= 7 and len(set(plans)) == len(plans)
         assert times[0] == pytest.approx(1.05 * (1.0 - (0.5 if plans[0].tile[0] == 192 else 0)
                                                  - (0.7 if plans[0].splits == 8 else 0)))   # the median
@@ -276,13 +289,13 @@ def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     text = buf.getvalue()
     assert "winner" in text and "x floor" in text and "MISMATCH" in text and "tuned" in text
     entries = tune.table_entries(results, plan_of("tf32"))
-    gemm.save_table(GPU, entries)
-    gemm.forget_tables()
-    table = gemm.load_table(GPU)
+    save_table(GPU, entries)
+    table.forget_tables()
+    got = load_table(GPU)
     for op, p in out:
-        assert table[op.key("tf32")] == p
+        assert got[table_key("tf32", op)] == p
     # and matmul launches the winner
-    rt = FakeRT("tf32", ws=ws)
+    rt = FakeRT("tf32", ws=ws["gemm_splitk"])
     rt._ws["bias_partials"] = _v((256 * 4096,), 1 << 43)
     op = next(o for o in ops if o.label == "dW qkv")
     assert op.colsum                                  # its bias gradient comes with it: a key of its own
@@ -296,13 +309,12 @@ def test_pick_winner_ignores_failed_and_unmeasured():
     assert tune.pick_winner([0, 1, 2], [3.0, 1.0, 2.0], ok=[True, False, True]) == 2
     assert tune.pick_winner([0, 1], [math.inf, 2.0]) == 1
     assert tune.pick_winner([0], [1.0], ok=[False]) is None
-    assert tune.rounds_median([]) == math.inf
 
 
 def test_floor():
-    op = tune.GemmOp("x", 4096, 4096, 4096, False, False)
+    op = Product(4096, 4096, 4096)
     assert tune.floor_s(op, plan_of("tf32")) == pytest.approx(2 * 4096 ** 3 / 495e12)
-    op = tune.GemmOp("y", 16384, 1536, 8, False, True, "gelu", True)
+    op = Product(16384, 1536, 8, False, True, "gelu", True)
     assert tune.floor_s(op, plan_of("fp32")) == pytest.approx(4 * (16384 * 8 + 8 * 1536 + 2 * 16384 * 1536) / 4.2e12)
 
 
@@ -321,21 +333,19 @@ def test_candidates_for_weight_grads_on_wgmma():
     cfg = _cfg(batch_size=8, block_size=1024, n_embd=768, n_head=12, n_layer=12, precision="tf32",
                attention="fused", dropout=0.0)
     V = 50304
-    ws = tune.ws_floats_of(cfg, V)
-    scratch = {name: tune.ws_floats_of(cfg, V, name) for name in gemm.WGMMA_WORKSPACES}
-    assert scratch["gemm_aT"] == 4 * 768 * 8192
-    ops = {o.label.split(" / ")[0]: o for o in tune.model_gemms(cfg, V)}
+    ws = tune.workspace_floats(cfg, V)
+    assert ws["gemm_aT"] == 4 * 768 * 8192 and set(WGMMA_WORKSPACES) <= set(ws)
+    ops = {o.label.split(" / ")[0]: o for o in products(cfg, V)}
     want = {"dW wte": "wgmma_ra", "dW fc": "wgmma_ra", "dW qkv": "wgmma_ra", "dW attn proj": "wgmma_ra",
             "dW fcproj": "wgmma_ra_t"}
     for label, fam in want.items():
-        heur, plans = tune.candidates_for(ops[label], plan_of("tf32", True), 132, ws, scratch=scratch)
+        heur, plans = tune.candidates_for(ops[label], plan_of("tf32", True), 132, ws)
         assert heur.family == fam and plans[0] == heur, (label, heur)
-        every = tune.candidates_for(ops[label], plan_of("tf32", True), 132, ws, keep=100, max_n=1000,
-                                    scratch=scratch)[1]
+        every = tune.candidates_for(ops[label], plan_of("tf32", True), 132, ws, keep=100, max_n=1000)[1]
         assert {p.family for p in every} == ({"tf32", "wgmma_ra", "wgmma_ra_mn"} |
                                              (set() if label == "dW wte" else {"wgmma_ra_t"})), label
         assert {p.family for p in tune.candidates_for(ops[label], plan_of("tf32"), 132, ws)[1]} == {"tf32"}
-    heur, _ = tune.candidates_for(ops["dX head"], plan_of("tf32", True), 132, ws, scratch=scratch)
+    heur, _ = tune.candidates_for(ops["dX head"], plan_of("tf32", True), 132, ws)
     assert heur.transpose_b and heur.splits == 2 and heur.tile[3] == 1, heur
     # and the dry run lists them (as on an H200)
     assert tune.main(["configs/gpt2_124m_t1024.yaml", "--precision=tf32", f"--vocab_size={V}", "--dry_run",

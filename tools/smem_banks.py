@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Shared-memory layouts of the TF32 GEMM (kernels/gemm_tf32.cu): derived, proven, simulated.
 
-For every TF32 block tile (gptcuda.ops.cuda.gemm.TF32_TILES) and every transpose case this
+For every TF32 block tile (gptcuda/ops/cuda/gemm/families.py TF32_TILES) and every transpose case this
 tool replays, thread by thread, what the kernel does with shared memory:
 
   1. the layout of each operand tile is a bijection of (row, k) onto the stage's floats;
@@ -30,7 +30,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gptcuda.ops.cuda.gemm import TF32_FALLBACK_TILES, TF32_TILES  # noqa: E402
+from gptcuda.ops.cuda.gemm.families import FAMILIES  # noqa: E402
+
+TF32_TILES, TF32_FALLBACK_TILES = FAMILIES["tf32"].tiles, FAMILIES["tf32"].unaligned_tiles
 
 BK = 32                    # GEMM_TF32_BK
 BANKS = 32

@@ -432,6 +432,25 @@ def build_in_background(jobs, workers: int | None = None, cache: str | Path | No
     return pool, futures
 
 
+def build_all(jobs, progress=None) -> set:
+    """Compile jobs, each (filename, name, defines, arch), into the disk cache in a compile_pool of one
+    worker a core (build_in_background), calling progress(n) when the first n are done; returns the
+    indices of those that did not compile."""
+    if not jobs:
+        return set()
+    pool, futures = build_in_background(jobs, workers=min(len(jobs), default_workers()))
+    failed = set()
+    try:
+        for i, f in enumerate(futures):
+            if f.result():
+                failed.add(i)
+            if progress is not None:
+                progress(i + 1)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return failed
+
+
 def check_in_background(groups, pool):
     """check_compile each group, (filename, names, defines, arch), in `pool` (a compile_pool), in the
     order given. Returns a future per group whose result is check_group's {name: verdict}."""

@@ -16,6 +16,7 @@ with no packing, or is captured once into a CUDA graph and replayed.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 from dataclasses import dataclass, field
@@ -269,6 +270,7 @@ class Runtime:
         self._host_allocs: list = []  # page-locked host buffers (pinned)
         self._side = None            # the communication stream, made on first use
         self.held_sums = None        # the row sums a backward holds (ops/cuda/elementwise.defer_sums)
+        self._noted = None           # the kernels asked for inside noting(), none compiled
 
     @property
     def precision(self) -> str:
@@ -278,6 +280,9 @@ class Runtime:
     # ---- kernels ------------------------------------------------------------------
     def function(self, file: str, name: str, defines: dict | None = None) -> Function:
         key = (file, name, tuple(sorted((defines or {}).items())))
+        if self._noted is not None:
+            self._noted.append((*key, self.arch))
+            return Function(None, name, file)
         fn = self._functions.get(key)
         if fn is None:
             t = time.perf_counter()
@@ -292,6 +297,8 @@ class Runtime:
     def tensor_map(self, view, dims, strides_bytes, box, swizzle=True) -> Blob:
         """A TMA tensor map over the tensor at view.ptr, of view's dtype (see Device.tensor_map), as
         the by-value argument of a launch."""
+        if self._noted is not None:
+            return Blob(bytes(128))
         return Blob(self.dev.tensor_map(view.ptr, dims, strides_bytes, box, swizzle, view.dtype))
 
     def set_max_smem(self, fn: Function, nbytes: int):
@@ -303,7 +310,8 @@ class Runtime:
             fn.max_smem = nbytes
 
     def launch(self, fn: Function, grid, block, args, smem: int = 0, label: str | None = None):
-        self.set_max_smem(fn, smem)
+        if self._noted is None:
+            self.set_max_smem(fn, smem)
         return self._submit(Launch(fn, grid, block, args, smem, label or fn.name))
 
     def memset(self, view: DeviceView, word: int = 0, label: str = "memset"):
@@ -315,11 +323,24 @@ class Runtime:
         return self._submit(rec)
 
     def _submit(self, rec):
+        if self._noted is not None:
+            return rec
         if self._recording is not None:
             self._recording.items.append(rec)
         else:
             rec.run(self.dev, self.stream)
         return rec
+
+    @contextlib.contextmanager
+    def noting(self):
+        """A block whose launches only note the kernels they ask for, (file, name, sorted defines, arch), in
+        the list it yields: nothing is compiled, recorded or run, and tensor maps are blank (the GEMM tuner
+        compiles its candidates' kernels in parallel first: ops/cuda/gemm/tune.py)."""
+        self._noted = noted = []
+        try:
+            yield noted
+        finally:
+            self._noted = None
 
     # ---- programs and graphs ------------------------------------------------------
     def begin(self, name: str) -> Program:
@@ -424,8 +445,10 @@ class Runtime:
         self.dev.dtoh(host, view.ptr)
         return host
 
-    def set_workspace(self, views: dict):
-        self._workspace = dict(views)
+    def set_workspace(self, views: dict) -> dict:
+        """Lend these views as the workspaces, by name; returns the ones they replace."""
+        old, self._workspace = self._workspace, dict(views)
+        return old
 
     def workspace(self, name: str) -> DeviceView:
         try:

@@ -182,6 +182,9 @@ class Device:
     def event(self):
         return call(self.drv.cuEventCreate, self.drv.CUevent_flags.CU_EVENT_DEFAULT)
 
+    def event_destroy(self, event):
+        call(self.drv.cuEventDestroy, event)
+
     def record(self, event, stream, external: bool = False):
         """Record an event; external=True inside a stream capture makes it a graph node that
         really records (a plain record there is only a dependency marker)."""

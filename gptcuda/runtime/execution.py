@@ -118,7 +118,7 @@ class ExecutionPlan:
 
     @property
     def table_tag(self) -> str:
-        """The measured GEMM table's key prefix (gemm/table.py tune_key): the precision's products."""
+        """The measured GEMM table's key prefix (gemm/table.py table_key): the precision's products."""
         return self.precision
 
     @property

@@ -8,8 +8,10 @@ this does not declare). A member used from ops/ is added here first.
 
 Invariants every implementation keeps: `function` returns the same Function for the same (file, name,
 defines); `launch`, `memset` and `add` run now outside a program and append to it between `begin` and
-`end`; `workspace(name)` raises KeyError naming a workspace that was not planned; `download` returns
-after the stream's work; `exec` is resolved once and `precision` is `exec.precision`.
+`end`, and inside `noting` only note the kernels asked for (compiled, recorded and run: none);
+`workspace(name)` raises KeyError naming a workspace that was not planned; `set_workspace` returns the
+views it replaces; `download` returns after the stream's work; `exec` is resolved once and `precision`
+is `exec.precision`.
 """
 from __future__ import annotations
 
@@ -48,9 +50,11 @@ class RuntimeProtocol(Protocol):
 
     def tensor_map(self, view, dims, strides_bytes, box, swizzle=True) -> Blob: ...
 
+    def noting(self): ...
+
     def workspace(self, name: str) -> DeviceView: ...
 
-    def set_workspace(self, views: dict): ...
+    def set_workspace(self, views: dict) -> dict: ...
 
     # ---- programs and graphs
     def begin(self, name: str) -> Program: ...

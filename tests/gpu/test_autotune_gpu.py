@@ -7,10 +7,11 @@ import time
 import numpy as np
 import pytest
 
+from gptcuda.model.products import products
 from gptcuda.config import load_config
 from gptcuda.data.text import TextDataset
-from gptcuda.ops.cuda import gemm
 from gptcuda.ops.cuda.gemm import tune
+from gptcuda.ops.cuda.gemm.table import load_table, table_key, table_path
 from gptcuda.runtime import execution
 from gptcuda.training.engine import Engine
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.gpu
 def test_autotune_measures_every_shape_once(rt, table_cache, precision):
     cfg = load_config("configs/tiny.yaml", [f"--precision={precision}", "--dropout=0.1"])
     V = 65
-    keys = {op.key(precision) for op in tune.model_gemms(cfg, V)}
+    keys = {table_key(precision, op) for op in products(cfg, V)}
     saved_exec, saved_ws = rt.exec, dict(rt._workspace)
     graphs = list(rt._graphs)
     rt.exec = execution.resolve(cfg, arch=rt.arch)              # as the CUDA backend resolves it: auto
@@ -29,10 +30,10 @@ def test_autotune_measures_every_shape_once(rt, table_cache, precision):
         s = tune.autotune(rt, cfg, V)
         assert s.measured == len(keys) and s.known == 0, s
         assert s.tuned_ms <= s.model_ms, s                  # the cost model's plan is a candidate too
-        path = gemm.table_path(rt.info.name)
+        path = table_path(rt.info.name)
         assert str(path) == s.path and path.is_file()
         assert path.parent == table_cache / "tune"
-        assert keys <= set(gemm.load_table(rt.info.name, refresh=True))
+        assert keys <= set(load_table(rt.info.name, refresh=True))
         assert rt._workspace == saved_ws and rt._graphs == graphs     # (its buffers: tests/test_autotune.py)
         t = time.perf_counter()
         again = tune.autotune(rt, cfg, V)
@@ -50,8 +51,8 @@ def test_engine_records_from_the_table(monkeypatch):
     cfg = load_config("configs/tiny.yaml", ["--precision=tf32", "--dropout=0.1", "--max_iters=3"])
     eng = Engine(cfg, data.train, data.val, data.vocab_size, programs=("train",))
     assert eng.exec.gemm_tune == "auto" and eng.tuning is not None
-    want = {op.key("tf32") for op in tune.model_gemms(eng.cfg, data.vocab_size)}
-    assert want <= set(gemm.load_table(eng.be.rt.info.name))
+    want = {table_key("tf32", op) for op in products(eng.cfg, data.vocab_size)}
+    assert want <= set(load_table(eng.be.rt.info.name))
     for _ in range(3):
         eng.train_step()
     assert np.all(np.isfinite(eng.loss_history(3)))

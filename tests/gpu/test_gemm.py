@@ -8,8 +8,14 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from gptcuda.ops.cuda import gemm
-from gptcuda.ops.cuda.gemm.launch import _transpose_into
+from gptcuda.model.products import Product
+from gptcuda.ops.cuda import cdiv, gemm
+from gptcuda.ops.cuda.gemm.families import (EPI_BIAS, EPI_DGELU, EPI_GELU, EPI_NONE, EPI_RESID, FAMILIES, PRODUCTS,
+                                            SIMT_FILE, SPLIT_ALIGN, TF32_FILE, TRANSPOSE_THREADS, WGMMA_FILE,
+                                            reduce_name, transpose_name)
+from gptcuda.ops.cuda.gemm.plan import make_plan, plan, plan_label, tune_candidates
+from gptcuda.ops.cuda.gemm.table import forget_tables, plan_to_json, save_table, table_key
+from gptcuda.runtime.execution import WGMMA_ARCHS
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import DeviceView, i32
 from tests.conftest import FakeGemmRT, fake_view, rel_err
@@ -19,17 +25,17 @@ gpu = pytest.mark.gpu
 
 TOL = {"fp32": 1e-5, "tf32": 2e-3}
 EPIS = ["none", "bias", "gelu", "gelu_nobias", "residual", "residual_bias", "residual_alias", "dgelu"]
-# _check_matmul's epilogue specs as (EPI, HAS_BIAS); the op interface's products (gemm.PRODUCTS): the
+# _check_matmul's epilogue specs as (EPI, HAS_BIAS); the op interface's products (PRODUCTS): the
 # layouts and epilogues every family runs (the as-stored ones compiled for these alone)
-SPEC = {"none": (gemm.EPI_NONE, False), "bias": (gemm.EPI_BIAS, True), "gelu": (gemm.EPI_GELU, True),
-        "gelu_nobias": (gemm.EPI_GELU, False), "residual": (gemm.EPI_RESID, False),
-        "residual_bias": (gemm.EPI_RESID, True), "residual_alias": (gemm.EPI_RESID, False),
-        "dgelu": (gemm.EPI_DGELU, False)}
-LAYOUTS = list(gemm.PRODUCTS)
+SPEC = {"none": (EPI_NONE, False), "bias": (EPI_BIAS, True), "gelu": (EPI_GELU, True),
+        "gelu_nobias": (EPI_GELU, False), "residual": (EPI_RESID, False),
+        "residual_bias": (EPI_RESID, True), "residual_alias": (EPI_RESID, False),
+        "dgelu": (EPI_DGELU, False)}
+LAYOUTS = list(PRODUCTS)
 
 
 def is_product(ta, tb, epi) -> bool:
-    return SPEC[epi] in gemm.PRODUCTS.get((ta, tb), ())
+    return SPEC[epi] in PRODUCTS.get((ta, tb), ())
 
 
 CASES = [(ta, tb, e) for ta, tb in LAYOUTS for e in EPIS if is_product(ta, tb, e)]
@@ -46,6 +52,14 @@ def precision(rt, request):
 @pytest.fixture(scope="module")
 def _splitk_buffer(rt):
     return rt.empty((8 << 20,), name="gemm_splitk")      # 32 MB, once per module
+
+
+def _transpose(rt, out, x, K, N, colsum=None, chunk0=0):
+    """gemm_transpose: x [K, N] -> out [N, K]; colsum: also colsum[chunk0 + i] = the column sums of x's rows
+    64 i .. 64 i + 63."""
+    vec = K % 4 == 0 and N % 4 == 0
+    rt.launch(rt.function(SIMT_FILE, transpose_name(vec, colsum is not None)), (cdiv(N, 64), cdiv(K, 64)),
+              (TRANSPOSE_THREADS,), [out, x, i32(K), i32(N), colsum, i32(chunk0)], label="test")
 
 
 @contextmanager
@@ -108,7 +122,7 @@ def _check_matmul(rt, M, N, K, ta, tb, epi, seed=0, plan=None):
     da, db = rt.upload(a), rt.upload(b)
     dbias = rt.upload(bias) if with_bias else None
     out = rt.empty((M, N))
-    what = f"M={M} N={N} K={K} ta={ta} tb={tb} {epi} {rt.precision}" + (f" {gemm.plan_label(plan)}" if plan else "")
+    what = f"M={M} N={N} K={K} ta={ta} tb={tb} {epi} {rt.precision}" + (f" {plan_label(plan)}" if plan else "")
 
     def mm(x, y):
         return ref.matmul_forward(x, y, ta, tb, bias)
@@ -206,8 +220,8 @@ def test_matmul_model_forward(rt, precision, splitk_ws, M, N, K):
 def test_matmul_weight_grad_splitk(rt, precision, splitk_ws, M, N):
     # dW[M, N] = dout^T @ x with K = tokens (TN): long K, small output -> split-K
     K = 16384
-    p = gemm.plan(M, N, K, 1, rt.info.sm_count, "tf32" if precision == "tf32" else "simt",
-                  max_ws=splitk_ws.numel)
+    p = plan(Product(M, N, K, True, False), "tf32" if precision == "tf32" else "simt", sm_count=rt.info.sm_count,
+             max_ws=splitk_ws.numel)
     assert p.splits > 1, p
     _check_matmul(rt, M, N, K, True, False, "none", seed=M + N)
     _check_matmul(rt, N, M, K, True, False, "none", seed=M + N + 1)   # the dW^T orientation
@@ -219,8 +233,8 @@ def test_matmul_weight_grad_splitk(rt, precision, splitk_ws, M, N):
                                                                       "dgelu")])
 def test_splitk_epilogues_odd(rt, precision, splitk_ws, ta, tb, epi):
     M, N, K = 67, 65, 4133
-    p = gemm.plan(M, N, K, 1, rt.info.sm_count, "tf32" if precision == "tf32" else "simt",
-                  max_ws=splitk_ws.numel)
+    p = plan(Product(M, N, K, ta, tb), "tf32" if precision == "tf32" else "simt", sm_count=rt.info.sm_count,
+             max_ws=splitk_ws.numel)
     assert p.splits > 1, p
     _check_matmul(rt, M, N, K, ta, tb, epi, seed=K)
 
@@ -233,7 +247,7 @@ def _tile_shapes(p):
 
 
 @gpu
-@pytest.mark.parametrize("tile", [t for t in gemm.TF32_TILES] + [t for t in gemm.SIMT_TILES],
+@pytest.mark.parametrize("tile", [*FAMILIES["tf32"].tiles, *FAMILIES["simt"].tiles],
                          ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("ta,tb", LAYOUTS)
 def test_every_tile_forced(rt, splitk_ws, tile, ta, tb):
@@ -241,25 +255,25 @@ def test_every_tile_forced(rt, splitk_ws, tile, ta, tb):
     rt.exec = rt.exec.with_precision("tf32" if len(tile) == 6 else "fp32")
     fam = "tf32" if len(tile) == 6 else "simt"
     try:
-        for i, (M, N, K) in enumerate(_tile_shapes(gemm.make_plan(fam, tile, 1, 64))):
-            p = gemm.make_plan(fam, tile, 1, K)
+        for i, (M, N, K) in enumerate(_tile_shapes(make_plan(fam, tile, 1, 64))):
+            p = make_plan(fam, tile, 1, K)
             for epi in (e for e in ("none", "bias", "gelu", "residual_alias", "dgelu") if is_product(ta, tb, e)):
                 _check_matmul(rt, M, N, K, ta, tb, epi, seed=i * 10 + len(epi), plan=p)
         # split-K partials through the same tile (k chunks of 256, 256 and a ragged 228)
         M, N, K = tile[0] + 4, tile[1] + 8, 740
         _check_matmul(rt, M, N, K, ta, tb, "bias" if is_product(ta, tb, "bias") else "none", seed=7,
-                      plan=gemm.make_plan(fam, tile, 3, K))
+                      plan=make_plan(fam, tile, 3, K))
     finally:
         rt.exec = rt.exec.with_precision(old)
 
 
 def _wgmma_rt(rt):
-    if rt.arch not in gemm.WGMMA_ARCHS:
-        pytest.skip(f"the wgmma kernel needs {gemm.WGMMA_ARCHS}, this device is {rt.arch}")
+    if rt.arch not in WGMMA_ARCHS:
+        pytest.skip(f"the wgmma kernel needs {WGMMA_ARCHS}, this device is {rt.arch}")
 
 
 @gpu
-@pytest.mark.parametrize("tile", gemm.WGMMA_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("tile", FAMILIES["wgmma"].tiles, ids=lambda t: "x".join(map(str, t)))
 def test_wgmma_tile_forced(rt, splitk_ws, tile):
     """Every warpgroup-MMA tile (x @ W^T only), forced: interior blocks, ragged edges in m, n and k,
     every epilogue, split-K partials, and a batched product."""
@@ -269,11 +283,11 @@ def test_wgmma_tile_forced(rt, splitk_ws, tile):
     try:
         for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
                                        (tile[0] - 3, tile[1] + 8, 36)]):
-            p = gemm.make_plan("wgmma", tile, 1, K)
+            p = make_plan("wgmma", tile, 1, K)
             for epi in ("none", "bias", "gelu", "residual_alias", "residual_bias", "dgelu"):
                 _check_matmul(rt, M, N, K, False, True, epi, seed=i * 10 + len(epi), plan=p)
         M, N, K = tile[0] + 4, tile[1] + 8, 740
-        _check_matmul(rt, M, N, K, False, True, "gelu", seed=7, plan=gemm.make_plan("wgmma", tile, 3, K))
+        _check_matmul(rt, M, N, K, False, True, "gelu", seed=7, plan=make_plan("wgmma", tile, 3, K))
         _check_batched_wgmma(rt, tile, 3, 100, tile[1] - 8, 64, seed=9)
     finally:
         rt.exec = rt.exec.with_precision(old)
@@ -286,12 +300,12 @@ def _check_batched_wgmma(rt, tile, batch, M, N, K, seed):
     b = rng.standard_normal((batch, N, K)).astype(np.float32)
     out = rt.empty((batch, M, N))
     gemm.matmul_batched(rt, out, rt.upload(a), rt.upload(b), False, True, alpha=0.5,
-                        plan=gemm.make_plan("wgmma", tile, 1, K))
+                        plan=make_plan("wgmma", tile, 1, K))
     _close("tf32", rt.download(out), lambda x, y: 0.5 * ref.matmul_forward(x, y, False, True), a, b,
            f"batched wgmma {tile}")
 
 
-WS_TILES = [t for t in gemm.WGMMA_TILES if gemm.FAMILIES["wgmma"].persistent(t)]
+WS_TILES = [t for t in FAMILIES["wgmma"].tiles if FAMILIES["wgmma"].geometry(t).persistent]
 
 
 @gpu
@@ -307,14 +321,14 @@ def test_wgmma_ws_walks_many_tiles(rt, splitk_ws, tile):
     try:
         sms = rt.info.sm_count
         M, N = tile[0] * 12 - 20, tile[1] * 12 - 36          # 144 tiles > 132 blocks
-        assert gemm.cdiv(M, tile[0]) * gemm.cdiv(N, tile[1]) > sms
+        assert cdiv(M, tile[0]) * cdiv(N, tile[1]) > sms
         for epi, K in (("bias", 100), ("gelu", 260), ("dgelu", 68), ("residual_alias", 132)):
-            _check_matmul(rt, M, N, K, False, True, epi, seed=K, plan=gemm.make_plan("wgmma", tile, 1, K))
+            _check_matmul(rt, M, N, K, False, True, epi, seed=K, plan=make_plan("wgmma", tile, 1, K))
         M, N = tile[0] * 33 - 5, tile[1] * 33 - 12             # 8 or 9 tiles a block
         for epi in ("gelu", "bias", "dgelu"):
-            _check_matmul(rt, M, N, 68, False, True, epi, seed=33, plan=gemm.make_plan("wgmma", tile, 1, 68))
+            _check_matmul(rt, M, N, 68, False, True, epi, seed=33, plan=make_plan("wgmma", tile, 1, 68))
         M, N = tile[0] * 6 - 20, tile[1] * 8 - 36               # 48 tiles x 3 splits (the 32 MB workspace)
-        _check_matmul(rt, M, N, 740, False, True, "none", seed=740, plan=gemm.make_plan("wgmma", tile, 3, 740))
+        _check_matmul(rt, M, N, 740, False, True, "none", seed=740, plan=make_plan("wgmma", tile, 3, 740))
         _check_batched_wgmma(rt, tile, 5, 3 * tile[0] + 7, 9 * tile[1] + 8, 96, seed=3)
     finally:
         rt.exec = rt.exec.with_precision(old)
@@ -329,7 +343,7 @@ def bt_ws(rt):
 
 
 @gpu
-@pytest.mark.parametrize("tile", [t for t in gemm.WGMMA_TILES if t[:2] in ((128, 128), (128, 256))],
+@pytest.mark.parametrize("tile", [t for t in FAMILIES["wgmma"].tiles if t[:2] in ((128, 128), (128, 256))],
                          ids=lambda t: "x".join(map(str, t)))
 def test_wgmma_transposed_b(rt, splitk_ws, bt_ws, tile):
     """A @ B with B [K, N] (the backward's dX = dY @ W): B^T into the scratch, then the wgmma kernel;
@@ -339,11 +353,11 @@ def test_wgmma_transposed_b(rt, splitk_ws, bt_ws, tile):
     rt.exec = rt.exec.with_precision("tf32")
     try:
         for i, (M, N, K) in enumerate([(2 * tile[0], tile[1], 96), (tile[0] + 36, tile[1] + 44, 132)]):
-            p = gemm.make_plan("wgmma", tile, 1, K, transpose_b=True)
+            p = make_plan("wgmma", tile, 1, K, transpose_b=True)
             for epi in ("none", "bias", "dgelu", "residual_alias"):
                 _check_matmul(rt, M, N, K, False, False, epi, seed=i * 10 + len(epi), plan=p)
         _check_matmul(rt, 300, 200, 740, False, False, "none", seed=5,
-                      plan=gemm.make_plan("wgmma", tile, 3, 740, transpose_b=True))
+                      plan=make_plan("wgmma", tile, 3, 740, transpose_b=True))
     finally:
         rt.exec = rt.exec.with_precision(old)
 
@@ -387,7 +401,7 @@ def test_register_a_is_chosen_for_weight_grads(rt, splitk_ws, monkeypatch):
                 finally:
                     rt.end()
                 names = [it.fn.name for it in prog.items]
-                assert names[0] == gemm.transpose_name(True), (M, N, names)
+                assert names[0] == transpose_name(True), (M, N, names)
                 swapped = ",true,384," in names[1]                 # TC: out^T stored transposed (wgmma_ra_t)
                 assert names[1].startswith("gemm_wgmma_ra<") and swapped == (N > M), (M, N, names)
             _check_matmul(rt, 3072, 768, K, True, False, "none", seed=1)
@@ -396,7 +410,7 @@ def test_register_a_is_chosen_for_weight_grads(rt, splitk_ws, monkeypatch):
 
 
 # ---- fp32 as three TF32 products (3xTF32, family "wgmma3_ra") ------------------------------------
-WS3_CASES = [("wgmma3_ra", t) for t in gemm.WGMMA3_RA_TILES]
+WS3_CASES = [("wgmma3_ra", t) for t in FAMILIES["wgmma3_ra"].tiles]
 
 
 @gpu
@@ -405,13 +419,13 @@ WS3_CASES = [("wgmma3_ra", t) for t in gemm.WGMMA3_RA_TILES]
 def test_wgmma3_ra_tile_forced(rt, precision, splitk_ws, fam, tile):
     """Every tile of the 3xTF32 kernel that splits (and turns) B as stored in shared memory and A in the
     consumers' registers (wgmma3_ra), forced, at fp32's tolerance: the op interface's layouts and
-    epilogues (gemm.PRODUCTS), interior blocks and ragged edges in m, n and k,
+    epilogues (PRODUCTS), interior blocks and ragged edges in m, n and k,
     more tiles than blocks (each block walks several), split-K."""
     _wgmma_rt(rt)
     shapes = [(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132), (tile[0] - 4, tile[1] + 8, 36),
               (tile[0] * 12 - 20, tile[1] * 12 - 36, 100)]
     for i, (M, N, K) in enumerate(shapes):
-        p = gemm.make_plan(fam, tile, 1, K)
+        p = make_plan(fam, tile, 1, K)
         for j, (ta, tb) in enumerate(LAYOUTS):
             for epi in ("none", "bias", "gelu", "residual_alias", "residual_bias", "dgelu"):
                 if is_product(ta, tb, epi) and (i == 0 or (ta, tb) == (False, True) or epi == "none"):
@@ -419,7 +433,7 @@ def test_wgmma3_ra_tile_forced(rt, precision, splitk_ws, fam, tile):
     M, N, K = tile[0] * 3 + 4, tile[1] * 2 + 8, 740
     for j, (ta, tb) in enumerate(LAYOUTS):
         _check_matmul(rt, M, N, K, ta, tb, "gelu" if (ta, tb) == (False, True) else "none", seed=7 + j,
-                      plan=gemm.make_plan(fam, tile, 3, K))
+                      plan=make_plan(fam, tile, 3, K))
 
 
 @gpu
@@ -438,10 +452,9 @@ def test_3xtf32_is_as_accurate_as_simt(rt, precision, no_ws, M, N, K, ta, tb):
     da, db = rt.upload(a), rt.upload(b)
     errs = {}
     for fam in ("wgmma3_ra", "simt"):
-        p = gemm.plan(M, N, K, 1, rt.info.sm_count, "simt", tiles=gemm.WGMMA3_RA_TILES,
-                      wgmma=gemm.layout_code(ta, tb))
+        p = plan(Product(M, N, K, ta, tb), "simt", "3xtf32", rt.info.sm_count, tiles=FAMILIES["wgmma3_ra"].tiles)
         if fam == "simt":
-            p = gemm.plan(M, N, K, 1, rt.info.sm_count, "simt")
+            p = plan(Product(M, N, K, ta, tb), "simt", sm_count=rt.info.sm_count)
         assert p.family == fam, p
         out = rt.empty((M, N))
         rt.memset(out, 0x7FC00000)                       # poison: NaN
@@ -459,7 +472,7 @@ def test_transpose(rt, K, N):
     x = (rng.standard_normal((K, N)) * 10.0 ** rng.integers(-3, 3, (K, N))).astype(np.float32)
     out = rt.empty((N, K))
     rt.memset(out, 0x7FC00000)
-    _transpose_into(rt, out, rt.upload(x), K, N, "test")
+    _transpose(rt, out, rt.upload(x), K, N)
     assert np.array_equal(rt.download(out), x.T)
 
 
@@ -474,7 +487,7 @@ def test_transpose_colsum(rt, K, N):
     out, colsum = rt.empty((N, K)), rt.empty((chunk0 + tiles + 2, N))
     rt.memset(out, 0x7FC00000)
     rt.memset(colsum, 0x7FC00000)
-    _transpose_into(rt, out, rt.upload(x), K, N, "test", colsum=colsum, chunk0=chunk0)
+    _transpose(rt, out, rt.upload(x), K, N, colsum=colsum, chunk0=chunk0)
     assert np.array_equal(rt.download(out), x.T)
     got = rt.download(colsum)
     assert np.all(np.isnan(got[:chunk0])) and np.all(np.isnan(got[chunk0 + tiles:]))
@@ -504,7 +517,7 @@ def test_weight_grad_a_colsum(rt, no_ws):
     part = rt.empty((256 * M,), name="bias_partials")
     try:
         with _workspaces(rt, bias_partials=part):
-            for q in [gemm.make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K)]:
+            for q in [make_plan("tf32", (128, 128, 32, 2, 2, 3), 1, K)]:
                 out, out2, bias = rt.empty((M, N)), rt.empty((M, N)), rt.empty((M,))
                 rt.memset(bias, 0x7FC00000)
                 gemm.matmul(rt, out, da, db, True, False, plan=q, a_colsum=bias)
@@ -512,7 +525,7 @@ def test_weight_grad_a_colsum(rt, no_ws):
                 assert np.array_equal(rt.download(out), rt.download(out2))
                 want = a.astype(np.float64).sum(0)
                 got = rt.download(bias)
-                assert rel_err(got, want) < 1e-5, (gemm.plan_label(q), rel_err(got, want))
+                assert rel_err(got, want) < 1e-5, (plan_label(q), rel_err(got, want))
     finally:
         rt.exec = rt.exec.with_precision(old)
 
@@ -530,7 +543,7 @@ def _check_a_colsum(rt, fam, tile, tbs, part):
             rng = np.random.default_rng(i)
             a, b = _operands(rng, M, N, K, True, tb)
             da, db = rt.upload(a), rt.upload(b)
-            p = gemm.make_plan(fam, tile, splits, K, transpose_b=fam == "wgmma_ra" and not tb)
+            p = make_plan(fam, tile, splits, K, transpose_b=fam == "wgmma_ra" and not tb)
             out, out2, bias = rt.empty((M, N)), rt.empty((M, N)), rt.empty((M,))
             rt.memset(bias, 0x7FC00000)
             rt.memset(part, 0x7FC00000)
@@ -542,8 +555,7 @@ def _check_a_colsum(rt, fam, tile, tbs, part):
             assert rel_err(got, want) < 1e-5, (M, N, K, splits, tb, rel_err(got, want))
 
 
-RA_CASES = [("wgmma_ra", t) for t in gemm.WGMMA_RA_TILES] + [("wgmma_ra_mn", t) for t in gemm.WGMMA_RA_MN_TILES] + \
-    [("wgmma_ra_t", t) for t in gemm.WGMMA_RA_T_TILES]
+RA_CASES = [(f, t) for f in ("wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t") for t in FAMILIES[f].tiles]
 
 
 @gpu
@@ -582,17 +594,17 @@ def test_wgmma_ra_tile_forced(rt, splitk_ws, _at_buffer, fam, tile):
             for i, (M, N, K) in enumerate([(2 * tile[0], 2 * tile[1], 96), (tile[0] + 36, 2 * tile[1] - 44, 132),
                                            (68, 36, 36), (tile[0] * 12 - 20, tile[1] * 12 - 36, 100)]):
                 for tb in tbs:
-                    p = gemm.make_plan(fam, tile, 1, K, transpose_b=fam == "wgmma_ra" and not tb)
+                    p = make_plan(fam, tile, 1, K, transpose_b=fam == "wgmma_ra" and not tb)
                     _check_matmul(rt, M, N, K, True, tb, "none", seed=i * 10 + tb, plan=p)
             for tb in tbs:
                 bt = fam == "wgmma_ra" and not tb
                 _check_matmul(rt, 300, 200, 740, True, tb, "none", seed=5,
-                              plan=gemm.make_plan(fam, tile, 3, 740, transpose_b=bt))
+                              plan=make_plan(fam, tile, 3, 740, transpose_b=bt))
                 _check_matmul(rt, 900, 520, 8200, True, tb, "none", seed=6,     # (A^T of wgmma_ra_t: 7.4 M floats)
-                              plan=gemm.make_plan(fam, tile, 1, 8200, transpose_b=bt))
+                              plan=make_plan(fam, tile, 1, 8200, transpose_b=bt))
             for epi in ("bias", "residual"):            # dY^T X takes no epilogue
                 with pytest.raises(ValueError, match="not compiled for epilogue"):
-                    _check_matmul(rt, 64, 64, 64, True, False, epi, plan=gemm.make_plan(
+                    _check_matmul(rt, 64, 64, 64, True, False, epi, plan=make_plan(
                         fam, tile, 1, 64, transpose_b=fam == "wgmma_ra"))
     finally:
         rt.exec = rt.exec.with_precision(old)
@@ -607,7 +619,7 @@ def test_wgmma3_ra_a_colsum(rt, precision, splitk_ws, fam, tile):
     _wgmma_rt(rt)
     part = rt.empty((256 * 1500,), name="bias_partials")
     with _workspaces(rt, bias_partials=part):
-        _check_a_colsum(rt, fam, tile, (False,), part)      # (TT is no product: gemm.PRODUCTS)
+        _check_a_colsum(rt, fam, tile, (False,), part)      # (TT is no product: PRODUCTS)
 
 
 @gpu
@@ -630,9 +642,9 @@ def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
             rt.end()
         names = [it.fn.name for it in prog.items]
         assert names[0].startswith("gemm_wgmma"), names           # gemm_wgmma / gemm_wgmma_tma
-        assert names[1] == gemm.transpose_name(True) and names[2].startswith("gemm_wgmma"), names
+        assert names[1] == transpose_name(True) and names[2].startswith("gemm_wgmma"), names
         assert not any(n.startswith("gemm_transpose") for n in names[3:]), names
-        p = gemm.make_plan("wgmma", gemm.WGMMA_TILES[0], 1, 64)
+        p = make_plan("wgmma", FAMILIES["wgmma"].tiles[0], 1, 64)
         with pytest.raises(ValueError, match="wgmma"):
             gemm.matmul(rt, rt.empty((64, 64)), rt.empty((64, 64)), rt.empty((64, 64)), False, False, plan=p)
         with pytest.raises(ValueError, match="wgmma"):
@@ -645,24 +657,24 @@ def test_wgmma_is_chosen_for_the_model(rt, no_ws, bt_ws):
 def test_tuned_table_is_used(rt, splitk_ws, tmp_path, monkeypatch):
     """A table entry (as bench/tune.py writes it) changes the kernel matmul launches; results agree."""
     monkeypatch.setenv("GPTCUDA_CACHE", str(tmp_path / "kc"))
-    gemm.forget_tables()
+    forget_tables()
     old = rt.precision
     rt.exec = rt.exec.with_precision("tf32")
     try:
         M, N, K = 1000, 384, 200
-        p = gemm.make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, K)
-        gemm.save_table(rt.info.name, {gemm.tune_key("tf32", False, True, "gelu", True, M, N, K): gemm.plan_to_json(p)})
+        p = make_plan("tf32", (192, 128, 32, 3, 2, 3), 1, K)
+        save_table(rt.info.name, {table_key("tf32", Product(M, N, K, False, True, "gelu", True)): plan_to_json(p)})
         prog = rt.begin("probe")
         try:
             gemm.matmul(rt, rt.empty((M, N)), rt.empty((M, K)), rt.empty((N, K)), False, True,
                         bias=rt.empty((N,)), epilogue="gelu", aux=rt.empty((M, N)))
         finally:
             rt.end()
-        assert prog.items[0].fn.name == gemm.tf32_name(p.tile, False, True, gemm.EPI_GELU, True, True)
+        assert prog.items[0].fn.name == FAMILIES["tf32"].kernel(p.tile, False, True, EPI_GELU, True, True)
         _check_matmul(rt, M, N, K, False, True, "gelu", seed=3)
     finally:
         rt.exec = rt.exec.with_precision(old)
-        gemm.forget_tables()
+        forget_tables()
 
 
 @gpu
@@ -741,7 +753,7 @@ def _frag_c(r, n):
 
 @gpu
 def test_mma_probe_fragment_mapping(rt):
-    fn = rt.function(gemm.TF32_FILE, "mma_probe")
+    fn = rt.function(TF32_FILE, "mma_probe")
     rng = np.random.default_rng(0)
     b = rng.integers(1, 64, size=(8, 8)).astype(np.float32)      # exact in tf32
     db = rt.upload(b)
@@ -768,7 +780,7 @@ def test_mma_probe_fragment_mapping(rt):
 
 @gpu
 def test_tf32_rounding_matches_cvt_rna(rt):
-    fn = rt.function(gemm.TF32_FILE, "tf32_round_probe")
+    fn = rt.function(TF32_FILE, "tf32_round_probe")
     rng = np.random.default_rng(1)
     x = rng.standard_normal(1 << 16).astype(np.float32) * np.float32(10.0) ** rng.integers(-30, 30, 1 << 16)
     bits = x.view(np.uint32).copy()
@@ -799,18 +811,18 @@ _FakeRT, _v = FakeGemmRT, fake_view
 
 
 def test_launcher_names_are_in_variants():
-    """Every kernel the launchers ask for, for the op interface's products (gemm.PRODUCTS) and every plan
+    """Every kernel the launchers ask for, for the op interface's products (PRODUCTS) and every plan
     the tuner may force on them, is a listed variant; a product outside PRODUCTS is refused on a family
     that reads its operands as stored."""
     variants = {(f, n, tuple(sorted(d.items()))) for f, n, d in gemm.VARIANTS}
-    epilogues = {gemm.EPI_NONE: "none", gemm.EPI_BIAS: "none", gemm.EPI_GELU: "gelu", gemm.EPI_RESID: "residual",
-                 gemm.EPI_DGELU: "dgelu"}
+    epilogues = {EPI_NONE: "none", EPI_BIAS: "none", EPI_GELU: "gelu", EPI_RESID: "residual",
+                 EPI_DGELU: "dgelu"}
     for prec, arch in (("fp32", None), ("tf32", None), ("tf32", "sm_90"), ("fp32", "sm_90")):
         rt = _FakeRT(prec, ws=1 << 24, arch=arch, bt=1 << 25 if arch else 0, at=1 << 25 if arch else 0)
         shapes = [(67, 65, 33), (16384, 1152, 384), (16384, 65, 384), (1152, 384, 16384),
                   (65, 384, 16384), (4096, 4096, 4096), (64, 64, 64), (8, 8, 8)]
         for (M, N, K) in shapes:
-            for (ta, tb), pairs in gemm.PRODUCTS.items():
+            for (ta, tb), pairs in PRODUCTS.items():
                 a = _v((K, M) if ta else (M, K))
                 b = _v((N, K) if tb else (K, N))
                 for epi, has_bias in pairs:
@@ -827,18 +839,18 @@ def test_launcher_names_are_in_variants():
                 gemm.matmul_batched(rt, _v((3, 8, 8)), _v((3, 8, 8)), _v((3, 8, 8)), True, True)
         # every plan the tuner may force on each of them
         for (M, N, K) in [(16384, 384, 1536), (384, 1152, 16384)]:
-            for (ta, tb), pairs in gemm.PRODUCTS.items():
+            for (ta, tb), pairs in PRODUCTS.items():
                 a, b = _v((K, M) if ta else (M, K)), _v((N, K) if tb else (K, N))
                 for epi, has_bias in pairs:
-                    for p in gemm.tune_candidates(M, N, K, 1, "tf32" if prec == "tf32" else "simt", True, 1 << 24,
-                                                  wgmma=arch and gemm.layout_code(ta, tb), epi=epi):
+                    for p in tune_candidates(Product(M, N, K, ta, tb, epilogues[epi], has_bias), rt.exec.gemm_family,
+                                             rt.exec.wgmma_mode, 1 << 24):
                         aux = None if epilogues[epi] == "none" else _v((M, N), 1 << 33)
                         gemm.matmul(rt, _v((M, N)), a, b, ta, tb, bias=_v((N,)) if has_bias else None,
                                     epilogue=epilogues[epi], aux=aux, plan=p)
         missing = rt.names - variants
         assert not missing, f"launched but not in VARIANTS: {sorted(missing)[:5]}"
-        assert (arch is not None) == any(n[0] == gemm.WGMMA_FILE for n in rt.names), (prec, arch)
-        assert (arch is not None and prec == "tf32") == any(n[1] == gemm.transpose_name(True) for n in rt.names), (prec, arch)
+        assert (arch is not None) == any(n[0] == WGMMA_FILE for n in rt.names), (prec, arch)
+        assert (arch is not None and prec == "tf32") == any(n[1] == transpose_name(True) for n in rt.names), (prec, arch)
         # every launch has a legal geometry
         for name, grid, block, smem in rt.launches:
             grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -886,17 +898,17 @@ def test_splitk_plan_and_workspace():
     for fam in ("simt", "tf32"):
         for (M, N) in [(1152, 384), (384, 384), (1536, 384), (384, 1536), (65, 384),
                        (384, 1152), (384, 65)]:
-            p = gemm.plan(M, N, K, 1, 132, fam, max_ws=cap)
+            p = plan(Product(M, N, K), fam, max_ws=cap)
             assert p.splits > 1 and p.splits * M * N <= cap, (M, N, p)
-            assert p.k_chunk % gemm.SPLIT_ALIGN == 0
+            assert p.k_chunk % SPLIT_ALIGN == 0
             assert (p.splits - 1) * p.k_chunk < K <= p.splits * p.k_chunk
     # without a workspace there is no split, and the big forward GEMMs never split
-    assert gemm.plan(1152, 384, K, 1, 132, "simt", max_ws=0).splits == 1
-    assert gemm.plan(16384, 1152, 384, 1, 132, "simt", max_ws=cap).splits == 1
+    assert plan(Product(1152, 384, K), "simt", max_ws=0).splits == 1
+    assert plan(Product(16384, 1152, 384), "simt", max_ws=cap).splits == 1
 
 
 def test_splitk_launch_sequence():
     rt = _FakeRT(ws=1 << 24)
     gemm.matmul(rt, _v((1152, 384)), _v((1152, 16384)), _v((384, 16384)), False, True, bias=_v((384,)))
     assert len(rt.launches) == 2
-    assert rt.launches[1][0] == gemm.reduce_name(gemm.EPI_BIAS, True)
+    assert rt.launches[1][0] == reduce_name(EPI_BIAS, True)

@@ -11,7 +11,10 @@ layout gets, and the dtypes it refuses.
 import numpy as np
 import pytest
 
+from gptcuda.model.products import Product
 from gptcuda.ops.cuda import elementwise, gemm
+from gptcuda.ops.cuda.gemm.families import BF16_OUTS, BF16_TILES, layout_code
+from gptcuda.ops.cuda.gemm.plan import make_plan, plan
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import bf16
 from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
@@ -48,15 +51,15 @@ def _check(got, ref, out_dtype):
 
 
 @gpu
-@pytest.mark.parametrize("tile", gemm.BF16_TILES)
+@pytest.mark.parametrize("tile", tuple(BF16_TILES))
 @pytest.mark.parametrize("ta,tb", LAYOUTS)
 @pytest.mark.parametrize("M,N,K", [(256, 256, 256), (200, 136, 72), (1000, 520, 3072)])
 def test_bf16_layouts(bf16_rt, tile, ta, tb, M, N, K):
     rt, rng = bf16_rt, np.random.default_rng(M + N + K)
     a, b, prod = _operands(rt, rng, ta, tb, M, N, K)
-    out_dtype = gemm.BF16_OUTS[gemm.layout_code(ta, tb)][0]
+    out_dtype = BF16_OUTS[layout_code(ta, tb)][0]
     c = rt.empty((M, N), out_dtype)
-    gemm.matmul(rt, c, a, b, ta, tb, plan=gemm.make_plan("bf16", tile, 1, K))
+    gemm.matmul(rt, c, a, b, ta, tb, plan=make_plan("bf16", tile, 1, K))
     _check(rt.download(c), prod, out_dtype)
 
 
@@ -114,7 +117,7 @@ def test_bf16_weight_gradient_split_k(bf16_rt, splits):
     rt, rng = bf16_rt, np.random.default_rng(splits)
     M, N, K = 384, 768, 4096
     a, b, prod = _operands(rt, rng, True, False, M, N, K)
-    p = gemm.make_plan("bf16", (128, 128, 4), splits, K)
+    p = make_plan("bf16", (128, 128, 4), splits, K)
     assert p.k_chunk % 64 == 0
     c, db = rt.empty((M, N)), rt.empty((M,))
     gemm.matmul(rt, c, a, b, True, False, plan=p, a_colsum=db)
@@ -143,7 +146,7 @@ def test_bf16_variant_and_tensor_maps(ta, tb):
     out = "f32" if ta else "bf16"
     a = _fake((K, M) if ta else (M, K), "bf16", 1 << 30)
     b = _fake((N, K) if tb else (K, N), "bf16", 1 << 32)
-    gemm.matmul(rt, _fake((M, N), out, 1 << 34), a, b, ta, tb, plan=gemm.make_plan("bf16", (128, 256, 4), 1, K))
+    gemm.matmul(rt, _fake((M, N), out, 1 << 34), a, b, ta, tb, plan=make_plan("bf16", (128, 256, 4), 1, K))
     (name, grid, block, smem), = rt.launches
     assert name.startswith("gemm_wgmma_ws<128,256,4,0,false,384,") and \
         name.endswith(f",1,{str(ta).lower()},{str(not tb).lower()},{1 if out == 'bf16' else 0}>")
@@ -171,9 +174,9 @@ def test_bf16_dtype_refusals():
 def test_bf16_plans():
     """The cost model plans bf16 products on the bf16 family, split-K chunks in whole 64-wide k tiles,
     and none for a bf16 C (the reduction writes fp32); the variants are compiled for what it plans."""
-    p = gemm.plan(768, 768, 8192, family="bf16", max_ws=32 * 768 * 768)
+    p = plan(Product(768, 768, 8192, True, False), "bf16", max_ws=32 * 768 * 768)
     assert p.family == "bf16" and p.splits > 1 and p.k_chunk % 64 == 0
-    assert gemm.make_plan("bf16", (128, 128, 4), 3, 1000).k_chunk == 384          # 334 rounded up to 64s
+    assert make_plan("bf16", (128, 128, 4), 3, 1000).k_chunk == 384          # 334 rounded up to 64s
     rt = FakeGemmRT("bf16", ws=1 << 24, arch="sm_90")
     M, N, K = 256, 256, 8192
     gemm.matmul(rt, _fake((M, N), "bf16", 1 << 34), _fake((M, K), "bf16", 1 << 30), _fake((N, K), "bf16", 1 << 32),

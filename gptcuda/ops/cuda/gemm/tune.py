@@ -2,19 +2,20 @@
 
     summary = autotune(rt, cfg, vocab)    # the Engine's setup does it (config gemm_tune: auto)
 
-Per shape of the config (`model_gemms`, with transposes, epilogue and bias; `tune_op`): the
-candidates (`candidates_for`: the base family's tiles x the split-K counts the planned workspace
-holds, and the warpgroup-MMA tiles through the planned scratch where they run), pruned by the cost
-model (within `keep` x its best, at most `max_n`, its own choice first); timed paired (`EventTimer`:
-timer.py: a CUDA graph per candidate, rounds replaying each once in a rotated order between
-events, the median); checked against the cost model's choice (one that disagrees never wins); the fastest goes
-into the GPU's table (table.py). `autotune` measures only what the table lacks (an entry is never
-measured again: a resumed run launches the plans it launched), in a short window, the candidates'
-kernels compiled in parallel first; bench/tune.py is the command line over every shape.
+Per product of the config (model/products.py `products`; `tune_op`): the candidates (`candidates_for`:
+every tile and split count of the families that can run it, through the workspaces the memory plan
+gives), pruned by the cost model (within `keep` x its best, at most `max_n`, its own choice first);
+timed paired on the GPU (`EventTimer`: a CUDA graph a candidate, rounds replaying each once in a
+rotated order between CUDA events, the median); checked against the cost model's choice (one that
+disagrees never wins); the fastest goes into the GPU's table (table.py). `autotune` measures only what
+the table lacks (an entry is never measured again: a resumed run launches the plans it launched), in a
+short window, the candidates' kernels compiled in parallel first; bench/tune.py is the command line
+over every shape.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import sys
@@ -22,131 +23,50 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm import tqdm
 
+from gptcuda.model.products import Product, products
 from gptcuda.ops.cuda import elementwise
-from gptcuda.runtime import Blob, DeviceView, Function, execution
-from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_IO, EPILOGUE_CODES
-from gptcuda.ops.cuda.gemm.layout import WGMMA_WORKSPACES, wgmma_layout
-from gptcuda.ops.cuda.gemm.timer import EventTimer, _launch, _operand_dtypes, _operand_shapes  # noqa: F401 (EventTimer: bench/tune.py)
-from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan_label, prune_candidates, split_room, tune_candidates,
+from gptcuda.runtime import DeviceView, bf16, compiler
+from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, EPI_IO, FAMILIES, epi_code
+from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
+from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
                                         workspace)
-from gptcuda.ops.cuda.gemm.plan import plan as model_plan
-from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_path, tune_key
+from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_key, table_path
 
 PEAK_BYTES = 4.2e12
 
 
-@dataclass(frozen=True)
-class GemmOp:
-    """One GEMM of the model: out[M, N] = op(a) @ op(b) (batched: `batch` of them)."""
-    label: str
-    M: int
-    N: int
-    K: int
-    ta: bool
-    tb: bool
-    epilogue: str = "none"
-    bias: bool = False
-    batch: int = 1
-    count: int = 1           # launches per training step (0: evaluation / alternative form only)
-    colsum: bool = False     # a weight gradient that also gives its bias gradient (matmul's a_colsum)
-
-    @property
-    def epi(self) -> int:
-        return EPI_BIAS if (self.epilogue == "none" and self.bias) else EPILOGUE_CODES[self.epilogue]
-
-    @property
-    def vec(self) -> bool:
-        """16-byte operand loads possible (row strides lda, ldb and batch strides multiples of 4 floats)."""
-        strides = [self.M if self.ta else self.K, self.K if self.tb else self.N]
-        return all(s % 4 == 0 for s in strides + ([self.M * self.K, self.K * self.N] if self.batch > 1 else []))
-
-    def key(self, tag) -> str:
-        """The table key under a plan's table_tag."""
-        return tune_key(tag, self.ta, self.tb, self.epilogue, self.bias, self.M, self.N, self.K, self.batch,
-                        self.colsum)
-
-    def trans(self) -> str:
-        return ("T" if self.ta else "N") + ("T" if self.tb else "N")
-
-
-def model_gemms(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
-    """Every GEMM model/gpt.py records for this config (one entry per distinct key; counts summed);
-    backward False: the forward's alone (a model that only evaluates); ex: the execution plan
-    (default the config's)."""
-    Ntok, C, V, L = cfg.batch_size * cfg.block_size, cfg.n_embd, vocab_size, cfg.n_layer
-    bias, drop = bool(cfg.bias), cfg.dropout > 0
-    unfused = (ex or execution.resolve(cfg)).attention == "unfused"
-    T, H = cfg.block_size, cfg.n_head
-    hs, BH = C // H, cfg.batch_size * H
-    ops = []
-
-    def add(*a, **k):
-        ops.append(GemmOp(*a, **k))
-
-    # forward (train): the residual branches go through dropout when there is dropout
-    resid_epi = "none" if drop else "residual"
-    add("fwd qkv", Ntok, 3 * C, C, False, True, "none", bias, count=L)
-    add("fwd attn proj", Ntok, C, C, False, True, resid_epi, bias, count=L)
-    add("fwd fc +gelu", Ntok, 4 * C, C, False, True, "gelu", bias, count=L)
-    add("fwd fcproj", Ntok, C, 4 * C, False, True, resid_epi, bias, count=L)
-    add("fwd head", Ntok, V, C, False, True, count=1)
-    if drop:     # evaluation forward: no dropout, residual fused
-        add("eval attn proj", Ntok, C, C, False, True, "residual", bias, count=0)
-        add("eval fcproj", Ntok, C, 4 * C, False, True, "residual", bias, count=0)
-    if unfused:
-        add("att scores", T, T, hs, False, True, batch=BH, count=L)
-        add("att y", T, hs, T, False, False, batch=BH, count=L)
-    if backward:
-        add("dX head", Ntok, C, V, False, False, count=1)
-        add("dW wte", V, C, Ntok, True, False, count=1)
-        add("dW fcproj", C, 4 * C, Ntok, True, False, count=L, colsum=bias)
-        add("dX fcproj +dgelu", Ntok, 4 * C, C, False, False, "dgelu", count=L)
-        add("dX fcproj", Ntok, 4 * C, C, False, False, count=0)          # the unfused form (+ gelu_bwd)
-        add("dW fc", 4 * C, C, Ntok, True, False, count=L, colsum=bias)
-        add("dX fc", Ntok, C, 4 * C, False, False, count=L)
-        add("dX attn proj", Ntok, C, C, False, False, count=L)
-        add("dW attn proj", C, C, Ntok, True, False, count=L, colsum=bias)
-        add("dX qkv", Ntok, C, 3 * C, False, False, count=L)
-        add("dW qkv", 3 * C, C, Ntok, True, False, count=L, colsum=bias)
-        if unfused:
-            add("att dv", T, hs, T, True, False, batch=BH, count=L)
-            add("att dP", T, T, hs, False, True, batch=BH, count=L)
-            add("att dq", T, hs, T, False, False, batch=BH, count=L)
-            add("att dk", T, hs, T, True, False, batch=BH, count=L)
-    merged = {}
-    for op in ops:
-        old = merged.get(op.key("x"))
-        merged[op.key("x")] = op if old is None else dataclasses.replace(old, label=old.label + " / " + op.label,
-                                                                         count=old.count + op.count)
-    return list(merged.values())
-
-
-def floor_s(op: GemmOp, ex) -> float:
+def floor_s(g: Product, ex) -> float:
     """Roofline floor: max(flops / peak, DRAM bytes / bandwidth), each operand and [M, N] array once;
     the peak of what multiplies in execution plan ex."""
-    flops = 2.0 * op.M * op.N * op.K * op.batch
-    nbytes = 4.0 * op.batch * (op.M * op.K + op.K * op.N + EPI_IO[op.epi] * op.M * op.N)
+    flops = 2.0 * g.M * g.N * g.K * g.batch
+    nbytes = 4.0 * g.batch * (g.M * g.K + g.K * g.N + EPI_IO[epi_code(g)] * g.M * g.N)
     return max(flops / (ex.peak_tflops * 1e12), nbytes / PEAK_BYTES)
 
 
-def candidates_for(op: GemmOp, ex, sm_count: int, ws_floats: int, keep=1.6, max_n=6, scratch=None):
-    """(cost-model plan, pruned candidate plans with it first) under execution plan ex: its base
-    family, and where it runs the warpgroup-MMA kernels (`wgmma_layout`) those too, for the ops they can
-    run (scratch: floats of the planned workspaces they re-lay operands out in, {name: floats})."""
-    mode = wgmma_layout(ex.wgmma_mode, op.ta, op.tb, op.vec, op.K, op.batch)
-    fam, scratch = ex.gemm_family, scratch or {}
-    ws_floats = split_room(_operand_dtypes(op, ex)[2], ws_floats)
-    heur = model_plan(op.M, op.N, op.K, op.batch, sm_count, fam, max_ws=ws_floats if op.batch == 1 else 0,
-                      allow_split=op.batch == 1, vec=op.vec, epi=op.epi, wgmma=mode, colsum=op.colsum, scratch=scratch)
-    cands = tune_candidates(op.M, op.N, op.K, op.batch, fam, op.vec, ws_floats, wgmma=mode, epi=op.epi, scratch=scratch)
-    pruned = prune_candidates(cands, op.M, op.N, op.K, op.batch, op.epi, sm_count, keep=keep, max_n=max_n,
-                              always=[heur], colsum=op.colsum)
+def workspace_floats(cfg, vocab, ex=None) -> dict:
+    """{name: floats} of the GEMM workspaces the memory plan gives this config (plan.workspace)."""
+    return {name: math.prod(shape) for name, (shape, _) in
+            workspace(dataclasses.replace(cfg, vocab_size=vocab), ex).items()}
+
+
+def _out_dtype(g: Product, ex) -> str:
+    """The dtype of C that the kernels of execution plan ex's base family write for g's layout (the first
+    where they write several)."""
+    return (FAMILIES[ex.gemm_family].out_dtypes(g.ta, g.tb) or ("f32",))[0]
+
+
+def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=1.6, max_n=6) -> tuple:
+    """(cost-model plan, pruned candidate plans with it first) of product g under execution plan ex: its
+    base family and, where it runs the warpgroup-MMA kernels, those that run g; workspaces: {name:
+    floats} of the split-K partials and the scratch they re-lay operands out in (workspace_floats)."""
+    workspaces = workspaces or {}
+    ws = split_room(_out_dtype(g, ex), workspaces.get("gemm_splitk", 0))
+    heur = plan(g, ex.gemm_family, ex.wgmma_mode, sm_count, ws, workspaces)
+    cands = tune_candidates(g, ex.gemm_family, ex.wgmma_mode, ws, workspaces)
+    pruned = prune_candidates(cands, g, sm_count, keep=keep, max_n=max_n, always=[heur])
     return heur, [heur] + [p for p in pruned if p != heur]
-
-
-def rounds_median(samples: list) -> float:
-    return statistics.median(samples) if samples else math.inf
 
 
 def pick_winner(plans, times_ms, ok=None):
@@ -155,26 +75,25 @@ def pick_winner(plans, times_ms, ok=None):
     return min(fine, key=lambda i: times_ms[i]) if fine else None
 
 
-def tune_op(op: GemmOp, ex, timer, sm_count=132, ws_floats=0, keep=1.6, max_n=6, scratch=None, plans=None):
-    """Time one op's candidates (`plans`, the cost model's first; default candidates_for's) under
-    execution plan ex with timer(op, plans) -> (samples per plan [ms lists], ok per plan or None);
-    returns a result dict."""
+def tune_op(g: Product, ex, timer, sm_count=132, workspaces=None, keep=1.6, max_n=6, plans=None) -> dict:
+    """Time product g's candidates (`plans`, the cost model's first; default candidates_for's) under
+    execution plan ex with timer(g, plans) -> (samples per plan [ms lists], ok per plan or None); returns
+    a result dict: the plans, their median times, which agreed, the winner, the floor, the model's times."""
     if plans is None:
-        plans = candidates_for(op, ex, sm_count, ws_floats, keep, max_n, scratch)[1]
-    samples, ok = timer(op, plans)
-    times = [rounds_median(s) for s in samples]
-    w = pick_winner(plans, times, ok)
-    return {"op": op, "plans": plans, "times_ms": times, "ok": ok, "winner": w,
-            "floor_ms": floor_s(op, ex) * 1e3,
-            "est_ms": [estimate_s(p, op.M, op.N, op.K, op.batch, op.epi, sm_count, op.colsum) * 1e3 for p in plans]}
+        plans = candidates_for(g, ex, sm_count, workspaces, keep, max_n)[1]
+    samples, ok = timer(g, plans)
+    times = [statistics.median(s) if s else math.inf for s in samples]
+    return {"op": g, "plans": plans, "times_ms": times, "ok": ok, "winner": pick_winner(plans, times, ok),
+            "floor_ms": floor_s(g, ex) * 1e3, "est_ms": [estimate_s(p, g, sm_count) * 1e3 for p in plans]}
 
 
 def table_entries(results, ex) -> dict:
     """{key: entry} of the winners (the plan, its time, the cost model's plan and time, the floor)."""
-    return {r["op"].key(ex.table_tag): {**plan_to_json(r["plans"][r["winner"]]),
-                                     "ms": round(r["times_ms"][r["winner"]], 5),
-                                     "heuristic_ms": round(r["times_ms"][0], 5), "heuristic": plan_label(r["plans"][0]),
-                                     "floor_ms": round(r["floor_ms"], 5), "label": r["op"].label}
+    return {table_key(ex.table_tag, r["op"]): {**plan_to_json(r["plans"][r["winner"]]),
+                                        "ms": round(r["times_ms"][r["winner"]], 5),
+                                        "heuristic_ms": round(r["times_ms"][0], 5),
+                                        "heuristic": plan_label(r["plans"][0]), "floor_ms": round(r["floor_ms"], 5),
+                                        "label": r["op"].label}
             for r in results if r["winner"] is not None}
 
 
@@ -184,79 +103,169 @@ def step_ms(results) -> tuple:
             sum(r["op"].count * r["times_ms"][r["winner"]] for r in results if r["winner"] is not None))
 
 
-def ws_floats_of(cfg, vocab, name="gemm_splitk", ex=None) -> int:
-    """Floats of the GEMM workspace `name` the memory plan gives this config (0: none)."""
-    ws = workspace(dataclasses.replace(cfg, vocab_size=vocab), ex)
-    return int(np.prod(ws[name][0])) if name in ws else 0
+# ---- timing candidates on the GPU --------------------------------------------------------
+# random operands are uploaded as repeats of a block this long (a window of noise drawn once): no
+# factor below 2048, so no two rows of a product repeat (a wrong row or k offset shows), and the
+# host never holds a whole operand
+_BLOCK = (1 << 22) - 3
+OUT, COLSUM = 2, 5           # the views `_views` makes that a launch writes (the others: inputs)
 
 
-def scratch_of(cfg, vocab, ex=None) -> dict:
-    """{name: floats} of the warpgroup-MMA kernels' planned scratch (WGMMA_WORKSPACES)."""
-    return {name: ws_floats_of(cfg, vocab, name, ex) for name in WGMMA_WORKSPACES}
+def _views(g: Product, ex, make) -> tuple:
+    """(a, b, out, bias, aux, a_colsum) of product g's launch, each make(index, shape, dtype) (None where g
+    has none): under execution plan ex, A and B of its base family's operand type, C and aux of the type
+    its kernels write for g's layout, the bias and a_colsum fp32."""
+    fam, out = FAMILIES[ex.gemm_family], _out_dtype(g, ex)
+    lead = (g.batch,) if g.batch > 1 else ()
+    specs = ((lead + ((g.K, g.M) if g.ta else (g.M, g.K)), fam.dtype),
+             (lead + ((g.N, g.K) if g.tb else (g.K, g.N)), fam.dtype), (lead + (g.M, g.N), out),
+             ((g.N,) if g.bias else None, "f32"), ((g.M, g.N) if g.epilogue in AUX_EPILOGUES else None, out),
+             ((g.M,) if g.colsum else None, "f32"))
+    return tuple(None if shape is None else make(i, shape, dtype) for i, (shape, dtype) in enumerate(specs))
+
+
+def _launch(rt, g: Product, p, a, b, out, bias, aux, colsum):
+    """Launch (or record) product g by plan p on these views."""
+    if g.batch > 1:
+        matmul_batched(rt, out, a, b, g.ta, g.tb, plan=p)
+    else:
+        matmul(rt, out, a, b, g.ta, g.tb, bias=bias, epilogue=g.epilogue, aux=aux, plan=p, a_colsum=colsum)
+
+
+class EventTimer:
+    """Times candidate plans of one product on the GPU: per candidate a CUDA graph of launches (enough
+    for ~target_ms), `rounds` rounds of one replay each in a rotated order between CUDA events (so every
+    candidate sees the same clocks and temperature), then one eager run each whose output is compared
+    with the first's (check_floats: at most that many floats of it, the first and last halves; None:
+    all). workspaces: {name: floats} of the GEMM workspaces to lend the launches (the memory plan's
+    sizes); rt's own are restored after each product. close() frees them."""
+
+    def __init__(self, rt, workspaces: dict, rounds=7, target_ms=0.5, check=True, seed=0, check_floats=None):
+        self.rt, self.rounds, self.target_ms, self.check, self.check_floats = rt, rounds, target_ms, check, check_floats
+        self.rng = np.random.default_rng(seed)
+        self.noise = self.rng.standard_normal(2 * _BLOCK, dtype=np.float32)    # drawn once: each operand a window
+        self.ws = {name: self._alloc((n,)) for name, n in workspaces.items() if n}
+
+    def _alloc(self, shape, dtype="f32"):
+        v = DeviceView(0, tuple(int(s) for s in shape), dtype, "tune")
+        return DeviceView(self.rt.dev.malloc(max(1, v.nbytes)), v.shape, dtype, "tune")
+
+    def _upload(self, shape, dtype="f32"):
+        v = self._alloc(shape, dtype)
+        start = int(self.rng.integers(_BLOCK))
+        block = self.noise[start:start + min(v.numel, _BLOCK)]
+        block = bf16.bits(block) if dtype == "bf16" else block
+        for off in range(0, v.numel, _BLOCK):
+            m = min(_BLOCK, v.numel - off)
+            self.rt.write(DeviceView(v.ptr + v.itemsize * off, (m,), dtype, "tune"), block[:m])
+        return v
+
+    def _result(self, out) -> np.ndarray:
+        n, lim = out.numel, self.check_floats
+        if lim is None or n <= lim:
+            got = self.rt.download(out).reshape(-1)
+        else:
+            got = np.concatenate([self.rt.download(DeviceView(out.ptr + out.itemsize * at, (lim // 2,), out.dtype,
+                                                               "part")) for at in (0, n - lim // 2)])
+        return bf16.values(got) if out.dtype == "bf16" else got
+
+    def __call__(self, g: Product, plans):
+        """(per plan its samples in ms, per plan whether its output agreed: None without the check)."""
+        rt, dev = self.rt, self.rt.dev
+        bufs, graphs, evs = [], [], []
+
+        def make(i, shape, dtype):
+            bufs.append((self._alloc if i in (OUT, COLSUM) else self._upload)(shape, dtype))
+            return bufs[-1]
+
+        old = rt.set_workspace({})
+        try:
+            vs = _views(g, rt.exec, make)
+            # a colsum product's bias-gradient partials (elementwise.bias_grad's workspace, planned per config)
+            parts = [self._alloc((elementwise.MAX_CHUNKS * g.M,))] if g.colsum else []
+            bufs += parts
+            rt.set_workspace({**old, **self.ws, **{elementwise.WORKSPACE: v for v in parts}})
+            reps = [int(min(64, max(1, math.ceil(self.target_ms / max(estimate_s(p, g, rt.info.sm_count) * 1e3,
+                                                                            1e-4))))) for p in plans]
+            for p, n in zip(plans, reps):
+                prog = rt.begin("tune")
+                try:
+                    for _ in range(n):
+                        _launch(rt, g, p, *vs)
+                finally:
+                    rt.end()
+                graphs.append(rt.capture(prog))
+            for graph in graphs:                   # warm-up (module load, clocks)
+                graph.launch()
+            rt.synchronize()
+            for r in range(self.rounds):
+                for i in [(i + r) % len(plans) for i in range(len(plans))]:
+                    e0, e1 = dev.event(), dev.event()
+                    evs.append((i, e0, e1))
+                    dev.record(e0, rt.stream)
+                    graphs[i].launch()
+                    dev.record(e1, rt.stream)
+            rt.synchronize()
+            samples = [[] for _ in plans]
+            for i, e0, e1 in evs:
+                samples[i].append(dev.elapsed_ms(e0, e1) / reps[i])
+            return samples, self._agree(g, plans, vs) if self.check else None
+        finally:
+            rt.synchronize()
+            for graph in graphs:
+                graph.destroy()
+            for _, e0, e1 in evs:
+                dev.event_destroy(e0), dev.event_destroy(e1)
+            rt.set_workspace(old)
+            for v in bufs:
+                dev.free(v.ptr)
+
+    def _agree(self, g, plans, vs) -> list:
+        """Whether each plan's output, from one eager launch, is the first's to within the execution
+        plan's check_tolerance (TF32: the wgmma kernel truncates operands to tf32 where mma.sync rounds
+        them, ~1e-3 apart; fp32: SIMT and 3xTF32 ~1e-7)."""
+        ok, ref = [], None
+        for p in plans:
+            _launch(self.rt, g, p, *vs)       # (GELU rewrites aux with the same pre-activation)
+            got = self._result(vs[OUT])
+            if ref is None:
+                ref = got.astype(np.float64)
+                scale = max(float(np.max(np.abs(ref))), 1e-30)
+            err = float(np.max(np.abs(got - ref))) / scale if np.all(np.isfinite(got)) else math.inf
+            ok.append(err < self.rt.exec.check_tolerance)
+        return ok
+
+    def close(self):
+        for v in self.ws.values():
+            self.rt.dev.free(v.ptr)
+        self.ws = {}
 
 
 # ---- the candidates' kernels, compiled in parallel before the timing ------------------------
-class _Variants:
-    """Stands in for the runtime while candidates' launches are planned: notes the kernel variants
-    the launch code asks for, launches and allocates nothing."""
+def _prebuild(rt, ops, cands, workspaces, build, bar):
+    """Compile the kernels of every candidate plan at once (`build`): those their launches ask for, made on
+    views at fake addresses in rt's noting mode (nothing runs). Candidates whose kernels did not compile
+    are left out (the cost model's, first, stays: the run launches it anyway, and its error shows there).
+    Returns the candidate lists and how many were left out."""
+    def fake(i, shape, dtype="f32"):
+        return DeviceView((i + 1) << 38, tuple(shape), dtype, "x")
 
-    def __init__(self, rt, workspaces: dict):
-        self.exec, self.info, self.arch, self.asked = rt.exec, rt.info, rt.arch, []
-        self._ws = {name: DeviceView((16 + i) << 38, (n,), "f32", name)
-                    for i, (name, n) in enumerate(workspaces.items()) if n}
-
-    def function(self, file, name, defines=None):
-        self.asked.append((file, name, tuple(sorted((defines or {}).items())), self.arch))
-        return Function(None, name, file)
-
-    def launch(self, *a, **k):
-        pass
-
-    def tensor_map(self, *a, **k):
-        return Blob(bytes(128))
-
-    def workspace(self, name):
-        return self._ws[name]
-
-    def of(self, op: GemmOp, p) -> list:
-        """The variants (file, name, sorted define items, arch) op's launch with plan p asks for."""
-        self.asked = []
-        if op.colsum:            # the bias-gradient partials a colsum op writes (as EventTimer provides)
-            self._ws[elementwise.WORKSPACE] = DeviceView(15 << 38, (elementwise.MAX_CHUNKS * op.M,), "f32",
-                                                         elementwise.WORKSPACE)
-        _launch(self, op, p, *[DeviceView((i + 1) << 38, s, dt, "x") if s else None
-                               for i, (s, dt) in enumerate(zip(_operand_shapes(op), _operand_dtypes(op, self.exec)))])
-        return self.asked
-
-
-def build_variants(jobs, progress=None) -> set:
-    """Compile jobs, (file, name, defines, arch), into the kernel cache in a pool of worker processes
-    (runtime/compiler.py build_in_background); the indices of those that did not compile."""
-    from gptcuda.runtime import compiler
-    if not jobs:
-        return set()
-    pool, futures = compiler.build_in_background(jobs, workers=min(len(jobs), compiler.default_workers()))
-    failed = set()
+    lend = {**workspaces, elementwise.WORKSPACE: elementwise.MAX_CHUNKS * max(op.M for op in ops)}
+    old = rt.set_workspace({name: fake(15 + i, (n,)) for i, (name, n) in enumerate(lend.items()) if n})
+    needs = []
     try:
-        for i, f in enumerate(futures):
-            if f.result():
-                failed.add(i)
-            if progress is not None:
-                progress(i + 1)
+        for op, plans in zip(ops, cands):
+            vs, per = _views(op, rt.exec, fake), []
+            for p in plans:
+                with rt.noting() as asked:
+                    _launch(rt, op, p, *vs)
+                per.append(asked)
+            needs.append(per)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    return failed
-
-
-def _prebuild(rt, ops, cands, workspaces, build, line):
-    """Compile the kernels of every candidate plan at once (`build`); candidates whose kernels did
-    not compile are left out (the cost model's, first, stays: the run launches it anyway, and its
-    error shows there). Returns the candidate lists and how many were left out."""
-    stand_in = _Variants(rt, workspaces)
-    needs = [[stand_in.of(op, p) for p in plans] for op, plans in zip(ops, cands)]
+        rt.set_workspace(old)
     jobs = list(dict.fromkeys(v for per in needs for vs in per for v in vs))
-    line.phase(len(jobs), f"GEMM table: compiling {len(jobs)} kernels")
-    bad = {jobs[i] for i in build([(f, n, dict(d), a) for f, n, d, a in jobs], line.show)}
+    with bar(total=len(jobs), desc=f"GEMM table: compiling {len(jobs)} kernels", leave=False) as line:
+        bad = {jobs[i] for i in build([(f, n, dict(d), a) for f, n, d, a in jobs], lambda n: line.update(n - line.n))}
     out = [[p for i, (p, vs) in enumerate(zip(plans, per)) if i == 0 or bad.isdisjoint(vs)]
            for plans, per in zip(cands, needs)]
     return out, sum(map(len, cands)) - sum(map(len, out))
@@ -265,15 +274,15 @@ def _prebuild(rt, ops, cands, workspaces, build, line):
 # ---- measuring a run's missing shapes ------------------------------------------------------
 def on_device(rt) -> bool:
     """rt drives a GPU: its device is the driver's (gptcuda.runtime.driver.Device). A test's stand-in
-    runtime (a Runtime over a fake device, or a recording object) has none, and is never timed on."""
+    runtime (a Runtime over a fake device) has none, and is never timed on."""
     from gptcuda.runtime.driver import Device
     return isinstance(getattr(rt, "dev", None), Device)
 
 
 def missing_ops(rt, cfg, vocab, backward=True) -> list:
-    """The ops of this config (model_gemms) the table of rt's GPU lacks under rt's execution plan."""
+    """The products of this config the table of rt's GPU lacks under rt's execution plan."""
     tag, have = rt.exec.table_tag, load_table(rt.info.name)
-    return [op for op in model_gemms(cfg, vocab, backward, rt.exec) if op.key(tag) not in have]
+    return [op for op in products(cfg, vocab, backward, rt.exec) if table_key(tag, op) not in have]
 
 
 @dataclass
@@ -295,49 +304,15 @@ class TuneSummary:
                 f"({self.path}){drop}")
 
 
-class _Line:
-    """One progress line that updates, phase by phase: tqdm's bar where tqdm is installed, else a
-    carriage-return line; nothing when out is None."""
-
-    def __init__(self, out):
-        self.out, self.bar, self.total, self.desc = out, None, 0, ""
-
-    def phase(self, total, desc):
-        self.total, self.desc = total, desc
-        if self.out is not None and self.bar is None:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, desc=desc, unit="", file=self.out, dynamic_ncols=True)
-            except ImportError:
-                self.bar = False
-        elif self.bar:
-            self.bar.reset(total=total)
-            self.bar.set_description_str(desc)
-        self.show(0)
-
-    def show(self, n, note=""):
-        if self.bar:
-            self.bar.set_postfix_str(note, refresh=False)
-            self.bar.update(n - self.bar.n)
-        elif self.bar is False:
-            self.out.write(f"\r{self.desc}: {n}/{self.total} {note}"[:119].ljust(119))
-            self.out.flush()
-
-    def close(self, note=""):
-        if self.bar is not None:
-            self.show(self.total, note)
-            self.bar.close() if self.bar else self.out.write("\n")
-
-
-def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None, build=build_variants,
+def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None, build=compiler.build_all,
              rounds=5, target_ms=0.3, keep=1.6, max_n=6) -> TuneSummary | None:
-    """Measure the GEMMs of this config (model_gemms) that the table of rt's GPU lacks, at the
+    """Measure the GEMM products of this config that the table of rt's GPU lacks, at the
     precision and with the warpgroup-MMA kernels the runtime's execution plan resolved and the
     workspaces the memory plan gives, and merge the winners into the table (an entry written
     meanwhile by another process stays). None when the plan's gemm_tune is not "auto"; with
     nothing missing it returns at once, the GPU untouched. One progress line on `out` (default
     sys.stderr; quiet: none). timer: EventTimer's interface (tests); build: compiles the
-    candidates' kernels (build_variants's interface; None: each when first launched). The timing
+    candidates' kernels (compiler.build_all's interface; None: each when first launched). The timing
     buffers are freed and rt's workspaces restored."""
     ex = rt.exec
     if ex.gemm_tune != "auto":
@@ -345,27 +320,29 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     t0 = time.perf_counter()
     name, sm = rt.info.name, rt.info.sm_count
     missing = missing_ops(rt, cfg, vocab, backward)
-    known = len(model_gemms(cfg, vocab, backward, ex)) - len(missing)
+    known = len(products(cfg, vocab, backward, ex)) - len(missing)
     path = str(table_path(name))
     if not missing:
         return TuneSummary(0, known, time.perf_counter() - t0, 0.0, 0.0, path)
-    ws, scratch = ws_floats_of(cfg, vocab, ex=ex), scratch_of(cfg, vocab, ex)
-    cands = [candidates_for(op, ex, sm, ws, keep, max_n, scratch)[1] for op in missing]
-    line = _Line(None if quiet else sys.stderr if out is None else out)
-    results, dropped, own = [], 0, timer is None
+    ws = workspace_floats(cfg, vocab, ex)
+    cands = [candidates_for(op, ex, sm, ws, keep, max_n)[1] for op in missing]
+    # one progress line: the compiling phase's bar (cleared when done), then the measuring one's
+    bar = functools.partial(tqdm, unit="", file=sys.stderr if out is None else out, dynamic_ncols=True, disable=quiet)
+    dropped = 0
+    if build is not None:
+        cands, dropped = _prebuild(rt, missing, cands, ws, build, bar)
+    own, results = timer is None, []
+    timer = timer or EventTimer(rt, ws, rounds=rounds, target_ms=target_ms, check_floats=1 << 22)
     try:
-        if build is not None:
-            cands, dropped = _prebuild(rt, missing, cands, {"gemm_splitk": ws, **scratch}, build, line)
-        line.phase(len(missing), f"GEMM table: measuring {ex.table_tag} shapes")
-        if own:
-            timer = EventTimer(rt, ws, rounds=rounds, target_ms=target_ms, scratch=scratch, check_floats=1 << 22)
-        for i, (op, plans) in enumerate(zip(missing, cands)):
-            line.show(i, op.label)
-            results.append(tune_op(op, ex, timer, sm, plans=plans))
+        with bar(total=len(missing), desc=f"GEMM table: measuring {ex.table_tag} shapes") as line:
+            for op, plans in zip(missing, cands):
+                line.set_postfix_str(op.label, refresh=False)
+                results.append(tune_op(op, ex, timer, sm, plans=plans))
+                line.update()
+            base, tuned = step_ms(results)
+            line.set_postfix_str(f"cost model {base:.3f} -> tuned {tuned:.3f} ms a step", refresh=False)
     finally:
-        if own and timer is not None:
+        if own:
             timer.close()
-        base, tuned = step_ms(results)
-        line.close(f"cost model {base:.3f} -> tuned {tuned:.3f} ms a step" if results else "")
-    save_table(name, table_entries(results, ex), merge=True, replace=False)
+    save_table(name, table_entries(results, ex), replace=False)
     return TuneSummary(len(results), known, time.perf_counter() - t0, base, tuned, path, dropped)
