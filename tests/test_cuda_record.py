@@ -158,3 +158,26 @@ def test_record_bf16_training_step(dropout, bias, recompute):
     assert [r.fn.name.split("<")[0] for r in items].count("adamw") == 1
     evals = [r for r in eng.programs["eval_val"].items if isinstance(r, Launch)]
     assert evals[0].fn.name.startswith("to_bf16")
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_record_bf16_step_on_flash_bf16(dropout):
+    """precision bf16 at head size 64: the attention is flash_bf16's three kernels and the bf16 rowsum,
+    with no fp32 copies of qkv and y around it; a flash_bf16 plan refuses fp32 tensors in one line."""
+    from gptcuda.ops.cuda import attention as attn
+    cfg = load_config("configs/tiny.yaml", ["--precision=bf16", "--attention=fused", f"--dropout={dropout}",
+                                            "--n_embd=128", "--n_head=2", "--vocab_multiple=8"])
+    rt = RecordingRuntime(cfg)
+    eng = Engine(cfg, np.arange(1000, dtype=np.int32) % 65, np.arange(200, dtype=np.int32) % 65, 72,
+                 backend=CudaBackend(cfg, rt=rt), programs=("train",), n_vocab=65)
+    names = [r.fn.name for r in eng.programs["train"].items if isinstance(r, Launch)]
+    att = [n.split("<")[0] for n in names if n.startswith("flash")]
+    L = cfg.n_layer
+    assert att.count("flash_fwd_bf16") == att.count("flash_bwd_dq_bf16") == att.count("flash_bwd_dkv_bf16") == L
+    assert att.count("flash_rowsum_do") == L and all(n.endswith(",1>") for n in names if n.startswith("flash_rowsum"))
+    assert not any("_tc<" in n for n in names) and "attention_f32" not in rt._workspace
+    assert all(f"<64,{'true' if dropout else 'false'}," in n for n in names if n.startswith("flash") and "_bf16<" in n)
+    saved = {"lse": rt.empty((2, 2, 16))}
+    qkv, y = rt.empty((2, 16, 384)), rt.empty((2, 16, 128))
+    with pytest.raises(TypeError, match="bf16 flash kernels take bf16"):
+        attn.attention_fwd(rt, y, qkv, saved, 2, 0.0, 0, eng.exec)

@@ -190,7 +190,7 @@ def attention_fwd(rt, y, qkv, saved, n_head, p, site, ex=None):
     (flash_bf16), or at other head sizes the tf32 ones on fp32 copies (qkv widened exactly, y rounded
     once)."""
     ex = rt.exec if ex is None else ex      # the execution plan (the backend passes its own)
-    if qkv.dtype == "bf16" and _path(saved, "attention_fwd", ex)[1] == "flash_bf16":
+    if _path(saved, "attention_fwd", ex)[1] == "flash_bf16":      # (bf16 tensors only: _bf16_check)
         return _bf16_fwd(rt, y, qkv, saved["lse"], n_head, p, site)
     if qkv.dtype == "bf16":
         q32, y32 = _on_fp32(rt, "attention_fwd", qkv, y)
@@ -208,7 +208,7 @@ def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, ex=None):
     """dqkv from dy (bf16: flash_bf16, or on fp32 copies of qkv, y and dy, dqkv rounded once, as
     attention_fwd)."""
     ex = rt.exec if ex is None else ex
-    if qkv.dtype == "bf16" and _path(saved, "attention_bwd", ex)[1] == "flash_bf16":
+    if _path(saved, "attention_bwd", ex)[1] == "flash_bf16":
         return _bf16_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site)
     if qkv.dtype == "bf16":
         q32, y32, dy32, dq32 = _on_fp32(rt, "attention_bwd", qkv, y, dy, dqkv)
