@@ -24,6 +24,14 @@ __device__ __forceinline__ u32 gc_hash32(u32 x) {
     return x;
 }
 
+// 2^x as one approximate instruction (ex2.approx.ftz: relative error near 2^-22; -inf gives 0): the flash
+// kernels' exponentials, and the GELU of the bf16 GEMM epilogue
+__device__ __forceinline__ float gc_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // key of one random stream: H(H(H(seed) ^ site) + step * golden)
 __device__ __forceinline__ u32 gc_key(u32 seed, u32 step, u32 site) {
     return gc_hash32(gc_hash32(gc_hash32(seed) ^ site) + step * 0x9e3779b9u);

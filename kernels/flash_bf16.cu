@@ -255,7 +255,7 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const float mnew = fmaxf(m[hh], mx[hh]);
-                    const float alpha = fa_exp2(m[hh] - mnew);   // 0 on tile 0 (m = -inf)
+                    const float alpha = gc_exp2(m[hh] - mnew);   // 0 on tile 0 (m = -inf)
                     m[hh] = mnew;
                     l[hh] *= alpha;
 #pragma unroll
@@ -273,7 +273,7 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
                     if (DROP) kw = gc_keep_word(key, rpair + (u32)(8 * hh) * Th + (u32)((k0 >> 1) + 4 * j));
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        float p = fa_exp2(fmaf(sc[4 * j + 2 * hh + e], sl2, -m[hh]));   // <= 2^FB_RESCALE_LOG2
+                        float p = gc_exp2(fmaf(sc[4 * j + 2 * hh + e], sl2, -m[hh]));   // <= 2^FB_RESCALE_LOG2
                         l[hh] += p;
                         if (DROP && gc_keep_half(kw, e) < threshold) p = 0.f;   // 1/(1-p) on O at the end
                         sc[4 * j + 2 * hh + e] = p;
@@ -375,7 +375,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int c = 4 * j + 2 * hh + e;
-                        float p = fa_exp2(sc[c] * sl2 - lse2[hh]);
+                        float p = gc_exp2(sc[c] * sl2 - lse2[hh]);
                         if (edge && k0 + 8 * j + 2 * k.q + e > wr0 + k.g + 8 * hh) p = 0.f;
                         float d = dp[c];                    // dP = dPd keep / (1 - p)
                         if (DROP) d = gc_keep_half(kw, e) < threshold ? 0.f : d * inv_keep;
@@ -477,7 +477,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
                         const int c = 4 * j + 2 * hh + e2, kk = kw0 + k.g + 8 * hh;   // the row's key
-                        float p = fa_exp2(fmaf(sc[c], sl2, -l2i));
+                        float p = gc_exp2(fmaf(sc[c], sl2, -l2i));
                         if (edge && kk > i) p = 0.f;
                         float d = dp[c], pd = p;
                         if (DROP) {                        // keys 2c' and 2c' + 1 of query i share a word

@@ -121,12 +121,6 @@ __device__ __forceinline__ u32 fa_drop_key(const StepState* __restrict__ st, u32
 
 template <bool B> struct FaBool { static constexpr bool value = B; };
 
-__device__ __forceinline__ float fa_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 
 __device__ __forceinline__ u32 fa_smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 

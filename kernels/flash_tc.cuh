@@ -575,7 +575,7 @@ __device__ __forceinline__ void fa_fwd_tc_body(FA_ARGS_FWD) {
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const float mnew = fmaxf(m[mt][hh], mx[mt][hh]);
-                    const float alpha = fa_exp2(m[mt][hh] - mnew);
+                    const float alpha = gc_exp2(m[mt][hh] - mnew);
                     const float shift = mnew + mref[mt][hh];   // s holds S + mref
                     m[mt][hh] = mnew;
                     l[mt][hh] *= alpha;
@@ -602,7 +602,7 @@ __device__ __forceinline__ void fa_fwd_tc_body(FA_ARGS_FWD) {
                     if (DROP) kw = gc_keep_word(key, rpair + (u32)(16 * mt + 8 * hh) * Th + (u32)((k0 >> 1) + 4 * nt));
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        float p = fa_exp2(s[mt][nt][2 * hh + e]);   // exp2(S - m) <= 2^FA_RESCALE_LOG2
+                        float p = gc_exp2(s[mt][nt][2 * hh + e]);   // exp2(S - m) <= 2^FA_RESCALE_LOG2
                         rsum += p;
                         if (DROP && gc_keep_half(kw, e) < threshold) p = 0.f;   // 1/(1-p) is applied to O at the end
                         s[mt][nt][2 * hh + e] = p;
@@ -735,7 +735,7 @@ __device__ __forceinline__ void fa_dq_tc_body(FA_ARGS_BWD) {
                 }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float pe = fa_exp2(s[mt][nt][e]);
+                    const float pe = gc_exp2(s[mt][nt][e]);
                     float gv = dp[mt][nt][e];
                     if (DROP) {
                         const bool kp = gc_keep_half(kw[e >> 1], e & 1) >= threshold;
@@ -913,7 +913,7 @@ __device__ __forceinline__ void fa_dkv_tc_body(FA_ARGS_BWD) {
                 }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float pe = fa_exp2(s[mt][nt][e]);
+                    const float pe = gc_exp2(s[mt][nt][e]);
                     float gv = dp[mt][nt][e];
                     float pd = pe;
                     if (DROP) {

@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(THREADS, FaDkvWg<HS, BK_, BQ_, NS_>::MINB) fla
                     const int iq = q0 + 8 * nt + 2 * t + (e & 1);
                     if (wk0 + g + 8 * (e >> 1) > iq || iq >= T) x = ninf;
                 }
-                const float pe = fa_exp2(x);
+                const float pe = gc_exp2(x);
                 float gv = dp[4 * nt + e];
                 float pd = pe;
                 if (DROP) {

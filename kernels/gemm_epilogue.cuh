@@ -47,11 +47,6 @@ __device__ __forceinline__ float gemm_gelu_grad(float x) {
 // (within 2^-8 of a value) they leave as it is; the full-precision forms cost as much as the product itself there
 // (a 256 x 128 tile's epilogue ran as long as its k loop). Limits as above: x -> -inf gives -0
 // (1 + e = inf), +inf stays, NaN stays NaN.
-__device__ __forceinline__ float gemm_ex2_fast(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 __device__ __forceinline__ float gemm_rcp_fast(float x) {
     float y;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -59,14 +54,14 @@ __device__ __forceinline__ float gemm_rcp_fast(float x) {
 }
 __device__ __forceinline__ float gemm_gelu_fast(float x) {
     const float s = 0.7978845608028654f * -2.0f * 1.4426950408889634f;   // -2 sqrt(2/pi) log2 e
-    return x * gemm_rcp_fast(1.0f + gemm_ex2_fast(s * (x + 0.044715f * x * x * x)));
+    return x * gemm_rcp_fast(1.0f + gc_exp2(s * (x + 0.044715f * x * x * x)));
 }
 __device__ __forceinline__ float gemm_gelu_grad_fast(float x) {
     const float k = 0.7978845608028654f;   // sqrt(2/pi)
     const float x2 = x * x;
     const float u = k * (x + 0.044715f * x2 * x);
     const float du = k * (1.0f + 3.0f * 0.044715f * x2);
-    const float e = gemm_ex2_fast(-2.0f * 1.4426950408889634f * fmaxf(fminf(u, 40.0f), -40.0f));
+    const float e = gc_exp2(-2.0f * 1.4426950408889634f * fmaxf(fminf(u, 40.0f), -40.0f));
     const float s = gemm_rcp_fast(1.0f + e);
     const float g = s * (1.0f + 2.0f * x * du * e * s);
     return u > 40.0f ? 1.0f : (u < -40.0f ? 0.0f : g);
