@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.common import ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402
 from gptcuda.ops.cuda import gemm  # noqa: E402
-from gptcuda.ops.cuda.gemm.families import BF16_TILES, layout_code  # noqa: E402
+from gptcuda.ops.cuda.gemm.families import BF16_TILES, FAMILIES, layout_code  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import make_plan  # noqa: E402
 from gptcuda.ops.reference import ops as ref  # noqa: E402
 from gptcuda.runtime import Runtime, bf16  # noqa: E402
@@ -66,8 +66,8 @@ def check(rt, rng) -> bool:
     cases.append((True, False, 384, 768, 4096, "none", False, "f32", 4))     # split-K partials, the reduction
     for tile in BF16_TILES:
         for ta, tb, M, N, K, epi, hb, out_t, splits in cases:
-            if tile != (128, 128, 4) and (epi != "none" or splits > 1 or K != 3072):
-                continue          # the other tiles: each layout at the largest shape
+            if tile[3] == 0 and tile != (128, 256, 4, 0) and (epi != "none" or splits > 1 or K != 3072):
+                continue          # the other gemm_wgmma_ws tiles: each layout at the largest shape
             a64 = bf16.round_f32(rng.standard_normal((K, M) if ta else (M, K))).astype(np.float64)
             b64 = bf16.round_f32(rng.standard_normal((N, K) if tb else (K, N))).astype(np.float64)
             a, b = rt.upload(a64, "bf16"), rt.upload(b64, "bf16")
@@ -101,39 +101,50 @@ def check(rt, rng) -> bool:
 
 
 def gpt2_shapes(tokens=8192, C=768, V=50304):
-    """(label, M, N, K, layout) of GPT-2 124M's products at `tokens` tokens (one layer and the head)."""
+    """(label, M, N, K, layout, epilogue, bias) of GPT-2 124M's products at `tokens` tokens (one layer and
+    the head), each with the epilogue the training step gives it."""
     out = []
-    for name, n_out, n_in in (("qkv", 3 * C, C), ("attn proj", C, C), ("fc", 4 * C, C), ("fc proj", C, 4 * C),
-                              ("head", V, C)):
-        out += [(f"fwd {name}", tokens, n_out, n_in, "NT"), (f"dX {name}", tokens, n_in, n_out, "NN"),
-                (f"dW {name}", n_out, n_in, tokens, "TN")]
+    for name, n_out, n_in, fwd, dx in (("qkv", 3 * C, C, "bias", "none"), ("attn proj", C, C, "residual", "none"),
+                                       ("fc", 4 * C, C, "gelu", "none"), ("fc proj", C, 4 * C, "residual", "dgelu"),
+                                       ("head", V, C, "none", "none")):
+        out += [(f"fwd {name}", tokens, n_out, n_in, "NT", fwd, name != "head"),
+                (f"dX {name}", tokens, n_in, n_out, "NN", dx, False), (f"dW {name}", n_out, n_in, tokens, "TN",
+                                                                       "none", False)]
     return out
 
 
-def speed(rt, rng, iters) -> list:
-    """Each product's best tile (one product, no split), replayed in a CUDA graph: TF32 as the training
-    step runs it (the cost model's plan: B^T first for NN, the register-A kernels for TN), BF16 as stored."""
+def speed(rt, rng, iters, bf16_only=False) -> list:
+    """Each product's best tile (one product, no split; the epilogue of the training step), replayed in a
+    CUDA graph: TF32 as the training step runs it (the cost model's plan: B^T first for NN, the register-A
+    kernels for TN), BF16 as stored, every tile's time printed (bf16_only: no TF32 column)."""
     rows = []
     watch = ClockWatch()
     tf32, bf = rt.exec.with_precision("tf32"), rt.exec
-    for label, M, N, K, lay in gpt2_shapes():
+    for label, M, N, K, lay, epi, hb in gpt2_shapes():
         ta, tb = lay[0] == "T", lay[1] == "T"
         flop = 2.0 * M * N * K
-        best = {}
-        for ex, dtype in ((tf32, "f32"), (bf, "bf16")):
+        best = {"f32": (float("nan"), "-")} if bf16_only else {}
+        for ex, dtype in ((bf, "bf16"),) if bf16_only else ((tf32, "f32"), (bf, "bf16")):
             a = rt.upload(rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32), dtype)
             b = rt.upload(rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32), dtype)
             c = rt.empty((M, N), "bf16" if dtype == "bf16" and not ta else "f32")
+            bias = rt.upload(rng.standard_normal(N).astype(np.float32)) if hb else None
+            aux = rt.upload(rng.standard_normal((M, N)).astype(np.float32), c.dtype) if EPILOGUES[epi] != "none" else None
             tiles = tuple(BF16_TILES) if dtype == "bf16" else (None,)
+            times = []
             for tile in tiles:
-                ms = time_graphed_ms(rt, lambda: product(rt, ex, c, a, b, ta, tb, tile=tile), iters=iters, reps=5)
+                ms = time_graphed_ms(rt, lambda: product(rt, ex, c, a, b, ta, tb, epi, bias, aux, tile=tile),
+                                     iters=iters, reps=5)
+                times.append(f"{FAMILIES['bf16'].short(tile) if tile else 'model'} {ms:.4f}")
                 if dtype not in best or ms < best[dtype][0]:
                     best[dtype] = (ms, tile or "model")
+            if dtype == "bf16":
+                print(f"  {label} {epi}{'+bias' if hb else ''}: " + ", ".join(times), flush=True)
         tf, bb = best["f32"], best["bf16"]
         rows.append({"op": label, "M": M, "N": N, "K": K, "layout": lay, "tf32_ms": tf[0], "bf16_ms": bb[0],
                      "bf16_tile": bb[1], "bf16_tflops": flop / bb[0] / 1e9, "tf32_tflops": flop / tf[0] / 1e9})
         print(f"{label:<14} {lay} {M:>6}x{N:<6}x{K:<6} tf32 {tf[0]:8.4f} ms ({flop / tf[0] / 1e9:6.1f} TFLOP/s)  "
-              f"bf16 {bb[0]:8.4f} ms ({flop / bb[0] / 1e9:6.1f} TFLOP/s {bb[1][0]}x{bb[1][1]})  "
+              f"bf16 {bb[0]:8.4f} ms ({flop / bb[0] / 1e9:6.1f} TFLOP/s {FAMILIES['bf16'].short(bb[1])})  "
               f"x{tf[0] / bb[0]:.2f}", flush=True)
     total_tf, total_bf = sum(r["tf32_ms"] for r in rows), sum(r["bf16_ms"] for r in rows)
     print(f"sum (one layer + head): tf32 {total_tf:.3f} ms, bf16 {total_bf:.3f} ms; {watch.stop()}")
@@ -145,6 +156,7 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--bf16-only", action="store_true", help="--speed without the TF32 column")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rt = Runtime(0, precision="bf16", seed=0)
@@ -158,7 +170,7 @@ def main(argv=None):
         print("bf16 GEMM check:", "ALL PASS" if ok else "FAILED")
         result["check"] = ok
     if args.speed:
-        result["speed"] = speed(rt, rng, args.iters)
+        result["speed"] = speed(rt, rng, args.iters, args.bf16_only)
     if args.json:
         write_results(args.json, result)
     rt.close()

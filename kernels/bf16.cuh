@@ -46,6 +46,21 @@ __device__ __forceinline__ void val_st4(bf16* p, const float (&x)[4]) {
     *reinterpret_cast<uint2*>(p) = make_uint2(bf16x2_rn(x[0], x[1]), bf16x2_rn(x[2], x[3]));
 }
 
+// Eight consecutive bf16 (16-byte aligned) as one access: the bf16 GEMM epilogue's rows.
+__device__ __forceinline__ void val_ld8(const bf16* p, float (&x)[8]) {
+    const uint4 t = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        x[2 * i] = __uint_as_float(w[i] << 16);
+        x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+}
+__device__ __forceinline__ void val_st8(bf16* p, const float (&x)[8]) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(bf16x2_rn(x[0], x[1]), bf16x2_rn(x[2], x[3]), bf16x2_rn(x[4], x[5]),
+                                              bf16x2_rn(x[6], x[7]));
+}
+
 // Four consecutive values of a tensor of type code CODE as one access (val_ld4's alignment), the
 // registers of the vector kernels: Pack4<CODE> is float4 (fp32) or uint2 (bf16: two bf16x2 words), so
 // that a kernel indexes rows of Pack4<CODE> as it indexed rows of float4 (an element address, row + 4 v,

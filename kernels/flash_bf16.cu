@@ -104,8 +104,6 @@ __device__ __forceinline__ void fb_store_row(bf16* r, const float (&a)[HS / 2], 
 #pragma unroll
     for (int j = 0; j < HS / 8; ++j) u[4 * j] = bf16x2_rn(a[4 * j + 2 * hh] * f, a[4 * j + 2 * hh + 1] * f);
 }
-__device__ __forceinline__ void fb_regs_producer() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
-__device__ __forceinline__ void fb_regs_consumer() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory"); }
 
 // barriers: full[0..NS), empty[0..NS) (a consumer thread's arrival each), then the resident tiles'
 template <int NS, int CW>
@@ -204,13 +202,13 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
     const int q0 = k.r0;
     const int nkt = (min(q0 + BM, T) + BN - 1) / BN;     // key tiles up to the block's last query
     if (k.producer) {
-        fb_regs_producer();
+        wg_regs_dec<40>();
         if (threadIdx.x < F::CW * 128 + 32)
             fb_produce<F, 1>(k.bars, k.res, k.ring, &map_q, k.h * HS, &map_q, 0, q0, &map_kv, k.C + k.h * HS,
                              &map_kv, 2 * k.C + k.h * HS, 0, nkt, k.b);
         return;
     }
-    fb_regs_consumer();
+    wg_regs_inc<232>();
     const int wr0 = q0 + 64 * k.wg + 16 * k.w;            // the warp's first query
     const int wg_last = q0 + 64 * k.wg + 63;
     const float sl2 = scale * FA_LOG2E, ninf = __int_as_float(0xff800000);
@@ -325,13 +323,13 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     const int q0 = k.r0;
     const int nkt = (min(q0 + BM, T) + BN - 1) / BN;
     if (k.producer) {
-        fb_regs_producer();
+        wg_regs_dec<40>();
         if (threadIdx.x < F::CW * 128 + 32)
             fb_produce<F, 2>(k.bars, k.res, k.ring, &map_r, k.h * HS, &map_dy, k.h * HS, q0, &map_s,
                              k.C + k.h * HS, &map_s, 2 * k.C + k.h * HS, 0, nkt, k.b);
         return;
     }
-    fb_regs_consumer();
+    wg_regs_inc<232>();
     const int wr0 = q0 + 64 * k.wg + 16 * k.w;
     const int wg_last = q0 + 64 * k.wg + 63;
     const float sl2 = scale * FA_LOG2E;
@@ -425,13 +423,13 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     const int first = kb0 / BN;                            // the first query tile that sees a key of the block
     const int nqt = (T + BN - 1) / BN - first;
     if (k.producer) {
-        fb_regs_producer();
+        wg_regs_dec<40>();
         if (threadIdx.x < F::CW * 128 + 32)
             fb_produce<F, 2>(k.bars, k.res, k.ring, &map_r, k.C + k.h * HS, &map_r, 2 * k.C + k.h * HS, kb0,
                              &map_s, k.h * HS, &map_dy, k.h * HS, first, nqt, k.b);
         return;
     }
-    fb_regs_consumer();
+    wg_regs_inc<232>();
     const int kw0 = kb0 + 64 * k.wg + 16 * k.w;           // the warp's first key
     const int wg_first = kb0 + 64 * k.wg;
     const float sl2 = scale * FA_LOG2E;

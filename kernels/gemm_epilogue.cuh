@@ -117,13 +117,14 @@ __device__ __forceinline__ void gemm_store4_vec(float* C, float* aux, const floa
     *reinterpret_cast<float4*>(C + off) = out;
 }
 
-// Whether the epilogue may move 4 values at once: C rows (and aux) aligned to 4 elements of TO
-// (16 bytes of fp32, 8 of bf16), the bias (fp32) to 16 bytes.
-template <int EPI, bool HAS_BIAS, class TO = float>
+// Whether the epilogue may move W values at once (4, or 8 of bf16): C rows (and aux) aligned to W
+// elements of TO, the bias (fp32) to 16 bytes.
+template <int EPI, bool HAS_BIAS, class TO = float, int W = 4>
 __device__ __forceinline__ bool gemm_epi_vec_ok(const TO* C, const TO* aux, const float* bias, int ldc,
                                                 long long sC) {
-    constexpr unsigned long long A = 4 * sizeof(TO) - 1;
-    bool vec = ((ldc & 3) == 0) && ((sC & 3) == 0) && ((reinterpret_cast<unsigned long long>(C) & A) == 0);
+    constexpr unsigned long long A = W * sizeof(TO) - 1;
+    bool vec = ((ldc & (W - 1)) == 0) && ((sC & (W - 1)) == 0) &&
+               ((reinterpret_cast<unsigned long long>(C) & A) == 0);
     if constexpr (HAS_BIAS) vec = vec && ((reinterpret_cast<unsigned long long>(bias) & 15) == 0);
     if constexpr (GEMM_EPI_USES_AUX(EPI)) vec = vec && ((reinterpret_cast<unsigned long long>(aux) & A) == 0);
     return vec;
@@ -156,26 +157,39 @@ __device__ __forceinline__ void gemm_store4(float* C, float* aux, const float* b
 
 // gemm_store4 with one copy of the epilogue's arithmetic (wg_store_tile, gemm_wgmma.cu: its loops are
 // unrolled over a whole tile, where two copies of GELU per four values doubled the code and stalled
-// on instruction fetch): `wide` (row r and columns c .. c + 3 in C, 4-value accesses allowed) loads and
-// stores 4 values at once, otherwise each element in C on its own; the values, and so C, are
-// gemm_store4's. TO: C's and aux's element type (fp32, or bf16: the values rounded once, when stored;
+// on instruction fetch), for W = 4 values, or 8 of a bf16 C (one 16-byte access): `wide` (row r and
+// columns c .. c + W - 1 in C, W-value accesses allowed) loads and stores W values at once, otherwise
+// each element in C on its own; the values, and so C, are gemm_store4's. TO: C's and aux's element type (fp32, or bf16: the values rounded once, when stored;
 // GELU's output computed from the pre-activation as stored, so that the backward's gelu' at the saved
 // pre-activation is the derivative of what the forward used; GELU and its derivative in the _fast forms).
-template <int EPI, bool HAS_BIAS, class TO = float>
-__device__ __forceinline__ void gemm_store4_once(TO* C, TO* aux, const float* bias, int r, int c,
-                                                 int M, int N, int ldc, float alpha, bool wide,
-                                                 const float (&v)[4]) {
+template <int EPI, bool HAS_BIAS, class TO, int W>
+__device__ __forceinline__ void gemm_store_once(TO* C, TO* aux, const float* bias, int r, int c, int M, int N, int ldc,
+                                                float alpha, bool wide, const float (&v)[W]) {
+    static_assert(W == 4 || (W == 8 && sizeof(TO) == 2), "4 values, or 8 of a bf16 C (16 bytes)");
     const long long off = (long long)r * ldc + c;
-    float b[4] = {0.f, 0.f, 0.f, 0.f}, in[4] = {0.f, 0.f, 0.f, 0.f}, out[4], pre[4];
-    bool ok[4];
+    float b[W], in[W], out[W], pre[W];
+    bool ok[W];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) ok[e] = r < M && c + e < N;
+    for (int e = 0; e < W; ++e) {
+        b[e] = in[e] = 0.f;
+        ok[e] = r < M && c + e < N;
+    }
     if (wide) {
-        if constexpr (HAS_BIAS) val_ld4(bias + c, b);
-        if constexpr (GEMM_EPI_READS_AUX(EPI)) val_ld4(aux + off, in);
+        if constexpr (W == 4) {
+            if constexpr (HAS_BIAS) val_ld4(bias + c, b);
+            if constexpr (GEMM_EPI_READS_AUX(EPI)) val_ld4(aux + off, in);
+        } else {
+            if constexpr (HAS_BIAS) {
+                const float4 b0 = *reinterpret_cast<const float4*>(bias + c);
+                const float4 b1 = *reinterpret_cast<const float4*>(bias + c + 4);
+                b[0] = b0.x; b[1] = b0.y; b[2] = b0.z; b[3] = b0.w;
+                b[4] = b1.x; b[5] = b1.y; b[6] = b1.z; b[7] = b1.w;
+            }
+            if constexpr (GEMM_EPI_READS_AUX(EPI)) val_ld8(aux + off, in);
+        }
     } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < W; ++e) {
             if (ok[e]) {
                 if constexpr (HAS_BIAS) b[e] = bias[c + e];
                 if constexpr (GEMM_EPI_READS_AUX(EPI)) in[e] = val_ld(aux + off + e);
@@ -183,7 +197,7 @@ __device__ __forceinline__ void gemm_store4_once(TO* C, TO* aux, const float* bi
         }
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < W; ++e) {
         if constexpr (EPI == GEMM_EPI_GELU && sizeof(TO) == 2) {
             pre[e] = bf16_f32(bf16_rn(gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr)));
             out[e] = gemm_gelu_fast(pre[e]);
@@ -194,17 +208,27 @@ __device__ __forceinline__ void gemm_store4_once(TO* C, TO* aux, const float* bi
         }
     }
     if (wide) {
-        if constexpr (EPI == GEMM_EPI_GELU) val_st4(aux + off, pre);
-        val_st4(C + off, out);
+        if constexpr (W == 4) {
+            if constexpr (EPI == GEMM_EPI_GELU) val_st4(aux + off, pre);
+            val_st4(C + off, out);
+        } else {
+            if constexpr (EPI == GEMM_EPI_GELU) val_st8(aux + off, pre);
+            val_st8(C + off, out);
+        }
     } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < W; ++e) {
             if (ok[e]) {
                 if constexpr (EPI == GEMM_EPI_GELU) val_st(aux + off + e, pre[e]);
                 val_st(C + off + e, out[e]);
             }
         }
     }
+}
+template <int EPI, bool HAS_BIAS, class TO = float>
+__device__ __forceinline__ void gemm_store4_once(TO* C, TO* aux, const float* bias, int r, int c, int M, int N,
+                                                 int ldc, float alpha, bool wide, const float (&v)[4]) {
+    gemm_store_once<EPI, HAS_BIAS, TO, 4>(C, aux, bias, r, c, M, N, ldc, alpha, wide, v);
 }
 
 // The block's place in the grid, shared by the GEMM kernels: batching and split-K share

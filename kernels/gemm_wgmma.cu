@@ -74,23 +74,63 @@ template <bool MN_A, bool MN_B> struct OpOf<1, MN_A, MN_B> { using T = Bf16Op<MN
 // (RaFrags).
 __device__ __forceinline__ int ra_row(int w, int g) { return 16 * (g >> 1) + 4 * w + 2 * (g & 1); }
 
-// Epilogue of both kernels: the warpgroup's accumulators (layout of wg_mma_tf32) through the shared
-// epilogue helpers. Lanes q and q ^ 1 swap halves so that each thread holds 4 consecutive columns:
-// even q keeps row g, columns 2q .. 2q + 3 of each n8 block; odd q gets row g + 8, 2 (q - 1) .. + 3.
+// Epilogue of every kernel here: a warpgroup's accumulators (layout of wg_mma_tf32) for rows row0 ..
+// row0 + 63 through the shared epilogue helpers (inside: the whole tile lies inside C). Lanes q and
+// q ^ 1 swap halves so that each thread holds 4 consecutive columns: even q keeps row g, columns
+// 2q .. 2q + 3 of each n8 block; odd q gets row g + 8, 2 (q - 1) .. + 3.
 // RA (gemm_wgmma_ra): the accumulator rows are the register-A fragments' permuted rows (ra_row).
 // TO: C's and aux's element type (fp32 or bf16).
-template <int BM, int BN, int EPI, bool HAS_BIAS, bool RA = false, class TO = float>
-__device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C, TO* aux, const float* bias,
-                                              int M, int N, int ldc, long long sC, int m0, int n0, float alpha) {
+template <int BN, int EPI, bool HAS_BIAS, bool RA = false, class TO = float>
+__device__ __forceinline__ void wg_store_rows(const float (&acc)[BN / 2], TO* C, TO* aux, const float* bias,
+                                              int M, int N, int ldc, long long sC, int row0, int n0, float alpha,
+                                              bool inside) {
     const int tid = threadIdx.x;
-    const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, q = lane & 3;
     const bool odd = q & 1;
-    int r = m0 + wg * 64 + warp * 16 + g + (odd ? 8 : 0);
-    if constexpr (RA) r = m0 + wg * 64 + ra_row(warp, g) + (odd ? 1 : 0);
+    int r = row0 + warp * 16 + g + (odd ? 8 : 0);
+    if constexpr (RA) r = row0 + ra_row(warp, g) + (odd ? 1 : 0);
+    if constexpr (sizeof(TO) == 2) {
+        // bf16: each 32 columns' 4 x 4 (lane q, n8 block b) pairs of each of the thread's two rows
+        // transposed among the 4 lanes of a row (two xor-shuffle stages: blocks 2 apart, then 1), so that
+        // lane q holds columns 8 q .. 8 q + 7 of the group: one 16-byte store a row, a warp's store 8
+        // rows x 64 contiguous bytes (whole sectors) instead of 16 rows x 16.
+        static_assert(!RA && BN % 32 == 0, "gemm_wgmma_ws / _pp tiles");
+        const int rg = row0 + warp * 16 + g;
+        const bool vec8 = gemm_epi_vec_ok<EPI, HAS_BIAS, TO, 8>(C, aux, bias, ldc, sC);
+        const bool hi = q & 2;
+#pragma unroll
+        for (int J = 0; J < BN / 32; ++J)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {     // row g + 8 h
+                float x[4][2];                // [slot][pair]
+#pragma unroll
+                for (int b = 0; b < 4; ++b)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) x[b][e] = acc[4 * (4 * J + b) + 2 * h + e];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+#pragma unroll
+                    for (int b = 0; b < 2; ++b) {         // slots b, b + 2 across lanes q ^ 2
+                        const float t = __shfl_xor_sync(0xffffffffu, hi ? x[b][e] : x[b + 2][e], 2);
+                        if (hi) x[b][e] = t; else x[b + 2][e] = t;
+                    }
+#pragma unroll
+                    for (int b = 0; b < 4; b += 2) {      // slots b, b + 1 across lanes q ^ 1
+                        const float t = __shfl_xor_sync(0xffffffffu, odd ? x[b][e] : x[b + 1][e], 1);
+                        if (odd) x[b][e] = t; else x[b + 1][e] = t;
+                    }
+                }
+                const float v[8] = {x[0][0], x[0][1], x[1][0], x[1][1], x[2][0], x[2][1], x[3][0], x[3][1]};
+                const int row = rg + 8 * h, c = n0 + 32 * J + 8 * q;
+                gemm_store_once<EPI, HAS_BIAS, TO, 8>(C, aux, bias, row, c, M, N, ldc, alpha,
+                                                      vec8 && (inside || (row < M && c + 7 < N)), v);
+            }
+        return;
+    }
     const int c0 = n0 + 2 * (q & 2);
     const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS, TO>(C, aux, bias, ldc, sC);
-    const bool interior = vec && m0 + BM <= M && n0 + BN <= N;
+    const bool interior = vec && inside;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const float s0 = odd ? acc[4 * j] : acc[4 * j + 2];
@@ -106,6 +146,13 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
         gemm_store4_once<EPI, HAS_BIAS, TO>(C, aux, bias, r, c, M, N, ldc, alpha,
                                         interior || (vec && r < M && c + 3 < N), v);
     }
+}
+// A block's tile: warpgroup wg's rows m0 + 64 wg .. + 63.
+template <int BM, int BN, int EPI, bool HAS_BIAS, bool RA = false, class TO = float>
+__device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C, TO* aux, const float* bias,
+                                              int M, int N, int ldc, long long sC, int m0, int n0, float alpha) {
+    wg_store_rows<BN, EPI, HAS_BIAS, RA, TO>(acc, C, aux, bias, M, N, ldc, sC, m0 + (threadIdx.x >> 7) * 64, n0,
+                                             alpha, m0 + BM <= M && n0 + BN <= N);
 }
 
 // gemm_wgmma_ra with TC: the tile stored transposed, C[c * ldc + r] = alpha * acc(r, c) for r < M, c < N
@@ -775,6 +822,38 @@ __device__ __forceinline__ void tma_operand(int lane, unsigned bar, unsigned dst
     }
 }
 
+// The producer of the warp-specialized kernels (its first warp; lane 0 issues, converged): the block's
+// tiles and their k tiles in the consumers' order, each k tile into the next slot of the ring once the
+// consumers released it (empty), its copies completing on full. BF16 (OP::BK 64): tma_operand's boxes;
+// TF32: tma_load_ra (RA) or tma_load_pair.
+template <int BM, int BN, int STAGES, bool RA, class OP>
+__device__ __forceinline__ void ws_produce(unsigned smem0, unsigned full0, unsigned empty0, const TmaMap* mapA,
+                                           const TmaMap* mapB, int K, int splits, int k_chunk, int per_z,
+                                           int tiles_n, int total, int lane) {
+    constexpr int A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
+    int it = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
+        const int nk = wg_k_tiles<OP::BK>(tl.klen);
+        for (int kt = 0; kt < nk; ++kt, ++it) {
+            const int s = it % STAGES;
+            if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
+            const unsigned sa = smem0 + s * STAGE_BYTES;
+            const int k0 = tl.kb0 + kt * OP::BK;
+            if constexpr (OP::BK != GEMM_WG_BK) {
+                mbar_expect(lane, full0 + 8 * s, STAGE_BYTES);
+                tma_operand<BM, OP::MN_A>(lane, full0 + 8 * s, sa, mapA, k0, tl.m0, tl.batch);
+                tma_operand<BN, OP::MN_B>(lane, full0 + 8 * s, sa + A_BYTES, mapB, k0, tl.n0, tl.batch);
+            } else if constexpr (RA)
+                tma_load_ra<BM / 32>(lane, full0 + 8 * s, STAGE_BYTES, sa, mapA, tl.m0, k0, sa + A_BYTES, mapB, k0,
+                                     tl.n0, tl.batch);
+            else
+                tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, mapA, k0, tl.m0, sa + A_BYTES, mapB, k0, tl.n0,
+                              tl.batch);
+        }
+    }
+}
+
 // The body of gemm_wgmma_ws and of gemm_wgmma_ra with a K-major B (RA: A's k tile as BM / 32 MN-major
 // boxes, tma_load_ra; CSUM: the consumers' column sums of A, RaFrags; TC: ra_store_t). OP: the operands'
 // type and layouts (Tf32Op, or Bf16Op: copied by tma_operand); TO: C's and aux's element type.
@@ -784,8 +863,6 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
                                         const float* bias, int M, int N, int K, int ldc, long long sC, float alpha,
                                         int splits, int k_chunk, int zs, float* colsum) {
     constexpr int WG = BM / 64;                         // consumer warpgroups; warpgroup WG loads
-    constexpr int A_BYTES = BM * 128;
-    constexpr int STAGE_BYTES = (BM + BN) * 128;
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 8 == 0 && BN <= 256, "wgmma m64nBNk8 tiles, TMA boxes <= 256");
     static_assert(STAGES >= 2, "a ring");
 
@@ -799,32 +876,20 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
     const int per_z = tiles_n * tiles_m, total = per_z * zs;
     ws_init_bars(full0, STAGES, 1, WG * 128, 0);
 
-    if (wg == WG) {       // producer: its first warp, lane 0 issuing (converged: tma_load_pair)
-        if (tid < WG * 128 + 32) {
-            int it = 0;
-            for (int t = blockIdx.x; t < total; t += gridDim.x) {
-                const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
-                const int nk = wg_k_tiles<OP::BK>(tl.klen);
-                for (int kt = 0; kt < nk; ++kt, ++it) {
-                    const int s = it % STAGES;
-                    if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
-                    const unsigned sa = smem0 + s * STAGE_BYTES;
-                    const int k0 = tl.kb0 + kt * OP::BK;
-                    if constexpr (OP::BK != GEMM_WG_BK) {
-                        mbar_expect(lane, full0 + 8 * s, STAGE_BYTES);
-                        tma_operand<BM, OP::MN_A>(lane, full0 + 8 * s, sa, mapA, k0, tl.m0, tl.batch);
-                        tma_operand<BN, OP::MN_B>(lane, full0 + 8 * s, sa + A_BYTES, mapB, k0, tl.n0, tl.batch);
-                    } else if constexpr (RA)
-                        tma_load_ra<BM / 32>(lane, full0 + 8 * s, STAGE_BYTES, sa, mapA, tl.m0, k0, sa + A_BYTES, mapB,
-                                             k0, tl.n0, tl.batch);
-                    else
-                        tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, mapA, k0, tl.m0, sa + A_BYTES, mapB, k0,
-                                      tl.n0, tl.batch);
-                }
-            }
-        }
+    // BF16: the producer drops to 24 registers and the consumers take what it gave back (setmaxnreg.inc
+    // waits for registers the block released: LAUNCH_REGS, ptxas's count under __launch_bounds__, plus
+    // the producer's share; multiples of 8): 240 at BM 128, 112 at BM 256
+    constexpr bool SPLIT_REGS = OP::BK != GEMM_WG_BK;
+    constexpr int LAUNCH_REGS = 65536 / ((WG + 1) * 128) / 8 * 8;
+    constexpr int CONSUMER_REGS = (LAUNCH_REGS + (LAUNCH_REGS - 24) / WG) / 8 * 8;
+    if (wg == WG) {       // producer
+        if constexpr (SPLIT_REGS) wg_regs_dec<24>();
+        if (tid < WG * 128 + 32)
+            ws_produce<BM, BN, STAGES, RA, OP>(smem0, full0, empty0, mapA, mapB, K, splits, k_chunk, per_z, tiles_n,
+                                               total, lane);
         return;
     }
+    if constexpr (SPLIT_REGS) wg_regs_inc<CONSUMER_REGS>();
     ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO>(
         smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
 }
@@ -843,6 +908,106 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
     ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, false, false, typename OpOf<DT, MN_A, MN_B>::T,
             elem<OUT>>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
                                      colsum);
+#else
+    __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemm_wgmma_pp: the BF16 product of gemm_wgmma_ws with its two consumer warpgroups in ping-pong
+// (FlashAttention-3's schedule): each warpgroup computes whole BM x BN tiles (BM / 64 m64 instructions
+// a k step, BM / 64 x BN / 2 accumulators a thread), warpgroup 0 the block's tiles 0, 2, 4, ...,
+// warpgroup 1 its tiles 1, 3, 5, .... The producer fills one ring with the block's tiles in order, so
+// the two k loops take turns on the tensor cores and one warpgroup's epilogue (the GELU, the stores)
+// runs under the other's k loop instead of idling them. A warpgroup starts a tile's k loop once the
+// other has waited for the last k tile of the tile before (named barrier 3 + the waiting warpgroup,
+// 256 threads: one arrives, the other syncs): every fill of the slots it then waits for before its
+// own is complete, so its parity cannot name a fill two phases old. A slot is released by the one
+// warpgroup that read it (empty: 128 arrivals). The producer drops to 40 registers, the consumers
+// rise to 232. Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT, bool MN_A, bool MN_B,
+          int OUT>
+__global__ void __launch_bounds__(THREADS, 1)
+gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
+    static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
+                  "two consumer warpgroups and the producer's; STAGES slots, 1 KB to align them");
+    static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256 && BM * BN <= 128 * 192 && STAGES >= 2,
+                  "MN-major boxes of 64 rows; at most 192 accumulators a thread");
+    static_assert(DT == 1, "BF16 operands (DT as gemm_wgmma_ws's)");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using OP = Bf16Op<MN_A, MN_B>;
+    using TO = elem<OUT>;
+    constexpr int R = BM / 64, A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    __shared__ __align__(8) unsigned long long bars[2 * STAGES];
+    __shared__ __align__(16) float pp_bias[HAS_BIAS ? 4 * BN : 4];   // a pair of buffers a warpgroup
+    const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;
+    const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wt = tid & 127;
+    const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
+    const int per_z = tiles_n * tiles_m, total = per_z * zs;
+    ws_init_bars(full0, STAGES, 1, 128, 0);
+
+    if (wg == 2) {        // producer: as gemm_wgmma_ws's
+        wg_regs_dec<40>();
+        if (tid < 2 * 128 + 32)
+            ws_produce<BM, BN, STAGES, false, OP>(smem0, full0, empty0, &mapA, &mapB, K, splits, k_chunk, per_z,
+                                                  tiles_n, total, lane);
+        return;
+    }
+    wg_regs_inc<232>();
+    float acc[R][BN / 2];
+    WgBias<BN, 128, HAS_BIAS> tile_bias;
+    int it = 0, j = 0, mine = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
+        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
+        const int nk = wg_k_tiles<OP::BK>(tl.klen);
+        if ((j & 1) != wg) {      // the other warpgroup's tile
+            it += nk;
+            continue;
+        }
+        TO* aux_z = aux;
+        if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
+        tile_bias.fetch(bias, tl.n0, N, wt);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            wg_epi_prefetch<BN, EPI, TO>(aux_z, ldc, M, N, tl.m0 + 64 * r, tl.n0, wt);
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.f;
+        }
+        if (j > 0) asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory");
+        for (int kt = 0; kt < nk; ++kt, ++it) {
+            const int s = it % STAGES;
+            mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+            const unsigned sa = smem0 + s * STAGE_BYTES, b_t = sa + A_BYTES;
+#pragma unroll
+            for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
+            wg_fence();
+#pragma unroll
+            for (int k16 = 0; k16 < OP::BK / 16; ++k16)
+#pragma unroll
+                for (int r = 0; r < R; ++r) OP::template mma<BN>(acc[r], sa + 8192 * r, b_t, k16);
+            wg_commit();
+#pragma unroll
+            for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
+            wg_wait<1>();             // the group of the k tile before is done: release its slot
+            if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        }
+        if (t + gridDim.x < total) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 + (wg ^ 1)) : "memory");
+        wg_wait<0>();
+#pragma unroll
+        for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
+        if (nk > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        // the bias into this warpgroup's buffer of the pair its tile before did not use (its own
+        // barrier, 5 + wg, orders the writes before the epilogue's reads and those before the next)
+        const float* bias_t = tile_bias.put(pp_bias + (2 * wg + (mine++ & 1)) * BN, bias, tl.n0, wt);
+        if constexpr (HAS_BIAS) asm volatile("bar.sync %0, 128;\n" ::"r"(5 + wg) : "memory");
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            wg_store_rows<BN, EPI, HAS_BIAS, false, TO>(acc[r], C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
+                                                        tl.m0 + 64 * r, tl.n0, alpha,
+                                                        tl.m0 + 64 * (r + 1) <= M && tl.n0 + BN <= N);
+    }
 #else
     __trap();
 #endif

@@ -139,7 +139,7 @@ def test_crossentropy_kernel_choice():
 @pytest.mark.parametrize("dropout,bias,recompute", [(0.0, True, False), (0.1, True, False), (0.1, False, True)])
 def test_record_bf16_training_step(dropout, bias, recompute):
     """precision bf16: the step's first launch makes the bf16 working copy of the parameters, every product
-    runs on the bf16 family (gemm_wgmma_ws with DT 1) over bf16 activations, the attention on fp32 copies
+    runs on the bf16 family (gemm_wgmma_ws or gemm_wgmma_pp with DT 1) over bf16 activations, the attention on fp32 copies
     of qkv and y (accumulate's converting variants), and AdamW updates the fp32 parameters."""
     cfg = load_config("configs/tiny.yaml", ["--precision=bf16", "--attention=fused", f"--dropout={dropout}",
                                             f"--bias={str(bias).lower()}", f"--recompute={str(recompute).lower()}",
@@ -151,7 +151,7 @@ def test_record_bf16_training_step(dropout, bias, recompute):
     items = [r for r in eng.programs["train"].items if isinstance(r, Launch)]
     assert items[0].fn.name.startswith("to_bf16")
     products = [r.fn.name for r in items if r.fn.name.startswith("gemm")]
-    assert products and all(n.startswith("gemm_wgmma_ws<") and ",1," in n for n in products
+    assert products and all(n.startswith(("gemm_wgmma_ws<", "gemm_wgmma_pp<")) and ",1," in n for n in products
                             if not n.startswith("gemm_splitk_reduce")), products
     assert eng.bufs.acts["qkv"].dtype == eng.bufs.acts["res"].dtype == "bf16"
     assert eng.bufs.acts["ln1_mean"].dtype == eng.bufs.flat_grads.dtype == "f32"

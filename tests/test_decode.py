@@ -551,7 +551,7 @@ def test_record_bf16_decode_step(monkeypatch, S):
         assert all(r.slots[4] == 0 or inside(r.slots[4], flat) for r in lin)   # the bias: fp32
     else:
         gemms = [n for n in names if n.startswith("gemm")]
-        assert len(gemms) == 4 * L + 1 and all(n.startswith("gemm_wgmma_ws<") for n in gemms)
+        assert len(gemms) == 4 * L + 1 and all(n.startswith(("gemm_wgmma_ws<", "gemm_wgmma_pp<")) for n in gemms)
         assert [n.rsplit(",", 4)[1:] for n in gemms[:4]] == [["1", "false", "false", "0>"]] * 2 + \
             [["1", "false", "false", "1>"], ["1", "false", "false", "0>"]]
     att = [n for n in names if n.startswith("decode_attention")]

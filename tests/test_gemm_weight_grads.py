@@ -380,7 +380,7 @@ class _NumpyRT(FakeGemmRT):
             if ra:
                 mn_a, mn_b = True, params[5] == "true"
             epi, hb = int(params[3]), params[4] == "true"
-            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_ra", "gemm_wgmma3_ra")):
+            if name.startswith(("gemm_wgmma_tma", "gemm_wgmma_ws", "gemm_wgmma_pp", "gemm_wgmma_ra", "gemm_wgmma3_ra")):
                 C, aux, ma, mb, bias, M, N, K, ldc, sC, alpha, splits, kc = v[:13]
                 (pa, lda), (pb, ldb) = struct.unpack_from("<QQ", ma.data), struct.unpack_from("<QQ", mb.data)
             else:
@@ -388,7 +388,7 @@ class _NumpyRT(FakeGemmRT):
                 pa, pb = A.ptr, B.ptr
             a = self._mat(pa, K, M, lda).T if mn_a else self._mat(pa, M, K, lda)
             b = self._mat(pb, K, N, ldb).T if mn_b else self._mat(pb, N, K, ldb)
-            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_ra", "gemm_wgmma3_ra"))
+            persistent = name.startswith(("gemm_wgmma_ws", "gemm_wgmma_pp", "gemm_wgmma_ra", "gemm_wgmma3_ra"))
             colsum = v[14] if persistent else None             # a persistent kernel's last argument
             summed = (name.startswith("gemm_wgmma3_ra") and len(params) > 7 and params[7] == "true") or \
                 (ra and len(params) > 6 and params[6] == "true")

@@ -1,4 +1,4 @@
-"""The bf16 GEMM family (gemm_wgmma_ws with DT = 1, through gemm.matmul) against float64.
+"""The bf16 GEMM family (gemm_wgmma_ws and gemm_wgmma_pp with DT = 1, through gemm.matmul) against float64.
 
 Error model: the inputs are exact in bf16 and their products exact in fp32; the kernel sums K products
 in fp32 (relative error <= K 2^-24 of sum |a b|, twice that where the tensor core truncates), and a bf16
@@ -13,10 +13,11 @@ import pytest
 
 from gptcuda.model.products import Product
 from gptcuda.ops.cuda import elementwise, gemm
-from gptcuda.ops.cuda.gemm.families import BF16_OUTS, BF16_TILES, layout_code
+from gptcuda.ops.cuda.attention import VARIANTS as ATTENTION_VARIANTS
+from gptcuda.ops.cuda.gemm.families import BF16_OUTS, BF16_TILES, VARIANTS, layout_code
 from gptcuda.ops.cuda.gemm.plan import make_plan, plan
 from gptcuda.ops.reference import ops as ref
-from gptcuda.runtime import bf16
+from gptcuda.runtime import bf16, compiler
 from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
 
 gpu = pytest.mark.gpu
@@ -64,14 +65,17 @@ def test_bf16_layouts(bf16_rt, tile, ta, tb, M, N, K):
 
 
 @gpu
+@pytest.mark.parametrize("tile", tuple(BF16_TILES))
 @pytest.mark.parametrize("out", ["bf16", "f32"])
 @pytest.mark.parametrize("epi,has_bias", [("none", True), ("gelu", True), ("gelu", False), ("residual", True),
                                           ("residual", False)])
-def test_bf16_forward_epilogues(bf16_rt, epi, has_bias, out):
+@pytest.mark.parametrize("N", [392, 396])
+def test_bf16_forward_epilogues(bf16_rt, epi, has_bias, out, tile, N):
     """x @ W^T into bf16 (activations) or fp32 (a bf16 generation's qkv, residual stream and logits: C and
-    aux fp32, the GELU output from the fp32 pre-activation)."""
+    aux fp32, the GELU output from the fp32 pre-activation), on every tile; N = 396: rows of C not
+    16-byte aligned (the epilogue's element-wise path)."""
     rt, rng = bf16_rt, np.random.default_rng(7)
-    M, N, K = 520, 392, 264
+    M, K = 520, 264
     a, b, prod = _operands(rt, rng, False, True, M, N, K)
     bias = rng.standard_normal(N).astype(np.float32) if has_bias else None
     pre = prod + (bias.astype(np.float64) if has_bias else 0.0)
@@ -82,7 +86,8 @@ def test_bf16_forward_epilogues(bf16_rt, epi, has_bias, out):
         pre = pre + r64
     else:
         aux = rt.empty((M, N), out) if epi == "gelu" else None
-    gemm.matmul(rt, c, a, b, False, True, bias=rt.upload(bias) if has_bias else None, epilogue=epi, aux=aux)
+    gemm.matmul(rt, c, a, b, False, True, bias=rt.upload(bias) if has_bias else None, epilogue=epi, aux=aux,
+                plan=make_plan("bf16", tile, 1, K))
     if out == "f32":
         want = ref.gelu_forward(pre) if epi == "gelu" else pre
         assert rel_err(rt.download(c), want) <= FP32_TOL
@@ -99,30 +104,55 @@ def test_bf16_forward_epilogues(bf16_rt, epi, has_bias, out):
 
 
 @gpu
-def test_bf16_dgelu(bf16_rt):
+@pytest.mark.parametrize("tile", tuple(BF16_TILES))
+def test_bf16_dgelu(bf16_rt, tile):
     rt, rng = bf16_rt, np.random.default_rng(8)
     M, N, K = 520, 392, 264
     a, b, prod = _operands(rt, rng, False, False, M, N, K)
     pre64 = bf16.round_f32(rng.standard_normal((M, N))).astype(np.float64)
     c = rt.empty((M, N), "bf16")
-    gemm.matmul(rt, c, a, b, False, False, epilogue="dgelu", aux=rt.upload(pre64, "bf16"))
+    gemm.matmul(rt, c, a, b, False, False, epilogue="dgelu", aux=rt.upload(pre64, "bf16"),
+                plan=make_plan("bf16", tile, 1, K))
     assert bf16_err(bf16.values(rt.download(c)), ref.gelu_backward(prod, pre64), FP32_TOL) <= 1.0
 
 
 @gpu
+@pytest.mark.parametrize("tile", [(128, 256, 4, 0), (128, 128, 6, 1)])
 @pytest.mark.parametrize("splits", [2, 4])
-def test_bf16_weight_gradient_split_k(bf16_rt, splits):
+def test_bf16_weight_gradient_split_k(bf16_rt, splits, tile):
     """TN into fp32 in split-K partials of whole 64-wide k tiles, then the fixed-order reduction; the
     bias gradient (a_colsum) of the bf16 dY beside it."""
     rt, rng = bf16_rt, np.random.default_rng(splits)
     M, N, K = 384, 768, 4096
     a, b, prod = _operands(rt, rng, True, False, M, N, K)
-    p = make_plan("bf16", (128, 128, 4), splits, K)
+    p = make_plan("bf16", tile, splits, K)
     assert p.k_chunk % 64 == 0
     c, db = rt.empty((M, N)), rt.empty((M,))
     gemm.matmul(rt, c, a, b, True, False, plan=p, a_colsum=db)
     assert rel_err(rt.download(c), prod) <= FP32_TOL
     assert rel_err(rt.download(db), bf16.values(rt.download(a)).astype(np.float64).sum(0)) <= 1e-5
+
+
+def _moves_registers(name):
+    """The block size of a kernel whose warpgroups trade registers (setmaxnreg: the bf16 GEMMs,
+    gemm_wgmma_ws with DT 1 and gemm_wgmma_pp, and flash_bf16's kernels), else None."""
+    params = name[name.index("<") + 1:-1].replace(" ", "").split(",")
+    if name.startswith("gemm_wgmma_pp") or (name.startswith("gemm_wgmma_ws") and params[7:8] == ["1"]):
+        return int(params[5])
+    return int(params[2]) if name.startswith("flash_") and "_bf16<" in name else None
+
+
+@gpu
+def test_register_split_launch_counts(bf16_rt):
+    """setmaxnreg.inc waits for registers its block gave back, so the consumers' counts (gemm_wgmma.cu,
+    flash_bf16.cu) assume the launch holds __launch_bounds__'s cap: with fewer they would wait forever.
+    Every such variant as the runtime compiles it launches with exactly the cap."""
+    names = [(f, n) for f, n, _ in (*VARIANTS, *ATTENTION_VARIANTS) if "<" in n and _moves_registers(n)]
+    assert len(names) >= 60 and any(n.startswith("flash_") for _, n in names)
+    assert not compiler.build_all([(f, n, {}, bf16_rt.arch) for f, n in names])     # in parallel, into the cache
+    for f, n in names:
+        regs = bf16_rt.function(f, n).attrs["registers"]
+        assert regs == 65536 // _moves_registers(n) // 8 * 8, (n, regs)
 
 
 # ---- CPU: the launcher on the recording runtime ---------------------------------------------------------
@@ -146,7 +176,7 @@ def test_bf16_variant_and_tensor_maps(ta, tb):
     out = "f32" if ta else "bf16"
     a = _fake((K, M) if ta else (M, K), "bf16", 1 << 30)
     b = _fake((N, K) if tb else (K, N), "bf16", 1 << 32)
-    gemm.matmul(rt, _fake((M, N), out, 1 << 34), a, b, ta, tb, plan=make_plan("bf16", (128, 256, 4), 1, K))
+    gemm.matmul(rt, _fake((M, N), out, 1 << 34), a, b, ta, tb, plan=make_plan("bf16", (128, 256, 4, 0), 1, K))
     (name, grid, block, smem), = rt.launches
     assert name.startswith("gemm_wgmma_ws<128,256,4,0,false,384,") and \
         name.endswith(f",1,{str(ta).lower()},{str(not tb).lower()},{1 if out == 'bf16' else 0}>")
@@ -176,7 +206,7 @@ def test_bf16_plans():
     and none for a bf16 C (the reduction writes fp32); the variants are compiled for what it plans."""
     p = plan(Product(768, 768, 8192, True, False), "bf16", max_ws=32 * 768 * 768)
     assert p.family == "bf16" and p.splits > 1 and p.k_chunk % 64 == 0
-    assert make_plan("bf16", (128, 128, 4), 3, 1000).k_chunk == 384          # 334 rounded up to 64s
+    assert make_plan("bf16", (128, 128, 6, 1), 3, 1000).k_chunk == 384          # 334 rounded up to 64s
     rt = FakeGemmRT("bf16", ws=1 << 24, arch="sm_90")
     M, N, K = 256, 256, 8192
     gemm.matmul(rt, _fake((M, N), "bf16", 1 << 34), _fake((M, K), "bf16", 1 << 30), _fake((N, K), "bf16", 1 << 32),

@@ -98,8 +98,10 @@ WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}
 # bf16 where a product makes activations (NT, NN) and fp32 for the weight gradients (TN; their split-K
 # partials too); x @ W^T (NT) also into fp32, for a bf16 generation's products whose outputs stay fp32
 # (qkv, the residual stream, the logits: gptcuda/ops/cuda/decode.py). Rates relative to TF32_FLOPS_PER_SM
-# (BF16's dense peak is twice TF32's) from bench/bf16_gemm.py on the H200.
-BF16_TILES = {(128, 256, 4): 3.3, (256, 128, 4): 3.2, (128, 192, 4): 3.2, (128, 128, 4): 2.9}
+# (BF16's dense peak is twice TF32's) from bench/bf16_gemm.py on the H200. A tile is (BM, BN, STAGES, PP):
+# PP 0, gemm_wgmma_ws: BM / 64 consumer warpgroups share each BM x BN tile; PP 1, gemm_wgmma_pp: two
+# consumer warpgroups take turns, each its own BM x BN tile (one's epilogue under the other's k loop).
+BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0}
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
 
 # A rough machine model (H200-like) of the peak rates, only used to rank candidate plans.
@@ -283,11 +285,17 @@ class Split3(Family):             # gemm_wgmma3_ra<..., MN_A = trans_a, MN_B = n
         return expression("gemm_wgmma3_ra", *t, epi, hb, ta, not tb, colsum, geo.threads, geo.smem)
 
 
-class Bf16(Family):               # gemm_wgmma_ws<..., DT 1, A MN-major (ta), B MN-major (not tb), C's type code>
+class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 1, MN_A, MN_B, OUT> or gemm_wgmma_pp
+    def geometry(self, t):        # PP: two consumer warpgroups whatever BM
+        return Geometry(3 * 128 if t[3] else (t[0] // 64 + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]))
+
+    def short(self, t):
+        return f"{t[0]}x{t[1]}s{t[2]}" + ("pp" if t[3] else "")
+
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t)
-        return expression("gemm_wgmma_ws", *t, epi, hb, geo.threads, geo.smem, DTYPE_CODES["bf16"], ta, not tb,
-                          DTYPE_CODES[out])
+        return expression("gemm_wgmma_pp" if t[3] else "gemm_wgmma_ws", *t[:3], epi, hb, geo.threads, geo.smem,
+                          DTYPE_CODES["bf16"], ta, not tb, DTYPE_CODES[out])
 
 
 _ALIGNED = "16-byte aligned"
