@@ -74,29 +74,30 @@ template <bool MN_A, bool MN_B> struct OpOf<1, MN_A, MN_B> { using T = Bf16Op<MN
 // (RaFrags).
 __device__ __forceinline__ int ra_row(int w, int g) { return 16 * (g >> 1) + 4 * w + 2 * (g & 1); }
 
-// Epilogue of every kernel here: a warpgroup's accumulators (layout of wg_mma_tf32) for rows row0 ..
-// row0 + 63 through the shared epilogue helpers (inside: the whole tile lies inside C). Lanes q and
-// q ^ 1 swap halves so that each thread holds 4 consecutive columns: even q keeps row g, columns
-// 2q .. 2q + 3 of each n8 block; odd q gets row g + 8, 2 (q - 1) .. + 3.
+// Epilogue of every kernel here: warpgroup wg_of's accumulators (layout of wg_mma_tf32; -1: the calling
+// thread's warpgroup), rows m0 + 64 wg_of .. + 63 of the BM x BN tile at (m0, n0), through the shared
+// epilogue helpers. Lanes q and q ^ 1 swap halves so that each thread holds 4 consecutive columns: even
+// q keeps row g, columns 2q .. 2q + 3 of each n8 block; odd q gets row g + 8, 2 (q - 1) .. + 3.
 // RA (gemm_wgmma_ra): the accumulator rows are the register-A fragments' permuted rows (ra_row).
 // TO: C's and aux's element type (fp32 or bf16).
-template <int BN, int EPI, bool HAS_BIAS, bool RA = false, class TO = float>
-__device__ __forceinline__ void wg_store_rows(const float (&acc)[BN / 2], TO* C, TO* aux, const float* bias,
-                                              int M, int N, int ldc, long long sC, int row0, int n0, float alpha,
-                                              bool inside) {
+template <int BM, int BN, int EPI, bool HAS_BIAS, bool RA = false, class TO = float>
+__device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C, TO* aux, const float* bias,
+                                              int M, int N, int ldc, long long sC, int m0, int n0, float alpha,
+                                              int wg_of = -1) {
     const int tid = threadIdx.x;
-    const int warp = (tid >> 5) & 3, lane = tid & 31;
+    const int wg = wg_of < 0 ? tid >> 7 : wg_of, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, q = lane & 3;
     const bool odd = q & 1;
-    int r = row0 + warp * 16 + g + (odd ? 8 : 0);
-    if constexpr (RA) r = row0 + ra_row(warp, g) + (odd ? 1 : 0);
+    int r = m0 + wg * 64 + warp * 16 + g + (odd ? 8 : 0);
+    if constexpr (RA) r = m0 + wg * 64 + ra_row(warp, g) + (odd ? 1 : 0);
     if constexpr (sizeof(TO) == 2) {
         // bf16: each 32 columns' 4 x 4 (lane q, n8 block b) pairs of each of the thread's two rows
         // transposed among the 4 lanes of a row (two xor-shuffle stages: blocks 2 apart, then 1), so that
         // lane q holds columns 8 q .. 8 q + 7 of the group: one 16-byte store a row, a warp's store 8
         // rows x 64 contiguous bytes (whole sectors) instead of 16 rows x 16.
         static_assert(!RA && BN % 32 == 0, "gemm_wgmma_ws / _pp tiles");
-        const int rg = row0 + warp * 16 + g;
+        const int rg = m0 + wg * 64 + warp * 16 + g;
+        const bool inside = m0 + BM <= M && n0 + BN <= N;
         const bool vec8 = gemm_epi_vec_ok<EPI, HAS_BIAS, TO, 8>(C, aux, bias, ldc, sC);
         const bool hi = q & 2;
 #pragma unroll
@@ -130,7 +131,7 @@ __device__ __forceinline__ void wg_store_rows(const float (&acc)[BN / 2], TO* C,
     }
     const int c0 = n0 + 2 * (q & 2);
     const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS, TO>(C, aux, bias, ldc, sC);
-    const bool interior = vec && inside;
+    const bool interior = vec && m0 + BM <= M && n0 + BN <= N;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const float s0 = odd ? acc[4 * j] : acc[4 * j + 2];
@@ -147,14 +148,6 @@ __device__ __forceinline__ void wg_store_rows(const float (&acc)[BN / 2], TO* C,
                                         interior || (vec && r < M && c + 3 < N), v);
     }
 }
-// A block's tile: warpgroup wg's rows m0 + 64 wg .. + 63.
-template <int BM, int BN, int EPI, bool HAS_BIAS, bool RA = false, class TO = float>
-__device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C, TO* aux, const float* bias,
-                                              int M, int N, int ldc, long long sC, int m0, int n0, float alpha) {
-    wg_store_rows<BN, EPI, HAS_BIAS, RA, TO>(acc, C, aux, bias, M, N, ldc, sC, m0 + (threadIdx.x >> 7) * 64, n0,
-                                             alpha, m0 + BM <= M && n0 + BN <= N);
-}
-
 // gemm_wgmma_ra with TC: the tile stored transposed, C[c * ldc + r] = alpha * acc(r, c) for r < M, c < N
 // (no epilogue: the weight gradient out = P^T of the product P the kernel computes, or its split-K
 // partials). A thread holds rows r0 and r0 + 1 (ra_row) of its columns: one 8-byte store per column.
@@ -1004,9 +997,8 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
         if constexpr (HAS_BIAS) asm volatile("bar.sync %0, 128;\n" ::"r"(5 + wg) : "memory");
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            wg_store_rows<BN, EPI, HAS_BIAS, false, TO>(acc[r], C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
-                                                        tl.m0 + 64 * r, tl.n0, alpha,
-                                                        tl.m0 + 64 * (r + 1) <= M && tl.n0 + BN <= N);
+            wg_store_tile<64, BN, EPI, HAS_BIAS, false, TO>(acc[r], C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
+                                                            tl.m0 + 64 * r, tl.n0, alpha, 0);
     }
 #else
     __trap();
