@@ -11,6 +11,9 @@
 //             0 for Vr <= i < V (a padded vocabulary: rows V = Vr rounded up, masked out here)
 //       dlogits may be logits: every element is read (and the target logit fetched) before
 //       any element of the row is overwritten.
+//   crossentropy_smem<GRAD, WARPS, TL = bf16>  crossentropy_rows' passes over the row copied into shared
+//       memory (V % 8 == 0, rows 16-byte aligned): 2 V bytes a block, so two rows share an SM and one's
+//       reductions run under the other's copies and stores (crossentropy_rows holds one row an SM)
 //   loss_reduce<THREADS>      st->loss = mean(losses), history[st->step] = it (one block)
 // The blocks (WARPS, THREADS) are template arguments, chosen in gptcuda/ops/cuda/loss.py. TL: the element
 // type of logits and dlogits (bf16.cuh's codes: 0 fp32, 1 bf16); a bf16 logit is widened exactly, the
@@ -46,19 +49,31 @@ __device__ __forceinline__ float ce_loss(bool valid, float m, float s, float xt)
     return valid ? (m + logf(s)) - xt : __int_as_float(0x7fc00000);
 }
 
-// One row of the logits (of fp32 or bf16, T) and its target; this thread's elements are first, first + STRIDE, ...
-template <int STRIDE, class T>
-struct CeRow {
+// One row of the logits (of fp32 or bf16, T) and its target.
+template <class T>
+struct CeTarget {
     const T* lr;         // logits[row, :]
     int tg;
     bool valid;          // 0 <= tg < Vr: an out-of-range target reads no logit
     float xt;            // logits[row, tg] (0 when not valid)
+
+    __device__ __forceinline__ CeTarget(const T* logits, const int* __restrict__ targets, int row, int V, int Vr)
+        : lr(logits + (long long)row * V), tg(targets[row]), valid((unsigned)tg < (unsigned)Vr),
+          xt(valid ? val_ld(lr + tg) : 0.f) {}
+};
+
+// CeTarget with this thread's elements first, first + STRIDE, ... pushed into its (max, sum)
+template <int STRIDE, class T>
+struct CeRow : CeTarget<T> {
+    using CeTarget<T>::lr;
+    using CeTarget<T>::tg;
+    using CeTarget<T>::valid;
+    using CeTarget<T>::xt;
     float m, s;          // (max, sum of exp(x - max)): this thread's, then merged
 
     __device__ __forceinline__ CeRow(const T* logits, const int* __restrict__ targets, int row, int V, int Vr,
                                      int first)
-        : lr(logits + (long long)row * V), tg(targets[row]), valid((unsigned)tg < (unsigned)Vr),
-          xt(valid ? val_ld(lr + tg) : 0.f), m(CE_LOWEST), s(0.f) {
+        : CeTarget<T>(logits, targets, row, V, Vr), m(CE_LOWEST), s(0.f) {
         for (int i = first; i < Vr; i += STRIDE) ce_push(m, s, val_ld(lr + i));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {      // merged over the warp
@@ -147,10 +162,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) crossentropy_rows(CE_ARGS) {
     __shared__ float sm_m[WARPS], sm_s[WARPS];
     const int row = blockIdx.x;
     const int t = threadIdx.x;
-    const elem<TL>* lr = logits + (long long)row * V;
-    const int tg = targets[row];
-    const bool valid = (unsigned)tg < (unsigned)Vr;
-    const float xt = valid ? val_ld(lr + tg) : 0.f;
+    const CeTarget<elem<TL>> r(logits, targets, row, V, Vr);
+    const elem<TL>* lr = r.lr;
+    const int tg = r.tg;
     const int V4 = V >> 2;
     const Pack4<TL>* l4 = reinterpret_cast<const Pack4<TL>*>(lr);
 
@@ -192,7 +206,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) crossentropy_rows(CE_ARGS) {
         if constexpr (GRAD) x[j] = e;
     }
     const float s = cr_block_reduce<WARPS>((s0 + s1) + (s2 + s3), sm_s, [](float a, float b) { return a + b; });
-    if (t == 0) losses[row] = ce_loss(valid, m, s, xt);
+    if (t == 0) losses[row] = ce_loss(r.valid, m, s, r.xt);
 
     if constexpr (GRAD) {                          // pass 3: (softmax - one-hot) * grad_scale, 0 past Vr
         const float rs = 1.0f / s;
@@ -209,6 +223,81 @@ __global__ void __launch_bounds__(WARPS * 32, 1) crossentropy_rows(CE_ARGS) {
                 g[3] = i + 3 < Vr ? (x[j].w * rs - (i + 3 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
                 val_st4(reinterpret_cast<elem<TL>*>(d4 + v), g);
             }
+        }
+    }
+}
+
+// crossentropy_smem: the row (bf16) copied into shared memory by cp.async, 16 bytes (8 columns) a copy,
+// chunk v = t, t + T, ... of thread t; every pass reads its chunks from there, widened exactly, columns
+// >= Vr as -inf. The passes are crossentropy_rows': the max, the sum of exp(x - max) (8 partial sums a
+// thread), the gradient rounded once where stored (16 bytes a store), both block reductions
+// cr_block_reduce's: deterministic. Every read of the row (its copies, waited for, and the target
+// logit) precedes the first __syncthreads and every write follows the second: dlogits may be logits.
+template <bool GRAD, int WARPS, int TL>
+__global__ void __launch_bounds__(WARPS * 32, 2) crossentropy_smem(CE_ARGS) {
+    static_assert(TL == 1, "bf16 rows (an fp32 row would leave one block an SM, as crossentropy_rows)");
+    constexpr int T = WARPS * 32;
+    extern __shared__ __align__(16) unsigned char ce_row[];
+    __shared__ float sm_m[WARPS], sm_s[WARPS];
+    const int row = blockIdx.x;
+    const int t = threadIdx.x;
+    const CeTarget<elem<TL>> r(logits, targets, row, V, Vr);
+    const int V8 = V >> 3;
+    const unsigned s0 = smem_u32(ce_row);
+    for (int v = t; v < V8; v += T) cp_async16_full(s0 + 16 * v, r.lr + 8 * v);
+    cp_async_commit();
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+    const uint4* r8 = reinterpret_cast<const uint4*>(ce_row);
+    const auto load8 = [&](int v, float (&f)[8]) {      // columns 8 v .. 8 v + 7, -inf from Vr on
+        const uint4 u = r8[v];
+        const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = __uint_as_float(w[i] << 16);
+            f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+        }
+        if (8 * v + 7 >= Vr) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (8 * v + e >= Vr) f[e] = CE_NEG_INF;
+        }
+    };
+
+    // pass 1: max (its barrier also orders every read of the row before the writes)
+    float m = CE_LOWEST;
+    for (int v = t; v < V8; v += T) {
+        float f[8];
+        load8(v, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) m = fmaxf(m, f[e]);
+    }
+    m = cr_block_reduce<WARPS>(m, sm_m, [](float a, float b) { return fmaxf(a, b); });
+
+    // pass 2: sum of exp(x - max), 8 partial sums per thread added pairwise
+    float ps[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int v = t; v < V8; v += T) {
+        float f[8];
+        load8(v, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ps[e] += expf(f[e] - m);
+    }
+    const float part = ((ps[0] + ps[1]) + (ps[2] + ps[3])) + ((ps[4] + ps[5]) + (ps[6] + ps[7]));
+    const float s = cr_block_reduce<WARPS>(part, sm_s, [](float a, float b) { return a + b; });
+    if (t == 0) losses[row] = ce_loss(r.valid, m, s, r.xt);
+
+    if constexpr (GRAD) {                          // pass 3: (softmax - one-hot) * grad_scale, 0 past Vr
+        const float rs = 1.0f / s;
+        elem<TL>* dr = dlogits + (long long)row * V;
+        for (int v = t; v < V8; v += T) {
+            float f[8], g[8];
+            load8(v, f);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int i = 8 * v + e;
+                g[e] = i < Vr ? (expf(f[e] - m) * rs - (i == r.tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+            }
+            val_st8(dr + 8 * v, g);
         }
     }
 }

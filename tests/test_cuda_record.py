@@ -101,16 +101,17 @@ def test_launch_arguments_checked_against_the_kernel():
 def test_crossentropy_kernel_choice():
     """loss.crossentropy's kernel by row length and alignment: the warp kernel up to WARP_MAX_V, then the
     row-in-registers kernel (smallest NV4 with NV4 * 2048 >= V) where V % 4 == 0 and the rows are
-    16-byte aligned, crossentropy_block otherwise (and past the largest NV4)."""
+    16-byte aligned, crossentropy_block otherwise (and past the largest NV4); bf16 rows of V % 8 == 0 go
+    to shared memory (crossentropy_smem) where they fit."""
     from gptcuda.ops.cuda import loss as L
     from gptcuda.runtime import DeviceView
     rt = RecordingRuntime("fp32")
 
-    def choice(V, grad=True, n_vocab=None, shift=(0, 0), inplace=False):
-        logits = rt.empty((3, V))
-        logits = DeviceView(logits.ptr + shift[0], logits.shape, "f32")
-        d = rt.empty((3, V))
-        d = logits if inplace else DeviceView(d.ptr + shift[1], d.shape, "f32")
+    def choice(V, grad=True, n_vocab=None, shift=(0, 0), inplace=False, dtype="f32"):
+        logits = rt.empty((3, V), dtype)
+        logits = DeviceView(logits.ptr + shift[0], logits.shape, dtype)
+        d = rt.empty((3, V), dtype)
+        d = logits if inplace else DeviceView(d.ptr + shift[1], d.shape, dtype)
         L.crossentropy(rt, rt.empty((3,)), d if grad else None, logits, rt.empty((3,), "i32"),
                        0.5 if grad else 0.0, n_vocab=n_vocab)
         rec = rt.launched[-1]
@@ -134,6 +135,17 @@ def test_crossentropy_kernel_choice():
     assert choice(50304, shift=(4, 0), inplace=True) == (L.ce_name("block", True), L.THREADS)
     assert choice(50304, grad=False, shift=(4, 0)) == (L.ce_name("block", False), L.THREADS)
     assert choice(50304, grad=False, shift=(0, 4)) == (L.ce_name("rows", False, 25), L.ROWS_THREADS)
+    # bf16: V % 8 == 0 with 16-byte aligned rows up to SMEM_ROW_MAX bytes: the row in shared memory
+    smem = L.ce_name("smem", True, dtype="bf16")
+    assert choice(50304, n_vocab=50257, dtype="bf16") == (smem, L.ROWS_THREADS)
+    assert choice(50304, inplace=True, dtype="bf16") == (smem, L.ROWS_THREADS)
+    assert choice(L.SMEM_ROW_MAX // 2, dtype="bf16") == (smem, L.ROWS_THREADS)
+    assert choice(L.SMEM_ROW_MAX // 2 + 8, dtype="bf16") == (L.ce_name("block", True, dtype="bf16"), L.THREADS)
+    assert choice(1028, dtype="bf16") == (L.ce_name("rows", True, 8, "bf16"), L.ROWS_THREADS)
+    assert choice(50304, shift=(8, 8), dtype="bf16") == (L.ce_name("rows", True, 25, "bf16"), L.ROWS_THREADS)
+    assert choice(50304, grad=False, shift=(0, 8), dtype="bf16") == (L.ce_name("smem", False, dtype="bf16"),
+                                                                     L.ROWS_THREADS)
+    assert rt.launched[-1].smem == 2 * 50304
 
 
 @pytest.mark.parametrize("dropout,bias,recompute", [(0.0, True, False), (0.1, True, False), (0.1, False, True)])

@@ -268,8 +268,9 @@ def test_crossentropy_block_fallback(env, case):
 BF16_CASES = [((4, 64), 65, 65, "warp"), ((37,), 1, 1, "warp"), ((9,), 1024, 1024, "warp"),
               ((4, 16), 65, 128, "warp"),
               ((5,), 1025, 1025, "block"), ((3, 2), 5003, 5003, "block"), ((7,), 1000, 1025, "block"),
-              ((4, 2), 50257, 50304, "rows"), ((5,), 1028, 1028, "rows"), ((2, 2), 4093, 4096, "rows"),
-              ((3,), 2048 * 8 + 4, 2048 * 8 + 4, "rows"), ((3,), 57341, 57344, "rows")]
+              ((5,), 1028, 1028, "rows"), ((3,), 2048 * 8 + 4, 2048 * 8 + 4, "rows"),
+              ((4, 2), 50257, 50304, "smem"), ((2, 2), 4093, 4096, "smem"), ((5,), 1032, 1032, "smem"),
+              ((3,), 57341, 57344, "smem")]       # V % 8 == 0 up to SMEM_ROW_MAX: the row in shared memory
 
 
 def _check_ce_bf16(rt, lead, Vr, V, kind, mode, shift=0):
@@ -287,7 +288,7 @@ def _check_ce_bf16(rt, lead, Vr, V, kind, mode, shift=0):
     name = _launched(rt, losses, dlogits, logits, rt.upload(tg_h), scale, n_vocab=Vr)
     rows = kind == "rows"
     assert name == (L.ce_name(kind, mode != "nograd", L.rows_nv4(V) if rows else 0, "bf16"),
-                    (L.ROWS_THREADS if rows else L.THREADS,))
+                    (L.ROWS_THREADS if kind in ("rows", "smem") else L.THREADS,))
     got_l = rt.download(losses)
     assert rel_err(got_l, rl) < 1e-5
     if mode == "nograd":
@@ -311,9 +312,10 @@ def test_crossentropy_bf16(env, lead, Vr, V, kind, mode):
         assert np.array_equal(got_l2.view(np.uint32), got_l.view(np.uint32)) and np.array_equal(got_d2, got_d)
 
 
-# bf16 rows are 8-byte aligned for the register kernel (16 for fp32); 2 or 4 bytes off: the block kernel
+# bf16 rows 16-byte aligned: the shared-memory kernel; 8 bytes off: the register kernel (16 for fp32); 2 or 4
+# bytes off: the block kernel
 @pytest.mark.parametrize("mode", ["grad", "inplace", "nograd"])
-@pytest.mark.parametrize("shift,kind", [(8, "rows"), (4, "block"), (2, "block")])
+@pytest.mark.parametrize("shift,kind", [(16, "smem"), (8, "rows"), (4, "block"), (2, "block")])
 def test_crossentropy_bf16_alignment(env, shift, kind, mode):
     _check_ce_bf16(env, (3,), 50257, 50304, kind, mode, shift)
 

@@ -6,8 +6,9 @@
         grad_scale != 0: dlogits = (softmax(logits[:, :n_vocab]) - onehot(target)) * grad_scale, 0 in the
         padded columns (dlogits may be logits)
         grad_scale == 0: no gradient is written (dlogits may be None)
-        kernel (V the row length): V <= WARP_MAX_V: crossentropy_warp (one warp per row); else
-        V % 4 == 0, V <= max(ROWS_NV4) * 2048 and logits / dlogits aligned to 4 elements (16 bytes of
+        kernel (V the row length): V <= WARP_MAX_V: crossentropy_warp (one warp per row); else bf16
+        logits with V % 8 == 0, 2 V <= SMEM_ROW_MAX bytes and views 16-byte aligned: crossentropy_smem (the
+        row in shared memory, two rows an SM); else V % 4 == 0, V <= max(ROWS_NV4) * 2048 and logits / dlogits aligned to 4 elements (16 bytes of
         fp32, 8 of bf16): crossentropy_rows<NV4> (one 512-thread block per row held in registers, NV4 the
         smallest of ROWS_NV4 with NV4 * 2048 >= V: one DRAM read of the row); else crossentropy_block
         (one 256-thread block per row)
@@ -32,13 +33,16 @@ ROWS_WARPS = 16             # crossentropy_rows' WARPS: thread t holds float4 ve
 ROWS_THREADS = ROWS_WARPS * 32
 ROWS_NV4 = (8, 16, 25, 28)  # 28: the most without spills at 128 registers (ptxas, sm_90); 25: V = 50304
 TYPES = ("f32", "bf16")     # the element types of logits (and dlogits) there are kernels for
+SMEM_ROW_MAX = 112 * 1024   # crossentropy_smem's bf16 row: two blocks within an SM's 228 KB (1 KB reserved each)
 
 
 def ce_name(kind: str, grad: bool, nv4: int = 0, dtype: str = "f32") -> str:
-    """crossentropy_warp / crossentropy_block <GRAD, WARPS, TL>, crossentropy_rows <GRAD, NV4, ROWS_WARPS, TL>
-    (TL: the logits' element type's code)."""
+    """crossentropy_warp / crossentropy_block <GRAD, WARPS, TL>, crossentropy_rows <GRAD, NV4, ROWS_WARPS, TL>,
+    crossentropy_smem <GRAD, ROWS_WARPS, TL> (TL: the logits' element type's code)."""
     if kind == "rows":
         return expression("crossentropy_rows", grad, nv4, ROWS_WARPS, DTYPE_CODES[dtype], sep=", ")
+    if kind == "smem":
+        return expression("crossentropy_smem", grad, ROWS_WARPS, DTYPE_CODES[dtype], sep=", ")
     return expression(f"crossentropy_{kind}", grad, WARPS, DTYPE_CODES[dtype], sep=", ")
 
 
@@ -46,6 +50,7 @@ REDUCE_NAME = expression("loss_reduce", REDUCE_THREADS)
 VARIANTS = (
     [(FILE, ce_name(k, g, dtype=t), {}) for t in TYPES for k in ("warp", "block") for g in (True, False)]
     + [(FILE, ce_name("rows", g, n, t), {}) for t in TYPES for n in ROWS_NV4 for g in (True, False)]
+    + [(FILE, ce_name("smem", g, dtype="bf16"), {}) for g in (True, False)]
     + [(FILE, REDUCE_NAME, {})]
 )
 
@@ -86,6 +91,10 @@ def crossentropy(rt: RuntimeProtocol, losses, dlogits, logits, targets, grad_sca
     nv4 = None if V <= WARP_MAX_V else rows_nv4(V, logits, dlogits if grad else None)
     if V <= WARP_MAX_V:
         rt.launch(rt.function(FILE, ce_name("warp", grad, dtype=dtype)), (cdiv(N, WARPS),), (THREADS,), args,
+                  label="crossentropy")
+    elif dtype == "bf16" and V % 8 == 0 and 2 * V <= SMEM_ROW_MAX and \
+            all(v is None or v.ptr % 16 == 0 for v in (logits, dlogits if grad else None)):
+        rt.launch(rt.function(FILE, ce_name("smem", grad, dtype=dtype)), (N,), (ROWS_THREADS,), args, smem=2 * V,
                   label="crossentropy")
     elif nv4 is not None:
         rt.launch(rt.function(FILE, ce_name("rows", grad, nv4, dtype)), (N,), (ROWS_THREADS,), args,
