@@ -5,7 +5,7 @@
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
 #                              [interop] [finetune] [generate] [speed] [anchors] [hellaswag] [plot] [tables]
 #                              [soak] [sass] [bf16]
-# Environment: TESTS (pytest paths, default tests), TEST_PROCS, STEP_CASES ("fp32:unfused tf32:fused ..."),
+# Environment: TESTS (pytest paths, default tests), TEST_PROCS, TESTS_TIMEOUT (seconds: the suite is stopped after), STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
 # bench/seeds.py; a group label@TREE runs another checkout, e.g. one unpacked under .devcarry),
@@ -59,7 +59,8 @@ python3 -c "import cuda.bindings, numpy; from gptcuda.runtime.compiler import nv
 if has tests; then
   nccl_env
   log "GPU test suite: python3 -m pytest ${TESTS:-tests} -q -m gpu"
-  python3 -m pytest ${TESTS:-tests} -q -m gpu -p no:cacheprovider -n ${TEST_PROCS:-8} 2>&1 | tee "$OUT/tests.log" | tail -25
+  ${TESTS_TIMEOUT:+timeout $TESTS_TIMEOUT} python3 -m pytest ${TESTS:-tests} -q -m gpu -p no:cacheprovider \
+    -n ${TEST_PROCS:-8} 2>&1 | tee "$OUT/tests.log" | tail -25
   tail -1 "$OUT/tests.log" >> "$OUT/summary.txt"
 fi
 if has gradcheck; then
