@@ -11,9 +11,6 @@ the products the kernels are compiled for (PRODUCTS) and the compiled variants (
     wgmma3_ra  fp32 as three TF32 warpgroup-MMA products (3xTF32) over A and B as stored: A split into
                hi and lo halves in the consumers' registers, B split (and turned K-major) in shared memory
     bf16    BF16 warpgroup MMA (gemm_wgmma_ws with DT 1): every layout as stored, C bf16 or fp32
-
-The execution plan picks a base family (ExecutionPlan.gemm_family); on sm_90 its warpgroup-MMA
-families compete with it (`Family.partners`) for the layouts each runs (`Family.layouts`).
 """
 from __future__ import annotations
 
@@ -136,16 +133,6 @@ def ring_smem(stages, rows) -> int:
     return stages * rows * 128 + 1024
 
 
-def tf32_smem(tile) -> int:
-    """Dynamic shared memory of a TF32 tile: stages x (BM + BN) x BK floats."""
-    return tile[5] * (tile[0] + tile[1]) * tile[2] * 4
-
-
-def tf32_blocks_per_sm(tile) -> int:
-    """As many as shared memory allows (1 KB reserved a block), 1..3: gemm_tf32's MIN_BLOCKS."""
-    return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
-
-
 def epi_code(g) -> int:
     """The kernels' epilogue code of a product (model/products.py Product): EPI_BIAS for none with a bias."""
     return EPI_BIAS if g.epilogue == "none" and g.bias else EPILOGUE_CODES[g.epilogue]
@@ -224,10 +211,6 @@ class Family:
                     out.append(combo)
         return out
 
-    def runs_epi(self, epi) -> bool:
-        """Whether its kernels are compiled for epilogue code epi (EPI_BIAS: with a bias) in some layout."""
-        return any(e == epi for _, _, e, _ in self.combos())
-
 
 class Simt(Family):               # (BM, BN): an 8x8 tile a thread, operands by pointer
     def geometry(self, t):
@@ -243,8 +226,9 @@ class Simt(Family):               # (BM, BN): an 8x8 tile a thread, operands by 
 
 
 class MmaSync(Family):            # (BM, BN, BK, warps_m, warps_n, stages): a warp a warp tile, A and B by pointer
-    def geometry(self, t):
-        return Geometry(t[3] * t[4] * 32, tf32_blocks_per_sm(t), tf32_smem(t), False, False)
+    def geometry(self, t):        # stages x (BM + BN) x BK floats; blocks: as many as fit (1 KB reserved each),
+        smem = t[5] * (t[0] + t[1]) * t[2] * 4          # 1..3 (gemm_tf32's MIN_BLOCKS)
+        return Geometry(t[3] * t[4] * 32, max(1, min(3, SMEM_PER_SM // (smem + 1024))), smem, False, False)
 
     def short(self, t):
         return f"{t[0]}x{t[1]}s{t[5]}"

@@ -117,23 +117,6 @@ def b_reads(p: Plan, M, N, k_chunk, sm_count=132) -> int:
     return max(1, min(rows_, cdiv(tiles, sm_count * p.geo.blocks_per_sm)))
 
 
-def _gemm_estimate(p: Plan, M, N, K, k_chunk, batch, epi, sm_count) -> float:
-    """estimate_s of the GEMM kernel (and split-K reduction) alone, reduction length K."""
-    bm, bn = p.tile[:2]
-    blocks = cdiv(M, bm) * cdiv(N, bn) * batch * p.splits
-    t = _model_time(blocks, 2.0 * bm * bn * max(k_chunk, 1), p.geo.threads, p.geo.blocks_per_sm, p.fam.rates[p.tile],
-                    p.fam.rate, sm_count)
-    io = 1 if p.splits > 1 else EPI_IO[epi]
-    per_block = _FILL_S + bm * bn * 4 * io / (_BYTES_PER_S / sm_count)
-    per_sm = cdiv(blocks, sm_count)
-    t += per_sm * per_block * (_HIDDEN if p.geo.blocks_per_sm >= 2 else 1.0)
-    t = max(t, 4.0 * batch * (M * K + b_reads(p, M, N, k_chunk, sm_count) * K * N + M * N * io) / _BYTES_PER_S,
-            4.0 * blocks * (bm + bn) * max(k_chunk, 1) / _L2_BYTES_PER_S)
-    if p.splits > 1:
-        t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
-    return t
-
-
 def estimate_s(p: Plan, g: Product, sm_count=132) -> float:
     """Modelled seconds of product g by plan p (split-K: both kernels): the busiest SM's main loops, plus
     per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's main loop
@@ -147,7 +130,17 @@ def estimate_s(p: Plan, g: Product, sm_count=132) -> float:
         fused = p.fam.swaps or p.fam.colsum
         extra = _LAUNCH_S / 3 + (0.0 if fused else _LAUNCH_S / 3 + 4.0 * g.K * g.M / _BYTES_PER_S)
     M, N = (g.N, g.M) if p.fam.swaps else (g.M, g.N)       # (swaps: out^T = B^T A after A^T [M, K])
-    t = _gemm_estimate(p, M, N, g.K, p.k_chunk, g.batch, epi_code(g), sm_count)
+    K, k, epi, (bm, bn), geo = g.K, max(p.k_chunk, 1), epi_code(g), p.tile[:2], p.geo
+    blocks = cdiv(M, bm) * cdiv(N, bn) * g.batch * p.splits
+    t = _model_time(blocks, 2.0 * bm * bn * k, geo.threads, geo.blocks_per_sm, p.fam.rates[p.tile], p.fam.rate,
+                    sm_count)
+    io = 1 if p.splits > 1 else EPI_IO[epi]
+    per_block = _FILL_S + bm * bn * 4 * io / (_BYTES_PER_S / sm_count)
+    t += cdiv(blocks, sm_count) * per_block * (_HIDDEN if geo.blocks_per_sm >= 2 else 1.0)
+    t = max(t, 4.0 * g.batch * (M * K + b_reads(p, M, N, k, sm_count) * K * N + M * N * io) / _BYTES_PER_S,
+            4.0 * blocks * (bm + bn) * k / _L2_BYTES_PER_S)
+    if p.splits > 1:
+        t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
     if (relaid := p.relaid(g)) is not None:
         t += _LAUNCH_S / 3 + 8.0 * g.batch * relaid[1] / _BYTES_PER_S
     return extra + t
@@ -158,7 +151,7 @@ def competing(family, wgmma=False, epi=None) -> list:
     layout `wgmma`, its warpgroup-MMA partners that run that layout, compiled for epilogue code epi
     (None: any)."""
     return [family] + [name for name in FAMILIES[family].partners if wgmma in FAMILIES[name].layouts and
-                       (epi is None or FAMILIES[name].runs_epi(epi))]
+                       (epi is None or any(c[2] == epi for c in FAMILIES[name].combos()))]
 
 
 def split_room(out_dtype: str, floats: int) -> int:
