@@ -17,22 +17,17 @@ from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., pla
 from gptcuda.ops.cuda.gemm.table import tuned_plan
 
 
-def _check_f32(label, **views):
-    for k, v in views.items():
-        if v is not None and v.dtype != "f32":
-            raise TypeError(f"{label}: {k} must be f32, got {v.dtype}")
-
-
-def _check_dtypes(label, family, out, a, b, bias, aux):
-    """The views' dtypes against the execution plan's base family: fp32 operands, C and aux for the fp32
-    and TF32 families; bf16 operands for the bf16 family, C (and aux) bf16 or fp32; the bias fp32."""
+def _check_dtypes(label, family, out, a, b, bias=None, aux=None):
+    """The views' dtypes against the execution plan's base family: bf16 operands for the bf16 family, C
+    (and aux) bf16 or fp32; fp32 operands, C and aux for the others and the batched products; the bias fp32."""
     want = "bf16" if family == "bf16" else "f32"
     if a.dtype != want or b.dtype != want:
         raise TypeError(f"{label}: a {a.dtype} and b {b.dtype}, but the {family} products take {want} operands")
-    _check_f32(label, bias=bias)
-    if want == "f32":
-        _check_f32(label, out=out, aux=aux)
-    elif out.dtype not in ("f32", "bf16") or (aux is not None and aux.dtype != out.dtype):
+    f32_views = {"bias": bias} if want == "bf16" else {"bias": bias, "out": out, "aux": aux}
+    for k, v in f32_views.items():
+        if v is not None and v.dtype != "f32":
+            raise TypeError(f"{label}: {k} must be f32, got {v.dtype}")
+    if want == "bf16" and (out.dtype not in ("f32", "bf16") or (aux is not None and aux.dtype != out.dtype)):
         raise TypeError(f"{label}: out {out.dtype}{f' and aux {aux.dtype}' if aux is not None else ''}: bf16 "
                         f"products write f32 or bf16, aux of out's type")
 
@@ -200,7 +195,7 @@ def _partials(rt, chunks, M):
 def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=None, ex=None):
     """out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch (ex, plan: as
     in matmul)."""
-    _check_f32("matmul_batched", out=out, a=a, b=b)
+    _check_dtypes("matmul_batched", "batched", out, a, b)
     M, N, K, lda, ldb = _dims("matmul_batched", out, a, b, trans_a, trans_b, batched=True)
     batch = rows(out.shape[:-1])
     if rows(a.shape[:-1]) != batch or rows(b.shape[:-1]) != batch:
