@@ -91,9 +91,8 @@ def split_chunk(K, splits, align=SPLIT_ALIGN):
 def make_plan(family, tile, splits, K, transpose_b=False) -> Plan | None:
     """The Plan of a family / tile / split count for reduction length K; None: no such plan."""
     fam = FAMILIES.get(family)
-    if fam is None or tile not in fam.tiles + fam.unaligned_tiles or not 1 <= splits <= MAX_SPLITS or K < 1:
-        return None
-    if transpose_b and not fam.transposes_b:
+    if fam is None or tile not in fam.tiles + fam.unaligned_tiles or not 1 <= splits <= MAX_SPLITS or K < 1 or \
+            transpose_b and not fam.transposes_b:
         return None
     chunk = split_chunk(K, splits, fam.k_align)
     return None if chunk is None else Plan(family, tile, splits, chunk, transpose_b)
