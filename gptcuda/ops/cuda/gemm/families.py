@@ -1,6 +1,6 @@
-"""The GEMM kernel families (FAMILIES): per family its kernel file, its tiles and their modelled rates,
-where it runs, and per tile the launch geometry and the kernel's name expression; the epilogue codes,
-the products the kernels are compiled for (PRODUCTS) and the compiled variants (VARIANTS).
+"""The GEMM kernel families (FAMILIES: file, tiles and modelled rates, where each runs, per tile the launch
+geometry and kernel name), the epilogue codes, the products the kernels are compiled for (PRODUCTS) and
+the compiled variants (VARIANTS).
 
     simt    fp32 on the CUDA cores (kernels/gemm_simt.cu), every layout, aligned or not
     tf32    TF32 mma.sync (kernels/gemm_tf32.cu), every layout; unaligned operands on one tile
@@ -11,9 +11,6 @@ the products the kernels are compiled for (PRODUCTS) and the compiled variants (
     wgmma3_ra  fp32 as three TF32 warpgroup-MMA products (3xTF32) over A and B as stored: A split into
                hi and lo halves in the consumers' registers, B split (and turned K-major) in shared memory
     bf16    BF16 warpgroup MMA (gemm_wgmma_ws with DT 1): every layout as stored, C bf16 or fp32
-
-The execution plan picks a base family (ExecutionPlan.gemm_family); on sm_90 its warpgroup-MMA
-families compete with it (`Family.partners`) for the layouts each runs (`Family.layouts`).
 """
 from __future__ import annotations
 
@@ -36,8 +33,7 @@ EPI_COMBOS = ((EPI_NONE, False), (EPI_BIAS, True), (EPI_GELU, False), (EPI_GELU,
               (EPI_RESID, False), (EPI_RESID, True), (EPI_DGELU, False))
 # The products the op interface asks for, by (trans_a, trans_b): x @ W^T with any epilogue and bias, dY @ W
 # plain or with the GELU backward folded in, the weight gradients dY^T @ X plain (batched: these three
-# layouts, plain). Every family's kernels are compiled for these alone, in the layout each kernel reads
-# (after B^T first: A @ B as x @ W^T, A^T B as A^T (B^T)^T; Family.combos).
+# layouts, plain). Every family's kernels are compiled for these alone, in the layout each kernel reads.
 PRODUCTS = {(False, True): tuple(e for e in EPI_COMBOS if e[0] != EPI_DGELU),
             (False, False): ((EPI_NONE, False), (EPI_DGELU, False)),
             (True, False): ((EPI_NONE, False),)}
@@ -87,20 +83,17 @@ WGMMA_TILES = {(128, 128, 3, 0): 1.35, (128, 192, 4, 0): 1.5, (128, 256, 4, 0): 
 # 2026-12-02); wgmma_ra_t runs the same kernel.
 WGMMA_RA_TILES = {(128, 128, 4): 1.7, (128, 192, 4): 1.9}
 WGMMA_RA_MN_TILES = {(128, 128, 7): 0.8, (128, 192, 5): 1.0}
-# 3xTF32 (gemm_wgmma3_ra): the consumers load A's fragments as stored (K-major, or MN-major in
-# gemm_wgmma_ra's boxes) and split them into hi and lo halves themselves, the producers split (and
-# turn) B. A slot holds A once and B's two halves, (BM + 2 BN) x 128 bytes: 4 stages at 128 x 128. Two
-# consumer warpgroups (BM 128) of sum + partial accumulators (BN / 2 each).
+# 3xTF32 (gemm_wgmma3_ra): the consumers split A's fragments (as stored) into hi and lo halves, the
+# producers split (and turn) B: a slot holds A once and B's two halves, 4 stages at 128 x 128. Two consumer
+# warpgroups (BM 128) of sum + partial accumulators (BN / 2 each).
 WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}
-# BF16 (gemm_wgmma_ws with DT = 1): a k tile is 64 bf16 (128 bytes a row, as TF32's 32); every layout
-# read as stored: an operand stored [K, rows] is MN-major in shared memory and read through the
-# instruction's transpose bits, so nothing is re-laid out and no scratch is planned. C (and aux) are
-# bf16 where a product makes activations (NT, NN) and fp32 for the weight gradients (TN; their split-K
-# partials too); x @ W^T (NT) also into fp32, for a bf16 generation's products whose outputs stay fp32
-# (qkv, the residual stream, the logits: gptcuda/ops/cuda/decode.py). Rates relative to TF32_FLOPS_PER_SM
-# (BF16's dense peak is twice TF32's) from bench/bf16_gemm.py on the H200. A tile is (BM, BN, STAGES, PP):
-# PP 0, gemm_wgmma_ws: BM / 64 consumer warpgroups share each BM x BN tile; PP 1, gemm_wgmma_pp: two
-# consumer warpgroups take turns, each its own BM x BN tile (one's epilogue under the other's k loop).
+# BF16 (BM, BN, STAGES, PP): a k tile is 64 bf16 (128 bytes a row); an operand stored [K, rows] is read
+# MN-major through the instruction's transpose bits, so nothing is re-laid out. C (and aux) bf16 where a
+# product makes activations (NT, NN), fp32 for the weight gradients (TN; their split-K partials too) and
+# for a bf16 generation's NT products whose outputs stay fp32 (qkv, residual, logits: ops/cuda/decode.py).
+# Rates relative to TF32_FLOPS_PER_SM (BF16's dense peak is twice TF32's) from bench/bf16_gemm.py on the
+# H200. PP 0, gemm_wgmma_ws: BM / 64 consumer warpgroups share each tile; PP 1, gemm_wgmma_pp: two consumer
+# warpgroups take turns, each its own tile (one's epilogue under the other's k loop).
 BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0}
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
 
@@ -113,9 +106,7 @@ SPLIT_ALIGN = 32          # k_chunk is a multiple of this (keeps 16-byte alignme
 MAX_SPLITS = 32
 MAX_GRID_Z = 65535
 REDUCE_THREADS = 256       # gemm_splitk_reduce's block (grid-stride)
-# gemm_simt.cu's transpose [K, N] -> [N, K] of the re-laid operands: TRANSPOSE_THREADS threads a
-# TRANSPOSE_TILE square (asserted)
-TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256
+TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256     # gemm_transpose [K, N] -> [N, K]: a square tile a block
 # Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
 LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
                 "gemm_ladder_regtile<64,64,8,4,4>")
@@ -136,16 +127,6 @@ def ring_smem(stages, rows) -> int:
     return stages * rows * 128 + 1024
 
 
-def tf32_smem(tile) -> int:
-    """Dynamic shared memory of a TF32 tile: stages x (BM + BN) x BK floats."""
-    return tile[5] * (tile[0] + tile[1]) * tile[2] * 4
-
-
-def tf32_blocks_per_sm(tile) -> int:
-    """As many as shared memory allows (1 KB reserved a block), 1..3: gemm_tf32's MIN_BLOCKS."""
-    return max(1, min(3, SMEM_PER_SM // (tf32_smem(tile) + 1024)))
-
-
 def epi_code(g) -> int:
     """The kernels' epilogue code of a product (model/products.py Product): EPI_BIAS for none with a bias."""
     return EPI_BIAS if g.epilogue == "none" and g.bias else EPILOGUE_CODES[g.epilogue]
@@ -163,9 +144,8 @@ class Geometry(NamedTuple):
 
 @dataclass(frozen=True)
 class Family:
-    """One kernel family: its file, tiles and rates, where it runs (a warpgroup-MMA family: the layouts it
-    runs, and how), and per tile its launch geometry and kernel name (the methods; this class's are the
-    warp-specialized persistent kernels', the other kinds of kernel override them)."""
+    """One kernel family. The methods (per tile the launch geometry, label and kernel name) are those of the
+    warp-specialized persistent kernels; the other kinds of kernel override them."""
     name: str
     file: str
     rates: dict                   # tile -> rate relative to `rate` (the cost model's); its keys: every tile
@@ -199,8 +179,8 @@ class Family:
         return f"{t[0]}x{t[1]}s{t[2]}{self.suffix}"
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False) -> str:
-        """The kernel's name expression for tile t, the layout (ta, tb) its kernel reads, epilogue code
-        epi (hb: with a bias), alignment (vec), C's dtype (out) and the variant that also sums A (colsum)."""
+        """The name expression for tile t, the layout (ta, tb) the kernel reads, epilogue code epi (hb: with
+        a bias), aligned operands (vec), C's dtype (out), the variant that also sums A (colsum)."""
         raise NotImplementedError
 
     def out_dtypes(self, ta, tb) -> tuple:
@@ -214,19 +194,14 @@ class Family:
         return (True, True) if self.swaps else (ta, True) if code == self.transposes_b else (ta, tb)
 
     def combos(self) -> list:
-        """(trans_a, trans_b, EPI, HAS_BIAS) its kernels are compiled for: per layout it runs, the
-        epilogues the op interface asks of it (PRODUCTS; TT, no product of the interface: none), in the
-        layout its kernel reads."""
+        """(trans_a, trans_b, EPI, HAS_BIAS) its kernels are compiled for: PRODUCTS' epilogues of each layout
+        it runs (TT: none), in the layout its kernel reads."""
         out = []
         for code in self.layouts:
             for epi, hb in PRODUCTS.get((code[0] == "T", code[1] == "T"), ((EPI_NONE, False),)):
                 if (combo := (*self.kernel_layout(code), epi, hb)) not in out:
                     out.append(combo)
         return out
-
-    def runs_epi(self, epi) -> bool:
-        """Whether its kernels are compiled for epilogue code epi (EPI_BIAS: with a bias) in some layout."""
-        return any(e == epi for _, _, e, _ in self.combos())
 
 
 class Simt(Family):               # (BM, BN): an 8x8 tile a thread, operands by pointer
@@ -243,8 +218,9 @@ class Simt(Family):               # (BM, BN): an 8x8 tile a thread, operands by 
 
 
 class MmaSync(Family):            # (BM, BN, BK, warps_m, warps_n, stages): a warp a warp tile, A and B by pointer
-    def geometry(self, t):
-        return Geometry(t[3] * t[4] * 32, tf32_blocks_per_sm(t), tf32_smem(t), False, False)
+    def geometry(self, t):        # stages x (BM + BN) x BK floats; blocks: as many as fit (1 KB reserved each),
+        smem = t[5] * (t[0] + t[1]) * t[2] * 4          # 1..3 (gemm_tf32's MIN_BLOCKS)
+        return Geometry(t[3] * t[4] * 32, max(1, min(3, SMEM_PER_SM // (smem + 1024))), smem, False, False)
 
     def short(self, t):
         return f"{t[0]}x{t[1]}s{t[5]}"

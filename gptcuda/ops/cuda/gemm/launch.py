@@ -1,6 +1,5 @@
-"""The GEMM launchers: validate the views, pick the plan (forced, the measured table, else the cost
-model), re-lay an operand out where the plan needs it (B^T, or the swapped product's A^T) and launch
-the family's kernel (and the split-K reduction)."""
+"""The GEMM launchers: validate the views, pick the plan, re-lay an operand out where the plan needs it
+(B^T, or the swapped product's A^T) and launch the family's kernel (and the split-K reduction)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,22 +16,17 @@ from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., pla
 from gptcuda.ops.cuda.gemm.table import tuned_plan
 
 
-def _check_f32(label, **views):
-    for k, v in views.items():
-        if v is not None and v.dtype != "f32":
-            raise TypeError(f"{label}: {k} must be f32, got {v.dtype}")
-
-
-def _check_dtypes(label, family, out, a, b, bias, aux):
-    """The views' dtypes against the execution plan's base family: fp32 operands, C and aux for the fp32
-    and TF32 families; bf16 operands for the bf16 family, C (and aux) bf16 or fp32; the bias fp32."""
+def _check_dtypes(label, family, out, a, b, bias=None, aux=None):
+    """The views' dtypes against the execution plan's base family: bf16 operands for the bf16 family, C
+    (and aux) bf16 or fp32; fp32 operands, C and aux for the others and the batched products; the bias fp32."""
     want = "bf16" if family == "bf16" else "f32"
     if a.dtype != want or b.dtype != want:
         raise TypeError(f"{label}: a {a.dtype} and b {b.dtype}, but the {family} products take {want} operands")
-    _check_f32(label, bias=bias)
-    if want == "f32":
-        _check_f32(label, out=out, aux=aux)
-    elif out.dtype not in ("f32", "bf16") or (aux is not None and aux.dtype != out.dtype):
+    f32_views = {"bias": bias} if want == "bf16" else {"bias": bias, "out": out, "aux": aux}
+    for k, v in f32_views.items():
+        if v is not None and v.dtype != "f32":
+            raise TypeError(f"{label}: {k} must be f32, got {v.dtype}")
+    if want == "bf16" and (out.dtype not in ("f32", "bf16") or (aux is not None and aux.dtype != out.dtype)):
         raise TypeError(f"{label}: out {out.dtype}{f' and aux {aux.dtype}' if aux is not None else ''}: bf16 "
                         f"products write f32 or bf16, aux of out's type")
 
@@ -45,7 +39,7 @@ def _vec_ok(a, b, lda, ldb, sA=0, sB=0):
 
 
 def _workspace(rt, name):
-    """(view, floats) of a planned workspace ((None, 0) when the memory plan has none)."""
+    """(view, floats) of a planned workspace; (None, 0)."""
     try:
         ws = rt.workspace(name)
     except KeyError:
@@ -55,11 +49,10 @@ def _workspace(rt, name):
 
 def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum=None, alpha=1.0, ws=None,
                  batched=False):
-    """Launch product g as the kernel computes it (dense operands: lda, ldb from the layout, batched: batch
-    strides M K and K N; the swapped product's out^T = B^T A stored transposed, ldc = M) by plan p: the
-    family's kernel, and for split-K its partials into ws [splits, M, N] then the fixed-order reduction
-    that applies the epilogue. colsum (a family whose kernels sum A, epilogue none): also colsum[z, m] =
-    the sums of A's rows of split z, as stored [K, M] (a weight gradient's bias-gradient partials)."""
+    """Launch product g as the kernel computes it (dense operands; batched: batch strides M K and K N; the
+    swapped product's out^T = B^T A stored transposed, ldc = M) by plan p; split-K: partials into ws
+    [splits, M, N], then the fixed-order reduction applies the epilogue. colsum [splits, M]: the sums of
+    A's (stored [K, M]) rows of each split, where the family's kernels sum A (epilogue none)."""
     fam, geo, whole, zs = p.fam, p.geo, p.splits == 1, g.batch * p.splits
     lda, ldb, ldc = g.M if g.ta else g.K, g.K if g.tb else g.N, g.M if fam.swaps else g.N
     sA, sB = (g.M * g.K, g.K * g.N) if batched else (0, 0)
@@ -105,9 +98,8 @@ def _operands(rt, p: Plan, g: Product, a, b, lda, ldb, sA, sB) -> tuple:
 
 
 def _plan(rt, g: Product, forced, ex, out_dtype) -> tuple:
-    """(plan, split-K workspace view) of product g under execution plan ex: `forced` (benchmarks,
-    bench/tune.py), else the measured table's, else the cost model's; refused with its reason where it
-    cannot run (`plan_unfit`)."""
+    """(plan, split-K workspace view) of product g under execution plan ex: `forced`, else the measured
+    table's, else the cost model's; refused with `plan_unfit`'s reason where it cannot run."""
     ws, cap = _workspace(rt, "gemm_splitk")
     cap = split_room(out_dtype, cap) if g.batch == 1 else 0
     scratch = {name: _workspace(rt, name)[1] for name in WGMMA_WORKSPACES}
@@ -136,11 +128,9 @@ def _dims(label, out, a, b, ta, tb, batched=False) -> tuple:
 
 def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, plan=None, ex=None,
            a_colsum=None):
-    """The op interface's matmul (gptcuda/ops/backend.py). ex: the execution plan whose choices apply (the
-    backend passes its own; default rt's). `plan` forces a plan (benchmarks, bench/tune.py); otherwise
-    the measured table's, else the cost model's. a_colsum: a swapped product (wgmma_ra_t) takes the partial
-    sums from its A^T transpose, a plan whose kernels read A as stored and sum it (Family.colsum) from
-    their consumers, else elementwise.bias_grad reads a once more."""
+    """The op interface's matmul (gptcuda/ops/backend.py). ex: the execution plan (default rt's); `plan`
+    forces a plan (benchmarks, bench/tune.py). a_colsum: partial sums from a swapped product's A^T
+    transpose or from kernels that sum A as they read it (Family.colsum), else bias_grad reads a again."""
     if epilogue not in EPILOGUE_CODES:
         raise ValueError(f"matmul: epilogue {epilogue!r} is not one of {tuple(EPILOGUE_CODES)}")
     M, N, K, lda, ldb = _dims("matmul", out, a, b, trans_a, trans_b)
@@ -179,8 +169,8 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
 
 
 def _transposed(rt, name, x, K, N, label, what, colsum=None):
-    """x [K, N] (dense) transposed into the workspace `name` as [N, K] (its room checked by plan_unfit);
-    colsum: also colsum[i, :] = the column sums of x's rows 64 i .. 64 i + 63."""
+    """x [K, N] (dense) transposed into the workspace `name` as [N, K] (room: plan_unfit); colsum[i, :]:
+    the column sums of x's rows 64 i .. 64 i + 63."""
     out = DeviceView(rt.workspace(name).ptr, (N, K), "f32", name)
     vec = K % 4 == 0 and N % 4 == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0
     rt.launch(rt.function(SIMT_FILE, transpose_name(vec, colsum is not None)),
@@ -190,8 +180,7 @@ def _transposed(rt, name, x, K, N, label, what, colsum=None):
 
 
 def _partials(rt, chunks, M):
-    """A [chunks, M] view for the bias gradient's partials (elementwise.partials: a region of the held
-    sums' ring, or the workspace "bias_partials"), or None where they do not fit."""
+    """A [chunks, M] view for the bias gradient's partials (elementwise.partials), None where they do not fit."""
     if chunks > elementwise.MAX_CHUNKS:
         return None
     return elementwise.partials(rt, chunks, M, elementwise.WORKSPACE)
@@ -200,7 +189,7 @@ def _partials(rt, chunks, M):
 def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=None, ex=None):
     """out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch (ex, plan: as
     in matmul)."""
-    _check_f32("matmul_batched", out=out, a=a, b=b)
+    _check_dtypes("matmul_batched", "batched", out, a, b)
     M, N, K, lda, ldb = _dims("matmul_batched", out, a, b, trans_a, trans_b, batched=True)
     batch = rows(out.shape[:-1])
     if rows(a.shape[:-1]) != batch or rows(b.shape[:-1]) != batch:

@@ -1,7 +1,6 @@
-"""Planning a GEMM: which layouts the warpgroup-MMA families may run (`wgmma_layout`),
-its plans (family, tile, split-K, operand re-layout), the cost model that ranks them (`estimate_s`,
-`plan`), the candidates bench/tune.py times (`tune_candidates`, `prune_candidates`), why a plan cannot
-run a product (`plan_unfit`), and the GEMM workspaces a config plans (`workspace`)."""
+"""Planning a GEMM: its plans (family, tile, split-K, operand re-layout), the cost model that ranks them
+(`estimate_s`, `plan`), the candidates bench/tune.py times (`tune_candidates`, `prune_candidates`), why a
+plan cannot run a product (`plan_unfit`), and the GEMM workspaces a config plans (`workspace`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,11 +16,10 @@ WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT")   # scratch only the warpgroup-MMA ker
 
 
 def wgmma_layout(mode, g: Product):
-    """The layout code of product g that the warpgroup-MMA families may run in an execution plan's
-    `wgmma_mode`, else False. 16-byte aligned operands only; "tf32": x @ W^T ("NT", batched too) and, one
-    product with K % 4 == 0 (the re-laid operands' rows are tensor maps' 16-byte strides), "NN" (wgmma
-    after B^T), "TN" and "TT" (A [K, M] through registers: the register-A families); "3xtf32": the op
-    interface's layouts (PRODUCTS), one product, K % 4 == 0 (wgmma3_ra); None: none."""
+    """The layout code of product g that the warpgroup-MMA families may run in wgmma_mode `mode`, else
+    False: aligned operands only; "tf32": NT (batched too), and for one product with K % 4 == 0 (a re-laid
+    operand's rows are tensor maps' strides, multiples of 16 bytes) any layout; "3xtf32": PRODUCTS'
+    layouts, one product, K % 4 == 0; None: none."""
     if mode is None or not g.vec:
         return False
     if mode == "tf32" and g.layout == "NT":
@@ -48,8 +46,7 @@ class Plan:
         return self.fam.geometry(self.tile)
 
     def relaid(self, g: Product):
-        """(workspace, floats) of the operand this plan re-lays out before its kernel: B^T [N, K]
-        (transpose_b), A^T [M, K] (the swapped product); None."""
+        """(workspace, floats) of B^T [N, K] (transpose_b) or A^T [M, K] (swaps) made before the kernel; None."""
         if self.transpose_b or self.fam.swaps:
             return self.fam.scratch, (g.M if self.fam.swaps else g.N) * g.K
         return None
@@ -60,8 +57,7 @@ class Plan:
         return need is None or scratch is None or 0 < need[1] <= scratch.get(need[0], 0)
 
 
-# The rest of the rough machine model (H200-like; the peak rates are the families'), only used to
-# rank candidate plans against each other.
+# The rest of the rough machine model (H200-like; the peak rates are the families'), only for ranking plans.
 _BYTES_PER_S = 3.5e12
 _L2_BYTES_PER_S = 9e12                # L2 -> SM operand streaming, all SMs together: the wgmma TMA kernel
                                       # streamed 3.2 GB of operand panels in 0.365 ms at 4096^3 (8.8 TB/s)
@@ -85,8 +81,7 @@ def _model_time(blocks, work_per_block, threads, bps, eff, rate, sm_count):
 
 
 def split_chunk(K, splits, align=SPLIT_ALIGN):
-    """k_chunk of a split count (a multiple of `align`: the family's k_align), or None when `splits`
-    chunks of that size would leave one empty."""
+    """k_chunk of a split count (a multiple of the family's k_align), None where a chunk would be empty."""
     if splits == 1:
         return K
     chunk = cdiv(cdiv(K, splits), align) * align
@@ -94,44 +89,24 @@ def split_chunk(K, splits, align=SPLIT_ALIGN):
 
 
 def make_plan(family, tile, splits, K, transpose_b=False) -> Plan | None:
-    """The Plan of a family / tile / split count for reduction length K (None: no such plan);
-    transpose_b: a family that transposes B first (its `transposes_b` layout)."""
+    """The Plan of a family / tile / split count for reduction length K; None: no such plan."""
     fam = FAMILIES.get(family)
-    if fam is None or tile not in fam.tiles + fam.unaligned_tiles or not 1 <= splits <= MAX_SPLITS or K < 1:
-        return None
-    if transpose_b and not fam.transposes_b:
+    if fam is None or tile not in fam.tiles + fam.unaligned_tiles or not 1 <= splits <= MAX_SPLITS or K < 1 or \
+            transpose_b and not fam.transposes_b:
         return None
     chunk = split_chunk(K, splits, fam.k_align)
     return None if chunk is None else Plan(family, tile, splits, chunk, transpose_b)
 
 
 def b_reads(p: Plan, M, N, k_chunk, sm_count=132) -> int:
-    """How often B comes from DRAM: the grid's x (N tiles) runs fastest, so a wave of sm_count x
-    blocks_per_sm blocks covers a few rows of output tiles (or part of one), each sweeping all of
-    B's panels; when B's part of one split, N x k_chunk floats, is more than the L2 keeps, every
-    later wave re-reads it: min(row tiles, waves) reads (the head's logits = lnf @ wte^T, wte 154 MB:
-    64 reads of wte with 128-row tiles, 32 with 256-row tiles), else one."""
+    """How often B comes from DRAM: the grid's x (N tiles) runs fastest, so a wave of blocks covers a few
+    rows of output tiles, each sweeping all of B's panels; when B's part of one split, N x k_chunk floats,
+    outgrows the L2, every wave re-reads it: min(row tiles, waves) reads (the head's logits = lnf @ wte^T,
+    wte 154 MB: 64 reads with 128-row tiles, 32 with 256-row tiles), else one."""
     if 4.0 * N * max(k_chunk, 1) <= _L2_RESIDENT_BYTES:
         return 1
     rows_, tiles = cdiv(M, p.tile[0]), cdiv(M, p.tile[0]) * cdiv(N, p.tile[1])
     return max(1, min(rows_, cdiv(tiles, sm_count * p.geo.blocks_per_sm)))
-
-
-def _gemm_estimate(p: Plan, M, N, K, k_chunk, batch, epi, sm_count) -> float:
-    """estimate_s of the GEMM kernel (and split-K reduction) alone, reduction length K."""
-    bm, bn = p.tile[:2]
-    blocks = cdiv(M, bm) * cdiv(N, bn) * batch * p.splits
-    t = _model_time(blocks, 2.0 * bm * bn * max(k_chunk, 1), p.geo.threads, p.geo.blocks_per_sm, p.fam.rates[p.tile],
-                    p.fam.rate, sm_count)
-    io = 1 if p.splits > 1 else EPI_IO[epi]
-    per_block = _FILL_S + bm * bn * 4 * io / (_BYTES_PER_S / sm_count)
-    per_sm = cdiv(blocks, sm_count)
-    t += per_sm * per_block * (_HIDDEN if p.geo.blocks_per_sm >= 2 else 1.0)
-    t = max(t, 4.0 * batch * (M * K + b_reads(p, M, N, k_chunk, sm_count) * K * N + M * N * io) / _BYTES_PER_S,
-            4.0 * blocks * (bm + bn) * max(k_chunk, 1) / _L2_BYTES_PER_S)
-    if p.splits > 1:
-        t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
-    return t
 
 
 def estimate_s(p: Plan, g: Product, sm_count=132) -> float:
@@ -147,30 +122,37 @@ def estimate_s(p: Plan, g: Product, sm_count=132) -> float:
         fused = p.fam.swaps or p.fam.colsum
         extra = _LAUNCH_S / 3 + (0.0 if fused else _LAUNCH_S / 3 + 4.0 * g.K * g.M / _BYTES_PER_S)
     M, N = (g.N, g.M) if p.fam.swaps else (g.M, g.N)       # (swaps: out^T = B^T A after A^T [M, K])
-    t = _gemm_estimate(p, M, N, g.K, p.k_chunk, g.batch, epi_code(g), sm_count)
+    K, k, epi, (bm, bn), geo = g.K, max(p.k_chunk, 1), epi_code(g), p.tile[:2], p.geo
+    blocks = cdiv(M, bm) * cdiv(N, bn) * g.batch * p.splits
+    t = _model_time(blocks, 2.0 * bm * bn * k, geo.threads, geo.blocks_per_sm, p.fam.rates[p.tile], p.fam.rate,
+                    sm_count)
+    io = 1 if p.splits > 1 else EPI_IO[epi]
+    per_block = _FILL_S + bm * bn * 4 * io / (_BYTES_PER_S / sm_count)
+    t += cdiv(blocks, sm_count) * per_block * (_HIDDEN if geo.blocks_per_sm >= 2 else 1.0)
+    t = max(t, 4.0 * g.batch * (M * K + b_reads(p, M, N, k, sm_count) * K * N + M * N * io) / _BYTES_PER_S,
+            4.0 * blocks * (bm + bn) * k / _L2_BYTES_PER_S)
+    if p.splits > 1:
+        t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
     if (relaid := p.relaid(g)) is not None:
         t += _LAUNCH_S / 3 + 8.0 * g.batch * relaid[1] / _BYTES_PER_S
     return extra + t
 
 
 def competing(family, wgmma=False, epi=None) -> list:
-    """The families that compete for a product: the base `family` and, where `wgmma_layout` answered
-    layout `wgmma`, its warpgroup-MMA partners that run that layout, compiled for epilogue code epi
-    (None: any)."""
+    """The base `family` and its warpgroup-MMA partners that run layout `wgmma` (`wgmma_layout`'s answer),
+    compiled for epilogue code epi (None: any)."""
     return [family] + [name for name in FAMILIES[family].partners if wgmma in FAMILIES[name].layouts and
-                       (epi is None or FAMILIES[name].runs_epi(epi))]
+                       (epi is None or any(c[2] == epi for c in FAMILIES[name].combos()))]
 
 
 def split_room(out_dtype: str, floats: int) -> int:
-    """The workspace floats split-K partials may use for a C of out_dtype: the split-K reduction
-    writes fp32, so a bf16 C is one product (0)."""
+    """Workspace floats for split-K partials into a C of out_dtype: the reduction writes fp32 (bf16: 0)."""
     return floats if out_dtype == "f32" else 0
 
 
 def _plans(g: Product, family, mode, max_ws, scratch, tiles_of, splits_of):
-    """The plans of product g by the families competing for it (`competing`), each family's tiles
-    tiles_of(fam) x split counts splits_of(fam, tile): those whose split-K fits (one product, its
-    partials within max_ws floats) and whose re-laid operand the scratch holds (`Plan.fits`)."""
+    """Product g's plans by the `competing` families, tiles_of(fam) x splits_of(fam, tile), whose split-K
+    fits (one product, partials within max_ws floats) and whose re-laid operand the scratch holds."""
     wg = wgmma_layout(mode, g)
     for name in competing(family, wg, epi_code(g)):
         fam = FAMILIES[name]
@@ -185,13 +167,11 @@ def _plans(g: Product, family, mode, max_ws, scratch, tiles_of, splits_of):
 
 
 def plan(g: Product, family, mode=None, sm_count=132, max_ws=0, scratch=None, tiles=None, splits=None) -> Plan:
-    """The plan of product g with the lowest modelled time (`estimate_s`) among those of the base `family`
-    and, in an execution plan's wgmma_mode `mode`, the warpgroup-MMA families that run g's layout
-    (`wgmma_layout`) where the planned scratch ({workspace: floats}; None: any) holds what they re-lay
-    out. max_ws: floats for split-K partials (0: no split-K); tiles / splits: only these tiles / this
-    split count (benchmarks, tests; else the families' plan_tiles, and split-K below split_waves waves of
-    blocks). Ties go to fewer splits, the larger tile, then a wgmma tile's TMA twin (5-20% faster where
-    measured)."""
+    """Product g's plan of the lowest modelled time (`estimate_s`) among the base `family`'s and, in wgmma_mode
+    `mode`, its warpgroup-MMA partners' where the scratch ({workspace: floats}; None: any) holds what they
+    re-lay out. max_ws: floats for split-K partials (0: none); tiles / splits: only these (benchmarks,
+    tests; else plan_tiles, and split-K below split_waves waves of blocks). Ties go to fewer splits, the
+    larger tile, then a wgmma tile's TMA twin (5-20% faster where measured)."""
     def tiles_of(fam):
         pool = fam.tiles if g.vec else fam.unaligned_tiles
         return [t for t in pool if t in (tiles if tiles is not None else fam.plan_tiles or fam.tiles)]
@@ -221,16 +201,14 @@ TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def tune_candidates(g: Product, family, mode=None, max_ws=0, scratch=None) -> list:
-    """Every plan bench/tune.py may time for product g: each tile of the families that can run it
-    (unaligned operands: the base family's fallback tiles only) x each split count of TUNE_SPLITS that
-    fits, as in `plan`."""
+    """Every plan bench/tune.py may time for product g: as `plan`'s, every tile x TUNE_SPLITS."""
     return list(_plans(g, family, mode, max_ws, scratch, lambda fam: fam.tiles if g.vec else fam.unaligned_tiles,
                        lambda fam, tile: [s for s in TUNE_SPLITS if s == 1 or g.K >= 2 * fam.k_align]))
 
 
 def prune_candidates(cands, g: Product, sm_count=132, keep=1.6, max_n=6, always=()) -> list:
-    """The candidates worth timing: modelled time (`estimate_s`) within `keep` x the best, at most
-    max_n of them, fastest first; plans in `always` (the cost model's choice) are kept."""
+    """The candidates worth timing, fastest first: modelled time within `keep` x the best, at most max_n;
+    plans in `always` (the cost model's choice) kept."""
     scored = sorted((estimate_s(p, g, sm_count), i, p) for i, p in enumerate(cands))
     if not scored:
         return []
@@ -239,10 +217,9 @@ def prune_candidates(cands, g: Product, sm_count=132, keep=1.6, max_n=6, always=
 
 
 def plan_unfit(p: Plan, g: Product, family, mode=None, ws_floats=None, scratch=None, out="f32") -> str | None:
-    """Why plan p cannot run product g in an execution plan of base family `family` and wgmma_mode `mode`,
-    into a C of dtype out, with ws_floats of split-K workspace and the scratch {workspace: floats} planned
-    (None: not checked); None when it can. (A table entry that does not fit is skipped; a plan the caller
-    forces is refused with this reason.)"""
+    """Why plan p cannot run product g under base family `family` and wgmma_mode `mode` into a C of dtype
+    out, with ws_floats of split-K workspace and the scratch {workspace: floats} (None: not checked); None
+    when it can. A table entry that does not fit is skipped; a forced plan is refused with the reason."""
     fam, wg = p.fam, wgmma_layout(mode, g)
     if fam.base != family:
         return f"plan family {p.family} but rt.precision wants {family}"
@@ -276,11 +253,10 @@ def plan_label(p: Plan) -> str:
 
 
 def workspace(cfg, ex=None) -> dict:
-    """The GEMM workspaces of a config's memory plan {name: (shape, dtype)}: split-K partials for the
-    weight-gradient products (K = batch_size * block_size tokens), sized for both orientations (dW and
-    dW^T), for the fp32 and tf32 base families at 132 SMs and for the plan's own (ex; default the config's);
-    where the plan holds them (`wgmma_scratch`: TF32), the warpgroup-MMA kernels' re-laid operands.
-    bench/tune.py only times splits that fit these sizes."""
+    """The GEMM workspaces of a config's memory plan {name: (shape, dtype)}: split-K partials of the weight
+    gradients (K = batch_size * block_size tokens), both orientations (dW and dW^T), as the fp32, tf32 and
+    ex's base families plan them at 132 SMs; where ex holds them (`wgmma_scratch`), the warpgroup-MMA
+    kernels' re-laid operands. bench/tune.py only times splits that fit these sizes."""
     ex = ex or execution.resolve(cfg)
     K, C, V = cfg.batch_size * cfg.block_size, cfg.n_embd, cfg.vocab_size
     layers = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]
@@ -305,6 +281,5 @@ def workspace(cfg, ex=None) -> dict:
 
 
 def device_workspaces(ws: dict, rt) -> dict:
-    """`workspace(cfg)`'s entries that rt's device uses: without the warpgroup-MMA kernels (not sm_90, or
-    GPTCUDA_WGMMA=0) the re-laid operands' scratch would never be read."""
+    """`workspace(cfg)`'s entries that rt's device reads: without the warpgroup-MMA kernels, no scratch."""
     return dict(ws) if rt.exec.wgmma else {k: v for k, v in ws.items() if k not in WGMMA_WORKSPACES}

@@ -1,9 +1,9 @@
-"""The measured plan table: one JSON file per GPU and kernel sources,
-<compile cache>/tune/<gpu>-<source hash>.json, {table_key: plan_to_json}, written by tune.py
-(`autotune`, at a run's setup, for the shapes it lacks; bench/tune.py, for every shape of a config);
-`tuned_plan` answers with an entry a launch can use (the execution plan's gemm_tune off: never)."""
+"""The measured plan table: one JSON file per GPU and kernel sources, <compile cache>/tune/<gpu>-<source
+hash>.json, {table_key: plan_to_json}, written by tune.py (`autotune`) and bench/tune.py; `tuned_plan`
+answers with an entry a launch can use."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,7 +18,6 @@ from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, plan_unfit
 
 TUNE_FORMAT = 1
 _tables: dict = {}           # path -> {key: Plan}, each table read once a process
-_source_hash = None
 
 
 def forget_tables():
@@ -26,16 +25,14 @@ def forget_tables():
     _tables.clear()
 
 
+@functools.cache
 def source_hash() -> str:
     """sha256 of the GEMM kernel sources with their includes expanded: a table measured on other
     sources is not used."""
-    global _source_hash
-    if _source_hash is None:
-        h = hashlib.sha256()
-        for f in dict.fromkeys(fam.file for fam in FAMILIES.values()):
-            h.update(f.encode() + b"\0" + compiler.expand_source(f).encode() + b"\0")
-        _source_hash = h.hexdigest()
-    return _source_hash
+    h = hashlib.sha256()
+    for f in dict.fromkeys(fam.file for fam in FAMILIES.values()):
+        h.update(f.encode() + b"\0" + compiler.expand_source(f).encode() + b"\0")
+    return h.hexdigest()
 
 
 def table_key(tag, g: Product) -> str:
@@ -56,8 +53,8 @@ def plan_to_json(p: Plan) -> dict:
 
 
 def plan_from_json(d: dict, K: int) -> Plan | None:
-    """The Plan an entry names, rebuilt for reduction length K (None if it is not a valid plan: also one
-    of a family or a tile this tree does not have)."""
+    """The Plan an entry names, rebuilt for reduction length K; None where it is not a valid plan (also one of
+    a family or a tile this tree does not have)."""
     try:
         tile = tuple(int(x) for x in d["tile"])
         p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K), bool(d.get("transpose_b", False)))
@@ -89,10 +86,9 @@ def load_table(gpu_name: str, src_hash: str | None = None, refresh: bool = False
 
 def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: dict | None = None,
                replace: bool = True) -> Path:
-    """Write {key: entry dict (plan_to_json + anything else)} atomically, merged over the entries
-    (and the meta) already there; replace False: an entry already there stays (two runs that
-    measured a shape at once then both launch the plan written first, as will their resumes). The
-    process's cached copy is refreshed."""
+    """Write {key: entry dict (plan_to_json + anything else)} atomically, merged over the entries (and the
+    meta) already there; replace False: an entry already there stays (two runs that measured a shape at
+    once then both launch the plan written first, as will their resumes). Refreshes the cached copy."""
     src_hash = src_hash or source_hash()
     path = table_path(gpu_name, src_hash)
     doc = {"format": TUNE_FORMAT, "gpu": gpu_name, "source_hash": src_hash, "entries": {}}
@@ -113,9 +109,8 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
 
 
 def tuned_plan(rt, g: Product, ex, ws_floats: int, scratch: dict, out="f32") -> Plan | None:
-    """The table's plan for product g under execution plan ex, on rt's GPU, if there is one this launch can
-    use (`plan_unfit`: its alignment allows the tile, the split-K workspace of ws_floats holds its split,
-    the scratch {workspace: floats} what it re-lays out, its kernels write C of dtype out), else None."""
+    """The table's plan for product g under execution plan ex on rt's GPU where `plan_unfit` lets this launch
+    (ws_floats of split-K workspace, the scratch {workspace: floats}, C of dtype out) use it, else None."""
     if not ex.gemm_table:                               # gemm_tune off (GPTCUDA_GEMM_TUNE=0)
         return None
     p = load_table(rt.info.name).get(table_key(ex.table_tag, g))

@@ -2,15 +2,11 @@
 
     summary = autotune(rt, cfg, vocab)    # the Engine's setup does it (config gemm_tune: auto)
 
-Per product of the config (model/products.py `products`; `tune_op`): the candidates (`candidates_for`:
-every tile and split count of the families that can run it, through the workspaces the memory plan
-gives), pruned by the cost model (within `keep` x its best, at most `max_n`, its own choice first);
-timed paired on the GPU (`EventTimer`: a CUDA graph a candidate, rounds replaying each once in a
-rotated order between CUDA events, the median); checked against the cost model's choice (one that
-disagrees never wins); the fastest goes into the GPU's table (table.py). `autotune` measures only what
-the table lacks (an entry is never measured again: a resumed run launches the plans it launched), in a
-short window, the candidates' kernels compiled in parallel first; bench/tune.py is the command line
-over every shape.
+Per product of the config (`tune_op`): the candidates the cost model keeps (`candidates_for`), timed
+paired on the GPU (`EventTimer`) and checked against the cost model's choice (one that disagrees never
+wins); the fastest goes into the GPU's table (table.py). `autotune` measures only what the table lacks:
+an entry is never measured again, so a resumed run launches the plans it launched. bench/tune.py is the
+command line over every shape.
 """
 from __future__ import annotations
 
@@ -52,15 +48,13 @@ def workspace_floats(cfg, vocab, ex=None) -> dict:
 
 
 def _out_dtype(g: Product, ex) -> str:
-    """The dtype of C that the kernels of execution plan ex's base family write for g's layout (the first
-    where they write several)."""
+    """The (first) dtype of C that ex's base family writes for g's layout."""
     return (FAMILIES[ex.gemm_family].out_dtypes(g.ta, g.tb) or ("f32",))[0]
 
 
 def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=1.6, max_n=6) -> tuple:
-    """(cost-model plan, pruned candidate plans with it first) of product g under execution plan ex: its
-    base family and, where it runs the warpgroup-MMA kernels, those that run g; workspaces: {name:
-    floats} of the split-K partials and the scratch they re-lay operands out in (workspace_floats)."""
+    """(cost-model plan, pruned candidate plans with it first) of product g under execution plan ex, within
+    workspaces {name: floats} (workspace_floats): the modelled time within `keep` x the best, at most max_n."""
     workspaces = workspaces or {}
     ws = split_room(_out_dtype(g, ex), workspaces.get("gemm_splitk", 0))
     heur = plan(g, ex.gemm_family, ex.wgmma_mode, sm_count, ws, workspaces)
@@ -76,9 +70,9 @@ def pick_winner(plans, times_ms, ok=None):
 
 
 def tune_op(g: Product, ex, timer, sm_count=132, workspaces=None, keep=1.6, max_n=6, plans=None) -> dict:
-    """Time product g's candidates (`plans`, the cost model's first; default candidates_for's) under
-    execution plan ex with timer(g, plans) -> (samples per plan [ms lists], ok per plan or None); returns
-    a result dict: the plans, their median times, which agreed, the winner, the floor, the model's times."""
+    """Time product g's candidates (`plans`, the cost model's first; default candidates_for's) with
+    timer(g, plans) -> (samples per plan [ms lists], ok per plan or None): the plans, their median times,
+    which agreed, the winner, the floor, the model's times."""
     if plans is None:
         plans = candidates_for(g, ex, sm_count, workspaces, keep, max_n)[1]
     samples, ok = timer(g, plans)
@@ -112,9 +106,8 @@ OUT, COLSUM = 2, 5           # the views `_views` makes that a launch writes (th
 
 
 def _views(g: Product, ex, make) -> tuple:
-    """(a, b, out, bias, aux, a_colsum) of product g's launch, each make(index, shape, dtype) (None where g
-    has none): under execution plan ex, A and B of its base family's operand type, C and aux of the type
-    its kernels write for g's layout, the bias and a_colsum fp32."""
+    """(a, b, out, bias, aux, a_colsum) of product g's launch under execution plan ex, each make(index,
+    shape, dtype) (None where g has none)."""
     fam, out = FAMILIES[ex.gemm_family], _out_dtype(g, ex)
     lead = (g.batch,) if g.batch > 1 else ()
     specs = ((lead + ((g.K, g.M) if g.ta else (g.M, g.K)), fam.dtype),
@@ -125,7 +118,6 @@ def _views(g: Product, ex, make) -> tuple:
 
 
 def _launch(rt, g: Product, p, a, b, out, bias, aux, colsum):
-    """Launch (or record) product g by plan p on these views."""
     if g.batch > 1:
         matmul_batched(rt, out, a, b, g.ta, g.tb, plan=p)
     else:
@@ -137,8 +129,7 @@ class EventTimer:
     for ~target_ms), `rounds` rounds of one replay each in a rotated order between CUDA events (so every
     candidate sees the same clocks and temperature), then one eager run each whose output is compared
     with the first's (check_floats: at most that many floats of it, the first and last halves; None:
-    all). workspaces: {name: floats} of the GEMM workspaces to lend the launches (the memory plan's
-    sizes); rt's own are restored after each product. close() frees them."""
+    all). workspaces: {name: floats} lent to the launches (the memory plan's sizes); close() frees them."""
 
     def __init__(self, rt, workspaces: dict, rounds=7, target_ms=0.5, check=True, seed=0, check_floats=None):
         self.rt, self.rounds, self.target_ms, self.check, self.check_floats = rt, rounds, target_ms, check, check_floats
@@ -221,9 +212,8 @@ class EventTimer:
                 dev.free(v.ptr)
 
     def _agree(self, g, plans, vs) -> list:
-        """Whether each plan's output, from one eager launch, is the first's to within the execution
-        plan's check_tolerance (TF32: the wgmma kernel truncates operands to tf32 where mma.sync rounds
-        them, ~1e-3 apart; fp32: SIMT and 3xTF32 ~1e-7)."""
+        """Whether each plan's output, from one eager launch, is the first's within the execution plan's
+        check_tolerance (TF32: wgmma truncates operands where mma.sync rounds them, ~1e-3 apart; fp32 ~1e-7)."""
         ok, ref = [], None
         for p in plans:
             _launch(self.rt, g, p, *vs)       # (GELU rewrites aux with the same pre-activation)
@@ -243,10 +233,9 @@ class EventTimer:
 
 # ---- the candidates' kernels, compiled in parallel before the timing ------------------------
 def _prebuild(rt, ops, cands, workspaces, build, bar):
-    """Compile the kernels of every candidate plan at once (`build`): those their launches ask for, made on
-    views at fake addresses in rt's noting mode (nothing runs). Candidates whose kernels did not compile
-    are left out (the cost model's, first, stays: the run launches it anyway, and its error shows there).
-    Returns the candidate lists and how many were left out."""
+    """(candidate lists, how many were left out): the kernels every candidate's launch asks for (noted on
+    views at fake addresses, nothing runs) compiled at once by `build`; those whose kernels did not
+    compile are left out, except the cost model's (first): the run launches it anyway, its error shows there."""
     def fake(i, shape, dtype="f32"):
         return DeviceView((i + 1) << 38, tuple(shape), dtype, "x")
 
@@ -273,8 +262,7 @@ def _prebuild(rt, ops, cands, workspaces, build, bar):
 
 # ---- measuring a run's missing shapes ------------------------------------------------------
 def on_device(rt) -> bool:
-    """rt drives a GPU: its device is the driver's (gptcuda.runtime.driver.Device). A test's stand-in
-    runtime (a Runtime over a fake device) has none, and is never timed on."""
+    """rt drives a GPU (gptcuda.runtime.driver.Device), not a test's fake device: never timed on."""
     from gptcuda.runtime.driver import Device
     return isinstance(getattr(rt, "dev", None), Device)
 
@@ -306,14 +294,11 @@ class TuneSummary:
 
 def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None, build=compiler.build_all,
              rounds=5, target_ms=0.3, keep=1.6, max_n=6) -> TuneSummary | None:
-    """Measure the GEMM products of this config that the table of rt's GPU lacks, at the
-    precision and with the warpgroup-MMA kernels the runtime's execution plan resolved and the
-    workspaces the memory plan gives, and merge the winners into the table (an entry written
-    meanwhile by another process stays). None when the plan's gemm_tune is not "auto"; with
-    nothing missing it returns at once, the GPU untouched. One progress line on `out` (default
-    sys.stderr; quiet: none). timer: EventTimer's interface (tests); build: compiles the
-    candidates' kernels (compiler.build_all's interface; None: each when first launched). The timing
-    buffers are freed and rt's workspaces restored."""
+    """Measure the GEMM products of this config that the table of rt's GPU lacks under rt's execution plan,
+    in the workspaces the memory plan gives, and merge the winners into the table (an entry written
+    meanwhile by another process stays). None when gemm_tune is not "auto"; nothing missing: returns at
+    once, the GPU untouched. One progress line on `out` (default sys.stderr; quiet: none). timer:
+    EventTimer's interface (tests); build: compiler.build_all's (None: each kernel when first launched)."""
     ex = rt.exec
     if ex.gemm_tune != "auto":
         return None
