@@ -84,8 +84,9 @@ def test_encoder_bwd_refuses_bf16_parameter_gradients(rt, dwte, dwpe):
 # ---- cross-entropy ----------------------------------------------------------------------------
 
 # (row length, bytes into the allocation, the kernel for fp32, for bf16)
-CE_KINDS = [(65, 0, "warp", "warp"), (1025, 0, "block", "block"), (50304, 0, "rows", "rows"),
-            (50304, 8, "block", "rows"), (50304, 4, "block", "block"), (50304, 2, None, "block")]
+CE_KINDS = [(65, 0, "warp", "warp"), (1025, 0, "block", "block"), (50304, 0, "rows", "smem"),
+            (1028, 0, "rows", "rows"), (50304, 8, "block", "rows"), (50304, 4, "block", "block"),
+            (50304, 2, None, "block")]
 
 
 @pytest.mark.parametrize("mode", ["grad", "inplace", "nograd"])
@@ -93,7 +94,8 @@ CE_KINDS = [(65, 0, "warp", "warp"), (1025, 0, "block", "block"), (50304, 0, "ro
                                                 for t in ("f32", "bf16") if k[t == "bf16"]])
 def test_crossentropy_types(rt, dtype, mode, V, shift, kind):
     """The kernel for bf16 logits as for fp32 ones, but for the register kernel's alignment: 4
-    elements, 8 bytes of bf16 (an 8-byte offset keeps it for bf16, not for fp32)."""
+    elements, 8 bytes of bf16 (an 8-byte offset keeps it for bf16, not for fp32); and bf16 rows of V % 8
+    == 0, 16-byte aligned, in shared memory (crossentropy_smem)."""
     N = 3
     logits = view(rt, (N, V), dtype, shift)
     dlogits = {"grad": view(rt, (N, V), dtype, shift), "inplace": logits, "nograd": None}[mode]
