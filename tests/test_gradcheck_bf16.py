@@ -19,7 +19,7 @@ from gptcuda.model import rng
 from gptcuda.model.memory import plan_memory
 from gptcuda.model.params import param_table
 from gptcuda.ops.reference import ops as R
-from gptcuda.ops.reference.backend import ReferenceBackend, _2d
+from gptcuda.ops.reference.backend import ReferenceBackend, _2d, matmul_epilogue
 from gptcuda.runtime import bf16 as B16
 from gptcuda.runtime import execution
 from gptcuda.training import gradcheck as gc
@@ -108,17 +108,7 @@ class Bf16Sim(ReferenceBackend):
             if a_colsum is not None:
                 a_colsum[...] = A.sum(axis=0)
             r = R.matmul_forward(A, Bm, trans_a, trans_b, bias)
-            o = _2d(out)
-            if epilogue == "gelu":
-                pre = self.r(r)
-                _2d(aux)[...] = pre
-                o[...] = R.gelu_forward(pre)
-            elif epilogue == "residual":
-                o[...] = _2d(aux) + r
-            elif epilogue == "dgelu":
-                o[...] = R.gelu_backward(r, _2d(aux))
-            else:
-                o[...] = r
+            matmul_epilogue(_2d(out), r, epilogue, None if aux is None else _2d(aux), stored=self.r)
         self._rec(f)
 
     def _heads(self, qkv, n_head):

@@ -27,6 +27,22 @@ def _2d(x):
     return x.reshape(rows(x.shape), x.shape[-1])
 
 
+def matmul_epilogue(o, r, epilogue, aux, stored=np.asarray):
+    """o (2-d) from the product r (bias included) by the op interface's matmul epilogue (backend.Ops.matmul);
+    aux 2-d or None. stored: the values a tensor holds once r is stored in it (GELU's output is made from
+    the pre-activation as stored; float64: r itself)."""
+    if epilogue == "gelu":
+        pre = stored(r)
+        aux[...] = pre
+        o[...] = R.gelu_forward(pre)
+    elif epilogue == "residual":
+        o[...] = aux + r
+    elif epilogue == "dgelu":
+        o[...] = R.gelu_backward(r, aux)
+    else:
+        o[...] = r
+
+
 class ReferenceBackend:
     name = "reference"
 
@@ -196,16 +212,7 @@ class ReferenceBackend:
             if a_colsum is not None:
                 a_colsum[...] = _2d(a).sum(axis=0)
             r = R.matmul_forward(_2d(a), _2d(b), trans_a, trans_b, bias)
-            o = _2d(out)
-            if epilogue == "gelu":
-                _2d(aux)[...] = r
-                o[...] = R.gelu_forward(r)
-            elif epilogue == "residual":
-                o[...] = _2d(aux) + r
-            elif epilogue == "dgelu":
-                o[...] = R.gelu_backward(r, _2d(aux))
-            else:
-                o[...] = r
+            matmul_epilogue(_2d(out), r, epilogue, None if aux is None else _2d(aux))
         self._rec(f)
 
     def gelu_fwd(self, out, x):
