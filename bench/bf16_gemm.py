@@ -33,7 +33,8 @@ from gptcuda.ops.cuda.gemm.plan import make_plan  # noqa: E402
 from gptcuda.ops.reference import ops as ref  # noqa: E402
 from gptcuda.runtime import Runtime, bf16  # noqa: E402
 
-EPILOGUES = {"bias": "none", "gelu": "gelu", "residual": "residual", "dgelu": "dgelu", "none": "none"}
+EPILOGUES = {"bias": "none", "gelu": "gelu", "residual": "residual", "dgelu": "dgelu", "dgelu_gelu": "dgelu_gelu",
+             "none": "none"}
 
 
 def product(rt, ex, c, a, b, ta, tb, epi="none", bias=None, aux=None, tile=None, splits=1):
@@ -110,7 +111,8 @@ def gpt2_shapes(tokens=8192, C=768, V=50304):
         out += [(f"fwd {name}", tokens, n_out, n_in, "NT", fwd, name != "head"),
                 (f"dX {name}", tokens, n_in, n_out, "NN", dx, False), (f"dW {name}", n_out, n_in, tokens, "TN",
                                                                        "none", False)]
-    return out
+    # recompute's form of dX fc proj: the GELU output rebuilt over the pre-activation too
+    return out + [("dX fc proj rc", tokens, 4 * C, C, "NN", "dgelu_gelu", False)]
 
 
 def speed(rt, rng, iters, bf16_only=False) -> list:

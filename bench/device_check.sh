@@ -119,6 +119,8 @@ if has speed; then
       char_bf16) args="configs/ctx256_bf16.yaml" ;;
       gpt2_b8_bf16) gpt2_shards
                  args="configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8" ;;
+      gpt2_b8_bf16_rc) gpt2_shards       # recompute: the GELU output rebuilt in the backward
+                 args="configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8 --recompute=true" ;;
       *) echo "unknown speed case $c"; continue ;;
     esac
     log "step $c: bench/step.py $args ${SPEED_ARGS:-}"

@@ -11,9 +11,12 @@
 #define GEMM_EPI_GELU 2
 #define GEMM_EPI_RESID 3
 #define GEMM_EPI_DGELU 4
+// DGELU that also rebuilds the GELU output over the pre-activation it read (aux := gelu(aux)): a bf16
+// C only (recompute's backward: the GELU output for the weight gradient after it, no separate pass)
+#define GEMM_EPI_DGELU_GELU 5
 
 // Epilogues that read aux (residual input, saved pre-activation) / that touch aux at all.
-#define GEMM_EPI_READS_AUX(E) ((E) == GEMM_EPI_RESID || (E) == GEMM_EPI_DGELU)
+#define GEMM_EPI_READS_AUX(E) ((E) == GEMM_EPI_RESID || (E) == GEMM_EPI_DGELU || (E) == GEMM_EPI_DGELU_GELU)
 #define GEMM_EPI_USES_AUX(E) ((E) == GEMM_EPI_GELU || GEMM_EPI_READS_AUX(E))
 
 // GELU, tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), evaluated as
@@ -162,10 +165,32 @@ __device__ __forceinline__ void gemm_store4(float* C, float* aux, const float* b
 // each element in C on its own; the values, and so C, are gemm_store4's. TO: C's and aux's element type (fp32, or bf16: the values rounded once, when stored;
 // GELU's output computed from the pre-activation as stored, so that the backward's gelu' at the saved
 // pre-activation is the derivative of what the forward used; GELU and its derivative in the _fast forms).
-template <int EPI, bool HAS_BIAS, class TO, int W>
+// The 8 aux values (bf16) of row r, columns c .. c + 7 that epilogue EPI reads (0 where outside M x N, or
+// where it reads none): one 16-byte load where `wide` (in range and aligned, the caller's check).
+template <int EPI>
+__device__ __forceinline__ void gemm_epi_in(const bf16* aux, int r, int c, int M, int N, int ldc, bool wide,
+                                            float (&in)[8]) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) in[e] = 0.f;
+    if constexpr (GEMM_EPI_READS_AUX(EPI)) {
+        const long long off = (long long)r * ldc + c;
+        if (wide) {
+            val_ld8(aux + off, in);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (r < M && c + e < N) in[e] = val_ld(aux + off + e);
+        }
+    }
+}
+// GIVEN: the aux values `given` were loaded by the caller (gemm_epi_in: the bf16 epilogue issues a few
+// rows' loads at once instead of one load latency each).
+template <int EPI, bool HAS_BIAS, class TO, int W, bool GIVEN = false>
 __device__ __forceinline__ void gemm_store_once(TO* C, TO* aux, const float* bias, int r, int c, int M, int N, int ldc,
-                                                float alpha, bool wide, const float (&v)[W]) {
+                                                float alpha, bool wide, const float (&v)[W],
+                                                const float* given = nullptr) {
     static_assert(W == 4 || (W == 8 && sizeof(TO) == 2), "4 values, or 8 of a bf16 C (16 bytes)");
+    static_assert(EPI != GEMM_EPI_DGELU_GELU || sizeof(TO) == 2, "the GELU rebuild: a bf16 C");
     const long long off = (long long)r * ldc + c;
     float b[W], in[W], out[W], pre[W];
     bool ok[W];
@@ -185,24 +210,29 @@ __device__ __forceinline__ void gemm_store_once(TO* C, TO* aux, const float* bia
                 b[0] = b0.x; b[1] = b0.y; b[2] = b0.z; b[3] = b0.w;
                 b[4] = b1.x; b[5] = b1.y; b[6] = b1.z; b[7] = b1.w;
             }
-            if constexpr (GEMM_EPI_READS_AUX(EPI)) val_ld8(aux + off, in);
+            if constexpr (GEMM_EPI_READS_AUX(EPI) && !GIVEN) val_ld8(aux + off, in);
         }
     } else {
 #pragma unroll
         for (int e = 0; e < W; ++e) {
             if (ok[e]) {
                 if constexpr (HAS_BIAS) b[e] = bias[c + e];
-                if constexpr (GEMM_EPI_READS_AUX(EPI)) in[e] = val_ld(aux + off + e);
+                if constexpr (GEMM_EPI_READS_AUX(EPI) && !GIVEN) in[e] = val_ld(aux + off + e);
             }
         }
+    }
+    if constexpr (GIVEN) {
+#pragma unroll
+        for (int e = 0; e < W; ++e) in[e] = given[e];
     }
 #pragma unroll
     for (int e = 0; e < W; ++e) {
         if constexpr (EPI == GEMM_EPI_GELU && sizeof(TO) == 2) {
             pre[e] = bf16_f32(bf16_rn(gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr)));
             out[e] = gemm_gelu_fast(pre[e]);
-        } else if constexpr (EPI == GEMM_EPI_DGELU && sizeof(TO) == 2) {
+        } else if constexpr ((EPI == GEMM_EPI_DGELU || EPI == GEMM_EPI_DGELU_GELU) && sizeof(TO) == 2) {
             out[e] = gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr) * gemm_gelu_grad_fast(in[e]);
+            if constexpr (EPI == GEMM_EPI_DGELU_GELU) pre[e] = gemm_gelu_fast(in[e]);   // the forward's GELU, bit for bit
         } else {
             out[e] = gemm_epi_value<EPI, HAS_BIAS>(v[e], alpha, b[e], in[e], &pre[e]);
         }
@@ -212,14 +242,14 @@ __device__ __forceinline__ void gemm_store_once(TO* C, TO* aux, const float* bia
             if constexpr (EPI == GEMM_EPI_GELU) val_st4(aux + off, pre);
             val_st4(C + off, out);
         } else {
-            if constexpr (EPI == GEMM_EPI_GELU) val_st8(aux + off, pre);
+            if constexpr (EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_DGELU_GELU) val_st8(aux + off, pre);
             val_st8(C + off, out);
         }
     } else {
 #pragma unroll
         for (int e = 0; e < W; ++e) {
             if (ok[e]) {
-                if constexpr (EPI == GEMM_EPI_GELU) val_st(aux + off + e, pre[e]);
+                if constexpr (EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_DGELU_GELU) val_st(aux + off + e, pre[e]);
                 val_st(C + off + e, out[e]);
             }
         }

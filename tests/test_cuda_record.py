@@ -39,6 +39,9 @@ def test_record_whole_training_step(precision, attention, dropout, bias, recompu
     assert n > 20 * L, n                    # every layer's forward and backward was recorded
     labels = [getattr(r, "label", "") for r in eng.programs["train"].items]
     assert labels[0].startswith("lr_schedule") or "lr" in labels[0]
+    # recompute (fp32, tf32): the GELU output rebuilt by a gelu pass after each dgelu product
+    gelu = [getattr(r, "label", "") for r in eng.programs["train"].items].count("gelu_fwd")
+    assert gelu == (L if recompute else 0), gelu
     for rec in eng.programs["train"].items:
         if isinstance(rec, Launch):
             assert rec.grid[0] <= 2**31 - 1 and rec.grid[1] <= 65535 and rec.grid[2] <= 65535, rec.label
@@ -165,6 +168,10 @@ def test_record_bf16_training_step(dropout, bias, recompute):
     products = [r.fn.name for r in items if r.fn.name.startswith("gemm")]
     assert products and all(n.startswith(("gemm_wgmma_ws<", "gemm_wgmma_pp<")) and ",1," in n for n in products
                             if not n.startswith("gemm_splitk_reduce")), products
+    # recompute: the dgelu products rebuild the GELU output in their epilogue (code 5), no gelu pass
+    epis = [n.split("<")[1].split(",")[3] for n in products if n.startswith("gemm_wgmma")]
+    assert epis.count("5") == (cfg.n_layer if recompute else 0) and epis.count("4") == (0 if recompute else cfg.n_layer)
+    assert not any(r.fn.name.startswith("gelu_fwd") for r in items)
     assert eng.bufs.acts["qkv"].dtype == eng.bufs.acts["res"].dtype == "bf16"
     assert eng.bufs.acts["ln1_mean"].dtype == eng.bufs.flat_grads.dtype == "f32"
     assert [r.fn.name.split("<")[0] for r in items].count("adamw") == 1

@@ -76,7 +76,7 @@ class GPT:
 
     def fc_act(self, l):
         """Where layer l's GELU output lives: stored per layer, or (recompute) in the shared dfc
-        buffer, rebuilt from fc_pre in the backward."""
+        buffer during the forward, rebuilt over fc_pre[l] in the backward."""
         return self.a["dfc"] if self.cfg.recompute else self.a["fc_act"][l]
 
     def saved(self, l):
@@ -111,11 +111,18 @@ class GPT:
         for l in reversed(range(L)):
             h = f"h{l}."
             # mlp half: res[l+1] = mid + drop(fc_act @ fcproj^T + b); d: its branch's gradient
-            if cfg.recompute:
-                o.gelu_fwd(dfc, a["fc_pre"][l])                                    # rebuild the GELU output
-            o.matmul(g[h + "fcproj.w"], d, self.fc_act(l), True, False,          # before dfc is overwritten
-                     a_colsum=g.get(h + "fcproj.b"))                               # (+ the bias gradient)
-            o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
+            if cfg.recompute:     # dfc: the pre-activation's gradient; fc_pre[l]: rebuilt into the GELU output
+                pre = a["fc_pre"][l]
+                if o.exec.gelu_in_dgelu:
+                    o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu_gelu", aux=pre)
+                else:
+                    o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu", aux=pre)
+                    o.gelu_fwd(pre, pre)
+                o.matmul(g[h + "fcproj.w"], d, pre, True, False, a_colsum=g.get(h + "fcproj.b"))
+            else:
+                o.matmul(g[h + "fcproj.w"], d, a["fc_act"][l], True, False,      # (+ the bias gradient)
+                         a_colsum=g.get(h + "fcproj.b"))
+                o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
             o.matmul(dln, dfc, w[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
             o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False, a_colsum=g.get(h + "fc.b"))
             o.layernorm_bwd(dres, g[h + "ln2.w"], g.get(h + "ln2.b"), dln, a["mid"][l], a["ln2_mean"][l],

@@ -157,7 +157,8 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
     p.add("ln2", (L, B, T, C), act, "activation", "layernorm 2 outputs")
     p.add("ln2_mean", (L, B, T), "f32", "activation")
     p.add("ln2_rstd", (L, B, T), "f32", "activation")
-    p.add("fc_pre", (L, B, T, 4 * C), act, "activation", "mlp pre-activation (for GELU backward)")
+    p.add("fc_pre", (L, B, T, 4 * C), act, "activation",
+          "mlp pre-activation (for GELU backward; with recompute rebuilt into the GELU output there)")
     if not cfg.recompute:
         p.add("fc_act", (L, B, T, 4 * C), act, "activation", "mlp GELU output")
     p.add("lnf", (B, T, C), act, "activation", "final layernorm output")
@@ -171,7 +172,7 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
     p.add("dln", (B, T, C), act, "backward", "gradient of a layernorm output, or of the attention output")
     p.add("dqkv", (B, T, 3 * C), act, "backward", "gradient of qkv")
     p.add("dfc", (B, T, 4 * C), act, "backward",
-          "gradient of the mlp activation; with recompute also the GELU output of the layer at hand")
+          "gradient of the mlp activation; with recompute also the forward's GELU output of the layer at hand")
     if act == "bf16":
         p.add("params_bf16", (table.total,), "bf16", "activation",
               "the parameters' bf16 working copy, the products' (written at each program's start)")

@@ -18,7 +18,7 @@ def layout_code(trans_a, trans_b) -> str:
 @dataclass(frozen=True)
 class Product:
     """out[M, N] = op(a) @ op(b) (batched: `batch` of them), op transposing an a stored [K, M] (ta) or a b
-    stored [N, K] (tb), with an epilogue of the op interface ("none", "gelu", "residual", "dgelu") and a
+    stored [N, K] (tb), with an epilogue of the op interface (backend.EPILOGUES) and a
     bias; colsum: it also gives A's column sums (a weight gradient's bias gradient); vec: 16-byte operand
     loads are possible. label: what it is; count: its launches in a training step."""
     M: int
@@ -46,7 +46,8 @@ def products(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
     the config's: its attention path)."""
     Ntok, C, V, L = cfg.batch_size * cfg.block_size, cfg.n_embd, vocab_size, cfg.n_layer
     bias, drop = bool(cfg.bias), cfg.dropout > 0
-    unfused = (ex or execution.resolve(cfg)).attention == "unfused"
+    ex = ex or execution.resolve(cfg)
+    unfused = ex.attention == "unfused"
     T, H = cfg.block_size, cfg.n_head
     hs, BH = C // H, cfg.batch_size * H
     ops = []
@@ -73,7 +74,9 @@ def products(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
         add("dX head", Ntok, C, V, False, False, count=1)
         add("dW wte", V, C, Ntok, True, False, count=1)
         add("dW fcproj", C, 4 * C, Ntok, True, False, count=L, colsum=bias)
-        add("dX fcproj +dgelu", Ntok, 4 * C, C, False, False, "dgelu", count=L)
+        rebuild = cfg.recompute and ex.gelu_in_dgelu
+        add("dX fcproj +dgelu" + (" +gelu" if rebuild else ""), Ntok, 4 * C, C, False, False,
+            "dgelu_gelu" if rebuild else "dgelu", count=L)
         add("dX fcproj", Ntok, 4 * C, C, False, False, count=0)          # the unfused form (+ gelu_bwd)
         add("dW fc", 4 * C, C, Ntok, True, False, count=L, colsum=bias)
         add("dX fc", Ntok, C, 4 * C, False, False, count=L)

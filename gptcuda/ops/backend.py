@@ -29,7 +29,7 @@ from typing import Protocol
 from gptcuda.runtime.core import Program  # noqa: F401  (a backend's recorded ops; defined with the launches)
 
 ATTENTION_KINDS = ("unfused", "fused")
-EPILOGUES = ("none", "gelu", "residual", "dgelu")
+EPILOGUES = ("none", "gelu", "residual", "dgelu", "dgelu_gelu")
 
 
 def rows(shape) -> int:
@@ -119,7 +119,8 @@ class Ops(Protocol):
         """out[M,N] = op(a) @ op(b) + bias; a is [M,K] (stored [K,M] when trans_a), b is [K,N] (stored
         [N,K] when trans_b). "gelu": aux = that pre-activation, out = gelu_tanh(aux); "residual":
         out = aux + op(a) @ op(b) + bias (aux may be out); "dgelu": out = (op(a) @ op(b)) *
-        gelu_tanh'(aux) (no bias; the GELU backward folded in). a_colsum[M] (trans_a only): also
+        gelu_tanh'(aux) (no bias; the GELU backward folded in); "dgelu_gelu": that, then aux =
+        gelu_tanh(aux) (the GELU output rebuilt over its input; exec.gelu_in_dgelu). a_colsum[M] (trans_a only): also
         a_colsum = a.sum(0) of a as stored [K,M], deterministic: a weight gradient's bias gradient."""
 
     def gelu_fwd(self, out, x) -> None:

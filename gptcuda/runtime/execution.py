@@ -137,6 +137,13 @@ class ExecutionPlan:
             return PEAK_TFLOPS[self.precision]
         return PEAK_TFLOPS["3xtf32" if self.fp32_as_3xtf32 else "ffma"]
 
+    @property
+    def gelu_in_dgelu(self) -> bool:
+        """recompute's backward rebuilds the GELU output in the dgelu product's epilogue (matmul epilogue
+        dgelu_gelu: the bf16 family's kernels, the bits of the forward's GELU), else in a gelu pass after
+        that product."""
+        return self.gemm_family == "bf16"
+
     def dkv_on_wgmma(self, head_size: int) -> bool:
         """flash_tc's dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg) at this head size (a
         runtime's plan without an attention path: where its precision's fused path is flash_tc)."""

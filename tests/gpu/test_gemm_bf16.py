@@ -117,6 +117,30 @@ def test_bf16_dgelu(bf16_rt, tile):
 
 
 @gpu
+@pytest.mark.parametrize("tile", tuple(BF16_TILES))
+@pytest.mark.parametrize("N", [392, 396])
+def test_bf16_dgelu_rebuilds_gelu(bf16_rt, tile, N):
+    """dgelu_gelu (recompute's backward): out as dgelu's, bit for bit, and the pre-activation rewritten into
+    the forward GELU epilogue's output of it, bit for bit (the rebuilt GELU is the one the forward stored);
+    N = 396: rows not 16-byte aligned."""
+    rt, rng = bf16_rt, np.random.default_rng(9)
+    M, K = 520, 264
+    x, w, _ = _operands(rt, rng, False, True, M, N, K)            # the forward: act = gelu(pre), pre = x @ w^T
+    pre, act = rt.empty((M, N), "bf16"), rt.empty((M, N), "bf16")
+    gemm.matmul(rt, act, x, w, False, True, epilogue="gelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    dy, w2, prod = _operands(rt, rng, False, False, M, N, K)
+    d_ref, d_new = rt.empty((M, N), "bf16"), rt.empty((M, N), "bf16")
+    gemm.matmul(rt, d_ref, dy, w2, False, False, epilogue="dgelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    pre_bits, act_bits = rt.download(pre), rt.download(act)
+    assert not np.array_equal(pre_bits, act_bits)
+    gemm.matmul(rt, d_new, dy, w2, False, False, epilogue="dgelu_gelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    assert np.array_equal(rt.download(d_new), rt.download(d_ref))
+    assert np.array_equal(rt.download(pre), act_bits)
+    pre64 = bf16.values(pre_bits).astype(np.float64)
+    assert bf16_err(bf16.values(rt.download(d_new)), ref.gelu_backward(prod, pre64), FP32_TOL) <= 1.0
+
+
+@gpu
 @pytest.mark.parametrize("tile", [(128, 256, 4, 0), (128, 128, 6, 1)])
 @pytest.mark.parametrize("splits", [2, 4])
 def test_bf16_weight_gradient_split_k(bf16_rt, splits, tile):

@@ -156,9 +156,11 @@ def compare_bf16(e, ref, data) -> dict:
     return out
 
 
-def test_golden_bf16():
-    """precision bf16 on the H200 against the float64 reference, within the BF16 error model's bounds."""
-    gpu, ref = engines(BF16)
+@pytest.mark.parametrize("extra", [[], ["--recompute=true"]], ids=["stored", "recompute"])
+def test_golden_bf16(extra):
+    """precision bf16 on the H200 against the float64 reference, within the BF16 error model's bounds
+    (recompute: the GELU output rebuilt in the backward's dgelu product)."""
+    gpu, ref = engines(BF16 + extra)
     assert gpu.exec.precision == "bf16" and gpu.cfg.vocab_size == ref.cfg.vocab_size == 72
     ratios = compare_bf16(gpu, ref, DATA)
     print({k: round(v, 3) for k, v in ratios.items()})

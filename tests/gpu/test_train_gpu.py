@@ -92,3 +92,17 @@ def test_bf16_resume_is_bitwise_on_gpu(tmp_path):
     program's start, so a loaded checkpoint gives the copy the uninterrupted run had."""
     resume_matches_full(tmp_path, BF16 + ["--max_iters=16", "--eval_interval=8", "--dropout=0.1", "--eval_iters=2"],
                         16, 8)
+
+
+def test_bf16_recompute_trains_bit_for_bit_as_stored():
+    """recompute in bf16 rebuilds the GELU output in the dgelu product's epilogue from the stored
+    pre-activation with the forward's own GELU: the run's losses and parameters are those of the run
+    that stores the GELU output, bit for bit, in less memory. (The product tables are left out: a plan
+    measured for each of the two dgelu epilogues may differ, and so may a split of the sums.)"""
+    base = BF16 + ["--dropout=0.1", "--gemm_tune=off"]
+    h0, e0 = run_steps(base, 6, vocab=72)
+    h1, e1 = run_steps(base + ["--recompute=true"], 6, vocab=72)
+    assert np.all(np.isfinite(h0)) and np.array_equal(h0, h1)
+    p0, p1 = e0.params(), e1.params()
+    assert all(np.array_equal(p0[k], p1[k]) for k in p0)
+    assert e1.plan.total_bytes < e0.plan.total_bytes and "fc_act" not in e1.bufs.acts

@@ -37,8 +37,10 @@ def matmul_epilogue(o, r, epilogue, aux, stored=np.asarray):
         o[...] = R.gelu_forward(pre)
     elif epilogue == "residual":
         o[...] = aux + r
-    elif epilogue == "dgelu":
+    elif epilogue in ("dgelu", "dgelu_gelu"):
         o[...] = R.gelu_backward(r, aux)
+        if epilogue == "dgelu_gelu":
+            aux[...] = stored(R.gelu_forward(aux))
     else:
         o[...] = r
 

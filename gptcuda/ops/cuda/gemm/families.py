@@ -24,21 +24,23 @@ from gptcuda.ops.cuda import DTYPE_CODES, expression
 SIMT_FILE, TF32_FILE, WGMMA_FILE = "gemm_simt.cu", "gemm_tf32.cu", "gemm_wgmma.cu"
 
 # Epilogue codes shared with the kernels (GEMM_EPI_* in kernels/gemm_epilogue.cuh).
-EPI_NONE, EPI_BIAS, EPI_GELU, EPI_RESID, EPI_DGELU = 0, 1, 2, 3, 4
-# The op interface's epilogue names (backend.EPILOGUES plus "dgelu") -> kernel code without bias.
-EPILOGUE_CODES = {"none": EPI_NONE, "gelu": EPI_GELU, "residual": EPI_RESID, "dgelu": EPI_DGELU}
-AUX_EPILOGUES = ("gelu", "residual", "dgelu")
+EPI_NONE, EPI_BIAS, EPI_GELU, EPI_RESID, EPI_DGELU, EPI_DGELU_GELU = 0, 1, 2, 3, 4, 5
+# The op interface's epilogue names (backend.EPILOGUES) -> kernel code without bias.
+EPILOGUE_CODES = {"none": EPI_NONE, "gelu": EPI_GELU, "residual": EPI_RESID, "dgelu": EPI_DGELU,
+                  "dgelu_gelu": EPI_DGELU_GELU}
+AUX_EPILOGUES = ("gelu", "residual", "dgelu", "dgelu_gelu")
 # (EPI, HAS_BIAS) pairs a launcher can ask for (dgelu never takes a bias).
 EPI_COMBOS = ((EPI_NONE, False), (EPI_BIAS, True), (EPI_GELU, False), (EPI_GELU, True),
               (EPI_RESID, False), (EPI_RESID, True), (EPI_DGELU, False))
 # The products the op interface asks for, by (trans_a, trans_b): x @ W^T with any epilogue and bias, dY @ W
-# plain or with the GELU backward folded in, the weight gradients dY^T @ X plain (batched: these three
-# layouts, plain). Every family's kernels are compiled for these alone, in the layout each kernel reads.
+# plain or with the GELU backward folded in (and, families with `rebuilds_gelu`, the GELU output rebuilt
+# over the pre-activation: recompute), the weight gradients dY^T @ X plain (batched: these three layouts,
+# plain). Every family's kernels are compiled for these alone, in the layout each kernel reads.
 PRODUCTS = {(False, True): tuple(e for e in EPI_COMBOS if e[0] != EPI_DGELU),
-            (False, False): ((EPI_NONE, False), (EPI_DGELU, False)),
+            (False, False): ((EPI_NONE, False), (EPI_DGELU, False), (EPI_DGELU_GELU, False)),
             (True, False): ((EPI_NONE, False),)}
-# [M, N] arrays an epilogue moves through DRAM: the output, plus aux written (GELU) or read.
-EPI_IO = {EPI_NONE: 1, EPI_BIAS: 1, EPI_GELU: 2, EPI_RESID: 2, EPI_DGELU: 2}
+# [M, N] arrays an epilogue moves through DRAM: the output, plus aux written (GELU) or read (and rewritten).
+EPI_IO = {EPI_NONE: 1, EPI_BIAS: 1, EPI_GELU: 2, EPI_RESID: 2, EPI_DGELU: 2, EPI_DGELU_GELU: 3}
 
 # The tiles of each family, each with its rate relative to the family's peak (the cost model's only).
 # SIMT (BM, BN): an 8x8 tile a thread; resident blocks per SM by threads (register bound: 128x128 <= 128
@@ -166,6 +168,7 @@ class Family:
     dtype: str = "f32"            # its operands' element type (view dtype)
     outs: dict = None             # a bf16 family: layout code -> the dtypes of C its kernels write (fp32 only: None)
     k_align: int = SPLIT_ALIGN    # a split-K chunk is a multiple of this (its k tile)
+    rebuilds_gelu: bool = False   # its kernels have the dgelu_gelu epilogue (bf16 C)
     suffix: str = ""              # after the tile in plan labels
 
     @property
@@ -199,6 +202,8 @@ class Family:
         out = []
         for code in self.layouts:
             for epi, hb in PRODUCTS.get((code[0] == "T", code[1] == "T"), ((EPI_NONE, False),)):
+                if epi == EPI_DGELU_GELU and not self.rebuilds_gelu:
+                    continue
                 if (combo := (*self.kernel_layout(code), epi, hb)) not in out:
                     out.append(combo)
         return out
@@ -297,7 +302,7 @@ FAMILIES = {f.name: f for f in (
                     f"A^T [M, K] room in the gemm_aT workspace"),
     Bf16("bf16", WGMMA_FILE, BF16_TILES, TF32_FLOPS_PER_SM, "bf16", layouts=tuple(BF16_OUTS), split_waves=4,
          needs="sm_90, bf16 A and B with 16-byte aligned rows (multiples of 8 elements)", dtype="bf16",
-         outs=BF16_OUTS, k_align=64),
+         outs=BF16_OUTS, k_align=64, rebuilds_gelu=True),
     Split3("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, TF32_FLOPS_PER_SM / 3, "simt", a_regs=True, colsum=True,
            suffix="ra3", needs=f"sm_90, {_ALIGNED} A and B (rows and batches: multiples of 4 floats), one product"),
 )}

@@ -141,10 +141,10 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
                          f"{AUX_EPILOGUES} do)")
     if aux is not None and (aux.numel != M * N or int(aux.shape[-1]) != N):
         raise ValueError(f"matmul: aux {aux.shape} must hold [M={M}, N={N}] like out {out.shape}")
-    if epilogue == "dgelu" and bias is not None:
-        raise ValueError("matmul: the 'dgelu' epilogue takes no bias")
-    if epilogue == "dgelu" and out.ptr < aux.ptr + aux.nbytes and aux.ptr < out.ptr + out.nbytes:
-        raise ValueError("matmul: 'dgelu' reads aux while writing out: they must not overlap")
+    if epilogue in ("dgelu", "dgelu_gelu") and bias is not None:
+        raise ValueError(f"matmul: the {epilogue!r} epilogue takes no bias")
+    if epilogue in ("dgelu", "dgelu_gelu") and out.ptr < aux.ptr + aux.nbytes and aux.ptr < out.ptr + out.nbytes:
+        raise ValueError(f"matmul: {epilogue!r} reads aux while writing out: they must not overlap")
     if a_colsum is not None and (not trans_a or a_colsum.numel != M):
         raise ValueError(f"matmul: a_colsum needs trans_a and {M} elements, got {a_colsum.shape} (trans_a {trans_a})")
     ex = rt.exec if ex is None else ex
