@@ -12,7 +12,8 @@ struct StepState {
     float loss;        // mean loss of the last forward pass
     float grad_norm;   // global L2 norm of the gradients of this step (before clipping)
     int   eval_draws;  // counter of evaluation batches drawn so far
-    int   pad[11];
+    int   work_fresh;  // 1: the bf16 working copy holds the parameters (adamw_copy wrote both); 0 after any other write
+    int   pad[10];
 };
 
 typedef unsigned int u32;

@@ -8,8 +8,10 @@
 //   adamw<VEC>           one pass of PyTorch AdamW over the flat buffers, gradient clipping by
 //                        st->grad_norm, decoupled weight decay on the first n_decay elements
 //   adamw_copy<VEC>      adamw, and the updated parameters rounded to bf16 into their working copy
-//                        (a bf16 model's products read it; the fp32 update is adamw's, bit for bit)
-//   to_bf16<VEC>         out = in rounded to bf16 (the working copy of fp32 parameters at init / load)
+//                        (a bf16 model's products read it; the fp32 update is adamw's, bit for bit);
+//                        st->work_fresh = 1
+//   to_bf16<VEC>         out = in rounded to bf16 (the working copy of fp32 parameters at init / load),
+//                        nothing where st (non-null) says the copy is fresh
 //
 // VEC = 4 needs 16-byte aligned buffers, 8-byte aligned bf16 ones (any n: the last n % 4 elements go
 // one per thread).
@@ -186,9 +188,13 @@ template <int VEC, int ADAM_THREADS>
 __global__ void __launch_bounds__(ADAM_THREADS)
 adamw_copy(ADAMW_ARGS,
            bf16* __restrict__ work,   /* work [n]: the bf16 working copy of params */
-           ADAMW_ARGS_TAIL) {
+           int n, int n_decay, float beta1, float beta2, float eps, float weight_decay, float grad_clip,
+           StepState* st) {
     adamw_run<VEC, ADAM_THREADS, true>(params, grads, m, v, work, n, n_decay, beta1, beta2, eps, weight_decay,
                                        grad_clip, st);
+    // the kernels after this one (stream order) see the copy and the flag together; every thread has read
+    // st above, and no thread reads work_fresh here
+    if (blockIdx.x == 0 && threadIdx.x == 0) st->work_fresh = 1;
 }
 
 // Grid-stride over vectors of VEC elements (the last n % 4 one per thread when VEC = 4).
@@ -196,7 +202,9 @@ template <int VEC, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 to_bf16(bf16* __restrict__ out,        // out [n]
         const float* __restrict__ in,  // in  [n]
-        int n) {
+        int n,
+        const StepState* st) {         // null, or the step state: nothing to do where st->work_fresh
+    if (st != nullptr && st->work_fresh) return;
     const long long gt = (long long)blockIdx.x * THREADS + threadIdx.x;
     const long long stride = (long long)gridDim.x * THREADS;
     if constexpr (VEC == 4) {

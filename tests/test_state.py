@@ -22,6 +22,6 @@ def test_cuda_struct_matches_state_py():
 
 def test_pack_unpack_round_trip():
     words = np.zeros(state.WORDS, np.int32)
-    vals = {"step": 7, "lr": 0.25, "loss": 1.5, "grad_norm": 3.0, "eval_draws": 11}
+    vals = {"step": 7, "lr": 0.25, "loss": 1.5, "grad_norm": 3.0, "eval_draws": 11, "work_fresh": 1}
     assert state.unpack(state.pack_into(words, **vals)) == vals
     assert state.initial() == dict.fromkeys(vals, 0) and state.byte_offset("loss") == 8

@@ -162,8 +162,9 @@ class GPT:
 
     def _refresh_work(self):
         """A program's first op where the products read a bf16 working copy (memory plan entry
-        params_bf16): the copy made from the fp32 parameters as they are now (initialised, loaded, or
-        updated by the last step), so no path that writes the parameters needs to know of it."""
+        params_bf16): the copy made from the fp32 parameters as they are now, unless the step state says
+        it is fresh (work_fresh: the last op to write the parameters was the training step's AdamW, which
+        wrote the copy too; the Engine clears it wherever the host writes the parameters)."""
         if "params_bf16" in self.a:
             self.ops.work_copy(self.a["params_bf16"], self.b.flat_params)
 
@@ -198,7 +199,7 @@ class GPT:
                     o.accumulate(b.flat_grads, acc, first=False)
                 o.grad_norm(b.flat_grads)
                 o.adamw(b.flat_params, b.flat_grads, b.flat_m, b.flat_v, self.table.n_decay, cfg.beta1,
-                        cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip)
+                        cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip, work=self.a.get("params_bf16"))
             else:
                 o.loss_reduce(self.a["losses"], None)                 # this rank's mean
                 dp.record_loss_mean()

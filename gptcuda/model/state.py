@@ -19,6 +19,8 @@ FIELDS = {
     "loss": (2, np.float32),        # mean loss of the last forward pass
     "grad_norm": (3, np.float32),   # global L2 norm of this step's gradients (before clipping)
     "eval_draws": (4, np.int32),    # evaluation batches drawn so far
+    "work_fresh": (5, np.int32),    # 1: the bf16 working copy holds the parameters as they are (adamw_copy
+                                    # wrote both); the host sets 0 whenever it writes the parameters
 }
 
 

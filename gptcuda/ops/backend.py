@@ -141,7 +141,8 @@ class Ops(Protocol):
         """dst = src (first) or dst += src (gradient accumulation)"""
 
     def work_copy(self, work, params) -> None:
-        """work = params in the working copy's dtype (bf16: rounded to nearest even), the flat buffers"""
+        """work = params in the working copy's dtype (bf16: rounded to nearest even), the flat buffers; nothing
+        where state.work_fresh (adamw with work wrote the copy, and nothing wrote the parameters since)"""
 
     def loss_reduce(self, losses, history) -> None:
         """state.loss = mean(losses[N]); history[state.step] = it (history may be None)"""
@@ -150,9 +151,10 @@ class Ops(Protocol):
         """state.grad_norm = ||grads||_2, deterministic"""
 
     def adamw(self, params, grads, m, v, n_decay: int, beta1: float, beta2: float, eps: float,
-              weight_decay: float, grad_clip: float) -> None:
+              weight_decay: float, grad_clip: float, work=None) -> None:
         """One pass over the flat buffers: g *= min(1, clip / (norm + 1e-6)) when clip > 0; decoupled
-        decay lr*wd*p on the first n_decay elements only; bias correction with t = step + 1."""
+        decay lr*wd*p on the first n_decay elements only; bias correction with t = step + 1. work: the
+        working copy, written too (work_copy's values), and state.work_fresh = 1."""
 
     # ---- generation (S sequences, one position a step; `g` the views of memory.plan_decode) ------
     def decode_embed(self, out, ctx, wte, wpe, pos) -> None:

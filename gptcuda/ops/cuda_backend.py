@@ -188,7 +188,7 @@ class CudaBackend:
         elementwise.accumulate(self.rt, dst, src, first)
 
     def work_copy(self, work, params):
-        optim.to_bf16(self.rt, work, params)
+        optim.to_bf16(self.rt, work, params, unless_fresh=True)
 
     def loss_reduce(self, losses, history):
         loss.loss_reduce(self.rt, losses, history)
@@ -196,8 +196,8 @@ class CudaBackend:
     def grad_norm(self, grads):
         optim.grad_norm(self.rt, grads)
 
-    def adamw(self, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
-        optim.adamw(self.rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip)
+    def adamw(self, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip, work=None):
+        optim.adamw(self.rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip, work)
 
     def decode_embed(self, out, ctx, wte, wpe, pos):
         decode.decode_embed(self.rt, out, ctx, wte, wpe, pos)

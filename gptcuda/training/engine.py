@@ -106,7 +106,7 @@ class Engine:
         backend.upload(self.bufs.flat_params, init_params(self.table, cfg, cfg.seed))
         for r in (self.bufs.flat_grads, self.bufs.flat_m, self.bufs.flat_v):
             backend.upload(r, np.zeros(self.table.total, np.float32))
-        backend.write_state(step=0, eval_draws=0)
+        backend.write_state(step=0, eval_draws=0, work_fresh=0)   # (work_fresh: after every write of the parameters)
         self.counters = {"step": 0, "eval_draws": 0}   # the host's copy of the StepState's counters
         self.model = GPT(cfg, backend, self.bufs, self.table, n_vocab=self.n_vocab, accum=self.accum)
         self.dp = None
@@ -226,6 +226,12 @@ class Engine:
 
     def set_params(self, named: dict):
         self.be.upload(self.bufs.flat_params, flatten(self.table, named))
+        self.be.write_state(work_fresh=0)
+
+    def set_param(self, name: str, value):
+        """Write one parameter tensor (the others stay as they are)."""
+        self.be.upload(self.bufs.params[name], value)
+        self.be.write_state(work_fresh=0)
 
     def set_batch(self, x: np.ndarray, y: np.ndarray):
         """[B, T] ids into micro-batch 0 (the programs forward, fwdbwd, forward_train read it)."""
@@ -271,5 +277,5 @@ class Engine:
         old = np.asarray(arrays.get("history", hist))[:hist.size]
         hist[:old.size] = old
         self.be.upload(b.acts["history"], hist)
-        self.be.write_state(step=int(meta["step"]), eval_draws=int(meta["eval_draws"]))
+        self.be.write_state(step=int(meta["step"]), eval_draws=int(meta["eval_draws"]), work_fresh=0)
         self.counters = {"step": int(meta["step"]), "eval_draws": int(meta["eval_draws"])}

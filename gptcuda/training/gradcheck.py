@@ -325,7 +325,7 @@ def directional(fd, base, name, direction, h) -> float:
 
 def put(eng, name, value):
     """Write one parameter tensor (the others stay as they are)."""
-    eng.be.upload(eng.bufs.params[name], np.asarray(value, np.float64))
+    eng.set_param(name, np.asarray(value, np.float64))
 
 
 def judge(fd, base, name, direction, expected, h, beta, eps, loss) -> dict:

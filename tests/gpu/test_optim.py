@@ -164,7 +164,7 @@ def test_adamw_bf16_copy(env, P, n_decay, step, norm, clip, wd, shifts):
     for a, b in zip(plain, bufs):                                # params, grads (untouched), m, v
         assert np.array_equal(rt.download(a).view(np.uint32), rt.download(b).view(np.uint32))
     assert np.array_equal(rt.download(work), bf16.bits(rt.download(bufs[0])))
-    assert _read(rt)[0][0] == step
+    assert _read(rt)[0][0] == step and _read(rt)[0][5] == 1      # work_fresh: set by the copy alone
 
 
 @pytest.mark.parametrize("shifts", [(0, 0), (4, 0), (0, 2), (0, 4)])
@@ -186,3 +186,24 @@ def test_to_bf16(env, P, shifts):
     out = shifted_view(rt, (P,), "bf16", shifts[1])              # NaN-poisoned
     optim.to_bf16(rt, out, src)
     assert np.array_equal(rt.download(out), bf16.bits(x))
+
+
+def test_to_bf16_unless_fresh(env):
+    """The working copy made at a program's start (unless_fresh): nothing while the step state's work_fresh
+    is 1 (adamw_copy wrote it), the copy where it is 0 (the host wrote the parameters); plain AdamW leaves
+    the flag as it is."""
+    rt = env
+    r = np.random.default_rng(5)
+    x = _randn(r, 4099)
+    src, out = rt.upload(x), rt.empty((4099,), "bf16")        # NaN-poisoned
+    _state(rt)
+    rt.write(rt.state, np.array([0, 0, 0, 0, 0, 1] + [0] * 10, np.int32))
+    before = rt.download(out)
+    optim.to_bf16(rt, out, src, unless_fresh=True)
+    assert np.array_equal(rt.download(out), before)
+    rt.write(rt.state, np.zeros(16, np.int32))
+    optim.to_bf16(rt, out, src, unless_fresh=True)
+    assert np.array_equal(rt.download(out), bf16.bits(x))
+    host = _adam_inputs(r, 4099)
+    optim.adamw(rt, *[rt.upload(a) for a in host], 0, 0.9, 0.99, 1e-8, 0.0, 0.0)
+    assert _read(rt)[0][5] == 0

@@ -106,3 +106,27 @@ def test_bf16_recompute_trains_bit_for_bit_as_stored():
     p0, p1 = e0.params(), e1.params()
     assert all(np.array_equal(p0[k], p1[k]) for k in p0)
     assert e1.plan.total_bytes < e0.plan.total_bytes and "fc_act" not in e1.bufs.acts
+
+
+def test_bf16_working_copy_follows_every_parameter_write():
+    """The bf16 working copy is the parameters rounded, after the training step's AdamW (adamw_copy, which
+    leaves the next program's to_bf16 nothing to do) and after the host writes the parameters (set_params:
+    the next program makes it)."""
+    from gptcuda.model.params import flatten
+    from gptcuda.runtime import bf16
+    cfg = load_config("configs/tiny.yaml", BF16 + ["--dropout=0.1", "--max_iters=4", "--eval_iters=1"])
+    e = Engine(cfg, DATA.train, DATA.val, 72, programs=("train", "eval"), n_vocab=DATA.vocab_size)
+
+    def copy_is_params():
+        params = e.be.download(e.bufs.flat_params)
+        return np.array_equal(e.be.download(e.bufs.acts["params_bf16"]), bf16.bits(params))
+
+    e.train_step()
+    assert e.state()["work_fresh"] == 1 and copy_is_params()
+    e.evaluate()
+    assert copy_is_params()
+    named = {k: v * np.float32(0.5) for k, v in e.params().items()}
+    e.set_params(named)
+    assert e.state()["work_fresh"] == 0
+    e.evaluate()                                   # its program's first launch makes the copy
+    assert copy_is_params() and np.array_equal(e.be.download(e.bufs.flat_params), flatten(e.table, named))

@@ -152,8 +152,9 @@ def adamw(rt: RuntimeProtocol, params, grads, m, v, n_decay, beta1, beta2, eps, 
               [params, grads, m, v, *copy.values(), *tail], label="adamw")
 
 
-def to_bf16(rt: RuntimeProtocol, out, src):
-    """out = src rounded to bf16, nearest even (e.g. the working copy of the fp32 parameters)."""
+def to_bf16(rt: RuntimeProtocol, out, src, unless_fresh: bool = False):
+    """out = src rounded to bf16, nearest even (e.g. the working copy of the fp32 parameters); unless_fresh:
+    nothing where the step state's work_fresh says adamw_copy left the copy as the parameters are."""
     n = src.numel
     if out.numel != n:
         raise ValueError(f"to_bf16: sizes differ: out {out.shape}, src {src.shape}")
@@ -162,4 +163,4 @@ def to_bf16(rt: RuntimeProtocol, out, src):
     element_types("to_bf16", (("bf16", "f32"),), out=out, src=src)
     vec = 4 if aligned4(out, src) else 1
     rt.launch(rt.function(FILE, to_bf16_name(vec)), (_grid(rt, n, vec),), (ADAM_THREADS,),
-              [out, src, i32(n)], label="to_bf16")
+              [out, src, i32(n), _state(rt, "to_bf16") if unless_fresh else None], label="to_bf16")

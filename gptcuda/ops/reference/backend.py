@@ -149,7 +149,8 @@ class ReferenceBackend:
 
     def work_copy(self, work, params):
         def f():
-            work[...] = params
+            if not self.state["work_fresh"]:
+                work[...] = params
         self._rec(f)
 
     def accumulate(self, dst, src, first):
@@ -304,7 +305,7 @@ class ReferenceBackend:
     def decode_advance(self, pos, T):
         self._rec(lambda: pos.__setitem__(0, 0 if pos[0] + 1 == T else pos[0] + 1))
 
-    def adamw(self, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip):
+    def adamw(self, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip, work=None):
         decay = np.arange(params.shape[0]) < n_decay
 
         def f():
@@ -312,6 +313,9 @@ class ReferenceBackend:
             p2, m2, v2 = R.adamw_update(params, g, m, v, self.state["lr"], beta1, beta2, eps, weight_decay,
                                         self.state["step"] + 1, decay)
             params[...], m[...], v[...] = p2, m2, v2
+            if work is not None:
+                work[...] = p2
+                self.state["work_fresh"] = 1
         self._rec(f)
 
 
