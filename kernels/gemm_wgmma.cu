@@ -677,6 +677,68 @@ __device__ __forceinline__ void ra3_k_tile(const F& fr, float (&part)[BN / 2], u
     wg_fence_acc(part);
 }
 
+// The bias gradient of a bf16 weight gradient dW = dY^T X with dY read as stored (A [K, M], MN-major): the
+// consumer threads sum A's columns (m) as its k tiles pass through shared memory, after issuing each
+// tile's wgmma (under the tensor work; the slot is released after, as before). A box is [64 k][64 m], 128
+// bytes a k line, the 16-byte chunk c of line l at c ^ (l & 7) (the 128-byte swizzle); thread t of a
+// warpgroup sums chunk t & 7 (8 columns) of lines t >> 3 + 16 i, i < 4, of each of its BOXES boxes
+// (8 KB apart). out() adds a chunk's 16 threads in a fixed order (lanes xor 8, xor 16, then the 4 warps in
+// order, through `red` [BOXES][4][64] floats and named barrier `bar` of the warpgroup): deterministic.
+template <int BOXES>
+struct Bf16ColSum {
+    float s[BOXES][8];
+    unsigned off;
+    __device__ __forceinline__ void init(int wt) {
+        const int c = wt & 7, l = wt >> 3;
+        off = l * 128 + ((c ^ (l & 7)) << 4);
+        zero();
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int b = 0; b < BOXES; ++b)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s[b][e] = 0.f;
+    }
+    __device__ __forceinline__ void add(unsigned box0) {
+#pragma unroll
+        for (int b = 0; b < BOXES; ++b)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {       // lines l + 16 i: 2048 bytes apart, the same swizzle
+                unsigned w[4];
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                             : "r"(box0 + 8192 * b + off + 2048 * i));
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    s[b][2 * j] += __uint_as_float(w[j] << 16);
+                    s[b][2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
+                }
+            }
+    }
+    // out[m0 + 64 b + m] (m0 + 64 b + m < M) = the tile's sums of box b; then zero for the next tile
+    __device__ __forceinline__ void out(float* o, int m0, int M, float* red, int bar, int wt) {
+        const int warp = wt >> 5, lane = wt & 31;
+#pragma unroll
+        for (int b = 0; b < BOXES; ++b)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float v = s[b][e];
+                v += __shfl_xor_sync(0xffffffffu, v, 8);
+                v += __shfl_xor_sync(0xffffffffu, v, 16);
+                if (lane < 8) red[(b * 4 + warp) * 64 + 8 * lane + e] = v;
+            }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+        for (int j = wt; j < BOXES * 64; j += 128) {
+            const int b = j >> 6, m = j & 63;
+            const float* r = red + b * 256 + m;
+            const float v = (r[0] + r[64]) + (r[128] + r[192]);
+            if (m0 + j < M) o[m0 + j] = v;
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+        zero();
+    }
+};
+
 // The consumers' fragment loader: RaFrags (MN-major A), RaFragsK (K-major A, 3xTF32), none.
 template <bool RA, bool A_MN, int PRODUCTS> struct RaOf { using T = RaFrags; };
 template <bool A_MN> struct RaOf<false, A_MN, 1> { struct T {}; };   // (no fragments: the other kernels keep their code)
@@ -691,6 +753,9 @@ template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 // (round toward zero), which biases a long sum by about an ulp per addition: each 32-wide k tile is
 // summed on its own and the partials are added rounded to nearest. (Reading a partial while the
 // next tile's wgmma run would be the better pipeline, but ptxas then serializes every wgmma: C7514.)
+//
+// CSUM without RA (BF16, A MN-major): Bf16ColSum's sums of the warpgroup's box of each k tile, written
+// likewise.
 //
 // RA (gemm_wgmma_ra): the slot's A tile is MN-major ([BM / 32] boxes of [32 k][32 m], 128-byte
 // swizzle); each k tile's fragments come from it by ra_load (two buffers, so the loads of k tile kt
@@ -708,7 +773,9 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                                            int total, float* colsum = nullptr) {
     static_assert(!RA || PRODUCTS == 3 || A_MN, "register A in TF32: MN-major");
     static_assert(RA || PRODUCTS == 1, "3xTF32: A through registers");
-    static_assert(!CSUM || (RA && A_MN), "the consumers' column sums read MN-major register-A fragments");
+    static_assert(!CSUM || (RA && A_MN) || (!RA && OP::MN_A && OP::BK == 64 && EPI == GEMM_EPI_NONE && !HAS_BIAS),
+                  "the consumers' column sums: MN-major register-A fragments, or an MN-major bf16 A in shared memory");
+    constexpr bool BSUM = CSUM && !RA;
     static_assert(!TC || (RA && EPI == GEMM_EPI_NONE && !HAS_BIAS), "the transposed store: gemm_wgmma_ra, no epilogue");
     static_assert(OP::BK == GEMM_WG_BK || (PRODUCTS == 1 && !RA), "BF16: the plain product");
     static_assert(sizeof(TO) == 4 || !TC, "the transposed store writes fp32");
@@ -723,6 +790,9 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     WgBias<BN, WG * 128, HAS_BIAS> tile_bias;
     typename RaOf<RA, A_MN, PRODUCTS>::T ra;
     if constexpr (RA) ra.init(wg, wt);
+    __shared__ float ws_red[BSUM ? WG * 256 : 1];
+    Bf16ColSum<1> bsum;
+    if constexpr (BSUM) bsum.init(wt);
     int it = 0, tn = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
@@ -760,12 +830,18 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) OP::template mma<BN>(acc, a_wg, b_t, k8);
                 wg_commit();
                 wg_fence_acc(acc);
+                if constexpr (BSUM) {
+                    if (sum_here) bsum.add(a_wg);
+                }
                 wg_wait<1>();             // the group of the k tile before is done: release its slot
                 if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
             }
         }
-        if constexpr (CSUM) {
+        if constexpr (CSUM && RA) {
             if (sum_here) ra.colsum_out(cs, colsum + (long long)tl.z * M, tl.m0 + wg * 64, M);
+        }
+        if constexpr (BSUM) {
+            if (sum_here) bsum.out(colsum + (long long)tl.z * M, tl.m0 + wg * 64, M, ws_red + wg * 256, 7 + wg, wt);
         }
         if constexpr (PRODUCTS == 1) {
             wg_wait<0>();
@@ -907,17 +983,19 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
 }
 
 // DT: the operands' type (0: fp32, read as TF32; 1: bf16, A and B K-major unless MN_A / MN_B); OUT: C's
-// and aux's (0: fp32, 1: bf16). The bias is fp32. TF32 reads K-major operands only.
+// and aux's (0: fp32, 1: bf16). The bias is fp32. TF32 reads K-major operands only. COLSUM (bf16, MN_A, no
+// epilogue): also colsum[z, m] = the sums of A's columns over the split's k range (Bf16ColSum).
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT = 0, bool MN_A = false,
-          bool MN_B = false, int OUT = 0>
+          bool MN_B = false, int OUT = 0, bool COLSUM = false>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
     static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
     static_assert(DT == 1 || (!MN_A && !MN_B), "TF32 operands are K-major");
     static_assert(!MN_A && !MN_B || (BM % 64 == 0 && BN % 64 == 0), "MN-major operands in boxes of 64 rows");
+    static_assert(!COLSUM || (DT == 1 && MN_A), "the column sums of an MN-major bf16 A");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, false, false, typename OpOf<DT, MN_A, MN_B>::T,
+    ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, COLSUM, false, typename OpOf<DT, MN_A, MN_B>::T,
             elem<OUT>>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
                                      colsum);
 #else
@@ -938,7 +1016,7 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
 // warpgroup that read it (empty: 128 arrivals). The producer drops to 40 registers, the consumers
 // rise to 232. Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT, bool MN_A, bool MN_B,
-          int OUT>
+          int OUT, bool COLSUM = false>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
     static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
@@ -946,6 +1024,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
     static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256 && BM * BN <= 128 * 192 && STAGES >= 2,
                   "MN-major boxes of 64 rows; at most 192 accumulators a thread");
     static_assert(DT == 1, "BF16 operands (DT as gemm_wgmma_ws's)");
+    static_assert(!COLSUM || (MN_A && EPI == GEMM_EPI_NONE && !HAS_BIAS), "COLSUM as gemm_wgmma_ws's");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using OP = Bf16Op<MN_A, MN_B>;
     using TO = elem<OUT>;
@@ -970,6 +1049,9 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
     wg_regs_inc<232>();
     float acc[R][BN / 2];
     WgBias<BN, 128, HAS_BIAS> tile_bias;
+    __shared__ float pp_red[COLSUM ? 2 * R * 256 : 1];     // Bf16ColSum's, a warpgroup's R boxes
+    Bf16ColSum<R> bsum;
+    if constexpr (COLSUM) bsum.init(wt);
     int it = 0, j = 0, mine = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
@@ -1002,6 +1084,9 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
             wg_commit();
 #pragma unroll
             for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
+            if constexpr (COLSUM) {
+                if (tl.n0 == 0) bsum.add(sa);          // the tile's R boxes of A (tiles of the first column)
+            }
             wg_wait<1>();             // the group of the k tile before is done: release its slot
             if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
         }
@@ -1010,6 +1095,9 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
 #pragma unroll
         for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
         if (nk > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        if constexpr (COLSUM) {
+            if (tl.n0 == 0) bsum.out(colsum + (long long)tl.z * M, tl.m0, M, pp_red + wg * R * 256, 7 + wg, wt);
+        }
         // the bias into this warpgroup's buffer of the pair its tile before did not use (its own
         // barrier, 5 + wg, orders the writes before the epilogue's reads and those before the next)
         const float* bias_t = tile_bias.put(pp_bias + (2 * wg + (mine++ & 1)) * BN, bias, tl.n0, wt);

@@ -157,6 +157,30 @@ def test_bf16_weight_gradient_split_k(bf16_rt, splits, tile):
     assert rel_err(rt.download(db), bf16.values(rt.download(a)).astype(np.float64).sum(0)) <= 1e-5
 
 
+@gpu
+@pytest.mark.parametrize("tile", tuple(BF16_TILES))
+@pytest.mark.parametrize("M,splits", [(520, 1), (1000, 1), (520, 3)])
+def test_bf16_weight_gradient_column_sums(bf16_rt, tile, M, splits):
+    """The bias gradient summed by the TN kernel as A's k tiles pass (COLSUM: M off the 64-row boxes, K off
+    the 64-wide k tiles): a_colsum = dY.sum(0) within the fp32 sum's error, bitwise reproducible, and the
+    weight gradient bit for bit the one of the same plan without it."""
+    rt, rng = bf16_rt, np.random.default_rng(M + splits)
+    N, K = 392, 2000
+    a, b, prod = _operands(rt, rng, True, False, M, N, K)
+    p = make_plan("bf16", tile, splits, K)
+    plain, c = rt.empty((M, N)), rt.empty((M, N))
+    gemm.matmul(rt, plain, a, b, True, False, plan=p)
+    sums = []
+    for _ in range(2):
+        db = rt.empty((M,))
+        gemm.matmul(rt, c, a, b, True, False, plan=p, a_colsum=db)
+        sums.append(rt.download(db))
+    assert np.array_equal(rt.download(c).view(np.uint32), rt.download(plain).view(np.uint32))
+    assert rel_err(rt.download(c), prod) <= FP32_TOL
+    assert rel_err(sums[0], bf16.values(rt.download(a)).astype(np.float64).sum(0)) <= 1e-5
+    assert np.array_equal(sums[0].view(np.uint32), sums[1].view(np.uint32))
+
+
 def _moves_registers(name):
     """The block size of a kernel whose warpgroups trade registers (setmaxnreg: the bf16 GEMMs,
     gemm_wgmma_ws with DT 1 and gemm_wgmma_pp, and flash_bf16's kernels), else None."""

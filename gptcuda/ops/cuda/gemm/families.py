@@ -266,7 +266,7 @@ class Split3(Family):             # gemm_wgmma3_ra<..., MN_A = trans_a, MN_B = n
         return expression("gemm_wgmma3_ra", *t, epi, hb, ta, not tb, colsum, geo.threads, geo.smem)
 
 
-class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 1, MN_A, MN_B, OUT> or gemm_wgmma_pp
+class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 1, MN_A, MN_B, OUT[, COLSUM]> or _pp
     def geometry(self, t):        # PP: two consumer warpgroups whatever BM
         return Geometry(3 * 128 if t[3] else (t[0] // 64 + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]))
 
@@ -276,7 +276,7 @@ class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t)
         return expression("gemm_wgmma_pp" if t[3] else "gemm_wgmma_ws", *t[:3], epi, hb, geo.threads, geo.smem,
-                          DTYPE_CODES["bf16"], ta, not tb, DTYPE_CODES[out])
+                          DTYPE_CODES["bf16"], ta, not tb, DTYPE_CODES[out], *((True,) if colsum else ()))
 
 
 _ALIGNED = "16-byte aligned"
@@ -302,7 +302,7 @@ FAMILIES = {f.name: f for f in (
                     f"A^T [M, K] room in the gemm_aT workspace"),
     Bf16("bf16", WGMMA_FILE, BF16_TILES, TF32_FLOPS_PER_SM, "bf16", layouts=tuple(BF16_OUTS), split_waves=4,
          needs="sm_90, bf16 A and B with 16-byte aligned rows (multiples of 8 elements)", dtype="bf16",
-         outs=BF16_OUTS, k_align=64, rebuilds_gelu=True),
+         outs=BF16_OUTS, k_align=64, rebuilds_gelu=True, colsum=True),
     Split3("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, TF32_FLOPS_PER_SM / 3, "simt", a_regs=True, colsum=True,
            suffix="ra3", needs=f"sm_90, {_ALIGNED} A and B (rows and batches: multiples of 4 floats), one product"),
 )}
