@@ -754,8 +754,9 @@ template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 // summed on its own and the partials are added rounded to nearest. (Reading a partial while the
 // next tile's wgmma run would be the better pipeline, but ptxas then serializes every wgmma: C7514.)
 //
-// CSUM without RA (BF16, A MN-major): Bf16ColSum's sums of the warpgroup's box of each k tile, written
-// likewise.
+// CSUM without RA (BF16, A MN-major): Bf16ColSum's sums of the warpgroup's box, spread over the first
+// G = min(tiles_n, CSG) column tiles of a row of tiles (the one of column tile j sums the k tiles kt = j
+// mod G: extra shared-memory reads, which these products are bound by, a G-th each), into row z G + j.
 //
 // RA (gemm_wgmma_ra): the slot's A tile is MN-major ([BM / 32] boxes of [32 k][32 m], 128-byte
 // swizzle); each k tile's fragments come from it by ra_load (two buffers, so the loads of k tile kt
@@ -766,7 +767,7 @@ template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 // OP (Tf32Op, Bf16Op: PRODUCTS 1, no RA) the operand type and layouts of the plain product; TO: C's and
 // aux's element type.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS = 1, bool RA = false, bool CSUM = false,
-          bool TC = false, bool A_MN = true, class OP = Tf32Op, class TO = float>
+          bool TC = false, bool A_MN = true, class OP = Tf32Op, class TO = float, int CSG = 1>
 __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, TO* C, TO* aux,
                                            const float* bias, int M, int N, int K, int ldc, long long sC,
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
@@ -797,7 +798,9 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles<OP::BK>(tl.klen);
-        const bool sum_here = CSUM && tl.n0 == 0;        // (uniform in the block)
+        int tj = 0, G = 1;
+        if constexpr (BSUM) tj = tl.n0 / BN, G = min(tiles_n, CSG);
+        const bool sum_here = CSUM && (BSUM ? tj < G : tl.n0 == 0);     // (uniform in the block)
         float cs[2] = {0.f, 0.f};
         TO* aux_z = aux;
         if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
@@ -831,7 +834,7 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 wg_commit();
                 wg_fence_acc(acc);
                 if constexpr (BSUM) {
-                    if (sum_here) bsum.add(a_wg);
+                    if (sum_here && kt % G == tj) bsum.add(a_wg);
                 }
                 wg_wait<1>();             // the group of the k tile before is done: release its slot
                 if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
@@ -841,7 +844,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
             if (sum_here) ra.colsum_out(cs, colsum + (long long)tl.z * M, tl.m0 + wg * 64, M);
         }
         if constexpr (BSUM) {
-            if (sum_here) bsum.out(colsum + (long long)tl.z * M, tl.m0 + wg * 64, M, ws_red + wg * 256, 7 + wg, wt);
+            if (sum_here) bsum.out(colsum + ((long long)tl.z * G + tj) * M, tl.m0 + wg * 64, M, ws_red + wg * 256, 7 + wg,
+                                   wt);
         }
         if constexpr (PRODUCTS == 1) {
             wg_wait<0>();
@@ -946,7 +950,7 @@ __device__ __forceinline__ void ws_produce(unsigned smem0, unsigned full0, unsig
 // boxes, tma_load_ra; CSUM: the consumers' column sums of A, RaFrags; TC: ra_store_t). OP: the operands'
 // type and layouts (Tf32Op, or Bf16Op: copied by tma_operand); TO: C's and aux's element type.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool RA = false, bool CSUM = false, bool TC = false,
-          class OP = Tf32Op, class TO = float>
+          class OP = Tf32Op, class TO = float, int CSG = 1>
 __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, const TmaMap* mapB,
                                         const float* bias, int M, int N, int K, int ldc, long long sC, float alpha,
                                         int splits, int k_chunk, int zs, float* colsum) {
@@ -978,25 +982,26 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
         return;
     }
     if constexpr (SPLIT_REGS) wg_regs_inc<CONSUMER_REGS>();
-    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO>(
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO, CSG>(
         smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
 }
 
 // DT: the operands' type (0: fp32, read as TF32; 1: bf16, A and B K-major unless MN_A / MN_B); OUT: C's
-// and aux's (0: fp32, 1: bf16). The bias is fp32. TF32 reads K-major operands only. COLSUM (bf16, MN_A, no
-// epilogue): also colsum[z, m] = the sums of A's columns over the split's k range (Bf16ColSum).
+// and aux's (0: fp32, 1: bf16). The bias is fp32. TF32 reads K-major operands only. COLSUM > 0 (bf16, MN_A,
+// no epilogue): also the sums of A's columns (the bias gradient's partials), in G = min(tiles_n, COLSUM)
+// rows a split (ws_consume's CSG).
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT = 0, bool MN_A = false,
-          bool MN_B = false, int OUT = 0, bool COLSUM = false>
+          bool MN_B = false, int OUT = 0, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
     static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
     static_assert(DT == 1 || (!MN_A && !MN_B), "TF32 operands are K-major");
     static_assert(!MN_A && !MN_B || (BM % 64 == 0 && BN % 64 == 0), "MN-major operands in boxes of 64 rows");
-    static_assert(!COLSUM || (DT == 1 && MN_A), "the column sums of an MN-major bf16 A");
+    static_assert(COLSUM == 0 || (DT == 1 && MN_A), "the column sums of an MN-major bf16 A");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, COLSUM, false, typename OpOf<DT, MN_A, MN_B>::T,
-            elem<OUT>>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
+    ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, (COLSUM > 0), false, typename OpOf<DT, MN_A, MN_B>::T,
+            elem<OUT>, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
                                      colsum);
 #else
     __trap();
@@ -1016,7 +1021,7 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
 // warpgroup that read it (empty: 128 arrivals). The producer drops to 40 registers, the consumers
 // rise to 232. Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT, bool MN_A, bool MN_B,
-          int OUT, bool COLSUM = false>
+          int OUT, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
     static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
@@ -1024,7 +1029,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
     static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256 && BM * BN <= 128 * 192 && STAGES >= 2,
                   "MN-major boxes of 64 rows; at most 192 accumulators a thread");
     static_assert(DT == 1, "BF16 operands (DT as gemm_wgmma_ws's)");
-    static_assert(!COLSUM || (MN_A && EPI == GEMM_EPI_NONE && !HAS_BIAS), "COLSUM as gemm_wgmma_ws's");
+    static_assert(COLSUM == 0 || (MN_A && EPI == GEMM_EPI_NONE && !HAS_BIAS), "COLSUM as gemm_wgmma_ws's");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using OP = Bf16Op<MN_A, MN_B>;
     using TO = elem<OUT>;
@@ -1049,9 +1054,9 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
     wg_regs_inc<232>();
     float acc[R][BN / 2];
     WgBias<BN, 128, HAS_BIAS> tile_bias;
-    __shared__ float pp_red[COLSUM ? 2 * R * 256 : 1];     // Bf16ColSum's, a warpgroup's R boxes
+    __shared__ float pp_red[COLSUM > 0 ? 2 * R * 256 : 1];     // Bf16ColSum's, a warpgroup's R boxes
     Bf16ColSum<R> bsum;
-    if constexpr (COLSUM) bsum.init(wt);
+    if constexpr (COLSUM > 0) bsum.init(wt);
     int it = 0, j = 0, mine = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
@@ -1084,8 +1089,8 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
             wg_commit();
 #pragma unroll
             for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
-            if constexpr (COLSUM) {
-                if (tl.n0 == 0) bsum.add(sa);          // the tile's R boxes of A (tiles of the first column)
+            if constexpr (COLSUM > 0) {                // the tile's R boxes of A (ws_consume's spread)
+                if (tl.n0 / BN < min(tiles_n, COLSUM) && kt % min(tiles_n, COLSUM) == tl.n0 / BN) bsum.add(sa);
             }
             wg_wait<1>();             // the group of the k tile before is done: release its slot
             if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
@@ -1095,8 +1100,9 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
 #pragma unroll
         for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
         if (nk > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
-        if constexpr (COLSUM) {
-            if (tl.n0 == 0) bsum.out(colsum + (long long)tl.z * M, tl.m0, M, pp_red + wg * R * 256, 7 + wg, wt);
+        if constexpr (COLSUM > 0) {
+            const int tj = tl.n0 / BN, G = min(tiles_n, COLSUM);
+            if (tj < G) bsum.out(colsum + ((long long)tl.z * G + tj) * M, tl.m0, M, pp_red + wg * R * 256, 7 + wg, wt);
         }
         // the bias into this warpgroup's buffer of the pair its tile before did not use (its own
         // barrier, 5 + wg, orders the writes before the epilogue's reads and those before the next)

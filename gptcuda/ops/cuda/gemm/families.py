@@ -98,6 +98,9 @@ WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}
 # warpgroups take turns, each its own tile (one's epilogue under the other's k loop).
 BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0}
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
+# A bf16 TN kernel's column sums (the bias gradient) are spread over up to this many column tiles of a row of
+# tiles, each summing every G-th k tile into a row of its own (the kernels' COLSUM; they are shared-memory bound)
+BF16_COLSUM_GROUPS = 8
 
 # A rough machine model (H200-like) of the peak rates, only used to rank candidate plans.
 FFMA_FLOPS_PER_SM = 128 * 2 * 1.75e9       # fp32 FMA lanes x 2 x clock
@@ -162,6 +165,7 @@ class Family:
     scratch: str = ""             # the workspace of its re-laid operand
     a_regs: bool = False          # A read through registers, an MN-major A [K, M] from swizzled boxes {32, 32}
     colsum: bool = False          # a kernel of it also sums A as stored [K, M] (matmul's a_colsum; trans_a)
+    colsum_groups: int = 1        # ... into this many rows a split at most (colsum_rows)
     split_waves: int = 1          # the cost model tries split-K below this many waves of blocks
     partners: tuple = ()          # a base family's warpgroup-MMA families, competing with it on sm_90
     needs: str = ""               # what a warpgroup-MMA plan needs (the reason a plan is refused)
@@ -185,6 +189,10 @@ class Family:
         """The name expression for tile t, the layout (ta, tb) the kernel reads, epilogue code epi (hb: with
         a bias), aligned operands (vec), C's dtype (out), the variant that also sums A (colsum)."""
         raise NotImplementedError
+
+    def colsum_rows(self, t, N) -> int:
+        """Rows of column-sum partials a split of a product N wide writes on tile t."""
+        return min(-(-N // t[1]), self.colsum_groups)
 
     def out_dtypes(self, ta, tb) -> tuple:
         """The dtypes of C its kernels write for the layout its kernel reads as (ta, tb)."""
@@ -276,7 +284,7 @@ class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t)
         return expression("gemm_wgmma_pp" if t[3] else "gemm_wgmma_ws", *t[:3], epi, hb, geo.threads, geo.smem,
-                          DTYPE_CODES["bf16"], ta, not tb, DTYPE_CODES[out], *((True,) if colsum else ()))
+                          DTYPE_CODES["bf16"], ta, not tb, DTYPE_CODES[out], *((self.colsum_groups,) if colsum else ()))
 
 
 _ALIGNED = "16-byte aligned"
@@ -302,7 +310,7 @@ FAMILIES = {f.name: f for f in (
                     f"A^T [M, K] room in the gemm_aT workspace"),
     Bf16("bf16", WGMMA_FILE, BF16_TILES, TF32_FLOPS_PER_SM, "bf16", layouts=tuple(BF16_OUTS), split_waves=4,
          needs="sm_90, bf16 A and B with 16-byte aligned rows (multiples of 8 elements)", dtype="bf16",
-         outs=BF16_OUTS, k_align=64, rebuilds_gelu=True, colsum=True),
+         outs=BF16_OUTS, k_align=64, rebuilds_gelu=True, colsum=True, colsum_groups=BF16_COLSUM_GROUPS),
     Split3("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, TF32_FLOPS_PER_SM / 3, "simt", a_regs=True, colsum=True,
            suffix="ra3", needs=f"sm_90, {_ALIGNED} A and B (rows and batches: multiples of 4 floats), one product"),
 )}

@@ -51,7 +51,7 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
                  batched=False):
     """Launch product g as the kernel computes it (dense operands; batched: batch strides M K and K N; the
     swapped product's out^T = B^T A stored transposed, ldc = M) by plan p; split-K: partials into ws
-    [splits, M, N], then the fixed-order reduction applies the epilogue. colsum [splits, M]: the sums of
+    [splits, M, N], then the fixed-order reduction applies the epilogue. colsum [splits x rows, M]: the sums of
     A's (stored [K, M]) rows of each split, where the family's kernels sum A (epilogue none)."""
     fam, geo, whole, zs = p.fam, p.geo, p.splits == 1, g.batch * p.splits
     lda, ldb, ldc = g.M if g.ta else g.K, g.K if g.tb else g.N, g.M if fam.swaps else g.N
@@ -159,8 +159,9 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     else:
         if p.transpose_b:
             b, g = _transposed(rt, p.fam.scratch, b, K, N, g.label, "B^T"), dataclasses.replace(g, tb=True)
-        # a kernel that sums A as it reads it gives the bias gradient's partials, one row per split
-        part = _partials(rt, p.splits, M) if a_colsum is not None and p.fam.colsum and epi_code(g) == EPI_NONE else None
+        # a kernel that sums A as it reads it gives the bias gradient's partials, colsum_rows a split
+        part = (_partials(rt, p.splits * p.fam.colsum_rows(p.tile, N), M)
+                if a_colsum is not None and p.fam.colsum and epi_code(g) == EPI_NONE else None)
         _launch_gemm(rt, p, g, out, a, b, bias, aux, colsum=part, ws=ws)
     if part is not None:
         elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
