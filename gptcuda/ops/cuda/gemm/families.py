@@ -8,8 +8,7 @@ the compiled variants (VARIANTS).
     wgmma_ra  TF32 A^T B with A [K, M] as stored read through registers, B K-major (or B^T first)
     wgmma_ra_mn  the same with B [K, N] as stored, turned K-major by the producers
     wgmma_ra_t  TF32 A^T B as (B^T A)^T: B [K, N] through registers, A^T first, out stored transposed
-    wgmma3_ra  fp32 as three TF32 warpgroup-MMA products (3xTF32) over A and B as stored: A split into
-               hi and lo halves in the consumers' registers, B split (and turned K-major) in shared memory
+    wgmma3_ra  fp32 as three TF32 warpgroup-MMA products (3xTF32) over A and B as stored, split in the kernel
     bf16    BF16 warpgroup MMA (gemm_wgmma_ws with DT 1): every layout as stored, C bf16 or fp32
 """
 from __future__ import annotations
@@ -42,60 +41,30 @@ PRODUCTS = {(False, True): tuple(e for e in EPI_COMBOS if e[0] != EPI_DGELU),
 # [M, N] arrays an epilogue moves through DRAM: the output, plus aux written (GELU) or read (and rewritten).
 EPI_IO = {EPI_NONE: 1, EPI_BIAS: 1, EPI_GELU: 2, EPI_RESID: 2, EPI_DGELU: 2, EPI_DGELU_GELU: 3}
 
-# The tiles of each family, each with its rate relative to the family's peak (the cost model's only).
-# SIMT (BM, BN): an 8x8 tile a thread; resident blocks per SM by threads (register bound: 128x128 <= 128
-# registers; the smaller tiles stage two float4 per operand and get up to 168), gemm_simt's MIN_BLOCKS.
+# Each family's tiles -> rate relative to its peak (the cost model's only); why these tiles and rates: bench/NOTES.md,
+# "The GEMM layer: why its tiles, rates and constants".
+# SIMT (BM, BN): an 8x8 tile a thread; resident blocks per SM by threads (gemm_simt's MIN_BLOCKS).
 SIMT_TILES = {(128, 128): 1.0, (128, 64): 0.9, (64, 64): 0.8}
 SIMT_BLOCKS_PER_SM = {256: 2, 128: 3, 64: 6}
-# TF32 (BM, BN, BK, warps_m, warps_n, stages); warp tiles 64x64 / 64x32 / 32x32, BK = 32 (the shared
-# layouts of gemm_tf32.cu assume it). The unaligned fallback (VEC = false, 4-byte cp.async, element
-# guards) is only instantiated for TF32_FALLBACK_TILES; the cost model picks among the first four
-# (TF32_PLAN_TILES), bench/tune.py's measurements among all.
-#   256x128 s3: 1 block/SM (147 KB), 8 warps of 64x64: the fewest operand bytes per flop.
-#   128x128 s3: 2 blocks/SM (96 KB each): one block's epilogue and pipeline fill overlap the
-#               other's main loop (GELU / residual / dgelu epilogues, short K).
-#   256x128 s4: a 4-deep cp.async ring (193 KB, 1 block/SM).
-#   192x128 s3: 6 warps of 64x64, 1 block/SM: M = 16384 rows make 86 row tiles, so N = 384
-#               (3 column tiles) is 258 blocks = 1.95 waves of 132 SMs instead of 1.45 (73%).
+# TF32 (BM, BN, BK, warps_m, warps_n, stages), BK = 32 (gemm_tf32.cu's shared layouts assume it): the cost model
+# plans the first four; the unaligned variant (VEC = false) exists for TF32_FALLBACK_TILES alone.
 TF32_TILES = {(256, 128, 32, 4, 2, 3): 1.0, (128, 128, 32, 2, 2, 3): 0.9, (128, 64, 32, 2, 2, 4): 0.75,
               (64, 64, 32, 2, 2, 4): 0.6, (256, 128, 32, 4, 2, 4): 1.0, (192, 128, 32, 3, 2, 3): 0.95}
 TF32_PLAN_TILES = tuple(TF32_TILES)[:4]
 TF32_FALLBACK_TILES = ((64, 64, 32, 2, 2, 4),)
 SMEM_PER_SM = 228 * 1024       # H100/H200
-# Warpgroup MMA (BM, BN, STAGES, LOADER), A [M, K] and B [N, K] both K-major: BM / 64 warpgroups of 128
-# threads, each computing 64 x BN; LOADER 0: every thread stages with cp.async (gemm_wgmma), 1: the
-# bulk tensor copy engine (gemm_wgmma_tma), 2: TMA with a producer warpgroup of its own, persistent
-# (gemm_wgmma_ws: one block per SM walks the output tiles, the next tile's loads overlap this one's
-# epilogue). Rates relative to the mma.sync 256x128 tile (wgmma's dense TF32 peak is ~1.6x mma.sync's),
-# from bench/gemm.py --sweep on the H200: TMA beats cp.async by 5-20% at 192- and 256-wide tiles.
-#   128x128 s3: 97 KB, 2 blocks/SM: one block's epilogue overlaps the other's main loop (short K).
-#   128x192 s4: N = 384 / 1152 / 1536 are 2 / 6 / 8 column tiles; 161 KB, 1 block/SM.
-#   128x256 s4, 256x128 s4: the large tiles (193 KB), fewest operand bytes per flop.
-#   128x64 s4: narrow outputs (the head's N = 65), 2 blocks/SM.
+# Warpgroup MMA (BM, BN, STAGES, LOADER), A [M, K] and B [N, K] K-major, BM / 64 warpgroups computing; LOADER
+# 0: cp.async (gemm_wgmma), 1: TMA (gemm_wgmma_tma), 2: TMA by a producer warpgroup, persistent (gemm_wgmma_ws).
 WGMMA_TILES = {(128, 128, 3, 0): 1.35, (128, 192, 4, 0): 1.5, (128, 256, 4, 0): 1.5, (256, 128, 4, 0): 1.5,
                (128, 64, 4, 0): 1.1, (128, 128, 3, 1): 1.4, (128, 192, 4, 1): 1.65, (128, 256, 4, 1): 1.75,
                (256, 128, 4, 1): 1.7, (128, 128, 4, 2): 1.6, (128, 192, 4, 2): 1.75, (128, 256, 4, 2): 1.8,
                (256, 128, 4, 2): 1.75}
-# The warp-specialized persistent kernels of the other warpgroup-MMA families: (BM, BN, STAGES), BM / 64
-# consumer warpgroups and a producer's, one block per SM, TMA. The register-A weight gradients
-# (kernels/gemm_wgmma.cu gemm_wgmma_ra): the consumers load A's fragments from its MN-major swizzled k
-# tiles, so A needs no transposing pass; BM 128: a consumer thread holds 96 accumulators and two k
-# tiles' fragments (32) at BN 192. Their rates are set so that the cost model picks what the H200's
-# measured table picks for the shipped configs' weight gradients (bench/plan_check.py; bench/NOTES.md
-# 2026-12-02); wgmma_ra_t runs the same kernel.
-WGMMA_RA_TILES = {(128, 128, 4): 1.7, (128, 192, 4): 1.9}
+# The other warpgroup-MMA families (BM, BN, STAGES): persistent, BM / 64 consumer warpgroups and a producer's.
+WGMMA_RA_TILES = {(128, 128, 4): 1.7, (128, 192, 4): 1.9}           # wgmma_ra, wgmma_ra_t (gemm_wgmma_ra)
 WGMMA_RA_MN_TILES = {(128, 128, 7): 0.8, (128, 192, 5): 1.0}
-# 3xTF32 (gemm_wgmma3_ra): the consumers split A's fragments (as stored) into hi and lo halves, the
-# producers split (and turn) B: a slot holds A once and B's two halves, 4 stages at 128 x 128. Two consumer
-# warpgroups (BM 128) of sum + partial accumulators (BN / 2 each).
-WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}
-# BF16 (BM, BN, STAGES, PP): a k tile is 64 bf16 (128 bytes a row); an operand stored [K, rows] is read
-# MN-major through the instruction's transpose bits, so nothing is re-laid out. C (and aux) bf16 where a
-# product makes activations (NT, NN), fp32 for the weight gradients (TN; their split-K partials too) and
-# for a bf16 generation's NT products whose outputs stay fp32 (qkv, residual, logits: ops/cuda/decode.py).
-# Rates relative to TF32_FLOPS_PER_SM (BF16's dense peak is twice TF32's) from bench/bf16_gemm.py on the
-# H200. PP 0, gemm_wgmma_ws: BM / 64 consumer warpgroups share each tile; PP 1, gemm_wgmma_pp: two consumer
-# warpgroups take turns, each its own tile (one's epilogue under the other's k loop).
+WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}          # a slot: A once and B's hi and lo halves
+# BF16 (BM, BN, STAGES, PP): a k tile is 64 bf16; operands as stored. PP 0: gemm_wgmma_ws; PP 1: gemm_wgmma_pp,
+# two consumer warpgroups each on its own tile.
 BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0}
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
 # A bf16 TN kernel's column sums (the bias gradient) are spread over up to this many column tiles of a row of
@@ -106,8 +75,7 @@ BF16_COLSUM_GROUPS = 8
 FFMA_FLOPS_PER_SM = 128 * 2 * 1.75e9       # fp32 FMA lanes x 2 x clock
 TF32_FLOPS_PER_SM = 1024 * 2 * 1.75e9 / 2
 
-SPLIT_ALIGN = 32          # k_chunk is a multiple of this (keeps 16-byte alignment and whole BK tiles;
-                          # Family.k_align: the bf16 family's k tile, 64)
+SPLIT_ALIGN = 32          # a k_chunk's multiple (16-byte alignment, whole BK tiles); Family.k_align: bf16's is 64
 MAX_SPLITS = 32
 MAX_GRID_Z = 65535
 REDUCE_THREADS = 256       # gemm_splitk_reduce's block (grid-stride)
@@ -122,8 +90,7 @@ def reduce_name(epi, has_bias) -> str:
 
 
 def transpose_name(vec, colsum=False) -> str:
-    """gemm_transpose's name expression: vec, float4 accesses; colsum, the A^T of a weight gradient that
-    also writes its bias gradient's partial column sums."""
+    """gemm_transpose's name expression: vec, float4 accesses; colsum, also writes A's partial column sums."""
     return expression("gemm_transpose", vec, colsum, TRANSPOSE_TILE, TRANSPOSE_THREADS, sep=", ")
 
 
@@ -143,8 +110,7 @@ class Geometry(NamedTuple):
     blocks_per_sm: int            # resident on one SM
     smem: int                     # a block's dynamic shared memory (bytes)
     tma: bool = True              # it takes TMA tensor maps of A and B (and no A / B strides)
-    persistent: bool = True       # a grid of at most blocks_per_sm x SMs blocks walks the tiles; it takes their
-                                  # z extent and the column sums' partials last
+    persistent: bool = True       # <= blocks_per_sm x SMs blocks walk the tiles; takes their z extent, colsum last
 
 
 @dataclass(frozen=True)
@@ -152,14 +118,13 @@ class Family:
     """One kernel family. The methods (per tile the launch geometry, label and kernel name) are those of the
     warp-specialized persistent kernels; the other kinds of kernel override them."""
     name: str
-    file: str
     rates: dict                   # tile -> rate relative to `rate` (the cost model's); its keys: every tile
-    rate: float                   # modelled peak flop/s of one SM
     base: str                     # the base family whose precision it serves (a base family: its own name)
+    file: str = WGMMA_FILE
+    rate: float = TF32_FLOPS_PER_SM   # modelled peak flop/s of one SM
     plan_tiles: tuple = ()        # the cost model's candidates among the tiles (empty: all)
     unaligned_tiles: tuple = ()   # tiles with an unaligned variant (VEC = false)
-    layouts: tuple = ("NT", "NN", "TN")   # the layouts (layout_code) of the products it runs: as stored,
-                                  # or after the re-layout below (default: PRODUCTS')
+    layouts: tuple = ("NT", "NN", "TN")   # layout_codes of the products it runs (as stored, or re-laid out below)
     transposes_b: str = ""        # the layout whose B [K, N] it transposes first into `scratch` (transpose_b plans)
     swaps: bool = False           # runs A^T B as (B^T A)^T: A^T first into `scratch`, B through registers
     scratch: str = ""             # the workspace of its re-laid operand
@@ -199,22 +164,16 @@ class Family:
         return ("f32",) if self.outs is None else self.outs.get(layout_code(ta, tb), ())
 
     def kernel_layout(self, code) -> tuple:
-        """(trans_a, trans_b) its kernel reads for a product of layout `code`: B^T first reads B [N, K],
-        the swapped product B^T A reads both K-major ((True, True) in its kernel's terms)."""
+        """(trans_a, trans_b) its kernel reads for a product of layout `code` (B^T first, swapped: K-major)."""
         ta, tb = code[0] == "T", code[1] == "T"
         return (True, True) if self.swaps else (ta, True) if code == self.transposes_b else (ta, tb)
 
     def combos(self) -> list:
         """(trans_a, trans_b, EPI, HAS_BIAS) its kernels are compiled for: PRODUCTS' epilogues of each layout
         it runs (TT: none), in the layout its kernel reads."""
-        out = []
-        for code in self.layouts:
-            for epi, hb in PRODUCTS.get((code[0] == "T", code[1] == "T"), ((EPI_NONE, False),)):
-                if epi == EPI_DGELU_GELU and not self.rebuilds_gelu:
-                    continue
-                if (combo := (*self.kernel_layout(code), epi, hb)) not in out:
-                    out.append(combo)
-        return out
+        return list(dict.fromkeys((*self.kernel_layout(code), epi, hb) for code in self.layouts
+                                  for epi, hb in PRODUCTS.get((code[0] == "T", code[1] == "T"), ((EPI_NONE, False),))
+                                  if epi != EPI_DGELU_GELU or self.rebuilds_gelu))
 
 
 class Simt(Family):               # (BM, BN): an 8x8 tile a thread, operands by pointer
@@ -289,30 +248,26 @@ class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 
 
 _ALIGNED = "16-byte aligned"
 FAMILIES = {f.name: f for f in (
-    Simt("simt", SIMT_FILE, SIMT_TILES, FFMA_FLOPS_PER_SM, "simt", unaligned_tiles=tuple(SIMT_TILES),
+    Simt("simt", SIMT_TILES, "simt", SIMT_FILE, FFMA_FLOPS_PER_SM, unaligned_tiles=tuple(SIMT_TILES),
          partners=("wgmma3_ra",)),
-    MmaSync("tf32", TF32_FILE, TF32_TILES, TF32_FLOPS_PER_SM, "tf32", plan_tiles=TF32_PLAN_TILES,
-            unaligned_tiles=TF32_FALLBACK_TILES,
+    MmaSync("tf32", TF32_TILES, "tf32", TF32_FILE, plan_tiles=TF32_PLAN_TILES, unaligned_tiles=TF32_FALLBACK_TILES,
             partners=("wgmma", "wgmma_ra", "wgmma_ra_mn", "wgmma_ra_t")),
-    Wgmma("wgmma", WGMMA_FILE, WGMMA_TILES, TF32_FLOPS_PER_SM, "tf32", layouts=("NT", "NN"), transposes_b="NN",
-          scratch="gemm_bT", split_waves=4,
+    Wgmma("wgmma", WGMMA_TILES, "tf32", layouts=("NT", "NN"), transposes_b="NN", scratch="gemm_bT", split_waves=4,
           needs="sm_90 with K-major, aligned A and B, or B's transpose in the gemm_bT workspace"),
-    RegisterA("wgmma_ra", WGMMA_FILE, WGMMA_RA_TILES, TF32_FLOPS_PER_SM, "tf32", layouts=("TT", "TN"),
-              transposes_b="TN", scratch="gemm_aT", a_regs=True, colsum=True, suffix="ra",
+    RegisterA("wgmma_ra", WGMMA_RA_TILES, "tf32", layouts=("TT", "TN"), transposes_b="TN", scratch="gemm_aT",
+              a_regs=True, colsum=True, suffix="ra",
               needs=f"sm_90, A^T B with A [K, M] as stored and B [N, K] (or [K, N] transposed first into the "
                     f"gemm_aT workspace), {_ALIGNED}, one product"),
-    RegisterA("wgmma_ra_mn", WGMMA_FILE, WGMMA_RA_MN_TILES, TF32_FLOPS_PER_SM, "tf32", layouts=("TN",), a_regs=True,
-              colsum=True, suffix="ramn",
+    RegisterA("wgmma_ra_mn", WGMMA_RA_MN_TILES, "tf32", layouts=("TN",), a_regs=True, colsum=True, suffix="ramn",
               needs=f"sm_90, A^T B with A [K, M] and B [K, N] as stored, {_ALIGNED}, one product"),
-    RegisterA("wgmma_ra_t", WGMMA_FILE, WGMMA_RA_TILES, TF32_FLOPS_PER_SM, "tf32", layouts=("TN",), swaps=True,
-              scratch="gemm_aT", a_regs=True, suffix="rat",
-              needs=f"sm_90, A^T B with A [K, M] and B [K, N] as stored, {_ALIGNED}, one product, no epilogue, "
-                    f"A^T [M, K] room in the gemm_aT workspace"),
-    Bf16("bf16", WGMMA_FILE, BF16_TILES, TF32_FLOPS_PER_SM, "bf16", layouts=tuple(BF16_OUTS), split_waves=4,
-         needs="sm_90, bf16 A and B with 16-byte aligned rows (multiples of 8 elements)", dtype="bf16",
-         outs=BF16_OUTS, k_align=64, rebuilds_gelu=True, colsum=True, colsum_groups=BF16_COLSUM_GROUPS),
-    Split3("wgmma3_ra", WGMMA_FILE, WGMMA3_RA_TILES, TF32_FLOPS_PER_SM / 3, "simt", a_regs=True, colsum=True,
-           suffix="ra3", needs=f"sm_90, {_ALIGNED} A and B (rows and batches: multiples of 4 floats), one product"),
+    RegisterA("wgmma_ra_t", WGMMA_RA_TILES, "tf32", layouts=("TN",), swaps=True, scratch="gemm_aT", a_regs=True,
+              suffix="rat", needs=f"sm_90, A^T B with A [K, M] and B [K, N] as stored, {_ALIGNED}, one product, "
+                                  f"no epilogue, A^T [M, K] room in the gemm_aT workspace"),
+    Bf16("bf16", BF16_TILES, "bf16", layouts=tuple(BF16_OUTS), split_waves=4, dtype="bf16", outs=BF16_OUTS,
+         k_align=64, needs="sm_90, bf16 A and B with 16-byte aligned rows (multiples of 8 elements)",
+         rebuilds_gelu=True, colsum=True, colsum_groups=BF16_COLSUM_GROUPS),
+    Split3("wgmma3_ra", WGMMA3_RA_TILES, "simt", rate=TF32_FLOPS_PER_SM / 3, a_regs=True, colsum=True, suffix="ra3",
+           needs=f"sm_90, {_ALIGNED} A and B (rows and batches: multiples of 4 floats), one product"),
 )}
 
 

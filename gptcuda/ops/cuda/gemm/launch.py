@@ -32,8 +32,7 @@ def _check_dtypes(label, family, out, a, b, bias=None, aux=None):
 
 
 def _vec_ok(a, b, lda, ldb, sA=0, sB=0):
-    """16-byte loads of A and B: aligned bases, row and batch strides multiples of 16 bytes (split
-    k_chunk is a multiple of the family's k_align, so split offsets keep the alignment)."""
+    """16-byte loads of A and B: aligned bases, row and batch strides (split k_chunks keep the alignment)."""
     per = 16 // a.itemsize
     return a.ptr % 16 == 0 and b.ptr % 16 == 0 and all(int(x) % per == 0 for x in (lda, ldb, sA, sB))
 
@@ -49,10 +48,9 @@ def _workspace(rt, name):
 
 def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum=None, alpha=1.0, ws=None,
                  batched=False):
-    """Launch product g as the kernel computes it (dense operands; batched: batch strides M K and K N; the
-    swapped product's out^T = B^T A stored transposed, ldc = M) by plan p; split-K: partials into ws
-    [splits, M, N], then the fixed-order reduction applies the epilogue. colsum [splits x rows, M]: the sums of
-    A's (stored [K, M]) rows of each split, where the family's kernels sum A (epilogue none)."""
+    """Launch product g as the kernel computes it by plan p (batched: batch strides M K and K N; swapped:
+    out^T = B^T A, ldc = M); split-K: partials into ws [splits, M, N], reduced in a fixed order with the
+    epilogue. colsum [splits x rows, M]: each split's sums of A's (stored [K, M]) rows, where the kernels sum A."""
     fam, geo, whole, zs = p.fam, p.geo, p.splits == 1, g.batch * p.splits
     lda, ldb, ldc = g.M if g.ta else g.K, g.K if g.tb else g.N, g.M if fam.swaps else g.N
     sA, sB = (g.M * g.K, g.K * g.N) if batched else (0, 0)
@@ -112,8 +110,7 @@ def _plan(rt, g: Product, forced, ex, out_dtype) -> tuple:
 
 
 def _dims(label, out, a, b, ta, tb, batched=False) -> tuple:
-    """(M, N, K, lda, ldb) of out = op(a) @ op(b), leading dims flattening into rows (batched: [..., rows,
-    cols], the leading dims the batch)."""
+    """(M, N, K, lda, ldb) of out = op(a) @ op(b), leading dims flattening into rows (batched: the batch)."""
     lead = 3 if batched else 2
     for name, v in (("out", out), ("a", a), ("b", b)):
         if len(v.shape) < lead:
@@ -182,14 +179,11 @@ def _transposed(rt, name, x, K, N, label, what, colsum=None):
 
 def _partials(rt, chunks, M):
     """A [chunks, M] view for the bias gradient's partials (elementwise.partials), None where they do not fit."""
-    if chunks > elementwise.MAX_CHUNKS:
-        return None
-    return elementwise.partials(rt, chunks, M, elementwise.WORKSPACE)
+    return None if chunks > elementwise.MAX_CHUNKS else elementwise.partials(rt, chunks, M, elementwise.WORKSPACE)
 
 
 def matmul_batched(rt, out, a, b, trans_a=False, trans_b=False, alpha=1.0, plan=None, ex=None):
-    """out[..., M, N] = alpha * op(a[...]) @ op(b[...]); leading dims flatten into the batch (ex, plan: as
-    in matmul)."""
+    """out[..., M, N] = alpha * op(a[...]) @ op(b[...]), leading dims the batch (ex, plan: as in matmul)."""
     _check_dtypes("matmul_batched", "batched", out, a, b)
     M, N, K, lda, ldb = _dims("matmul_batched", out, a, b, trans_a, trans_b, batched=True)
     batch = rows(out.shape[:-1])

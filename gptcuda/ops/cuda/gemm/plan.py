@@ -16,10 +16,9 @@ WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT")   # scratch only the warpgroup-MMA ker
 
 
 def wgmma_layout(mode, g: Product):
-    """The layout code of product g that the warpgroup-MMA families may run in wgmma_mode `mode`, else
-    False: aligned operands only; "tf32": NT (batched too), and for one product with K % 4 == 0 (a re-laid
-    operand's rows are tensor maps' strides, multiples of 16 bytes) any layout; "3xtf32": PRODUCTS'
-    layouts, one product, K % 4 == 0; None: none."""
+    """g's layout code where the warpgroup-MMA families may run it in wgmma_mode `mode`, else False: aligned
+    operands; "tf32": NT (batched too), or one product with K % 4 == 0 (a re-laid operand's rows are tensor
+    map strides: 16-byte multiples); "3xtf32": one product of PRODUCTS' layouts, K % 4 == 0; None: never."""
     if mode is None or not g.vec:
         return False
     if mode == "tf32" and g.layout == "NT":
@@ -57,13 +56,12 @@ class Plan:
         return need is None or scratch is None or 0 < need[1] <= scratch.get(need[0], 0)
 
 
-# The rest of the rough machine model (H200-like; the peak rates are the families'), only for ranking plans.
+# The rest of the rough machine model (H200-like; the peak rates are the families'), only for ranking plans;
+# where the numbers come from: bench/NOTES.md, "The GEMM layer: why its tiles, rates and constants".
 _BYTES_PER_S = 3.5e12
-_L2_BYTES_PER_S = 9e12                # L2 -> SM operand streaming, all SMs together: the wgmma TMA kernel
-                                      # streamed 3.2 GB of operand panels in 0.365 ms at 4096^3 (8.8 TB/s)
+_L2_BYTES_PER_S = 9e12                # L2 -> SM operand streaming, all SMs together
 _LAUNCH_S = 3e-6
-_L2_RESIDENT_BYTES = 40e6             # an operand above this (H200: 50 MB of L2) is re-read from DRAM
-                                      # by every row of output tiles that sweeps it (see estimate_s)
+_L2_RESIDENT_BYTES = 40e6             # an operand above this is re-read from DRAM (b_reads)
 _FILL_S = 1.5e-6                      # a block's pipeline fill: latency of its first operand tiles
 _HIDDEN = 0.25                        # share of fill + epilogue not hidden when another block is resident
 
@@ -71,13 +69,11 @@ _HIDDEN = 0.25                        # share of fill + epilogue not hidden when
 def _model_time(blocks, work_per_block, threads, bps, eff, rate, sm_count):
     """Time of the busiest SM: it runs ceil(blocks / sm_count) blocks, bps at a time, at the share of its
     peak that its resident warps reach (rough: sqrt(warps / 16), at most 1)."""
-    n = cdiv(blocks, sm_count)
-    warps = threads // 32
-    full, last = divmod(n, bps)
-    t = full * bps * work_per_block / (rate * eff * min(1.0, (bps * warps / 16.0) ** 0.5))
-    if last:
-        t += last * work_per_block / (rate * eff * min(1.0, (last * warps / 16.0) ** 0.5))
-    return t
+    def run(n, resident):             # n blocks, `resident` at a time
+        return n * work_per_block / (rate * eff * min(1.0, (resident * (threads // 32) / 16.0) ** 0.5))
+    full, last = divmod(cdiv(blocks, sm_count), bps)
+    t = run(full * bps, bps)
+    return t + run(last, last) if last else t
 
 
 def split_chunk(K, splits, align=SPLIT_ALIGN):
@@ -99,10 +95,8 @@ def make_plan(family, tile, splits, K, transpose_b=False) -> Plan | None:
 
 
 def b_reads(p: Plan, M, N, k_chunk, sm_count=132) -> int:
-    """How often B comes from DRAM: the grid's x (N tiles) runs fastest, so a wave of blocks covers a few
-    rows of output tiles, each sweeping all of B's panels; when B's part of one split, N x k_chunk floats,
-    outgrows the L2, every wave re-reads it: min(row tiles, waves) reads (the head's logits = lnf @ wte^T,
-    wte 154 MB: 64 reads with 128-row tiles, 32 with 256-row tiles), else one."""
+    """How often B comes from DRAM: once, or where B's part of a split (N x k_chunk floats) outgrows the L2,
+    once a wave of blocks (the grid's x, N tiles, runs fastest): min(row tiles, waves)."""
     if 4.0 * N * max(k_chunk, 1) <= _L2_RESIDENT_BYTES:
         return 1
     rows_, tiles = cdiv(M, p.tile[0]), cdiv(M, p.tile[0]) * cdiv(N, p.tile[1])
@@ -110,17 +104,9 @@ def b_reads(p: Plan, M, N, k_chunk, sm_count=132) -> int:
 
 
 def estimate_s(p: Plan, g: Product, sm_count=132) -> float:
-    """Modelled seconds of product g by plan p (split-K: both kernels): the busiest SM's main loops, plus
-    per-block pipeline fill and epilogue stores (mostly hidden behind another resident block's main loop
-    when blocks_per_sm >= 2), at least the DRAM traffic (B re-read where it outgrows the L2: `b_reads`)
-    and the operand panels every block streams from L2; split-K adds its partials and the reduction; the
-    re-layout passes (transposes) their bytes. g.colsum (A stored [K, M]): the A^T transpose of a swapped
-    product and the families whose kernels sum A give the column sums nearly free, other plans read A
-    once more."""
-    extra = 0.0
-    if g.colsum:
-        fused = p.fam.swaps or p.fam.colsum
-        extra = _LAUNCH_S / 3 + (0.0 if fused else _LAUNCH_S / 3 + 4.0 * g.K * g.M / _BYTES_PER_S)
+    """Modelled seconds of product g by plan p: the busiest SM's main loops plus per-block fill and epilogue
+    (mostly hidden where another block is resident), at least the DRAM traffic and the L2 operand streaming;
+    plus split-K's partials and reduction, a re-laid operand's pass and, for g.colsum, the column sums."""
     M, N = (g.N, g.M) if p.fam.swaps else (g.M, g.N)       # (swaps: out^T = B^T A after A^T [M, K])
     K, k, epi, (bm, bn), geo = g.K, max(p.k_chunk, 1), epi_code(g), p.tile[:2], p.geo
     blocks = cdiv(M, bm) * cdiv(N, bn) * g.batch * p.splits
@@ -135,12 +121,13 @@ def estimate_s(p: Plan, g: Product, sm_count=132) -> float:
         t += _LAUNCH_S + (2 * p.splits + EPI_IO[epi]) * M * N * 4 / _BYTES_PER_S
     if (relaid := p.relaid(g)) is not None:
         t += _LAUNCH_S / 3 + 8.0 * g.batch * relaid[1] / _BYTES_PER_S
-    return extra + t
+    if g.colsum:        # nearly free from a swapped product's A^T or a kernel that sums A; else A read once more
+        t += _LAUNCH_S / 3 + (0.0 if p.fam.swaps or p.fam.colsum else _LAUNCH_S / 3 + 4.0 * g.K * g.M / _BYTES_PER_S)
+    return t
 
 
 def competing(family, wgmma=False, epi=None) -> list:
-    """The base `family` and its warpgroup-MMA partners that run layout `wgmma` (`wgmma_layout`'s answer),
-    compiled for epilogue code epi (None: any)."""
+    """The base `family` and its partners that run layout `wgmma` (`wgmma_layout`'s), built for epi (None: any)."""
     return [family] + [name for name in FAMILIES[family].partners if wgmma in FAMILIES[name].layouts and
                        (epi is None or any(c[2] == epi for c in FAMILIES[name].combos()))]
 
@@ -171,7 +158,7 @@ def plan(g: Product, family, mode=None, sm_count=132, max_ws=0, scratch=None, ti
     `mode`, its warpgroup-MMA partners' where the scratch ({workspace: floats}; None: any) holds what they
     re-lay out. max_ws: floats for split-K partials (0: none); tiles / splits: only these (benchmarks,
     tests; else plan_tiles, and split-K below split_waves waves of blocks). Ties go to fewer splits, the
-    larger tile, then a wgmma tile's TMA twin (5-20% faster where measured)."""
+    larger tile, then a wgmma tile's TMA twin."""
     def tiles_of(fam):
         pool = fam.tiles if g.vec else fam.unaligned_tiles
         return [t for t in pool if t in (tiles if tiles is not None else fam.plan_tiles or fam.tiles)]
@@ -179,18 +166,13 @@ def plan(g: Product, family, mode=None, sm_count=132, max_ws=0, scratch=None, ti
     def splits_of(fam, tile):
         if splits is not None:
             return [splits]
-        # wgmma: also past one wave (a long K over few output tiles, the head's dlnf = dlogits @ wte:
-        # 192 256x128 tiles, 1.45 waves; split 2: 2.9)
         if g.batch == 1 and max_ws > 0 and g.K >= 2 * fam.k_align and \
                 cdiv(g.M, tile[0]) * cdiv(g.N, tile[1]) < fam.split_waves * sm_count * fam.geometry(tile).blocks_per_sm:
             return range(1, min(MAX_SPLITS, cdiv(g.K, fam.k_align)) + 1)
         return [1]
 
-    def rank(p):
-        cp_async = p.fam.file == WGMMA_FILE and not p.geo.tma
-        return estimate_s(p, g, sm_count), p.splits, -p.tile[0] * p.tile[1], cp_async
-
-    best = min(_plans(g, family, mode, max_ws, scratch, tiles_of, splits_of), key=rank, default=None)
+    best = min(_plans(g, family, mode, max_ws, scratch, tiles_of, splits_of), default=None, key=lambda p: (
+        estimate_s(p, g, sm_count), p.splits, -p.tile[0] * p.tile[1], p.fam.file == WGMMA_FILE and not p.geo.tma))
     if best is None:
         raise ValueError(f"no GEMM plan for {g} {family} tiles={tiles}")
     return best
@@ -207,8 +189,8 @@ def tune_candidates(g: Product, family, mode=None, max_ws=0, scratch=None) -> li
 
 
 def prune_candidates(cands, g: Product, sm_count=132, keep=1.6, max_n=6, always=()) -> list:
-    """The candidates worth timing, fastest first: modelled time within `keep` x the best, at most max_n;
-    plans in `always` (the cost model's choice) kept."""
+    """The candidates worth timing, fastest first: within `keep` x the best's modelled time, at most max_n,
+    then those of `always` (the cost model's choice) not among them."""
     scored = sorted((estimate_s(p, g, sm_count), i, p) for i, p in enumerate(cands))
     if not scored:
         return []
@@ -254,28 +236,19 @@ def plan_label(p: Plan) -> str:
 
 def workspace(cfg, ex=None) -> dict:
     """The GEMM workspaces of a config's memory plan {name: (shape, dtype)}: split-K partials of the weight
-    gradients (K = batch_size * block_size tokens), both orientations (dW and dW^T), as the fp32, tf32 and
-    ex's base families plan them at 132 SMs; where ex holds them (`wgmma_scratch`), the warpgroup-MMA
-    kernels' re-laid operands. bench/tune.py only times splits that fit these sizes."""
+    gradients (K: batch_size * block_size tokens; dW and dW^T) as the fp32, tf32 and ex's base families plan
+    them at 132 SMs; where ex holds them (`wgmma_scratch`), the warpgroup-MMA kernels' re-laid operands."""
     ex = ex or execution.resolve(cfg)
     K, C, V = cfg.batch_size * cfg.block_size, cfg.n_embd, cfg.vocab_size
     layers = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]
     shapes = layers + ([(V, C)] if V else [])
-    need = 0
-    for (m, n) in shapes:
-        for (M, N) in ((m, n), (n, m)):
-            for fam in dict.fromkeys((GEMM_FAMILIES["fp32"], GEMM_FAMILIES["tf32"], ex.gemm_family)):
-                p = plan(Product(M, N, K), fam, max_ws=MAX_SPLITS * M * N)
-                if p.splits > 1:
-                    need = max(need, p.splits * M * N)
+    fams = dict.fromkeys((GEMM_FAMILIES["fp32"], GEMM_FAMILIES["tf32"], ex.gemm_family))
+    need = max([p.splits * M * N for m, n in shapes for M, N in ((m, n), (n, m)) for fam in fams
+                if (p := plan(Product(M, N, K), fam, max_ws=MAX_SPLITS * M * N)).splits > 1], default=0)
     out = {"gemm_splitk": ((need,), "f32")} if need else {}
     if ex.wgmma_scratch:
-        # B^T of the backward's dX = dY @ W (W [out, in]: [C, 4C] the largest), for the wgmma kernel
-        out["gemm_bT"] = ((max(m * n for m, n in shapes),), "f32")
-        # a weight gradient dW [M, N] = dY^T @ X's re-laid operand, for the register-A kernels: X^T
-        # [N, tokens] (wgmma_ra) or dY^T [M, tokens] (wgmma_ra_t) of the per-layer weights (4C rows the
-        # most: 101 MB at C 768 and 8192 tokens); of the tied head's dwte, lnf^T [C, tokens] only
-        # (dlogits^T [V, tokens] would be 1.65 GB at GPT-2's V)
+        out["gemm_bT"] = ((max(m * n for m, n in shapes),), "f32")           # W^T of dX = dY @ W (wgmma)
+        # X^T [N, tokens] or dY^T [M, tokens] of a per-layer weight gradient (register-A; not the head's)
         out["gemm_aT"] = ((max(max(m, n) for m, n in layers) * K,), "f32")
     return out
 

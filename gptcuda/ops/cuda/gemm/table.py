@@ -27,12 +27,9 @@ def forget_tables():
 
 @functools.cache
 def source_hash() -> str:
-    """sha256 of the GEMM kernel sources with their includes expanded: a table measured on other
-    sources is not used."""
-    h = hashlib.sha256()
-    for f in dict.fromkeys(fam.file for fam in FAMILIES.values()):
-        h.update(f.encode() + b"\0" + compiler.expand_source(f).encode() + b"\0")
-    return h.hexdigest()
+    """sha256 of the GEMM kernel sources, includes expanded (a table measured on other sources is not used)."""
+    files = dict.fromkeys(fam.file for fam in FAMILIES.values())
+    return hashlib.sha256(b"".join(f"{f}\0{compiler.expand_source(f)}\0".encode() for f in files)).hexdigest()
 
 
 def table_key(tag, g: Product) -> str:
@@ -53,8 +50,7 @@ def plan_to_json(p: Plan) -> dict:
 
 
 def plan_from_json(d: dict, K: int) -> Plan | None:
-    """The Plan an entry names, rebuilt for reduction length K; None where it is not a valid plan (also one of
-    a family or a tile this tree does not have)."""
+    """The Plan an entry names, rebuilt for reduction length K; None where this tree has no such plan."""
     try:
         tile = tuple(int(x) for x in d["tile"])
         p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K), bool(d.get("transpose_b", False)))
@@ -74,10 +70,8 @@ def load_table(gpu_name: str, src_hash: str | None = None, refresh: bool = False
         doc = json.loads(path.read_text())
         if doc.get("format") == TUNE_FORMAT and doc.get("gpu") == gpu_name and \
                 doc.get("source_hash") == (src_hash or source_hash()):
-            for key, entry in doc.get("entries", {}).items():       # (K: the key's third field's last)
-                p = plan_from_json(entry, int(key.split(":")[3].split("x")[2]))
-                if p is not None:
-                    table[key] = p
+            table = {key: p for key, entry in doc.get("entries", {}).items()     # K: the last of the key's MxNxK
+                     if (p := plan_from_json(entry, int(key.split(":")[3].split("x")[2]))) is not None}
     except (OSError, ValueError, AttributeError, IndexError):
         table = {}
     _tables[str(path)] = table
@@ -87,8 +81,8 @@ def load_table(gpu_name: str, src_hash: str | None = None, refresh: bool = False
 def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: dict | None = None,
                replace: bool = True) -> Path:
     """Write {key: entry dict (plan_to_json + anything else)} atomically, merged over the entries (and the
-    meta) already there; replace False: an entry already there stays (two runs that measured a shape at
-    once then both launch the plan written first, as will their resumes). Refreshes the cached copy."""
+    meta) already there (replace False: an entry there stays, so runs that measured a shape at once and their
+    resumes launch the plan written first). Refreshes the cached copy."""
     src_hash = src_hash or source_hash()
     path = table_path(gpu_name, src_hash)
     doc = {"format": TUNE_FORMAT, "gpu": gpu_name, "source_hash": src_hash, "entries": {}}
@@ -111,9 +105,5 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
 def tuned_plan(rt, g: Product, ex, ws_floats: int, scratch: dict, out="f32") -> Plan | None:
     """The table's plan for product g under execution plan ex on rt's GPU where `plan_unfit` lets this launch
     (ws_floats of split-K workspace, the scratch {workspace: floats}, C of dtype out) use it, else None."""
-    if not ex.gemm_table:                               # gemm_tune off (GPTCUDA_GEMM_TUNE=0)
-        return None
-    p = load_table(rt.info.name).get(table_key(ex.table_tag, g))
-    if p is None or plan_unfit(p, g, ex.gemm_family, ex.wgmma_mode, ws_floats, scratch, out):
-        return None
-    return p
+    p = load_table(rt.info.name).get(table_key(ex.table_tag, g)) if ex.gemm_table else None   # gemm_tune off: None
+    return None if p is None or plan_unfit(p, g, ex.gemm_family, ex.wgmma_mode, ws_floats, scratch, out) else p

@@ -2,11 +2,10 @@
 
     summary = autotune(rt, cfg, vocab)    # the Engine's setup does it (config gemm_tune: auto)
 
-Per product of the config (`tune_op`): the candidates the cost model keeps (`candidates_for`), timed
-paired on the GPU (`EventTimer`) and checked against the cost model's choice (one that disagrees never
-wins); the fastest goes into the GPU's table (table.py). `autotune` measures only what the table lacks:
-an entry is never measured again, so a resumed run launches the plans it launched. bench/tune.py is the
-command line over every shape.
+Per product of the config (`tune_op`): the candidates the cost model keeps (`candidates_for`), timed paired
+on the GPU (`EventTimer`) and checked against the cost model's choice (one that disagrees never wins); the
+fastest goes into the GPU's table (table.py). An entry is never measured again, so a resumed run launches the
+plans it launched. bench/tune.py is the command line over every shape.
 """
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ PEAK_BYTES = 4.2e12
 
 
 def floor_s(g: Product, ex) -> float:
-    """Roofline floor: max(flops / peak, DRAM bytes / bandwidth), each operand and [M, N] array once;
-    the peak of what multiplies in execution plan ex."""
+    """Roofline floor (s): max(flops / ex's peak, DRAM bytes / PEAK_BYTES), each operand and [M, N] array once."""
     flops = 2.0 * g.M * g.N * g.K * g.batch
     nbytes = 4.0 * g.batch * (g.M * g.K + g.K * g.N + EPI_IO[epi_code(g)] * g.M * g.N)
     return max(flops / (ex.peak_tflops * 1e12), nbytes / PEAK_BYTES)
@@ -83,12 +81,11 @@ def tune_op(g: Product, ex, timer, sm_count=132, workspaces=None, keep=1.6, max_
 
 def table_entries(results, ex) -> dict:
     """{key: entry} of the winners (the plan, its time, the cost model's plan and time, the floor)."""
-    return {table_key(ex.table_tag, r["op"]): {**plan_to_json(r["plans"][r["winner"]]),
-                                        "ms": round(r["times_ms"][r["winner"]], 5),
-                                        "heuristic_ms": round(r["times_ms"][0], 5),
-                                        "heuristic": plan_label(r["plans"][0]), "floor_ms": round(r["floor_ms"], 5),
-                                        "label": r["op"].label}
-            for r in results if r["winner"] is not None}
+    return {table_key(ex.table_tag, r["op"]): {**plan_to_json(r["plans"][w]), "ms": round(r["times_ms"][w], 5),
+                                               "heuristic_ms": round(r["times_ms"][0], 5),
+                                               "heuristic": plan_label(r["plans"][0]),
+                                               "floor_ms": round(r["floor_ms"], 5), "label": r["op"].label}
+            for r in results if (w := r["winner"]) is not None}
 
 
 def step_ms(results) -> tuple:
@@ -98,16 +95,14 @@ def step_ms(results) -> tuple:
 
 
 # ---- timing candidates on the GPU --------------------------------------------------------
-# random operands are uploaded as repeats of a block this long (a window of noise drawn once): no
-# factor below 2048, so no two rows of a product repeat (a wrong row or k offset shows), and the
-# host never holds a whole operand
+# random operands are repeats of a window of noise this long: no factor below 2048, so no two rows of a
+# product repeat (a wrong row or k offset shows), and the host never holds a whole operand
 _BLOCK = (1 << 22) - 3
 OUT, COLSUM = 2, 5           # the views `_views` makes that a launch writes (the others: inputs)
 
 
 def _views(g: Product, ex, make) -> tuple:
-    """(a, b, out, bias, aux, a_colsum) of product g's launch under execution plan ex, each make(index,
-    shape, dtype) (None where g has none)."""
+    """(a, b, out, bias, aux, a_colsum) of g's launch under ex, each make(index, shape, dtype); None: g has none."""
     fam, out = FAMILIES[ex.gemm_family], _out_dtype(g, ex)
     lead = (g.batch,) if g.batch > 1 else ()
     specs = ((lead + ((g.K, g.M) if g.ta else (g.M, g.K)), fam.dtype),
@@ -125,11 +120,10 @@ def _launch(rt, g: Product, p, a, b, out, bias, aux, colsum):
 
 
 class EventTimer:
-    """Times candidate plans of one product on the GPU: per candidate a CUDA graph of launches (enough
-    for ~target_ms), `rounds` rounds of one replay each in a rotated order between CUDA events (so every
-    candidate sees the same clocks and temperature), then one eager run each whose output is compared
-    with the first's (check_floats: at most that many floats of it, the first and last halves; None:
-    all). workspaces: {name: floats} lent to the launches (the memory plan's sizes); close() frees them."""
+    """Times candidate plans of one product on the GPU: per candidate a CUDA graph of ~target_ms of launches,
+    `rounds` rounds of one replay each in a rotated order between CUDA events (the same clocks for all),
+    then one eager run each whose output is compared with the first's (check_floats: at most that many
+    floats, the first and last halves; None: all). workspaces: {name: floats} lent to the launches."""
 
     def __init__(self, rt, workspaces: dict, rounds=7, target_ms=0.5, check=True, seed=0, check_floats=None):
         self.rt, self.rounds, self.target_ms, self.check, self.check_floats = rt, rounds, target_ms, check, check_floats
@@ -212,8 +206,7 @@ class EventTimer:
                 dev.free(v.ptr)
 
     def _agree(self, g, plans, vs) -> list:
-        """Whether each plan's output, from one eager launch, is the first's within the execution plan's
-        check_tolerance (TF32: wgmma truncates operands where mma.sync rounds them, ~1e-3 apart; fp32 ~1e-7)."""
+        """Whether each plan's output (one eager launch) is the first's within the execution plan's check_tolerance."""
         ok, ref = [], None
         for p in plans:
             _launch(self.rt, g, p, *vs)       # (GELU rewrites aux with the same pre-activation)
@@ -233,9 +226,9 @@ class EventTimer:
 
 # ---- the candidates' kernels, compiled in parallel before the timing ------------------------
 def _prebuild(rt, ops, cands, workspaces, build, bar):
-    """(candidate lists, how many were left out): the kernels every candidate's launch asks for (noted on
-    views at fake addresses, nothing runs) compiled at once by `build`; those whose kernels did not
-    compile are left out, except the cost model's (first): the run launches it anyway, its error shows there."""
+    """(candidate lists, how many were left out): the kernels the candidates' launches ask for (noted on views
+    at fake addresses, nothing runs) compiled at once by `build`; those that did not compile are left out,
+    but the cost model's (first), which the run launches anyway (its error shows there)."""
     def fake(i, shape, dtype="f32"):
         return DeviceView((i + 1) << 38, tuple(shape), dtype, "x")
 
