@@ -1,6 +1,6 @@
 """Measured GEMM dispatch: time the candidate plans of every GEMM the model runs, keep the fastest.
 
-    python bench/tune.py CONFIG [--key=value ...] [--rounds 7] [--keep 1.6] [--max_candidates 6]
+    python bench/tune.py CONFIG [--key=value ...] [--rounds 7] [--keep 1.6] [--max_candidates 12]
                                 [--target_ms 0.5] [--only SUBSTRING] [--dry_run] [--no_save] [--json F]
 
 The command line over gptcuda/ops/cuda/gemm/tune.py, which a training run also uses at its setup
@@ -43,8 +43,8 @@ from gptcuda.runtime import execution  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import estimate_s, plan_label  # noqa: E402
 from gptcuda.ops.cuda.gemm.table import save_table, table_path  # noqa: E402
 # (pick_winner: the package's, reached here as bench.tune's too)
-from gptcuda.ops.cuda.gemm.tune import (EventTimer, candidates_for, floor_s, pick_winner,  # noqa: E402,F401
-                                        step_ms, table_entries, tune_op, workspace_floats)
+from gptcuda.ops.cuda.gemm.tune import (KEEP, MAX_CANDIDATES, EventTimer, candidates_for, floor_s,  # noqa: E402
+                                        pick_winner, step_ms, table_entries, tune_op, workspace_floats)  # noqa: F401
 from gptcuda.model.products import products  # noqa: E402
 
 
@@ -112,8 +112,8 @@ def main(argv=None):
     ops = products(cfg, vocab)
     if "only" in opts:
         ops = [o for o in ops if opts["only"] in o.label]
-    keep = float(opts.get("keep", 1.6))
-    max_n = int(opts.get("max_candidates", 6))
+    keep = float(opts.get("keep", KEEP))
+    max_n = int(opts.get("max_candidates", MAX_CANDIDATES))
     ex = execution.resolve(cfg, arch="sm_90")         # as on an H200 (GPTCUDA_WGMMA=0: without wgmma)
     ws = workspace_floats(cfg, vocab, ex)
     print(f"{path}: {ex.table_tag}, {len(ops)} GEMM shapes, tokens {cfg.batch_size * cfg.block_size}, "

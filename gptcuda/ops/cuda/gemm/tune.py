@@ -50,7 +50,13 @@ def _out_dtype(g: Product, ex) -> str:
     return (FAMILIES[ex.gemm_family].out_dtypes(g.ta, g.tb) or ("f32",))[0]
 
 
-def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=1.6, max_n=6) -> tuple:
+# the measured candidates of a product: the cost model's ranking only prunes. (For the bf16 weight gradient of
+# GPT-2's qkv it ranks 128x128 ping-pong, 0.047 ms alone on the H200, 9th of 28: with 6 measured the table
+# took 128x256 split 2, 0.065 ms in the step with its reduction.)
+KEEP, MAX_CANDIDATES = 1.6, 12
+
+
+def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=KEEP, max_n=MAX_CANDIDATES) -> tuple:
     """(cost-model plan, pruned candidate plans with it first) of product g under execution plan ex, within
     workspaces {name: floats} (workspace_floats): the modelled time within `keep` x the best, at most max_n."""
     workspaces = workspaces or {}
@@ -67,7 +73,8 @@ def pick_winner(plans, times_ms, ok=None):
     return min(fine, key=lambda i: times_ms[i]) if fine else None
 
 
-def tune_op(g: Product, ex, timer, sm_count=132, workspaces=None, keep=1.6, max_n=6, plans=None) -> dict:
+def tune_op(g: Product, ex, timer, sm_count=132, workspaces=None, keep=KEEP, max_n=MAX_CANDIDATES,
+            plans=None) -> dict:
     """Time product g's candidates (`plans`, the cost model's first; default candidates_for's) with
     timer(g, plans) -> (samples per plan [ms lists], ok per plan or None): the plans, their median times,
     which agreed, the winner, the floor, the model's times."""
@@ -286,7 +293,7 @@ class TuneSummary:
 
 
 def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None, build=compiler.build_all,
-             rounds=5, target_ms=0.3, keep=1.6, max_n=6) -> TuneSummary | None:
+             rounds=5, target_ms=0.3, keep=KEEP, max_n=MAX_CANDIDATES) -> TuneSummary | None:
     """Measure the GEMM products of this config that the table of rt's GPU lacks under rt's execution plan,
     in the workspaces the memory plan gives, and merge the winners into the table (an entry written
     meanwhile by another process stays). None when gemm_tune is not "auto"; nothing missing: returns at
