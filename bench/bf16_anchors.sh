@@ -5,6 +5,7 @@
 # autocast with fp32 weights, tf32c = torch.compile in TF32); llm.c: llmc_anchor.sh (FP32 = TF32 cuBLAS,
 # and BF16). The anchor scripts are read from .devcarry/reference/, llm.c from .devcarry/llmc.
 #   GROUP=gpt2  bash bench/bf16_anchors.sh   # GPT-2 124M B8 and B16 bf16, B8 tf32; PyTorch; llm.c
+#   GROUP=b8    bash bench/bf16_anchors.sh   # GPT-2 124M B8 bf16, PyTorch's, ours again
 #   GROUP=small bash bench/bf16_anchors.sh   # char B64 T256 bf16 and tf32, B16 T2048 bf16 (dropout 0.2);
 #                                            # FULL=1: also char fp32 and T2048 tf32
 set -uo pipefail
@@ -36,6 +37,12 @@ case ${GROUP:-gpt2} in
     torch_shape "8,1024,12,12,768,50304;16,1024,12,12,768,50304" bf16c,tf32c 0 gpt2
     rm -rf /tmp/llmc && cp -r .devcarry/llmc /tmp/llmc
     bash .devcarry/reference/llmc_anchor.sh /tmp/llmc 8 16 2>&1 | tail -14
+    ;;
+  b8)          # the B8 row alone, ours before and after PyTorch's (the clock's drift between them shows)
+    [ -f $G/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 --out $G > /dev/null 2>&1
+    ours gpt2_b8_bf16 configs/gpt2_124m.yaml --data=$G --val_data= --total_batch_tokens=0 --batch_size=8
+    torch_shape "8,1024,12,12,768,50304" bf16c 0 b8
+    ours gpt2_b8_bf16_again configs/gpt2_124m.yaml --data=$G --val_data= --total_batch_tokens=0 --batch_size=8
     ;;
   small)
     ours char_bf16 configs/ctx256_bf16.yaml

@@ -50,9 +50,9 @@ def _out_dtype(g: Product, ex) -> str:
     return (FAMILIES[ex.gemm_family].out_dtypes(g.ta, g.tb) or ("f32",))[0]
 
 
-# the measured candidates of a product: the cost model's ranking only prunes. (For the bf16 weight gradient of
-# GPT-2's qkv it ranks 128x128 ping-pong, 0.047 ms alone on the H200, 9th of 28: with 6 measured the table
-# took 128x256 split 2, 0.065 ms in the step with its reduction.)
+# the measured candidates of a product: the cost model's ranking only prunes. (It ranks the 128x128 ping-pong
+# tile of GPT-2's bf16 qkv weight gradient, the fastest alone on the H200, 9th of 28; measured as the step
+# runs it, with its column sums, it still loses to 128x256 split 2.)
 KEEP, MAX_CANDIDATES = 1.6, 12
 
 
