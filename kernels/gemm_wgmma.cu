@@ -100,11 +100,13 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
         const bool inside = m0 + BM <= M && n0 + BN <= N;
         const bool vec8 = gemm_epi_vec_ok<EPI, HAS_BIAS, TO, 8>(C, aux, bias, ldc, sC);
         const bool hi = q & 2;
-        // the aux values (residual, pre-activation) of G column groups' rows loaded before any of them is
-        // stored: G load latencies overlap (C's stores may alias aux for the compiler, which then keeps
-        // each load after the store before it). G divides NJ (with groups of 4 and 2 the 128 x 192 tile's
-        // residual product ran 15% longer on the H200 than before); the 256-row tile (96 registers) has no room: 1.
-        constexpr int NJ = BN / 32, G = !GEMM_EPI_READS_AUX(EPI) || BM >= 256 ? 1 : NJ % 4 == 0 ? 4 : NJ % 3 == 0 ? 3 : 2;
+        // dgelu's pre-activations of G column groups' rows loaded before any of them is stored: G load
+        // latencies overlap (C's stores may alias aux for the compiler, which then keeps each load after
+        // the store before it); G divides NJ; the 256-row tile (96 registers) has no room: 1, the loads
+        // still ahead of the shuffles. (The residual epilogue keeps its loads in gemm_store_once: grouped,
+        // the 128 x 192 tile's residual product ran 13-15% longer on the H200.)
+        constexpr bool PRE = EPI == GEMM_EPI_DGELU || EPI == GEMM_EPI_DGELU_GELU;
+        constexpr int NJ = BN / 32, G = !PRE || BM >= 256 ? 1 : NJ % 4 == 0 ? 4 : NJ % 3 == 0 ? 3 : 2;
         static_assert(NJ % G == 0, "whole groups");
 #pragma unroll
         for (int J0 = 0; J0 < NJ; J0 += G) {
@@ -114,7 +116,8 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = rg + 8 * h, c = n0 + 32 * (J0 + j) + 8 * q;
-                    gemm_epi_in<EPI>(aux, row, c, M, N, ldc, vec8 && (inside || (row < M && c + 7 < N)), in[j][h]);
+                    if constexpr (PRE)
+                        gemm_epi_in<EPI>(aux, row, c, M, N, ldc, vec8 && (inside || (row < M && c + 7 < N)), in[j][h]);
                 }
 #pragma unroll
             for (int j = 0; j < G; ++j)
@@ -141,7 +144,7 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
                     }
                     const float v[8] = {x[0][0], x[0][1], x[1][0], x[1][1], x[2][0], x[2][1], x[3][0], x[3][1]};
                     const int row = rg + 8 * h, c = n0 + 32 * J + 8 * q;
-                    gemm_store_once<EPI, HAS_BIAS, TO, 8, GEMM_EPI_READS_AUX(EPI)>(C, aux, bias, row, c, M, N, ldc, alpha,
+                    gemm_store_once<EPI, HAS_BIAS, TO, 8, PRE>(C, aux, bias, row, c, M, N, ldc, alpha,
                                                                 vec8 && (inside || (row < M && c + 7 < N)), v,
                                                                 in[j][h]);
                 }
