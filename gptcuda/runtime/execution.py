@@ -41,8 +41,10 @@ The rules, in one place:
   bf16 KV cache, the bf16 family writing qkv, the residual stream and the logits in fp32.
 
 - Derived here too: whether the memory plan holds the warpgroup-MMA scratch (`wgmma_scratch`), the products'
-  mode on those kernels (`wgmma_mode`), flash_tc's dK / dV on warpgroup MMA (`dkv_on_wgmma`), the
-  peak rate MFU divides by (`peak_tflops`: of what actually multiplies), the GEMM table's key prefix.
+  mode on those kernels (`wgmma_mode`), flash_tc's dK / dV on warpgroup MMA (`dkv_on_wgmma`), where
+  recompute's backward rebuilds the GELU output (`gelu_in_dgelu`: the bf16 dgelu product's epilogue, else a
+  gelu pass), the peak rate MFU divides by (`peak_tflops`: of what actually multiplies), the GEMM table's
+  key prefix.
 
 The runtime is built with its plan (Runtime(cfg=...): resolved once, for its device) and passes it to
 the launchers that choose by it (gemm.matmul / matmul_batched, attention_fwd / _bwd read `rt.exec`,
