@@ -1070,6 +1070,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
         }
         TO* aux_z = aux;
         if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
+        const int tj = tl.n0 / BN, G = min(tiles_n, COLSUM > 0 ? COLSUM : 1);   // the column sums (ws_consume's)
         tile_bias.fetch(bias, tl.n0, N, wt);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -1093,7 +1094,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
 #pragma unroll
             for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
             if constexpr (COLSUM > 0) {                // the tile's R boxes of A (ws_consume's spread)
-                if (tl.n0 / BN < min(tiles_n, COLSUM) && kt % min(tiles_n, COLSUM) == tl.n0 / BN) bsum.add(sa);
+                if (tj < G && kt % G == tj) bsum.add(sa);
             }
             wg_wait<1>();             // the group of the k tile before is done: release its slot
             if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
@@ -1104,7 +1105,6 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
         for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
         if (nk > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
         if constexpr (COLSUM > 0) {
-            const int tj = tl.n0 / BN, G = min(tiles_n, COLSUM);
             if (tj < G) bsum.out(colsum + ((long long)tl.z * G + tj) * M, tl.m0, M, pp_red + wg * R * 256, 7 + wg, wt);
         }
         // the bias into this warpgroup's buffer of the pair its tile before did not use (its own

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gptcuda.model.products import layout_code
-from gptcuda.ops.cuda import DTYPE_CODES, expression
+from gptcuda.ops.cuda import DTYPE_CODES, cdiv, expression
 
 SIMT_FILE, TF32_FILE, WGMMA_FILE = "gemm_simt.cu", "gemm_tf32.cu", "gemm_wgmma.cu"
 
@@ -157,7 +157,7 @@ class Family:
 
     def colsum_rows(self, t, N) -> int:
         """Rows of column-sum partials a split of a product N wide writes on tile t."""
-        return min(-(-N // t[1]), self.colsum_groups)
+        return min(cdiv(N, t[1]), self.colsum_groups)
 
     def out_dtypes(self, ta, tb) -> tuple:
         """The dtypes of C its kernels write for the layout its kernel reads as (ta, tb)."""
