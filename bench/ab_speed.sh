@@ -4,6 +4,7 @@
 # case by case, each with the measured GEMM table (gemm_tune auto: measured on first use, per tree, as
 # the kernel sources differ) or the cost model alone (TUNES="off").
 #   OLD=.devcarry/oldtree CASES="char_tf32 char_fp32 ctx2048 gpt2_b8" TUNES="auto" bash bench/ab_speed.sh
+# (the cases: bench/cases.sh)
 # Logs under $OUT (ab_<case>_<tune>_<old|new>.log) and one line per run in $OUT/ab_summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,17 +12,10 @@ OLD=${OLD:-.devcarry/oldtree}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
-GPT2_DATA=/tmp/shakespeare_gpt2
+. bench/cases.sh
 for c in ${CASES:-char_tf32 char_fp32 ctx2048 gpt2_b8}; do
-  case $c in
-    char_tf32) args="configs/ctx256_tf32.yaml" ;;
-    char_fp32) args="configs/ctx256_tf32.yaml --precision=fp32" ;;
-    ctx2048)   args="configs/ctx2048_tf32.yaml" ;;
-    gpt2_b8)   [ -f $GPT2_DATA/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt \
-                 --tokenizer gpt2 --out $GPT2_DATA > /dev/null 2>&1
-               args="configs/gpt2_124m_tf32.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8" ;;
-    *) echo "unknown case $c"; continue ;;
-  esac
+  case_args $c || continue
+  args=$CASE_ARGS
   for tune in ${TUNES:-auto}; do
     for side in old new; do
       tree=$([ $side = old ] && echo "$OLD" || echo .)

@@ -13,11 +13,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
-G=/tmp/shakespeare_gpt2
-ours() {
-  local tag=$1; shift
-  echo "== ours $tag: bench/step.py $*"
-  python3 bench/step.py "$@" --iters ${ITERS:-30} --json "$OUT/ours_$tag.json" > "$OUT/ours_$tag.log" 2>&1
+. bench/cases.sh
+ours() {             # a case of bench/cases.sh; the log's tag (default: the case)
+  case_args $1 || return
+  local tag=${2:-$1}
+  echo "== ours $tag: bench/step.py $CASE_ARGS"
+  python3 bench/step.py $CASE_ARGS --iters ${ITERS:-30} --json "$OUT/ours_$tag.json" > "$OUT/ours_$tag.log" 2>&1
   grep -E "graph :|SM clock|rror" "$OUT/ours_$tag.log"
 }
 torch_shape() {      # SHAPES SHAPE_MODES DROPOUT tag
@@ -29,28 +30,25 @@ torch_shape() {      # SHAPES SHAPE_MODES DROPOUT tag
 echo "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader)"
 case ${GROUP:-gpt2} in
   gpt2)
-    [ -f $G/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 --out $G > /dev/null 2>&1
-    for B in 8 16; do
-      ours gpt2_b${B}_bf16 configs/gpt2_124m.yaml --data=$G --val_data= --total_batch_tokens=0 --batch_size=$B
-    done
-    ours gpt2_b8_tf32 configs/gpt2_124m_tf32.yaml --data=$G --val_data= --total_batch_tokens=0 --batch_size=8
+    ours gpt2_b8_bf16
+    ours gpt2_b16_bf16
+    ours gpt2_b8 gpt2_b8_tf32
     torch_shape "8,1024,12,12,768,50304;16,1024,12,12,768,50304" bf16c,tf32c 0 gpt2
     rm -rf /tmp/llmc && cp -r .devcarry/llmc /tmp/llmc
     bash .devcarry/reference/llmc_anchor.sh /tmp/llmc 8 16 2>&1 | tail -14
     ;;
   b8)          # the B8 row alone, ours before and after PyTorch's (the clock's drift between them shows)
-    [ -f $G/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 --out $G > /dev/null 2>&1
-    ours gpt2_b8_bf16 configs/gpt2_124m.yaml --data=$G --val_data= --total_batch_tokens=0 --batch_size=8
+    ours gpt2_b8_bf16
     torch_shape "8,1024,12,12,768,50304" bf16c 0 b8
-    ours gpt2_b8_bf16_again configs/gpt2_124m.yaml --data=$G --val_data= --total_batch_tokens=0 --batch_size=8
+    ours gpt2_b8_bf16 gpt2_b8_bf16_again
     ;;
   small)
-    ours char_bf16 configs/ctx256_bf16.yaml
-    ours char_tf32 configs/ctx256_tf32.yaml
-    ours ctx2048_bf16 configs/ctx2048_bf16.yaml
+    ours char_bf16
+    ours char_tf32
+    ours ctx2048_bf16
     if [ -n "${FULL:-}" ]; then        # the fp32 and T2048 tf32 rows too
-      ours char_fp32 configs/ctx256_tf32.yaml --precision=fp32
-      ours ctx2048_tf32 configs/ctx2048_tf32.yaml
+      ours char_fp32
+      ours ctx2048 ctx2048_tf32
     fi
     torch_shape "64,256,6,6,384;16,2048,6,6,384" bf16c 0.2 small
     ;;

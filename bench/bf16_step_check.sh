@@ -15,9 +15,8 @@ for p in bf16 tf32; do
     > "$OUT/char_$p.log" 2>&1
   grep -E "val loss|best|rror|ms/step|tok/s" "$OUT/char_$p.log" | tail -6
 done
-GPT2_DATA=/tmp/shakespeare_gpt2
-[ -f $GPT2_DATA/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 \
-  --out $GPT2_DATA > /dev/null 2>&1
+. bench/cases.sh
+gpt2_shards
 for p in bf16 tf32; do
   echo "== GPT-2 124M B8 T1024 step, $p"
   python3 bench/step.py configs/gpt2_124m.yaml --precision=$p --data=$GPT2_DATA --val_data= --total_batch_tokens=0 \

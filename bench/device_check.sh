@@ -46,12 +46,7 @@ nccl_env() {
   fi
 }
 
-# GPT-2 BPE token data: tiny Shakespeare through prepare.py (the shards every gpt2_* step below reads)
-GPT2_DATA=/tmp/shakespeare_gpt2
-gpt2_shards() {          # prepared once, where a step needs them and the gpt2_data step did not run
-  [ -f $GPT2_DATA/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 \
-    --out $GPT2_DATA > /dev/null 2>&1
-}
+. bench/cases.sh          # the speed cases, GPT2_DATA and gpt2_shards
 
 log "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader)"
 python3 -c "import cuda.bindings, numpy; from gptcuda.runtime.compiler import nvrtc_version; print('cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc_version(), 'numpy', numpy.__version__)" | tee -a "$OUT/summary.txt"
@@ -110,19 +105,8 @@ if has bf16; then            # the BF16 warpgroup-MMA product against float64 (a
 fi
 if has speed; then
   for c in ${SPEED_CASES:-char_tf32 char_fp32 ctx2048 gpt2_b8 char_bf16 gpt2_b8_bf16}; do
-    case $c in
-      char_tf32) args="configs/ctx256_tf32.yaml" ;;
-      char_fp32) args="configs/ctx256_tf32.yaml --precision=fp32" ;;
-      ctx2048)   args="configs/ctx2048_tf32.yaml" ;;
-      gpt2_b8)   gpt2_shards
-                 args="configs/gpt2_124m_tf32.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8" ;;
-      char_bf16) args="configs/ctx256_bf16.yaml" ;;
-      gpt2_b8_bf16) gpt2_shards
-                 args="configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8" ;;
-      gpt2_b8_bf16_rc) gpt2_shards       # recompute: the GELU output rebuilt in the backward
-                 args="configs/gpt2_124m.yaml --data=$GPT2_DATA --val_data= --total_batch_tokens=0 --batch_size=8 --recompute=true" ;;
-      *) echo "unknown speed case $c"; continue ;;
-    esac
+    case_args $c || continue
+    args=$CASE_ARGS
     log "step $c: bench/step.py $args ${SPEED_ARGS:-}"
     python3 bench/step.py $args ${SPEED_ARGS:-} --iters ${SPEED_ITERS:-30} --json "$OUT/speed_$c.json" \
       > "$OUT/speed_$c.log" 2>&1

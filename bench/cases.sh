@@ -1,0 +1,25 @@
+# The speed cases the device scripts share (sourced): a case's bench/step.py arguments, and the GPT-2 BPE
+# token shards (tiny Shakespeare through prepare.py) that its gpt2_* cases read, prepared once.
+#   case_args gpt2_b8_bf16 && python3 bench/step.py $CASE_ARGS --iters 30
+GPT2_DATA=/tmp/shakespeare_gpt2
+gpt2_shards() {
+  [ -f $GPT2_DATA/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 \
+    --out $GPT2_DATA > /dev/null 2>&1
+}
+# CASE_ARGS for case $1 (status 1: no such case)
+case_args() {
+  local gpt2="--data=$GPT2_DATA --val_data= --total_batch_tokens=0"
+  case $1 in
+    char_tf32)    CASE_ARGS="configs/ctx256_tf32.yaml" ;;
+    char_fp32)    CASE_ARGS="configs/ctx256_tf32.yaml --precision=fp32" ;;
+    char_bf16)    CASE_ARGS="configs/ctx256_bf16.yaml" ;;
+    ctx2048)      CASE_ARGS="configs/ctx2048_tf32.yaml" ;;
+    ctx2048_bf16) CASE_ARGS="configs/ctx2048_bf16.yaml" ;;
+    gpt2_b8)      gpt2_shards; CASE_ARGS="configs/gpt2_124m_tf32.yaml $gpt2 --batch_size=8" ;;
+    gpt2_b8_bf16) gpt2_shards; CASE_ARGS="configs/gpt2_124m.yaml $gpt2 --batch_size=8" ;;
+    gpt2_b16_bf16) gpt2_shards; CASE_ARGS="configs/gpt2_124m.yaml $gpt2 --batch_size=16" ;;
+    gpt2_b8_bf16_stored)          # the GELU output kept a layer, not rebuilt in the backward (a larger plan)
+                  gpt2_shards; CASE_ARGS="configs/gpt2_124m.yaml $gpt2 --batch_size=8 --recompute=false" ;;
+    *) echo "unknown speed case $1"; return 1 ;;
+  esac
+}
