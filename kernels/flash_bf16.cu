@@ -401,6 +401,74 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
 }
 
 // ----------------------------------------------------------------------------------- backward: dK dV
+// S^T = K Q^T and dP^T = V dO^T of the warpgroup's keys (ka, va) and a stage's queries (Q at qt, dO after
+// it), issued and committed as one group
+template <int HS, int BM, int BN>
+__device__ __forceinline__ void fb_dkv_scores(float (&sc)[BN / 2], float (&dp)[BN / 2], unsigned ka, unsigned va,
+                                              unsigned qt) {
+    fb_mma_ss<HS, BM, BN>(sc, ka, qt);
+    wg_fence_acc(dp);
+#pragma unroll
+    for (int s = 0; s < HS / 16; ++s)
+        WgBf16<BN>::template mma<0, 0>(dp, fb_desc_k<BM>(va, s), fb_desc_k<BN>(qt + BN * HS * 2, s), s > 0);
+    wg_commit();
+}
+// What fb_dkv_grads needs of the warp's rows (keys kw0 + g and + 8) besides the tile
+struct FbDkvRow {
+    int kw0, g, q, T;
+    const float *lse, *D;                                  // the head's [T]
+    float sl2;
+    u32 key, row0, Th, threshold;                          // row0: b h T, the head's first query's row of words
+    float inv_keep;
+};
+// The softmax gradient of a tile of queries i0.. in place: sc (S^T) -> Pd^T (P with dropout, for dV), dp
+// (dPd^T) -> dS^T = P (dP - D) where dP = dPd keep / (1 - p). P = exp2(S sl2 - lse log2 e) of the thread's
+// columns' lse, 0 above the diagonal. Keys 2c' and 2c' + 1 of query i share a keep word, and they are
+// rows g and g + 1 (g even), lanes 4 apart: of the words of the thread's two rows (hh), the even lane
+// draws the first's, the odd one the second's, and each hands its word to the other.
+template <int BN, bool DROP>
+__device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN / 2], int i0, const FbDkvRow& r) {
+    float l2[BN / 4], Dq[BN / 4];                          // the thread's columns' lse (log2 units) and D
+#pragma unroll
+    for (int c = 0; c < BN / 4; ++c) {
+        const int i = i0 + 8 * (c >> 1) + 2 * r.q + (c & 1);
+        l2[c] = i < r.T ? r.lse[i] * FA_LOG2E : __int_as_float(0x7f800000);
+        Dq[c] = i < r.T ? r.D[i] : 0.f;
+    }
+    const bool edge = i0 < r.kw0 + 15;                     // a query of the tile precedes a key of the warp
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+            const int i = i0 + 8 * j + 2 * r.q + e2;       // the column's query
+            const float l2i = l2[2 * j + e2], Di = Dq[2 * j + e2];
+            u32 kws[2] = {0u, 0u};
+            if (DROP) {
+                const u32 odd = (u32)(r.g & 1);
+                const u32 mine = gc_keep_word(r.key, (r.row0 + (u32)i) * r.Th +
+                                                         (u32)((r.kw0 + (r.g & ~1) + 8 * (int)odd) >> 1));
+                const u32 theirs = __shfl_xor_sync(0xffffffffu, mine, 4);
+                kws[0] = odd ? theirs : mine;
+                kws[1] = odd ? mine : theirs;
+            }
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int c = 4 * j + 2 * hh + e2, kk = r.kw0 + r.g + 8 * hh;   // the row's key
+                float p = gc_exp2(fmaf(sc[c], r.sl2, -l2i));
+                if (edge && kk > i) p = 0.f;
+                float d = dp[c], pd = p;
+                if (DROP) {
+                    const bool keep = gc_keep_half(kws[hh], (u32)(kk & 1)) >= r.threshold;
+                    d = keep ? d * r.inv_keep : 0.f;
+                    pd = keep ? p * r.inv_keep : 0.f;
+                }
+                sc[c] = pd;
+                dp[c] = p * (d - Di);
+            }
+        }
+}
+
+
 // One block per (b*H + h, key tile of BM), the first key tiles (the most queries) first: K and V
 // resident, Q and dO streamed from the first query tile that reaches the block's keys to the end;
 // lse and D of a tile's queries read by each thread for its columns.
@@ -442,65 +510,59 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
     k.wait_resident();
-    for (int it = 0; it < nqt; ++it) {
-        const int i0 = (first + it) * BN;
-        k.wait_full(it);
-        if (i0 + BN - 1 >= wg_first) {                     // some query of the tile sees a key of the warpgroup
-            const unsigned qt = k.stage(it), dot = qt + F::ST;
-            float l2[BN / 4], Dq[BN / 4];                  // the thread's columns' lse (log2 units) and D,
-#pragma unroll                                             // read while the products run
-            for (int c = 0; c < BN / 4; ++c) {
-                const int i = i0 + 8 * (c >> 1) + 2 * k.q + (c & 1);
-                l2[c] = i < T ? lse_h[i] * FA_LOG2E : __int_as_float(0x7f800000);
-                Dq[c] = i < T ? D_h[i] : 0.f;
-            }
-            float sc[BN / 2], dp[BN / 2];
-            fb_mma_ss<HS, BM, BN>(sc, ka, qt);               // S^T = K Q^T
-            wg_fence_acc(dp);
-#pragma unroll
-            for (int s = 0; s < HS / 16; ++s)                // dPd^T = V dO^T
-                WgBf16<BN>::template mma<0, 0>(dp, fb_desc_k<BM>(va, s), fb_desc_k<BN>(dot, s), s > 0);
+    int it0 = 0;                                           // the query tiles before every key of the warpgroup
+    while (it0 < nqt && (first + it0) * BN + BN - 1 < wg_first) {
+        k.wait_full(it0);
+        k.release(it0);
+        ++it0;
+    }
+    if (it0 < nqt) {
+        // Tile it's dV += Pd^T dO and dK += dS^T Q are issued after tile it + 1's S^T and dP^T, and tile
+        // it + 1's softmax gradient runs while they compute (into sc and dp: the fragments they read stay).
+        const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(k.bh * T), Th, threshold, inv_keep};
+        float sc[BN / 2], dp[BN / 2];
+        k.wait_full(it0);
+        fb_dkv_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it0));
+        wg_wait<0>();
+        wg_fence_acc(sc);
+        wg_fence_acc(dp);
+        fb_dkv_grads<BN, DROP>(sc, dp, (first + it0) * BN, r);
+        for (int it = it0; it + 1 < nqt; ++it) {
+            unsigned pa[BN / 16][4], ds[BN / 16][4];
+            fb_pack<BN>(pa, sc);
+            fb_pack<BN>(ds, dp);
+            k.wait_full(it + 1);
+            fb_dkv_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
+            const unsigned qt = k.stage(it);
+            fb_mma_rs<HS, BN, BN / 16>(dv, pa, qt + F::ST);     // dV += Pd^T dO
+            fb_mma_rs<HS, BN, BN / 16>(dk, ds, qt);             // dK += dS^T Q
             wg_commit();
-            wg_wait<0>();
+            wg_wait<1>();
             wg_fence_acc(sc);
             wg_fence_acc(dp);
-            const bool edge = i0 < kw0 + 15;                   // a query of the tile precedes a key of the warp
-            unsigned pa[BN / 16][4];
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                for (int e2 = 0; e2 < 2; ++e2) {
-                    const int i = i0 + 8 * j + 2 * k.q + e2;   // the column's query
-                    const float l2i = l2[2 * j + e2], Di = Dq[2 * j + e2];
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const int c = 4 * j + 2 * hh + e2, kk = kw0 + k.g + 8 * hh;   // the row's key
-                        float p = gc_exp2(fmaf(sc[c], sl2, -l2i));
-                        if (edge && kk > i) p = 0.f;
-                        float d = dp[c], pd = p;
-                        if (DROP) {                        // keys 2c' and 2c' + 1 of query i share a word
-                            const u32 kw = gc_keep_word(key, (u32)(k.bh * T + i) * Th + (u32)(kk >> 1));
-                            const bool keep = gc_keep_half(kw, (u32)(kk & 1)) >= threshold;
-                            d = keep ? d * inv_keep : 0.f;
-                            pd = keep ? p * inv_keep : 0.f;
-                        }
-                        sc[c] = pd;                        // Pd^T for dV
-                        dp[c] = p * (d - Di);              // dS^T
-                    }
-                }
+            fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r);
+            wg_wait<0>();
+            wg_fence_acc(dv);
+            wg_fence_acc(dk);
+            fb_fence_frags(pa);
+            fb_fence_frags(ds);
+            k.release(it);
+        }
+        {                                                  // the last tile's
+            unsigned pa[BN / 16][4], ds[BN / 16][4];
             fb_pack<BN>(pa, sc);
-            unsigned ds[BN / 16][4];
             fb_pack<BN>(ds, dp);
-            fb_mma_rs<HS, BN, BN / 16>(dv, pa, dot);       // dV += Pd^T dO
-            fb_mma_rs<HS, BN, BN / 16>(dk, ds, qt);        // dK += dS^T Q
+            const unsigned qt = k.stage(nqt - 1);
+            fb_mma_rs<HS, BN, BN / 16>(dv, pa, qt + F::ST);
+            fb_mma_rs<HS, BN, BN / 16>(dk, ds, qt);
             wg_commit();
             wg_wait<0>();
             wg_fence_acc(dv);
             wg_fence_acc(dk);
             fb_fence_frags(pa);
             fb_fence_frags(ds);
+            k.release(nqt - 1);
         }
-        k.release(it);
     }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
