@@ -26,13 +26,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import Arena, ClockWatch, write_results  # noqa: E402
+from bench.common import ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402  (graph replay on bench.common's event timing)
 from gptcuda.model.products import Product  # noqa: E402
 from gptcuda.ops.cuda import gemm  # noqa: E402
 from gptcuda.ops.cuda.gemm.families import FAMILIES, MAX_SPLITS, SIMT_FILE  # noqa: E402
 from gptcuda.ops.cuda.gemm.launch import _vec_ok  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, competing, plan, plan_label, wgmma_layout  # noqa: E402
+from gptcuda.runtime.profile import Arena  # noqa: E402
 from gptcuda.ops.cuda.gemm.table import tuned_plan  # noqa: E402
 from gptcuda.runtime import Runtime, i32  # noqa: E402
 
@@ -161,7 +162,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         rows = np.arange(M)
     else:
         rows = np.sort(rng.choice(M, size=min(M, args.sample_rows), replace=False))
-    ar = Arena(rt)
+    ar = Arena(rt, "bench")
     results = []
     try:
         da, db = ar.upload(a), ar.upload(b)
@@ -248,7 +249,7 @@ def bench_ladder(rt, M, N, K, args):
     b = rng.standard_normal((K, N), dtype=np.float32)
     rows = np.sort(rng.choice(M, size=min(M, args.sample_rows), replace=False))
     flop = 2.0 * M * N * K
-    ar = Arena(rt)
+    ar = Arena(rt, "bench")
     out_rows = []
     try:
         da, db, out = ar.upload(a), ar.upload(b), ar.empty((M, N))

@@ -1,10 +1,22 @@
-"""Where a step's time goes: every launch of a program timed by CUDA events captured between
-the kernels inside a graph (so no host gaps are counted), summed by kernel and by group.
-Used by `train.py --profile` and bench/step.py."""
+"""Timing on the device.
+
+Where a step's time goes: every launch of a program timed by CUDA events captured between the kernels
+inside a graph (so no host gaps are counted), summed by kernel and by group (`phase_table`: `train.py
+--profile`, bench/step.py).
+
+Timing alternatives against each other (the GEMM tuner, ops/cuda/gemm/tune.py, and the benchmarks):
+`captured` records launches `reps` times into one CUDA graph, `paired_times_ms` times runs between CUDA
+events in an order rotated each round, an `Arena` holds a case's device buffers (operands filled with
+noise) and frees them together, `download_ends` reads back part of a large output for a check."""
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+
+import numpy as np
+
+from gptcuda.runtime import bf16
+from gptcuda.runtime.core import DeviceView
 
 GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "flash": "attention",
           "layernorm": "layernorm", "elementwise": "elementwise", "loss": "loss", "optim": "optimizer",
@@ -66,3 +78,98 @@ def phase_table(rt, prog, iters: int = 5, top: int = 25, by_label: int = 0) -> s
         for lab, (ms, cnt, names) in sorted(labels.items(), key=lambda kv: -kv[1][0])[:by_label]:
             out.append(f"  {ms:8.3f} ms {cnt:4d}x  {lab:<40} {' | '.join(sorted(names))}")
     return "\n".join(out)
+
+
+# ---- timing alternatives ---------------------------------------------------------------
+def captured(rt, record_fn, reps: int = 1, name: str = "timed"):
+    """record_fn() recorded `reps` times into one program, captured as a CUDA graph: its launch() replays
+    them all with no host work per kernel (its program.items: the launches)."""
+    prog = rt.begin(name)
+    try:
+        for _ in range(reps):
+            record_fn()
+    finally:
+        rt.end()
+    return rt.capture(prog)
+
+
+def paired_times_ms(rt, runs, rounds: int, warmup: int = 1) -> list:
+    """[per run its `rounds` times in ms]: each of `runs` (callables that enqueue work on rt.stream) run
+    `warmup` times, then `rounds` rounds of each once between a pair of CUDA events, in an order rotated
+    each round (so all see the same clocks). The events are destroyed, also on an error."""
+    dev, evs = rt.dev, []
+    try:
+        for _ in range(warmup):
+            for run in runs:
+                run()
+        rt.synchronize()
+        for r in range(rounds):
+            for i in [(i + r) % len(runs) for i in range(len(runs))]:
+                e0, e1 = dev.event(), dev.event()
+                evs.append((i, e0, e1))
+                dev.record(e0, rt.stream)
+                runs[i]()
+                dev.record(e1, rt.stream)
+        rt.synchronize()
+        times = [[] for _ in runs]
+        for i, e0, e1 in evs:
+            times[i].append(dev.elapsed_ms(e0, e1))
+        return times
+    finally:
+        for _, e0, e1 in evs:
+            dev.event_destroy(e0), dev.event_destroy(e1)
+
+
+# noise operands repeat a window of one draw this long: no factor below 2048, so no two rows of a matrix
+# repeat (a wrong row or k offset shows), and the host never holds a whole operand
+NOISE_BLOCK = (1 << 22) - 3
+
+
+class Arena:
+    """Device buffers of one case, freed together (free(): the next case starts from a clean device).
+    `noise` fills one with a window of standard normal noise, drawn once from `seed` (bf16: as bit patterns)."""
+
+    def __init__(self, rt, name: str = "arena", seed: int = 0):
+        self.rt, self.name, self.ptrs = rt, name, []
+        self.rng, self._noise = np.random.default_rng(seed), None
+
+    def empty(self, shape, dtype: str = "f32", name: str = "") -> DeviceView:
+        v = DeviceView(0, tuple(int(s) for s in shape), dtype, name or self.name)
+        self.ptrs.append(self.rt.dev.malloc(max(1, v.nbytes)))
+        return DeviceView(self.ptrs[-1], v.shape, dtype, v.name)
+
+    def upload(self, arr, name: str = "") -> DeviceView:
+        """A new f32 buffer holding arr."""
+        v = self.empty(np.shape(arr), name=name)
+        self.rt.write(v, arr)
+        return v
+
+    def noise(self, shape, dtype: str = "f32") -> DeviceView:
+        if self._noise is None:
+            self._noise = self.rng.standard_normal(2 * NOISE_BLOCK, dtype=np.float32)
+        v = self.empty(shape, dtype)
+        start = int(self.rng.integers(NOISE_BLOCK))
+        block = self._noise[start:start + min(v.numel, NOISE_BLOCK)]
+        block = bf16.bits(block) if dtype == "bf16" else block
+        for off in range(0, v.numel, NOISE_BLOCK):
+            m = min(NOISE_BLOCK, v.numel - off)
+            self.rt.write(DeviceView(v.ptr + v.itemsize * off, (m,), dtype, v.name), block[:m])
+        return v
+
+    def free(self):
+        self.rt.synchronize()
+        for p in self.ptrs:
+            self.rt.dev.free(p)
+        self.ptrs.clear()
+
+
+def download_ends(rt, view, limit: int | None = None) -> np.ndarray:
+    """view's elements, flat, as values (bf16 widened): all, or where there are more than `limit`, the first
+    and the last limit // 2 (comparing outputs without reading back all of a large one)."""
+    n = view.numel
+    if limit is None or n <= limit:
+        got = rt.download(view).reshape(-1)
+    else:
+        got = np.concatenate([rt.download(DeviceView(view.ptr + view.itemsize * at, (limit // 2,), view.dtype,
+                                                     "part")) for at in (0, n - limit // 2)])
+    return bf16.values(got) if view.dtype == "bf16" else got

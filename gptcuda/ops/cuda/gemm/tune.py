@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from gptcuda.model.products import Product, products
 from gptcuda.ops.cuda import elementwise
-from gptcuda.runtime import DeviceView, bf16, compiler
+from gptcuda.runtime import DeviceView, compiler
+from gptcuda.runtime.profile import Arena, captured, download_ends, paired_times_ms
 from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, EPI_IO, FAMILIES, epi_code
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
@@ -102,9 +103,6 @@ def step_ms(results) -> tuple:
 
 
 # ---- timing candidates on the GPU --------------------------------------------------------
-# random operands are repeats of a window of noise this long: no factor below 2048, so no two rows of a
-# product repeat (a wrong row or k offset shows), and the host never holds a whole operand
-_BLOCK = (1 << 22) - 3
 OUT, COLSUM = 2, 5           # the views `_views` makes that a launch writes (the others: inputs)
 
 
@@ -130,94 +128,44 @@ class EventTimer:
     """Times candidate plans of one product on the GPU: per candidate a CUDA graph of ~target_ms of launches,
     `rounds` rounds of one replay each in a rotated order between CUDA events (the same clocks for all),
     then one eager run each whose output is compared with the first's (check_floats: at most that many
-    floats, the first and last halves; None: all). workspaces: {name: floats} lent to the launches."""
+    floats, the first and last halves; None: all). Operands are noise (profile.Arena). workspaces: {name:
+    floats} lent to the launches."""
 
     def __init__(self, rt, workspaces: dict, rounds=7, target_ms=0.5, check=True, seed=0, check_floats=None):
         self.rt, self.rounds, self.target_ms, self.check, self.check_floats = rt, rounds, target_ms, check, check_floats
-        self.rng = np.random.default_rng(seed)
-        self.noise = self.rng.standard_normal(2 * _BLOCK, dtype=np.float32)    # drawn once: each operand a window
-        self.ws = {name: self._alloc((n,)) for name, n in workspaces.items() if n}
-
-    def _alloc(self, shape, dtype="f32"):
-        v = DeviceView(0, tuple(int(s) for s in shape), dtype, "tune")
-        return DeviceView(self.rt.dev.malloc(max(1, v.nbytes)), v.shape, dtype, "tune")
-
-    def _upload(self, shape, dtype="f32"):
-        v = self._alloc(shape, dtype)
-        start = int(self.rng.integers(_BLOCK))
-        block = self.noise[start:start + min(v.numel, _BLOCK)]
-        block = bf16.bits(block) if dtype == "bf16" else block
-        for off in range(0, v.numel, _BLOCK):
-            m = min(_BLOCK, v.numel - off)
-            self.rt.write(DeviceView(v.ptr + v.itemsize * off, (m,), dtype, "tune"), block[:m])
-        return v
-
-    def _result(self, out) -> np.ndarray:
-        n, lim = out.numel, self.check_floats
-        if lim is None or n <= lim:
-            got = self.rt.download(out).reshape(-1)
-        else:
-            got = np.concatenate([self.rt.download(DeviceView(out.ptr + out.itemsize * at, (lim // 2,), out.dtype,
-                                                               "part")) for at in (0, n - lim // 2)])
-        return bf16.values(got) if out.dtype == "bf16" else got
+        self.bufs, self.lent = Arena(rt, "tune", seed), Arena(rt, "tune")     # a product's; the workspaces
+        self.ws = {name: self.lent.empty((n,)) for name, n in workspaces.items() if n}
 
     def __call__(self, g: Product, plans):
         """(per plan its samples in ms, per plan whether its output agreed: None without the check)."""
-        rt, dev = self.rt, self.rt.dev
-        bufs, graphs, evs = [], [], []
-
-        def make(i, shape, dtype):
-            bufs.append((self._alloc if i in (OUT, COLSUM) else self._upload)(shape, dtype))
-            return bufs[-1]
-
+        rt, graphs = self.rt, []
         old = rt.set_workspace({})
         try:
-            vs = _views(g, rt.exec, make)
+            vs = _views(g, rt.exec, lambda i, shape, dtype: (self.bufs.empty if i in (OUT, COLSUM) else
+                                                             self.bufs.noise)(shape, dtype))
             # a colsum product's bias-gradient partials (elementwise.bias_grad's workspace, planned per config)
-            parts = [self._alloc((elementwise.MAX_CHUNKS * g.M,))] if g.colsum else []
-            bufs += parts
-            rt.set_workspace({**old, **self.ws, **{elementwise.WORKSPACE: v for v in parts}})
+            parts = {elementwise.WORKSPACE: self.bufs.empty((elementwise.MAX_CHUNKS * g.M,))} if g.colsum else {}
+            rt.set_workspace({**old, **self.ws, **parts})
             reps = [int(min(64, max(1, math.ceil(self.target_ms / max(estimate_s(p, g, rt.info.sm_count) * 1e3,
                                                                             1e-4))))) for p in plans]
             for p, n in zip(plans, reps):
-                prog = rt.begin("tune")
-                try:
-                    for _ in range(n):
-                        _launch(rt, g, p, *vs)
-                finally:
-                    rt.end()
-                graphs.append(rt.capture(prog))
-            for graph in graphs:                   # warm-up (module load, clocks)
-                graph.launch()
-            rt.synchronize()
-            for r in range(self.rounds):
-                for i in [(i + r) % len(plans) for i in range(len(plans))]:
-                    e0, e1 = dev.event(), dev.event()
-                    evs.append((i, e0, e1))
-                    dev.record(e0, rt.stream)
-                    graphs[i].launch()
-                    dev.record(e1, rt.stream)
-            rt.synchronize()
-            samples = [[] for _ in plans]
-            for i, e0, e1 in evs:
-                samples[i].append(dev.elapsed_ms(e0, e1) / reps[i])
-            return samples, self._agree(g, plans, vs) if self.check else None
+                graphs.append(captured(rt, functools.partial(_launch, rt, g, p, *vs), n, "tune"))
+            samples = paired_times_ms(rt, [graph.launch for graph in graphs], self.rounds)   # warm: module load, clocks
+            return ([[t / n for t in s] for s, n in zip(samples, reps)],
+                    self._agree(g, plans, vs) if self.check else None)
         finally:
             rt.synchronize()
             for graph in graphs:
                 graph.destroy()
-            for _, e0, e1 in evs:
-                dev.event_destroy(e0), dev.event_destroy(e1)
             rt.set_workspace(old)
-            for v in bufs:
-                dev.free(v.ptr)
+            self.bufs.free()
 
     def _agree(self, g, plans, vs) -> list:
         """Whether each plan's output (one eager launch) is the first's within the execution plan's check_tolerance."""
         ok, ref = [], None
         for p in plans:
             _launch(self.rt, g, p, *vs)       # (GELU rewrites aux with the same pre-activation)
-            got = self._result(vs[OUT])
+            got = download_ends(self.rt, vs[OUT], self.check_floats)
             if ref is None:
                 ref = got.astype(np.float64)
                 scale = max(float(np.max(np.abs(ref))), 1e-30)
@@ -226,8 +174,7 @@ class EventTimer:
         return ok
 
     def close(self):
-        for v in self.ws.values():
-            self.rt.dev.free(v.ptr)
+        self.lent.free()
         self.ws = {}
 
 
