@@ -33,7 +33,7 @@ from gptcuda.ops.cuda import gemm  # noqa: E402
 from gptcuda.ops.cuda.gemm.families import FAMILIES, MAX_SPLITS, SIMT_FILE  # noqa: E402
 from gptcuda.ops.cuda.gemm.launch import _vec_ok  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, competing, plan, plan_label, wgmma_layout  # noqa: E402
-from gptcuda.runtime.profile import Arena  # noqa: E402
+from gptcuda.runtime.profile import Arena, rel_err  # noqa: E402
 from gptcuda.ops.cuda.gemm.table import tuned_plan  # noqa: E402
 from gptcuda.runtime import Runtime, i32  # noqa: E402
 
@@ -61,10 +61,7 @@ def sampled_rel_err(out, a, b, ta, tb, rows):
     opa = a.T if ta else a
     opb = b.T if tb else b
     ref = opa[rows].astype(np.float64) @ opb.astype(np.float64)
-    got = out[rows].astype(np.float64)
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+    return rel_err(out[rows], ref)
 
 
 def reps_for(flop, guess_tflops=30.0, target_ms=2.0):

@@ -7,7 +7,8 @@ inside a graph (so no host gaps are counted), summed by kernel and by group (`ph
 Timing alternatives against each other (the GEMM tuner, ops/cuda/gemm/tune.py, and the benchmarks):
 `captured` records launches `reps` times into one CUDA graph, `paired_times_ms` times runs between CUDA
 events in an order rotated each round, an `Arena` holds a case's device buffers (operands filled with
-noise) and frees them together, `download_ends` reads back part of a large output for a check."""
+noise) and frees them together, `download_ends` reads back part of a large output and `rel_err` compares
+it with another's."""
 from __future__ import annotations
 
 import statistics
@@ -173,3 +174,11 @@ def download_ends(rt, view, limit: int | None = None) -> np.ndarray:
         got = np.concatenate([rt.download(DeviceView(view.ptr + view.itemsize * at, (limit // 2,), view.dtype,
                                                      "part")) for at in (0, n - limit // 2)])
     return bf16.values(got) if view.dtype == "bf16" else got
+
+
+def rel_err(got, ref) -> float:
+    """max |got - ref| / max |ref| in float64; inf where got is not all finite."""
+    got = np.asarray(got, np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))

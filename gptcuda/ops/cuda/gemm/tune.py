@@ -17,13 +17,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 from tqdm import tqdm
 
 from gptcuda.model.products import Product, products
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, compiler
-from gptcuda.runtime.profile import Arena, captured, download_ends, paired_times_ms
+from gptcuda.runtime.profile import Arena, captured, download_ends, paired_times_ms, rel_err
 from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, EPI_IO, FAMILIES, epi_code
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
@@ -166,11 +165,8 @@ class EventTimer:
         for p in plans:
             _launch(self.rt, g, p, *vs)       # (GELU rewrites aux with the same pre-activation)
             got = download_ends(self.rt, vs[OUT], self.check_floats)
-            if ref is None:
-                ref = got.astype(np.float64)
-                scale = max(float(np.max(np.abs(ref))), 1e-30)
-            err = float(np.max(np.abs(got - ref))) / scale if np.all(np.isfinite(got)) else math.inf
-            ok.append(err < self.rt.exec.check_tolerance)
+            ref = got if ref is None else ref
+            ok.append(rel_err(got, ref) < self.rt.exec.check_tolerance)
         return ok
 
     def close(self):
