@@ -63,8 +63,7 @@ def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=KEEP, max
     ws = split_room(_out_dtype(g, ex), workspaces.get("gemm_splitk", 0))
     heur = plan(g, ex.gemm_family, ex.wgmma_mode, sm_count, ws, workspaces)
     cands = tune_candidates(g, ex.gemm_family, ex.wgmma_mode, ws, workspaces)
-    pruned = prune_candidates(cands, g, sm_count, keep=keep, max_n=max_n, always=[heur])
-    return heur, [heur] + [p for p in pruned if p != heur]
+    return heur, [heur] + [p for p in prune_candidates(cands, g, sm_count, keep, max_n) if p != heur]
 
 
 def pick_winner(plans, times_ms, ok=None):
