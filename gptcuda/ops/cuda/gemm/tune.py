@@ -203,12 +203,6 @@ def _prebuild(rt, ops, cands, workspaces, build, bar):
 
 
 # ---- measuring a run's missing shapes ------------------------------------------------------
-def on_device(rt) -> bool:
-    """rt drives a GPU (gptcuda.runtime.driver.Device), not a test's fake device: never timed on."""
-    from gptcuda.runtime.driver import Device
-    return isinstance(getattr(rt, "dev", None), Device)
-
-
 def missing_ops(rt, cfg, vocab, backward=True) -> list:
     """The products of this config the table of rt's GPU lacks under rt's execution plan."""
     tag, have = rt.exec.table_tag, load_table(rt.info.name)
