@@ -5,7 +5,8 @@ inside a graph (so no host gaps are counted), summed by kernel and by group (`ph
 --profile`, bench/step.py).
 
 Timing alternatives against each other (the GEMM tuner, ops/cuda/gemm/tune.py, and the benchmarks):
-`captured` records launches `reps` times into one CUDA graph, `paired_times_ms` times runs between CUDA
+`build_ahead` compiles the kernels they ask for at once, first, `captured` records launches `reps` times
+into one CUDA graph, `paired_times_ms` times runs between CUDA
 events in an order rotated each round, an `Arena` holds a case's device buffers (operands filled with
 noise) and frees them together, `download_ends` reads back part of a large output and `rel_err` compares
 it with another's."""
@@ -82,6 +83,21 @@ def phase_table(rt, prog, iters: int = 5, top: int = 25, by_label: int = 0) -> s
 
 
 # ---- timing alternatives ---------------------------------------------------------------
+def build_ahead(rt, runs, build, bar) -> list:
+    """Per run of `runs` (callables that launch), whether every kernel it asks for compiled: the kernels
+    noted (rt.noting: nothing compiled, recorded or run), then compiled at once by `build` (compiler.build_all's
+    interface: the jobs and progress(n) -> the indices that failed) with a progress bar `bar(total)`."""
+    asked = []
+    for run in runs:
+        with rt.noting() as noted:
+            run()
+        asked.append(noted)
+    jobs = list(dict.fromkeys(k for ks in asked for k in ks))
+    with bar(len(jobs)) as line:
+        bad = {jobs[i] for i in build([(f, n, dict(d), a) for f, n, d, a in jobs], lambda n: line.update(n - line.n))}
+    return [bad.isdisjoint(ks) for ks in asked]
+
+
 def captured(rt, record_fn, reps: int = 1, name: str = "timed"):
     """record_fn() recorded `reps` times into one program, captured as a CUDA graph: its launch() replays
     them all with no host work per kernel (its program.items: the launches)."""

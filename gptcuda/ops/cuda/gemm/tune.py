@@ -22,7 +22,7 @@ from tqdm import tqdm
 from gptcuda.model.products import Product, products
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, compiler
-from gptcuda.runtime.profile import Arena, captured, download_ends, paired_times_ms, rel_err
+from gptcuda.runtime.profile import Arena, build_ahead, captured, download_ends, paired_times_ms, rel_err
 from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, EPI_IO, FAMILIES, epi_code
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
@@ -176,29 +176,21 @@ class EventTimer:
 # ---- the candidates' kernels, compiled in parallel before the timing ------------------------
 def _prebuild(rt, ops, cands, workspaces, build, bar):
     """(candidate lists, how many were left out): the kernels the candidates' launches ask for (noted on views
-    at fake addresses, nothing runs) compiled at once by `build`; those that did not compile are left out,
-    but the cost model's (first), which the run launches anyway (its error shows there)."""
+    at fake addresses, nothing runs) compiled at once by `build` (profile.build_ahead); those that did not
+    compile are left out, but the cost model's (first), which the run launches anyway (its error shows there)."""
     def fake(i, shape, dtype="f32"):
         return DeviceView((i + 1) << 38, tuple(shape), dtype, "x")
 
     lend = {**workspaces, elementwise.WORKSPACE: elementwise.MAX_CHUNKS * max(op.M for op in ops)}
     old = rt.set_workspace({name: fake(15 + i, (n,)) for i, (name, n) in enumerate(lend.items()) if n})
-    needs = []
     try:
-        for op, plans in zip(ops, cands):
-            vs, per = _views(op, rt.exec, fake), []
-            for p in plans:
-                with rt.noting() as asked:
-                    _launch(rt, op, p, *vs)
-                per.append(asked)
-            needs.append(per)
+        runs = [functools.partial(_launch, rt, op, p, *_views(op, rt.exec, fake)) for op, plans in zip(ops, cands)
+                for p in plans]
+        ok = iter(build_ahead(rt, runs, build, lambda n: bar(total=n, desc=f"GEMM table: compiling {n} kernels",
+                                                             leave=False)))
     finally:
         rt.set_workspace(old)
-    jobs = list(dict.fromkeys(v for per in needs for vs in per for v in vs))
-    with bar(total=len(jobs), desc=f"GEMM table: compiling {len(jobs)} kernels", leave=False) as line:
-        bad = {jobs[i] for i in build([(f, n, dict(d), a) for f, n, d, a in jobs], lambda n: line.update(n - line.n))}
-    out = [[p for i, (p, vs) in enumerate(zip(plans, per)) if i == 0 or bad.isdisjoint(vs)]
-           for plans, per in zip(cands, needs)]
+    out = [[p for i, (p, fine) in enumerate(zip(plans, ok)) if fine or i == 0] for plans in cands]
     return out, sum(map(len, cands)) - sum(map(len, out))
 
 
