@@ -33,7 +33,7 @@ from gptcuda.ops.cuda import gemm  # noqa: E402
 from gptcuda.ops.cuda.gemm.families import FAMILIES, MAX_SPLITS, SIMT_FILE  # noqa: E402
 from gptcuda.ops.cuda.gemm.launch import _vec_ok  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, competing, plan, plan_label, wgmma_layout  # noqa: E402
-from gptcuda.runtime.profile import Arena, rel_err  # noqa: E402
+from gptcuda.runtime.profile import Arena, rel_err, reps_for  # noqa: E402
 from gptcuda.ops.cuda.gemm.table import tuned_plan  # noqa: E402
 from gptcuda.runtime import Runtime, i32  # noqa: E402
 
@@ -62,11 +62,6 @@ def sampled_rel_err(out, a, b, ta, tb, rows):
     opb = b.T if tb else b
     ref = opa[rows].astype(np.float64) @ opb.astype(np.float64)
     return rel_err(out[rows], ref)
-
-
-def reps_for(flop, guess_tflops=30.0, target_ms=2.0):
-    est_ms = flop / (guess_tflops * 1e12) * 1e3
-    return int(min(50, max(2, math.ceil(target_ms / max(est_ms, 1e-4)))))
 
 
 # ---------------------------------------------------------------------------------------
@@ -191,7 +186,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
                         p = plan(g, family, mode, sm, ws_floats, tiles=[tile], splits=sp)
                         if p != chosen:
                             cands.append((p, False))
-            reps = reps_for(flop, 150.0 if prec == "tf32" else 30.0)
+            reps = reps_for(2.0, flop / ((150.0 if prec == "tf32" else 30.0) * 1e9), 2, 50)   # ~2 ms at a guessed rate
             base = None
             for p, is_chosen in cands:
                 ms = time_graphed_ms(rt, lambda p=p: gemm.matmul(rt, out, da, db, ta, tb, plan=p),

@@ -16,6 +16,7 @@ from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_NONE, FAMILIES, SIMT_TI
 from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, WGMMA_WORKSPACES, estimate_s, make_plan, plan,
                                         prune_candidates, split_chunk, tune_candidates)
 from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_key, table_path
+from gptcuda.runtime.profile import fastest
 from tests.conftest import FakeGemmRT, fake_view, plan_of
 
 GPU = "NVIDIA H200 (test)"
@@ -307,11 +308,12 @@ def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     assert names[-2:] == [elementwise.bias_grad_name(4), elementwise.SUM_ROWS]     # the tf32 plan reads A once more
 
 
-def test_pick_winner_ignores_failed_and_unmeasured():
-    assert tune.pick_winner([0, 1, 2], [3.0, 1.0, 2.0]) == 1
-    assert tune.pick_winner([0, 1, 2], [3.0, 1.0, 2.0], ok=[True, False, True]) == 2
-    assert tune.pick_winner([0, 1], [math.inf, 2.0]) == 1
-    assert tune.pick_winner([0], [1.0], ok=[False]) is None
+def test_the_winner_is_the_fastest_agreeing_measured_one():
+    assert fastest([[3.0], [1.0, 0.5, 2.0], [2.0]]) == ([3.0, 1.0, 2.0], 1)           # medians
+    assert fastest([[3.0], [1.0], [2.0]], ok=[True, False, True])[1] == 2
+    assert fastest([[], [2.0]]) == ([math.inf, 2.0], 1)
+    assert fastest([[1.0]], ok=[False])[1] is None
+    assert fastest([[2.0], [1.0], [1.0]])[1] == 1                                    # ties: the earlier
 
 
 def test_floor():

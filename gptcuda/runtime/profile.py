@@ -5,13 +5,14 @@ inside a graph (so no host gaps are counted), summed by kernel and by group (`ph
 --profile`, bench/step.py).
 
 Timing alternatives against each other (the GEMM tuner, ops/cuda/gemm/tune.py, and the benchmarks):
-`build_ahead` compiles the kernels they ask for at once, first, `captured` records launches `reps` times
-into one CUDA graph, `paired_times_ms` times runs between CUDA
-events in an order rotated each round, an `Arena` holds a case's device buffers (operands filled with
-noise) and frees them together, `download_ends` reads back part of a large output and `rel_err` compares
-it with another's."""
+`build_ahead` compiles the kernels they ask for at once, first; `captured` records launches `reps` times
+into one CUDA graph (`reps_for`: how many fill a window); `paired_times_ms` times runs between CUDA
+events in an order rotated each round, `fastest` picks one; an `Arena` holds a case's device buffers
+(operands filled with noise) and frees them together; `download_ends` reads back part of a large output
+and `rel_err` compares it with another's."""
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 
@@ -110,6 +111,11 @@ def captured(rt, record_fn, reps: int = 1, name: str = "timed"):
     return rt.capture(prog)
 
 
+def reps_for(target_ms: float, est_ms: float, lo: int = 1, hi: int = 64) -> int:
+    """How many runs of about est_ms each fill target_ms, within lo .. hi."""
+    return int(min(hi, max(lo, math.ceil(target_ms / max(est_ms, 1e-4)))))
+
+
 def paired_times_ms(rt, runs, rounds: int, warmup: int = 1) -> list:
     """[per run its `rounds` times in ms]: each of `runs` (callables that enqueue work on rt.stream) run
     `warmup` times, then `rounds` rounds of each once between a pair of CUDA events, in an order rotated
@@ -135,6 +141,14 @@ def paired_times_ms(rt, runs, rounds: int, warmup: int = 1) -> list:
     finally:
         for _, e0, e1 in evs:
             dev.event_destroy(e0), dev.event_destroy(e1)
+
+
+def fastest(samples, ok=None) -> tuple:
+    """(per run the median of its times, inf without any; the index of the fastest run whose output agreed,
+    ok None: any run's; ties: the earlier; None: none)."""
+    times = [statistics.median(s) if s else math.inf for s in samples]
+    fine = [i for i, t in enumerate(times) if math.isfinite(t) and (ok is None or ok[i])]
+    return times, (min(fine, key=lambda i: times[i]) if fine else None)
 
 
 # noise operands repeat a window of one draw this long: no factor below 2048, so no two rows of a matrix

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +21,8 @@ from tqdm import tqdm
 from gptcuda.model.products import Product, products
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, compiler
-from gptcuda.runtime.profile import Arena, build_ahead, captured, download_ends, paired_times_ms, rel_err
+from gptcuda.runtime.profile import (Arena, build_ahead, captured, download_ends, fastest, paired_times_ms, rel_err,
+                                     reps_for)
 from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, EPI_IO, FAMILIES, epi_code
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
@@ -66,22 +66,16 @@ def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=KEEP, max
     return heur, [heur] + [p for p in prune_candidates(cands, g, sm_count, keep, max_n) if p != heur]
 
 
-def pick_winner(plans, times_ms, ok=None):
-    """Index of the fastest candidate whose output agreed (ties: the earlier, i.e. the cost model's)."""
-    fine = [i for i, t in enumerate(times_ms) if math.isfinite(t) and (ok is None or ok[i])]
-    return min(fine, key=lambda i: times_ms[i]) if fine else None
-
-
 def tune_op(g: Product, ex, timer, sm_count=132, workspaces=None, keep=KEEP, max_n=MAX_CANDIDATES,
             plans=None) -> dict:
     """Time product g's candidates (`plans`, the cost model's first; default candidates_for's) with
     timer(g, plans) -> (samples per plan [ms lists], ok per plan or None): the plans, their median times,
-    which agreed, the winner, the floor, the model's times."""
+    which agreed, the winner (profile.fastest: ties go to the cost model's), the floor, the model's times."""
     if plans is None:
         plans = candidates_for(g, ex, sm_count, workspaces, keep, max_n)[1]
     samples, ok = timer(g, plans)
-    times = [statistics.median(s) if s else math.inf for s in samples]
-    return {"op": g, "plans": plans, "times_ms": times, "ok": ok, "winner": pick_winner(plans, times, ok),
+    times, winner = fastest(samples, ok)
+    return {"op": g, "plans": plans, "times_ms": times, "ok": ok, "winner": winner,
             "floor_ms": floor_s(g, ex) * 1e3, "est_ms": [estimate_s(p, g, sm_count) * 1e3 for p in plans]}
 
 
@@ -144,8 +138,7 @@ class EventTimer:
             # a colsum product's bias-gradient partials (elementwise.bias_grad's workspace, planned per config)
             parts = {elementwise.WORKSPACE: self.bufs.empty((elementwise.MAX_CHUNKS * g.M,))} if g.colsum else {}
             rt.set_workspace({**old, **self.ws, **parts})
-            reps = [int(min(64, max(1, math.ceil(self.target_ms / max(estimate_s(p, g, rt.info.sm_count) * 1e3,
-                                                                            1e-4))))) for p in plans]
+            reps = [reps_for(self.target_ms, estimate_s(p, g, rt.info.sm_count) * 1e3) for p in plans]
             for p, n in zip(plans, reps):
                 graphs.append(captured(rt, functools.partial(_launch, rt, g, p, *vs), n, "tune"))
             samples = paired_times_ms(rt, [graph.launch for graph in graphs], self.rounds)   # warm: module load, clocks
