@@ -5,11 +5,11 @@ inside a graph (so no host gaps are counted), summed by kernel and by group (`ph
 --profile`, bench/step.py).
 
 Timing alternatives against each other (the GEMM tuner, ops/cuda/gemm/tune.py, and the benchmarks):
-`build_ahead` compiles the kernels they ask for at once, first; `captured` records launches `reps` times
-into one CUDA graph (`reps_for`: how many fill a window); `paired_times_ms` times runs between CUDA
-events in an order rotated each round, `fastest` picks one; an `Arena` holds a case's device buffers
-(operands filled with noise) and frees them together; `download_ends` reads back part of a large output
-and `rel_err` compares it with another's."""
+`build_ahead` compiles the kernels they ask for at once, first; `paired_times_ms` times runs between CUDA
+events in an order rotated each round, `graph_times_ms` runs of launches recorded `reps` times into one
+CUDA graph (`reps_for`: how many fill a window), `fastest` picks one; an `Arena` holds a case's device
+buffers (operands filled with noise) and frees them together; `download_ends` reads back part of a large
+output and `rel_err` compares it with another's."""
 from __future__ import annotations
 
 import math
@@ -99,18 +99,6 @@ def build_ahead(rt, runs, build, bar) -> list:
     return [bad.isdisjoint(ks) for ks in asked]
 
 
-def captured(rt, record_fn, reps: int = 1, name: str = "timed"):
-    """record_fn() recorded `reps` times into one program, captured as a CUDA graph: its launch() replays
-    them all with no host work per kernel (its program.items: the launches)."""
-    prog = rt.begin(name)
-    try:
-        for _ in range(reps):
-            record_fn()
-    finally:
-        rt.end()
-    return rt.capture(prog)
-
-
 def reps_for(target_ms: float, est_ms: float, lo: int = 1, hi: int = 64) -> int:
     """How many runs of about est_ms each fill target_ms, within lo .. hi."""
     return int(min(hi, max(lo, math.ceil(target_ms / max(est_ms, 1e-4)))))
@@ -140,7 +128,31 @@ def paired_times_ms(rt, runs, rounds: int, warmup: int = 1) -> list:
         return times
     finally:
         for _, e0, e1 in evs:
-            dev.event_destroy(e0), dev.event_destroy(e1)
+            dev.event_destroy(e0)
+            dev.event_destroy(e1)
+
+
+def graph_times_ms(rt, runs, reps, rounds: int, warmup: int = 1, name: str = "timed") -> list:
+    """[per run its `rounds` times in ms, of one run each]: run i (a callable that records launches) recorded
+    reps[i] times into a program captured as a CUDA graph (replayed with no host work per kernel), the graphs
+    replayed `warmup` times (module load, clocks) and timed paired (`paired_times_ms`), then destroyed, also
+    on an error."""
+    graphs = []
+    try:
+        for run, n in zip(runs, reps):
+            prog = rt.begin(name)
+            try:
+                for _ in range(n):
+                    run()
+            finally:
+                rt.end()
+            graphs.append(rt.capture(prog))
+        times = paired_times_ms(rt, [graph.launch for graph in graphs], rounds, warmup)
+        return [[t / n for t in ts] for ts, n in zip(times, reps)]
+    finally:
+        rt.synchronize()
+        for graph in graphs:
+            graph.destroy()
 
 
 def fastest(samples, ok=None) -> tuple:

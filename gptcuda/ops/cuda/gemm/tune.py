@@ -21,7 +21,7 @@ from tqdm import tqdm
 from gptcuda.model.products import Product, products
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, compiler
-from gptcuda.runtime.profile import (Arena, build_ahead, captured, download_ends, fastest, paired_times_ms, rel_err,
+from gptcuda.runtime.profile import (Arena, build_ahead, download_ends, fastest, graph_times_ms, rel_err,
                                      reps_for)
 from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, EPI_IO, FAMILIES, epi_code
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
@@ -130,7 +130,7 @@ class EventTimer:
 
     def __call__(self, g: Product, plans):
         """(per plan its samples in ms, per plan whether its output agreed: None without the check)."""
-        rt, graphs = self.rt, []
+        rt = self.rt
         old = rt.set_workspace({})
         try:
             vs = _views(g, rt.exec, lambda i, shape, dtype: (self.bufs.empty if i in (OUT, COLSUM) else
@@ -139,15 +139,10 @@ class EventTimer:
             parts = {elementwise.WORKSPACE: self.bufs.empty((elementwise.MAX_CHUNKS * g.M,))} if g.colsum else {}
             rt.set_workspace({**old, **self.ws, **parts})
             reps = [reps_for(self.target_ms, estimate_s(p, g, rt.info.sm_count) * 1e3) for p in plans]
-            for p, n in zip(plans, reps):
-                graphs.append(captured(rt, functools.partial(_launch, rt, g, p, *vs), n, "tune"))
-            samples = paired_times_ms(rt, [graph.launch for graph in graphs], self.rounds)   # warm: module load, clocks
-            return ([[t / n for t in s] for s, n in zip(samples, reps)],
-                    self._agree(g, plans, vs) if self.check else None)
+            samples = graph_times_ms(rt, [functools.partial(_launch, rt, g, p, *vs) for p in plans], reps, self.rounds,
+                                     name="tune")
+            return samples, self._agree(g, plans, vs) if self.check else None
         finally:
-            rt.synchronize()
-            for graph in graphs:
-                graph.destroy()
             rt.set_workspace(old)
             self.bufs.free()
 
