@@ -229,9 +229,7 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     cands = [candidates_for(op, ex, sm, ws, keep, max_n)[1] for op in missing]
     # one progress line: the compiling phase's bar (cleared when done), then the measuring one's
     bar = functools.partial(tqdm, unit="", file=sys.stderr if out is None else out, dynamic_ncols=True, disable=quiet)
-    dropped = 0
-    if build is not None:
-        cands, dropped = _prebuild(rt, missing, cands, ws, build, bar)
+    cands, dropped = _prebuild(rt, missing, cands, ws, build, bar) if build is not None else (cands, 0)
     own, results = timer is None, []
     timer = timer or EventTimer(rt, ws, rounds=rounds, target_ms=target_ms, check_floats=1 << 22)
     try:
