@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gptcuda.model import rng  # noqa: E402
 from gptcuda.ops.cuda import attention as attn  # noqa: E402
 from gptcuda.runtime import Runtime  # noqa: E402
-from bench.common import Arena, write_results  # noqa: E402
+from bench.common import write_results  # noqa: E402
+from gptcuda.runtime.profile import Arena  # noqa: E402
 from bench.timing import time_ms  # noqa: E402
 from gptcuda.config import config_of  # noqa: E402
 
@@ -52,15 +53,15 @@ def bench_ours(rt, kind, precision, B, T, C, H, p, warmup, iters):
     need = case_bytes(cfg)
     if need > 0.9 * free:
         return {"skipped": f"needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"}
-    ar = Arena(rt)
+    ar = Arena(rt, "bench")
     try:
         rt.exec = rt.exec.with_precision(precision)
-        rt.set_workspace({k: ar.empty(s, k) for k, (s, _) in attn.workspace(cfg).items()})
-        saved = {k: ar.empty(s, k) for k, (s, _) in attn.saved_shapes(cfg).items()}
+        rt.set_workspace({k: ar.empty(s, name=k) for k, (s, _) in attn.workspace(cfg).items()})
+        saved = {k: ar.empty(s, name=k) for k, (s, _) in attn.saved_shapes(cfg).items()}
         qkv = ar.upload(np.random.default_rng(1).standard_normal((B, T, 3 * C), dtype=np.float32), "qkv")
         dy = ar.upload(np.random.default_rng(2).standard_normal((B, T, C), dtype=np.float32), "dy")
-        y = ar.empty((B, T, C), "y")
-        dqkv = ar.empty((B, T, 3 * C), "dqkv")
+        y = ar.empty((B, T, C), name="y")
+        dqkv = ar.empty((B, T, 3 * C), name="dqkv")
         site = rng.dropout_site(0, 0)
         fwd = lambda: attn.attention_fwd(rt, y, qkv, saved, H, p, site)  # noqa: E731
         bwd = lambda: attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, site)  # noqa: E731

@@ -32,6 +32,7 @@ from gptcuda.ops.cuda.gemm.families import BF16_TILES, FAMILIES, layout_code  # 
 from gptcuda.ops.cuda.gemm.plan import make_plan  # noqa: E402
 from gptcuda.ops.reference import ops as ref  # noqa: E402
 from gptcuda.runtime import Runtime, bf16  # noqa: E402
+from gptcuda.runtime.profile import rel_err as rel  # noqa: E402
 
 EPILOGUES = {"bias": "none", "gelu": "gelu", "residual": "residual", "dgelu": "dgelu", "dgelu_gelu": "dgelu_gelu",
              "none": "none"}
@@ -44,13 +45,6 @@ def product(rt, ex, c, a, b, ta, tb, epi="none", bias=None, aux=None, tile=None,
     fam = ex.gemm_family
     p = make_plan(fam, tile, splits, K) if tile is not None else None
     gemm.matmul(rt, c, a, b, ta, tb, bias=bias, epilogue=EPILOGUES[epi], aux=aux, plan=p, ex=ex)
-
-
-def rel(got, ref):
-    got = np.asarray(got, np.float64)
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
 def check(rt, rng) -> bool:

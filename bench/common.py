@@ -1,29 +1,17 @@
-"""Shared by the benchmarks: event timing, SM-clock labels, the median, device buffers of a case,
-the --json results file."""
+"""Shared by the benchmarks: event timing, SM-clock labels, the median, the --json results file (a case's
+device buffers: gptcuda/runtime/profile.py Arena)."""
 from __future__ import annotations
 
 import json
 import statistics
 
-import numpy as np
-
 from gptcuda.runtime.driver import sm_clock_mhz
-from gptcuda.runtime import DeviceView
+from gptcuda.runtime.profile import paired_times_ms
 
 
 def event_times_ms(rt, fn, iters: int, warmup: int = 3) -> list:
     """Time fn() (which enqueues work on rt.stream) with CUDA events, one pair per run."""
-    dev = rt.dev
-    for _ in range(warmup):
-        fn()
-    rt.synchronize()
-    evs = [(dev.event(), dev.event()) for _ in range(iters)]
-    for a, b in evs:
-        dev.record(a, rt.stream)
-        fn()
-        dev.record(b, rt.stream)
-    rt.synchronize()
-    return [dev.elapsed_ms(a, b) for a, b in evs]
+    return paired_times_ms(rt, [fn], iters, warmup)[0]
 
 
 def median_ms(rt, fn, iters: int = 50, warmup: int = 5) -> float:
@@ -48,31 +36,6 @@ class ClockWatch:
     def moved(self) -> bool:
         """Any change counts: a clock that moved during a timed region makes its numbers suspect."""
         return self.before is not None and self.after is not None and self.after != self.before
-
-
-class Arena:
-    """f32 device buffers of one case, freed together (so the next case starts from a clean device)."""
-
-    def __init__(self, rt):
-        self.rt, self.ptrs = rt, []
-
-    def empty(self, shape, name: str = "bench") -> DeviceView:
-        shape = tuple(int(s) for s in shape)
-        n = max(1, int(np.prod(shape)))
-        ptr = self.rt.dev.malloc(4 * n)
-        self.ptrs.append(ptr)
-        return DeviceView(ptr, shape, "f32", name)
-
-    def upload(self, arr, name: str = "bench") -> DeviceView:
-        v = self.empty(arr.shape, name)
-        self.rt.write(v, arr)
-        return v
-
-    def free(self):
-        self.rt.synchronize()
-        for p in self.ptrs:
-            self.rt.dev.free(p)
-        self.ptrs.clear()
 
 
 def write_results(path, results) -> None:

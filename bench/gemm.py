@@ -26,13 +26,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import Arena, ClockWatch, write_results  # noqa: E402
+from bench.common import ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402  (graph replay on bench.common's event timing)
 from gptcuda.model.products import Product  # noqa: E402
 from gptcuda.ops.cuda import gemm  # noqa: E402
 from gptcuda.ops.cuda.gemm.families import FAMILIES, MAX_SPLITS, SIMT_FILE  # noqa: E402
 from gptcuda.ops.cuda.gemm.launch import _vec_ok  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, competing, plan, plan_label, wgmma_layout  # noqa: E402
+from gptcuda.runtime.profile import Arena, rel_err, reps_for  # noqa: E402
 from gptcuda.ops.cuda.gemm.table import tuned_plan  # noqa: E402
 from gptcuda.runtime import Runtime, i32  # noqa: E402
 
@@ -60,15 +61,7 @@ def sampled_rel_err(out, a, b, ta, tb, rows):
     opa = a.T if ta else a
     opb = b.T if tb else b
     ref = opa[rows].astype(np.float64) @ opb.astype(np.float64)
-    got = out[rows].astype(np.float64)
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
-
-
-def reps_for(flop, guess_tflops=30.0, target_ms=2.0):
-    est_ms = flop / (guess_tflops * 1e12) * 1e3
-    return int(min(50, max(2, math.ceil(target_ms / max(est_ms, 1e-4)))))
+    return rel_err(out[rows], ref)
 
 
 # ---------------------------------------------------------------------------------------
@@ -161,7 +154,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
         rows = np.arange(M)
     else:
         rows = np.sort(rng.choice(M, size=min(M, args.sample_rows), replace=False))
-    ar = Arena(rt)
+    ar = Arena(rt, "bench")
     results = []
     try:
         da, db = ar.upload(a), ar.upload(b)
@@ -193,7 +186,7 @@ def bench_shape(rt, label, M, N, K, trans, precisions, args, ws_floats):
                         p = plan(g, family, mode, sm, ws_floats, tiles=[tile], splits=sp)
                         if p != chosen:
                             cands.append((p, False))
-            reps = reps_for(flop, 150.0 if prec == "tf32" else 30.0)
+            reps = reps_for(2.0, flop / ((150.0 if prec == "tf32" else 30.0) * 1e9), 2, 50)   # ~2 ms at a guessed rate
             base = None
             for p, is_chosen in cands:
                 ms = time_graphed_ms(rt, lambda p=p: gemm.matmul(rt, out, da, db, ta, tb, plan=p),
@@ -248,7 +241,7 @@ def bench_ladder(rt, M, N, K, args):
     b = rng.standard_normal((K, N), dtype=np.float32)
     rows = np.sort(rng.choice(M, size=min(M, args.sample_rows), replace=False))
     flop = 2.0 * M * N * K
-    ar = Arena(rt)
+    ar = Arena(rt, "bench")
     out_rows = []
     try:
         da, db, out = ar.upload(a), ar.upload(b), ar.empty((M, N))

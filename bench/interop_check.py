@@ -36,17 +36,11 @@ import transformers  # noqa: E402
 from gptcuda.config import Config, load_config  # noqa: E402
 from gptcuda.training.engine import Engine  # noqa: E402
 from gptcuda.interop import load_init, load_run  # noqa: E402
+from gptcuda.runtime.profile import rel_err as rel  # noqa: E402
 
 FP32_TOL = 1e-5
 TF32_TOL = 1e-2
 failures = []
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 def verdict(name, err, tol):

@@ -5,14 +5,15 @@
 
 fn enqueues device work on rt.stream (a launcher call, rt.run(prog), graph.launch); the samples
 are bench.common.event_times_ms's (one pair of events per sample). `batch` back-to-back calls per
-sample, or `graphed(rt, record_fn, reps)` (reps recorded launches replayed as one CUDA graph),
-time work shorter than the host's launch cost.
+sample, or `time_graphed_ms` (reps recorded launches replayed as one CUDA graph: gptcuda/runtime/profile.py
+graph_times_ms), time work shorter than the host's launch cost.
 """
 from __future__ import annotations
 
 import statistics
 
 from bench.common import event_times_ms, median_ms  # noqa: F401  (re-exported)
+from gptcuda.runtime.profile import graph_times_ms
 
 
 def time_ms(rt, fn, warmup: int = 5, iters: int = 50, batch: int = 1) -> float:
@@ -25,23 +26,9 @@ def time_ms(rt, fn, warmup: int = 5, iters: int = 50, batch: int = 1) -> float:
     return statistics.median(event_times_ms(rt, many, iters, warmup)) / batch
 
 
-def graphed(rt, record_fn, reps: int = 1):
-    """Record record_fn() `reps` times into one program, capture it as a CUDA graph and return
-    (launch, n_launches): launch() replays all reps with no host work per kernel."""
-    prog = rt.begin("bench")
-    try:
-        for _ in range(reps):
-            record_fn()
-    finally:
-        rt.end()
-    graph = rt.capture(prog)
-    return graph.launch, len(prog.items)
-
-
 def time_graphed_ms(rt, record_fn, warmup: int = 3, iters: int = 20, reps: int = 10) -> float:
     """Median ms of one record_fn() when `reps` of them run back to back inside a CUDA graph."""
-    launch, _ = graphed(rt, record_fn, reps)
-    return median_ms(rt, launch, iters, warmup) / reps
+    return statistics.median(graph_times_ms(rt, [record_fn], [reps], iters, warmup, "bench")[0])
 
 
-__all__ = ["time_ms", "graphed", "time_graphed_ms", "event_times_ms", "median_ms"]
+__all__ = ["time_ms", "time_graphed_ms", "event_times_ms", "median_ms"]

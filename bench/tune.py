@@ -42,9 +42,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gptcuda.runtime import execution  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import estimate_s, plan_label  # noqa: E402
 from gptcuda.ops.cuda.gemm.table import save_table, table_path  # noqa: E402
-# (pick_winner: the package's, reached here as bench.tune's too)
 from gptcuda.ops.cuda.gemm.tune import (KEEP, MAX_CANDIDATES, EventTimer, candidates_for, floor_s,  # noqa: E402
-                                        pick_winner, step_ms, table_entries, tune_op, workspace_floats)  # noqa: F401
+                                        step_ms, table_entries, tune_op, workspace_floats)
 from gptcuda.model.products import products  # noqa: E402
 
 

@@ -16,7 +16,7 @@ from gptcuda.config import ConfigError, load_config
 from gptcuda.ops.cuda.gemm import tune
 from gptcuda.ops.cuda.gemm.families import WGMMA_FILE
 from gptcuda.ops.cuda.gemm.table import forget_tables, load_table, plan_to_json, save_table, table_key, table_path
-from gptcuda.runtime import execution
+from gptcuda.runtime import driver, execution
 from gptcuda.training.engine import Engine
 from tests.conftest import fake_view, plan_of
 from tests.fakes import FakeDev, RecordingRuntime
@@ -235,7 +235,7 @@ def test_engine_on_a_stand_in_runtime_never_measures(table_cache, monkeypatch):
     monkeypatch.setattr(tune, "autotune", lambda *a, **k: pytest.fail("measured on a stand-in runtime"))
     cfg = cfg_of()
     rt = RecordingRuntime(cfg)
-    assert not tune.on_device(rt) and not tune.on_device(None)
+    assert not driver.drives_gpu(rt) and not driver.drives_gpu(None)
     eng = Engine(cfg, TOKS, TOKS[:200], 65, backend=CudaBackend(cfg, rt=rt), programs=("train",))
     assert eng.exec.gemm_tune == "auto" and eng.tuning is None
 
@@ -252,7 +252,7 @@ def _engine_stub(cfg, backend="cuda"):
     (["train"], 1, ["--gemm_tune=table"], None), (["train"], 1, ["--gemm_tune=off"], None)])
 def test_engine_measures_once_for_its_programs(table_cache, monkeypatch, names, world, over, backward):
     calls = []
-    monkeypatch.setattr(tune, "on_device", lambda rt: True)
+    monkeypatch.setattr(driver, "drives_gpu", lambda rt: True)
     monkeypatch.setattr(tune, "autotune", lambda rt, cfg, vocab, **k: calls.append((vocab, k)) or
                         tune.TuneSummary(2, 0, 1.0, 2.0, 1.5, "p"))
     line = Engine._tune_gemms(_engine_stub(over), names, world)
@@ -267,7 +267,7 @@ def test_engine_measures_once_for_its_programs(table_cache, monkeypatch, names, 
 
 
 def test_engine_reference_backend_never_measures(table_cache, monkeypatch):
-    monkeypatch.setattr(tune, "on_device", lambda rt: True)
+    monkeypatch.setattr(driver, "drives_gpu", lambda rt: True)
     monkeypatch.setattr(tune, "autotune", lambda *a, **k: pytest.fail("measured for the reference backend"))
     assert Engine._tune_gemms(_engine_stub([], backend="reference"), ["train"], 1) is None
     assert Engine(cfg_of("--backend=reference"), TOKS, TOKS[:200], 65, programs=("train",)).tuning is None

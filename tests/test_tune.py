@@ -16,6 +16,7 @@ from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_NONE, FAMILIES, SIMT_TI
 from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, WGMMA_WORKSPACES, estimate_s, make_plan, plan,
                                         prune_candidates, split_chunk, tune_candidates)
 from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_key, table_path
+from gptcuda.runtime.profile import fastest
 from tests.conftest import FakeGemmRT, fake_view, plan_of
 
 GPU = "NVIDIA H200 (test)"
@@ -197,9 +198,12 @@ def test_prune_keeps_the_close_ones_and_the_cost_model_choice():
     assert len(kept) < len(cands)
     top3 = prune_candidates(cands, g, keep=10, max_n=3)
     assert top3 == kept[:3]
-    worst = max(cands, key=lambda p: est[p])
-    assert prune_candidates(cands, g, keep=1.3, max_n=2, always=[worst])[-1] == worst
     assert prune_candidates([], g) == []
+    # the cost model's choice is timed first, whether the pruning keeps it or not
+    ws = {"gemm_splitk": 1 << 24}
+    heur, plans = tune.candidates_for(g, plan_of("tf32"), 132, ws, keep=1.0, max_n=1)
+    assert plans == [heur] + [p for p in prune_candidates(cands, g, keep=1.0, max_n=1) if p != heur]
+    assert [heur] + [p for p in kept if p != heur] == tune.candidates_for(g, plan_of("tf32"), 132, ws, 1.3, 100)[1]
 
 
 def test_estimate_prefers_hidden_epilogues_and_full_waves():
@@ -304,11 +308,12 @@ def test_tune_picks_the_fastest_agreeing_candidate_and_writes_the_table(cache):
     assert names[-2:] == [elementwise.bias_grad_name(4), elementwise.SUM_ROWS]     # the tf32 plan reads A once more
 
 
-def test_pick_winner_ignores_failed_and_unmeasured():
-    assert tune.pick_winner([0, 1, 2], [3.0, 1.0, 2.0]) == 1
-    assert tune.pick_winner([0, 1, 2], [3.0, 1.0, 2.0], ok=[True, False, True]) == 2
-    assert tune.pick_winner([0, 1], [math.inf, 2.0]) == 1
-    assert tune.pick_winner([0], [1.0], ok=[False]) is None
+def test_the_winner_is_the_fastest_agreeing_measured_one():
+    assert fastest([[3.0], [1.0, 0.5, 2.0], [2.0]]) == ([3.0, 1.0, 2.0], 1)           # medians
+    assert fastest([[3.0], [1.0], [2.0]], ok=[True, False, True])[1] == 2
+    assert fastest([[], [2.0]]) == ([math.inf, 2.0], 1)
+    assert fastest([[1.0]], ok=[False])[1] is None
+    assert fastest([[2.0], [1.0], [1.0]])[1] == 1                                    # ties: the earlier
 
 
 def test_floor():

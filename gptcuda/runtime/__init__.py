@@ -5,7 +5,8 @@
     core.py       the Runtime: kernel registry, argument blocks packed once and checked against the
                   kernel, programs (recorded launch sequences), CUDA graphs, memory
     execution.py  the execution plan: which kernels run and why, resolved once
-    profile.py    per-launch timing of a program (the phase table)
+    profile.py    event timing: per launch of a program (the phase table), alternatives paired in rotated
+                  rounds of captured graphs, device buffers of a case (noise operands) freed together
     protocol.py   RuntimeProtocol: what code above the runtime may use of one (Runtime and the tests' fake)
 
 The Runtime and its launch vocabulary are importable from here: `from gptcuda.runtime import

@@ -275,6 +275,11 @@ class Device:
         call(self.drv.cuGraphDestroy, graph)
 
 
+def drives_gpu(rt) -> bool:
+    """Whether runtime rt (or None) drives a GPU through a Device, not a stand-in device (the tests')."""
+    return isinstance(getattr(rt, "dev", None), Device)
+
+
 def sm_clock_mhz(ordinal: int = 0):
     """The SM clock through NVML when nvidia-ml-py is importable, else None. Read only."""
     try:
@@ -286,4 +291,4 @@ def sm_clock_mhz(ordinal: int = 0):
         return None
 
 
-__all__ = ["CudaError", "NoDeviceError", "Device", "DeviceInfo", "call", "sm_clock_mhz"]
+__all__ = ["CudaError", "NoDeviceError", "Device", "DeviceInfo", "call", "drives_gpu", "sm_clock_mhz"]

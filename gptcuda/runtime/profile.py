@@ -1,10 +1,25 @@
-"""Where a step's time goes: every launch of a program timed by CUDA events captured between
-the kernels inside a graph (so no host gaps are counted), summed by kernel and by group.
-Used by `train.py --profile` and bench/step.py."""
+"""Timing on the device.
+
+Where a step's time goes: every launch of a program timed by CUDA events captured between the kernels
+inside a graph (so no host gaps are counted), summed by kernel and by group (`phase_table`: `train.py
+--profile`, bench/step.py).
+
+Timing alternatives against each other (the GEMM tuner, ops/cuda/gemm/tune.py, and the benchmarks):
+`build_ahead` compiles the kernels they ask for at once, first; `paired_times_ms` times runs between CUDA
+events in an order rotated each round, `graph_times_ms` runs of launches recorded `reps` times into one
+CUDA graph (`reps_for`: how many fill a window), `fastest` picks one; an `Arena` holds a case's device
+buffers (operands filled with noise) and frees them together; `download_ends` reads back part of a large
+output and `rel_err` compares it with another's."""
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
+
+import numpy as np
+
+from gptcuda.runtime import bf16
+from gptcuda.runtime.core import DeviceView
 
 GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "flash": "attention",
           "layernorm": "layernorm", "elementwise": "elementwise", "loss": "loss", "optim": "optimizer",
@@ -66,3 +81,146 @@ def phase_table(rt, prog, iters: int = 5, top: int = 25, by_label: int = 0) -> s
         for lab, (ms, cnt, names) in sorted(labels.items(), key=lambda kv: -kv[1][0])[:by_label]:
             out.append(f"  {ms:8.3f} ms {cnt:4d}x  {lab:<40} {' | '.join(sorted(names))}")
     return "\n".join(out)
+
+
+# ---- timing alternatives ---------------------------------------------------------------
+def build_ahead(rt, runs, build, bar) -> list:
+    """Per run of `runs` (callables that launch), whether every kernel it asks for compiled: the kernels
+    noted (rt.noting: nothing compiled, recorded or run), then compiled at once by `build` (compiler.build_all's
+    interface: the jobs and progress(n) -> the indices that failed) with a progress bar `bar(total)`."""
+    asked = []
+    for run in runs:
+        with rt.noting() as noted:
+            run()
+        asked.append(noted)
+    jobs = list(dict.fromkeys(k for ks in asked for k in ks))
+    with bar(len(jobs)) as line:
+        bad = {jobs[i] for i in build([(f, n, dict(d), a) for f, n, d, a in jobs], lambda n: line.update(n - line.n))}
+    return [bad.isdisjoint(ks) for ks in asked]
+
+
+def reps_for(target_ms: float, est_ms: float, lo: int = 1, hi: int = 64) -> int:
+    """How many runs of about est_ms each fill target_ms, within lo .. hi."""
+    return int(min(hi, max(lo, math.ceil(target_ms / max(est_ms, 1e-4)))))
+
+
+def paired_times_ms(rt, runs, rounds: int, warmup: int = 1) -> list:
+    """[per run its `rounds` times in ms]: each of `runs` (callables that enqueue work on rt.stream) run
+    `warmup` times, then `rounds` rounds of each once between a pair of CUDA events, in an order rotated
+    each round (so all see the same clocks). The events are destroyed, also on an error."""
+    dev, evs = rt.dev, []
+    try:
+        for _ in range(warmup):
+            for run in runs:
+                run()
+        rt.synchronize()
+        for r in range(rounds):
+            for i in [(i + r) % len(runs) for i in range(len(runs))]:
+                e0, e1 = dev.event(), dev.event()
+                evs.append((i, e0, e1))
+                dev.record(e0, rt.stream)
+                runs[i]()
+                dev.record(e1, rt.stream)
+        rt.synchronize()
+        times = [[] for _ in runs]
+        for i, e0, e1 in evs:
+            times[i].append(dev.elapsed_ms(e0, e1))
+        return times
+    finally:
+        for _, e0, e1 in evs:
+            dev.event_destroy(e0)
+            dev.event_destroy(e1)
+
+
+def graph_times_ms(rt, runs, reps, rounds: int, warmup: int = 1, name: str = "timed") -> list:
+    """[per run its `rounds` times in ms, of one run each]: run i (a callable that records launches) recorded
+    reps[i] times into a program captured as a CUDA graph (replayed with no host work per kernel), the graphs
+    replayed `warmup` times (module load, clocks) and timed paired (`paired_times_ms`), then destroyed, also
+    on an error."""
+    graphs = []
+    try:
+        for run, n in zip(runs, reps):
+            prog = rt.begin(name)
+            try:
+                for _ in range(n):
+                    run()
+            finally:
+                rt.end()
+            graphs.append(rt.capture(prog))
+        times = paired_times_ms(rt, [graph.launch for graph in graphs], rounds, warmup)
+        return [[t / n for t in ts] for ts, n in zip(times, reps)]
+    finally:
+        rt.synchronize()
+        for graph in graphs:
+            graph.destroy()
+
+
+def fastest(samples, ok=None) -> tuple:
+    """(per run the median of its times, inf without any; the index of the fastest run whose output agreed,
+    ok None: any run's; ties: the earlier; None: none)."""
+    times = [statistics.median(s) if s else math.inf for s in samples]
+    fine = [i for i, t in enumerate(times) if math.isfinite(t) and (ok is None or ok[i])]
+    return times, (min(fine, key=lambda i: times[i]) if fine else None)
+
+
+# noise operands repeat a window of one draw this long: no factor below 2048, so no two rows of a matrix
+# repeat (a wrong row or k offset shows), and the host never holds a whole operand
+NOISE_BLOCK = (1 << 22) - 3
+
+
+class Arena:
+    """Device buffers of one case, freed together (free(): the next case starts from a clean device).
+    `noise` fills one with a window of standard normal noise, drawn once from `seed` (bf16: as bit patterns)."""
+
+    def __init__(self, rt, name: str = "arena", seed: int = 0):
+        self.rt, self.name, self.ptrs = rt, name, []
+        self.rng, self._noise = np.random.default_rng(seed), None
+
+    def empty(self, shape, dtype: str = "f32", name: str = "") -> DeviceView:
+        v = DeviceView(0, tuple(int(s) for s in shape), dtype, name or self.name)
+        self.ptrs.append(self.rt.dev.malloc(max(1, v.nbytes)))
+        return DeviceView(self.ptrs[-1], v.shape, dtype, v.name)
+
+    def upload(self, arr, name: str = "") -> DeviceView:
+        """A new f32 buffer holding arr."""
+        v = self.empty(np.shape(arr), name=name)
+        self.rt.write(v, arr)
+        return v
+
+    def noise(self, shape, dtype: str = "f32") -> DeviceView:
+        if self._noise is None:
+            self._noise = self.rng.standard_normal(2 * NOISE_BLOCK, dtype=np.float32)
+        v = self.empty(shape, dtype)
+        start = int(self.rng.integers(NOISE_BLOCK))
+        block = self._noise[start:start + min(v.numel, NOISE_BLOCK)]
+        block = bf16.bits(block) if dtype == "bf16" else block
+        for off in range(0, v.numel, NOISE_BLOCK):
+            m = min(NOISE_BLOCK, v.numel - off)
+            self.rt.write(DeviceView(v.ptr + v.itemsize * off, (m,), dtype, v.name), block[:m])
+        return v
+
+    def free(self):
+        self.rt.synchronize()
+        for p in self.ptrs:
+            self.rt.dev.free(p)
+        self.ptrs.clear()
+
+
+def download_ends(rt, view, limit: int | None = None) -> np.ndarray:
+    """view's elements, flat, as values (bf16 widened): all, or where there are more than `limit`, the first
+    and the last limit // 2 (comparing outputs without reading back all of a large one)."""
+    n = view.numel
+    if limit is None or n <= limit:
+        got = rt.download(view).reshape(-1)
+    else:
+        got = np.concatenate([rt.download(DeviceView(view.ptr + view.itemsize * at, (limit // 2,), view.dtype,
+                                                     "part")) for at in (0, n - limit // 2)])
+    return bf16.values(got) if view.dtype == "bf16" else got
+
+
+def rel_err(got, ref) -> float:
+    """max |got - ref| / max |ref| in float64; inf where got is not all finite."""
+    got = np.asarray(got, np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from gptcuda.runtime import compiler, execution
+from gptcuda.runtime import compiler, driver, execution
 from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.data.batches import Batches
 from gptcuda.model.memory import check_fits, plan_memory
@@ -139,7 +139,7 @@ class Engine:
         Returns the line for the log, None where the table is not measured for this Engine."""
         from gptcuda.ops.cuda.gemm import tune
         rt = getattr(self.be, "rt", None)
-        if not names or self.exec.gemm_tune != "auto" or self.cfg.backend != "cuda" or not tune.on_device(rt):
+        if not names or self.exec.gemm_tune != "auto" or self.cfg.backend != "cuda" or not driver.drives_gpu(rt):
             return None          # a test's stand-in runtime has no device: never measured on
         cfg, backward = self.cfg, bool({"train", "fwdbwd"} & set(names))
         if world > 1:

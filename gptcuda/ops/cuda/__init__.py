@@ -20,6 +20,14 @@ def expression(base: str, *args, sep: str = ",") -> str:
 DTYPE_CODES = {"f32": 0, "bf16": 1}
 
 
+def planned(rt: RuntimeProtocol, name: str):
+    """The workspace `name` where the memory plan lends it (rt.workspace), else None."""
+    try:
+        return rt.workspace(name)
+    except KeyError:
+        return None
+
+
 def aligned4(*views) -> bool:
     """Whether every view (None: none) starts on 4 of its elements, so that 4 consecutive values move in
     one access: 16 bytes of fp32 or i32, 8 of bf16."""

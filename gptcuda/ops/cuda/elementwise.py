@@ -35,7 +35,7 @@ import struct
 
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import Blob, DeviceView, RuntimeProtocol, i32
-from gptcuda.ops.cuda import aligned4, cdiv, dropout_args, expression, fp32_only, kernel_types, type_codes
+from gptcuda.ops.cuda import aligned4, cdiv, dropout_args, expression, fp32_only, kernel_types, planned, type_codes
 
 FILE = "elementwise.cu"
 THREADS = 256             # the elementwise kernels' block (their last template argument)
@@ -202,10 +202,7 @@ def defer_sums(rt: RuntimeProtocol, on: bool):
         flush_sums(rt)
         rt.held_sums = None
         return
-    try:
-        ring = rt.workspace(SUMS)
-    except KeyError:
-        ring = None
+    ring = planned(rt, SUMS)
     rt.held_sums = _Held(ring) if ring is not None else None
 
 

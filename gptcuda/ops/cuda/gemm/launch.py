@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from gptcuda.ops.backend import rows
-from gptcuda.ops.cuda import cdiv, elementwise
+from gptcuda.ops.cuda import cdiv, elementwise, planned
 from gptcuda.runtime import DeviceView, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_NONE, EPILOGUE_CODES, MAX_GRID_Z, PRODUCTS,
                                             REDUCE_THREADS, SIMT_FILE, TRANSPOSE_THREADS, TRANSPOSE_TILE, epi_code,
@@ -35,15 +35,6 @@ def _vec_ok(a, b, lda, ldb, sA=0, sB=0):
     """16-byte loads of A and B: aligned bases, row and batch strides (split k_chunks keep the alignment)."""
     per = 16 // a.itemsize
     return a.ptr % 16 == 0 and b.ptr % 16 == 0 and all(int(x) % per == 0 for x in (lda, ldb, sA, sB))
-
-
-def _workspace(rt, name):
-    """(view, floats) of a planned workspace; (None, 0)."""
-    try:
-        ws = rt.workspace(name)
-    except KeyError:
-        return None, 0
-    return ws, ws.numel
 
 
 def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum=None, alpha=1.0, ws=None,
@@ -98,9 +89,9 @@ def _operands(rt, p: Plan, g: Product, a, b, lda, ldb, sA, sB) -> tuple:
 def _plan(rt, g: Product, forced, ex, out_dtype) -> tuple:
     """(plan, split-K workspace view) of product g under execution plan ex: `forced`, else the measured
     table's, else the cost model's; refused with `plan_unfit`'s reason where it cannot run."""
-    ws, cap = _workspace(rt, "gemm_splitk")
-    cap = split_room(out_dtype, cap) if g.batch == 1 else 0
-    scratch = {name: _workspace(rt, name)[1] for name in WGMMA_WORKSPACES}
+    ws = planned(rt, "gemm_splitk")
+    cap = split_room(out_dtype, ws.numel) if ws is not None and g.batch == 1 else 0
+    scratch = {name: v.numel for name in WGMMA_WORKSPACES if (v := planned(rt, name)) is not None}   # absent: 0
     p = forced or tuned_plan(rt, g, ex, cap, scratch, out_dtype) or \
         model_plan(g, ex.gemm_family, ex.wgmma_mode, rt.info.sm_count, cap, scratch)
     why = plan_unfit(p, g, ex.gemm_family, ex.wgmma_mode, cap, scratch, out_dtype)

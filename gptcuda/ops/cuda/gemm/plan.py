@@ -188,14 +188,10 @@ def tune_candidates(g: Product, family, mode=None, max_ws=0, scratch=None) -> li
                        lambda fam, tile: [s for s in TUNE_SPLITS if s == 1 or g.K >= 2 * fam.k_align]))
 
 
-def prune_candidates(cands, g: Product, sm_count=132, keep=1.6, max_n=6, always=()) -> list:
-    """The candidates worth timing, fastest first: within `keep` x the best's modelled time, at most max_n,
-    then those of `always` (the cost model's choice) not among them."""
+def prune_candidates(cands, g: Product, sm_count=132, keep=1.6, max_n=6) -> list:
+    """The candidates worth timing, fastest first: within `keep` x the best's modelled time, at most max_n."""
     scored = sorted((estimate_s(p, g, sm_count), i, p) for i, p in enumerate(cands))
-    if not scored:
-        return []
-    out = [p for t, _, p in scored if t <= keep * scored[0][0]][:max_n]
-    return out + [p for p in always if p not in out]
+    return [p for t, _, p in scored if t <= keep * scored[0][0]][:max_n]
 
 
 def plan_unfit(p: Plan, g: Product, family, mode=None, ws_floats=None, scratch=None, out="f32") -> str | None:

@@ -59,23 +59,29 @@ def plan_from_json(d: dict, K: int) -> Plan | None:
     return None if p is None or p.k_chunk != int(d.get("k_chunk", p.k_chunk)) else p
 
 
+def _read(path: Path, src_hash: str) -> dict:
+    """The document of a table file of this format for these kernel sources; {} (none there, unreadable, other)."""
+    try:
+        doc = json.loads(path.read_text())
+        ours = doc.get("format") == TUNE_FORMAT and doc.get("source_hash") == src_hash
+        return doc if ours and isinstance(doc.get("entries", {}), dict) else {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def load_table(gpu_name: str, src_hash: str | None = None, refresh: bool = False) -> dict:
     """{key: Plan} of the table for this GPU and these kernel sources ({} when there is none, or
     it is unreadable, or was written for another GPU / other sources). Read once per process."""
     path = table_path(gpu_name, src_hash)
-    if str(path) in _tables and not refresh:
-        return _tables[str(path)]
-    table = {}
-    try:
-        doc = json.loads(path.read_text())
-        if doc.get("format") == TUNE_FORMAT and doc.get("gpu") == gpu_name and \
-                doc.get("source_hash") == (src_hash or source_hash()):
-            table = {key: p for key, entry in doc.get("entries", {}).items()     # K: the last of the key's MxNxK
-                     if (p := plan_from_json(entry, int(key.split(":")[3].split("x")[2]))) is not None}
-    except (OSError, ValueError, AttributeError, IndexError):
-        table = {}
-    _tables[str(path)] = table
-    return table
+    if str(path) not in _tables or refresh:
+        doc = _read(path, src_hash or source_hash())
+        entries = doc.get("entries", {}) if doc.get("gpu") == gpu_name else {}
+        try:                                # K: the last of the key's MxNxK
+            _tables[str(path)] = {key: p for key, entry in entries.items()
+                                  if (p := plan_from_json(entry, int(key.split(":")[3].split("x")[2]))) is not None}
+        except (ValueError, IndexError):
+            _tables[str(path)] = {}
+    return _tables[str(path)]
 
 
 def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: dict | None = None,
@@ -85,17 +91,11 @@ def save_table(gpu_name: str, entries: dict, src_hash: str | None = None, meta: 
     resumes launch the plan written first). Refreshes the cached copy."""
     src_hash = src_hash or source_hash()
     path = table_path(gpu_name, src_hash)
-    doc = {"format": TUNE_FORMAT, "gpu": gpu_name, "source_hash": src_hash, "entries": {}}
-    try:
-        old = json.loads(path.read_text())
-        if old.get("format") == TUNE_FORMAT and old.get("source_hash") == src_hash:
-            doc["entries"].update(old.get("entries", {}))
-            doc.update({"meta": old["meta"]} if "meta" in old else {})
-    except (OSError, ValueError, AttributeError):
-        pass
+    old = _read(path, src_hash)
+    doc = {"format": TUNE_FORMAT, "gpu": gpu_name, "source_hash": src_hash, "entries": dict(old.get("entries", {}))}
     doc["entries"].update({k: v for k, v in entries.items() if replace or k not in doc["entries"]})
-    if meta:
-        doc["meta"] = meta
+    if meta or "meta" in old:
+        doc["meta"] = meta or old["meta"]
     with atomic_open(os.fspath(path)) as f:
         json.dump(doc, f, indent=1, sort_keys=True)
     load_table(gpu_name, src_hash, refresh=True)

@@ -12,17 +12,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 from tqdm import tqdm
 
 from gptcuda.model.products import Product, products
 from gptcuda.ops.cuda import elementwise
-from gptcuda.runtime import DeviceView, bf16, compiler
+from gptcuda.runtime import DeviceView, compiler
+from gptcuda.runtime.profile import (Arena, build_ahead, download_ends, fastest, graph_times_ms, rel_err,
+                                     reps_for)
 from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, EPI_IO, FAMILIES, epi_code
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
@@ -63,26 +63,19 @@ def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=KEEP, max
     ws = split_room(_out_dtype(g, ex), workspaces.get("gemm_splitk", 0))
     heur = plan(g, ex.gemm_family, ex.wgmma_mode, sm_count, ws, workspaces)
     cands = tune_candidates(g, ex.gemm_family, ex.wgmma_mode, ws, workspaces)
-    pruned = prune_candidates(cands, g, sm_count, keep=keep, max_n=max_n, always=[heur])
-    return heur, [heur] + [p for p in pruned if p != heur]
-
-
-def pick_winner(plans, times_ms, ok=None):
-    """Index of the fastest candidate whose output agreed (ties: the earlier, i.e. the cost model's)."""
-    fine = [i for i, t in enumerate(times_ms) if math.isfinite(t) and (ok is None or ok[i])]
-    return min(fine, key=lambda i: times_ms[i]) if fine else None
+    return heur, [heur] + [p for p in prune_candidates(cands, g, sm_count, keep, max_n) if p != heur]
 
 
 def tune_op(g: Product, ex, timer, sm_count=132, workspaces=None, keep=KEEP, max_n=MAX_CANDIDATES,
             plans=None) -> dict:
     """Time product g's candidates (`plans`, the cost model's first; default candidates_for's) with
     timer(g, plans) -> (samples per plan [ms lists], ok per plan or None): the plans, their median times,
-    which agreed, the winner, the floor, the model's times."""
+    which agreed, the winner (profile.fastest: ties go to the cost model's), the floor, the model's times."""
     if plans is None:
         plans = candidates_for(g, ex, sm_count, workspaces, keep, max_n)[1]
     samples, ok = timer(g, plans)
-    times = [statistics.median(s) if s else math.inf for s in samples]
-    return {"op": g, "plans": plans, "times_ms": times, "ok": ok, "winner": pick_winner(plans, times, ok),
+    times, winner = fastest(samples, ok)
+    return {"op": g, "plans": plans, "times_ms": times, "ok": ok, "winner": winner,
             "floor_ms": floor_s(g, ex) * 1e3, "est_ms": [estimate_s(p, g, sm_count) * 1e3 for p in plans]}
 
 
@@ -102,9 +95,6 @@ def step_ms(results) -> tuple:
 
 
 # ---- timing candidates on the GPU --------------------------------------------------------
-# random operands are repeats of a window of noise this long: no factor below 2048, so no two rows of a
-# product repeat (a wrong row or k offset shows), and the host never holds a whole operand
-_BLOCK = (1 << 22) - 3
 OUT, COLSUM = 2, 5           # the views `_views` makes that a launch writes (the others: inputs)
 
 
@@ -130,143 +120,69 @@ class EventTimer:
     """Times candidate plans of one product on the GPU: per candidate a CUDA graph of ~target_ms of launches,
     `rounds` rounds of one replay each in a rotated order between CUDA events (the same clocks for all),
     then one eager run each whose output is compared with the first's (check_floats: at most that many
-    floats, the first and last halves; None: all). workspaces: {name: floats} lent to the launches."""
+    floats, the first and last halves; None: all). Operands are noise (profile.Arena). workspaces: {name:
+    floats} lent to the launches."""
 
     def __init__(self, rt, workspaces: dict, rounds=7, target_ms=0.5, check=True, seed=0, check_floats=None):
         self.rt, self.rounds, self.target_ms, self.check, self.check_floats = rt, rounds, target_ms, check, check_floats
-        self.rng = np.random.default_rng(seed)
-        self.noise = self.rng.standard_normal(2 * _BLOCK, dtype=np.float32)    # drawn once: each operand a window
-        self.ws = {name: self._alloc((n,)) for name, n in workspaces.items() if n}
-
-    def _alloc(self, shape, dtype="f32"):
-        v = DeviceView(0, tuple(int(s) for s in shape), dtype, "tune")
-        return DeviceView(self.rt.dev.malloc(max(1, v.nbytes)), v.shape, dtype, "tune")
-
-    def _upload(self, shape, dtype="f32"):
-        v = self._alloc(shape, dtype)
-        start = int(self.rng.integers(_BLOCK))
-        block = self.noise[start:start + min(v.numel, _BLOCK)]
-        block = bf16.bits(block) if dtype == "bf16" else block
-        for off in range(0, v.numel, _BLOCK):
-            m = min(_BLOCK, v.numel - off)
-            self.rt.write(DeviceView(v.ptr + v.itemsize * off, (m,), dtype, "tune"), block[:m])
-        return v
-
-    def _result(self, out) -> np.ndarray:
-        n, lim = out.numel, self.check_floats
-        if lim is None or n <= lim:
-            got = self.rt.download(out).reshape(-1)
-        else:
-            got = np.concatenate([self.rt.download(DeviceView(out.ptr + out.itemsize * at, (lim // 2,), out.dtype,
-                                                               "part")) for at in (0, n - lim // 2)])
-        return bf16.values(got) if out.dtype == "bf16" else got
+        self.bufs, self.lent = Arena(rt, "tune", seed), Arena(rt, "tune")     # a product's; the workspaces
+        self.ws = {name: self.lent.empty((n,)) for name, n in workspaces.items() if n}
 
     def __call__(self, g: Product, plans):
         """(per plan its samples in ms, per plan whether its output agreed: None without the check)."""
-        rt, dev = self.rt, self.rt.dev
-        bufs, graphs, evs = [], [], []
-
-        def make(i, shape, dtype):
-            bufs.append((self._alloc if i in (OUT, COLSUM) else self._upload)(shape, dtype))
-            return bufs[-1]
-
+        rt = self.rt
         old = rt.set_workspace({})
         try:
-            vs = _views(g, rt.exec, make)
+            vs = _views(g, rt.exec, lambda i, shape, dtype: (self.bufs.empty if i in (OUT, COLSUM) else
+                                                             self.bufs.noise)(shape, dtype))
             # a colsum product's bias-gradient partials (elementwise.bias_grad's workspace, planned per config)
-            parts = [self._alloc((elementwise.MAX_CHUNKS * g.M,))] if g.colsum else []
-            bufs += parts
-            rt.set_workspace({**old, **self.ws, **{elementwise.WORKSPACE: v for v in parts}})
-            reps = [int(min(64, max(1, math.ceil(self.target_ms / max(estimate_s(p, g, rt.info.sm_count) * 1e3,
-                                                                            1e-4))))) for p in plans]
-            for p, n in zip(plans, reps):
-                prog = rt.begin("tune")
-                try:
-                    for _ in range(n):
-                        _launch(rt, g, p, *vs)
-                finally:
-                    rt.end()
-                graphs.append(rt.capture(prog))
-            for graph in graphs:                   # warm-up (module load, clocks)
-                graph.launch()
-            rt.synchronize()
-            for r in range(self.rounds):
-                for i in [(i + r) % len(plans) for i in range(len(plans))]:
-                    e0, e1 = dev.event(), dev.event()
-                    evs.append((i, e0, e1))
-                    dev.record(e0, rt.stream)
-                    graphs[i].launch()
-                    dev.record(e1, rt.stream)
-            rt.synchronize()
-            samples = [[] for _ in plans]
-            for i, e0, e1 in evs:
-                samples[i].append(dev.elapsed_ms(e0, e1) / reps[i])
+            parts = {elementwise.WORKSPACE: self.bufs.empty((elementwise.MAX_CHUNKS * g.M,))} if g.colsum else {}
+            rt.set_workspace({**old, **self.ws, **parts})
+            reps = [reps_for(self.target_ms, estimate_s(p, g, rt.info.sm_count) * 1e3) for p in plans]
+            samples = graph_times_ms(rt, [functools.partial(_launch, rt, g, p, *vs) for p in plans], reps, self.rounds,
+                                     name="tune")
             return samples, self._agree(g, plans, vs) if self.check else None
         finally:
-            rt.synchronize()
-            for graph in graphs:
-                graph.destroy()
-            for _, e0, e1 in evs:
-                dev.event_destroy(e0), dev.event_destroy(e1)
             rt.set_workspace(old)
-            for v in bufs:
-                dev.free(v.ptr)
+            self.bufs.free()
 
     def _agree(self, g, plans, vs) -> list:
         """Whether each plan's output (one eager launch) is the first's within the execution plan's check_tolerance."""
         ok, ref = [], None
         for p in plans:
             _launch(self.rt, g, p, *vs)       # (GELU rewrites aux with the same pre-activation)
-            got = self._result(vs[OUT])
-            if ref is None:
-                ref = got.astype(np.float64)
-                scale = max(float(np.max(np.abs(ref))), 1e-30)
-            err = float(np.max(np.abs(got - ref))) / scale if np.all(np.isfinite(got)) else math.inf
-            ok.append(err < self.rt.exec.check_tolerance)
+            got = download_ends(self.rt, vs[OUT], self.check_floats)
+            ref = got if ref is None else ref
+            ok.append(rel_err(got, ref) < self.rt.exec.check_tolerance)
         return ok
 
     def close(self):
-        for v in self.ws.values():
-            self.rt.dev.free(v.ptr)
+        self.lent.free()
         self.ws = {}
 
 
 # ---- the candidates' kernels, compiled in parallel before the timing ------------------------
 def _prebuild(rt, ops, cands, workspaces, build, bar):
     """(candidate lists, how many were left out): the kernels the candidates' launches ask for (noted on views
-    at fake addresses, nothing runs) compiled at once by `build`; those that did not compile are left out,
-    but the cost model's (first), which the run launches anyway (its error shows there)."""
+    at fake addresses, nothing runs) compiled at once by `build` (profile.build_ahead); those that did not
+    compile are left out, but the cost model's (first), which the run launches anyway (its error shows there)."""
     def fake(i, shape, dtype="f32"):
         return DeviceView((i + 1) << 38, tuple(shape), dtype, "x")
 
     lend = {**workspaces, elementwise.WORKSPACE: elementwise.MAX_CHUNKS * max(op.M for op in ops)}
     old = rt.set_workspace({name: fake(15 + i, (n,)) for i, (name, n) in enumerate(lend.items()) if n})
-    needs = []
     try:
-        for op, plans in zip(ops, cands):
-            vs, per = _views(op, rt.exec, fake), []
-            for p in plans:
-                with rt.noting() as asked:
-                    _launch(rt, op, p, *vs)
-                per.append(asked)
-            needs.append(per)
+        runs = [functools.partial(_launch, rt, op, p, *_views(op, rt.exec, fake)) for op, plans in zip(ops, cands)
+                for p in plans]
+        ok = iter(build_ahead(rt, runs, build, lambda n: bar(total=n, desc=f"GEMM table: compiling {n} kernels",
+                                                             leave=False)))
     finally:
         rt.set_workspace(old)
-    jobs = list(dict.fromkeys(v for per in needs for vs in per for v in vs))
-    with bar(total=len(jobs), desc=f"GEMM table: compiling {len(jobs)} kernels", leave=False) as line:
-        bad = {jobs[i] for i in build([(f, n, dict(d), a) for f, n, d, a in jobs], lambda n: line.update(n - line.n))}
-    out = [[p for i, (p, vs) in enumerate(zip(plans, per)) if i == 0 or bad.isdisjoint(vs)]
-           for plans, per in zip(cands, needs)]
+    out = [[p for i, (p, fine) in enumerate(zip(plans, ok)) if fine or i == 0] for plans in cands]
     return out, sum(map(len, cands)) - sum(map(len, out))
 
 
 # ---- measuring a run's missing shapes ------------------------------------------------------
-def on_device(rt) -> bool:
-    """rt drives a GPU (gptcuda.runtime.driver.Device), not a test's fake device: never timed on."""
-    from gptcuda.runtime.driver import Device
-    return isinstance(getattr(rt, "dev", None), Device)
-
-
 def missing_ops(rt, cfg, vocab, backward=True) -> list:
     """The products of this config the table of rt's GPU lacks under rt's execution plan."""
     tag, have = rt.exec.table_tag, load_table(rt.info.name)
@@ -313,9 +229,7 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     cands = [candidates_for(op, ex, sm, ws, keep, max_n)[1] for op in missing]
     # one progress line: the compiling phase's bar (cleared when done), then the measuring one's
     bar = functools.partial(tqdm, unit="", file=sys.stderr if out is None else out, dynamic_ncols=True, disable=quiet)
-    dropped = 0
-    if build is not None:
-        cands, dropped = _prebuild(rt, missing, cands, ws, build, bar)
+    cands, dropped = _prebuild(rt, missing, cands, ws, build, bar) if build is not None else (cands, 0)
     own, results = timer is None, []
     timer = timer or EventTimer(rt, ws, rounds=rounds, target_ms=target_ms, check_floats=1 << 22)
     try:
