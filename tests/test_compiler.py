@@ -18,7 +18,10 @@ def _family(mod) -> str:
 
 
 def all_variants():
-    return [(_family(mod), file, name, dict(defines)) for mod in FAMILIES for file, name, defines in mod.VARIANTS]
+    """The backend's variants, and the teaching kernels bench/gemm.py --ladder launches (gemm_simt.cu's)."""
+    from bench.gemm import LADDER, SIMT_FILE
+    return [(_family(mod), file, name, dict(defines)) for mod in FAMILIES for file, name, defines in mod.VARIANTS] + \
+        [("bench", SIMT_FILE, name, {}) for name, _, _ in LADDER]
 
 
 VARIANTS = all_variants()
@@ -26,7 +29,7 @@ VARIANTS = all_variants()
 
 def test_every_family_lists_variants():
     fams = {v[0] for v in VARIANTS}
-    assert fams == {_family(mod) for mod in FAMILIES}
+    assert fams == {_family(mod) for mod in FAMILIES} | {"bench"}
 
 
 # xdist_group: under pytest-xdist's --dist loadgroup, one worker checks a file's variants, in one program

@@ -27,7 +27,6 @@ EPI_NONE, EPI_BIAS, EPI_GELU, EPI_RESID, EPI_DGELU, EPI_DGELU_GELU = 0, 1, 2, 3,
 # The op interface's epilogue names (backend.EPILOGUES) -> kernel code without bias.
 EPILOGUE_CODES = {"none": EPI_NONE, "gelu": EPI_GELU, "residual": EPI_RESID, "dgelu": EPI_DGELU,
                   "dgelu_gelu": EPI_DGELU_GELU}
-AUX_EPILOGUES = ("gelu", "residual", "dgelu", "dgelu_gelu")
 # (EPI, HAS_BIAS) pairs a launcher can ask for (dgelu never takes a bias).
 EPI_COMBOS = ((EPI_NONE, False), (EPI_BIAS, True), (EPI_GELU, False), (EPI_GELU, True),
               (EPI_RESID, False), (EPI_RESID, True), (EPI_DGELU, False))
@@ -80,9 +79,6 @@ MAX_SPLITS = 32
 MAX_GRID_Z = 65535
 REDUCE_THREADS = 256       # gemm_splitk_reduce's block (grid-stride)
 TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256     # gemm_transpose [K, N] -> [N, K]: a square tile a block
-# Teaching kernels of gemm_simt.cu, launched only by bench/gemm.py --ladder.
-LADDER_NAMES = ("gemm_ladder_naive", "gemm_ladder_coalesced", "gemm_ladder_smem<32>",
-                "gemm_ladder_regtile<64,64,8,4,4>")
 
 
 def reduce_name(epi, has_bias) -> str:
@@ -282,7 +278,6 @@ def _variants():
             out += [(fam.file, fam.kernel(tile, ta, tb, EPI_NONE, False, colsum=True), {})
                     for tile, (ta, tb) in itertools.product(fam.tiles, layouts) if ta]
     out += [(SIMT_FILE, reduce_name(epi, hb), {}) for epi, hb in EPI_COMBOS]
-    out += [(SIMT_FILE, name, {}) for name in LADDER_NAMES]
     out += [(SIMT_FILE, transpose_name(vec, colsum), {}) for colsum in (False, True) for vec in (False, True)]
     return out + [(TF32_FILE, "mma_probe", {}), (TF32_FILE, "tf32_round_probe", {})]
 
