@@ -40,6 +40,27 @@ def rows(shape) -> int:
     return n
 
 
+def check_matmul(out, trans_a, bias, epilogue, aux, a_colsum) -> None:
+    """The rules of matmul's arguments that both backends keep (Backend.matmul; out [.., N] of M rows):
+    a known epilogue, a bias of N, aux exactly where the epilogue has one ([M, N]), no bias with a dgelu,
+    a_colsum of M with trans_a. ValueError naming the first broken rule."""
+    M, N, size = rows(out.shape), int(out.shape[-1]), lambda v: rows(v.shape) * int(v.shape[-1])
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"matmul: epilogue {epilogue!r} is not one of {EPILOGUES}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"matmul: bias {tuple(bias.shape)} must be ({N},)")
+    if (epilogue != "none") != (aux is not None):
+        raise ValueError(f"matmul: epilogue {epilogue!r} {'needs' if aux is None else 'takes no'} aux (only "
+                         f"{EPILOGUES[1:]} do)")
+    if aux is not None and (size(aux) != M * N or int(aux.shape[-1]) != N):
+        raise ValueError(f"matmul: aux {tuple(aux.shape)} must hold [M={M}, N={N}] like out {tuple(out.shape)}")
+    if epilogue in ("dgelu", "dgelu_gelu") and bias is not None:
+        raise ValueError(f"matmul: the {epilogue!r} epilogue takes no bias")
+    if a_colsum is not None and (not trans_a or size(a_colsum) != M):
+        raise ValueError(f"matmul: a_colsum needs trans_a and {M} elements, got {tuple(a_colsum.shape)} "
+                         f"(trans_a {trans_a})")
+
+
 class Buffers:
     """The views a model runs on: parameters, gradients and Adam state by name and as flat
     regions, and every arena entry of the memory plan by name."""

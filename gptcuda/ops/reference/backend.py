@@ -11,7 +11,7 @@ import numpy as np
 
 from gptcuda import faults
 from gptcuda.model import rng, state
-from gptcuda.ops.backend import Buffers, Program, rows
+from gptcuda.ops.backend import Buffers, Program, check_matmul, rows
 from gptcuda.model.memory import unpack_gen_opts
 from gptcuda.model.params import unflatten
 from gptcuda.ops.reference import ops as R
@@ -208,8 +208,7 @@ class ReferenceBackend:
             self.dropout_bwd(drop[0], dx, drop[1], drop[2])
 
     def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, a_colsum=None):
-        if a_colsum is not None and not trans_a:
-            raise ValueError("matmul: a_colsum needs trans_a")
+        check_matmul(out, trans_a, bias, epilogue, aux, a_colsum)
 
         def f():
             if a_colsum is not None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from gptcuda.ops.backend import rows
+from gptcuda.ops.backend import check_matmul, rows
 from gptcuda.ops.cuda import cdiv, elementwise, planned
 from gptcuda.runtime import DeviceView, f32, i32, u64
-from gptcuda.ops.cuda.gemm.families import (AUX_EPILOGUES, EPI_NONE, EPILOGUE_CODES, MAX_GRID_Z, PRODUCTS,
-                                            REDUCE_THREADS, SIMT_FILE, TRANSPOSE_THREADS, TRANSPOSE_TILE, epi_code,
-                                            layout_code, reduce_name, transpose_name)
+from gptcuda.ops.cuda.gemm.families import (EPI_NONE, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS, SIMT_FILE,
+                                            TRANSPOSE_THREADS, TRANSPOSE_TILE, epi_code, layout_code, reduce_name,
+                                            transpose_name)
 from gptcuda.model.products import Product
 from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Plan, plan_unfit, split_room
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
@@ -119,22 +119,10 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     """The op interface's matmul (gptcuda/ops/backend.py). ex: the execution plan (default rt's); `plan`
     forces a plan (benchmarks, bench/tune.py). a_colsum: partial sums from a swapped product's A^T
     transpose or from kernels that sum A as they read it (Family.colsum), else bias_grad reads a again."""
-    if epilogue not in EPILOGUE_CODES:
-        raise ValueError(f"matmul: epilogue {epilogue!r} is not one of {tuple(EPILOGUE_CODES)}")
     M, N, K, lda, ldb = _dims("matmul", out, a, b, trans_a, trans_b)
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"matmul: bias {bias.shape} must be ({N},)")
-    if (epilogue in AUX_EPILOGUES) != (aux is not None):
-        raise ValueError(f"matmul: epilogue {epilogue!r} {'needs' if aux is None else 'takes no'} aux (only "
-                         f"{AUX_EPILOGUES} do)")
-    if aux is not None and (aux.numel != M * N or int(aux.shape[-1]) != N):
-        raise ValueError(f"matmul: aux {aux.shape} must hold [M={M}, N={N}] like out {out.shape}")
-    if epilogue in ("dgelu", "dgelu_gelu") and bias is not None:
-        raise ValueError(f"matmul: the {epilogue!r} epilogue takes no bias")
+    check_matmul(out, trans_a, bias, epilogue, aux, a_colsum)
     if epilogue in ("dgelu", "dgelu_gelu") and out.ptr < aux.ptr + aux.nbytes and aux.ptr < out.ptr + out.nbytes:
         raise ValueError(f"matmul: {epilogue!r} reads aux while writing out: they must not overlap")
-    if a_colsum is not None and (not trans_a or a_colsum.numel != M):
-        raise ValueError(f"matmul: a_colsum needs trans_a and {M} elements, got {a_colsum.shape} (trans_a {trans_a})")
     ex = rt.exec if ex is None else ex
     _check_dtypes("matmul", ex.gemm_family, out, a, b, bias, aux)
     g = Product(M, N, K, trans_a, trans_b, epilogue, bias is not None, colsum=a_colsum is not None,

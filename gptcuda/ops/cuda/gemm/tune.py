@@ -23,7 +23,7 @@ from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, compiler
 from gptcuda.runtime.profile import (Arena, build_ahead, download_ends, fastest, graph_times_ms, rel_err,
                                      reps_for)
-from gptcuda.ops.cuda.gemm.families import AUX_EPILOGUES, EPI_IO, FAMILIES, epi_code
+from gptcuda.ops.cuda.gemm.families import EPI_IO, FAMILIES, epi_code
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
                                         workspace)
@@ -104,7 +104,7 @@ def _views(g: Product, ex, make) -> tuple:
     lead = (g.batch,) if g.batch > 1 else ()
     specs = ((lead + ((g.K, g.M) if g.ta else (g.M, g.K)), fam.dtype),
              (lead + ((g.N, g.K) if g.tb else (g.K, g.N)), fam.dtype), (lead + (g.M, g.N), out),
-             ((g.N,) if g.bias else None, "f32"), ((g.M, g.N) if g.epilogue in AUX_EPILOGUES else None, out),
+             ((g.N,) if g.bias else None, "f32"), ((g.M, g.N) if g.epilogue != "none" else None, out),
              ((g.M,) if g.colsum else None, "f32"))
     return tuple(None if shape is None else make(i, shape, dtype) for i, (shape, dtype) in enumerate(specs))
 
