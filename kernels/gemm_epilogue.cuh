@@ -55,17 +55,25 @@ __device__ __forceinline__ float gemm_rcp_fast(float x) {
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-__device__ __forceinline__ float gemm_gelu_fast(float x) {
+// exp(-2u) of gemm_gelu_fast and gemm_gelu_grad_fast, one expression so that both read the same bits
+__device__ __forceinline__ float gemm_gelu_e_fast(float x) {
     const float s = 0.7978845608028654f * -2.0f * 1.4426950408889634f;   // -2 sqrt(2/pi) log2 e
-    return x * gemm_rcp_fast(1.0f + gc_exp2(s * (x + 0.044715f * x * x * x)));
+    return gc_exp2(s * (x + 0.044715f * x * x * x));
 }
-__device__ __forceinline__ float gemm_gelu_grad_fast(float x) {
+__device__ __forceinline__ float gemm_gelu_fast(float x) {
+    return x * gemm_rcp_fast(1.0f + gemm_gelu_e_fast(x));
+}
+// the derivative from the GELU's own e = exp(-2u) and s = 1 / (1 + e) (so that the GELU, where `gelu`
+// asks for it, costs one multiply more: gemm_gelu_fast's bits); beyond |u| = 40 the selected limits
+// (e may be inf there, and g NaN)
+__device__ __forceinline__ float gemm_gelu_grad_fast(float x, float* gelu = nullptr) {
     const float k = 0.7978845608028654f;   // sqrt(2/pi)
     const float x2 = x * x;
-    const float u = k * (x + 0.044715f * x2 * x);
+    const float u = k * (x + 0.044715f * x * x * x);
     const float du = k * (1.0f + 3.0f * 0.044715f * x2);
-    const float e = gc_exp2(-2.0f * 1.4426950408889634f * fmaxf(fminf(u, 40.0f), -40.0f));
+    const float e = gemm_gelu_e_fast(x);
     const float s = gemm_rcp_fast(1.0f + e);
+    if (gelu) *gelu = x * s;
     const float g = s * (1.0f + 2.0f * x * du * e * s);
     return u > 40.0f ? 1.0f : (u < -40.0f ? 0.0f : g);
 }
@@ -231,8 +239,8 @@ __device__ __forceinline__ void gemm_store_once(TO* C, TO* aux, const float* bia
             pre[e] = bf16_f32(bf16_rn(gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr)));
             out[e] = gemm_gelu_fast(pre[e]);
         } else if constexpr ((EPI == GEMM_EPI_DGELU || EPI == GEMM_EPI_DGELU_GELU) && sizeof(TO) == 2) {
-            out[e] = gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr) * gemm_gelu_grad_fast(in[e]);
-            if constexpr (EPI == GEMM_EPI_DGELU_GELU) pre[e] = gemm_gelu_fast(in[e]);   // the forward's GELU, bit for bit
+            out[e] = gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr) *   // (DGELU_GELU:
+                     gemm_gelu_grad_fast(in[e], EPI == GEMM_EPI_DGELU_GELU ? &pre[e] : nullptr);  // the forward's GELU)
         } else {
             out[e] = gemm_epi_value<EPI, HAS_BIAS>(v[e], alpha, b[e], in[e], &pre[e]);
         }
