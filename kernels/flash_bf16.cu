@@ -413,6 +413,25 @@ __device__ __forceinline__ void fb_dkv_scores(float (&sc)[BN / 2], float (&dp)[B
         WgBf16<BN>::template mma<0, 0>(dp, fb_desc_k<BM>(va, s), fb_desc_k<BN>(qt + BN * HS * 2, s), s > 0);
     wg_commit();
 }
+// dV += Pd^T dO and dK += dS^T Q of a stage's queries (Q at qt, dO after it) from the fragments pa (of
+// Pd^T) and ds (of dS^T), issued and committed as one group
+template <int HS, int BN>
+__device__ __forceinline__ void fb_dkv_products(float (&dv)[HS / 2], float (&dk)[HS / 2], unsigned (&pa)[BN / 16][4],
+                                                unsigned (&ds)[BN / 16][4], unsigned qt) {
+    fb_mma_rs<HS, BN, BN / 16>(dv, pa, qt + BN * HS * 2);
+    fb_mma_rs<HS, BN, BN / 16>(dk, ds, qt);
+    wg_commit();
+}
+// every product waited for: dV, dK and the fragments they read are the thread's again
+template <int HS, int BN>
+__device__ __forceinline__ void fb_dkv_wait(float (&dv)[HS / 2], float (&dk)[HS / 2], unsigned (&pa)[BN / 16][4],
+                                            unsigned (&ds)[BN / 16][4]) {
+    wg_wait<0>();
+    wg_fence_acc(dv);
+    wg_fence_acc(dk);
+    fb_fence_frags(pa);
+    fb_fence_frags(ds);
+}
 // What fb_dkv_grads needs of the warp's rows (keys kw0 + g and + 8) besides the tile
 struct FbDkvRow {
     int kw0, g, q, T;
@@ -517,8 +536,6 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
         ++it0;
     }
     if (it0 < nqt) {
-        // Tile it's dV += Pd^T dO and dK += dS^T Q are issued after tile it + 1's S^T and dP^T, and tile
-        // it + 1's softmax gradient runs while they compute (into sc and dp: the fragments they read stay).
         const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(k.bh * T), Th, threshold, inv_keep};
         float sc[BN / 2], dp[BN / 2];
         k.wait_full(it0);
@@ -529,40 +546,41 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
         fb_dkv_grads<BN, DROP>(sc, dp, (first + it0) * BN, r);
         for (int it = it0; it + 1 < nqt; ++it) {
             unsigned pa[BN / 16][4], ds[BN / 16][4];
-            fb_pack<BN>(pa, sc);
-            fb_pack<BN>(ds, dp);
-            k.wait_full(it + 1);
-            fb_dkv_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
-            const unsigned qt = k.stage(it);
-            fb_mma_rs<HS, BN, BN / 16>(dv, pa, qt + F::ST);     // dV += Pd^T dO
-            fb_mma_rs<HS, BN, BN / 16>(dk, ds, qt);             // dK += dS^T Q
-            wg_commit();
-            wg_wait<1>();
-            wg_fence_acc(sc);
-            wg_fence_acc(dp);
-            fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r);
-            wg_wait<0>();
-            wg_fence_acc(dv);
-            wg_fence_acc(dk);
-            fb_fence_frags(pa);
-            fb_fence_frags(ds);
-            k.release(it);
+            if constexpr (NS >= 3) {
+                // pipelined (a third ring stage holds the next tile): tile it's dV += Pd^T dO and dK +=
+                // dS^T Q are issued after tile it + 1's S^T and dP^T, and tile it + 1's softmax gradient
+                // runs while they compute (into sc and dp: the fragments they read stay)
+                fb_pack<BN>(pa, sc);
+                fb_pack<BN>(ds, dp);
+                k.wait_full(it + 1);
+                fb_dkv_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
+                fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
+                wg_wait<1>();
+                wg_fence_acc(sc);
+                wg_fence_acc(dp);
+                fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r);
+                fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
+                k.release(it);
+            } else {                                       // a tile at a time
+                fb_pack<BN>(pa, sc);
+                fb_pack<BN>(ds, dp);
+                fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
+                fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
+                k.release(it);
+                k.wait_full(it + 1);
+                fb_dkv_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
+                wg_wait<0>();
+                wg_fence_acc(sc);
+                wg_fence_acc(dp);
+                fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r);
+            }
         }
-        {                                                  // the last tile's
-            unsigned pa[BN / 16][4], ds[BN / 16][4];
-            fb_pack<BN>(pa, sc);
-            fb_pack<BN>(ds, dp);
-            const unsigned qt = k.stage(nqt - 1);
-            fb_mma_rs<HS, BN, BN / 16>(dv, pa, qt + F::ST);
-            fb_mma_rs<HS, BN, BN / 16>(dk, ds, qt);
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_acc(dv);
-            wg_fence_acc(dk);
-            fb_fence_frags(pa);
-            fb_fence_frags(ds);
-            k.release(nqt - 1);
-        }
+        unsigned pa[BN / 16][4], ds[BN / 16][4];           // the last tile's
+        fb_pack<BN>(pa, sc);
+        fb_pack<BN>(ds, dp);
+        fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(nqt - 1));
+        fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
+        k.release(nqt - 1);
     }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {

@@ -181,10 +181,10 @@ def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines
 # registers; at 128 x 128 ptxas spills
 # 4-32 bytes in its bias, residual and GELU variants, which still ran the fp32 step 3% faster than
 # the kernel that split both operands in shared memory (bench/NOTES.md).
-# flash_bwd_dkv_bf16 at head size 128 holds dK and dV (two 64 x 128 accumulators) and, pipelined, the
-# next tile's S^T and dP^T beside the fragments of this tile's products: ptxas spills ~270 bytes (104-200
-# before the pipelining); its head size 64 spills nothing.
-SPILL_BUDGET = {"flash_bwd_dkv_wg<64,": 64, "gemm_wgmma3_ra<128,": 32, "flash_bwd_dkv_bf16<128,": 288}
+# flash_bwd_dkv_bf16 at head size 128 holds dK and dV (two 64 x 128 accumulators) beside a tile's S^T and
+# dP^T: ptxas spills 72-172 bytes (pipelined, with the next tile's beside this one's fragments, it spilled
+# ~270 and serialized the wgmma, so only head size 64 is pipelined, which spills nothing).
+SPILL_BUDGET = {"flash_bwd_dkv_wg<64,": 64, "gemm_wgmma3_ra<128,": 32, "flash_bwd_dkv_bf16<128,": 176}
 
 
 def test_compile_leaves_python_objects_alone(tmp_path, monkeypatch):

@@ -111,15 +111,16 @@ def flash_dkv_wg_plan(hs: int) -> dict:
 def flash_bf16_plan(kind: str, hs: int) -> dict:
     """Tile plan of a bf16 flash kernel (flash_bf16.cu, sm_90a): bm = 128 rows of the block's side (two
     consumer warpgroups and the producer's: 384 threads), streamed tiles of bn rows of the other side
-    (fwd at head size 64: 128 keys, else 64) in a ring of ns stages (dkv 3: a tile's second products
-    run beside the next tile's first, so two stages are in use and a third loads; fwd and dq 2); the
+    (fwd at head size 64: 128 keys, else 64) in a ring of ns stages (dkv at head size 64: 3, the kernel
+    then runs a tile's second products beside the next tile's first, two stages in use and a third
+    loading; at 128 the registers for both would serialize its wgmma; else 2); the
     resident tiles (fwd: Q; dq: Q, dO; dkv: K, V), the ring, 1 KB to align the base. args: threads, bm,
     bn, ns, smem (bytes)."""
     if hs not in FLASH_BF16_HEAD_SIZES:
         raise ValueError(f"the bf16 flash kernels take head sizes {FLASH_BF16_HEAD_SIZES}, not {hs}")
     if kind not in _KIND:
         raise ValueError(kind)
-    bm, ns = 128, 3 if kind == "dkv" else 2
+    bm, ns = 128, 3 if kind == "dkv" and hs == 64 else 2
     bn = 128 if kind == "fwd" and hs == 64 else 64
     resident = 1 if kind == "fwd" else 2
     smem = resident * bm * hs * 2 + ns * 2 * bn * hs * 2 + 1024
