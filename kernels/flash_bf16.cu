@@ -487,7 +487,6 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
         }
 }
 
-
 // One block per (b*H + h, key tile of BM), the first key tiles (the most queries) first: K and V
 // resident, Q and dO streamed from the first query tile that reaches the block's keys to the end;
 // lse and D of a tile's queries read by each thread for its columns.
