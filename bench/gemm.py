@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.common import ClockWatch, write_results  # noqa: E402
-from bench.timing import time_graphed_ms  # noqa: E402  (graph replay on bench.common's event timing)
+X
 from gptcuda.model.products import Product  # noqa: E402
 from gptcuda.ops.cuda import gemm  # noqa: E402
 from gptcuda.ops.cuda.gemm.families import FAMILIES, MAX_SPLITS, SIMT_FILE  # noqa: E402
