@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.common import ClockWatch, write_results  # noqa: E402
-X
+from bench.timing import time_graphed_ms  # noqa: E402  (graph replay: runtime/profile.py graph_times_ms)
 from gptcuda.model.products import Product  # noqa: E402
 from gptcuda.ops.cuda import gemm  # noqa: E402
 from gptcuda.ops.cuda.gemm.families import FAMILIES, MAX_SPLITS, SIMT_FILE  # noqa: E402
