@@ -304,6 +304,20 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
 }
 
 // ------------------------------------------------------------------------------------- backward: dQ
+// The backward's first two products over a stage (its two tiles at st, the second ST bytes on), both
+// K-major, issued and committed as one group: sc = A B1^T and dp = A' B2^T with A, A' the warpgroup's rows
+// of the resident tiles at a and a2. dQ: S = Q K^T, dPd = dO V^T; dK/dV: S^T = K Q^T, dPd^T = V dO^T.
+template <int HS, int BM, int BN>
+__device__ __forceinline__ void fb_scores(float (&sc)[BN / 2], float (&dp)[BN / 2], unsigned a, unsigned a2,
+                                          unsigned st) {
+    fb_mma_ss<HS, BM, BN>(sc, a, st);
+    wg_fence_acc(dp);
+#pragma unroll
+    for (int s = 0; s < HS / 16; ++s)
+        WgBf16<BN>::template mma<0, 0>(dp, fb_desc_k<BM>(a2, s), fb_desc_k<BN>(st + BN * HS * 2, s), s > 0);
+    wg_commit();
+}
+
 // One block per (b*H + h, query tile of BM), longest first: Q and dO resident, K and V streamed.
 template <int HS, bool DROP, FB_PLAN>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -352,14 +366,9 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
         const int k0 = it * BN;
         k.wait_full(it);
         if (k0 <= wg_last) {
-            const unsigned kt = k.stage(it), vt = kt + F::ST;
+            const unsigned kt = k.stage(it);
             float sc[BN / 2], dp[BN / 2];
-            fb_mma_ss<HS, BM, BN>(sc, qa, kt);               // S = Q K^T
-            wg_fence_acc(dp);
-#pragma unroll
-            for (int s = 0; s < HS / 16; ++s)                // dPd = dO V^T
-                WgBf16<BN>::template mma<0, 0>(dp, fb_desc_k<BM>(da, s), fb_desc_k<BN>(vt, s), s > 0);
-            wg_commit();
+            fb_scores<HS, BM, BN>(sc, dp, qa, da, kt);     // S = Q K^T, dPd = dO V^T
             wg_wait<0>();
             wg_fence_acc(sc);
             wg_fence_acc(dp);
@@ -401,18 +410,6 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
 }
 
 // ----------------------------------------------------------------------------------- backward: dK dV
-// S^T = K Q^T and dP^T = V dO^T of the warpgroup's keys (ka, va) and a stage's queries (Q at qt, dO after
-// it), issued and committed as one group
-template <int HS, int BM, int BN>
-__device__ __forceinline__ void fb_dkv_scores(float (&sc)[BN / 2], float (&dp)[BN / 2], unsigned ka, unsigned va,
-                                              unsigned qt) {
-    fb_mma_ss<HS, BM, BN>(sc, ka, qt);
-    wg_fence_acc(dp);
-#pragma unroll
-    for (int s = 0; s < HS / 16; ++s)
-        WgBf16<BN>::template mma<0, 0>(dp, fb_desc_k<BM>(va, s), fb_desc_k<BN>(qt + BN * HS * 2, s), s > 0);
-    wg_commit();
-}
 // dV += Pd^T dO and dK += dS^T Q of a stage's queries (Q at qt, dO after it) from the fragments pa (of
 // Pd^T) and ds (of dS^T), issued and committed as one group
 template <int HS, int BN>
@@ -538,7 +535,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
         const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(k.bh * T), Th, threshold, inv_keep};
         float sc[BN / 2], dp[BN / 2];
         k.wait_full(it0);
-        fb_dkv_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it0));
+        fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it0));
         wg_wait<0>();
         wg_fence_acc(sc);
         wg_fence_acc(dp);
@@ -552,7 +549,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                 fb_pack<BN>(pa, sc);
                 fb_pack<BN>(ds, dp);
                 k.wait_full(it + 1);
-                fb_dkv_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
+                fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
                 fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
                 wg_wait<1>();
                 wg_fence_acc(sc);
@@ -567,7 +564,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                 fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
                 k.release(it);
                 k.wait_full(it + 1);
-                fb_dkv_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
+                fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
                 wg_wait<0>();
                 wg_fence_acc(sc);
                 wg_fence_acc(dp);
