@@ -139,16 +139,17 @@ def _bf16_pipeline_names():
              (True, False, EPI_NONE, False, "f32", True))]
 
 
-def _flash_wgmma_names():
+def _flash_wgmma_kernels():
+    """(file, name) of the flash kernels on warpgroup MMA: flash_tc's dK / dV, every flash_bf16 kernel."""
     from gptcuda.ops.cuda import attention, flash
-    return [flash.flash_kernel("dkv", "flash_tc", hs, d, wg=True).name for hs in flash.FLASH_WG_HEAD_SIZES
-            for d in (False, True)] + [name for file, name, _ in attention.VARIANTS if file == "flash_bf16.cu"]
+    dkv = [flash.flash_kernel("dkv", "flash_tc", hs, d, wg=True) for hs in flash.FLASH_WG_HEAD_SIZES
+           for d in (False, True)]
+    return [(k.file, k.name) for k in dkv] + [(f, n) for f, n, _ in attention.VARIANTS if f == "flash_bf16.cu"]
 
 
 @pytest.mark.parametrize("file,name,defines", [("gemm_wgmma.cu", n, {}) for n in _wgmma_pipeline_names()] +
                          [("gemm_wgmma.cu", n, {}) for n in _bf16_pipeline_names()] +
-                         [("flash_wg.cu" if n.startswith("flash_bwd_dkv_wg") else "flash_bf16.cu", n, {})
-                          for n in _flash_wgmma_names()],
+                         [(f, n, {}) for f, n in _flash_wgmma_kernels()],
                          ids=lambda v: v if isinstance(v, str) and "<" in v else "")
 def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines):
     """ptxas's report for every wgmma tile (each loader, TF32 and 3xTF32, the widest epilogue; the
