@@ -9,9 +9,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OLD=${OLD:-.devcarry/oldtree}
-OUT=${OUT:-out/device}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
 . bench/cases.sh
 for c in ${CASES:-char_tf32 char_fp32 ctx2048 gpt2_b8}; do
   case_args $c || continue

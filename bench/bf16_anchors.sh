@@ -10,9 +10,6 @@
 #                                            # FULL=1: also char fp32 and T2048 tf32
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out/device}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
 . bench/cases.sh
 ours() {             # a case of bench/cases.sh; the log's tag (default: the case)
   case_args $1 || return

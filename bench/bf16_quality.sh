@@ -5,9 +5,7 @@
 # by side. ARGS: more overrides for both (e.g. --gemm_tune=off: no table measured first). Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out/device}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
+. bench/cases.sh          # $OUT and the environment
 DATA=${DATA:-.devcarry/soak_data}
 ITERS=${ITERS:-400}
 for p in bf16 tf32; do

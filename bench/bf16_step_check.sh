@@ -4,9 +4,7 @@
 # bench/step.py's GPT-2 124M B8 step in bf16 and in TF32. Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out/device}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
+. bench/cases.sh
 ITERS=${ITERS:-300}
 for p in bf16 tf32; do
   echo "== char $p, $ITERS steps"
@@ -15,7 +13,6 @@ for p in bf16 tf32; do
     > "$OUT/char_$p.log" 2>&1
   grep -E "val loss|best|rror|ms/step|tok/s" "$OUT/char_$p.log" | tail -6
 done
-. bench/cases.sh
 gpt2_shards
 for p in bf16 tf32; do
   echo "== GPT-2 124M B8 T1024 step, $p"

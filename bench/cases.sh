@@ -1,6 +1,10 @@
-# The speed cases the device scripts share (sourced): a case's bench/step.py arguments, and the GPT-2 BPE
-# token shards (tiny Shakespeare through prepare.py) that its gpt2_* cases read, prepared once.
+# What the device scripts share (sourced from the repository root): the logs' folder $OUT (default
+# out/device), unbuffered Python and the kernel cache; the speed cases, a case's bench/step.py arguments;
+# the GPT-2 BPE token shards (tiny Shakespeare through prepare.py) that its gpt2_* cases read, prepared once.
 #   case_args gpt2_b8_bf16 && python3 bench/step.py $CASE_ARGS --iters 30
+OUT=${OUT:-out/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
 GPT2_DATA=/tmp/shakespeare_gpt2
 gpt2_shards() {
   [ -f $GPT2_DATA/val_000000.bin ] || python3 prepare.py data/tinyshakespeare/input.txt --tokenizer gpt2 \

@@ -23,9 +23,7 @@
 # .devcarry/reference/ (a copy of the reference scripts carried along; never imported by gptcuda).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out/device}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GPTCUDA_CACHE=${GPTCUDA_CACHE:-/tmp/gptcuda-cache}
+. bench/cases.sh          # $OUT, the environment, the speed cases, GPT2_DATA and gpt2_shards
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests gradcheck bench)
 T0=$(date +%s)
@@ -46,7 +44,6 @@ nccl_env() {
   fi
 }
 
-. bench/cases.sh          # the speed cases, GPT2_DATA and gpt2_shards
 
 log "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader)"
 python3 -c "import cuda.bindings, numpy; from gptcuda.runtime.compiler import nvrtc_version; print('cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc_version(), 'numpy', numpy.__version__)" | tee -a "$OUT/summary.txt"

@@ -10,6 +10,10 @@ replayed; and with eager launches), the host time per step, then a phase table: 
 one step timed with CUDA events captured between the kernels (inside a graph, so no host gaps),
 summed by kernel, by group (GEMM, attention, layernorm, ...) and by launch label (--labels N: the N
 largest; 0: none).
+
+--profile: then one more eager step between cuProfilerStart and cuProfilerStop, for a profiler started
+with its collection off (`ncu --profile-from-start off ...`: bench/profile_step.sh): the step's launches
+alone, not the setup's or the GEMM tuner's.
 """
 import json
 import os
@@ -39,7 +43,7 @@ def host_ms(rt, fn, reps=7):
 
 
 def main(argv):
-    path, overrides, _, opts = split_args(argv, options=("iters", "json", "labels"))
+    path, overrides, flags, opts = split_args(argv, flags=("profile",), options=("iters", "json", "labels"))
     iters = int(opts.get("iters", 50))
     cfg = load_config(path, overrides + ["--max_iters=100000"])
     data, V, accum = open_run_data(cfg)
@@ -70,6 +74,14 @@ def main(argv):
     print(clock)
     print()
     print(phase_table(rt, eng.programs["train"], by_label=int(opts.get("labels", 30))))
+    if "profile" in flags:
+        from cuda.bindings import driver as cu
+        from gptcuda.runtime.driver import call
+        rt.synchronize()
+        call(cu.cuProfilerStart)
+        eager_step()
+        rt.synchronize()
+        call(cu.cuProfilerStop)
     if "json" in opts:
         with open(opts["json"], "w") as f:
             json.dump({"config": cfg.to_dict(), "vocab": V, "accum": accum, "graph_ms": mg, "eager_ms": me,
