@@ -170,6 +170,106 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
                                         interior || (vec && r < M && c + 3 < N), v);
     }
 }
+// The bf16 epilogue through shared memory and the copy engine (gemm_wgmma_ws / _pp with a bf16 C whose
+// rows the tensor maps can describe: the launcher's c_tma): one warpgroup's 64 rows of the tile at (m0w,
+// n0), BN / 32 boxes of 64 rows x 32 columns. A box's values are computed in the accumulators' own layout
+// (no shuffles: thread (w, g, q) holds rows 16 w + g (+ 8), columns 8 k + 2 q (+ 1) of the box's n8
+// blocks k), rounded in pairs, written by stmatrix into a 4 KB staging box in the 64-byte swizzle (the
+// 16-byte chunk c of row r at r * 64 + ((c ^ (r / 2 % 4)) * 16): the 8 rows of each matrix hit 8
+// distinct chunks), and stored by one thread's tensor store, which runs on while the warpgroup goes on
+// to the next box or tile (rows and columns outside C are clipped by the copy engine). Staging: two
+// boxes at stg (C's and, for GELU / the GELU rebuild, aux's; one output alternates between them). The
+// thread that issues the stores waits until the store that last read a buffer is done with it before the
+// warpgroup (named barrier `bar`) overwrites it. aux (read: residual, pre-activation) comes from global
+// memory in the same layout, a 4-byte pair a thread and n8 block, one box ahead.
+template <int BN, int EPI, bool HAS_BIAS>
+__device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], const bf16* aux, const float* bias,
+                                                  int M, int N, int ldc, int z, int m0w, int n0, float alpha,
+                                                  const TmaMap* mapC, const TmaMap* mapX, unsigned stg, int bar) {
+    static_assert(BN % 32 == 0, "whole boxes");
+    constexpr bool TWO = EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_DGELU_GELU;   // aux written too
+    constexpr bool IN = GEMM_EPI_READS_AUX(EPI);
+    constexpr int NB = BN / 32;
+    const int wt = threadIdx.x & 127, w = wt >> 5, lane = wt & 31, g = lane >> 2, q = lane & 3;
+    // stmatrix: lanes 8 i .. 8 i + 7 address matrix i = rows 0-7 (i even) or 8-15 (odd) of the warp's 16,
+    // n8 block 2 p + i / 2 of the pair p
+    const int srow = 16 * w + (lane & 7) + 8 * ((lane >> 3) & 1);
+    const unsigned soff = srow * 64, sw = (srow >> 1) & 3, sblk = lane >> 4;
+    const int row0 = m0w + 16 * w + g;
+    unsigned nxt[4][2];                   // aux pairs of the next box: [n8 block][row g, g + 8]
+    auto load_in = [&](int b) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row0 + 8 * h, c = n0 + 32 * b + 8 * k + 2 * q;
+                nxt[k][h] = r < M && c < N ? *reinterpret_cast<const unsigned*>(aux + (long long)r * ldc + c) : 0u;
+            }
+    };
+    if constexpr (IN) load_in(0);
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        unsigned in[4][2], oc[4][2], ox[4][2];
+        if constexpr (IN) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) in[k][h] = nxt[k][h];
+            if (b + 1 < NB) load_in(b + 1);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float bv[2] = {0.f, 0.f};
+            if constexpr (HAS_BIAS) {
+                const float2 t = *reinterpret_cast<const float2*>(bias + n0 + 32 * b + 8 * k + 2 * q);
+                bv[0] = t.x;
+                bv[1] = t.y;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float o[2], x[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float v = gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(acc[4 * (4 * b + k) + 2 * h + e], alpha,
+                                                                         bv[e], 0.f, nullptr);
+                    const float a = IN ? __uint_as_float(e ? in[k][h] & 0xFFFF0000u : in[k][h] << 16) : 0.f;
+                    if constexpr (EPI == GEMM_EPI_GELU) {
+                        x[e] = bf16_f32(bf16_rn(v));          // the pre-activation as stored
+                        o[e] = gemm_gelu_fast(x[e]);
+                    } else if constexpr (EPI == GEMM_EPI_DGELU || EPI == GEMM_EPI_DGELU_GELU) {
+                        o[e] = v * gemm_gelu_grad_fast(a, EPI == GEMM_EPI_DGELU_GELU ? &x[e] : nullptr);
+                    } else if constexpr (EPI == GEMM_EPI_RESID) {
+                        o[e] = a + v;
+                    } else {
+                        o[e] = v;
+                    }
+                }
+                oc[k][h] = bf16x2_rn(o[0], o[1]);
+                if constexpr (TWO) ox[k][h] = bf16x2_rn(x[0], x[1]);
+            }
+        }
+        const unsigned bc = stg + (TWO ? 0u : (b & 1) * 4096u), bx = stg + 4096u;
+        if (wt == 0) {
+            if constexpr (TWO) tma_store_wait<0>();
+            else tma_store_wait<1>();
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const unsigned a = soff + (((2 * p + sblk) ^ sw) << 4);
+            stmatrix_x4(bc + a, oc[2 * p][0], oc[2 * p][1], oc[2 * p + 1][0], oc[2 * p + 1][1]);
+            if constexpr (TWO) stmatrix_x4(bx + a, ox[2 * p][0], ox[2 * p][1], ox[2 * p + 1][0], ox[2 * p + 1][1]);
+        }
+        wg_fence_async_smem();
+        asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+        if (wt == 0) {
+            tma_store(mapC, bc, n0 + 32 * b, m0w, z);
+            if constexpr (TWO) tma_store(mapX, bx, n0 + 32 * b, m0w, z);
+            tma_store_commit();
+        }
+    }
+}
+
 // gemm_wgmma_ra with TC: the tile stored transposed, C[c * ldc + r] = alpha * acc(r, c) for r < M, c < N
 // (no epilogue: the weight gradient out = P^T of the product P the kernel computes, or its split-K
 // partials). A thread holds rows r0 and r0 + 1 (ra_row) of its columns: one 8-byte store per column.
@@ -774,7 +874,8 @@ template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS = 1, 
 __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, TO* C, TO* aux,
                                            const float* bias, int M, int N, int K, int ldc, long long sC,
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
-                                           int total, float* colsum = nullptr) {
+                                           int total, float* colsum = nullptr, const TmaMap* mapC = nullptr,
+                                           const TmaMap* mapX = nullptr, int c_tma = 0, unsigned stg = 0) {
     static_assert(!RA || PRODUCTS == 3 || A_MN, "register A in TF32: MN-major");
     static_assert(RA || PRODUCTS == 1, "3xTF32: A through registers");
     static_assert(!CSUM || (RA && A_MN) || (!RA && OP::MN_A && OP::BK == 64 && EPI == GEMM_EPI_NONE && !HAS_BIAS),
@@ -862,12 +963,21 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         // MN_B) leaves no more room than that beside its 224 KB of slots.
         const float* bias_t = tile_bias.put(ws_bias + (tn & 1) * BN, bias, tl.n0, threadIdx.x);
         if constexpr (HAS_BIAS) asm volatile("bar.sync 2, %0;\n" ::"n"(WG * 128) : "memory");
-        if constexpr (TC)
+        if constexpr (TC) {
             ra_store_t<BN>(acc, C + tl.z * sC, M, N, ldc, tl.m0, tl.n0, alpha);
-        else
+        } else {
+            if constexpr (sizeof(TO) == 2) {
+                if (c_tma) {
+                    wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg, tl.n0,
+                                                         alpha, mapC, mapX, stg + wg * 8192, 11 + wg);
+                    continue;
+                }
+            }
             wg_store_tile<BM, BN, EPI, HAS_BIAS, RA && A_MN, TO>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
                                                                   tl.m0, tl.n0, alpha);
+        }
     }
+    if (c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
 }
 
 // Barrier set-up of the warp-specialized kernels: full[s] (`full_count` producer arrivals, or 1
@@ -902,6 +1012,14 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
     const float* __restrict__ bias,         /* bias [N] or null */                                  \
     int M, int N, int K, int ldc, long long sC, float alpha, int splits, int k_chunk, int zs,      \
     float* colsum                           /* COLSUM (mn, 3_ws with MN_A): [splits, M], else unused */
+
+// (gemm_wgmma_ws and gemm_wgmma_pp, after WS_ARGS_AB) the bf16 epilogue's stores by the copy engine
+// (wg_store_tile_tma) where c_tma is set: C's and aux's maps {N, M, zs} (strides ldc, sC), boxes {32, 64, 1}
+// in the 64-byte swizzle; an fp32 C, or a bf16 C whose rows the maps cannot describe: c_tma 0, maps unused
+#define WS_ARGS_C                                                                                    \
+    const __grid_constant__ TmaMap mapC, const __grid_constant__ TmaMap mapX, int c_tma
+// The staging boxes of wg_store_tile_tma after the ring: two of 4 KB a consumer warpgroup, where C is bf16
+__host__ __device__ constexpr int ws_stage_bytes(int wgs, int out) { return out == 1 ? wgs * 8192 : 0; }
 
 // BF16 copies of one k tile (lane 0 only, converged): expect `bytes` on bar, then A's and B's boxes: a
 // K-major operand (rows R) one box {64 k, R rows} at (k0, row0), an MN-major one R / 64 boxes {64 rows,
@@ -956,7 +1074,8 @@ template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool RA = false, b
           class OP = Tf32Op, class TO = float, int CSG = 1>
 __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, const TmaMap* mapB,
                                         const float* bias, int M, int N, int K, int ldc, long long sC, float alpha,
-                                        int splits, int k_chunk, int zs, float* colsum) {
+                                        int splits, int k_chunk, int zs, float* colsum, const TmaMap* mapC = nullptr,
+                                        const TmaMap* mapX = nullptr, int c_tma = 0) {
     constexpr int WG = BM / 64;                         // consumer warpgroups; warpgroup WG loads
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 8 == 0 && BN <= 256, "wgmma m64nBNk8 tiles, TMA boxes <= 256");
     static_assert(STAGES >= 2, "a ring");
@@ -986,7 +1105,8 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
     }
     if constexpr (SPLIT_REGS) wg_regs_inc<CONSUMER_REGS>();
     ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO, CSG>(
-        smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
+        smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum,
+        mapC, mapX, c_tma, smem0 + STAGES * (BM + BN) * 128);
 }
 
 // DT: the operands' type (0: fp32, read as TF32; 1: bf16, A and B K-major unless MN_A / MN_B); OUT: C's
@@ -996,16 +1116,18 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT = 0, bool MN_A = false,
           bool MN_B = false, int OUT = 0, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
-gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
-    static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
-                  "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
+gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
+    static_assert(THREADS == (BM / 64 + 1) * 128 &&
+                  SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(BM / 64, OUT),
+                  "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them, "
+                  "a bf16 C's staging boxes");
     static_assert(DT == 1 || (!MN_A && !MN_B), "TF32 operands are K-major");
     static_assert(!MN_A && !MN_B || (BM % 64 == 0 && BN % 64 == 0), "MN-major operands in boxes of 64 rows");
     static_assert(COLSUM == 0 || (DT == 1 && MN_A), "the column sums of an MN-major bf16 A");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, (COLSUM > 0), false, typename OpOf<DT, MN_A, MN_B>::T,
             elem<OUT>, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
-                                     colsum);
+                                     colsum, &mapC, &mapX, OUT == 1 ? c_tma : 0);
 #else
     __trap();
 #endif
@@ -1026,9 +1148,10 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT, bool MN_A, bool MN_B,
           int OUT, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
-gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
-    static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
-                  "two consumer warpgroups and the producer's; STAGES slots, 1 KB to align them");
+gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
+    static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(2, OUT),
+                  "two consumer warpgroups and the producer's; STAGES slots, 1 KB to align them, a bf16 C's "
+                  "staging boxes");
     static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256 && BM * BN <= 128 * 192 && STAGES >= 2,
                   "MN-major boxes of 64 rows; at most 192 accumulators a thread");
     static_assert(DT == 1, "BF16 operands (DT as gemm_wgmma_ws's)");
@@ -1111,11 +1234,22 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB) {
         // barrier, 5 + wg, orders the writes before the epilogue's reads and those before the next)
         const float* bias_t = tile_bias.put(pp_bias + (2 * wg + (mine++ & 1)) * BN, bias, tl.n0, wt);
         if constexpr (HAS_BIAS) asm volatile("bar.sync %0, 128;\n" ::"r"(5 + wg) : "memory");
+        if constexpr (OUT == 1) {
+            if (c_tma) {
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
+                                                         alpha, &mapC, &mapX, smem0 + STAGES * STAGE_BYTES + wg * 8192,
+                                                         11 + wg);
+                continue;
+            }
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r)
             wg_store_tile<64, BN, EPI, HAS_BIAS, false, TO>(acc[r], C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
                                                             tl.m0 + 64 * r, tl.n0, alpha, 0);
     }
+    if (OUT == 1 && c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
 #else
     __trap();
 #endif

@@ -196,6 +196,31 @@ __device__ __forceinline__ void mbar_expect(int lane, unsigned bar, unsigned byt
                  "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n}\n" ::"r"(lane), "r"(bar), "r"(bytes)
                  : "memory");
 }
+// The other direction (the bf16 GEMM epilogue): the box at src in shared memory into tensor map `map`'s
+// box at {c0, c1, batch}, issued by the calling thread alone, in its current bulk group (boxes wholly
+// or partly outside the tensor are clipped by the copy engine). The writers of src have fenced their
+// stores into the async proxy (wg_fence_async_smem) and synchronized with the issuing thread first.
+__device__ __forceinline__ void tma_store(const TmaMap* map, unsigned src, int c0, int c1, int batch) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+                 ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1), "r"(batch)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// wait until at most N of the thread's bulk groups have not finished reading their shared memory (READ)
+// or writing global memory (!READ)
+template <int N, bool READ = true>
+__device__ __forceinline__ void tma_store_wait() {
+    if constexpr (READ)
+        asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+    else
+        asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Four 8 x 8 matrices of 16-bit pairs from the mma fragment layout (lane 4 g + q: row g, columns 2 q,
+// 2 q + 1 of matrix i in r[i]) into shared memory, lane l giving the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
 // One box of tensor map `map` at coordinates {c0, c1, batch} into shared memory at dst, completing on
 // bar (lane 0 only, converged as above).
 __device__ __forceinline__ void tma_copy(int lane, unsigned bar, unsigned dst, const TmaMap* map, int c0, int c1,

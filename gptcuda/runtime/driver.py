@@ -236,8 +236,8 @@ class Device:
     def tensor_map(self, ptr: int, dims, strides_bytes, box, swizzle=True, dtype="f32") -> bytes:
         """The 128 bytes of a TMA tensor map over an fp32 (or bf16) tensor at ptr: dims innermost
         first, strides (bytes) of every dim but the innermost, box (elements per dim). swizzle: the
-        128-byte swizzle (the innermost box must span 128 bytes or less), else the box lands
-        dense, row after row; out-of-bounds elements read as zero."""
+        128-byte swizzle (True or 128; the innermost box must span 128 bytes or less), the 64-byte one
+        (64), else (False) the box lands dense, row after row; out-of-bounds elements read as zero."""
         d = self.drv
         u64, u32 = d.cuuint64_t, d.cuuint32_t
         kind = {"f32": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
@@ -246,6 +246,7 @@ class Device:
                   len(dims), ptr, [u64(int(x)) for x in dims], [u64(int(x)) for x in strides_bytes],
                   [u32(int(x)) for x in box], [u32(1)] * len(dims),
                   d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B if swizzle == 64 else
                   d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle else
                   d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
                   d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

@@ -6,8 +6,8 @@ import dataclasses
 
 from gptcuda.ops.backend import check_matmul, rows
 from gptcuda.ops.cuda import cdiv, elementwise, planned
-from gptcuda.runtime import DeviceView, f32, i32, u64
-from gptcuda.ops.cuda.gemm.families import (EPI_NONE, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS, SIMT_FILE,
+from gptcuda.runtime import Blob, DeviceView, f32, i32, u64
+from gptcuda.ops.cuda.gemm.families import (BF16_STORE_BOX, EPI_NONE, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS, SIMT_FILE,
                                             TRANSPOSE_THREADS, TRANSPOSE_TILE, epi_code, layout_code, reduce_name,
                                             transpose_name)
 from gptcuda.model.products import Product
@@ -42,11 +42,13 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
     """Launch product g as the kernel computes it by plan p (batched: batch strides M K and K N; swapped:
     out^T = B^T A, ldc = M); split-K: partials into ws [splits, M, N], reduced in a fixed order with the
     epilogue. colsum [splits x rows, M]: each split's sums of A's (stored [K, M]) rows, where the kernels sum A."""
-    fam, geo, whole, zs = p.fam, p.geo, p.splits == 1, g.batch * p.splits
+    fam, whole, zs = p.fam, p.splits == 1, g.batch * p.splits
+    c_dtype = out.dtype if whole else "f32"
+    geo = fam.geometry(p.tile, c_dtype)
     lda, ldb, ldc = g.M if g.ta else g.K, g.K if g.tb else g.N, g.M if fam.swaps else g.N
     sA, sB = (g.M * g.K, g.K * g.N) if batched else (0, 0)
     fn = rt.function(fam.file, fam.kernel(p.tile, g.ta, g.tb, epi_code(g) if whole else EPI_NONE, whole and g.bias,
-                                          vec=g.vec, out=out.dtype if whole else "f32", colsum=colsum is not None))
+                                          vec=g.vec, out=c_dtype, colsum=colsum is not None))
     # the kernels' parameters: C, aux, A, B, bias, M, N, K, [lda, ldb,] ldc, [sA, sB,] sC, alpha, splits,
     # k_chunk[, zs, colsum]: a TMA kernel takes tensor maps of A and B and no A / B strides, a persistent one
     # the z extent of its tiles and the column sums' partials (or null) last
@@ -55,6 +57,8 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
     args += [i32(ldc)] if geo.tma else [i32(lda), i32(ldb), i32(ldc), u64(sA), u64(sB)]
     args += [u64(g.M * g.N), f32(alpha), i32(p.splits), i32(max(g.K, 1) if whole else p.k_chunk)]
     args += [i32(zs), colsum] if geo.persistent else []
+    if geo.c_maps:                    # C's and aux's store maps (a bf16 C: wg_store_tile_tma), or none
+        args += _store_maps(rt, g, out, aux, ldc, zs) if c_dtype == "bf16" else [_NO_MAP, _NO_MAP, i32(0)]
     tiles = (cdiv(g.N, p.tile[1]), cdiv(g.M, p.tile[0]), zs)
     if geo.persistent:                # at most blocks_per_sm x SMs blocks, each walking tiles x, x + gridDim.x, ...
         tiles = (max(1, min(tiles[0] * tiles[1] * zs, rt.info.sm_count * geo.blocks_per_sm)), 1, 1)
@@ -65,6 +69,20 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
                   (max(1, min(cdiv(g.M * g.N, REDUCE_THREADS), rt.info.sm_count * 8)),), (REDUCE_THREADS,),
                   [out, aux, ws, bias, i32(rM), i32(rN), i32(ldc), i32(p.splits), f32(alpha)],
                   label=f"{g.label}:reduce")
+
+
+_NO_MAP = Blob(bytes(128))
+
+
+def _store_maps(rt, g: Product, out, aux, ldc, zs) -> list:
+    """[C's map, aux's map, c_tma] of a bf16 C: maps {N, M, zs} in boxes of 64 rows x 32 columns, 64-byte
+    swizzle, for the epilogue's tensor stores; c_tma 0 (the threads store) where a map cannot describe C or
+    aux (16-byte aligned bases, rows and matrices)."""
+    views = [out] + ([aux] if aux is not None else [])
+    if any(v.ptr % 16 for v in views) or ldc % 8 or (zs > 1 and (g.M * g.N) % 8):
+        return [_NO_MAP, _NO_MAP, i32(0)]
+    maps = [rt.tensor_map(v, (g.N, g.M, zs), (2 * ldc, 2 * g.M * g.N), BF16_STORE_BOX, swizzle=64) for v in views]
+    return [maps[0], maps[-1] if aux is not None else _NO_MAP, i32(1)]
 
 
 def _operands(rt, p: Plan, g: Product, a, b, lda, ldb, sA, sB) -> tuple:
