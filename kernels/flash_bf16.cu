@@ -1,8 +1,9 @@
 // The bf16 flash kernels (precision bf16's fused attention, head sizes 64 and 128): flash_fwd_bf16,
 // flash_bwd_dq_bf16, flash_bwd_dkv_bf16, on warpgroup MMA (sm_90a) with TMA and a producer warpgroup
 // (the structure of FlashAttention-3). Arguments, grids and results are flash_common.cuh's, except that
-// qkv, y, dy and dqkv are bf16 and the kernels read qkv and dy through TMA tensor maps; lse and D stay
-// fp32, every sum is fp32 (the tensor cores' accumulators), scores are exponentiated in fp32.
+// qkv, y, dy and dqkv are bf16 and the kernels read qkv and dy through TMA tensor maps, and that
+// flash_bwd_dq_bf16 makes D = rowsum(dO * O) itself (from dy and y) for flash_bwd_dkv_bf16 after it; lse
+// and D stay fp32, every sum is fp32 (the tensor cores' accumulators), scores are exponentiated in fp32.
 //
 // A block is CW = BM / 64 consumer warpgroups and one producer warpgroup (THREADS = 128 (CW + 1)); the
 // producer drops to 40 registers and the consumers rise to 232 (setmaxnreg), so a consumer holds a
@@ -319,14 +320,19 @@ __device__ __forceinline__ void fb_scores(float (&sc)[BN / 2], float (&dp)[BN / 
 }
 
 // One block per (b*H + h, query tile of BM), longest first: Q and dO resident, K and V streamed.
+// It also makes D = rowsum(dO * O) of its rows (the 4 lanes of a row a quarter of the head's columns
+// each, read from dy and y; an fma chain, then lanes xor 1, xor 2) and writes it for flash_bwd_dkv_bf16,
+// which runs after it: no rowsum pass.
 template <int HS, bool DROP, FB_PLAN>
 __global__ void __launch_bounds__(THREADS, 1)
 flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q columns
                   const __grid_constant__ TmaMap map_r,     // qkv [B][T][3C], boxes {64, BM}
                   const __grid_constant__ TmaMap map_dy,    // dy [B][T][C], boxes {64, BM}
                   const __grid_constant__ TmaMap map_s,     // qkv, boxes {64, BN}
+                  const bf16* __restrict__ dy,              // [B,T,C] (map_dy's), 16-byte aligned
+                  const bf16* __restrict__ y,               // [B,T,C] the forward's output, 16-byte aligned
                   const float* __restrict__ lse,            // [B,H,T]
-                  const float* __restrict__ Dg,             // [B,H,T] rowsum(dy * y)
+                  float* __restrict__ Dg,                   // [B,H,T] out: rowsum(dy * y)
                   FB_ARGS_DROP) {
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q, dO and NS stages of K, V, + 1 KB");
@@ -356,7 +362,22 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     for (int hh = 0; hh < 2; ++hh) {
         const int i = wr0 + k.g + 8 * hh;
         lse2[hh] = i < T ? lse[(long long)k.bh * T + i] * FA_LOG2E : 0.f;
-        Dr[hh] = i < T ? Dg[(long long)k.bh * T + i] : 0.f;
+        float d = 0.f;
+        if (i < T) {
+            const long long off = ((long long)k.b * T + i) * k.C + k.h * HS + (HS / 4) * k.q;
+#pragma unroll
+            for (int c = 0; c < HS / 4; c += 8) {
+                float a[8], o[8];
+                val_ld8(dy + off + c, a);
+                val_ld8(y + off + c, o);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d = fmaf(a[e], o[e], d);
+            }
+        }
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        Dr[hh] = d;
+        if (i < T && k.q == 0) Dg[(long long)k.bh * T + i] = d;
     }
     float dq[HS / 2];
 #pragma unroll

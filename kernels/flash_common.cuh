@@ -7,7 +7,8 @@
 //   flash_tc.cu    flash_fwd_tc, flash_bwd_dq_tc, flash_bwd_dkv_tc   tf32 mma.sync (flash_tc.cuh)
 //   flash_x3.cu    flash_fwd_x3, flash_bwd_dq_x3, flash_bwd_dkv_x3   fp32 as 3xTF32 mma.sync (flash_tc.cuh)
 //   flash_wg.cu    flash_bwd_dkv_wg                                  tf32 dK/dV on warpgroup MMA (sm_90a)
-// and flash_rowsum.cu's flash_rowsum_do (D of the backward, every implementation's).
+// and flash_rowsum.cu's flash_rowsum_do (D of these implementations' backward; flash_bf16.cu's dQ kernel
+// makes its own).
 //
 //   flash_fwd*       one block per (b*H + h, query tile); loops over the key tiles up to the diagonal
 //                    (causality is the loop bound; only tiles that cross the diagonal are masked),

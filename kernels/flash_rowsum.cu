@@ -1,18 +1,17 @@
-// D = rowsum(dO * O) of the flash backward (every implementation's: flash_common.cuh).
+// D = rowsum(dO * O) of the fp32 flash backward (flash_common.cuh; the bf16 kernels make it in
+// flash_bwd_dq_bf16).
 #include "flash_common.cuh"
-#include "bf16.cuh"
 
 // Row r = (b*T + t)*H + h of dy and y, [B,T,C] with C = H*HS, is the HS contiguous floats at r*HS:
 // G = HS/4 lanes take a row, one float4 of each tensor a lane (dy, y 16-byte aligned: the launcher
 // checks), a fixed fmaf chain, then an xor butterfly over the G lanes (32 / G rows a warp, one load
 // of each tensor in flight per thread: the whole grid keeps the DRAM busy; one warp a row with
-// 2 floats a lane reached half the bandwidth). DT: dy's and y's element type (0 fp32, 1 bf16: four
-// values a lane all the same, summed in fp32).
-template <int HS, int THREADS, int DT = 0>
+// 2 floats a lane reached half the bandwidth).
+template <int HS, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 flash_rowsum_do(float* __restrict__ D,          // [B,H,T]
-                const elem<DT>* __restrict__ dy,   // [B,T,C]
-                const elem<DT>* __restrict__ y,    // [B,T,C]
+                const float* __restrict__ dy,   // [B,T,C]
+                const float* __restrict__ y,    // [B,T,C]
                 int rows, int T, int H) {
     constexpr int G = HS / 4;
     static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "a power-of-two lane group within a warp");
@@ -21,8 +20,8 @@ flash_rowsum_do(float* __restrict__ D,          // [B,H,T]
     const int q = (int)(gid % G);
     float acc = 0.f;
     if (r < rows) {
-        const float4 a = val_ldf4(dy + r * HS + 4 * q);
-        const float4 b = val_ldf4(y + r * HS + 4 * q);
+        const float4 a = *reinterpret_cast<const float4*>(dy + r * HS + 4 * q);
+        const float4 b = *reinterpret_cast<const float4*>(y + r * HS + 4 * q);
         acc = fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
     }
 #pragma unroll

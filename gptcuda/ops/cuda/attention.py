@@ -297,10 +297,10 @@ def _fused_fwd(rt, y, qkv, lse, n_head, p, site, path):
 
 
 def rowsum_do(rt, D, dy, y, B, T, H, hs):
-    """D [B, H, T] = the row sums of dy * y per head (dy, y [B, T, H * hs], fp32 or bf16, 16-byte
-    aligned): the backward's D = rowsum(dO * O) = rowsum(P * dP), also with dropout."""
+    """D [B, H, T] = the row sums of dy * y per head (dy, y [B, T, H * hs], fp32, 16-byte aligned): the fp32
+    paths' D = rowsum(dO * O) = rowsum(P * dP), also with dropout (bf16: flash_bwd_dq_bf16 makes it)."""
     rows = B * T * H
-    rt.launch(rt.function(ROWSUM_FILE, flash.rowsum_name(hs, dy.dtype)), (cdiv(rows * (hs // 4), ROWSUM_THREADS),),
+    rt.launch(rt.function(ROWSUM_FILE, flash.rowsum_name(hs)), (cdiv(rows * (hs // 4), ROWSUM_THREADS),),
               (ROWSUM_THREADS,), [D, dy, y, i32(rows), i32(T), i32(H)], label="flash_rowsum_do")
 
 
@@ -353,13 +353,12 @@ def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     B, T, C, H, hs = _split(qkv, n_head)
     _bf16_check(qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
-    D = _view(rt.workspace("attention_d"), (B, H, T))
-    rowsum_do(rt, D, dy, y, B, T, H, hs)
+    D = _view(rt.workspace("attention_d"), (B, H, T))      # written by dQ's kernel (its rows'), read by dK / dV's
     tail = [lse, D] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0)
     maps = [_bf16_map(rt, qkv, kq.rows), _bf16_map(rt, dy, kq.rows), _bf16_map(rt, qkv, kq.stream_rows)]
-    rt.launch(rt.function(kq.file, kq.name), (B * H, cdiv(T, kq.rows)), (kq.threads,), [dqkv] + maps + tail,
-              smem=kq.smem, label="flash_bwd_dq")
+    rt.launch(rt.function(kq.file, kq.name), (B * H, cdiv(T, kq.rows)), (kq.threads,),
+              [dqkv] + maps + [dy, y] + tail, smem=kq.smem, label="flash_bwd_dq")
     kk = flash.flash_kernel("dkv", "flash_bf16", hs, float(p) > 0)
     maps = [_bf16_map(rt, qkv, kk.rows), _bf16_map(rt, qkv, kk.stream_rows), _bf16_map(rt, dy, kk.stream_rows)]
     rt.launch(rt.function(kk.file, kk.name), (B * H, cdiv(T, kk.rows)), (kk.threads,), [dqkv] + maps + tail,

@@ -155,9 +155,9 @@ def flash_kernel(kind: str, path: str, hs: int, drop: bool, wg: bool = False) ->
                        plan.get("threads", FLASH_THREADS), plan.get("stream_rows", 0))
 
 
-def rowsum_name(hs: int, dtype: str = "f32") -> str:
-    """flash_rowsum_do <HS, THREADS> (fp32 dy and y), <HS, THREADS, 1> (bf16)."""
-    return expression("flash_rowsum_do", hs, ROWSUM_THREADS, *((1,) if dtype == "bf16" else ()))
+def rowsum_name(hs: int) -> str:
+    """flash_rowsum_do <HS, THREADS> (fp32 dy and y; the bf16 path's D is made by flash_bwd_dq_bf16)."""
+    return expression("flash_rowsum_do", hs, ROWSUM_THREADS)
 
 
 def variants() -> list:
@@ -171,5 +171,4 @@ def variants() -> list:
             if hs in FLASH_WG_HEAD_SIZES:
                 k = flash_kernel("dkv", "flash_tc", hs, drop, wg=True)
                 out.append((k.file, k.name, {}))
-    return out + [(ROWSUM_FILE, rowsum_name(hs, dt), {}) for hs in FLASH_HEAD_SIZES for dt in ("f32", "bf16")
-                  if dt == "f32" or hs in FLASH_BF16_HEAD_SIZES]
+    return out + [(ROWSUM_FILE, rowsum_name(hs), {}) for hs in FLASH_HEAD_SIZES]
