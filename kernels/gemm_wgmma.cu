@@ -186,7 +186,8 @@ template <int BN, int EPI, bool HAS_BIAS>
 __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], const bf16* aux, const float* bias,
                                                   int M, int N, int ldc, int z, int m0w, int n0, float alpha,
                                                   const TmaMap* mapC, const TmaMap* mapX, unsigned stg, int bar) {
-    static_assert(BN % 32 == 0, "whole boxes");
+    static_assert(BN % 64 == 0, "whole boxes, an even number: one output's boxes alternate between the two "
+                                "staging boxes, so a tile's first reuses the one its last tile's last box did not");
     constexpr bool TWO = EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_DGELU_GELU;   // aux written too
     constexpr bool IN = GEMM_EPI_READS_AUX(EPI);
     constexpr int NB = BN / 32;

@@ -50,8 +50,9 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
     fn = rt.function(fam.file, fam.kernel(p.tile, g.ta, g.tb, epi_code(g) if whole else EPI_NONE, whole and g.bias,
                                           vec=g.vec, out=c_dtype, colsum=colsum is not None))
     # the kernels' parameters: C, aux, A, B, bias, M, N, K, [lda, ldb,] ldc, [sA, sB,] sC, alpha, splits,
-    # k_chunk[, zs, colsum]: a TMA kernel takes tensor maps of A and B and no A / B strides, a persistent one
-    # the z extent of its tiles and the column sums' partials (or null) last
+    # k_chunk[, zs, colsum][, mapC, mapX, c_tma]: a TMA kernel takes tensor maps of A and B and no A / B strides,
+    # a persistent one the z extent of its tiles and the column sums' partials (or null), gemm_wgmma_ws / _pp
+    # (geo.c_maps) C's and aux's store maps last
     args = [out if whole else ws, aux if whole else None, *_operands(rt, p, g, a, b, lda, ldb, sA, sB),
             bias if whole else None, i32(g.M), i32(g.N), i32(g.K)]
     args += [i32(ldc)] if geo.tma else [i32(lda), i32(ldb), i32(ldc), u64(sA), u64(sB)]
