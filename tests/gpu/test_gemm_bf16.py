@@ -243,6 +243,7 @@ def test_bf16_variant_and_tensor_maps(ta, tb):
 def test_bf16_store_maps_only_where_they_describe_c():
     """C whose rows are not 16-byte multiples (N = 50257, the unpadded vocabulary) keeps the threads' stores:
     no store map, c_tma 0, the same kernel; the GELU product maps aux (its pre-activation) as well."""
+    names = []
     for N, maps_want, c_tma in ((50257, 2, 0), (50304, 4, 1)):
         rt = FakeGemmRT("bf16", arch="sm_90")
         got = []
@@ -259,6 +260,8 @@ def test_bf16_store_maps_only_where_they_describe_c():
                     epilogue="gelu", aux=_fake((M, N), "bf16", 1 << 38), plan=make_plan("bf16", (256, 128, 4, 0), 1, K))
         assert len(got) == maps_want and got[2:] == [(32, 64, 1)] * (maps_want - 2)
         assert len(args) == 1 and args[0][-1].value == c_tma
+        names += [n for n, *_ in rt.launches]
+    assert len(names) == 2 and names[0] == names[1]
 
 
 def test_bf16_dtype_refusals():
