@@ -26,7 +26,8 @@ __device__ __forceinline__ u32 gc_hash32(u32 x) {
 }
 
 // 2^x as one approximate instruction (ex2.approx.ftz: relative error near 2^-22; -inf gives 0): the flash
-// kernels' exponentials, and the GELU of the bf16 GEMM epilogue
+// kernels' exponentials, the bf16 GEMM epilogue's GELU, the loss's; exp(x) is gc_exp2(x * GC_LOG2E)
+#define GC_LOG2E 1.4426950408889634f
 __device__ __forceinline__ float gc_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

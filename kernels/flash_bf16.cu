@@ -212,7 +212,7 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
     wg_regs_inc<232>();
     const int wr0 = q0 + 64 * k.wg + 16 * k.w;            // the warp's first query
     const int wg_last = q0 + 64 * k.wg + 63;
-    const float sl2 = scale * FA_LOG2E, ninf = __int_as_float(0xff800000);
+    const float sl2 = scale * GC_LOG2E, ninf = __int_as_float(0xff800000);
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 Th = (u32)((T + 1) / 2);
     const u32 rpair = (u32)(k.bh * T + wr0 + k.g) * Th + (u32)k.q;   // row g's keep word of keys 2q, 2q + 1
@@ -352,7 +352,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     wg_regs_inc<232>();
     const int wr0 = q0 + 64 * k.wg + 16 * k.w;
     const int wg_last = q0 + 64 * k.wg + 63;
-    const float sl2 = scale * FA_LOG2E;
+    const float sl2 = scale * GC_LOG2E;
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 Th = (u32)((T + 1) / 2);
     const u32 rpair = (u32)(k.bh * T + wr0 + k.g) * Th + (u32)k.q;
@@ -361,7 +361,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int i = wr0 + k.g + 8 * hh;
-        lse2[hh] = i < T ? lse[(long long)k.bh * T + i] * FA_LOG2E : 0.f;
+        lse2[hh] = i < T ? lse[(long long)k.bh * T + i] * GC_LOG2E : 0.f;
         float d = 0.f;
         if (i < T) {
             const long long off = ((long long)k.b * T + i) * k.C + k.h * HS + (HS / 4) * k.q;
@@ -469,7 +469,7 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
 #pragma unroll
     for (int c = 0; c < BN / 4; ++c) {
         const int i = i0 + 8 * (c >> 1) + 2 * r.q + (c & 1);
-        l2[c] = i < r.T ? r.lse[i] * FA_LOG2E : __int_as_float(0x7f800000);
+        l2[c] = i < r.T ? r.lse[i] * GC_LOG2E : __int_as_float(0x7f800000);
         Dq[c] = i < r.T ? r.D[i] : 0.f;
     }
     const bool edge = i0 < r.kw0 + 15;                     // a query of the tile precedes a key of the warp
@@ -536,7 +536,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     wg_regs_inc<232>();
     const int kw0 = kb0 + 64 * k.wg + 16 * k.w;           // the warp's first key
     const int wg_first = kb0 + 64 * k.wg;
-    const float sl2 = scale * FA_LOG2E;
+    const float sl2 = scale * GC_LOG2E;
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 Th = (u32)((T + 1) / 2);
     const unsigned ka = k.res + k.wg * 64 * 128, va = ka + F::RT;   // the warpgroup's keys of K, V

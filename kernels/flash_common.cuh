@@ -97,7 +97,6 @@ __device__ __forceinline__ u32 fa_drop_key(const StepState* __restrict__ st, u32
     return key;
 }
 
-#define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 
 // arguments of the forward / backward kernels (and of the fp32 kernels' bodies)

@@ -174,7 +174,7 @@ __device__ __forceinline__ void fa_fwd_body(FA_ARGS_FWD) {
     const FaBlock<HS> fb(qkv, T, H, FaGridY<BR, true>());
     const int bh = fb.bh, q0 = fb.r0;
     const float ninf = __int_as_float(0xff800000);
-    const float sl2 = scale * FA_LOG2E;
+    const float sl2 = scale * GC_LOG2E;
 
     fa_load_tile<BR, HS>(Qs, fb.q(q0), fb.rs, T - q0);
 
@@ -266,7 +266,7 @@ __device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
 
     const FaBlock<HS> fb(qkv, T, H, FaGridY<BR, true>());
     const int bh = fb.bh, q0 = fb.r0;
-    const float sl2 = scale * FA_LOG2E;
+    const float sl2 = scale * GC_LOG2E;
 
     fa_load_tile<BR, HS>(Qs, fb.q(q0), fb.rs, T - q0);
     fa_load_tile<BR, HS>(dOs, fb.row(dy, q0), fb.C, T - q0);
@@ -276,7 +276,7 @@ __device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
 #pragma unroll
     for (int rr = 0; rr < RM; ++rr) {
         const int i = q0 + P::row(rr);
-        lr[rr] = i < T ? lse[(long long)bh * T + i] * FA_LOG2E : 0.f;     // log2 units
+        lr[rr] = i < T ? lse[(long long)bh * T + i] * GC_LOG2E : 0.f;     // log2 units
         dr[rr] = i < T ? Dg[(long long)bh * T + i] : 0.f;
         rbase[rr] = (u32)(bh * T + i) * (u32)((T + 1) / 2);
 #pragma unroll
@@ -341,7 +341,7 @@ __device__ __forceinline__ void fa_dkv_body(FA_ARGS_BWD) {
     const FaBlock<HS> fb(qkv, T, H, FaGridY<BR, false>());
     const int bh = fb.bh, k0 = fb.r0;
     const float* dob = fb.row0(dy);
-    const float sl2 = scale * FA_LOG2E;
+    const float sl2 = scale * GC_LOG2E;
 
     fa_load_kv<BR, HS>(Ks, Vs, fb, k0);
 
@@ -358,7 +358,7 @@ __device__ __forceinline__ void fa_dkv_body(FA_ARGS_BWD) {
         fa_load_tile<BC, HS>(dOs, dob + (long long)q0 * fb.C, fb.C, T - q0);
         for (int e = threadIdx.x; e < BC; e += FA_THREADS) {
             const int i = q0 + e;
-            Ls[e] = i < T ? lse[(long long)bh * T + i] * FA_LOG2E : 0.f;     // log2 units
+            Ls[e] = i < T ? lse[(long long)bh * T + i] * GC_LOG2E : 0.f;     // log2 units
             Ds[e] = i < T ? Dg[(long long)bh * T + i] : 0.f;
         }
         __syncthreads();

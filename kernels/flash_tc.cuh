@@ -514,9 +514,9 @@ __device__ __forceinline__ void fa_fwd_tc_body(FA_ARGS_FWD) {
     fa_cp_commit();
     fa_cp_wait<0>();
     if constexpr (X3) {
-        fa_scale_tile<BR, HS>(Qb, scale * FA_LOG2E);
+        fa_scale_tile<BR, HS>(Qb, scale * GC_LOG2E);
     } else {
-        fa_round_tile<BR, HS, true>(Qb, scale * FA_LOG2E);
+        fa_round_tile<BR, HS, true>(Qb, scale * GC_LOG2E);
         fa_round_tile<2 * BC, HS, false>(sm, 1.f);
     }
     __syncthreads();
@@ -681,7 +681,7 @@ __device__ __forceinline__ void fa_dq_tc_body(FA_ARGS_BWD) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int i = wr0 + 16 * mt + g + 8 * hh;
-            nl[mt][hh] = i < T ? -lse[(long long)bh * T + i] * FA_LOG2E : 0.f;
+            nl[mt][hh] = i < T ? -lse[(long long)bh * T + i] * GC_LOG2E : 0.f;
             nd[mt][hh] = i < T ? -Dg[(long long)bh * T + i] : 0.f;
             rbase[mt][hh] = (u32)(bh * T + i) * (u32)((T + 1) / 2);
         }
@@ -693,9 +693,9 @@ __device__ __forceinline__ void fa_dq_tc_body(FA_ARGS_BWD) {
 
     fa_cp_wait<0>();
     if constexpr (X3) {
-        fa_scale_tile<BR, HS>(Qb, scale * FA_LOG2E);
+        fa_scale_tile<BR, HS>(Qb, scale * GC_LOG2E);
     } else {
-        fa_round_tile<BR, HS, true>(Qb, scale * FA_LOG2E);
+        fa_round_tile<BR, HS, true>(Qb, scale * GC_LOG2E);
         fa_round_tile<BR, HS, false>(dOb, 1.f);
         fa_round_tile<2 * BC, HS, false>(sm, 1.f);
     }
@@ -803,7 +803,7 @@ __device__ __forceinline__ void fa_dkv_round(float* stg, float sl2) {
         fa_round_tile<BQ, HS, false>(stg + BQ * LD, 1.f);                  // dO
     }
     // each thread's own entry (fa_dkv_issue): -lse in log2 units, -D
-    if (threadIdx.x < 2 * BQ) stg[2 * BQ * LD + threadIdx.x] *= threadIdx.x < BQ ? -FA_LOG2E : -1.f;
+    if (threadIdx.x < 2 * BQ) stg[2 * BQ * LD + threadIdx.x] *= threadIdx.x < BQ ? -GC_LOG2E : -1.f;
 }
 
 template <int HS, bool DROP, class F>
@@ -837,7 +837,7 @@ __device__ __forceinline__ void fa_dkv_tc_body(FA_ARGS_BWD) {
         fa_round_tile<BK, HS, false>(Kb, 1.f);
         fa_round_tile<BK, HS, false>(Vb, 1.f);
     }
-    fa_dkv_round<HS, BQ, X3>(sm, scale * FA_LOG2E);
+    fa_dkv_round<HS, BQ, X3>(sm, scale * GC_LOG2E);
     __syncthreads();
     u32 kf[MT][AK][4], vf[MT][VK][4], kl[MT][X3 ? AK : 1][4], vl[MT][X3 ? VK : 1][4];   // kl, vl: lo (3xTF32)
     const float* ka = fa_a_lane<LD>(Kb + w * WR * LD);
@@ -934,7 +934,7 @@ __device__ __forceinline__ void fa_dkv_tc_body(FA_ARGS_BWD) {
         float* cur = sm + stage * STAGE;
         if (jq > 0) {
             fa_cp_wait<NS - 2>();
-            fa_dkv_round<HS, BQ, X3>(cur, scale * FA_LOG2E);
+            fa_dkv_round<HS, BQ, X3>(cur, scale * GC_LOG2E);
             __syncthreads();
         }
         if (jq + NS - 1 < nqt)

@@ -188,9 +188,9 @@ __global__ void __launch_bounds__(THREADS, FaDkvWg<HS, BK_, BQ_, NS_>::MINB) fla
             fa_wg_round_tile<BK, HS, false>(gb, 1.f);
             fa_wg_round_tile<BK, HS, false>(gb + F::OFF_V, 1.f);
         }
-        fa_wg_round_tile<BQ, HS, true>(cur, scale * FA_LOG2E);
+        fa_wg_round_tile<BQ, HS, true>(cur, scale * GC_LOG2E);
         fa_wg_round_tile<BQ, HS, false>(cur + F::QT, 1.f);
-        if (threadIdx.x < 2 * BQ) nv[threadIdx.x] *= threadIdx.x < BQ ? -FA_LOG2E : -1.f;
+        if (threadIdx.x < 2 * BQ) nv[threadIdx.x] *= threadIdx.x < BQ ? -GC_LOG2E : -1.f;
         wg_fence_async_smem();
         __syncthreads();                                       // tile jq in place; every product of tile jq - 1 done
         if (jq + NS - 1 < nqt) issue((jq + NS - 1) % NS, q0 + (NS - 1) * BQ);   // into tile jq - 1's stage

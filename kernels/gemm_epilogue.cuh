@@ -57,7 +57,7 @@ __device__ __forceinline__ float gemm_rcp_fast(float x) {
 }
 // exp(-2u) of gemm_gelu_fast and gemm_gelu_grad_fast, one expression so that both read the same bits
 __device__ __forceinline__ float gemm_gelu_e_fast(float x) {
-    const float s = 0.7978845608028654f * -2.0f * 1.4426950408889634f;   // -2 sqrt(2/pi) log2 e
+    const float s = 0.7978845608028654f * -2.0f * GC_LOG2E;   // -2 sqrt(2/pi) log2 e
     return gc_exp2(s * (x + 0.044715f * x * x * x));
 }
 __device__ __forceinline__ float gemm_gelu_fast(float x) {
@@ -107,6 +107,24 @@ __device__ __forceinline__ float gemm_epi_value(float acc, float alpha, float b,
         return v * gemm_gelu_grad(in);
     } else {
         return v;
+    }
+}
+
+// One value of a bf16 C's epilogue, the one form of both bf16 store paths (gemm_store_once's and
+// gemm_wgmma.cu's wg_store_tile_tma): the value for C from the accumulator acc, the bias b and the aux value
+// `in`; *pre: GELU's pre-activation as stored (rounded to bf16, GELU taken of that, so that the backward's
+// gelu' at the saved pre-activation is the derivative of what the forward used), or DGELU_GELU's GELU
+// rebuilt from the saved pre-activation (gemm_gelu_fast's bits). GELU and its derivative in the _fast forms.
+template <int EPI, bool HAS_BIAS>
+__device__ __forceinline__ float gemm_epi_value_bf16(float acc, float alpha, float b, float in, float* pre) {
+    if constexpr (EPI == GEMM_EPI_GELU) {
+        *pre = bf16_f32(bf16_rn(gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(acc, alpha, b, 0.f, nullptr)));
+        return gemm_gelu_fast(*pre);
+    } else if constexpr (EPI == GEMM_EPI_DGELU || EPI == GEMM_EPI_DGELU_GELU) {
+        return gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(acc, alpha, b, 0.f, nullptr) *
+               gemm_gelu_grad_fast(in, EPI == GEMM_EPI_DGELU_GELU ? pre : nullptr);
+    } else {
+        return gemm_epi_value<EPI, HAS_BIAS>(acc, alpha, b, in, pre);
     }
 }
 
@@ -170,9 +188,8 @@ __device__ __forceinline__ void gemm_store4(float* C, float* aux, const float* b
 // unrolled over a whole tile, where two copies of GELU per four values doubled the code and stalled
 // on instruction fetch), for W = 4 values, or 8 of a bf16 C (one 16-byte access): `wide` (row r and
 // columns c .. c + W - 1 in C, W-value accesses allowed) loads and stores W values at once, otherwise
-// each element in C on its own; the values, and so C, are gemm_store4's. TO: C's and aux's element type (fp32, or bf16: the values rounded once, when stored;
-// GELU's output computed from the pre-activation as stored, so that the backward's gelu' at the saved
-// pre-activation is the derivative of what the forward used; GELU and its derivative in the _fast forms).
+// each element in C on its own; the values, and so C, are gemm_store4's. TO: C's and aux's element type (fp32, or
+// bf16: the values rounded once, when stored, and computed by gemm_epi_value_bf16).
 // The 8 aux values (bf16) of row r, columns c .. c + 7 that epilogue EPI reads (0 where outside M x N, or
 // where it reads none): one 16-byte load where `wide` (in range and aligned, the caller's check).
 template <int EPI>
@@ -235,15 +252,10 @@ __device__ __forceinline__ void gemm_store_once(TO* C, TO* aux, const float* bia
     }
 #pragma unroll
     for (int e = 0; e < W; ++e) {
-        if constexpr (EPI == GEMM_EPI_GELU && sizeof(TO) == 2) {
-            pre[e] = bf16_f32(bf16_rn(gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr)));
-            out[e] = gemm_gelu_fast(pre[e]);
-        } else if constexpr ((EPI == GEMM_EPI_DGELU || EPI == GEMM_EPI_DGELU_GELU) && sizeof(TO) == 2) {
-            out[e] = gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(v[e], alpha, b[e], 0.f, nullptr) *   // (DGELU_GELU:
-                     gemm_gelu_grad_fast(in[e], EPI == GEMM_EPI_DGELU_GELU ? &pre[e] : nullptr);  // the forward's GELU)
-        } else {
+        if constexpr (sizeof(TO) == 2)
+            out[e] = gemm_epi_value_bf16<EPI, HAS_BIAS>(v[e], alpha, b[e], in[e], &pre[e]);
+        else
             out[e] = gemm_epi_value<EPI, HAS_BIAS>(v[e], alpha, b[e], in[e], &pre[e]);
-        }
     }
     if (wide) {
         if constexpr (W == 4) {

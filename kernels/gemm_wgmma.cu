@@ -231,19 +231,8 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
                 float o[2], x[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float v = gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(acc[4 * (4 * b + k) + 2 * h + e], alpha,
-                                                                         bv[e], 0.f, nullptr);
                     const float a = IN ? __uint_as_float(e ? in[k][h] & 0xFFFF0000u : in[k][h] << 16) : 0.f;
-                    if constexpr (EPI == GEMM_EPI_GELU) {
-                        x[e] = bf16_f32(bf16_rn(v));          // the pre-activation as stored
-                        o[e] = gemm_gelu_fast(x[e]);
-                    } else if constexpr (EPI == GEMM_EPI_DGELU || EPI == GEMM_EPI_DGELU_GELU) {
-                        o[e] = v * gemm_gelu_grad_fast(a, EPI == GEMM_EPI_DGELU_GELU ? &x[e] : nullptr);
-                    } else if constexpr (EPI == GEMM_EPI_RESID) {
-                        o[e] = a + v;
-                    } else {
-                        o[e] = v;
-                    }
+                    o[e] = gemm_epi_value_bf16<EPI, HAS_BIAS>(acc[4 * (4 * b + k) + 2 * h + e], alpha, bv[e], a, &x[e]);
                 }
                 oc[k][h] = bf16x2_rn(o[0], o[1]);
                 if constexpr (TWO) ox[k][h] = bf16x2_rn(x[0], x[1]);

@@ -26,7 +26,6 @@
 
 #define CE_LOWEST (-3.402823466e+38f)
 #define CE_NEG_INF __int_as_float(0xff800000)
-#define CE_LOG2E 1.4426950408889634f
 
 // Merge two (max, sum of exp(x - max)) pairs. Symmetric in its arguments, so both lanes of a
 // butterfly exchange compute the same bits.
@@ -278,13 +277,13 @@ __global__ void __launch_bounds__(WARPS * 32, 2) crossentropy_smem(CE_ARGS) {
     // pass 2: sum of exp(x - max), 8 partial sums per thread added pairwise; exp(x - max) as
     // exp2(x log2 e - max log2 e): one FFMA and the MUFU's ex2 (expf's range reduction is ~6 more
     // instructions an element, and these passes are bound by issue)
-    const float ml2 = m * CE_LOG2E;
+    const float ml2 = m * GC_LOG2E;
     float ps[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int v = t; v < V8; v += T) {
         float f[8];
         load8(v, f);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) ps[e] += gc_exp2(fmaf(f[e], CE_LOG2E, -ml2));
+        for (int e = 0; e < 8; ++e) ps[e] += gc_exp2(fmaf(f[e], GC_LOG2E, -ml2));
     }
     const float part = ((ps[0] + ps[1]) + (ps[2] + ps[3])) + ((ps[4] + ps[5]) + (ps[6] + ps[7]));
     const float s = cr_block_reduce<WARPS>(part, sm_s, [](float a, float b) { return a + b; });
@@ -299,7 +298,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) crossentropy_smem(CE_ARGS) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 const int i = 8 * v + e;
-                g[e] = i < Vr ? (gc_exp2(fmaf(f[e], CE_LOG2E, -ml2)) * rs - (i == r.tg ? 1.0f : 0.0f)) * grad_scale
+                g[e] = i < Vr ? (gc_exp2(fmaf(f[e], GC_LOG2E, -ml2)) * rs - (i == r.tg ? 1.0f : 0.0f)) * grad_scale
                               : 0.0f;
             }
             val_st8(dr + 8 * v, g);
