@@ -1,7 +1,8 @@
 """The BF16 products (gemm family bf16: kernels/gemm_wgmma.cu gemm_wgmma_ws with DT = 1, through gemm.matmul)
 against float64, and their speed beside TF32's, on the GPT-2 124M shapes.
 
-    python bench/bf16_gemm.py [--check] [--speed] [--iters 30] [--json out.json]
+    python bench/bf16_gemm.py [--check] [--speed] [--iters 30] [--json out.json] [--ops 'fwd fc,dW head']
+                              [--tiles 256x128s4,128x256s4]
 
 --check: every layout of the op interface (NT: A [M, K] and B [N, K] K-major; NN: B [K, N] as stored,
 MN-major; TN: A [K, M] and B [K, N] as stored) into its C type (bf16; the weight gradients' TN fp32), the
@@ -109,7 +110,7 @@ def gpt2_shapes(tokens=8192, C=768, V=50304):
     return out + [("dX fc proj rc", tokens, 4 * C, C, "NN", "dgelu_gelu", False)]
 
 
-def speed(rt, rng, iters, bf16_only=False) -> list:
+def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None) -> list:
     """Each product's best tile (one product, no split; the epilogue of the training step), replayed in a
     CUDA graph: TF32 as the training step runs it (the cost model's plan: B^T first for NN, the register-A
     kernels for TN), BF16 as stored, every tile's time printed (bf16_only: no TF32 column)."""
@@ -117,6 +118,8 @@ def speed(rt, rng, iters, bf16_only=False) -> list:
     watch = ClockWatch()
     tf32, bf = rt.exec.with_precision("tf32"), rt.exec
     for label, M, N, K, lay, epi, hb in gpt2_shapes():
+        if ops and label not in ops:
+            continue
         ta, tb = lay[0] == "T", lay[1] == "T"
         flop = 2.0 * M * N * K
         best = {"f32": (float("nan"), "-")} if bf16_only else {}
@@ -126,9 +129,10 @@ def speed(rt, rng, iters, bf16_only=False) -> list:
             c = rt.empty((M, N), "bf16" if dtype == "bf16" and not ta else "f32")
             bias = rt.upload(rng.standard_normal(N).astype(np.float32)) if hb else None
             aux = rt.upload(rng.standard_normal((M, N)).astype(np.float32), c.dtype) if EPILOGUES[epi] != "none" else None
-            tiles = tuple(BF16_TILES) if dtype == "bf16" else (None,)
+            pick = tuple(t for t in BF16_TILES if not tiles or FAMILIES["bf16"].short(t) in tiles) \
+                if dtype == "bf16" else (None,)
             times = []
-            for tile in tiles:
+            for tile in pick:
                 ms = time_graphed_ms(rt, lambda: product(rt, ex, c, a, b, ta, tb, epi, bias, aux, tile=tile),
                                      iters=iters, reps=5)
                 times.append(f"{FAMILIES['bf16'].short(tile) if tile else 'model'} {ms:.4f}")
@@ -153,6 +157,8 @@ def main(argv=None):
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--bf16-only", action="store_true", help="--speed without the TF32 column")
+    ap.add_argument("--ops", help="--speed: these products alone (comma-separated labels, e.g. 'fwd fc,dW head')")
+    ap.add_argument("--tiles", help="--speed: these bf16 tiles alone (short names, e.g. 128x256s4,256x128s4)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rt = Runtime(0, precision="bf16", seed=0)
@@ -166,7 +172,8 @@ def main(argv=None):
         print("bf16 GEMM check:", "ALL PASS" if ok else "FAILED")
         result["check"] = ok
     if args.speed:
-        result["speed"] = speed(rt, rng, args.iters, args.bf16_only)
+        result["speed"] = speed(rt, rng, args.iters, args.bf16_only, args.ops and args.ops.split(","),
+                                args.tiles and args.tiles.split(","))
     if args.json:
         write_results(args.json, result)
     rt.close()
