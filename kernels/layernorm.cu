@@ -187,10 +187,20 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
     for (int k = threadIdx.x; k < NV * 32; k += WARPS * 32) wsm[k] = k < C4 ? w4[k] : ln_f4(0.f);
     float4* aw = acc_w + warp * NV * 32 + lane;                // this thread's slots aw[32 j] (ab[32 j])
     float4* ab = acc_b + warp * NV * 32 + lane;
+    // RS: the thread's dw (db) sums over its warp's rows kept in registers and put in its slots once, where
+    // the row's values fit beside them (a bf16 row kept packed, or a short one); else added into the slots
+    // row by row. The same additions in the same order either way.
+    constexpr bool RS = NV <= 4 || (TDO == 1 && TDX == 1 && NV <= 6);
+    float4 sw[NV], sb[BIAS ? NV : 1];
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
-        aw[32 * j] = ln_f4(0.f);
-        if constexpr (BIAS) ab[32 * j] = ln_f4(0.f);
+        if constexpr (RS) {
+            sw[j] = ln_f4(0.f);
+            if constexpr (BIAS) sb[j] = ln_f4(0.f);
+        } else {
+            aw[32 * j] = ln_f4(0.f);
+            if constexpr (BIAS) ab[32 * j] = ln_f4(0.f);
+        }
     }
     __syncthreads();
     const float invC = 1.0f / (float)C;
@@ -201,31 +211,32 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
         const Pack4<TDO>* dr = reinterpret_cast<const Pack4<TDO>*>(dout + (long long)row * C);
         const Pack4<TX>* xr = reinterpret_cast<const Pack4<TX>*>(x + (long long)row * C);
         Pack4<TDX>* dxr = reinterpret_cast<Pack4<TDX>*>(dx + (long long)row * C);
-        float4 d[NV], nv[NV], g[NV];
+        Pack4<TDO> dp[NV];                                      // dout, x and dx as stored (packed bf16),
+        Pack4<TX> xp[NV];                                       // widened where used (x_hat made twice)
+        Pack4<TDX> gp[NV];
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
             if (k < C4) {
-                d[j] = val_ld4p(dr + k);
-                nv[j] = val_ld4p(xr + k);
-                g[j] = val_ld4p(dxr + k);
+                dp[j] = dr[k];
+                xp[j] = xr[k];
+                gp[j] = dxr[k];
             }
         }
+        const auto xhat = [&](int j) {
+            const float4 xx = val_ld4p(&xp[j]);
+            return make_float4((xx.x - mu) * rs, (xx.y - mu) * rs, (xx.z - mu) * rs, (xx.w - mu) * rs);
+        };
         float s1 = 0.f, s2 = 0.f;
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
-            if (k < C4) {
-                const float4 xx = nv[j];
-                nv[j] = make_float4((xx.x - mu) * rs, (xx.y - mu) * rs, (xx.z - mu) * rs, (xx.w - mu) * rs);
-            } else {
-                d[j] = ln_f4(0.f);
-                nv[j] = ln_f4(0.f);
-            }
+            if (k >= C4) continue;
+            const float4 d = val_ld4p(&dp[j]), nvj = xhat(j);
             const float4 wv = wsm[k];
-            const float4 dn = make_float4(d[j].x * wv.x, d[j].y * wv.y, d[j].z * wv.z, d[j].w * wv.w);
+            const float4 dn = make_float4(d.x * wv.x, d.y * wv.y, d.z * wv.z, d.w * wv.w);
             s1 += ln_hsum(dn);
-            s2 += (dn.x * nv[j].x + dn.y * nv[j].y) + (dn.z * nv[j].z + dn.w * nv[j].w);
+            s2 += (dn.x * nvj.x + dn.y * nvj.y) + (dn.z * nvj.z + dn.w * nvj.w);
         }
         const float m1 = gc_warp_sum(s1) * invC;
         const float m2 = GC_BREAK_LAYERNORM ? 0.0f : gc_warp_sum(s2) * invC;
@@ -233,26 +244,36 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
             if (k < C4) {
-                const float4 wv = wsm[k];
-                g[j].x += rs * (d[j].x * wv.x - m1 - nv[j].x * m2);
-                g[j].y += rs * (d[j].y * wv.y - m1 - nv[j].y * m2);
-                g[j].z += rs * (d[j].z * wv.z - m1 - nv[j].z * m2);
-                g[j].w += rs * (d[j].w * wv.w - m1 - nv[j].w * m2);
-                val_put4(dxr + k, g[j]);           // g[j] as stored (rounded in bf16)
+                const float4 wv = wsm[k], d = val_ld4p(&dp[j]), nvj = xhat(j);
+                float4 g = val_ld4p(&gp[j]);
+                g.x += rs * (d.x * wv.x - m1 - nvj.x * m2);
+                g.y += rs * (d.y * wv.y - m1 - nvj.y * m2);
+                g.z += rs * (d.z * wv.z - m1 - nvj.z * m2);
+                g.w += rs * (d.w * wv.w - m1 - nvj.w * m2);
+                val_put4(dxr + k, g);              // g as stored (rounded in bf16)
                 if constexpr (DROP) {
-                    float4 dq = gc_dropout4(g[j], key, (long long)row * C + 4 * k, threshold, scale);
+                    float4 dq = gc_dropout4(g, key, (long long)row * C + 4 * k, threshold, scale);
                     val_put4(reinterpret_cast<Pack4<TDR>*>(dropped + (long long)row * C) + k, dq);
                 }
-                float4 q = aw[32 * j];
-                q.x += d[j].x * nv[j].x; q.y += d[j].y * nv[j].y;
-                q.z += d[j].z * nv[j].z; q.w += d[j].w * nv[j].w;
-                aw[32 * j] = q;
+                float4 q = RS ? sw[j] : aw[32 * j];
+                q.x += d.x * nvj.x; q.y += d.y * nvj.y;
+                q.z += d.z * nvj.z; q.w += d.w * nvj.w;
+                if constexpr (RS) sw[j] = q;
+                else aw[32 * j] = q;
                 if constexpr (BIAS) {
-                    float4 r = ab[32 * j];
-                    r.x += d[j].x; r.y += d[j].y; r.z += d[j].z; r.w += d[j].w;
-                    ab[32 * j] = r;
+                    float4 r = RS ? sb[j] : ab[32 * j];
+                    r.x += d.x; r.y += d.y; r.z += d.z; r.w += d.w;
+                    if constexpr (RS) sb[j] = r;
+                    else ab[32 * j] = r;
                 }
             }
+        }
+    }
+    if constexpr (RS) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            aw[32 * j] = sw[j];
+            if constexpr (BIAS) ab[32 * j] = sb[j];
         }
     }
     __syncthreads();
