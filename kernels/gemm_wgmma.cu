@@ -182,6 +182,10 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
 // thread that issues the stores waits until the store that last read a buffer is done with it before the
 // warpgroup (named barrier `bar`) overwrites it. aux (read: residual, pre-activation) comes from global
 // memory in the same layout, a 4-byte pair a thread and n8 block, one box ahead.
+// The staging boxes of wg_store_tile_tma after the ring: two of 4 KB a consumer warpgroup, where C is bf16
+// (wgs warpgroups' worth; consumer warpgroup wg's start ws_stage_bytes(wg, 1) after the ring)
+__host__ __device__ constexpr int ws_stage_bytes(int wgs, int out) { return out == 1 ? wgs * 8192 : 0; }
+
 template <int BN, int EPI, bool HAS_BIAS>
 __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], const bf16* aux, const float* bias,
                                                   int M, int N, int ldc, int z, int m0w, int n0, float alpha,
@@ -959,7 +963,7 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
             if constexpr (sizeof(TO) == 2) {
                 if (c_tma) {
                     wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg, tl.n0,
-                                                         alpha, mapC, mapX, stg + wg * 8192, 11 + wg);
+                                                         alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1), 11 + wg);
                     continue;
                 }
             }
@@ -1008,8 +1012,6 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
 // in the 64-byte swizzle; an fp32 C, or a bf16 C whose rows the maps cannot describe: c_tma 0, maps unused
 #define WS_ARGS_C                                                                                    \
     const __grid_constant__ TmaMap mapC, const __grid_constant__ TmaMap mapX, int c_tma
-// The staging boxes of wg_store_tile_tma after the ring: two of 4 KB a consumer warpgroup, where C is bf16
-__host__ __device__ constexpr int ws_stage_bytes(int wgs, int out) { return out == 1 ? wgs * 8192 : 0; }
 
 // BF16 copies of one k tile (lane 0 only, converged): expect `bytes` on bar, then A's and B's boxes: a
 // K-major operand (rows R) one box {64 k, R rows} at (k0, row0), an MN-major one R / 64 boxes {64 rows,
@@ -1229,8 +1231,8 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 #pragma unroll
                 for (int r = 0; r < R; ++r)
                     wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
-                                                         alpha, &mapC, &mapX, smem0 + STAGES * STAGE_BYTES + wg * 8192,
-                                                         11 + wg);
+                                                         alpha, &mapC, &mapX,
+                                                         smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), 11 + wg);
                 continue;
             }
         }
