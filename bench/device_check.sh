@@ -4,7 +4,7 @@
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
 #                              [interop] [finetune] [generate] [speed] [anchors] [hellaswag] [plot] [tables]
-#                              [soak] [sass] [bf16]
+#                              [soak] [sass] [bf16] [attn_bf16]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, TESTS_TIMEOUT (seconds: the suite is stopped after), STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
@@ -133,6 +133,17 @@ fi
 if has attention; then
   log "attention benchmark"
   python3 bench/attention.py --n_embd 384 --n_head 6 --B 16 --T ${ATTN_T:-256,1024,2048,8192} 2>&1 | tee "$OUT/attention.log" | tail -30
+fi
+# the bf16 flash kernels at the three bf16 workloads' attention shapes (GPT-2 B8 T1024, T2048 and the char
+# model with dropout 0.2), PyTorch's bf16 SDPA beside (ATTN_IMPL); ATTN_BF16_TILES: bench/attention.py --bf16-tiles
+if has attn_bf16; then
+  for s in "8:1024:768:12:0" "16:2048:384:6:0.2" "64:256:384:6:0.2"; do
+    IFS=: read -r b t c h d <<< "$s"
+    log "bf16 attention B$b T$t C$c H$h dropout $d"
+    python3 bench/attention.py --precision bf16 --impl ${ATTN_IMPL:-fused,torch} --B $b --T $t --n_embd $c --n_head $h \
+      --dropout $d --iters ${ATTN_ITERS:-30} --bf16-tiles "${ATTN_BF16_TILES:-default}" 2>&1 \
+      | tee "$OUT/attn_bf16_$t.log" | tail -12 | tee -a "$OUT/summary.txt"
+  done
 fi
 if has long; then
   log "long context step: ctx2048 tf32 fused"
