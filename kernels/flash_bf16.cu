@@ -6,8 +6,8 @@
 // and D stay fp32, every sum is fp32 (the tensor cores' accumulators), scores are exponentiated in fp32.
 //
 // A block is CW = BM / 64 consumer warpgroups and one producer warpgroup (THREADS = 128 (CW + 1)); the
-// producer drops to 40 registers and the consumers rise to 232 (setmaxnreg), so a consumer holds a
-// 64 x BN score tile, its second product's tile and its outputs without spilling. The block owns BM
+// producer gives registers back to the consumers (setmaxnreg: FaBf16's split), which hold a 64 x BN
+// score tile, its second product's tile and their outputs. The block owns BM
 // rows (queries in fwd and dq, keys in dkv): its resident tiles (fwd: Q; dq: Q, dO; dkv: K, V) are
 // loaded once; the other side streams through a ring of NS stages of BN rows (fwd and dq: K and V; dkv:
 // Q and dO). Lane 0 of the producer's first warp issues the copies: a stage's two tiles complete on
@@ -32,6 +32,11 @@
 // and the keys and queries past T (the copy engine reads zeros there; a 3-d map [B][T][cols] keeps a
 // tile inside its sequence) are masked where a warp's tile can reach them.
 //
+// With NS >= 3 every kernel runs its loop pipelined (FlashAttention-3's overlap within a warpgroup): tile
+// it + 1's first products (fwd: S; dq: S, dP; dkv: S^T, dP^T) are issued before tile it's second ones, and
+// tile it + 1's softmax (or its gradient) runs on the CUDA cores while those compute; two stages are read
+// at once and a third loads. The causal mask runs only on the tiles that reach a warp's diagonal.
+//
 // The launcher (gptcuda/ops/cuda/flash.py flash_bf16_plan) chooses <HS, DROP, THREADS, BM, BN, NS, SMEM>:
 // SMEM = the resident tiles + NS stages + 1 KB to align the base to 1024 bytes.
 #include "flash_common.cuh"
@@ -48,9 +53,18 @@ struct FaBf16 {
     static constexpr int ST = BN * HS * 2;             // bytes of a streamed tile
     static constexpr int STAGE = 2 * ST;
     static constexpr int SMEM_NEED = NRES * RT + NS * STAGE + 1024;
+    // the register file split (setmaxnreg). ptxas gives a kernel that changes its count the launch's cap,
+    // REGS = 65536 / THREADS to a multiple of 8 (2 warpgroups 168, 3: 128, 4: 96), and the block's
+    // registers are THREADS * REGS: what the producer gives back (REGS - PRODUCER_REGS a thread) is all the
+    // consumers can take (2 warpgroups 232, 3: 160, 4: 112 a thread; an increase past it never returns)
+    static constexpr int REGS = (65536 / THREADS) & ~7;
+    static constexpr int PRODUCER_REGS = CW == 2 ? 40 : 24;
+    static constexpr int CONSUMER_REGS = (REGS + (REGS - PRODUCER_REGS) / CW) & ~7;
     static_assert(HS == 64 || HS == 128, "head sizes 64 and 128 (rows of 128-byte boxes)");
     static_assert(BM % 64 == 0 && THREADS == 128 * (CW + 1), "a consumer warpgroup per 64 rows, and the producer");
     static_assert(BN % 16 == 0 && BN <= 128 && BM <= 256, "k16 steps over a streamed tile, boxes of at most 256 rows");
+    static_assert(CW * (CONSUMER_REGS - REGS) <= REGS - PRODUCER_REGS && CONSUMER_REGS <= 240,
+                  "the consumers take no more registers than the producer gave back");
     static_assert(NS >= 2, "a ring");
 };
 
@@ -71,6 +85,38 @@ __device__ __forceinline__ void fb_pack(unsigned (&a)[N / 16][4], const float (&
     for (int s = 0; s < N / 16; ++s)
 #pragma unroll
         for (int i = 0; i < 4; ++i) a[s][i] = bf16x2_rn(d[8 * s + 2 * i], d[8 * s + 2 * i + 1]);
+}
+// -inf at the scores of a tile across the causal diagonal: the thread's element (j, e) is column
+// 8 j + 2 q + (e & 1) of the tile and row 8 (e >> 1) of the thread's first row; x = column - row offset,
+// 8 j + (e & 1) - 8 (e >> 1), is masked where x > d (UPPER: rows are queries, columns keys, d = the first
+// row's query less the tile's first key of q) or where x < d (rows are keys, columns queries, d = the first
+// row's key less the tile's first query of q). Called only on the tiles that reach a warp's diagonal (a
+// warp-uniform branch around it), so the others run no compare at all; exp2 of -inf is 0.
+template <int BN, bool UPPER>
+__device__ __forceinline__ void fb_mask_causal(float (&sc)[BN / 2], int d) {
+    const float ninf = __int_as_float(0xff800000);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int x = 8 * j + (e & 1) - 8 * (e >> 1);
+            if (UPPER ? x > d : x < d) sc[4 * j + e] = ninf;
+        }
+}
+// the max of each of the thread's two rows (hh) over the tile, in four independent chains a row
+template <int BN>
+__device__ __forceinline__ void fb_row_max(float (&mx)[2], const float (&sc)[BN / 2]) {
+    static_assert(BN % 32 == 0, "four chains of n8 blocks");
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float c[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[i] = fmaxf(sc[4 * i + 2 * hh], sc[4 * i + 2 * hh + 1]);
+#pragma unroll
+        for (int j = 4; j < BN / 8; ++j)
+            c[j & 3] = fmaxf(c[j & 3], fmaxf(sc[4 * j + 2 * hh], sc[4 * j + 2 * hh + 1]));
+        mx[hh] = fmaxf(fmaxf(c[0], c[1]), fmaxf(c[2], c[3]));
+    }
 }
 // keeps fragments in their registers until the wgmma that read them are waited for
 template <int N>
@@ -178,12 +224,79 @@ struct FbBlock {
 };
 
 #define FB_PLAN int THREADS, int BM, int BN, int NS, int SMEM
-// fwd: the rows' reference max m moves only when a tile's max passes it by more than 2^8 (log2 units),
-// as flash_tc's forward does: P = exp2(S - m) <= 2^8 (bf16 keeps its relative precision there), and most
-// tiles skip the rescaling of O and l
+// fwd: how far (log2 units) a tile's max may pass the rows' reference max before it moves (fb_online_softmax)
 #define FB_RESCALE_LOG2 8.f
 #define FB_ARGS_DROP const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float inv_keep, float scale, \
                      int T, int H
+
+// What the forward's softmax needs of the thread's rows besides the tile
+struct FbFwdRows {
+    float sl2;                                             // scale * log2 e
+    u32 key, rpair, Th, threshold;                         // dropout: row g's keep word of keys 2q, 2q + 1
+    int warp_row, row, q;                                  // the warp's first query, the thread's; lane % 4
+};
+// The forward's online softmax of the tile of keys k0.. in place: sc (raw scores S) -> P = exp2(S sl2 - m)
+// (0 past the causal diagonal, and where DROP drops it: 1 / (1 - p) goes on O at the end), l += the rows'
+// sums of P before dropout. m, the rows' reference max, moves only when a row's max passes it by more than
+// 2^FB_RESCALE_LOG2 = 2^8 (always on the first tile: m = -inf), as flash_tc's forward does: P <= 2^8 (bf16
+// keeps its relative precision there) and most tiles leave O alone; when it moves (in every row of the warp),
+// l is scaled here and alpha, the factor O must be scaled by before it takes this tile, is returned with
+// true (warp-uniform).
+template <int BN, bool DROP>
+__device__ __forceinline__ bool fb_online_softmax(float (&sc)[BN / 2], float (&m)[2], float (&l)[2],
+                                                  float (&alpha)[2], int k0, const FbFwdRows& r) {
+    if (k0 + BN - 1 > r.warp_row)                          // the tile reaches past the warp's first query
+        fb_mask_causal<BN, true>(sc, r.row - k0 - 2 * r.q);
+    float mx[2];                                           // the rows' max of the raw scores
+    fb_row_max<BN>(mx, sc);
+    bool grow = false;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+        mx[hh] *= r.sl2;                                   // (finite: every row sees key k0 of a tile it reads)
+        grow |= mx[hh] > m[hh] + FB_RESCALE_LOG2;
+    }
+    const bool grew = __any_sync(0xffffffffu, grow);
+    if (grew) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const float mnew = fmaxf(m[hh], mx[hh]);
+            alpha[hh] = gc_exp2(m[hh] - mnew);             // 0 on tile 0 (m = -inf)
+            m[hh] = mnew;
+            l[hh] *= alpha[hh];
+        }
+    }
+    float ls[2][2] = {{0.f, 0.f}, {0.f, 0.f}};              // the rows' sums of P, two chains a row
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            u32 kw = 0;                                    // keys k0 + 8j + 2q and + 1 share one keep word
+            if (DROP) kw = gc_keep_word(r.key, r.rpair + (u32)(8 * hh) * r.Th + (u32)((k0 >> 1) + 4 * j));
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float p = gc_exp2(fmaf(sc[4 * j + 2 * hh + e], r.sl2, -m[hh]));   // <= 2^FB_RESCALE_LOG2
+                ls[hh][j & 1] += p;
+                if (DROP && gc_keep_half(kw, e) < r.threshold) p = 0.f;
+                sc[4 * j + 2 * hh + e] = p;
+            }
+        }
+    l[0] += ls[0][0] + ls[0][1];
+    l[1] += ls[1][0] + ls[1][1];
+    return grew;
+}
+// O (HS columns of the thread's two rows) scaled by the rows' alpha
+template <int HS>
+__device__ __forceinline__ void fb_rescale(float (&o)[HS / 2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < HS / 8; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            o[4 * j + 2 * hh] *= alpha[hh];
+            o[4 * j + 2 * hh + 1] *= alpha[hh];
+        }
+}
 
 // ------------------------------------------------------------------------------------------- forward
 // One block per (b*H + h, query tile of BM), longest first; keys up to the tile's last query.
@@ -203,15 +316,15 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
     const int q0 = k.r0;
     const int nkt = (min(q0 + BM, T) + BN - 1) / BN;     // key tiles up to the block's last query
     if (k.producer) {
-        wg_regs_dec<40>();
+        wg_regs_dec<F::PRODUCER_REGS>();
         if (threadIdx.x < F::CW * 128 + 32)
             fb_produce<F, 1>(k.bars, k.res, k.ring, &map_q, k.h * HS, &map_q, 0, q0, &map_kv, k.C + k.h * HS,
                              &map_kv, 2 * k.C + k.h * HS, 0, nkt, k.b);
         return;
     }
-    wg_regs_inc<232>();
+    wg_regs_inc<F::CONSUMER_REGS>();
     const int wr0 = q0 + 64 * k.wg + 16 * k.w;            // the warp's first query
-    const int wg_last = q0 + 64 * k.wg + 63;
+    const int wg_last = q0 + 64 * k.wg < T ? q0 + 64 * k.wg + 63 : -1;   // -1: rows all past T, no tile
     const float sl2 = scale * GC_LOG2E, ninf = __int_as_float(0xff800000);
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 Th = (u32)((T + 1) / 2);
@@ -220,72 +333,69 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
     float o[HS / 2], m[2] = {ninf, ninf}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
+    const FbFwdRows r{sl2, key, rpair, Th, threshold, wr0, wr0 + k.g, k.q};
+    // the warpgroup's tiles are 0 .. nl - 1 (a key tile past its last query has nothing for it); the
+    // others are waited for and released all the same (the ring counts every consumer thread)
+    const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);
     k.wait_resident();
-    for (int it = 0; it < nkt; ++it) {
-        const int k0 = it * BN;
-        k.wait_full(it);
-        if (k0 <= wg_last) {                               // (uniform in the warpgroup)
-            const unsigned kt = k.stage(it), vt = kt + F::ST;
-            float sc[BN / 2];
-            fb_mma_ss<HS, BM, BN>(sc, qa, kt);
+    if constexpr (NS >= 3) {
+        // pipelined (a third ring stage): tile it's S = Q K^T is issued before tile it - 1's O += P V, and
+        // tile it's softmax runs while that product computes; O is rescaled once it is done
+        if (nl > 0) {
+            float sc[BN / 2], alpha[2];
+            unsigned pa[BN / 16][4];
+            k.wait_full(0);
+            fb_mma_ss<HS, BM, BN>(sc, qa, k.stage(0));
             wg_commit();
             wg_wait<0>();
             wg_fence_acc(sc);
-            const bool edge = k0 + BN - 1 > wr0;           // the tile reaches past the warp's first query
-            float mx[2] = {ninf, ninf};                    // the rows' max of the raw scores
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = sc[4 * j + e];
-                    if (edge && k0 + 8 * j + 2 * k.q + (e & 1) > wr0 + k.g + 8 * (e >> 1)) x = ninf;
-                    sc[4 * j + e] = x;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
-                }
-            bool grow = false;
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-                mx[hh] *= sl2;                             // (finite: every row sees key k0 of a tile it reads)
-                grow |= mx[hh] > m[hh] + FB_RESCALE_LOG2;
-            }
-            if (__any_sync(0xffffffffu, grow)) {           // move the reference max (always on tile 0)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const float mnew = fmaxf(m[hh], mx[hh]);
-                    const float alpha = gc_exp2(m[hh] - mnew);   // 0 on tile 0 (m = -inf)
-                    m[hh] = mnew;
-                    l[hh] *= alpha;
-#pragma unroll
-                    for (int j = 0; j < HS / 8; ++j) {
-                        o[4 * j + 2 * hh] *= alpha;
-                        o[4 * j + 2 * hh + 1] *= alpha;
-                    }
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    u32 kw = 0;                            // keys k0 + 8j + 2q and + 1 share one keep word
-                    if (DROP) kw = gc_keep_word(key, rpair + (u32)(8 * hh) * Th + (u32)((k0 >> 1) + 4 * j));
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float p = gc_exp2(fmaf(sc[4 * j + 2 * hh + e], sl2, -m[hh]));   // <= 2^FB_RESCALE_LOG2
-                        l[hh] += p;
-                        if (DROP && gc_keep_half(kw, e) < threshold) p = 0.f;   // 1/(1-p) on O at the end
-                        sc[4 * j + 2 * hh + e] = p;
-                    }
-                }
-            unsigned pa[BN / 16][4];
+            fb_online_softmax<BN, DROP>(sc, m, l, alpha, 0, r);      // (O is 0: nothing to rescale)
             fb_pack<BN>(pa, sc);
-            fb_mma_rs<HS, BN, BN / 16>(o, pa, vt);
+            for (int it = 1; it < nl; ++it) {
+                k.wait_full(it);
+                fb_mma_ss<HS, BM, BN>(sc, qa, k.stage(it));
+                wg_commit();
+                fb_mma_rs<HS, BN, BN / 16>(o, pa, k.stage(it - 1) + F::ST);
+                wg_commit();
+                wg_wait<1>();
+                wg_fence_acc(sc);
+                const bool grew = fb_online_softmax<BN, DROP>(sc, m, l, alpha, it * BN, r);
+                wg_wait<0>();
+                wg_fence_acc(o);
+                fb_fence_frags(pa);
+                k.release(it - 1);
+                if (grew) fb_rescale<HS>(o, alpha);
+                fb_pack<BN>(pa, sc);
+            }
+            fb_mma_rs<HS, BN, BN / 16>(o, pa, k.stage(nl - 1) + F::ST);
             wg_commit();
             wg_wait<0>();
             wg_fence_acc(o);
             fb_fence_frags(pa);
+            k.release(nl - 1);
         }
+    } else {                                               // a tile at a time
+        for (int it = 0; it < nl; ++it) {
+            k.wait_full(it);
+            const unsigned kt = k.stage(it);
+            float sc[BN / 2], alpha[2];
+            fb_mma_ss<HS, BM, BN>(sc, qa, kt);
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_acc(sc);
+            if (fb_online_softmax<BN, DROP>(sc, m, l, alpha, it * BN, r)) fb_rescale<HS>(o, alpha);
+            unsigned pa[BN / 16][4];
+            fb_pack<BN>(pa, sc);
+            fb_mma_rs<HS, BN, BN / 16>(o, pa, kt + F::ST);
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_acc(o);
+            fb_fence_frags(pa);
+            k.release(it);
+        }
+    }
+    for (int it = nl; it < nkt; ++it) {
+        k.wait_full(it);
         k.release(it);
     }
 #pragma unroll
@@ -318,6 +428,45 @@ __device__ __forceinline__ void fb_scores(float (&sc)[BN / 2], float (&dp)[BN / 
         WgBf16<BN>::template mma<0, 0>(dp, fb_desc_k<BM>(a2, s), fb_desc_k<BN>(st + BN * HS * 2, s), s > 0);
     wg_commit();
 }
+// fb_scores of stage it once it is loaded, waited for: sc and dp are the thread's again
+template <int HS, int BM, int BN, class F>
+__device__ __forceinline__ void fb_scores_wait(const FbBlock<F>& k, int it, float (&sc)[BN / 2], float (&dp)[BN / 2],
+                                               unsigned a, unsigned a2) {
+    k.wait_full(it);
+    fb_scores<HS, BM, BN>(sc, dp, a, a2, k.stage(it));
+    wg_wait<0>();
+    wg_fence_acc(sc);
+    wg_fence_acc(dp);
+}
+
+// What dQ's softmax gradient needs of the thread's rows besides the tile
+struct FbDqRows {
+    float sl2, lse2[2], D[2];                              // scale log2 e; the rows' lse (log2 units) and D
+    u32 key, rpair, Th, threshold;                         // dropout, as FbFwdRows
+    float inv_keep;
+    int warp_row, row, q;
+};
+// dQ's softmax gradient of the tile of keys k0.. in place: sc (S) -> dS = P (dP - D), P = exp2(S sl2 - lse
+// log2 e) (0 past the causal diagonal), dP = dPd keep / (1 - p) from dp (dPd = dO V^T)
+template <int BN, bool DROP>
+__device__ __forceinline__ void fb_dq_grads(float (&sc)[BN / 2], const float (&dp)[BN / 2], int k0, const FbDqRows& r) {
+    if (k0 + BN - 1 > r.warp_row) fb_mask_causal<BN, true>(sc, r.row - k0 - 2 * r.q);   // P = 0 there
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            u32 kw = 0;
+            if (DROP) kw = gc_keep_word(r.key, r.rpair + (u32)(8 * hh) * r.Th + (u32)((k0 >> 1) + 4 * j));
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = 4 * j + 2 * hh + e;
+                const float p = gc_exp2(sc[c] * r.sl2 - r.lse2[hh]);
+                float d = dp[c];
+                if (DROP) d = gc_keep_half(kw, e) < r.threshold ? 0.f : d * r.inv_keep;
+                sc[c] = p * (d - r.D[hh]);
+            }
+        }
+}
 
 // One block per (b*H + h, query tile of BM), longest first: Q and dO resident, K and V streamed.
 // It also makes D = rowsum(dO * O) of its rows (the 4 lanes of a row a quarter of the head's columns
@@ -343,15 +492,15 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     const int q0 = k.r0;
     const int nkt = (min(q0 + BM, T) + BN - 1) / BN;
     if (k.producer) {
-        wg_regs_dec<40>();
+        wg_regs_dec<F::PRODUCER_REGS>();
         if (threadIdx.x < F::CW * 128 + 32)
             fb_produce<F, 2>(k.bars, k.res, k.ring, &map_r, k.h * HS, &map_dy, k.h * HS, q0, &map_s,
                              k.C + k.h * HS, &map_s, 2 * k.C + k.h * HS, 0, nkt, k.b);
         return;
     }
-    wg_regs_inc<232>();
+    wg_regs_inc<F::CONSUMER_REGS>();
     const int wr0 = q0 + 64 * k.wg + 16 * k.w;
-    const int wg_last = q0 + 64 * k.wg + 63;
+    const int wg_last = q0 + 64 * k.wg < T ? q0 + 64 * k.wg + 63 : -1;   // -1: rows all past T, no tile
     const float sl2 = scale * GC_LOG2E;
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 Th = (u32)((T + 1) / 2);
@@ -382,42 +531,52 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     float dq[HS / 2];
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
+    const FbDqRows r{sl2, {lse2[0], lse2[1]}, {Dr[0], Dr[1]}, key, rpair, Th, threshold, inv_keep, wr0, wr0 + k.g, k.q};
+    const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);   // the warpgroup's tiles (as the forward's)
     k.wait_resident();
-    for (int it = 0; it < nkt; ++it) {
-        const int k0 = it * BN;
-        k.wait_full(it);
-        if (k0 <= wg_last) {
-            const unsigned kt = k.stage(it);
-            float sc[BN / 2], dp[BN / 2];
-            fb_scores<HS, BM, BN>(sc, dp, qa, da, kt);     // S = Q K^T, dPd = dO V^T
-            wg_wait<0>();
-            wg_fence_acc(sc);
-            wg_fence_acc(dp);
-            const bool edge = k0 + BN - 1 > wr0;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    u32 kw = 0;
-                    if (DROP) kw = gc_keep_word(key, rpair + (u32)(8 * hh) * Th + (u32)((k0 >> 1) + 4 * j));
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int c = 4 * j + 2 * hh + e;
-                        float p = gc_exp2(sc[c] * sl2 - lse2[hh]);
-                        if (edge && k0 + 8 * j + 2 * k.q + e > wr0 + k.g + 8 * hh) p = 0.f;
-                        float d = dp[c];                    // dP = dPd keep / (1 - p)
-                        if (DROP) d = gc_keep_half(kw, e) < threshold ? 0.f : d * inv_keep;
-                        sc[c] = p * (d - Dr[hh]);            // dS
-                    }
-                }
-            unsigned ds[BN / 16][4];
+    if (nl > 0) {
+        float sc[BN / 2], dp[BN / 2];
+        unsigned ds[BN / 16][4];
+        fb_scores_wait<HS, BM, BN>(k, 0, sc, dp, qa, da);   // S = Q K^T, dPd = dO V^T
+        fb_dq_grads<BN, DROP>(sc, dp, 0, r);
+        for (int it = 0; it + 1 < nl; ++it) {
             fb_pack<BN>(ds, sc);
-            fb_mma_rs<HS, BN, BN / 16>(dq, ds, kt);        // dQ += dS K
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_acc(dq);
-            fb_fence_frags(ds);
+            if constexpr (NS >= 3) {
+                // pipelined (a third ring stage): tile it + 1's S and dP are issued before tile it's
+                // dQ += dS K, and tile it + 1's dS is made while that product computes
+                k.wait_full(it + 1);
+                fb_scores<HS, BM, BN>(sc, dp, qa, da, k.stage(it + 1));
+                fb_mma_rs<HS, BN, BN / 16>(dq, ds, k.stage(it));
+                wg_commit();
+                wg_wait<1>();
+                wg_fence_acc(sc);
+                wg_fence_acc(dp);
+                fb_dq_grads<BN, DROP>(sc, dp, (it + 1) * BN, r);
+                wg_wait<0>();
+                wg_fence_acc(dq);
+                fb_fence_frags(ds);
+                k.release(it);
+            } else {                                       // a tile at a time
+                fb_mma_rs<HS, BN, BN / 16>(dq, ds, k.stage(it));   // dQ += dS K
+                wg_commit();
+                wg_wait<0>();
+                wg_fence_acc(dq);
+                fb_fence_frags(ds);
+                k.release(it);
+                fb_scores_wait<HS, BM, BN>(k, it + 1, sc, dp, qa, da);
+                fb_dq_grads<BN, DROP>(sc, dp, (it + 1) * BN, r);
+            }
         }
+        fb_pack<BN>(ds, sc);                               // the last tile's
+        fb_mma_rs<HS, BN, BN / 16>(dq, ds, k.stage(nl - 1));
+        wg_commit();
+        wg_wait<0>();
+        wg_fence_acc(dq);
+        fb_fence_frags(ds);
+        k.release(nl - 1);
+    }
+    for (int it = nl; it < nkt; ++it) {
+        k.wait_full(it);
         k.release(it);
     }
 #pragma unroll
@@ -472,7 +631,8 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
         l2[c] = i < r.T ? r.lse[i] * GC_LOG2E : __int_as_float(0x7f800000);
         Dq[c] = i < r.T ? r.D[i] : 0.f;
     }
-    const bool edge = i0 < r.kw0 + 15;                     // a query of the tile precedes a key of the warp
+    if (i0 < r.kw0 + 15)                                   // a query of the tile precedes a key of the warp
+        fb_mask_causal<BN, false>(sc, r.kw0 + r.g - i0 - 2 * r.q);   // P = 0 there
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
@@ -491,8 +651,7 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int c = 4 * j + 2 * hh + e2, kk = r.kw0 + r.g + 8 * hh;   // the row's key
-                float p = gc_exp2(fmaf(sc[c], r.sl2, -l2i));
-                if (edge && kk > i) p = 0.f;
+                const float p = gc_exp2(fmaf(sc[c], r.sl2, -l2i));
                 float d = dp[c], pd = p;
                 if (DROP) {
                     const bool keep = gc_keep_half(kws[hh], (u32)(kk & 1)) >= r.threshold;
@@ -527,13 +686,13 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     const int first = kb0 / BN;                            // the first query tile that sees a key of the block
     const int nqt = (T + BN - 1) / BN - first;
     if (k.producer) {
-        wg_regs_dec<40>();
+        wg_regs_dec<F::PRODUCER_REGS>();
         if (threadIdx.x < F::CW * 128 + 32)
             fb_produce<F, 2>(k.bars, k.res, k.ring, &map_r, k.C + k.h * HS, &map_r, 2 * k.C + k.h * HS, kb0,
                              &map_s, k.h * HS, &map_dy, k.h * HS, first, nqt, k.b);
         return;
     }
-    wg_regs_inc<232>();
+    wg_regs_inc<F::CONSUMER_REGS>();
     const int kw0 = kb0 + 64 * k.wg + 16 * k.w;           // the warp's first key
     const int wg_first = kb0 + 64 * k.wg;
     const float sl2 = scale * GC_LOG2E;
@@ -555,11 +714,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     if (it0 < nqt) {
         const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(k.bh * T), Th, threshold, inv_keep};
         float sc[BN / 2], dp[BN / 2];
-        k.wait_full(it0);
-        fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it0));
-        wg_wait<0>();
-        wg_fence_acc(sc);
-        wg_fence_acc(dp);
+        fb_scores_wait<HS, BM, BN>(k, it0, sc, dp, ka, va);
         fb_dkv_grads<BN, DROP>(sc, dp, (first + it0) * BN, r);
         for (int it = it0; it + 1 < nqt; ++it) {
             unsigned pa[BN / 16][4], ds[BN / 16][4];
@@ -584,11 +739,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                 fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
                 fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
                 k.release(it);
-                k.wait_full(it + 1);
-                fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
-                wg_wait<0>();
-                wg_fence_acc(sc);
-                wg_fence_acc(dp);
+                fb_scores_wait<HS, BM, BN>(k, it + 1, sc, dp, ka, va);
                 fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r);
             }
         }

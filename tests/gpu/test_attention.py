@@ -7,6 +7,7 @@ import pytest
 
 from gptcuda.model import rng
 from gptcuda.ops.cuda import attention as attn
+from gptcuda.ops.cuda import flash
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import bf16
 from tests.conftest import rel_err
@@ -290,6 +291,29 @@ BF16_SHAPES = [
 @pytest.mark.parametrize("p", [0.0, 0.1])
 @pytest.mark.parametrize("B,T,C,H", BF16_SHAPES)
 def test_fused_bf16(env, B, T, C, H, p):
+    out = _run_bf16(env, B, T, C, H, p)
+    errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
+    for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE), ("D", 1e-5)):
+        assert errs[k] < tol, f"{k}: rel_err {errs[k]:.3g} >= {tol:g} (all: {errs})"
+
+
+# other tiles of the plan at head size 64: pipelined or not, 3 and 4 consumer warpgroups (a block of 192
+# rows leaves whole warpgroups past T on these shapes, which must compute nothing and still release the ring)
+BF16_TILE_SETS = [
+    {"fwd": (128, 128, 3), "dq": (128, 64, 3)},          # the forward and dQ pipelined over three stages
+    {"fwd": (192, 128, 3), "dq": (192, 64, 3), "dkv": (192, 64, 3)},
+    {"fwd": (128, 64, 2), "dq": (128, 64, 2), "dkv": (128, 64, 2)},   # a tile at a time
+    {"fwd": (192, 64, 2), "dkv": (192, 64, 2)},
+    {"fwd": (256, 64, 2)},
+]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("B,T,C,H", [(1, 1000, 64, 1), (2, 200, 384, 6), (3, 5, 128, 2)])
+@pytest.mark.parametrize("tiles", BF16_TILE_SETS, ids=lambda t: "-".join(f"{k}{m}x{n}s{s}" for k, (m, n, s) in t.items()))
+def test_fused_bf16_tiles(env, monkeypatch, tiles, B, T, C, H, p):
+    for kind, t in tiles.items():
+        monkeypatch.setitem(flash.FLASH_BF16_TILES, (kind, 64), t)
     out = _run_bf16(env, B, T, C, H, p)
     errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
     for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE), ("D", 1e-5)):

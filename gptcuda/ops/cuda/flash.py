@@ -108,20 +108,27 @@ def flash_dkv_wg_plan(hs: int) -> dict:
     return {"rows": bk, "smem": smem, "args": (FLASH_THREADS, bk, bq, ns, smem)}
 
 
+# (kind, head size) -> (bm, bn, ns) of the bf16 flash kernels (bench/attention.py --bf16-tiles times others).
+# ns 3: the kernel's pipelined loop (a tile's first products issued before the last tile's second ones); on
+# the H200 it pays for dK/dV, and for the forward and dQ only with 192 rows (T1024 / T2048, not T256)
+FLASH_BF16_TILES = {("fwd", 64): (128, 128, 2), ("dq", 64): (128, 64, 2), ("dkv", 64): (128, 64, 3),
+                    ("fwd", 128): (128, 64, 2), ("dq", 128): (128, 64, 2), ("dkv", 128): (128, 64, 2)}
+
+
 def flash_bf16_plan(kind: str, hs: int) -> dict:
-    """Tile plan of a bf16 flash kernel (flash_bf16.cu, sm_90a): bm = 128 rows of the block's side (two
-    consumer warpgroups and the producer's: 384 threads), streamed tiles of bn rows of the other side
-    (fwd at head size 64: 128 keys, else 64) in a ring of ns stages (dkv at head size 64: 3, the kernel
-    then runs a tile's second products beside the next tile's first, two stages in use and a third
-    loading; at 128 the registers for both would serialize its wgmma; else 2); the
-    resident tiles (fwd: Q; dq: Q, dO; dkv: K, V), the ring, 1 KB to align the base. args: threads, bm,
-    bn, ns, smem (bytes)."""
+    """Tile plan of a bf16 flash kernel (flash_bf16.cu, sm_90a), FLASH_BF16_TILES': bm rows of the
+    block's side (bm / 64 consumer warpgroups and the producer's: 128 (bm / 64 + 1) threads), streamed
+    tiles of bn rows of the other side in a ring of ns stages (ns 3: the kernel runs a tile's second
+    products beside the next tile's first, two stages in use and a third loading; dK/dV's default at head
+    size 64; at 128 its registers for both would serialize its wgmma); the resident tiles (fwd: Q; dq: Q,
+    dO; dkv: K, V), the ring, 1 KB to align the base. args: threads, bm, bn, ns, smem (bytes)."""
     if hs not in FLASH_BF16_HEAD_SIZES:
         raise ValueError(f"the bf16 flash kernels take head sizes {FLASH_BF16_HEAD_SIZES}, not {hs}")
     if kind not in _KIND:
         raise ValueError(kind)
-    bm, ns = 128, 3 if kind == "dkv" and hs == 64 else 2
-    bn = 128 if kind == "fwd" and hs == 64 else 64
+    bm, bn, ns = FLASH_BF16_TILES[(kind, hs)]
+    if bm not in (128, 192, 256) or bn not in (64, 128) or ns not in (2, 3):
+        raise ValueError(f"bf16 flash tiles: bm 128 | 192 | 256, bn 64 | 128, ns 2 | 3, not {(bm, bn, ns)}")
     resident = 1 if kind == "fwd" else 2
     smem = resident * bm * hs * 2 + ns * 2 * bn * hs * 2 + 1024
     threads = 128 * (bm // 64 + 1)
