@@ -134,6 +134,15 @@ __device__ __forceinline__ void fb_mma_rs(float (&d)[HS / 2], unsigned (&a)[KS][
 #pragma unroll
     for (int s = 0; s < KS; ++s) WgBf16Rs<HS>::template mma<1>(d, a[s], fb_desc_mn<R>(b, s));
 }
+// fb_mma_rs issued, committed and waited for: d and the fragments a are the thread's again
+template <int HS, int R, int KS>
+__device__ __forceinline__ void fb_mma_rs_wait(float (&d)[HS / 2], unsigned (&a)[KS][4], unsigned b) {
+    fb_mma_rs<HS, R, KS>(d, a, b);
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_acc(d);
+    fb_fence_frags(a);
+}
 // d = A B^T over the head's columns, both K-major: A the warpgroup's 64 rows at a (tile of RA rows), B
 // at b (tile of N rows)
 template <int HS, int RA, int N>
@@ -221,6 +230,13 @@ struct FbBlock {
     __device__ __forceinline__ void release(int it) const { mbar_arrive(bars + 8 * (F::NS_ + it % F::NS_)); }
     __device__ __forceinline__ void wait_resident() const { mbar_wait(bars + 16 * F::NS_, 0); }
     __device__ __forceinline__ unsigned stage(int it) const { return ring + (it % F::NS_) * F::STAGE; }
+    // stages it0 .. it1 - 1 waited for and released unread (the ring counts every consumer thread's release)
+    __device__ __forceinline__ void skip(int it0, int it1) const {
+        for (int it = it0; it < it1; ++it) {
+            wait_full(it);
+            release(it);
+        }
+    }
 };
 
 #define FB_PLAN int THREADS, int BM, int BN, int NS, int SMEM
@@ -367,11 +383,7 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
                 if (grew) fb_rescale<HS>(o, alpha);
                 fb_pack<BN>(pa, sc);
             }
-            fb_mma_rs<HS, BN, BN / 16>(o, pa, k.stage(nl - 1) + F::ST);
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_acc(o);
-            fb_fence_frags(pa);
+            fb_mma_rs_wait<HS, BN, BN / 16>(o, pa, k.stage(nl - 1) + F::ST);
             k.release(nl - 1);
         }
     } else {                                               // a tile at a time
@@ -386,18 +398,11 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
             if (fb_online_softmax<BN, DROP>(sc, m, l, alpha, it * BN, r)) fb_rescale<HS>(o, alpha);
             unsigned pa[BN / 16][4];
             fb_pack<BN>(pa, sc);
-            fb_mma_rs<HS, BN, BN / 16>(o, pa, kt + F::ST);
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_acc(o);
-            fb_fence_frags(pa);
+            fb_mma_rs_wait<HS, BN, BN / 16>(o, pa, kt + F::ST);
             k.release(it);
         }
     }
-    for (int it = nl; it < nkt; ++it) {
-        k.wait_full(it);
-        k.release(it);
-    }
+    k.skip(nl, nkt);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         float L = l[hh];
@@ -557,28 +562,17 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
                 fb_fence_frags(ds);
                 k.release(it);
             } else {                                       // a tile at a time
-                fb_mma_rs<HS, BN, BN / 16>(dq, ds, k.stage(it));   // dQ += dS K
-                wg_commit();
-                wg_wait<0>();
-                wg_fence_acc(dq);
-                fb_fence_frags(ds);
+                fb_mma_rs_wait<HS, BN, BN / 16>(dq, ds, k.stage(it));   // dQ += dS K
                 k.release(it);
                 fb_scores_wait<HS, BM, BN>(k, it + 1, sc, dp, qa, da);
                 fb_dq_grads<BN, DROP>(sc, dp, (it + 1) * BN, r);
             }
         }
         fb_pack<BN>(ds, sc);                               // the last tile's
-        fb_mma_rs<HS, BN, BN / 16>(dq, ds, k.stage(nl - 1));
-        wg_commit();
-        wg_wait<0>();
-        wg_fence_acc(dq);
-        fb_fence_frags(ds);
+        fb_mma_rs_wait<HS, BN, BN / 16>(dq, ds, k.stage(nl - 1));
         k.release(nl - 1);
     }
-    for (int it = nl; it < nkt; ++it) {
-        k.wait_full(it);
-        k.release(it);
-    }
+    k.skip(nl, nkt);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int i = wr0 + k.g + 8 * hh;
