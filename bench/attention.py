@@ -13,8 +13,8 @@ whose CUDA runtime this package already set up can fail, and a fresh process als
 allocator and kernels out of our measurements. An unfused case whose [B,H,T,T] buffers do not fit in free
 device memory is skipped; the unfused T=8192 case is run last since it is the largest. bf16 (the
 flash_bf16 kernels, bf16 qkv / y / dy / dqkv): --bf16-tiles times each ';'-separated set of tiles
-(kind=BMxBNsNS, kind fwd | dq | dkv; `default`: flash.FLASH_BF16_TILES as it is) as its own row, the
-other kinds at their defaults.
+(kind=BMxBNsNS, kind fwd | dq | dkv, at every T; `default`: flash.FLASH_BF16_TILES and, at T >= 1024,
+FLASH_BF16_TILES_LONG as they are) as its own row, the other kinds at their defaults.
 """
 from __future__ import annotations
 
@@ -200,11 +200,14 @@ def main(argv=None):
     print(f"{'T':>6} {'impl':>8} {'prec':>5} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'fwd TF/s':>9} "
           f"{'bwd TF/s':>9}")
     results = []
-    defaults = dict(flash.FLASH_BF16_TILES)
+    defaults, long_defaults = dict(flash.FLASH_BF16_TILES), dict(flash.FLASH_BF16_TILES_LONG)
     for T, kind, prec, ts in cases:
-        flash.FLASH_BF16_TILES.clear()
-        flash.FLASH_BF16_TILES.update(defaults)
-        flash.FLASH_BF16_TILES.update({(k, hs): v for k, v in ts.items()})
+        for table, base in ((flash.FLASH_BF16_TILES, defaults), (flash.FLASH_BF16_TILES_LONG, long_defaults)):
+            table.clear()
+            table.update(base)
+        flash.FLASH_BF16_TILES.update({(k, hs): v for k, v in ts.items()})   # a row's tiles at every T
+        for k in ts:
+            flash.FLASH_BF16_TILES_LONG.pop((k, hs), None)
         label = prec + ("" if not ts else " " + ",".join(f"{k}={m}x{n}s{s}" for k, (m, n, s) in ts.items()))
         if kind == "torch":
             r = bench_torch(B, T, C, H, a.warmup, a.iters, dtype="bfloat16" if prec == "bf16" else "float32")

@@ -182,3 +182,22 @@ def test_kernels_refuse_a_plan_they_cannot_run(kind, path, wg):
         name = f"{base}<{','.join(bad)}>"
         with pytest.raises(compiler.CompileError, match="the launcher's plan"):
             compiler.check_compile(k.file, [name])
+
+
+def test_bf16_tiles_by_sequence_length():
+    """The bf16 kernels take FLASH_BF16_TILES_LONG's tile where T reaches FLASH_BF16_LONG_T (192 rows,
+    three consumer warpgroups, pipelined) and FLASH_BF16_TILES' below it; every tile a launch can name is
+    in the variants CI compiles, once."""
+    T = flash.FLASH_BF16_LONG_T
+    names = [n for f, n, _ in flash.variants() if f == "flash_bf16.cu"]
+    assert len(names) == len(set(names))
+    for (kind, hs), (bm, bn, ns) in flash.FLASH_BF16_TILES_LONG.items():
+        short = flash.flash_bf16_tile(kind, hs, T - 1)
+        assert short == flash.FLASH_BF16_TILES[(kind, hs)] != (bm, bn, ns)
+        assert flash.flash_bf16_tile(kind, hs, T) == flash.flash_bf16_tile(kind, hs, 4 * T) == (bm, bn, ns)
+        for t in (T - 1, T):
+            for drop in (False, True):
+                k = flash.flash_kernel(kind, "flash_bf16", hs, drop, T=t)
+                assert k.name in names
+                assert (k.rows, k.stream_rows, k.threads) == ((bm, bn, 128 * (bm // 64 + 1)) if t == T
+                                                              else (short[0], short[1], 128 * (short[0] // 64 + 1)))

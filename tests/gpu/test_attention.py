@@ -281,6 +281,7 @@ def _run_bf16(rt, B, T, C, H, p, seed=0):
 BF16_SHAPES = [
     (1, 256, 128, 2),    # hs 64: two query tiles
     (1, 1000, 64, 1),    # hs 64, long rows, a part tile at the end
+    (2, 1100, 128, 2),   # hs 64 at T >= 1024: the long tiles (192 rows, pipelined), a third-full last tile
     (2, 200, 384, 6),    # hs 64, two sequences (the tensor maps' third dimension), six heads
     (3, 5, 128, 2),      # tiny T: one part tile
     (2, 67, 256, 2),     # hs 128, a part tile

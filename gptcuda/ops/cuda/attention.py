@@ -342,7 +342,7 @@ def _bf16_fwd(rt, y, qkv, lse, n_head, p, site):
     B, T, C, H, hs = _split(qkv, n_head)
     _bf16_check(qkv, y)
     lse = _view(lse, (B, H, T))
-    k = flash.flash_kernel("fwd", "flash_bf16", hs, float(p) > 0)
+    k = flash.flash_kernel("fwd", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, k.rows), _bf16_map(rt, qkv, k.stream_rows)]
     rt.launch(rt.function(k.file, k.name), (B * H, cdiv(T, k.rows)), (k.threads,),
               [y, lse] + maps + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
@@ -355,11 +355,11 @@ def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))      # written by dQ's kernel (its rows'), read by dK / dV's
     tail = [lse, D] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
-    kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0)
+    kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kq.rows), _bf16_map(rt, dy, kq.rows), _bf16_map(rt, qkv, kq.stream_rows)]
     rt.launch(rt.function(kq.file, kq.name), (B * H, cdiv(T, kq.rows)), (kq.threads,),
               [dqkv] + maps + [dy, y] + tail, smem=kq.smem, label="flash_bwd_dq")
-    kk = flash.flash_kernel("dkv", "flash_bf16", hs, float(p) > 0)
+    kk = flash.flash_kernel("dkv", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kk.rows), _bf16_map(rt, qkv, kk.stream_rows), _bf16_map(rt, dy, kk.stream_rows)]
     rt.launch(rt.function(kk.file, kk.name), (B * H, cdiv(T, kk.rows)), (kk.threads,), [dqkv] + maps + tail,
               smem=kk.smem, label="flash_bwd_dkv")

@@ -110,23 +110,34 @@ def flash_dkv_wg_plan(hs: int) -> dict:
 
 # (kind, head size) -> (bm, bn, ns) of the bf16 flash kernels (bench/attention.py --bf16-tiles times others).
 # ns 3: the kernel's pipelined loop (a tile's first products issued before the last tile's second ones); on
-# the H200 it pays for dK/dV, and for the forward and dQ only with 192 rows (T1024 / T2048, not T256)
+# the H200 it pays for dK/dV, and for the forward and dQ only with 192 rows at T >= 1024 (three consumer
+# warpgroups a block: FLASH_BF16_TILES_LONG), not at T256
 FLASH_BF16_TILES = {("fwd", 64): (128, 128, 2), ("dq", 64): (128, 64, 2), ("dkv", 64): (128, 64, 3),
                     ("fwd", 128): (128, 64, 2), ("dq", 128): (128, 64, 2), ("dkv", 128): (128, 64, 2)}
+FLASH_BF16_LONG_T = 1024
+FLASH_BF16_TILES_LONG = {("fwd", 64): (192, 128, 3), ("dq", 64): (192, 64, 3)}
 
 
-def flash_bf16_plan(kind: str, hs: int) -> dict:
-    """Tile plan of a bf16 flash kernel (flash_bf16.cu, sm_90a), FLASH_BF16_TILES': bm rows of the
-    block's side (bm / 64 consumer warpgroups and the producer's: 128 (bm / 64 + 1) threads), streamed
-    tiles of bn rows of the other side in a ring of ns stages (ns 3: the kernel runs a tile's second
-    products beside the next tile's first, two stages in use and a third loading; dK/dV's default at head
-    size 64; at 128 its registers for both would serialize its wgmma); the resident tiles (fwd: Q; dq: Q,
-    dO; dkv: K, V), the ring, 1 KB to align the base. args: threads, bm, bn, ns, smem (bytes)."""
+def flash_bf16_tile(kind: str, hs: int, T: int = 0) -> tuple:
+    """(bm, bn, ns) of the bf16 `kind` kernel at head size hs for sequences of T rows."""
+    if T >= FLASH_BF16_LONG_T and (kind, hs) in FLASH_BF16_TILES_LONG:
+        return FLASH_BF16_TILES_LONG[(kind, hs)]
+    return FLASH_BF16_TILES[(kind, hs)]
+
+
+def flash_bf16_plan(kind: str, hs: int, T: int = 0) -> dict:
+    """Tile plan of a bf16 flash kernel (flash_bf16.cu, sm_90a) for sequences of T rows (flash_bf16_tile):
+    bm rows of the block's side (bm / 64 consumer warpgroups and the producer's: 128 (bm / 64 + 1)
+    threads), streamed tiles of bn rows of the other side in a ring of ns stages (ns 3: the kernel runs a
+    tile's second products beside the next tile's first, two stages in use and a third loading; dK/dV's
+    default at head size 64; at 128 its registers for both would serialize its wgmma); the resident tiles
+    (fwd: Q; dq: Q, dO; dkv: K, V), the ring, 1 KB to align the base. args: threads, bm, bn, ns, smem
+    (bytes)."""
     if hs not in FLASH_BF16_HEAD_SIZES:
         raise ValueError(f"the bf16 flash kernels take head sizes {FLASH_BF16_HEAD_SIZES}, not {hs}")
     if kind not in _KIND:
         raise ValueError(kind)
-    bm, bn, ns = FLASH_BF16_TILES[(kind, hs)]
+    bm, bn, ns = flash_bf16_tile(kind, hs, T)
     if bm not in (128, 192, 256) or bn not in (64, 128) or ns not in (2, 3):
         raise ValueError(f"bf16 flash tiles: bm 128 | 192 | 256, bn 64 | 128, ns 2 | 3, not {(bm, bn, ns)}")
     resident = 1 if kind == "fwd" else 2
@@ -141,23 +152,24 @@ def _x3(path: str) -> bool:
     return path == "flash_3x"
 
 
-def flash_plan(kind: str, hs: int, path: str) -> dict:
-    """The plan of the `kind` kernel of the fused `path` (flash | flash_tc | flash_3x)."""
+def flash_plan(kind: str, hs: int, path: str, T: int = 0) -> dict:
+    """The plan of the `kind` kernel of the fused `path` (flash | flash_tc | flash_3x | flash_bf16; T, the
+    sequences' rows, picks flash_bf16's tile)."""
     x3 = _x3(path)
     if path == "flash_bf16":
-        return flash_bf16_plan(kind, hs)
+        return flash_bf16_plan(kind, hs, T)
     return flash_simt_plan(kind, hs) if path == "flash" else flash_tc_plan(kind, hs, x3)
 
 
-def flash_kernel(kind: str, path: str, hs: int, drop: bool, wg: bool = False) -> FlashKernel:
-    """The `kind` kernel (fwd | dq | dkv) of the fused `path` at head size hs, with dropout or not;
-    wg: flash_tc's dK/dV on warpgroup MMA."""
+def flash_kernel(kind: str, path: str, hs: int, drop: bool, wg: bool = False, T: int = 0) -> FlashKernel:
+    """The `kind` kernel (fwd | dq | dkv) of the fused `path` at head size hs, with dropout or not, for
+    sequences of T rows; wg: flash_tc's dK/dV on warpgroup MMA."""
     if wg:
         if path != "flash_tc" or kind != "dkv":
             raise ValueError(f"flash_bwd_dkv_wg is flash_tc's dkv kernel, not {path}'s {kind}")
         plan, file, base = flash_dkv_wg_plan(hs), FLASH_WG_FILE, "flash_bwd_dkv_wg"
     else:
-        plan, file, base = flash_plan(kind, hs, path), FLASH_FILES[path], f"flash_{_KIND[kind]}{_SUFFIX[path]}"
+        plan, file, base = flash_plan(kind, hs, path, T), FLASH_FILES[path], f"flash_{_KIND[kind]}{_SUFFIX[path]}"
     return FlashKernel(file, expression(base, hs, bool(drop), *plan["args"]), plan["rows"], plan["smem"],
                        plan.get("threads", FLASH_THREADS), plan.get("stream_rows", 0))
 
@@ -174,8 +186,10 @@ def variants() -> list:
         for drop in (False, True):
             out += [(k.file, k.name, {}) for path in FLASH_PATHS for kind in _KIND
                     if path != "flash_bf16" or hs in FLASH_BF16_HEAD_SIZES
-                    for k in [flash_kernel(kind, path, hs, drop)]]
+                    for T in ((0, FLASH_BF16_LONG_T) if path == "flash_bf16" else (0,))
+                    for k in [flash_kernel(kind, path, hs, drop, T=T)]]
             if hs in FLASH_WG_HEAD_SIZES:
                 k = flash_kernel("dkv", "flash_tc", hs, drop, wg=True)
                 out.append((k.file, k.name, {}))
+    out = [v for i, v in enumerate(out) if v not in out[:i]]          # a tile the two T classes share
     return out + [(ROWSUM_FILE, rowsum_name(hs), {}) for hs in FLASH_HEAD_SIZES]
