@@ -45,12 +45,14 @@ __device__ __forceinline__ u32 gc_uniform(u32 k, u32 idx) {
 }
 
 // Dropout keep bits (rng.dropout_mask). A mask is taken as rows of `cols` elements; the two
-// elements of a pair (columns 2c, 2c+1 of a row) share one random word, that of the pair's index
-// pair = row * ceil(cols / 2) + c (mod 2^32): the even column is kept when the word's low 16 bits
-// are >= threshold, the odd one on its high 16 bits; threshold = min(floor(p * 2^16), 2^16 - 1).
-// A flat mask is one row: element e takes half e & 1 of word e >> 1.
+// elements of a pair (columns 2c, 2c+1 of a row) share one random word, H(pair ^ k) of the pair's
+// index pair = row * ceil(cols / 2) + c (mod 2^32): the even column is kept when the word's low 16
+// bits are >= threshold, the odd one on its high 16 bits; threshold = min(floor(p * 2^16), 2^16 - 1).
+// A flat mask is one row: element e takes half e & 1 of word e >> 1. One round of the mixer (the
+// key k is already three rounds of seed, site and step): the attention kernels draw a word for every
+// two probabilities, where a second round was most of dropout's cost.
 __device__ __forceinline__ u32 gc_keep_word(u32 k, u32 pair) {
-    return gc_uniform(k, pair);
+    return gc_hash32(pair ^ k);
 }
 // the 16-bit half of a keep word that belongs to the odd (odd != 0) or the even column
 __device__ __forceinline__ u32 gc_keep_half(u32 w, u32 odd) {

@@ -56,6 +56,13 @@ def uniform_u32(k: int, idx):
     return hash32((hash32(idx ^ k) + k) & M32)
 
 
+def keep_word(k: int, pairs):
+    """The keep word of pair index `pairs` (uint32 array) in stream k: one round, H(pair ^ k) (the key
+    is already three rounds of seed, site and step; kernels/common.cuh: gc_keep_word)."""
+    pairs = np.asarray(pairs, dtype=np.uint64) & M32
+    return hash32(pairs ^ np.uint64(k & M32))
+
+
 def keep_threshold(p: float) -> int:
     """An element is kept when its 16-bit half of a keep word is >= threshold; p is the drop probability
     (kept with probability 1 - threshold / 2^16, within 2^-16 of 1 - p)."""
@@ -65,8 +72,8 @@ def keep_threshold(p: float) -> int:
 def dropout_mask(seed: int, step: int, site: int, n: int, p: float, cols: int | None = None) -> np.ndarray:
     """Boolean keep-mask of n elements (row-major), taken as rows of `cols` elements (default: one row).
 
-    The two elements of a pair, columns 2c and 2c + 1 of row r, share the random word of the pair index
-    r * ceil(cols / 2) + c (mod 2^32): the even column is kept when the word's low 16 bits are >= the
+    The two elements of a pair, columns 2c and 2c + 1 of row r, share the keep word (keep_word) of the pair
+    index r * ceil(cols / 2) + c (mod 2^32): the even column is kept when the word's low 16 bits are >= the
     threshold, the odd column on its high 16 bits. One word serves two elements, so a kernel that holds
     both draws one word for them (kernels/common.cuh: gc_keep_word, gc_keep_half, gc_keep).
     Attention probabilities [B, H, T, T] are rows of T (cols=T); other masks are flat.
@@ -79,7 +86,7 @@ def dropout_mask(seed: int, step: int, site: int, n: int, p: float, cols: int | 
     rows, half = n // cols, (cols + 1) // 2
     pairs = (np.arange(rows, dtype=np.uint64)[:, None] * np.uint64(half)
              + np.arange(half, dtype=np.uint64)[None, :]) & np.uint64(M32)
-    w = uniform_u32(key(seed, step, site), pairs)
+    w = keep_word(key(seed, step, site), pairs)
     halves = np.stack([w & np.uint64(0xFFFF), w >> np.uint64(16)], axis=-1).reshape(rows, 2 * half)[:, :cols]
     return (halves >= np.uint64(keep_threshold(p))).reshape(n)
 
