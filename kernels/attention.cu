@@ -11,9 +11,9 @@
 //             attn_softmax_bwd: dS = P * (dP - rowsum(P * dP)) * scale, dP = dpd*keep/(1-p),
 //             in place on dpd; dq = dS k; dk = dS^T q; dq,dk,dv --attn_permute_out--> dqkv.
 //
-// The dropout keep bit of probability element (b,h,i,j) is gc_keep(key, r * ceil(T/2), j, threshold)
-// with r = (b*H + h)*T + i: the mask pairs along the rows of [B*H*T, T] (common.cuh); the numpy
-// reference draws the same bits (rng.dropout_mask with cols = T).
+// The dropout keep bit of probability element (b,h,i,j) is gc_keep_att(key, r * gc_att_words(T), j,
+// threshold) with r = (b*H + h)*T + i: four keys of a row share a keep word (common.cuh); the numpy
+// reference draws the same bits (rng.attention_keep).
 #include "common.cuh"
 
 // Block geometry comes from the launcher (gptcuda/ops/cuda/attention.py) as template arguments: the
@@ -121,13 +121,13 @@ attn_softmax_fwd(float* __restrict__ att,        // [B,H,T,T] scores in, probabi
 
     u32 key = 0;
     if (DROP) key = gc_key(seed, (u32)st->step, site);
-    const u32 base = (u32)r * (u32)((T + 1) / 2);   // the row's first keep-word pair, mod 2^32
+    const u32 base = (u32)r * gc_att_words(T);       // the row's first keep-word quad, mod 2^32
     float* prow = DROP ? pd + (long long)r * T : nullptr;
     for (int j = lane; j < T; j += 32) {
         float v = 0.f;
         if (j <= i) v = expf(row[j] - M) * inv;
         row[j] = v;
-        if (DROP) prow[j] = gc_keep(key, base, (u32)j, threshold) ? v * inv_keep : 0.f;
+        if (DROP) prow[j] = gc_keep_att(key, base, (u32)j, threshold) ? v * inv_keep : 0.f;
     }
 }
 
@@ -145,12 +145,12 @@ attn_dropout_probs(float* __restrict__ pd,           // [B,H,T,T]
     if (r >= rows) return;
     const int i = r % T;
     const u32 key = gc_key(seed, (u32)st->step, site);
-    const u32 base = (u32)r * (u32)((T + 1) / 2);   // the row's first keep-word pair, mod 2^32
+    const u32 base = (u32)r * gc_att_words(T);       // the row's first keep-word quad, mod 2^32
     const float* prow = probs + (long long)r * T;
     float* drow = pd + (long long)r * T;
     for (int j = lane; j < T; j += 32) {
         float v = 0.f;
-        if (j <= i && gc_keep(key, base, (u32)j, threshold)) v = prow[j] * inv_keep;
+        if (j <= i && gc_keep_att(key, base, (u32)j, threshold)) v = prow[j] * inv_keep;
         drow[j] = v;
     }
 }
@@ -171,14 +171,14 @@ attn_softmax_bwd(float* __restrict__ d,              // [B,H,T,T] dpd in, dS out
     const int i = r % T;
     u32 key = 0;
     if (DROP) key = gc_key(seed, (u32)st->step, site);
-    const u32 base = (u32)r * (u32)((T + 1) / 2);   // the row's first keep-word pair, mod 2^32
+    const u32 base = (u32)r * gc_att_words(T);       // the row's first keep-word quad, mod 2^32
     const float* prow = probs + (long long)r * T;
     float* drow = d + (long long)r * T;
 
     float acc = 0.f;
     for (int j = lane; j <= i; j += 32) {
         float g = drow[j];
-        if (DROP) g = gc_keep(key, base, (u32)j, threshold) ? g * inv_keep : 0.f;
+        if (DROP) g = gc_keep_att(key, base, (u32)j, threshold) ? g * inv_keep : 0.f;
         acc += prow[j] * g;
     }
     const float dot = gc_warp_sum(acc);
@@ -186,7 +186,7 @@ attn_softmax_bwd(float* __restrict__ d,              // [B,H,T,T] dpd in, dS out
         float v = 0.f;
         if (j <= i) {
             float g = drow[j];
-            if (DROP) g = gc_keep(key, base, (u32)j, threshold) ? g * inv_keep : 0.f;
+            if (DROP) g = gc_keep_att(key, base, (u32)j, threshold) ? g * inv_keep : 0.f;
             v = prow[j] * (g - dot) * scale;
         }
         drow[j] = v;

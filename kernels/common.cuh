@@ -62,6 +62,22 @@ __device__ __forceinline__ u32 gc_keep_half(u32 w, u32 odd) {
 __device__ __forceinline__ bool gc_keep(u32 k, u32 rowpair, u32 col, u32 threshold) {
     return gc_keep_half(gc_keep_word(k, rowpair + (col >> 1)), col & 1u) >= threshold;
 }
+// Attention dropout (rng.attention_keep): the probability of row R = (b*H + h)*T + i and key j takes
+// byte gc_att_byte(j) of the keep word of quad R * gc_att_words(T) + gc_att_quad(j): keys 2c, 2c+1,
+// 2c+8 and 2c+9 of a 16-key block (c = 0..3) share one word, so a tensor-core thread that holds keys
+// 2c, 2c+1 of two neighbouring 8-key groups (or keys g and g+8) draws one word for them; kept when the
+// byte is >= threshold = min(floor(p * 256), 255), scaled by 1 / (1 - threshold / 256).
+__device__ __forceinline__ u32 gc_att_words(int T) { return 4u * (u32)((T + 15) >> 4); }
+__device__ __forceinline__ u32 gc_att_quad(u32 j) { return ((j >> 4) << 2) | ((j >> 1) & 3u); }
+__device__ __forceinline__ u32 gc_att_byte(u32 j) { return ((j >> 2) & 2u) | (j & 1u); }
+// byte b of keep word w >= threshold (the byte shifted to the top: one compare for byte 3)
+__device__ __forceinline__ bool gc_keep_byte(u32 w, u32 b, u32 threshold) {
+    return (w << (24u - 8u * b)) >= (threshold << 24);
+}
+// keep-test of key j of the row whose first quad is rowq (R * gc_att_words(T))
+__device__ __forceinline__ bool gc_keep_att(u32 k, u32 rowq, u32 j, u32 threshold) {
+    return gc_keep_byte(gc_keep_word(k, rowq + gc_att_quad(j)), gc_att_byte(j), threshold);
+}
 // Dropout of a flat mask's element e (x * scale where kept, else 0), and of its four elements e ..
 // e + 3 for e % 4 == 0 (the words of pairs e/2 and e/2 + 1, drawn once each)
 __device__ __forceinline__ float gc_dropout1(float x, u32 k, long long e, u32 threshold, float scale) {

@@ -245,10 +245,30 @@ struct FbBlock {
 #define FB_ARGS_DROP const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float inv_keep, float scale, \
                      int T, int H
 
+// The forward's and dQ's walk over a thread's elements of a tile of keys k0..: f(c, hh, jj, keep) for
+// element c = 8 jp + 4 jj + 2 hh + e of the accumulators (row g + 8 hh, key k0 + 16 jp + 8 jj + 2q + e)
+// with its keep bit (true without DROP): keys 2q, 2q + 1, + 8, + 9 of a 16-key block share the row's
+// keep word of quad rquad + 8 hh W + k0 / 4 + 4 jp (gc_keep_att), byte 2 jj + e
+template <int BN, bool DROP, class F>
+__device__ __forceinline__ void fb_tile_keep(u32 key, u32 rquad, u32 W, u32 threshold, int k0, F&& f) {
+#pragma unroll
+    for (int jp = 0; jp < BN / 16; ++jp)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            u32 kw = 0;
+            if (DROP) kw = gc_keep_word(key, rquad + (u32)(8 * hh) * W + (u32)((k0 >> 2) + 4 * jp));
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    f(8 * jp + 4 * jj + 2 * hh + e, hh, jj, !DROP || gc_keep_byte(kw, 2 * jj + e, threshold));
+        }
+}
+
 // What the forward's softmax needs of the thread's rows besides the tile
 struct FbFwdRows {
     float sl2;                                             // scale * log2 e
-    u32 key, rpair, Th, threshold;                         // dropout: row g's keep word of keys 2q, 2q + 1
+    u32 key, rquad, W, threshold;                          // dropout: row g's keep word of keys 2q, 2q + 1, + 8, + 9
     int warp_row, row, q;                                  // the warp's first query, the thread's; lane % 4
 };
 // The forward's online softmax of the tile of keys k0.. in place: sc (raw scores S) -> P = exp2(S sl2 - m)
@@ -284,20 +304,11 @@ __device__ __forceinline__ bool fb_online_softmax(float (&sc)[BN / 2], float (&m
         }
     }
     float ls[2][2] = {{0.f, 0.f}, {0.f, 0.f}};              // the rows' sums of P, two chains a row
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            u32 kw = 0;                                    // keys k0 + 8j + 2q and + 1 share one keep word
-            if (DROP) kw = gc_keep_word(r.key, r.rpair + (u32)(8 * hh) * r.Th + (u32)((k0 >> 1) + 4 * j));
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float p = gc_exp2(fmaf(sc[4 * j + 2 * hh + e], r.sl2, -m[hh]));   // <= 2^FB_RESCALE_LOG2
-                ls[hh][j & 1] += p;
-                if (DROP && gc_keep_half(kw, e) < r.threshold) p = 0.f;
-                sc[4 * j + 2 * hh + e] = p;
-            }
-        }
+    fb_tile_keep<BN, DROP>(r.key, r.rquad, r.W, r.threshold, k0, [&](int c, int hh, int jj, bool keep) {
+        const float p = gc_exp2(fmaf(sc[c], r.sl2, -m[hh]));   // <= 2^FB_RESCALE_LOG2
+        ls[hh][jj] += p;
+        sc[c] = keep ? p : 0.f;
+    });
     l[0] += ls[0][0] + ls[0][1];
     l[1] += ls[1][0] + ls[1][1];
     return grew;
@@ -343,13 +354,13 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
     const int wg_last = q0 + 64 * k.wg < T ? q0 + 64 * k.wg + 63 : -1;   // -1: rows all past T, no tile
     const float sl2 = scale * GC_LOG2E, ninf = __int_as_float(0xff800000);
     const u32 key = fa_drop_key<DROP>(st, seed, site);
-    const u32 Th = (u32)((T + 1) / 2);
-    const u32 rpair = (u32)(k.bh * T + wr0 + k.g) * Th + (u32)k.q;   // row g's keep word of keys 2q, 2q + 1
+    const u32 W = gc_att_words(T);
+    const u32 rquad = (u32)(k.bh * T + wr0 + k.g) * W + (u32)k.q;    // row g's keep word of keys 2q, 2q + 1, + 8, + 9
     const unsigned qa = k.res + k.wg * 64 * 128;            // the warpgroup's rows of Q
     float o[HS / 2], m[2] = {ninf, ninf}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
-    const FbFwdRows r{sl2, key, rpair, Th, threshold, wr0, wr0 + k.g, k.q};
+    const FbFwdRows r{sl2, key, rquad, W, threshold, wr0, wr0 + k.g, k.q};
     // the warpgroup's tiles are 0 .. nl - 1 (a key tile past its last query has nothing for it); the
     // others are waited for and released all the same (the ring counts every consumer thread)
     const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);
@@ -447,7 +458,7 @@ __device__ __forceinline__ void fb_scores_wait(const FbBlock<F>& k, int it, floa
 // What dQ's softmax gradient needs of the thread's rows besides the tile
 struct FbDqRows {
     float sl2, lse2[2], D[2];                              // scale log2 e; the rows' lse (log2 units) and D
-    u32 key, rpair, Th, threshold;                         // dropout, as FbFwdRows
+    u32 key, rquad, W, threshold;                          // dropout, as FbFwdRows
     float inv_keep;
     int warp_row, row, q;
 };
@@ -456,21 +467,11 @@ struct FbDqRows {
 template <int BN, bool DROP>
 __device__ __forceinline__ void fb_dq_grads(float (&sc)[BN / 2], const float (&dp)[BN / 2], int k0, const FbDqRows& r) {
     if (k0 + BN - 1 > r.warp_row) fb_mask_causal<BN, true>(sc, r.row - k0 - 2 * r.q);   // P = 0 there
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            u32 kw = 0;
-            if (DROP) kw = gc_keep_word(r.key, r.rpair + (u32)(8 * hh) * r.Th + (u32)((k0 >> 1) + 4 * j));
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = 4 * j + 2 * hh + e;
-                const float p = gc_exp2(sc[c] * r.sl2 - r.lse2[hh]);
-                float d = dp[c];
-                if (DROP) d = gc_keep_half(kw, e) < r.threshold ? 0.f : d * r.inv_keep;
-                sc[c] = p * (d - r.D[hh]);
-            }
-        }
+    fb_tile_keep<BN, DROP>(r.key, r.rquad, r.W, r.threshold, k0, [&](int c, int hh, int, bool keep) {
+        const float p = gc_exp2(sc[c] * r.sl2 - r.lse2[hh]);
+        const float d = DROP ? (keep ? dp[c] * r.inv_keep : 0.f) : dp[c];
+        sc[c] = p * (d - r.D[hh]);
+    });
 }
 
 // One block per (b*H + h, query tile of BM), longest first: Q and dO resident, K and V streamed.
@@ -508,8 +509,8 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     const int wg_last = q0 + 64 * k.wg < T ? q0 + 64 * k.wg + 63 : -1;   // -1: rows all past T, no tile
     const float sl2 = scale * GC_LOG2E;
     const u32 key = fa_drop_key<DROP>(st, seed, site);
-    const u32 Th = (u32)((T + 1) / 2);
-    const u32 rpair = (u32)(k.bh * T + wr0 + k.g) * Th + (u32)k.q;
+    const u32 W = gc_att_words(T);
+    const u32 rquad = (u32)(k.bh * T + wr0 + k.g) * W + (u32)k.q;
     const unsigned qa = k.res + k.wg * 64 * 128, da = qa + F::RT;   // the warpgroup's rows of Q, dO
     float lse2[2], Dr[2];                                  // per row: lse in log2 units, D
 #pragma unroll
@@ -536,7 +537,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     float dq[HS / 2];
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
-    const FbDqRows r{sl2, {lse2[0], lse2[1]}, {Dr[0], Dr[1]}, key, rpair, Th, threshold, inv_keep, wr0, wr0 + k.g, k.q};
+    const FbDqRows r{sl2, {lse2[0], lse2[1]}, {Dr[0], Dr[1]}, key, rquad, W, threshold, inv_keep, wr0, wr0 + k.g, k.q};
     const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);   // the warpgroup's tiles (as the forward's)
     k.wait_resident();
     if (nl > 0) {
@@ -608,14 +609,16 @@ struct FbDkvRow {
     int kw0, g, q, T;
     const float *lse, *D;                                  // the head's [T]
     float sl2;
-    u32 key, row0, Th, threshold;                          // row0: b h T, the head's first query's row of words
+    u32 key, row0, W, kquad, threshold;                    // row0: b h T, the head's first query; kquad: the
+                                                           // quad of keys g and g + 8 within a row of W words
     float inv_keep;
 };
 // The softmax gradient of a tile of queries i0.. in place: sc (S^T) -> Pd^T (P with dropout, for dV), dp
 // (dPd^T) -> dS^T = P (dP - D) where dP = dPd keep / (1 - p). P = exp2(S sl2 - lse log2 e) of the thread's
-// columns' lse, 0 above the diagonal. Keys 2c' and 2c' + 1 of query i share a keep word, and they are
-// rows g and g + 1 (g even), lanes 4 apart: of the words of the thread's two rows (hh), the even lane
-// draws the first's, the odd one the second's, and each hands its word to the other.
+// columns' lse, 0 above the diagonal. The thread's keys g and g + 8 and their neighbours g ^ 1, g ^ 1 + 8
+// (lanes 4 apart) take bytes of one keep word of query i (gc_keep_att): of the two queries of a column
+// pair, the even lane draws the first's word, the odd lane the second's, and each hands its word to the
+// other.
 template <int BN, bool DROP>
 __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN / 2], int i0, const FbDkvRow& r) {
     float l2[BN / 4], Dq[BN / 4];                          // the thread's columns' lse (log2 units) and D
@@ -627,28 +630,26 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
     }
     if (i0 < r.kw0 + 15)                                   // a query of the tile precedes a key of the warp
         fb_mask_causal<BN, false>(sc, r.kw0 + r.g - i0 - 2 * r.q);   // P = 0 there
+    const u32 odd = (u32)(r.g & 1);
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
+    for (int j = 0; j < BN / 8; ++j) {
+        u32 kws[2] = {0u, 0u};                             // the words of queries i0 + 8j + 2q and + 1
+        if (DROP) {
+            const u32 mine = gc_keep_word(r.key, (r.row0 + (u32)(i0 + 8 * j + 2 * r.q) + odd) * r.W + r.kquad);
+            const u32 theirs = __shfl_xor_sync(0xffffffffu, mine, 4);
+            kws[0] = (odd ? theirs : mine) >> (8 * odd);   // this lane's keys: bytes 0 and 2
+            kws[1] = (odd ? mine : theirs) >> (8 * odd);
+        }
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
-            const int i = i0 + 8 * j + 2 * r.q + e2;       // the column's query
             const float l2i = l2[2 * j + e2], Di = Dq[2 * j + e2];
-            u32 kws[2] = {0u, 0u};
-            if (DROP) {
-                const u32 odd = (u32)(r.g & 1);
-                const u32 mine = gc_keep_word(r.key, (r.row0 + (u32)i) * r.Th +
-                                                         (u32)((r.kw0 + (r.g & ~1) + 8 * (int)odd) >> 1));
-                const u32 theirs = __shfl_xor_sync(0xffffffffu, mine, 4);
-                kws[0] = odd ? theirs : mine;
-                kws[1] = odd ? mine : theirs;
-            }
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const int c = 4 * j + 2 * hh + e2, kk = r.kw0 + r.g + 8 * hh;   // the row's key
+                const int c = 4 * j + 2 * hh + e2;         // key kw0 + g + 8 hh: byte 2 hh + (g & 1)
                 const float p = gc_exp2(fmaf(sc[c], r.sl2, -l2i));
                 float d = dp[c], pd = p;
                 if (DROP) {
-                    const bool keep = gc_keep_half(kws[hh], (u32)(kk & 1)) >= r.threshold;
+                    const bool keep = gc_keep_byte(kws[e2], 2u * hh, r.threshold);
                     d = keep ? d * r.inv_keep : 0.f;
                     pd = keep ? p * r.inv_keep : 0.f;
                 }
@@ -656,6 +657,7 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
                 dp[c] = p * (d - Di);
             }
         }
+    }
 }
 
 // One block per (b*H + h, key tile of BM), the first key tiles (the most queries) first: K and V
@@ -691,7 +693,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     const int wg_first = kb0 + 64 * k.wg;
     const float sl2 = scale * GC_LOG2E;
     const u32 key = fa_drop_key<DROP>(st, seed, site);
-    const u32 Th = (u32)((T + 1) / 2);
+    const u32 W = gc_att_words(T);
     const unsigned ka = k.res + k.wg * 64 * 128, va = ka + F::RT;   // the warpgroup's keys of K, V
     const float* lse_h = lse + (long long)k.bh * T;
     const float* D_h = Dg + (long long)k.bh * T;
@@ -706,7 +708,8 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
         ++it0;
     }
     if (it0 < nqt) {
-        const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(k.bh * T), Th, threshold, inv_keep};
+        const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(k.bh * T), W, gc_att_quad((u32)(kw0 + k.g)),
+                         threshold, inv_keep};
         float sc[BN / 2], dp[BN / 2];
         fb_scores_wait<HS, BM, BN>(k, it0, sc, dp, ka, va);
         fb_dkv_grads<BN, DROP>(sc, dp, (first + it0) * BN, r);

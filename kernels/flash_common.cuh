@@ -24,11 +24,14 @@
 //   longest first across all heads (the short diagonal-only blocks fill the tail).
 //   No atomics: every output element is written by exactly one thread; deterministic.
 //
-// Dropout (DROP): the keep bit of probability (b,h,i,j) is gc_keep(gc_key(seed, step, site), r * ceil(T/2),
-// j, threshold), r = (b*H + h)*T + i: keys 2c and 2c + 1 of a row share one keep word (common.cuh), as
-// in the unfused path and rng.dropout_mask(cols = T). The tensor-core kernels draw each word once.
-// The forward applies it to P before P V (the row sum l is of the undropped P); the backward
-// uses Pd = P*keep/(1-p) for dV and dP = dPd*keep/(1-p) for dS.
+// Dropout (DROP): the keep bit of probability (b,h,i,j) is gc_keep_att(gc_key(seed, step, site),
+// r * gc_att_words(T), j, threshold), r = (b*H + h)*T + i: keys 2c, 2c + 1, 2c + 8, 2c + 9 of a 16-key
+// block of a row share one keep word, a byte each (common.cuh), as in the unfused path and
+// rng.attention_keep. The tensor-core kernels draw each word once (the forward and dQ: a thread's keys
+// 2c, 2c + 1 of 8-key groups 2n and 2n + 1; dK / dV: keys g and g + 8 of a query, shared with the lane
+// of key g ^ 1). The forward applies it to P before P V (the row sum l is of the undropped P); the
+// backward uses Pd = P*keep/(1-p) for dV and dP = dPd*keep/(1-p) for dS (1/(1-p): inv_keep, the
+// launcher's 1 / (1 - rng.attention_rate(p))).
 // Exponentials run in base 2 (scores in units of log2 e); lse is stored in natural log.
 //
 // Geometry: gptcuda/ops/cuda/flash.py chooses each kernel's tiles (rows a block, the other

@@ -184,7 +184,7 @@ __device__ __forceinline__ void fa_fwd_body(FA_ARGS_FWD) {
     for (int rr = 0; rr < RM; ++rr) {
         m[rr] = ninf;
         l[rr] = 0.f;
-        rbase[rr] = (u32)(bh * T + q0 + P::row(rr)) * (u32)((T + 1) / 2);
+        rbase[rr] = (u32)(bh * T + q0 + P::row(rr)) * gc_att_words(T);
 #pragma unroll
         for (int e = 0; e < OC; ++e) o[rr][e] = 0.f;
     }
@@ -225,7 +225,7 @@ __device__ __forceinline__ void fa_fwd_body(FA_ARGS_FWD) {
             for (int jj = 0; jj < RN; ++jj) {
                 float pe = exp2f(s[rr][jj] - mnew);
                 rowsum += pe;
-                if (DROP) pe = gc_keep(key, rbase[rr], (u32)(k0 + P::col(jj)), threshold) ? pe * inv_keep : 0.f;
+                if (DROP) pe = gc_keep_att(key, rbase[rr], (u32)(k0 + P::col(jj)), threshold) ? pe * inv_keep : 0.f;
                 s[rr][jj] = pe;
             }
             l[rr] = l[rr] * alpha + rowsum;           // thread-partial sum, reduced once at the end
@@ -278,7 +278,7 @@ __device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
         const int i = q0 + P::row(rr);
         lr[rr] = i < T ? lse[(long long)bh * T + i] * GC_LOG2E : 0.f;     // log2 units
         dr[rr] = i < T ? Dg[(long long)bh * T + i] : 0.f;
-        rbase[rr] = (u32)(bh * T + i) * (u32)((T + 1) / 2);
+        rbase[rr] = (u32)(bh * T + i) * gc_att_words(T);
 #pragma unroll
         for (int e = 0; e < OC; ++e) dq[rr][e] = 0.f;
     }
@@ -302,7 +302,7 @@ __device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
                 const bool valid = j <= i && j < T && i < T;
                 const float pe = valid ? exp2f(fmaf(s[rr][jj], sl2, -lr[rr])) : 0.f;
                 float g = dp[rr][jj];
-                if (DROP) g = gc_keep(key, rbase[rr], (u32)j, threshold) ? g * inv_keep : 0.f;
+                if (DROP) g = gc_keep_att(key, rbase[rr], (u32)j, threshold) ? g * inv_keep : 0.f;
                 s[rr][jj] = pe * (g - dr[rr]) * scale;
             }
         }
@@ -378,7 +378,7 @@ __device__ __forceinline__ void fa_dkv_body(FA_ARGS_BWD) {
                 float g = dp[rr][jj];
                 float pd = pe;
                 if (DROP) {
-                    const bool kp = gc_keep(key, (u32)(bh * T + i) * (u32)((T + 1) / 2), (u32)j, threshold);
+                    const bool kp = gc_keep_att(key, (u32)(bh * T + i) * gc_att_words(T), (u32)j, threshold);
                     g = kp ? g * inv_keep : 0.f;
                     pd = kp ? pe * inv_keep : 0.f;
                 }

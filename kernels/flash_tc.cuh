@@ -541,8 +541,8 @@ __device__ __forceinline__ void fa_fwd_tc_body(FA_ARGS_FWD) {
         }
     fa_zero(o);
     const u32 key = fa_drop_key<DROP>(st, seed, site);
-    const u32 Th = (u32)((T + 1) / 2);                 // keep-word pairs per row of the [B*H*T, T] mask
-    const u32 rpair = (u32)(bh * T + wr0 + g) * Th + (u32)t;   // row g's word of keys 2t, 2t + 1
+    const u32 W = gc_att_words(T);                     // keep words a row of the [B*H*T, T] mask
+    const u32 rquad = (u32)(bh * T + wr0 + g) * W + (u32)t;    // row g's word of keys 2t, 2t + 1, + 8, + 9
 
     // one key tile: S - m on the tensor cores, (mask), online softmax, O += P V
     auto tile = [&](const float* Ks, const float* Vs, int k0, auto edge_tag) {
@@ -597,16 +597,18 @@ __device__ __forceinline__ void fa_fwd_tc_body(FA_ARGS_FWD) {
             for (int hh = 0; hh < 2; ++hh) {
                 float rsum = 0.f;
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    u32 kw = 0;                        // keys k0 + 8nt + 2t and + 1 share one keep word
-                    if (DROP) kw = gc_keep_word(key, rpair + (u32)(16 * mt + 8 * hh) * Th + (u32)((k0 >> 1) + 4 * nt));
+                for (int np = 0; np < NT / 2; ++np) {
+                    u32 kw = 0;                        // keys k0 + 16np + 2t, + 1, + 8, + 9 share one keep word
+                    if (DROP) kw = gc_keep_word(key, rquad + (u32)(16 * mt + 8 * hh) * W + (u32)((k0 >> 2) + 4 * np));
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float p = gc_exp2(s[mt][nt][2 * hh + e]);   // exp2(S - m) <= 2^FA_RESCALE_LOG2
-                        rsum += p;
-                        if (DROP && gc_keep_half(kw, e) < threshold) p = 0.f;   // 1/(1-p) is applied to O at the end
-                        s[mt][nt][2 * hh + e] = p;
-                    }
+                    for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            float p = gc_exp2(s[mt][2 * np + jj][2 * hh + e]);   // exp2(S - m) <= 2^FA_RESCALE_LOG2
+                            rsum += p;
+                            if (DROP && !gc_keep_byte(kw, 2 * jj + e, threshold)) p = 0.f;   // 1/(1-p): on O at the end
+                            s[mt][2 * np + jj][2 * hh + e] = p;
+                        }
                 }
                 l[mt][hh] += rsum;                     // thread-partial; reduced once at the end
             }
@@ -683,7 +685,7 @@ __device__ __forceinline__ void fa_dq_tc_body(FA_ARGS_BWD) {
             const int i = wr0 + 16 * mt + g + 8 * hh;
             nl[mt][hh] = i < T ? -lse[(long long)bh * T + i] * GC_LOG2E : 0.f;
             nd[mt][hh] = i < T ? -Dg[(long long)bh * T + i] : 0.f;
-            rbase[mt][hh] = (u32)(bh * T + i) * (u32)((T + 1) / 2);
+            rbase[mt][hh] = (u32)(bh * T + i) * gc_att_words(T);
         }
     float cl[MT][NT][4], cd[MT][NT][4];
     fa_rows_frag(cl, nl);
@@ -726,23 +728,26 @@ __device__ __forceinline__ void fa_dq_tc_body(FA_ARGS_BWD) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                u32 kw[2] = {0, 0};                    // rows g, g + 8: keys k0 + 8nt + 2t and + 1 share a word
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 kw[2] = {0, 0};                    // rows g, g + 8: keys k0 + 16np + 2t, + 1, + 8, + 9 share a word
                 if (DROP) {
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh)
-                        kw[hh] = gc_keep_word(key, rbase[mt][hh] + (u32)((k0 >> 1) + 4 * nt + t));
+                        kw[hh] = gc_keep_word(key, rbase[mt][hh] + (u32)((k0 >> 2) + 4 * np + t));
                 }
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float pe = gc_exp2(s[mt][nt][e]);
-                    float gv = dp[mt][nt][e];
-                    if (DROP) {
-                        const bool kp = gc_keep_half(kw[e >> 1], e & 1) >= threshold;
-                        gv = (kp ? gv * inv_keep : 0.f) + nd[mt][(e >> 1)];
+                for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int nt = 2 * np + jj;
+                        const float pe = gc_exp2(s[mt][nt][e]);
+                        float gv = dp[mt][nt][e];
+                        if (DROP) {
+                            const bool kp = gc_keep_byte(kw[e >> 1], (u32)(2 * jj + (e & 1)), threshold);
+                            gv = (kp ? gv * inv_keep : 0.f) + nd[mt][(e >> 1)];
+                        }
+                        s[mt][nt][e] = pe * gv;            // dS / scale
                     }
-                    s[mt][nt][e] = pe * gv;                // dS / scale
-                }
             }
         fa_pv<X3, MT, NT, HS>(dq, s, Ks);              // dQ += dS K
     };
@@ -858,7 +863,7 @@ __device__ __forceinline__ void fa_dkv_tc_body(FA_ARGS_BWD) {
     fa_zero(dk);
     fa_zero(dv);
     const u32 key = fa_drop_key<DROP>(st, seed, site);
-    const u32 Th = (u32)((T + 1) / 2);                 // keep-word pairs per row of the [B*H*T, T] mask
+    const u32 W = gc_att_words(T);                     // keep words a row of the [B*H*T, T] mask
 
     // one query tile: S^T - lse and dPd^T - D on the tensor cores, (mask), dV += Pd^T dO, dK += dS^T Q
     auto tile = [&](const float* stg, int q0, auto edge_tag) {
@@ -897,19 +902,17 @@ __device__ __forceinline__ void fa_dkv_tc_body(FA_ARGS_BWD) {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                // Keys jk (row g) and jk ^ 1 (row g ^ 1: lane ^ 4) share the keep words of queries
-                // iq0 = q0 + 8nt + 2t and iq0 + 1. This lane draws the word of query iq0 + (g & 1) and
-                // takes the other from its partner; an odd key reads the high halves.
-                u32 kw[2][2] = {{0, 0}, {0, 0}};       // [row half hh][query iq0 + c]
+                // Keys jk = wk0 + 16mt + g, jk + 8 (rows g, g + 8) and jk ^ 1, jk ^ 1 + 8 (row g ^ 1: lane
+                // ^ 4) take bytes 2 hh + (g & 1) of one keep word of query iq0 = q0 + 8nt + 2t (and one of
+                // iq0 + 1). This lane draws the word of query iq0 + (g & 1) and takes the other from its
+                // partner.
+                u32 kw[2] = {0, 0};                    // [query iq0 + c]
                 if (DROP) {
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const int jk = wk0 + 16 * mt + g + 8 * hh;
-                        const u32 mine = gc_keep_word(key, (u32)(bhT + q0 + 8 * nt + 2 * t + (g & 1)) * Th + (u32)(jk >> 1));
-                        const u32 other = __shfl_xor_sync(0xffffffffu, mine, 4);
-                        kw[hh][0] = (g & 1) ? other : mine;
-                        kw[hh][1] = (g & 1) ? mine : other;
-                    }
+                    const u32 mine = gc_keep_word(key, (u32)(bhT + q0 + 8 * nt + 2 * t + (g & 1)) * W +
+                                                           gc_att_quad((u32)(wk0 + 16 * mt + g)));
+                    const u32 other = __shfl_xor_sync(0xffffffffu, mine, 4);
+                    kw[0] = ((g & 1) ? other : mine) >> (8 * (g & 1));   // this lane's keys: bytes 0 and 2
+                    kw[1] = ((g & 1) ? mine : other) >> (8 * (g & 1));
                 }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
@@ -917,7 +920,7 @@ __device__ __forceinline__ void fa_dkv_tc_body(FA_ARGS_BWD) {
                     float gv = dp[mt][nt][e];
                     float pd = pe;
                     if (DROP) {
-                        const bool kp = gc_keep_half(kw[e >> 1][e & 1], g & 1) >= threshold;
+                        const bool kp = gc_keep_byte(kw[e & 1], 2u * (e >> 1), threshold);
                         gv = (kp ? gv * inv_keep : 0.f) + nDs[8 * nt + 2 * t + (e & 1)];
                         pd = kp ? pe * inv_keep : 0.f;
                     }

@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(THREADS, FaDkvWg<HS, BK_, BQ_, NS_>::MINB) fla
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
     const u32 key = fa_drop_key<DROP>(st, seed, site);
-    const u32 Th = (u32)((T + 1) / 2);                         // keep-word pairs per row of the [B*H*T, T] mask
+    const u32 W = gc_att_words(T);                             // keep words a row of the [B*H*T, T] mask
     // descriptors of the tiles' first rows; a k step or a ring stage adds its byte offset / 16
     const unsigned long long dK = wg_desc(sb), dV = wg_desc(sb + F::OFF_V), dRing = wg_desc(sb + F::OFF_RING);
 
@@ -240,18 +240,15 @@ __global__ void __launch_bounds__(THREADS, FaDkvWg<HS, BK_, BQ_, NS_>::MINB) fla
         u32 pa[NT][4], sa[NT][4];                              // Pd^T and dS^T / scale as A fragments
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            // keys jk (row g) and jk ^ 1 (row g ^ 1: lane ^ 4) share the keep words of queries
-            // iq0 = q0 + 8nt + 2t and iq0 + 1, as in flash_bwd_dkv_tc
-            u32 kw[2][2] = {{0, 0}, {0, 0}};
+            // keys g, g + 8 (row g) and g ^ 1, g ^ 1 + 8 (row g ^ 1: lane ^ 4) take bytes of one keep
+            // word of query iq0 = q0 + 8nt + 2t (and one of iq0 + 1), as in flash_bwd_dkv_tc
+            u32 kw[2] = {0, 0};
             if (DROP) {
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int jk = wk0 + g + 8 * hh;
-                    const u32 mine = gc_keep_word(key, (u32)(bhT + q0 + 8 * nt + 2 * t + (g & 1)) * Th + (u32)(jk >> 1));
-                    const u32 other = __shfl_xor_sync(0xffffffffu, mine, 4);
-                    kw[hh][0] = (g & 1) ? other : mine;
-                    kw[hh][1] = (g & 1) ? mine : other;
-                }
+                const u32 mine = gc_keep_word(key, (u32)(bhT + q0 + 8 * nt + 2 * t + (g & 1)) * W +
+                                                       gc_att_quad((u32)(wk0 + g)));
+                const u32 other = __shfl_xor_sync(0xffffffffu, mine, 4);
+                kw[0] = ((g & 1) ? other : mine) >> (8 * (g & 1));   // this lane's keys: bytes 0 and 2
+                kw[1] = ((g & 1) ? mine : other) >> (8 * (g & 1));
             }
             float pv[4], sv[4];
 #pragma unroll
@@ -265,7 +262,7 @@ __global__ void __launch_bounds__(THREADS, FaDkvWg<HS, BK_, BQ_, NS_>::MINB) fla
                 float gv = dp[4 * nt + e];
                 float pd = pe;
                 if (DROP) {
-                    const bool kp = gc_keep_half(kw[e >> 1][e & 1], g & 1) >= threshold;
+                    const bool kp = gc_keep_byte(kw[e & 1], 2u * (e >> 1), threshold);
                     gv = (kp ? gv * inv_keep : 0.f) + nv[BQ + 8 * nt + 2 * t + (e & 1)];
                     pd = kp ? pe * inv_keep : 0.f;
                 }

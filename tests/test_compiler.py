@@ -176,7 +176,9 @@ def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines
 
 # Spill bytes allowed per kernel (none elsewhere): the dK/dV flash kernel at head size 64 is held to
 # 168 registers so that three blocks share an SM, and ptxas then spills a few loop-invariant values
-# (32-48 bytes); three blocks with these spills ran 3-6% faster than two without (bench/NOTES.md).
+# (32-48 bytes; 80 with dropout since its keep words are drawn for four probabilities: one word and one
+# shuffle a query column where two of each were); three blocks with these spills ran 3-6% faster than
+# two without (bench/NOTES.md).
 # A key up to the name's first comma covers every variant of that first template argument.
 # gemm_wgmma3_ra (BM 128) holds two accumulator sets and two k steps' hi / lo fragments in 168
 # registers; at 128 x 128 ptxas spills
@@ -185,7 +187,7 @@ def test_wgmma_kernels_keep_their_pipeline(prebuilt_kernels, file, name, defines
 # flash_bwd_dkv_bf16 at head size 128 holds dK and dV (two 64 x 128 accumulators) beside a tile's S^T and
 # dP^T: ptxas spills 72-172 bytes (pipelined, with the next tile's beside this one's fragments, it spilled
 # ~270 and serialized the wgmma, so only head size 64 is pipelined, which spills nothing).
-SPILL_BUDGET = {"flash_bwd_dkv_wg<64,": 64, "gemm_wgmma3_ra<128,": 32, "flash_bwd_dkv_bf16<128,": 176}
+SPILL_BUDGET = {"flash_bwd_dkv_wg<64,": 96, "gemm_wgmma3_ra<128,": 32, "flash_bwd_dkv_bf16<128,": 176}
 
 
 def test_compile_leaves_python_objects_alone(tmp_path, monkeypatch):

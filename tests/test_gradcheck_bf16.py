@@ -128,7 +128,7 @@ class Bf16Sim(ReferenceBackend):
             s = np.where(np.tril(np.ones((T, T), dtype=bool)), qs @ np.swapaxes(k, -1, -2), -np.inf)
             e = np.exp(s - s.max(axis=-1, keepdims=True))
             probs = e / e.sum(axis=-1, keepdims=True)
-            y[...] = R._merge_heads(self.att_round(R.dropout_forward(probs, keep, p)) @ v)
+            y[...] = R._merge_heads(self.att_round(R.dropout_forward(probs, keep, rng.attention_rate(p))) @ v)
             saved["probs"][...] = probs
         self._rec(f)
 
@@ -141,8 +141,8 @@ class Bf16Sim(ReferenceBackend):
             dyh = np.asarray(dy).reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
             yh = np.asarray(y).reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
             D = (dyh * yh).sum(axis=-1, keepdims=True)                     # rowsum(dO * O), O as stored
-            dv = np.swapaxes(self.att_round(R.dropout_forward(probs, keep, p)), -1, -2) @ dyh
-            dprobs = R.dropout_backward(dyh @ np.swapaxes(v, -1, -2), keep, p)
+            dv = np.swapaxes(self.att_round(R.dropout_forward(probs, keep, rng.attention_rate(p))), -1, -2) @ dyh
+            dprobs = R.dropout_backward(dyh @ np.swapaxes(v, -1, -2), keep, rng.attention_rate(p))
             ds = self.att_round(probs * (dprobs - D) / math.sqrt(hs))
             dq, dk = ds @ k, np.swapaxes(ds, -1, -2) @ q
             dqkv[...] = np.concatenate([R._merge_heads(dq), R._merge_heads(dk), R._merge_heads(dv)], axis=-1)

@@ -377,6 +377,20 @@ def naive_gpt_loss(P, idx, targets, cfg, seed, step):
     def drop(x, k):
         return x * k / (1 - p)
 
+    def att_keep(site):                    # the attention's mask, element by element: four keys a word
+        if p == 0:
+            return np.ones((B, H, T, T), dtype=bool)
+        k, thr, words = rng.key(seed, step, site), int(p * 256), 4 * ((T + 15) // 16)
+        m = np.zeros((B, H, T, T), dtype=bool)
+        for b, hh, i, j in np.ndindex(B, H, T, T):
+            row = (b * H + hh) * T + i
+            w = int(rng.keep_word(k, (row * words + (j // 16) * 4 + (j % 8) // 2) % 2**32))
+            m[b, hh, i, j] = ((w >> (8 * (2 * ((j // 8) % 2) + j % 2))) & 0xFF) >= thr
+        return m
+
+    def att_drop(x, k):                    # kept with probability 1 - floor(256 p) / 256, scaled to match
+        return x * k / (1 - int(p * 256) / 256)
+
     def bias(name, n):
         return P[name] if cfg.bias else np.zeros(n)
 
@@ -399,7 +413,7 @@ def naive_gpt_loss(P, idx, targets, cfg, seed, step):
             x[b, t] = drop(P["wte"][idx[b, t]] + P["wpe"][t], ke[b, t])
     for l in range(L):
         h = f"h{l}."
-        ka = keep(rng.dropout_site(l, 0), (B, H, T, T), cols=T)
+        ka = att_keep(rng.dropout_site(l, 0))
         k1 = keep(rng.dropout_site(l, 1), (B, T, C))
         k2 = keep(rng.dropout_site(l, 2), (B, T, C))
         for b in range(B):
@@ -412,7 +426,7 @@ def naive_gpt_loss(P, idx, targets, cfg, seed, step):
                 for t in range(T):
                     s = np.array([q[t] @ k[u] for u in range(t + 1)]) / math.sqrt(hs)
                     w = np.exp(s - s.max())
-                    w = drop(w / w.sum(), ka[b, hh, t, :t + 1])
+                    w = att_drop(w / w.sum(), ka[b, hh, t, :t + 1])
                     att[t, hh * hs:(hh + 1) * hs] = w @ v[:t + 1]
             for t in range(T):
                 x[b, t] = x[b, t] + drop(lin(att[t], h + "proj"), k1[b, t])

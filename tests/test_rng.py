@@ -69,10 +69,35 @@ def test_dropout_mask_pairs_pinned_and_matches_plain_python():
     assert rng.keep_threshold(0.2) == 13107 and rng.keep_threshold(0.0) == 0 and rng.keep_threshold(1.0) == 0xFFFF
 
 
+def test_attention_keep_quads_pinned_and_matches_plain_python():
+    """Keys 2c, 2c + 1, 2c + 8, 2c + 9 of a 16-key block of row R share the word of quad R * 4 ceil(T / 16)
+    + 4 (j // 16) + c, key j its byte 2 ((j >> 3) & 1) + (j & 1), kept when >= floor(256 p)."""
+    seed, step, site, p = 3, 4, rng.dropout_site(1, 0), 0.3
+    k = py_hash32(py_hash32(py_hash32(seed) ^ site) + step * 0x9E3779B9)
+    thr = int(p * 256)
+    for B, H, T in ((1, 1, 5), (2, 3, 17), (1, 2, 40)):
+        words = 4 * ((T + 15) // 16)
+        want = []
+        for R in range(B * H * T):
+            for j in range(T):
+                w = py_hash32((R * words + 4 * (j // 16) + (j % 8) // 2) ^ k)
+                want.append(((w >> (8 * (2 * ((j >> 3) & 1) + (j & 1)))) & 0xFF) >= thr)
+        got = rng.attention_keep(seed, step, site, (B, H, T, T), p)
+        assert got.shape == (B, H, T, T) and got.reshape(-1).tolist() == want
+    assert rng.attention_keep(1, 2, 3, (1, 1, 1, 10), 0.5).reshape(-1).tolist() == \
+        [True, True, True, False, False, False, False, True, False, True]
+    assert rng.attention_threshold(0.2) == 51 and rng.attention_rate(0.2) == 51 / 256
+    assert rng.attention_threshold(0.0) == 0 and rng.attention_threshold(1.0) == 255
+    big = rng.attention_keep(1, 10, rng.dropout_site(0, 0), (2, 2, 256, 256), 0.2)
+    assert abs(1 - big.mean() - rng.attention_rate(0.2)) < 0.005
+    other = rng.attention_keep(1, 11, rng.dropout_site(0, 0), (2, 2, 256, 256), 0.2)
+    assert 0.6 < (big == other).mean() < 0.72             # the next step's mask is another
+
+
 def test_dropout_keep_shapes():
     m = rng.dropout_keep(5, 6, 7, (2, 3, 5, 5), 0.4, rows=True)
     assert m.shape == (2, 3, 5, 5)
-    assert np.array_equal(m.reshape(-1), rng.dropout_mask(5, 6, 7, 150, 0.4, cols=5))
+    assert np.array_equal(m, rng.attention_keep(5, 6, 7, (2, 3, 5, 5), 0.4))
     f = rng.dropout_keep(5, 6, 7, (4, 6), 0.4)
     assert np.array_equal(f.reshape(-1), rng.dropout_mask(5, 6, 7, 24, 0.4))
 

@@ -76,7 +76,7 @@ def dropout_mask(seed: int, step: int, site: int, n: int, p: float, cols: int | 
     index r * ceil(cols / 2) + c (mod 2^32): the even column is kept when the word's low 16 bits are >= the
     threshold, the odd column on its high 16 bits. One word serves two elements, so a kernel that holds
     both draws one word for them (kernels/common.cuh: gc_keep_word, gc_keep_half, gc_keep).
-    Attention probabilities [B, H, T, T] are rows of T (cols=T); other masks are flat.
+    The embedding's and the residuals' masks are flat; attention probabilities take attention_keep.
     """
     cols = n if cols is None else int(cols)
     if n == 0:
@@ -91,12 +91,49 @@ def dropout_mask(seed: int, step: int, site: int, n: int, p: float, cols: int | 
     return (halves >= np.uint64(keep_threshold(p))).reshape(n)
 
 
-def dropout_keep(seed: int, step: int, site: int, shape, p: float, rows: bool = False) -> np.ndarray:
-    """dropout_mask in `shape`: rows=True pairs along the last axis (attention probabilities
-    [B, H, T, T]), rows=False takes the tensor flat (embedding and residual dropout)."""
+def attention_threshold(p: float) -> int:
+    """A probability of the attention is kept when its byte of a keep word is >= this (attention_keep)."""
+    return min(int(p * 256.0), 0xFF)
+
+
+def attention_rate(p: float) -> float:
+    """The drop rate the attention's masks draw for dropout p: attention_threshold(p) / 256 (within 2^-8
+    of p; 0.2 -> 0.19921875); the kept probabilities are scaled by 1 / (1 - attention_rate(p))."""
+    return attention_threshold(p) / 256.0
+
+
+def attention_words(T: int) -> int:
+    """Keep words a row of T keys takes in an attention mask: one for every four keys, 16-key blocks."""
+    return 4 * ((int(T) + 15) // 16)
+
+
+def attention_keep(seed: int, step: int, site: int, shape, p: float) -> np.ndarray:
+    """Boolean keep-mask of attention probabilities [..., T, T] (rows: queries, flattened with the leading
+    axes: row R = (b * H + h) * T + i; columns: keys j).
+
+    Keys 2c, 2c + 1, 2c + 8 and 2c + 9 of a block of 16 (c = 0 .. 3) share one keep word (keep_word), that of
+    the quad index R * attention_words(T) + (j // 16) * 4 + c (mod 2^32); key j takes byte
+    2 * ((j >> 3) & 1) + (j & 1) of it and is kept when that byte is >= attention_threshold(p). A thread of
+    the tensor-core kernels holds keys 2c, 2c + 1 of 8-key groups j and j + 1 of a query (forward, dQ), or
+    keys g and g + 8 of it (dK / dV), so it draws one word for four (two) probabilities
+    (kernels/common.cuh: gc_keep_att)."""
     shape = tuple(int(d) for d in shape)
-    n = int(np.prod(shape))
-    return dropout_mask(seed, step, site, n, p, shape[-1] if rows and shape else None).reshape(shape)
+    T, rows = shape[-1], int(np.prod(shape[:-1]))
+    j = np.arange(T, dtype=np.uint64)[None, :]
+    quads = (np.arange(rows, dtype=np.uint64)[:, None] * np.uint64(attention_words(T))
+             + (j >> np.uint64(4)) * np.uint64(4) + ((j >> np.uint64(1)) & np.uint64(3))) & np.uint64(M32)
+    byte = ((j >> np.uint64(2)) & np.uint64(2)) | (j & np.uint64(1))
+    w = keep_word(key(seed, step, site), quads)
+    return (((w >> (np.uint64(8) * byte)) & np.uint64(0xFF)) >= np.uint64(attention_threshold(p))).reshape(shape)
+
+
+def dropout_keep(seed: int, step: int, site: int, shape, p: float, rows: bool = False) -> np.ndarray:
+    """The keep-mask of a dropout in `shape`: rows=True, attention probabilities [B, H, T, T]
+    (attention_keep), rows=False the tensor flat (dropout_mask: embedding and residual dropout)."""
+    shape = tuple(int(d) for d in shape)
+    if rows:
+        return attention_keep(seed, step, site, shape, p)
+    return dropout_mask(seed, step, site, int(np.prod(shape)), p).reshape(shape)
 
 
 def batch_offsets(seed: int, counter: int, site: int, batch: int, n_tokens: int, block: int) -> np.ndarray:

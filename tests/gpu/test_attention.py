@@ -52,7 +52,7 @@ def _setup(rt, B, T, C, H, kind, p, precision="fp32"):
 def _keep(rt, B, H, T, p):
     if p == 0:
         return None
-    return rng.dropout_mask(rt.seed, STEP, SITE, B * H * T * T, p, cols=T).reshape(B, H, T, T)
+    return rng.attention_keep(rt.seed, STEP, SITE, (B, H, T, T), p)
 
 
 def _ref_lse(qkv, H):

@@ -78,9 +78,20 @@ def dropout_args(rt: RuntimeProtocol, p: float, site: int, label: str) -> list:
     `site`: the StepState, the seed, the site, the keep threshold (rng.keep_threshold) and the scale
     1 / (1 - p); the kernels read the step from the StepState, so a captured graph replays them."""
     from gptcuda.model import rng
+    return _dropout_args(rt, site, label, rng.keep_threshold(p) if p > 0 else 0, float(p))
+
+
+def attention_dropout_args(rt: RuntimeProtocol, p: float, site: int) -> list:
+    """dropout_args of the attention's probabilities: the byte threshold rng.attention_threshold and the
+    scale 1 / (1 - rng.attention_rate(p)) of its masks (rng.attention_keep)."""
+    from gptcuda.model import rng
+    return _dropout_args(rt, site, "attention", rng.attention_threshold(p) if p > 0 else 0,
+                         rng.attention_rate(p) if p > 0 else float(p))
+
+
+def _dropout_args(rt: RuntimeProtocol, site: int, label: str, threshold: int, rate: float) -> list:
     from gptcuda.runtime import f32, u32
-    p = float(p)
-    if p > 0 and rt.state is None:
+    if rate > 0 and rt.state is None:
         raise RuntimeError(f"{label}: rt.state (the StepState) is not set")
-    return [rt.state, u32(int(rt.seed) & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF),
-            u32(rng.keep_threshold(p) if p > 0 else 0), f32(1.0 / (1.0 - p))]
+    return [rt.state, u32(int(rt.seed) & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF), u32(threshold),
+            f32(1.0 / (1.0 - rate))]

@@ -16,15 +16,16 @@ comes from `workspace(cfg)`, names prefixed "attention_" (not "attn_": the memor
 per-layer saved tensors "attn_<name>" and model.saved() collects every "attn_*" entry).
 
 Dropout on the attention probabilities uses the stream (rt.seed, state.step, site); the keep
-bit of element (b, h, i, j) is that of rng.dropout_mask over [B,H,T,T] taken as rows of T
-(keys 2c and 2c + 1 of a row share one keep word), in both paths.
+bit of element (b, h, i, j) is that of rng.attention_keep over [B,H,T,T] (keys 2c, 2c + 1, 2c + 8,
+2c + 9 of a 16-key block of a row share one keep word, a byte each), scaled by 1 / (1 -
+rng.attention_rate(p)), in both paths.
 """
 from __future__ import annotations
 
 import math
 
 from gptcuda.runtime import execution
-from gptcuda.ops.cuda import cdiv, dropout_args, elementwise, flash
+from gptcuda.ops.cuda import attention_dropout_args, cdiv, elementwise, flash
 from gptcuda.ops.cuda.flash import (FLASH_HEAD_SIZES, FLASH_PATHS, FLASH_THREADS, FLASH_WG_HEAD_SIZES, ROWSUM_FILE,  # noqa: F401
                                     ROWSUM_THREADS, expression)
 from gptcuda.runtime import DeviceView, f32, i32
@@ -241,7 +242,7 @@ def _unfused_fwd(rt, y, qkv, probs, n_head, p, site, ex):
     pd = _view(rt.workspace("attention_att"), (B, H, T, T)) if drop else None
     fn = rt.function(FILE, _row_name("attn_softmax_fwd", drop))
     rt.launch(fn, grid, (ROW_THREADS,),
-              [probs, pd] + dropout_args(rt, p, site, "attention") + [i32(rows), i32(T)],
+              [probs, pd] + attention_dropout_args(rt, p, site) + [i32(rows), i32(T)],
               label="attn_softmax_fwd")
     matmul_batched(rt, yh, pd if drop else probs, v, ex=ex)
     permute_out(rt, y, (yh,), B, T, H, hs)
@@ -258,7 +259,7 @@ def _unfused_bwd(rt, dqkv, dy, qkv, probs, n_head, p, site, ex):
     rows = B * H * T
     grid = (cdiv(rows, ROWS_PER_BLOCK),)
     drop = float(p) > 0
-    dargs = dropout_args(rt, p, site, "attention")
+    dargs = attention_dropout_args(rt, p, site)
 
     permute_in(rt, (q, k, v), qkv, B, T, H, hs)      # later layers' forwards overwrote q, k, v
     permute_in(rt, (dyh,), dy, B, T, H, hs)
@@ -292,7 +293,7 @@ def _fused_fwd(rt, y, qkv, lse, n_head, p, site, path):
     lse = _view(lse, (B, H, T))
     k = flash.flash_kernel("fwd", path, hs, float(p) > 0)
     rt.launch(rt.function(k.file, k.name), (B * H, cdiv(T, k.rows)), (FLASH_THREADS,),
-              [y, lse, qkv] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
+              [y, lse, qkv] + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
               smem=k.smem, label="flash_fwd")
 
 
@@ -314,7 +315,7 @@ def _fused_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, path, wg=False):
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))
     rowsum_do(rt, D, dy, y, B, T, H, hs)
-    args = [dqkv, qkv, dy, lse, D] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
+    args = [dqkv, qkv, dy, lse, D] + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     for kind, k in (("dq", flash.flash_kernel("dq", path, hs, float(p) > 0)),
                     ("dkv", flash.flash_kernel("dkv", path, hs, float(p) > 0, wg))):
         rt.launch(rt.function(k.file, k.name), (B * H, cdiv(T, k.rows)), (FLASH_THREADS,), args,
@@ -345,7 +346,7 @@ def _bf16_fwd(rt, y, qkv, lse, n_head, p, site):
     k = flash.flash_kernel("fwd", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, k.rows), _bf16_map(rt, qkv, k.stream_rows)]
     rt.launch(rt.function(k.file, k.name), (B * H, cdiv(T, k.rows)), (k.threads,),
-              [y, lse] + maps + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
+              [y, lse] + maps + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)],
               smem=k.smem, label="flash_fwd")
 
 
@@ -354,7 +355,7 @@ def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     _bf16_check(qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))      # written by dQ's kernel (its rows'), read by dK / dV's
-    tail = [lse, D] + dropout_args(rt, p, site, "attention") + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
+    tail = [lse, D] + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kq.rows), _bf16_map(rt, dy, kq.rows), _bf16_map(rt, qkv, kq.stream_rows)]
     rt.launch(rt.function(kq.file, kq.name), (B * H, cdiv(T, kq.rows)), (kq.threads,),

@@ -209,7 +209,9 @@ def _merge_heads(x):  # [B, H, T, hs] -> [B, T, H*hs]
 
 
 def attention_forward(qkv, n_head, keep=None, p=0.0):
-    """(y [B, T, C], probs [B, H, T, T]); probs are the causal softmax before dropout."""
+    """(y [B, T, C], probs [B, H, T, T]); probs are the causal softmax before dropout (keep: the mask of
+    rng.attention_keep, the kept scaled by 1 / (1 - rng.attention_rate(p)))."""
+    p = rng.attention_rate(p)
     q, k, v, hs = _split_heads(qkv, n_head)
     T = q.shape[2]
     scale = 1.0 / math.sqrt(hs)
@@ -225,7 +227,8 @@ def attention_forward(qkv, n_head, keep=None, p=0.0):
 
 
 def attention_backward(dy, qkv, probs, n_head, keep=None, p=0.0):
-    """dqkv [B, T, 3C] laid out like qkv."""
+    """dqkv [B, T, 3C] laid out like qkv (keep and p as attention_forward's)."""
+    p = rng.attention_rate(p)
     q, k, v, hs = _split_heads(qkv, n_head)
     B, H, T, _ = q.shape
     probs = _f64(probs)
