@@ -4,7 +4,7 @@ Nothing random is stored: a dropout mask or a batch offset is a pure function of
 (seed, step, site, element index), so the backward pass recomputes the mask, a
 resumed run draws the same batches, and the reference backend reproduces the GPU's
 choices exactly. The same arithmetic lives in kernels/common.cuh (`gc_hash32`,
-`gc_key`, `gc_keep`); tests/test_rng.py pins known values so the two cannot drift.
+`gc_key`, `gc_keep`, `gc_keep_att`); tests/test_rng.py pins known values so the two cannot drift.
 """
 import numpy as np
 
