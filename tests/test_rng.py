@@ -106,3 +106,24 @@ def test_sites_are_distinct():
     sites = {rng.SITE_BATCH_TRAIN, rng.SITE_BATCH_VAL, rng.SITE_BATCH_EVAL_TRAIN, rng.DROPOUT_EMB}
     sites |= {rng.dropout_site(l, w) for l in range(12) for w in range(3)}
     assert len(sites) == 4 + 36
+
+
+def test_kernel_dropout_arguments():
+    """The launchers' trailing dropout arguments: the residuals' 16-bit threshold with 1 / (1 - p), the
+    attention's byte threshold with 1 / (1 - attention_rate(p)) (what the reference scales by); a
+    dropout without the StepState is one clear error, also where p rounds to no drop."""
+    import types
+
+    import pytest
+
+    from gptcuda.ops.cuda import attention_dropout_args, dropout_args
+    rt = types.SimpleNamespace(state=object(), seed=7)
+    _, seed, site, thr, scale = (a if i == 0 else a.value for i, a in enumerate(dropout_args(rt, 0.2, 21, "x")))
+    assert (seed, site, thr) == (7, 21, 13107) and scale == pytest.approx(1.25, rel=1e-7)
+    _, _, _, thr, scale = (a if i == 0 else a.value for i, a in enumerate(attention_dropout_args(rt, 0.2, 16)))
+    assert thr == 51 and scale == pytest.approx(256 / 205, rel=1e-7)
+    assert [a.value for a in attention_dropout_args(rt, 0.0, 16)[3:]] == [0, 1.0]
+    rt.state = None
+    for p in (0.2, 0.001):
+        with pytest.raises(RuntimeError, match="StepState"):
+            attention_dropout_args(rt, p, 16)

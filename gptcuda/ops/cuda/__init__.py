@@ -78,20 +78,21 @@ def dropout_args(rt: RuntimeProtocol, p: float, site: int, label: str) -> list:
     `site`: the StepState, the seed, the site, the keep threshold (rng.keep_threshold) and the scale
     1 / (1 - p); the kernels read the step from the StepState, so a captured graph replays them."""
     from gptcuda.model import rng
-    return _dropout_args(rt, site, label, rng.keep_threshold(p) if p > 0 else 0, float(p))
+    return _dropout_args(rt, float(p), site, label, rng.keep_threshold(p) if p > 0 else 0, float(p))
 
 
 def attention_dropout_args(rt: RuntimeProtocol, p: float, site: int) -> list:
     """dropout_args of the attention's probabilities: the byte threshold rng.attention_threshold and the
     scale 1 / (1 - rng.attention_rate(p)) of its masks (rng.attention_keep)."""
     from gptcuda.model import rng
-    return _dropout_args(rt, site, "attention", rng.attention_threshold(p) if p > 0 else 0,
-                         rng.attention_rate(p) if p > 0 else float(p))
+    return _dropout_args(rt, float(p), site, "attention", rng.attention_threshold(p) if p > 0 else 0,
+                         rng.attention_rate(p) if p > 0 else 0.0)
 
 
-def _dropout_args(rt: RuntimeProtocol, site: int, label: str, threshold: int, rate: float) -> list:
+def _dropout_args(rt: RuntimeProtocol, p: float, site: int, label: str, threshold: int, rate: float) -> list:
+    """p: the config's (a kernel draws keep bits where p > 0); threshold and rate: its masks' for p."""
     from gptcuda.runtime import f32, u32
-    if rate > 0 and rt.state is None:
+    if p > 0 and rt.state is None:
         raise RuntimeError(f"{label}: rt.state (the StepState) is not set")
     return [rt.state, u32(int(rt.seed) & 0xFFFFFFFF), u32(int(site) & 0xFFFFFFFF), u32(threshold),
             f32(1.0 / (1.0 - rate))]
