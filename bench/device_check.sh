@@ -4,7 +4,7 @@
 #                              [train_fp32] [train_tf32] [train_config] [seeds] [dist]
 #                              [gpt2_data] [gpt2_step] [llmc] [gpt2_train] [gpt2_accum]
 #                              [interop] [finetune] [generate] [speed] [anchors] [hellaswag] [plot] [tables]
-#                              [soak] [sass] [bf16] [attn_bf16]
+#                              [soak] [sass] [bf16] [attn_bf16] [torch_profile]
 # Environment: TESTS (pytest paths, default tests), TEST_PROCS, TESTS_TIMEOUT (seconds: the suite is stopped after), STEP_CASES ("fp32:unfused tf32:fused ..."),
 # GEMM_PRECISION, GEMM_ARGS, ATTN_T, TRAIN_ATTN, BUDGET_S (seconds after which no step starts),
 # SEEDS_GROUPS / SEEDS_UNTIL / SEEDS_PER_GPU / SEEDS_BUDGET_S / SEEDS_PAIRED ("A,B A,B": for seeds:
@@ -143,6 +143,15 @@ if has attn_bf16; then
     python3 bench/attention.py --precision bf16 --impl ${ATTN_IMPL:-fused,torch} --B $b --T $t --n_embd $c --n_head $h \
       --dropout $d --iters ${ATTN_ITERS:-30} --bf16-tiles "${ATTN_BF16_TILES:-default}" 2>&1 \
       | tee "$OUT/attn_bf16_$t.log" | tail -12 | tee -a "$OUT/summary.txt"
+  done
+fi
+if has torch_profile; then      # PyTorch's bf16 step by kernel (bench/torch_profile.py), beside ours' phase table
+  for s in "gpt2_b8:8,1024,12,12,768,50304:0" "t2048:16,2048,6,6,384,65:0.2"; do
+    IFS=: read -r tag shape d <<< "$s"
+    log "PyTorch's step by kernel, $tag: bench/torch_profile.py --shape $shape --dropout $d"
+    python3 bench/torch_profile.py --shape "$shape" --dropout $d --top ${TORCH_PROFILE_TOP:-40} \
+      > "$OUT/torch_profile_$tag.log" 2>&1
+    grep -v "Warn\|_warn_once" "$OUT/torch_profile_$tag.log" | head -20 | tee -a "$OUT/summary.txt"
   done
 fi
 if has long; then
