@@ -58,10 +58,6 @@ __device__ __forceinline__ u32 gc_keep_word(u32 k, u32 pair) {
 __device__ __forceinline__ u32 gc_keep_half(u32 w, u32 odd) {
     return odd ? w >> 16 : w & 0xffffu;
 }
-// keep-test of column col of the row whose first pair is rowpair
-__device__ __forceinline__ bool gc_keep(u32 k, u32 rowpair, u32 col, u32 threshold) {
-    return gc_keep_half(gc_keep_word(k, rowpair + (col >> 1)), col & 1u) >= threshold;
-}
 // Attention dropout (rng.attention_keep): the probability of row R = (b*H + h)*T + i and key j takes
 // byte gc_att_byte(j) of the keep word of quad R * gc_att_words(T) + gc_att_quad(j): keys 2c, 2c+1,
 // 2c+8 and 2c+9 of a 16-key block (c = 0..3) share one word, so a tensor-core thread that holds keys

@@ -369,10 +369,10 @@ def naive_gpt_loss(P, idx, targets, cfg, seed, step):
     H, p, L = cfg.n_head, cfg.dropout, cfg.n_layer
     hs = C // H
 
-    def keep(site, shape, cols=None):
+    def keep(site, shape):
         if p == 0:
             return np.ones(shape, dtype=bool)
-        return rng.dropout_mask(seed, step, site, int(np.prod(shape)), p, cols).reshape(shape)
+        return rng.dropout_mask(seed, step, site, int(np.prod(shape)), p).reshape(shape)
 
     def drop(x, k):
         return x * k / (1 - p)

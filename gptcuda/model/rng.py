@@ -4,7 +4,7 @@ Nothing random is stored: a dropout mask or a batch offset is a pure function of
 (seed, step, site, element index), so the backward pass recomputes the mask, a
 resumed run draws the same batches, and the reference backend reproduces the GPU's
 choices exactly. The same arithmetic lives in kernels/common.cuh (`gc_hash32`,
-`gc_key`, `gc_keep`, `gc_keep_att`); tests/test_rng.py pins known values so the two cannot drift.
+`gc_key`, `gc_keep_word`, `gc_keep_att`); tests/test_rng.py pins known values so the two cannot drift.
 """
 import numpy as np
 
@@ -75,7 +75,7 @@ def dropout_mask(seed: int, step: int, site: int, n: int, p: float, cols: int | 
     The two elements of a pair, columns 2c and 2c + 1 of row r, share the keep word (keep_word) of the pair
     index r * ceil(cols / 2) + c (mod 2^32): the even column is kept when the word's low 16 bits are >= the
     threshold, the odd column on its high 16 bits. One word serves two elements, so a kernel that holds
-    both draws one word for them (kernels/common.cuh: gc_keep_word, gc_keep_half, gc_keep).
+    both draws one word for them (kernels/common.cuh: gc_keep_word, gc_keep_half, gc_dropout1).
     The embedding's and the residuals' masks are flat; attention probabilities take attention_keep.
     """
     cols = n if cols is None else int(cols)
