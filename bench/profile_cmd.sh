@@ -5,6 +5,7 @@
 # (cycles a warp spends on each between two issued instructions) into $OUT/stalls_<TAG>.txt.
 #   TAG=attn KERNELS='regex:flash_' SKIP=4 COUNT=3 bash bench/profile_cmd.sh python3 bench/attention.py \
 #       --precision bf16 --impl fused --B 8 --T 1024 --iters 2 --warmup 1
+# (SOURCE=1 also writes the SASS source page with per-instruction samples: $OUT/source_<TAG>.csv)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . bench/cases.sh
@@ -21,3 +22,8 @@ ncu -i "$rep.ncu-rep" --page raw --print-units base > "$OUT/raw_${TAG}.txt" 2>&1
 grep -E "\)x\(|issue_stalled" \
   "$OUT/raw_${TAG}.txt" | grep -vE "not_issued| 0$" > "$OUT/stalls_${TAG}.txt"
 echo "details: $(wc -l < "$OUT/profile_${TAG}.txt") lines, stalls: $(wc -l < "$OUT/stalls_${TAG}.txt") lines"
+# SOURCE=1: the source page as SASS with each instruction's samples and stall reasons (csv), to place stalls
+if [ "${SOURCE:-0}" = 1 ]; then
+  ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/source_${TAG}.csv" 2>&1
+  echo "source: $(wc -l < "$OUT/source_${TAG}.csv") lines"
+fi

@@ -201,3 +201,15 @@ def test_bf16_tiles_by_sequence_length():
                 assert k.name in names
                 assert (k.rows, k.stream_rows, k.threads) == ((bm, bn, 128 * (bm // 64 + 1)) if t == T
                                                               else (short[0], short[1], 128 * (short[0] // 64 + 1)))
+
+
+def test_bf16_plans_fit_shared_memory(monkeypatch):
+    """Every bf16 flash kernel a launch can name fits the shared memory a block may have (the launch's
+    cuFuncSetAttribute refuses more), and the plan refuses tiles that would not."""
+    for hs in flash.FLASH_BF16_HEAD_SIZES:
+        for T in (0, flash.FLASH_BF16_LONG_T):
+            for kind in ("fwd", "dq", "dkv") + (("bwd",) if hs in flash.FLASH_BF16_FUSED else ()):
+                assert flash.flash_bf16_plan(kind, hs, T)["smem"] <= flash.FLASH_BF16_SMEM_MAX
+    monkeypatch.setitem(flash.FLASH_BF16_TILES, ("dkv", 128), (256, 128, 3))
+    with pytest.raises(ValueError, match="shared memory"):
+        flash.flash_bf16_plan("dkv", 128)
