@@ -13,10 +13,8 @@ whose CUDA runtime this package already set up can fail, and a fresh process als
 allocator and kernels out of our measurements. An unfused case whose [B,H,T,T] buffers do not fit in free
 device memory is skipped; the unfused T=8192 case is run last since it is the largest. bf16 (the
 flash_bf16 kernels, bf16 qkv / y / dy / dqkv): --bf16-tiles times each ';'-separated set of tiles
-(kind=BMxBNsNS, kind fwd | dq | dkv | bwd, at every T; `default`: flash.FLASH_BF16_TILES and, at T >= 1024,
-FLASH_BF16_TILES_LONG as they are) as its own row, the other kinds at their defaults; a set naming dq or
-dkv runs the backward as those two kernels (flash.FLASH_BF16_FUSED emptied), else flash_bwd_bf16 where
-the head size has it.
+(kind=BMxBNsNS, kind fwd | dq | dkv, at every T; `default`: flash.FLASH_BF16_TILES and, at T >= 1024,
+FLASH_BF16_TILES_LONG as they are) as its own row, the other kinds at their defaults.
 """
 from __future__ import annotations
 
@@ -203,9 +201,7 @@ def main(argv=None):
           f"{'bwd TF/s':>9}")
     results = []
     defaults, long_defaults = dict(flash.FLASH_BF16_TILES), dict(flash.FLASH_BF16_TILES_LONG)
-    fused = flash.FLASH_BF16_FUSED
     for T, kind, prec, ts in cases:
-        flash.FLASH_BF16_FUSED = () if "dq" in ts or "dkv" in ts else fused
         for table, base in ((flash.FLASH_BF16_TILES, defaults), (flash.FLASH_BF16_TILES_LONG, long_defaults)):
             table.clear()
             table.update(base)

@@ -44,24 +44,15 @@
 #include "wgmma.cuh"
 
 // The plan's layout: NRES resident tiles of BM rows, a ring of NS stages of two BN-row tiles.
-template <int HS, int THREADS, int BM, int BN, int NS, int SMEM, int NRES, bool FUSED = false>
+template <int HS, int THREADS, int BM, int BN, int NS, int SMEM, int NRES>
 struct FaBf16 {
     static constexpr int HS_ = HS, BM_ = BM, BN_ = BN, NS_ = NS, NRES_ = NRES;
-    static constexpr bool FUSED_ = FUSED;
     static constexpr int CW = BM / 64;                 // consumer warpgroups
     static constexpr int KB = HS / 64;                 // boxes of 64 columns a row
     static constexpr int RT = BM * HS * 2;             // bytes of a resident tile
     static constexpr int ST = BN * HS * 2;             // bytes of a streamed tile
-    static constexpr int STAGE = (FUSED ? 3 : 2) * ST; // fused backward: Q, dO and O a stage
-    // the fused backward's areas after the ring: a warpgroup's dS^T (64 x BN bf16, one 128-byte swizzled
-    // box a 64 columns), two buffers of its dQ partial (64 x HS fp32, rows DQ_LD floats apart), a stage's
-    // lse and D (2 x BN fp32), a dQ slot's staging for each adder warp (BN x HS fp32)
-    static constexpr int DQ_LD = HS + 4;
-    static constexpr int DSB = FUSED ? CW * 64 * BN * 2 : 0;
-    static constexpr int DQB = FUSED ? 2 * CW * 64 * DQ_LD * 4 : 0;
-    static constexpr int DLB = FUSED ? NS * 2 * BN * 4 : 0;
-    static constexpr int ACB = FUSED ? 2 * BN * HS * 4 : 0;   // an adder warp's staging of one dQ slot
-    static constexpr int SMEM_NEED = NRES * RT + NS * STAGE + DSB + DQB + DLB + ACB + 1024;
+    static constexpr int STAGE = 2 * ST;
+    static constexpr int SMEM_NEED = NRES * RT + NS * STAGE + 1024;
     // the register file split (setmaxnreg). ptxas gives a kernel that changes its count the launch's cap,
     // REGS = 65536 / THREADS to a multiple of 8 (2 warpgroups 168, 3: 128, 4: 96), and the block's
     // registers are THREADS * REGS: what the producer gives back (REGS - PRODUCER_REGS a thread) is all the
@@ -170,24 +161,15 @@ __device__ __forceinline__ void fb_store_row(bf16* r, const float (&a)[HS / 2], 
     for (int j = 0; j < HS / 8; ++j) u[4 * j] = bf16x2_rn(a[4 * j + 2 * hh] * f, a[4 * j + 2 * hh + 1] * f);
 }
 
-// barriers: full[0..NS), empty[0..NS) (a consumer thread's arrival each), then the resident tiles'; the
-// fused backward's after them: a stage's lse and D written (dl[0..NS), the producer warp's 32 lanes), a
-// dQ partial buffer written (dqf[0..2), every consumer thread) and read (dqe[0..2), its adder warp)
-#define FB_BAR_WORDS(NS, FUSED) (2 * (NS) + 1 + ((FUSED) ? (NS) + 4 : 0))
-template <int NS, int CW, bool FUSED>
+// barriers: full[0..NS), empty[0..NS) (a consumer thread's arrival each), then the resident tiles'
+template <int NS, int CW>
 __device__ __forceinline__ void fb_init_bars(unsigned bars) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < NS; ++s) {
             mbar_init(bars + 8 * s, 1);
             mbar_init(bars + 8 * (NS + s), CW * 128);
-            if (FUSED) mbar_init(bars + 8 * (2 * NS + 1 + s), 32);
         }
         mbar_init(bars + 16 * NS, 1);
-        if (FUSED)
-            for (int b = 0; b < 2; ++b) {
-                mbar_init(bars + 8 * (3 * NS + 1 + b), CW * 128);
-                mbar_init(bars + 8 * (3 * NS + 3 + b), 32);
-            }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();      // the last block-wide barrier: the producer warpgroup leaves early
@@ -230,24 +212,19 @@ struct FbBlock {
     unsigned res, ring, bars;
     int bh, b, h, r0, C, wg, w, g, q;
     bool producer;
-    // lin (shared memory, written by thread 0 before this runs): the block's place in the grid's order
-    // (blockIdx.y major) as a ticket drew it, where blocks wait on blocks before them; else blockIdx's
-    __device__ __forceinline__ FbBlock(unsigned char* smem, unsigned long long* bar_words, int H, bool rev,
-                                       const int* lin = nullptr) {
+    __device__ __forceinline__ FbBlock(unsigned char* smem, unsigned long long* bar_words, int H, bool rev) {
         res = (fa_smem_u32(smem) + 1023u) & ~1023u;
         ring = res + F::NRES_ * F::RT;
         bars = fa_smem_u32(bar_words);
-        fb_init_bars<F::NS_, F::CW, F::FUSED_>(bars);
-        const int t = lin ? *lin : blockIdx.y * gridDim.x + blockIdx.x;
-        const int y = t / gridDim.x;
-        bh = t - y * gridDim.x, b = bh / H, h = bh - b * H;
-        r0 = (rev ? gridDim.y - 1 - y : y) * F::BM_;
+        bh = blockIdx.x, b = bh / H, h = bh - b * H;
+        r0 = (rev ? gridDim.y - 1 - blockIdx.y : blockIdx.y) * F::BM_;
         C = H * F::HS_;
         wg = threadIdx.x >> 7;
         w = (threadIdx.x >> 5) & 3;
         g = (threadIdx.x & 31) >> 2;
         q = threadIdx.x & 3;
         producer = wg == F::CW;
+        fb_init_bars<F::NS_, F::CW>(bars);
     }
     __device__ __forceinline__ void wait_full(int it) const { mbar_wait(bars + 8 * (it % F::NS_), (it / F::NS_) & 1); }
     __device__ __forceinline__ void release(int it) const { mbar_arrive(bars + 8 * (F::NS_ + it % F::NS_)); }
@@ -361,7 +338,7 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q and NS stages of K, V, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
-    __shared__ __align__(8) unsigned long long fb_bars[FB_BAR_WORDS(NS, false)];
+    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 1];
     const FbBlock<F> k(fb_smem, fb_bars, H, true);
     const int q0 = k.r0;
     const int nkt = (min(q0 + BM, T) + BN - 1) / BN;     // key tiles up to the block's last query
@@ -516,7 +493,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q, dO and NS stages of K, V, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
-    __shared__ __align__(8) unsigned long long fb_bars[FB_BAR_WORDS(NS, false)];
+    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 1];
     const FbBlock<F> k(fb_smem, fb_bars, H, true);
     const int q0 = k.r0;
     const int nkt = (min(q0 + BM, T) + BN - 1) / BN;
@@ -535,38 +512,55 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     const u32 W = gc_att_words(T);
     const u32 rquad = (u32)(k.bh * T + wr0 + k.g) * W + (u32)k.q;
     const unsigned qa = k.res + k.wg * 64 * 128, da = qa + F::RT;   // the warpgroup's rows of Q, dO
+    // D's operands (the row's quarter of dy and y, as stored) and lse are loaded first; their sums are made
+    // once the first tile's products are issued, so that the loads' latency runs under the copies and them
     float lse2[2], Dr[2];                                  // per row: lse in log2 units, D
+    uint4 dyr[2][HS / 32], yr[2][HS / 32];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int i = wr0 + k.g + 8 * hh;
         lse2[hh] = i < T ? lse[(long long)k.bh * T + i] * GC_LOG2E : 0.f;
-        float d = 0.f;
-        if (i < T) {
-            const long long off = ((long long)k.b * T + i) * k.C + k.h * HS + (HS / 4) * k.q;
+        const long long off = ((long long)k.b * T + i) * k.C + k.h * HS + (HS / 4) * k.q;
 #pragma unroll
-            for (int c = 0; c < HS / 4; c += 8) {
-                float a[8], o[8];
-                val_ld8(dy + off + c, a);
-                val_ld8(y + off + c, o);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) d = fmaf(a[e], o[e], d);
-            }
+        for (int c = 0; c < HS / 32; ++c) {
+            dyr[hh][c] = i < T ? *reinterpret_cast<const uint4*>(dy + off + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+            yr[hh][c] = i < T ? *reinterpret_cast<const uint4*>(y + off + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
         }
-        d += __shfl_xor_sync(0xffffffffu, d, 1);
-        d += __shfl_xor_sync(0xffffffffu, d, 2);
-        Dr[hh] = d;
-        if (i < T && k.q == 0) Dg[(long long)k.bh * T + i] = d;
     }
     float dq[HS / 2];
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
-    const FbDqRows r{sl2, {lse2[0], lse2[1]}, {Dr[0], Dr[1]}, key, rquad, W, threshold, inv_keep, wr0, wr0 + k.g, k.q};
     const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);   // the warpgroup's tiles (as the forward's)
+    auto make_d = [&]() {                                  // D of the rows, written for dK / dV's kernel
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int i = wr0 + k.g + 8 * hh;
+            float d = 0.f;
+#pragma unroll
+            for (int c = 0; c < HS / 32; ++c) {
+                const unsigned a[4] = {dyr[hh][c].x, dyr[hh][c].y, dyr[hh][c].z, dyr[hh][c].w};
+                const unsigned o[4] = {yr[hh][c].x, yr[hh][c].y, yr[hh][c].z, yr[hh][c].w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    d = fmaf(__uint_as_float(a[e] << 16), __uint_as_float(o[e] << 16), d);
+                    d = fmaf(__uint_as_float(a[e] & 0xffff0000u), __uint_as_float(o[e] & 0xffff0000u), d);
+                }
+            }
+            d += __shfl_xor_sync(0xffffffffu, d, 1);
+            d += __shfl_xor_sync(0xffffffffu, d, 2);
+            Dr[hh] = d;
+            if (i < T && k.q == 0) Dg[(long long)k.bh * T + i] = d;
+        }
+    };
     k.wait_resident();
+    if (nl == 0) make_d();
     if (nl > 0) {
         float sc[BN / 2], dp[BN / 2];
         unsigned ds[BN / 16][4];
         fb_scores_wait<HS, BM, BN>(k, 0, sc, dp, qa, da);   // S = Q K^T, dPd = dO V^T
+        make_d();
+        const FbDqRows r{sl2, {lse2[0], lse2[1]}, {Dr[0], Dr[1]}, key, rquad, W, threshold, inv_keep, wr0, wr0 + k.g,
+                         k.q};
         fb_dq_grads<BN, DROP>(sc, dp, 0, r);
         for (int it = 0; it + 1 < nl; ++it) {
             fb_pack<BN>(ds, sc);
@@ -630,6 +624,7 @@ __device__ __forceinline__ void fb_dkv_wait(float (&dv)[HS / 2], float (&dk)[HS 
 // What fb_dkv_grads needs of the warp's rows (keys kw0 + g and + 8) besides the tile
 struct FbDkvRow {
     int kw0, g, q, T;
+    const float *lse, *D;                                  // the head's [T]
     float sl2;
     u32 key, row0, W, kquad, threshold;                    // row0: b h T, the head's first query; kquad: the
                                                            // quad of keys g and g + 8 within a row of W words
@@ -641,17 +636,20 @@ struct FbDkvRow {
 // (lanes 4 apart) take bytes of one keep word of query i (gc_keep_att): of the two queries of a column
 // pair, the even lane draws the first's word, the odd lane the second's, and each hands its word to the
 // other.
-// lp, Dp: lse and D of the tile's queries (query i0 + o at o: global memory, or the fused kernel's stage).
-template <int BN, bool DROP>
-__device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN / 2], int i0, const FbDkvRow& r,
-                                             const float* lp, const float* Dp) {
-    float l2[BN / 4], Dq[BN / 4];                          // the thread's columns' lse (log2 units) and D
+// the lse (log2 units) and D of the thread's columns of the tile of queries i0.. (fb_dkv_grads's l2, Dq):
+// loaded a tile ahead in the pipelined loop, so that their latency runs under the products
+template <int BN>
+__device__ __forceinline__ void fb_dkv_cols(float (&l2)[BN / 4], float (&Dq)[BN / 4], int i0, const FbDkvRow& r) {
 #pragma unroll
     for (int c = 0; c < BN / 4; ++c) {
-        const int o = 8 * (c >> 1) + 2 * r.q + (c & 1), i = i0 + o;
-        l2[c] = i < r.T ? lp[o] * GC_LOG2E : __int_as_float(0x7f800000);
-        Dq[c] = i < r.T ? Dp[o] : 0.f;
+        const int i = i0 + 8 * (c >> 1) + 2 * r.q + (c & 1);
+        l2[c] = i < r.T ? r.lse[i] : __int_as_float(0x7f800000);
+        Dq[c] = i < r.T ? r.D[i] : 0.f;
     }
+}
+template <int BN, bool DROP>
+__device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN / 2], int i0, const FbDkvRow& r,
+                                             const float (&l2)[BN / 4], const float (&Dq)[BN / 4]) {
     if (i0 < r.kw0 + 15)                                   // a query of the tile precedes a key of the warp
         fb_mask_causal<BN, false>(sc, r.kw0 + r.g - i0 - 2 * r.q);   // P = 0 there
     const u32 odd = (u32)(r.g & 1);
@@ -666,7 +664,7 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
         }
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
-            const float l2i = l2[2 * j + e2], Di = Dq[2 * j + e2];
+            const float l2i = l2[2 * j + e2] * GC_LOG2E, Di = Dq[2 * j + e2];
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int c = 4 * j + 2 * hh + e2;         // key kw0 + g + 8 hh: byte 2 hh + (g & 1)
@@ -700,7 +698,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V and NS stages of Q, dO, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
-    __shared__ __align__(8) unsigned long long fb_bars[FB_BAR_WORDS(NS, false)];
+    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 1];
     const FbBlock<F> k(fb_smem, fb_bars, H, false);
     const int kb0 = k.r0;                                  // the block's first key
     const int first = kb0 / BN;                            // the first query tile that sees a key of the block
@@ -732,17 +730,19 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
         ++it0;
     }
     if (it0 < nqt) {
-        const FbDkvRow r{kw0, k.g, k.q, T, sl2, key, (u32)(k.bh * T), W, gc_att_quad((u32)(kw0 + k.g)),
+        const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(k.bh * T), W, gc_att_quad((u32)(kw0 + k.g)),
                          threshold, inv_keep};
-        float sc[BN / 2], dp[BN / 2];
+        float sc[BN / 2], dp[BN / 2], l2[BN / 4], Dq[BN / 4];
+        fb_dkv_cols<BN>(l2, Dq, (first + it0) * BN, r);
         fb_scores_wait<HS, BM, BN>(k, it0, sc, dp, ka, va);
-        fb_dkv_grads<BN, DROP>(sc, dp, (first + it0) * BN, r, lse_h + (first + it0) * BN, D_h + (first + it0) * BN);
+        fb_dkv_grads<BN, DROP>(sc, dp, (first + it0) * BN, r, l2, Dq);
         for (int it = it0; it + 1 < nqt; ++it) {
             unsigned pa[BN / 16][4], ds[BN / 16][4];
             if constexpr (NS >= 3) {
                 // pipelined (a third ring stage holds the next tile): tile it's dV += Pd^T dO and dK +=
                 // dS^T Q are issued after tile it + 1's S^T and dP^T, and tile it + 1's softmax gradient
                 // runs while they compute (into sc and dp: the fragments they read stay)
+                fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
                 fb_pack<BN>(pa, sc);
                 fb_pack<BN>(ds, dp);
                 k.wait_full(it + 1);
@@ -751,8 +751,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                 wg_wait<1>();
                 wg_fence_acc(sc);
                 wg_fence_acc(dp);
-                fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, lse_h + (first + it + 1) * BN,
-                                         D_h + (first + it + 1) * BN);
+                fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, l2, Dq);
                 fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
                 k.release(it);
             } else {                                       // a tile at a time
@@ -762,8 +761,8 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                 fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
                 k.release(it);
                 fb_scores_wait<HS, BM, BN>(k, it + 1, sc, dp, ka, va);
-                fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, lse_h + (first + it + 1) * BN,
-                                         D_h + (first + it + 1) * BN);
+                fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
+                fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, l2, Dq);
             }
         }
         unsigned pa[BN / 16][4], ds[BN / 16][4];           // the last tile's
@@ -772,314 +771,6 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
         fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(nqt - 1));
         fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
         k.release(nqt - 1);
-    }
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int kk = kw0 + k.g + 8 * hh;
-        if (kk < T) {
-            bf16* r = dqkv + ((long long)k.b * T + kk) * 3 * k.C + k.C + k.h * HS + 2 * k.q;
-            fb_store_row<HS>(r, dk, hh, scale);
-            fb_store_row<HS>(r + k.C, dv, hh, 1.f);
-        }
-    }
-#else
-    __trap();
-#endif
-}
-
-// ------------------------------------------------------------------- backward: dK, dV and dQ in one kernel
-// flash_bwd_bf16 (head size 64): flash_bwd_dkv_bf16's block (K and V of BM keys resident, the query tiles
-// streamed) also makes each query tile's share of dQ (dS K over its keys), and dQ is summed from the shares
-// in a fixed order: no dQ kernel running S and dP a second time, no float atomics, the same bits every run.
-//  - A consumer warpgroup puts its dS^T (bf16) into a 128-byte swizzled box: dK += dS^T Q reads it
-//    K-major, its share of dQ (dS K over its 64 keys, K resident) MN-major. The share's accumulators go
-//    into buffer it & 1; the producer warpgroup's warp 2 (even tiles) or 3 (odd tiles), the adders, sums
-//    the warpgroups' shares in order. A block that is not the tile's last (a later key block reaches it)
-//    stores that into its own slot of dqacc (fp32, fb_dq_slots) and counts itself in on the tile's counter
-//    (sync[1 + bh NQ + tile]); the last block (the tile's diagonal) waits until the blocks before it all
-//    have, adds their slots to its share in key-block order and writes dQ = scale * the sum as bf16 into
-//    dqkv. Only the last block of a tile ever waits, so no chain of waits forms.
-//  - The query tiles stream last to first, so a head's key blocks reach a tile at about the same step.
-//    A ticket (sync[0]) hands out the blocks' places in blockIdx.y-major order, so the last block of a
-//    tile (the highest key block) waits only on blocks already running. The launcher zeroes sync before
-//    every launch.
-//  - The producer's warp 0 streams O beside Q and dO; its warp 1 makes each stage's D = rowsum(dO * O)
-//    (from the stage) and lse into shared memory once the stage lands (dl[s], waited for with it): no
-//    rowsum pass. The first key block's blocks also write D to Dg.
-template <int BN>
-__device__ __forceinline__ void fb_put_ds(unsigned char* box, const float (&d)[BN / 2], int w, int g, int q) {
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int row = 16 * w + g + 8 * hh;            // row & 7 == g
-            *reinterpret_cast<unsigned*>(box + row * 128 + ((j ^ g) << 4) + 4 * q) =
-                bf16x2_rn(d[4 * j + 2 * hh], d[4 * j + 2 * hh + 1]);
-        }
-}
-// a warpgroup's accumulators (64 rows x HS) into rows LD floats apart (LD = HS + 4: two-way bank conflicts, the shared memory a block may have is spent)
-template <int HS, int LD>
-__device__ __forceinline__ void fb_put_dq(float* p, const float (&d)[HS / 2], int w, int g, int q) {
-#pragma unroll
-    for (int j = 0; j < HS / 8; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-            *reinterpret_cast<float2*>(p + (16 * w + g + 8 * hh) * LD + 8 * j + 2 * q) =
-                make_float2(d[4 * j + 2 * hh], d[4 * j + 2 * hh + 1]);
-}
-// dV += Pd^T dO (pa from registers), dK += dS^T Q and dq = dS K over the warpgroup's 64 keys (dS^T from
-// its box at dsw; K resident at ka), one committed group; the stage's Q at qt, dO ST bytes on
-template <int HS, int BM, int BN>
-__device__ __forceinline__ void fb_dkvq_products(float (&dv)[HS / 2], float (&dk)[HS / 2], float (&dq)[HS / 2],
-                                                 unsigned (&pa)[BN / 16][4], unsigned dsw, unsigned ka, unsigned qt) {
-    fb_mma_rs<HS, BN, BN / 16>(dv, pa, qt + BN * HS * 2);
-    wg_fence_acc(dk);
-#pragma unroll
-    for (int s = 0; s < BN / 16; ++s) WgBf16<HS>::template mma<0, 1>(dk, fb_desc_k<64>(dsw, s), fb_desc_mn<BN>(qt, s));
-    wg_fence_acc(dq);
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-        WgBf16<HS>::template mma<1, 1>(dq, fb_desc_mn<64>(dsw, s), fb_desc_mn<BM>(ka, s), s > 0);
-    wg_commit();
-}
-// dQ slots of a head's query tiles before tile qt: tile q has one for each key block before its last, q / 2
-// of them (128-key blocks, 64-query tiles): sum over q < qt of q / 2 = a (a - 1) + b a for qt = 2 a + b
-__device__ __forceinline__ int fb_dq_slots(int qt) {
-    const int a = qt >> 1;
-    return a * (a - 1) + (qt & 1) * a;
-}
-__device__ __forceinline__ void fb_bar_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-template <int HS, bool DROP, FB_PLAN>
-__global__ void __launch_bounds__(THREADS, 1)
-flash_bwd_bf16(bf16* __restrict__ dqkv,                     // [B,T,3C]: the head's q, k and v columns
-               const __grid_constant__ TmaMap map_r,        // qkv [B][T][3C], boxes {64, BM}
-               const __grid_constant__ TmaMap map_s,        // qkv, boxes {64, BN}
-               const __grid_constant__ TmaMap map_dy,       // dy [B][T][C], boxes {64, BN}
-               const __grid_constant__ TmaMap map_y,        // y [B][T][C], boxes {64, BN}
-               const float* __restrict__ lse,               // [B,H,T]
-               float* __restrict__ Dg,                      // [B,H,T] out: rowsum(dy * y)
-               float* __restrict__ dqacc,                   // [B,H,fb_dq_slots(NQ),BN,HS] the blocks' dQ shares
-               int* __restrict__ sync,                      // [1 + B H NQ], zero at launch: ticket, counters
-               FB_ARGS_DROP) {
-    using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2, true>;
-    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory: K, V, NS stages of Q, dO, O, the dS^T boxes, "
-                                        "the dQ buffers, lse and D, + 1 KB");
-    static_assert(NS >= 3 && BN == 64 && BM == 128, "the pipelined loop; a query tile is one 128-byte box row of "
-                                                     "dS^T; fb_dq_slots counts 128-key blocks");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ __align__(1024) unsigned char fb_smem[];
-    __shared__ __align__(8) unsigned long long fb_bars[FB_BAR_WORDS(NS, true)];
-    __shared__ int fb_lin;
-    if (threadIdx.x == 0) fb_lin = atomicAdd(sync, 1);
-    const FbBlock<F> k(fb_smem, fb_bars, H, false, &fb_lin);
-    const int kb0 = k.r0, kbi = kb0 / BM;                  // the block's first key, its key block
-    const int NQ = (T + BN - 1) / BN, first = kb0 / BN, nqt = NQ - first;   // stage it: query tile NQ - 1 - it
-    const unsigned ext = k.ring + NS * F::STAGE;           // the dS^T boxes, the dQ buffers, lse / D
-    unsigned char* const sx = fb_smem + (ext - fa_smem_u32(fb_smem));
-    float* const dq_s = reinterpret_cast<float*>(sx + F::DSB);
-    float* const dl_s = reinterpret_cast<float*>(sx + F::DSB + F::DQB);
-    const unsigned dlb = k.bars + 8 * (2 * NS + 1), dqf = k.bars + 8 * (3 * NS + 1), dqe = k.bars + 8 * (3 * NS + 3);
-    int* const cnt = sync + 1 + (long long)k.bh * NQ;      // the head's query tiles' counters
-    if (k.producer) {
-        wg_regs_dec<F::PRODUCER_REGS>();
-        const int lane = threadIdx.x & 31;
-        if (k.w == 0) {                                    // the copies (lane 0)
-            const unsigned rbar = k.bars + 16 * NS;
-            mbar_expect(lane, rbar, 2 * F::RT);
-            fb_copy_tile<BM, F::KB>(lane, rbar, k.res, &map_r, k.C + k.h * HS, kb0, k.b);
-            fb_copy_tile<BM, F::KB>(lane, rbar, k.res + F::RT, &map_r, 2 * k.C + k.h * HS, kb0, k.b);
-            for (int it = 0; it < nqt; ++it) {
-                const int s = it % NS, r = (NQ - 1 - it) * BN;
-                if (it >= NS) mbar_wait(k.bars + 8 * (NS + s), ((it / NS) - 1) & 1);
-                const unsigned full = k.bars + 8 * s, dst = k.ring + s * F::STAGE;
-                mbar_expect(lane, full, F::STAGE);
-                fb_copy_tile<BN, F::KB>(lane, full, dst, &map_s, k.h * HS, r, k.b);
-                fb_copy_tile<BN, F::KB>(lane, full, dst + F::ST, &map_dy, k.h * HS, r, k.b);
-                fb_copy_tile<BN, F::KB>(lane, full, dst + 2 * F::ST, &map_y, k.h * HS, r, k.b);
-            }
-        } else if (k.w == 1) {                             // each stage's lse and D once it has landed
-            const float* lse_h = lse + (long long)k.bh * T;
-            for (int j = 0; j < nqt; ++j) {
-                const int s = j % NS, i0 = (NQ - 1 - j) * BN;
-                float l[2];
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) l[hh] = i0 + lane + 32 * hh < T ? lse_h[i0 + lane + 32 * hh] : 0.f;
-                k.wait_full(j);
-                const unsigned char* sd = fb_smem + (k.stage(j) + F::ST - fa_smem_u32(fb_smem));   // dO, O
-#pragma unroll 1
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int rr = lane + 32 * hh, i = i0 + rr;
-                    float d = 0.f;
-#pragma unroll
-                    for (int kb = 0; kb < F::KB; ++kb)
-#pragma unroll
-                        for (int c = 0; c < 8; ++c) {
-                            const int off = kb * BN * 128 + rr * 128 + ((c ^ (rr & 7)) << 4);
-                            const uint4 a = *reinterpret_cast<const uint4*>(sd + off);
-                            const uint4 o = *reinterpret_cast<const uint4*>(sd + F::ST + off);
-                            const unsigned av[4] = {a.x, a.y, a.z, a.w}, ov[4] = {o.x, o.y, o.z, o.w};
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                d = fmaf(__uint_as_float(av[e] << 16), __uint_as_float(ov[e] << 16), d);
-                                d = fmaf(__uint_as_float(av[e] & 0xffff0000u), __uint_as_float(ov[e] & 0xffff0000u), d);
-                            }
-                        }
-                    dl_s[s * 2 * BN + rr] = hh ? l[1] : l[0];
-                    dl_s[s * 2 * BN + BN + rr] = d;
-                    if (kbi == 0 && i < T) Dg[(long long)k.bh * T + i] = d;
-                }
-                mbar_arrive(dlb + 8 * s);
-            }
-        } else {
-            // the adders: warp 2 takes the even tiles (dQ buffer 0), warp 3 the odd ones (buffer 1). A tile's
-            // share is its warpgroups' shares summed in order. A block that is not the tile's last stores it
-            // into its slot of dqacc and counts itself in; the last (the tile's diagonal block) waits until
-            // every block before it has, then sums the slots in key-block order after its own and writes
-            // dQ. No block waits on a block that is not last, so no chain of waits forms.
-            const int bi = k.w - 2;
-            constexpr int NE = BN * HS / 4;                // float4s of a tile
-            float* const stage_s = dl_s + NS * 2 * BN + bi * BN * HS;   // this warp's staging of a slot
-            float* const P = dq_s + bi * F::CW * 64 * F::DQ_LD;
-            bf16* const dq_out = dqkv + (long long)k.b * T * 3 * k.C + k.h * HS;
-            for (int it = bi; it < nqt; it += 2) {
-                const int qt = NQ - 1 - it, i0 = qt * BN;
-                const bool last = kb0 + BM >= T || i0 + BN - 1 < kb0 + BM;   // no later key block reaches it
-                // the head's slots, then the tile's: fb_dq_slots(qt) before it, one per block before the last
-                float* const slots = dqacc + ((long long)k.bh * fb_dq_slots(NQ) + fb_dq_slots(qt)) * (BN * HS);
-                mbar_wait(dqf + 8 * bi, (it >> 1) & 1);
-                for (int e = lane; e < NE; e += 32) {      // the share, into the first warpgroup's rows
-                    const int r = e / (HS / 4), c4 = e % (HS / 4);
-                    float4 v = *reinterpret_cast<const float4*>(P + r * F::DQ_LD + 4 * c4);
-#pragma unroll
-                    for (int w = 1; w < F::CW; ++w) {
-                        const float4 x = *reinterpret_cast<const float4*>(P + (w * 64 + r) * F::DQ_LD + 4 * c4);
-                        v.x += x.x, v.y += x.y, v.z += x.z, v.w += x.w;
-                    }
-                    if (!last)
-                        __stcg(reinterpret_cast<float4*>(slots + kbi * (BN * HS) + 4 * e), v);
-                    else
-                        *reinterpret_cast<float4*>(P + r * F::DQ_LD + 4 * c4) = v;
-                }
-                if (!last) {
-                    mbar_arrive(dqe + 8 * bi);
-                    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");   // this lane's stores, then the count
-                    __syncwarp();
-                    if (lane == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(cnt + qt) : "memory");
-                    continue;
-                }
-                if (kbi > 0) {                             // the slots of blocks 0 .. kbi - 1, once all are in
-                    if (lane == 0) {
-                        int v;
-                        do {
-                            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(cnt + qt) : "memory");
-                        } while (v != kbi);
-                    }
-                    __syncwarp();
-                    for (int j = 0; j < kbi; ++j) {
-                        for (int e = lane; e < NE; e += 32) fa_cp16(stage_s + 4 * e, slots + j * (BN * HS) + 4 * e, 16);
-                        fa_cp_commit();
-                        fa_cp_wait<0>();                   // (a lane reads back only its own copies)
-                        for (int e = lane; e < NE; e += 32) {
-                            const int r = e / (HS / 4), c4 = e % (HS / 4);
-                            float4* const pv = reinterpret_cast<float4*>(P + r * F::DQ_LD + 4 * c4);
-                            const float4 x = *reinterpret_cast<const float4*>(stage_s + 4 * e);
-                            float4 v = *pv;
-                            v.x += x.x, v.y += x.y, v.z += x.z, v.w += x.w;
-                            *pv = v;
-                        }
-                    }
-                }
-                for (int e = lane; e < NE; e += 32) {      // dQ = scale * the sum, rows past T left alone
-                    const int r = e / (HS / 4), c4 = e % (HS / 4);
-                    const float4 v = *reinterpret_cast<const float4*>(P + r * F::DQ_LD + 4 * c4);
-                    if (i0 + r < T)
-                        *reinterpret_cast<uint2*>(dq_out + (long long)(i0 + r) * 3 * k.C + 4 * c4) =
-                            make_uint2(bf16x2_rn(v.x * scale, v.y * scale), bf16x2_rn(v.z * scale, v.w * scale));
-                }
-                mbar_arrive(dqe + 8 * bi);
-            }
-        }
-        return;
-    }
-    wg_regs_inc<F::CONSUMER_REGS>();
-    const int kw0 = kb0 + 64 * k.wg + 16 * k.w;           // the warp's first key
-    const int wg_first = kb0 + 64 * k.wg;
-    const int nl = max(0, NQ - max(first, wg_first / BN));  // the tiles reaching the warpgroup's keys: it < nl
-    const float sl2 = scale * GC_LOG2E;
-    const u32 key = fa_drop_key<DROP>(st, seed, site);
-    const u32 W = gc_att_words(T);
-    const unsigned ka = k.res + k.wg * 64 * 128, va = ka + F::RT;   // the warpgroup's keys of K, V
-    const unsigned dsw = ext + k.wg * 64 * BN * 2;         // its dS^T box
-    unsigned char* const dsp = sx + k.wg * 64 * BN * 2;
-    // tile it's share of dQ into buffer it & 1, once the adders are done with that buffer's last use
-    auto put = [&](int it, const float (&d)[HS / 2]) {
-        const int bi = it & 1;
-        if (it >= 2) mbar_wait(dqe + 8 * bi, ((it >> 1) - 1) & 1);
-        fb_put_dq<HS, F::DQ_LD>(dq_s + (bi * F::CW + k.wg) * 64 * F::DQ_LD, d, k.w, k.g, k.q);
-        mbar_arrive(dqf + 8 * bi);
-    };
-    float dk[HS / 2], dv[HS / 2];
-#pragma unroll
-    for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
-    k.wait_resident();
-    if (nl > 0) {
-        const FbDkvRow r{kw0, k.g, k.q, T, sl2, key, (u32)(k.bh * T), W, gc_att_quad((u32)(kw0 + k.g)),
-                         threshold, inv_keep};
-        float sc[BN / 2], dp[BN / 2];
-        fb_scores_wait<HS, BM, BN>(k, 0, sc, dp, ka, va);
-        mbar_wait(dlb, 0);
-        fb_dkv_grads<BN, DROP>(sc, dp, (NQ - 1) * BN, r, dl_s, dl_s + BN);
-        for (int it = 0; it + 1 < nl; ++it) {
-            unsigned pa[BN / 16][4];
-            fb_pack<BN>(pa, sc);
-            fb_put_ds<BN>(dsp, dp, k.w, k.g, k.q);
-            wg_fence_async_smem();
-            fb_bar_sync(2 + k.wg, 128);                    // the box whole before the warpgroup's products read it
-            unsigned dswi = dsw, kai = ka, vai = va;       // (their descriptors made here, not held in registers)
-            asm volatile("" : "+r"(dswi), "+r"(kai), "+r"(vai));
-            k.wait_full(it + 1);                           // tile it + 1's S^T and dP^T first
-            fb_scores<HS, BM, BN>(sc, dp, kai, vai, k.stage(it + 1));
-            float dq[HS / 2];
-            fb_dkvq_products<HS, BM, BN>(dv, dk, dq, pa, dswi, kai, k.stage(it));
-            wg_wait<1>();                                  // its softmax gradient while tile it's products run
-            wg_fence_acc(sc);
-            wg_fence_acc(dp);
-            const int s = (it + 1) % NS;
-            mbar_wait(dlb + 8 * s, ((it + 1) / NS) & 1);
-            fb_dkv_grads<BN, DROP>(sc, dp, (NQ - 2 - it) * BN, r, dl_s + s * 2 * BN, dl_s + s * 2 * BN + BN);
-            wg_wait<0>();
-            wg_fence_acc(dv);
-            wg_fence_acc(dk);
-            wg_fence_acc(dq);
-            fb_fence_frags(pa);
-            k.release(it);
-            put(it, dq);
-        }
-        unsigned pa[BN / 16][4];                           // the last tile's
-        fb_pack<BN>(pa, sc);
-        fb_put_ds<BN>(dsp, dp, k.w, k.g, k.q);
-        wg_fence_async_smem();
-        fb_bar_sync(2 + k.wg, 128);
-        float dq[HS / 2];
-        fb_dkvq_products<HS, BM, BN>(dv, dk, dq, pa, dsw, ka, k.stage(nl - 1));
-        wg_wait<0>();
-        wg_fence_acc(dv);
-        wg_fence_acc(dk);
-        wg_fence_acc(dq);
-        fb_fence_frags(pa);
-        k.release(nl - 1);
-        put(nl - 1, dq);
-    }
-    for (int it = nl; it < nqt; ++it) {                    // tiles before every key of the warpgroup: no share
-        k.wait_full(it);
-        k.release(it);
-        float dq[HS / 2];
-#pragma unroll
-        for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
-        put(it, dq);
     }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {

@@ -184,51 +184,26 @@ def test_record_bf16_training_step(dropout, bias, recompute):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_record_bf16_step_on_flash_bf16(dropout):
-    """precision bf16 at head size 64: the attention is flash_bf16's forward and its one backward kernel
-    (dK, dV and dQ), each backward after a memset of its sync words (ticket and counters) and with the
-    dQ shares' workspace, with no fp32 copies of qkv and y around it and no rowsum pass (the kernel makes D);
-    a flash_bf16 plan refuses fp32 tensors in one line."""
+    """precision bf16 at head size 64: the attention is flash_bf16's three kernels, with no fp32 copies of
+    qkv and y around it and no rowsum pass (dQ's kernel writes D = rowsum(dO * O), which dK / dV's, after it,
+    reads); a flash_bf16 plan refuses fp32 tensors in one line."""
     from gptcuda.ops.cuda import attention as attn
-    from gptcuda.runtime.core import Memset
     cfg = load_config("configs/tiny.yaml", ["--precision=bf16", "--attention=fused", f"--dropout={dropout}",
                                             "--n_embd=128", "--n_head=2", "--vocab_multiple=8"])
     rt = RecordingRuntime(cfg)
     eng = Engine(cfg, np.arange(1000, dtype=np.int32) % 65, np.arange(200, dtype=np.int32) % 65, 72,
                  backend=CudaBackend(cfg, rt=rt), programs=("train",), n_vocab=65)
-    items = eng.programs["train"].items
-    names = [r.fn.name for r in items if isinstance(r, Launch)]
+    names = [r.fn.name for r in eng.programs["train"].items if isinstance(r, Launch)]
     att = [n.split("<")[0] for n in names if n.startswith("flash")]
     L = cfg.n_layer
-    assert att.count("flash_fwd_bf16") == att.count("flash_bwd_bf16") == L and len(att) == 2 * L
-    sync, acc = rt.workspace("attention_sync"), rt.workspace("attention_dqslots")
-    B, T, H = cfg.batch_size, cfg.block_size, 2
-    a, b = divmod(-(-T // 64), 2)                         # tile q has q // 2 slots: sum over q < NQ
-    assert sync.numel == 1 + B * H * -(-T // 64) and acc.numel == max(1, B * H * sum(q // 2 for q in range(2 * a + b)) * 64 * 64)
-    for i, r in enumerate(items):
-        if isinstance(r, Launch) and r.fn.name.startswith("flash_bwd_bf16"):
-            m = items[i - 1]
-            assert isinstance(m, Memset) and m.ptr == sync.ptr and m.word == 0 and m.count == sync.numel
-            assert r.slots[7] == acc.ptr and r.slots[8] == sync.ptr
+    assert att.count("flash_fwd_bf16") == att.count("flash_bwd_dq_bf16") == att.count("flash_bwd_dkv_bf16") == L
+    assert "flash_rowsum_do" not in att
+    bwd = [r for r in eng.programs["train"].items if isinstance(r, Launch) and r.fn.name.startswith("flash_bwd")]
+    assert [r.fn.name.split("<")[0] for r in bwd] == ["flash_bwd_dq_bf16", "flash_bwd_dkv_bf16"] * L
+    assert all(dq.slots[7] == dkv.slots[5] == rt.workspace("attention_d").ptr for dq, dkv in zip(bwd[::2], bwd[1::2]))
     assert not any("_tc<" in n for n in names) and "attention_f32" not in rt._workspace
     assert all(f"<64,{'true' if dropout else 'false'}," in n for n in names if n.startswith("flash") and "_bf16<" in n)
     saved = {"lse": rt.empty((2, 2, 16))}
     qkv, y = rt.empty((2, 16, 384)), rt.empty((2, 16, 128))
     with pytest.raises(TypeError, match="bf16 flash kernels take bf16"):
         attn.attention_fwd(rt, y, qkv, saved, 2, 0.0, 0, eng.exec)
-
-
-def test_record_bf16_step_head_size_128():
-    """At head size 128 (no flash_bwd_bf16: its registers) the bf16 backward is dQ's kernel, which writes
-    D = rowsum(dO * O), then dK / dV's, which reads it; no sync memset, no dQ workspace."""
-    from gptcuda.runtime.core import Memset
-    cfg = load_config("configs/tiny.yaml", ["--precision=bf16", "--attention=fused", "--n_embd=256", "--n_head=2",
-                                            "--vocab_multiple=8"])
-    rt = RecordingRuntime(cfg)
-    eng = Engine(cfg, np.arange(1000, dtype=np.int32) % 65, np.arange(200, dtype=np.int32) % 65, 72,
-                 backend=CudaBackend(cfg, rt=rt), programs=("train",), n_vocab=65)
-    items = eng.programs["train"].items
-    bwd = [r for r in items if isinstance(r, Launch) and r.fn.name.startswith("flash_bwd")]
-    assert [r.fn.name.split("<")[0] for r in bwd] == ["flash_bwd_dq_bf16", "flash_bwd_dkv_bf16"] * cfg.n_layer
-    assert all(dq.slots[7] == dkv.slots[5] == rt.workspace("attention_d").ptr for dq, dkv in zip(bwd[::2], bwd[1::2]))
-    assert "attention_sync" not in rt._workspace
-    assert not any(isinstance(r, Memset) and r.label == "flash_bwd_sync" for r in items)

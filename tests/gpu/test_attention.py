@@ -283,7 +283,7 @@ BF16_SHAPES = [
     (1, 1000, 64, 1),    # hs 64, long rows, a part tile at the end
     (2, 1100, 128, 2),   # hs 64 at T >= 1024: the long tiles (192 rows, pipelined), a third-full last tile
     (2, 200, 384, 6),    # hs 64, two sequences (the tensor maps' third dimension), six heads
-    (3, 1024, 384, 6),   # hs 64: 144 blocks of the fused backward, more than the SMs (two waves)
+    (3, 1024, 384, 6),   # hs 64: more blocks than SMs (144 of dK / dV), the long tiles
     (3, 5, 128, 2),      # tiny T: one part tile
     (2, 67, 256, 2),     # hs 128, a part tile
     (1, 384, 256, 2),    # hs 128
@@ -300,10 +300,8 @@ def test_fused_bf16(env, B, T, C, H, p):
 
 
 # other tiles of the plan at head size 64: pipelined or not, 3 and 4 consumer warpgroups (a block of 192
-# rows leaves whole warpgroups past T on these shapes, which must compute nothing and still release the ring).
-# A set naming dq or dkv runs the backward as those two kernels (FLASH_BF16_FUSED emptied), as at head size 128.
+# rows leaves whole warpgroups past T on these shapes, which must compute nothing and still release the ring)
 BF16_TILE_SETS = [
-    {"dq": (128, 64, 2), "dkv": (128, 64, 3)},           # the two-kernel backward at its head-size-128 tiles
     {"fwd": (128, 128, 3), "dq": (128, 64, 3)},          # the forward and dQ pipelined over three stages
     {"fwd": (192, 128, 3), "dq": (192, 64, 3), "dkv": (192, 64, 3)},
     {"fwd": (128, 64, 2), "dq": (128, 64, 2), "dkv": (128, 64, 2)},   # a tile at a time
@@ -318,8 +316,6 @@ BF16_TILE_SETS = [
 def test_fused_bf16_tiles(env, monkeypatch, tiles, B, T, C, H, p):
     for kind, t in tiles.items():
         monkeypatch.setitem(flash.FLASH_BF16_TILES, (kind, 64), t)
-    if "dq" in tiles or "dkv" in tiles:
-        monkeypatch.setattr(flash, "FLASH_BF16_FUSED", ())
     out = _run_bf16(env, B, T, C, H, p)
     errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
     for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE), ("D", 1e-5)):
@@ -327,8 +323,7 @@ def test_fused_bf16_tiles(env, monkeypatch, tiles, B, T, C, H, p):
 
 
 def test_fused_bf16_deterministic(env):
-    """The same bits twice, also where the fused backward's blocks outnumber the SMs (dQ's shares summed in
-    key-block order whichever block comes first)."""
+    """The same bits twice, on a shape whose blocks outnumber the SMs."""
     a = _run_bf16(env, 3, 1024, 384, 6, 0.1)
     b = _run_bf16(env, 3, 1024, 384, 6, 0.1)
     for k in a:

@@ -83,9 +83,6 @@ def workspace(cfg, ex=None) -> dict:
         out = {"attention_d": ((B, H, T), "f32")}            # D = rowsum(dO * O) of the backward
         if ex.act_dtype == "bf16" and ex.attention != "flash_bf16":
             out[F32_COPIES] = ((B * T * 8 * C,), "f32")
-        if ex.attention == "flash_bf16" and hs in flash.FLASH_BF16_FUSED:   # flash_bwd_bf16's dQ shares, counts
-            out["attention_dqslots"] = ((max(1, B * H * _dq_slots(T) * 64 * hs),), "f32")
-            out["attention_sync"] = ((_sync_words(B, T, H),), "i32")
         return out
     heads = ((B, H, T, hs), "f32")
     return {
@@ -353,35 +350,12 @@ def _bf16_fwd(rt, y, qkv, lse, n_head, p, site):
               smem=k.smem, label="flash_fwd")
 
 
-def _dq_slots(T):
-    """flash_bwd_bf16's dQ slots a head (fb_dq_slots): a 64-query tile q has one for each 128-key block
-    before its last, q // 2 of them."""
-    a, b = divmod(cdiv(T, 64), 2)
-    return a * (a - 1) + b * a
-
-
-def _sync_words(B, T, H):
-    """flash_bwd_bf16's sync words: the block ticket, then a counter a (sequence, head, 64-query tile)."""
-    return 1 + B * H * cdiv(T, 64)
-
-
 def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     B, T, C, H, hs = _split(qkv, n_head)
     _bf16_check(qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))      # written by dQ's kernel (its rows'), read by dK / dV's
-    drop = attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
-    if hs in flash.FLASH_BF16_FUSED:                        # one kernel: dK, dV, and dQ summed from its shares
-        k = flash.flash_kernel("bwd", "flash_bf16", hs, float(p) > 0, T=T)
-        acc = _view(rt.workspace("attention_dqslots"), (B * H * _dq_slots(T) * 64 * hs,))
-        sync = _view(rt.workspace("attention_sync"), (_sync_words(B, T, H),))
-        rt.memset(sync, 0, "flash_bwd_sync")
-        maps = [_bf16_map(rt, qkv, k.rows), _bf16_map(rt, qkv, k.stream_rows), _bf16_map(rt, dy, k.stream_rows),
-                _bf16_map(rt, y, k.stream_rows)]
-        rt.launch(rt.function(k.file, k.name), (B * H, cdiv(T, k.rows)), (k.threads,),
-                  [dqkv] + maps + [lse, D, acc, sync] + drop, smem=k.smem, label="flash_bwd")
-        return
-    tail = [lse, D] + drop
+    tail = [lse, D] + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kq.rows), _bf16_map(rt, dy, kq.rows), _bf16_map(rt, qkv, kq.stream_rows)]
     rt.launch(rt.function(kq.file, kq.name), (B * H, cdiv(T, kq.rows)), (kq.threads,),

@@ -2,8 +2,7 @@
 
     flash_kernel(kind, path, hs, drop, wg=False) -> FlashKernel(file, name, rows, smem)
 
-kind: fwd | dq | dkv | bwd (flash_bf16 at head sizes FLASH_BF16_FUSED: dK, dV and dQ in one kernel);
-path: the fused path (flash: FFMA, flash_tc: TF32, flash_3x: 3xTF32, flash_bf16:
+kind: fwd | dq | dkv; path: the fused path (flash: FFMA, flash_tc: TF32, flash_3x: 3xTF32, flash_bf16:
 bf16 on warpgroup MMA and TMA, head sizes FLASH_BF16_HEAD_SIZES); wg: dK/dV on warpgroup MMA (flash_tc,
 head sizes FLASH_WG_HEAD_SIZES). A plan's choices (rows a block, the other
 side's tile, ring stages, which operands stay in registers) and its shared memory in bytes go to the
@@ -31,8 +30,7 @@ FLASH_BK = 64                          # FFMA kernels: key rows a block of dkv
 ROWSUM_THREADS = 256
 
 _SUFFIX = {"flash": "", "flash_tc": "_tc", "flash_3x": "_x3", "flash_bf16": "_bf16"}
-_KIND = {"fwd": "fwd", "dq": "bwd_dq", "dkv": "bwd_dkv", "bwd": "bwd"}
-_KINDS = ("fwd", "dq", "dkv")          # every path's kernels; "bwd" only flash_bf16's at FLASH_BF16_FUSED
+_KIND = {"fwd": "fwd", "dq": "bwd_dq", "dkv": "bwd_dkv"}
 
 
 @dataclass(frozen=True)
@@ -115,12 +113,7 @@ def flash_dkv_wg_plan(hs: int) -> dict:
 # the H200 it pays for dK/dV, and for the forward and dQ only with 192 rows at T >= 1024 (three consumer
 # warpgroups a block: FLASH_BF16_TILES_LONG), not at T256
 FLASH_BF16_TILES = {("fwd", 64): (128, 128, 2), ("dq", 64): (128, 64, 2), ("dkv", 64): (128, 64, 3),
-                    ("bwd", 64): (128, 64, 3),
                     ("fwd", 128): (128, 64, 2), ("dq", 128): (128, 64, 2), ("dkv", 128): (128, 64, 2)}
-# head sizes whose bf16 backward is flash_bwd_bf16 (dK, dV and dQ in one kernel, dQ's shares summed in a
-# fixed order through an fp32 workspace); at 128 its registers would not hold dK, dV and a dQ share, so the
-# dQ and dK / dV kernels run there
-FLASH_BF16_FUSED = (64,)
 FLASH_BF16_LONG_T = 1024
 FLASH_BF16_SMEM_MAX = 227 * 1024 - 1024    # sm_90's opt-in limit a block, less the static part (barrier words)
 FLASH_BF16_TILES_LONG = {("fwd", 64): (192, 128, 3), ("dq", 64): (192, 64, 3)}
@@ -143,22 +136,17 @@ def flash_bf16_plan(kind: str, hs: int, T: int = 0) -> dict:
     (bytes)."""
     if hs not in FLASH_BF16_HEAD_SIZES:
         raise ValueError(f"the bf16 flash kernels take head sizes {FLASH_BF16_HEAD_SIZES}, not {hs}")
-    if kind not in _KIND or (kind == "bwd" and hs not in FLASH_BF16_FUSED):
-        raise ValueError(f"no bf16 flash kernel {kind!r} at head size {hs}")
+    if kind not in _KIND:
+        raise ValueError(kind)
     bm, bn, ns = flash_bf16_tile(kind, hs, T)
     if bm not in (128, 192, 256) or bn not in (64, 128) or ns not in (2, 3):
         raise ValueError(f"bf16 flash tiles: bm 128 | 192 | 256, bn 64 | 128, ns 2 | 3, not {(bm, bn, ns)}")
     resident = 1 if kind == "fwd" else 2
-    cw = bm // 64
     smem = resident * bm * hs * 2 + ns * 2 * bn * hs * 2 + 1024
-    if kind == "bwd":                      # O a stage too; dS^T boxes, two dQ share buffers, lse / D a stage, dQ's sums
-        if bn != 64 or ns < 3:
-            raise ValueError(f"flash_bwd_bf16 streams 64-query tiles over 3+ stages, not {(bm, bn, ns)}")
-        smem += ns * bn * hs * 2 + cw * 64 * bn * 2 + 2 * cw * 64 * (hs + 4) * 4 + ns * 2 * bn * 4 + 2 * bn * hs * 4
     if smem > FLASH_BF16_SMEM_MAX:
         raise ValueError(f"bf16 flash {kind} tiles {(bm, bn, ns)} at head size {hs}: {smem} bytes of shared memory, "
                          f"more than the {FLASH_BF16_SMEM_MAX} a block may have beside its barriers")
-    threads = 128 * (cw + 1)
+    threads = 128 * (bm // 64 + 1)
     return {"rows": bm, "smem": smem, "threads": threads, "stream_rows": bn, "args": (threads, bm, bn, ns, smem)}
 
 
@@ -200,13 +188,10 @@ def variants() -> list:
     out = []
     for hs in FLASH_HEAD_SIZES:
         for drop in (False, True):
-            out += [(k.file, k.name, {}) for path in FLASH_PATHS for kind in _KINDS
+            out += [(k.file, k.name, {}) for path in FLASH_PATHS for kind in _KIND
                     if path != "flash_bf16" or hs in FLASH_BF16_HEAD_SIZES
                     for T in ((0, FLASH_BF16_LONG_T) if path == "flash_bf16" else (0,))
                     for k in [flash_kernel(kind, path, hs, drop, T=T)]]
-            if hs in FLASH_BF16_FUSED:
-                out += [(k.file, k.name, {}) for T in (0, FLASH_BF16_LONG_T)
-                        for k in [flash_kernel("bwd", "flash_bf16", hs, drop, T=T)]]
             if hs in FLASH_WG_HEAD_SIZES:
                 k = flash_kernel("dkv", "flash_tc", hs, drop, wg=True)
                 out.append((k.file, k.name, {}))
