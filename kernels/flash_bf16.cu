@@ -512,8 +512,8 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     const u32 W = gc_att_words(T);
     const u32 rquad = (u32)(k.bh * T + wr0 + k.g) * W + (u32)k.q;
     const unsigned qa = k.res + k.wg * 64 * 128, da = qa + F::RT;   // the warpgroup's rows of Q, dO
-    // D's operands (the row's quarter of dy and y, as stored) and lse are loaded first; their sums are made
-    // once the first tile's products are issued, so that the loads' latency runs under the copies and them
+    // D's operands (the row's quarter of dy and y, as stored) and lse are loaded first and D is summed once
+    // the first tile's products are done, so that the loads' latency runs under the copies and the products
     float lse2[2], Dr[2];                                  // per row: lse in log2 units, D
     uint4 dyr[2][HS / 32], yr[2][HS / 32];
 #pragma unroll
