@@ -115,8 +115,8 @@ def flash_dkv_wg_plan(hs: int) -> dict:
 FLASH_BF16_TILES = {("fwd", 64): (128, 128, 2), ("dq", 64): (128, 64, 2), ("dkv", 64): (128, 64, 3),
                     ("fwd", 128): (128, 64, 2), ("dq", 128): (128, 64, 2), ("dkv", 128): (128, 64, 2)}
 FLASH_BF16_LONG_T = 1024
-FLASH_BF16_SMEM_MAX = 227 * 1024 - 1024    # sm_90's opt-in limit a block, less the static part (barrier words)
 FLASH_BF16_TILES_LONG = {("fwd", 64): (192, 128, 3), ("dq", 64): (192, 64, 3)}
+FLASH_BF16_SMEM_MAX = 227 * 1024 - 1024    # sm_90's opt-in limit a block, less the static part (barrier words)
 
 
 def flash_bf16_tile(kind: str, hs: int, T: int = 0) -> tuple:
