@@ -17,7 +17,8 @@ import ctypes
 import functools
 import re
 
-from gptcuda.runtime import Function, Launch, Memset, Runtime, compiler
+from gptcuda.runtime import (Function, Launch, Memset, OnStream, Runtime, SideFork, SideJoin, StreamMark, StreamWait,
+                             compiler)
 
 
 class FakeInfo:
@@ -49,6 +50,9 @@ class FakeDev:
 
     def stream(self):
         return None
+
+    def priority_stream(self):
+        return "priority stream"
 
     def free(self, ptr):
         pass
@@ -170,9 +174,10 @@ class RecordingRuntime(Runtime):
         return self._functions[key]
 
     def _submit(self, rec):
-        assert isinstance(rec, (Launch, Memset))
+        assert isinstance(rec, (Launch, Memset, OnStream, SideFork, StreamMark, StreamWait, SideJoin))
         if self._noted is not None:
             return rec
+        rec = self._placed(rec)
         if self._recording is not None:
             self._recording.items.append(rec)
         else:

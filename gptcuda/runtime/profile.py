@@ -27,14 +27,17 @@ GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "f
 
 
 def launch_times(rt, prog, iters: int = 5):
-    """[(record, median ms)] for each launch of prog."""
+    """[(record, median ms)] for each launch of prog, all in the main stream, one after another (work
+    recorded beside it, core.Runtime.beside, runs there too: its stream bookkeeping is left out)."""
     dev = rt.dev
     events = [dev.event() for _ in range(len(prog.items) + 1)]
     dev.begin_capture(rt.stream)
     try:
         for ev, rec in zip(events, prog.items):
             dev.record(ev, rt.stream, external=True)
-            rec.run(dev, rt.stream)
+            one = getattr(rec, "serial", rec)
+            if one is not None:
+                one.run(dev, rt.stream)
         dev.record(events[-1], rt.stream, external=True)
     finally:
         graph, exe = dev.end_capture(rt.stream)
@@ -46,6 +49,39 @@ def launch_times(rt, prog, iters: int = 5):
             per[i].append(dev.elapsed_ms(events[i], events[i + 1]))
     dev.graph_destroy(graph, exe)
     return [(rec, statistics.median(t)) for rec, t in zip(prog.items, per)]
+
+
+def timeline(rt, prog, iters: int = 3) -> list:
+    """[(record, start ms, end ms)] of each launch of prog as a captured graph runs them, every stream's
+    launches on their own stream (Runtime.beside's too): timing events recorded before and after each on
+    the stream it runs on, times from an event at the graph's start; the median over iters replays."""
+    from gptcuda.runtime.core import OnStream
+    dev, main = rt.dev, rt.stream
+    base = dev.event()
+    marks = []
+    dev.begin_capture(main)
+    try:
+        dev.record(base, main, external=True)
+        for rec in prog.items:
+            stream = rec.stream if isinstance(rec, OnStream) else main
+            if getattr(rec, "fn", None) is None or rec.fn.file == "stream":
+                rec.run(dev, main)
+                continue
+            ev = (dev.event(), dev.event())
+            dev.record(ev[0], stream, external=True)
+            rec.run(dev, main)
+            dev.record(ev[1], stream, external=True)
+            marks.append((rec, ev))
+    finally:
+        graph, exe = dev.end_capture(main)
+    runs = []
+    for _ in range(iters):
+        dev.graph_launch(exe, main)
+        rt.synchronize()
+        runs.append([(dev.elapsed_ms(base, a), dev.elapsed_ms(base, b)) for _, (a, b) in marks])
+    dev.graph_destroy(graph, exe)
+    return [(rec, statistics.median(r[i][0] for r in runs), statistics.median(r[i][1] for r in runs))
+            for i, (rec, _) in enumerate(marks)]
 
 
 def phase_table(rt, prog, iters: int = 5, top: int = 25, by_label: int = 0) -> str:
