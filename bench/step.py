@@ -13,9 +13,8 @@ largest; 0: none).
 
 --profile: then one more eager step between cuProfilerStart and cuProfilerStop, for a profiler started
 with its collection off (`ncu --profile-from-start off ...`: bench/profile_step.sh): the step's launches
-alone, not the setup's or the GEMM tuner's. --profile_graph: two replays of the step's graph there instead
-(for a profiler's timeline). --timeline FILE: each launch's start and end (ms) in a replay of the step's
-graph, a line each: start end stream (1: beside the main one) label kernel (runtime/profile.py timeline).
+alone, not the setup's or the GEMM tuner's. --timeline FILE: each launch's start and end (ms) in a replay
+of the step's graph, a line each: start end label kernel (runtime/profile.py timeline).
 """
 import json
 import os
@@ -45,7 +44,8 @@ def host_ms(rt, fn, reps=7):
 
 
 def main(argv):
-    path, overrides, flags, opts = split_args(argv, flags=("profile", "profile_graph"), options=("iters", "json", "labels", "timeline"))
+    path, overrides, flags, opts = split_args(argv, flags=("profile",),
+                                              options=("iters", "json", "labels", "timeline"))
     iters = int(opts.get("iters", 50))
     cfg = load_config(path, overrides + ["--max_iters=100000"])
     data, V, accum = open_run_data(cfg)
@@ -76,23 +76,18 @@ def main(argv):
     print(clock)
     print()
     print(phase_table(rt, eng.programs["train"], by_label=int(opts.get("labels", 30))))
-    if "profile" in flags or "profile_graph" in flags:
+    if "profile" in flags:
         from cuda.bindings import driver as cu
         from gptcuda.runtime.driver import call
         rt.synchronize()
         call(cu.cuProfilerStart)
-        for _ in range(2 if "profile_graph" in flags else 0):
-            eng.train_step()
-        if "profile" in flags:
-            eager_step()
+        eager_step()
         rt.synchronize()
         call(cu.cuProfilerStop)
-    if "timeline" in opts:             # each launch's start and end in a graph replay, by stream (profile.timeline)
-        from gptcuda.runtime.core import OnStream
+    if "timeline" in opts:             # each launch's start and end in a graph replay (profile.timeline)
         with open(opts["timeline"], "w") as f:
             for rec, t0, t1 in timeline(rt, eng.programs["train"]):
-                side = int(isinstance(rec, OnStream))
-                f.write(f"{t0:.4f} {t1:.4f} {side} {rec.label.replace(' ', '_')} {rec.fn.name.split('<')[0]}\n")
+                f.write(f"{t0:.4f} {t1:.4f} {rec.label.replace(' ', '_')} {rec.fn.name.split('<')[0]}\n")
     if "json" in opts:
         with open(opts["json"], "w") as f:
             json.dump({"config": cfg.to_dict(), "vocab": V, "accum": accum, "graph_ms": mg, "eager_ms": me,

@@ -182,42 +182,6 @@ def test_record_bf16_training_step(dropout, bias, recompute):
     assert evals[0].fn.name.startswith("to_bf16")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "tf32"])
-def test_record_weight_gradients_beside(precision):
-    """bf16 (exec.beside): the backward's dW fc and dW qkv of each layer, with their bias sums, run on the
-    second stream (OnStream), without split-K, each after a SideFork and followed by a StreamMark; the main
-    stream waits for each (StreamWait) and joins the side stream before AdamW; nothing of the side stream's
-    outside the backward. tf32: one stream, as before."""
-    from gptcuda.runtime import OnStream, SideFork, SideJoin, StreamMark, StreamWait
-    cfg = load_config("configs/tiny.yaml", [f"--precision={precision}", "--attention=fused", "--n_embd=128",
-                                            "--n_head=2", "--vocab_multiple=8", "--bias=true"])
-    rt = RecordingRuntime(cfg)
-    eng = Engine(cfg, np.arange(1000, dtype=np.int32) % 65, np.arange(200, dtype=np.int32) % 65, 72,
-                 backend=CudaBackend(cfg, rt=rt), programs=("train",), n_vocab=65)
-    items = eng.programs["train"].items
-    kinds = [type(r) for r in items]
-    L = cfg.n_layer
-    if precision == "tf32":
-        assert not {OnStream, SideFork, SideJoin, StreamMark, StreamWait} & set(kinds)
-        return
-    side = [r for r in items if isinstance(r, OnStream)]
-    dw = [r for r in side if r.fn.name.startswith("gemm")]
-    assert len(dw) == 2 * L and all(r.stream == rt._beside for r in side)
-    assert not any("splitk" in r.label or "reduce" in r.fn.name for r in side)
-    assert all(r.fn.name.startswith(("gemm_wgmma", "sum_rows", "bias_grad_partial")) for r in side)
-    assert kinds.count(SideFork) == kinds.count(StreamMark) == 2 * L and kinds.count(SideJoin) == 1
-    assert kinds.count(StreamWait) == 2 * L - 2        # the bottom layer's dW fc and dW qkv: the join
-    first, join = kinds.index(SideFork), kinds.index(SideJoin)
-    assert all(first < i < join for i, k in enumerate(kinds) if k in (OnStream, StreamMark, StreamWait))
-    names = [getattr(r, "fn", None) and r.fn.name for r in items]
-    assert join < next(i for i, n in enumerate(names) if n and n.startswith("adamw"))
-    # each block: a fork, its launches, its mark
-    for i, k in enumerate(kinds):
-        if k is SideFork:
-            j = kinds.index(StreamMark, i)
-            assert all(kinds[m] is OnStream for m in range(i + 1, j)) and j > i + 1
-
-
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_record_bf16_step_on_flash_bf16(dropout):
     """precision bf16 at head size 64: the attention is flash_bf16's three kernels, with no fp32 copies of

@@ -108,14 +108,8 @@ class GPT:
         o.layernorm_bwd(dres, g["lnf.w"], g.get("lnf.b"), dln, a["res"][L], a["lnf_mean"], a["lnf_rstd"], p["lnf.w"],
                         self._drop_out(drop, self.site(rng.dropout_site(L - 1, 2))))
         self._grads_ready("head")
-        # dW fc and dW qkv may run beside the rest (o.beside: the bf16 plan's second stream), each waited
-        # for where what it reads is next written (dfc, dqkv: by the layer below), long after it started;
-        # a layer's hook follows the wait for its dW qkv. (dW fcproj and dW attn proj read d, which the
-        # next layernorm backward rewrites, too soon for a product beside: bench/NOTES.md, "beside".)
-        side, late, ready = {}, o.exec.beside, None
         for l in reversed(range(L)):
             h = f"h{l}."
-            o.wait_beside(side.pop("fc", None))                                   # dfc is written next
             # mlp half: res[l+1] = mid + drop(fc_act @ fcproj^T + b); d: its branch's gradient
             if cfg.recompute:     # dfc: the pre-activation's gradient; fc_pre[l]: rebuilt into the GELU output
                 pre = a["fc_pre"][l]
@@ -129,32 +123,21 @@ class GPT:
                 o.matmul(g[h + "fcproj.w"], d, a["fc_act"][l], True, False,      # (+ the bias gradient)
                          a_colsum=g.get(h + "fcproj.b"))
                 o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
-            with o.beside("dW fc") as side["fc"]:
-                o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False, a_colsum=g.get(h + "fc.b"))
             o.matmul(dln, dfc, w[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
+            o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False, a_colsum=g.get(h + "fc.b"))
             o.layernorm_bwd(dres, g[h + "ln2.w"], g.get(h + "ln2.b"), dln, a["mid"][l], a["ln2_mean"][l],
                             a["ln2_rstd"][l], p[h + "ln2.w"], self._drop_out(drop, self.site(rng.dropout_site(l, 1))))
             # attention half: mid = res[l] + drop(atty @ proj^T + b); d: its branch's gradient
             o.matmul(datty, d, w[h + "proj.w"], False, False)
             o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False, a_colsum=g.get(h + "proj.b"))
-            o.wait_beside(side.pop("qkv", None))                                  # dqkv is written next
-            if ready is not None:
-                self._grads_ready(ready)
             o.attention_bwd(dqkv, datty, a["qkv"][l], a["atty"][l], self.saved(l), H, drop,
                             self.site(rng.dropout_site(l, 0)))
-            with o.beside("dW qkv") as side["qkv"]:
-                o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False, a_colsum=g.get(h + "attn.b"))
             o.matmul(dln, dqkv, w[h + "attn.w"], False, False)                    # d ln1 [B,T,C]
+            o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False, a_colsum=g.get(h + "attn.b"))
             below = rng.dropout_site(l - 1, 2) if l > 0 else rng.DROPOUT_EMB   # the branch before res[l]
             o.layernorm_bwd(dres, g[h + "ln1.w"], g.get(h + "ln1.b"), dln, a["res"][l], a["ln1_mean"][l],
                             a["ln1_rstd"][l], p[h + "ln1.w"], self._drop_out(drop, self.site(below)))
-            if late:
-                ready = l
-            else:
-                self._grads_ready(l)
-        o.join_beside()
-        if ready is not None:
-            self._grads_ready(ready)
+            self._grads_ready(l)
         o.encoder_bwd(g["wte"], g["wpe"], d, a["idx"][self.micro])      # d: the embeddings' dropout gradient
         self._grads_ready("embed")
 

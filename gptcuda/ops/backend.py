@@ -111,19 +111,6 @@ class Ops(Protocol):
     def flush_sums(self) -> None:
         """Every held sum is made: the gradients written so far are final."""
 
-    # ---- ops beside the main sequence -----------------------------------------------------------
-    def beside(self, label: str = "beside"):
-        """A context manager: the ops recorded inside may run beside the ops recorded after it (the
-        CUDA backend where exec.beside: on a second stream, after everything recorded before); it
-        yields a token (None: they ran in sequence) for wait_beside. Nothing recorded after the block
-        may write what its ops read or write before wait_beside (or join_beside) says so."""
-
-    def wait_beside(self, work) -> None:
-        """The ops recorded next run after the beside block that yielded `work` (None: nothing to wait for)."""
-
-    def join_beside(self) -> None:
-        """The ops recorded next run after every beside block so far."""
-
     # ---- the model ------------------------------------------------------------------------------
     def encoder_fwd(self, out, idx, wte, wpe) -> None:
         """out[B,T,C] = wte[idx[B,T]] + wpe[t]"""

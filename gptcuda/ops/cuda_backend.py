@@ -7,8 +7,6 @@ captured as a CUDA graph.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from gptcuda.runtime import execution
@@ -130,16 +128,6 @@ class CudaBackend:
 
     def flush_sums(self):
         elementwise.flush_sums(self.rt)
-
-    def beside(self, label="beside"):
-        return self.rt.beside(label) if self.exec.beside else contextlib.nullcontext()
-
-    def wait_beside(self, work):
-        if work is not None:
-            self.rt.wait_beside(work)
-
-    def join_beside(self):
-        self.rt.join_beside()
 
     def lr_schedule(self, learning_rate, min_lr, warmup_iters, lr_decay_iters):
         optim.lr_schedule(self.rt, learning_rate, min_lr, warmup_iters, lr_decay_iters)

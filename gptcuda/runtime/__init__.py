@@ -13,6 +13,5 @@ The Runtime and its launch vocabulary are importable from here: `from gptcuda.ru
 Runtime, DeviceView, i32, f32`; launchers take an `rt: RuntimeProtocol`.
 """
 from gptcuda.runtime.core import (NAN_WORD, NP_DTYPES, POISON_WORDS, Blob, DeviceView, Function, Graph, Launch, Memset,  # noqa: F401
-                                  OnStream, Program, Runtime, SideFork, SideJoin, SideWork, StreamCall, StreamFork,
-                                  StreamJoin, StreamMark, StreamWait, arg_size, f32, i32, u32, u64)
+                                  Program, Runtime, StreamCall, StreamFork, StreamJoin, arg_size, f32, i32, u32, u64)
 from gptcuda.runtime.protocol import RuntimeProtocol  # noqa: F401

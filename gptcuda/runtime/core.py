@@ -247,67 +247,6 @@ class StreamCall:
             _mark(dev, self.marks[1], s)
 
 
-class OnStream:
-    """A launch or memset recorded to run on another stream than the main one (Runtime.beside).
-    `serial`: the record itself, for timing every launch in one stream (profile.launch_times)."""
-    __slots__ = ("serial", "stream", "label", "fn")
-
-    def __init__(self, rec, stream):
-        self.serial, self.stream, self.label = rec, stream, rec.label
-        self.fn = getattr(rec, "fn", None)
-
-    def run(self, dev, stream):
-        self.serial.run(dev, self.stream)
-
-
-class StreamMark:
-    """A point of another stream's work that the main stream can wait for later (StreamWait): an
-    event recorded on that stream. No launch: `serial` None."""
-    __slots__ = ("event", "on", "label", "fn")
-    serial = None
-
-    def __init__(self, event, on, label: str = "mark"):
-        self.event, self.on, self.label = event, on, label
-        self.fn = Function(None, label, "stream")
-
-    def run(self, dev, stream):
-        dev.record(self.event, self.on)
-
-
-class StreamWait:
-    """What follows on the main stream waits for a StreamMark's point."""
-    __slots__ = ("event", "label", "fn")
-    serial = None
-
-    def __init__(self, event, label: str = "wait"):
-        self.event, self.label = event, label
-        self.fn = Function(None, label, "stream")
-
-    def run(self, dev, stream):
-        _wait(dev, stream, self.event)
-
-
-class SideFork(StreamFork):
-    """beside()'s fork: a StreamFork that a program timed in one stream leaves out (`serial` None)."""
-    __slots__ = ()
-    serial = None
-
-
-class SideJoin(StreamJoin):
-    """join_beside()'s join, left out like SideFork."""
-    __slots__ = ()
-    serial = None
-
-
-class SideWork:
-    """What Runtime.beside returns: its work's end on the side stream (`event`, once the block is
-    left), for Runtime.wait_beside."""
-    __slots__ = ("event", "label")
-
-    def __init__(self, label: str):
-        self.event, self.label = None, label
-
-
 class Runtime:
     """One GPU: compiled functions, a stream, the program being recorded, graphs, memory."""
 
@@ -332,10 +271,6 @@ class Runtime:
         self._side = None            # the communication stream, made on first use
         self.held_sums = None        # the row sums a backward holds (ops/cuda/elementwise.defer_sums)
         self._noted = None           # the kernels asked for inside noting(), none compiled
-        self._beside = None          # the stream of the work beside the main one (beside()), made on first use
-        self.on_side = False         # inside beside(): launches go to that stream
-        self.side_open = False       # work recorded beside that the main stream has not joined yet
-        self._last_side = None       # the last beside block recorded
 
     @property
     def precision(self) -> str:
@@ -390,16 +325,11 @@ class Runtime:
     def _submit(self, rec):
         if self._noted is not None:
             return rec
-        rec = self._placed(rec)
         if self._recording is not None:
             self._recording.items.append(rec)
         else:
             rec.run(self.dev, self.stream)
         return rec
-
-    def _placed(self, rec):
-        """rec as recorded: inside a beside block a launch or memset runs on the side stream."""
-        return OnStream(rec, self._beside) if self.on_side and isinstance(rec, (Launch, Memset)) else rec
 
     @contextlib.contextmanager
     def noting(self):
@@ -421,10 +351,6 @@ class Runtime:
 
     def end(self) -> Program:
         prog, self._recording = self._recording, None
-        if self.side_open or self.on_side:
-            self.side_open = self.on_side = False
-            raise RuntimeError(f"{prog.name if prog else 'a program'} ends with work beside the main stream "
-                               "not joined (join_beside)")
         return prog
 
     def run(self, prog: Program):
@@ -463,44 +389,6 @@ class Runtime:
             self._side = call(drv.cuStreamCreateWithPriority, drv.CUstream_flags.CU_STREAM_NON_BLOCKING,
                               greatest)
         return self._side
-
-    # ---- work beside the main stream (the backward's weight gradients) -------------------
-    @contextlib.contextmanager
-    def beside(self, label: str = "beside"):
-        """A block whose launches run on a second stream at the device's highest priority, after
-        everything recorded before it on the main stream and beside the main stream's work after it;
-        yields a SideWork whose end the main stream waits for with wait_beside (before it overwrites
-        what the block reads) or join_beside. The side stream's blocks run in the order recorded.
-        Graphs run it with its priority (driver.Device.end_capture), so its blocks take SMs first as
-        they free up and the main stream's fill the rest."""
-        if self.on_side:
-            raise RuntimeError(f"beside({label!r}) inside another beside block")
-        if self._beside is None:
-            self._beside = self.dev.priority_stream()
-        self.add(SideFork(self._beside, self.new_event(), f"fork {label}"))
-        work = SideWork(label)
-        self.on_side = True
-        try:
-            yield work
-        finally:
-            self.on_side = False
-        work.event = self.new_event()
-        self.add(StreamMark(work.event, self._beside, f"end {label}"))
-        self.side_open, self._last_side = True, work
-
-    def wait_beside(self, work: "SideWork"):
-        """What the main stream records next runs after `work` (a beside block) has finished."""
-        if work.event is None:
-            raise RuntimeError(f"wait_beside({work.label!r}) inside its own block")
-        self.add(StreamWait(work.event, f"wait {work.label}"))
-        if work is self._last_side:       # the side stream runs its blocks in order: all of them done
-            self.side_open = False
-
-    def join_beside(self):
-        """What the main stream records next runs after all the work recorded beside it so far."""
-        if self.side_open:
-            self.add(SideJoin(self._beside, self.new_event(), "join beside"))
-            self.side_open = False
 
     def new_event(self, timing: bool = False):
         drv = self.dev.drv

@@ -173,12 +173,6 @@ class Device:
     def stream(self):
         return call(self.drv.cuStreamCreate, self.drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
 
-    def priority_stream(self):
-        """A non-blocking stream at the device's highest priority: its pending blocks are given SMs
-        before the default-priority streams' (running blocks are never preempted)."""
-        _least, greatest = call(self.drv.cuCtxGetStreamPriorityRange)
-        return call(self.drv.cuStreamCreateWithPriority, self.drv.CUstream_flags.CU_STREAM_NON_BLOCKING, greatest)
-
     def sync(self, stream=None):
         if stream is None:
             call(self.drv.cuCtxSynchronize)
@@ -271,10 +265,7 @@ class Device:
 
     def end_capture(self, stream):
         graph = call(self.drv.cuStreamEndCapture, stream)
-        # each kernel node keeps the priority of the stream it was captured from (a graph otherwise
-        # runs every node at the priority of the stream it is launched into)
-        flags = self.drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
-        exe = call(self.drv.cuGraphInstantiate, graph, int(flags))
+        exe = call(self.drv.cuGraphInstantiate, graph, 0)
         return graph, exe
 
     def graph_launch(self, exe, stream):

@@ -57,7 +57,7 @@ import dataclasses
 import os
 
 WGMMA_ARCHS = ("sm_90",)
-ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE", "GPTCUDA_BESIDE")
+ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE")
 GEMM_TUNES = ("auto", "table", "off")
 _TUNE_ENV = {"0": "off", "off": "off", "table": "table", "auto": "auto"}     # GPTCUDA_GEMM_TUNE -> gemm_tune
 # bf16: activations in bf16, products on the BF16 warpgroup-MMA kernel (sm_90), fp32 master parameters,
@@ -84,7 +84,6 @@ class ExecutionPlan:
     gemm_tune: str            # the measured GEMM table: auto (measure what it lacks) | table | off
     attention: str | None     # unfused | flash | flash_tc | flash_3x (None: a runtime not built from a config)
     env: tuple = ()           # (name, value) of each environment variable read
-    beside: bool = False      # the backward's weight gradients run beside its main stream (bf16; GPTCUDA_BESIDE=0: not)
 
     @property
     def gemm_table(self) -> bool:
@@ -206,15 +205,9 @@ class ExecutionPlan:
             f"  warpgroup MMA        {wg}",
             f"  tiles and split-K    {_TUNE_TEXT[self.gemm_tune]}",
             f"  attention            {att}",
-            f"  weight gradients     {_BESIDE_TEXT[self.beside]}",
             f"  environment          {env}",
         ])
 
-
-_BESIDE_TEXT = {
-    True: "beside the backward's main stream (a second stream at the highest priority: core.Runtime.beside)",
-    False: "in the backward's one stream",
-}
 
 _TUNE_TEXT = {
     "auto": "the measured table (<compile cache>/tune/; gemm_tune auto: a single-GPU run measures the shapes "
@@ -268,10 +261,8 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     if precision == "bf16" and not wgmma and arch != "cpu":
         raise ValueError(f"precision bf16 runs on the warpgroup-MMA kernels: an sm_90 device (this one: {arch}) "
                          f"with GPTCUDA_WGMMA unset or 1")
-    # bf16: the weight gradients on a second stream (what it pays: bench/NOTES.md, "beside"); GPTCUDA_BESIDE=0: not
-    beside = precision == "bf16" and env.get("GPTCUDA_BESIDE", "1") != "0"
     plan = ExecutionPlan(arch or "?", precision, fp32_gemm, GEMM_FAMILIES[precision], wgmma, gemm_tune, None,
-                         read, beside)
+                         read)
     if attention is not None:
         if precision == "bf16" and attention == "unfused":
             raise ValueError("precision bf16 runs fused attention only (attention: fused)")

@@ -27,17 +27,14 @@ GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "f
 
 
 def launch_times(rt, prog, iters: int = 5):
-    """[(record, median ms)] for each launch of prog, all in the main stream, one after another (work
-    recorded beside it, core.Runtime.beside, runs there too: its stream bookkeeping is left out)."""
+    """[(record, median ms)] for each launch of prog."""
     dev = rt.dev
     events = [dev.event() for _ in range(len(prog.items) + 1)]
     dev.begin_capture(rt.stream)
     try:
         for ev, rec in zip(events, prog.items):
             dev.record(ev, rt.stream, external=True)
-            one = getattr(rec, "serial", rec)
-            if one is not None:
-                one.run(dev, rt.stream)
+            rec.run(dev, rt.stream)
         dev.record(events[-1], rt.stream, external=True)
     finally:
         graph, exe = dev.end_capture(rt.stream)
@@ -52,10 +49,9 @@ def launch_times(rt, prog, iters: int = 5):
 
 
 def timeline(rt, prog, iters: int = 3) -> list:
-    """[(record, start ms, end ms)] of each launch of prog as a captured graph runs them, every stream's
-    launches on their own stream (Runtime.beside's too): timing events recorded before and after each on
-    the stream it runs on, times from an event at the graph's start; the median over iters replays."""
-    from gptcuda.runtime.core import OnStream
+    """[(record, start ms, end ms)] of each launch of prog as a captured graph runs them: timing events
+    recorded before and after each, times from an event at the graph's start, the median over iters
+    replays (the events add ~1-2 us a launch: the gaps they show are upper bounds)."""
     dev, main = rt.dev, rt.stream
     base = dev.event()
     marks = []
@@ -63,14 +59,13 @@ def timeline(rt, prog, iters: int = 3) -> list:
     try:
         dev.record(base, main, external=True)
         for rec in prog.items:
-            stream = rec.stream if isinstance(rec, OnStream) else main
-            if getattr(rec, "fn", None) is None or rec.fn.file == "stream":
+            if getattr(rec, "fn", None) is None or rec.fn.file in ("stream", "nccl"):
                 rec.run(dev, main)
                 continue
             ev = (dev.event(), dev.event())
-            dev.record(ev[0], stream, external=True)
+            dev.record(ev[0], main, external=True)
             rec.run(dev, main)
-            dev.record(ev[1], stream, external=True)
+            dev.record(ev[1], main, external=True)
             marks.append((rec, ev))
     finally:
         graph, exe = dev.end_capture(main)

@@ -17,8 +17,7 @@ from gptcuda.ops.cuda.attention import VARIANTS as ATTENTION_VARIANTS
 from gptcuda.ops.cuda.gemm.families import BF16_OUTS, BF16_TILES, VARIANTS, layout_code
 from gptcuda.ops.cuda.gemm.plan import make_plan, plan
 from gptcuda.ops.reference import ops as ref
-from gptcuda.runtime import Launch, bf16, compiler
-from gptcuda.runtime.driver import call
+from gptcuda.runtime import bf16, compiler
 from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
 
 gpu = pytest.mark.gpu
@@ -181,66 +180,6 @@ def test_bf16_weight_gradient_column_sums(bf16_rt, tile, M, splits):
     assert rel_err(rt.download(c), prod) <= FP32_TOL
     assert rel_err(sums[0], bf16.values(rt.download(a)).astype(np.float64).sum(0)) <= 1e-5
     assert np.array_equal(sums[0].view(np.uint32), sums[1].view(np.uint32))
-
-
-def _kernel_node_priorities(rt, graph) -> list:
-    """The priority attribute of each kernel node of a captured graph."""
-    drv = rt.dev.drv
-    from gptcuda.runtime.driver import call
-    _, n = call(drv.cuGraphGetNodes, graph, 0)
-    nodes, _ = call(drv.cuGraphGetNodes, graph, n)
-    kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
-    return [call(drv.cuGraphKernelNodeGetAttribute, nd, drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY).priority
-            for nd in nodes if call(drv.cuGraphNodeGetType, nd) == kernel]
-
-
-@gpu
-def test_bf16_products_beside_the_main_stream(bf16_rt):
-    """A weight gradient with its bias gradient recorded beside the main stream (rt.beside: no split-K,
-    its partials in the side workspace, its sum launched there) and a product of the main stream launched
-    while it runs, a block a tile (side_open): the weight and bias gradients within the error model, the
-    main product bit for bit what it is alone; a captured graph of the two gives the eager replay's bits,
-    and its kernel nodes keep their streams' priorities."""
-    rt, rng = bf16_rt, np.random.default_rng(7)
-    old_ws = rt.set_workspace({**rt._workspace, elementwise.SIDE_WORKSPACE:
-                               rt.empty((elementwise.MAX_CHUNKS, 1024), name=elementwise.SIDE_WORKSPACE)})
-    try:
-        dy, x, dw_ref = _operands(rt, rng, True, False, 768, 1000, 4096)        # dW [768, 1000] = dY^T X
-        a, b, _ = _operands(rt, rng, False, False, 4096, 768, 3072)             # dX [4096, 768] = dY W
-        want_dx, p_dx = rt.empty((4096, 768), "bf16"), make_plan("bf16", (128, 128, 6, 1), 1, 3072)
-        gemm.matmul(rt, want_dx, a, b, False, False, plan=p_dx)
-        dw, db, dx = rt.empty((768, 1000)), rt.empty((768,)), rt.empty((4096, 768), "bf16")
-        prog = rt.begin("beside")
-        with rt.beside("dW") as work:
-            gemm.matmul(rt, dw, dy, x, True, False, a_colsum=db)
-        gemm.matmul(rt, dx, a, b, False, False, plan=p_dx)                     # 192 tiles of 128 x 128
-        rt.wait_beside(work)
-        rt.end()
-        main = [r for r in prog.items if isinstance(r, Launch)]
-        assert len(main) == 1 and main[0].grid[0] == 32 * 6 > rt.info.sm_count   # a block a tile
-        assert not any("splitk" in r.label for r in prog.items)
-        got = {}
-        for replay in ("eager", "graph"):
-            for v in (dw, db, dx):
-                rt.fill(v, 0x7FC07FC0)
-            if replay == "eager":
-                rt.run(prog)
-            else:
-                g = rt.capture(prog)
-                pri = _kernel_node_priorities(rt, g.graph)
-                _least, greatest = call(rt.dev.drv.cuCtxGetStreamPriorityRange)
-                assert pri.count(0) == 1 and len(pri) >= 3 and pri.count(greatest) == len(pri) - 1, pri
-                g.launch()
-                g.destroy()
-            got[replay] = [rt.download(v) for v in (dw, db, dx)]
-        for e, gr in zip(got["eager"], got["graph"]):
-            assert np.array_equal(e, gr)
-        dw_got, db_got, dx_got = got["eager"]
-        assert rel_err(dw_got, dw_ref) <= FP32_TOL
-        assert rel_err(db_got, bf16.values(rt.download(dy)).astype(np.float64).sum(0)) <= 1e-5
-        assert np.array_equal(dx_got, rt.download(want_dx))
-    finally:
-        rt.set_workspace(old_ws)
 
 
 def _moves_registers(name):

@@ -43,7 +43,6 @@ BG_WARPS = 8              # bias_grad_partial's and sum_rows' warps a block (the
 MAX_CHUNKS = 256          # row chunks of the bias gradient (rows of the partials workspace)
 MIN_CHUNK_ROWS = 32
 WORKSPACE = "bias_partials"
-SIDE_WORKSPACE = "bias_partials_beside"   # the partials of products beside the main stream (Runtime.beside)
 SUM_ITEMS = 8             # sums a sum_rows launch takes (its ITEMS: SumBatch's arrays)
 # The element types there are kernels for, one a tensor in the kernel's parameter order: fp32, every
 # tensor bf16, and residual_dropout's bf16 branch added into an fp32 residual stream
@@ -92,13 +91,11 @@ SUMS_ALIGN = 64           # floats: every region starts 256-byte aligned
 
 
 def workspace(cfg, ex=None) -> dict:
-    """Bias-gradient partials: [MAX_CHUNKS, max(4C, 3C, V)] floats, and where the weight gradients run beside
-    the main stream (ex.beside) theirs, [MAX_CHUNKS, 4C]. (The deferred sums' ring SUMS is
+    """Bias-gradient partials: [MAX_CHUNKS, max(4C, 3C, V)] floats. (The deferred sums' ring SUMS is
     planned by layernorm.workspace, which knows both of its users' sizes.)"""
     C = int(cfg.n_embd)
     width = max(4 * C, 3 * C, C, int(cfg.vocab_size or 0))
-    side = {SIDE_WORKSPACE: ((MAX_CHUNKS, 4 * C), "f32")} if ex is not None and ex.beside else {}
-    return {WORKSPACE: ((MAX_CHUNKS, width), "f32"), **side}
+    return {WORKSPACE: ((MAX_CHUNKS, width), "f32")}
 
 
 def _ew_geometry(n: int, vec: int):
@@ -222,12 +219,8 @@ def flush_sums(rt: RuntimeProtocol):
 def partials(rt: RuntimeProtocol, rows_: int, cols: int, name: str):
     """A [rows_, cols] view for partial sums that sum_rows will add up: a region of the ring while
     sums are held (flushing the held ones first when the ring is full), else (or when it could
-    never fit) the start of the workspace `name`; None where that is too small. Beside the main
-    stream (rt.on_side) the start of SIDE_WORKSPACE, never the ring: those sums are made at once,
-    on the side stream, which runs its work in order."""
+    never fit) the start of the workspace `name`; None where that is too small."""
     held, n = getattr(rt, "held_sums", None), rows_ * cols
-    if getattr(rt, "on_side", False):
-        held, name = None, SIDE_WORKSPACE
     if held is not None and n <= held.ring.numel:
         if held.used + n > held.ring.numel:
             flush_sums(rt)

@@ -7,8 +7,6 @@ Runs anywhere (CI has no GPU); slow, so meant for tiny configs and for checking 
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from gptcuda import faults
@@ -134,16 +132,6 @@ class ReferenceBackend:
 
     def flush_sums(self):
         """Nothing is held."""
-
-    def beside(self, label="beside"):
-        """One sequence: the block's ops run where they are recorded."""
-        return contextlib.nullcontext()
-
-    def wait_beside(self, work):
-        """One sequence: nothing to wait for."""
-
-    def join_beside(self):
-        """One sequence: nothing to join."""
 
     def lr_schedule(self, learning_rate, min_lr, warmup_iters, lr_decay_iters):
         def f():

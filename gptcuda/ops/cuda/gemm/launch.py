@@ -62,11 +62,7 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
         args += _store_maps(rt, g, out, aux, ldc, zs) if c_dtype == "bf16" else [_NO_MAP, _NO_MAP, i32(0)]
     tiles = (cdiv(g.N, p.tile[1]), cdiv(g.M, p.tile[0]), zs)
     if geo.persistent:                # at most blocks_per_sm x SMs blocks, each walking tiles x, x + gridDim.x, ...
-        # ... except on the main stream while work runs beside it (rt.side_open): a block a tile, so
-        # that the SMs the side stream's blocks leave or free take the tiles as they come
-        spread = getattr(rt, "side_open", False) and not getattr(rt, "on_side", False)
-        cap = tiles[0] * tiles[1] * zs if spread else rt.info.sm_count * geo.blocks_per_sm
-        tiles = (max(1, min(tiles[0] * tiles[1] * zs, cap)), 1, 1)
+        tiles = (max(1, min(tiles[0] * tiles[1] * zs, rt.info.sm_count * geo.blocks_per_sm)), 1, 1)
     rt.launch(fn, tiles, (geo.threads,), args, smem=geo.smem, label=g.label if whole else f"{g.label}:splitk{p.splits}")
     if not whole:
         rM, rN = (g.N, g.M) if fam.swaps else (g.M, g.N)
@@ -115,14 +111,6 @@ def _plan(rt, g: Product, forced, ex, out_dtype) -> tuple:
     ws = planned(rt, "gemm_splitk")
     cap = split_room(out_dtype, ws.numel) if ws is not None and g.batch == 1 else 0
     scratch = {name: v.numel for name in WGMMA_WORKSPACES if (v := planned(rt, name)) is not None}   # absent: 0
-    if getattr(rt, "on_side", False) and not forced:
-        # beside the main stream (Runtime.beside) a product uses no workspace the main stream's may:
-        # the table's tile without its split-K, else the cost model's without split-K or scratch
-        p = tuned_plan(rt, g, ex, cap, scratch, out_dtype)
-        cap, scratch = 0, {}
-        forced = p and dataclasses.replace(p, splits=1, k_chunk=g.K)
-        forced = forced if forced and not plan_unfit(forced, g, ex.gemm_family, ex.wgmma_mode, cap, scratch,
-                                                     out_dtype) else None
     p = forced or tuned_plan(rt, g, ex, cap, scratch, out_dtype) or \
         model_plan(g, ex.gemm_family, ex.wgmma_mode, rt.info.sm_count, cap, scratch)
     why = plan_unfit(p, g, ex.gemm_family, ex.wgmma_mode, cap, scratch, out_dtype)
