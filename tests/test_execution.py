@@ -162,3 +162,58 @@ def test_bf16_attention_path_by_head_size():
         assert not ex.dkv_on_wgmma(C // H) or path == "flash_tc"
     assert "flash_bf16.cu" in execution.resolve(cfg_of("--precision=bf16", "--attention=fused", "--vocab_multiple=8",
                                                        "--n_embd=128", "--n_head=2")).format()
+
+
+def _kernel_bodies(src: str):
+    """(name, the text after the opening brace) of each __global__ function defined in src."""
+    import re
+    out = []
+    for m in re.finditer(r"^[^/\n]*__global__", src, re.M):
+        i = m.end()
+        while True:                       # the parameter list: the first parenthesis not of __launch_bounds__
+            j = src.index("(", i)
+            name = re.search(r"(\w+)\s*$", src[i:j]).group(1)
+            depth, k = 0, j
+            while True:
+                depth += {"(": 1, ")": -1}.get(src[k], 0)
+                k += 1
+                if depth == 0:
+                    break
+            if name != "__launch_bounds__":
+                break
+            i = k
+        rest = src[k:].lstrip()
+        if rest.startswith("{"):
+            out.append((name, rest[1:]))
+    return out
+
+
+def test_programmatic_dependent_launch(monkeypatch):
+    """Launches may be scheduled under the tail of the kernel before them (exec.pdl: sm_90, unless
+    GPTCUDA_PDL=0), so every kernel's first statement waits for that kernel (gc_grid_dep)."""
+    import re
+    from pathlib import Path
+    from gptcuda.ops.cuda_backend import CudaBackend
+    from gptcuda.runtime import Launch
+    from gptcuda.training.engine import Engine
+    from tests.fakes import RecordingRuntime
+    assert execution.resolve(cfg_of()).pdl and not execution.resolve(cfg_of(), arch="sm_80").pdl
+    off = execution.resolve(cfg_of(), env={"GPTCUDA_PDL": "0"})
+    assert not off.pdl and not off.with_precision("tf32").pdl and off.env == (("GPTCUDA_PDL", "0"),)
+    assert not execution.resolve(cfg_of("--backend=reference")).pdl
+    assert "programmatic dependent launch" in execution.resolve(cfg_of()).format()
+    for env, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("GPTCUDA_PDL", env)
+        cfg = cfg_of("--precision=tf32")
+        toks = np.arange(1000, dtype=np.int32) % 65
+        eng = Engine(cfg, toks, toks[:200], 65, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg)), programs=("train",))
+        launches = [r for r in eng.programs["train"].items if isinstance(r, Launch)]
+        assert launches and all(r.pdl == want for r in launches)
+    kernels = Path(__file__).resolve().parent.parent / "kernels"
+    n = 0
+    for path in sorted(kernels.glob("*.cu*")):
+        for name, body in _kernel_bodies(path.read_text()):
+            first = re.sub(r"^(\s|//[^\n]*\n)*", "", body)
+            assert first.startswith("gc_grid_dep();"), f"{path.name}: {name} does not begin with gc_grid_dep()"
+            n += 1
+    assert n >= 60
