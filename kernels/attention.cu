@@ -31,7 +31,6 @@ attn_permute_in(float* __restrict__ out0,        // [B,H,T,hs]
                 float* __restrict__ out2,        // [B,H,T,hs] or null
                 const float* __restrict__ x,     // [B,T,nmat*C]
                 int B, int T, int H, int hs, int nmat) {
-    gc_grid_dep();
     const int C = H * hs;
     const int cv = C / VEC;                      // vectors per head-group row
     const long long total = (long long)B * T * nmat * cv;
@@ -63,7 +62,6 @@ attn_permute_out(float* __restrict__ out,        // [B,T,nmat*C]
                  const float* __restrict__ in1,  // [B,H,T,hs] or null
                  const float* __restrict__ in2,  // [B,H,T,hs] or null
                  int B, int T, int H, int hs, int nmat) {
-    gc_grid_dep();
     const int C = H * hs;
     const int cv = C / VEC;
     const long long total = (long long)B * T * nmat * cv;
@@ -99,7 +97,6 @@ attn_softmax_fwd(float* __restrict__ att,        // [B,H,T,T] scores in, probabi
                  const StepState* __restrict__ st,
                  u32 seed, u32 site, u32 threshold, float inv_keep,
                  int rows, int T) {
-    gc_grid_dep();
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * ROWS + (threadIdx.x >> 5);
     if (r >= rows) return;
@@ -143,7 +140,6 @@ attn_dropout_probs(float* __restrict__ pd,           // [B,H,T,T]
                    const StepState* __restrict__ st,
                    u32 seed, u32 site, u32 threshold, float inv_keep,
                    int rows, int T) {
-    gc_grid_dep();
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * ROWS + (threadIdx.x >> 5);
     if (r >= rows) return;
@@ -169,7 +165,6 @@ attn_softmax_bwd(float* __restrict__ d,              // [B,H,T,T] dpd in, dS out
                  const StepState* __restrict__ st,
                  u32 seed, u32 site, u32 threshold, float inv_keep, float scale,
                  int rows, int T) {
-    gc_grid_dep();
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * ROWS + (threadIdx.x >> 5);
     if (r >= rows) return;

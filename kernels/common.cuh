@@ -18,21 +18,6 @@ struct StepState {
 
 typedef unsigned int u32;
 
-// Programmatic dependent launch (sm_90), the first statement of every kernel (tests/test_compiler.py checks
-// it). A launch with programmatic stream serialization (core.Launch where exec.pdl) may be scheduled while
-// the kernel before it in the stream still runs: `wait` holds every thread here until that kernel has
-// completed and its writes are visible, so nothing below reads or writes early; `launch_dependents` then
-// lets the next kernel of the stream be scheduled as soon as all of this one's blocks have passed this
-// point, its blocks taking SMs as this one's free them and waiting here in turn: the launch latency
-// between two kernels runs under the first one's last blocks. In a launch without the attribute, or
-// below sm_90, both do nothing.
-__device__ __forceinline__ void gc_grid_dep() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ u32 gc_hash32(u32 x) {
     x ^= x >> 16; x *= 0x7feb352du;
     x ^= x >> 15; x *= 0x846ca68bu;

@@ -47,7 +47,6 @@ decode_embed(float* __restrict__ out,          // out [S, C]
              const float* __restrict__ wpe,    // wpe [Tmax, C]
              const int* __restrict__ pos,      // pos [1]
              int S, int C, int T) {
-    gc_grid_dep();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= S * C) return;
     int s = i / C, c = i - s * C, t = *pos;
@@ -92,7 +91,6 @@ decode_linear(elem<OUT>* __restrict__ out,      // out [M, N]
               const elem<DT>* __restrict__ w,   // w [N, K]
               const float* __restrict__ bias,   // bias [N] or null
               int M, int N, int K) {
-    gc_grid_dep();
     using L = LinearShape<MT, WARPS>;
     constexpr int NPW = L::npw, KS = L::ksplit;
     constexpr int P = DT == 1 ? 2 : 1, VW = 4 * P;          // float4s, values a lane loads at once
@@ -191,7 +189,6 @@ decode_attention(float* __restrict__ part,         // part [S, H, n_chunks, HS +
                  elem<KT>* __restrict__ vcache,    // vcache [S, H, Tmax, HS]
                  const int* __restrict__ pos,      // pos [1]
                  int H, int Tmax, float scale) {
-    gc_grid_dep();
     constexpr int G = THREADS / HS > 0 ? THREADS / HS : 1;   // key groups of the output sum
     __shared__ __align__(16) float q[HS];
     __shared__ float p[CHUNK];
@@ -291,7 +288,6 @@ decode_attention_combine(elem<YT>* __restrict__ y,         // y [S, C]
                          const float* __restrict__ part,   // part [S, H, n_chunks, HS + 2]
                          const int* __restrict__ pos,      // pos [1]
                          int H, int n_chunks) {
-    gc_grid_dep();
     static_assert(THREADS >= HS && THREADS % 32 == 0, "thread d merges dimension d; whole warps");
     const int h = blockIdx.x, s = blockIdx.y, d = threadIdx.x, t = *pos;
     const int n = t / CHUNK + 1;                       // the chunks holding keys 0..t
@@ -409,7 +405,6 @@ decode_sample(int* __restrict__ ctx,               // ctx [S, T+1]
               const GenOpts* __restrict__ opts,    // opts [1]
               const int* __restrict__ stop,        // stop [STOP_MAX]
               int S, int Vp, int n_vocab, int T, int N) {
-    gc_grid_dep();
     static_assert(2 * THREADS == RADIX_BINS, "radix_select: two bins a thread");
     __shared__ u64 hist[RADIX_BINS];
     __shared__ u64 sw[32];
@@ -525,7 +520,6 @@ decode_sample(int* __restrict__ ctx,               // ctx [S, T+1]
 
 // pos += 1, back to 0 at the end of the window (decode_sample moved the tokens)
 __global__ void decode_advance(int* pos, int T) {
-    gc_grid_dep();
     const int p = *pos + 1;
     *pos = p == T ? 0 : p;
 }

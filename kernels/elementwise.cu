@@ -49,7 +49,6 @@ __global__ void __launch_bounds__(THREADS)
 gelu_fwd(elem<TO>* out,         // out [n]  (may be x)
          const elem<TX>* x,     // x   [n]
          int n) {
-    gc_grid_dep();
     long long e;
     const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 4) {
@@ -67,7 +66,6 @@ gelu_bwd(elem<TDP>* dpre,       // dpre [n]  (may be dout)
          const elem<TDO>* dout, // dout [n]
          const elem<TP>* pre,   // pre  [n]  (the GELU input)
          int n) {
-    gc_grid_dep();
     long long e;
     const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 4) {
@@ -87,7 +85,6 @@ __global__ void __launch_bounds__(THREADS)
 accumulate(elem<TD>* __restrict__ dst,        // dst [n]
            const elem<TS>* __restrict__ src,  // src [n]
            int n) {
-    gc_grid_dep();
     long long e;
     const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 4) {
@@ -113,7 +110,6 @@ dropout_apply(elem<TO>* out,              // out   [n]  (may be x or resid)
               int n,
               const StepState* st,
               u32 seed, u32 site, u32 threshold, float scale) {
-    gc_grid_dep();
     long long e;
     const int cnt = ew_slot<VEC, THREADS>(n, e);
     if (cnt == 0) return;
@@ -143,7 +139,6 @@ __global__ void __launch_bounds__(WARPS * 32)
 bias_grad_partial(float* __restrict__ partials,        // partials [chunks, N]
                   const elem<TD>* __restrict__ dout,   // dout     [M, N]
                   int M, int N, int rpc) {
-    gc_grid_dep();
     constexpr int TILE = 32 * VEC;
     __shared__ float red[WARPS][TILE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -194,7 +189,6 @@ struct SumBatch {
 
 template <int WARPS, int ITEMS>
 __global__ void __launch_bounds__(WARPS * 32) sum_rows(const __grid_constant__ SumBatch<ITEMS> b) {
-    gc_grid_dep();
     __shared__ float red[WARPS][32];
     int i = 0;
 #pragma unroll

@@ -69,7 +69,6 @@ encoder_fwd(elem<TO>* __restrict__ out,        // out  [N, C]   (N = B*T)
             const elem<TW>* __restrict__ wte,  // wte  [V, C]
             const elem<TW>* __restrict__ wpe,  // wpe  [Tmax, C]
             int N, int T, int C, int V) {
-    gc_grid_dep();
     const int CV = C / VEC;
     const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
     if (i >= (long long)N * CV) return;
@@ -101,7 +100,6 @@ encoder_bwd_wte(float* __restrict__ dwte,            // dwte [V, C]   (+=)
                 const elem<TD>* __restrict__ dout,   // dout [N, C]
                 const int* __restrict__ idx,      // idx  [N]
                 int N, int C) {
-    gc_grid_dep();
     constexpr int TILE = 32 * VEC;
     __shared__ float red[WARPS][TILE];
     const int v = blockIdx.x;
@@ -201,7 +199,6 @@ __global__ void __launch_bounds__(THREADS)
 encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
                  const int* __restrict__ idx,     // idx [N]
                  int N, int V, int nbits, int passes) {
-    gc_grid_dep();
     constexpr int TH = THREADS, BINS = 1 << DIGIT;
     static_assert(TH == 1024, "enc_block_scan: 32 warps");
     static_assert(SMEM == 4 * ((E * TH + (E * TH >> 5)) + (BINS * TH + (BINS * TH >> 5))),
@@ -310,7 +307,6 @@ encoder_bwd_wte_seg(float* __restrict__ dwte,            // dwte [V, C]   (+=, r
                     const elem<TD>* __restrict__ dout,   // dout [N, C]
                     const int* __restrict__ ws,       // encoder_bwd_sort's output
                     int N, int C, int tiles) {
-    gc_grid_dep();
     const int* pos = ws;
     const int* seg_id = ws + N;
     const int* seg_start = ws + 2 * N;
@@ -371,7 +367,6 @@ __global__ void __launch_bounds__(THREADS)
 encoder_bwd_wpe(float* __restrict__ dwpe,            // dwpe [Tmax, C]  (=)
                 const elem<TD>* __restrict__ dout,   // dout [B, T, C]
                 int B, int T, int Tmax, int C) {
-    gc_grid_dep();
     const int CV = C / VEC;
     const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
     if (i >= (long long)Tmax * CV) return;

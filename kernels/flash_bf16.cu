@@ -334,7 +334,6 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
                const __grid_constant__ TmaMap map_q,        // qkv [B][T][3C], boxes {64, BM}
                const __grid_constant__ TmaMap map_kv,       // qkv, boxes {64, BN}
                FB_ARGS_DROP) {
-    gc_grid_dep();
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 1>;
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q and NS stages of K, V, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -490,7 +489,6 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
                   const float* __restrict__ lse,            // [B,H,T]
                   float* __restrict__ Dg,                   // [B,H,T] out: rowsum(dy * y)
                   FB_ARGS_DROP) {
-    gc_grid_dep();
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q, dO and NS stages of K, V, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -696,7 +694,6 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                    const float* __restrict__ lse,           // [B,H,T]
                    const float* __restrict__ Dg,            // [B,H,T]
                    FB_ARGS_DROP) {
-    gc_grid_dep();
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V and NS stages of Q, dO, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

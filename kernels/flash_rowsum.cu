@@ -13,7 +13,6 @@ flash_rowsum_do(float* __restrict__ D,          // [B,H,T]
                 const float* __restrict__ dy,   // [B,T,C]
                 const float* __restrict__ y,    // [B,T,C]
                 int rows, int T, int H) {
-    gc_grid_dep();
     constexpr int G = HS / 4;
     static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "a power-of-two lane group within a warp");
     const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;

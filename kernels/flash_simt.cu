@@ -248,7 +248,6 @@ __device__ __forceinline__ void fa_fwd_body(FA_ARGS_FWD) {
 
 template <int HS, bool DROP, FA_SIMT_PLAN>
 __global__ void __launch_bounds__(THREADS) flash_fwd(FA_ARGS_FWD) {
-    gc_grid_dep();
     FA_SIMT_CHECK(fwd);
     fa_fwd_body<FaSimt<BR, BC>, HS, DROP>(y, lse, qkv, st, seed, site, threshold, inv_keep, scale, T, H);
 }
@@ -319,7 +318,6 @@ __device__ __forceinline__ void fa_dq_body(FA_ARGS_BWD) {
 
 template <int HS, bool DROP, FA_SIMT_PLAN>
 __global__ void __launch_bounds__(THREADS) flash_bwd_dq(FA_ARGS_BWD) {
-    gc_grid_dep();
     FA_SIMT_CHECK(dq);
     fa_dq_body<FaSimt<BR, BC>, HS, DROP>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold,
                                                           inv_keep, scale, T, H);
@@ -405,7 +403,6 @@ __device__ __forceinline__ void fa_dkv_body(FA_ARGS_BWD) {
 
 template <int HS, bool DROP, FA_SIMT_PLAN>
 __global__ void __launch_bounds__(THREADS) flash_bwd_dkv(FA_ARGS_BWD) {
-    gc_grid_dep();
     FA_SIMT_CHECK(dkv);
     fa_dkv_body<FaSimt<BR, BC>, HS, DROP>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold,
                                                            inv_keep, scale, T, H);

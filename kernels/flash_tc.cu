@@ -3,7 +3,6 @@
 
 template <int HS, bool DROP, FA_TC_PLAN>
 __global__ void __launch_bounds__(THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
-    gc_grid_dep();
     using F = FaFwdTc<HS, false, MT, BC, NS, AREG>;
     FA_TC_CHECK;
     fa_fwd_tc_body<HS, DROP, F>(y, lse, qkv, st, seed, site, threshold, inv_keep, scale, T, H);
@@ -11,7 +10,6 @@ __global__ void __launch_bounds__(THREADS, 2) flash_fwd_tc(FA_ARGS_FWD) {
 
 template <int HS, bool DROP, FA_TC_PLAN>
 __global__ void __launch_bounds__(THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD) {
-    gc_grid_dep();
     using F = FaDqTc<HS, false, MT, BC, NS, AREG>;
     FA_TC_CHECK;
     fa_dq_tc_body<HS, DROP, F>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold, inv_keep, scale, T, H);
@@ -19,7 +17,6 @@ __global__ void __launch_bounds__(THREADS, 2) flash_bwd_dq_tc(FA_ARGS_BWD) {
 
 template <int HS, bool DROP, FA_TC_DKV_PLAN>
 __global__ void __launch_bounds__(THREADS, 2) flash_bwd_dkv_tc(FA_ARGS_BWD) {
-    gc_grid_dep();
     using F = FaDkvTc<HS, false, MT, BQ, NS, AREG, VREG>;
     FA_TC_CHECK;
     fa_dkv_tc_body<HS, DROP, F>(dqkv, qkv, dy, lse, Dg, st, seed, site, threshold, inv_keep, scale, T, H);

@@ -129,7 +129,6 @@ __device__ __forceinline__ void fa_wg_tr_store(char* dst, const float (&v)[HS / 
 
 template <int HS, bool DROP, int THREADS, int BK_, int BQ_, int NS_, int SMEM>
 __global__ void __launch_bounds__(THREADS, FaDkvWg<HS, BK_, BQ_, NS_>::MINB) flash_bwd_dkv_wg(FA_ARGS_BWD) {
-    gc_grid_dep();
     using F = FaDkvWg<HS, BK_, BQ_, NS_>;
     static_assert(THREADS == FA_THREADS && SMEM == F::SMEM, "the launcher's plan: one warpgroup, the layout's bytes");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -59,7 +59,6 @@ gemm_simt(float* C,                        // C [batch*splits, M, N], row stride
           int M, int N, int K, int lda, int ldb, int ldc,
           long long sA, long long sB, long long sC,
           float alpha, int splits, int k_chunk) {
-    gc_grid_dep();
     constexpr int BK = 8;
     constexpr int PAD = 4;
     static_assert(THREADS == (BM / 8) * (BN / 8), "a thread computes an 8x8 tile of the block's");
@@ -215,7 +214,6 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
                    const float* __restrict__ ws,    // ws [splits, M, N] (contiguous)
                    const float* __restrict__ bias,  // bias [N] or null
                    int M, int N, int ldc, int splits, float alpha) {
-    gc_grid_dep();
     const long long total = (long long)M * N;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
@@ -252,7 +250,6 @@ __global__ void __launch_bounds__(THREADS) gemm_transpose(float* __restrict__ ou
                                                       int K, int N,
                                                       float* __restrict__ colsum,    // colsum [chunks, N] (COLSUM)
                                                       int chunk0) {
-    gc_grid_dep();
     static_assert(TILE == 64 && THREADS == 256, "16 x 16 threads move a 64 x 64 tile in 4 passes of 16 rows");
     __shared__ float tile[TILE][TILE + 1];                 // tile[k - k0][n - n0]
     const int n0 = blockIdx.x * TILE, k0 = blockIdx.y * TILE;
@@ -315,7 +312,6 @@ __global__ void __launch_bounds__(THREADS) gemm_transpose(float* __restrict__ ou
 // 1. naive: one thread per output, threadIdx.x walks down a column of C, so neighbouring
 //    threads read A rows K apart and write C N apart (uncoalesced). block (16, 16)
 __global__ void gemm_ladder_naive(float* C, const float* A, const float* B, int M, int N, int K) {
-    gc_grid_dep();
     const int row = blockIdx.y * 16 + threadIdx.x;
     const int col = blockIdx.x * 16 + threadIdx.y;
     if (row >= M || col >= N) return;
@@ -327,7 +323,6 @@ __global__ void gemm_ladder_naive(float* C, const float* A, const float* B, int 
 // 2. coalesced: threadIdx.x walks along a row of C: B and C accesses are coalesced, A is a
 //    broadcast. block (32, 8)
 __global__ void gemm_ladder_coalesced(float* C, const float* A, const float* B, int M, int N, int K) {
-    gc_grid_dep();
     const int col = blockIdx.x * 32 + threadIdx.x;
     const int row = blockIdx.y * 8 + threadIdx.y;
     if (row >= M || col >= N) return;
@@ -341,7 +336,6 @@ __global__ void gemm_ladder_coalesced(float* C, const float* A, const float* B, 
 template <int TS>
 __global__ void __launch_bounds__(TS * TS)
 gemm_ladder_smem(float* C, const float* A, const float* B, int M, int N, int K) {
-    gc_grid_dep();
     __shared__ float As[TS][TS];
     __shared__ float Bs[TS][TS + 1];
     const int tx = threadIdx.x, ty = threadIdx.y;
@@ -363,7 +357,6 @@ gemm_ladder_smem(float* C, const float* A, const float* B, int M, int N, int K) 
 template <int BM, int BN, int BK, int TM, int TN>
 __global__ void __launch_bounds__((BM / TM) * (BN / TN))
 gemm_ladder_regtile(float* C, const float* A, const float* B, int M, int N, int K) {
-    gc_grid_dep();
     constexpr int THREADS = (BM / TM) * (BN / TN);
     __shared__ float As[BK][BM];
     __shared__ float Bs[BK][BN];

@@ -199,7 +199,6 @@ gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride
           int M, int N, int K, int lda, int ldb, int ldc,
           long long sA, long long sB, long long sC,
           float alpha, int splits, int k_chunk) {
-    gc_grid_dep();
     static_assert(BK == GEMM_TF32_BK, "the layouts assume a 32-wide k tile");
     static_assert(THREADS == WM * WN * 32, "one warp a WTM x WTN warp tile");
     static_assert(SMEM == STAGES * (BM + BN) * BK * 4, "a ring of STAGES k tiles of A and B");
@@ -413,7 +412,6 @@ __global__ void __launch_bounds__(32) mma_probe(float* d,              // d [16,
                                                 float* raw,            // raw [32, 4]
                                                 const float* a,        // a [16, 8]
                                                 const float* b) {      // b [8, 8]
-    gc_grid_dep();
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const unsigned fa[4] = {tf32_round_cvt(a[g * 8 + t]), tf32_round_cvt(a[(g + 8) * 8 + t]),
                             tf32_round_cvt(a[g * 8 + t + 4]), tf32_round_cvt(a[(g + 8) * 8 + t + 4])};
@@ -432,7 +430,6 @@ __global__ void __launch_bounds__(32) mma_probe(float* d,              // d [16,
 __global__ void __launch_bounds__(256) tf32_round_probe(unsigned* out_cvt,       // out_cvt [n]
                                                         unsigned* out_add,       // out_add [n]
                                                         const float* x, int n) { // x [n]
-    gc_grid_dep();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         out_cvt[i] = tf32_round_cvt(x[i]);

@@ -391,7 +391,6 @@ gemm_wgmma(float* C,                        // C [batch*splits, M, N], row strid
            int M, int N, int K, int lda, int ldb, int ldc,
            long long sA, long long sB, long long sC,
            float alpha, int splits, int k_chunk) {
-    gc_grid_dep();
     static_assert(THREADS == BM / 64 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
                   "a warpgroup a 64-row slice; STAGES slots of A and B, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -524,7 +523,6 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
                const float* __restrict__ bias,     // bias [N] or null
                int M, int N, int K, int ldc, long long sC,
                float alpha, int splits, int k_chunk) {
-    gc_grid_dep();
     static_assert(THREADS == BM / 64 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
                   "a warpgroup a 64-row slice; STAGES slots of A and B, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1111,7 +1109,6 @@ template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int S
           bool MN_B = false, int OUT = 0, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
-    gc_grid_dep();
     static_assert(THREADS == (BM / 64 + 1) * 128 &&
                   SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(BM / 64, OUT),
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them, "
@@ -1144,7 +1141,6 @@ template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int S
           int OUT, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
-    gc_grid_dep();
     static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(2, OUT),
                   "two consumer warpgroups and the producer's; STAGES slots, 1 KB to align them, a bf16 C's "
                   "staging boxes");
@@ -1426,7 +1422,6 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_B, bool COLSUM, bool TC, int THREADS,
           int SMEM>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ra(WS_ARGS) {
-    gc_grid_dep();
     static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1454,7 +1449,6 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_ra(WS_ARGS) {
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool MN_A, bool MN_B, bool COLSUM, int THREADS,
           int SMEM>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma3_ra(WS_ARGS) {
-    gc_grid_dep();
     static_assert(THREADS == (BM / 64 + 1) * 128 && SMEM == STAGES * (BM + 2 * BN) * 128 + 1024,
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

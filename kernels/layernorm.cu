@@ -68,7 +68,6 @@ __device__ __forceinline__ void ln_save_stats(float* __restrict__ mean, float* _
 
 template <int NV, bool BIAS, bool RD, int WARPS, int TX, int TB, int TO>
 __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_ARGS_RD) {
-    gc_grid_dep();
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
@@ -135,7 +134,6 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_
 
 template <bool BIAS, int WARPS, int TX, int TO>
 __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_loop(LN_ARGS_FWD) {
-    gc_grid_dep();
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
@@ -176,7 +174,6 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_loop(LN_ARGS_FWD) {
 // blocks share an SM up to C = 1024.
 template <int NV, bool BIAS, bool DROP, int WARPS, int SMEM, int TDO, int TX, int TDX, int TDR>
 __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) {
-    gc_grid_dep();
     static_assert(SMEM == ((BIAS ? 2 : 1) * WARPS + 1) * NV * 32 * 16, "w and each warp's dw (db) sums");
     gc_check_smem(SMEM);
     extern __shared__ float4 ln_smem4[];
@@ -321,7 +318,6 @@ __device__ __forceinline__ float ln_block_sum(float v, float* sm /* [WARPS] */) 
 // and accumulates their dw (db) directly in its partials row (no other thread touches them).
 template <bool BIAS, bool DROP, int WARPS, int TDO, int TX, int TDX, int TDR>
 __global__ void __launch_bounds__(WARPS * 32) layernorm_bwd_loop(LN_ARGS_BWD) {
-    gc_grid_dep();
     __shared__ float sm[2][WARPS];
     float* pw = partials + (long long)blockIdx.x * 2 * C;
     float* pb = pw + C;

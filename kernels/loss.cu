@@ -107,7 +107,6 @@ struct CeRow : CeTarget<T> {
 
 template <bool GRAD, int WARPS, int TL>
 __global__ void __launch_bounds__(WARPS * 32) crossentropy_warp(CE_ARGS) {
-    gc_grid_dep();
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
@@ -121,7 +120,6 @@ __global__ void __launch_bounds__(WARPS * 32) crossentropy_warp(CE_ARGS) {
 
 template <bool GRAD, int WARPS, int TL>
 __global__ void __launch_bounds__(WARPS * 32) crossentropy_block(CE_ARGS) {
-    gc_grid_dep();
     __shared__ float sm_m[WARPS], sm_s[WARPS];
     const int row = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -160,7 +158,6 @@ __device__ __forceinline__ float cr_block_reduce(float v, float* sm, Op op) {
 // second, so dlogits may be logits.
 template <bool GRAD, int NV4, int WARPS, int TL>
 __global__ void __launch_bounds__(WARPS * 32, 1) crossentropy_rows(CE_ARGS) {
-    gc_grid_dep();
     constexpr int CR_THREADS = WARPS * 32;
     __shared__ float sm_m[WARPS], sm_s[WARPS];
     const int row = blockIdx.x;
@@ -238,7 +235,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) crossentropy_rows(CE_ARGS) {
 // logit) precedes the first __syncthreads and every write follows the second: dlogits may be logits.
 template <bool GRAD, int WARPS, int TL>
 __global__ void __launch_bounds__(WARPS * 32, 2) crossentropy_smem(CE_ARGS) {
-    gc_grid_dep();
     static_assert(TL == 1, "bf16 rows (an fp32 row would leave one block an SM, as crossentropy_rows)");
     constexpr int T = WARPS * 32;
     extern __shared__ __align__(16) unsigned char ce_row[];
@@ -318,7 +314,6 @@ loss_reduce(StepState* st,
             int N,
             float* __restrict__ history,        // history [hist_len] (may be null)
             int hist_len) {
-    gc_grid_dep();
     static_assert((THREADS & (THREADS - 1)) == 0, "the tree halves the block");
     __shared__ double red[THREADS];
     double s = 0.0;

@@ -22,7 +22,6 @@
 
 __global__ void __launch_bounds__(1)
 lr_schedule(StepState* st, double learning_rate, double min_lr, int warmup_iters, int lr_decay_iters) {
-    gc_grid_dep();
     const int it = st->step;
     double lr;
     if (it < warmup_iters) {
@@ -37,9 +36,9 @@ lr_schedule(StepState* st, double learning_rate, double min_lr, int warmup_iters
     st->lr = (float)lr;
 }
 
-__global__ void __launch_bounds__(1) step_advance(StepState* st) { gc_grid_dep(); st->step += 1; }
+__global__ void __launch_bounds__(1) step_advance(StepState* st) { st->step += 1; }
 
-__global__ void __launch_bounds__(1) eval_advance(StepState* st) { gc_grid_dep(); st->eval_draws += 1; }
+__global__ void __launch_bounds__(1) eval_advance(StepState* st) { st->eval_draws += 1; }
 
 // grid G, block 512. Thread (b, t) takes the vectors b*512 + t + k*G*512 in order; the block
 // sum is a fixed butterfly + warp-order sum; partial b goes to partials[b].
@@ -48,7 +47,6 @@ __global__ void __launch_bounds__(NORM_THREADS)
 grad_norm_partial(double* __restrict__ partials,   // partials [G]
                   const float* __restrict__ g,     // g        [n]
                   int n) {
-    gc_grid_dep();
     __shared__ double red[NORM_THREADS / 32];
     const long long gt = (long long)blockIdx.x * NORM_THREADS + threadIdx.x;
     const long long stride = (long long)gridDim.x * NORM_THREADS;
@@ -92,7 +90,6 @@ grad_norm_partial(double* __restrict__ partials,   // partials [G]
 template <int FINAL_THREADS>
 __global__ void __launch_bounds__(FINAL_THREADS)
 grad_norm_final(StepState* st, const double* __restrict__ partials /* [G] */, int G) {
-    gc_grid_dep();
     static_assert((FINAL_THREADS & (FINAL_THREADS - 1)) == 0, "the tree halves the block");
     __shared__ double red[FINAL_THREADS];
     double s = 0.0;
@@ -183,7 +180,6 @@ adamw_run(float* __restrict__ params, const float* __restrict__ grads, float* __
 
 template <int VEC, int ADAM_THREADS>
 __global__ void __launch_bounds__(ADAM_THREADS) adamw(ADAMW_ARGS, ADAMW_ARGS_TAIL) {
-    gc_grid_dep();
     adamw_run<VEC, ADAM_THREADS, false>(params, grads, m, v, nullptr, n, n_decay, beta1, beta2, eps, weight_decay,
                                         grad_clip, st);
 }
@@ -194,7 +190,6 @@ adamw_copy(ADAMW_ARGS,
            bf16* __restrict__ work,   /* work [n]: the bf16 working copy of params */
            int n, int n_decay, float beta1, float beta2, float eps, float weight_decay, float grad_clip,
            StepState* st) {
-    gc_grid_dep();
     adamw_run<VEC, ADAM_THREADS, true>(params, grads, m, v, work, n, n_decay, beta1, beta2, eps, weight_decay,
                                        grad_clip, st);
     // the kernels after this one (stream order) see the copy and the flag together; every thread has read
@@ -209,7 +204,6 @@ to_bf16(bf16* __restrict__ out,        // out [n]
         const float* __restrict__ in,  // in  [n]
         int n,
         const StepState* st) {         // null, or the step state: nothing to do where st->work_fresh
-    gc_grid_dep();
     if (st != nullptr && st->work_fresh) return;
     const long long gt = (long long)blockIdx.x * THREADS + threadIdx.x;
     const long long stride = (long long)gridDim.x * THREADS;

@@ -131,14 +131,11 @@ def arg_size(a) -> int:
 
 
 class Launch:
-    """One kernel launch with its argument block packed once. pdl: launched with programmatic stream
-    serialization (the kernel may be scheduled before the one before it in the stream has finished; every
-    kernel's first statement, gc_grid_dep in kernels/common.cuh, waits for it): `config`, the driver's
-    launch configuration, made at the first run."""
-    __slots__ = ("fn", "grid", "block", "smem", "slots", "ptrs", "params", "label", "blobs", "pdl", "config")
+    """One kernel launch with its argument block packed once."""
+    __slots__ = ("fn", "grid", "block", "smem", "slots", "ptrs", "params", "label", "blobs")
 
-    def __init__(self, fn: Function, grid, block, args, smem: int, label: str, pdl: bool = False):
-        self.fn, self.smem, self.label, self.pdl, self.config = fn, int(smem), label, bool(pdl), None
+    def __init__(self, fn: Function, grid, block, args, smem: int, label: str):
+        self.fn, self.smem, self.label = fn, int(smem), label
         if fn.params is not None:
             sizes = tuple(arg_size(a) for a in args)
             if sizes != fn.params:
@@ -173,12 +170,7 @@ class Launch:
         self.params = self.ptrs.ctypes.data
 
     def run(self, dev, stream):
-        if not self.pdl:
-            dev.launch(self.fn.handle, self.grid, self.block, self.smem, stream, self.params)
-            return
-        if self.config is None:
-            self.config = dev.pdl_config(self.grid, self.block, self.smem)
-        dev.launch_pdl(self.config, self.fn.handle, stream, self.params)
+        dev.launch(self.fn.handle, self.grid, self.block, self.smem, stream, self.params)
 
 
 class Memset:
@@ -320,7 +312,7 @@ class Runtime:
     def launch(self, fn: Function, grid, block, args, smem: int = 0, label: str | None = None):
         if self._noted is None:
             self.set_max_smem(fn, smem)
-        return self._submit(Launch(fn, grid, block, args, smem, label or fn.name, pdl=self.exec.pdl))
+        return self._submit(Launch(fn, grid, block, args, smem, label or fn.name))
 
     def memset(self, view: DeviceView, word: int = 0, label: str = "memset"):
         """view[:] = word (a 32-bit pattern); recorded into the open program like a launch."""

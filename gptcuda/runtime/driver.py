@@ -258,26 +258,6 @@ class Device:
         call(self.drv.cuLaunchKernel, fn, grid[0], grid[1], grid[2],
              block[0], block[1], block[2], smem, stream, params_ptr, 0)
 
-    def pdl_config(self, grid, block, smem):
-        """A launch configuration with programmatic stream serialization allowed (launch_pdl), its stream
-        set at each launch."""
-        d = self.drv
-        cfg = d.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(g) for g in grid)
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(b) for b in block)
-        cfg.sharedMemBytes = int(smem)
-        attr = d.CUlaunchAttribute()
-        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        cfg.attrs, cfg.numAttrs = [attr], 1
-        return cfg
-
-    def launch_pdl(self, config, fn, stream, params_ptr: int):
-        """Launch with a pdl_config: the kernel may be scheduled before the previous kernel of the stream
-        has completed (a graph captures the edge as programmatic); it must wait for it first (griddepcontrol.wait)."""
-        config.hStream = stream
-        call(self.drv.cuLaunchKernelEx, config, fn, params_ptr, 0)
-
     # ---- graphs -------------------------------------------------------------------
     def begin_capture(self, stream):
         call(self.drv.cuStreamBeginCapture, stream,

@@ -57,7 +57,7 @@ import dataclasses
 import os
 
 WGMMA_ARCHS = ("sm_90",)
-ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE", "GPTCUDA_PDL")
+ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE")
 GEMM_TUNES = ("auto", "table", "off")
 _TUNE_ENV = {"0": "off", "off": "off", "table": "table", "auto": "auto"}     # GPTCUDA_GEMM_TUNE -> gemm_tune
 # bf16: activations in bf16, products on the BF16 warpgroup-MMA kernel (sm_90), fp32 master parameters,
@@ -84,7 +84,6 @@ class ExecutionPlan:
     gemm_tune: str            # the measured GEMM table: auto (measure what it lacks) | table | off
     attention: str | None     # unfused | flash | flash_tc | flash_3x (None: a runtime not built from a config)
     env: tuple = ()           # (name, value) of each environment variable read
-    pdl: bool = False         # launches with programmatic stream serialization (sm_90; GPTCUDA_PDL=0: not)
 
     @property
     def gemm_table(self) -> bool:
@@ -206,16 +205,9 @@ class ExecutionPlan:
             f"  warpgroup MMA        {wg}",
             f"  tiles and split-K    {_TUNE_TEXT[self.gemm_tune]}",
             f"  attention            {att}",
-            f"  launches             {_PDL_TEXT[self.pdl]}",
             f"  environment          {env}",
         ])
 
-
-_PDL_TEXT = {
-    True: "programmatic dependent launch: each kernel scheduled under the tail of the one before it "
-          "(kernels/common.cuh gc_grid_dep)",
-    False: "each kernel after the one before it has completed",
-}
 
 _TUNE_TEXT = {
     "auto": "the measured table (<compile cache>/tune/; gemm_tune auto: a single-GPU run measures the shapes "
@@ -269,11 +261,8 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     if precision == "bf16" and not wgmma and arch != "cpu":
         raise ValueError(f"precision bf16 runs on the warpgroup-MMA kernels: an sm_90 device (this one: {arch}) "
                          f"with GPTCUDA_WGMMA unset or 1")
-    # programmatic dependent launch: each kernel scheduled under the tail of the one before (kernels/common.cuh
-    # gc_grid_dep), on sm_90 unless GPTCUDA_PDL=0
-    pdl = arch in WGMMA_ARCHS and env.get("GPTCUDA_PDL", "1") != "0"
     plan = ExecutionPlan(arch or "?", precision, fp32_gemm, GEMM_FAMILIES[precision], wgmma, gemm_tune, None,
-                         read, pdl)
+                         read)
     if attention is not None:
         if precision == "bf16" and attention == "unfused":
             raise ValueError("precision bf16 runs fused attention only (attention: fused)")
