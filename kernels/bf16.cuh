@@ -46,15 +46,18 @@ __device__ __forceinline__ void val_st4(bf16* p, const float (&x)[4]) {
     *reinterpret_cast<uint2*>(p) = make_uint2(bf16x2_rn(x[0], x[1]), bf16x2_rn(x[2], x[3]));
 }
 
-// Eight consecutive bf16 (16-byte aligned) as one access: the bf16 GEMM epilogue's rows.
-__device__ __forceinline__ void val_ld8(const bf16* p, float (&x)[8]) {
-    const uint4 t = *reinterpret_cast<const uint4*>(p);
+// Eight bf16 as loaded (16 bytes, element 0 in the low half of t.x) widened to fp32 (exactly).
+__device__ __forceinline__ void bf16x8_f32(const uint4 t, float (&x)[8]) {
     const unsigned w[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         x[2 * i] = __uint_as_float(w[i] << 16);
         x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
     }
+}
+// Eight consecutive bf16 (16-byte aligned) as one access: the bf16 GEMM epilogue's rows.
+__device__ __forceinline__ void val_ld8(const bf16* p, float (&x)[8]) {
+    bf16x8_f32(*reinterpret_cast<const uint4*>(p), x);
 }
 __device__ __forceinline__ void val_st8(bf16* p, const float (&x)[8]) {
     *reinterpret_cast<uint4*>(p) = make_uint4(bf16x2_rn(x[0], x[1]), bf16x2_rn(x[2], x[3]), bf16x2_rn(x[4], x[5]),

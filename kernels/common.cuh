@@ -74,6 +74,16 @@ __device__ __forceinline__ bool gc_keep_byte(u32 w, u32 b, u32 threshold) {
 __device__ __forceinline__ bool gc_keep_att(u32 k, u32 rowq, u32 j, u32 threshold) {
     return gc_keep_byte(gc_keep_word(k, rowq + gc_att_quad(j)), gc_att_byte(j), threshold);
 }
+
+// The keep words of the two queries iq0 (even) and iq0 + 1 whose bytes a dK / dV thread of a tensor-core
+// fragment needs: this lane drew `mine`, query iq0 + odd's word (odd: the parity of its row g), its neighbour
+// lane (lane ^ 4, row g ^ 1) the other; kw[c] is query iq0 + c's word shifted so that this lane's keys are its
+// bytes 0 and 2. A shuffle: every lane of the warp calls it.
+__device__ __forceinline__ void gc_att_pair_words(u32 mine, u32 odd, u32 (&kw)[2]) {
+    const u32 other = __shfl_xor_sync(0xffffffffu, mine, 4);
+    kw[0] = (odd ? other : mine) >> (8 * odd);
+    kw[1] = (odd ? mine : other) >> (8 * odd);
+}
 // Dropout of a flat mask's element e (x * scale where kept, else 0), and of its four elements e ..
 // e + 3 for e % 4 == 0 (the words of pairs e/2 and e/2 + 1, drawn once each)
 __device__ __forceinline__ float gc_dropout1(float x, u32 k, long long e, u32 threshold, float scale) {

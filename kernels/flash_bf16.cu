@@ -538,13 +538,11 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
             float d = 0.f;
 #pragma unroll
             for (int c = 0; c < HS / 32; ++c) {
-                const unsigned a[4] = {dyr[hh][c].x, dyr[hh][c].y, dyr[hh][c].z, dyr[hh][c].w};
-                const unsigned o[4] = {yr[hh][c].x, yr[hh][c].y, yr[hh][c].z, yr[hh][c].w};
+                float a[8], o[8];
+                bf16x8_f32(dyr[hh][c], a);
+                bf16x8_f32(yr[hh][c], o);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    d = fmaf(__uint_as_float(a[e] << 16), __uint_as_float(o[e] << 16), d);
-                    d = fmaf(__uint_as_float(a[e] & 0xffff0000u), __uint_as_float(o[e] & 0xffff0000u), d);
-                }
+                for (int e = 0; e < 8; ++e) d = fmaf(a[e], o[e], d);
             }
             d += __shfl_xor_sync(0xffffffffu, d, 1);
             d += __shfl_xor_sync(0xffffffffu, d, 2);
@@ -553,8 +551,9 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
         }
     };
     k.wait_resident();
-    if (nl == 0) make_d();
-    if (nl > 0) {
+    if (nl == 0) {
+        make_d();
+    } else {
         float sc[BN / 2], dp[BN / 2];
         unsigned ds[BN / 16][4];
         fb_scores_wait<HS, BM, BN>(k, 0, sc, dp, qa, da);   // S = Q K^T, dPd = dO V^T
@@ -657,10 +656,8 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
     for (int j = 0; j < BN / 8; ++j) {
         u32 kws[2] = {0u, 0u};                             // the words of queries i0 + 8j + 2q and + 1
         if (DROP) {
-            const u32 mine = gc_keep_word(r.key, (r.row0 + (u32)(i0 + 8 * j + 2 * r.q) + odd) * r.W + r.kquad);
-            const u32 theirs = __shfl_xor_sync(0xffffffffu, mine, 4);
-            kws[0] = (odd ? theirs : mine) >> (8 * odd);   // this lane's keys: bytes 0 and 2
-            kws[1] = (odd ? mine : theirs) >> (8 * odd);
+            gc_att_pair_words(gc_keep_word(r.key, (r.row0 + (u32)(i0 + 8 * j + 2 * r.q) + odd) * r.W + r.kquad), odd,
+                              kws);
         }
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
@@ -724,11 +721,8 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
     k.wait_resident();
     int it0 = 0;                                           // the query tiles before every key of the warpgroup
-    while (it0 < nqt && (first + it0) * BN + BN - 1 < wg_first) {
-        k.wait_full(it0);
-        k.release(it0);
-        ++it0;
-    }
+    while (it0 < nqt && (first + it0) * BN + BN - 1 < wg_first) ++it0;
+    k.skip(0, it0);
     if (it0 < nqt) {
         const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(k.bh * T), W, gc_att_quad((u32)(kw0 + k.g)),
                          threshold, inv_keep};

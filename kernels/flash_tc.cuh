@@ -908,11 +908,8 @@ __device__ __forceinline__ void fa_dkv_tc_body(FA_ARGS_BWD) {
                 // partner.
                 u32 kw[2] = {0, 0};                    // [query iq0 + c]
                 if (DROP) {
-                    const u32 mine = gc_keep_word(key, (u32)(bhT + q0 + 8 * nt + 2 * t + (g & 1)) * W +
-                                                           gc_att_quad((u32)(wk0 + 16 * mt + g)));
-                    const u32 other = __shfl_xor_sync(0xffffffffu, mine, 4);
-                    kw[0] = ((g & 1) ? other : mine) >> (8 * (g & 1));   // this lane's keys: bytes 0 and 2
-                    kw[1] = ((g & 1) ? mine : other) >> (8 * (g & 1));
+                    gc_att_pair_words(gc_keep_word(key, (u32)(bhT + q0 + 8 * nt + 2 * t + (g & 1)) * W +
+                                                            gc_att_quad((u32)(wk0 + 16 * mt + g))), (u32)(g & 1), kw);
                 }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {

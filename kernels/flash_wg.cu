@@ -244,11 +244,8 @@ __global__ void __launch_bounds__(THREADS, FaDkvWg<HS, BK_, BQ_, NS_>::MINB) fla
             // word of query iq0 = q0 + 8nt + 2t (and one of iq0 + 1), as in flash_bwd_dkv_tc
             u32 kw[2] = {0, 0};
             if (DROP) {
-                const u32 mine = gc_keep_word(key, (u32)(bhT + q0 + 8 * nt + 2 * t + (g & 1)) * W +
-                                                       gc_att_quad((u32)(wk0 + g)));
-                const u32 other = __shfl_xor_sync(0xffffffffu, mine, 4);
-                kw[0] = ((g & 1) ? other : mine) >> (8 * (g & 1));   // this lane's keys: bytes 0 and 2
-                kw[1] = ((g & 1) ? mine : other) >> (8 * (g & 1));
+                gc_att_pair_words(gc_keep_word(key, (u32)(bhT + q0 + 8 * nt + 2 * t + (g & 1)) * W +
+                                                        gc_att_quad((u32)(wk0 + g))), (u32)(g & 1), kw);
             }
             float pv[4], sv[4];
 #pragma unroll
