@@ -75,6 +75,8 @@ def timeline(rt, prog, iters: int = 3) -> list:
         rt.synchronize()
         runs.append([(dev.elapsed_ms(base, a), dev.elapsed_ms(base, b)) for _, (a, b) in marks])
     dev.graph_destroy(graph, exe)
+    for ev in [base] + [e for _, pair in marks for e in pair]:
+        dev.event_destroy(ev)
     return [(rec, statistics.median(r[i][0] for r in runs), statistics.median(r[i][1] for r in runs))
             for i, (rec, _) in enumerate(marks)]
 
