@@ -5,7 +5,7 @@
 # the kernel sources differ) or the cost model alone (TUNES="off").
 #   OLD=.devcarry/oldtree CASES="char_tf32 char_fp32 ctx2048 gpt2_b8" TUNES="auto" bash bench/ab_speed.sh
 # (the cases: bench/cases.sh). OLD_ENV / NEW_ENV: environment settings for one side's runs, e.g. the same
-# tree with and without a switch: OLD=. OLD_ENV="GPTCUDA_BESIDE=0" CASES="gpt2_b8_bf16" bash bench/ab_speed.sh
+# tree with and without a switch: OLD=. OLD_ENV="GPTCUDA_WGMMA=0" CASES="gpt2_b8" bash bench/ab_speed.sh
 # Logs under $OUT (ab_<case>_<tune>_<old|new>.log) and one line per run in $OUT/ab_summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."

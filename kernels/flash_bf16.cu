@@ -629,14 +629,8 @@ struct FbDkvRow {
                                                            // quad of keys g and g + 8 within a row of W words
     float inv_keep;
 };
-// The softmax gradient of a tile of queries i0.. in place: sc (S^T) -> Pd^T (P with dropout, for dV), dp
-// (dPd^T) -> dS^T = P (dP - D) where dP = dPd keep / (1 - p). P = exp2(S sl2 - lse log2 e) of the thread's
-// columns' lse, 0 above the diagonal. The thread's keys g and g + 8 and their neighbours g ^ 1, g ^ 1 + 8
-// (lanes 4 apart) take bytes of one keep word of query i (gc_keep_att): of the two queries of a column
-// pair, the even lane draws the first's word, the odd lane the second's, and each hands its word to the
-// other.
-// the lse (log2 units) and D of the thread's columns of the tile of queries i0.. (fb_dkv_grads's l2, Dq):
-// loaded a tile ahead in the pipelined loop, so that their latency runs under the products
+// The lse (natural log, as stored) and D of the thread's columns of the tile of queries i0.. (fb_dkv_grads's
+// l2, Dq): loaded a tile ahead in the pipelined loop, so that their latency runs under the products
 template <int BN>
 __device__ __forceinline__ void fb_dkv_cols(float (&l2)[BN / 4], float (&Dq)[BN / 4], int i0, const FbDkvRow& r) {
 #pragma unroll
@@ -646,6 +640,12 @@ __device__ __forceinline__ void fb_dkv_cols(float (&l2)[BN / 4], float (&Dq)[BN 
         Dq[c] = i < r.T ? r.D[i] : 0.f;
     }
 }
+// The softmax gradient of a tile of queries i0.. in place: sc (S^T) -> Pd^T (P with dropout, for dV), dp
+// (dPd^T) -> dS^T = P (dP - D) where dP = dPd keep / (1 - p). P = exp2(S sl2 - lse log2 e) of the thread's
+// columns' lse, 0 above the diagonal. The thread's keys g and g + 8 and their neighbours g ^ 1, g ^ 1 + 8
+// (lanes 4 apart) take bytes of one keep word of query i (gc_keep_att): of the two queries of a column
+// pair, the even lane draws the first's word, the odd lane the second's, and each hands its word to the
+// other (gc_att_pair_words).
 template <int BN, bool DROP>
 __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN / 2], int i0, const FbDkvRow& r,
                                              const float (&l2)[BN / 4], const float (&Dq)[BN / 4]) {
