@@ -26,59 +26,62 @@ GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "f
           "encoder": "embedding"}
 
 
-def launch_times(rt, prog, iters: int = 5):
-    """[(record, median ms)] for each launch of prog."""
+def _replay_medians(rt, record, pairs, iters: int) -> list:
+    """Capture record() (launches, and timing events recorded as graph nodes) from rt's stream into a graph,
+    replay it iters times; the median ms from a to b of each event pair (a, b) in pairs. The graph and the
+    pairs' events are destroyed after."""
     dev = rt.dev
-    events = [dev.event() for _ in range(len(prog.items) + 1)]
     dev.begin_capture(rt.stream)
     try:
+        record()
+    finally:
+        graph, exe = dev.end_capture(rt.stream)
+    per = [[] for _ in pairs]
+    for _ in range(iters):
+        dev.graph_launch(exe, rt.stream)
+        rt.synchronize()
+        for t, (a, b) in zip(per, pairs):
+            t.append(dev.elapsed_ms(a, b))
+    dev.graph_destroy(graph, exe)
+    for ev in {id(e): e for pair in pairs for e in pair}.values():
+        dev.event_destroy(ev)
+    return [statistics.median(t) for t in per]
+
+
+def launch_times(rt, prog, iters: int = 5):
+    """[(record, median ms)] for each launch of prog: from an event before it to one before the next."""
+    dev = rt.dev
+    events = [dev.event() for _ in range(len(prog.items) + 1)]
+
+    def record():
         for ev, rec in zip(events, prog.items):
             dev.record(ev, rt.stream, external=True)
             rec.run(dev, rt.stream)
         dev.record(events[-1], rt.stream, external=True)
-    finally:
-        graph, exe = dev.end_capture(rt.stream)
-    per = [[] for _ in prog.items]
-    for _ in range(iters):
-        dev.graph_launch(exe, rt.stream)
-        rt.synchronize()
-        for i in range(len(prog.items)):
-            per[i].append(dev.elapsed_ms(events[i], events[i + 1]))
-    dev.graph_destroy(graph, exe)
-    return [(rec, statistics.median(t)) for rec, t in zip(prog.items, per)]
+
+    return list(zip(prog.items, _replay_medians(rt, record, list(zip(events, events[1:])), iters)))
 
 
 def timeline(rt, prog, iters: int = 3) -> list:
     """[(record, start ms, end ms)] of each launch of prog as a captured graph runs them: timing events
     recorded before and after each, times from an event at the graph's start, the median over iters
     replays (the events add ~1-2 us a launch: the gaps they show are upper bounds)."""
-    dev, main = rt.dev, rt.stream
+    dev = rt.dev
     base = dev.event()
-    marks = []
-    dev.begin_capture(main)
-    try:
-        dev.record(base, main, external=True)
-        for rec in prog.items:
-            if getattr(rec, "fn", None) is None or rec.fn.file in ("stream", "nccl"):
-                rec.run(dev, main)
-                continue
-            ev = (dev.event(), dev.event())
-            dev.record(ev[0], main, external=True)
-            rec.run(dev, main)
-            dev.record(ev[1], main, external=True)
-            marks.append((rec, ev))
-    finally:
-        graph, exe = dev.end_capture(main)
-    runs = []
-    for _ in range(iters):
-        dev.graph_launch(exe, main)
-        rt.synchronize()
-        runs.append([(dev.elapsed_ms(base, a), dev.elapsed_ms(base, b)) for _, (a, b) in marks])
-    dev.graph_destroy(graph, exe)
-    for ev in [base] + [e for _, pair in marks for e in pair]:
-        dev.event_destroy(ev)
-    return [(rec, statistics.median(r[i][0] for r in runs), statistics.median(r[i][1] for r in runs))
-            for i, (rec, _) in enumerate(marks)]
+    marks = {i: (dev.event(), dev.event()) for i, rec in enumerate(prog.items)
+             if getattr(rec, "fn", None) is not None and rec.fn.file not in ("stream", "nccl")}
+
+    def record():
+        dev.record(base, rt.stream, external=True)
+        for i, rec in enumerate(prog.items):
+            if i in marks:
+                dev.record(marks[i][0], rt.stream, external=True)
+            rec.run(dev, rt.stream)
+            if i in marks:
+                dev.record(marks[i][1], rt.stream, external=True)
+
+    ms = _replay_medians(rt, record, [(base, e) for pair in marks.values() for e in pair], iters)
+    return [(prog.items[i], ms[2 * k], ms[2 * k + 1]) for k, i in enumerate(marks)]
 
 
 def phase_table(rt, prog, iters: int = 5, top: int = 25, by_label: int = 0) -> str:
