@@ -179,6 +179,7 @@ bias_grad_partial(float* __restrict__ partials,        // partials [chunks, N]
 // (c < cols_i). Blocks first_i .. first_{i+1} - 1 take 32 columns each; warp w sums rows w, w + WARPS,
 // ... of its lane's column, then the WARPS warp sums are added in warp order: a fixed order, the same
 // for every batching of the items (elementwise.py sum_rows packs SumBatch<ITEMS>).
+#define SR_BATCH 16      // rows a warp loads at once (a layernorm's 512 partial rows: 4 batches of a warp's 64)
 template <int ITEMS>
 struct SumBatch {
     unsigned long long out[ITEMS];       // float* out_i [cols_i]  (=)
@@ -200,8 +201,18 @@ __global__ void __launch_bounds__(WARPS * 32) sum_rows(const __grid_constant__ S
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int col = (int)(blockIdx.x - b.first[i]) * 32 + lane;
     float s = 0.f;
-    if (col < cols)
-        for (int g = warp; g < rows; g += WARPS) s += in[(long long)g * ld + col];
+    if (col < cols) {
+        // SR_BATCH rows' loads in flight at once, then added in row order (the same additions as one at a time)
+        int g = warp;
+        for (; g + (SR_BATCH - 1) * WARPS < rows; g += SR_BATCH * WARPS) {
+            float v[SR_BATCH];
+#pragma unroll
+            for (int u = 0; u < SR_BATCH; ++u) v[u] = in[(long long)(g + u * WARPS) * ld + col];
+#pragma unroll
+            for (int u = 0; u < SR_BATCH; ++u) s += v[u];
+        }
+        for (; g < rows; g += WARPS) s += in[(long long)g * ld + col];
+    }
     red[warp][lane] = s;
     __syncthreads();
     if (warp == 0 && col < cols) {

@@ -18,6 +18,7 @@ import functools
 import re
 
 from gptcuda.runtime import Function, Launch, Memset, Runtime, compiler
+from gptcuda.ops.cuda import elementwise
 
 
 class FakeInfo:
@@ -99,8 +100,9 @@ class FakeDev:
         return bytes(128)
 
 
-_SIZES = [("CUtensorMap", 128), ("TmaMap", 128), ("SumBatch", 392), ("long long", 8), ("size_t", 8), ("u64", 8),
-          ("double", 8), ("int", 4), ("unsigned", 4), ("float", 4), ("u32", 4), ("bool", 1)]
+# SumBatch<ITEMS>: ITEMS out and in pointers, rows, cols and ld, then ITEMS + 1 first blocks (8 bytes each)
+_SIZES = [("CUtensorMap", 128), ("TmaMap", 128), ("SumBatch", 8 * (6 * elementwise.SUM_ITEMS + 1)), ("long long", 8),
+          ("size_t", 8), ("u64", 8), ("double", 8), ("int", 4), ("unsigned", 4), ("float", 4), ("u32", 4), ("bool", 1)]
 
 
 @functools.lru_cache(maxsize=None)
