@@ -5,15 +5,18 @@
 //                                 row is first made and stored, xw = resid + dropout(branch), as
 //                                 elementwise.cu's dropout_apply<4, true, true> makes it
 //   layernorm_fwd_loop<BIAS>      one warp per row, any C (three passes over the row)
-//   layernorm_bwd_reg<NV, BIAS, DROP>  dx += ; per-block partial sums of dw (and db) -> partials;
+//   layernorm_bwd_reg<NV, BIAS, DROP>  dx += ; per-block partial sums of dw (and db, and ds) -> partials;
 //                                 DROP: also dropped = dropout_bwd(dx) of the branch before it (the
 //                                 residual's next use in the backward), as elementwise.cu's
 //                                 dropout_apply draws it (flat: element e, half e & 1 of word e >> 1)
 //   layernorm_bwd_loop<BIAS, DROP>  the same for any C: one block per row
 //   (elementwise.cu's sum_rows then adds the partials over the blocks, in block order: dw and db)
 //
-// Partials layout: partials[g, 0:C] = sum over block g's rows of dout * norm, partials[g, C:2C]
-// = sum of dout (only with BIAS). Every sum runs in a fixed order: bitwise reproducible.
+// Partials layout (rows 3C apart): partials[g, 0:C] = sum over block g's rows of dout * norm; with BIAS
+// partials[g, C:2C] = sum of dout, and partials[g, 2C:3C] = sum of the branch gradient the kernel wrote,
+// as stored (dropped with DROP, else dx): the bias gradient of the product whose dropout-added branch
+// the residual took there (attention / MLP output projection), so that product's weight gradient sums
+// no columns. Every sum runs in a fixed order: bitwise reproducible.
 //
 // Element types (bf16.cuh's codes, the last template arguments: 0 fp32, 1 bf16): the forward's TX (x,
 // and the fused residual's resid and xw: the residual stream), TB (branch), TO (out); the backward's
@@ -158,7 +161,7 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_loop(LN_ARGS_FWD) {
 
 #define LN_ARGS_BWD                                                                       \
     elem<TDX>* __restrict__ dx,          /* dx       [N, C]   (+=) */                     \
-    float* __restrict__ partials,        /* partials [G, 2C] */                           \
+    float* __restrict__ partials,        /* partials [G, 3C] */                           \
     const elem<TDO>* __restrict__ dout,  /* dout     [N, C] */                            \
     const elem<TX>* __restrict__ x,      /* x        [N, C] */                            \
     const float* __restrict__ mean,      /* mean     [N] */                               \
@@ -169,18 +172,19 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_loop(LN_ARGS_FWD) {
     const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
 
 // grid G blocks (G <= the workspace rows); warp gw = blockIdx.x*WARPS + warp takes rows gw, gw + WARPS*G, ...
-// Registers hold a row's dout, x_hat and dx, all loaded at once; w and the warps' dw (db) sums live in
+// Registers hold a row's dout, x_hat and dx, all loaded at once; w and the warps' dw (db, ds) sums live in
 // dynamic shared memory (SMEM bytes; each thread its own sum slots), so that two
 // blocks share an SM up to C = 1024.
 template <int NV, bool BIAS, bool DROP, int WARPS, int SMEM, int TDO, int TX, int TDX, int TDR>
 __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) {
-    static_assert(SMEM == ((BIAS ? 2 : 1) * WARPS + 1) * NV * 32 * 16, "w and each warp's dw (db) sums");
+    static_assert(SMEM == ((BIAS ? 3 : 1) * WARPS + 1) * NV * 32 * 16, "w and each warp's dw (db, ds) sums");
     gc_check_smem(SMEM);
     extern __shared__ float4 ln_smem4[];
     constexpr int S = WARPS * NV * 32;                      // floats4 of one sum array
     float4* wsm = ln_smem4;                                    // w [NV * 32]
     float4* acc_w = wsm + NV * 32;                             // [warp][NV * 32]: the warp's dw sums
     float4* acc_b = acc_w + S;                                 // [warp][NV * 32]: db sums (BIAS)
+    float4* acc_d = acc_b + S;                                 // [warp][NV * 32]: ds sums (BIAS)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int C4 = C >> 2;
     const float4* w4 = reinterpret_cast<const float4*>(w);
@@ -201,6 +205,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
             aw[32 * j] = ln_f4(0.f);
             if constexpr (BIAS) ab[32 * j] = ln_f4(0.f);
         }
+        if constexpr (BIAS) aw[2 * S + 32 * j] = ln_f4(0.f);   // ds: in the slots (acc_d), a row at a time
     }
     __syncthreads();
     const float invC = 1.0f / (float)C;
@@ -251,9 +256,15 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
                 g.z += rs * (d.z * wv.z - m1 - nvj.z * m2);
                 g.w += rs * (d.w * wv.w - m1 - nvj.w * m2);
                 val_put4(dxr + k, g);              // g as stored (rounded in bf16)
+                float4 br = g;                     // the branch's gradient as stored
                 if constexpr (DROP) {
-                    float4 dq = gc_dropout4(g, key, (long long)row * C + 4 * k, threshold, scale);
-                    val_put4(reinterpret_cast<Pack4<TDR>*>(dropped + (long long)row * C) + k, dq);
+                    br = gc_dropout4(g, key, (long long)row * C + 4 * k, threshold, scale);
+                    val_put4(reinterpret_cast<Pack4<TDR>*>(dropped + (long long)row * C) + k, br);
+                }
+                if constexpr (BIAS) {
+                    float4 r = aw[2 * S + 32 * j];
+                    r.x += br.x; r.y += br.y; r.z += br.z; r.w += br.w;
+                    aw[2 * S + 32 * j] = r;
                 }
                 float4 q = RS ? sw[j] : aw[32 * j];
                 q.x += d.x * nvj.x; q.y += d.y * nvj.y;
@@ -278,8 +289,9 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
     }
     __syncthreads();
     // the warps' sums added in warp order 0, 1, ..., 7
-    float4* pw = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 2 * C);
-    float4* pb = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 2 * C + C);
+    float4* pw = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 3 * C);
+    float4* pb = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 3 * C + C);
+    float4* pd = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 3 * C + 2 * C);
     for (int k = threadIdx.x; k < C4; k += WARPS * 32) {
         float4 q = acc_w[k];
 #pragma unroll
@@ -296,6 +308,13 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
                 q.x += r.x; q.y += r.y; q.z += r.z; q.w += r.w;
             }
             pb[k] = q;
+            q = acc_d[k];
+#pragma unroll
+            for (int i = 1; i < WARPS; ++i) {
+                const float4 r = acc_d[i * NV * 32 + k];
+                q.x += r.x; q.y += r.y; q.z += r.z; q.w += r.w;
+            }
+            pd[k] = q;
         }
     }
 }
@@ -315,15 +334,16 @@ __device__ __forceinline__ float ln_block_sum(float v, float* sm /* [WARPS] */) 
 }
 
 // grid G blocks; block g takes rows g, g + G, ...; thread tid owns columns tid, tid + 32*WARPS, ...
-// and accumulates their dw (db) directly in its partials row (no other thread touches them).
+// and accumulates their dw (db, ds) directly in its partials row (no other thread touches them).
 template <bool BIAS, bool DROP, int WARPS, int TDO, int TX, int TDX, int TDR>
 __global__ void __launch_bounds__(WARPS * 32) layernorm_bwd_loop(LN_ARGS_BWD) {
     __shared__ float sm[2][WARPS];
-    float* pw = partials + (long long)blockIdx.x * 2 * C;
+    float* pw = partials + (long long)blockIdx.x * 3 * C;
     float* pb = pw + C;
+    float* pd = pw + 2 * C;
     for (int c = threadIdx.x; c < C; c += WARPS * 32) {
         pw[c] = 0.f;
-        if constexpr (BIAS) pb[c] = 0.f;
+        if constexpr (BIAS) pb[c] = pd[c] = 0.f;
     }
     const float invC = 1.0f / (float)C;
     u32 key = 0;
@@ -346,13 +366,17 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_bwd_loop(LN_ARGS_BWD) {
             const float n = (val_ld(xr + c) - mu) * rs;
             float g = val_ld(dxr + c) + rs * (d * w[c] - m1 - n * m2);
             val_put(dxr + c, g);                   // g as stored (rounded in bf16)
+            float br = g;                          // the branch's gradient as stored
             if constexpr (DROP) {
                 const long long e = (long long)row * C + c;
-                const float q = gc_dropout1(g, key, e, threshold, scale);
-                val_st(dropped + e, q);
+                br = gc_dropout1(g, key, e, threshold, scale);
+                val_put(dropped + e, br);
             }
             pw[c] += d * n;
-            if constexpr (BIAS) pb[c] += d;
+            if constexpr (BIAS) {
+                pb[c] += d;
+                pd[c] += br;
+            }
         }
     }
 }

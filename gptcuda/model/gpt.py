@@ -105,8 +105,10 @@ class GPT:
         # each layernorm backward also writes the gradient of the branch before it (dropout's
         # backward of the new dres into a["branch"]; dres itself without dropout)
         d = self._branch(dres, drop)
+        # each layernorm backward also sums that branch gradient's columns: the bias gradient of the
+        # projection whose output the residual took there (ds), so those products' weight gradients sum none
         o.layernorm_bwd(dres, g["lnf.w"], g.get("lnf.b"), dln, a["res"][L], a["lnf_mean"], a["lnf_rstd"], p["lnf.w"],
-                        self._drop_out(drop, self.site(rng.dropout_site(L - 1, 2))))
+                        self._drop_out(drop, self.site(rng.dropout_site(L - 1, 2))), ds=g.get(f"h{L - 1}.fcproj.b"))
         self._grads_ready("head")
         for l in reversed(range(L)):
             h = f"h{l}."
@@ -118,25 +120,28 @@ class GPT:
                 else:
                     o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu", aux=pre)
                     o.gelu_fwd(pre, pre)
-                o.matmul(g[h + "fcproj.w"], d, pre, True, False, a_colsum=g.get(h + "fcproj.b"))
+                o.matmul(g[h + "fcproj.w"], d, pre, True, False)
             else:
-                o.matmul(g[h + "fcproj.w"], d, a["fc_act"][l], True, False,      # (+ the bias gradient)
-                         a_colsum=g.get(h + "fcproj.b"))
+                o.matmul(g[h + "fcproj.w"], d, a["fc_act"][l], True, False)
                 o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
             o.matmul(dln, dfc, w[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
             o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False, a_colsum=g.get(h + "fc.b"))
             o.layernorm_bwd(dres, g[h + "ln2.w"], g.get(h + "ln2.b"), dln, a["mid"][l], a["ln2_mean"][l],
-                            a["ln2_rstd"][l], p[h + "ln2.w"], self._drop_out(drop, self.site(rng.dropout_site(l, 1))))
+                            a["ln2_rstd"][l], p[h + "ln2.w"], self._drop_out(drop, self.site(rng.dropout_site(l, 1))),
+                            ds=g.get(h + "proj.b"))
             # attention half: mid = res[l] + drop(atty @ proj^T + b); d: its branch's gradient
             o.matmul(datty, d, w[h + "proj.w"], False, False)
-            o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False, a_colsum=g.get(h + "proj.b"))
+            o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False)
+            qb = g.get(h + "attn.b")        # the qkv bias gradient: the attention's, or the product's column sums
+            by_att = qb is not None and o.exec.qkv_bias_in_attention(cfg.batch_size, cfg.block_size)
             o.attention_bwd(dqkv, datty, a["qkv"][l], a["atty"][l], self.saved(l), H, drop,
-                            self.site(rng.dropout_site(l, 0)))
+                            self.site(rng.dropout_site(l, 0)), dbias=qb if by_att else None)
             o.matmul(dln, dqkv, w[h + "attn.w"], False, False)                    # d ln1 [B,T,C]
-            o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False, a_colsum=g.get(h + "attn.b"))
+            o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False, a_colsum=None if by_att else qb)
             below = rng.dropout_site(l - 1, 2) if l > 0 else rng.DROPOUT_EMB   # the branch before res[l]
             o.layernorm_bwd(dres, g[h + "ln1.w"], g.get(h + "ln1.b"), dln, a["res"][l], a["ln1_mean"][l],
-                            a["ln1_rstd"][l], p[h + "ln1.w"], self._drop_out(drop, self.site(below)))
+                            a["ln1_rstd"][l], p[h + "ln1.w"], self._drop_out(drop, self.site(below)),
+                            ds=g.get(f"h{l - 1}.fcproj.b") if l > 0 else None)
             self._grads_ready(l)
         o.encoder_bwd(g["wte"], g["wpe"], d, a["idx"][self.micro])      # d: the embeddings' dropout gradient
         self._grads_ready("embed")

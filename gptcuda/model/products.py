@@ -73,7 +73,7 @@ def products(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
     if backward:
         add("dX head", Ntok, C, V, False, False, count=1)
         add("dW wte", V, C, Ntok, True, False, count=1)
-        add("dW fcproj", C, 4 * C, Ntok, True, False, count=L, colsum=bias)
+        add("dW fcproj", C, 4 * C, Ntok, True, False, count=L)       # (its bias: the layernorm backward's ds)
         rebuild = cfg.recompute and ex.gelu_in_dgelu
         add("dX fcproj +dgelu" + (" +gelu" if rebuild else ""), Ntok, 4 * C, C, False, False,
             "dgelu_gelu" if rebuild else "dgelu", count=L)
@@ -81,9 +81,9 @@ def products(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
         add("dW fc", 4 * C, C, Ntok, True, False, count=L, colsum=bias)
         add("dX fc", Ntok, C, 4 * C, False, False, count=L)
         add("dX attn proj", Ntok, C, C, False, False, count=L)
-        add("dW attn proj", C, C, Ntok, True, False, count=L, colsum=bias)
+        add("dW attn proj", C, C, Ntok, True, False, count=L)        # (likewise)
         add("dX qkv", Ntok, C, 3 * C, False, False, count=L)
-        add("dW qkv", 3 * C, C, Ntok, True, False, count=L, colsum=bias)
+        add("dW qkv", 3 * C, C, Ntok, True, False, count=L, colsum=bias and not ex.qkv_bias_in_attention(cfg.batch_size, T))
         if unfused:
             add("att dv", T, hs, T, True, False, batch=BH, count=L)
             add("att dP", T, T, hs, False, True, batch=BH, count=L)

@@ -131,9 +131,11 @@ class Ops(Protocol):
         """out[N,C] = (x - mean) * rstd * w + b (b may be None); mean[N], rstd[N] saved; residual =
         (resid, branch, p, site) with p > 0: x = resid + dropout(branch) is made first (residual_dropout)"""
 
-    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w, drop=None) -> None:
+    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w, drop=None, ds=None) -> None:
         """dx[N,C] += ; dw[C] = ; db[C] = (db may be None); drop = (dropped, p, site) with p > 0: also
-        dropped = dropout_bwd(dx) with that p and stream, from the new dx"""
+        dropped = dropout_bwd(dx) with that p and stream, from the new dx; ds[C] (with db only) = the
+        column sums of the branch gradient as stored (dropped, else the new dx): the bias gradient of the
+        projection whose dropout-added output the residual took there"""
 
     def matmul(self, out, a, b, trans_a: bool = False, trans_b: bool = False, bias=None,
                epilogue: str = "none", aux=None, a_colsum=None) -> None:
@@ -151,8 +153,9 @@ class Ops(Protocol):
         """y[B,T,C] = causal softmax attention of qkv[B,T,3C]; `saved` is the dict of views
         memory.attention_saved(cfg) plans for the layer (probabilities or log-sum-exp)"""
 
-    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head: int, p: float, site: int) -> None:
-        """dqkv[B,T,3C] ="""
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head: int, p: float, site: int, dbias=None) -> None:
+        """dqkv[B,T,3C] =; dbias[3C] (where given) = dqkv.sum over B, T as stored (the qkv bias gradient;
+        exec.qkv_bias_in_attention)"""
 
     def crossentropy(self, losses, dlogits, logits, targets, grad_scale: float, n_vocab: int | None = None) -> None:
         """losses[N] = -log softmax(logits[:, :n_vocab])[target]; dlogits[N,V] = (softmax - onehot) *

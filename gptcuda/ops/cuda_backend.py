@@ -165,8 +165,8 @@ class CudaBackend:
     def layernorm_fwd(self, out, mean, rstd, x, w, b, residual=None):
         layernorm.layernorm_fwd(self.rt, out, mean, rstd, x, w, b, residual)
 
-    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w, drop=None):
-        layernorm.layernorm_bwd(self.rt, dx, dw, db, dout, x, mean, rstd, w, drop)
+    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w, drop=None, ds=None):
+        layernorm.layernorm_bwd(self.rt, dx, dw, db, dout, x, mean, rstd, w, drop, ds)
 
     def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, a_colsum=None):
         gemm.matmul(self.rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, ex=self.exec,
@@ -178,8 +178,8 @@ class CudaBackend:
     def attention_fwd(self, y, qkv, saved, n_head, p, site):
         attention.attention_fwd(self.rt, y, qkv, saved, n_head, p, site, self.exec)
 
-    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site):
-        attention.attention_bwd(self.rt, dqkv, dy, qkv, y, saved, n_head, p, site, self.exec)
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site, dbias=None):
+        attention.attention_bwd(self.rt, dqkv, dy, qkv, y, saved, n_head, p, site, self.exec, dbias=dbias)
 
     def crossentropy(self, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
         loss.crossentropy(self.rt, losses, dlogits, logits, targets, grad_scale, n_vocab=n_vocab)

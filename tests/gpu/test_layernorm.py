@@ -83,13 +83,16 @@ def test_layernorm_bwd(env, lead, C, bias):
         dx = rt.upload(dx0)
         dw = rt.empty((C,))
         db = rt.empty((C,)) if bias else None
-        ln.layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w)
-        runs.append((rt.download(dx), rt.download(dw), rt.download(db) if bias else None))
-    gdx, gdw, gdb = runs[0]
+        ds = rt.empty((C,)) if bias else None         # the branch gradient's column sums (here dx's)
+        ln.layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, ds=ds)
+        runs.append((rt.download(dx), rt.download(dw), rt.download(db) if bias else None,
+                     rt.download(ds) if bias else None))
+    gdx, gdw, gdb, gds = runs[0]
     assert rel_err(gdx, dx0.astype(np.float64) + rdx) < 1e-5
     assert rel_err(gdw, rdw) < 3e-5
     if bias:
         assert rel_err(gdb, rdb) < 3e-5
+        assert rel_err(gds, gdx.astype(np.float64).reshape(-1, C).sum(0)) < 1e-5     # dx as stored
     # bitwise reproducible
     for a, b_ in zip(runs[0], runs[1]):
         if a is not None:
@@ -100,7 +103,7 @@ def test_layernorm_bwd(env, lead, C, bias):
 def test_layernorm_bwd_dropout_output(env, lead, C):
     """layernorm_bwd with drop = (dropped, p, site) writes dropout_bwd of its new dx into dropped
     (poisoned before), bit for bit what elementwise.dropout_bwd draws from that dx; dx, dw, db as
-    without it (register and loop kernels)."""
+    without it (register and loop kernels); ds, the column sums of dropped (the branch gradient)."""
     from gptcuda.model import rng
     from gptcuda.ops.cuda import elementwise as ew
     rt = env
@@ -120,7 +123,9 @@ def test_layernorm_bwd_dropout_output(env, lead, C):
         dx, dw, db, dropped = rt.upload(dx0), rt.empty((C,)), rt.empty((C,)), rt.empty((*lead, C))
         rt.memset(dropped, 0x7FC00000)
         if fused:
-            ln.layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, drop=(dropped, p, site))
+            ds = rt.empty((C,))
+            ln.layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, drop=(dropped, p, site), ds=ds)
+            assert rel_err(rt.download(ds), rt.download(dropped).astype(np.float64).reshape(-1, C).sum(0)) < 1e-5
         else:
             ln.layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w)
             ew.dropout_bwd(rt, dropped, dx, p, site)

@@ -152,7 +152,8 @@ def test_layernorm_fwd_residual_dropout_bf16(bf_rt, types, lead, C):
 def test_layernorm_bwd_bf16(bf_rt, types, lead, C, bias, drop):
     """dx (+=, read and stored in its type: one rounding of the fp32 sum where bf16), dw and db fp32
     (bitwise reproducible); dropped = dropout_bwd of dx as stored: its fp32 product x * 1.25, rounded
-    to dropped's type, equal bit for bit to numpy's."""
+    to dropped's type, equal bit for bit to numpy's; ds (with db), the column sums of the branch gradient
+    (dropped, else dx) as stored."""
     rt = bf_rt
     tdo, tx, tdx, tdr = types
     r = np.random.default_rng(3 * C + len(lead) + 100 * drop)
@@ -166,14 +167,17 @@ def test_layernorm_bwd_bf16(bf_rt, types, lead, C, bias, drop):
     runs = []
     for _ in range(2):
         dx, dw, db = _up(rt, dx0, tdx), rt.empty((C,)), rt.empty((C,)) if bias else None
+        ds = rt.empty((C,)) if bias else None
         dropped = _empty(rt, (*lead, C), tdr) if drop else None
-        ln.layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, (dropped, P, SITE) if drop else None)
-        runs.append([_bits(rt, v) for v in (dx, dw, db, dropped) if v is not None])
+        ln.layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, (dropped, P, SITE) if drop else None, ds=ds)
+        runs.append([_bits(rt, v) for v in (dx, dw, db, ds, dropped) if v is not None])
         got_dx = _down(rt, dx)
         _check(got_dx, dx0.astype(np.float64) + rdx, 1e-5, tdx)
         assert rel_err(_down(rt, dw), rdw) < 3e-5
         if bias:
             assert rel_err(_down(rt, db), rdb) < 3e-5
+            branch = _down(rt, dropped) if drop else got_dx
+            assert rel_err(_down(rt, ds), branch.astype(np.float64).reshape(-1, C).sum(0)) < 1e-5
         if drop:
             keep = _keep(rt, x_h.size, P).reshape(x_h.shape)
             want = np.where(keep, got_dx.astype(np.float32) * _scale(P), np.float32(0))

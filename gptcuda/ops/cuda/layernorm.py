@@ -3,10 +3,12 @@
     layernorm_fwd(rt, out[N,C], mean[N], rstd[N], x[N,C], w[C], b[C]|None, residual=None)   eps = 1e-5
         residual = (resid[N,C], branch[N,C], p, site): x is first made, x = resid + dropout(branch)
         with dropout p of stream site (residual_dropout's values), in the same pass where it can
-    layernorm_bwd(rt, dx[N,C], dw[C], db[C]|None, dout[N,C], x, mean, rstd, w, drop=None)
-                                                                 dx += ; dw = ; db =
+    layernorm_bwd(rt, dx[N,C], dw[C], db[C]|None, dout[N,C], x, mean, rstd, w, drop=None, ds=None)
+                                                                 dx += ; dw = ; db = ; ds =
         drop = (dropped[N,C], p, site): also dropped = dropout_bwd(dx) with dropout p of stream
         site, in the same pass (the residual gradient's next use: the branch before it)
+        ds[C] (with db only): the column sums of that branch gradient as stored (dropped, else dx): the
+        bias gradient of the projection whose branch the residual took there
 
 Element types (the views' dtypes pick the kernel: FWD_TYPES, BWD_TYPES; another combination is a
 ValueError): fp32 throughout; a bf16 model's, every tensor bf16; or an fp32 residual stream (x, resid,
@@ -16,14 +18,15 @@ are fp32 always, and so is every sum; a bf16 output is rounded once.
 Rows are the flattened leading dimensions. With C % 4 == 0, C <= 1024 and views aligned to 4 of
 their elements (16 bytes of fp32, 8 of bf16) a warp holds its row in registers (NV = ceil(C/128)
 groups of 4 values per lane); otherwise the loop kernels handle any C. The backward writes per-block
-partial sums of dw/db into the workspace "layernorm_partials" [MAX_BLOCKS, 2*C] (or, while a backward
-holds its sums, a region of elementwise.py's ring) and elementwise.sum_rows adds them up in block order.
+partial sums of dw/db/ds into the workspace "layernorm_partials" [MAX_BLOCKS, 3*C] (or, while a backward
+holds its sums, a region of elementwise.py's ring) and elementwise.sum_rows adds them up in block order
+(ds's made with db, summed where asked for).
 """
 from __future__ import annotations
 
 from gptcuda import faults
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import DeviceView, RuntimeProtocol, f32, i32, u32
+from gptcuda.runtime import DeviceView, RuntimeProtocol, execution, f32, i32, u32
 from gptcuda.ops.cuda import (aligned4, cdiv, dropout_args, elementwise, expression, fp32_only, kernel_types,
                               type_codes)
 
@@ -44,8 +47,8 @@ BWD_TYPES = (("f32", "f32", "f32", "f32"), ("bf16", "bf16", "bf16", "bf16"), ("b
 
 def bwd_smem(nv: int, bias: bool) -> int:
     """Dynamic shared memory of layernorm_bwd_reg<nv, bias, ...> (its SMEM): w and each warp's dw (and
-    db) sums, nv float4 a lane each (0: the loop kernel takes none)."""
-    return ((2 if bias else 1) * WARPS + 1) * nv * 32 * 16
+    db and ds) sums, nv float4 a lane each (0: the loop kernel takes none)."""
+    return ((3 if bias else 1) * WARPS + 1) * nv * 32 * 16
 
 
 def fwd_name(nv: int, bias: bool, fused: bool = False, types=FWD_TYPES[0]) -> str:
@@ -79,13 +82,17 @@ VARIANTS += [(FILE, bwd_name(nv, b, d, t), BROKEN) for t in BROKEN_TYPES for nv 
 
 
 def workspace(cfg, ex=None) -> dict:
-    """Partials of the backward: [MAX_BLOCKS, 2*C] floats (C = n_embd); and elementwise's ring of the
-    sums a backward holds (elementwise.SUMS): one layer's, its two layernorms' partials ([MAX_BLOCKS, 2C]
-    each) and its four bias gradients' ([elementwise.MAX_CHUNKS, 4C] at most each; a larger one is
-    summed at once, from elementwise's "bias_partials")."""
+    """Partials of the backward: [MAX_BLOCKS, 3*C] floats (C = n_embd); and elementwise's ring of the
+    sums a backward holds (elementwise.SUMS): one layer's, its two layernorms' partials ([MAX_BLOCKS, 3C]
+    each) and its bias gradients' ([elementwise.MAX_CHUNKS, 4C] at most each, four; a larger one is
+    summed at once, from elementwise's "bias_partials"), and where the attention backward makes the qkv
+    bias gradient, its partials ([B ceil(T / 16), 3C])."""
     C = int(cfg.n_embd)
-    ring = 2 * MAX_BLOCKS * 2 * C + 4 * elementwise.MAX_CHUNKS * 4 * C + 8 * elementwise.SUMS_ALIGN
-    return {WORKSPACE: ((MAX_BLOCKS, 2 * C), "f32"), elementwise.SUMS: ((ring,), "f32")}
+    ex = ex or execution.resolve(cfg)
+    B, T = int(cfg.batch_size), int(cfg.block_size)
+    att = B * cdiv(T, 16) * 3 * C if ex.qkv_bias_in_attention(B, T) else 0
+    ring = 2 * MAX_BLOCKS * 3 * C + 4 * elementwise.MAX_CHUNKS * 4 * C + att + 9 * elementwise.SUMS_ALIGN
+    return {WORKSPACE: ((MAX_BLOCKS, 3 * C), "f32"), elementwise.SUMS: ((ring,), "f32")}
 
 
 def _nv(C: int, *views) -> int:
@@ -143,12 +150,14 @@ def _drop_args(rt: RuntimeProtocol, drop, N, C):
     return True, [out] + _keep_args(rt, p, site, "layernorm_bwd")
 
 
-def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=None):
+def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=None, ds=None):
     C = int(x.shape[-1])
     N = rows(x.shape)
     if dx.numel != N * C or dout.numel != N * C or int(dw.shape[-1]) != C:
         raise ValueError(f"layernorm_bwd: shapes dx {dx.shape}, dout {dout.shape}, x {x.shape}, dw {dw.shape}")
-    fp32_only("layernorm_bwd", dw=dw, db=db, mean=mean, rstd=rstd, w=w)
+    if ds is not None and (db is None or ds.numel != C):
+        raise ValueError(f"layernorm_bwd: ds {ds.shape} needs db and {C} elements")
+    fp32_only("layernorm_bwd", dw=dw, db=db, mean=mean, rstd=rstd, w=w, ds=ds)
     types = kernel_types("layernorm_bwd", BWD_TYPES, dout=dout, x=x, dx=dx,
                          dropped=drop[0] if drop is not None else None)
     if "layernorm" in faults.broken and types not in BROKEN_TYPES:
@@ -157,9 +166,9 @@ def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=
     dflag, dargs = _drop_args(rt, drop, N, C)
     nv = _nv(C, dx, dout, x, w, drop[0] if drop is not None else None)
     G = min(cdiv(N, WARPS), MAX_BLOCKS) if nv else min(N, MAX_BLOCKS)
-    part = elementwise.partials(rt, G, 2 * C, WORKSPACE)     # the held sums' ring or the workspace
+    part = elementwise.partials(rt, G, 3 * C, WORKSPACE)     # the held sums' ring or the workspace
     if part is None:
-        raise ValueError(f"workspace {WORKSPACE} is too small for {G} blocks x 2*{C}")
+        raise ValueError(f"workspace {WORKSPACE} is too small for {G} blocks x 3*{C}")
     if nv and not aligned4(part):
         raise ValueError(f"layernorm_bwd: partials at {part.ptr:#x} are not 16-byte aligned")
     name = bwd_name(nv, db is not None, dflag, types)
@@ -167,7 +176,9 @@ def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=
     rt.launch(rt.function(FILE, name, defines), (G,), (THREADS,),
               [dx, part, dout, x, mean, rstd, w, i32(N), i32(C)] + dargs, smem=bwd_smem(nv, db is not None),
               label="layernorm_bwd")
-    sums = [(dw, part, C, 2 * C)]
+    sums = [(dw, part, C, 3 * C)]
     if db is not None:
-        sums.append((db, DeviceView(part.ptr + 4 * C, (G, C), "f32", part.name), C, 2 * C))
+        sums.append((db, DeviceView(part.ptr + 4 * C, (G, C), "f32", part.name), C, 3 * C))
+    if ds is not None:
+        sums.append((ds, DeviceView(part.ptr + 8 * C, (G, C), "f32", part.name), C, 3 * C))
     elementwise.sum_rows(rt, *sums, label="layernorm_bwd_reduce")

@@ -194,7 +194,7 @@ class ReferenceBackend:
             out[...], mean[...], rstd[...] = o, m, r
         self._rec(f)
 
-    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w, drop=None):
+    def layernorm_bwd(self, dx, dw, db, dout, x, mean, rstd, w, drop=None, ds=None):
         broken = "layernorm" in faults.broken
 
         def f():
@@ -206,6 +206,9 @@ class ReferenceBackend:
         self._rec(f)
         if drop is not None:
             self.dropout_bwd(drop[0], dx, drop[1], drop[2])
+        if ds is not None:          # the branch gradient as stored: after the ops that wrote it
+            branch = dx if drop is None else drop[0]
+            self._rec(lambda: ds.__setitem__(Ellipsis, _2d(branch).sum(axis=0)))
 
     def matmul(self, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="none", aux=None, a_colsum=None):
         check_matmul(out, trans_a, bias, epilogue, aux, a_colsum)
@@ -229,11 +232,13 @@ class ReferenceBackend:
             saved["probs"][...] = probs
         self._rec(f)
 
-    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site):
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site, dbias=None):
         def f():
             B, T = qkv.shape[0], qkv.shape[1]
             keep = self._keep(site, (B, n_head, T, T), p, rows=True) if p > 0 else None
             dqkv[...] = R.attention_backward(dy, qkv, saved["probs"], n_head, keep, p)
+            if dbias is not None:
+                dbias[...] = _2d(dqkv).sum(axis=0)
         self._rec(f)
 
     def crossentropy(self, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
