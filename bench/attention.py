@@ -2,7 +2,7 @@
 
     python bench/attention.py [--B 16] [--T 256,1024,2048,8192] [--n_embd 768] [--n_head 12]
                               [--precision fp32,tf32,bf16] [--dropout 0.0] [--iters 20] [--json out.json]
-                              [--bf16-tiles "default;fwd=192x128s2,dq=192x64s2"] [--dbias]
+                              [--bf16-tiles "default;fwd=192x128s2,dq=192x64s2"]
 
 Per T: median time (CUDA events around ten launches replayed as one CUDA graph, after warm-up) of
 attention_fwd and attention_bwd of each implementation and precision, plus PyTorch's
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from gptcuda.model import rng  # noqa: E402
 from gptcuda.ops.cuda import attention as attn  # noqa: E402
-from gptcuda.ops.cuda import elementwise, flash  # noqa: E402
+from gptcuda.ops.cuda import flash  # noqa: E402
 from gptcuda.runtime import Runtime  # noqa: E402
 from bench.common import write_results  # noqa: E402
 from gptcuda.runtime.profile import Arena  # noqa: E402
@@ -70,7 +70,7 @@ def parse_tiles(text: str) -> dict:
     return out
 
 
-def bench_ours(rt, kind, precision, B, T, C, H, p, warmup, iters, dbias=False):
+def bench_ours(rt, kind, precision, B, T, C, H, p, warmup, iters):
     cfg = config_of(batch_size=B, block_size=T, n_embd=C, n_head=H, attention=kind, dropout=p)
     free = rt.dev.mem_info()[0]
     need = case_bytes(cfg)
@@ -82,8 +82,7 @@ def bench_ours(rt, kind, precision, B, T, C, H, p, warmup, iters, dbias=False):
         if precision == "bf16" and kind == "fused":      # the plan's bf16 path at this head size
             ex = dataclasses.replace(ex, attention=fused_path("bf16", False, C // H))
         rt.exec = ex
-        plan = {**attn.workspace(cfg, ex), **(elementwise.workspace(cfg, ex) if dbias else {})}
-        rt.set_workspace({k: ar.empty(s, d, name=k) for k, (s, d) in plan.items()})
+        rt.set_workspace({k: ar.empty(s, d, name=k) for k, (s, d) in attn.workspace(cfg, ex).items()})
         saved = {k: ar.empty(s, d, name=k) for k, (s, d) in attn.saved_shapes(cfg, ex).items()}
         dt = "bf16" if precision == "bf16" else "f32"
         qkv = ar.noise((B, T, 3 * C), dt)
@@ -92,8 +91,7 @@ def bench_ours(rt, kind, precision, B, T, C, H, p, warmup, iters, dbias=False):
         dqkv = ar.empty((B, T, 3 * C), dt, name="dqkv")
         site = rng.dropout_site(0, 0)
         fwd = lambda: attn.attention_fwd(rt, y, qkv, saved, H, p, site)  # noqa: E731
-        db = ar.empty((3 * C,), "f32", name="dbias") if dbias else None
-        bwd = lambda: attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, site, dbias=db)  # noqa: E731
+        bwd = lambda: attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, site)  # noqa: E731
         # ten launches replayed as one CUDA graph a sample, as a training step runs them: no host time
         t_f = time_graphed_ms(rt, fwd, warmup, iters)
         fwd()
@@ -173,7 +171,6 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--dbias", action="store_true", help="the backward also makes the qkv bias gradient")
     ap.add_argument("--bf16-tiles", default="default", help="';'-separated sets of kind=BMxBNsNS (bf16 rows)")
     a = ap.parse_args(argv)
     tile_sets = [parse_tiles(t) for t in a.bf16_tiles.split(";")]
@@ -218,7 +215,7 @@ def main(argv=None):
                 continue
         else:
             try:
-                r = bench_ours(rt, kind, prec, B, T, C, H, a.dropout, a.warmup, a.iters, a.dbias)
+                r = bench_ours(rt, kind, prec, B, T, C, H, a.dropout, a.warmup, a.iters)
             except Exception as e:   # noqa: BLE001 - report and go on with the other cases
                 r = {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"}
         r.update(T=T, impl=kind, precision=prec, B=B, C=C, H=H, dropout=a.dropout, tiles=ts)

@@ -4,11 +4,6 @@
 // qkv, y, dy and dqkv are bf16 and the kernels read qkv and dy through TMA tensor maps, and that
 // flash_bwd_dq_bf16 makes D = rowsum(dO * O) itself (from dy and y) for flash_bwd_dkv_bf16 after it; lse
 // and D stay fp32, every sum is fp32 (the tensor cores' accumulators), scores are exponentiated in fp32.
-// The two backward kernels also make the qkv bias gradient's partials where `bsum` is given (precision
-// bf16: ExecutionPlan.qkv_bias_in_attention): each consumer warp (16 rows of a sequence) the column sums
-// of the values it stored, as stored, into row b ceil(T / 16) + its first row / 16 of [B ceil(T / 16), 3C]
-// (dQ's kernel columns h HS .., dK / dV's C + h HS .. and 2C + h HS ..): every element written once;
-// gptcuda/ops/cuda/attention.py adds the rows (sum_rows), so dW qkv's product needs no column sums.
 //
 // A block is CW = BM / 64 consumer warpgroups and one producer warpgroup (THREADS = 128 (CW + 1)); the
 // producer gives registers back to the consumers (setmaxnreg: FaBf16's split), which hold a 64 x BN
@@ -158,44 +153,12 @@ __device__ __forceinline__ void fb_mma_ss(float (&d)[N / 2], unsigned a, unsigne
     for (int s = 0; s < HS / 16; ++s) WgBf16<N>::template mma<0, 0>(d, fb_desc_k<RA>(a, s), fb_desc_k<N>(b, s), s > 0);
 }
 // row g + 8 hh of a warp's accumulators over the head's columns (HS / 2 of them), times f, as bf16 pairs
-// into the row whose column 2q is at r; s (where given): the values as stored added into s[j][e], column
-// 8 j + 2 q + e (fb_colsum_out's)
+// into the row whose column 2q is at r
 template <int HS>
-__device__ __forceinline__ void fb_store_row(bf16* r, const float (&a)[HS / 2], int hh, float f,
-                                             float (*s)[2] = nullptr) {
+__device__ __forceinline__ void fb_store_row(bf16* r, const float (&a)[HS / 2], int hh, float f) {
     unsigned* u = reinterpret_cast<unsigned*>(r);
 #pragma unroll
-    for (int j = 0; j < HS / 8; ++j) {
-        const unsigned v = bf16x2_rn(a[4 * j + 2 * hh] * f, a[4 * j + 2 * hh + 1] * f);
-        u[4 * j] = v;
-        if (s) {
-            s[j][0] += __uint_as_float(v << 16);
-            s[j][1] += __uint_as_float(v & 0xFFFF0000u);
-        }
-    }
-}
-
-// The warp's row of the qkv bias gradient's partials (every thread of a consumer warp calls it, after its
-// stores; P null: none, the warp's rows all past T): s[j][e], the thread's sums of what it stored at column
-// 8 j + 2 q + e (fb_store_row's, its rows g and g + 8), added over the warp's 16 rows (lanes xor 4, 8, 16,
-// in that order: the same bits every run) and written by lanes 0..3 into P[0 .. HS).
-template <int HS>
-__device__ __forceinline__ void fb_colsum_out(float (&s)[HS / 8][2], float* P) {
-    const int lane = threadIdx.x & 31, q = lane & 3;
-#pragma unroll
-    for (int j = 0; j < HS / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            float x = s[j][e];
-            x += __shfl_xor_sync(0xffffffffu, x, 4);
-            x += __shfl_xor_sync(0xffffffffu, x, 8);
-            x += __shfl_xor_sync(0xffffffffu, x, 16);
-            s[j][e] = x;
-        }
-    if (P && lane < 4) {
-#pragma unroll
-        for (int j = 0; j < HS / 8; ++j) *reinterpret_cast<float2*>(P + 8 * j + 2 * q) = make_float2(s[j][0], s[j][1]);
-    }
+    for (int j = 0; j < HS / 8; ++j) u[4 * j] = bf16x2_rn(a[4 * j + 2 * hh] * f, a[4 * j + 2 * hh + 1] * f);
 }
 
 // barriers: full[0..NS), empty[0..NS) (a consumer thread's arrival each), then the resident tiles'
@@ -525,7 +488,6 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
                   const bf16* __restrict__ y,               // [B,T,C] the forward's output, 16-byte aligned
                   const float* __restrict__ lse,            // [B,H,T]
                   float* __restrict__ Dg,                   // [B,H,T] out: rowsum(dy * y)
-                  float* __restrict__ bsum,                 // [B * ceil(T / 16), 3C] out (may be null): cols 0..C
                   FB_ARGS_DROP) {
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q, dO and NS stages of K, V, + 1 KB");
@@ -628,14 +590,11 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
         k.release(nl - 1);
     }
     k.skip(nl, nkt);
-    float s[HS / 8][2] = {};
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int i = wr0 + k.g + 8 * hh;
-        if (i < T) fb_store_row<HS>(dqkv + ((long long)k.b * T + i) * 3 * k.C + k.h * HS + 2 * k.q, dq, hh, scale, s);
+        if (i < T) fb_store_row<HS>(dqkv + ((long long)k.b * T + i) * 3 * k.C + k.h * HS + 2 * k.q, dq, hh, scale);
     }
-    if (bsum) fb_colsum_out<HS>(s, wr0 < T ? bsum + ((long long)k.b * ((T + 15) / 16) + wr0 / 16) * 3 * k.C + k.h * HS
-                                           : nullptr);
 #else
     __trap();
 #endif
@@ -731,7 +690,6 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                    const __grid_constant__ TmaMap map_dy,   // dy [B][T][C], boxes {64, BN}
                    const float* __restrict__ lse,           // [B,H,T]
                    const float* __restrict__ Dg,            // [B,H,T]
-                   float* __restrict__ bsum,                // [B * ceil(T / 16), 3C] out (may be null): C..3C
                    FB_ARGS_DROP) {
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V and NS stages of Q, dO, + 1 KB");
@@ -808,23 +766,15 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
         fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
         k.release(nqt - 1);
     }
-    // dK's rows (and their column sums), then dV's
-    float* P = bsum && kw0 < T ? bsum + ((long long)k.b * ((T + 15) / 16) + kw0 / 16) * 3 * k.C + k.C + k.h * HS : nullptr;
-    float s[HS / 8][2] = {};
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int kk = kw0 + k.g + 8 * hh;
-        if (kk < T) fb_store_row<HS>(dqkv + ((long long)k.b * T + kk) * 3 * k.C + k.C + k.h * HS + 2 * k.q, dk, hh, scale, s);
+        if (kk < T) {
+            bf16* r = dqkv + ((long long)k.b * T + kk) * 3 * k.C + k.C + k.h * HS + 2 * k.q;
+            fb_store_row<HS>(r, dk, hh, scale);
+            fb_store_row<HS>(r + k.C, dv, hh, 1.f);
+        }
     }
-    if (bsum) fb_colsum_out<HS>(s, P);
-#pragma unroll
-    for (int j = 0; j < HS / 8; ++j) s[j][0] = s[j][1] = 0.f;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int kk = kw0 + k.g + 8 * hh;
-        if (kk < T) fb_store_row<HS>(dqkv + ((long long)k.b * T + kk) * 3 * k.C + 2 * k.C + k.h * HS + 2 * k.q, dv, hh, 1.f, s);
-    }
-    if (bsum) fb_colsum_out<HS>(s, P ? P + k.C : nullptr);
 #else
     __trap();
 #endif

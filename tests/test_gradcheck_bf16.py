@@ -132,7 +132,7 @@ class Bf16Sim(ReferenceBackend):
             saved["probs"][...] = probs
         self._rec(f)
 
-    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site, dbias=None):
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site):
         def f():
             B, T = qkv.shape[0], qkv.shape[1]
             keep = self._keep(site, (B, n_head, T, T), p, rows=True) if p > 0 else None
@@ -146,8 +146,6 @@ class Bf16Sim(ReferenceBackend):
             ds = self.att_round(probs * (dprobs - D) / math.sqrt(hs))
             dq, dk = ds @ k, np.swapaxes(ds, -1, -2) @ q
             dqkv[...] = np.concatenate([R._merge_heads(dq), R._merge_heads(dk), R._merge_heads(dv)], axis=-1)
-            if dbias is not None:                                          # dqkv's column sums as stored
-                dbias[...] = self.r(_2d(dqkv)).sum(axis=0)
         self._rec(f)
 
 

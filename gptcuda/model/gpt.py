@@ -132,12 +132,10 @@ class GPT:
             # attention half: mid = res[l] + drop(atty @ proj^T + b); d: its branch's gradient
             o.matmul(datty, d, w[h + "proj.w"], False, False)
             o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False)
-            qb = g.get(h + "attn.b")        # the qkv bias gradient: the attention's, or the product's column sums
-            by_att = qb is not None and o.exec.qkv_bias_in_attention(cfg.batch_size, cfg.block_size)
             o.attention_bwd(dqkv, datty, a["qkv"][l], a["atty"][l], self.saved(l), H, drop,
-                            self.site(rng.dropout_site(l, 0)), dbias=qb if by_att else None)
+                            self.site(rng.dropout_site(l, 0)))
             o.matmul(dln, dqkv, w[h + "attn.w"], False, False)                    # d ln1 [B,T,C]
-            o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False, a_colsum=None if by_att else qb)
+            o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False, a_colsum=g.get(h + "attn.b"))
             below = rng.dropout_site(l - 1, 2) if l > 0 else rng.DROPOUT_EMB   # the branch before res[l]
             o.layernorm_bwd(dres, g[h + "ln1.w"], g.get(h + "ln1.b"), dln, a["res"][l], a["ln1_mean"][l],
                             a["ln1_rstd"][l], p[h + "ln1.w"], self._drop_out(drop, self.site(below)),

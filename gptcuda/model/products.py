@@ -83,7 +83,7 @@ def products(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
         add("dX attn proj", Ntok, C, C, False, False, count=L)
         add("dW attn proj", C, C, Ntok, True, False, count=L)        # (likewise)
         add("dX qkv", Ntok, C, 3 * C, False, False, count=L)
-        add("dW qkv", 3 * C, C, Ntok, True, False, count=L, colsum=bias and not ex.qkv_bias_in_attention(cfg.batch_size, T))
+        add("dW qkv", 3 * C, C, Ntok, True, False, count=L, colsum=bias)
         if unfused:
             add("att dv", T, hs, T, True, False, batch=BH, count=L)
             add("att dP", T, T, hs, False, True, batch=BH, count=L)

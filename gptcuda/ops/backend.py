@@ -153,9 +153,8 @@ class Ops(Protocol):
         """y[B,T,C] = causal softmax attention of qkv[B,T,3C]; `saved` is the dict of views
         memory.attention_saved(cfg) plans for the layer (probabilities or log-sum-exp)"""
 
-    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head: int, p: float, site: int, dbias=None) -> None:
-        """dqkv[B,T,3C] =; dbias[3C] (where given) = dqkv.sum over B, T as stored (the qkv bias gradient;
-        exec.qkv_bias_in_attention)"""
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head: int, p: float, site: int) -> None:
+        """dqkv[B,T,3C] ="""
 
     def crossentropy(self, losses, dlogits, logits, targets, grad_scale: float, n_vocab: int | None = None) -> None:
         """losses[N] = -log softmax(logits[:, :n_vocab])[target]; dlogits[N,V] = (softmax - onehot) *

@@ -178,8 +178,8 @@ class CudaBackend:
     def attention_fwd(self, y, qkv, saved, n_head, p, site):
         attention.attention_fwd(self.rt, y, qkv, saved, n_head, p, site, self.exec)
 
-    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site, dbias=None):
-        attention.attention_bwd(self.rt, dqkv, dy, qkv, y, saved, n_head, p, site, self.exec, dbias=dbias)
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site):
+        attention.attention_bwd(self.rt, dqkv, dy, qkv, y, saved, n_head, p, site, self.exec)
 
     def crossentropy(self, losses, dlogits, logits, targets, grad_scale, n_vocab=None):
         loss.crossentropy(self.rt, losses, dlogits, logits, targets, grad_scale, n_vocab=n_vocab)

@@ -43,8 +43,7 @@ The rules, in one place:
 - Derived here too: whether the memory plan holds the warpgroup-MMA scratch (`wgmma_scratch`), the products'
   mode on those kernels (`wgmma_mode`), flash_tc's dK / dV on warpgroup MMA (`dkv_on_wgmma`), where
   recompute's backward rebuilds the GELU output (`gelu_in_dgelu`: the bf16 dgelu product's epilogue, else a
-  gelu pass), who makes the qkv bias gradient (`qkv_bias_in_attention`: bf16's attention backward, else
-  the dW qkv product's column sums), the peak rate MFU divides by (`peak_tflops`: of what actually multiplies), the GEMM table's
+  gelu pass), the peak rate MFU divides by (`peak_tflops`: of what actually multiplies), the GEMM table's
   key prefix.
 
 The runtime is built with its plan (Runtime(cfg=...): resolved once, for its device) and passes it to
@@ -71,8 +70,6 @@ ATTENTION_PATHS = ("unfused", "flash", "flash_tc", "flash_3x", "flash_bf16")
 FLASH_BF16_HEAD_SIZES = (64, 128)
 # head sizes whose flash_tc dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg)
 FLASH_WG_HEAD_SIZES = (32, 64)
-# the most rows of qkv bias partials (a row per 16 tokens) for the attention backward to make that gradient
-QKV_BIAS_ROWS = 1024
 # dense peak rates of the H100 / H200 SXM (datasheet), TFLOP/s, by what multiplies: the MFU denominator
 PEAK_TFLOPS = {"ffma": 67.0, "tf32": 495.0, "3xtf32": 495.0 / 3, "bf16": 989.0}
 
@@ -148,14 +145,6 @@ class ExecutionPlan:
         dgelu_gelu: the bf16 family's kernels, the bits of the forward's GELU), else in a gelu pass after
         that product."""
         return self.gemm_family == "bf16"
-
-    def qkv_bias_in_attention(self, batch: int, T: int) -> bool:
-        """The attention backward also makes the qkv bias gradient (attention_bwd's dbias: flash_bf16's
-        kernels sum the dq, dk and dv they store, a row of partials a warp of 16 tokens), so the dW qkv
-        product sums no columns (which cost its bf16 product a larger tile and a split): precision bf16,
-        up to QKV_BIAS_ROWS rows of partials (beyond, adding them up costs more than the product's sums:
-        B16 T2048's 2048 rows took sum_rows +0.1 ms a step on the H200)."""
-        return self.gemm_family == "bf16" and batch * -(-T // 16) <= QKV_BIAS_ROWS
 
     def dkv_on_wgmma(self, head_size: int) -> bool:
         """flash_tc's dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg) at this head size (a

@@ -7,7 +7,7 @@ import pytest
 
 from gptcuda.model import rng
 from gptcuda.ops.cuda import attention as attn
-from gptcuda.ops.cuda import elementwise, flash, layernorm
+from gptcuda.ops.cuda import flash
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import bf16
 from tests.conftest import rel_err
@@ -38,8 +38,7 @@ def env(rt):
 def _setup(rt, B, T, C, H, kind, p, precision="fp32"):
     cfg = config_of(check=False, batch_size=B, block_size=T, n_embd=C, n_head=H, n_layer=1, vocab_size=65,
                           attention=kind, dropout=p, precision=precision, bias=True)
-    # matmul_batched needs no workspace; the qkv bias gradient's partials: elementwise's, or the held sums' ring
-    plan = {**attn.workspace(cfg), **elementwise.workspace(cfg), **layernorm.workspace(cfg)}
+    plan = dict(attn.workspace(cfg))       # matmul_batched needs no workspace
     views = {name: rt.empty(shape, dtype, name=name) for name, (shape, dtype) in plan.items()}
     rt.set_workspace({**getattr(rt, "_workspace", {}), **views})
     st = np.zeros(16, np.int32)
@@ -77,12 +76,9 @@ def _plan(rt, path):
     return dataclasses.replace(ex, attention=path)
 
 
-def _run(rt, B, T, C, H, kind, p, precision="fp32", seed=0, path=None, dbias=False, hold=False):
+def _run(rt, B, T, C, H, kind, p, precision="fp32", seed=0, path=None):
     """path: the fused path to run (flash | flash_tc | flash_3x | flash_bf16), else the plan's. bf16:
-    qkv and dy drawn as bf16 values, the tensors bf16, outputs widened (every output poisoned first).
-    dbias: the backward also makes the qkv bias gradient, checked against dqkv's column sums as stored;
-    hold: with the backward's sums held (elementwise.defer_sums, as the model's backward runs), flushed
-    after it."""
+    qkv and dy drawn as bf16 values, the tensors bf16, outputs widened (every output poisoned first)."""
     r = np.random.default_rng(seed + 1000 * T + C)
     dt = "bf16" if precision == "bf16" else "f32"
     qkv_h = r.standard_normal((B, T, 3 * C)).astype(np.float32)
@@ -95,23 +91,14 @@ def _run(rt, B, T, C, H, kind, p, precision="fp32", seed=0, path=None, dbias=Fal
     dy = rt.upload(dy_h, dt)
     y = rt.empty((B, T, C), dt)
     dqkv = rt.empty((B, T, 3 * C), dt)           # (rt.empty poisons; _setup's saved tensors too)
-    db = rt.empty((3 * C,), "f32") if dbias else None
     attn.attention_fwd(rt, y, qkv, saved, H, p, SITE, ex)
-    if hold:
-        elementwise.defer_sums(rt, True)
-    try:
-        attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, SITE, ex, dbias=db)
-    finally:
-        if hold:
-            elementwise.defer_sums(rt, False)
+    attn.attention_bwd(rt, dqkv, dy, qkv, y, saved, H, p, SITE, ex)
     rt.synchronize()
     keep = _keep(rt, B, H, T, p)
     y_ref, probs_ref = ref.attention_forward(qkv_h, H, keep, p)
     dqkv_ref = ref.attention_backward(dy_h, qkv_h, probs_ref, H, keep, p)
     got = (lambda v: bf16.values(rt.download(v))) if dt == "bf16" else rt.download
     out = {"y": (got(y), y_ref), "dqkv": (got(dqkv), dqkv_ref)}
-    if dbias:                         # fp32 sums of the values as stored: float64's to ~1e-6
-        out["dbias"] = (rt.download(db), got(dqkv).astype(np.float64).reshape(-1, 3 * C).sum(0))
     if kind == "fused":               # the backward's D = rowsum(dO * O), O as stored (bf16: made by dQ's kernel)
         D_ref = (dy_h.astype(np.float64) * got(y)).reshape(B, T, H, C // H).sum(-1).transpose(0, 2, 1)
         out["D"] = (rt.download(rt.workspace("attention_d")).reshape(-1)[:B * H * T].reshape(B, H, T), D_ref)
@@ -288,9 +275,7 @@ def test_rowsum_do(rt, hs):
 # ---- bf16: flash_bf16 (warpgroup MMA, TMA, a producer warpgroup), head sizes 64 and 128
 
 def _run_bf16(rt, B, T, C, H, p, seed=0):
-    """flash_bf16's forward and backward, the backward with the qkv bias gradient's partials (as training
-    runs it: ExecutionPlan.qkv_bias_in_attention)."""
-    return _run(rt, B, T, C, H, "fused", p, "bf16", seed, path="flash_bf16", dbias=True)
+    return _run(rt, B, T, C, H, "fused", p, "bf16", seed, path="flash_bf16")
 
 
 BF16_SHAPES = [
@@ -310,7 +295,7 @@ BF16_SHAPES = [
 def test_fused_bf16(env, B, T, C, H, p):
     out = _run_bf16(env, B, T, C, H, p)
     errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
-    for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE), ("D", 1e-5), ("dbias", 1e-5)):
+    for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE), ("D", 1e-5)):
         assert errs[k] < tol, f"{k}: rel_err {errs[k]:.3g} >= {tol:g} (all: {errs})"
 
 
@@ -333,18 +318,8 @@ def test_fused_bf16_tiles(env, monkeypatch, tiles, B, T, C, H, p):
         monkeypatch.setitem(flash.FLASH_BF16_TILES, (kind, 64), t)
     out = _run_bf16(env, B, T, C, H, p)
     errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
-    for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE), ("D", 1e-5), ("dbias", 1e-5)):
+    for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE), ("D", 1e-5)):
         assert errs[k] < tol, f"{k}: rel_err {errs[k]:.3g} >= {tol:g} (all: {errs})"
-
-
-@pytest.mark.parametrize("precision,path,C,H", [("bf16", "flash_tc", 64, 2), ("fp32", "flash", 128, 2),
-                                                ("bf16", "flash_bf16", 128, 2)])
-def test_attention_bias_grad(env, precision, path, C, H):
-    """The qkv bias gradient from attention_bwd on each kind of path: flash_bf16's partials (here with the
-    backward's sums held, as the model's backward holds them), and the column-sum pass of the others
-    (bf16 at head size 32: flash_tc on fp32 copies; fp32)."""
-    out = _run(env, 2, 200, C, H, "fused", 0.1, precision, path=path, dbias=True, hold=path == "flash_bf16")
-    assert rel_err(*out["dbias"]) < 1e-5
 
 
 def test_fused_bf16_deterministic(env):

@@ -2,7 +2,7 @@
 (flash attention: kernels/flash_*.cu, one file an implementation; flash_common.cuh says what they share).
 
     attention_fwd(rt, y[B,T,C], qkv[B,T,3C], saved, n_head, p, site, ex)
-    attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site, ex, dbias=None)
+    attention_bwd(rt, dqkv[B,T,3C], dy[B,T,C], qkv, y, saved, n_head, p, site, ex)
 
 ex is the execution plan (gptcuda/runtime/execution.py; the backend passes its own, default rt's): its
 `attention` path and, for the unfused path's batched products, its GEMM choices. The fused paths:
@@ -205,32 +205,24 @@ def attention_fwd(rt, y, qkv, saved, n_head, p, site, ex=None):
     return _fused_fwd(rt, y, qkv, saved["lse"], n_head, p, site, path)
 
 
-def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, ex=None, dbias=None):
+def attention_bwd(rt, dqkv, dy, qkv, y, saved, n_head, p, site, ex=None):
     """dqkv from dy (bf16: flash_bf16, or on fp32 copies of qkv, y and dy, dqkv rounded once, as
-    attention_fwd). dbias [3C] (where given): also dqkv's column sums as stored, the qkv bias gradient:
-    flash_bf16's kernels make a row of partials a block, which sum_rows adds (held with the backward's
-    other sums); the other paths (and partials past the workspace) a column-sum pass over dqkv."""
+    attention_fwd)."""
     ex = rt.exec if ex is None else ex
-    if dbias is not None and (dbias.dtype != "f32" or dbias.numel != int(dqkv.shape[-1])):
-        raise ValueError(f"attention_bwd: dbias {dbias.shape} {dbias.dtype} is not fp32 [{int(dqkv.shape[-1])}]")
-    made = False
     if _path(saved, "attention_bwd", ex)[1] == "flash_bf16":
-        made = _bf16_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, dbias)
-    elif qkv.dtype == "bf16":
+        return _bf16_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site)
+    if qkv.dtype == "bf16":
         q32, y32, dy32, dq32 = _on_fp32(rt, "attention_bwd", qkv, y, dy, dqkv)
         for dst, src in ((q32, qkv), (y32, y), (dy32, dy)):
             elementwise.accumulate(rt, dst, src, first=True)
         attention_bwd(rt, dq32, dy32, q32, y32, saved, n_head, p, site, ex)
         elementwise.accumulate(rt, dqkv, dq32, first=True)
-    else:
-        want, path = _path(saved, "attention_bwd", ex)
-        if want == "probs":
-            _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site, ex)
-        else:
-            wg = ex.dkv_on_wgmma(int(qkv.shape[-1]) // (3 * int(n_head)))
-            _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, path, wg)
-    if dbias is not None and not made:
-        elementwise.bias_grad(rt, dbias, dqkv)
+        return None
+    want, path = _path(saved, "attention_bwd", ex)
+    if want == "probs":
+        return _unfused_bwd(rt, dqkv, dy, qkv, saved["probs"], n_head, p, site, ex)
+    wg = ex.dkv_on_wgmma(int(qkv.shape[-1]) // (3 * int(n_head)))
+    return _fused_bwd(rt, dqkv, dy, qkv, y, saved["lse"], n_head, p, site, path, wg)
 
 
 # ---- unfused
@@ -358,25 +350,17 @@ def _bf16_fwd(rt, y, qkv, lse, n_head, p, site):
               smem=k.smem, label="flash_fwd")
 
 
-def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site, dbias=None):
-    """The bf16 backward; dbias: its partials too ([B * ceil(T / 16), 3C]: a row a consumer warp of either
-    kernel, dq's columns from dQ's, dk's and dv's from dK / dV's), added by sum_rows. Returns whether dbias
-    was made (False: none asked, or the partials do not fit)."""
+def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     B, T, C, H, hs = _split(qkv, n_head)
     _bf16_check(qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))      # written by dQ's kernel (its rows'), read by dK / dV's
-    tail = attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
-    part = None if dbias is None else elementwise.partials(rt, B * cdiv(T, 16), 3 * C, elementwise.WORKSPACE)
+    tail = [lse, D] + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kq.rows), _bf16_map(rt, dy, kq.rows), _bf16_map(rt, qkv, kq.stream_rows)]
     rt.launch(rt.function(kq.file, kq.name), (B * H, cdiv(T, kq.rows)), (kq.threads,),
-              [dqkv] + maps + [dy, y, lse, D, part] + tail, smem=kq.smem, label="flash_bwd_dq")
+              [dqkv] + maps + [dy, y] + tail, smem=kq.smem, label="flash_bwd_dq")
     kk = flash.flash_kernel("dkv", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kk.rows), _bf16_map(rt, qkv, kk.stream_rows), _bf16_map(rt, dy, kk.stream_rows)]
-    rt.launch(rt.function(kk.file, kk.name), (B * H, cdiv(T, kk.rows)), (kk.threads,),
-              [dqkv] + maps + [lse, D, part] + tail, smem=kk.smem, label="flash_bwd_dkv")
-    if part is None:
-        return False
-    elementwise.sum_rows(rt, (dbias, part), label="qkv_bias_reduce")
-    return True
+    rt.launch(rt.function(kk.file, kk.name), (B * H, cdiv(T, kk.rows)), (kk.threads,), [dqkv] + maps + tail,
+              smem=kk.smem, label="flash_bwd_dkv")

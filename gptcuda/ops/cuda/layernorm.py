@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from gptcuda import faults
 from gptcuda.ops.backend import rows
-from gptcuda.runtime import DeviceView, RuntimeProtocol, execution, f32, i32, u32
+from gptcuda.runtime import DeviceView, RuntimeProtocol, f32, i32, u32
 from gptcuda.ops.cuda import (aligned4, cdiv, dropout_args, elementwise, expression, fp32_only, kernel_types,
                               type_codes)
 
@@ -85,13 +85,9 @@ def workspace(cfg, ex=None) -> dict:
     """Partials of the backward: [MAX_BLOCKS, 3*C] floats (C = n_embd); and elementwise's ring of the
     sums a backward holds (elementwise.SUMS): one layer's, its two layernorms' partials ([MAX_BLOCKS, 3C]
     each) and its bias gradients' ([elementwise.MAX_CHUNKS, 4C] at most each, four; a larger one is
-    summed at once, from elementwise's "bias_partials"), and where the attention backward makes the qkv
-    bias gradient, its partials ([B ceil(T / 16), 3C])."""
+    summed at once, from elementwise's "bias_partials")."""
     C = int(cfg.n_embd)
-    ex = ex or execution.resolve(cfg)
-    B, T = int(cfg.batch_size), int(cfg.block_size)
-    att = B * cdiv(T, 16) * 3 * C if ex.qkv_bias_in_attention(B, T) else 0
-    ring = 2 * MAX_BLOCKS * 3 * C + 4 * elementwise.MAX_CHUNKS * 4 * C + att + 9 * elementwise.SUMS_ALIGN
+    ring = 2 * MAX_BLOCKS * 3 * C + 4 * elementwise.MAX_CHUNKS * 4 * C + 8 * elementwise.SUMS_ALIGN
     return {WORKSPACE: ((MAX_BLOCKS, 3 * C), "f32"), elementwise.SUMS: ((ring,), "f32")}
 
 

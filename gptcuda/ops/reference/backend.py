@@ -232,13 +232,11 @@ class ReferenceBackend:
             saved["probs"][...] = probs
         self._rec(f)
 
-    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site, dbias=None):
+    def attention_bwd(self, dqkv, dy, qkv, y, saved, n_head, p, site):
         def f():
             B, T = qkv.shape[0], qkv.shape[1]
             keep = self._keep(site, (B, n_head, T, T), p, rows=True) if p > 0 else None
             dqkv[...] = R.attention_backward(dy, qkv, saved["probs"], n_head, keep, p)
-            if dbias is not None:
-                dbias[...] = _2d(dqkv).sum(axis=0)
         self._rec(f)
 
     def crossentropy(self, losses, dlogits, logits, targets, grad_scale, n_vocab=None):

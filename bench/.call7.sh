@@ -1,2 +1,0 @@
-TESTS="tests/gpu/test_attention.py tests/gpu/test_layernorm.py tests/gpu/test_layernorm_elementwise_bf16.py tests/gpu/test_golden.py tests/gpu/test_train_gpu.py" TESTS_TIMEOUT=200 BUDGET_S=210 bash bench/device_check.sh tests > /dev/null 2>&1; tar -xzf $OUT/logs.tgz -O ./tests.log 2>/dev/null | tail -2
-OLD=.devcarry/oldtree CASES="gpt2_b8_bf16 ctx2048_bf16 gpt2_b16_bf16 gpt2_b8_bf16 char_bf16" ITERS=15 timeout 250 bash bench/ab_speed.sh 2>&1 | grep -v "^$"
