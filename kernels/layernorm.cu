@@ -10,7 +10,7 @@
 //                                 residual's next use in the backward), as elementwise.cu's
 //                                 dropout_apply draws it (flat: element e, half e & 1 of word e >> 1)
 //   layernorm_bwd_loop<BIAS, DROP>  the same for any C: one block per row
-//   (elementwise.cu's sum_rows then adds the partials over the blocks, in block order: dw and db)
+//   (elementwise.cu's sum_rows then adds the partials over the blocks, in block order: dw, db and ds)
 //
 // Partials layout (rows 3C apart): partials[g, 0:C] = sum over block g's rows of dout * norm; with BIAS
 // partials[g, C:2C] = sum of dout, and partials[g, 2C:3C] = sum of the branch gradient the kernel wrote,

@@ -229,7 +229,28 @@ def test_layernorm_refuses_types_without_a_kernel(rt):
             ln.layernorm_bwd, rt, x, dw, None, outb, x, mean, rstd, w, (x, 0.1, 3))
     refused("layernorm_bwd: dw must be f32", ln.layernorm_bwd, rt, xb, view(rt, (C,), B), None, outb, xb, mean,
             rstd, w)
+    refused("layernorm_bwd: ds .* needs db", ln.layernorm_bwd, rt, xb, dw, None, outb, xb, mean, rstd, w, None, dw)
+    refused("layernorm_bwd: ds must be f32", ln.layernorm_bwd, rt, xb, dw, dw, outb, xb, mean, rstd, w, None,
+            view(rt, (C,), B))
     assert not launched(rt)
+
+
+def test_layernorm_bwd_sums_ds_with_db(rt):
+    """ds (the branch gradient's column sums) comes out of the same launch as dw and db: a third sum over
+    the partials' rows, 3C apart."""
+    C = 768
+    planned(rt)
+    dx, dout, x = (view(rt, (4, C), B) for _ in range(3))
+    dw, db, ds, mean, rstd, w = (view(rt, s) for s in ((C,), (C,), (C,), (4,), (4,), (C,)))
+    ln.layernorm_bwd(rt, dx, dw, db, dout, x, mean, rstd, w, ds=ds)
+    rec = rt.launched[-1]
+    buf, addr = next(iter(rec.blobs.values()))
+    data = buf[addr - buf.ctypes.data:][:8 * (6 * ew.SUM_ITEMS + 1)].tobytes()
+    sums = ew.unpack_sum_batch(data)          # (out, partials, rows, cols, ld) of each
+    part = sums[0][1]
+    assert [(o, p - part, c, ld) for o, p, _, c, ld in sums] == [(dw.ptr, 0, C, 3 * C), (db.ptr, 4 * C, C, 3 * C),
+                                                                  (ds.ptr, 8 * C, C, 3 * C)]
+    assert launched(rt) == [ln.bwd_name(6, True, False, (B,) * 4), ew.SUM_ROWS]
 
 
 def test_layernorm_variants_are_the_tables():
