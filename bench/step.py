@@ -14,7 +14,8 @@ largest; 0: none).
 --profile: then one more eager step between cuProfilerStart and cuProfilerStop, for a profiler started
 with its collection off (`ncu --profile-from-start off ...`: bench/profile_step.sh): the step's launches
 alone, not the setup's or the GEMM tuner's. --timeline FILE: each launch's start and end (ms) in a replay
-of the step's graph, a line each: start end label kernel (runtime/profile.py timeline).
+of the step's graph, a line each: start end label kernel (runtime/profile.py timeline); printed: its span,
+busy time, gaps and the labels with the most in-graph time (timeline_summary).
 """
 import json
 import os
@@ -28,7 +29,7 @@ from bench.common import ClockWatch, event_times_ms  # noqa: E402
 from gptcuda.cli import split_args  # noqa: E402
 from gptcuda.config import load_config  # noqa: E402
 from gptcuda.training.engine import Engine  # noqa: E402
-from gptcuda.runtime.profile import phase_table, timeline  # noqa: E402
+from gptcuda.runtime.profile import phase_table, timeline, timeline_summary  # noqa: E402
 from gptcuda.training.trainer import open_run_data  # noqa: E402
 
 def host_ms(rt, fn, reps=7):
@@ -85,9 +86,11 @@ def main(argv):
         rt.synchronize()
         call(cu.cuProfilerStop)
     if "timeline" in opts:             # each launch's start and end in a graph replay (profile.timeline)
+        rows = timeline(rt, eng.programs["train"])
         with open(opts["timeline"], "w") as f:
-            for rec, t0, t1 in timeline(rt, eng.programs["train"]):
+            for rec, t0, t1 in rows:
                 f.write(f"{t0:.4f} {t1:.4f} {rec.label.replace(' ', '_')} {rec.fn.name.split('<')[0]}\n")
+        print(timeline_summary(rows))
     if "json" in opts:
         with open(opts["json"], "w") as f:
             json.dump({"config": cfg.to_dict(), "vocab": V, "accum": accum, "graph_ms": mg, "eager_ms": me,

@@ -84,6 +84,25 @@ def timeline(rt, prog, iters: int = 3) -> list:
     return [(prog.items[i], ms[2 * k], ms[2 * k + 1]) for k, i in enumerate(marks)]
 
 
+def timeline_summary(rows, top: int = 12) -> str:
+    """A timeline's (profile.timeline's [(record, start ms, end ms)]) totals: its span, the launches' busy
+    time, the gaps between one launch's end and the next one's start, and the `top` labels by their
+    summed in-graph time (launches, ms)."""
+    if not rows:
+        return "timeline: no launches"
+    busy = sum(t1 - t0 for _, t0, t1 in rows)
+    gaps = sum(max(0.0, b[1] - a[2]) for a, b in zip(rows, rows[1:]))
+    by = defaultdict(lambda: [0.0, 0])
+    for rec, t0, t1 in rows:
+        e = by[getattr(rec, "label", None) or rec.fn.name]
+        e[0] += t1 - t0
+        e[1] += 1
+    out = [f"timeline: {len(rows)} launches over {rows[-1][2] - rows[0][1]:.3f} ms, busy {busy:.3f} ms, gaps "
+           f"{gaps:.3f} ms (the timing events' own cost included)"]
+    out += [f"  {ms:8.3f} ms {n:4d}x  {lab}" for lab, (ms, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]]
+    return "\n".join(out)
+
+
 def phase_table(rt, prog, iters: int = 5, top: int = 25, by_label: int = 0) -> str:
     """The launches' times summed by group and by kernel (the `top` largest); by_label > 0: also
     by launch label (a GEMM's is its shape and role, e.g. "matmul[8192x768x3072]:A^T"), the
