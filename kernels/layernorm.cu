@@ -288,33 +288,24 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
         }
     }
     __syncthreads();
-    // the warps' sums added in warp order 0, 1, ..., 7
+    // the warps' sums of column group k of a sum array, added in warp order 0, 1, ..., 7
+    const auto warp_sum = [&](const float4* acc, int k) {
+        float4 q = acc[k];
+#pragma unroll
+        for (int i = 1; i < WARPS; ++i) {
+            const float4 r = acc[i * NV * 32 + k];
+            q.x += r.x; q.y += r.y; q.z += r.z; q.w += r.w;
+        }
+        return q;
+    };
     float4* pw = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 3 * C);
     float4* pb = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 3 * C + C);
     float4* pd = reinterpret_cast<float4*>(partials + (long long)blockIdx.x * 3 * C + 2 * C);
     for (int k = threadIdx.x; k < C4; k += WARPS * 32) {
-        float4 q = acc_w[k];
-#pragma unroll
-        for (int i = 1; i < WARPS; ++i) {
-            const float4 r = acc_w[i * NV * 32 + k];
-            q.x += r.x; q.y += r.y; q.z += r.z; q.w += r.w;
-        }
-        pw[k] = q;
+        pw[k] = warp_sum(acc_w, k);
         if constexpr (BIAS) {
-            q = acc_b[k];
-#pragma unroll
-            for (int i = 1; i < WARPS; ++i) {
-                const float4 r = acc_b[i * NV * 32 + k];
-                q.x += r.x; q.y += r.y; q.z += r.z; q.w += r.w;
-            }
-            pb[k] = q;
-            q = acc_d[k];
-#pragma unroll
-            for (int i = 1; i < WARPS; ++i) {
-                const float4 r = acc_d[i * NV * 32 + k];
-                q.x += r.x; q.y += r.y; q.z += r.z; q.w += r.w;
-            }
-            pd[k] = q;
+            pb[k] = warp_sum(acc_b, k);
+            pd[k] = warp_sum(acc_d, k);
         }
     }
 }
