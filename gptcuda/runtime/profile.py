@@ -84,6 +84,20 @@ def timeline(rt, prog, iters: int = 3) -> list:
     return [(prog.items[i], ms[2 * k], ms[2 * k + 1]) for k, i in enumerate(marks)]
 
 
+def _by_label(rows) -> list:
+    """[(label, ms, launches, kernel names)] of [(record, ms)] summed by launch label (a record without one:
+    its kernel's name; a memset: "memset"), the most time first."""
+    labels = defaultdict(lambda: [0.0, 0, set()])
+    for rec, ms in rows:
+        fn = getattr(rec, "fn", None)
+        name = fn.name if fn is not None else "memset"
+        e = labels[getattr(rec, "label", None) or name]
+        e[0] += ms
+        e[1] += 1
+        e[2].add(name)
+    return sorted(((lab, ms, n, names) for lab, (ms, n, names) in labels.items()), key=lambda t: -t[1])
+
+
 def timeline_summary(rows, top: int = 12) -> str:
     """A timeline's (profile.timeline's [(record, start ms, end ms)]) totals: its span, the launches' busy
     time, the gaps between one launch's end and the next one's start, and the `top` labels by their
@@ -92,14 +106,9 @@ def timeline_summary(rows, top: int = 12) -> str:
         return "timeline: no launches"
     busy = sum(t1 - t0 for _, t0, t1 in rows)
     gaps = sum(max(0.0, b[1] - a[2]) for a, b in zip(rows, rows[1:]))
-    by = defaultdict(lambda: [0.0, 0])
-    for rec, t0, t1 in rows:
-        e = by[getattr(rec, "label", None) or rec.fn.name]
-        e[0] += t1 - t0
-        e[1] += 1
     out = [f"timeline: {len(rows)} launches over {rows[-1][2] - rows[0][1]:.3f} ms, busy {busy:.3f} ms, gaps "
            f"{gaps:.3f} ms (the timing events' own cost included)"]
-    out += [f"  {ms:8.3f} ms {n:4d}x  {lab}" for lab, (ms, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]]
+    out += [f"  {ms:8.3f} ms {n:4d}x  {lab}" for lab, ms, n, _ in _by_label([(r, t1 - t0) for r, t0, t1 in rows])[:top]]
     return "\n".join(out)
 
 
@@ -125,15 +134,8 @@ def phase_table(rt, prog, iters: int = 5, top: int = 25, by_label: int = 0) -> s
     for (file, name), (ms, cnt) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
         out.append(f"  {ms:8.3f} ms {cnt:4d}x  {file}:{name}")
     if by_label:
-        labels = defaultdict(lambda: [0.0, 0, set()])
-        for rec, ms in rows:
-            fn = getattr(rec, "fn", None)
-            e = labels[getattr(rec, "label", None) or (fn.name if fn is not None else "memset")]
-            e[0] += ms
-            e[1] += 1
-            e[2].add(fn.name if fn is not None else "memset")
         out.append("by label")
-        for lab, (ms, cnt, names) in sorted(labels.items(), key=lambda kv: -kv[1][0])[:by_label]:
+        for lab, ms, cnt, names in _by_label(rows)[:by_label]:
             out.append(f"  {ms:8.3f} ms {cnt:4d}x  {lab:<40} {' | '.join(sorted(names))}")
     return "\n".join(out)
 
