@@ -110,16 +110,20 @@ def gpt2_shapes(tokens=8192, C=768, V=50304):
     return out + [("dX fc proj rc", tokens, 4 * C, C, "NN", "dgelu_gelu", False)]
 
 
-def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None) -> list:
+def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None, epi_as=None) -> list:
     """Each product's best tile (one product, no split; the epilogue of the training step), replayed in a
     CUDA graph: TF32 as the training step runs it (the cost model's plan: B^T first for NN, the register-A
-    kernels for TN), BF16 as stored, every tile's time printed (bf16_only: no TF32 column)."""
+    kernels for TN), BF16 as stored, every tile's time printed (bf16_only: no TF32 column). epi_as ("none",
+    "gelu+bias", ...): every product timed with that epilogue instead of its own (what an epilogue costs)."""
     rows = []
     watch = ClockWatch()
     tf32, bf = rt.exec.with_precision("tf32"), rt.exec
     for label, M, N, K, lay, epi, hb in gpt2_shapes():
         if ops and label not in ops:
             continue
+        if epi_as:
+            epi, hb = epi_as.split("+")[0], epi_as.endswith("+bias")
+            label = f"{label} as {epi_as}"
         ta, tb = lay[0] == "T", lay[1] == "T"
         flop = 2.0 * M * N * K
         best = {"f32": (float("nan"), "-")} if bf16_only else {}
@@ -159,6 +163,7 @@ def main(argv=None):
     ap.add_argument("--bf16-only", action="store_true", help="--speed without the TF32 column")
     ap.add_argument("--ops", help="--speed: these products alone (comma-separated labels, e.g. 'fwd fc,dW head')")
     ap.add_argument("--tiles", help="--speed: these bf16 tiles alone (short names, e.g. 128x256s4,256x128s4)")
+    ap.add_argument("--epi", help="--speed: every product with this epilogue instead (e.g. none, gelu+bias)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rt = Runtime(0, precision="bf16", seed=0)
@@ -173,7 +178,7 @@ def main(argv=None):
         result["check"] = ok
     if args.speed:
         result["speed"] = speed(rt, rng, args.iters, args.bf16_only, args.ops and args.ops.split(","),
-                                args.tiles and args.tiles.split(","))
+                                args.tiles and args.tiles.split(","), args.epi)
     if args.json:
         write_results(args.json, result)
     rt.close()

@@ -35,6 +35,10 @@ WARPS = 8                 # every kernel's block (rows a block in the warp-per-r
 THREADS = WARPS * 32
 MAX_NV = 8                # register path up to C = 128 * MAX_NV = 1024
 MAX_BLOCKS = 512          # backward blocks (rows of the partials workspace)
+# The register kernels' backward blocks an SM (<= 128 registers a thread, <= 102 KB of shared memory at C <= 1024:
+# two fit): the grid is one wave of them, each warp walking its rows (a second wave of blocks paid its start,
+# its block-wide sums and its partial rows again: bench/NOTES.md, "one wave")
+BWD_BLOCKS_PER_SM = 2
 WORKSPACE = "layernorm_partials"
 # The element types there are kernels for: (x, branch, out) of the forward, x also the fused residual's
 # resid and xw (the residual stream); (dout, x, dx, dropped) of the backward, dx read and accumulated
@@ -161,7 +165,8 @@ def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=
                          "all bf16 only")
     dflag, dargs = _drop_args(rt, drop, N, C)
     nv = _nv(C, dx, dout, x, w, drop[0] if drop is not None else None)
-    G = min(cdiv(N, WARPS), MAX_BLOCKS) if nv else min(N, MAX_BLOCKS)
+    sms = int(getattr(getattr(rt, "info", None), "sm_count", 132) or 132)
+    G = min(cdiv(N, WARPS), BWD_BLOCKS_PER_SM * sms, MAX_BLOCKS) if nv else min(N, MAX_BLOCKS)
     part = elementwise.partials(rt, G, 3 * C, WORKSPACE)     # the held sums' ring or the workspace
     if part is None:
         raise ValueError(f"workspace {WORKSPACE} is too small for {G} blocks x 3*{C}")
