@@ -182,16 +182,30 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
 // thread that issues the stores waits until the store that last read a buffer is done with it before the
 // warpgroup (named barrier `bar`) overwrites it. aux (read: residual, pre-activation) comes from global
 // memory in the same layout, a 4-byte pair a thread and n8 block, one box ahead.
-// The staging boxes of wg_store_tile_tma after the ring: two of 4 KB a consumer warpgroup, where C is bf16
-// (wgs warpgroups' worth; consumer warpgroup wg's start ws_stage_bytes(wg, 1) after the ring)
-__host__ __device__ constexpr int ws_stage_bytes(int wgs, int out) { return out == 1 ? wgs * 8192 : 0; }
+// The staging boxes of wg_store_tile_tma after the ring, 4 KB each, where C is bf16: two a consumer warpgroup,
+// or four where the epilogue writes two outputs (GELU, DGELU_GELU: C's and aux's box of a column group are a
+// pair, and two pairs let a box's copies run on while the next box is computed) and they fit: the ring, its
+// 1 KB of alignment, the boxes and an allowance for the kernels' static shared memory (barriers, the bias
+// buffers of up to 4 x BN floats) within the 227 KB a block may have (families.py mirrors this:
+// bf16_stage_boxes). wgs warpgroups' worth; consumer warpgroup wg's start ws_stage_bytes(wg, 1, boxes) after
+// the ring.
+__host__ __device__ constexpr int ws_stage_boxes(int ring_bytes, int wgs, int epi, bool has_bias, int bn) {
+    return (epi == GEMM_EPI_GELU || epi == GEMM_EPI_DGELU_GELU) &&
+                   ring_bytes + 1024 + wgs * 4 * 4096 + (has_bias ? 16 * bn : 0) + 1024 <= 232448
+               ? 4
+               : 2;
+}
+__host__ __device__ constexpr int ws_stage_bytes(int wgs, int out, int boxes = 2) {
+    return out == 1 ? wgs * boxes * 4096 : 0;
+}
 
-template <int BN, int EPI, bool HAS_BIAS>
+template <int BN, int EPI, bool HAS_BIAS, int SB = 2>
 __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], const bf16* aux, const float* bias,
                                                   int M, int N, int ldc, int z, int m0w, int n0, float alpha,
                                                   const TmaMap* mapC, const TmaMap* mapX, unsigned stg, int bar) {
     static_assert(BN % 64 == 0, "whole boxes, an even number: one output's boxes alternate between the two "
-                                "staging boxes, so a tile's first reuses the one its last tile's last box did not");
+                                "staging boxes (pairs), so a tile's first reuses the one its last tile's last box did not");
+    static_assert(SB == 2 || SB == 4, "a box or a pair, twice");
     constexpr bool TWO = EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_DGELU_GELU;   // aux written too
     constexpr bool IN = GEMM_EPI_READS_AUX(EPI);
     constexpr int NB = BN / 32;
@@ -242,9 +256,11 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
                 if constexpr (TWO) ox[k][h] = bf16x2_rn(x[0], x[1]);
             }
         }
-        const unsigned bc = stg + (TWO ? 0u : (b & 1) * 4096u), bx = stg + 4096u;
+        // two outputs: pair (b & 1) of SB = 4 boxes (its copies from box b - 2 read: all but the last group),
+        // or the one pair of SB = 2 (every copy read); one output: box b & 1 of the two
+        const unsigned bc = stg + (TWO ? (SB == 4 ? (b & 1) * 8192u : 0u) : (b & 1) * 4096u), bx = bc + 4096u;
         if (wt == 0) {
-            if constexpr (TWO) tma_store_wait<0>();
+            if constexpr (TWO && SB == 2) tma_store_wait<0>();
             else tma_store_wait<1>();
         }
         asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
@@ -962,8 +978,10 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         } else {
             if constexpr (sizeof(TO) == 2) {
                 if (c_tma) {
-                    wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg, tl.n0,
-                                                         alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1), 11 + wg);
+                    constexpr int SB = ws_stage_boxes(STAGES * STAGE_BYTES, WG, EPI, HAS_BIAS, BN);
+                    wg_store_tile_tma<BN, EPI, HAS_BIAS, SB>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg,
+                                                             tl.n0, alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1, SB),
+                                                             11 + wg);
                     continue;
                 }
             }
@@ -1110,7 +1128,9 @@ template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int S
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     static_assert(THREADS == (BM / 64 + 1) * 128 &&
-                  SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(BM / 64, OUT),
+                  SMEM == STAGES * (BM + BN) * 128 + 1024 +
+                              ws_stage_bytes(BM / 64, OUT,
+                                             ws_stage_boxes(STAGES * (BM + BN) * 128, BM / 64, EPI, HAS_BIAS, BN)),
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them, "
                   "a bf16 C's staging boxes");
     static_assert(DT == 1 || (!MN_A && !MN_B), "TF32 operands are K-major");
@@ -1141,7 +1161,8 @@ template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int S
           int OUT, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
-    static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(2, OUT),
+    constexpr int SB = ws_stage_boxes(STAGES * (BM + BN) * 128, 2, EPI, HAS_BIAS, BN);
+    static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(2, OUT, SB),
                   "two consumer warpgroups and the producer's; STAGES slots, 1 KB to align them, a bf16 C's "
                   "staging boxes");
     static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256 && BM * BN <= 128 * 192 && STAGES >= 2,
@@ -1230,9 +1251,10 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
             if (c_tma) {
 #pragma unroll
                 for (int r = 0; r < R; ++r)
-                    wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
-                                                         alpha, &mapC, &mapX,
-                                                         smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), 11 + wg);
+                    wg_store_tile_tma<BN, EPI, HAS_BIAS, SB>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r,
+                                                             tl.n0, alpha, &mapC, &mapX,
+                                                             smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1, SB),
+                                                             11 + wg);
                 continue;
             }
         }

@@ -141,6 +141,33 @@ def test_bf16_dgelu_rebuilds_gelu(bf16_rt, tile, N):
 
 
 @gpu
+@pytest.mark.parametrize("tile", tuple(BF16_TILES))
+def test_bf16_two_outputs_many_tiles_a_block(bf16_rt, tile):
+    """The epilogues that write two outputs (GELU: C and the pre-activation; dgelu_gelu: dgelu and the GELU
+    rebuilt) with several tiles a block (~400 tiles of 128 x 128: the persistent blocks walk 3 or more, a
+    ping-pong block's two warpgroups each several), so that their staging pairs are reused across boxes and
+    tiles while the copy engine still reads the last ones; M off the tile rows. The forward against float64,
+    dgelu_gelu bit for bit as dgelu and the GELU it rebuilds bit for bit as the forward's."""
+    rt, rng = bf16_rt, np.random.default_rng(11)
+    M, N, K = 2120, 3072, 64
+    x, w, prod = _operands(rt, rng, False, True, M, N, K)
+    bias = rng.standard_normal(N).astype(np.float32)
+    pre, act = rt.empty((M, N), "bf16"), rt.empty((M, N), "bf16")
+    gemm.matmul(rt, act, x, w, False, True, bias=rt.upload(bias), epilogue="gelu", aux=pre,
+                plan=make_plan("bf16", tile, 1, K))
+    stored = bf16.values(rt.download(pre)).astype(np.float64)
+    assert bf16_err(stored, prod + bias.astype(np.float64), FP32_TOL) <= 1.0
+    act_bits = rt.download(act)
+    assert bf16_err(bf16.values(act_bits).astype(np.float64), ref.gelu_forward(stored), 1e-6) <= 1.0
+    dy, w2, _ = _operands(rt, rng, False, False, M, N, K)
+    d_ref, d_new = rt.empty((M, N), "bf16"), rt.empty((M, N), "bf16")
+    gemm.matmul(rt, d_ref, dy, w2, False, False, epilogue="dgelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    gemm.matmul(rt, d_new, dy, w2, False, False, epilogue="dgelu_gelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    assert np.array_equal(rt.download(d_new), rt.download(d_ref))
+    assert np.array_equal(rt.download(pre), act_bits)
+
+
+@gpu
 @pytest.mark.parametrize("tile", [(128, 256, 4, 0), (128, 128, 6, 1)])
 @pytest.mark.parametrize("splits", [2, 4])
 def test_bf16_weight_gradient_split_k(bf16_rt, splits, tile):
