@@ -28,6 +28,9 @@ def _cases():
     for tile in fam.tiles:       # a bf16 C adds its staging boxes; the TN product's column sums their buffers
         kernels = [(fam.kernel(tile, False, True, families.EPI_GELU, True, out="bf16"), "bf16", families.EPI_GELU, True),
                    (fam.kernel(tile, False, True, families.EPI_BIAS, True, out="bf16"), "bf16", families.EPI_BIAS, True),
+                   (fam.kernel(tile, False, True, families.EPI_RESID, True, out="bf16"), "bf16", families.EPI_RESID, True),
+                   (fam.kernel(tile, False, False, families.EPI_DGELU, False, out="bf16"), "bf16",
+                    families.EPI_DGELU, False),
                    (fam.kernel(tile, False, False, families.EPI_DGELU_GELU, False, out="bf16"), "bf16",
                     families.EPI_DGELU_GELU, False),
                    (fam.kernel(tile, True, False, families.EPI_NONE, False, colsum=True), "f32", families.EPI_NONE, False)]

@@ -144,7 +144,7 @@ def test_bf16_dgelu_rebuilds_gelu(bf16_rt, tile, N):
 @pytest.mark.parametrize("tile", tuple(BF16_TILES))
 def test_bf16_two_outputs_many_tiles_a_block(bf16_rt, tile):
     """The epilogues that write two outputs (GELU: C and the pre-activation; dgelu_gelu: dgelu and the GELU
-    rebuilt) with several tiles a block (~400 tiles of 128 x 128: the persistent blocks walk 3 or more, a
+    rebuilt), and those that read aux (dgelu, the residual), with several tiles a block (~400 tiles of 128 x 128: the persistent blocks walk 3 or more, a
     ping-pong block's two warpgroups each several), so that their staging pairs are reused across boxes and
     tiles while the copy engine still reads the last ones; M off the tile rows. The forward against float64,
     dgelu_gelu bit for bit as dgelu and the GELU it rebuilds bit for bit as the forward's."""
@@ -165,6 +165,12 @@ def test_bf16_two_outputs_many_tiles_a_block(bf16_rt, tile):
     gemm.matmul(rt, d_new, dy, w2, False, False, epilogue="dgelu_gelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
     assert np.array_equal(rt.download(d_new), rt.download(d_ref))
     assert np.array_equal(rt.download(pre), act_bits)
+    # the residual epilogue reads aux too (the ping-pong tiles that fit bring it into shared memory)
+    r64 = bf16.round_f32(rng.standard_normal((M, N))).astype(np.float64)
+    res = rt.empty((M, N), "bf16")
+    gemm.matmul(rt, res, x, w, False, True, bias=rt.upload(bias), epilogue="residual", aux=rt.upload(r64, "bf16"),
+                plan=make_plan("bf16", tile, 1, K))
+    assert bf16_err(bf16.values(rt.download(res)), prod + bias.astype(np.float64) + r64, FP32_TOL) <= 1.0
 
 
 @gpu

@@ -65,7 +65,7 @@ WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}          # a slot: A o
 # BF16 (BM, BN, STAGES, PP): a k tile is 64 bf16; operands as stored. PP 0: gemm_wgmma_ws; PP 1: gemm_wgmma_pp,
 # two consumer warpgroups each on its own tile.
 BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0,
-              (128, 128, 5, 1): 3.0}
+              (128, 128, 5, 1): 3.0, (128, 128, 4, 1): 3.0}
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
 # A bf16 C is stored through shared memory by the copy engine: boxes of 64 x 32 bf16 (4 KB), two or four a
 # consumer warpgroup (bf16_stage_boxes; gemm_wgmma.cu wg_store_tile_tma, ws_stage_boxes), after the ring
@@ -81,6 +81,17 @@ def bf16_stage_boxes(t, epi=None, hb=False) -> int:
     ring = t[2] * (t[0] + t[1]) * 128
     two = epi in (EPI_GELU, EPI_DGELU_GELU)
     return 4 if two and ring + 1024 + wgs * 4 * 4096 + (16 * t[1] if hb else 0) + 1024 <= BF16_BLOCK_SMEM else 2
+
+
+def pp_aux_bytes(t, epi=None, hb=False) -> int:
+    """Shared memory of the aux buffers of ping-pong tile t (the kernel's pp_aux_staged): two BM x BN bf16 tiles
+    where the epilogue reads aux (residual, dgelu's pre-activation) and they fit, else 0."""
+    if not t[3] or epi not in (EPI_RESID, EPI_DGELU, EPI_DGELU_GELU):
+        return 0
+    need = 2 * t[0] * t[1] * 2
+    ring = t[2] * (t[0] + t[1]) * 128
+    fits = ring + 1024 + 2 * bf16_stage_boxes(t, epi, hb) * 4096 + need + (16 * t[1] if hb else 0) + 1024
+    return need if fits <= BF16_BLOCK_SMEM else 0
 BF16_STORE_BOX = (32, 64, 1)
 # A bf16 TN kernel's column sums (the bias gradient) are spread over up to this many column tiles of a row of
 # tiles, each summing every G-th k tile into a row of its own (the kernels' COLSUM; they are shared-memory bound)
@@ -250,7 +261,7 @@ class Split3(Family):             # gemm_wgmma3_ra<..., MN_A = trans_a, MN_B = n
 class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 1, MN_A, MN_B, OUT[, COLSUM]> or _pp
     def geometry(self, t, out="f32", epi=None, hb=False):   # PP: two consumer warpgroups whatever BM; a bf16 C:
         wgs = 2 if t[3] else t[0] // 64                      # their staging boxes (for epilogue epi, hb: a bias)
-        stage = 4096 * bf16_stage_boxes(t, epi, hb) * wgs if out == "bf16" else 0
+        stage = 4096 * bf16_stage_boxes(t, epi, hb) * wgs + pp_aux_bytes(t, epi, hb) if out == "bf16" else 0
         return Geometry((wgs + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]) + stage, c_maps=True)
 
     def short(self, t):
