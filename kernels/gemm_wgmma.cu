@@ -182,39 +182,16 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
 // thread that issues the stores waits until the store that last read a buffer is done with it before the
 // warpgroup (named barrier `bar`) overwrites it. aux (read: residual, pre-activation) comes from global
 // memory in the same layout, a 4-byte pair a thread and n8 block, one box ahead.
-// The staging boxes of wg_store_tile_tma after the ring, 4 KB each, where C is bf16: two a consumer warpgroup,
-// or four where the epilogue writes two outputs (GELU, DGELU_GELU: C's and aux's box of a column group are a
-// pair, and two pairs let a box's copies run on while the next box is computed) and they fit: the ring, its
-// 1 KB of alignment, the boxes and an allowance for the kernels' static shared memory (barriers, the bias
-// buffers of up to 4 x BN floats) within the 227 KB a block may have (families.py mirrors this:
-// bf16_stage_boxes). wgs warpgroups' worth; consumer warpgroup wg's start ws_stage_bytes(wg, 1, boxes) after
-// the ring.
-__host__ __device__ constexpr int ws_stage_boxes(int ring_bytes, int wgs, int epi, bool has_bias, int bn) {
-    return (epi == GEMM_EPI_GELU || epi == GEMM_EPI_DGELU_GELU) &&
-                   ring_bytes + 1024 + wgs * 4 * 4096 + (has_bias ? 16 * bn : 0) + 1024 <= 232448
-               ? 4
-               : 2;
-}
-__host__ __device__ constexpr int ws_stage_bytes(int wgs, int out, int boxes = 2) {
-    return out == 1 ? wgs * boxes * 4096 : 0;
-}
-// gemm_wgmma_pp with a bf16 C and an epilogue that reads aux (residual, pre-activation): the producer brings
-// each tile's aux into shared memory during its k loop (one BM x BN buffer a consumer warpgroup, after the
-// staging boxes, in the store map's 64 x 32 boxes), where the buffers fit beside the ring (families.py mirrors
-// this: pp_aux_staged). The epilogue then reads aux from shared memory instead of global memory box by box.
-__host__ __device__ constexpr bool pp_aux_staged(int ring_bytes, int epi, bool has_bias, int bm, int bn, int boxes) {
-    return GEMM_EPI_READS_AUX(epi) &&
-           ring_bytes + 1024 + 2 * boxes * 4096 + 2 * bm * bn * 2 + (has_bias ? 16 * bn : 0) + 1024 <= 232448;
-}
+// The staging boxes of wg_store_tile_tma after the ring: two of 4 KB a consumer warpgroup, where C is bf16
+// (wgs warpgroups' worth; consumer warpgroup wg's start ws_stage_bytes(wg, 1) after the ring)
+__host__ __device__ constexpr int ws_stage_bytes(int wgs, int out) { return out == 1 ? wgs * 8192 : 0; }
 
-template <int BN, int EPI, bool HAS_BIAS, int SB = 2, bool AS = false>
+template <int BN, int EPI, bool HAS_BIAS>
 __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], const bf16* aux, const float* bias,
                                                   int M, int N, int ldc, int z, int m0w, int n0, float alpha,
-                                                  const TmaMap* mapC, const TmaMap* mapX, unsigned stg, int bar,
-                                                  unsigned ain = 0) {
+                                                  const TmaMap* mapC, const TmaMap* mapX, unsigned stg, int bar) {
     static_assert(BN % 64 == 0, "whole boxes, an even number: one output's boxes alternate between the two "
-                                "staging boxes (pairs), so a tile's first reuses the one its last tile's last box did not");
-    static_assert(SB == 2 || SB == 4, "a box or a pair, twice");
+                                "staging boxes, so a tile's first reuses the one its last tile's last box did not");
     constexpr bool TWO = EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_DGELU_GELU;   // aux written too
     constexpr bool IN = GEMM_EPI_READS_AUX(EPI);
     constexpr int NB = BN / 32;
@@ -226,13 +203,6 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
     const int row0 = m0w + 16 * w + g;
     unsigned nxt[4][2];                   // aux pairs of the next box: [n8 block][row g, g + 8]
     auto load_in = [&](int b) {
-        if constexpr (AS) {       // AS: box b of aux in shared memory at ain (the copy engine's, zeros outside)
-#pragma unroll
-            for (int p = 0; p < 2; ++p)
-                ldmatrix_x4(ain + 4096 * b + soff + (((2 * p + sblk) ^ sw) << 4), nxt[2 * p][0], nxt[2 * p][1],
-                            nxt[2 * p + 1][0], nxt[2 * p + 1][1]);
-            return;
-        }
 #pragma unroll
         for (int k = 0; k < 4; ++k)
 #pragma unroll
@@ -272,11 +242,9 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
                 if constexpr (TWO) ox[k][h] = bf16x2_rn(x[0], x[1]);
             }
         }
-        // two outputs: pair (b & 1) of SB = 4 boxes (its copies from box b - 2 read: all but the last group),
-        // or the one pair of SB = 2 (every copy read); one output: box b & 1 of the two
-        const unsigned bc = stg + (TWO ? (SB == 4 ? (b & 1) * 8192u : 0u) : (b & 1) * 4096u), bx = bc + 4096u;
+        const unsigned bc = stg + (TWO ? 0u : (b & 1) * 4096u), bx = stg + 4096u;
         if (wt == 0) {
-            if constexpr (TWO && SB == 2) tma_store_wait<0>();
+            if constexpr (TWO) tma_store_wait<0>();
             else tma_store_wait<1>();
         }
         asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
@@ -994,10 +962,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         } else {
             if constexpr (sizeof(TO) == 2) {
                 if (c_tma) {
-                    constexpr int SB = ws_stage_boxes(STAGES * STAGE_BYTES, WG, EPI, HAS_BIAS, BN);
-                    wg_store_tile_tma<BN, EPI, HAS_BIAS, SB>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg,
-                                                             tl.n0, alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1, SB),
-                                                             11 + wg);
+                    wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg, tl.n0,
+                                                         alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1), 11 + wg);
                     continue;
                 }
             }
@@ -1065,21 +1031,13 @@ __device__ __forceinline__ void tma_operand(int lane, unsigned bar, unsigned dst
 // tiles and their k tiles in the consumers' order, each k tile into the next slot of the ring once the
 // consumers released it (empty), its copies completing on full. BF16 (OP::BK 64): tma_operand's boxes;
 // TF32: tma_load_ra (RA) or tma_load_pair.
-// The aux tiles gemm_wgmma_pp's producer brings (pp_aux_staged): after the k tiles of the block's tile j, its
-// aux into buffer j & 1 (the consuming warpgroup's), once that warpgroup's epilogue of tile j - 2 released it.
-struct PpAux {
-    unsigned full0, empty0, buf0;     // barriers full[2], empty[2]; the two BM x BN bf16 buffers
-    const TmaMap* map;                // aux's store map (its boxes: 64 rows x 32 columns)
-    bool on;                          // c_tma: the maps describe aux
-};
-
-template <int BM, int BN, int STAGES, bool RA, class OP, bool AUX = false>
+template <int BM, int BN, int STAGES, bool RA, class OP>
 __device__ __forceinline__ void ws_produce(unsigned smem0, unsigned full0, unsigned empty0, const TmaMap* mapA,
                                            const TmaMap* mapB, int K, int splits, int k_chunk, int per_z,
-                                           int tiles_n, int total, int lane, const PpAux* ax = nullptr) {
+                                           int tiles_n, int total, int lane) {
     constexpr int A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
-    int it = 0, j = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
+    int it = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles<OP::BK>(tl.klen);
         for (int kt = 0; kt < nk; ++kt, ++it) {
@@ -1097,20 +1055,6 @@ __device__ __forceinline__ void ws_produce(unsigned smem0, unsigned full0, unsig
             else
                 tma_load_pair(lane, full0 + 8 * s, STAGE_BYTES, sa, mapA, k0, tl.m0, sa + A_BYTES, mapB, k0, tl.n0,
                               tl.batch);
-        }
-        if constexpr (AUX) {
-            if (ax->on) {
-                const int jb = j & 1;
-                const unsigned fb = ax->full0 + 8 * jb, dst = ax->buf0 + jb * BM * BN * 2;
-                if (j >= 2) mbar_wait(ax->empty0 + 8 * jb, ((j >> 1) - 1) & 1);
-                mbar_expect(lane, fb, BM * BN * 2);
-#pragma unroll
-                for (int r = 0; r < BM / 64; ++r)
-#pragma unroll
-                    for (int b = 0; b < BN / 32; ++b)
-                        tma_copy(lane, fb, dst + (r * (BN / 32) + b) * 4096, ax->map, tl.n0 + 32 * b, tl.m0 + 64 * r,
-                                 tl.z);
-            }
         }
     }
 }
@@ -1166,9 +1110,7 @@ template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int S
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     static_assert(THREADS == (BM / 64 + 1) * 128 &&
-                  SMEM == STAGES * (BM + BN) * 128 + 1024 +
-                              ws_stage_bytes(BM / 64, OUT,
-                                             ws_stage_boxes(STAGES * (BM + BN) * 128, BM / 64, EPI, HAS_BIAS, BN)),
+                  SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(BM / 64, OUT),
                   "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them, "
                   "a bf16 C's staging boxes");
     static_assert(DT == 1 || (!MN_A && !MN_B), "TF32 operands are K-major");
@@ -1194,21 +1136,14 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 // 256 threads: one arrives, the other syncs): every fill of the slots it then waits for before its
 // own is complete, so its parity cannot name a fill two phases old. A slot is released by the one
 // warpgroup that read it (empty: 128 arrivals). The producer drops to 40 registers, the consumers
-// rise to 232. Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's. AS (pp_aux_staged:
-// a bf16 C, an epilogue that reads aux, room for two BM x BN buffers): the producer also copies each tile's
-// aux into the consuming warpgroup's buffer after the tile's k tiles (PpAux; full / empty barriers a
-// warpgroup, the epilogue releasing its buffer once read), so that the epilogue under the other
-// warpgroup's k loop reads shared memory, not global memory a box at a time.
+// rise to 232. Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT, bool MN_A, bool MN_B,
           int OUT, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
-    constexpr int SB = ws_stage_boxes(STAGES * (BM + BN) * 128, 2, EPI, HAS_BIAS, BN);
-    constexpr bool AS = OUT == 1 && pp_aux_staged(STAGES * (BM + BN) * 128, EPI, HAS_BIAS, BM, BN, SB);
-    static_assert(THREADS == 3 * 128 &&
-                      SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(2, OUT, SB) + (AS ? 4 * BM * BN : 0),
+    static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(2, OUT),
                   "two consumer warpgroups and the producer's; STAGES slots, 1 KB to align them, a bf16 C's "
-                  "staging boxes, the aux buffers");
+                  "staging boxes");
     static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256 && BM * BN <= 128 * 192 && STAGES >= 2,
                   "MN-major boxes of 64 rows; at most 192 accumulators a thread");
     static_assert(DT == 1, "BF16 operands (DT as gemm_wgmma_ws's)");
@@ -1218,22 +1153,20 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     using TO = elem<OUT>;
     constexpr int R = BM / 64, A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
     extern __shared__ __align__(1024) unsigned char wg_smem[];
-    __shared__ __align__(8) unsigned long long bars[2 * STAGES + (AS ? 4 : 0)];   // (AS: aux full[2], empty[2])
+    __shared__ __align__(8) unsigned long long bars[2 * STAGES];
     __shared__ __align__(16) float pp_bias[HAS_BIAS ? 4 * BN : 4];   // a pair of buffers a warpgroup
     const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;
     const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wt = tid & 127;
     const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
     const int per_z = tiles_n * tiles_m, total = per_z * zs;
-    ws_init_bars(full0, STAGES, 1, 128, AS ? 4 : 0);
-    const PpAux ax{full0 + 16 * STAGES, full0 + 16 * STAGES + 16,
-                   smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(2, 1, SB), &mapX, OUT == 1 && c_tma != 0};
+    ws_init_bars(full0, STAGES, 1, 128, 0);
 
-    if (wg == 2) {        // producer: as gemm_wgmma_ws's (AS: and each tile's aux after its k tiles)
+    if (wg == 2) {        // producer: as gemm_wgmma_ws's
         wg_regs_dec<40>();
         if (tid < 2 * 128 + 32)
-            ws_produce<BM, BN, STAGES, false, OP, AS>(smem0, full0, empty0, &mapA, &mapB, K, splits, k_chunk, per_z,
-                                                      tiles_n, total, lane, &ax);
+            ws_produce<BM, BN, STAGES, false, OP>(smem0, full0, empty0, &mapA, &mapB, K, splits, k_chunk, per_z,
+                                                  tiles_n, total, lane);
         return;
     }
     wg_regs_inc<232>();
@@ -1291,27 +1224,15 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
         }
         // the bias into this warpgroup's buffer of the pair its tile before did not use (its own
         // barrier, 5 + wg, orders the writes before the epilogue's reads and those before the next)
-        const int my = mine;          // this warpgroup's my-th tile: its aux buffer's phase (AS)
         const float* bias_t = tile_bias.put(pp_bias + (2 * wg + (mine++ & 1)) * BN, bias, tl.n0, wt);
         if constexpr (HAS_BIAS) asm volatile("bar.sync %0, 128;\n" ::"r"(5 + wg) : "memory");
         if constexpr (OUT == 1) {
             if (c_tma) {
-                unsigned abuf = 0;
-                if constexpr (AS) {       // the tile's aux, brought by the producer during its k loop
-                    mbar_wait(ax.full0 + 8 * wg, my & 1);
-                    abuf = ax.buf0 + wg * BM * BN * 2;
-                }
 #pragma unroll
                 for (int r = 0; r < R; ++r)
-                    wg_store_tile_tma<BN, EPI, HAS_BIAS, SB, AS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z,
-                                                                 tl.m0 + 64 * r, tl.n0, alpha, &mapC, &mapX,
-                                                                 smem0 + STAGES * STAGE_BYTES +
-                                                                     ws_stage_bytes(wg, 1, SB),
-                                                                 11 + wg, abuf + r * (BN / 32) * 4096);
-                // every thread's reads of the buffer came before the last box's barriers: release it
-                if constexpr (AS) {
-                    if (wt == 0) mbar_arrive(ax.empty0 + 8 * wg);
-                }
+                    wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
+                                                         alpha, &mapC, &mapX,
+                                                         smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), 11 + wg);
                 continue;
             }
         }

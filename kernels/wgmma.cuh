@@ -221,11 +221,6 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
                  ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
-// stmatrix_x4's inverse: the four matrices at the same lane addresses into the fragment layout
-__device__ __forceinline__ void ldmatrix_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
-}
 // One box of tensor map `map` at coordinates {c0, c1, batch} into shared memory at dst, completing on
 // bar (lane 0 only, converged as above).
 __device__ __forceinline__ void tma_copy(int lane, unsigned bar, unsigned dst, const TmaMap* map, int c0, int c1,

@@ -64,34 +64,11 @@ WGMMA_RA_MN_TILES = {(128, 128, 7): 0.8, (128, 192, 5): 1.0}
 WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}          # a slot: A once and B's hi and lo halves
 # BF16 (BM, BN, STAGES, PP): a k tile is 64 bf16; operands as stored. PP 0: gemm_wgmma_ws; PP 1: gemm_wgmma_pp,
 # two consumer warpgroups each on its own tile.
-BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0,
-              (128, 128, 5, 1): 3.0, (128, 128, 4, 1): 3.0}
+BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0}
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
-# A bf16 C is stored through shared memory by the copy engine: boxes of 64 x 32 bf16 (4 KB), two or four a
-# consumer warpgroup (bf16_stage_boxes; gemm_wgmma.cu wg_store_tile_tma, ws_stage_boxes), after the ring
-BF16_BLOCK_SMEM = 232448          # the shared memory a block may have (227 KB, sm_90 opt-in)
-
-
-def bf16_stage_boxes(t, epi=None, hb=False) -> int:
-    """Staging boxes (4 KB) a consumer warpgroup of bf16 tile t for epilogue epi (the kernels' ws_stage_boxes):
-    4 where the epilogue writes two outputs (GELU, DGELU_GELU: two pairs, so that a box's copies run on while
-    the next box is computed) and they fit beside the ring with an allowance for the static shared memory
-    (barriers, bias buffers of 4 x BN floats), else 2."""
-    wgs = 2 if t[3] else t[0] // 64
-    ring = t[2] * (t[0] + t[1]) * 128
-    two = epi in (EPI_GELU, EPI_DGELU_GELU)
-    return 4 if two and ring + 1024 + wgs * 4 * 4096 + (16 * t[1] if hb else 0) + 1024 <= BF16_BLOCK_SMEM else 2
-
-
-def pp_aux_bytes(t, epi=None, hb=False) -> int:
-    """Shared memory of the aux buffers of ping-pong tile t (the kernel's pp_aux_staged): two BM x BN bf16 tiles
-    where the epilogue reads aux (residual, dgelu's pre-activation) and they fit, else 0."""
-    if not t[3] or epi not in (EPI_RESID, EPI_DGELU, EPI_DGELU_GELU):
-        return 0
-    need = 2 * t[0] * t[1] * 2
-    ring = t[2] * (t[0] + t[1]) * 128
-    fits = ring + 1024 + 2 * bf16_stage_boxes(t, epi, hb) * 4096 + need + (16 * t[1] if hb else 0) + 1024
-    return need if fits <= BF16_BLOCK_SMEM else 0
+# A bf16 C is stored through shared memory by the copy engine: two boxes of 64 x 32 bf16 a consumer warpgroup
+# (gemm_wgmma.cu wg_store_tile_tma, ws_stage_bytes), after the ring
+BF16_STAGE_BYTES = 2 * 64 * 32 * 2
 BF16_STORE_BOX = (32, 64, 1)
 # A bf16 TN kernel's column sums (the bias gradient) are spread over up to this many column tiles of a row of
 # tiles, each summing every G-th k tile into a row of its own (the kernels' COLSUM; they are shared-memory bound)
@@ -168,9 +145,8 @@ class Family:
     def tiles(self) -> tuple:
         return tuple(self.rates)
 
-    def geometry(self, t, out="f32", epi=None, hb=False) -> Geometry:   # (BM, BN, STAGES): BM / 64 consumer
-        # warpgroups, a producer's; a slot: A and B; out: C's dtype, epi / hb: its epilogue code and bias (bf16)
-        return Geometry((t[0] // 64 + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]))
+    def geometry(self, t, out="f32") -> Geometry:   # (BM, BN, STAGES): BM / 64 consumer warpgroups, a producer's
+        return Geometry((t[0] // 64 + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]))      # a slot: A and B; out: C's dtype
 
     def short(self, t) -> str:
         return f"{t[0]}x{t[1]}s{t[2]}{self.suffix}"
@@ -202,7 +178,7 @@ class Family:
 
 
 class Simt(Family):               # (BM, BN): an 8x8 tile a thread, operands by pointer
-    def geometry(self, t, out="f32", epi=None, hb=False):
+    def geometry(self, t, out="f32"):
         threads = t[0] * t[1] // 64
         return Geometry(threads, SIMT_BLOCKS_PER_SM[threads], 0, False, False)
 
@@ -215,7 +191,7 @@ class Simt(Family):               # (BM, BN): an 8x8 tile a thread, operands by 
 
 
 class MmaSync(Family):            # (BM, BN, BK, warps_m, warps_n, stages): a warp a warp tile, A and B by pointer
-    def geometry(self, t, out="f32", epi=None, hb=False):   # stages x (BM + BN) x BK floats; blocks: as many as fit (1 KB reserved each),
+    def geometry(self, t, out="f32"):        # stages x (BM + BN) x BK floats; blocks: as many as fit (1 KB reserved each),
         smem = t[5] * (t[0] + t[1]) * t[2] * 4          # 1..3 (gemm_tf32's MIN_BLOCKS)
         return Geometry(t[3] * t[4] * 32, max(1, min(3, SMEM_PER_SM // (smem + 1024))), smem, False, False)
 
@@ -228,7 +204,7 @@ class MmaSync(Family):            # (BM, BN, BK, warps_m, warps_n, stages): a wa
 
 
 class Wgmma(Family):              # (BM, BN, STAGES, LOADER): BM / 64 warpgroups computing, + LOADER 2's producer
-    def geometry(self, t, out="f32", epi=None, hb=False):
+    def geometry(self, t, out="f32"):
         smem = ring_smem(t[2], t[0] + t[1])
         blocks = 1 if t[3] == 2 else max(1, min(2, SMEM_PER_SM // (smem + 1024)))
         return Geometry((t[0] // 64 + (t[3] == 2)) * 128, blocks, smem, t[3] >= 1, t[3] == 2, t[3] == 2)
@@ -250,7 +226,7 @@ class RegisterA(Family):          # gemm_wgmma_ra<..., MN_B (B turned by its pro
 
 
 class Split3(Family):             # gemm_wgmma3_ra<..., MN_A = trans_a, MN_B = not trans_b, COLSUM (MN_A only)>
-    def geometry(self, t, out="f32", epi=None, hb=False):   # a slot: A once (split in the consumers' registers), B's halves
+    def geometry(self, t, out="f32"):        # a slot: A once (split in the consumers' registers), B's halves
         return Geometry((t[0] // 64 + 1) * 128, 1, ring_smem(t[2], t[0] + 2 * t[1]))
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
@@ -259,16 +235,16 @@ class Split3(Family):             # gemm_wgmma3_ra<..., MN_A = trans_a, MN_B = n
 
 
 class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 1, MN_A, MN_B, OUT[, COLSUM]> or _pp
-    def geometry(self, t, out="f32", epi=None, hb=False):   # PP: two consumer warpgroups whatever BM; a bf16 C:
-        wgs = 2 if t[3] else t[0] // 64                      # their staging boxes (for epilogue epi, hb: a bias)
-        stage = 4096 * bf16_stage_boxes(t, epi, hb) * wgs + pp_aux_bytes(t, epi, hb) if out == "bf16" else 0
-        return Geometry((wgs + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]) + stage, c_maps=True)
+    def geometry(self, t, out="f32"):   # PP: two consumer warpgroups whatever BM; a bf16 C: their staging boxes
+        wgs = 2 if t[3] else t[0] // 64
+        return Geometry((wgs + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]) + (BF16_STAGE_BYTES * wgs if out == "bf16" else 0),
+                        c_maps=True)
 
     def short(self, t):
         return f"{t[0]}x{t[1]}s{t[2]}" + ("pp" if t[3] else "")
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
-        geo = self.geometry(t, out, epi, hb)
+        geo = self.geometry(t, out)
         return expression("gemm_wgmma_pp" if t[3] else "gemm_wgmma_ws", *t[:3], epi, hb, geo.threads, geo.smem,
                           DTYPE_CODES["bf16"], ta, not tb, DTYPE_CODES[out], *((self.colsum_groups,) if colsum else ()))
 

@@ -44,11 +44,10 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
     epilogue. colsum [splits x rows, M]: each split's sums of A's (stored [K, M]) rows, where the kernels sum A."""
     fam, whole, zs = p.fam, p.splits == 1, g.batch * p.splits
     c_dtype = out.dtype if whole else "f32"
-    epi, hb = (epi_code(g), bool(g.bias)) if whole else (EPI_NONE, False)
-    geo = fam.geometry(p.tile, c_dtype, epi, hb)
+    geo = fam.geometry(p.tile, c_dtype)
     lda, ldb, ldc = g.M if g.ta else g.K, g.K if g.tb else g.N, g.M if fam.swaps else g.N
     sA, sB = (g.M * g.K, g.K * g.N) if batched else (0, 0)
-    fn = rt.function(fam.file, fam.kernel(p.tile, g.ta, g.tb, epi, hb,
+    fn = rt.function(fam.file, fam.kernel(p.tile, g.ta, g.tb, epi_code(g) if whole else EPI_NONE, whole and g.bias,
                                           vec=g.vec, out=c_dtype, colsum=colsum is not None))
     # the kernels' parameters: C, aux, A, B, bias, M, N, K, [lda, ldb,] ldc, [sA, sB,] sC, alpha, splits,
     # k_chunk[, zs, colsum][, mapC, mapX, c_tma]: a TMA kernel takes tensor maps of A and B and no A / B strides,
