@@ -144,10 +144,11 @@ def test_bf16_dgelu_rebuilds_gelu(bf16_rt, tile, N):
 @pytest.mark.parametrize("tile", tuple(BF16_TILES))
 def test_bf16_two_outputs_many_tiles_a_block(bf16_rt, tile):
     """The epilogues that write two outputs (GELU: C and the pre-activation; dgelu_gelu: dgelu and the GELU
-    rebuilt), and those that read aux (dgelu, the residual), with several tiles a block (~400 tiles of 128 x 128: the persistent blocks walk 3 or more, a
-    ping-pong block's two warpgroups each several), so that their staging pairs are reused across boxes and
-    tiles while the copy engine still reads the last ones; M off the tile rows. The forward against float64,
-    dgelu_gelu bit for bit as dgelu and the GELU it rebuilds bit for bit as the forward's."""
+    rebuilt), and those that read aux (dgelu, the residual), with several tiles a block (~400 tiles of 128 x
+    128: the persistent blocks walk 3 or more, a ping-pong block's two warpgroups each several), so that the
+    staging boxes are reused across boxes and tiles while the copy engine still reads the last ones; M off
+    the tile rows. The forward against float64, dgelu_gelu bit for bit as dgelu and the GELU it rebuilds bit
+    for bit as the forward's."""
     rt, rng = bf16_rt, np.random.default_rng(11)
     M, N, K = 2120, 3072, 64
     x, w, prod = _operands(rt, rng, False, True, M, N, K)
@@ -165,7 +166,7 @@ def test_bf16_two_outputs_many_tiles_a_block(bf16_rt, tile):
     gemm.matmul(rt, d_new, dy, w2, False, False, epilogue="dgelu_gelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
     assert np.array_equal(rt.download(d_new), rt.download(d_ref))
     assert np.array_equal(rt.download(pre), act_bits)
-    # the residual epilogue reads aux too (the ping-pong tiles that fit bring it into shared memory)
+    # the residual epilogue reads aux too
     r64 = bf16.round_f32(rng.standard_normal((M, N))).astype(np.float64)
     res = rt.empty((M, N), "bf16")
     gemm.matmul(rt, res, x, w, False, True, bias=rt.upload(bias), epilogue="residual", aux=rt.upload(r64, "bf16"),
