@@ -6,6 +6,7 @@
 # and BF16). The anchor scripts are read from .devcarry/reference/, llm.c from .devcarry/llmc.
 #   GROUP=gpt2  bash bench/bf16_anchors.sh   # GPT-2 124M B8 and B16 bf16, B8 tf32; PyTorch; llm.c
 #   GROUP=b8    bash bench/bf16_anchors.sh   # GPT-2 124M B8 bf16, PyTorch's, ours again
+#   GROUP=gpt2bf16 bash bench/bf16_anchors.sh  # gpt2 without the TF32 rows (a shorter call)
 #   GROUP=small bash bench/bf16_anchors.sh   # char B64 T256 bf16 and tf32, B16 T2048 bf16 (dropout 0.2);
 #                                            # FULL=1: also char fp32 and T2048 tf32
 set -uo pipefail
@@ -26,11 +27,15 @@ torch_shape() {      # SHAPES SHAPE_MODES DROPOUT tag
 }
 echo "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader)"
 case ${GROUP:-gpt2} in
-  gpt2)
+  gpt2|gpt2bf16)
     ours gpt2_b8_bf16
     ours gpt2_b16_bf16
-    ours gpt2_b8 gpt2_b8_tf32
-    torch_shape "8,1024,12,12,768,50304;16,1024,12,12,768,50304" bf16c,tf32c 0 gpt2
+    if [ "$GROUP" = gpt2 ]; then
+      ours gpt2_b8 gpt2_b8_tf32
+      torch_shape "8,1024,12,12,768,50304;16,1024,12,12,768,50304" bf16c,tf32c 0 gpt2
+    else
+      torch_shape "8,1024,12,12,768,50304;16,1024,12,12,768,50304" bf16c 0 gpt2
+    fi
     rm -rf /tmp/llmc && cp -r .devcarry/llmc /tmp/llmc
     bash .devcarry/reference/llmc_anchor.sh /tmp/llmc 8 16 2>&1 | tail -14
     ;;
