@@ -166,6 +166,8 @@ def main(argv=None):
     ap.add_argument("--epi", help="--speed: every product with this epilogue instead (e.g. none, gelu+bias)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.epi and args.epi.split("+")[0] not in EPILOGUES:
+        ap.error(f"--epi {args.epi}: one of {', '.join(EPILOGUES)}, optionally +bias")
     rt = Runtime(0, precision="bf16", seed=0)
     rt.set_workspace({"gemm_splitk": rt.empty((32 * 768 * 768,)), "gemm_bT": rt.empty((768 * 50304,)),
                       "gemm_aT": rt.empty((3072 * 8192,))})

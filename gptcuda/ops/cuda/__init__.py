@@ -20,6 +20,11 @@ def expression(base: str, *args, sep: str = ",") -> str:
 DTYPE_CODES = {"f32": 0, "bf16": 1}
 
 
+def sm_count(rt: RuntimeProtocol, default: int = 132) -> int:
+    """The GPU's SM count (rt.info.sm_count; `default` where a runtime does not say: a recording fake's)."""
+    return int(getattr(getattr(rt, "info", None), "sm_count", default) or default)
+
+
 def planned(rt: RuntimeProtocol, name: str):
     """The workspace `name` where the memory plan lends it (rt.workspace), else None."""
     try:

@@ -25,7 +25,7 @@ that no token uses are left bitwise as they were by the sorted path. Two ways (`
 from __future__ import annotations
 
 from gptcuda.runtime import RuntimeProtocol, i32
-from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, type_codes
+from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, sm_count, type_codes
 
 FILE = "encoder.cu"
 # The kernels' geometry, passed as template arguments (the names below): blocks of the elementwise
@@ -176,7 +176,7 @@ def encoder_bwd(rt: RuntimeProtocol, dwte, dwpe, dout, idx, *, method=None):
         name, smem, nbits, passes = sort_plan(N, V)
         rt.launch(rt.function(FILE, name), (1,), (SORT_THREADS,),
                   [ws, idx, i32(N), i32(V), i32(nbits), i32(passes)], smem=smem, label="encoder_bwd_sort")
-        sms = int(getattr(getattr(rt, "info", None), "sm_count", 132))
+        sms = sm_count(rt)
         grid = max(1, min(SEG_BLOCKS_PER_SM * sms, cdiv(N * tiles, SEG_WARPS)))
         rt.launch(rt.function(FILE, enc_name("encoder_bwd_wte_seg", vec, (td,))), (grid,), (SEG_WARPS * 32,),
                   [dwte, dout, ws, i32(N), i32(C), i32(tiles)], label="encoder_bwd_wte_seg")

@@ -28,16 +28,17 @@ from gptcuda import faults
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import DeviceView, RuntimeProtocol, f32, i32, u32
 from gptcuda.ops.cuda import (aligned4, cdiv, dropout_args, elementwise, expression, fp32_only, kernel_types,
-                              type_codes)
+                              sm_count, type_codes)
 
 FILE = "layernorm.cu"
 WARPS = 8                 # every kernel's block (rows a block in the warp-per-row ones): its template argument
 THREADS = WARPS * 32
 MAX_NV = 8                # register path up to C = 128 * MAX_NV = 1024
 MAX_BLOCKS = 512          # backward blocks (rows of the partials workspace)
-# The register kernels' backward blocks an SM (<= 128 registers a thread, <= 102 KB of shared memory at C <= 1024:
-# two fit): the grid is one wave of them, each warp walking its rows (a second wave of blocks paid its start,
-# its block-wide sums and its partial rows again: bench/NOTES.md, "one wave")
+# The register kernels' backward blocks an SM: the grid is this many times the SMs, each warp walking its rows.
+# Two of the bf16 C = 768 kernel fit an SM (127 registers, 76.8 KB), so its grid is one wave (512 blocks were
+# two, each block paying its start, its block-wide sums and a partial row again: bench/NOTES.md, "one wave");
+# a variant that fits only one an SM (past 128 registers a thread) runs two waves, where it ran up to four.
 BWD_BLOCKS_PER_SM = 2
 WORKSPACE = "layernorm_partials"
 # The element types there are kernels for: (x, branch, out) of the forward, x also the fused residual's
@@ -165,7 +166,7 @@ def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=
                          "all bf16 only")
     dflag, dargs = _drop_args(rt, drop, N, C)
     nv = _nv(C, dx, dout, x, w, drop[0] if drop is not None else None)
-    sms = int(getattr(getattr(rt, "info", None), "sm_count", 132) or 132)
+    sms = sm_count(rt)
     G = min(cdiv(N, WARPS), BWD_BLOCKS_PER_SM * sms, MAX_BLOCKS) if nv else min(N, MAX_BLOCKS)
     part = elementwise.partials(rt, G, 3 * C, WORKSPACE)     # the held sums' ring or the workspace
     if part is None:

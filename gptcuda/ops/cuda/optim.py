@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from gptcuda.runtime import RuntimeProtocol, f32, i32, u64
-from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression
+from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, sm_count
 
 FILE = "optim.cu"
 NORM_THREADS = 512         # the kernels' blocks: their last template argument
@@ -129,7 +129,7 @@ ADAM_TYPES = (("f32",) * 4, ("f32",) * 4 + ("bf16",))
 def _grid(rt: RuntimeProtocol, n: int, vec: int) -> int:
     """Blocks of a grid-stride pass over n elements, vec at a time (the n % 4 left one a thread)."""
     units = n // 4 + n % 4 if vec == 4 else n
-    sms = int(getattr(getattr(rt, "info", None), "sm_count", 132) or 132)
+    sms = sm_count(rt)
     return max(1, min(cdiv(units, ADAM_THREADS), sms * ADAM_BLOCKS_PER_SM))
 
 
