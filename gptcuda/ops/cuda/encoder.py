@@ -176,8 +176,7 @@ def encoder_bwd(rt: RuntimeProtocol, dwte, dwpe, dout, idx, *, method=None):
         name, smem, nbits, passes = sort_plan(N, V)
         rt.launch(rt.function(FILE, name), (1,), (SORT_THREADS,),
                   [ws, idx, i32(N), i32(V), i32(nbits), i32(passes)], smem=smem, label="encoder_bwd_sort")
-        sms = sm_count(rt)
-        grid = max(1, min(SEG_BLOCKS_PER_SM * sms, cdiv(N * tiles, SEG_WARPS)))
+        grid = max(1, min(SEG_BLOCKS_PER_SM * sm_count(rt), cdiv(N * tiles, SEG_WARPS)))
         rt.launch(rt.function(FILE, enc_name("encoder_bwd_wte_seg", vec, (td,))), (grid,), (SEG_WARPS * 32,),
                   [dwte, dout, ws, i32(N), i32(C), i32(tiles)], label="encoder_bwd_wte_seg")
     elif method == "scan":

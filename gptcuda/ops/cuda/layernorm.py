@@ -166,8 +166,7 @@ def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=
                          "all bf16 only")
     dflag, dargs = _drop_args(rt, drop, N, C)
     nv = _nv(C, dx, dout, x, w, drop[0] if drop is not None else None)
-    sms = sm_count(rt)
-    G = min(cdiv(N, WARPS), BWD_BLOCKS_PER_SM * sms, MAX_BLOCKS) if nv else min(N, MAX_BLOCKS)
+    G = min(cdiv(N, WARPS), BWD_BLOCKS_PER_SM * sm_count(rt), MAX_BLOCKS) if nv else min(N, MAX_BLOCKS)
     part = elementwise.partials(rt, G, 3 * C, WORKSPACE)     # the held sums' ring or the workspace
     if part is None:
         raise ValueError(f"workspace {WORKSPACE} is too small for {G} blocks x 3*{C}")

@@ -129,8 +129,7 @@ ADAM_TYPES = (("f32",) * 4, ("f32",) * 4 + ("bf16",))
 def _grid(rt: RuntimeProtocol, n: int, vec: int) -> int:
     """Blocks of a grid-stride pass over n elements, vec at a time (the n % 4 left one a thread)."""
     units = n // 4 + n % 4 if vec == 4 else n
-    sms = sm_count(rt)
-    return max(1, min(cdiv(units, ADAM_THREADS), sms * ADAM_BLOCKS_PER_SM))
+    return max(1, min(cdiv(units, ADAM_THREADS), sm_count(rt) * ADAM_BLOCKS_PER_SM))
 
 
 def adamw(rt: RuntimeProtocol, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip, work=None):
