@@ -45,37 +45,40 @@ __device__ __forceinline__ float gemm_gelu_grad(float x) {
     return u > 40.0f ? 1.0f : (u < -40.0f ? 0.0f : g);
 }
 
-// gemm_gelu and gemm_gelu_grad with the exponential and the reciprocal as single approximate
-// instructions (ex2.approx, rcp.approx: relative errors near 2^-22), for a bf16 C, whose rounding
-// (within 2^-8 of a value) they leave as it is; the full-precision forms cost as much as the product itself there
-// (a 256 x 128 tile's epilogue ran as long as its k loop). Limits as above: x -> -inf gives -0
-// (1 + e = inf), +inf stays, NaN stays NaN.
-__device__ __forceinline__ float gemm_rcp_fast(float x) {
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
+// gemm_gelu and gemm_gelu_grad for a bf16 C, on one MUFU operation an element: t = tanh(u) as
+// tanh.approx.f32 (MUFU.TANH, absolute error below ~1.2e-5 over the whole range: test_gemm_bf16's
+// exhaustive GELU tests bound every bf16 input), then GELU = h + h t with h = x / 2 and
+// gelu' = (1 + t) / 2 + h u' (1 - t^2). The GELU's error is |h| times t's, the derivative's at most
+// (1/2 + 2 |h u'|) times it: against a bf16 C's rounding (2^-9 of a value) only the tails where the
+// GELU and gelu' are small (x below ~-3) carry more than that, absolutely below 2^-16 |x| (GELU) and
+// 2^-15 (1 + |x|^3) (gelu'). The two-MUFU forms before (ex2 then rcp, relative accuracy everywhere)
+// kept the epilogue MUFU- and issue-bound at ~1.5 times the instructions. Limits: h is taken of
+// max(x, -40) (GELU there is 0 to fp32: x -> -inf gives 0, not -inf + inf), h u' of x clamped to
+// [-40, 40] (finite; t is +-1 there and gelu' 0 or 1 to fp32), so +inf stays +inf (gelu' 1), NaN stays
+// NaN (through t).
+__device__ __forceinline__ float gemm_tanh_fast(float u) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(u));
+    return t;
 }
-// exp(-2u) of gemm_gelu_fast and gemm_gelu_grad_fast, one expression so that both read the same bits
-__device__ __forceinline__ float gemm_gelu_e_fast(float x) {
-    const float s = 0.7978845608028654f * -2.0f * GC_LOG2E;   // -2 sqrt(2/pi) log2 e
-    return gc_exp2(s * (x + 0.044715f * x * x * x));
+// t = tanh(u), u = sqrt(2/pi) (x + 0.044715 x^3): one expression for gemm_gelu_fast and
+// gemm_gelu_grad_fast, so that the forward's GELU and the backward's rebuilt one read the same bits
+__device__ __forceinline__ float gemm_gelu_t(float x) {
+    return gemm_tanh_fast(x * fmaf(0.7978845608028654f * 0.044715f, x * x, 0.7978845608028654f));
 }
-__device__ __forceinline__ float gemm_gelu_fast(float x) {
-    return x * gemm_rcp_fast(1.0f + gemm_gelu_e_fast(x));
+__device__ __forceinline__ float gemm_gelu_of(float x, float t) {
+    const float h = 0.5f * fmaxf(x, -40.0f);
+    return fmaf(h, t, h);
 }
-// the derivative from the GELU's own e = exp(-2u) and s = 1 / (1 + e) (so that the GELU, where `gelu`
-// asks for it, costs one multiply more: gemm_gelu_fast's bits); beyond |u| = 40 the selected limits
-// (e may be inf there, and g NaN)
+__device__ __forceinline__ float gemm_gelu_fast(float x) { return gemm_gelu_of(x, gemm_gelu_t(x)); }
+// the derivative from the GELU's own t (the GELU, where `gelu` asks for it, costs two operations more:
+// gemm_gelu_fast's bits)
 __device__ __forceinline__ float gemm_gelu_grad_fast(float x, float* gelu = nullptr) {
-    const float k = 0.7978845608028654f;   // sqrt(2/pi)
-    const float x2 = x * x;
-    const float u = k * (x + 0.044715f * x * x * x);
-    const float du = k * (1.0f + 3.0f * 0.044715f * x2);
-    const float e = gemm_gelu_e_fast(x);
-    const float s = gemm_rcp_fast(1.0f + e);
-    if (gelu) *gelu = x * s;
-    const float g = s * (1.0f + 2.0f * x * du * e * s);
-    return u > 40.0f ? 1.0f : (u < -40.0f ? 0.0f : g);
+    const float t = gemm_gelu_t(x);
+    if (gelu) *gelu = gemm_gelu_of(x, t);
+    const float xd = fminf(fmaxf(x, -40.0f), 40.0f);
+    const float du = fmaf(0.7978845608028654f * 3.0f * 0.044715f, xd * xd, 0.7978845608028654f);
+    return fmaf(0.5f * xd * du, fmaf(-t, t, 1.0f), fmaf(0.5f, t, 0.5f));
 }
 
 // The 3xTF32 split (gemm_wgmma.cu: ws_prepare of B, ra3_step of A's fragments):

@@ -232,6 +232,17 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
+                if constexpr (EPI == GEMM_EPI_GELU) {       // the pair's pre-activations rounded once, as stored
+                    float v[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        v[e] = gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(acc[4 * (4 * b + k) + 2 * h + e], alpha, bv[e],
+                                                                      0.f, nullptr);
+                    ox[k][h] = bf16x2_rn(v[0], v[1]);
+                    oc[k][h] = bf16x2_rn(gemm_gelu_fast(__uint_as_float(ox[k][h] << 16)),
+                                         gemm_gelu_fast(__uint_as_float(ox[k][h] & 0xFFFF0000u)));
+                    continue;
+                }
                 float o[2], x[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {

@@ -235,16 +235,17 @@ def rel_err(out, ref):
 BF16_ROUNDING = 2.0 ** -8       # one rounding to bf16 (8 significant bits, to nearest): <= 2^-8 |x|
 
 
-def bf16_err(out, ref, fp32_tol):
+def bf16_err(out, ref, fp32_tol, extra=0.0):
     """The error model of an output stored in bf16, computed in fp32 from inputs exact in both (ref: float64
     of the same inputs): one rounding of each element, 2^-8 |ref|, plus the fp32 computation's error,
-    fp32_tol * max|ref|. Returns the largest |out - ref| over that bound (<= 1: within the model; NaN
-    anywhere: inf); out: values (bf16 bit patterns widened with runtime.bf16.values)."""
+    fp32_tol * max|ref|, plus `extra` (each element's own further bound, e.g. an approximate function's).
+    Returns the largest |out - ref| over that bound (<= 1: within the model; NaN anywhere: inf); out: values
+    (bf16 bit patterns widened with runtime.bf16.values)."""
     out = np.asarray(out, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     if not np.all(np.isfinite(out)):
         return float("inf")
-    bound = BF16_ROUNDING * np.abs(ref) + fp32_tol * max(np.max(np.abs(ref)), 1e-30)
+    bound = BF16_ROUNDING * np.abs(ref) + fp32_tol * max(np.max(np.abs(ref)), 1e-30) + extra
     return float(np.max(np.abs(out - ref) / bound))
 
 

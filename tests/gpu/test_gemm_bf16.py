@@ -4,7 +4,10 @@ Error model: the inputs are exact in bf16 and their products exact in fp32; the 
 in fp32 (relative error <= K 2^-24 of sum |a b|, twice that where the tensor core truncates), and a bf16
 C adds one rounding of each element (2^-9 of it; conftest.bf16_err's 2^-8 bound). fp32 C: within
 FP32_TOL of max|ref| at K <= 4096; bf16 C: bf16_err <= 1 with that fp32 term. GELU's output is checked
-against gelu of the pre-activation as stored (bf16), the pre-activation against the float64 one.
+against gelu of the pre-activation as stored (bf16), the pre-activation against the float64 one. The bf16
+epilogue's GELU and gelu' take tanh from one approximate instruction (tanh.approx.f32, absolute error
+~1.2e-5): GELU_ABS and DGELU_ABS bound what that adds where the values are small (the negative tail), and
+test_bf16_gelu_every_input checks the bound on every finite bf16 pre-activation.
 CPU tests at the bottom drive the launcher on the recording runtime: the variant and the tensor maps each
 layout gets, and the dtypes it refuses.
 """
@@ -22,6 +25,20 @@ from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
 
 gpu = pytest.mark.gpu
 FP32_TOL = 4e-5
+FP32_MIN = 2.0 ** -126       # below it the kernels flush to 0
+
+
+def gelu_abs(x):
+    """What the bf16 GELU's tanh.approx adds: |x| / 2 times its absolute error (< 2^-16.4), and flushed
+    subnormals."""
+    return 2.0 ** -16 * np.abs(x) + FP32_MIN
+
+
+def dgelu_abs(x, d):
+    """What tanh.approx adds to d * gelu'(x): (1/2 + |x u'(x)|) times its error, below 2^-15 (1 + |x|^3);
+    beyond |x| = 8 tanh is +-1 to fp32 and gelu' its limit (0 or 1), which the kernel must give."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.abs(d) * np.where(np.abs(x) <= 8, 2.0 ** -15 * (1.0 + np.abs(x) ** 3), 0.0) + FP32_MIN
 LAYOUTS = [(False, True), (False, False), (True, False)]          # NT, NN, TN: the op interface's products
 
 
@@ -98,7 +115,7 @@ def test_bf16_forward_epilogues(bf16_rt, epi, has_bias, out, tile, N):
     if epi == "gelu":
         stored = bf16.values(rt.download(aux)).astype(np.float64)
         assert bf16_err(stored, pre, FP32_TOL) <= 1.0
-        assert bf16_err(got, ref.gelu_forward(stored), 1e-6) <= 1.0         # gelu of the pre-activation as stored
+        assert bf16_err(got, ref.gelu_forward(stored), 1e-6, gelu_abs(stored)) <= 1.0  # of the pre-activation as stored
     else:
         assert bf16_err(got, pre, FP32_TOL) <= 1.0
 
@@ -113,7 +130,7 @@ def test_bf16_dgelu(bf16_rt, tile):
     c = rt.empty((M, N), "bf16")
     gemm.matmul(rt, c, a, b, False, False, epilogue="dgelu", aux=rt.upload(pre64, "bf16"),
                 plan=make_plan("bf16", tile, 1, K))
-    assert bf16_err(bf16.values(rt.download(c)), ref.gelu_backward(prod, pre64), FP32_TOL) <= 1.0
+    assert bf16_err(bf16.values(rt.download(c)), ref.gelu_backward(prod, pre64), FP32_TOL, dgelu_abs(pre64, prod)) <= 1.0
 
 
 @gpu
@@ -137,7 +154,38 @@ def test_bf16_dgelu_rebuilds_gelu(bf16_rt, tile, N):
     assert np.array_equal(rt.download(d_new), rt.download(d_ref))
     assert np.array_equal(rt.download(pre), act_bits)
     pre64 = bf16.values(pre_bits).astype(np.float64)
-    assert bf16_err(bf16.values(rt.download(d_new)), ref.gelu_backward(prod, pre64), FP32_TOL) <= 1.0
+    assert bf16_err(bf16.values(rt.download(d_new)), ref.gelu_backward(prod, pre64), FP32_TOL,
+                    dgelu_abs(pre64, prod)) <= 1.0
+
+
+@gpu
+@pytest.mark.parametrize("tile", tuple(BF16_TILES))
+def test_bf16_gelu_every_input(bf16_rt, tile):
+    """The bf16 epilogue's GELU and gelu' on every finite bf16 pre-activation (the GELU's whole input domain:
+    the forward rounds the pre-activation to bf16 first), against float64 within gelu_abs / dgelu_abs: pre =
+    I @ table^T (exact), dgelu's product 1 (exact), dgelu_gelu's rebuilt GELU bit for bit the forward's."""
+    rt = bf16_rt
+    M = N = 256
+    table = np.arange(1 << 16, dtype=np.uint16)
+    table[(table & 0x7F80) == 0x7F80] = 0                                   # inf and NaN out
+    b_bits = table.reshape(N, M)                                            # B [N, K = M]: pre = B^T
+    pre, act = rt.empty((M, N), "bf16"), rt.empty((M, N), "bf16")
+    gemm.matmul(rt, act, rt.upload(np.eye(M), "bf16"), rt.upload(b_bits, "bf16"), False, True, epilogue="gelu",
+                aux=pre, plan=make_plan("bf16", tile, 1, M))
+    x = bf16.values(b_bits).astype(np.float64).T
+    assert np.array_equal(bf16.values(rt.download(pre)), x)
+    act_bits = rt.download(act)
+    assert bf16_err(bf16.values(act_bits), ref.gelu_forward(x), 0.0, gelu_abs(x)) <= 1.0
+    K = 64
+    ones_a, ones_b = np.zeros((M, K)), np.zeros((K, N))
+    ones_a[:, 0], ones_b[0, :] = 1.0, 1.0
+    a, b = rt.upload(ones_a, "bf16"), rt.upload(ones_b, "bf16")
+    d_ref, d_new = rt.empty((M, N), "bf16"), rt.empty((M, N), "bf16")
+    gemm.matmul(rt, d_ref, a, b, False, False, epilogue="dgelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    assert bf16_err(bf16.values(rt.download(d_ref)), ref.gelu_backward(1.0, x), 0.0, dgelu_abs(x, 1.0)) <= 1.0
+    gemm.matmul(rt, d_new, a, b, False, False, epilogue="dgelu_gelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    assert np.array_equal(rt.download(d_new), rt.download(d_ref))
+    assert np.array_equal(rt.download(pre), act_bits)
 
 
 @gpu
@@ -159,7 +207,7 @@ def test_bf16_two_outputs_many_tiles_a_block(bf16_rt, tile):
     stored = bf16.values(rt.download(pre)).astype(np.float64)
     assert bf16_err(stored, prod + bias.astype(np.float64), FP32_TOL) <= 1.0
     act_bits = rt.download(act)
-    assert bf16_err(bf16.values(act_bits).astype(np.float64), ref.gelu_forward(stored), 1e-6) <= 1.0
+    assert bf16_err(bf16.values(act_bits).astype(np.float64), ref.gelu_forward(stored), 1e-6, gelu_abs(stored)) <= 1.0
     dy, w2, _ = _operands(rt, rng, False, False, M, N, K)
     d_ref, d_new = rt.empty((M, N), "bf16"), rt.empty((M, N), "bf16")
     gemm.matmul(rt, d_ref, dy, w2, False, False, epilogue="dgelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
