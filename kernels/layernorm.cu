@@ -191,12 +191,10 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
     for (int k = threadIdx.x; k < NV * 32; k += WARPS * 32) wsm[k] = k < C4 ? w4[k] : ln_f4(0.f);
     float4* aw = acc_w + warp * NV * 32 + lane;                // this thread's slots aw[32 j] (ab[32 j])
     float4* ab = acc_b + warp * NV * 32 + lane;
-    // PF: the next row's dout and x loaded while a row is computed (packed bf16 rows; fp32 ones would spill).
     // RS: the thread's dw (db) sums over its warp's rows kept in registers and put in its slots once, where
-    // the row's values fit beside them (a short row, or a bf16 row kept packed and no next row beside it);
-    // else added into the slots row by row. The same additions in the same order either way.
-    constexpr bool PF = TDO == 1 && TX == 1 && TDX == 1;
-    constexpr bool RS = NV <= 4 || (TDO == 1 && TDX == 1 && NV <= 6 && !PF);
+    // the row's values fit beside them (a bf16 row kept packed, or a short one); else added into the slots
+    // row by row. The same additions in the same order either way.
+    constexpr bool RS = NV <= 4 || (TDO == 1 && TDX == 1 && NV <= 6);
     float4 sw[NV], sb[BIAS ? NV : 1];
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
@@ -213,42 +211,23 @@ __global__ void __launch_bounds__(WARPS * 32, 2) layernorm_bwd_reg(LN_ARGS_BWD) 
     const float invC = 1.0f / (float)C;
     u32 key = 0;
     if constexpr (DROP) key = gc_key(seed, (u32)st->step, site);
-    // the warp's rows: dout and x (and the statistics) loaded while the row before is computed (PF), else when
-    // the row's turn comes; dx at the row's start (it is read after the row's two sums)
-    const int step = gridDim.x * WARPS;
-    Pack4<TDO> dp[NV], dp_n[NV];                             // dout, x and dx as stored (packed bf16),
-    Pack4<TX> xp[NV], xp_n[NV];                              // widened where used (x_hat made twice);
-    Pack4<TDX> gp[NV];                                       // _n: the next row's
-    float mu_n = 0.f, rs_n = 0.f;
-    const auto load_row = [&](int r) {
-        if (r >= N) return;
-        mu_n = mean[r];
-        rs_n = rstd[r];
-        const Pack4<TDO>* dr = reinterpret_cast<const Pack4<TDO>*>(dout + (long long)r * C);
-        const Pack4<TX>* xr = reinterpret_cast<const Pack4<TX>*>(x + (long long)r * C);
+    for (int row = blockIdx.x * WARPS + warp; row < N; row += gridDim.x * WARPS) {
+        const float mu = mean[row], rs = rstd[row];
+        const Pack4<TDO>* dr = reinterpret_cast<const Pack4<TDO>*>(dout + (long long)row * C);
+        const Pack4<TX>* xr = reinterpret_cast<const Pack4<TX>*>(x + (long long)row * C);
+        Pack4<TDX>* dxr = reinterpret_cast<Pack4<TDX>*>(dx + (long long)row * C);
+        Pack4<TDO> dp[NV];                                      // dout, x and dx as stored (packed bf16),
+        Pack4<TX> xp[NV];                                       // widened where used (x_hat made twice)
+        Pack4<TDX> gp[NV];
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
             if (k < C4) {
-                dp_n[j] = dr[k];
-                xp_n[j] = xr[k];
+                dp[j] = dr[k];
+                xp[j] = xr[k];
+                gp[j] = dxr[k];
             }
         }
-    };
-    if constexpr (PF) load_row(blockIdx.x * WARPS + warp);
-    for (int row = blockIdx.x * WARPS + warp; row < N; row += step) {
-        if constexpr (!PF) load_row(row);
-        const float mu = mu_n, rs = rs_n;
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-            dp[j] = dp_n[j];
-            xp[j] = xp_n[j];
-        }
-        Pack4<TDX>* dxr = reinterpret_cast<Pack4<TDX>*>(dx + (long long)row * C);
-#pragma unroll
-        for (int j = 0; j < NV; ++j)
-            if (j * 32 + lane < C4) gp[j] = dxr[j * 32 + lane];
-        if constexpr (PF) load_row(row + step);
         const auto xhat = [&](int j) {
             const float4 xx = val_ld4p(&xp[j]);
             return make_float4((xx.x - mu) * rs, (xx.y - mu) * rs, (xx.z - mu) * rs, (xx.w - mu) * rs);
