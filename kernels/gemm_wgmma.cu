@@ -186,10 +186,26 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
 // (wgs warpgroups' worth; consumer warpgroup wg's start ws_stage_bytes(wg, 1) after the ring)
 __host__ __device__ constexpr int ws_stage_bytes(int wgs, int out) { return out == 1 ? wgs * 8192 : 0; }
 
+// wg_store_tile_tma's aux pairs of box b (rows m0w .. + 63, columns n0 + 32 b .. + 31): [n8 block][row g, g + 8]
+// of the calling thread (0 outside aux). The kernels load box 0's while the tile's last k tile is still on the
+// tensor cores (`first`, where has_first), so that its latency is not the epilogue's.
+__device__ __forceinline__ void wg_aux_box(unsigned (&v)[4][2], const bf16* aux, int M, int N, int ldc, int m0w,
+                                           int n0, int b) {
+    const int wt = threadIdx.x & 127, r0 = m0w + 16 * (wt >> 5) + ((wt & 31) >> 2), q = wt & 3;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + 8 * h, c = n0 + 32 * b + 8 * k + 2 * q;
+            v[k][h] = r < M && c < N ? *reinterpret_cast<const unsigned*>(aux + (long long)r * ldc + c) : 0u;
+        }
+}
+
 template <int BN, int EPI, bool HAS_BIAS>
 __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], const bf16* aux, const float* bias,
                                                   int M, int N, int ldc, int z, int m0w, int n0, float alpha,
-                                                  const TmaMap* mapC, const TmaMap* mapX, unsigned stg, int bar) {
+                                                  const TmaMap* mapC, const TmaMap* mapX, unsigned stg, int bar,
+                                                  const unsigned (&first)[4][2], bool has_first) {
     static_assert(BN % 64 == 0, "whole boxes, an even number: one output's boxes alternate between the two "
                                 "staging boxes, so a tile's first reuses the one its last tile's last box did not");
     constexpr bool TWO = EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_DGELU_GELU;   // aux written too
@@ -200,18 +216,17 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
     // n8 block 2 p + i / 2 of the pair p
     const int srow = 16 * w + (lane & 7) + 8 * ((lane >> 3) & 1);
     const unsigned soff = srow * 64, sw = (srow >> 1) & 3, sblk = lane >> 4;
-    const int row0 = m0w + 16 * w + g;
-    unsigned nxt[4][2];                   // aux pairs of the next box: [n8 block][row g, g + 8]
-    auto load_in = [&](int b) {
+    unsigned nxt[4][2];                   // aux pairs of the next box (wg_aux_box)
+    if constexpr (IN) {
+        if (has_first) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
+            for (int k = 0; k < 4; ++k)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = row0 + 8 * h, c = n0 + 32 * b + 8 * k + 2 * q;
-                nxt[k][h] = r < M && c < N ? *reinterpret_cast<const unsigned*>(aux + (long long)r * ldc + c) : 0u;
-            }
-    };
-    if constexpr (IN) load_in(0);
+                for (int h = 0; h < 2; ++h) nxt[k][h] = first[k][h];
+        } else {
+            wg_aux_box(nxt, aux, M, N, ldc, m0w, n0, 0);
+        }
+    }
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
         unsigned in[4][2], oc[4][2], ox[4][2];
@@ -220,7 +235,7 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
             for (int k = 0; k < 4; ++k)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) in[k][h] = nxt[k][h];
-            if (b + 1 < NB) load_in(b + 1);
+            if (b + 1 < NB) wg_aux_box(nxt, aux, M, N, ldc, m0w, n0, b + 1);
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -903,6 +918,9 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     __shared__ float ws_red[BSUM ? WG * 256 : 1];
     Bf16ColSum<1> bsum;
     if constexpr (BSUM) bsum.init(wt);
+    // a bf16 C read-aux epilogue's first box of aux, loaded under the tile's last k tile (wg_aux_box)
+    constexpr bool AUX0 = sizeof(TO) == 2 && GEMM_EPI_READS_AUX(EPI) && !RA && PRODUCTS == 1;
+    unsigned aux0[4][2];
     int it = 0, tn = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
@@ -945,6 +963,9 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 if constexpr (BSUM) {
                     if (sum_here && kt % G == tj) bsum.add(a_wg);
                 }
+                if constexpr (AUX0) {
+                    if (kt == nk - 1 && c_tma) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * wg, tl.n0, 0);
+                }
                 wg_wait<1>();             // the group of the k tile before is done: release its slot
                 if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
             }
@@ -974,7 +995,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
             if constexpr (sizeof(TO) == 2) {
                 if (c_tma) {
                     wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg, tl.n0,
-                                                         alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1), 11 + wg);
+                                                         alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1), 11 + wg,
+                                                         aux0, AUX0 && nk > 0);
                     continue;
                 }
             }
@@ -1186,6 +1208,9 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     __shared__ float pp_red[COLSUM > 0 ? 2 * R * 256 : 1];     // Bf16ColSum's, a warpgroup's R boxes
     Bf16ColSum<R> bsum;
     if constexpr (COLSUM > 0) bsum.init(wt);
+    // (no first box of aux loaded under the k loop, as gemm_wgmma_ws does: with two tiles' accumulators
+    // the dgelu epilogues' registers would spill)
+    unsigned aux0[4][2];
     int it = 0, j = 0, mine = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
@@ -1243,7 +1268,8 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
                 for (int r = 0; r < R; ++r)
                     wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
                                                          alpha, &mapC, &mapX,
-                                                         smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), 11 + wg);
+                                                         smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), 11 + wg,
+                                                         aux0, false);
                 continue;
             }
         }
