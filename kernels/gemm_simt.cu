@@ -206,7 +206,9 @@ gemm_simt(float* C,                        // C [batch*splits, M, N], row stride
 }
 
 // Deterministic split-K reduction: C[m, n] = epilogue(alpha * sum_{s=0..splits-1} ws[s, m, n]),
-// summed in increasing s for every element. C, aux: [M, N] with row stride ldc.
+// summed in increasing s for every element. C, aux: [M, N] with row stride ldc. Where N is a multiple
+// of 4 (and ws 16-byte aligned) a thread takes 4 consecutive elements of a row: one 16-byte load a
+// split, gemm_store4's epilogue and stores (16-byte where C, aux and the bias allow); else one element.
 template <int EPI, bool HAS_BIAS, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
@@ -215,6 +217,23 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
                    const float* __restrict__ bias,  // bias [N] or null
                    int M, int N, int ldc, int splits, float alpha) {
     const long long total = (long long)M * N;
+    if ((N & 3) == 0 && (reinterpret_cast<unsigned long long>(ws) & 15) == 0) {
+        const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS>(C, aux, bias, ldc, 0);
+        const float4* w4 = reinterpret_cast<const float4*>(ws);
+        for (long long i4 = (long long)blockIdx.x * blockDim.x + threadIdx.x; i4 < (total >> 2);
+             i4 += (long long)gridDim.x * blockDim.x) {
+            float v[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int p = 0; p < splits; ++p) {
+                const float4 t = __ldg(w4 + (long long)p * (total >> 2) + i4);
+                v[0] += t.x; v[1] += t.y; v[2] += t.z; v[3] += t.w;
+            }
+            const int N4 = N >> 2;              // a row's groups; 32-bit division where i4 fits
+            const int m = i4 < 0x7fffffffLL ? (int)((unsigned)i4 / (unsigned)N4) : (int)(i4 / N4);
+            const int n = (int)(i4 - (long long)m * N4) << 2;
+            gemm_store4<EPI, HAS_BIAS>(C, aux, bias, m, n, M, N, ldc, alpha, vec, v);
+        }
+        return;
+    }
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         float s = 0.f;

@@ -231,8 +231,11 @@ def test_matmul_weight_grad_splitk(rt, precision, splitk_ws, M, N):
 @pytest.mark.parametrize("precision", ["fp32", "tf32"], indirect=True)
 @pytest.mark.parametrize("ta,tb,epi", [c for c in CASES if c[2] in ("none", "gelu", "residual_bias", "residual_alias",
                                                                       "dgelu")])
-def test_splitk_epilogues_odd(rt, precision, splitk_ws, ta, tb, epi):
-    M, N, K = 67, 65, 4133
+@pytest.mark.parametrize("N", [65, 68])
+def test_splitk_epilogues_odd(rt, precision, splitk_ws, ta, tb, epi, N):
+    """Split-K partials reduced with every epilogue: N = 65 one element a thread, N = 68 four (16-byte
+    loads of the partials and the epilogue's 16-byte accesses)."""
+    M, K = 67, 4133
     p = plan(Product(M, N, K, ta, tb), "tf32" if precision == "tf32" else "simt", sm_count=rt.info.sm_count,
              max_ws=splitk_ws.numel)
     assert p.splits > 1, p
