@@ -6,7 +6,7 @@ C adds one rounding of each element (2^-9 of it; conftest.bf16_err's 2^-8 bound)
 FP32_TOL of max|ref| at K <= 4096; bf16 C: bf16_err <= 1 with that fp32 term. GELU's output is checked
 against gelu of the pre-activation as stored (bf16), the pre-activation against the float64 one. The bf16
 epilogue's GELU and gelu' take tanh from one approximate instruction (tanh.approx.f32, absolute error
-~1.2e-5): GELU_ABS and DGELU_ABS bound what that adds where the values are small (the negative tail), and
+~1.2e-5): gelu_abs and dgelu_abs bound what that adds where the values are small (the negative tail), and
 test_bf16_gelu_every_input checks the bound on every finite bf16 pre-activation.
 CPU tests at the bottom drive the launcher on the recording runtime: the variant and the tensor maps each
 layout gets, and the dtypes it refuses.
