@@ -6,6 +6,8 @@
 #   TAG=attn KERNELS='regex:flash_' SKIP=4 COUNT=3 bash bench/profile_cmd.sh python3 bench/attention.py \
 #       --precision bf16 --impl fused --B 8 --T 1024 --iters 2 --warmup 1
 # (SOURCE=1 also writes the SASS source page with per-instruction samples: $OUT/source_<TAG>.csv)
+# The log, the raw page and the source page are then packed into $OUT/profile_<TAG>.tgz, beside the details
+# and stall files: three files a tag.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . bench/cases.sh
@@ -27,3 +29,5 @@ if [ "${SOURCE:-0}" = 1 ]; then
   ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/source_${TAG}.csv" 2>&1
   echo "source: $(wc -l < "$OUT/source_${TAG}.csv") lines"
 fi
+(cd "$OUT" && tar czf "profile_${TAG}.tgz" "profile_${TAG}.log" "raw_${TAG}.txt" $([ "${SOURCE:-0}" = 1 ] && echo "source_${TAG}.csv") \
+  && rm -f "profile_${TAG}.log" "raw_${TAG}.txt" "source_${TAG}.csv")
