@@ -6,6 +6,7 @@
 # and BF16). The anchor scripts are read from .devcarry/reference/, llm.c from .devcarry/llmc.
 #   GROUP=gpt2  bash bench/bf16_anchors.sh   # GPT-2 124M B8 and B16 bf16, B8 tf32; PyTorch; llm.c
 #   GROUP=b8    bash bench/bf16_anchors.sh   # GPT-2 124M B8 bf16, PyTorch's, ours again
+#   TORCH_REPEAT=3: each PyTorch row from three processes in turn
 #   GROUP=gpt2bf16 bash bench/bf16_anchors.sh  # gpt2 without the TF32 rows (a shorter call)
 #   GROUP=small bash bench/bf16_anchors.sh   # char B64 T256 bf16 and tf32, B16 T2048 bf16 (dropout 0.2);
 #                                            # FULL=1: also char fp32 and T2048 tf32
@@ -19,11 +20,14 @@ ours() {             # a case of bench/cases.sh; the log's tag (default: the cas
   python3 bench/step.py $CASE_ARGS --iters ${ITERS:-30} --json "$OUT/ours_$tag.json" > "$OUT/ours_$tag.log" 2>&1
   grep -E "graph :|SM clock|rror" "$OUT/ours_$tag.log"
 }
-torch_shape() {      # SHAPES SHAPE_MODES DROPOUT tag
-  echo "== PyTorch shape: SHAPES=$1 SHAPE_MODES=$2 DROPOUT=$3"
-  mkdir -p "$OUT/torch_$4"
-  (cd "$OUT/torch_$4" && SHAPES="$1" SHAPE_MODES="$2" DROPOUT=$3 OUT="$OUT/torch_$4" \
-    python3 "$OLDPWD/.devcarry/reference/torch_reference.py" shape 2>&1 | tail -12)
+torch_shape() {      # SHAPES SHAPE_MODES DROPOUT tag; TORCH_REPEAT processes (default 1), each timed on its own:
+  local i            # PyTorch's step moves between calls (B8 18.4-25.0 ms), most right after its compile, so
+  for i in $(seq ${TORCH_REPEAT:-1}); do   # the later processes (compiled code cached) show its spread
+    echo "== PyTorch shape ($i): SHAPES=$1 SHAPE_MODES=$2 DROPOUT=$3"
+    mkdir -p "$OUT/torch_$4_$i"
+    (cd "$OUT/torch_$4_$i" && SHAPES="$1" SHAPE_MODES="$2" DROPOUT=$3 OUT="$OUT/torch_$4_$i" \
+      python3 "$OLDPWD/.devcarry/reference/torch_reference.py" shape 2>&1 | tail -12)
+  done
 }
 echo "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader)"
 case ${GROUP:-gpt2} in
