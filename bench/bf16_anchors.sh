@@ -6,10 +6,10 @@
 # and BF16). The anchor scripts are read from .devcarry/reference/, llm.c from .devcarry/llmc.
 #   GROUP=gpt2  bash bench/bf16_anchors.sh   # GPT-2 124M B8 and B16 bf16, B8 tf32; PyTorch; llm.c
 #   GROUP=b8    bash bench/bf16_anchors.sh   # GPT-2 124M B8 bf16, PyTorch's, ours again
-#   TORCH_REPEAT=3: each PyTorch row from three processes in turn
 #   GROUP=gpt2bf16 bash bench/bf16_anchors.sh  # gpt2 without the TF32 rows (a shorter call)
 #   GROUP=small bash bench/bf16_anchors.sh   # char B64 T256 bf16 and tf32, B16 T2048 bf16 (dropout 0.2);
 #                                            # FULL=1: also char fp32 and T2048 tf32
+#   TORCH_REPEAT=3 (any group): each PyTorch row from three processes in turn
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . bench/cases.sh

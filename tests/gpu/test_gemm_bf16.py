@@ -26,6 +26,7 @@ from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
 gpu = pytest.mark.gpu
 FP32_TOL = 4e-5
 FP32_MIN = 2.0 ** -126       # below it the kernels flush to 0
+LAYOUTS = [(False, True), (False, False), (True, False)]          # NT, NN, TN: the op interface's products
 
 
 def gelu_abs(x):
@@ -39,7 +40,6 @@ def dgelu_abs(x, d):
     beyond |x| = 8 tanh is +-1 to fp32 and gelu' its limit (0 or 1), which the kernel must give."""
     x = np.asarray(x, dtype=np.float64)
     return np.abs(d) * np.where(np.abs(x) <= 8, 2.0 ** -15 * (1.0 + np.abs(x) ** 3), 0.0) + FP32_MIN
-LAYOUTS = [(False, True), (False, False), (True, False)]          # NT, NN, TN: the op interface's products
 
 
 @pytest.fixture
