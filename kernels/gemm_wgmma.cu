@@ -187,8 +187,9 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
 __host__ __device__ constexpr int ws_stage_bytes(int wgs, int out) { return out == 1 ? wgs * 8192 : 0; }
 
 // wg_store_tile_tma's aux pairs of box b (rows m0w .. + 63, columns n0 + 32 b .. + 31): [n8 block][row g, g + 8]
-// of the calling thread (0 outside aux). The kernels load box 0's while the tile's last k tile is still on the
-// tensor cores (`first`, where has_first), so that its latency is not the epilogue's.
+// of the calling thread (0 outside aux). wg_store_tile_tma takes box 0's from its caller (`first`; read-aux
+// epilogues only): gemm_wgmma_ws loads them while the tile's last k tile is still on the tensor cores, so
+// that their latency is not the epilogue's.
 __device__ __forceinline__ void wg_aux_box(unsigned (&v)[4][2], const bf16* aux, int M, int N, int ldc, int m0w,
                                            int n0, int b) {
     const int wt = threadIdx.x & 127, r0 = m0w + 16 * (wt >> 5) + ((wt & 31) >> 2), q = wt & 3;
@@ -205,7 +206,7 @@ template <int BN, int EPI, bool HAS_BIAS>
 __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], const bf16* aux, const float* bias,
                                                   int M, int N, int ldc, int z, int m0w, int n0, float alpha,
                                                   const TmaMap* mapC, const TmaMap* mapX, unsigned stg, int bar,
-                                                  const unsigned (&first)[4][2], bool has_first) {
+                                                  const unsigned (&first)[4][2]) {
     static_assert(BN % 64 == 0, "whole boxes, an even number: one output's boxes alternate between the two "
                                 "staging boxes, so a tile's first reuses the one its last tile's last box did not");
     constexpr bool TWO = EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_DGELU_GELU;   // aux written too
@@ -218,14 +219,10 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
     const unsigned soff = srow * 64, sw = (srow >> 1) & 3, sblk = lane >> 4;
     unsigned nxt[4][2];                   // aux pairs of the next box (wg_aux_box)
     if constexpr (IN) {
-        if (has_first) {
 #pragma unroll
-            for (int k = 0; k < 4; ++k)
+        for (int k = 0; k < 4; ++k)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) nxt[k][h] = first[k][h];
-        } else {
-            wg_aux_box(nxt, aux, M, N, ldc, m0w, n0, 0);
-        }
+            for (int h = 0; h < 2; ++h) nxt[k][h] = first[k][h];
     }
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
@@ -640,19 +637,28 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
 // it (full). The BM / 64 consumer warpgroups never issue a copy: they wait for full, run the 4
 // wgmma of the k tile, and release the slot of the tile before as soon as its group is done. The
 // grid is at most one block per SM (ws_grid in the launcher); block b takes output tiles b,
-// b + gridDim.x, ... of the (n fastest, then m, then z = batch * splits + split) order, so while
-// the consumers store one tile the producer is already loading the next one's first STAGES k
-// tiles: the pipeline fill of every tile after the first is hidden, and no consumer stalls on a
-// refill the way warp 0 of gemm_wgmma_tma does. Slot and parity run on one counter `it` over all
-// k tiles of the block, the same in producer and consumers. The epilogue is wg_store_tile's.
+// b + gridDim.x, ... of WsTile's order, so while the consumers store one tile the producer is
+// already loading the next one's first STAGES k tiles: the pipeline fill of every tile after the
+// first is hidden, and no consumer stalls on a refill the way warp 0 of gemm_wgmma_tma does. Slot
+// and parity run on one counter `it` over all k tiles of the block, the same in producer and
+// consumers. The epilogue is wg_store_tile's.
 // zs: batch * splits (the z extent of the non-persistent kernels' grid).
+//
+// WsTile: tile t of the order z = batch * splits + split slowest; within a z, n fastest (the blocks of
+// a wave share A's row panels and read B's column panels once each), or m fastest where C is wider
+// than tall (tiles_n * bn > tiles_m * bm, B the larger operand: the head's logits, whose B is the
+// 77 MB embedding table). Either way a wave reads the larger operand's panels once and keeps the
+// smaller one in the L2; n fastest over the logits read all of B again for each 256-row panel of A.
+// The order changes which block computes a tile, never a tile's arithmetic.
 struct WsTile {
     int z, split, batch, m0, n0, kb0, klen;
     __device__ __forceinline__ WsTile(int t, int per_z, int tiles_n, int bm, int bn, int K, int splits, int k_chunk) {
         z = t / per_z;
-        const int r = t - z * per_z;
-        m0 = (r / tiles_n) * bm;
-        n0 = (r - (r / tiles_n) * tiles_n) * bn;
+        const int r = t - z * per_z, tiles_m = per_z / tiles_n;
+        const bool mf = tiles_n * bn > tiles_m * bm;            // (selects, not a branch the loops split on)
+        const int inner = mf ? tiles_m : tiles_n, o = r / inner, i = r - o * inner;
+        m0 = (mf ? i : o) * bm;
+        n0 = (mf ? o : i) * bn;
         split = z % splits;
         batch = z / splits;
         kb0 = split * k_chunk;
@@ -994,9 +1000,12 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         } else {
             if constexpr (sizeof(TO) == 2) {
                 if (c_tma) {
+                    if constexpr (AUX0) {       // (an empty k range: not loaded in the k loop)
+                        if (nk == 0) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * wg, tl.n0, 0);
+                    }
                     wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg, tl.n0,
                                                          alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1), 11 + wg,
-                                                         aux0, AUX0 && nk > 0);
+                                                         aux0);
                     continue;
                 }
             }
@@ -1208,8 +1217,8 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     __shared__ float pp_red[COLSUM > 0 ? 2 * R * 256 : 1];     // Bf16ColSum's, a warpgroup's R boxes
     Bf16ColSum<R> bsum;
     if constexpr (COLSUM > 0) bsum.init(wt);
-    // (no first box of aux loaded under the k loop, as gemm_wgmma_ws does: with two tiles' accumulators
-    // the dgelu epilogues' registers would spill)
+    // (aux's first box of a read-aux epilogue loaded just before it, not under the k loop as gemm_wgmma_ws
+    // does: with two tiles' accumulators the dgelu epilogues' registers would spill)
     unsigned aux0[4][2];
     int it = 0, j = 0, mine = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
@@ -1265,11 +1274,13 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
         if constexpr (OUT == 1) {
             if (c_tma) {
 #pragma unroll
-                for (int r = 0; r < R; ++r)
+                for (int r = 0; r < R; ++r) {
+                    if constexpr (GEMM_EPI_READS_AUX(EPI)) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * r, tl.n0, 0);
                     wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
                                                          alpha, &mapC, &mapX,
                                                          smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), 11 + wg,
-                                                         aux0, false);
+                                                         aux0);
+                }
                 continue;
             }
         }
