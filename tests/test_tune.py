@@ -14,7 +14,7 @@ from gptcuda.ops.cuda.gemm import table
 from gptcuda.ops.cuda.gemm.families import EPI_BIAS, EPI_NONE, FAMILIES, SIMT_TILES, SPLIT_ALIGN, \
     TF32_FALLBACK_TILES, TF32_TILES
 from gptcuda.ops.cuda.gemm.plan import (_BYTES_PER_S, WGMMA_WORKSPACES, estimate_s, make_plan, plan,
-                                        prune_candidates, split_chunk, tune_candidates)
+                                        prune_candidates, split_chunk, tune_candidates, wave_candidates)
 from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_key, table_path
 from gptcuda.runtime.profile import fastest
 from tests.conftest import FakeGemmRT, fake_view, plan_of
@@ -204,6 +204,26 @@ def test_prune_keeps_the_close_ones_and_the_cost_model_choice():
     heur, plans = tune.candidates_for(g, plan_of("tf32"), 132, ws, keep=1.0, max_n=1)
     assert plans == [heur] + [p for p in prune_candidates(cands, g, keep=1.0, max_n=1) if p != heur]
     assert [heur] + [p for p in kept if p != heur] == tune.candidates_for(g, plan_of("tf32"), 132, ws, 1.3, 100)[1]
+
+
+def test_split_counts_that_fill_the_waves_are_timed():
+    """The tuner also times, per kept tile that leaves SMs idle, the split count whose k loops fill the waves
+    best: GPT-2's bf16 dW fc (96 tiles of 128 x 192 on 132 SMs) split 4, which the cost model ranks out of
+    its pruned list; none where one split already fills them."""
+    ex = plan_of("bf16", True)
+    ws = {"gemm_splitk": 1 << 25}
+    dw_fc = Product(3072, 768, 8192, True, False, colsum=True)
+    heur, plans = tune.candidates_for(dw_fc, ex, 132, ws)
+    pruned = [p for p in prune_candidates(tune_candidates(dw_fc, "bf16", max_ws=1 << 25), dw_fc, 132,
+                                          tune.KEEP, tune.MAX_CANDIDATES)]
+    four = make_plan("bf16", (128, 192, 4, 0), 4, 8192)
+    assert four in plans and len(set(plans)) == len(plans)
+    extra = wave_candidates(tune_candidates(dw_fc, "bf16", max_ws=1 << 25), dw_fc, plans[:1] + pruned)
+    assert four in extra and all(p.splits > 1 for p in extra)
+    # 256 x 128 over 8192 x 3072: 768 tiles, 5.8 waves of 132 (97% full): nothing added
+    fc = Product(8192, 3072, 8192, False, True)
+    cands = tune_candidates(fc, "bf16", max_ws=1 << 30)
+    assert wave_candidates(cands, fc, [make_plan("bf16", (256, 128, 4, 0), 1, 8192)]) == []
 
 
 def test_estimate_prefers_hidden_epilogues_and_full_waves():

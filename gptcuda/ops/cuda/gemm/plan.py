@@ -194,6 +194,32 @@ def prune_candidates(cands, g: Product, sm_count=132, keep=1.6, max_n=6) -> list
     return [p for t, _, p in scored if t <= keep * scored[0][0]][:max_n]
 
 
+def wave_candidates(cands, g: Product, kept, sm_count=132, max_splits=8, fill=0.9, tol=0.02) -> list:
+    """For each (family, tile) of the kept candidates whose unsplit blocks fill less than `fill` of their
+    waves: the plan of cands with the split count (at most max_splits) whose k loops fill the waves best
+    (waves / splits, the fewest splits within tol of the least), where that is not 1. The cost model
+    charges split-K's partials more than the H200 takes for them, so its ranking prunes these: dW fc's 96
+    tiles of 128 x 192 on 132 SMs split 4 (2.9 waves of a quarter of the k loop) ranks 13th of its 20
+    plans at B8 (bench/NOTES.md, a sixth session)."""
+    tiles_kept = {(p.family, p.tile, p.transpose_b) for p in kept}
+    groups = {}
+    for p in cands:
+        if (p.family, p.tile, p.transpose_b) in tiles_kept and p.splits <= max_splits:
+            groups.setdefault((p.family, p.tile, p.transpose_b), []).append(p)
+    out = []
+    for plans in groups.values():
+        M, N = (g.N, g.M) if plans[0].fam.swaps else (g.M, g.N)
+        tiles = cdiv(M, plans[0].tile[0]) * cdiv(N, plans[0].tile[1]) * g.batch
+        slots = sm_count * plans[0].geo.blocks_per_sm
+        if tiles >= fill * cdiv(tiles, slots) * slots:
+            continue
+        ranked = sorted((cdiv(tiles * p.splits, slots) / p.splits, p.splits, i) for i, p in enumerate(plans))
+        best = min(ranked, key=lambda r: (r[0] > (1 + tol) * ranked[0][0], r[1]))
+        if best[1] > 1:
+            out.append(plans[best[2]])
+    return out
+
+
 def plan_unfit(p: Plan, g: Product, family, mode=None, ws_floats=None, scratch=None, out="f32") -> str | None:
     """Why plan p cannot run product g under base family `family` and wgmma_mode `mode` into a C of dtype
     out, with ws_floats of split-K workspace and the scratch {workspace: floats} (None: not checked); None

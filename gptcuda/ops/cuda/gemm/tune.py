@@ -26,7 +26,7 @@ from gptcuda.runtime.profile import (Arena, build_ahead, download_ends, fastest,
 from gptcuda.ops.cuda.gemm.families import EPI_IO, FAMILIES, epi_code
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
 from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
-                                        workspace)
+                                        wave_candidates, workspace)
 from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_key, table_path
 
 PEAK_BYTES = 4.2e12
@@ -63,7 +63,8 @@ def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=KEEP, max
     ws = split_room(_out_dtype(g, ex), workspaces.get("gemm_splitk", 0))
     heur = plan(g, ex.gemm_family, ex.wgmma_mode, sm_count, ws, workspaces)
     cands = tune_candidates(g, ex.gemm_family, ex.wgmma_mode, ws, workspaces)
-    return heur, [heur] + [p for p in prune_candidates(cands, g, sm_count, keep, max_n) if p != heur]
+    kept = [heur] + [p for p in prune_candidates(cands, g, sm_count, keep, max_n) if p != heur]
+    return heur, kept + [p for p in wave_candidates(cands, g, kept, sm_count) if p not in kept]
 
 
 def tune_op(g: Product, ex, timer, sm_count=132, workspaces=None, keep=KEEP, max_n=MAX_CANDIDATES,
