@@ -654,9 +654,10 @@ struct WsTile {
     int z, split, batch, m0, n0, kb0, klen;
     __device__ __forceinline__ WsTile(int t, int per_z, int tiles_n, int bm, int bn, int K, int splits, int k_chunk) {
         z = t / per_z;
-        const int r = t - z * per_z, tiles_m = per_z / tiles_n;
-        const bool mf = tiles_n * bn > tiles_m * bm;            // (selects, not a branch the loops split on)
-        const int inner = mf ? tiles_m : tiles_n, o = r / inner, i = r - o * inner;
+        const int r = t - z * per_z;
+        // tiles_n * bn > tiles_m * bm, per_z = tiles_n * tiles_m (selects, not a branch the loops split on)
+        const bool mf = (long long)tiles_n * tiles_n * bn > (long long)per_z * bm;
+        const int inner = mf ? per_z / tiles_n : tiles_n, o = r / inner, i = r - o * inner;
         m0 = (mf ? i : o) * bm;
         n0 = (mf ? o : i) * bn;
         split = z % splits;
