@@ -214,8 +214,8 @@ def test_split_counts_that_fill_the_waves_are_timed():
     ws = {"gemm_splitk": 1 << 25}
     dw_fc = Product(3072, 768, 8192, True, False, colsum=True)
     heur, plans = tune.candidates_for(dw_fc, ex, 132, ws)
-    pruned = [p for p in prune_candidates(tune_candidates(dw_fc, "bf16", max_ws=1 << 25), dw_fc, 132,
-                                          tune.KEEP, tune.MAX_CANDIDATES)]
+    pruned = prune_candidates(tune_candidates(dw_fc, "bf16", max_ws=1 << 25), dw_fc, 132, tune.KEEP,
+                              tune.MAX_CANDIDATES)
     four = make_plan("bf16", (128, 192, 4, 0), 4, 8192)
     assert four in plans and len(set(plans)) == len(plans)
     extra = wave_candidates(tune_candidates(dw_fc, "bf16", max_ws=1 << 25), dw_fc, plans[:1] + pruned)
