@@ -2,7 +2,7 @@
 against float64, and their speed beside TF32's, on the GPT-2 124M shapes.
 
     python bench/bf16_gemm.py [--check] [--speed] [--iters 30] [--json out.json] [--ops 'fwd fc,dW head']
-                              [--tiles 256x128s4,128x256s4]
+                              [--tiles 256x128s4,128x256s4] [--epi none] [--tokens 16384]
 
 --check: every layout of the op interface (NT: A [M, K] and B [N, K] K-major; NN: B [K, N] as stored,
 MN-major; TN: A [K, M] and B [K, N] as stored) into its C type (bf16; the weight gradients' TN fp32), the
@@ -12,9 +12,12 @@ bf16 inputs. Error model: the inputs are exact in
 bf16, the products exact in fp32, the sums in fp32 (K terms: <= K 2^-24 of sum |a b| where the
 accumulation rounds to nearest, up to twice that where it truncates); a bf16 output adds one rounding
 (2^-9 relative). PASS: max|out - ref| / max|ref| <= 4e-5 (fp32 out; K <= 3072) or 6e-3 (bf16 out).
---speed: the median time of each GPT-2 124M product (B8 T1024: M = 8192 tokens, C 768, V 50304), replayed
-in a CUDA graph, in TF32 as the training step plans it (with its re-layouts) and in BF16 (its best tile,
-every layout as stored), with TFLOP/s, the SM clock read before and after.
+--speed: the median time of each GPT-2 124M product (B8 T1024: M = 8192 tokens, C 768, V 50304; --tokens:
+another count), replayed in a CUDA graph, in TF32 as the training step plans it (with its re-layouts) and in
+BF16 (its best tile, every layout as stored), with TFLOP/s, the SM clock read before and after. Each bf16
+tile's time comes with its time a wave of tiles (us: the time over the waves of one tile an SM), which tells
+products of one tile and k loop apart where their operands, not their arithmetic, differ (the head's
+logits read their 77 MB B again for every panel of A until their tiles walked m fastest: bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.common import ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402
-from gptcuda.ops.cuda import gemm  # noqa: E402
+from gptcuda.ops.cuda import cdiv, gemm  # noqa: E402
 from gptcuda.ops.cuda.gemm.families import BF16_TILES, FAMILIES, layout_code  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import make_plan  # noqa: E402
 from gptcuda.ops.reference import ops as ref  # noqa: E402
@@ -96,6 +99,12 @@ def check(rt, rng) -> bool:
     return ok
 
 
+def wave_us(ms, M, N, tile, sm_count) -> float:
+    """Microseconds a wave of tiles of a one-split product M x N on `tile` (BM, BN, ...) took: its time over
+    ceil(tiles / SMs), one block an SM (the ping-pong tile's two warpgroups take turns on one SM's tiles)."""
+    return ms * 1e3 / cdiv(cdiv(M, tile[0]) * cdiv(N, tile[1]), sm_count)
+
+
 def gpt2_shapes(tokens=8192, C=768, V=50304):
     """(label, M, N, K, layout, epilogue, bias) of GPT-2 124M's products at `tokens` tokens (one layer and
     the head), each with the epilogue the training step gives it."""
@@ -110,7 +119,7 @@ def gpt2_shapes(tokens=8192, C=768, V=50304):
     return out + [("dX fc proj rc", tokens, 4 * C, C, "NN", "dgelu_gelu", False)]
 
 
-def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None, epi_as=None) -> list:
+def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None, epi_as=None, tokens=8192) -> list:
     """Each product's best tile (one product, no split; the epilogue of the training step), replayed in a
     CUDA graph: TF32 as the training step runs it (the cost model's plan: B^T first for NN, the register-A
     kernels for TN), BF16 as stored, every tile's time printed (bf16_only: no TF32 column). epi_as ("none",
@@ -118,7 +127,7 @@ def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None, epi_as=None) ->
     rows = []
     watch = ClockWatch()
     tf32, bf = rt.exec.with_precision("tf32"), rt.exec
-    for label, M, N, K, lay, epi, hb in gpt2_shapes():
+    for label, M, N, K, lay, epi, hb in gpt2_shapes(tokens):
         if ops and label not in ops:
             continue
         if epi_as:
@@ -139,7 +148,8 @@ def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None, epi_as=None) ->
             for tile in pick:
                 ms = time_graphed_ms(rt, lambda: product(rt, ex, c, a, b, ta, tb, epi, bias, aux, tile=tile),
                                      iters=iters, reps=5)
-                times.append(f"{FAMILIES['bf16'].short(tile) if tile else 'model'} {ms:.4f}")
+                wave = f" ({wave_us(ms, M, N, tile, rt.info.sm_count):.1f} us)" if tile else ""
+                times.append(f"{FAMILIES['bf16'].short(tile) if tile else 'model'} {ms:.4f}{wave}")
                 if dtype not in best or ms < best[dtype][0]:
                     best[dtype] = (ms, tile or "model")
             if dtype == "bf16":
@@ -164,13 +174,16 @@ def main(argv=None):
     ap.add_argument("--ops", help="--speed: these products alone (comma-separated labels, e.g. 'fwd fc,dW head')")
     ap.add_argument("--tiles", help="--speed: these bf16 tiles alone (short names, e.g. 128x256s4,256x128s4)")
     ap.add_argument("--epi", help="--speed: every product with this epilogue instead (e.g. none, gelu+bias)")
+    ap.add_argument("--tokens", type=int, default=8192, help="--speed: M of the products (8192: B8 T1024)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.tokens < 1:
+        ap.error(f"--tokens {args.tokens}: a positive count")
     if args.epi and args.epi.split("+")[0] not in EPILOGUES:
         ap.error(f"--epi {args.epi}: one of {', '.join(EPILOGUES)}, optionally +bias")
     rt = Runtime(0, precision="bf16", seed=0)
     rt.set_workspace({"gemm_splitk": rt.empty((32 * 768 * 768,)), "gemm_bT": rt.empty((768 * 50304,)),
-                      "gemm_aT": rt.empty((3072 * 8192,))})
+                      "gemm_aT": rt.empty((3072 * max(8192, args.tokens),))})
     rng = np.random.default_rng(0)
     ok = True
     result = {}
@@ -180,7 +193,7 @@ def main(argv=None):
         result["check"] = ok
     if args.speed:
         result["speed"] = speed(rt, rng, args.iters, args.bf16_only, args.ops and args.ops.split(","),
-                                args.tiles and args.tiles.split(","), args.epi)
+                                args.tiles and args.tiles.split(","), args.epi, args.tokens)
     if args.json:
         write_results(args.json, result)
     rt.close()
