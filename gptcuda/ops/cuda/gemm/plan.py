@@ -96,10 +96,12 @@ def make_plan(family, tile, splits, K, transpose_b=False) -> Plan | None:
 
 def b_reads(p: Plan, M, N, k_chunk, sm_count=132) -> int:
     """How often B comes from DRAM: once, or where B's part of a split (N x k_chunk floats) outgrows the L2,
-    once a wave of blocks (the grid's x, N tiles, runs fastest): min(row tiles, waves)."""
-    if 4.0 * N * max(k_chunk, 1) <= _L2_RESIDENT_BYTES:
+    once a wave of blocks where N tiles run fastest (the grid's x; a persistent kernel's walk unless C is
+    wider than tall, where it walks m fastest and reads B once: gemm_wgmma.cu WsTile): min(row tiles, waves)."""
+    rows_, cols = cdiv(M, p.tile[0]), cdiv(N, p.tile[1])
+    if 4.0 * N * max(k_chunk, 1) <= _L2_RESIDENT_BYTES or p.geo.persistent and cols * p.tile[1] > rows_ * p.tile[0]:
         return 1
-    rows_, tiles = cdiv(M, p.tile[0]), cdiv(M, p.tile[0]) * cdiv(N, p.tile[1])
+    tiles = rows_ * cols
     return max(1, min(rows_, cdiv(tiles, sm_count * p.geo.blocks_per_sm)))
 
 
