@@ -600,60 +600,6 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
 #endif
 }
 
-// ------------------------------------------------------------------------- backward: dS stored (DS)
-// The backward with dS stored (flash_bf16_ds in gptcuda/ops/cuda/flash.py): flash_bwd_dkv_bf16<.., DS> writes
-// each tile of dS it makes (bf16, as its dK product reads it) and flash_bwd_dq_ds_bf16 then sums dQ = dS K
-// from them, in place of flash_bwd_dq_bf16 running S and dP again. A head's dS tiles are 64 keys x 64
-// queries, those on or below the causal diagonal (key block kb <= query tile qt), [qt][kb] in order: tile
-// (qt, kb) is rows fb_ds_row(qt, kb) .. + 63 of the head's [nt (nt + 1) / 2 * 64][64] (nt = T / 64 rounded
-// up), each row a key and its 64 queries' values (128 bytes): the MN-major A operand of dQ's product.
-#define FB_DS_TILE 8192     // bytes of a dS tile
-#define FB_DS_BUFS 3        // a dK/dV warpgroup's staging buffers: a buffer is reused three tiles on
-__device__ __forceinline__ int fb_ds_row(int qt, int kb) { return (qt * (qt + 1) / 2 + kb) * 64; }
-// The warpgroup's dS^T fragments of a tile (ds: keys x 64 queries, the register-A layout of fb_pack) into
-// staging buffer n % 3 of the three at stg by stmatrix, in the 128-byte swizzle of a box {64, 64} (chunk c
-// of row r at (c ^ r % 8) 16 bytes into it), then, by the warpgroup's thread 0 after named barrier `bar`,
-// to rows row .. + 63 of head bh in map_ds.
-// Before that barrier thread 0 waits until the store two tiles back has read its buffer: the one tile n + 1
-// writes. Called with the tile's products issued (stmatrix reads the fragments they read).
-template <int BN>
-__device__ __forceinline__ void fb_store_ds(const unsigned (&ds)[BN / 16][4], unsigned stg, int n, int bar,
-                                            const TmaMap* map_ds, int row, int bh) {
-    const int wt = threadIdx.x & 127, lane = wt & 31;
-    const int r = 16 * (wt >> 5) + (lane & 7) + 8 * ((lane >> 3) & 1);    // stmatrix: lane l, row l % 8 of matrix l / 8
-    const unsigned buf = stg + (unsigned)(n % FB_DS_BUFS) * FB_DS_TILE;
-#pragma unroll
-    for (int s = 0; s < BN / 16; ++s)
-        stmatrix_x4(buf + r * 128 + (((2 * s + (lane >> 4)) ^ (r & 7)) << 4), ds[s][0], ds[s][1], ds[s][2], ds[s][3]);
-    wg_fence_async_smem();
-    if (wt == 0) tma_store_wait<1>();     // the store two tiles back has read its buffer (the next one written)
-    asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
-    if (wt == 0) {
-        tma_store(map_ds, buf, 0, row, bh);
-        tma_store_commit();
-    }
-}
-
-// DS 2: the same by each warp alone (its 16 keys, a box {64, 16} of map_ds: no warpgroup barrier): lane 0
-// waits until the warp's store two tiles back has read its buffer, the warp meets (__syncwarp), lane 0 stores.
-template <int BN>
-__device__ __forceinline__ void fb_store_ds_warp(const unsigned (&ds)[BN / 16][4], unsigned stg, int n,
-                                                 const TmaMap* map_ds, int row, int bh) {
-    const int wt = threadIdx.x & 127, lane = wt & 31, w = wt >> 5;
-    const int r = (lane & 7) + 8 * ((lane >> 3) & 1);       // the row within the warp's 16
-    const unsigned buf = stg + (unsigned)(n % FB_DS_BUFS) * FB_DS_TILE + w * 2048;
-#pragma unroll
-    for (int s = 0; s < BN / 16; ++s)
-        stmatrix_x4(buf + r * 128 + (((2 * s + (lane >> 4)) ^ (r & 7)) << 4), ds[s][0], ds[s][1], ds[s][2], ds[s][3]);
-    wg_fence_async_smem();
-    if (lane == 0) tma_store_wait<1>();
-    __syncwarp();
-    if (lane == 0) {
-        tma_store(map_ds, buf, 0, row + 16 * w, bh);
-        tma_store_commit();
-    }
-}
-
 // ----------------------------------------------------------------------------------- backward: dK dV
 // dV += Pd^T dO and dK += dS^T Q of a stage's queries (Q at qt, dO after it) from the fragments pa (of
 // Pd^T) and ds (of dS^T), issued and committed as one group
@@ -736,7 +682,7 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
 // One block per (b*H + h, key tile of BM), the first key tiles (the most queries) first: K and V
 // resident, Q and dO streamed from the first query tile that reaches the block's keys to the end;
 // lse and D of a tile's queries read by each thread for its columns.
-template <int HS, bool DROP, FB_PLAN, int DS = 0>
+template <int HS, bool DROP, FB_PLAN>
 __global__ void __launch_bounds__(THREADS, 1)
 flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k and v columns
                    const __grid_constant__ TmaMap map_r,    // qkv [B][T][3C], boxes {64, BM}
@@ -744,12 +690,9 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                    const __grid_constant__ TmaMap map_dy,   // dy [B][T][C], boxes {64, BN}
                    const float* __restrict__ lse,           // [B,H,T]
                    const float* __restrict__ Dg,            // [B,H,T]
-                   FB_ARGS_DROP,
-                   const __grid_constant__ TmaMap map_ds) { // DS: the dS tiles (fb_ds_row), boxes {64, 64}; else unused
+                   FB_ARGS_DROP) {
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
-    static_assert(SMEM == F::SMEM_NEED + (DS ? F::CW * FB_DS_BUFS * FB_DS_TILE : 0),
-                  "the plan's shared memory is K, V and NS stages of Q, dO, + 1 KB (DS: + the staging of dS)");
-    static_assert(!DS || BN == 64, "dS tiles of 64 queries");
+    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V and NS stages of Q, dO, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
     __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 1];
@@ -776,14 +719,6 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     float dk[HS / 2], dv[HS / 2];
 #pragma unroll
     for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
-    // DS: the warpgroup's dS tiles (its 64 keys, query tile first + it) staged and stored as they are made
-    const unsigned ds_stg = k.ring + NS * F::STAGE + k.wg * (FB_DS_BUFS * FB_DS_TILE);
-    const int ds_kb = kb0 / 64 + k.wg;
-    int ds_n = 0;
-    auto store_ds = [&](const unsigned (&ds)[BN / 16][4], int it) {
-        if constexpr (DS == 1) fb_store_ds<BN>(ds, ds_stg, ds_n++, 1 + k.wg, &map_ds, fb_ds_row(first + it, ds_kb), k.bh);
-        if constexpr (DS == 2) fb_store_ds_warp<BN>(ds, ds_stg, ds_n++, &map_ds, fb_ds_row(first + it, ds_kb), k.bh);
-    };
     k.wait_resident();
     int it0 = 0;                                           // the query tiles before every key of the warpgroup
     while (it0 < nqt && (first + it0) * BN + BN - 1 < wg_first) ++it0;
@@ -804,7 +739,6 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                 fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
                 fb_pack<BN>(pa, sc);
                 fb_pack<BN>(ds, dp);
-                store_ds(ds, it);
                 k.wait_full(it + 1);
                 fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
                 fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
@@ -817,7 +751,6 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
             } else {                                       // a tile at a time
                 fb_pack<BN>(pa, sc);
                 fb_pack<BN>(ds, dp);
-                store_ds(ds, it);
                 fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
                 fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
                 k.release(it);
@@ -829,7 +762,6 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
         unsigned pa[BN / 16][4], ds[BN / 16][4];           // the last tile's
         fb_pack<BN>(pa, sc);
         fb_pack<BN>(ds, dp);
-        store_ds(ds, nqt - 1);
         fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(nqt - 1));
         fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
         k.release(nqt - 1);
@@ -842,93 +774,6 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
             fb_store_row<HS>(r, dk, hh, scale);
             fb_store_row<HS>(r + k.C, dv, hh, 1.f);
         }
-    }
-    // every dS store has read its staging buffer before the block's shared memory goes (the writes complete
-    // with the grid)
-    if (DS == 1 && (threadIdx.x & 127) == 0) tma_store_wait<0>();
-    if (DS == 2 && (threadIdx.x & 31) == 0) tma_store_wait<0>();
-#else
-    __trap();
-#endif
-}
-
-// ------------------------------------------------------------------------------ backward: dQ from dS
-// dQ = scale dS K of query tiles 2p and 2p + 1 (64 each; p = blockIdx.y, the longest first) of head
-// blockIdx.x from the dS tiles flash_bwd_dkv_bf16<.., DS> stored: one warpgroup, the two tiles' dQ in two
-// accumulator sets, so that K's tiles are read once for both. Its thread 0 keeps NS stages loading (stage
-// kb: K's 64 keys of block kb, dS (2p, kb) where kb <= 2p, dS (2p + 1, kb) where tile 2p + 1 is in the
-// sequence), and a stage is loaded again once every warp's products that read it are done (named barrier
-// 1). dQ += dS K: both operands MN-major (dS: rows are keys; K: the head's columns are N), four k16 steps
-// a tile, one group in flight. No softmax and no dropout here: dS carries both.
-template <int HS, int NS, int SMEM>
-__global__ void __launch_bounds__(128)
-flash_bwd_dq_ds_bf16(bf16* __restrict__ dqkv,               // [B,T,3C]: the q columns
-                     const __grid_constant__ TmaMap map_ds, // the dS tiles [B H][rows][64], boxes {64, 64}
-                     const __grid_constant__ TmaMap map_k,  // qkv [B][T][3C], boxes {64, 64}
-                     float scale, int T, int H) {
-    constexpr int KB = HS / 64, KT = 64 * HS * 2, STAGE = KT + 2 * FB_DS_TILE;
-    static_assert(HS == 64 || HS == 128, "head sizes 64 and 128");
-    static_assert(NS >= 2 && SMEM == NS * STAGE + 1024, "the plan's shared memory is NS stages of K and two dS tiles, + 1 KB");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ __align__(1024) unsigned char fb_smem[];
-    __shared__ __align__(8) unsigned long long fb_bars[NS];
-    const unsigned base = (fa_smem_u32(fb_smem) + 1023u) & ~1023u, bars = fa_smem_u32(fb_bars);
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H, C = H * HS;
-    const int nt = (T + 63) / 64, q0 = 2 * ((int)gridDim.y - 1 - (int)blockIdx.y);
-    const bool two = q0 + 1 < nt;                          // tile q0 + 1 is in the sequence
-    const int n = two ? q0 + 2 : q0 + 1;                   // key blocks 0 .. the last tile's
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, q = lane & 3;
-    if (tid == 0) {
-        for (int s = 0; s < NS; ++s) mbar_init(bars + 8 * s, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    auto load = [&](int kb) {                              // warp 0, converged (lane 0 issues)
-        const unsigned bar = bars + 8 * (kb % NS), dst = base + (kb % NS) * STAGE;
-        mbar_expect(lane, bar, KT + (kb <= q0 ? FB_DS_TILE : 0) + (two ? FB_DS_TILE : 0));
-        fb_copy_tile<64, KB>(lane, bar, dst, &map_k, C + h * HS, 64 * kb, b);
-        if (kb <= q0) tma_copy(lane, bar, dst + KT, &map_ds, 0, fb_ds_row(q0, kb), bh);
-        if (two) tma_copy(lane, bar, dst + KT + FB_DS_TILE, &map_ds, 0, fb_ds_row(q0 + 1, kb), bh);
-    };
-    if (w == 0)
-        for (int kb = 0; kb < min(NS, n); ++kb) load(kb);
-    float d0[HS / 2], d1[HS / 2];
-#pragma unroll
-    for (int i = 0; i < HS / 2; ++i) d0[i] = d1[i] = 0.f;
-    for (int kb = 0; kb < n; ++kb) {
-        const unsigned st = base + (kb % NS) * STAGE;
-        mbar_wait(bars + 8 * (kb % NS), (kb / NS) & 1);
-        wg_fence_acc(d0);
-        wg_fence_acc(d1);
-        wg_fence();
-        if (kb <= q0) {
-#pragma unroll
-            for (int s = 0; s < 4; ++s)
-                WgBf16<HS>::template mma<1, 1>(d0, fb_desc_mn<64>(st + KT, s), fb_desc_mn<64>(st, s));
-        }
-        if (two) {
-#pragma unroll
-            for (int s = 0; s < 4; ++s)
-                WgBf16<HS>::template mma<1, 1>(d1, fb_desc_mn<64>(st + KT + FB_DS_TILE, s), fb_desc_mn<64>(st, s));
-        }
-        wg_commit();
-        wg_wait<1>();                                      // stage kb - 1's products are done
-        wg_fence_acc(d0);
-        wg_fence_acc(d1);
-        if (kb >= 1 && kb - 1 + NS < n) {
-            asm volatile("bar.sync 1, 128;\n" ::: "memory");
-            if (w == 0) load(kb - 1 + NS);
-        }
-    }
-    wg_wait<0>();
-    wg_fence_acc(d0);
-    wg_fence_acc(d1);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int i = 64 * q0 + 16 * w + g + 8 * hh;
-        bf16* r = dqkv + ((long long)b * T + i) * 3 * C + h * HS + 2 * q;
-        if (i < T) fb_store_row<HS>(r, d0, hh, scale);
-        if (i + 64 < T) fb_store_row<HS>(r + 64LL * 3 * C, d1, hh, scale);
     }
 #else
     __trap();

@@ -1,8 +1,6 @@
-// D = rowsum(dO * O) of the flash backward: flash_rowsum_do for the fp32 paths (flash_common.cuh),
-// flash_rowsum_do_bf16 for flash_bf16's backward with dS stored (its other backward makes D in
+// D = rowsum(dO * O) of the fp32 flash backward (flash_common.cuh; the bf16 kernels make it in
 // flash_bwd_dq_bf16).
 #include "flash_common.cuh"
-#include "bf16.cuh"
 
 // Row r = (b*T + t)*H + h of dy and y, [B,T,C] with C = H*HS, is the HS contiguous floats at r*HS:
 // G = HS/4 lanes take a row, one float4 of each tensor a lane (dy, y 16-byte aligned: the launcher
@@ -28,42 +26,6 @@ flash_rowsum_do(float* __restrict__ D,          // [B,H,T]
     }
 #pragma unroll
     for (int o = G / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (q == 0 && r < rows) {
-        const int h = (int)(r % H);
-        const long long bt = r / H;
-        const int t = (int)(bt % T);
-        const long long b = bt / T;
-        D[(b * H + h) * T + t] = acc;
-    }
-}
-
-// The same of bf16 dy and y: 4 lanes a row, lane q the HS / 4 columns from (HS / 4) q as 16-byte words (8
-// values), an fmaf chain over them, then lanes xor 1 and xor 2: flash_bwd_dq_bf16's order (its make_d), so
-// that both backward forms see the same D.
-template <int HS, int THREADS>
-__global__ void __launch_bounds__(THREADS)
-flash_rowsum_do_bf16(float* __restrict__ D,           // [B,H,T]
-                     const bf16* __restrict__ dy,     // [B,T,C], 16-byte aligned
-                     const bf16* __restrict__ y,      // [B,T,C], 16-byte aligned
-                     int rows, int T, int H) {
-    static_assert(HS % 32 == 0, "whole 16-byte words a lane");
-    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long r = gid >> 2;
-    const int q = (int)(gid & 3);
-    float acc = 0.f;
-    if (r < rows) {
-        const long long off = r * HS + (HS / 4) * q;
-#pragma unroll
-        for (int c = 0; c < HS / 32; ++c) {
-            float a[8], o[8];
-            bf16x8_f32(*reinterpret_cast<const uint4*>(dy + off + 8 * c), a);
-            bf16x8_f32(*reinterpret_cast<const uint4*>(y + off + 8 * c), o);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc = fmaf(a[e], o[e], acc);
-        }
-    }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
     if (q == 0 && r < rows) {
         const int h = (int)(r % H);
         const long long bt = r / H;

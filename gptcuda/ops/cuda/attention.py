@@ -81,8 +81,6 @@ def workspace(cfg, ex=None) -> dict:
     ex = ex or execution.resolve(cfg)
     if _fused(cfg, ex):
         out = {"attention_d": ((B, H, T), "f32")}            # D = rowsum(dO * O) of the backward
-        if ex.attention == "flash_bf16" and flash.flash_bf16_ds(B, H, T, hs):     # the bf16 backward's dS tiles
-            out["attention_ds"] = ((flash.flash_bf16_ds_bytes(B, H, T) // 2,), "bf16")
         if ex.act_dtype == "bf16" and ex.attention != "flash_bf16":
             out[F32_COPIES] = ((B * T * 8 * C,), "f32")
         return out
@@ -356,31 +354,13 @@ def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     B, T, C, H, hs = _split(qkv, n_head)
     _bf16_check(qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
-    D = _view(rt.workspace("attention_d"), (B, H, T))      # read by dK / dV's kernel
+    D = _view(rt.workspace("attention_d"), (B, H, T))      # written by dQ's kernel (its rows'), read by dK / dV's
     tail = [lse, D] + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
-    if flash.flash_bf16_ds(B, H, T, hs):
-        # dS stored: D, then dK / dV writing the dS tiles, then dQ = dS K from them
-        rows = B * T * H
-        rt.launch(rt.function(ROWSUM_FILE, flash.rowsum_name(hs, bf16=True)), (cdiv(rows * 4, ROWSUM_THREADS),),
-                  (ROWSUM_THREADS,), [D, dy, y, i32(rows), i32(T), i32(H)], label="flash_rowsum_do")
-        kk, kq = flash.flash_bf16_ds_kernels(hs, float(p) > 0, T)
-        nt = flash.flash_bf16_ds_tiles(T)
-        nt_q = cdiv(T, flash.FLASH_BF16_DS_TILE)           # query tiles: a dQ block takes 2p and 2p + 1
-        ds = _view(rt.workspace("attention_ds"), (B * H, nt * 64, 64))
-        map_ds = rt.tensor_map(ds, (64, nt * 64, B * H), (128, 128 * nt * 64), (64, 64, 1))
-        map_st = rt.tensor_map(ds, (64, nt * 64, B * H), (128, 128 * nt * 64), (64, 16 if kk.name.endswith(',2>') else 64, 1))
-        maps = [_bf16_map(rt, qkv, kk.rows), _bf16_map(rt, qkv, kk.stream_rows), _bf16_map(rt, dy, kk.stream_rows)]
-        rt.launch(rt.function(kk.file, kk.name), (B * H, cdiv(T, kk.rows)), (kk.threads,),
-                  [dqkv] + maps + tail + [map_st], smem=kk.smem, label="flash_bwd_dkv")
-        rt.launch(rt.function(kq.file, kq.name), (B * H, (nt_q + 1) // 2), (kq.threads,),
-                  [dqkv, map_ds, _bf16_map(rt, qkv, 64), f32(1.0 / math.sqrt(hs)), i32(T), i32(H)], smem=kq.smem,
-                  label="flash_bwd_dq")
-        return
     kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kq.rows), _bf16_map(rt, dy, kq.rows), _bf16_map(rt, qkv, kq.stream_rows)]
     rt.launch(rt.function(kq.file, kq.name), (B * H, cdiv(T, kq.rows)), (kq.threads,),
               [dqkv] + maps + [dy, y] + tail, smem=kq.smem, label="flash_bwd_dq")
     kk = flash.flash_kernel("dkv", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kk.rows), _bf16_map(rt, qkv, kk.stream_rows), _bf16_map(rt, dy, kk.stream_rows)]
-    rt.launch(rt.function(kk.file, kk.name), (B * H, cdiv(T, kk.rows)), (kk.threads,), [dqkv] + maps + tail + [maps[1]],
-              smem=kk.smem, label="flash_bwd_dkv")     # (the last map: map_ds, unused without DS)
+    rt.launch(rt.function(kk.file, kk.name), (B * H, cdiv(T, kk.rows)), (kk.threads,), [dqkv] + maps + tail,
+              smem=kk.smem, label="flash_bwd_dkv")

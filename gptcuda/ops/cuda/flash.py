@@ -150,53 +150,6 @@ def flash_bf16_plan(kind: str, hs: int, T: int = 0) -> dict:
     return {"rows": bm, "smem": smem, "threads": threads, "stream_rows": bn, "args": (threads, bm, bn, ns, smem)}
 
 
-# The bf16 backward with dS stored (flash_bwd_dkv_bf16<.., DS> writes each 64 x 64 tile of dS it makes,
-# flash_bwd_dq_ds_bf16 sums dQ = dS K from them; D by flash_rowsum_do_bf16 first) in place of dQ's kernel
-# running S and dP again: 5 products a tile pair instead of 7, for a scratch of the causal half of dS in
-# bf16 (8 KB a tile, flash_bf16_ds_bytes), used where it is at most FLASH_BF16_DS_MAX_BYTES (GPT-2 124M at
-# B16 T1024: 209 MB; longer sequences grow it as T^2 and keep the two-kernel form).
-FLASH_BF16_DS_TILE = 64
-FLASH_BF16_DS_MAX_BYTES = 512 << 20
-FLASH_BF16_DS_NS = 4            # flash_bwd_dq_ds_bf16's stages (dS tile and K tile each)
-
-
-def flash_bf16_ds_tiles(T: int) -> int:
-    """dS tiles of a head: the 64 x 64 tiles on or below the causal diagonal."""
-    nt = -(-int(T) // FLASH_BF16_DS_TILE)
-    return nt * (nt + 1) // 2
-
-
-def flash_bf16_ds_bytes(B: int, H: int, T: int) -> int:
-    return int(B) * int(H) * flash_bf16_ds_tiles(T) * FLASH_BF16_DS_TILE * FLASH_BF16_DS_TILE * 2
-
-
-def flash_bf16_ds(B: int, H: int, T: int, hs: int) -> bool:
-    """The bf16 backward stores dS (see FLASH_BF16_DS_MAX_BYTES): the one decision attention.workspace and
-    the launcher both ask."""
-    import os
-    if os.environ.get("GPTCUDA_DS_MODE", "1") == "0":
-        return False
-    return (hs in FLASH_BF16_HEAD_SIZES and flash_bf16_tile("dkv", hs, T)[1] == FLASH_BF16_DS_TILE
-            and flash_bf16_ds_bytes(B, H, T) <= FLASH_BF16_DS_MAX_BYTES)
-
-
-def flash_bf16_ds_kernels(hs: int, drop: bool, T: int = 0) -> tuple:
-    """(dK/dV storing dS, dQ from dS) of the bf16 backward with dS stored: FlashKernel each (dq_ds: one
-    warpgroup a query tile of 64, FLASH_BF16_DS_NS stages of a dS tile and K's 64 keys)."""
-    plan = flash_bf16_plan("dkv", hs, T)
-    threads, bm, bn, ns, smem = plan["args"]
-    smem += (bm // 64) * 3 * FLASH_BF16_DS_TILE * FLASH_BF16_DS_TILE * 2     # FB_DS_BUFS staging tiles a warpgroup
-    if smem > FLASH_BF16_SMEM_MAX:
-        raise ValueError(f"bf16 flash dkv with dS stored: {smem} bytes of shared memory, more than {FLASH_BF16_SMEM_MAX}")
-    dkv = FlashKernel(FLASH_FILES["flash_bf16"], expression("flash_bwd_dkv_bf16", hs, bool(drop), threads, bm, bn, ns,
-                                                            smem, int(__import__("os").environ.get("GPTCUDA_DS_MODE", "1"))), bm, smem, threads, bn)
-    ns = FLASH_BF16_DS_NS
-    smem_q = ns * (2 * FLASH_BF16_DS_TILE * FLASH_BF16_DS_TILE * 2 + FLASH_BF16_DS_TILE * hs * 2) + 1024
-    dq = FlashKernel(FLASH_FILES["flash_bf16"], expression("flash_bwd_dq_ds_bf16", hs, ns, smem_q),
-                     FLASH_BF16_DS_TILE, smem_q, 128, FLASH_BF16_DS_TILE)
-    return dkv, dq
-
-
 def _x3(path: str) -> bool:
     if path not in FLASH_PATHS:
         raise ValueError(f"unknown fused attention path {path!r} (one of {FLASH_PATHS})")
@@ -225,10 +178,9 @@ def flash_kernel(kind: str, path: str, hs: int, drop: bool, wg: bool = False, T:
                        plan.get("threads", FLASH_THREADS), plan.get("stream_rows", 0))
 
 
-def rowsum_name(hs: int, bf16: bool = False) -> str:
-    """flash_rowsum_do <HS, THREADS> (fp32 dy and y), or flash_rowsum_do_bf16 (the bf16 backward with dS
-    stored; its other form makes D in flash_bwd_dq_bf16)."""
-    return expression("flash_rowsum_do_bf16" if bf16 else "flash_rowsum_do", hs, ROWSUM_THREADS)
+def rowsum_name(hs: int) -> str:
+    """flash_rowsum_do <HS, THREADS> (fp32 dy and y; the bf16 path's D is made by flash_bwd_dq_bf16)."""
+    return expression("flash_rowsum_do", hs, ROWSUM_THREADS)
 
 
 def variants() -> list:
@@ -243,8 +195,5 @@ def variants() -> list:
             if hs in FLASH_WG_HEAD_SIZES:
                 k = flash_kernel("dkv", "flash_tc", hs, drop, wg=True)
                 out.append((k.file, k.name, {}))
-            if hs in FLASH_BF16_HEAD_SIZES:
-                out += [(k.file, k.name, {}) for T in (0, FLASH_BF16_LONG_T) for k in flash_bf16_ds_kernels(hs, drop, T)]
     out = [v for i, v in enumerate(out) if v not in out[:i]]          # a tile the two T classes share
-    return (out + [(ROWSUM_FILE, rowsum_name(hs), {}) for hs in FLASH_HEAD_SIZES]
-            + [(ROWSUM_FILE, rowsum_name(hs, bf16=True), {}) for hs in FLASH_BF16_HEAD_SIZES])
+    return out + [(ROWSUM_FILE, rowsum_name(hs), {}) for hs in FLASH_HEAD_SIZES]
