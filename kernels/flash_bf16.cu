@@ -53,6 +53,9 @@ struct FaBf16 {
     static constexpr int ST = BN * HS * 2;             // bytes of a streamed tile
     static constexpr int STAGE = 2 * ST;
     static constexpr int SMEM_NEED = NRES * RT + NS * STAGE + 1024;
+    // flash_bwd_dkv_bf16: a block walks several work items where its loop is pipelined (NS >= 3: head size
+    // 64); the a-tile-at-a-time loop (head size 128) has no registers to spare for the walk (it spills)
+    static constexpr bool WALK = NS >= 3;
     // the register file split (setmaxnreg). ptxas gives a kernel that changes its count the launch's cap,
     // REGS = 65536 / THREADS to a multiple of 8 (2 warpgroups 168, 3: 128, 4: 96), and the block's
     // registers are THREADS * REGS: what the producer gives back (REGS - PRODUCER_REGS a thread) is all the
@@ -161,15 +164,18 @@ __device__ __forceinline__ void fb_store_row(bf16* r, const float (&a)[HS / 2], 
     for (int j = 0; j < HS / 8; ++j) u[4 * j] = bf16x2_rn(a[4 * j + 2 * hh] * f, a[4 * j + 2 * hh + 1] * f);
 }
 
-// barriers: full[0..NS), empty[0..NS) (a consumer thread's arrival each), then the resident tiles'
-template <int NS, int CW>
+// barriers: full[0..NS), empty[0..NS) (a consumer thread's arrival each), then the resident tiles' (NRB
+// buffers: full[0..NRB), and where NRB > 1 empty[0..NRB), a consumer thread's arrival each)
+template <int NS, int CW, int NRB = 1>
 __device__ __forceinline__ void fb_init_bars(unsigned bars) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < NS; ++s) {
             mbar_init(bars + 8 * s, 1);
             mbar_init(bars + 8 * (NS + s), CW * 128);
         }
-        mbar_init(bars + 16 * NS, 1);
+        for (int r = 0; r < NRB; ++r) mbar_init(bars + 16 * NS + 8 * r, 1);
+        if (NRB > 1)
+            for (int r = 0; r < NRB; ++r) mbar_init(bars + 16 * NS + 8 * (NRB + r), CW * 128);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();      // the last block-wide barrier: the producer warpgroup leaves early
@@ -207,7 +213,7 @@ __device__ __forceinline__ void fb_produce(unsigned bars, unsigned res, unsigned
 
 // What every kernel sets up: the aligned base, barriers, the block's head and rows; the producer
 // warpgroup is told apart by `producer`.
-template <class F>
+template <class F, int NRB = 1>
 struct FbBlock {
     unsigned res, ring, bars;
     int bh, b, h, r0, C, wg, w, g, q;
@@ -224,7 +230,7 @@ struct FbBlock {
         g = (threadIdx.x & 31) >> 2;
         q = threadIdx.x & 3;
         producer = wg == F::CW;
-        fb_init_bars<F::NS_, F::CW>(bars);
+        fb_init_bars<F::NS_, F::CW, NRB>(bars);
     }
     __device__ __forceinline__ void wait_full(int it) const { mbar_wait(bars + 8 * (it % F::NS_), (it / F::NS_) & 1); }
     __device__ __forceinline__ void release(int it) const { mbar_arrive(bars + 8 * (F::NS_ + it % F::NS_)); }
@@ -445,8 +451,8 @@ __device__ __forceinline__ void fb_scores(float (&sc)[BN / 2], float (&dp)[BN / 
     wg_commit();
 }
 // fb_scores of stage it once it is loaded, waited for: sc and dp are the thread's again
-template <int HS, int BM, int BN, class F>
-__device__ __forceinline__ void fb_scores_wait(const FbBlock<F>& k, int it, float (&sc)[BN / 2], float (&dp)[BN / 2],
+template <int HS, int BM, int BN, class F, int NRB>
+__device__ __forceinline__ void fb_scores_wait(const FbBlock<F, NRB>& k, int it, float (&sc)[BN / 2], float (&dp)[BN / 2],
                                                unsigned a, unsigned a2) {
     k.wait_full(it);
     fb_scores<HS, BM, BN>(sc, dp, a, a2, k.stage(it));
@@ -679,9 +685,14 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
     }
 }
 
-// One block per (b*H + h, key tile of BM), the first key tiles (the most queries) first: K and V
-// resident, Q and dO streamed from the first query tile that reaches the block's keys to the end;
-// lse and D of a tile's queries read by each thread for its columns.
+// Work items (b*H + h, key tile of BM), item = key tile * BH + b*H + h: the first key tiles (the most
+// queries) first. An item: K and V resident, Q and dO streamed from the first query tile that reaches its
+// keys to the end; lse and D of a tile's queries read by each thread for its columns. Where F::WALK, a
+// block walks items blockIdx.x, + gridDim.x, ... (the launcher's grid: at most one block an SM), so that
+// the next item's K and V load under the last one's products and its start costs no block launch: the
+// resident tiles have two buffers (item j in buffer j % 2), the producer loads item j + 1's once the
+// consumers have released its buffer (after item j - 1), and the ring's stages count on across items;
+// otherwise a block takes item blockIdx.x alone (a grid of one block an item).
 template <int HS, bool DROP, FB_PLAN>
 __global__ void __launch_bounds__(THREADS, 1)
 flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k and v columns
@@ -690,90 +701,118 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                    const __grid_constant__ TmaMap map_dy,   // dy [B][T][C], boxes {64, BN}
                    const float* __restrict__ lse,           // [B,H,T]
                    const float* __restrict__ Dg,            // [B,H,T]
-                   FB_ARGS_DROP) {
-    using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
-    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V and NS stages of Q, dO, + 1 KB");
+                   FB_ARGS_DROP, int BH) {                  // BH: B * H
+    using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, NS >= 3 ? 4 : 2>;     // (F::WALK: K and V twice)
+    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V (twice where F::WALK) and NS stages of Q, "
+                                        "dO, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
-    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 1];
-    const FbBlock<F> k(fb_smem, fb_bars, H, false);
-    const int kb0 = k.r0;                                  // the block's first key
-    const int first = kb0 / BN;                            // the first query tile that sees a key of the block
-    const int nqt = (T + BN - 1) / BN - first;
+    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 4];
+    const FbBlock<F, 2> k(fb_smem, fb_bars, H, false);
+    const unsigned rfull = k.bars + 16 * NS, rempty = rfull + 16;
+    const int items = BH * ((T + BM - 1) / BM), C = H * HS;
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
-        if (threadIdx.x < F::CW * 128 + 32)
-            fb_produce<F, 2>(k.bars, k.res, k.ring, &map_r, k.C + k.h * HS, &map_r, 2 * k.C + k.h * HS, kb0,
-                             &map_s, k.h * HS, &map_dy, k.h * HS, first, nqt, k.b);
+        if (threadIdx.x < F::CW * 128 + 32) {              // its first warp (lane 0 issues, converged)
+            const int lane = threadIdx.x & 31;
+            int gs = 0;                                    // the ring's stage count
+            for (int j = 0, item = blockIdx.x; item < items && (F::WALK || j < 1); item += gridDim.x, ++j) {
+                const int bh = item % BH, b = bh / H, h = bh - b * H, kb0 = (item / BH) * BM, first = kb0 / BN;
+                const int nqt = (T + BN - 1) / BN - first;
+                const unsigned rb = rfull + 8 * (j & 1), res = k.res + (j & 1) * (2 * F::RT);
+                if (j >= 2) mbar_wait(rempty + 8 * (j & 1), ((j >> 1) - 1) & 1);
+                mbar_expect(lane, rb, 2 * F::RT);
+                fb_copy_tile<BM, F::KB>(lane, rb, res, &map_r, C + h * HS, kb0, b);
+                fb_copy_tile<BM, F::KB>(lane, rb, res + F::RT, &map_r, 2 * C + h * HS, kb0, b);
+                for (int it = 0; it < nqt; ++it, ++gs) {
+                    const int s = gs % NS;
+                    if (gs >= NS) mbar_wait(k.bars + 8 * (NS + s), ((gs / NS) - 1) & 1);
+                    const unsigned full = k.bars + 8 * s, dst = k.ring + s * F::STAGE;
+                    mbar_expect(lane, full, F::STAGE);
+                    fb_copy_tile<BN, F::KB>(lane, full, dst, &map_s, h * HS, (first + it) * BN, b);
+                    fb_copy_tile<BN, F::KB>(lane, full, dst + F::ST, &map_dy, h * HS, (first + it) * BN, b);
+                }
+            }
+        }
         return;
     }
     wg_regs_inc<F::CONSUMER_REGS>();
-    const int kw0 = kb0 + 64 * k.wg + 16 * k.w;           // the warp's first key
-    const int wg_first = kb0 + 64 * k.wg;
     const float sl2 = scale * GC_LOG2E;
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 W = gc_att_words(T);
-    const unsigned ka = k.res + k.wg * 64 * 128, va = ka + F::RT;   // the warpgroup's keys of K, V
-    const float* lse_h = lse + (long long)k.bh * T;
-    const float* D_h = Dg + (long long)k.bh * T;
-    float dk[HS / 2], dv[HS / 2];
+    int g0 = 0;                                            // the ring's stage count at the item's first stage
+#pragma unroll 1
+    for (int j = 0, item = blockIdx.x; item < items && (F::WALK || j < 1); item += gridDim.x, ++j) {
+        const int bh = item % BH, b = bh / H, h = bh - b * H;
+        const int kb0 = (item / BH) * BM;                  // the item's first key
+        const int first = kb0 / BN;                        // the first query tile that sees a key of the item
+        const int nqt = (T + BN - 1) / BN - first;
+        const int kw0 = kb0 + 64 * k.wg + 16 * k.w;       // the warp's first key
+        const int wg_first = kb0 + 64 * k.wg;
+        const unsigned ka = k.res + (j & 1) * (2 * F::RT) + k.wg * 64 * 128, va = ka + F::RT;   // the warpgroup's K, V
+        const float* lse_h = lse + (long long)bh * T;
+        const float* D_h = Dg + (long long)bh * T;
+        float dk[HS / 2], dv[HS / 2];
 #pragma unroll
-    for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
-    k.wait_resident();
-    int it0 = 0;                                           // the query tiles before every key of the warpgroup
-    while (it0 < nqt && (first + it0) * BN + BN - 1 < wg_first) ++it0;
-    k.skip(0, it0);
-    if (it0 < nqt) {
-        const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(k.bh * T), W, gc_att_quad((u32)(kw0 + k.g)),
-                         threshold, inv_keep};
-        float sc[BN / 2], dp[BN / 2], l2[BN / 4], Dq[BN / 4];
-        fb_dkv_cols<BN>(l2, Dq, (first + it0) * BN, r);
-        fb_scores_wait<HS, BM, BN>(k, it0, sc, dp, ka, va);
-        fb_dkv_grads<BN, DROP>(sc, dp, (first + it0) * BN, r, l2, Dq);
-        for (int it = it0; it + 1 < nqt; ++it) {
-            unsigned pa[BN / 16][4], ds[BN / 16][4];
-            if constexpr (NS >= 3) {
-                // pipelined (a third ring stage holds the next tile): tile it's dV += Pd^T dO and dK +=
-                // dS^T Q are issued after tile it + 1's S^T and dP^T, and tile it + 1's softmax gradient
-                // runs while they compute (into sc and dp: the fragments they read stay)
-                fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
-                fb_pack<BN>(pa, sc);
-                fb_pack<BN>(ds, dp);
-                k.wait_full(it + 1);
-                fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
-                fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
-                wg_wait<1>();
-                wg_fence_acc(sc);
-                wg_fence_acc(dp);
-                fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, l2, Dq);
-                fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
-                k.release(it);
-            } else {                                       // a tile at a time
-                fb_pack<BN>(pa, sc);
-                fb_pack<BN>(ds, dp);
-                fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
-                fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
-                k.release(it);
-                fb_scores_wait<HS, BM, BN>(k, it + 1, sc, dp, ka, va);
-                fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
-                fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, l2, Dq);
+        for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
+        mbar_wait(rfull + 8 * (j & 1), (j >> 1) & 1);
+        int it0 = 0;                                       // the query tiles before every key of the warpgroup
+        while (it0 < nqt && (first + it0) * BN + BN - 1 < wg_first) ++it0;
+        k.skip(g0, g0 + it0);
+        if (it0 < nqt) {
+            const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(bh * T), W, gc_att_quad((u32)(kw0 + k.g)),
+                             threshold, inv_keep};
+            float sc[BN / 2], dp[BN / 2], l2[BN / 4], Dq[BN / 4];
+            fb_dkv_cols<BN>(l2, Dq, (first + it0) * BN, r);
+            fb_scores_wait<HS, BM, BN>(k, g0 + it0, sc, dp, ka, va);
+            fb_dkv_grads<BN, DROP>(sc, dp, (first + it0) * BN, r, l2, Dq);
+            for (int it = it0; it + 1 < nqt; ++it) {
+                unsigned pa[BN / 16][4], ds[BN / 16][4];
+                if constexpr (NS >= 3) {
+                    // pipelined (a third ring stage holds the next tile): tile it's dV += Pd^T dO and dK +=
+                    // dS^T Q are issued after tile it + 1's S^T and dP^T, and tile it + 1's softmax gradient
+                    // runs while they compute (into sc and dp: the fragments they read stay)
+                    fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
+                    fb_pack<BN>(pa, sc);
+                    fb_pack<BN>(ds, dp);
+                    k.wait_full(g0 + it + 1);
+                    fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(g0 + it + 1));
+                    fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(g0 + it));
+                    wg_wait<1>();
+                    wg_fence_acc(sc);
+                    wg_fence_acc(dp);
+                    fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, l2, Dq);
+                    fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
+                    k.release(g0 + it);
+                } else {                                   // a tile at a time
+                    fb_pack<BN>(pa, sc);
+                    fb_pack<BN>(ds, dp);
+                    fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(g0 + it));
+                    fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
+                    k.release(g0 + it);
+                    fb_scores_wait<HS, BM, BN>(k, g0 + it + 1, sc, dp, ka, va);
+                    fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
+                    fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, l2, Dq);
+                }
+            }
+            unsigned pa[BN / 16][4], ds[BN / 16][4];       // the last tile's
+            fb_pack<BN>(pa, sc);
+            fb_pack<BN>(ds, dp);
+            fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(g0 + nqt - 1));
+            fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
+            k.release(g0 + nqt - 1);
+        }
+        mbar_arrive(rempty + 8 * (j & 1));                 // K and V of this item read: its buffer may be loaded
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int kk = kw0 + k.g + 8 * hh;
+            if (kk < T) {
+                bf16* o = dqkv + ((long long)b * T + kk) * 3 * C + C + h * HS + 2 * k.q;
+                fb_store_row<HS>(o, dk, hh, scale);
+                fb_store_row<HS>(o + C, dv, hh, 1.f);
             }
         }
-        unsigned pa[BN / 16][4], ds[BN / 16][4];           // the last tile's
-        fb_pack<BN>(pa, sc);
-        fb_pack<BN>(ds, dp);
-        fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(nqt - 1));
-        fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
-        k.release(nqt - 1);
-    }
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int kk = kw0 + k.g + 8 * hh;
-        if (kk < T) {
-            bf16* r = dqkv + ((long long)k.b * T + kk) * 3 * k.C + k.C + k.h * HS + 2 * k.q;
-            fb_store_row<HS>(r, dk, hh, scale);
-            fb_store_row<HS>(r + k.C, dv, hh, 1.f);
-        }
+        g0 += nqt;
     }
 #else
     __trap();

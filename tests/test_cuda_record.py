@@ -201,6 +201,9 @@ def test_record_bf16_step_on_flash_bf16(dropout):
     bwd = [r for r in eng.programs["train"].items if isinstance(r, Launch) and r.fn.name.startswith("flash_bwd")]
     assert [r.fn.name.split("<")[0] for r in bwd] == ["flash_bwd_dq_bf16", "flash_bwd_dkv_bf16"] * L
     assert all(dq.slots[7] == dkv.slots[5] == rt.workspace("attention_d").ptr for dq, dkv in zip(bwd[::2], bwd[1::2]))
+    # dK/dV walks its work items (b*H + h, key tile): a grid of one block an SM at most, B*H its last argument
+    items = cfg.batch_size * cfg.n_head * -(-cfg.block_size // 128)
+    assert all(dkv.grid == (min(items, 132), 1, 1) for dkv in bwd[1::2])
     assert not any("_tc<" in n for n in names) and "attention_f32" not in rt._workspace
     assert all(f"<64,{'true' if dropout else 'false'}," in n for n in names if n.startswith("flash") and "_bf16<" in n)
     saved = {"lse": rt.empty((2, 2, 16))}

@@ -322,6 +322,18 @@ def test_fused_bf16_tiles(env, monkeypatch, tiles, B, T, C, H, p):
         assert errs[k] < tol, f"{k}: rel_err {errs[k]:.3g} >= {tol:g} (all: {errs})"
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("B,T,C,H", [(2, 200, 384, 6), (1, 1000, 64, 1)])
+def test_fused_bf16_dkv_walks_items(env, monkeypatch, B, T, C, H, p):
+    """dK/dV's blocks walk several work items each: as if the GPU had 5 SMs (24 and 8 items), so that a
+    block takes the resident buffers in turn and its ring counts on across items."""
+    monkeypatch.setattr(attn, "sm_count", lambda rt: 5)
+    out = _run_bf16(env, B, T, C, H, p)
+    errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
+    for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE), ("D", 1e-5)):
+        assert errs[k] < tol, f"{k}: rel_err {errs[k]:.3g} >= {tol:g} (all: {errs})"
+
+
 def test_fused_bf16_deterministic(env):
     """The same bits twice, on a shape whose blocks outnumber the SMs."""
     a = _run_bf16(env, 3, 1024, 384, 6, 0.1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 
 from gptcuda.runtime import execution
-from gptcuda.ops.cuda import attention_dropout_args, cdiv, elementwise, flash
+from gptcuda.ops.cuda import attention_dropout_args, cdiv, elementwise, flash, sm_count
 from gptcuda.ops.cuda.flash import (FLASH_HEAD_SIZES, FLASH_PATHS, FLASH_THREADS, FLASH_WG_HEAD_SIZES, ROWSUM_FILE,  # noqa: F401
                                     ROWSUM_THREADS, expression)
 from gptcuda.runtime import DeviceView, f32, i32
@@ -362,5 +362,6 @@ def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
               [dqkv] + maps + [dy, y] + tail, smem=kq.smem, label="flash_bwd_dq")
     kk = flash.flash_kernel("dkv", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kk.rows), _bf16_map(rt, qkv, kk.stream_rows), _bf16_map(rt, dy, kk.stream_rows)]
-    rt.launch(rt.function(kk.file, kk.name), (B * H, cdiv(T, kk.rows)), (kk.threads,), [dqkv] + maps + tail,
-              smem=kk.smem, label="flash_bwd_dkv")
+    items = B * H * cdiv(T, kk.rows)                       # (b*H + h, key tile): a block each, or walked by one an SM
+    rt.launch(rt.function(kk.file, kk.name), (min(items, sm_count(rt)) if kk.walk else items,), (kk.threads,),
+              [dqkv] + maps + tail + [i32(B * H)], smem=kk.smem, label="flash_bwd_dkv")

@@ -43,6 +43,7 @@ class FlashKernel:
     smem: int
     threads: int = FLASH_THREADS
     stream_rows: int = 0          # flash_bf16: rows of its streamed tiles (the TMA boxes of the other side)
+    walk: bool = False            # flash_bf16 dkv: a block walks work items (launch at most one block an SM)
 
 
 def flash_tc_plan(kind: str, hs: int, x3: bool = False) -> dict:
@@ -132,8 +133,9 @@ def flash_bf16_plan(kind: str, hs: int, T: int = 0) -> dict:
     threads), streamed tiles of bn rows of the other side in a ring of ns stages (ns 3: the kernel runs a
     tile's second products beside the next tile's first, two stages in use and a third loading; dK/dV's
     default at head size 64; at 128 its registers for both would serialize its wgmma); the resident tiles
-    (fwd: Q; dq: Q, dO; dkv: K, V), the ring, 1 KB to align the base. args: threads, bm, bn, ns, smem
-    (bytes)."""
+    (fwd: Q; dq: Q, dO; dkv: K, V, in two buffers where it walks), the ring, 1 KB to align the base. walk
+    (dkv with ns 3): a block walks work items, the grid at most one block an SM. args: threads, bm, bn, ns,
+    smem (bytes)."""
     if hs not in FLASH_BF16_HEAD_SIZES:
         raise ValueError(f"the bf16 flash kernels take head sizes {FLASH_BF16_HEAD_SIZES}, not {hs}")
     if kind not in _KIND:
@@ -141,13 +143,15 @@ def flash_bf16_plan(kind: str, hs: int, T: int = 0) -> dict:
     bm, bn, ns = flash_bf16_tile(kind, hs, T)
     if bm not in (128, 192, 256) or bn not in (64, 128) or ns not in (2, 3):
         raise ValueError(f"bf16 flash tiles: bm 128 | 192 | 256, bn 64 | 128, ns 2 | 3, not {(bm, bn, ns)}")
-    resident = 1 if kind == "fwd" else 2
+    walk = kind == "dkv" and ns >= 3            # FaBf16::WALK: the block walks work items, K and V in two buffers
+    resident = {"fwd": 1, "dq": 2, "dkv": 4 if walk else 2}[kind]
     smem = resident * bm * hs * 2 + ns * 2 * bn * hs * 2 + 1024
     if smem > FLASH_BF16_SMEM_MAX:
         raise ValueError(f"bf16 flash {kind} tiles {(bm, bn, ns)} at head size {hs}: {smem} bytes of shared memory, "
                          f"more than the {FLASH_BF16_SMEM_MAX} a block may have beside its barriers")
     threads = 128 * (bm // 64 + 1)
-    return {"rows": bm, "smem": smem, "threads": threads, "stream_rows": bn, "args": (threads, bm, bn, ns, smem)}
+    return {"rows": bm, "smem": smem, "threads": threads, "stream_rows": bn, "walk": walk,
+            "args": (threads, bm, bn, ns, smem)}
 
 
 def _x3(path: str) -> bool:
@@ -175,7 +179,7 @@ def flash_kernel(kind: str, path: str, hs: int, drop: bool, wg: bool = False, T:
     else:
         plan, file, base = flash_plan(kind, hs, path, T), FLASH_FILES[path], f"flash_{_KIND[kind]}{_SUFFIX[path]}"
     return FlashKernel(file, expression(base, hs, bool(drop), *plan["args"]), plan["rows"], plan["smem"],
-                       plan.get("threads", FLASH_THREADS), plan.get("stream_rows", 0))
+                       plan.get("threads", FLASH_THREADS), plan.get("stream_rows", 0), plan.get("walk", False))
 
 
 def rowsum_name(hs: int) -> str:
