@@ -188,21 +188,21 @@ __device__ __forceinline__ void fb_copy_tile(int lane, unsigned bar, unsigned ds
     for (int j = 0; j < KB; ++j) tma_copy(lane, bar, dst + j * (R * 128), map, c0 + 64 * j, r0, b);
 }
 // The producer (its first warp; lane 0 issues, converged): NR resident tiles (map ra at columns ca,
-// then rb at cb, rows r0) into res, then n stages of the ring, stage it the rows (first + it) BN of map
-// sa at columns cs and of map sb at columns ct.
+// then rb at cb, rows r0) into res, completing on rbar, then n stages of the ring, stage it the rows
+// (first + it) BN of map sa at columns cs and of map sb at columns ct; g0: the ring's stage count before
+// the first of them (flash_bwd_dkv_bf16's walk runs it on across work items).
 template <class F, int NR>
-__device__ __forceinline__ void fb_produce(unsigned bars, unsigned res, unsigned ring, const TmaMap* ra, int ca,
-                                           const TmaMap* rb, int cb, int r0, const TmaMap* sa, int cs,
-                                           const TmaMap* sb, int ct, int first, int n, int b) {
+__device__ __forceinline__ void fb_produce(unsigned bars, unsigned rbar, unsigned res, unsigned ring, const TmaMap* ra,
+                                           int ca, const TmaMap* rb, int cb, int r0, const TmaMap* sa, int cs,
+                                           const TmaMap* sb, int ct, int first, int n, int b, int g0 = 0) {
     constexpr int NS = F::NS_, BM = F::BM_, BN = F::BN_, KB = F::KB;
     const int lane = threadIdx.x & 31;
-    const unsigned rbar = bars + 16 * NS;
     mbar_expect(lane, rbar, NR * F::RT);
     fb_copy_tile<BM, KB>(lane, rbar, res, ra, ca, r0, b);
     if (NR == 2) fb_copy_tile<BM, KB>(lane, rbar, res + F::RT, rb, cb, r0, b);
     for (int it = 0; it < n; ++it) {
-        const int s = it % NS;
-        if (it >= NS) mbar_wait(bars + 8 * (NS + s), ((it / NS) - 1) & 1);
+        const int gs = g0 + it, s = gs % NS;
+        if (gs >= NS) mbar_wait(bars + 8 * (NS + s), ((gs / NS) - 1) & 1);
         const unsigned full = bars + 8 * s, dst = ring + s * F::STAGE;
         const int r = (first + it) * BN;
         mbar_expect(lane, full, F::STAGE);
@@ -351,7 +351,7 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
         if (threadIdx.x < F::CW * 128 + 32)
-            fb_produce<F, 1>(k.bars, k.res, k.ring, &map_q, k.h * HS, &map_q, 0, q0, &map_kv, k.C + k.h * HS,
+            fb_produce<F, 1>(k.bars, k.bars + 16 * NS, k.res, k.ring, &map_q, k.h * HS, &map_q, 0, q0, &map_kv, k.C + k.h * HS,
                              &map_kv, 2 * k.C + k.h * HS, 0, nkt, k.b);
         return;
     }
@@ -506,7 +506,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
         if (threadIdx.x < F::CW * 128 + 32)
-            fb_produce<F, 2>(k.bars, k.res, k.ring, &map_r, k.h * HS, &map_dy, k.h * HS, q0, &map_s,
+            fb_produce<F, 2>(k.bars, k.bars + 16 * NS, k.res, k.ring, &map_r, k.h * HS, &map_dy, k.h * HS, q0, &map_s,
                              k.C + k.h * HS, &map_s, 2 * k.C + k.h * HS, 0, nkt, k.b);
         return;
     }
@@ -685,6 +685,16 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
     }
 }
 
+// A work item of flash_bwd_dkv_bf16, item = key tile * BH + b*H + h: its head bh = b H + h, its first key
+// kb0, the first query tile that sees a key of it and the query tiles from there to the end (nqt)
+struct FbDkvItem {
+    int bh, b, h, kb0, first, nqt;
+    __device__ __forceinline__ FbDkvItem(int item, int BH, int H, int T, int BM, int BN) {
+        bh = item % BH, b = bh / H, h = bh - b * H;
+        kb0 = (item / BH) * BM, first = kb0 / BN, nqt = (T + BN - 1) / BN - first;
+    }
+};
+
 // Work items (b*H + h, key tile of BM), item = key tile * BH + b*H + h: the first key tiles (the most
 // queries) first. An item: K and V resident, Q and dO streamed from the first query tile that reaches its
 // keys to the end; lse and D of a tile's queries read by each thread for its columns. Where F::WALK, a
@@ -713,25 +723,15 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     const int items = BH * ((T + BM - 1) / BM), C = H * HS;
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
-        if (threadIdx.x < F::CW * 128 + 32) {              // its first warp (lane 0 issues, converged)
-            const int lane = threadIdx.x & 31;
+        if (threadIdx.x < F::CW * 128 + 32) {              // its first warp
             int gs = 0;                                    // the ring's stage count
             for (int j = 0, item = blockIdx.x; item < items && (F::WALK || j < 1); item += gridDim.x, ++j) {
-                const int bh = item % BH, b = bh / H, h = bh - b * H, kb0 = (item / BH) * BM, first = kb0 / BN;
-                const int nqt = (T + BN - 1) / BN - first;
-                const unsigned rb = rfull + 8 * (j & 1), res = k.res + (j & 1) * (2 * F::RT);
-                if (j >= 2) mbar_wait(rempty + 8 * (j & 1), ((j >> 1) - 1) & 1);
-                mbar_expect(lane, rb, 2 * F::RT);
-                fb_copy_tile<BM, F::KB>(lane, rb, res, &map_r, C + h * HS, kb0, b);
-                fb_copy_tile<BM, F::KB>(lane, rb, res + F::RT, &map_r, 2 * C + h * HS, kb0, b);
-                for (int it = 0; it < nqt; ++it, ++gs) {
-                    const int s = gs % NS;
-                    if (gs >= NS) mbar_wait(k.bars + 8 * (NS + s), ((gs / NS) - 1) & 1);
-                    const unsigned full = k.bars + 8 * s, dst = k.ring + s * F::STAGE;
-                    mbar_expect(lane, full, F::STAGE);
-                    fb_copy_tile<BN, F::KB>(lane, full, dst, &map_s, h * HS, (first + it) * BN, b);
-                    fb_copy_tile<BN, F::KB>(lane, full, dst + F::ST, &map_dy, h * HS, (first + it) * BN, b);
-                }
+                const FbDkvItem t(item, BH, H, T, BM, BN);
+                if (j >= 2) mbar_wait(rempty + 8 * (j & 1), ((j >> 1) - 1) & 1);   // item j - 2's K, V read
+                fb_produce<F, 2>(k.bars, rfull + 8 * (j & 1), k.res + (j & 1) * (2 * F::RT), k.ring, &map_r,
+                                 C + t.h * HS, &map_r, 2 * C + t.h * HS, t.kb0, &map_s, t.h * HS, &map_dy, t.h * HS,
+                                 t.first, t.nqt, t.b, gs);
+                gs += t.nqt;
             }
         }
         return;
@@ -743,10 +743,8 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     int g0 = 0;                                            // the ring's stage count at the item's first stage
 #pragma unroll 1
     for (int j = 0, item = blockIdx.x; item < items && (F::WALK || j < 1); item += gridDim.x, ++j) {
-        const int bh = item % BH, b = bh / H, h = bh - b * H;
-        const int kb0 = (item / BH) * BM;                  // the item's first key
-        const int first = kb0 / BN;                        // the first query tile that sees a key of the item
-        const int nqt = (T + BN - 1) / BN - first;
+        const FbDkvItem t(item, BH, H, T, BM, BN);
+        const int bh = t.bh, b = t.b, h = t.h, kb0 = t.kb0, first = t.first, nqt = t.nqt;
         const int kw0 = kb0 + 64 * k.wg + 16 * k.w;       // the warp's first key
         const int wg_first = kb0 + 64 * k.wg;
         const unsigned ka = k.res + (j & 1) * (2 * F::RT) + k.wg * 64 * 128, va = ka + F::RT;   // the warpgroup's K, V
