@@ -1,18 +1,19 @@
 // The bf16 flash kernels (precision bf16's fused attention, head sizes 64 and 128): flash_fwd_bf16,
 // flash_bwd_dq_bf16, flash_bwd_dkv_bf16, on warpgroup MMA (sm_90a) with TMA and a producer warpgroup
-// (the structure of FlashAttention-3). Arguments, grids and results are flash_common.cuh's, except that
-// qkv, y, dy and dqkv are bf16 and the kernels read qkv and dy through TMA tensor maps, and that
-// flash_bwd_dq_bf16 makes D = rowsum(dO * O) itself (from dy and y) for flash_bwd_dkv_bf16 after it; lse
-// and D stay fp32, every sum is fp32 (the tensor cores' accumulators), scores are exponentiated in fp32.
+// (the structure of FlashAttention-3). Arguments and results are flash_common.cuh's, except that qkv, y,
+// dy and dqkv are bf16, the kernels read qkv and dy through TMA tensor maps and take B * H last (their
+// grids are one-dimensional: work items, fb_walk), and that flash_bwd_dq_bf16 makes D = rowsum(dO * O)
+// itself (from dy and y) for flash_bwd_dkv_bf16 after it; lse and D stay fp32, every sum is fp32 (the
+// tensor cores' accumulators), scores are exponentiated in fp32.
 //
 // A block is CW = BM / 64 consumer warpgroups and one producer warpgroup (THREADS = 128 (CW + 1)); the
 // producer gives registers back to the consumers (setmaxnreg: FaBf16's split), which hold a 64 x BN
-// score tile, its second product's tile and their outputs. The block owns BM
-// rows (queries in fwd and dq, keys in dkv): its resident tiles (fwd: Q; dq: Q, dO; dkv: K, V) are
-// loaded once; the other side streams through a ring of NS stages of BN rows (fwd and dq: K and V; dkv:
-// Q and dO). Lane 0 of the producer's first warp issues the copies: a stage's two tiles complete on
-// full[s] (the copy engine's byte count), the consumers release it on empty[s] (one arrival a thread)
-// once their products that read it are done.
+// score tile, its second product's tile and their outputs. A work item is BM rows of a head (queries in
+// fwd and dq, keys in dkv): its resident tiles (fwd: Q; dq: Q, dO; dkv: K, V) are loaded once; the other
+// side streams through a ring of NS stages of BN rows (fwd and dq: K and V; dkv: Q and dO). A block takes
+// one item, or walks several where its loop is pipelined (fb_walk). Lane 0 of the producer's first warp
+// issues the copies: a stage's two tiles complete on full[s] (the copy engine's byte count), the
+// consumers release it on empty[s] (one arrival a thread) once their products that read it are done.
 //
 // Tiles in shared memory: R rows x HS bf16 as HS / 64 boxes of [R rows][128 bytes] in the 128-byte
 // swizzle, as the copy engine writes boxes of {64 columns, R rows}. The same bytes are a K-major
@@ -43,19 +44,21 @@
 #include "bf16.cuh"
 #include "wgmma.cuh"
 
-// The plan's layout: NRES resident tiles of BM rows, a ring of NS stages of two BN-row tiles.
-template <int HS, int THREADS, int BM, int BN, int NS, int SMEM, int NRES>
+// The plan's layout: the resident tiles of BM rows (NR an item, in two buffers where the block walks work
+// items), a ring of NS stages of two BN-row tiles.
+template <int HS, int THREADS, int BM, int BN, int NS, int SMEM, int NR>
 struct FaBf16 {
-    static constexpr int HS_ = HS, BM_ = BM, BN_ = BN, NS_ = NS, NRES_ = NRES;
+    // a block walks several work items where its loop is pipelined (NS >= 3: head size 64, and for the
+    // forward and dQ T >= 1024); the a-tile-at-a-time loop (head size 128) has no registers to spare for
+    // the walk (dK/dV's spilled)
+    static constexpr bool WALK = NS >= 3;
+    static constexpr int HS_ = HS, BM_ = BM, BN_ = BN, NS_ = NS, NR_ = NR, NRES_ = WALK ? 2 * NR : NR;
     static constexpr int CW = BM / 64;                 // consumer warpgroups
     static constexpr int KB = HS / 64;                 // boxes of 64 columns a row
     static constexpr int RT = BM * HS * 2;             // bytes of a resident tile
     static constexpr int ST = BN * HS * 2;             // bytes of a streamed tile
     static constexpr int STAGE = 2 * ST;
-    static constexpr int SMEM_NEED = NRES * RT + NS * STAGE + 1024;
-    // flash_bwd_dkv_bf16: a block walks several work items where its loop is pipelined (NS >= 3: head size
-    // 64); the a-tile-at-a-time loop (head size 128) has no registers to spare for the walk (it spills)
-    static constexpr bool WALK = NS >= 3;
+    static constexpr int SMEM_NEED = NRES_ * RT + NS * STAGE + 1024;
     // the register file split (setmaxnreg). ptxas gives a kernel that changes its count the launch's cap,
     // REGS = 65536 / THREADS to a multiple of 8 (2 warpgroups 168, 3: 128, 4: 96), and the block's
     // registers are THREADS * REGS: what the producer gives back (REGS - PRODUCER_REGS a thread) is all the
@@ -164,18 +167,19 @@ __device__ __forceinline__ void fb_store_row(bf16* r, const float (&a)[HS / 2], 
     for (int j = 0; j < HS / 8; ++j) u[4 * j] = bf16x2_rn(a[4 * j + 2 * hh] * f, a[4 * j + 2 * hh + 1] * f);
 }
 
-// barriers: full[0..NS), empty[0..NS) (a consumer thread's arrival each), then the resident tiles' (NRB
-// buffers: full[0..NRB), and where NRB > 1 empty[0..NRB), a consumer thread's arrival each)
-template <int NS, int CW, int NRB = 1>
+// barriers: full[0..NS), empty[0..NS) (a consumer thread's arrival each), then the resident tiles' two
+// buffers' full[0..2) and empty[0..2) (a consumer thread's arrival each)
+template <int NS, int CW>
 __device__ __forceinline__ void fb_init_bars(unsigned bars) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < NS; ++s) {
             mbar_init(bars + 8 * s, 1);
             mbar_init(bars + 8 * (NS + s), CW * 128);
         }
-        for (int r = 0; r < NRB; ++r) mbar_init(bars + 16 * NS + 8 * r, 1);
-        if (NRB > 1)
-            for (int r = 0; r < NRB; ++r) mbar_init(bars + 16 * NS + 8 * (NRB + r), CW * 128);
+        for (int r = 0; r < 2; ++r) {
+            mbar_init(bars + 16 * NS + 8 * r, 1);
+            mbar_init(bars + 16 * NS + 16 + 8 * r, CW * 128);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();      // the last block-wide barrier: the producer warpgroup leaves early
@@ -187,19 +191,22 @@ __device__ __forceinline__ void fb_copy_tile(int lane, unsigned bar, unsigned ds
 #pragma unroll
     for (int j = 0; j < KB; ++j) tma_copy(lane, bar, dst + j * (R * 128), map, c0 + 64 * j, r0, b);
 }
-// The producer (its first warp; lane 0 issues, converged): NR resident tiles (map ra at columns ca,
-// then rb at cb, rows r0) into res, completing on rbar, then n stages of the ring, stage it the rows
-// (first + it) BN of map sa at columns cs and of map sb at columns ct; g0: the ring's stage count before
-// the first of them (flash_bwd_dkv_bf16's walk runs it on across work items).
-template <class F, int NR>
-__device__ __forceinline__ void fb_produce(unsigned bars, unsigned rbar, unsigned res, unsigned ring, const TmaMap* ra,
-                                           int ca, const TmaMap* rb, int cb, int r0, const TmaMap* sa, int cs,
-                                           const TmaMap* sb, int ct, int first, int n, int b, int g0 = 0) {
-    constexpr int NS = F::NS_, BM = F::BM_, BN = F::BN_, KB = F::KB;
+// The producer (its first warp; lane 0 issues, converged) of work item j: F::NR_ resident tiles (map ra at
+// columns ca, then rb at cb, rows r0) into the item's buffer (j % 2) once the consumers released it (item
+// j - 2's), completing on its full barrier, then n stages of the ring, stage it the rows (first + it) BN of
+// map sa at columns cs and of map sb at columns ct; g0: the ring's stage count before the first of them
+// (it runs on across a block's items).
+template <class F>
+__device__ __forceinline__ void fb_produce(unsigned bars, unsigned res, unsigned ring, int j, const TmaMap* ra, int ca,
+                                           const TmaMap* rb, int cb, int r0, const TmaMap* sa, int cs,
+                                           const TmaMap* sb, int ct, int first, int n, int b, int g0) {
+    constexpr int NS = F::NS_, BM = F::BM_, BN = F::BN_, KB = F::KB, NR = F::NR_;
     const int lane = threadIdx.x & 31;
+    const unsigned rbar = bars + 16 * NS + 8 * (j & 1), dst0 = res + (j & 1) * (NR * F::RT);
+    if (j >= 2) mbar_wait(rbar + 16, ((j >> 1) - 1) & 1);     // item j - 2's resident tiles read
     mbar_expect(lane, rbar, NR * F::RT);
-    fb_copy_tile<BM, KB>(lane, rbar, res, ra, ca, r0, b);
-    if (NR == 2) fb_copy_tile<BM, KB>(lane, rbar, res + F::RT, rb, cb, r0, b);
+    fb_copy_tile<BM, KB>(lane, rbar, dst0, ra, ca, r0, b);
+    if (NR == 2) fb_copy_tile<BM, KB>(lane, rbar, dst0 + F::RT, rb, cb, r0, b);
     for (int it = 0; it < n; ++it) {
         const int gs = g0 + it, s = gs % NS;
         if (gs >= NS) mbar_wait(bars + 8 * (NS + s), ((gs / NS) - 1) & 1);
@@ -211,31 +218,60 @@ __device__ __forceinline__ void fb_produce(unsigned bars, unsigned rbar, unsigne
     }
 }
 
-// What every kernel sets up: the aligned base, barriers, the block's head and rows; the producer
-// warpgroup is told apart by `producer`.
-template <class F, int NRB = 1>
+// A block's work items where F::WALK (the launcher's grid: at most one block an SM): one in each round of
+// gridDim.x items, block b the b-th of even rounds and the b-th from the end of odd ones (a snake: the
+// items come longest first, so a block that took a longer one takes a shorter one next; blocks that
+// each took the next item of one list as they freed, as the hardware hands out a grid of one item a
+// block, would end no more evenly), so that the next item's resident tiles load under the last one's
+// products and its start costs no block launch; otherwise item blockIdx.x alone (a grid of one block an
+// item). f(j, item): the block's j-th item. Item = tile * BH + b*H + h: a tile's items for every head,
+// then the next tile's.
+template <class F, class G>
+__device__ __forceinline__ void fb_walk(int items, G&& f) {
+#pragma unroll 1
+    for (int j = 0; F::WALK || j < 1; ++j) {
+        const int item = j * gridDim.x + ((j & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+        if (item >= items) break;                      // (and every later round's)
+        f(j, item);
+    }
+}
+// A work item's head bh = b H + h and its first row r0 of tile item / BH (rev: tiles counted from the
+// last: the forward's and dQ's longest query tiles first; dK/dV's longest are its first key tiles)
+struct FbItem {
+    int bh, b, h, r0;
+    __device__ __forceinline__ FbItem(int item, int BH, int H, int T, int BM, bool rev) {
+        bh = item % BH, b = bh / H, h = bh - b * H;
+        const int t = item / BH;
+        r0 = (rev ? (T + BM - 1) / BM - 1 - t : t) * BM;
+    }
+};
+
+// What every kernel sets up: the aligned base, barriers (the ring's; two full and two empty barriers of
+// the resident tiles' buffers), the thread's place; the producer warpgroup is told apart by `producer`.
+// g0: the ring's stage count at the current item's first stage (its stages are it = 0.. from there).
+template <class F>
 struct FbBlock {
     unsigned res, ring, bars;
-    int bh, b, h, r0, C, wg, w, g, q;
+    int C, wg, w, g, q, g0 = 0;
     bool producer;
-    __device__ __forceinline__ FbBlock(unsigned char* smem, unsigned long long* bar_words, int H, bool rev) {
+    __device__ __forceinline__ FbBlock(unsigned char* smem, unsigned long long* bar_words, int H) {
         res = (fa_smem_u32(smem) + 1023u) & ~1023u;
         ring = res + F::NRES_ * F::RT;
         bars = fa_smem_u32(bar_words);
-        bh = blockIdx.x, b = bh / H, h = bh - b * H;
-        r0 = (rev ? gridDim.y - 1 - blockIdx.y : blockIdx.y) * F::BM_;
         C = H * F::HS_;
         wg = threadIdx.x >> 7;
         w = (threadIdx.x >> 5) & 3;
         g = (threadIdx.x & 31) >> 2;
         q = threadIdx.x & 3;
         producer = wg == F::CW;
-        fb_init_bars<F::NS_, F::CW, NRB>(bars);
+        fb_init_bars<F::NS_, F::CW>(bars);
     }
-    __device__ __forceinline__ void wait_full(int it) const { mbar_wait(bars + 8 * (it % F::NS_), (it / F::NS_) & 1); }
-    __device__ __forceinline__ void release(int it) const { mbar_arrive(bars + 8 * (F::NS_ + it % F::NS_)); }
-    __device__ __forceinline__ void wait_resident() const { mbar_wait(bars + 16 * F::NS_, 0); }
-    __device__ __forceinline__ unsigned stage(int it) const { return ring + (it % F::NS_) * F::STAGE; }
+    __device__ __forceinline__ void wait_full(int it) const {
+        const int gs = g0 + it;
+        mbar_wait(bars + 8 * (gs % F::NS_), (gs / F::NS_) & 1);
+    }
+    __device__ __forceinline__ void release(int it) const { mbar_arrive(bars + 8 * (F::NS_ + (g0 + it) % F::NS_)); }
+    __device__ __forceinline__ unsigned stage(int it) const { return ring + ((g0 + it) % F::NS_) * F::STAGE; }
     // stages it0 .. it1 - 1 waited for and released unread (the ring counts every consumer thread's release)
     __device__ __forceinline__ void skip(int it0, int it1) const {
         for (int it = it0; it < it1; ++it) {
@@ -243,6 +279,17 @@ struct FbBlock {
             release(it);
         }
     }
+    // item j's resident tiles (F::NR_ of them): their address once loaded; released once the item's
+    // products that read them are done (the producer loads item j + 2's there)
+    __device__ __forceinline__ unsigned wait_resident(int j) const {
+        mbar_wait(bars + 16 * F::NS_ + 8 * (j & 1), (j >> 1) & 1);
+        return res + (j & 1) * (F::NR_ * F::RT);
+    }
+    __device__ __forceinline__ void release_resident(int j) const {
+        mbar_arrive(bars + 16 * F::NS_ + 16 + 8 * (j & 1));
+    }
+    // the ring after an item of n stages
+    __device__ __forceinline__ void next_item(int n) { g0 += n; }
 };
 
 #define FB_PLAN int THREADS, int BM, int BN, int NS, int SMEM
@@ -332,105 +379,121 @@ __device__ __forceinline__ void fb_rescale(float (&o)[HS / 2], const float (&alp
 }
 
 // ------------------------------------------------------------------------------------------- forward
-// One block per (b*H + h, query tile of BM), longest first; keys up to the tile's last query.
+// Work items (b*H + h, query tile of BM), item = tile * BH + b*H + h, the last query tiles (the most keys)
+// first (fb_walk: a block walks several where F::WALK); an item: Q resident, K and V streamed up to the
+// tile's last query.
 template <int HS, bool DROP, FB_PLAN>
 __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
                float* __restrict__ lse,                     // [B,H,T]
                const __grid_constant__ TmaMap map_q,        // qkv [B][T][3C], boxes {64, BM}
                const __grid_constant__ TmaMap map_kv,       // qkv, boxes {64, BN}
-               FB_ARGS_DROP) {
+               FB_ARGS_DROP, int BH) {                      // BH: B * H
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 1>;
-    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q and NS stages of K, V, + 1 KB");
+    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q (twice where F::WALK) and NS stages of K, V, "
+                                        "+ 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
-    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 1];
-    const FbBlock<F> k(fb_smem, fb_bars, H, true);
-    const int q0 = k.r0;
-    const int nkt = (min(q0 + BM, T) + BN - 1) / BN;     // key tiles up to the block's last query
+    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 4];
+    FbBlock<F> k(fb_smem, fb_bars, H);
+    const int items = BH * ((T + BM - 1) / BM);
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
-        if (threadIdx.x < F::CW * 128 + 32)
-            fb_produce<F, 1>(k.bars, k.bars + 16 * NS, k.res, k.ring, &map_q, k.h * HS, &map_q, 0, q0, &map_kv, k.C + k.h * HS,
-                             &map_kv, 2 * k.C + k.h * HS, 0, nkt, k.b);
+        if (threadIdx.x < F::CW * 128 + 32) {              // its first warp
+            fb_walk<F>(items, [&](int j, int item) {
+                const FbItem t(item, BH, H, T, BM, true);
+                const int nkt = (min(t.r0 + BM, T) + BN - 1) / BN;     // key tiles up to the item's last query
+                fb_produce<F>(k.bars, k.res, k.ring, j, &map_q, t.h * HS, &map_q, 0, t.r0, &map_kv, k.C + t.h * HS,
+                              &map_kv, 2 * k.C + t.h * HS, 0, nkt, t.b, k.g0);
+                k.next_item(nkt);
+            });
+        }
         return;
     }
     wg_regs_inc<F::CONSUMER_REGS>();
-    const int wr0 = q0 + 64 * k.wg + 16 * k.w;            // the warp's first query
-    const int wg_last = q0 + 64 * k.wg < T ? q0 + 64 * k.wg + 63 : -1;   // -1: rows all past T, no tile
     const float sl2 = scale * GC_LOG2E, ninf = __int_as_float(0xff800000);
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 W = gc_att_words(T);
-    const u32 rquad = (u32)(k.bh * T + wr0 + k.g) * W + (u32)k.q;    // row g's keep word of keys 2q, 2q + 1, + 8, + 9
-    const unsigned qa = k.res + k.wg * 64 * 128;            // the warpgroup's rows of Q
-    float o[HS / 2], m[2] = {ninf, ninf}, l[2] = {0.f, 0.f};
+    fb_walk<F>(items, [&](int j, int item) {
+        const FbItem t(item, BH, H, T, BM, true);
+        const int q0 = t.r0;
+        const int nkt = (min(q0 + BM, T) + BN - 1) / BN;     // key tiles up to the item's last query
+        const int wr0 = q0 + 64 * k.wg + 16 * k.w;            // the warp's first query
+        const int wg_last = q0 + 64 * k.wg < T ? q0 + 64 * k.wg + 63 : -1;   // -1: rows all past T, no tile
+        // row g's keep word of keys 2q, 2q + 1, + 8, + 9
+        const u32 rquad = (u32)(t.bh * T + wr0 + k.g) * W + (u32)k.q;
+        float o[HS / 2], m[2] = {ninf, ninf}, l[2] = {0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
-    const FbFwdRows r{sl2, key, rquad, W, threshold, wr0, wr0 + k.g, k.q};
-    // the warpgroup's tiles are 0 .. nl - 1 (a key tile past its last query has nothing for it); the
-    // others are waited for and released all the same (the ring counts every consumer thread)
-    const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);
-    k.wait_resident();
-    if constexpr (NS >= 3) {
-        // pipelined (a third ring stage): tile it's S = Q K^T is issued before tile it - 1's O += P V, and
-        // tile it's softmax runs while that product computes; O is rescaled once it is done
-        if (nl > 0) {
-            float sc[BN / 2], alpha[2];
-            unsigned pa[BN / 16][4];
-            k.wait_full(0);
-            fb_mma_ss<HS, BM, BN>(sc, qa, k.stage(0));
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_acc(sc);
-            fb_online_softmax<BN, DROP>(sc, m, l, alpha, 0, r);      // (O is 0: nothing to rescale)
-            fb_pack<BN>(pa, sc);
-            for (int it = 1; it < nl; ++it) {
-                k.wait_full(it);
-                fb_mma_ss<HS, BM, BN>(sc, qa, k.stage(it));
+        for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
+        const FbFwdRows r{sl2, key, rquad, W, threshold, wr0, wr0 + k.g, k.q};
+        // the warpgroup's tiles are 0 .. nl - 1 (a key tile past its last query has nothing for it); the
+        // others are waited for and released all the same (the ring counts every consumer thread)
+        const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);
+        const unsigned qa = k.wait_resident(j) + k.wg * 64 * 128;      // the warpgroup's rows of Q
+        if constexpr (NS >= 3) {
+            // pipelined (a third ring stage): tile it's S = Q K^T is issued before tile it - 1's O += P V, and
+            // tile it's softmax runs while that product computes; O is rescaled once it is done
+            if (nl > 0) {
+                float sc[BN / 2], alpha[2];
+                unsigned pa[BN / 16][4];
+                k.wait_full(0);
+                fb_mma_ss<HS, BM, BN>(sc, qa, k.stage(0));
                 wg_commit();
-                fb_mma_rs<HS, BN, BN / 16>(o, pa, k.stage(it - 1) + F::ST);
-                wg_commit();
-                wg_wait<1>();
-                wg_fence_acc(sc);
-                const bool grew = fb_online_softmax<BN, DROP>(sc, m, l, alpha, it * BN, r);
                 wg_wait<0>();
-                wg_fence_acc(o);
-                fb_fence_frags(pa);
-                k.release(it - 1);
-                if (grew) fb_rescale<HS>(o, alpha);
+                wg_fence_acc(sc);
+                fb_online_softmax<BN, DROP>(sc, m, l, alpha, 0, r);      // (O is 0: nothing to rescale)
                 fb_pack<BN>(pa, sc);
+                for (int it = 1; it < nl; ++it) {
+                    k.wait_full(it);
+                    fb_mma_ss<HS, BM, BN>(sc, qa, k.stage(it));
+                    wg_commit();
+                    fb_mma_rs<HS, BN, BN / 16>(o, pa, k.stage(it - 1) + F::ST);
+                    wg_commit();
+                    wg_wait<1>();
+                    wg_fence_acc(sc);
+                    const bool grew = fb_online_softmax<BN, DROP>(sc, m, l, alpha, it * BN, r);
+                    wg_wait<0>();
+                    wg_fence_acc(o);
+                    fb_fence_frags(pa);
+                    k.release(it - 1);
+                    if (grew) fb_rescale<HS>(o, alpha);
+                    fb_pack<BN>(pa, sc);
+                }
+                fb_mma_rs_wait<HS, BN, BN / 16>(o, pa, k.stage(nl - 1) + F::ST);
+                k.release(nl - 1);
             }
-            fb_mma_rs_wait<HS, BN, BN / 16>(o, pa, k.stage(nl - 1) + F::ST);
-            k.release(nl - 1);
+        } else {                                               // a tile at a time
+            for (int it = 0; it < nl; ++it) {
+                k.wait_full(it);
+                const unsigned kt = k.stage(it);
+                float sc[BN / 2], alpha[2];
+                fb_mma_ss<HS, BM, BN>(sc, qa, kt);
+                wg_commit();
+                wg_wait<0>();
+                wg_fence_acc(sc);
+                if (fb_online_softmax<BN, DROP>(sc, m, l, alpha, it * BN, r)) fb_rescale<HS>(o, alpha);
+                unsigned pa[BN / 16][4];
+                fb_pack<BN>(pa, sc);
+                fb_mma_rs_wait<HS, BN, BN / 16>(o, pa, kt + F::ST);
+                k.release(it);
+            }
         }
-    } else {                                               // a tile at a time
-        for (int it = 0; it < nl; ++it) {
-            k.wait_full(it);
-            const unsigned kt = k.stage(it);
-            float sc[BN / 2], alpha[2];
-            fb_mma_ss<HS, BM, BN>(sc, qa, kt);
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_acc(sc);
-            if (fb_online_softmax<BN, DROP>(sc, m, l, alpha, it * BN, r)) fb_rescale<HS>(o, alpha);
-            unsigned pa[BN / 16][4];
-            fb_pack<BN>(pa, sc);
-            fb_mma_rs_wait<HS, BN, BN / 16>(o, pa, kt + F::ST);
-            k.release(it);
-        }
-    }
-    k.skip(nl, nkt);
+        k.release_resident(j);                                 // Q read: its buffer may take item j + 2's
+        k.skip(nl, nkt);
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        float L = l[hh];
-        L += __shfl_xor_sync(0xffffffffu, L, 1);
-        L += __shfl_xor_sync(0xffffffffu, L, 2);
-        const int i = wr0 + k.g + 8 * hh;
-        if (i < T) {
-            fb_store_row<HS>(y + ((long long)k.b * T + i) * k.C + k.h * HS + 2 * k.q, o, hh, (DROP ? inv_keep : 1.f) / L);
-            if (k.q == 0) lse[(long long)k.bh * T + i] = m[hh] * FA_LN2 + logf(L);
+        for (int hh = 0; hh < 2; ++hh) {
+            float L = l[hh];
+            L += __shfl_xor_sync(0xffffffffu, L, 1);
+            L += __shfl_xor_sync(0xffffffffu, L, 2);
+            const int i = wr0 + k.g + 8 * hh;
+            if (i < T) {
+                fb_store_row<HS>(y + ((long long)t.b * T + i) * k.C + t.h * HS + 2 * k.q, o, hh,
+                                 (DROP ? inv_keep : 1.f) / L);
+                if (k.q == 0) lse[(long long)t.bh * T + i] = m[hh] * FA_LN2 + logf(L);
+            }
         }
-    }
+        k.next_item(nkt);
+    });
 #else
     __trap();
 #endif
@@ -451,9 +514,9 @@ __device__ __forceinline__ void fb_scores(float (&sc)[BN / 2], float (&dp)[BN / 
     wg_commit();
 }
 // fb_scores of stage it once it is loaded, waited for: sc and dp are the thread's again
-template <int HS, int BM, int BN, class F, int NRB>
-__device__ __forceinline__ void fb_scores_wait(const FbBlock<F, NRB>& k, int it, float (&sc)[BN / 2], float (&dp)[BN / 2],
-                                               unsigned a, unsigned a2) {
+template <int HS, int BM, int BN, class F>
+__device__ __forceinline__ void fb_scores_wait(const FbBlock<F>& k, int it, float (&sc)[BN / 2],
+                                               float (&dp)[BN / 2], unsigned a, unsigned a2) {
     k.wait_full(it);
     fb_scores<HS, BM, BN>(sc, dp, a, a2, k.stage(it));
     wg_wait<0>();
@@ -480,8 +543,8 @@ __device__ __forceinline__ void fb_dq_grads(float (&sc)[BN / 2], const float (&d
     });
 }
 
-// One block per (b*H + h, query tile of BM), longest first: Q and dO resident, K and V streamed.
-// It also makes D = rowsum(dO * O) of its rows (the 4 lanes of a row a quarter of the head's columns
+// Work items as the forward's (fb_walk, FbItem): Q and dO resident, K and V streamed.
+// An item also makes D = rowsum(dO * O) of its rows (the 4 lanes of a row a quarter of the head's columns
 // each, read from dy and y; an fma chain, then lanes xor 1, xor 2) and writes it for flash_bwd_dkv_bf16,
 // which runs after it: no rowsum pass.
 template <int HS, bool DROP, FB_PLAN>
@@ -494,113 +557,125 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
                   const bf16* __restrict__ y,               // [B,T,C] the forward's output, 16-byte aligned
                   const float* __restrict__ lse,            // [B,H,T]
                   float* __restrict__ Dg,                   // [B,H,T] out: rowsum(dy * y)
-                  FB_ARGS_DROP) {
+                  FB_ARGS_DROP, int BH) {                   // BH: B * H
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
-    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q, dO and NS stages of K, V, + 1 KB");
+    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q, dO (twice where F::WALK) and NS stages of K, "
+                                        "V, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
-    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 1];
-    const FbBlock<F> k(fb_smem, fb_bars, H, true);
-    const int q0 = k.r0;
-    const int nkt = (min(q0 + BM, T) + BN - 1) / BN;
+    __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 4];
+    FbBlock<F> k(fb_smem, fb_bars, H);
+    const int items = BH * ((T + BM - 1) / BM);
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
-        if (threadIdx.x < F::CW * 128 + 32)
-            fb_produce<F, 2>(k.bars, k.bars + 16 * NS, k.res, k.ring, &map_r, k.h * HS, &map_dy, k.h * HS, q0, &map_s,
-                             k.C + k.h * HS, &map_s, 2 * k.C + k.h * HS, 0, nkt, k.b);
+        if (threadIdx.x < F::CW * 128 + 32) {              // its first warp
+            fb_walk<F>(items, [&](int j, int item) {
+                const FbItem t(item, BH, H, T, BM, true);
+                const int nkt = (min(t.r0 + BM, T) + BN - 1) / BN;
+                fb_produce<F>(k.bars, k.res, k.ring, j, &map_r, t.h * HS, &map_dy, t.h * HS, t.r0, &map_s,
+                              k.C + t.h * HS, &map_s, 2 * k.C + t.h * HS, 0, nkt, t.b, k.g0);
+                k.next_item(nkt);
+            });
+        }
         return;
     }
     wg_regs_inc<F::CONSUMER_REGS>();
-    const int wr0 = q0 + 64 * k.wg + 16 * k.w;
-    const int wg_last = q0 + 64 * k.wg < T ? q0 + 64 * k.wg + 63 : -1;   // -1: rows all past T, no tile
     const float sl2 = scale * GC_LOG2E;
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 W = gc_att_words(T);
-    const u32 rquad = (u32)(k.bh * T + wr0 + k.g) * W + (u32)k.q;
-    const unsigned qa = k.res + k.wg * 64 * 128, da = qa + F::RT;   // the warpgroup's rows of Q, dO
-    // D's operands (the row's quarter of dy and y, as stored) and lse are loaded first and D is summed once
-    // the first tile's products are done, so that the loads' latency runs under the copies and the products
-    float lse2[2], Dr[2];                                  // per row: lse in log2 units, D
-    uint4 dyr[2][HS / 32], yr[2][HS / 32];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int i = wr0 + k.g + 8 * hh;
-        lse2[hh] = i < T ? lse[(long long)k.bh * T + i] * GC_LOG2E : 0.f;
-        const long long off = ((long long)k.b * T + i) * k.C + k.h * HS + (HS / 4) * k.q;
-#pragma unroll
-        for (int c = 0; c < HS / 32; ++c) {
-            dyr[hh][c] = i < T ? *reinterpret_cast<const uint4*>(dy + off + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
-            yr[hh][c] = i < T ? *reinterpret_cast<const uint4*>(y + off + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
-        }
-    }
-    float dq[HS / 2];
-#pragma unroll
-    for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
-    const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);   // the warpgroup's tiles (as the forward's)
-    auto make_d = [&]() {                                  // D of the rows, written for dK / dV's kernel
+    fb_walk<F>(items, [&](int j, int item) {
+        const FbItem t(item, BH, H, T, BM, true);
+        const int q0 = t.r0;
+        const int nkt = (min(q0 + BM, T) + BN - 1) / BN;
+        const int wr0 = q0 + 64 * k.wg + 16 * k.w;
+        const int wg_last = q0 + 64 * k.wg < T ? q0 + 64 * k.wg + 63 : -1;   // -1: rows all past T, no tile
+        const u32 rquad = (u32)(t.bh * T + wr0 + k.g) * W + (u32)k.q;
+        // D's operands (the row's quarter of dy and y, as stored) and lse are loaded first and D is summed once
+        // the first tile's products are done, so that the loads' latency runs under the copies and the products
+        float lse2[2], Dr[2];                                  // per row: lse in log2 units, D
+        uint4 dyr[2][HS / 32], yr[2][HS / 32];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int i = wr0 + k.g + 8 * hh;
-            float d = 0.f;
+            lse2[hh] = i < T ? lse[(long long)t.bh * T + i] * GC_LOG2E : 0.f;
+            const long long off = ((long long)t.b * T + i) * k.C + t.h * HS + (HS / 4) * k.q;
 #pragma unroll
             for (int c = 0; c < HS / 32; ++c) {
-                float a[8], o[8];
-                bf16x8_f32(dyr[hh][c], a);
-                bf16x8_f32(yr[hh][c], o);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) d = fmaf(a[e], o[e], d);
-            }
-            d += __shfl_xor_sync(0xffffffffu, d, 1);
-            d += __shfl_xor_sync(0xffffffffu, d, 2);
-            Dr[hh] = d;
-            if (i < T && k.q == 0) Dg[(long long)k.bh * T + i] = d;
-        }
-    };
-    k.wait_resident();
-    if (nl == 0) {
-        make_d();
-    } else {
-        float sc[BN / 2], dp[BN / 2];
-        unsigned ds[BN / 16][4];
-        fb_scores_wait<HS, BM, BN>(k, 0, sc, dp, qa, da);   // S = Q K^T, dPd = dO V^T
-        make_d();
-        const FbDqRows r{sl2, {lse2[0], lse2[1]}, {Dr[0], Dr[1]}, key, rquad, W, threshold, inv_keep, wr0, wr0 + k.g,
-                         k.q};
-        fb_dq_grads<BN, DROP>(sc, dp, 0, r);
-        for (int it = 0; it + 1 < nl; ++it) {
-            fb_pack<BN>(ds, sc);
-            if constexpr (NS >= 3) {
-                // pipelined (a third ring stage): tile it + 1's S and dP are issued before tile it's
-                // dQ += dS K, and tile it + 1's dS is made while that product computes
-                k.wait_full(it + 1);
-                fb_scores<HS, BM, BN>(sc, dp, qa, da, k.stage(it + 1));
-                fb_mma_rs<HS, BN, BN / 16>(dq, ds, k.stage(it));
-                wg_commit();
-                wg_wait<1>();
-                wg_fence_acc(sc);
-                wg_fence_acc(dp);
-                fb_dq_grads<BN, DROP>(sc, dp, (it + 1) * BN, r);
-                wg_wait<0>();
-                wg_fence_acc(dq);
-                fb_fence_frags(ds);
-                k.release(it);
-            } else {                                       // a tile at a time
-                fb_mma_rs_wait<HS, BN, BN / 16>(dq, ds, k.stage(it));   // dQ += dS K
-                k.release(it);
-                fb_scores_wait<HS, BM, BN>(k, it + 1, sc, dp, qa, da);
-                fb_dq_grads<BN, DROP>(sc, dp, (it + 1) * BN, r);
+                dyr[hh][c] = i < T ? *reinterpret_cast<const uint4*>(dy + off + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+                yr[hh][c] = i < T ? *reinterpret_cast<const uint4*>(y + off + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
             }
         }
-        fb_pack<BN>(ds, sc);                               // the last tile's
-        fb_mma_rs_wait<HS, BN, BN / 16>(dq, ds, k.stage(nl - 1));
-        k.release(nl - 1);
-    }
-    k.skip(nl, nkt);
+        float dq[HS / 2];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int i = wr0 + k.g + 8 * hh;
-        if (i < T) fb_store_row<HS>(dqkv + ((long long)k.b * T + i) * 3 * k.C + k.h * HS + 2 * k.q, dq, hh, scale);
-    }
+        for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
+        const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);   // the warpgroup's tiles (as the forward's)
+        auto make_d = [&]() {                                  // D of the rows, written for dK / dV's kernel
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int i = wr0 + k.g + 8 * hh;
+                float d = 0.f;
+#pragma unroll
+                for (int c = 0; c < HS / 32; ++c) {
+                    float a[8], o[8];
+                    bf16x8_f32(dyr[hh][c], a);
+                    bf16x8_f32(yr[hh][c], o);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) d = fmaf(a[e], o[e], d);
+                }
+                d += __shfl_xor_sync(0xffffffffu, d, 1);
+                d += __shfl_xor_sync(0xffffffffu, d, 2);
+                Dr[hh] = d;
+                if (i < T && k.q == 0) Dg[(long long)t.bh * T + i] = d;
+            }
+        };
+        const unsigned qa = k.wait_resident(j) + k.wg * 64 * 128, da = qa + F::RT;   // the warpgroup's rows of Q, dO
+        if (nl == 0) {
+            make_d();
+        } else {
+            float sc[BN / 2], dp[BN / 2];
+            unsigned ds[BN / 16][4];
+            fb_scores_wait<HS, BM, BN>(k, 0, sc, dp, qa, da);   // S = Q K^T, dPd = dO V^T
+            make_d();
+            const FbDqRows r{sl2, {lse2[0], lse2[1]}, {Dr[0], Dr[1]}, key, rquad, W, threshold, inv_keep, wr0,
+                             wr0 + k.g, k.q};
+            fb_dq_grads<BN, DROP>(sc, dp, 0, r);
+            for (int it = 0; it + 1 < nl; ++it) {
+                fb_pack<BN>(ds, sc);
+                if constexpr (NS >= 3) {
+                    // pipelined (a third ring stage): tile it + 1's S and dP are issued before tile it's
+                    // dQ += dS K, and tile it + 1's dS is made while that product computes
+                    k.wait_full(it + 1);
+                    fb_scores<HS, BM, BN>(sc, dp, qa, da, k.stage(it + 1));
+                    fb_mma_rs<HS, BN, BN / 16>(dq, ds, k.stage(it));
+                    wg_commit();
+                    wg_wait<1>();
+                    wg_fence_acc(sc);
+                    wg_fence_acc(dp);
+                    fb_dq_grads<BN, DROP>(sc, dp, (it + 1) * BN, r);
+                    wg_wait<0>();
+                    wg_fence_acc(dq);
+                    fb_fence_frags(ds);
+                    k.release(it);
+                } else {                                       // a tile at a time
+                    fb_mma_rs_wait<HS, BN, BN / 16>(dq, ds, k.stage(it));   // dQ += dS K
+                    k.release(it);
+                    fb_scores_wait<HS, BM, BN>(k, it + 1, sc, dp, qa, da);
+                    fb_dq_grads<BN, DROP>(sc, dp, (it + 1) * BN, r);
+                }
+            }
+            fb_pack<BN>(ds, sc);                               // the last tile's
+            fb_mma_rs_wait<HS, BN, BN / 16>(dq, ds, k.stage(nl - 1));
+            k.release(nl - 1);
+        }
+        k.release_resident(j);                                 // Q and dO read: the buffer may take item j + 2's
+        k.skip(nl, nkt);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int i = wr0 + k.g + 8 * hh;
+            if (i < T) fb_store_row<HS>(dqkv + ((long long)t.b * T + i) * 3 * k.C + t.h * HS + 2 * k.q, dq, hh, scale);
+        }
+        k.next_item(nkt);
+    });
 #else
     __trap();
 #endif
@@ -685,24 +760,20 @@ __device__ __forceinline__ void fb_dkv_grads(float (&sc)[BN / 2], float (&dp)[BN
     }
 }
 
-// A work item of flash_bwd_dkv_bf16, item = key tile * BH + b*H + h: its head bh = b H + h, its first key
-// kb0, the first query tile that sees a key of it and the query tiles from there to the end (nqt)
-struct FbDkvItem {
-    int bh, b, h, kb0, first, nqt;
-    __device__ __forceinline__ FbDkvItem(int item, int BH, int H, int T, int BM, int BN) {
-        bh = item % BH, b = bh / H, h = bh - b * H;
-        kb0 = (item / BH) * BM, first = kb0 / BN, nqt = (T + BN - 1) / BN - first;
+// A work item of flash_bwd_dkv_bf16 (FbItem, key tiles from the first): besides FbItem's, the first query
+// tile that sees a key of it and the query tiles from there to the end (nqt)
+struct FbDkvItem : FbItem {
+    int first, nqt;
+    __device__ __forceinline__ FbDkvItem(int item, int BH, int H, int T, int BM, int BN)
+        : FbItem(item, BH, H, T, BM, false) {
+        first = r0 / BN, nqt = (T + BN - 1) / BN - first;
     }
 };
 
 // Work items (b*H + h, key tile of BM), item = key tile * BH + b*H + h: the first key tiles (the most
-// queries) first. An item: K and V resident, Q and dO streamed from the first query tile that reaches its
-// keys to the end; lse and D of a tile's queries read by each thread for its columns. Where F::WALK, a
-// block walks items blockIdx.x, + gridDim.x, ... (the launcher's grid: at most one block an SM), so that
-// the next item's K and V load under the last one's products and its start costs no block launch: the
-// resident tiles have two buffers (item j in buffer j % 2), the producer loads item j + 1's once the
-// consumers have released its buffer (after item j - 1), and the ring's stages count on across items;
-// otherwise a block takes item blockIdx.x alone (a grid of one block an item).
+// queries) first (fb_walk: a block walks several where F::WALK). An item: K and V resident, Q and dO
+// streamed from the first query tile that reaches its keys to the end; lse and D of a tile's queries read
+// by each thread for its columns.
 template <int HS, bool DROP, FB_PLAN>
 __global__ void __launch_bounds__(THREADS, 1)
 flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k and v columns
@@ -712,27 +783,23 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                    const float* __restrict__ lse,           // [B,H,T]
                    const float* __restrict__ Dg,            // [B,H,T]
                    FB_ARGS_DROP, int BH) {                  // BH: B * H
-    using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, NS >= 3 ? 4 : 2>;     // (F::WALK: K and V twice)
+    using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V (twice where F::WALK) and NS stages of Q, "
                                         "dO, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
     __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 4];
-    const FbBlock<F, 2> k(fb_smem, fb_bars, H, false);
-    const unsigned rfull = k.bars + 16 * NS, rempty = rfull + 16;
-    const int items = BH * ((T + BM - 1) / BM), C = H * HS;
+    FbBlock<F> k(fb_smem, fb_bars, H);
+    const int items = BH * ((T + BM - 1) / BM), C = k.C;
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
         if (threadIdx.x < F::CW * 128 + 32) {              // its first warp
-            int gs = 0;                                    // the ring's stage count
-            for (int j = 0, item = blockIdx.x; item < items && (F::WALK || j < 1); item += gridDim.x, ++j) {
+            fb_walk<F>(items, [&](int j, int item) {
                 const FbDkvItem t(item, BH, H, T, BM, BN);
-                if (j >= 2) mbar_wait(rempty + 8 * (j & 1), ((j >> 1) - 1) & 1);   // item j - 2's K, V read
-                fb_produce<F, 2>(k.bars, rfull + 8 * (j & 1), k.res + (j & 1) * (2 * F::RT), k.ring, &map_r,
-                                 C + t.h * HS, &map_r, 2 * C + t.h * HS, t.kb0, &map_s, t.h * HS, &map_dy, t.h * HS,
-                                 t.first, t.nqt, t.b, gs);
-                gs += t.nqt;
-            }
+                fb_produce<F>(k.bars, k.res, k.ring, j, &map_r, C + t.h * HS, &map_r, 2 * C + t.h * HS, t.r0, &map_s,
+                              t.h * HS, &map_dy, t.h * HS, t.first, t.nqt, t.b, k.g0);
+                k.next_item(t.nqt);
+            });
         }
         return;
     }
@@ -740,29 +807,26 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
     const float sl2 = scale * GC_LOG2E;
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 W = gc_att_words(T);
-    int g0 = 0;                                            // the ring's stage count at the item's first stage
-#pragma unroll 1
-    for (int j = 0, item = blockIdx.x; item < items && (F::WALK || j < 1); item += gridDim.x, ++j) {
+    fb_walk<F>(items, [&](int j, int item) {
         const FbDkvItem t(item, BH, H, T, BM, BN);
-        const int bh = t.bh, b = t.b, h = t.h, kb0 = t.kb0, first = t.first, nqt = t.nqt;
+        const int bh = t.bh, b = t.b, h = t.h, kb0 = t.r0, first = t.first, nqt = t.nqt;
         const int kw0 = kb0 + 64 * k.wg + 16 * k.w;       // the warp's first key
         const int wg_first = kb0 + 64 * k.wg;
-        const unsigned ka = k.res + (j & 1) * (2 * F::RT) + k.wg * 64 * 128, va = ka + F::RT;   // the warpgroup's K, V
         const float* lse_h = lse + (long long)bh * T;
         const float* D_h = Dg + (long long)bh * T;
         float dk[HS / 2], dv[HS / 2];
 #pragma unroll
         for (int i = 0; i < HS / 2; ++i) dk[i] = dv[i] = 0.f;
-        mbar_wait(rfull + 8 * (j & 1), (j >> 1) & 1);
+        const unsigned ka = k.wait_resident(j) + k.wg * 64 * 128, va = ka + F::RT;   // the warpgroup's K, V
         int it0 = 0;                                       // the query tiles before every key of the warpgroup
         while (it0 < nqt && (first + it0) * BN + BN - 1 < wg_first) ++it0;
-        k.skip(g0, g0 + it0);
+        k.skip(0, it0);
         if (it0 < nqt) {
             const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(bh * T), W, gc_att_quad((u32)(kw0 + k.g)),
                              threshold, inv_keep};
             float sc[BN / 2], dp[BN / 2], l2[BN / 4], Dq[BN / 4];
             fb_dkv_cols<BN>(l2, Dq, (first + it0) * BN, r);
-            fb_scores_wait<HS, BM, BN>(k, g0 + it0, sc, dp, ka, va);
+            fb_scores_wait<HS, BM, BN>(k, it0, sc, dp, ka, va);
             fb_dkv_grads<BN, DROP>(sc, dp, (first + it0) * BN, r, l2, Dq);
             for (int it = it0; it + 1 < nqt; ++it) {
                 unsigned pa[BN / 16][4], ds[BN / 16][4];
@@ -773,22 +837,22 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                     fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
                     fb_pack<BN>(pa, sc);
                     fb_pack<BN>(ds, dp);
-                    k.wait_full(g0 + it + 1);
-                    fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(g0 + it + 1));
-                    fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(g0 + it));
+                    k.wait_full(it + 1);
+                    fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
+                    fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
                     wg_wait<1>();
                     wg_fence_acc(sc);
                     wg_fence_acc(dp);
                     fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, l2, Dq);
                     fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
-                    k.release(g0 + it);
+                    k.release(it);
                 } else {                                   // a tile at a time
                     fb_pack<BN>(pa, sc);
                     fb_pack<BN>(ds, dp);
-                    fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(g0 + it));
+                    fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
                     fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
-                    k.release(g0 + it);
-                    fb_scores_wait<HS, BM, BN>(k, g0 + it + 1, sc, dp, ka, va);
+                    k.release(it);
+                    fb_scores_wait<HS, BM, BN>(k, it + 1, sc, dp, ka, va);
                     fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
                     fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, l2, Dq);
                 }
@@ -796,11 +860,11 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
             unsigned pa[BN / 16][4], ds[BN / 16][4];       // the last tile's
             fb_pack<BN>(pa, sc);
             fb_pack<BN>(ds, dp);
-            fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(g0 + nqt - 1));
+            fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(nqt - 1));
             fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
-            k.release(g0 + nqt - 1);
+            k.release(nqt - 1);
         }
-        mbar_arrive(rempty + 8 * (j & 1));                 // K and V of this item read: its buffer may be loaded
+        k.release_resident(j);                             // K and V read: the buffer may take item j + 2's
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int kk = kw0 + k.g + 8 * hh;
@@ -810,8 +874,8 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                 fb_store_row<HS>(o + C, dv, hh, 1.f);
             }
         }
-        g0 += nqt;
-    }
+        k.next_item(nqt);
+    });
 #else
     __trap();
 #endif

@@ -323,10 +323,12 @@ def test_fused_bf16_tiles(env, monkeypatch, tiles, B, T, C, H, p):
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1])
-@pytest.mark.parametrize("B,T,C,H", [(2, 200, 384, 6), (1, 1000, 64, 1)])
-def test_fused_bf16_dkv_walks_items(env, monkeypatch, B, T, C, H, p):
-    """dK/dV's blocks walk several work items each: as if the GPU had 5 SMs (24 and 8 items), so that a
-    block takes the resident buffers in turn and its ring counts on across items."""
+@pytest.mark.parametrize("B,T,C,H", [(2, 200, 384, 6), (1, 1000, 64, 1), (1, 1100, 128, 2)])
+def test_fused_bf16_kernels_walk_items(env, monkeypatch, B, T, C, H, p):
+    """The bf16 flash kernels' blocks walk several work items each where their loops are pipelined: as if the
+    GPU had 5 SMs (dK/dV 24, 8 and 18 items; at T 1100 the forward and dQ too, 12 items of 192 query rows,
+    the last tile's 140 rows past T), so that a block takes the resident buffers in turn and its ring
+    counts on across items."""
     monkeypatch.setattr(attn, "sm_count", lambda rt: 5)
     out = _run_bf16(env, B, T, C, H, p)
     errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
