@@ -226,6 +226,7 @@ __device__ __forceinline__ void fb_produce(unsigned bars, unsigned res, unsigned
 // products and its start costs no block launch; otherwise item blockIdx.x alone (a grid of one block an
 // item). f(j, item): the block's j-th item. Item = tile * BH + b*H + h: a tile's items for every head,
 // then the next tile's.
+// (items: a kernel argument, B * H * tiles, that the loop reads where it tests, not a register it keeps)
 template <class F, class G>
 __device__ __forceinline__ void fb_walk(int items, G&& f) {
 #pragma unroll 1
@@ -235,16 +236,22 @@ __device__ __forceinline__ void fb_walk(int items, G&& f) {
         f(j, item);
     }
 }
-// A work item's head bh = b H + h and its first row r0 of tile item / BH (rev: tiles counted from the
-// last: the forward's and dQ's longest query tiles first; dK/dV's longest are its first key tiles)
+// A work item's head bh = b H + h and its first row r0 of tile item / BH. rev (the forward's and dQ's
+// query tiles): tiles counted from the end, the last ending at T rounded up to 64 rows, so that where BM
+// does not divide that, the first tile starts before row 0 (whole warpgroups of rows < 0: no tiles, no
+// stores; the copy engine reads zeros there) instead of the last one's rows past T idling most of its
+// warpgroups for every key; longest first. Otherwise (dK/dV's key tiles) tiles from row 0, the first the
+// longest.
 struct FbItem {
     int bh, b, h, r0;
     __device__ __forceinline__ FbItem(int item, int BH, int H, int T, int BM, bool rev) {
         bh = item % BH, b = bh / H, h = bh - b * H;
         const int t = item / BH;
-        r0 = (rev ? (T + BM - 1) / BM - 1 - t : t) * BM;
+        r0 = rev ? ((T + 63) & ~63) - (t + 1) * BM : t * BM;
     }
 };
+// row i of a sequence of T rows (not before row 0, not past T)
+__device__ __forceinline__ bool fb_in(int i, int T) { return (unsigned)i < (unsigned)T; }
 
 // What every kernel sets up: the aligned base, barriers (the ring's; two full and two empty barriers of
 // the resident tiles' buffers), the thread's place; the producer warpgroup is told apart by `producer`.
@@ -252,13 +259,12 @@ struct FbItem {
 template <class F>
 struct FbBlock {
     unsigned res, ring, bars;
-    int C, wg, w, g, q, g0 = 0;
+    int wg, w, g, q, g0 = 0;
     bool producer;
-    __device__ __forceinline__ FbBlock(unsigned char* smem, unsigned long long* bar_words, int H) {
+    __device__ __forceinline__ FbBlock(unsigned char* smem, unsigned long long* bar_words) {
         res = (fa_smem_u32(smem) + 1023u) & ~1023u;
         ring = res + F::NRES_ * F::RT;
         bars = fa_smem_u32(bar_words);
-        C = H * F::HS_;
         wg = threadIdx.x >> 7;
         w = (threadIdx.x >> 5) & 3;
         g = (threadIdx.x & 31) >> 2;
@@ -388,23 +394,22 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
                float* __restrict__ lse,                     // [B,H,T]
                const __grid_constant__ TmaMap map_q,        // qkv [B][T][3C], boxes {64, BM}
                const __grid_constant__ TmaMap map_kv,       // qkv, boxes {64, BN}
-               FB_ARGS_DROP, int BH) {                      // BH: B * H
+               FB_ARGS_DROP, int BH, int items) {           // B * H; B * H * tiles of BM
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 1>;
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q (twice where F::WALK) and NS stages of K, V, "
                                         "+ 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
     __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 4];
-    FbBlock<F> k(fb_smem, fb_bars, H);
-    const int items = BH * ((T + BM - 1) / BM);
+    FbBlock<F> k(fb_smem, fb_bars);
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
         if (threadIdx.x < F::CW * 128 + 32) {              // its first warp
             fb_walk<F>(items, [&](int j, int item) {
                 const FbItem t(item, BH, H, T, BM, true);
                 const int nkt = (min(t.r0 + BM, T) + BN - 1) / BN;     // key tiles up to the item's last query
-                fb_produce<F>(k.bars, k.res, k.ring, j, &map_q, t.h * HS, &map_q, 0, t.r0, &map_kv, k.C + t.h * HS,
-                              &map_kv, 2 * k.C + t.h * HS, 0, nkt, t.b, k.g0);
+                fb_produce<F>(k.bars, k.res, k.ring, j, &map_q, t.h * HS, &map_q, 0, t.r0, &map_kv, (H * HS) + t.h * HS,
+                              &map_kv, 2 * (H * HS) + t.h * HS, 0, nkt, t.b, k.g0);
                 k.next_item(nkt);
             });
         }
@@ -419,7 +424,7 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
         const int q0 = t.r0;
         const int nkt = (min(q0 + BM, T) + BN - 1) / BN;     // key tiles up to the item's last query
         const int wr0 = q0 + 64 * k.wg + 16 * k.w;            // the warp's first query
-        const int wg_last = q0 + 64 * k.wg < T ? q0 + 64 * k.wg + 63 : -1;   // -1: rows all past T, no tile
+        const int wg_last = fb_in(q0 + 64 * k.wg, T) ? q0 + 64 * k.wg + 63 : -1;   // -1: rows outside, no tile
         // row g's keep word of keys 2q, 2q + 1, + 8, + 9
         const u32 rquad = (u32)(t.bh * T + wr0 + k.g) * W + (u32)k.q;
         float o[HS / 2], m[2] = {ninf, ninf}, l[2] = {0.f, 0.f};
@@ -486,8 +491,8 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
             L += __shfl_xor_sync(0xffffffffu, L, 1);
             L += __shfl_xor_sync(0xffffffffu, L, 2);
             const int i = wr0 + k.g + 8 * hh;
-            if (i < T) {
-                fb_store_row<HS>(y + ((long long)t.b * T + i) * k.C + t.h * HS + 2 * k.q, o, hh,
+            if (fb_in(i, T)) {
+                fb_store_row<HS>(y + ((long long)t.b * T + i) * (H * HS) + t.h * HS + 2 * k.q, o, hh,
                                  (DROP ? inv_keep : 1.f) / L);
                 if (k.q == 0) lse[(long long)t.bh * T + i] = m[hh] * FA_LN2 + logf(L);
             }
@@ -557,15 +562,14 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
                   const bf16* __restrict__ y,               // [B,T,C] the forward's output, 16-byte aligned
                   const float* __restrict__ lse,            // [B,H,T]
                   float* __restrict__ Dg,                   // [B,H,T] out: rowsum(dy * y)
-                  FB_ARGS_DROP, int BH) {                   // BH: B * H
+                  FB_ARGS_DROP, int BH, int items) {        // B * H; B * H * tiles of BM
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is Q, dO (twice where F::WALK) and NS stages of K, "
                                         "V, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
     __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 4];
-    FbBlock<F> k(fb_smem, fb_bars, H);
-    const int items = BH * ((T + BM - 1) / BM);
+    FbBlock<F> k(fb_smem, fb_bars);
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
         if (threadIdx.x < F::CW * 128 + 32) {              // its first warp
@@ -573,7 +577,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
                 const FbItem t(item, BH, H, T, BM, true);
                 const int nkt = (min(t.r0 + BM, T) + BN - 1) / BN;
                 fb_produce<F>(k.bars, k.res, k.ring, j, &map_r, t.h * HS, &map_dy, t.h * HS, t.r0, &map_s,
-                              k.C + t.h * HS, &map_s, 2 * k.C + t.h * HS, 0, nkt, t.b, k.g0);
+                              (H * HS) + t.h * HS, &map_s, 2 * (H * HS) + t.h * HS, 0, nkt, t.b, k.g0);
                 k.next_item(nkt);
             });
         }
@@ -588,7 +592,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
         const int q0 = t.r0;
         const int nkt = (min(q0 + BM, T) + BN - 1) / BN;
         const int wr0 = q0 + 64 * k.wg + 16 * k.w;
-        const int wg_last = q0 + 64 * k.wg < T ? q0 + 64 * k.wg + 63 : -1;   // -1: rows all past T, no tile
+        const int wg_last = fb_in(q0 + 64 * k.wg, T) ? q0 + 64 * k.wg + 63 : -1;   // -1: rows outside, no tile
         const u32 rquad = (u32)(t.bh * T + wr0 + k.g) * W + (u32)k.q;
         // D's operands (the row's quarter of dy and y, as stored) and lse are loaded first and D is summed once
         // the first tile's products are done, so that the loads' latency runs under the copies and the products
@@ -597,12 +601,13 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int i = wr0 + k.g + 8 * hh;
-            lse2[hh] = i < T ? lse[(long long)t.bh * T + i] * GC_LOG2E : 0.f;
-            const long long off = ((long long)t.b * T + i) * k.C + t.h * HS + (HS / 4) * k.q;
+            lse2[hh] = fb_in(i, T) ? lse[(long long)t.bh * T + i] * GC_LOG2E : 0.f;
+            const long long off = ((long long)t.b * T + i) * (H * HS) + t.h * HS + (HS / 4) * k.q;
 #pragma unroll
             for (int c = 0; c < HS / 32; ++c) {
-                dyr[hh][c] = i < T ? *reinterpret_cast<const uint4*>(dy + off + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
-                yr[hh][c] = i < T ? *reinterpret_cast<const uint4*>(y + off + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+                const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+                dyr[hh][c] = fb_in(i, T) ? *reinterpret_cast<const uint4*>(dy + off + 8 * c) : z;
+                yr[hh][c] = fb_in(i, T) ? *reinterpret_cast<const uint4*>(y + off + 8 * c) : z;
             }
         }
         float dq[HS / 2];
@@ -625,7 +630,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
                 d += __shfl_xor_sync(0xffffffffu, d, 1);
                 d += __shfl_xor_sync(0xffffffffu, d, 2);
                 Dr[hh] = d;
-                if (i < T && k.q == 0) Dg[(long long)t.bh * T + i] = d;
+                if (fb_in(i, T) && k.q == 0) Dg[(long long)t.bh * T + i] = d;
             }
         };
         const unsigned qa = k.wait_resident(j) + k.wg * 64 * 128, da = qa + F::RT;   // the warpgroup's rows of Q, dO
@@ -672,7 +677,8 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int i = wr0 + k.g + 8 * hh;
-            if (i < T) fb_store_row<HS>(dqkv + ((long long)t.b * T + i) * 3 * k.C + t.h * HS + 2 * k.q, dq, hh, scale);
+            if (fb_in(i, T))
+                fb_store_row<HS>(dqkv + ((long long)t.b * T + i) * 3 * (H * HS) + t.h * HS + 2 * k.q, dq, hh, scale);
         }
         k.next_item(nkt);
     });
@@ -782,15 +788,15 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                    const __grid_constant__ TmaMap map_dy,   // dy [B][T][C], boxes {64, BN}
                    const float* __restrict__ lse,           // [B,H,T]
                    const float* __restrict__ Dg,            // [B,H,T]
-                   FB_ARGS_DROP, int BH) {                  // BH: B * H
+                   FB_ARGS_DROP, int BH, int items) {       // B * H; B * H * tiles of BM
     using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
     static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V (twice where F::WALK) and NS stages of Q, "
                                         "dO, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
     __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 4];
-    FbBlock<F> k(fb_smem, fb_bars, H);
-    const int items = BH * ((T + BM - 1) / BM), C = k.C;
+    FbBlock<F> k(fb_smem, fb_bars);
+    const int C = H * HS;
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
         if (threadIdx.x < F::CW * 128 + 32) {              // its first warp

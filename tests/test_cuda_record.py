@@ -184,7 +184,7 @@ def test_record_bf16_training_step(dropout, bias, recompute):
 
 def test_record_bf16_flash_walks_at_long_sequences():
     """At T >= 1024 (head size 64) all three bf16 flash kernels walk their work items: a grid of one block an
-    SM (the runtime's count) where the items outnumber the SMs, B*H their last argument."""
+    SM (the runtime's count) where the items outnumber the SMs, B*H and the items their last arguments."""
     cfg = load_config("configs/tiny.yaml", ["--precision=bf16", "--attention=fused", "--n_embd=128", "--n_head=2",
                                             "--vocab_multiple=8", "--block_size=1024", "--batch_size=12"])
     rt = RecordingRuntime(cfg)
@@ -196,7 +196,7 @@ def test_record_bf16_flash_walks_at_long_sequences():
     for r in att:
         rows = 128 if r.fn.name.startswith("flash_bwd_dkv") else 192           # 144 and 192 items
         assert BH * -(-1024 // rows) > 132 and r.grid == (132, 1, 1), (r.fn.name, r.grid)
-        assert r.slots[-1] == BH
+        assert (int(r.slots[-2]), int(r.slots[-1])) == (BH, BH * -(-1024 // rows))
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -218,7 +218,8 @@ def test_record_bf16_step_on_flash_bf16(dropout):
     bwd = [r for r in eng.programs["train"].items if isinstance(r, Launch) and r.fn.name.startswith("flash_bwd")]
     assert [r.fn.name.split("<")[0] for r in bwd] == ["flash_bwd_dq_bf16", "flash_bwd_dkv_bf16"] * L
     assert all(dq.slots[7] == dkv.slots[5] == rt.workspace("attention_d").ptr for dq, dkv in zip(bwd[::2], bwd[1::2]))
-    # dK/dV walks its work items (b*H + h, key tile): a grid of one block an SM at most, B*H its last argument;
+    # dK/dV walks its work items (b*H + h, key tile): a grid of one block an SM at most, B*H and the items its
+    # last arguments;
     # at T 16 the forward and dQ take an item a block (their loops are pipelined at T >= 1024 only)
     items = cfg.batch_size * cfg.n_head * -(-cfg.block_size // 128)
     assert all(dkv.grid == (min(items, 132), 1, 1) for dkv in bwd[1::2])

@@ -323,12 +323,13 @@ def test_fused_bf16_tiles(env, monkeypatch, tiles, B, T, C, H, p):
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1])
-@pytest.mark.parametrize("B,T,C,H", [(2, 200, 384, 6), (1, 1000, 64, 1), (1, 1100, 128, 2)])
+@pytest.mark.parametrize("B,T,C,H", [(2, 200, 384, 6), (2, 300, 384, 6), (1, 1000, 64, 1), (1, 1060, 128, 2)])
 def test_fused_bf16_kernels_walk_items(env, monkeypatch, B, T, C, H, p):
     """The bf16 flash kernels' blocks walk several work items each where their loops are pipelined: as if the
-    GPU had 5 SMs (dK/dV 24, 8 and 18 items; at T 1100 the forward and dQ too, 12 items of 192 query rows,
-    the last tile's 140 rows past T), so that a block takes the resident buffers in turn and its ring
-    counts on across items."""
+    GPU had 5 SMs (dK/dV 24, 36, 8 and 18 items; at T 1060 the forward and dQ too, 12 items of 192 query
+    rows), so that a block takes the resident buffers in turn and its ring counts on across items. The
+    query tiles end at T rounded up to 64 rows: at T 300 (128-row tiles) and 1060 (192) the first starts
+    64 rows before row 0 (a warpgroup with no rows), and at 1060 the last has 28 rows past T."""
     monkeypatch.setattr(attn, "sm_count", lambda rt: 5)
     out = _run_bf16(env, B, T, C, H, p)
     errs = {k: rel_err(a, b) for k, (a, b) in out.items()}

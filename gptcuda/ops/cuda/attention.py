@@ -339,11 +339,11 @@ def _bf16_check(*views):
         raise ValueError("fused attention needs 16-byte aligned qkv / y / dy / dqkv")
 
 
-def _bf16_grid(rt, k, BH, T):
-    """A bf16 flash kernel's grid: its work items (b*H + h, tile of k.rows rows) a block each, or walked by at
-    most one block an SM (k.walk)."""
+def _bf16_items(rt, k, BH, T):
+    """A bf16 flash kernel's grid and its last two arguments (B * H and the work items): the items (b*H + h,
+    tile of k.rows rows) a block each, or walked by at most one block an SM (k.walk)."""
     items = BH * cdiv(T, k.rows)
-    return (min(items, sm_count(rt)) if k.walk else items,)
+    return (min(items, sm_count(rt)) if k.walk else items,), [i32(BH), i32(items)]
 
 
 def _bf16_fwd(rt, y, qkv, lse, n_head, p, site):
@@ -352,10 +352,10 @@ def _bf16_fwd(rt, y, qkv, lse, n_head, p, site):
     lse = _view(lse, (B, H, T))
     k = flash.flash_kernel("fwd", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, k.rows), _bf16_map(rt, qkv, k.stream_rows)]
-    rt.launch(rt.function(k.file, k.name), _bf16_grid(rt, k, B * H, T), (k.threads,),
-              [y, lse] + maps + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H),
-                                                                     i32(B * H)],
-              smem=k.smem, label="flash_fwd")
+    grid, items = _bf16_items(rt, k, B * H, T)
+    rt.launch(rt.function(k.file, k.name), grid, (k.threads,),
+              [y, lse] + maps + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
+              + items, smem=k.smem, label="flash_fwd")
 
 
 def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
@@ -366,9 +366,11 @@ def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     tail = [lse, D] + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kq.rows), _bf16_map(rt, dy, kq.rows), _bf16_map(rt, qkv, kq.stream_rows)]
-    rt.launch(rt.function(kq.file, kq.name), _bf16_grid(rt, kq, B * H, T), (kq.threads,),
-              [dqkv] + maps + [dy, y] + tail + [i32(B * H)], smem=kq.smem, label="flash_bwd_dq")
+    grid, items = _bf16_items(rt, kq, B * H, T)
+    rt.launch(rt.function(kq.file, kq.name), grid, (kq.threads,), [dqkv] + maps + [dy, y] + tail + items,
+              smem=kq.smem, label="flash_bwd_dq")
     kk = flash.flash_kernel("dkv", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kk.rows), _bf16_map(rt, qkv, kk.stream_rows), _bf16_map(rt, dy, kk.stream_rows)]
-    rt.launch(rt.function(kk.file, kk.name), _bf16_grid(rt, kk, B * H, T), (kk.threads,),
-              [dqkv] + maps + tail + [i32(B * H)], smem=kk.smem, label="flash_bwd_dkv")
+    grid, items = _bf16_items(rt, kk, B * H, T)
+    rt.launch(rt.function(kk.file, kk.name), grid, (kk.threads,), [dqkv] + maps + tail + items, smem=kk.smem,
+              label="flash_bwd_dkv")
