@@ -194,7 +194,7 @@ def test_record_bf16_flash_walks_at_long_sequences():
     BH = cfg.batch_size * cfg.n_head
     assert len(att) == 3 * cfg.n_layer
     for r in att:
-        rows = 128 if r.fn.name.startswith("flash_bwd_dkv") else 192           # 144 and 192 items
+        rows = 128 if r.fn.name.startswith("flash_bwd_dkv") else 192           # dK/dV 192 items, the others 144
         assert BH * -(-1024 // rows) > 132 and r.grid == (132, 1, 1), (r.fn.name, r.grid)
         assert (int(r.slots[-2]), int(r.slots[-1])) == (BH, BH * -(-1024 // rows))
 
@@ -219,8 +219,7 @@ def test_record_bf16_step_on_flash_bf16(dropout):
     assert [r.fn.name.split("<")[0] for r in bwd] == ["flash_bwd_dq_bf16", "flash_bwd_dkv_bf16"] * L
     assert all(dq.slots[7] == dkv.slots[5] == rt.workspace("attention_d").ptr for dq, dkv in zip(bwd[::2], bwd[1::2]))
     # dK/dV walks its work items (b*H + h, key tile): a grid of one block an SM at most, B*H and the items its
-    # last arguments;
-    # at T 16 the forward and dQ take an item a block (their loops are pipelined at T >= 1024 only)
+    # last arguments; at T 16 the forward and dQ take an item a block (pipelined, and walking, at T >= 1024)
     items = cfg.batch_size * cfg.n_head * -(-cfg.block_size // 128)
     assert all(dkv.grid == (min(items, 132), 1, 1) for dkv in bwd[1::2])
     fwd = [r for r in eng.programs["train"].items if isinstance(r, Launch) and r.fn.name.startswith("flash_fwd")]
