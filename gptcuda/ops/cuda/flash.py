@@ -43,7 +43,7 @@ class FlashKernel:
     smem: int
     threads: int = FLASH_THREADS
     stream_rows: int = 0          # flash_bf16: rows of its streamed tiles (the TMA boxes of the other side)
-    walk: bool = False            # flash_bf16 dkv: a block walks work items (launch at most one block an SM)
+    walk: bool = False            # flash_bf16 (ns 3): a block walks work items (launch at most one block an SM)
 
 
 def flash_tc_plan(kind: str, hs: int, x3: bool = False) -> dict:
