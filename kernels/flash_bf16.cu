@@ -44,9 +44,13 @@
 #include "bf16.cuh"
 #include "wgmma.cuh"
 
+// Bytes of a stage's slot for BN fp32 values copied from the 16-byte boundary at or before the first of them
+// (a box of BN + 4), 128-byte aligned
+__host__ __device__ constexpr int fb_xslot(int bn) { return ((bn + 4) * 4 + 127) / 128 * 128; }
+
 // The plan's layout: the resident tiles of BM rows (NR an item, in two buffers where the block walks work
-// items), a ring of NS stages of two BN-row tiles.
-template <int HS, int THREADS, int BM, int BN, int NS, int SMEM, int NR>
+// items), a ring of NS stages of two BN-row tiles, then each stage's XS bytes more.
+template <int HS, int THREADS, int BM, int BN, int NS, int SMEM, int NR, int XS = 0>
 struct FaBf16 {
     // a block walks several work items where its loop is pipelined (NS >= 3: head size 64, and for the
     // forward and dQ T >= 1024); the a-tile-at-a-time loop (head size 128) has no registers to spare for
@@ -58,7 +62,10 @@ struct FaBf16 {
     static constexpr int RT = BM * HS * 2;             // bytes of a resident tile
     static constexpr int ST = BN * HS * 2;             // bytes of a streamed tile
     static constexpr int STAGE = 2 * ST;
-    static constexpr int SMEM_NEED = NRES_ * RT + NS * STAGE + 1024;
+    // XS: bytes a stage brings besides its tiles, after the ring (dK/dV: its queries' lse and D, fp32, two
+    // slots of fb_xslot(BN) bytes, each a box of BN + 4 values: the copy engine starts a box on 16 bytes)
+    static constexpr int XS_ = XS, XV = BN + 4;
+    static constexpr int SMEM_NEED = NRES_ * RT + NS * (STAGE + XS) + 1024;
     // the register file split (setmaxnreg). ptxas gives a kernel that changes its count the launch's cap,
     // REGS = 65536 / THREADS to a multiple of 8 (2 warpgroups 168, 3: 128, 4: 96), and the block's
     // registers are THREADS * REGS: what the producer gives back (REGS - PRODUCER_REGS a thread) is all the
@@ -195,11 +202,16 @@ __device__ __forceinline__ void fb_copy_tile(int lane, unsigned bar, unsigned ds
 // columns ca, then rb at cb, rows r0) into the item's buffer (j % 2) once the consumers released it (item
 // j - 2's), completing on its full barrier, then n stages of the ring, stage it the rows (first + it) BN of
 // map sa at columns cs and of map sb at columns ct; g0: the ring's stage count before the first of them
-// (it runs on across a block's items).
+// (it runs on across a block's items). Where F::XS_ > 0, a stage also brings BN values of the flat fp32
+// maps xa and xb, from elements xa0 and xb0 on by its first row, into its two slots (dK/dV: lse and D): a
+// box of F::XV values from the 16-byte boundary at or before them (the copy engine faults on a box that
+// starts elsewhere), so slot values (xa0 + r) % 4 on are the tile's.
 template <class F>
 __device__ __forceinline__ void fb_produce(unsigned bars, unsigned res, unsigned ring, int j, const TmaMap* ra, int ca,
                                            const TmaMap* rb, int cb, int r0, const TmaMap* sa, int cs,
-                                           const TmaMap* sb, int ct, int first, int n, int b, int g0) {
+                                           const TmaMap* sb, int ct, int first, int n, int b, int g0,
+                                           const TmaMap* xa = nullptr, int xa0 = 0, const TmaMap* xb = nullptr,
+                                           int xb0 = 0) {
     constexpr int NS = F::NS_, BM = F::BM_, BN = F::BN_, KB = F::KB, NR = F::NR_;
     const int lane = threadIdx.x & 31;
     const unsigned rbar = bars + 16 * NS + 8 * (j & 1), dst0 = res + (j & 1) * (NR * F::RT);
@@ -212,9 +224,14 @@ __device__ __forceinline__ void fb_produce(unsigned bars, unsigned res, unsigned
         if (gs >= NS) mbar_wait(bars + 8 * (NS + s), ((gs / NS) - 1) & 1);
         const unsigned full = bars + 8 * s, dst = ring + s * F::STAGE;
         const int r = (first + it) * BN;
-        mbar_expect(lane, full, F::STAGE);
+        mbar_expect(lane, full, F::STAGE + (F::XS_ > 0 ? 2 * F::XV * 4 : 0));
         fb_copy_tile<BN, KB>(lane, full, dst, sa, cs, r, b);
         fb_copy_tile<BN, KB>(lane, full, dst + F::ST, sb, ct, r, b);
+        if constexpr (F::XS_ > 0) {                        // BN values of the flat fp32 maps xa, xb
+            const unsigned x = ring + NS * F::STAGE + s * F::XS_;
+            tma_copy(lane, full, x, xa, (xa0 + r) & ~3, 0, 0);
+            tma_copy(lane, full, x + F::XS_ / 2, xb, (xb0 + r) & ~3, 0, 0);
+        }
     }
 }
 
@@ -278,6 +295,10 @@ struct FbBlock {
     }
     __device__ __forceinline__ void release(int it) const { mbar_arrive(bars + 8 * (F::NS_ + (g0 + it) % F::NS_)); }
     __device__ __forceinline__ unsigned stage(int it) const { return ring + ((g0 + it) % F::NS_) * F::STAGE; }
+    // stage it's extra bytes (F::XS_)
+    __device__ __forceinline__ unsigned extra(int it) const {
+        return ring + F::NS_ * F::STAGE + ((g0 + it) % F::NS_) * F::XS_;
+    }
     // stages it0 .. it1 - 1 waited for and released unread (the ring counts every consumer thread's release)
     __device__ __forceinline__ void skip(int it0, int it1) const {
         for (int it = it0; it < it1; ++it) {
@@ -710,21 +731,42 @@ __device__ __forceinline__ void fb_dkv_wait(float (&dv)[HS / 2], float (&dk)[HS 
 // What fb_dkv_grads needs of the warp's rows (keys kw0 + g and + 8) besides the tile
 struct FbDkvRow {
     int kw0, g, q, T;
-    const float *lse, *D;                                  // the head's [T]
     float sl2;
     u32 key, row0, W, kquad, threshold;                    // row0: b h T, the head's first query; kquad: the
                                                            // quad of keys g and g + 8 within a row of W words
     float inv_keep;
+    u32 xl, xd;          // the pipelined loop's: the bytes from a stage's slots to the thread's first column's lse, D
 };
 // The lse (natural log, as stored) and D of the thread's columns of the tile of queries i0.. (fb_dkv_grads's
-// l2, Dq): loaded a tile ahead in the pipelined loop, so that their latency runs under the products
-template <int BN>
-__device__ __forceinline__ void fb_dkv_cols(float (&l2)[BN / 4], float (&Dq)[BN / 4], int i0, const FbDkvRow& r) {
+// l2, Dq), past T +inf (P = 0) and 0. Where the stage brought them (XS: the slots at x, the thread's first
+// column r.xl and r.xd on; the pipelined loop), from there: whatever the copy brought past T (the next
+// head's) is masked; otherwise (the a-tile-at-a-time loop, short of registers for the stage's addresses)
+// from lse and D in global memory.
+template <int BN, bool XS>
+__device__ __forceinline__ void fb_dkv_cols(float (&l2)[BN / 4], float (&Dq)[BN / 4], int i0, unsigned x,
+                                            const float* lse, const float* D, const FbDkvRow& r) {
+    const float inf = __int_as_float(0x7f800000);
 #pragma unroll
-    for (int c = 0; c < BN / 4; ++c) {
-        const int i = i0 + 8 * (c >> 1) + 2 * r.q + (c & 1);
-        l2[c] = i < r.T ? r.lse[i] : __int_as_float(0x7f800000);
-        Dq[c] = i < r.T ? r.D[i] : 0.f;
+    for (int j = 0; j < BN / 8; ++j) {
+        const int i = i0 + 8 * j + 2 * r.q;                // columns 8 j + 2 q, + 1
+        if constexpr (XS) {
+            const unsigned a = x + r.xl + 32 * j, b = x + r.xd + 32 * j;   // (4-byte aligned only)
+            float2 l, d;
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(l.x) : "r"(a));
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(l.y) : "r"(a + 4));
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(d.x) : "r"(b));
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(d.y) : "r"(b + 4));
+            l2[2 * j] = i < r.T ? l.x : inf;
+            l2[2 * j + 1] = i + 1 < r.T ? l.y : inf;
+            Dq[2 * j] = i < r.T ? d.x : 0.f;
+            Dq[2 * j + 1] = i + 1 < r.T ? d.y : 0.f;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                l2[2 * j + e] = i + e < r.T ? lse[i + e] : inf;
+                Dq[2 * j + e] = i + e < r.T ? D[i + e] : 0.f;
+            }
+        }
     }
 }
 // The softmax gradient of a tile of queries i0.. in place: sc (S^T) -> Pd^T (P with dropout, for dV), dp
@@ -778,20 +820,25 @@ struct FbDkvItem : FbItem {
 
 // Work items (b*H + h, key tile of BM), item = key tile * BH + b*H + h: the first key tiles (the most
 // queries) first (fb_walk: a block walks several where F::WALK). An item: K and V resident, Q and dO
-// streamed from the first query tile that reaches its keys to the end; lse and D of a tile's queries read
-// by each thread for its columns.
+// streamed from the first query tile that reaches its keys to the end, where the loop is pipelined each
+// stage with its queries' lse and D (the copy engine's, from flat maps of [B,H,T]: a tile's values past T
+// are the next head's, or zeros, and fb_dkv_cols masks them).
 template <int HS, bool DROP, FB_PLAN>
 __global__ void __launch_bounds__(THREADS, 1)
 flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k and v columns
                    const __grid_constant__ TmaMap map_r,    // qkv [B][T][3C], boxes {64, BM}
                    const __grid_constant__ TmaMap map_s,    // qkv, boxes {64, BN}
                    const __grid_constant__ TmaMap map_dy,   // dy [B][T][C], boxes {64, BN}
-                   const float* __restrict__ lse,           // [B,H,T]
-                   const float* __restrict__ Dg,            // [B,H,T]
+                   const __grid_constant__ TmaMap map_lse,  // lse [B,H,T] flat (fp32), boxes {BN + 4},
+                   int lse0,                                // from lse0 values before lse
+                   const __grid_constant__ TmaMap map_D,    // D [B,H,T] flat, boxes {BN + 4}, from D0
+                   int D0,
+                   const float* __restrict__ lse,           // [B,H,T] (the same)
+                   const float* __restrict__ Dg,            // [B,H,T] (the same)
                    FB_ARGS_DROP, int BH, int items) {       // B * H; B * H * tiles of BM
-    using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2>;
-    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V (twice where F::WALK) and NS stages of Q, "
-                                        "dO, + 1 KB");
+    using F = FaBf16<HS, THREADS, BM, BN, NS, SMEM, 2, NS >= 3 ? 2 * fb_xslot(BN) : 0>;
+    static_assert(SMEM == F::SMEM_NEED, "the plan's shared memory is K, V (twice where F::WALK), NS stages of Q, "
+                                        "dO, then (pipelined) NS of lse and D, + 1 KB");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char fb_smem[];
     __shared__ __align__(8) unsigned long long fb_bars[2 * NS + 4];
@@ -803,7 +850,8 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
             fb_walk<F>(items, [&](int j, int item) {
                 const FbDkvItem t(item, BH, H, T, BM, BN);
                 fb_produce<F>(k.bars, k.res, k.ring, j, &map_r, C + t.h * HS, &map_r, 2 * C + t.h * HS, t.r0, &map_s,
-                              t.h * HS, &map_dy, t.h * HS, t.first, t.nqt, t.b, k.g0);
+                              t.h * HS, &map_dy, t.h * HS, t.first, t.nqt, t.b, k.g0, &map_lse, lse0 + t.bh * T,
+                              &map_D, D0 + t.bh * T);
                 k.next_item(t.nqt);
             });
         }
@@ -828,11 +876,12 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
         while (it0 < nqt && (first + it0) * BN + BN - 1 < wg_first) ++it0;
         k.skip(0, it0);
         if (it0 < nqt) {
-            const FbDkvRow r{kw0, k.g, k.q, T, lse_h, D_h, sl2, key, (u32)(bh * T), W, gc_att_quad((u32)(kw0 + k.g)),
-                             threshold, inv_keep};
+            const FbDkvRow r{kw0, k.g, k.q, T, sl2, key, (u32)(bh * T), W, gc_att_quad((u32)(kw0 + k.g)), threshold,
+                             inv_keep, (u32)(4 * (((lse0 + bh * T) & 3) + 2 * k.q)),
+                             (u32)(F::XS_ / 2 + 4 * (((D0 + bh * T) & 3) + 2 * k.q))};
             float sc[BN / 2], dp[BN / 2], l2[BN / 4], Dq[BN / 4];
-            fb_dkv_cols<BN>(l2, Dq, (first + it0) * BN, r);
             fb_scores_wait<HS, BM, BN>(k, it0, sc, dp, ka, va);
+            fb_dkv_cols<BN, F::XS_ != 0>(l2, Dq, (first + it0) * BN, k.extra(it0), lse_h, D_h, r);
             fb_dkv_grads<BN, DROP>(sc, dp, (first + it0) * BN, r, l2, Dq);
             for (int it = it0; it + 1 < nqt; ++it) {
                 unsigned pa[BN / 16][4], ds[BN / 16][4];
@@ -840,12 +889,12 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                     // pipelined (a third ring stage holds the next tile): tile it's dV += Pd^T dO and dK +=
                     // dS^T Q are issued after tile it + 1's S^T and dP^T, and tile it + 1's softmax gradient
                     // runs while they compute (into sc and dp: the fragments they read stay)
-                    fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
                     fb_pack<BN>(pa, sc);
                     fb_pack<BN>(ds, dp);
                     k.wait_full(it + 1);
                     fb_scores<HS, BM, BN>(sc, dp, ka, va, k.stage(it + 1));
                     fb_dkv_products<HS, BN>(dv, dk, pa, ds, k.stage(it));
+                    fb_dkv_cols<BN, F::XS_ != 0>(l2, Dq, (first + it + 1) * BN, k.extra(it + 1), lse_h, D_h, r);
                     wg_wait<1>();
                     wg_fence_acc(sc);
                     wg_fence_acc(dp);
@@ -859,7 +908,7 @@ flash_bwd_dkv_bf16(bf16* __restrict__ dqkv,                 // [B,T,3C]: the k a
                     fb_dkv_wait<HS, BN>(dv, dk, pa, ds);
                     k.release(it);
                     fb_scores_wait<HS, BM, BN>(k, it + 1, sc, dp, ka, va);
-                    fb_dkv_cols<BN>(l2, Dq, (first + it + 1) * BN, r);
+                    fb_dkv_cols<BN, F::XS_ != 0>(l2, Dq, (first + it + 1) * BN, k.extra(it + 1), lse_h, D_h, r);
                     fb_dkv_grads<BN, DROP>(sc, dp, (first + it + 1) * BN, r, l2, Dq);
                 }
             }

@@ -207,7 +207,7 @@ def test_bf16_kernels_walk_work_items_where_pipelined():
     """A bf16 flash kernel's plan walks work items (a grid of at most one block an SM, the resident tiles in
     two buffers) where its loop is pipelined (ns 3: dK/dV at head size 64, the forward and dQ at head size
     64 and T >= 1024) and takes one item a block otherwise (the a-tile-at-a-time loop has no registers for
-    the walk)."""
+    the walk); pipelined dK/dV's stages also hold their queries' lse and D."""
     resident = {"fwd": 1, "dq": 2, "dkv": 2}
     for hs in flash.FLASH_BF16_HEAD_SIZES:
         for T in (0, flash.FLASH_BF16_LONG_T):
@@ -215,7 +215,10 @@ def test_bf16_kernels_walk_work_items_where_pipelined():
                 bm, bn, ns = flash.flash_bf16_tile(kind, hs, T)
                 plan = flash.flash_bf16_plan(kind, hs, T)
                 assert plan["walk"] == (ns >= 3) == flash.flash_kernel(kind, "flash_bf16", hs, True, T=T).walk
-                assert plan["smem"] == resident[kind] * (2 if ns >= 3 else 1) * bm * hs * 2 + ns * 2 * bn * hs * 2 + 1024
+                # pipelined dK/dV's stages: lse and D, bn + 4 values each in 128-byte slots
+                extra = 2 * (-(-(bn + 4) * 4 // 128) * 128) if kind == "dkv" and ns >= 3 else 0
+                assert plan["smem"] == (resident[kind] * (2 if ns >= 3 else 1) * bm * hs * 2
+                                        + ns * (2 * bn * hs * 2 + extra) + 1024)
     assert flash.flash_bf16_plan("dkv", 64)["walk"] and not flash.flash_bf16_plan("dkv", 128)["walk"]
     assert not flash.flash_bf16_plan("fwd", 64, 256)["walk"] and flash.flash_bf16_plan("fwd", 64, 1024)["walk"]
     assert flash.flash_bf16_plan("dq", 64, 1024)["walk"] and not flash.flash_bf16_plan("dq", 128, 1024)["walk"]

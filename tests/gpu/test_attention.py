@@ -9,7 +9,7 @@ from gptcuda.model import rng
 from gptcuda.ops.cuda import attention as attn
 from gptcuda.ops.cuda import flash
 from gptcuda.ops.reference import ops as ref
-from gptcuda.runtime import bf16
+from gptcuda.runtime import DeviceView, bf16
 from tests.conftest import rel_err
 from gptcuda.config import config_of
 
@@ -76,9 +76,10 @@ def _plan(rt, path):
     return dataclasses.replace(ex, attention=path)
 
 
-def _run(rt, B, T, C, H, kind, p, precision="fp32", seed=0, path=None):
+def _run(rt, B, T, C, H, kind, p, precision="fp32", seed=0, path=None, shift=0):
     """path: the fused path to run (flash | flash_tc | flash_3x | flash_bf16), else the plan's. bf16:
-    qkv and dy drawn as bf16 values, the tensors bf16, outputs widened (every output poisoned first)."""
+    qkv and dy drawn as bf16 values, the tensors bf16, outputs widened (every output poisoned first).
+    shift: lse and D start that many values past a 16-byte boundary (a layer's slice of a stack may)."""
     r = np.random.default_rng(seed + 1000 * T + C)
     dt = "bf16" if precision == "bf16" else "f32"
     qkv_h = r.standard_normal((B, T, 3 * C)).astype(np.float32)
@@ -86,6 +87,11 @@ def _run(rt, B, T, C, H, kind, p, precision="fp32", seed=0, path=None):
     if dt == "bf16":
         qkv_h, dy_h = bf16.round_f32(qkv_h), bf16.round_f32(dy_h)
     saved = _setup(rt, B, T, C, H, kind, p, precision)
+    if shift:
+        def shifted(v):
+            return DeviceView(rt.empty((v.numel + shift,)).ptr + 4 * shift, v.shape, v.dtype, v.name)
+        saved["lse"] = shifted(saved["lse"])
+        rt.set_workspace({**rt._workspace, "attention_d": shifted(rt.workspace("attention_d"))})
     ex = _plan(rt, path)
     qkv = rt.upload(qkv_h, dt)
     dy = rt.upload(dy_h, dt)
@@ -294,6 +300,18 @@ BF16_SHAPES = [
 @pytest.mark.parametrize("B,T,C,H", BF16_SHAPES)
 def test_fused_bf16(env, B, T, C, H, p):
     out = _run_bf16(env, B, T, C, H, p)
+    errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
+    for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE), ("D", 1e-5)):
+        assert errs[k] < tol, f"{k}: rel_err {errs[k]:.3g} >= {tol:g} (all: {errs})"
+
+
+@pytest.mark.parametrize("B,T,C,H,shift", [(1, 1025, 128, 2, 1), (3, 5, 128, 2, 3), (2, 67, 128, 2, 2),
+                                           (1, 1031, 256, 2, 1)])
+def test_fused_bf16_unaligned_lse(env, B, T, C, H, shift):
+    """lse and D need not start on 16 bytes: a layer's slice of the [L, B, H, T] stack where B H T is not a
+    multiple of 4, a head's at an odd T. dK/dV's copies of a tile's lse and D (the pipelined loop, head size
+    64) start on the boundary before and skip to the tile's values (a box that starts elsewhere faults)."""
+    out = _run(env, B, T, C, H, "fused", 0.0, "bf16", path="flash_bf16", shift=shift)
     errs = {k: rel_err(a, b) for k, (a, b) in out.items()}
     for k, tol in (("y", BF16_FWD), ("dqkv", BF16_BWD), ("lse", BF16_LSE), ("D", 1e-5)):
         assert errs[k] < tol, f"{k}: rel_err {errs[k]:.3g} >= {tol:g} (all: {errs})"

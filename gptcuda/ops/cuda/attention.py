@@ -331,6 +331,21 @@ def _bf16_map(rt, x, rows):
     return rt.tensor_map(x, (width, T, B), (2 * width, 2 * width * T), (64, rows, 1))
 
 
+def _flat_map(rt, x, box):
+    """The tensor map of fp32 x (lse, D [B, H, T]) as one flat dimension from the 16-byte boundary at or
+    before x (the copy engine's alignment: a layer's [B, H, T] need not start on one), boxes of `box`
+    values, no swizzle, and x's first element's place in it: [map, i32]. The copy engine faults on a box
+    whose first value is not on a 16-byte boundary (a head's lse at an odd T), so the kernel starts each
+    box at the boundary at or before the values it wants and `box` is 4 more than it wants. A box past a
+    head's T reads the next head's values, past the end zeros: the kernel masks them. The unused
+    dimensions' strides are 16-byte multiples, as the copy engine wants."""
+    shift = x.ptr % 16 // 4
+    n = x.numel + shift
+    pitch = -(-4 * n // 16) * 16
+    base = DeviceView(x.ptr - 4 * shift, (n,), x.dtype, x.name)
+    return [rt.tensor_map(base, (n, 1, 1), (pitch, pitch), (box, 1, 1), swizzle=False), i32(shift)]
+
+
 def _bf16_check(*views):
     """bf16, 16-byte aligned views (a head size without bf16 kernels: flash_bf16_plan refuses it)."""
     if any(v.dtype != "bf16" for v in views):
@@ -360,9 +375,9 @@ def _bf16_fwd(rt, y, qkv, lse, n_head, p, site):
 
 def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     B, T, C, H, hs = _split(qkv, n_head)
-    _bf16_check(qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))      # written by dQ's kernel (its rows'), read by dK / dV's
+    _bf16_check(qkv, y, dy, dqkv)
     tail = [lse, D] + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kq.rows), _bf16_map(rt, dy, kq.rows), _bf16_map(rt, qkv, kq.stream_rows)]
@@ -371,6 +386,7 @@ def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
               smem=kq.smem, label="flash_bwd_dq")
     kk = flash.flash_kernel("dkv", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kk.rows), _bf16_map(rt, qkv, kk.stream_rows), _bf16_map(rt, dy, kk.stream_rows)]
+    maps += _flat_map(rt, lse, kk.stream_rows + 4) + _flat_map(rt, D, kk.stream_rows + 4)
     grid, items = _bf16_items(rt, kk, B * H, T)
     rt.launch(rt.function(kk.file, kk.name), grid, (kk.threads,), [dqkv] + maps + tail + items, smem=kk.smem,
               label="flash_bwd_dkv")

@@ -133,7 +133,8 @@ def flash_bf16_plan(kind: str, hs: int, T: int = 0) -> dict:
     threads), streamed tiles of bn rows of the other side in a ring of ns stages (ns 3: the kernel runs a
     tile's second products beside the next tile's first, two stages in use and a third loading; dK/dV's
     default at head size 64; at 128 its registers for both would serialize its wgmma); the resident tiles
-    (fwd: Q; dq: Q, dO; dkv: K, V; in two buffers where the block walks), the ring, 1 KB to align the base.
+    (fwd: Q; dq: Q, dO; dkv: K, V; in two buffers where the block walks), the ring (dkv with ns 3: then each
+    stage's queries' lse and D, fp32), 1 KB to align the base.
     walk (ns 3, FaBf16::WALK): a block walks work items, the grid at most one block an SM; otherwise a block
     an item. args: threads, bm, bn, ns, smem (bytes)."""
     if hs not in FLASH_BF16_HEAD_SIZES:
@@ -145,7 +146,10 @@ def flash_bf16_plan(kind: str, hs: int, T: int = 0) -> dict:
         raise ValueError(f"bf16 flash tiles: bm 128 | 192 | 256, bn 64 | 128, ns 2 | 3, not {(bm, bn, ns)}")
     walk = ns >= 3                              # FaBf16::WALK: the block walks work items, its resident tiles twice
     resident = {"fwd": 1, "dq": 2, "dkv": 2}[kind] * (2 if walk else 1)
-    smem = resident * bm * hs * 2 + ns * 2 * bn * hs * 2 + 1024
+    # a stage's queries' lse and D (fp32), pipelined dK/dV's: two slots of bn + 4 values (a box from the 16-byte
+    # boundary at or before the tile's first), 128-byte aligned (fb_xslot)
+    extra = 2 * (-(-(bn + 4) * 4 // 128) * 128) if kind == "dkv" and walk else 0
+    smem = resident * bm * hs * 2 + ns * (2 * bn * hs * 2 + extra) + 1024
     if smem > FLASH_BF16_SMEM_MAX:
         raise ValueError(f"bf16 flash {kind} tiles {(bm, bn, ns)} at head size {hs}: {smem} bytes of shared memory, "
                          f"more than the {FLASH_BF16_SMEM_MAX} a block may have beside its barriers")
