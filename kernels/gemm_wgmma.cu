@@ -287,51 +287,6 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
     }
 }
 
-// The GELU epilogue shared with the producer warpgroup's three spare warps (gemm_wgmma_wh, HELP): a
-// consumer warpgroup only rounds its pre-activations (alpha acc + bias) to bf16 and writes them by stmatrix
-// into its BN / 32 boxes of a whole tile's staging (box b of warpgroup wg: slot wg * NB + b, 4 KB, the
-// layout of wg_store_tile_tma), then goes on to its next tile's k loop; the helpers (ws_help) store each
-// box as aux, take the GELU of it in place and store that as C. Slot s has a full barrier (the warpgroup's
-// 128 arrivals, after its writes and the async-proxy fence) and an empty one (the helper's arrival once
-// the copy engine has read its GELU): the tn-th tile of the block waits for the (tn - 1)-th release.
-__host__ __device__ constexpr int ws_help_bytes(int bm, int bn) { return bm * bn * 2; }
-
-template <int BN, bool HAS_BIAS>
-__device__ __forceinline__ void wg_stage_pre(const float (&acc)[BN / 2], const float* bias, int n0, float alpha,
-                                             unsigned stg, unsigned full, unsigned empty, int tn) {
-    constexpr int NB = BN / 32;
-    const int wt = threadIdx.x & 127, w = wt >> 5, lane = wt & 31, q = lane & 3;
-    const int srow = 16 * w + (lane & 7) + 8 * ((lane >> 3) & 1);
-    const unsigned soff = srow * 64, sw = (srow >> 1) & 3, sblk = lane >> 4;
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        unsigned ox[4][2];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float bv[2] = {0.f, 0.f};
-            if constexpr (HAS_BIAS) {
-                const float2 t = *reinterpret_cast<const float2*>(bias + n0 + 32 * b + 8 * k + 2 * q);
-                bv[0] = t.x;
-                bv[1] = t.y;
-            }
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                ox[k][h] = bf16x2_rn(gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(acc[4 * (4 * b + k) + 2 * h], alpha, bv[0], 0.f,
-                                                                             nullptr),
-                                     gemm_epi_value<GEMM_EPI_NONE, HAS_BIAS>(acc[4 * (4 * b + k) + 2 * h + 1], alpha, bv[1],
-                                                                             0.f, nullptr));
-        }
-        if (tn > 0) mbar_wait(empty + 8 * b, (tn - 1) & 1);
-        const unsigned box = stg + b * 4096u;
-#pragma unroll
-        for (int p = 0; p < 2; ++p)
-            stmatrix_x4(box + soff + (((2 * p + sblk) ^ sw) << 4), ox[2 * p][0], ox[2 * p][1], ox[2 * p + 1][0],
-                        ox[2 * p + 1][1]);
-        wg_fence_async_smem();
-        mbar_arrive(full + 8 * b);
-    }
-}
-
 // gemm_wgmma_ra with TC: the tile stored transposed, C[c * ldc + r] = alpha * acc(r, c) for r < M, c < N
 // (no epilogue: the weight gradient out = P^T of the product P the kernel computes, or its split-K
 // partials). A thread holds rows r0 and r0 + 1 (ra_row) of its columns: one 8-byte store per column.
@@ -712,50 +667,6 @@ struct WsTile {
     }
 };
 
-// The helpers of gemm_wgmma_wh (warp hw = 0, 1, 2 of the producer warpgroup's warps 1-3): the block's tiles
-// in the consumers' order, of each the slots hw, hw + 3, ... (taken box by box across the warpgroups: slot
-// order b WG + wg, so that every warpgroup's first boxes go first). A box: its 256 16-byte chunks into
-// registers (lane l: chunks l, l + 32, ...), the slot released at once, the pre-activations stored to aux
-// and their GELU (gemm_gelu_fast of the stored bf16: the bits of wg_store_tile_tma's) to C by the warp's own
-// 16-byte stores (the copy engine is the producer's: stores queued behind its loads held the slots).
-// Chunk c of a box is row c / 4, columns 8 ((c % 4) ^ (c / 8 % 4)) .. + 7 (the 64-byte swizzle).
-template <int BM, int BN>
-__device__ __forceinline__ void ws_help(unsigned stg, unsigned full0, unsigned empty0, bf16* C, bf16* aux, int M,
-                                        int N, int ldc, long long sC, int K, int splits, int k_chunk, int per_z,
-                                        int tiles_n, int total, int hw, int lane) {
-    constexpr int WG = BM / 64, NB = BN / 32, NS = WG * NB;
-    int tn = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
-        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
-        for (int o = hw; o < NS; o += 3) {
-            const int b = o / WG, wg = o - b * WG, slot = wg * NB + b;
-            const unsigned box = stg + slot * 4096u;
-            mbar_wait(full0 + 8 * slot, tn & 1);
-            uint4 v[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w)
-                             : "r"(box + 16 * (lane + 32 * i)) : "memory");
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty0 + 8 * slot);
-            const int row0 = tl.m0 + 64 * wg + (lane >> 2), col = tl.n0 + 32 * b + 8 * ((lane & 3) ^ ((lane >> 3) & 3));
-            const long long base = tl.z * sC + (long long)row0 * ldc + col;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {               // rows row0 + 8 i (the swizzle term: (row / 2) % 4, the same)
-                const bool in = row0 + 8 * i < M && col < N;
-                if (in) *reinterpret_cast<uint4*>(aux + base + 8LL * i * ldc) = v[i];
-                unsigned* u = &v[i].x;
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    u[e] = bf16x2_rn(gemm_gelu_fast(__uint_as_float(u[e] << 16)),
-                                     gemm_gelu_fast(__uint_as_float(u[e] & 0xFFFF0000u)));
-                if (in) *reinterpret_cast<uint4*>(C + base + 8LL * i * ldc) = v[i];
-            }
-        }
-    }
-}
-
 // The register-A operand of gemm_wgmma_ra: a consumer thread's fragments of one k tile (4 k steps x
 // the 4 values of wg_mma_tf32_rs), loaded from the slot's MN-major A tile: BM / 32 boxes of 32 k rows
 // x 32 m (128 bytes), box j at 4096 j, element (k, m) at k * 128 + (((m / 4) ^ (k % 8)) * 16) +
@@ -986,13 +897,12 @@ template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 // OP (Tf32Op, Bf16Op: PRODUCTS 1, no RA) the operand type and layouts of the plain product; TO: C's and
 // aux's element type.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS = 1, bool RA = false, bool CSUM = false,
-          bool TC = false, bool A_MN = true, class OP = Tf32Op, class TO = float, int CSG = 1, bool HELP = false>
+          bool TC = false, bool A_MN = true, class OP = Tf32Op, class TO = float, int CSG = 1>
 __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, TO* C, TO* aux,
                                            const float* bias, int M, int N, int K, int ldc, long long sC,
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
                                            int total, float* colsum = nullptr, const TmaMap* mapC = nullptr,
-                                           const TmaMap* mapX = nullptr, int c_tma = 0, unsigned stg = 0,
-                                           unsigned hbars = 0) {
+                                           const TmaMap* mapX = nullptr, int c_tma = 0, unsigned stg = 0) {
     static_assert(!RA || PRODUCTS == 3 || A_MN, "register A in TF32: MN-major");
     static_assert(RA || PRODUCTS == 1, "3xTF32: A through registers");
     static_assert(!CSUM || (RA && A_MN) || (!RA && OP::MN_A && OP::BK == 64 && EPI == GEMM_EPI_NONE && !HAS_BIAS),
@@ -1091,12 +1001,6 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         } else {
             if constexpr (sizeof(TO) == 2) {
                 if (c_tma) {
-                    if constexpr (HELP && EPI == GEMM_EPI_GELU) {     // the GELU is the helpers' (ws_help)
-                        constexpr int NB = BN / 32;
-                        wg_stage_pre<BN, HAS_BIAS>(acc, bias_t, tl.n0, alpha, stg + wg * NB * 4096u,
-                                                   hbars + 8 * wg * NB, hbars + 8 * (WG * NB + wg * NB), tn);
-                        continue;
-                    }
                     if constexpr (AUX0) {       // (an empty k range: not loaded in the k loop)
                         if (nk == 0) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * wg, tl.n0, 0);
                     }
@@ -1202,7 +1106,7 @@ __device__ __forceinline__ void ws_produce(unsigned smem0, unsigned full0, unsig
 // boxes, tma_load_ra; CSUM: the consumers' column sums of A, RaFrags; TC: ra_store_t). OP: the operands'
 // type and layouts (Tf32Op, or Bf16Op: copied by tma_operand); TO: C's and aux's element type.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool RA = false, bool CSUM = false, bool TC = false,
-          class OP = Tf32Op, class TO = float, int CSG = 1, bool HELP = false>
+          class OP = Tf32Op, class TO = float, int CSG = 1>
 __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, const TmaMap* mapB,
                                         const float* bias, int M, int N, int K, int ldc, long long sC, float alpha,
                                         int splits, int k_chunk, int zs, float* colsum, const TmaMap* mapC = nullptr,
@@ -1220,47 +1124,24 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
     const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
     const int per_z = tiles_n * tiles_m, total = per_z * zs;
     ws_init_bars(full0, STAGES, 1, WG * 128, 0);
-    // HELP (gemm_wgmma_wh) with a GELU into a bf16 C: the staging slots' full and empty barriers (ws_help)
-    constexpr bool HELPS = HELP && EPI == GEMM_EPI_GELU && sizeof(TO) == 2;
-    constexpr int NSLOT = WG * (BN / 32);
-    __shared__ __align__(8) unsigned long long hbars[HELPS ? 2 * NSLOT : 1];
-    const unsigned hbar0 = smem_u32(hbars);
-    if constexpr (HELPS) {
-        if (tid == 0) {
-            for (int s = 0; s < NSLOT; ++s) {
-                mbar_init(hbar0 + 8 * s, 128);
-                mbar_init(hbar0 + 8 * (NSLOT + s), 1);
-            }
-            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        }
-        __syncthreads();
-    }
 
     // BF16: the producer drops to 24 registers and the consumers take what it gave back (setmaxnreg.inc
     // waits for registers the block released: LAUNCH_REGS, ptxas's count under __launch_bounds__, plus
     // the producer's share; multiples of 8): 240 at BM 128, 112 at BM 256
     constexpr bool SPLIT_REGS = OP::BK != GEMM_WG_BK;
     constexpr int LAUNCH_REGS = 65536 / ((WG + 1) * 128) / 8 * 8;
-    // (HELPS: 64 for the helpers' GELU)
-    constexpr int PRODUCER_REGS = HELPS ? 64 : 24;
-    constexpr int CONSUMER_REGS = (LAUNCH_REGS + (LAUNCH_REGS - PRODUCER_REGS) / WG) / 8 * 8;
-    const unsigned stg = smem0 + STAGES * (BM + BN) * 128;
+    constexpr int CONSUMER_REGS = (LAUNCH_REGS + (LAUNCH_REGS - 24) / WG) / 8 * 8;
     if (wg == WG) {       // producer
-        if constexpr (SPLIT_REGS) wg_regs_dec<PRODUCER_REGS>();
+        if constexpr (SPLIT_REGS) wg_regs_dec<24>();
         if (tid < WG * 128 + 32)
             ws_produce<BM, BN, STAGES, RA, OP>(smem0, full0, empty0, mapA, mapB, K, splits, k_chunk, per_z, tiles_n,
                                                total, lane);
-        else if constexpr (HELPS) {
-            if (c_tma)
-                ws_help<BM, BN>(stg, hbar0, hbar0 + 8 * NSLOT, C, aux, M, N, ldc, sC, K, splits, k_chunk, per_z,
-                                tiles_n, total, (tid - WG * 128) / 32 - 1, lane);
-        }
         return;
     }
     if constexpr (SPLIT_REGS) wg_regs_inc<CONSUMER_REGS>();
-    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO, CSG, HELPS>(
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO, CSG>(
         smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum,
-        mapC, mapX, c_tma, stg, hbar0);
+        mapC, mapX, c_tma, smem0 + STAGES * (BM + BN) * 128);
 }
 
 // DT: the operands' type (0: fp32, read as TF32; 1: bf16, A and B K-major unless MN_A / MN_B); OUT: C's
@@ -1282,28 +1163,6 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, (COLSUM > 0), false, typename OpOf<DT, MN_A, MN_B>::T,
             elem<OUT>, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
                                      colsum, &mapC, &mapX, OUT == 1 ? c_tma : 0);
-#else
-    __trap();
-#endif
-}
-
-// gemm_wgmma_wh: gemm_wgmma_ws with room for a whole tile of bf16 C in shared memory (ws_help_bytes, after
-// the ring), where a GELU epilogue's second half runs on the producer warpgroup's spare warps (wg_stage_pre,
-// ws_help) while the consumers go on with their next tile; every other epilogue as gemm_wgmma_ws's.
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT = 1, bool MN_A = false,
-          bool MN_B = false, int OUT = 1, int COLSUM = 0>
-__global__ void __launch_bounds__(THREADS, 1)
-gemm_wgmma_wh(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
-    static_assert(THREADS == (BM / 64 + 1) * 128 &&
-                  SMEM == STAGES * (BM + BN) * 128 + 1024 + (OUT == 1 ? ws_help_bytes(BM, BN) : 0),
-                  "a consumer warpgroup a 64-row slice and the producer's; STAGES slots, 1 KB to align them, "
-                  "a bf16 C tile's staging");
-    static_assert(DT == 1 && BN % 64 == 0 && ws_help_bytes(BM, BN) >= ws_stage_bytes(BM / 64, 1), "bf16 operands");
-    static_assert(COLSUM == 0 || MN_A, "the column sums of an MN-major bf16 A");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, (COLSUM > 0), false, typename OpOf<DT, MN_A, MN_B>::T, elem<OUT>,
-            COLSUM, true>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs, colsum, &mapC,
-                          &mapX, OUT == 1 ? c_tma : 0);
 #else
     __trap();
 #endif

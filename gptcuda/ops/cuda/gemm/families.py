@@ -63,10 +63,8 @@ WGMMA_RA_TILES = {(128, 128, 4): 1.7, (128, 192, 4): 1.9}           # wgmma_ra, 
 WGMMA_RA_MN_TILES = {(128, 128, 7): 0.8, (128, 192, 5): 1.0}
 WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}          # a slot: A once and B's hi and lo halves
 # BF16 (BM, BN, STAGES, PP): a k tile is 64 bf16; operands as stored. PP 0: gemm_wgmma_ws; PP 1: gemm_wgmma_pp,
-# two consumer warpgroups each on its own tile; PP 2: gemm_wgmma_wh, a whole tile of C staged (a GELU's second
-# half on the producer warpgroup's spare warps).
-BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0,
-              (256, 128, 3, 2): 3.2}
+# two consumer warpgroups each on its own tile.
+BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0}
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
 # A bf16 C is stored through shared memory by the copy engine: two boxes of 64 x 32 bf16 a consumer warpgroup
 # (gemm_wgmma.cu wg_store_tile_tma, ws_stage_bytes), after the ring
@@ -236,18 +234,18 @@ class Split3(Family):             # gemm_wgmma3_ra<..., MN_A = trans_a, MN_B = n
         return expression("gemm_wgmma3_ra", *t, epi, hb, ta, not tb, colsum, geo.threads, geo.smem)
 
 
-class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 1, MN_A, MN_B, OUT[, COLSUM]>, _pp or _wh
-    def geometry(self, t, out="f32"):   # PP 1: two consumer warpgroups whatever BM; a bf16 C: their staging boxes
-        wgs = 2 if t[3] == 1 else t[0] // 64        # (PP 2: a whole tile's)
-        stage = (t[0] * t[1] * 2 if t[3] == 2 else BF16_STAGE_BYTES * wgs) if out == "bf16" else 0
-        return Geometry((wgs + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]) + stage, c_maps=True)
+class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 1, MN_A, MN_B, OUT[, COLSUM]> or _pp
+    def geometry(self, t, out="f32"):   # PP: two consumer warpgroups whatever BM; a bf16 C: their staging boxes
+        wgs = 2 if t[3] else t[0] // 64
+        return Geometry((wgs + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]) + (BF16_STAGE_BYTES * wgs if out == "bf16" else 0),
+                        c_maps=True)
 
     def short(self, t):
-        return f"{t[0]}x{t[1]}s{t[2]}" + ("", "pp", "wh")[t[3]]
+        return f"{t[0]}x{t[1]}s{t[2]}" + ("pp" if t[3] else "")
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t, out)
-        return expression(("gemm_wgmma_ws", "gemm_wgmma_pp", "gemm_wgmma_wh")[t[3]], *t[:3], epi, hb, geo.threads, geo.smem,
+        return expression("gemm_wgmma_pp" if t[3] else "gemm_wgmma_ws", *t[:3], epi, hb, geo.threads, geo.smem,
                           DTYPE_CODES["bf16"], ta, not tb, DTYPE_CODES[out], *((self.colsum_groups,) if colsum else ()))
 
 
