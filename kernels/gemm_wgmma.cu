@@ -1205,14 +1205,16 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     const int per_z = tiles_n * tiles_m, total = per_z * zs;
     ws_init_bars(full0, STAGES, 1, 128, 0);
 
+    // the register split: 40 / 232, or 24 / 240 where a thread holds more than 128 accumulators (128 x 192)
+    constexpr int PRODUCER_REGS = BM * BN > 128 * 128 ? 24 : 40, CONSUMER_REGS = PRODUCER_REGS == 24 ? 240 : 232;
     if (wg == 2) {        // producer: as gemm_wgmma_ws's
-        wg_regs_dec<40>();
+        wg_regs_dec<PRODUCER_REGS>();
         if (tid < 2 * 128 + 32)
             ws_produce<BM, BN, STAGES, false, OP>(smem0, full0, empty0, &mapA, &mapB, K, splits, k_chunk, per_z,
                                                   tiles_n, total, lane);
         return;
     }
-    wg_regs_inc<232>();
+    wg_regs_inc<CONSUMER_REGS>();
     float acc[R][BN / 2];
     WgBias<BN, 128, HAS_BIAS> tile_bias;
     __shared__ float pp_red[COLSUM > 0 ? 2 * R * 256 : 1];     // Bf16ColSum's, a warpgroup's R boxes

@@ -133,10 +133,10 @@ def _wgmma_pipeline_names():
 
 def _bf16_pipeline_names():
     from gptcuda.ops.cuda.gemm.families import EPI_DGELU_GELU, EPI_GELU, EPI_NONE, FAMILIES
-    fam = FAMILIES["bf16"]      # per tile the widest epilogues: GELU with a bias, the GELU rebuild; TN's sums
+    fam = FAMILIES["bf16"]      # per tile the widest epilogues it serves: GELU with a bias, the GELU rebuild; TN's sums
     return [fam.kernel(t, ta, tb, epi, hb, out=out, colsum=cs) for t in fam.tiles for ta, tb, epi, hb, out, cs in
             ((False, True, EPI_GELU, True, "bf16", False), (False, False, EPI_DGELU_GELU, False, "bf16", False),
-             (True, False, EPI_NONE, False, "f32", True))]
+             (True, False, EPI_NONE, False, "f32", True)) if fam.serves(t, epi, cs)]
 
 
 def _flash_wgmma_kernels():

@@ -17,8 +17,9 @@ import pytest
 from gptcuda.model.products import Product
 from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.ops.cuda.attention import VARIANTS as ATTENTION_VARIANTS
-from gptcuda.ops.cuda.gemm.families import BF16_OUTS, BF16_TILES, VARIANTS, layout_code
-from gptcuda.ops.cuda.gemm.plan import make_plan, plan
+from gptcuda.ops.cuda.gemm.families import (BF16_OUTS, BF16_PP_WIDE, BF16_TILES, EPI_DGELU, EPI_DGELU_GELU, EPI_NONE,
+                                             FAMILIES, VARIANTS, layout_code)
+from gptcuda.ops.cuda.gemm.plan import make_plan, plan, plan_unfit, tune_candidates
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import bf16, compiler
 from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
@@ -27,6 +28,15 @@ gpu = pytest.mark.gpu
 FP32_TOL = 4e-5
 FP32_MIN = 2.0 ** -126       # below it the kernels flush to 0
 LAYOUTS = [(False, True), (False, False), (True, False)]          # NT, NN, TN: the op interface's products
+
+
+BF16 = FAMILIES["bf16"]
+
+
+def _dgelu_tile(tile):
+    """tile, or where it has no dgelu kernels (Family.serves) the 256 x 128 tile: the rebuilt GELU is the
+    same function whichever tile computes it."""
+    return tile if BF16.serves(tile, EPI_DGELU_GELU) else (256, 128, 4, 0)
 
 
 def gelu_abs(x):
@@ -121,7 +131,7 @@ def test_bf16_forward_epilogues(bf16_rt, epi, has_bias, out, tile, N):
 
 
 @gpu
-@pytest.mark.parametrize("tile", tuple(BF16_TILES))
+@pytest.mark.parametrize("tile", [t for t in BF16_TILES if BF16.serves(t, EPI_DGELU)])
 def test_bf16_dgelu(bf16_rt, tile):
     rt, rng = bf16_rt, np.random.default_rng(8)
     M, N, K = 520, 392, 264
@@ -147,10 +157,12 @@ def test_bf16_dgelu_rebuilds_gelu(bf16_rt, tile, N):
     gemm.matmul(rt, act, x, w, False, True, epilogue="gelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
     dy, w2, prod = _operands(rt, rng, False, False, M, N, K)
     d_ref, d_new = rt.empty((M, N), "bf16"), rt.empty((M, N), "bf16")
-    gemm.matmul(rt, d_ref, dy, w2, False, False, epilogue="dgelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    gemm.matmul(rt, d_ref, dy, w2, False, False, epilogue="dgelu", aux=pre,
+                plan=make_plan("bf16", _dgelu_tile(tile), 1, K))
     pre_bits, act_bits = rt.download(pre), rt.download(act)
     assert not np.array_equal(pre_bits, act_bits)
-    gemm.matmul(rt, d_new, dy, w2, False, False, epilogue="dgelu_gelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    gemm.matmul(rt, d_new, dy, w2, False, False, epilogue="dgelu_gelu", aux=pre,
+                plan=make_plan("bf16", _dgelu_tile(tile), 1, K))
     assert np.array_equal(rt.download(d_new), rt.download(d_ref))
     assert np.array_equal(rt.download(pre), act_bits)
     pre64 = bf16.values(pre_bits).astype(np.float64)
@@ -181,9 +193,11 @@ def test_bf16_gelu_every_input(bf16_rt, tile):
     ones_a[:, 0], ones_b[0, :] = 1.0, 1.0
     a, b = rt.upload(ones_a, "bf16"), rt.upload(ones_b, "bf16")
     d_ref, d_new = rt.empty((M, N), "bf16"), rt.empty((M, N), "bf16")
-    gemm.matmul(rt, d_ref, a, b, False, False, epilogue="dgelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    gemm.matmul(rt, d_ref, a, b, False, False, epilogue="dgelu", aux=pre,
+                plan=make_plan("bf16", _dgelu_tile(tile), 1, K))
     assert bf16_err(bf16.values(rt.download(d_ref)), ref.gelu_backward(1.0, x), 0.0, dgelu_abs(x, 1.0)) <= 1.0
-    gemm.matmul(rt, d_new, a, b, False, False, epilogue="dgelu_gelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    gemm.matmul(rt, d_new, a, b, False, False, epilogue="dgelu_gelu", aux=pre,
+                plan=make_plan("bf16", _dgelu_tile(tile), 1, K))
     assert np.array_equal(rt.download(d_new), rt.download(d_ref))
     assert np.array_equal(rt.download(pre), act_bits)
 
@@ -210,8 +224,10 @@ def test_bf16_two_outputs_many_tiles_a_block(bf16_rt, tile):
     assert bf16_err(bf16.values(act_bits).astype(np.float64), ref.gelu_forward(stored), 1e-6, gelu_abs(stored)) <= 1.0
     dy, w2, _ = _operands(rt, rng, False, False, M, N, K)
     d_ref, d_new = rt.empty((M, N), "bf16"), rt.empty((M, N), "bf16")
-    gemm.matmul(rt, d_ref, dy, w2, False, False, epilogue="dgelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
-    gemm.matmul(rt, d_new, dy, w2, False, False, epilogue="dgelu_gelu", aux=pre, plan=make_plan("bf16", tile, 1, K))
+    gemm.matmul(rt, d_ref, dy, w2, False, False, epilogue="dgelu", aux=pre,
+                plan=make_plan("bf16", _dgelu_tile(tile), 1, K))
+    gemm.matmul(rt, d_new, dy, w2, False, False, epilogue="dgelu_gelu", aux=pre,
+                plan=make_plan("bf16", _dgelu_tile(tile), 1, K))
     assert np.array_equal(rt.download(d_new), rt.download(d_ref))
     assert np.array_equal(rt.download(pre), act_bits)
     # the residual epilogue reads aux too
@@ -240,7 +256,7 @@ def test_bf16_weight_gradient_split_k(bf16_rt, splits, tile):
 
 
 @gpu
-@pytest.mark.parametrize("tile", tuple(BF16_TILES))
+@pytest.mark.parametrize("tile", [t for t in BF16_TILES if BF16.serves(t, EPI_NONE, colsum=True)])
 @pytest.mark.parametrize("M,splits", [(520, 1), (1000, 1), (520, 3)])
 def test_bf16_weight_gradient_column_sums(bf16_rt, tile, M, splits):
     """The bias gradient summed by the TN kernel as A's k tiles pass (COLSUM: M off the 64-row boxes, K off
@@ -374,3 +390,26 @@ def test_bf16_plans():
     assert len(rt.launches) == 1                            # one product: no split-K into a bf16 C
     names = {n for _, n, _ in gemm.VARIANTS}
     assert all(n in names for _, n, _ in rt.names)
+
+
+def test_bf16_wide_ping_pong_tile_serves_no_dgelu():
+    """The 128 x 192 ping-pong tile (192 accumulators a thread) has no dgelu / dgelu_gelu kernels and no
+    column sums (they spill): none in VARIANTS, a forced plan refused with the reason, and neither the cost
+    model nor the tuner plans them on it; its other products (the GELU forward among them) it serves."""
+    t = BF16_PP_WIDE
+    assert t in BF16_TILES
+    names = {n for _, n, _ in VARIANTS}
+    for epi, hb, colsum in ((EPI_DGELU, False, False), (EPI_DGELU_GELU, False, False), (EPI_NONE, False, True)):
+        ta = colsum
+        def name(tile):
+            return BF16.kernel(tile, ta, False, epi, hb, out="f32" if colsum else "bf16", colsum=colsum)
+        assert name(t) not in names and name((256, 128, 4, 0)) in names
+    for g in (Product(8192, 3072, 768, False, False, "dgelu_gelu"), Product(8192, 3072, 768, False, False, "dgelu"),
+              Product(3072, 768, 8192, True, False, colsum=True)):
+        assert "has no kernel for epilogue code" in plan_unfit(make_plan("bf16", t, 1, g.K), g, "bf16",
+                                                              out="f32" if g.ta else "bf16")
+        assert all(p.tile != t for p in tune_candidates(g, "bf16", max_ws=1 << 30))
+        assert plan(g, "bf16", max_ws=1 << 30).tile != t
+    fwd = Product(8192, 3072, 768, False, True, "gelu", True)
+    assert plan_unfit(make_plan("bf16", t, 1, 768), fwd, "bf16", out="bf16") is None
+    assert any(p.tile == t for p in tune_candidates(fwd, "bf16"))

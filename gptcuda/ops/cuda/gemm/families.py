@@ -64,7 +64,12 @@ WGMMA_RA_MN_TILES = {(128, 128, 7): 0.8, (128, 192, 5): 1.0}
 WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}          # a slot: A once and B's hi and lo halves
 # BF16 (BM, BN, STAGES, PP): a k tile is 64 bf16; operands as stored. PP 0: gemm_wgmma_ws; PP 1: gemm_wgmma_pp,
 # two consumer warpgroups each on its own tile.
-BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0}
+BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0,
+              (128, 192, 5, 1): 3.2}
+# The 128 x 192 ping-pong tile holds 192 accumulators a thread (240 registers): its dgelu epilogues (aux pairs
+# and gelu' beside them) and its column sums spill (ptxas: 4-308 bytes), so it serves the other products only
+# (Family.serves).
+BF16_PP_WIDE = (128, 192, 5, 1)
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
 # A bf16 C is stored through shared memory by the copy engine: two boxes of 64 x 32 bf16 a consumer warpgroup
 # (gemm_wgmma.cu wg_store_tile_tma, ws_stage_bytes), after the ring
@@ -156,6 +161,10 @@ class Family:
         a bias), aligned operands (vec), C's dtype (out), the variant that also sums A (colsum)."""
         raise NotImplementedError
 
+    def serves(self, t, epi, colsum=False) -> bool:
+        """Whether tile t has kernels for epilogue code epi (colsum: the variant that also sums A)."""
+        return True
+
     def colsum_rows(self, t, N) -> int:
         """Rows of column-sum partials a split of a product N wide writes on tile t."""
         return min(cdiv(N, t[1]), self.colsum_groups)
@@ -243,6 +252,9 @@ class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 
     def short(self, t):
         return f"{t[0]}x{t[1]}s{t[2]}" + ("pp" if t[3] else "")
 
+    def serves(self, t, epi, colsum=False):
+        return t != BF16_PP_WIDE or not (colsum or epi in (EPI_DGELU, EPI_DGELU_GELU))
+
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t, out)
         return expression("gemm_wgmma_pp" if t[3] else "gemm_wgmma_ws", *t[:3], epi, hb, geo.threads, geo.smem,
@@ -278,12 +290,12 @@ def _variants():
     out = []
     for fam in FAMILIES.values():
         for tile, (ta, tb, epi, hb), vec in itertools.product(fam.tiles, fam.combos(), (False, True)):
-            if vec or tile in fam.unaligned_tiles:
+            if (vec or tile in fam.unaligned_tiles) and fam.serves(tile, epi):
                 out += [(fam.file, fam.kernel(tile, ta, tb, epi, hb, vec, o), {}) for o in fam.out_dtypes(ta, tb)]
         if fam.colsum:            # the plain product that also sums A, in each layout its kernel reads A [K, M]
             layouts = dict.fromkeys(fam.kernel_layout(code) for code in fam.layouts)
             out += [(fam.file, fam.kernel(tile, ta, tb, EPI_NONE, False, colsum=True), {})
-                    for tile, (ta, tb) in itertools.product(fam.tiles, layouts) if ta]
+                    for tile, (ta, tb) in itertools.product(fam.tiles, layouts) if ta and fam.serves(tile, EPI_NONE, True)]
     out += [(SIMT_FILE, reduce_name(epi, hb), {}) for epi, hb in EPI_COMBOS]
     out += [(SIMT_FILE, transpose_name(vec, colsum), {}) for colsum in (False, True) for vec in (False, True)]
     return out + [(TF32_FILE, "mma_probe", {}), (TF32_FILE, "tf32_round_probe", {})]

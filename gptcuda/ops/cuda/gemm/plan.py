@@ -146,6 +146,8 @@ def _plans(g: Product, family, mode, max_ws, scratch, tiles_of, splits_of):
     for name in competing(family, wg, epi_code(g)):
         fam = FAMILIES[name]
         for tile in tiles_of(fam):
+            if not fam.serves(tile, epi_code(g), g.colsum):
+                continue
             for s in splits_of(fam, tile):
                 chunk = split_chunk(g.K, s, fam.k_align)
                 if chunk is None or s > 1 and (g.batch != 1 or s > MAX_SPLITS or s * g.M * g.N > max_ws):
@@ -241,6 +243,9 @@ def plan_unfit(p: Plan, g: Product, family, mode=None, ws_floats=None, scratch=N
         return (f"the {p.family} kernels are not compiled for {layout_code(ta, tb)} with epilogue code {epi_code(g)}"
                 f"{' and a bias' if g.bias else ''} into {out} (the op interface's products: gemm.PRODUCTS; bf16: "
                 f"gemm.BF16_OUTS)")
+    if not fam.serves(p.tile, epi_code(g), g.colsum):
+        return (f"the {p.family} tile {fam.short(p.tile)} has no kernel for epilogue code {epi_code(g)}"
+                f"{' with the column sums' if g.colsum else ''}")
     if p.splits > 1 and g.batch != 1:
         return "split-K is not available for batched GEMMs"
     if p.splits > 1 and ws_floats is not None and ws_floats < p.splits * g.M * g.N:
