@@ -1179,7 +1179,8 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 // 256 threads: one arrives, the other syncs): every fill of the slots it then waits for before its
 // own is complete, so its parity cannot name a fill two phases old. A slot is released by the one
 // warpgroup that read it (empty: 128 arrivals). The producer drops to 40 registers, the consumers
-// rise to 232. Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
+// rise to 232 (24 and 240 on 128 x 192, 192 accumulators a thread: families.py Bf16.serves lists the
+// epilogues that still spill there). Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT, bool MN_A, bool MN_B,
           int OUT, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
