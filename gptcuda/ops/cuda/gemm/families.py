@@ -295,7 +295,8 @@ def _variants():
         if fam.colsum:            # the plain product that also sums A, in each layout its kernel reads A [K, M]
             layouts = dict.fromkeys(fam.kernel_layout(code) for code in fam.layouts)
             out += [(fam.file, fam.kernel(tile, ta, tb, EPI_NONE, False, colsum=True), {})
-                    for tile, (ta, tb) in itertools.product(fam.tiles, layouts) if ta and fam.serves(tile, EPI_NONE, True)]
+                    for tile, (ta, tb) in itertools.product(fam.tiles, layouts)
+                    if ta and fam.serves(tile, EPI_NONE, colsum=True)]
     out += [(SIMT_FILE, reduce_name(epi, hb), {}) for epi, hb in EPI_COMBOS]
     out += [(SIMT_FILE, transpose_name(vec, colsum), {}) for colsum in (False, True) for vec in (False, True)]
     return out + [(TF32_FILE, "mma_probe", {}), (TF32_FILE, "tf32_round_probe", {})]
