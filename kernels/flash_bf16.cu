@@ -70,9 +70,9 @@ struct FaBf16 {
     // REGS = 65536 / THREADS to a multiple of 8 (2 warpgroups 168, 3: 128, 4: 96), and the block's
     // registers are THREADS * REGS: what the producer gives back (REGS - PRODUCER_REGS a thread) is all the
     // consumers can take (2 warpgroups 232, 3: 160, 4: 112 a thread; an increase past it never returns)
-    static constexpr int REGS = (65536 / THREADS) & ~7;
+    static constexpr int REGS = wg_launch_regs(THREADS);
     static constexpr int PRODUCER_REGS = CW == 2 ? 40 : 24;
-    static constexpr int CONSUMER_REGS = (REGS + (REGS - PRODUCER_REGS) / CW) & ~7;
+    static constexpr int CONSUMER_REGS = wg_consumer_regs(THREADS, CW, PRODUCER_REGS);
     static_assert(HS == 64 || HS == 128, "head sizes 64 and 128 (rows of 128-byte boxes)");
     static_assert(BM % 64 == 0 && THREADS == 128 * (CW + 1), "a consumer warpgroup per 64 rows, and the producer");
     static_assert(BN % 16 == 0 && BN <= 128 && BM <= 256, "k16 steps over a streamed tile, boxes of at most 256 rows");

@@ -1125,12 +1125,10 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
     const int per_z = tiles_n * tiles_m, total = per_z * zs;
     ws_init_bars(full0, STAGES, 1, WG * 128, 0);
 
-    // BF16: the producer drops to 24 registers and the consumers take what it gave back (setmaxnreg.inc
-    // waits for registers the block released: LAUNCH_REGS, ptxas's count under __launch_bounds__, plus
-    // the producer's share; multiples of 8): 240 at BM 128, 112 at BM 256
+    // BF16: the producer drops to 24 registers and the consumers take what it gave back (wg_consumer_regs):
+    // 240 at BM 128, 112 at BM 256
     constexpr bool SPLIT_REGS = OP::BK != GEMM_WG_BK;
-    constexpr int LAUNCH_REGS = 65536 / ((WG + 1) * 128) / 8 * 8;
-    constexpr int CONSUMER_REGS = (LAUNCH_REGS + (LAUNCH_REGS - 24) / WG) / 8 * 8;
+    constexpr int CONSUMER_REGS = wg_consumer_regs((WG + 1) * 128, WG, 24);
     if (wg == WG) {       // producer
         if constexpr (SPLIT_REGS) wg_regs_dec<24>();
         if (tid < WG * 128 + 32)
@@ -1207,7 +1205,8 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     ws_init_bars(full0, STAGES, 1, 128, 0);
 
     // the register split: 40 / 232, or 24 / 240 where a thread holds more than 128 accumulators (128 x 192)
-    constexpr int PRODUCER_REGS = BM * BN > 128 * 128 ? 24 : 40, CONSUMER_REGS = PRODUCER_REGS == 24 ? 240 : 232;
+    constexpr int PRODUCER_REGS = BM * BN > 128 * 128 ? 24 : 40;
+    constexpr int CONSUMER_REGS = wg_consumer_regs(THREADS, 2, PRODUCER_REGS);
     if (wg == 2) {        // producer: as gemm_wgmma_ws's
         wg_regs_dec<PRODUCER_REGS>();
         if (tid < 2 * 128 + 32)

@@ -45,6 +45,13 @@ template <int N>
 __device__ __forceinline__ void wg_regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N) : "memory"); }
 template <int N>
 __device__ __forceinline__ void wg_regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N) : "memory"); }
+// The registers a consumer thread may take: ptxas gives a kernel that changes its count the launch's cap,
+// 65536 / threads to a multiple of 8, and setmaxnreg.inc waits for registers the block released, so the
+// consumer warpgroups share what the producer's gave back (launch cap - producer_regs a thread)
+__host__ __device__ constexpr int wg_launch_regs(int threads) { return 65536 / threads / 8 * 8; }
+__host__ __device__ constexpr int wg_consumer_regs(int threads, int consumer_wgs, int producer_regs) {
+    return (wg_launch_regs(threads) + (wg_launch_regs(threads) - producer_regs) / consumer_wgs) / 8 * 8;
+}
 // this thread's completed cp.async writes, made visible to the async proxy wgmma reads through
 __device__ __forceinline__ void wg_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 

@@ -375,9 +375,9 @@ def _bf16_fwd(rt, y, qkv, lse, n_head, p, site):
 
 def _bf16_bwd(rt, dqkv, dy, qkv, y, lse, n_head, p, site):
     B, T, C, H, hs = _split(qkv, n_head)
+    _bf16_check(qkv, y, dy, dqkv)
     lse = _view(lse, (B, H, T))
     D = _view(rt.workspace("attention_d"), (B, H, T))      # written by dQ's kernel (its rows'), read by dK / dV's
-    _bf16_check(qkv, y, dy, dqkv)
     tail = [lse, D] + attention_dropout_args(rt, p, site) + [f32(1.0 / math.sqrt(hs)), i32(T), i32(H)]
     kq = flash.flash_kernel("dq", "flash_bf16", hs, float(p) > 0, T=T)
     maps = [_bf16_map(rt, qkv, kq.rows), _bf16_map(rt, dy, kq.rows), _bf16_map(rt, qkv, kq.stream_rows)]
