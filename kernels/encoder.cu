@@ -5,6 +5,7 @@
 //                             ("scan": small vocabularies; every block scans every id)
 //   encoder_bwd_sort<E>       bucket the token positions by id (one block, a stable radix sort in
 //                             shared memory) into the workspace: runs of equal id, positions increasing
+//   encoder_bwd_wte_long<VEC, TD> the sums of the long runs' pieces (runs of more than ENC_LONG rows)
 //   encoder_bwd_wte_seg<VEC, TD>  dwte[v, :] += the sum of one run's dout rows ("sort": large vocabularies)
 //   encoder_bwd_wpe<VEC, TD>  dwpe[t, :]  = sum over b of dout[b, t, :] (t < T), 0 for t >= T
 //
@@ -26,9 +27,21 @@
 //         seg_id[N]     the id of run u (u < U; runs of equal id = the ids present)
 //         seg_start[N+1] where run u starts in pos; seg_start[U] = the number of valid tokens
 //         nseg[1]       U
-//     (3N + 2 ints, at ws[0], ws[N], ws[2N], ws[3N+1]). encoder_bwd_wte_seg then gives one warp
-//     to each (run, 32*VEC-column tile): it sums the run's dout rows sequentially in increasing n
-//     (acc = 0; acc += dout[n0]; acc += dout[n1]; ...) and does dwte[v] = dwte[v] + acc once.
+//         ends[2, K]    the runs of each 32-entry chunk's first and last valid entries (K = ceil(N/32))
+//         (to a 16-byte boundary)
+//         pieces[2, K, C]  fp32: encoder_bwd_wte_long's sums
+//     (at ws[0], ws[N], ws[2N], ws[3N+1], ws[3N+2], then 4-word aligned: EncRuns, and the launcher's
+//     workspace_ints). encoder_bwd_wte_seg then gives one warp to each (run, 32*VEC-column tile): it
+//     sums the run's dout rows sequentially in increasing n (acc = 0; acc += dout[n0]; acc += dout[n1];
+//     ...) and does dwte[v] = dwte[v] + acc once.
+//     A run of more than ENC_LONG rows (text's newline, " the", ","; thousands of rows in a GPT-2
+//     batch) would keep its warps for thousands of dependent rounds of loads while the others are
+//     done, so it is summed in pieces first: pos is cut into chunks of 32 entries, and
+//     encoder_bwd_wte_long gives a warp to each (chunk, column tile), which sums the chunk's entries
+//     of the (at most two: ENC_LONG = 32) long runs it meets, each in increasing n from 0, into
+//     pieces[0][chunk] (the run began before the chunk, or begins at its first entry) or
+//     pieces[1][chunk] (it begins inside the chunk); encoder_bwd_wte_seg's warp for a long run then
+//     adds its pieces in chunk order (acc = 0; acc += piece_j0; ...) instead of its rows.
 //     Rows of absent ids are never read or written; the cost is N*C floats of dout plus the rows
 //     of the ids present, independent of V. The sort (4-bit digits, ceil(bits(V)/4) passes: 4 for
 //     GPT-2) is ~100 shared-memory accesses a thread a pass: ~8 us at N = 8192 on one SM.
@@ -158,6 +171,8 @@ encoder_bwd_wte(float* __restrict__ dwte,            // dwte [V, C]   (+=)
 
 // ---- the sorted path ---------------------------------------------------------------------
 #define ENC_SEG_UNROLL 8          // dout rows in flight per lane (a power of two dividing 32)
+#define ENC_LONG 32               // a run of more rows is summed in pieces (32: at most two long runs
+                                  // meet a chunk, and a short run's positions are one load a lane)
 
 __device__ __forceinline__ int enc_pad(int i) { return i + (i >> 5); }   // a word skipped every 32
 
@@ -196,7 +211,7 @@ __device__ __forceinline__ int enc_block_scan(int x, int* tot) {
 // Then the runs of equal id are compacted into the workspace (layout at the top of the file).
 template <int E, int THREADS, int DIGIT, int SMEM>
 __global__ void __launch_bounds__(THREADS)
-encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
+encoder_bwd_sort(int* __restrict__ ws,            // the workspace (pos .. ends: layout at the top)
                  const int* __restrict__ idx,     // idx [N]
                  int N, int V, int nbits, int passes) {
     constexpr int TH = THREADS, BINS = 1 << DIGIT;
@@ -276,6 +291,8 @@ encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
     int* pos = ws;
     int* seg_id = ws + N;
     int* seg_start = ws + 2 * N;
+    int* ends = ws + 3 * N + 2;                                   // [2][chunks]
+    const int chunks = (N + 31) / 32;
     const u32 mask = (1u << nbits) - 1u;
 #pragma unroll
     for (int k = 0; k < E; ++k) {
@@ -288,6 +305,8 @@ encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
                 seg_start[u] = i;
                 ++u;
             }
+            if ((i & 31) == 0) ends[i >> 5] = u - 1;
+            if ((i & 31) == 31 || i + 1 == N || keys[enc_pad(i + 1)] >= vkey) ends[chunks + (i >> 5)] = u - 1;
         }
     }
     if (tid == 0) {
@@ -297,66 +316,149 @@ encoder_bwd_sort(int* __restrict__ ws,            // [3N + 2]
     }
 }
 
+// acc += the dout rows of entries k0 .. k1 - 1 (warp-uniform, 0 <= k0 <= k1 <= 32) of a batch of 32
+// entries of pos, lane l holding entry l's token position in `mine`: ENC_SEG_UNROLL rows loaded
+// together, then added in entry order (so in increasing n). Lane l's columns c .. c + VEC (active:
+// inside C).
+template <int VEC, class TD>
+__device__ __forceinline__ void enc_sum_rows(float (&acc)[VEC], const TD* __restrict__ dout, int mine, int k0, int k1,
+                                             int C, int c, bool active) {
+    for (int k = k0; k < k1; k += ENC_SEG_UNROLL) {
+        float a[ENC_SEG_UNROLL][VEC];
+#pragma unroll
+        for (int q = 0; q < ENC_SEG_UNROLL; ++q) {
+            const int n = __shfl_sync(0xffffffffu, mine, (k + q) & 31);
+            if (active && k + q < k1) {
+                enc_load<VEC>(a[q], dout + (long long)n * C + c);
+            } else {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) a[q][e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < ENC_SEG_UNROLL; ++q) {
+            if (k + q < k1) {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[e] += a[q][e];
+            }
+        }
+    }
+}
+
+// The workspace's parts (layout at the top of the file).
+struct EncRuns {
+    const int *pos, *seg_id, *seg_start, *ends;
+    float* pieces;            // [2][chunks][C]
+    int U, valid, chunks;
+    __device__ __forceinline__ EncRuns(int* ws, int N) {
+        chunks = (N + 31) / 32;
+        pos = ws;
+        seg_id = ws + N;
+        seg_start = ws + 2 * N;
+        ends = ws + 3 * N + 2;
+        pieces = reinterpret_cast<float*>(ws + ((3 * N + 2 + 2 * chunks + 3) & ~3));
+        U = ws[3 * N + 1];
+        valid = seg_start[U];
+    }
+};
+
+// grid G (any; the launcher: a few blocks an SM), block WARPS*32. Warp-items it = j * tiles + tile over
+// the chunks j of 32 entries of pos (those holding valid entries), taken grid-stride by the warps: the
+// pieces of the long runs (more than ENC_LONG rows) that the chunk meets, each summed in increasing n
+// from 0 (enc_sum_rows): the chunk's first entry's run into pieces[0][j], the last entry's into
+// pieces[1][j] where that run begins inside the chunk. Lane l owns columns tile*32*VEC + l*VEC .. +VEC.
+template <int VEC, int WARPS, int TD>
+__global__ void __launch_bounds__(WARPS * 32)
+encoder_bwd_wte_long(const elem<TD>* __restrict__ dout,   // dout [N, C]
+                     int* __restrict__ ws,                // encoder_bwd_sort's output (its pieces written)
+                     int N, int C, int tiles) {
+    const EncRuns r(ws, N);
+    const int lane = threadIdx.x & 31;
+    const long long items = (long long)((r.valid + 31) / 32) * tiles;
+    const long long step = (long long)gridDim.x * WARPS;
+    for (long long it = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); it < items; it += step) {
+        const int j = (int)(it / tiles);
+        const int tile = (int)(it - (long long)j * tiles);
+        const int i0 = 32 * j, cnt = min(32, r.valid - i0);
+        const int mine = lane < cnt ? r.pos[i0 + lane] : 0;
+        const int u0 = r.ends[j], u1 = r.ends[r.chunks + j];          // the runs of its first and last entries
+        const int a1 = r.seg_start[u0 + 1], b0 = r.seg_start[u1];
+        const bool first = a1 - r.seg_start[u0] > ENC_LONG, last = u1 != u0 && r.seg_start[u1 + 1] - b0 > ENC_LONG;
+        const int c = tile * 32 * VEC + lane * VEC;
+        const bool active = c < C;
+        if (first) {
+            float acc[VEC];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
+            enc_sum_rows<VEC>(acc, dout, mine, 0, min(cnt, a1 - i0), C, c, active);
+            if (active) enc_store<VEC>(r.pieces + (long long)j * C + c, acc);
+        }
+        if (last) {
+            float acc[VEC];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
+            enc_sum_rows<VEC>(acc, dout, mine, b0 - i0, cnt, C, c, active);
+            if (active) enc_store<VEC>(r.pieces + ((long long)r.chunks + j) * C + c, acc);
+        }
+    }
+}
+
 // grid G (any; the launcher: a few blocks an SM), block WARPS*32. Warp-items it = u * tiles + tile over the U runs of the
 // workspace, taken grid-stride by the warps. Lane l owns columns tile*32*VEC + l*VEC .. +VEC; the
-// run's positions come 32 at a time (one load a lane, the next batch prefetched), ENC_SEG_UNROLL
-// rows are loaded together, then added in increasing n.
+// run's positions (at most ENC_LONG = 32: one a lane) and enc_sum_rows adds their rows. A long run
+// adds its pieces instead, in chunk order, ENC_SEG_UNROLL of them loaded together.
 template <int VEC, int WARPS, int TD>
 __global__ void __launch_bounds__(WARPS * 32)
 encoder_bwd_wte_seg(float* __restrict__ dwte,            // dwte [V, C]   (+=, rows of present ids)
                     const elem<TD>* __restrict__ dout,   // dout [N, C]
-                    const int* __restrict__ ws,       // encoder_bwd_sort's output
+                    int* __restrict__ ws,                // encoder_bwd_sort's output, encoder_bwd_wte_long's pieces
                     int N, int C, int tiles) {
-    const int* pos = ws;
-    const int* seg_id = ws + N;
-    const int* seg_start = ws + 2 * N;
-    const int U = ws[3 * N + 1];
+    const EncRuns r(ws, N);
     const int lane = threadIdx.x & 31;
-    const long long items = (long long)U * tiles;
+    const long long items = (long long)r.U * tiles;
     const long long step = (long long)gridDim.x * WARPS;
     for (long long it = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); it < items; it += step) {
         const int u = (int)(it / tiles);
         const int tile = (int)(it - (long long)u * tiles);
         const int c = tile * 32 * VEC + lane * VEC;
         const bool active = c < C;               // VEC == 4 implies C % 4 == 0: all or nothing
-        const int s0 = seg_start[u], s1 = seg_start[u + 1];
-        const int v = seg_id[u];
+        const int s0 = r.seg_start[u], s1 = r.seg_start[u + 1];
+        const int v = r.seg_id[u];
         float* d = dwte + (long long)v * C + c;
-        float r[VEC];
-        if (active) enc_load<VEC>(r, d);                         // in flight during the sum
+        float dv[VEC];
+        if (active) enc_load<VEC>(dv, d);                        // in flight during the sum
         float acc[VEC];
 #pragma unroll
         for (int k = 0; k < VEC; ++k) acc[k] = 0.f;
-        int mine = s0 + lane < s1 ? pos[s0 + lane] : 0;
-        for (int b = s0; b < s1; b += 32) {                      // warp-uniform bounds
-            const int m = min(32, s1 - b);
-            const int next = b + 32 + lane < s1 ? pos[b + 32 + lane] : 0;
-            for (int k0 = 0; k0 < m; k0 += ENC_SEG_UNROLL) {
+        if (s1 - s0 > ENC_LONG) {                                // its pieces: chunk j0's, then j0 + 1 .. j1's firsts
+            const int j0 = s0 >> 5, j1 = (s1 - 1) >> 5;
+            const float* p0 = r.pieces + ((s0 & 31) ? (long long)r.chunks + j0 : (long long)j0) * C + c;
+            for (int j = j0; j <= j1; j += ENC_SEG_UNROLL) {
                 float a[ENC_SEG_UNROLL][VEC];
 #pragma unroll
-                for (int k = 0; k < ENC_SEG_UNROLL; ++k) {
-                    const int n = __shfl_sync(0xffffffffu, mine, k0 + k);
-                    if (active && k0 + k < m) {
-                        enc_load<VEC>(a[k], dout + (long long)n * C + c);
+                for (int q = 0; q < ENC_SEG_UNROLL; ++q) {
+                    if (active && j + q <= j1) {
+                        enc_load<VEC>(a[q], j + q == j0 ? p0 : r.pieces + (long long)(j + q) * C + c);
                     } else {
 #pragma unroll
-                        for (int q = 0; q < VEC; ++q) a[k][q] = 0.f;
+                        for (int e = 0; e < VEC; ++e) a[q][e] = 0.f;
                     }
                 }
 #pragma unroll
-                for (int k = 0; k < ENC_SEG_UNROLL; ++k) {
-                    if (k0 + k < m) {
+                for (int q = 0; q < ENC_SEG_UNROLL; ++q) {
+                    if (j + q <= j1) {
 #pragma unroll
-                        for (int q = 0; q < VEC; ++q) acc[q] += a[k][q];
+                        for (int e = 0; e < VEC; ++e) acc[e] += a[q][e];
                     }
                 }
             }
-            mine = next;
+        } else {                                                 // its rows (at most 32: one load a lane)
+            enc_sum_rows<VEC>(acc, dout, s0 + lane < s1 ? r.pos[s0 + lane] : 0, 0, s1 - s0, C, c, active);
         }
         if (active) {
 #pragma unroll
-            for (int q = 0; q < VEC; ++q) r[q] = r[q] + acc[q];
-            enc_store<VEC>(d, r);
+            for (int q = 0; q < VEC; ++q) dv[q] = dv[q] + acc[q];
+            enc_store<VEC>(d, dv);
         }
     }
 }

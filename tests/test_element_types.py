@@ -66,10 +66,11 @@ def test_encoder_bwd_types(rt, dout, method, shift, vec):
     B, T, C, V, Tmax = 2, 64, 128, 1000, 64
     if dout == "f32" and shift == 8:
         vec = 1
-    rt.set_workspace({enc.WORKSPACE: rt.empty((enc.workspace_ints(B * T),), "i32")})
+    rt.set_workspace({enc.WORKSPACE: rt.empty((enc.workspace_ints(B * T, C),), "i32")})
     enc.encoder_bwd(rt, view(rt, (V, C)), view(rt, (Tmax, C)), view(rt, (B, T, C), dout, shift),
                     view(rt, (B, T), "i32"), method=method)
-    wte = (["encoder_bwd_wte"] if method == "scan" else [enc.sort_plan(B * T, V)[0], "encoder_bwd_wte_seg"])
+    wte = (["encoder_bwd_wte"] if method == "scan" else
+           [enc.sort_plan(B * T, V)[0], "encoder_bwd_wte_long", "encoder_bwd_wte_seg"])
     assert launched(rt) == [k if k.startswith("encoder_bwd_sort") else enc.enc_name(k, vec, (CODE[dout],))
                             for k in wte + ["encoder_bwd_wpe"]]
 

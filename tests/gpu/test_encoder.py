@@ -56,10 +56,10 @@ def _skewed_ids(r, B, T, V):
 
 
 @contextmanager
-def _workspace(rt, N):
+def _workspace(rt, N, C):
     """The sorted path's planned workspace for N tokens (poisoned), the previous set restored."""
     old = dict(rt._workspace)
-    ws = rt.empty((enc.workspace_ints(N),), "i32")
+    ws = rt.empty((enc.workspace_ints(N, C),), "i32")
     rt.set_workspace({**old, enc.WORKSPACE: ws})
     try:
         yield ws
@@ -68,8 +68,11 @@ def _workspace(rt, N):
 
 
 def _sequential_dwte(dwte0, dout, idx, V):
-    """float32 dwte0[v] + ((0 + dout[n0]) + dout[n1]) + ... over the tokens n0 < n1 < ... of id v:
-    the sorted path's exact summation order. Rows of absent ids are dwte0's, bitwise."""
+    """float32 dwte0[v] + the sum of the tokens of id v in the sorted path's exact order: ((0 + dout[n0]) +
+    dout[n1]) + ... over its tokens n0 < n1 < ... where there are at most 32 (ENC_LONG); a longer run, the
+    entries s0 .. s1 - 1 of the valid tokens sorted by id (n increasing within an id), in pieces cut at
+    the multiples of 32 of that order, each summed so from 0, then 0 + piece_0 + piece_1 + .... Rows of
+    absent ids are dwte0's, bitwise."""
     C = dout.shape[-1]
     d = dout.reshape(-1, C)
     ids = idx.reshape(-1).astype(np.int64)
@@ -80,9 +83,18 @@ def _sequential_dwte(dwte0, dout, idx, V):
     starts = np.r_[0, np.nonzero(np.diff(sid))[0] + 1]
     counts = np.diff(np.r_[starts, len(order)])
     acc = np.zeros((len(starts), C), dtype=np.float32)
-    for k in range(int(counts.max()) if len(counts) else 0):
-        live = counts > k
+    short = counts <= 32
+    for k in range(int(counts[short].max()) if short.any() else 0):
+        live = short & (counts > k)
         acc[live] = acc[live] + d[order[starts[live] + k]]        # float32 adds, one token a round
+    for r in np.nonzero(~short)[0]:
+        s0, s1 = int(starts[r]), int(starts[r] + counts[r])
+        cuts = [s0] + list(range((s0 // 32 + 1) * 32, s1, 32)) + [s1]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            piece = np.zeros(C, dtype=np.float32)
+            for i in range(a, b):
+                piece = piece + d[order[i]]
+            acc[r] = acc[r] + piece
     out = dwte0.copy()
     out[sid[starts]] = dwte0[sid[starts]] + acc
     return out
@@ -118,7 +130,7 @@ def test_encoder_bwd(rt, B, T, C, V, Tmax, method):
     dwte0 = _randn(r, V, C)                      # dwte accumulates
     idx, dout = rt.upload(idx_h), rt.upload(dout_h)
     ref_dwte, ref_dwpe = ref.encoder_backward(dout_h, idx_h, V, Tmax)
-    with _workspace(rt, B * T):
+    with _workspace(rt, B * T, C):
         (g_wte, g_wpe), (g_wte2, g_wpe2) = [_run_bwd(rt, dwte0, dout, idx, Tmax, method) for _ in range(2)]
     assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
     assert rel_err(g_wpe, ref_dwpe) < 1e-5
@@ -130,6 +142,31 @@ def test_encoder_bwd(rt, B, T, C, V, Tmax, method):
     assert np.array_equal(g_wpe.view(np.uint32), g_wpe2.view(np.uint32))
     if method == "sort":                         # tokens summed one by one in increasing n
         assert np.array_equal(g_wte.view(np.uint32), _sequential_dwte(dwte0, dout_h, idx_h, V).view(np.uint32))
+
+
+@gpu
+@pytest.mark.parametrize("lengths", [(4000,), (33, 32, 64, 65, 31, 97), (1, 40, 2, 3000, 7, 33), (16384,)])
+@pytest.mark.parametrize("C", [768, 132])
+def test_encoder_bwd_long_runs(rt, lengths, C):
+    """Runs of more than 32 rows (ENC_LONG) summed in pieces of the sorted order's 32-entry chunks: a run
+    starting on a chunk's first entry or inside it, ending on a chunk's last entry or inside it, two long
+    runs meeting in one chunk, one id for every token; C = 132: VEC 1 (33 columns a lane's share of a tile
+    ragged). The exact order of _sequential_dwte, bit for bit, each run's rows and only those."""
+    V, T = 50304, 1024
+    r = np.random.default_rng(sum(lengths) + C)
+    N = -(-max(sum(lengths), 2 * T) // T) * T
+    hot = r.choice(V - 1, size=len(lengths), replace=False)
+    ids = np.concatenate([np.full(n, v) for n, v in zip(lengths, hot)] +
+                         [r.integers(0, V, size=N - sum(lengths))])[r.permutation(N)]
+    idx_h = ids.astype(np.int32).reshape(N // T, T)
+    dout_h = _randn(r, N // T, T, C)
+    dwte0 = _randn(r, V, C)
+    idx, dout = rt.upload(idx_h), rt.upload(dout_h)
+    with _workspace(rt, N, C):
+        g_wte, _ = _run_bwd(rt, dwte0, dout, idx, T, "sort")
+    assert np.array_equal(g_wte.view(np.uint32), _sequential_dwte(dwte0, dout_h, idx_h, V).view(np.uint32))
+    ref_dwte, _ = ref.encoder_backward(dout_h, idx_h, V, T)
+    assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
 
 
 @gpu
@@ -148,7 +185,7 @@ def test_encoder_bwd_gpt2_scale(rt, B, T, C, V, Tmax):
     assert counts[V - 2] == 0
     idx, dout = rt.upload(idx_h), rt.upload(dout_h)
     ref_dwte, ref_dwpe = ref.encoder_backward(dout_h, idx_h, V, Tmax)
-    with _workspace(rt, N):
+    with _workspace(rt, N, C):
         (g_wte, g_wpe), (g_wte2, g_wpe2) = [_run_bwd(rt, dwte0, dout, idx, Tmax, None) for _ in range(2)]
     assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
     assert rel_err(g_wpe, ref_dwpe) < 1e-5
@@ -172,7 +209,7 @@ def test_encoder_bwd_drops_out_of_range_ids(rt, method):
     ok = idx_h.copy()
     ok[0, :5] = V - 1                            # stand-ins on a row of its own, then forgotten
     ref_dwte, _ = ref.encoder_backward(dout_h * (ok != V - 1)[..., None], ok, V, Tmax)
-    with _workspace(rt, B * T):
+    with _workspace(rt, B * T, C):
         g_wte, _ = _run_bwd(rt, dwte0, dout, idx, Tmax, method)
     assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
     if method == "sort":
@@ -190,7 +227,7 @@ def test_encoder_bwd_sorted_graph_equals_eager(rt):
     dout_h = _randn(r, B, T, C)
     dwte0 = _randn(r, V, C)
     idx, dout = rt.upload(idx_h), rt.upload(dout_h)
-    with _workspace(rt, B * T):
+    with _workspace(rt, B * T, C):
         eager, _ = _run_bwd(rt, dwte0, dout, idx, Tmax, None)
         dwte, dwpe = rt.upload(dwte0), rt.empty((Tmax, C))
         prog = rt.begin("encoder_bwd")
@@ -256,7 +293,7 @@ def test_encoder_bwd_bf16(rt, B, T, C, V, Tmax, method, shift):
     dwte0 = _randn(r, V, C)
     idx, dout = rt.upload(idx_h), shifted_view(rt, dout_v.shape, "bf16", shift, dout_v)
     ref_dwte, ref_dwpe = ref.encoder_backward(dout_v, idx_h, V, Tmax)
-    with _workspace(rt, B * T):
+    with _workspace(rt, B * T, C):
         (g_wte, g_wpe), (g_wte2, g_wpe2) = [_run_bwd(rt, dwte0, dout, idx, Tmax, method) for _ in range(2)]
     assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
     assert rel_err(g_wpe, ref_dwpe) < 1e-5
@@ -279,7 +316,7 @@ def test_encoder_bwd_bf16_gpt2_scale(rt):
     dwte0 = _randn(r, V, C)
     idx, dout = rt.upload(idx_h), rt.upload(dout_v, "bf16")
     ref_dwte, ref_dwpe = ref.encoder_backward(dout_v, idx_h, V, Tmax)
-    with _workspace(rt, B * T):
+    with _workspace(rt, B * T, C):
         g_wte, g_wpe = _run_bwd(rt, dwte0, dout, idx, Tmax, None)
     assert rel_err(g_wte, dwte0.astype(np.float64) + ref_dwte) < 1e-5
     assert rel_err(g_wpe, ref_dwpe) < 1e-5
@@ -296,7 +333,7 @@ def test_method_choice():
     assert enc.bwd_wte_method(32769, 768, 50304) == "scan"             # more than one sort block takes
     assert enc.bwd_wte_method(32768, 768, 1 << 17) == "scan"           # (V+1) << 15 > 2^32
     cfg = config_of(batch_size=8, block_size=1024, n_embd=768, vocab_size=0)
-    assert enc.workspace(cfg) == {enc.WORKSPACE: ((3 * 8192 + 2,), "i32")}
+    assert enc.workspace(cfg) == {enc.WORKSPACE: ((25092 + 2 * 256 * 768,), "i32")}   # 3N + 2 + 2K to 4 words
     assert enc.workspace(config_of(batch_size=64, block_size=1024, n_embd=768, vocab_size=50304)) == {}
     for N, e in ((1, 1), (1024, 1), (1025, 2), (8192, 8), (16385, 32), (32768, 32)):
         name, smem, nbits, passes = enc.sort_plan(N, 50304)
@@ -312,13 +349,14 @@ def test_sorted_path_launches_and_needs_its_workspace():
     rt = FakeGemmRT()
     with pytest.raises(KeyError, match=enc.WORKSPACE):
         enc.encoder_bwd(rt, *args)
-    rt._ws[enc.WORKSPACE] = DeviceView(1 << 37, (3 * B * T + 1,), "i32", "ws")
+    need = enc.workspace_ints(B * T, C)
+    rt._ws[enc.WORKSPACE] = DeviceView(1 << 37, (need - 1,), "i32", "ws")
     with pytest.raises(ValueError, match="must hold"):
         enc.encoder_bwd(rt, *args)
-    rt._ws[enc.WORKSPACE] = DeviceView(1 << 37, (3 * B * T + 2,), "i32", "ws")
+    rt._ws[enc.WORKSPACE] = DeviceView(1 << 37, (need,), "i32", "ws")
     enc.encoder_bwd(rt, *args)
-    assert [x[0] for x in rt.launches] == [enc.sort_plan(B * T, V)[0], enc.enc_name("encoder_bwd_wte_seg", 4),
-                                           enc.enc_name("encoder_bwd_wpe", 4)]
+    assert [x[0] for x in rt.launches] == [enc.sort_plan(B * T, V)[0], enc.enc_name("encoder_bwd_wte_long", 4),
+                                           enc.enc_name("encoder_bwd_wte_seg", 4), enc.enc_name("encoder_bwd_wpe", 4)]
     assert enc.sort_plan(B * T, V)[0].startswith("encoder_bwd_sort<8,")
     assert rt.launches[0][1:3] == ((1,), (enc.SORT_THREADS,)) and rt.launches[0][3] > 48 * 1024
     rt.launches.clear()

@@ -13,9 +13,12 @@ that no token uses are left bitwise as they were by the sorted path. Two ways (`
   "scan"  encoder_bwd_wte: a block per (vocabulary row, 32*VEC-column tile) scanning all N ids;
           V * tiles * N id reads, the quicker for small vocabularies (the char model's V = 65).
   "sort"  encoder_bwd_sort (one block radix-sorts the N positions by id in shared memory into the
-          workspace WORKSPACE, 3N + 2 i32: the runs of the ids present) then encoder_bwd_wte_seg
-          (a warp per (run, column tile) sums its dout rows in increasing n and adds the sum
-          to dwte once): ~N*C floats read whatever V is. Used when the scan would cost more than
+          workspace WORKSPACE, workspace_ints(N, C) i32: the runs of the ids present), then
+          encoder_bwd_wte_long (the runs of more than 32 rows, text's frequent tokens, summed in
+          pieces of the sorted order's 32-entry chunks, a warp a chunk and column tile) and
+          encoder_bwd_wte_seg (a warp per (run, column tile) sums its dout rows in increasing n, or a
+          long run its pieces in order, and adds the sum to dwte once): ~N*C floats read whatever V
+          is, and no warp walks a run of thousands of rows. Used when the scan would cost more than
           SCAN_MAX_WORK id reads (GPT-2's V = 50304), N <= SORT_MAX_TOKENS and (V+1) << nbits <= 2^32
           (nbits: the bits of N - 1).
           Needs the workspace `workspace(cfg)` plans (rt.workspace(WORKSPACE)); capturable in a
@@ -45,8 +48,8 @@ SORT_MAX_TOKENS = SORT_KEYS[-1] * SORT_THREADS   # 32768: 203 KB of shared memor
 SCAN_MAX_WORK = 1 << 25
 WORKSPACE = "encoder_buckets"
 
-_BLOCK = {"encoder_fwd": THREADS, "encoder_bwd_wte": BWD_WARPS, "encoder_bwd_wte_seg": SEG_WARPS,
-          "encoder_bwd_wpe": THREADS}
+_BLOCK = {"encoder_fwd": THREADS, "encoder_bwd_wte": BWD_WARPS, "encoder_bwd_wte_long": SEG_WARPS,
+          "encoder_bwd_wte_seg": SEG_WARPS, "encoder_bwd_wpe": THREADS}
 # The element types there are kernels for: (wte, wpe, out) of the forward, (dwte, dwpe, dout) of the
 # backward: fp32, and a bf16 model's (its working copy read; the embedding's output, and so its
 # gradient, bf16 or fp32 as the model keeps that tensor)
@@ -55,7 +58,7 @@ BWD_TYPES = (("f32", "f32", "f32"), ("f32", "f32", "bf16"))
 
 
 def enc_name(kernel: str, vec: int, codes=None) -> str:
-    """encoder_fwd <VEC, THREADS, TW, TO>, encoder_bwd_wpe <VEC, THREADS, TD>, encoder_bwd_wte / _seg
+    """encoder_fwd <VEC, THREADS, TW, TO>, encoder_bwd_wpe <VEC, THREADS, TD>, encoder_bwd_wte / _long / _seg
     <VEC, WARPS, TD>: codes the element types' (DTYPE_CODES: (TW, TO) or (TD,)), fp32 unless given."""
     if codes is None:
         codes = (0, 0) if kernel == "encoder_fwd" else (0,)
@@ -79,18 +82,21 @@ VARIANTS = ([(FILE, enc_name("encoder_fwd", vec, type_codes(t[1:])), {}) for t i
             + [(FILE, _sort_kernel(e)[0], {}) for e in SORT_KEYS])
 
 
-def workspace_ints(N: int) -> int:
-    """i32 words of the sorted path's workspace for N tokens: pos[N], seg_id[N], seg_start[N+1], U."""
-    return 3 * N + 2
+def workspace_ints(N: int, C: int) -> int:
+    """i32 words of the sorted path's workspace for N tokens of width C: pos[N], seg_id[N], seg_start[N+1],
+    U, the runs at the ends of each 32-entry chunk [2, K] (K = ceil(N / 32)), padding to 4 words, then the
+    long runs' pieces: fp32 [2, K, C] (encoder.cu EncRuns)."""
+    K = cdiv(N, 32)
+    return (3 * N + 2 + 2 * K + 3) // 4 * 4 + 2 * K * C
 
 
 def workspace(cfg, ex=None) -> dict:
     """The sorted backward's buckets for batch_size * block_size tokens (the vocabulary may not be
-    known yet, so planned whenever N allows the sorted path; 3N + 2 ints, 96 KB at N = 8192)."""
+    known yet, so planned whenever N allows the sorted path; 1.7 MB at N = 8192, C = 768)."""
     N = int(cfg.batch_size) * int(cfg.block_size)
     if N > SORT_MAX_TOKENS:
         return {}
-    return {WORKSPACE: ((workspace_ints(N),), "i32")}
+    return {WORKSPACE: ((workspace_ints(N, int(cfg.n_embd)),), "i32")}
 
 
 def _key_bits(N: int) -> int:
@@ -140,8 +146,8 @@ def encoder_fwd(rt: RuntimeProtocol, out, idx, wte, wpe):
               [out, idx, wte, wpe, i32(N), i32(T), i32(C), i32(V)], label="encoder_fwd")
 
 
-def _bucket_workspace(rt: RuntimeProtocol, N, V):
-    need = workspace_ints(N)
+def _bucket_workspace(rt: RuntimeProtocol, N, V, C):
+    need = workspace_ints(N, C)
     try:
         ws = rt.workspace(WORKSPACE)
     except KeyError:
@@ -150,7 +156,7 @@ def _bucket_workspace(rt: RuntimeProtocol, N, V):
                        f"(rt.set_workspace)") from None
     if ws.dtype != "i32" or ws.numel < need:
         raise ValueError(f"encoder_bwd: workspace {WORKSPACE} {ws.shape} {ws.dtype} must hold {need} i32 "
-                         f"for N = {N} tokens")
+                         f"for N = {N} tokens of width {C}")
     return ws
 
 
@@ -172,10 +178,13 @@ def encoder_bwd(rt: RuntimeProtocol, dwte, dwpe, dout, idx, *, method=None):
         if not _sortable(N, V):
             raise ValueError(f"encoder_bwd: the sorted path takes 1 <= N <= {SORT_MAX_TOKENS} tokens and "
                              f"(V+1) << bits(N-1) <= 2^32 (N {N}, V {V})")
-        ws = _bucket_workspace(rt, N, V)
+        ws = _bucket_workspace(rt, N, V, C)
         name, smem, nbits, passes = sort_plan(N, V)
         rt.launch(rt.function(FILE, name), (1,), (SORT_THREADS,),
                   [ws, idx, i32(N), i32(V), i32(nbits), i32(passes)], smem=smem, label="encoder_bwd_sort")
+        grid = max(1, min(SEG_BLOCKS_PER_SM * sm_count(rt), cdiv(cdiv(N, 32) * tiles, SEG_WARPS)))
+        rt.launch(rt.function(FILE, enc_name("encoder_bwd_wte_long", vec, (td,))), (grid,), (SEG_WARPS * 32,),
+                  [dout, ws, i32(N), i32(C), i32(tiles)], label="encoder_bwd_wte_long")
         grid = max(1, min(SEG_BLOCKS_PER_SM * sm_count(rt), cdiv(N * tiles, SEG_WARPS)))
         rt.launch(rt.function(FILE, enc_name("encoder_bwd_wte_seg", vec, (td,))), (grid,), (SEG_WARPS * 32,),
                   [dwte, dout, ws, i32(N), i32(C), i32(tiles)], label="encoder_bwd_wte_seg")
