@@ -223,9 +223,17 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
         for (long long i4 = (long long)blockIdx.x * blockDim.x + threadIdx.x; i4 < (total >> 2);
              i4 += (long long)gridDim.x * blockDim.x) {
             float v[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int p = 0; p < splits; ++p) {
-                const float4 t = __ldg(w4 + (long long)p * (total >> 2) + i4);
-                v[0] += t.x; v[1] += t.y; v[2] += t.z; v[3] += t.w;
+            for (int p0 = 0; p0 < splits; p0 += 4) {     // four splits' loads in flight, added in order
+                float4 t[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    if (p0 + q < splits) t[q] = __ldg(w4 + (long long)(p0 + q) * (total >> 2) + i4);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    if (p0 + q < splits) {
+                        v[0] += t[q].x; v[1] += t[q].y; v[2] += t[q].z; v[3] += t[q].w;
+                    }
+                }
             }
             const int N4 = N >> 2;              // a row's groups; 32-bit division where i4 fits
             const int m = i4 < 0x7fffffffLL ? (int)((unsigned)i4 / (unsigned)N4) : (int)(i4 / N4);

@@ -183,7 +183,7 @@ def plan(g: Product, family, mode=None, sm_count=132, max_ws=0, scratch=None, ti
 
 
 # Split counts the tuner tries (besides the cost model's own choice).
-TUNE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+TUNE_SPLITS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 
 
 def tune_candidates(g: Product, family, mode=None, max_ws=0, scratch=None) -> list:
