@@ -205,15 +205,6 @@ gemm_simt(float* C,                        // C [batch*splits, M, N], row stride
     }
 }
 
-// A split-K partial's four values, read once: the L2 may evict them first (the wgmma kernels stored
-// them to be evicted last, gemm_wgmma.cu wg_store_tile's keep, so that this reduction finds them there)
-__device__ __forceinline__ float4 ldg_last_use(const float4* p, unsigned long long policy) {
-    float4 t;
-    asm volatile("ld.global.nc.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=f"(t.x), "=f"(t.y), "=f"(t.z), "=f"(t.w) : "l"(p), "l"(policy));
-    return t;
-}
-
 // Deterministic split-K reduction: C[m, n] = epilogue(alpha * sum_{s=0..splits-1} ws[s, m, n]),
 // summed in increasing s for every element. C, aux: [M, N] with row stride ldc. Where N is a multiple
 // of 4 (and ws 16-byte aligned) a thread takes 4 consecutive elements of a row: one 16-byte load a
@@ -229,8 +220,6 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
     if ((N & 3) == 0 && (reinterpret_cast<unsigned long long>(ws) & 15) == 0) {
         const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS>(C, aux, bias, ldc, 0);
         const float4* w4 = reinterpret_cast<const float4*>(ws);
-        unsigned long long policy;
-        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
         for (long long i4 = (long long)blockIdx.x * blockDim.x + threadIdx.x; i4 < (total >> 2);
              i4 += (long long)gridDim.x * blockDim.x) {
             float v[4] = {0.f, 0.f, 0.f, 0.f};
@@ -238,7 +227,7 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
                 float4 t[4];
 #pragma unroll
                 for (int q = 0; q < 4; ++q)
-                    if (p0 + q < splits) t[q] = ldg_last_use(w4 + (long long)(p0 + q) * (total >> 2) + i4, policy);
+                    if (p0 + q < splits) t[q] = __ldg(w4 + (long long)(p0 + q) * (total >> 2) + i4);
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     if (p0 + q < splits) {

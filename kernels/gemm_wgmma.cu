@@ -80,12 +80,10 @@ __device__ __forceinline__ int ra_row(int w, int g) { return 16 * (g >> 1) + 4 *
 // q keeps row g, columns 2q .. 2q + 3 of each n8 block; odd q gets row g + 8, 2 (q - 1) .. + 3.
 // RA (gemm_wgmma_ra): the accumulator rows are the register-A fragments' permuted rows (ra_row).
 // TO: C's and aux's element type (fp32 or bf16).
-// keep (split-K's partials, no epilogue, an fp32 C): the 16-byte stores ask the L2 to evict their lines
-// last (createpolicy evict_last), so that gemm_splitk_reduce, launched next, finds them there.
 template <int BM, int BN, int EPI, bool HAS_BIAS, bool RA = false, class TO = float>
 __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C, TO* aux, const float* bias,
                                               int M, int N, int ldc, long long sC, int m0, int n0, float alpha,
-                                              int wg_of = -1, bool keep = false) {
+                                              int wg_of = -1) {
     const int tid = threadIdx.x;
     const int wg = wg_of < 0 ? tid >> 7 : wg_of, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, q = lane & 3;
@@ -156,11 +154,6 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
     const int c0 = n0 + 2 * (q & 2);
     const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS, TO>(C, aux, bias, ldc, sC);
     const bool interior = vec && m0 + BM <= M && n0 + BN <= N;
-    constexpr bool KEEPS = EPI == GEMM_EPI_NONE && !HAS_BIAS && sizeof(TO) == 4;
-    unsigned long long policy = 0;
-    if constexpr (KEEPS) {
-        if (keep) asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    }
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const float s0 = odd ? acc[4 * j] : acc[4 * j + 2];
@@ -173,17 +166,8 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
         v[2] = odd ? acc[4 * j + 2] : r0;
         v[3] = odd ? acc[4 * j + 3] : r1;
         const int c = c0 + 8 * j;
-        const bool wide = interior || (vec && r < M && c + 3 < N);
-        if constexpr (KEEPS) {
-            if (keep && wide) {
-                float* p = reinterpret_cast<float*>(C) + (long long)r * ldc + c;
-                asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p),
-                             "f"(alpha * v[0]), "f"(alpha * v[1]), "f"(alpha * v[2]), "f"(alpha * v[3]), "l"(policy)
-                             : "memory");
-                continue;
-            }
-        }
-        gemm_store4_once<EPI, HAS_BIAS, TO>(C, aux, bias, r, c, M, N, ldc, alpha, wide, v);
+        gemm_store4_once<EPI, HAS_BIAS, TO>(C, aux, bias, r, c, M, N, ldc, alpha,
+                                        interior || (vec && r < M && c + 3 < N), v);
     }
 }
 // The bf16 epilogue through shared memory and the copy engine (gemm_wgmma_ws / _pp with a bf16 C whose
@@ -1027,7 +1011,7 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 }
             }
             wg_store_tile<BM, BN, EPI, HAS_BIAS, RA && A_MN, TO>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
-                                                                  tl.m0, tl.n0, alpha, -1, splits > 1);
+                                                                  tl.m0, tl.n0, alpha);
         }
     }
     if (c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
@@ -1306,7 +1290,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 #pragma unroll
         for (int r = 0; r < R; ++r)
             wg_store_tile<64, BN, EPI, HAS_BIAS, false, TO>(acc[r], C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
-                                                            tl.m0 + 64 * r, tl.n0, alpha, 0, splits > 1);
+                                                            tl.m0 + 64 * r, tl.n0, alpha, 0);
     }
     if (OUT == 1 && c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
 #else
