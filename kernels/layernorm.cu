@@ -69,14 +69,41 @@ __device__ __forceinline__ void ln_save_stats(float* __restrict__ mean, float* _
     const elem<TB>* __restrict__ branch,    /* branch [N, C] */                           \
     const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
 
-// One row of layernorm_fwd_reg from its values v (the lane's NV groups of 4) and their sum s: the mean,
-// the variance about it, out and the statistics.
-template <int NV, bool BIAS, int TO>
-__device__ __forceinline__ void ln_fwd_row(const float4 (&v)[NV], float s, elem<TO>* __restrict__ out,
-                                           float* __restrict__ mean, float* __restrict__ rstd,
-                                           const float* __restrict__ w, const float* __restrict__ b, int row, int C,
-                                           int lane) {
+template <int NV, bool BIAS, bool RD, int WARPS, int TX, int TB, int TO>
+__global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_ARGS_RD) {
+    const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= N) return;
     const int C4 = C >> 2;
+    float4 v[NV];
+    float s = 0.f;
+    if constexpr (RD) {
+        const u32 key = gc_key(seed, (u32)st->step, site);
+        const Pack4<TX>* rr = reinterpret_cast<const Pack4<TX>*>(resid + (long long)row * C);
+        const Pack4<TB>* br = reinterpret_cast<const Pack4<TB>*>(branch + (long long)row * C);
+        Pack4<TX>* xo = reinterpret_cast<Pack4<TX>*>(xw + (long long)row * C);
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int k = j * 32 + lane;
+            if (k < C4) {
+                const float4 r = val_ld4p(rr + k), d = gc_dropout4(val_ld4p(br + k), key, (long long)row * C + 4 * k,
+                                                                    threshold, scale);
+                v[j] = make_float4(r.x + d.x, r.y + d.y, r.z + d.z, r.w + d.w);
+                val_put4(xo + k, v[j]);            // v[j] as stored (rounded in bf16)
+            } else {
+                v[j] = ln_f4(0.f);
+            }
+            s += ln_hsum(v[j]);
+        }
+    } else {
+        const Pack4<TX>* xr = reinterpret_cast<const Pack4<TX>*>(x + (long long)row * C);
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int k = j * 32 + lane;
+            v[j] = k < C4 ? val_ld4p(xr + k) : ln_f4(0.f);
+            s += ln_hsum(v[j]);
+        }
+    }
     const float mu = gc_warp_sum(s) / (float)C;
     float q = 0.f;
 #pragma unroll
@@ -106,63 +133,6 @@ __device__ __forceinline__ void ln_fwd_row(const float4 (&v)[NV], float s, elem<
         }
     }
     ln_save_stats(mean, rstd, row, mu, rs);
-}
-
-// Warp w of the grid takes rows w, w + W, w + 2W, ... (W = gridDim.x * WARPS: the launcher's grid is a
-// few blocks an SM), the next row's x loaded (as stored) before this row's statistics and stores, so
-// that a warp always has a row's loads in flight; RD makes xw first, a row at a time.
-template <int NV, bool BIAS, bool RD, int WARPS, int TX, int TB, int TO>
-__global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_ARGS_RD) {
-    const int lane = threadIdx.x & 31;
-    const int C4 = C >> 2, stride = gridDim.x * WARPS;
-    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if constexpr (RD) {
-        const u32 key = gc_key(seed, (u32)st->step, site);
-        for (; row < N; row += stride) {
-            const Pack4<TX>* rr = reinterpret_cast<const Pack4<TX>*>(resid + (long long)row * C);
-            const Pack4<TB>* br = reinterpret_cast<const Pack4<TB>*>(branch + (long long)row * C);
-            Pack4<TX>* xo = reinterpret_cast<Pack4<TX>*>(xw + (long long)row * C);
-            float4 v[NV];
-            float s = 0.f;
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                const int k = j * 32 + lane;
-                if (k < C4) {
-                    const float4 r = val_ld4p(rr + k), d = gc_dropout4(val_ld4p(br + k), key,
-                                                                        (long long)row * C + 4 * k, threshold, scale);
-                    v[j] = make_float4(r.x + d.x, r.y + d.y, r.z + d.z, r.w + d.w);
-                    val_put4(xo + k, v[j]);            // v[j] as stored (rounded in bf16)
-                } else {
-                    v[j] = ln_f4(0.f);
-                }
-                s += ln_hsum(v[j]);
-            }
-            ln_fwd_row<NV, BIAS, TO>(v, s, out, mean, rstd, w, b, row, C, lane);
-        }
-    } else {
-        Pack4<TX> raw[NV];
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-            const int k = j * 32 + lane;
-            if (row < N && k < C4) raw[j] = reinterpret_cast<const Pack4<TX>*>(x + (long long)row * C)[k];
-        }
-        for (; row < N; row += stride) {
-            float4 v[NV];
-            float s = 0.f;
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                v[j] = j * 32 + lane < C4 ? val_ld4p(&raw[j]) : ln_f4(0.f);
-                s += ln_hsum(v[j]);
-            }
-            const int next = row + stride;
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                const int k = j * 32 + lane;
-                if (next < N && k < C4) raw[j] = reinterpret_cast<const Pack4<TX>*>(x + (long long)next * C)[k];
-            }
-            ln_fwd_row<NV, BIAS, TO>(v, s, out, mean, rstd, w, b, row, C, lane);
-        }
-    }
 }
 
 template <bool BIAS, int WARPS, int TX, int TO>

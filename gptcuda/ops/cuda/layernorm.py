@@ -40,9 +40,6 @@ MAX_BLOCKS = 512          # backward blocks (rows of the partials workspace)
 # two, each block paying its start, its block-wide sums and a partial row again: bench/NOTES.md, "one wave");
 # a variant that fits only one an SM (past 128 registers a thread) runs two waves, where it ran up to four.
 BWD_BLOCKS_PER_SM = 2
-# The register kernels' forward grid: this many blocks an SM (the bf16 C = 768 kernel's 63 registers fit four),
-# each warp walking its rows with the next row's loads in flight.
-FWD_BLOCKS_PER_SM = 4
 WORKSPACE = "layernorm_partials"
 # The element types there are kernels for: (x, branch, out) of the forward, x also the fused residual's
 # resid and xw (the residual stream); (dout, x, dx, dropped) of the backward, dx read and accumulated
@@ -136,8 +133,7 @@ def layernorm_fwd(rt: RuntimeProtocol, out, mean, rstd, x, w, b, residual=None):
     if nv:
         tail = ([x, resid, branch] + _keep_args(rt, p, site, "layernorm_fwd") if fused
                 else [None, None, None] + _NO_DROP)
-        grid = min(cdiv(N, WARPS), FWD_BLOCKS_PER_SM * sm_count(rt))
-        rt.launch(rt.function(FILE, fwd_name(nv, b is not None, fused, types)), (grid,), (THREADS,),
+        rt.launch(rt.function(FILE, fwd_name(nv, b is not None, fused, types)), (cdiv(N, WARPS),), (THREADS,),
                   [out, mean, rstd, None if fused else x, w, b, i32(N), i32(C)] + tail, label="layernorm_fwd")
     else:
         rt.launch(rt.function(FILE, fwd_name(0, b is not None, types=types)), (cdiv(N, WARPS),), (THREADS,),
