@@ -199,11 +199,14 @@ def test_prune_keeps_the_close_ones_and_the_cost_model_choice():
     top3 = prune_candidates(cands, g, keep=10, max_n=3)
     assert top3 == kept[:3]
     assert prune_candidates([], g) == []
-    # the cost model's choice is timed first, whether the pruning keeps it or not
+    # the cost model's choice is timed first, whether the pruning keeps it or not; then the pruned ones, then
+    # the split counts that fill the waves best where those were pruned (test_split_counts_that_fill_...)
     ws = {"gemm_splitk": 1 << 24}
-    heur, plans = tune.candidates_for(g, plan_of("tf32"), 132, ws, keep=1.0, max_n=1)
-    assert plans == [heur] + [p for p in prune_candidates(cands, g, keep=1.0, max_n=1) if p != heur]
-    assert [heur] + [p for p in kept if p != heur] == tune.candidates_for(g, plan_of("tf32"), 132, ws, 1.3, 100)[1]
+    for keep, max_n, pruned in ((1.0, 1, prune_candidates(cands, g, keep=1.0, max_n=1)), (1.3, 100, kept)):
+        heur, plans = tune.candidates_for(g, plan_of("tf32"), 132, ws, keep=keep, max_n=max_n)
+        base = [heur] + [p for p in pruned if p != heur]
+        assert plans[:len(base)] == base
+        assert all(p.splits > 1 and p not in base for p in plans[len(base):])
 
 
 def test_split_counts_that_fill_the_waves_are_timed():
