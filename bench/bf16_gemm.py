@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.common import ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402
 from gptcuda.ops.cuda import cdiv, gemm  # noqa: E402
-from gptcuda.ops.cuda.gemm.families import BF16_TILES, FAMILIES, layout_code  # noqa: E402
+from gptcuda.ops.cuda.gemm.families import BF16_TILES, EPILOGUE_CODES, FAMILIES, layout_code  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import make_plan  # noqa: E402
 from gptcuda.ops.reference import ops as ref  # noqa: E402
 from gptcuda.runtime import Runtime, bf16  # noqa: E402
@@ -142,8 +142,8 @@ def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None, epi_as=None, to
             c = rt.empty((M, N), "bf16" if dtype == "bf16" and not ta else "f32")
             bias = rt.upload(rng.standard_normal(N).astype(np.float32)) if hb else None
             aux = rt.upload(rng.standard_normal((M, N)).astype(np.float32), c.dtype) if EPILOGUES[epi] != "none" else None
-            pick = tuple(t for t in BF16_TILES if not tiles or FAMILIES["bf16"].short(t) in tiles) \
-                if dtype == "bf16" else (None,)
+            pick = tuple(t for t in BF16_TILES if (not tiles or FAMILIES["bf16"].short(t) in tiles) and
+                         FAMILIES["bf16"].serves(t, EPILOGUE_CODES[EPILOGUES[epi]])) if dtype == "bf16" else (None,)
             times = []
             for tile in pick:
                 ms = time_graphed_ms(rt, lambda: product(rt, ex, c, a, b, ta, tb, epi, bias, aux, tile=tile),
