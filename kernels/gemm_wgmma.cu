@@ -810,36 +810,44 @@ __device__ __forceinline__ void ra3_k_tile(const F& fr, float (&part)[BN / 2], u
 // The bias gradient of a bf16 weight gradient dW = dY^T X with dY read as stored (A [K, M], MN-major): the
 // consumer threads sum A's columns (m) as its k tiles pass through shared memory, after issuing each
 // tile's wgmma (under the tensor work; the slot is released after, as before). A box is [64 k][64 m], 128
-// bytes a k line, the 16-byte chunk c of line l at c ^ (l & 7) (the 128-byte swizzle); thread t of a
-// warpgroup sums chunk t & 7 (8 columns) of lines t >> 3 + 16 i, i < 4, of each of its BOXES boxes
-// (8 KB apart). out() adds a chunk's 16 threads in a fixed order (lanes xor 8, xor 16, then the 4 warps in
-// order, through `red` [BOXES][4][64] floats and named barrier `bar` of the warpgroup): deterministic.
-template <int BOXES>
+// bytes a k line, the 16-byte chunk c of line l at c ^ (l & 7) (the 128-byte swizzle). W = 8: thread t of
+// a warpgroup sums chunk t & 7 (8 columns) of lines t >> 3 + 16 i, i < 4, of each of its BOXES boxes (8 KB
+// apart); W = 4 (half the registers: the 128 x 192 ping-pong tile, whose 192 accumulators leave few): half
+// chunk t & 15 (4 columns, 8-byte loads) of lines t >> 4 + 8 i, i < 8. Either way a thread's lines share
+// their swizzle term and a warp reads whole lines. out() adds a column's threads in a fixed order (lanes
+// xor 8 and xor 16, or xor 16, then the 4 warps in order, through `red` [BOXES][4][64] floats and named
+// barrier `bar` of the warpgroup): deterministic.
+template <int BOXES, int W = 8>
 struct Bf16ColSum {
-    float s[BOXES][8];
+    static_assert(W == 8 || W == 4, "a chunk or half a chunk a thread");
+    static constexpr int TPL = 64 / W;            // threads a line
+    float s[BOXES][W];
     unsigned off;
     __device__ __forceinline__ void init(int wt) {
-        const int c = wt & 7, l = wt >> 3;
-        off = l * 128 + ((c ^ (l & 7)) << 4);
+        const int c = wt % TPL, l = wt / TPL;
+        off = l * 128 + (((c * W / 8) ^ (l & 7)) << 4) + (W == 4 ? (c & 1) * 8 : 0);
         zero();
     }
     __device__ __forceinline__ void zero() {
 #pragma unroll
         for (int b = 0; b < BOXES; ++b)
 #pragma unroll
-            for (int e = 0; e < 8; ++e) s[b][e] = 0.f;
+            for (int e = 0; e < W; ++e) s[b][e] = 0.f;
     }
     __device__ __forceinline__ void add(unsigned box0) {
 #pragma unroll
         for (int b = 0; b < BOXES; ++b)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {       // lines l + 16 i: 2048 bytes apart, the same swizzle
-                unsigned w[4];
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                             : "r"(box0 + 8192 * b + off + 2048 * i));
+            for (int i = 0; i < TPL / 2; ++i) {         // lines l + (128 / TPL) i: the same swizzle
+                const unsigned a = box0 + 8192 * b + off + 128 * (128 / TPL) * i;
+                unsigned w[W / 2];
+                if constexpr (W == 8)
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a));
+                else
+                    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(a));
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
+                for (int j = 0; j < W / 2; ++j) {
                     s[b][2 * j] += __uint_as_float(w[j] << 16);
                     s[b][2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
                 }
@@ -851,11 +859,11 @@ struct Bf16ColSum {
 #pragma unroll
         for (int b = 0; b < BOXES; ++b)
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
+            for (int e = 0; e < W; ++e) {
                 float v = s[b][e];
-                v += __shfl_xor_sync(0xffffffffu, v, 8);
+                if constexpr (W == 8) v += __shfl_xor_sync(0xffffffffu, v, 8);
                 v += __shfl_xor_sync(0xffffffffu, v, 16);
-                if (lane < 8) red[(b * 4 + warp) * 64 + 8 * lane + e] = v;
+                if (lane < TPL) red[(b * 4 + warp) * 64 + W * lane + e] = v;
             }
         asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
         for (int j = wt; j < BOXES * 64; j += 128) {
@@ -1218,7 +1226,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     float acc[R][BN / 2];
     WgBias<BN, 128, HAS_BIAS> tile_bias;
     __shared__ float pp_red[COLSUM > 0 ? 2 * R * 256 : 1];     // Bf16ColSum's, a warpgroup's R boxes
-    Bf16ColSum<R> bsum;
+    Bf16ColSum<R, (BM * BN > 128 * 128 ? 4 : 8)> bsum;     // (4 columns a thread on 128 x 192)
     if constexpr (COLSUM > 0) bsum.init(wt);
     // (aux's first box of a read-aux epilogue loaded just before it, not under the k loop as gemm_wgmma_ws
     // does: with two tiles' accumulators the dgelu epilogues' registers would spill)

@@ -393,9 +393,9 @@ def test_bf16_plans():
 
 
 def test_bf16_wide_ping_pong_tile_serves_no_dgelu():
-    """The 128 x 192 ping-pong tile (192 accumulators a thread) has no dgelu / dgelu_gelu kernels and no
-    column sums (they spill): none in VARIANTS, a forced plan refused with the reason, and neither the cost
-    model nor the tuner plans them on it; its other products (the GELU forward among them) it serves."""
+    """The 128 x 192 ping-pong tile (192 accumulators a thread) has no dgelu / dgelu_gelu kernels (they
+    spill): none in VARIANTS, a forced plan refused with the reason, and neither the cost model nor the tuner
+    plans them on it; its other products (the GELU forward, a weight gradient with its column sums) it serves."""
     t = BF16_PP_WIDE
     assert t in BF16_TILES
     names = {n for _, n, _ in VARIANTS}
@@ -403,9 +403,11 @@ def test_bf16_wide_ping_pong_tile_serves_no_dgelu():
         ta = colsum
         def name(tile):
             return BF16.kernel(tile, ta, False, epi, hb, out="f32" if colsum else "bf16", colsum=colsum)
-        assert name(t) not in names and name((256, 128, 4, 0)) in names
-    for g in (Product(8192, 3072, 768, False, False, "dgelu_gelu"), Product(8192, 3072, 768, False, False, "dgelu"),
-              Product(3072, 768, 8192, True, False, colsum=True)):
+        assert (name(t) in names) == colsum and name((256, 128, 4, 0)) in names
+    dw = Product(3072, 768, 8192, True, False, colsum=True)
+    assert plan_unfit(make_plan("bf16", t, 4, dw.K), dw, "bf16", out="f32") is None
+    assert any(p.tile == t for p in tune_candidates(dw, "bf16", max_ws=1 << 30))
+    for g in (Product(8192, 3072, 768, False, False, "dgelu_gelu"), Product(8192, 3072, 768, False, False, "dgelu")):
         assert "has no kernel for epilogue code" in plan_unfit(make_plan("bf16", t, 1, g.K), g, "bf16",
                                                               out="f32" if g.ta else "bf16")
         assert all(p.tile != t for p in tune_candidates(g, "bf16", max_ws=1 << 30))

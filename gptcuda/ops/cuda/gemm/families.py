@@ -67,8 +67,8 @@ WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}          # a slot: A o
 BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0,
               (128, 192, 5, 1): 3.2}
 # The 128 x 192 ping-pong tile holds 192 accumulators a thread (240 registers): its dgelu epilogues (aux pairs
-# and gelu' beside them) and its column sums spill (ptxas: 4-308 bytes), so it serves the other products only
-# (Family.serves).
+# and gelu' beside them) spill (ptxas: 224-308 bytes), so it serves the other products only (Family.serves);
+# its column sums take 4 columns a thread (Bf16ColSum's W), which fits.
 BF16_PP_WIDE = (128, 192, 5, 1)
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
 # A bf16 C is stored through shared memory by the copy engine: two boxes of 64 x 32 bf16 a consumer warpgroup
@@ -253,7 +253,7 @@ class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 
         return f"{t[0]}x{t[1]}s{t[2]}" + ("pp" if t[3] else "")
 
     def serves(self, t, epi, colsum=False):
-        return t != BF16_PP_WIDE or not (colsum or epi in (EPI_DGELU, EPI_DGELU_GELU))
+        return t != BF16_PP_WIDE or epi not in (EPI_DGELU, EPI_DGELU_GELU)
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t, out)
