@@ -200,6 +200,30 @@ __device__ __forceinline__ int enc_block_scan(int x, int* tot) {
     return (warp ? tot[warp - 1] : 0) + incl - x;
 }
 
+// The workspace's parts (layout at the top of the file), where encoder_bwd_sort writes them and the run
+// kernels read them: EncLayout the places alone, EncRuns also the counts the sort left (U, valid).
+struct EncLayout {
+    int *pos, *seg_id, *seg_start, *nseg, *ends;
+    float* pieces;            // [2][chunks][C]
+    int chunks;
+    __device__ __forceinline__ EncLayout(int* ws, int N) {
+        chunks = (N + 31) / 32;
+        pos = ws;
+        seg_id = ws + N;
+        seg_start = ws + 2 * N;
+        nseg = ws + 3 * N + 1;
+        ends = ws + 3 * N + 2;
+        pieces = reinterpret_cast<float*>(ws + ((3 * N + 2 + 2 * chunks + 3) & ~3));
+    }
+};
+struct EncRuns : EncLayout {
+    int U, valid;
+    __device__ __forceinline__ EncRuns(int* ws, int N) : EncLayout(ws, N) {
+        U = *nseg;
+        valid = seg_start[U];
+    }
+};
+
 // grid 1, block THREADS (= 1024, 32 warps: enc_block_scan), dynamic shared memory SMEM =
 // 4 * (enc_pad(E * THREADS) + enc_pad(BINS * THREADS)) bytes, BINS = 2^DIGIT.
 // A stable LSD radix sort (DIGIT-bit digits, `passes` of them: bits of V) of the keys
@@ -288,11 +312,9 @@ encoder_bwd_sort(int* __restrict__ ws,            // the workspace (pos .. ends:
         }
     }
     int u = enc_block_scan(heads, tot);
-    int* pos = ws;
-    int* seg_id = ws + N;
-    int* seg_start = ws + 2 * N;
-    int* ends = ws + 3 * N + 2;                                   // [2][chunks]
-    const int chunks = (N + 31) / 32;
+    const EncLayout L(ws, N);
+    int *pos = L.pos, *seg_id = L.seg_id, *seg_start = L.seg_start, *ends = L.ends;   // ends [2][chunks]
+    const int chunks = L.chunks;
     const u32 mask = (1u << nbits) - 1u;
 #pragma unroll
     for (int k = 0; k < E; ++k) {
@@ -312,7 +334,7 @@ encoder_bwd_sort(int* __restrict__ ws,            // the workspace (pos .. ends:
     if (tid == 0) {
         const int U = tot[31];
         seg_start[U] = s_valid;
-        ws[3 * N + 1] = U;
+        *L.nseg = U;
     }
 }
 
@@ -345,23 +367,6 @@ __device__ __forceinline__ void enc_sum_rows(float (&acc)[VEC], const TD* __rest
     }
 }
 
-// The workspace's parts (layout at the top of the file).
-struct EncRuns {
-    const int *pos, *seg_id, *seg_start, *ends;
-    float* pieces;            // [2][chunks][C]
-    int U, valid, chunks;
-    __device__ __forceinline__ EncRuns(int* ws, int N) {
-        chunks = (N + 31) / 32;
-        pos = ws;
-        seg_id = ws + N;
-        seg_start = ws + 2 * N;
-        ends = ws + 3 * N + 2;
-        pieces = reinterpret_cast<float*>(ws + ((3 * N + 2 + 2 * chunks + 3) & ~3));
-        U = ws[3 * N + 1];
-        valid = seg_start[U];
-    }
-};
-
 // grid G (any; the launcher: a few blocks an SM), block WARPS*32. Warp-items it = j * tiles + tile over
 // the chunks j of 32 entries of pos (those holding valid entries), taken grid-stride by the warps: the
 // pieces of the long runs (more than ENC_LONG rows) that the chunk meets, each summed in increasing n
@@ -386,20 +391,16 @@ encoder_bwd_wte_long(const elem<TD>* __restrict__ dout,   // dout [N, C]
         const bool first = a1 - r.seg_start[u0] > ENC_LONG, last = u1 != u0 && r.seg_start[u1 + 1] - b0 > ENC_LONG;
         const int c = tile * 32 * VEC + lane * VEC;
         const bool active = c < C;
-        if (first) {
+        // the chunk's entries k0 .. k1 - 1 summed from 0 into pieces row `row`
+        const auto piece = [&](int k0, int k1, long long row) {
             float acc[VEC];
 #pragma unroll
             for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
-            enc_sum_rows<VEC>(acc, dout, mine, 0, min(cnt, a1 - i0), C, c, active);
-            if (active) enc_store<VEC>(r.pieces + (long long)j * C + c, acc);
-        }
-        if (last) {
-            float acc[VEC];
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
-            enc_sum_rows<VEC>(acc, dout, mine, b0 - i0, cnt, C, c, active);
-            if (active) enc_store<VEC>(r.pieces + ((long long)r.chunks + j) * C + c, acc);
-        }
+            enc_sum_rows<VEC>(acc, dout, mine, k0, k1, C, c, active);
+            if (active) enc_store<VEC>(r.pieces + row * C + c, acc);
+        };
+        if (first) piece(0, min(cnt, a1 - i0), j);
+        if (last) piece(b0 - i0, cnt, (long long)r.chunks + j);
     }
 }
 

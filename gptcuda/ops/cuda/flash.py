@@ -127,6 +127,13 @@ def flash_bf16_tile(kind: str, hs: int, T: int = 0) -> tuple:
     return FLASH_BF16_TILES[(kind, hs)]
 
 
+def fb_xslot(bn: int) -> int:
+    """Bytes of one of pipelined dK/dV's lse / D slots (kernels/flash_bf16.cu fb_xslot, whose static_assert on
+    the block's shared memory holds this to it): bn + 4 fp32 values (the copy engine's box starts at the
+    16-byte boundary at or before the tile's first value), 128-byte aligned."""
+    return -(-(bn + 4) * 4 // 128) * 128
+
+
 def flash_bf16_plan(kind: str, hs: int, T: int = 0) -> dict:
     """Tile plan of a bf16 flash kernel (flash_bf16.cu, sm_90a) for sequences of T rows (flash_bf16_tile):
     bm rows of the block's side (bm / 64 consumer warpgroups and the producer's: 128 (bm / 64 + 1)
@@ -146,9 +153,8 @@ def flash_bf16_plan(kind: str, hs: int, T: int = 0) -> dict:
         raise ValueError(f"bf16 flash tiles: bm 128 | 192 | 256, bn 64 | 128, ns 2 | 3, not {(bm, bn, ns)}")
     walk = ns >= 3                              # FaBf16::WALK: the block walks work items, its resident tiles twice
     resident = {"fwd": 1, "dq": 2, "dkv": 2}[kind] * (2 if walk else 1)
-    # a stage's queries' lse and D (fp32), pipelined dK/dV's: two slots of bn + 4 values (a box from the 16-byte
-    # boundary at or before the tile's first), 128-byte aligned (fb_xslot)
-    extra = 2 * (-(-(bn + 4) * 4 // 128) * 128) if kind == "dkv" and walk else 0
+    # a stage's queries' lse and D (fp32), pipelined dK/dV's: two slots of fb_xslot(bn) bytes
+    extra = 2 * fb_xslot(bn) if kind == "dkv" and walk else 0
     smem = resident * bm * hs * 2 + ns * (2 * bn * hs * 2 + extra) + 1024
     if smem > FLASH_BF16_SMEM_MAX:
         raise ValueError(f"bf16 flash {kind} tiles {(bm, bn, ns)} at head size {hs}: {smem} bytes of shared memory, "
