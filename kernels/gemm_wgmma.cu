@@ -882,68 +882,6 @@ template <bool RA, bool A_MN, int PRODUCTS> struct RaOf { using T = RaFrags; };
 template <bool A_MN> struct RaOf<false, A_MN, 1> { struct T {}; };   // (no fragments: the other kernels keep their code)
 template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 
-// The GELU rebuild of a dgelu_gelu product (GEMM_EPI_DGELU_GELU: C = dY W gelu'(aux), aux := gelu(aux)) in
-// gemm_wgmma_ws, as a side job of its consumers: the epilogue works as DGELU's (the pre-activations read,
-// C alone stored), and each warpgroup rebuilds its 64 rows of the tile after the epilogue has read them,
-// 16-byte chunks of 8 values spread over the next tile's k loop, where the consumers otherwise wait on the
-// tensor cores and the copies (what is left when a k loop is shorter than a thread's chunks, and the
-// block's last tile, after it). The GELU output's stores then leave the epilogue, which every block runs at
-// the same time as the others and whose stores the DRAM drains. A chunk is loaded one k tile before it is
-// rebuilt (from the L2: the epilogue has just read it) and stored in place; the values are
-// gemm_gelu_fast's, as the epilogue would have stored. Thread wt's chunk i: q = wt + 128 i, row q / (BN / 8)
-// of the 64, columns 8 (q % (BN / 8)) .. + 7; a chunk past N or M, or an aux whose rows are not 16-byte
-// aligned, value by value.
-template <int BN>
-struct GeluRebuild {
-    static constexpr int PER_ROW = BN / 8, CH = 64 * PER_ROW / 128;
-    static_assert(BN % 16 == 0, "whole chunks a thread");
-    // the pending region: rows m0 .. m0 + 63, columns n0 .. n0 + BN - 1 of matrix z of aux (clipped to M, N),
-    // chunk i next (i == CH: none); few registers, beside the 256-row tile's accumulators
-    int m0 = 0, n0 = 0, z = 0, i = CH;
-    uint4 cur;                  // chunk i, loaded
-
-    // chunk i's place (r, c in the matrix) and whether it is a whole aligned chunk; its address in p
-    __device__ __forceinline__ bool at(bf16* aux, int M, int N, int ldc, long long sC, int& r, int& c, bf16*& p) const {
-        const int q = (threadIdx.x & 127) + 128 * i;
-        r = m0 + q / PER_ROW;
-        c = n0 + (q % PER_ROW) * 8;
-        p = aux + z * sC + (long long)r * ldc + c;
-        return ((ldc & 7) | (sC & 7) | (reinterpret_cast<unsigned long long>(aux) & 15)) == 0 && r < M && c + 8 <= N;
-    }
-    __device__ __forceinline__ void load(bf16* aux, int M, int N, int ldc, long long sC) {
-        int r, c;
-        bf16* p;
-        if (at(aux, M, N, ldc, sC, r, c, p)) cur = *reinterpret_cast<const uint4*>(p);
-    }
-    __device__ __forceinline__ void begin(bf16* aux, int M, int N, int ldc, long long sC, int m0w, int n0_, int z_) {
-        m0 = m0w;
-        n0 = n0_;
-        z = z_;
-        i = 0;
-        load(aux, M, N, ldc, sC);
-    }
-    // chunk i rebuilt and stored, chunk i + 1 loaded
-    __device__ __forceinline__ void step(bf16* aux, int M, int N, int ldc, long long sC) {
-        if (i == CH) return;
-        int r, c;
-        bf16* p;
-        if (at(aux, M, N, ldc, sC, r, c, p)) {
-            unsigned w[4] = {cur.x, cur.y, cur.z, cur.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                w[e] = bf16x2_rn(gemm_gelu_fast(__uint_as_float(w[e] << 16)),
-                                 gemm_gelu_fast(__uint_as_float(w[e] & 0xFFFF0000u)));
-            *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-        } else if (r < M) {
-            for (int e = 0; e < 8 && c + e < N; ++e) p[e] = bf16_rn(gemm_gelu_fast(bf16_f32(p[e])));
-        }
-        if (++i < CH) load(aux, M, N, ldc, sC);
-    }
-    __device__ __forceinline__ void finish(bf16* aux, int M, int N, int ldc, long long sC) {
-        while (i < CH) step(aux, M, N, ldc, sC);
-    }
-};
-
 // The consumer warpgroups of the warp-specialized kernels: for each of the block's output tiles,
 // wait for each k tile's slot (full), its 4 wgmma, release the slot of the k tile before once its
 // group is done (empty), then the epilogue from the accumulators. PRODUCTS = 3 (3xTF32, RA: the slot
@@ -996,12 +934,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     Bf16ColSum<1> bsum;
     if constexpr (BSUM) bsum.init(wt);
     // a bf16 C read-aux epilogue's first box of aux, loaded under the tile's last k tile (wg_aux_box)
-    // dgelu_gelu's GELU rebuild as the consumers' side job (GeluRebuild); the epilogue then DGELU's
-    constexpr bool SIDE = sizeof(TO) == 2 && EPI == GEMM_EPI_DGELU_GELU && !RA && PRODUCTS == 1;
-    constexpr bool AUX0 = sizeof(TO) == 2 && GEMM_EPI_READS_AUX(EPI) && !RA && PRODUCTS == 1 && !SIDE;
+    constexpr bool AUX0 = sizeof(TO) == 2 && GEMM_EPI_READS_AUX(EPI) && !RA && PRODUCTS == 1;
     unsigned aux0[4][2];
-    constexpr int EPI_E = SIDE ? GEMM_EPI_DGELU : EPI;
-    GeluRebuild<SIDE ? BN : 16> rebuild;
     int it = 0, tn = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
@@ -1047,7 +981,6 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 if constexpr (AUX0) {
                     if (kt == nk - 1 && c_tma) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * wg, tl.n0, 0);
                 }
-                if constexpr (SIDE) rebuild.step(aux, M, N, ldc, sC);    // the tile before's GELU rebuild, a chunk a k tile
                 wg_wait<1>();             // the group of the k tile before is done: release its slot
                 if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
             }
@@ -1064,7 +997,6 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
             wg_fence_acc(acc);
             if (nk > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
         }
-        if constexpr (SIDE) rebuild.finish(aux, M, N, ldc, sC);   // (a k loop shorter than a thread's chunks)
         // the tile's bias into one of the two buffers (the other may still be read by a consumer
         // finishing the tile before); the consumers' barrier (named barrier 2: the producer warpgroup
         // has its own loop) orders these writes before this epilogue's reads, and that epilogue's
@@ -1079,26 +1011,17 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 if (c_tma) {
                     if constexpr (AUX0) {       // (an empty k range: not loaded in the k loop)
                         if (nk == 0) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * wg, tl.n0, 0);
-                    } else if constexpr (SIDE) {  // (its first box not under the k loop: no registers left)
-                        wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * wg, tl.n0, 0);
                     }
-                    wg_store_tile_tma<BN, EPI_E, HAS_BIAS>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg,
-                                                           tl.n0, alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1),
-                                                           11 + wg, aux0);
-                    // (its boxes' barriers: every thread of the warpgroup has read its pre-activations)
-                    if constexpr (SIDE) rebuild.begin(aux, M, N, ldc, sC, tl.m0 + 64 * wg, tl.n0, tl.z);
+                    wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg, tl.n0,
+                                                         alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1), 11 + wg,
+                                                         aux0);
                     continue;
                 }
             }
-            wg_store_tile<BM, BN, EPI_E, HAS_BIAS, RA && A_MN, TO>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
-                                                                    tl.m0, tl.n0, alpha);
-            if constexpr (SIDE) {
-                asm volatile("bar.sync %0, 128;\n" ::"r"(11 + wg) : "memory");   // the warpgroup's reads first
-                rebuild.begin(aux, M, N, ldc, sC, tl.m0 + 64 * wg, tl.n0, tl.z);
-            }
+            wg_store_tile<BM, BN, EPI, HAS_BIAS, RA && A_MN, TO>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
+                                                                  tl.m0, tl.n0, alpha);
         }
     }
-    if constexpr (SIDE) rebuild.finish(aux, M, N, ldc, sC);   // the block's last tile
     if (c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
 }
 
