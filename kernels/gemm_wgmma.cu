@@ -807,59 +807,75 @@ __device__ __forceinline__ void ra3_k_tile(const F& fr, float (&part)[BN / 2], u
     wg_fence_acc(part);
 }
 
-// The bias gradient of a bf16 weight gradient dW = dY^T X with dY read as stored (A [K, M], MN-major), summed
-// off the consumers' path by two warps of the producer warpgroup that would otherwise idle (64 threads, h
-// their index): they walk the block's tiles and k tiles as the producer fills them, wait for each slot
-// (full) and count themselves in on its release (empty: 64 arrivals beside the consumers'). A tile whose
-// column tile j is below G = min(tiles_n, CSG) sums A's columns over its k tiles kt = j mod G (spread over
-// the first G column tiles of a row of tiles: each of A's k tiles is read once more, by one block) into
-// row z G + j of colsum [zs G, M] (the launcher's partials). A box is [64 k][64 m], 128 bytes a k line, the
-// 16-byte chunk c of line l at c ^ (l & 7) (the 128-byte swizzle); thread h holds the bf16 pairs w = h +
-// 64 i (i < BM / 128) of a line, box w / 32, pair w % 32, added over the box's 64 lines in order: a warp
-// reads whole lines, and a column's sum has one order (deterministic).
-template <int BM, int BN, int STAGES>
-__device__ __forceinline__ void ws_colsum(unsigned smem0, unsigned full0, unsigned empty0, float* colsum, int M,
-                                          int K, int splits, int k_chunk, int per_z, int tiles_n, int total, int G,
-                                          int h) {
-    constexpr int STAGE_BYTES = (BM + BN) * 128, WORDS = BM / 128;
-    static_assert(BM % 128 == 0, "whole pairs a thread");
-    int it = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
-        const int nk = wg_k_tiles<64>(tl.klen), tj = tl.n0 / BN;
-        float sum[WORDS][2];
+// The bias gradient of a bf16 weight gradient dW = dY^T X with dY read as stored (A [K, M], MN-major): the
+// consumer threads sum A's columns (m) as its k tiles pass through shared memory, after issuing each
+// tile's wgmma (under the tensor work; the slot is released after, as before). A box is [64 k][64 m], 128
+// bytes a k line, the 16-byte chunk c of line l at c ^ (l & 7) (the 128-byte swizzle). W = 8: thread t of
+// a warpgroup sums chunk t & 7 (8 columns) of lines t >> 3 + 16 i, i < 4, of each of its BOXES boxes (8 KB
+// apart); W = 4 (half the registers: the 128 x 192 ping-pong tile, whose 192 accumulators leave few): half
+// chunk t & 15 (4 columns, 8-byte loads) of lines t >> 4 + 8 i, i < 8. Either way a thread's lines share
+// their swizzle term and a warp reads whole lines. out() adds a column's threads in a fixed order (lanes
+// xor 8 and xor 16, or xor 16, then the 4 warps in order, through `red` [BOXES][4][64] floats and named
+// barrier `bar` of the warpgroup): deterministic.
+template <int BOXES, int W = 8>
+struct Bf16ColSum {
+    static_assert(W == 8 || W == 4, "a chunk or half a chunk a thread");
+    static constexpr int TPL = 64 / W;            // threads a line
+    float s[BOXES][W];
+    unsigned off;
+    __device__ __forceinline__ void init(int wt) {
+        const int c = wt % TPL, l = wt / TPL;
+        off = l * 128 + (((c * W / 8) ^ (l & 7)) << 4) + (W == 4 ? (c & 1) * 8 : 0);
+        zero();
+    }
+    __device__ __forceinline__ void zero() {
 #pragma unroll
-        for (int i = 0; i < WORDS; ++i) sum[i][0] = sum[i][1] = 0.f;
-        for (int kt = 0; kt < nk; ++kt, ++it) {
-            const int st = it % STAGES;
-            mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
-            if (tj < G && kt % G == tj) {
+        for (int b = 0; b < BOXES; ++b)
 #pragma unroll
-                for (int i = 0; i < WORDS; ++i) {
-                    const int w = h + 64 * i, c = (w & 31) >> 2;
-                    const unsigned base = smem0 + st * STAGE_BYTES + (w >> 5) * 8192 + (w & 3) * 4;
-#pragma unroll 4
-                    for (int l = 0; l < 64; ++l) {
-                        unsigned v;
-                        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(base + l * 128 + ((c ^ (l & 7)) << 4)));
-                        sum[i][0] += __uint_as_float(v << 16);
-                        sum[i][1] += __uint_as_float(v & 0xFFFF0000u);
-                    }
+            for (int e = 0; e < W; ++e) s[b][e] = 0.f;
+    }
+    __device__ __forceinline__ void add(unsigned box0) {
+#pragma unroll
+        for (int b = 0; b < BOXES; ++b)
+#pragma unroll
+            for (int i = 0; i < TPL / 2; ++i) {         // lines l + (128 / TPL) i: the same swizzle
+                const unsigned a = box0 + 8192 * b + off + 128 * (128 / TPL) * i;
+                unsigned w[W / 2];
+                if constexpr (W == 8)
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a));
+                else
+                    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(a));
+#pragma unroll
+                for (int j = 0; j < W / 2; ++j) {
+                    s[b][2 * j] += __uint_as_float(w[j] << 16);
+                    s[b][2 * j + 1] += __uint_as_float(w[j] & 0xFFFF0000u);
                 }
             }
-            mbar_arrive(empty0 + 8 * st);
-        }
-        if (tj < G) {
-            float* o = colsum + ((long long)tl.z * G + tj) * M + tl.m0;
-#pragma unroll
-            for (int i = 0; i < WORDS; ++i) {
-                const int m = 2 * (h + 64 * i);
-                if (tl.m0 + m < M) o[m] = sum[i][0];
-                if (tl.m0 + m + 1 < M) o[m + 1] = sum[i][1];
-            }
-        }
     }
-}
+    // out[m0 + 64 b + m] (m0 + 64 b + m < M) = the tile's sums of box b; then zero for the next tile
+    __device__ __forceinline__ void out(float* o, int m0, int M, float* red, int bar, int wt) {
+        const int warp = wt >> 5, lane = wt & 31;
+#pragma unroll
+        for (int b = 0; b < BOXES; ++b)
+#pragma unroll
+            for (int e = 0; e < W; ++e) {
+                float v = s[b][e];
+                if constexpr (W == 8) v += __shfl_xor_sync(0xffffffffu, v, 8);
+                v += __shfl_xor_sync(0xffffffffu, v, 16);
+                if (lane < TPL) red[(b * 4 + warp) * 64 + W * lane + e] = v;
+            }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+        for (int j = wt; j < BOXES * 64; j += 128) {
+            const int b = j >> 6, m = j & 63;
+            const float* r = red + b * 256 + m;
+            const float v = (r[0] + r[64]) + (r[128] + r[192]);
+            if (m0 + j < M) o[m0 + j] = v;
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+        zero();
+    }
+};
 
 // The consumers' fragment loader: RaFrags (MN-major A), RaFragsK (K-major A, 3xTF32), none.
 template <bool RA, bool A_MN, int PRODUCTS> struct RaOf { using T = RaFrags; };
@@ -876,6 +892,10 @@ template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 // summed on its own and the partials are added rounded to nearest. (Reading a partial while the
 // next tile's wgmma run would be the better pipeline, but ptxas then serializes every wgmma: C7514.)
 //
+// CSUM without RA (BF16, A MN-major): Bf16ColSum's sums of the warpgroup's box, spread over the first
+// G = min(tiles_n, CSG) column tiles of a row of tiles (the one of column tile j sums the k tiles kt = j
+// mod G: extra shared-memory reads, which these products are bound by, a G-th each), into row z G + j.
+//
 // RA (gemm_wgmma_ra): the slot's A tile is MN-major ([BM / 32] boxes of [32 k][32 m], 128-byte
 // swizzle); each k tile's fragments come from it by ra_load (two buffers, so the loads of k tile kt
 // do not wait for the group of kt - 1 that reads the other) and go to the register-A wgmma. CSUM (RA):
@@ -885,7 +905,7 @@ template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 // OP (Tf32Op, Bf16Op: PRODUCTS 1, no RA) the operand type and layouts of the plain product; TO: C's and
 // aux's element type.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS = 1, bool RA = false, bool CSUM = false,
-          bool TC = false, bool A_MN = true, class OP = Tf32Op, class TO = float>
+          bool TC = false, bool A_MN = true, class OP = Tf32Op, class TO = float, int CSG = 1>
 __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, TO* C, TO* aux,
                                            const float* bias, int M, int N, int K, int ldc, long long sC,
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
@@ -893,8 +913,9 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                                            const TmaMap* mapX = nullptr, int c_tma = 0, unsigned stg = 0) {
     static_assert(!RA || PRODUCTS == 3 || A_MN, "register A in TF32: MN-major");
     static_assert(RA || PRODUCTS == 1, "3xTF32: A through registers");
-    static_assert(!CSUM || (RA && A_MN), "the consumers' column sums: MN-major register-A fragments (a bf16 "
-                  "product's: ws_colsum, in the producer warpgroup)");
+    static_assert(!CSUM || (RA && A_MN) || (!RA && OP::MN_A && OP::BK == 64 && EPI == GEMM_EPI_NONE && !HAS_BIAS),
+                  "the consumers' column sums: MN-major register-A fragments, or an MN-major bf16 A in shared memory");
+    constexpr bool BSUM = CSUM && !RA;
     static_assert(!TC || (RA && EPI == GEMM_EPI_NONE && !HAS_BIAS), "the transposed store: gemm_wgmma_ra, no epilogue");
     static_assert(OP::BK == GEMM_WG_BK || (PRODUCTS == 1 && !RA), "BF16: the plain product");
     static_assert(sizeof(TO) == 4 || !TC, "the transposed store writes fp32");
@@ -909,6 +930,9 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     WgBias<BN, WG * 128, HAS_BIAS> tile_bias;
     typename RaOf<RA, A_MN, PRODUCTS>::T ra;
     if constexpr (RA) ra.init(wg, wt);
+    __shared__ float ws_red[BSUM ? WG * 256 : 1];
+    Bf16ColSum<1> bsum;
+    if constexpr (BSUM) bsum.init(wt);
     // a bf16 C read-aux epilogue's first box of aux, loaded under the tile's last k tile (wg_aux_box)
     constexpr bool AUX0 = sizeof(TO) == 2 && GEMM_EPI_READS_AUX(EPI) && !RA && PRODUCTS == 1;
     unsigned aux0[4][2];
@@ -916,7 +940,9 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles<OP::BK>(tl.klen);
-        const bool sum_here = CSUM && tl.n0 == 0;     // (uniform in the block)
+        int tj = 0, G = 1;
+        if constexpr (BSUM) tj = tl.n0 / BN, G = min(tiles_n, CSG);
+        const bool sum_here = CSUM && (BSUM ? tj < G : tl.n0 == 0);     // (uniform in the block)
         float cs[2] = {0.f, 0.f};
         TO* aux_z = aux;
         if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
@@ -949,6 +975,9 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                 for (int k8 = 0; k8 < GEMM_WG_BK / 8; ++k8) OP::template mma<BN>(acc, a_wg, b_t, k8);
                 wg_commit();
                 wg_fence_acc(acc);
+                if constexpr (BSUM) {
+                    if (sum_here && kt % G == tj) bsum.add(a_wg);
+                }
                 if constexpr (AUX0) {
                     if (kt == nk - 1 && c_tma) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * wg, tl.n0, 0);
                 }
@@ -958,6 +987,10 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
         }
         if constexpr (CSUM && RA) {
             if (sum_here) ra.colsum_out(cs, colsum + (long long)tl.z * M, tl.m0 + wg * 64, M);
+        }
+        if constexpr (BSUM) {
+            if (sum_here) bsum.out(colsum + ((long long)tl.z * G + tj) * M, tl.m0 + wg * 64, M, ws_red + wg * 256, 7 + wg,
+                                   wt);
         }
         if constexpr (PRODUCTS == 1) {
             wg_wait<0>();
@@ -1078,9 +1111,8 @@ __device__ __forceinline__ void ws_produce(unsigned smem0, unsigned full0, unsig
 }
 
 // The body of gemm_wgmma_ws and of gemm_wgmma_ra with a K-major B (RA: A's k tile as BM / 32 MN-major
-// boxes, tma_load_ra; CSUM: the column sums of A, the consumers' from RaFrags (RA) or, bf16, ws_colsum's in
-// CSG rows a split; TC: ra_store_t). OP: the operands' type and layouts (Tf32Op, or Bf16Op: copied by
-// tma_operand); TO: C's and aux's element type.
+// boxes, tma_load_ra; CSUM: the consumers' column sums of A, RaFrags; TC: ra_store_t). OP: the operands'
+// type and layouts (Tf32Op, or Bf16Op: copied by tma_operand); TO: C's and aux's element type.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool RA = false, bool CSUM = false, bool TC = false,
           class OP = Tf32Op, class TO = float, int CSG = 1>
 __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, const TmaMap* mapB,
@@ -1099,26 +1131,21 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
     const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
     const int per_z = tiles_n * tiles_m, total = per_z * zs;
-    constexpr bool HELP = CSUM && !RA;      // a bf16 product's column sums: warps 1 and 2 of the producer's
-    ws_init_bars(full0, STAGES, 1, WG * 128 + (HELP ? 64 : 0), 0);
+    ws_init_bars(full0, STAGES, 1, WG * 128, 0);
 
-    // BF16: the producer drops to 24 registers (40 beside ws_colsum's loop) and the consumers take what it
-    // gave back (wg_consumer_regs): 240 at BM 128, 112 at BM 256 (232, 104)
+    // BF16: the producer drops to 24 registers and the consumers take what it gave back (wg_consumer_regs):
+    // 240 at BM 128, 112 at BM 256
     constexpr bool SPLIT_REGS = OP::BK != GEMM_WG_BK;
-    constexpr int PRODUCER_REGS = HELP ? 40 : 24;
-    constexpr int CONSUMER_REGS = wg_consumer_regs((WG + 1) * 128, WG, PRODUCER_REGS);
+    constexpr int CONSUMER_REGS = wg_consumer_regs((WG + 1) * 128, WG, 24);
     if (wg == WG) {       // producer
-        if constexpr (SPLIT_REGS) wg_regs_dec<PRODUCER_REGS>();
+        if constexpr (SPLIT_REGS) wg_regs_dec<24>();
         if (tid < WG * 128 + 32)
             ws_produce<BM, BN, STAGES, RA, OP>(smem0, full0, empty0, mapA, mapB, K, splits, k_chunk, per_z, tiles_n,
                                                total, lane);
-        else if (HELP && tid < WG * 128 + 96)
-            ws_colsum<BM, BN, STAGES>(smem0, full0, empty0, colsum, M, K, splits, k_chunk, per_z, tiles_n, total,
-                                      min(tiles_n, CSG), tid - WG * 128 - 32);
         return;
     }
     if constexpr (SPLIT_REGS) wg_regs_inc<CONSUMER_REGS>();
-    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM && RA, TC, true, OP, TO>(
+    ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO, CSG>(
         smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum,
         mapC, mapX, c_tma, smem0 + STAGES * (BM + BN) * 128);
 }
@@ -1126,7 +1153,7 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
 // DT: the operands' type (0: fp32, read as TF32; 1: bf16, A and B K-major unless MN_A / MN_B); OUT: C's
 // and aux's (0: fp32, 1: bf16). The bias is fp32. TF32 reads K-major operands only. COLSUM > 0 (bf16, MN_A,
 // no epilogue): also the sums of A's columns (the bias gradient's partials), in G = min(tiles_n, COLSUM)
-// rows a split (ws_colsum).
+// rows a split (ws_consume's CSG).
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT = 0, bool MN_A = false,
           bool MN_B = false, int OUT = 0, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -1183,25 +1210,24 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wt = tid & 127;
     const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
     const int per_z = tiles_n * tiles_m, total = per_z * zs;
-    ws_init_bars(full0, STAGES, 1, 128 + (COLSUM > 0 ? 64 : 0), 0);     // (ws_colsum's 64 arrivals)
+    ws_init_bars(full0, STAGES, 1, 128, 0);
 
     // the register split: 40 / 232, or 24 / 240 where a thread holds more than 128 accumulators (128 x 192)
-    // and no ws_colsum loop runs beside the producer
-    constexpr int PRODUCER_REGS = BM * BN > 128 * 128 && COLSUM == 0 ? 24 : 40;
+    constexpr int PRODUCER_REGS = BM * BN > 128 * 128 ? 24 : 40;
     constexpr int CONSUMER_REGS = wg_consumer_regs(THREADS, 2, PRODUCER_REGS);
     if (wg == 2) {        // producer: as gemm_wgmma_ws's
         wg_regs_dec<PRODUCER_REGS>();
         if (tid < 2 * 128 + 32)
             ws_produce<BM, BN, STAGES, false, OP>(smem0, full0, empty0, &mapA, &mapB, K, splits, k_chunk, per_z,
                                                   tiles_n, total, lane);
-        else if (COLSUM > 0 && tid < 2 * 128 + 96)      // the column sums (gemm_wgmma_ws's)
-            ws_colsum<BM, BN, STAGES>(smem0, full0, empty0, colsum, M, K, splits, k_chunk, per_z, tiles_n, total,
-                                      min(tiles_n, COLSUM > 0 ? COLSUM : 1), tid - 2 * 128 - 32);
         return;
     }
     wg_regs_inc<CONSUMER_REGS>();
     float acc[R][BN / 2];
     WgBias<BN, 128, HAS_BIAS> tile_bias;
+    __shared__ float pp_red[COLSUM > 0 ? 2 * R * 256 : 1];     // Bf16ColSum's, a warpgroup's R boxes
+    Bf16ColSum<R, (BM * BN > 128 * 128 ? 4 : 8)> bsum;     // (4 columns a thread on 128 x 192)
+    if constexpr (COLSUM > 0) bsum.init(wt);
     // (aux's first box of a read-aux epilogue loaded just before it, not under the k loop as gemm_wgmma_ws
     // does: with two tiles' accumulators the dgelu epilogues' registers would spill)
     unsigned aux0[4][2];
@@ -1215,6 +1241,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
         }
         TO* aux_z = aux;
         if constexpr (GEMM_EPI_USES_AUX(EPI)) aux_z += tl.z * sC;
+        const int tj = tl.n0 / BN, G = min(tiles_n, COLSUM > 0 ? COLSUM : 1);   // the column sums (ws_consume's)
         tile_bias.fetch(bias, tl.n0, N, wt);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -1237,6 +1264,9 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
             wg_commit();
 #pragma unroll
             for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
+            if constexpr (COLSUM > 0) {                // the tile's R boxes of A (ws_consume's spread)
+                if (tj < G && kt % G == tj) bsum.add(sa);
+            }
             wg_wait<1>();             // the group of the k tile before is done: release its slot
             if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
         }
@@ -1245,6 +1275,9 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 #pragma unroll
         for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
         if (nk > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        if constexpr (COLSUM > 0) {
+            if (tj < G) bsum.out(colsum + ((long long)tl.z * G + tj) * M, tl.m0, M, pp_red + wg * R * 256, 7 + wg, wt);
+        }
         // the bias into this warpgroup's buffer of the pair its tile before did not use (its own
         // barrier, 5 + wg, orders the writes before the epilogue's reads and those before the next)
         const float* bias_t = tile_bias.put(pp_bias + (2 * wg + (mine++ & 1)) * BN, bias, tl.n0, wt);
