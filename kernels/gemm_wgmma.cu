@@ -170,83 +170,6 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
                                         interior || (vec && r < M && c + 3 < N), v);
     }
 }
-// Split-K folded into the product (gemm_wgmma_ws / _pp with bf16 operands, an fp32 C and no epilogue; the
-// launcher passes `tickets` where a plan splits K and the tickets workspace covers the tile grid): each
-// split stores its partial into the workspace C + split sC as before, then the tile's consumers count the
-// split in on the tile's ticket and the split that counts last sums the tile (wg_fold_tile) into `out`;
-// no block waits for another, and no float atomics. fold_last: the `threads` consumers meet (named barrier
-// `bar`), one (`leader`) adds 1 to the ticket (an acquire-release atomic at GPU scope between the two
-// barriers: the partial stores of every thread before it are visible to the split whose atomic sees them,
-// and that split's loads after it see them), the last resets it to 0 for the next launch; whether this
-// split is the last comes back through `flag` (shared).
-__device__ __forceinline__ bool fold_last(unsigned* ticket, int splits, int bar, int threads, bool leader,
-                                          volatile int* flag) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "r"(threads) : "memory");
-    if (leader) {
-        unsigned prev;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(prev) : "l"(ticket) : "memory");
-        const bool last = prev == (unsigned)(splits - 1);
-        if (last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;\n" ::"l"(ticket) : "memory");
-        *flag = last;
-    }
-    asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "r"(threads) : "memory");
-    return *flag != 0;
-}
-
-// The last split's sum of one warpgroup's 64 rows of a tile (rows m0 + 64 wg_of .., wg_of -1: the calling
-// thread's warpgroup): out = alpha (p_0 + p_1 + ... ) over the partials p_s = ws + s sC, each thread the
-// elements it stored itself as a partial (wg_store_tile's fp32 layout: row r, columns c0 + 8 j .. + 3),
-// its own split's re-read like the others' (from the L2: __ldcg), added from 0 in split order, then
-// stored as gemm_splitk_reduce stores them: the reduction's result bit for bit. CH column groups at a
-// time, U splits' loads in flight (as many as the registers beside the accumulators hold).
-template <int BN, int CH = 8, int U = 2>
-__device__ __forceinline__ void wg_fold_tile(float* out, const float* ws, int M, int N, int ldc, long long sC, int m0,
-                                             int n0, float alpha, int splits, int wg_of = -1) {
-    constexpr int J = BN / 8;
-    static_assert(J % CH == 0, "whole chunks of column groups");
-    const int tid = threadIdx.x;
-    const int wg = wg_of < 0 ? tid >> 7 : wg_of, warp = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, q = lane & 3;
-    const int r = m0 + wg * 64 + warp * 16 + g + ((q & 1) ? 8 : 0), c0 = n0 + 2 * (q & 2);
-    const bool vec = gemm_epi_vec_ok<GEMM_EPI_NONE, false>(out, out, nullptr, ldc, sC) &&
-                     (reinterpret_cast<unsigned long long>(ws) & 15) == 0;
-#pragma unroll
-    for (int j0 = 0; j0 < J; j0 += CH) {
-        float s[CH][4];
-        bool wide[CH];
-#pragma unroll
-        for (int j = 0; j < CH; ++j) {
-            wide[j] = vec && r < M && c0 + 8 * (j0 + j) + 3 < N;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-        }
-#pragma unroll U
-        for (int p = 0; p < splits; ++p) {
-            const float* w = ws + p * sC + (long long)r * ldc;
-            float t[CH][4];
-#pragma unroll
-            for (int j = 0; j < CH; ++j) {
-                const int c = c0 + 8 * (j0 + j);
-                if (wide[j]) {
-                    const float4 x = __ldcg(reinterpret_cast<const float4*>(w + c));
-                    t[j][0] = x.x; t[j][1] = x.y; t[j][2] = x.z; t[j][3] = x.w;
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) t[j][e] = r < M && c + e < N ? __ldcg(w + c + e) : 0.f;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < CH; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[j][e] += t[j][e];
-        }
-#pragma unroll
-        for (int j = 0; j < CH; ++j)
-            gemm_store4_once<GEMM_EPI_NONE, false, float>(out, nullptr, nullptr, r, c0 + 8 * (j0 + j), M, N, ldc,
-                                                          alpha, wide[j], s[j]);
-    }
-}
-
 // The bf16 epilogue through shared memory and the copy engine (gemm_wgmma_ws / _pp with a bf16 C whose
 // rows the tensor maps can describe: the launcher's c_tma): one warpgroup's 64 rows of the tile at (m0w,
 // n0), BN / 32 boxes of 64 rows x 32 columns. A box's values are computed in the accumulators' own layout
@@ -729,17 +652,9 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
 // The order changes which block computes a tile, never a tile's arithmetic.
 struct WsTile {
     int z, split, batch, m0, n0, kb0, klen;
-    __device__ __forceinline__ WsTile(int t, int per_z, int tiles_n, int bm, int bn, int K, int splits, int k_chunk,
-                                      bool sf = false) {
-        int r;
-        if (sf) {           // split fastest: a tile's splits are consecutive (split-K folded in, fold_last)
-            const int u = t / splits, b = u / per_z;
-            z = b * splits + (t - u * splits);
-            r = u - b * per_z;
-        } else {
-            z = t / per_z;
-            r = t - z * per_z;
-        }
+    __device__ __forceinline__ WsTile(int t, int per_z, int tiles_n, int bm, int bn, int K, int splits, int k_chunk) {
+        z = t / per_z;
+        const int r = t - z * per_z;
         // tiles_n * bn > tiles_m * bm, per_z = tiles_n * tiles_m (selects, not a branch the loops split on)
         const bool mf = (long long)tiles_n * tiles_n * bn > (long long)per_z * bm;
         const int inner = mf ? per_z / tiles_n : tiles_n, o = r / inner, i = r - o * inner;
@@ -751,13 +666,6 @@ struct WsTile {
         klen = min(K, kb0 + k_chunk) - kb0;
     }
 };
-
-// Whether gemm_wgmma_ws folds split-K in (fold_last): the bf16 product into an fp32 C with no epilogue, where
-// the launcher passes the tickets; its tiles then walk splits fastest (WsTile's sf), producer and consumers alike
-template <class OP, class TO, int EPI, bool HAS_BIAS, bool TC>
-__host__ __device__ constexpr bool ws_folds() {
-    return OP::BK != GEMM_WG_BK && sizeof(TO) == 4 && EPI == GEMM_EPI_NONE && !HAS_BIAS && !TC;
-}
 
 // The register-A operand of gemm_wgmma_ra: a consumer thread's fragments of one k tile (4 k steps x
 // the 4 values of wg_mma_tf32_rs), loaded from the slot's MN-major A tile: BM / 32 boxes of 32 k rows
@@ -1002,17 +910,12 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                                            const float* bias, int M, int N, int K, int ldc, long long sC,
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
                                            int total, float* colsum = nullptr, const TmaMap* mapC = nullptr,
-                                           const TmaMap* mapX = nullptr, int c_tma = 0, unsigned stg = 0,
-                                           float* fold_out = nullptr, unsigned* tickets = nullptr) {
+                                           const TmaMap* mapX = nullptr, int c_tma = 0, unsigned stg = 0) {
     static_assert(!RA || PRODUCTS == 3 || A_MN, "register A in TF32: MN-major");
     static_assert(RA || PRODUCTS == 1, "3xTF32: A through registers");
     static_assert(!CSUM || (RA && A_MN) || (!RA && OP::MN_A && OP::BK == 64 && EPI == GEMM_EPI_NONE && !HAS_BIAS),
                   "the consumers' column sums: MN-major register-A fragments, or an MN-major bf16 A in shared memory");
     constexpr bool BSUM = CSUM && !RA;
-    // split-K folded in (fold_last): the bf16 product into an fp32 C with no epilogue, where the launcher
-    // passes the tickets
-    constexpr bool FOLD = ws_folds<OP, TO, EPI, HAS_BIAS, TC>();
-    __shared__ int fold_flag;
     static_assert(!TC || (RA && EPI == GEMM_EPI_NONE && !HAS_BIAS), "the transposed store: gemm_wgmma_ra, no epilogue");
     static_assert(OP::BK == GEMM_WG_BK || (PRODUCTS == 1 && !RA), "BF16: the plain product");
     static_assert(sizeof(TO) == 4 || !TC, "the transposed store writes fp32");
@@ -1035,7 +938,7 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     unsigned aux0[4][2];
     int it = 0, tn = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
-        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk, FOLD && tickets != nullptr);
+        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles<OP::BK>(tl.klen);
         int tj = 0, G = 1;
         if constexpr (BSUM) tj = tl.n0 / BN, G = min(tiles_n, CSG);
@@ -1117,13 +1020,6 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
             }
             wg_store_tile<BM, BN, EPI, HAS_BIAS, RA && A_MN, TO>(acc, C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
                                                                   tl.m0, tl.n0, alpha);
-            if constexpr (FOLD) {     // (named barrier 13: the consumers)
-                if (tickets != nullptr &&
-                    fold_last(tickets + (tl.m0 / BM) * tiles_n + tl.n0 / BN, splits, 13, WG * 128, threadIdx.x == 0,
-                              &fold_flag))
-                    wg_fold_tile<BN, BM >= 256 ? 4 : 8, BM >= 256 ? 1 : 2>(
-                        fold_out, reinterpret_cast<const float*>(C), M, N, ldc, sC, tl.m0, tl.n0, alpha, splits);
-            }
         }
     }
     if (c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
@@ -1164,13 +1060,9 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
 
 // (gemm_wgmma_ws and gemm_wgmma_pp, after WS_ARGS_AB) the bf16 epilogue's stores by the copy engine
 // (wg_store_tile_tma) where c_tma is set: C's and aux's maps {N, M, zs} (strides ldc, sC), boxes {32, 64, 1}
-// in the 64-byte swizzle; an fp32 C, or a bf16 C whose rows the maps cannot describe: c_tma 0, maps unused.
-// Then split-K folded in (fold_last; bf16 operands, an fp32 C, no epilogue): C the partials' workspace,
-// fold_out the product's C [M, N] (row stride ldc), tickets one a tile of the grid, 0 before the launch
-// and after it; both null: no fold (the launcher's reduction sums the partials)
+// in the 64-byte swizzle; an fp32 C, or a bf16 C whose rows the maps cannot describe: c_tma 0, maps unused
 #define WS_ARGS_C                                                                                    \
-    const __grid_constant__ TmaMap mapC, const __grid_constant__ TmaMap mapX, int c_tma, float* fold_out, \
-        unsigned* tickets
+    const __grid_constant__ TmaMap mapC, const __grid_constant__ TmaMap mapX, int c_tma
 
 // BF16 copies of one k tile (lane 0 only, converged): expect `bytes` on bar, then A's and B's boxes: a
 // K-major operand (rows R) one box {64 k, R rows} at (k0, row0), an MN-major one R / 64 boxes {64 rows,
@@ -1193,11 +1085,11 @@ __device__ __forceinline__ void tma_operand(int lane, unsigned bar, unsigned dst
 template <int BM, int BN, int STAGES, bool RA, class OP>
 __device__ __forceinline__ void ws_produce(unsigned smem0, unsigned full0, unsigned empty0, const TmaMap* mapA,
                                            const TmaMap* mapB, int K, int splits, int k_chunk, int per_z,
-                                           int tiles_n, int total, int lane, bool sf = false) {
+                                           int tiles_n, int total, int lane) {
     constexpr int A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
     int it = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk, sf);
+        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles<OP::BK>(tl.klen);
         for (int kt = 0; kt < nk; ++kt, ++it) {
             const int s = it % STAGES;
@@ -1226,8 +1118,7 @@ template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, bool RA = false, b
 __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, const TmaMap* mapB,
                                         const float* bias, int M, int N, int K, int ldc, long long sC, float alpha,
                                         int splits, int k_chunk, int zs, float* colsum, const TmaMap* mapC = nullptr,
-                                        const TmaMap* mapX = nullptr, int c_tma = 0, float* fold_out = nullptr,
-                                        unsigned* tickets = nullptr) {
+                                        const TmaMap* mapX = nullptr, int c_tma = 0) {
     constexpr int WG = BM / 64;                         // consumer warpgroups; warpgroup WG loads
     static_assert(BM % 64 == 0 && BM <= 256 && BN % 8 == 0 && BN <= 256, "wgmma m64nBNk8 tiles, TMA boxes <= 256");
     static_assert(STAGES >= 2, "a ring");
@@ -1250,13 +1141,13 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
         if constexpr (SPLIT_REGS) wg_regs_dec<24>();
         if (tid < WG * 128 + 32)
             ws_produce<BM, BN, STAGES, RA, OP>(smem0, full0, empty0, mapA, mapB, K, splits, k_chunk, per_z, tiles_n,
-                                               total, lane, ws_folds<OP, TO, EPI, HAS_BIAS, TC>() && tickets != nullptr);
+                                               total, lane);
         return;
     }
     if constexpr (SPLIT_REGS) wg_regs_inc<CONSUMER_REGS>();
     ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO, CSG>(
         smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum,
-        mapC, mapX, c_tma, smem0 + STAGES * (BM + BN) * 128, fold_out, tickets);
+        mapC, mapX, c_tma, smem0 + STAGES * (BM + BN) * 128);
 }
 
 // DT: the operands' type (0: fp32, read as TF32; 1: bf16, A and B K-major unless MN_A / MN_B); OUT: C's
@@ -1277,7 +1168,7 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_gemm<BM, BN, STAGES, EPI, HAS_BIAS, false, (COLSUM > 0), false, typename OpOf<DT, MN_A, MN_B>::T,
             elem<OUT>, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, zs,
-                                     colsum, &mapC, &mapX, OUT == 1 ? c_tma : 0, fold_out, tickets);
+                                     colsum, &mapC, &mapX, OUT == 1 ? c_tma : 0);
 #else
     __trap();
 #endif
@@ -1314,16 +1205,12 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[2 * STAGES];
     __shared__ __align__(16) float pp_bias[HAS_BIAS ? 4 * BN : 4];   // a pair of buffers a warpgroup
-    __shared__ int pp_fold[2];                                         // fold_last's flag a warpgroup
     const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;
     const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wt = tid & 127;
     const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
     const int per_z = tiles_n * tiles_m, total = per_z * zs;
     ws_init_bars(full0, STAGES, 1, 128, 0);
-    // split-K folded in (fold_last, below): the tiles' splits walked fastest
-    constexpr bool FOLD = OUT == 0 && EPI == GEMM_EPI_NONE && !HAS_BIAS && BM * BN <= 128 * 128;
-    const bool fold_sf = FOLD && tickets != nullptr;
 
     // the register split: 40 / 232, or 24 / 240 where a thread holds more than 128 accumulators (128 x 192)
     constexpr int PRODUCER_REGS = BM * BN > 128 * 128 ? 24 : 40;
@@ -1332,7 +1219,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
         wg_regs_dec<PRODUCER_REGS>();
         if (tid < 2 * 128 + 32)
             ws_produce<BM, BN, STAGES, false, OP>(smem0, full0, empty0, &mapA, &mapB, K, splits, k_chunk, per_z,
-                                                  tiles_n, total, lane, fold_sf);
+                                                  tiles_n, total, lane);
         return;
     }
     wg_regs_inc<CONSUMER_REGS>();
@@ -1346,7 +1233,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     unsigned aux0[4][2];
     int it = 0, j = 0, mine = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
-        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk, fold_sf);
+        const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles<OP::BK>(tl.klen);
         if ((j & 1) != wg) {      // the other warpgroup's tile
             it += nk;
@@ -1412,18 +1299,6 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
         for (int r = 0; r < R; ++r)
             wg_store_tile<64, BN, EPI, HAS_BIAS, false, TO>(acc[r], C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
                                                             tl.m0 + 64 * r, tl.n0, alpha, 0);
-        // split-K folded in (barrier 13 + wg), where the fold's loads fit beside the accumulators: not on
-        // 128 x 192 (its 192 accumulators a thread leave it ~48 registers: the fold spills even one 4-column
-        // group at a time; families.py Bf16.folds)
-        if constexpr (FOLD) {
-            if (fold_sf && fold_last(tickets + (tl.m0 / BM) * tiles_n + tl.n0 / BN, splits, 13 + wg, 128,
-                                                wt == 0, &pp_fold[wg])) {
-#pragma unroll
-                for (int r = 0; r < R; ++r)
-                    wg_fold_tile<BN>(
-                        fold_out, C, M, N, ldc, sC, tl.m0 + 64 * r, tl.n0, alpha, splits, 0);
-            }
-        }
     }
     if (OUT == 1 && c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
 #else

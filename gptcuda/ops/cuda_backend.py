@@ -83,12 +83,12 @@ class CudaBackend:
 
     def allocate_arena(self, plan) -> dict:
         """One allocation holding every entry of the plan; poisoned, so that an op reading what
-        nothing wrote shows NaN, except the workspaces whose kernels count on zeros (the GEMM tickets)."""
+        nothing wrote shows NaN."""
         rt = self.rt
         arena = rt.alloc(plan.arena_bytes)
         acts = {e.name: DeviceView(arena + e.offset, e.shape, e.dtype, e.name) for e in plan.entries}
         for e in plan.entries:
-            rt.fill(acts[e.name], 0 if e.name in gemm.ZEROED_WORKSPACES else POISON_WORDS.get(e.dtype, 0))
+            rt.fill(acts[e.name], POISON_WORDS.get(e.dtype, 0))
         return acts
 
     def upload(self, view, arr):

@@ -19,7 +19,7 @@ from gptcuda.ops.cuda import elementwise, gemm
 from gptcuda.ops.cuda.attention import VARIANTS as ATTENTION_VARIANTS
 from gptcuda.ops.cuda.gemm.families import (BF16_OUTS, BF16_PP_WIDE, BF16_TILES, EPI_DGELU, EPI_DGELU_GELU, EPI_NONE,
                                              FAMILIES, VARIANTS, layout_code)
-from gptcuda.ops.cuda.gemm.plan import TICKETS, make_plan, plan, plan_unfit, tune_candidates
+from gptcuda.ops.cuda.gemm.plan import make_plan, plan, plan_unfit, tune_candidates
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import bf16, compiler
 from tests.conftest import FakeGemmRT, bf16_err, fake_view, rel_err
@@ -54,13 +54,10 @@ def dgelu_abs(x, d):
 
 @pytest.fixture
 def bf16_rt(rt):
-    """The session runtime in precision bf16 with a split-K workspace and its tickets, zero as the arena
-    leaves them (restored after)."""
+    """The session runtime in precision bf16 with a split-K workspace (restored after)."""
     old_exec, old_ws = rt.exec, dict(rt._workspace)
     rt.exec = rt.exec.with_precision("bf16")
-    tickets = rt.empty((TICKETS,), "i32", name="gemm_tickets")
-    rt.fill(tickets, 0)
-    rt.set_workspace({**old_ws, "gemm_splitk": rt.empty((4 << 20,), name="gemm_splitk"), "gemm_tickets": tickets,
+    rt.set_workspace({**old_ws, "gemm_splitk": rt.empty((4 << 20,), name="gemm_splitk"),
                       elementwise.WORKSPACE: rt.empty((elementwise.MAX_CHUNKS, 1024), name=elementwise.WORKSPACE)})
     yield rt
     rt.exec = old_exec
@@ -258,48 +255,6 @@ def test_bf16_weight_gradient_split_k(bf16_rt, splits, tile):
     assert rel_err(rt.download(db), bf16.values(rt.download(a)).astype(np.float64).sum(0)) <= 1e-5
 
 
-def _labels(rt, run) -> list:
-    """The labels of the launches run() records, after running them."""
-    rt.begin("labels")
-    run()
-    prog = rt.end()
-    rt.run(prog)
-    return [getattr(item, "label", "") for item in prog.items]
-
-
-@gpu
-@pytest.mark.parametrize("tile", tuple(BF16_TILES))
-@pytest.mark.parametrize("M,N,K,splits", [(384, 768, 4096, 4), (520, 1000, 2000, 3), (200, 136, 1024, 2),
-                                          (768, 768, 8192, 6)])
-def test_bf16_split_k_folded(bf16_rt, tile, M, N, K, splits):
-    """Split-K summed in the kernel (gemm_tickets lent; Family.folds) by the last split of each tile: the
-    weight gradient bit for bit the reduction's (gemm_splitk_reduce, without the tickets: the same sums in the
-    same order, whichever split came last), within the fp32 error of float64, the same bits again on a
-    second launch, every ticket 0 after each launch, and no reduction launched. M, N off the tiles, K off
-    the 64-wide k tiles; the 128 x 192 ping-pong tile does not fold (its reduction runs)."""
-    rt, rng = bf16_rt, np.random.default_rng(M + N + splits)
-    a, b, prod = _operands(rt, rng, True, False, M, N, K)
-    p = make_plan("bf16", tile, splits, K)
-    tickets = rt.workspace("gemm_tickets")
-    outs = [rt.empty((M, N)) for _ in range(3)]
-    labels = _labels(rt, lambda: gemm.matmul(rt, outs[0], a, b, True, False, plan=p))
-    assert not np.any(rt.download(tickets))
-    gemm.matmul(rt, outs[1], a, b, True, False, plan=p)
-    assert not np.any(rt.download(tickets))
-    folds = BF16.folds(tile)
-    assert len(labels) == (1 if folds else 2) and labels[0].endswith(" folded") == folds, labels
-    saved = dict(rt._workspace)
-    rt.set_workspace({k: v for k, v in saved.items() if k != "gemm_tickets"})
-    try:
-        assert len(_labels(rt, lambda: gemm.matmul(rt, outs[2], a, b, True, False, plan=p))) == 2
-    finally:
-        rt.set_workspace(saved)
-    got = [rt.download(o) for o in outs]
-    assert rel_err(got[0], prod) <= FP32_TOL
-    assert np.array_equal(got[0].view(np.uint32), got[1].view(np.uint32))
-    assert np.array_equal(got[0].view(np.uint32), got[2].view(np.uint32))
-
-
 @gpu
 @pytest.mark.parametrize("tile", [t for t in BF16_TILES if BF16.serves(t, EPI_NONE, colsum=True)])
 @pytest.mark.parametrize("M,splits", [(520, 1), (1000, 1), (520, 3)])
@@ -402,7 +357,7 @@ def test_bf16_store_maps_only_where_they_describe_c():
         gemm.matmul(rt, _fake((M, N), "bf16", 1 << 34), a, b, False, True, bias=_fake((N,), "f32", 1 << 36),
                     epilogue="gelu", aux=_fake((M, N), "bf16", 1 << 38), plan=make_plan("bf16", (256, 128, 4, 0), 1, K))
         assert len(got) == maps_want and got[2:] == [(32, 64, 1)] * (maps_want - 2)
-        assert len(args) == 1 and args[0][-3].value == c_tma and args[0][-2:] == [None, None]   # (no split: no fold)
+        assert len(args) == 1 and args[0][-1].value == c_tma
         names += [n for n, *_ in rt.launches]
     assert len(names) == 2 and names[0] == names[1]
 
@@ -435,30 +390,6 @@ def test_bf16_plans():
     assert len(rt.launches) == 1                            # one product: no split-K into a bf16 C
     names = {n for _, n, _ in gemm.VARIANTS}
     assert all(n in names for _, n, _ in rt.names)
-
-
-@pytest.mark.parametrize("tile", tuple(BF16_TILES))
-def test_bf16_split_k_fold_launch(tile):
-    """A bf16 weight gradient split over K: with the tickets lent, a tile whose family folds is one launch
-    whose kernel gets the product's C and the tickets after its store maps (its partials into the split-K
-    workspace); without the tickets, on a tile that does not fold (128 x 192 ping-pong), or with fewer
-    tickets than the tile grid, the kernel gets neither and gemm_splitk_reduce follows."""
-    from gptcuda.runtime import DeviceView
-    M, N, K = 768, 768, 8192
-    p = make_plan("bf16", tile, 4, K)
-    for lent in (None, TICKETS, 35):
-        rt = FakeGemmRT("bf16", ws=1 << 24, arch="sm_90")
-        if lent:
-            rt._ws["gemm_tickets"] = DeviceView(1 << 44, (lent,), "i32", "gemm_tickets")
-        out = _fake((M, N), "f32", 1 << 34)
-        gemm.matmul(rt, out, _fake((K, M), "bf16", 1 << 30), _fake((K, N), "bf16", 1 << 32), True, False, plan=p)
-        fold = bool(lent) and BF16.folds(tile) and -(-M // tile[0]) * -(-N // tile[1]) <= lent
-        kernel = rt.launched[0]
-        assert [r.fn.name.split("<")[0] for r in rt.launched] == \
-            ["gemm_wgmma_pp" if tile[3] else "gemm_wgmma_ws"] + ([] if fold else ["gemm_splitk_reduce"])
-        assert list(kernel.slots[-2:]) == ([out.ptr, 1 << 44] if fold else [0, 0])
-        assert kernel.slots[0] == rt.workspace("gemm_splitk").ptr and kernel.label.endswith(" folded") == fold
-    assert BF16.folds((128, 256, 4, 0)) and not BF16.folds(BF16_PP_WIDE)
 
 
 def test_bf16_wide_ping_pong_tile_serves_no_dgelu():

@@ -3,8 +3,7 @@ attention's) on kernels/gemm_simt.cu (fp32 FMA), gemm_tf32.cu (TF32 mma.sync) an
 warpgroup MMA: TF32, fp32 as 3xTF32, BF16). The execution plan's precision picks the base family, which the
 warpgroup-MMA families compete with on sm_90. A product's plan (family, tile, split-K, operand re-layout) is
 the measured table's for its GPU and kernel sources where it has the product, else the cost model's; split-K
-partials go to the workspace gemm_splitk and a fixed-order reduction (in the kernel itself where its family
-folds: the last split of a tile, counted on an integer ticket in gemm_tickets), so results are deterministic.
+partials go to the workspace gemm_splitk and a fixed-order reduction, so results are deterministic.
 
     families.py   the kernel families: files, tiles, layouts, launch geometry, kernel names, rates; VARIANTS
     plan.py       the cost model and the planner of a product (model/products.py), the workspaces a config plans
@@ -17,6 +16,6 @@ from __future__ import annotations
 
 from gptcuda.ops.cuda.gemm.families import VARIANTS
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
-from gptcuda.ops.cuda.gemm.plan import ZEROED_WORKSPACES, device_workspaces, workspace
+from gptcuda.ops.cuda.gemm.plan import device_workspaces, workspace
 
-__all__ = ["matmul", "matmul_batched", "workspace", "device_workspaces", "VARIANTS", "ZEROED_WORKSPACES"]
+__all__ = ["matmul", "matmul_batched", "workspace", "device_workspaces", "VARIANTS"]

@@ -165,11 +165,6 @@ class Family:
         """Whether tile t has kernels for epilogue code epi (colsum: the variant that also sums A)."""
         return True
 
-    def folds(self, t) -> bool:
-        """Whether tile t's kernels sum split-K's partials themselves (an fp32 C, no epilogue, the tickets
-        workspace lent: gemm_wgmma.cu fold_last) instead of a reduction after them."""
-        return False
-
     def colsum_rows(self, t, N) -> int:
         """Rows of column-sum partials a split of a product N wide writes on tile t."""
         return min(cdiv(N, t[1]), self.colsum_groups)
@@ -259,9 +254,6 @@ class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 
 
     def serves(self, t, epi, colsum=False):
         return t != BF16_PP_WIDE or epi not in (EPI_DGELU, EPI_DGELU_GELU)
-
-    def folds(self, t):           # (not the 128 x 192 ping-pong tile: no registers left beside its accumulators)
-        return t != BF16_PP_WIDE
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t, out)

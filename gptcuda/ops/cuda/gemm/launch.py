@@ -41,13 +41,8 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
                  batched=False):
     """Launch product g as the kernel computes it by plan p (batched: batch strides M K and K N; swapped:
     out^T = B^T A, ldc = M); split-K: partials into ws [splits, M, N], reduced in a fixed order with the
-    epilogue: by the kernel's last split of each tile where its family folds (an fp32 C, no epilogue, one
-    product, the gemm_tickets workspace holding the tile grid), else by gemm_splitk_reduce after it.
-    colsum [splits x rows, M]: each split's sums of A's (stored [K, M]) rows, where the kernels sum A."""
+    epilogue. colsum [splits x rows, M]: each split's sums of A's (stored [K, M]) rows, where the kernels sum A."""
     fam, whole, zs = p.fam, p.splits == 1, g.batch * p.splits
-    tickets = None if whole else planned(rt, "gemm_tickets")
-    fold = tickets is not None and fam.folds(p.tile) and epi_code(g) == EPI_NONE and g.batch == 1 and \
-        out.dtype == "f32" and cdiv(g.M, p.tile[0]) * cdiv(g.N, p.tile[1]) <= tickets.numel
     c_dtype = out.dtype if whole else "f32"
     geo = fam.geometry(p.tile, c_dtype)
     lda, ldb, ldc = g.M if g.ta else g.K, g.K if g.tb else g.N, g.M if fam.swaps else g.N
@@ -63,15 +58,13 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
     args += [i32(ldc)] if geo.tma else [i32(lda), i32(ldb), i32(ldc), u64(sA), u64(sB)]
     args += [u64(g.M * g.N), f32(alpha), i32(p.splits), i32(max(g.K, 1) if whole else p.k_chunk)]
     args += [i32(zs), colsum] if geo.persistent else []
-    if geo.c_maps:                    # C's and aux's store maps (a bf16 C: wg_store_tile_tma), or none; the fold's
+    if geo.c_maps:                    # C's and aux's store maps (a bf16 C: wg_store_tile_tma), or none
         args += _store_maps(rt, g, out, aux, ldc, zs) if c_dtype == "bf16" else [_NO_MAP, _NO_MAP, i32(0)]
-        args += [out, tickets] if fold else [None, None]
     tiles = (cdiv(g.N, p.tile[1]), cdiv(g.M, p.tile[0]), zs)
     if geo.persistent:                # at most blocks_per_sm x SMs blocks, each walking tiles x, x + gridDim.x, ...
         tiles = (max(1, min(tiles[0] * tiles[1] * zs, rt.info.sm_count * geo.blocks_per_sm)), 1, 1)
-    rt.launch(fn, tiles, (geo.threads,), args, smem=geo.smem,
-              label=g.label if whole else f"{g.label}:splitk{p.splits}{' folded' if fold else ''}")
-    if not whole and not fold:
+    rt.launch(fn, tiles, (geo.threads,), args, smem=geo.smem, label=g.label if whole else f"{g.label}:splitk{p.splits}")
+    if not whole:
         rM, rN = (g.N, g.M) if fam.swaps else (g.M, g.N)
         rt.launch(rt.function(SIMT_FILE, reduce_name(epi_code(g), g.bias)),
                   (max(1, min(cdiv(g.M * g.N, REDUCE_THREADS), rt.info.sm_count * 8)),), (REDUCE_THREADS,),

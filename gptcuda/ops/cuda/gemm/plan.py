@@ -13,9 +13,6 @@ from gptcuda.ops.cuda.gemm.families import (EPI_IO, FAMILIES, MAX_SPLITS, PRODUC
                                             layout_code)
 
 WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT")   # scratch only the warpgroup-MMA kernels read
-# split-K folded into the kernels (Family.folds): a ticket a tile of the product's grid, 0 between launches
-# (each launch leaves them as it found them), so the arena sets them to 0 once, not to its poison
-TICKETS, ZEROED_WORKSPACES = 4096, ("gemm_tickets",)
 
 
 def wgmma_layout(mode, g: Product):
@@ -278,8 +275,6 @@ def workspace(cfg, ex=None) -> dict:
     need = max([p.splits * M * N for m, n in shapes for M, N in ((m, n), (n, m)) for fam in fams
                 if (p := plan(Product(M, N, K), fam, max_ws=MAX_SPLITS * M * N)).splits > 1], default=0)
     out = {"gemm_splitk": ((need,), "f32")} if need else {}
-    if need and any(FAMILIES[f].folds(t) for f in fams for t in FAMILIES[f].tiles):
-        out["gemm_tickets"] = ((TICKETS,), "i32")
     if ex.wgmma_scratch:
         out["gemm_bT"] = ((max(m * n for m, n in shapes),), "f32")           # W^T of dX = dY @ W (wgmma)
         # X^T [N, tokens] or dY^T [M, tokens] of a per-layer weight gradient (register-A; not the head's)

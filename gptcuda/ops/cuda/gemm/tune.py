@@ -25,8 +25,8 @@ from gptcuda.runtime.profile import (Arena, build_ahead, download_ends, fastest,
                                      reps_for)
 from gptcuda.ops.cuda.gemm.families import EPI_IO, FAMILIES, epi_code
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
-from gptcuda.ops.cuda.gemm.plan import (ZEROED_WORKSPACES, estimate_s, plan, plan_label, prune_candidates,
-                                        split_room, tune_candidates, wave_candidates, workspace)
+from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
+                                        wave_candidates, workspace)
 from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_key, table_path
 
 PEAK_BYTES = 4.2e12
@@ -128,9 +128,6 @@ class EventTimer:
         self.rt, self.rounds, self.target_ms, self.check, self.check_floats = rt, rounds, target_ms, check, check_floats
         self.bufs, self.lent = Arena(rt, "tune", seed), Arena(rt, "tune")     # a product's; the workspaces
         self.ws = {name: self.lent.empty((n,)) for name, n in workspaces.items() if n}
-        for name in ZEROED_WORKSPACES:
-            if name in self.ws:
-                rt.fill(self.ws[name], 0)
 
     def __call__(self, g: Product, plans):
         """(per plan its samples in ms, per plan whether its output agreed: None without the check)."""
