@@ -30,7 +30,7 @@
 //         ends[2, K]    the runs of each 32-entry chunk's first and last valid entries (K = ceil(N/32))
 //         (to a 16-byte boundary)
 //         pieces[2, K, C]  fp32: encoder_bwd_wte_long's sums
-//     (at ws[0], ws[N], ws[2N], ws[3N+1], ws[3N+2], then 4-word aligned: EncRuns, and the launcher's
+//     (at ws[0], ws[N], ws[2N], ws[3N+1], ws[3N+2], then 4-word aligned: EncLayout, and the launcher's
 //     workspace_ints). encoder_bwd_wte_seg then gives one warp to each (run, 32*VEC-column tile): it
 //     sums the run's dout rows sequentially in increasing n (acc = 0; acc += dout[n0]; acc += dout[n1];
 //     ...) and does dwte[v] = dwte[v] + acc once.

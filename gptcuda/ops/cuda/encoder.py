@@ -85,7 +85,7 @@ VARIANTS = ([(FILE, enc_name("encoder_fwd", vec, type_codes(t[1:])), {}) for t i
 def workspace_ints(N: int, C: int) -> int:
     """i32 words of the sorted path's workspace for N tokens of width C: pos[N], seg_id[N], seg_start[N+1],
     U, the runs at the ends of each 32-entry chunk [2, K] (K = ceil(N / 32)), padding to 4 words, then the
-    long runs' pieces: fp32 [2, K, C] (encoder.cu EncRuns)."""
+    long runs' pieces: fp32 [2, K, C] (encoder.cu EncLayout, which the kernels share)."""
     K = cdiv(N, 32)
     return (3 * N + 2 + 2 * K + 3) // 4 * 4 + 2 * K * C
 
