@@ -66,6 +66,8 @@ struct FaBf16 {
     // slots of fb_xslot(BN) bytes, each a box of BN + 4 values: the copy engine starts a box on 16 bytes)
     static constexpr int XS_ = XS, XV = BN + 4;
     static constexpr int SMEM_NEED = NRES_ * RT + NS * (STAGE + XS) + 1024;
+    // where stage s's XS bytes sit: after the ring's NS stages, in stage order
+    static __device__ __forceinline__ unsigned xslots(unsigned ring, int s) { return ring + NS * STAGE + s * XS; }
     // the register file split (setmaxnreg). ptxas gives a kernel that changes its count the launch's cap,
     // REGS = 65536 / THREADS to a multiple of 8 (2 warpgroups 168, 3: 128, 4: 96), and the block's
     // registers are THREADS * REGS: what the producer gives back (REGS - PRODUCER_REGS a thread) is all the
@@ -228,7 +230,7 @@ __device__ __forceinline__ void fb_produce(unsigned bars, unsigned res, unsigned
         fb_copy_tile<BN, KB>(lane, full, dst, sa, cs, r, b);
         fb_copy_tile<BN, KB>(lane, full, dst + F::ST, sb, ct, r, b);
         if constexpr (F::XS_ > 0) {                        // BN values of the flat fp32 maps xa, xb
-            const unsigned x = ring + NS * F::STAGE + s * F::XS_;
+            const unsigned x = F::xslots(ring, s);
             tma_copy(lane, full, x, xa, (xa0 + r) & ~3, 0, 0);
             tma_copy(lane, full, x + F::XS_ / 2, xb, (xb0 + r) & ~3, 0, 0);
         }
@@ -296,9 +298,7 @@ struct FbBlock {
     __device__ __forceinline__ void release(int it) const { mbar_arrive(bars + 8 * (F::NS_ + (g0 + it) % F::NS_)); }
     __device__ __forceinline__ unsigned stage(int it) const { return ring + ((g0 + it) % F::NS_) * F::STAGE; }
     // stage it's extra bytes (F::XS_)
-    __device__ __forceinline__ unsigned extra(int it) const {
-        return ring + F::NS_ * F::STAGE + ((g0 + it) % F::NS_) * F::XS_;
-    }
+    __device__ __forceinline__ unsigned extra(int it) const { return F::xslots(ring, (g0 + it) % F::NS_); }
     // stages it0 .. it1 - 1 waited for and released unread (the ring counts every consumer thread's release)
     __device__ __forceinline__ void skip(int it0, int it1) const {
         for (int it = it0; it < it1; ++it) {
