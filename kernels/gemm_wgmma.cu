@@ -1185,8 +1185,8 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 // 256 threads: one arrives, the other syncs): every fill of the slots it then waits for before its
 // own is complete, so its parity cannot name a fill two phases old. A slot is released by the one
 // warpgroup that read it (empty: 128 arrivals). The producer drops to 40 registers, the consumers
-// rise to 232 (24 and 240 on 128 x 192, 192 accumulators a thread: families.py Bf16.serves lists the
-// epilogues that still spill there). Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
+// rise to 232 (24 and 240 on 128 x 192, 192 accumulators a thread: families.py BF16_PP_WIDE says why
+// that tile has no dgelu kernels). Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT, bool MN_A, bool MN_B,
           int OUT, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -1229,7 +1229,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     Bf16ColSum<R, (BM * BN > 128 * 128 ? 4 : 8)> bsum;     // (4 columns a thread on 128 x 192)
     if constexpr (COLSUM > 0) bsum.init(wt);
     // (aux's first box of a read-aux epilogue loaded just before it, not under the k loop as gemm_wgmma_ws
-    // does: with two tiles' accumulators the dgelu epilogues' registers would spill)
+    // does: beside two tiles' accumulators the registers it would hold through the k loop are not there)
     unsigned aux0[4][2];
     int it = 0, j = 0, mine = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {

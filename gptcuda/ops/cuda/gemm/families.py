@@ -66,9 +66,11 @@ WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}          # a slot: A o
 # two consumer warpgroups each on its own tile.
 BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0,
               (128, 192, 5, 1): 3.2}
-# The 128 x 192 ping-pong tile holds 192 accumulators a thread (240 registers): its dgelu epilogues (aux pairs
-# and gelu' beside them) spill (ptxas: 224-308 bytes), so it serves the other products only (Family.serves);
-# its column sums take 4 columns a thread (Bf16ColSum's W), which fits.
+# The 128 x 192 ping-pong tile holds 192 accumulators a thread (240 registers). Its dgelu kernels are not built
+# (Family.serves): ptxas reports 224-308 bytes of spills for them, almost all in the threads' fallback stores
+# (a C the tensor maps cannot describe), but even so the tile ran them slower than 256 x 128 on the H200
+# (16384 tokens: dgelu 0.1705 against 0.1552 ms, dgelu_gelu 0.1955 against 0.1756; bench/NOTES.md). Its
+# column sums take 4 columns a thread (Bf16ColSum's W), which fits.
 BF16_PP_WIDE = (128, 192, 5, 1)
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
 # A bf16 C is stored through shared memory by the copy engine: two boxes of 64 x 32 bf16 a consumer warpgroup
