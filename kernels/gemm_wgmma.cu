@@ -1175,55 +1175,49 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// gemm_wgmma_pp: the BF16 product of gemm_wgmma_ws with two groups of consumer warpgroups in ping-pong
-// (FlashAttention-3's schedule): each group computes whole BM x BN tiles, group 0 the block's tiles 0,
-// 2, 4, ..., group 1 its tiles 1, 3, 5, .... A group is one warpgroup (THREADS 384: BM / 64 m64
-// instructions a k step, BM / 64 x BN / 2 accumulators a thread) or two (THREADS 640: each a 64-row
-// half of a 128-row tile, BN / 2 accumulators, so that a tile's epilogue has twice the threads). The
-// producer fills one ring with the block's tiles in order, so the two k loops take turns on the tensor
-// cores and one group's epilogue (the GELU, the stores) runs under the other's k loop instead of
-// idling them. A group starts a tile's k loop once the other has waited for the last k tile of the
-// tile before (named barrier 3 + the waiting group, every consumer thread: one group arrives, the other
-// syncs): every fill of the slots it then waits for before its own is complete, so its parity cannot
-// name a fill two phases old. A slot is released by the group that read it (empty: 128 arrivals a
-// warpgroup). The producer drops to 40 registers, the consumers rise to 232 (24 and 240 on 128 x 192,
-// 192 accumulators a thread: families.py BF16_PP_WIDE says why that tile has no dgelu kernels; 24 and
-// 112 with two warpgroups a tile). Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
+// gemm_wgmma_pp: the BF16 product of gemm_wgmma_ws with its two consumer warpgroups in ping-pong
+// (FlashAttention-3's schedule): each warpgroup computes whole BM x BN tiles (BM / 64 m64 instructions
+// a k step, BM / 64 x BN / 2 accumulators a thread), warpgroup 0 the block's tiles 0, 2, 4, ...,
+// warpgroup 1 its tiles 1, 3, 5, .... The producer fills one ring with the block's tiles in order, so
+// the two k loops take turns on the tensor cores and one warpgroup's epilogue (the GELU, the stores)
+// runs under the other's k loop instead of idling them. A warpgroup starts a tile's k loop once the
+// other has waited for the last k tile of the tile before (named barrier 3 + the waiting warpgroup,
+// 256 threads: one arrives, the other syncs): every fill of the slots it then waits for before its
+// own is complete, so its parity cannot name a fill two phases old. A slot is released by the one
+// warpgroup that read it (empty: 128 arrivals). The producer drops to 40 registers, the consumers
+// rise to 232 (24 and 240 on 128 x 192, 192 accumulators a thread: families.py BF16_PP_WIDE says why
+// that tile has no dgelu kernels). Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT, bool MN_A, bool MN_B,
           int OUT, int COLSUM = 0>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
-    constexpr int CW = THREADS / 128 - 1, WPT = CW / 2;      // consumer warpgroups; warpgroups a tile
-    static_assert((CW == 2 || CW == 4) && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(CW, OUT),
-                  "two groups of one or two consumer warpgroups and the producer's; STAGES slots, 1 KB to align "
-                  "them, a bf16 C's staging boxes");
-    static_assert(BM % (64 * WPT) == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256 && BM * BN <= 128 * 192 * WPT &&
-                  STAGES >= 2, "MN-major boxes of 64 rows; at most 192 accumulators a thread");
+    static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(2, OUT),
+                  "two consumer warpgroups and the producer's; STAGES slots, 1 KB to align them, a bf16 C's "
+                  "staging boxes");
+    static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256 && BM * BN <= 128 * 192 && STAGES >= 2,
+                  "MN-major boxes of 64 rows; at most 192 accumulators a thread");
     static_assert(DT == 1, "BF16 operands (DT as gemm_wgmma_ws's)");
-    static_assert(COLSUM == 0 || (MN_A && EPI == GEMM_EPI_NONE && !HAS_BIAS && WPT == 1),
-                  "COLSUM as gemm_wgmma_ws's, one warpgroup a tile");
+    static_assert(COLSUM == 0 || (MN_A && EPI == GEMM_EPI_NONE && !HAS_BIAS), "COLSUM as gemm_wgmma_ws's");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using OP = Bf16Op<MN_A, MN_B>;
     using TO = elem<OUT>;
-    constexpr int R = BM / 64 / WPT, A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
+    constexpr int R = BM / 64, A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long bars[2 * STAGES];
-    __shared__ __align__(16) float pp_bias[HAS_BIAS ? 2 * CW * BN : 4];   // a pair of buffers a warpgroup
+    __shared__ __align__(16) float pp_bias[HAS_BIAS ? 4 * BN : 4];   // a pair of buffers a warpgroup
     const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;
     const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wt = tid & 127;
-    const int grp = wg / WPT, m_wg = 64 * R * (wg % WPT);    // the warpgroup's group, its first row in a tile
     const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
     const int per_z = tiles_n * tiles_m, total = per_z * zs;
-    ws_init_bars(full0, STAGES, 1, 128 * WPT, 0);
+    ws_init_bars(full0, STAGES, 1, 128, 0);
 
-    // the register split: 40 / 232, or 24 / 240 where a thread holds more than 128 accumulators (128 x 192),
-    // 24 / 112 with four consumer warpgroups (gemm_wgmma_ws's at BM 256)
-    constexpr int PRODUCER_REGS = BM * BN > 128 * 128 * WPT || WPT == 2 ? 24 : 40;
-    constexpr int CONSUMER_REGS = wg_consumer_regs(THREADS, CW, PRODUCER_REGS);
-    if (wg == CW) {       // producer: as gemm_wgmma_ws's
+    // the register split: 40 / 232, or 24 / 240 where a thread holds more than 128 accumulators (128 x 192)
+    constexpr int PRODUCER_REGS = BM * BN > 128 * 128 ? 24 : 40;
+    constexpr int CONSUMER_REGS = wg_consumer_regs(THREADS, 2, PRODUCER_REGS);
+    if (wg == 2) {        // producer: as gemm_wgmma_ws's
         wg_regs_dec<PRODUCER_REGS>();
-        if (tid < CW * 128 + 32)
+        if (tid < 2 * 128 + 32)
             ws_produce<BM, BN, STAGES, false, OP>(smem0, full0, empty0, &mapA, &mapB, K, splits, k_chunk, per_z,
                                                   tiles_n, total, lane);
         return;
@@ -1241,7 +1235,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
     for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles<OP::BK>(tl.klen);
-        if ((j & 1) != grp) {     // the other group's tile
+        if ((j & 1) != wg) {      // the other warpgroup's tile
             it += nk;
             continue;
         }
@@ -1251,11 +1245,11 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
         tile_bias.fetch(bias, tl.n0, N, wt);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            wg_epi_prefetch<BN, EPI, TO>(aux_z, ldc, M, N, tl.m0 + m_wg + 64 * r, tl.n0, wt);
+            wg_epi_prefetch<BN, EPI, TO>(aux_z, ldc, M, N, tl.m0 + 64 * r, tl.n0, wt);
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.f;
         }
-        if (j > 0) asm volatile("bar.sync %0, %1;\n" ::"r"(3 + grp), "n"(CW * 128) : "memory");
+        if (j > 0) asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory");
         for (int kt = 0; kt < nk; ++kt, ++it) {
             const int s = it % STAGES;
             mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
@@ -1266,7 +1260,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 #pragma unroll
             for (int k16 = 0; k16 < OP::BK / 16; ++k16)
 #pragma unroll
-                for (int r = 0; r < R; ++r) OP::template mma<BN>(acc[r], sa + 128 * m_wg + 8192 * r, b_t, k16);
+                for (int r = 0; r < R; ++r) OP::template mma<BN>(acc[r], sa + 8192 * r, b_t, k16);
             wg_commit();
 #pragma unroll
             for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
@@ -1276,7 +1270,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
             wg_wait<1>();             // the group of the k tile before is done: release its slot
             if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
         }
-        if (t + gridDim.x < total) asm volatile("bar.arrive %0, %1;\n" ::"r"(3 + (grp ^ 1)), "n"(CW * 128) : "memory");
+        if (t + gridDim.x < total) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 + (wg ^ 1)) : "memory");
         wg_wait<0>();
 #pragma unroll
         for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
@@ -1292,10 +1286,9 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
             if (c_tma) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    if constexpr (GEMM_EPI_READS_AUX(EPI))
-                        wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + m_wg + 64 * r, tl.n0, 0);
-                    wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + m_wg + 64 * r,
-                                                         tl.n0, alpha, &mapC, &mapX,
+                    if constexpr (GEMM_EPI_READS_AUX(EPI)) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * r, tl.n0, 0);
+                    wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
+                                                         alpha, &mapC, &mapX,
                                                          smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), 11 + wg,
                                                          aux0);
                 }
@@ -1305,7 +1298,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 #pragma unroll
         for (int r = 0; r < R; ++r)
             wg_store_tile<64, BN, EPI, HAS_BIAS, false, TO>(acc[r], C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
-                                                            tl.m0 + m_wg + 64 * r, tl.n0, alpha, 0);
+                                                            tl.m0 + 64 * r, tl.n0, alpha, 0);
     }
     if (OUT == 1 && c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
 #else

@@ -63,10 +63,9 @@ WGMMA_RA_TILES = {(128, 128, 4): 1.7, (128, 192, 4): 1.9}           # wgmma_ra, 
 WGMMA_RA_MN_TILES = {(128, 128, 7): 0.8, (128, 192, 5): 1.0}
 WGMMA3_RA_TILES = {(128, 128, 4): 2.0, (128, 64, 4): 1.5}          # a slot: A once and B's hi and lo halves
 # BF16 (BM, BN, STAGES, PP): a k tile is 64 bf16; operands as stored. PP 0: gemm_wgmma_ws; PP 1: gemm_wgmma_pp,
-# two consumer warpgroups each on its own tile; PP 2: gemm_wgmma_pp with two pairs of warpgroups, each pair on its
-# own tile (a 64-row half each), so that the epilogue one pair runs under the other's k loop has twice the threads.
+# two consumer warpgroups each on its own tile.
 BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.2, (128, 128, 6, 1): 3.0,
-              (128, 192, 5, 1): 3.2, (128, 128, 5, 2): 3.25}
+              (128, 192, 5, 1): 3.2}
 # The 128 x 192 ping-pong tile holds 192 accumulators a thread (240 registers). Its dgelu kernels are not built
 # (Family.serves): ptxas reports 224-308 bytes of spills for them, almost all in the threads' fallback stores
 # (a C the tensor maps cannot describe), but even so the tile ran them slower than 256 x 128 on the H200
@@ -247,16 +246,16 @@ class Split3(Family):             # gemm_wgmma3_ra<..., MN_A = trans_a, MN_B = n
 
 
 class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 1, MN_A, MN_B, OUT[, COLSUM]> or _pp
-    def geometry(self, t, out="f32"):   # PP: 2 PP consumer warpgroups whatever BM; a bf16 C: their staging boxes
-        wgs = 2 * t[3] if t[3] else t[0] // 64
+    def geometry(self, t, out="f32"):   # PP: two consumer warpgroups whatever BM; a bf16 C: their staging boxes
+        wgs = 2 if t[3] else t[0] // 64
         return Geometry((wgs + 1) * 128, 1, ring_smem(t[2], t[0] + t[1]) + (BF16_STAGE_BYTES * wgs if out == "bf16" else 0),
                         c_maps=True)
 
     def short(self, t):
-        return f"{t[0]}x{t[1]}s{t[2]}" + ("", "pp", "pp2")[t[3]]
+        return f"{t[0]}x{t[1]}s{t[2]}" + ("pp" if t[3] else "")
 
-    def serves(self, t, epi, colsum=False):   # (the column sums: on tiles of one warpgroup a tile's rows)
-        return (t != BF16_PP_WIDE or epi not in (EPI_DGELU, EPI_DGELU_GELU)) and not (colsum and t[3] == 2)
+    def serves(self, t, epi, colsum=False):
+        return t != BF16_PP_WIDE or epi not in (EPI_DGELU, EPI_DGELU_GELU)
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t, out)
