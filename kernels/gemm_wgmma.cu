@@ -202,7 +202,7 @@ __device__ __forceinline__ void wg_aux_box(unsigned (&v)[4][2], const bf16* aux,
         }
 }
 
-template <int BN, int EPI, bool HAS_BIAS, int AHEAD = 2>
+template <int BN, int EPI, bool HAS_BIAS>
 __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], const bf16* aux, const float* bias,
                                                   int M, int N, int ldc, int z, int m0w, int n0, float alpha,
                                                   const TmaMap* mapC, const TmaMap* mapX, unsigned stg, int bar,
@@ -212,19 +212,17 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
     constexpr bool TWO = EPI == GEMM_EPI_GELU || EPI == GEMM_EPI_DGELU_GELU;   // aux written too
     constexpr bool IN = GEMM_EPI_READS_AUX(EPI);
     constexpr int NB = BN / 32;
-    static_assert(AHEAD == 1 || AHEAD == 2, "aux's boxes loaded one or two ahead");
     const int wt = threadIdx.x & 127, w = wt >> 5, lane = wt & 31, g = lane >> 2, q = lane & 3;
     // stmatrix: lanes 8 i .. 8 i + 7 address matrix i = rows 0-7 (i even) or 8-15 (odd) of the warp's 16,
     // n8 block 2 p + i / 2 of the pair p
     const int srow = 16 * w + (lane & 7) + 8 * ((lane >> 3) & 1);
     const unsigned soff = srow * 64, sw = (srow >> 1) & 3, sblk = lane >> 4;
-    unsigned nxt[AHEAD][4][2];            // aux pairs of the next AHEAD boxes (wg_aux_box), box b's at [b % AHEAD]
+    unsigned nxt[4][2];                   // aux pairs of the next box (wg_aux_box)
     if constexpr (IN) {
 #pragma unroll
         for (int k = 0; k < 4; ++k)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) nxt[0][k][h] = first[k][h];
-        if (AHEAD == 2 && NB > 1) wg_aux_box(nxt[AHEAD - 1], aux, M, N, ldc, m0w, n0, 1);
+            for (int h = 0; h < 2; ++h) nxt[k][h] = first[k][h];
     }
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
@@ -233,8 +231,8 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
 #pragma unroll
             for (int k = 0; k < 4; ++k)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) in[k][h] = nxt[b % AHEAD][k][h];
-            if (b + AHEAD < NB) wg_aux_box(nxt[b % AHEAD], aux, M, N, ldc, m0w, n0, b + AHEAD);
+                for (int h = 0; h < 2; ++h) in[k][h] = nxt[k][h];
+            if (b + 1 < NB) wg_aux_box(nxt, aux, M, N, ldc, m0w, n0, b + 1);
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -1289,7 +1287,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     if constexpr (GEMM_EPI_READS_AUX(EPI)) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * r, tl.n0, 0);
-                    wg_store_tile_tma<BN, EPI, HAS_BIAS, (BM * BN > 128 * 128 ? 1 : 2)>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
+                    wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
                                                          alpha, &mapC, &mapX,
                                                          smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), 11 + wg,
                                                          aux0);
