@@ -33,10 +33,6 @@
 // consecutive columns per thread, stored with the shared epilogue helpers.
 #include "gemm_epilogue.cuh"
 #include "wgmma.cuh"
-#ifndef GEMM_STAGGER_CYCLES
-#define GEMM_STAGGER_CYCLES 12000
-#define GEMM_STAGGER_PHASES 2
-#endif
 
 #define GEMM_WG_BK 32
 
@@ -1091,14 +1087,6 @@ __device__ __forceinline__ void ws_produce(unsigned smem0, unsigned full0, unsig
                                            const TmaMap* mapB, int K, int splits, int k_chunk, int per_z,
                                            int tiles_n, int total, int lane) {
     constexpr int A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
-#if GEMM_STAGGER_CYCLES > 0
-    // the blocks started out of step: block b's first loads GEMM_STAGGER_CYCLES x (b % GEMM_STAGGER_PHASES)
-    // cycles late, so that the SMs' epilogues (all stores, tensor cores idle) do not all fall together
-    if (total > gridDim.x) {
-        const long long t0 = clock64(), d = (long long)(blockIdx.x % GEMM_STAGGER_PHASES) * GEMM_STAGGER_CYCLES;
-        while (clock64() - t0 < d) {}
-    }
-#endif
     int it = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
