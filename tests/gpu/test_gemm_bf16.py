@@ -394,8 +394,9 @@ def test_bf16_plans():
 
 def test_bf16_wide_ping_pong_tile_serves_no_dgelu():
     """The 128 x 192 ping-pong tile (192 accumulators a thread) has no dgelu / dgelu_gelu kernels (slower
-    there than on 256 x 128: families.py BF16_PP_WIDE): none in VARIANTS, a forced plan refused with the reason, and neither the cost model nor the tuner
-    plans them on it; its other products (the GELU forward, a weight gradient with its column sums) it serves."""
+    there than on 256 x 128: families.py BF16_PP_WIDE): none in VARIANTS, a forced plan refused with the
+    reason, and neither the cost model nor the tuner plans them on it; its other products (the GELU forward,
+    a weight gradient with its column sums) it serves."""
     t = BF16_PP_WIDE
     assert t in BF16_TILES
     names = {n for _, n, _ in VARIANTS}
