@@ -182,12 +182,13 @@ def encoder_bwd(rt: RuntimeProtocol, dwte, dwpe, dout, idx, *, method=None):
         name, smem, nbits, passes = sort_plan(N, V)
         rt.launch(rt.function(FILE, name), (1,), (SORT_THREADS,),
                   [ws, idx, i32(N), i32(V), i32(nbits), i32(passes)], smem=smem, label="encoder_bwd_sort")
-        grid = max(1, min(SEG_BLOCKS_PER_SM * sm_count(rt), cdiv(cdiv(N, 32) * tiles, SEG_WARPS)))
-        rt.launch(rt.function(FILE, enc_name("encoder_bwd_wte_long", vec, (td,))), (grid,), (SEG_WARPS * 32,),
-                  [dout, ws, i32(N), i32(C), i32(tiles)], label="encoder_bwd_wte_long")
-        grid = max(1, min(SEG_BLOCKS_PER_SM * sm_count(rt), cdiv(N * tiles, SEG_WARPS)))
-        rt.launch(rt.function(FILE, enc_name("encoder_bwd_wte_seg", vec, (td,))), (grid,), (SEG_WARPS * 32,),
-                  [dwte, dout, ws, i32(N), i32(C), i32(tiles)], label="encoder_bwd_wte_seg")
+
+        def run_kernel(kernel, items, args):     # a few blocks an SM, their warps striding over `items`
+            grid = max(1, min(SEG_BLOCKS_PER_SM * sm_count(rt), cdiv(items, SEG_WARPS)))
+            rt.launch(rt.function(FILE, enc_name(kernel, vec, (td,))), (grid,), (SEG_WARPS * 32,),
+                      args + [i32(N), i32(C), i32(tiles)], label=kernel)
+        run_kernel("encoder_bwd_wte_long", cdiv(N, 32) * tiles, [dout, ws])      # (chunk, tile) items
+        run_kernel("encoder_bwd_wte_seg", N * tiles, [dwte, dout, ws])           # (run, tile) items
     elif method == "scan":
         fn = rt.function(FILE, enc_name("encoder_bwd_wte", vec, (td,)))
         rt.launch(fn, (V, tiles), (BWD_WARPS * 32,),
