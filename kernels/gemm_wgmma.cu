@@ -172,17 +172,16 @@ __device__ __forceinline__ void wg_store_tile(const float (&acc)[BN / 2], TO* C,
 }
 // The bf16 epilogue through shared memory and the copy engine (gemm_wgmma_ws / _pp with a bf16 C whose
 // rows the tensor maps can describe: the launcher's c_tma): one warpgroup's 64 rows of the tile at (m0w,
-// n0), BN / 32 column groups of 32. A group's values are computed in the accumulators' own layout (no
-// shuffles: thread (w, g, q) holds rows 16 w + g (+ 8), columns 8 k + 2 q (+ 1) of the group's n8 blocks
-// k), rounded in pairs, written by stmatrix into a 4 KB staging box (64 rows x 32 columns) in the 64-byte
-// swizzle (the 16-byte chunk c of row r at r * 64 + ((c ^ (r / 2 % 4)) * 16): the 8 rows of each matrix hit
-// 8 distinct chunks). Each warp writes and stores only its own 16 rows (1 KB of the box, a tensor store of
-// a 16 x 32 box by its lane 0, which runs on while the warp goes on to the next group or tile; rows and
-// columns outside C are clipped by the copy engine), so the warps of a warpgroup never wait for each other
-// here. Staging: two boxes at stg (C's and, for GELU / the GELU rebuild, aux's; one output alternates
-// between them). A warp's lane 0 waits until its store that last read a buffer is done with it before
-// the warp overwrites it. aux (read: residual, pre-activation) comes from global memory in the same
-// layout, a 4-byte pair a thread and n8 block, one group ahead.
+// n0), BN / 32 boxes of 64 rows x 32 columns. A box's values are computed in the accumulators' own layout
+// (no shuffles: thread (w, g, q) holds rows 16 w + g (+ 8), columns 8 k + 2 q (+ 1) of the box's n8
+// blocks k), rounded in pairs, written by stmatrix into a 4 KB staging box in the 64-byte swizzle (the
+// 16-byte chunk c of row r at r * 64 + ((c ^ (r / 2 % 4)) * 16): the 8 rows of each matrix hit 8
+// distinct chunks), and stored by one thread's tensor store, which runs on while the warpgroup goes on
+// to the next box or tile (rows and columns outside C are clipped by the copy engine). Staging: two
+// boxes at stg (C's and, for GELU / the GELU rebuild, aux's; one output alternates between them). The
+// thread that issues the stores waits until the store that last read a buffer is done with it before the
+// warpgroup (named barrier `bar`) overwrites it. aux (read: residual, pre-activation) comes from global
+// memory in the same layout, a 4-byte pair a thread and n8 block, one box ahead.
 // The staging boxes of wg_store_tile_tma after the ring: two of 4 KB a consumer warpgroup, where C is bf16
 // (wgs warpgroups' worth; consumer warpgroup wg's start ws_stage_bytes(wg, 1) after the ring)
 __host__ __device__ constexpr int ws_stage_bytes(int wgs, int out) { return out == 1 ? wgs * 8192 : 0; }
@@ -206,7 +205,7 @@ __device__ __forceinline__ void wg_aux_box(unsigned (&v)[4][2], const bf16* aux,
 template <int BN, int EPI, bool HAS_BIAS>
 __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], const bf16* aux, const float* bias,
                                                   int M, int N, int ldc, int z, int m0w, int n0, float alpha,
-                                                  const TmaMap* mapC, const TmaMap* mapX, unsigned stg,
+                                                  const TmaMap* mapC, const TmaMap* mapX, unsigned stg, int bar,
                                                   const unsigned (&first)[4][2]) {
     static_assert(BN % 64 == 0, "whole boxes, an even number: one output's boxes alternate between the two "
                                 "staging boxes, so a tile's first reuses the one its last tile's last box did not");
@@ -267,11 +266,11 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
             }
         }
         const unsigned bc = stg + (TWO ? 0u : (b & 1) * 4096u), bx = stg + 4096u;
-        if (lane == 0) {
+        if (wt == 0) {
             if constexpr (TWO) tma_store_wait<0>();
             else tma_store_wait<1>();
         }
-        __syncwarp();
+        asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
             const unsigned a = soff + (((2 * p + sblk) ^ sw) << 4);
@@ -279,10 +278,10 @@ __device__ __forceinline__ void wg_store_tile_tma(const float (&acc)[BN / 2], co
             if constexpr (TWO) stmatrix_x4(bx + a, ox[2 * p][0], ox[2 * p][1], ox[2 * p + 1][0], ox[2 * p + 1][1]);
         }
         wg_fence_async_smem();
-        __syncwarp();
-        if (lane == 0) {          // the warp's 16 rows: 1 KB from the box's start
-            tma_store(mapC, bc + 1024u * w, n0 + 32 * b, m0w + 16 * w, z);
-            if constexpr (TWO) tma_store(mapX, bx + 1024u * w, n0 + 32 * b, m0w + 16 * w, z);
+        asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+        if (wt == 0) {
+            tma_store(mapC, bc, n0 + 32 * b, m0w, z);
+            if constexpr (TWO) tma_store(mapX, bx, n0 + 32 * b, m0w, z);
             tma_store_commit();
         }
     }
@@ -1014,7 +1013,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                         if (nk == 0) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * wg, tl.n0, 0);
                     }
                     wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc, aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * wg, tl.n0,
-                                                         alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1), aux0);
+                                                         alpha, mapC, mapX, stg + ws_stage_bytes(wg, 1), 11 + wg,
+                                                         aux0);
                     continue;
                 }
             }
@@ -1022,7 +1022,7 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                                                                   tl.m0, tl.n0, alpha);
         }
     }
-    if (c_tma && (wt & 31) == 0) tma_store_wait<0, false>();     // every warp's stores written before the block ends
+    if (c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
 }
 
 // Barrier set-up of the warp-specialized kernels: full[s] (`full_count` producer arrivals, or 1
@@ -1059,7 +1059,7 @@ __device__ __forceinline__ void ws_init_bars(unsigned bars0, int stages, unsigne
     float* colsum                           /* COLSUM (mn, 3_ws with MN_A): [splits, M], else unused */
 
 // (gemm_wgmma_ws and gemm_wgmma_pp, after WS_ARGS_AB) the bf16 epilogue's stores by the copy engine
-// (wg_store_tile_tma) where c_tma is set: C's and aux's maps {N, M, zs} (strides ldc, sC), boxes {32, 16, 1} (a warp's)
+// (wg_store_tile_tma) where c_tma is set: C's and aux's maps {N, M, zs} (strides ldc, sC), boxes {32, 64, 1}
 // in the 64-byte swizzle; an fp32 C, or a bf16 C whose rows the maps cannot describe: c_tma 0, maps unused
 #define WS_ARGS_C                                                                                    \
     const __grid_constant__ TmaMap mapC, const __grid_constant__ TmaMap mapX, int c_tma
@@ -1289,7 +1289,8 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
                     if constexpr (GEMM_EPI_READS_AUX(EPI)) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * r, tl.n0, 0);
                     wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
                                                          alpha, &mapC, &mapX,
-                                                         smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), aux0);
+                                                         smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), 11 + wg,
+                                                         aux0);
                 }
                 continue;
             }
@@ -1299,7 +1300,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
             wg_store_tile<64, BN, EPI, HAS_BIAS, false, TO>(acc[r], C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
                                                             tl.m0 + 64 * r, tl.n0, alpha, 0);
     }
-    if (OUT == 1 && c_tma && (wt & 31) == 0) tma_store_wait<0, false>();     // every warp's stores written before the block ends
+    if (OUT == 1 && c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
 #else
     __trap();
 #endif

@@ -331,10 +331,9 @@ def test_bf16_variant_and_tensor_maps(ta, tb):
     assert ta_ == tb_ == "bf16" and swa is True and swb is True
     assert (da, ba, sa[0]) == (((M, K, 1), (64, 64, 1), 2 * M) if ta else ((K, M, 1), (64, 128, 1), 2 * K))
     assert (db, bb, sb[0]) == (((K, N, 1), (64, 256, 1), 2 * K) if tb else ((N, K, 1), (64, 64, 1), 2 * N))
-    # a bf16 C is stored by the copy engine (wg_store_tile_tma): boxes of 16 rows (a warp's) x 32 columns,
-    # 64-byte swizzle, after a ring of 4 x 48 KB (+ 1 KB) two 4 KB staging boxes for each of the 2 consumer
-    # warpgroups
-    assert store == ([((N, M, 1), (2 * N, 2 * M * N), (32, 16, 1), 64, "bf16")] if out == "bf16" else [])
+    # a bf16 C is stored by the copy engine (wg_store_tile_tma): boxes of 64 rows x 32 columns, 64-byte swizzle,
+    # after a ring of 4 x 48 KB (+ 1 KB) two 4 KB staging boxes for each of the 2 consumer warpgroups
+    assert store == ([((N, M, 1), (2 * N, 2 * M * N), (32, 64, 1), 64, "bf16")] if out == "bf16" else [])
     assert smem == 4 * 384 * 128 + 1024 + (2 * 8192 if out == "bf16" else 0)
     assert name.split(",")[6] == str(smem)
 
@@ -357,7 +356,7 @@ def test_bf16_store_maps_only_where_they_describe_c():
         a, b = _fake((M, K), "bf16", 1 << 30), _fake((N, K), "bf16", 1 << 32)
         gemm.matmul(rt, _fake((M, N), "bf16", 1 << 34), a, b, False, True, bias=_fake((N,), "f32", 1 << 36),
                     epilogue="gelu", aux=_fake((M, N), "bf16", 1 << 38), plan=make_plan("bf16", (256, 128, 4, 0), 1, K))
-        assert len(got) == maps_want and got[2:] == [(32, 16, 1)] * (maps_want - 2)
+        assert len(got) == maps_want and got[2:] == [(32, 64, 1)] * (maps_want - 2)
         assert len(args) == 1 and args[0][-1].value == c_tma
         names += [n for n, *_ in rt.launches]
     assert len(names) == 2 and names[0] == names[1]

@@ -74,9 +74,9 @@ BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.
 BF16_PP_WIDE = (128, 192, 5, 1)
 BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
 # A bf16 C is stored through shared memory by the copy engine: two boxes of 64 x 32 bf16 a consumer warpgroup
-# (gemm_wgmma.cu wg_store_tile_tma, ws_stage_bytes), after the ring, each warp storing its own 16 rows of them
+# (gemm_wgmma.cu wg_store_tile_tma, ws_stage_bytes), after the ring
 BF16_STAGE_BYTES = 2 * 64 * 32 * 2
-BF16_STORE_BOX = (32, 16, 1)
+BF16_STORE_BOX = (32, 64, 1)
 # A bf16 TN kernel's column sums (the bias gradient) are spread over up to this many column tiles of a row of
 # tiles, each summing every G-th k tile into a row of its own (the kernels' COLSUM; they are shared-memory bound)
 BF16_COLSUM_GROUPS = 8

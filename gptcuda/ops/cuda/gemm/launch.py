@@ -76,7 +76,7 @@ _NO_MAP = Blob(bytes(128))
 
 
 def _store_maps(rt, g: Product, out, aux, ldc, zs) -> list:
-    """[C's map, aux's map, c_tma] of a bf16 C: maps {N, M, zs} in boxes of 16 rows (a warp's) x 32 columns, 64-byte
+    """[C's map, aux's map, c_tma] of a bf16 C: maps {N, M, zs} in boxes of 64 rows x 32 columns, 64-byte
     swizzle, for the epilogue's tensor stores; c_tma 0 (the threads store) where a map cannot describe C or
     aux (16-byte aligned bases, rows and matrices)."""
     views = [out] + ([aux] if aux is not None else [])
