@@ -1,6 +1,5 @@
 """Time the fused cross-entropy on bf16 logits as the training step runs it (the gradient in place),
-each kernel that can take the rows, replayed in a CUDA graph (median ms and the DRAM rate of one read
-and one write of the logits).
+replayed in a CUDA graph: the median ms and the DRAM rate of one read and one write of the logits.
 
     python bench/loss_speed.py [--tokens 16384] [--vocab 50304] [--n_vocab 50257] [--iters 20]
 """
@@ -36,16 +35,9 @@ def main(argv=None) -> int:
     targets = rt.upload(rng.integers(0, args.n_vocab, N).astype(np.int32))
     losses = rt.empty((N,))
     watch = ClockWatch()
-    saved = getattr(L, "RING_ARCHS", ())          # (a tree before crossentropy_ring: smem alone)
-    kinds = [("ring", saved), ("smem", ())] if rt.arch in saved else [("smem", ())]
-    for kind, archs in kinds:
-        L.RING_ARCHS = archs
-        try:
-            ms = time_graphed_ms(rt, lambda: L.crossentropy(rt, losses, logits, logits, targets, 1.0 / N,
-                                                            n_vocab=args.n_vocab), iters=args.iters, reps=5)
-        finally:
-            L.RING_ARCHS = saved
-        print(f"crossentropy {kind}: {ms:.4f} ms, {2 * 2 * N * V / ms / 1e6:.0f} GB/s (N {N}, V {V})", flush=True)
+    ms = time_graphed_ms(rt, lambda: L.crossentropy(rt, losses, logits, logits, targets, 1.0 / N,
+                                                    n_vocab=args.n_vocab), iters=args.iters, reps=5)
+    print(f"crossentropy: {ms:.4f} ms, {2 * 2 * N * V / ms / 1e6:.0f} GB/s (N {N}, V {V})", flush=True)
     print(watch.stop())
     rt.close()
     return 0

@@ -14,8 +14,6 @@
 //   crossentropy_smem<GRAD, WARPS, TL = bf16>  crossentropy_rows' passes over the row copied into shared
 //       memory (V % 8 == 0, rows 16-byte aligned): 2 V bytes a block, so two rows share an SM and one's
 //       reductions run under the other's copies and stores (crossentropy_rows holds one row an SM)
-//   crossentropy_ring<GRAD, WARPS, TL = bf16>  the same passes in a persistent block an SM, each row brought
-//       by one bulk copy into one of two buffers (4 V bytes), the next row's under this one's passes (sm_90)
 //   loss_reduce<THREADS>      st->loss = mean(losses), history[st->step] = it (one block)
 // The blocks (WARPS, THREADS) are template arguments, chosen in gptcuda/ops/cuda/loss.py. TL: the element
 // type of logits and dlogits (bf16.cuh's codes: 0 fp32, 1 bf16); a bf16 logit is widened exactly, the
@@ -219,28 +217,45 @@ __global__ void __launch_bounds__(WARPS * 32, 1) crossentropy_rows(CE_ARGS) {
             if (v < V4) {
                 const int i = 4 * v;
                 float g[4];
-                g[0] = i < Vr ? (x[j].x * rs - (i == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
-                g[1] = i + 1 < Vr ? (x[j].y * rs - (i + 1 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
-                g[2] = i + 2 < Vr ? (x[j].z * rs - (i + 2 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
-                g[3] = i + 3 < Vr ? (x[j].w * rs - (i + 3 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                if (i + 3 < Vr && v != (tg >> 2)) {   // no mask, no target: (x - 0) s, the same bits as below
+                    g[0] = x[j].x * rs * grad_scale;
+                    g[1] = x[j].y * rs * grad_scale;
+                    g[2] = x[j].z * rs * grad_scale;
+                    g[3] = x[j].w * rs * grad_scale;
+                } else {
+                    g[0] = i < Vr ? (x[j].x * rs - (i == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                    g[1] = i + 1 < Vr ? (x[j].y * rs - (i + 1 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                    g[2] = i + 2 < Vr ? (x[j].z * rs - (i + 2 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                    g[3] = i + 3 < Vr ? (x[j].w * rs - (i + 3 == tg ? 1.0f : 0.0f)) * grad_scale : 0.0f;
+                }
                 val_st4(reinterpret_cast<elem<TL>*>(d4 + v), g);
             }
         }
     }
 }
 
-// The passes of a bf16 row held in shared memory (r8: 16-byte chunks of 8 columns; thread t takes chunks
-// t, t + T, ...), widened exactly, columns >= Vr as -inf: the max, the sum of exp(x - max) (8 partial sums
-// a thread), the loss (thread 0), then (GRAD) the gradient into dr, rounded once where stored (16 bytes a
-// store). Both block reductions are cr_block_reduce's: deterministic. Every thread's reads of the row
-// before the first __syncthreads precede every write after the second. The callers: crossentropy_smem
-// (a block a row) and crossentropy_ring (a persistent block, two rows' buffers); the same bits.
-template <bool GRAD, int WARPS>
-__device__ __forceinline__ void ce_row_passes(const uint4* r8, int V, int Vr, int tg, bool valid, float xt,
-                                              float* sm_m, float* sm_s, float* loss, bf16* dr, float grad_scale) {
+// crossentropy_smem: the row (bf16) copied into shared memory by cp.async, 16 bytes (8 columns) a copy,
+// chunk v = t, t + T, ... of thread t; every pass reads its chunks from there, widened exactly, columns
+// >= Vr as -inf. The passes are crossentropy_rows': the max, the sum of exp(x - max) (8 partial sums a
+// thread), the gradient rounded once where stored (16 bytes a store), both block reductions
+// cr_block_reduce's: deterministic. Every read of the row (its copies, waited for, and the target
+// logit) precedes the first __syncthreads and every write follows the second: dlogits may be logits.
+template <bool GRAD, int WARPS, int TL>
+__global__ void __launch_bounds__(WARPS * 32, 2) crossentropy_smem(CE_ARGS) {
+    static_assert(TL == 1, "bf16 rows (an fp32 row would leave one block an SM, as crossentropy_rows)");
     constexpr int T = WARPS * 32;
+    extern __shared__ __align__(16) unsigned char ce_row[];
+    __shared__ float sm_m[WARPS], sm_s[WARPS];
+    const int row = blockIdx.x;
     const int t = threadIdx.x;
+    const CeTarget<elem<TL>> r(logits, targets, row, V, Vr);
     const int V8 = V >> 3;
+    const unsigned s0 = smem_u32(ce_row);
+    for (int v = t; v < V8; v += T) cp_async16_full(s0 + 16 * v, r.lr + 8 * v);
+    cp_async_commit();
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+    const uint4* r8 = reinterpret_cast<const uint4*>(ce_row);
     const auto load8 = [&](int v, float (&f)[8]) {      // columns 8 v .. 8 v + 7, -inf from Vr on
         const uint4 u = r8[v];
         const unsigned w[4] = {u.x, u.y, u.z, u.w};
@@ -279,104 +294,28 @@ __device__ __forceinline__ void ce_row_passes(const uint4* r8, int V, int Vr, in
     }
     const float part = ((ps[0] + ps[1]) + (ps[2] + ps[3])) + ((ps[4] + ps[5]) + (ps[6] + ps[7]));
     const float s = cr_block_reduce<WARPS>(part, sm_s, [](float a, float b) { return a + b; });
-    if (t == 0) *loss = ce_loss(valid, m, s, xt);
+    if (t == 0) losses[row] = ce_loss(r.valid, m, s, r.xt);
 
     if constexpr (GRAD) {                          // pass 3: (softmax - one-hot) * grad_scale, 0 past Vr
         const float rs = 1.0f / s;
+        elem<TL>* dr = dlogits + (long long)row * V;
         for (int v = t; v < V8; v += T) {
             float f[8], g[8];
             load8(v, f);
-            if (8 * v + 7 < Vr && v != (tg >> 3)) {     // (x - 0) * s: the same bits as below
+            if (8 * v + 7 < Vr && v != (r.tg >> 3)) {   // no mask, no target: (x - 0) s, the same bits as below
 #pragma unroll
                 for (int e = 0; e < 8; ++e) g[e] = gc_exp2(fmaf(f[e], GC_LOG2E, -ml2)) * rs * grad_scale;
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     const int i = 8 * v + e;
-                    g[e] = i < Vr ? (gc_exp2(fmaf(f[e], GC_LOG2E, -ml2)) * rs - (i == tg ? 1.0f : 0.0f)) * grad_scale
+                    g[e] = i < Vr ? (gc_exp2(fmaf(f[e], GC_LOG2E, -ml2)) * rs - (i == r.tg ? 1.0f : 0.0f)) * grad_scale
                                   : 0.0f;
                 }
             }
             val_st8(dr + 8 * v, g);
         }
     }
-}
-
-// crossentropy_smem: the row (bf16) copied into shared memory by cp.async, 16 bytes (8 columns) a copy,
-// chunk v = t, t + T, ... of thread t, then ce_row_passes over it. Every read of the row (its copies,
-// waited for, and the target logit) precedes the passes' first __syncthreads: dlogits may be logits.
-template <bool GRAD, int WARPS, int TL>
-__global__ void __launch_bounds__(WARPS * 32, 2) crossentropy_smem(CE_ARGS) {
-    static_assert(TL == 1, "bf16 rows (an fp32 row would leave one block an SM, as crossentropy_rows)");
-    constexpr int T = WARPS * 32;
-    extern __shared__ __align__(16) unsigned char ce_row[];
-    __shared__ float sm_m[WARPS], sm_s[WARPS];
-    const int row = blockIdx.x;
-    const int t = threadIdx.x;
-    const CeTarget<elem<TL>> r(logits, targets, row, V, Vr);
-    const int V8 = V >> 3;
-    const unsigned s0 = smem_u32(ce_row);
-    for (int v = t; v < V8; v += T) cp_async16_full(s0 + 16 * v, r.lr + 8 * v);
-    cp_async_commit();
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    __syncthreads();
-    ce_row_passes<GRAD, WARPS>(reinterpret_cast<const uint4*>(ce_row), V, Vr, r.tg, r.valid, r.xt, sm_m, sm_s,
-                               losses + row, GRAD ? dlogits + (long long)row * V : nullptr, grad_scale);
-}
-
-// crossentropy_ring: ce_row_passes in a persistent block (grid <= rows, one block an SM) over rows
-// blockIdx.x, + gridDim.x, ..., each row (bf16, 2 V bytes) brought into one of two shared-memory buffers by
-// one bulk copy of the copy engine, completing on that buffer's mbarrier; the row two ahead is asked for
-// as soon as every thread is done with the buffer (a __syncthreads after the passes), so the next row's
-// bytes arrive while this one is reduced and its gradient stored, and DRAM never waits for a block's
-// start. The target logit is read from the buffer. dlogits may be logits (a row's copy is in shared
-// memory before any of its gradient is stored; no block reads another's rows). V % 8 == 0, logits
-// 16-byte aligned (the copy's source and size), 4 V bytes of dynamic shared memory.
-template <bool GRAD, int WARPS, int TL>
-__global__ void __launch_bounds__(WARPS * 32, 1) crossentropy_ring(CE_ARGS) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    static_assert(TL == 1, "bf16 rows");
-    extern __shared__ __align__(128) unsigned char ce_buf[];
-    __shared__ __align__(8) unsigned long long ce_bar[2];
-    __shared__ float sm_m[WARPS], sm_s[WARPS];
-    const int t = threadIdx.x;
-    const unsigned bytes = 2u * (unsigned)V;
-    const unsigned buf0 = smem_u32(ce_buf), bar0 = smem_u32(ce_bar);
-    const auto fetch = [&](int row, int b) {       // thread 0: row into buffer b
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar0 + 8 * b), "r"(bytes)
-                     : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                     ::"r"(buf0 + b * bytes), "l"(logits + (long long)row * V), "r"(bytes), "r"(bar0 + 8 * b)
-                     : "memory");
-    };
-    if (t == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar0) : "memory");
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar0 + 8) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        if (blockIdx.x < N) fetch(blockIdx.x, 0);
-        if (blockIdx.x + gridDim.x < N) fetch(blockIdx.x + gridDim.x, 1);
-    }
-    __syncthreads();
-    int k = 0;
-    for (int row = blockIdx.x; row < N; row += gridDim.x, ++k) {
-        const int b = k & 1;
-        const int tg = targets[row];
-        const bool valid = (unsigned)tg < (unsigned)Vr;
-        asm volatile(
-            "{\n.reg .pred done;\n"
-            "WAIT_%=:\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-            "@!done bra WAIT_%=;\n}\n" ::"r"(bar0 + 8 * b), "r"((k >> 1) & 1) : "memory");
-        const unsigned char* rb = ce_buf + b * bytes;
-        const float xt = valid ? val_ld(reinterpret_cast<const elem<TL>*>(rb) + tg) : 0.f;
-        ce_row_passes<GRAD, WARPS>(reinterpret_cast<const uint4*>(rb), V, Vr, tg, valid, xt, sm_m, sm_s,
-                                   losses + row, GRAD ? dlogits + (long long)row * V : nullptr, grad_scale);
-        __syncthreads();                           // every read of buffer b done before it is refilled
-        if (t == 0 && row + 2 * gridDim.x < N) fetch(row + 2 * gridDim.x, b);
-    }
-#else
-    __trap();
-#endif
 }
 
 // One block: thread t sums losses t, t + THREADS, ... in double, then a fixed tree.

@@ -269,9 +269,8 @@ BF16_CASES = [((4, 64), 65, 65, "warp"), ((37,), 1, 1, "warp"), ((9,), 1024, 102
               ((4, 16), 65, 128, "warp"),
               ((5,), 1025, 1025, "block"), ((3, 2), 5003, 5003, "block"), ((7,), 1000, 1025, "block"),
               ((5,), 1028, 1028, "rows"), ((3,), 2048 * 8 + 4, 2048 * 8 + 4, "rows"),
-              ((4, 2), 50257, 50304, "ring"), ((2, 2), 4093, 4096, "ring"), ((5,), 1032, 1032, "ring"),
-              ((3,), 57341, 57344, "ring"),       # V % 8 == 0, 4 V <= RING_SMEM_MAX: two rows' buffers a block
-              ((2, 200), 4093, 4096, "ring"), ((1001,), 1032, 1032, "ring")]   # several rows a block, both buffers
+              ((4, 2), 50257, 50304, "smem"), ((2, 2), 4093, 4096, "smem"), ((5,), 1032, 1032, "smem"),
+              ((3,), 57341, 57344, "smem")]       # V % 8 == 0 up to SMEM_ROW_MAX: the row in shared memory
 
 
 def _check_ce_bf16(rt, lead, Vr, V, kind, mode, shift=0):
@@ -289,7 +288,7 @@ def _check_ce_bf16(rt, lead, Vr, V, kind, mode, shift=0):
     name = _launched(rt, losses, dlogits, logits, rt.upload(tg_h), scale, n_vocab=Vr)
     rows = kind == "rows"
     assert name == (L.ce_name(kind, mode != "nograd", L.rows_nv4(V) if rows else 0, "bf16"),
-                    (L.ROWS_THREADS if kind in ("rows", "smem") else L.RING_WARPS * 32 if kind == "ring" else L.THREADS,))
+                    (L.ROWS_THREADS if kind in ("rows", "smem") else L.THREADS,))
     got_l = rt.download(losses)
     assert rel_err(got_l, rl) < 1e-5
     if mode == "nograd":
@@ -313,18 +312,10 @@ def test_crossentropy_bf16(env, lead, Vr, V, kind, mode):
         assert np.array_equal(got_l2.view(np.uint32), got_l.view(np.uint32)) and np.array_equal(got_d2, got_d)
 
 
+# bf16 rows 16-byte aligned: the shared-memory kernel; 8 bytes off: the register kernel (16 for fp32); 2 or 4
+# bytes off: the block kernel
 @pytest.mark.parametrize("mode", ["grad", "inplace", "nograd"])
-@pytest.mark.parametrize("lead,Vr,V", [((4, 2), 50257, 50304), ((2, 200), 4093, 4096)])
-def test_crossentropy_bf16_smem(env, monkeypatch, lead, Vr, V, mode):
-    """crossentropy_smem (a block a row), where the ring's two rows do not fit or off RING_ARCHS."""
-    monkeypatch.setattr(L, "RING_ARCHS", ())
-    _check_ce_bf16(env, lead, Vr, V, "smem", mode)
-
-
-# bf16 rows 16-byte aligned: the shared-memory kernel (two rows a block); 8 bytes off: the register kernel (16
-# for fp32); 2 or 4 bytes off: the block kernel
-@pytest.mark.parametrize("mode", ["grad", "inplace", "nograd"])
-@pytest.mark.parametrize("shift,kind", [(16, "ring"), (8, "rows"), (4, "block"), (2, "block")])
+@pytest.mark.parametrize("shift,kind", [(16, "smem"), (8, "rows"), (4, "block"), (2, "block")])
 def test_crossentropy_bf16_alignment(env, shift, kind, mode):
     _check_ce_bf16(env, (3,), 50257, 50304, kind, mode, shift)
 

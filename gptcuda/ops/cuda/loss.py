@@ -7,9 +7,8 @@
         padded columns (dlogits may be logits)
         grad_scale == 0: no gradient is written (dlogits may be None)
         kernel (V the row length): V <= WARP_MAX_V: crossentropy_warp (one warp per row); else bf16
-        logits with V % 8 == 0 and views 16-byte aligned: on RING_ARCHS with 4 V <= RING_SMEM_MAX bytes
-        crossentropy_ring (a persistent block an SM, two rows' buffers filled by bulk copies), else with
-        2 V <= SMEM_ROW_MAX bytes crossentropy_smem (the row in shared memory, two rows an SM); else V % 4 == 0, V <= max(ROWS_NV4) * 2048 and logits / dlogits aligned to 4 elements (16 bytes of
+        logits with V % 8 == 0, 2 V <= SMEM_ROW_MAX bytes and views 16-byte aligned: crossentropy_smem (the
+        row in shared memory, two rows an SM); else V % 4 == 0, V <= max(ROWS_NV4) * 2048 and logits / dlogits aligned to 4 elements (16 bytes of
         fp32, 8 of bf16): crossentropy_rows<NV4> (one 512-thread block per row held in registers, NV4 the
         smallest of ROWS_NV4 with NV4 * 2048 >= V: one DRAM read of the row); else crossentropy_block
         (one 256-thread block per row)
@@ -23,7 +22,7 @@ from __future__ import annotations
 
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import RuntimeProtocol, f32, i32
-from gptcuda.ops.cuda import DTYPE_CODES, aligned4, cdiv, element_types, expression, sm_count
+from gptcuda.ops.cuda import DTYPE_CODES, aligned4, cdiv, element_types, expression
 
 FILE = "loss.cu"
 WARPS = 8                   # crossentropy_warp's rows a block, crossentropy_block's warps (their WARPS)
@@ -35,9 +34,6 @@ ROWS_THREADS = ROWS_WARPS * 32
 ROWS_NV4 = (8, 16, 25, 28)  # 28: the most without spills at 128 registers (ptxas, sm_90); 25: V = 50304
 TYPES = ("f32", "bf16")     # the element types of logits (and dlogits) there are kernels for
 SMEM_ROW_MAX = 112 * 1024   # crossentropy_smem's bf16 row: two blocks within an SM's 228 KB (1 KB reserved each)
-RING_SMEM_MAX = 227 * 1024 - 1024   # crossentropy_ring's two bf16 rows: sm_90's opt-in limit a block, less its static part
-RING_ARCHS = ("sm_90",)     # crossentropy_ring's bulk copies and mbarriers
-RING_WARPS = 32             # crossentropy_ring's block: one an SM, so as many warps as its passes can use
 
 
 def ce_name(kind: str, grad: bool, nv4: int = 0, dtype: str = "f32") -> str:
@@ -45,9 +41,8 @@ def ce_name(kind: str, grad: bool, nv4: int = 0, dtype: str = "f32") -> str:
     crossentropy_smem <GRAD, ROWS_WARPS, TL> (TL: the logits' element type's code)."""
     if kind == "rows":
         return expression("crossentropy_rows", grad, nv4, ROWS_WARPS, DTYPE_CODES[dtype], sep=", ")
-    if kind in ("smem", "ring"):
-        return expression(f"crossentropy_{kind}", grad, RING_WARPS if kind == "ring" else ROWS_WARPS,
-                          DTYPE_CODES[dtype], sep=", ")
+    if kind == "smem":
+        return expression("crossentropy_smem", grad, ROWS_WARPS, DTYPE_CODES[dtype], sep=", ")
     return expression(f"crossentropy_{kind}", grad, WARPS, DTYPE_CODES[dtype], sep=", ")
 
 
@@ -55,7 +50,7 @@ REDUCE_NAME = expression("loss_reduce", REDUCE_THREADS)
 VARIANTS = (
     [(FILE, ce_name(k, g, dtype=t), {}) for t in TYPES for k in ("warp", "block") for g in (True, False)]
     + [(FILE, ce_name("rows", g, n, t), {}) for t in TYPES for n in ROWS_NV4 for g in (True, False)]
-    + [(FILE, ce_name(k, g, dtype="bf16"), {}) for k in ("smem", "ring") for g in (True, False)]
+    + [(FILE, ce_name("smem", g, dtype="bf16"), {}) for g in (True, False)]
     + [(FILE, REDUCE_NAME, {})]
 )
 
@@ -94,18 +89,13 @@ def crossentropy(rt: RuntimeProtocol, losses, dlogits, logits, targets, grad_sca
     element_types("crossentropy", kinds, **views)
     args = [losses, dlogits if grad else None, logits, targets, i32(N), i32(V), i32(Vr), f32(grad_scale)]
     nv4 = None if V <= WARP_MAX_V else rows_nv4(V, logits, dlogits if grad else None)
-    ring = getattr(rt, "arch", None) in RING_ARCHS and 4 * V <= RING_SMEM_MAX
     if V <= WARP_MAX_V:
         rt.launch(rt.function(FILE, ce_name("warp", grad, dtype=dtype)), (cdiv(N, WARPS),), (THREADS,), args,
                   label="crossentropy")
-    elif dtype == "bf16" and V % 8 == 0 and all(v is None or v.ptr % 16 == 0 for v in (logits, dlogits if grad else None)) \
-            and (2 * V <= SMEM_ROW_MAX or ring):
-        if ring:
-            rt.launch(rt.function(FILE, ce_name("ring", grad, dtype=dtype)), (min(N, sm_count(rt)),),
-                      (RING_WARPS * 32,), args, smem=4 * V, label="crossentropy")
-        else:
-            rt.launch(rt.function(FILE, ce_name("smem", grad, dtype=dtype)), (N,), (ROWS_THREADS,), args, smem=2 * V,
-                      label="crossentropy")
+    elif dtype == "bf16" and V % 8 == 0 and 2 * V <= SMEM_ROW_MAX and \
+            all(v is None or v.ptr % 16 == 0 for v in (logits, dlogits if grad else None)):
+        rt.launch(rt.function(FILE, ce_name("smem", grad, dtype=dtype)), (N,), (ROWS_THREADS,), args, smem=2 * V,
+                  label="crossentropy")
     elif nv4 is not None:
         rt.launch(rt.function(FILE, ce_name("rows", grad, nv4, dtype)), (N,), (ROWS_THREADS,), args,
                   label="crossentropy")
