@@ -338,20 +338,19 @@ encoder_bwd_sort(int* __restrict__ ws,            // the workspace (pos .. ends:
     }
 }
 
-// acc += the dout rows of entries k0 .. k1 - 1 (warp-uniform, 0 <= k0 <= k1 <= 32) of a batch of 32
-// entries of pos, lane l holding entry l's token position in `mine`: ENC_SEG_UNROLL rows loaded
-// together, then added in entry order (so in increasing n). Lane l's columns c .. c + VEC (active:
-// inside C).
-template <int VEC, class TD>
-__device__ __forceinline__ void enc_sum_rows(float (&acc)[VEC], const TD* __restrict__ dout, int mine, int k0, int k1,
-                                             int C, int c, bool active) {
+// acc += the items k0 .. k1 - 1 (warp-uniform) at at(k), VEC values of lane l's columns each (active: inside
+// C): ENC_SEG_UNROLL items loaded together (zeros past k1 or outside C), then added in order of k. Every
+// lane calls at(k) for every k of a group (it may shuffle). The run kernels' one summing loop: dout rows
+// (enc_sum_rows) and a long run's pieces (encoder_bwd_wte_seg).
+template <int VEC, class At>
+__device__ __forceinline__ void enc_sum_items(float (&acc)[VEC], int k0, int k1, bool active, At at) {
     for (int k = k0; k < k1; k += ENC_SEG_UNROLL) {
         float a[ENC_SEG_UNROLL][VEC];
 #pragma unroll
         for (int q = 0; q < ENC_SEG_UNROLL; ++q) {
-            const int n = __shfl_sync(0xffffffffu, mine, (k + q) & 31);
+            const auto p = at(k + q);
             if (active && k + q < k1) {
-                enc_load<VEC>(a[q], dout + (long long)n * C + c);
+                enc_load<VEC>(a[q], p);
             } else {
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) a[q][e] = 0.f;
@@ -365,6 +364,16 @@ __device__ __forceinline__ void enc_sum_rows(float (&acc)[VEC], const TD* __rest
             }
         }
     }
+}
+
+// acc += the dout rows of entries k0 .. k1 - 1 (warp-uniform, 0 <= k0 <= k1 <= 32) of a batch of 32
+// entries of pos, lane l holding entry l's token position in `mine`, added in entry order (so in
+// increasing n). Lane l's columns c .. c + VEC (active: inside C).
+template <int VEC, class TD>
+__device__ __forceinline__ void enc_sum_rows(float (&acc)[VEC], const TD* __restrict__ dout, int mine, int k0, int k1,
+                                             int C, int c, bool active) {
+    enc_sum_items<VEC>(acc, k0, k1, active,
+                       [&](int k) { return dout + (long long)__shfl_sync(0xffffffffu, mine, k & 31) * C + c; });
 }
 
 // grid G (any; the launcher: a few blocks an SM), block WARPS*32. Warp-items it = j * tiles + tile over
@@ -434,25 +443,8 @@ encoder_bwd_wte_seg(float* __restrict__ dwte,            // dwte [V, C]   (+=, r
         if (s1 - s0 > ENC_LONG) {                                // its pieces: chunk j0's, then j0 + 1 .. j1's firsts
             const int j0 = s0 >> 5, j1 = (s1 - 1) >> 5;
             const float* p0 = r.pieces + ((s0 & 31) ? (long long)r.chunks + j0 : (long long)j0) * C + c;
-            for (int j = j0; j <= j1; j += ENC_SEG_UNROLL) {
-                float a[ENC_SEG_UNROLL][VEC];
-#pragma unroll
-                for (int q = 0; q < ENC_SEG_UNROLL; ++q) {
-                    if (active && j + q <= j1) {
-                        enc_load<VEC>(a[q], j + q == j0 ? p0 : r.pieces + (long long)(j + q) * C + c);
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < VEC; ++e) a[q][e] = 0.f;
-                    }
-                }
-#pragma unroll
-                for (int q = 0; q < ENC_SEG_UNROLL; ++q) {
-                    if (j + q <= j1) {
-#pragma unroll
-                        for (int e = 0; e < VEC; ++e) acc[e] += a[q][e];
-                    }
-                }
-            }
+            enc_sum_items<VEC>(acc, j0, j1 + 1, active,
+                               [&](int j) { return j == j0 ? p0 : r.pieces + (long long)j * C + c; });
         } else {                                                 // its rows (at most 32: one load a lane)
             enc_sum_rows<VEC>(acc, dout, s0 + lane < s1 ? r.pos[s0 + lane] : 0, 0, s1 - s0, C, c, active);
         }
