@@ -69,13 +69,26 @@ __device__ __forceinline__ void ln_save_stats(float* __restrict__ mean, float* _
     const elem<TB>* __restrict__ branch,    /* branch [N, C] */                           \
     const StepState* __restrict__ st, u32 seed, u32 site, u32 threshold, float scale
 
+// the row a lane holds, as its element type packs it (bf16: uint2, half the registers of a float4), widened
+// where a pass reads it: the bf16 forward runs 6 blocks of 8 warps an SM where 62 registers allowed 4
+__device__ __forceinline__ float4 ln_w4(float4 p) { return p; }
+__device__ __forceinline__ float4 ln_w4(uint2 p) {     // widened anew at every pass (an opaque copy first:
+    asm volatile("" : "+r"(p.x), "+r"(p.y));           // ptxas would keep the widened row, 24 registers, alive)
+    return bf16x4_f32(p);
+}
+template <int TX> __device__ __forceinline__ Pack4<TX> ln_pack4(float4 v);
+template <> __device__ __forceinline__ float4 ln_pack4<0>(float4 v) { return v; }
+template <> __device__ __forceinline__ uint2 ln_pack4<1>(float4 v) {     // v already rounded: exact
+    return make_uint2(bf16x2_rn(v.x, v.y), bf16x2_rn(v.z, v.w));
+}
+
 template <int NV, bool BIAS, bool RD, int WARPS, int TX, int TB, int TO>
-__global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_ARGS_RD) {
+__global__ void __launch_bounds__(WARPS * 32, TX == 1 ? 48 / WARPS : 1) layernorm_fwd_reg(LN_ARGS_FWD, LN_ARGS_RD) {
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= N) return;
     const int C4 = C >> 2;
-    float4 v[NV];
+    Pack4<TX> v[NV];
     float s = 0.f;
     if constexpr (RD) {
         const u32 key = gc_key(seed, (u32)st->step, site);
@@ -85,23 +98,23 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
+            float4 f = ln_f4(0.f);
             if (k < C4) {
                 const float4 r = val_ld4p(rr + k), d = gc_dropout4(val_ld4p(br + k), key, (long long)row * C + 4 * k,
                                                                     threshold, scale);
-                v[j] = make_float4(r.x + d.x, r.y + d.y, r.z + d.z, r.w + d.w);
-                val_put4(xo + k, v[j]);            // v[j] as stored (rounded in bf16)
-            } else {
-                v[j] = ln_f4(0.f);
+                f = make_float4(r.x + d.x, r.y + d.y, r.z + d.z, r.w + d.w);
+                val_put4(xo + k, f);               // f as stored (rounded in bf16)
             }
-            s += ln_hsum(v[j]);
+            v[j] = ln_pack4<TX>(f);
+            s += ln_hsum(f);
         }
     } else {
         const Pack4<TX>* xr = reinterpret_cast<const Pack4<TX>*>(x + (long long)row * C);
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int k = j * 32 + lane;
-            v[j] = k < C4 ? val_ld4p(xr + k) : ln_f4(0.f);
-            s += ln_hsum(v[j]);
+            v[j] = k < C4 ? xr[k] : ln_pack4<TX>(ln_f4(0.f));
+            s += ln_hsum(ln_w4(v[j]));
         }
     }
     const float mu = gc_warp_sum(s) / (float)C;
@@ -110,7 +123,8 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_
     for (int j = 0; j < NV; ++j) {
         const int k = j * 32 + lane;
         if (k < C4) {
-            const float4 d = make_float4(v[j].x - mu, v[j].y - mu, v[j].z - mu, v[j].w - mu);
+            const float4 x4 = ln_w4(v[j]);
+            const float4 d = make_float4(x4.x - mu, x4.y - mu, x4.z - mu, x4.w - mu);
             q += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);
         }
     }
@@ -122,9 +136,9 @@ __global__ void __launch_bounds__(WARPS * 32) layernorm_fwd_reg(LN_ARGS_FWD, LN_
     for (int j = 0; j < NV; ++j) {
         const int k = j * 32 + lane;
         if (k < C4) {
-            const float4 ww = w4[k];
-            float4 r = make_float4((v[j].x - mu) * rs * ww.x, (v[j].y - mu) * rs * ww.y,
-                                   (v[j].z - mu) * rs * ww.z, (v[j].w - mu) * rs * ww.w);
+            const float4 ww = w4[k], x4 = ln_w4(v[j]);
+            float4 r = make_float4((x4.x - mu) * rs * ww.x, (x4.y - mu) * rs * ww.y,
+                                   (x4.z - mu) * rs * ww.z, (x4.w - mu) * rs * ww.w);
             if constexpr (BIAS) {
                 const float4 bb = b4[k];
                 r.x += bb.x; r.y += bb.y; r.z += bb.z; r.w += bb.w;
