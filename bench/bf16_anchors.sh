@@ -9,6 +9,10 @@
 #   GROUP=gpt2bf16 bash bench/bf16_anchors.sh  # gpt2 without the TF32 rows (a shorter call)
 #   GROUP=small bash bench/bf16_anchors.sh   # char B64 T256 bf16 and tf32, B16 T2048 bf16 (dropout 0.2);
 #                                            # FULL=1: also char fp32 and T2048 tf32
+#   GROUP=trace bash bench/bf16_anchors.sh   # GPT-2 B16 bf16, ours then PyTorch's, with nvidia-smi sampling the
+#                                            # SM clock, power and clock event reasons (bench/clock_trace.py)
+#   GROUP=cublas bash bench/bf16_anchors.sh  # our bf16 products (the step's epilogues, and none) beside
+#                                            # cuBLAS's (bench/cublas_bf16.py) at 16384 tokens
 #   TORCH_REPEAT=3 (any group): each PyTorch row from three processes in turn
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +33,7 @@ torch_shape() {      # SHAPES SHAPE_MODES DROPOUT tag; TORCH_REPEAT processes (d
       python3 "$OLDPWD/.devcarry/reference/torch_reference.py" shape 2>&1 | tail -12)
   done
 }
+mark() { echo "MARK $(date +'%Y/%m/%d %H:%M:%S.%3N') $1" >> "$OUT/marks.txt"; }
 echo "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader)"
 case ${GROUP:-gpt2} in
   gpt2|gpt2bf16)
@@ -57,6 +62,22 @@ case ${GROUP:-gpt2} in
       ours ctx2048 ctx2048_tf32
     fi
     torch_shape "64,256,6,6,384;16,2048,6,6,384" bf16c 0.2 small
+    ;;
+  trace)
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+      --format=csv,noheader,nounits -lms 50 > "$OUT/smi.csv" 2>&1 &
+    smi=$!
+    mark idle_start; sleep 3; mark idle_end
+    mark ours_b16_start; ours gpt2_b16_bf16; mark ours_b16_end
+    mark torch_b16_start; torch_shape "16,1024,12,12,768,50304" bf16c 0 b16; mark torch_b16_end
+    mark ours_b16_again_start; ours gpt2_b16_bf16 gpt2_b16_bf16_again; mark ours_b16_again_end
+    kill $smi
+    python3 bench/clock_trace.py "$OUT/smi.csv" "$OUT/marks.txt"
+    ;;
+  cublas)
+    python3 bench/cublas_bf16.py --tokens 16384 2>&1 | tail -17
+    python3 bench/bf16_gemm.py --speed --bf16-only --tokens 16384 2>&1 | grep -E "^[a-zA-Z]" | tail -17
+    python3 bench/bf16_gemm.py --speed --bf16-only --tokens 16384 --epi none 2>&1 | grep -E "^[a-zA-Z]" | tail -17
     ;;
   *) echo "unknown GROUP ${GROUP}"; exit 2 ;;
 esac
