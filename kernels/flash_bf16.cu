@@ -268,6 +268,8 @@ struct FbItem {
         const int t = item / BH;
         r0 = rev ? ((T + 63) & ~63) - (t + 1) * BM : t * BM;
     }
+    // a query tile's (the forward's, dQ's) key tiles of BN: up to its last query
+    __device__ __forceinline__ int key_tiles(int T, int BM, int BN) const { return (min(r0 + BM, T) + BN - 1) / BN; }
 };
 // row i of a sequence of T rows (not before row 0, not past T)
 __device__ __forceinline__ bool fb_in(int i, int T) { return (unsigned)i < (unsigned)T; }
@@ -318,6 +320,22 @@ struct FbBlock {
     // the ring after an item of n stages
     __device__ __forceinline__ void next_item(int n) { g0 += n; }
 };
+
+// The producer's walk of the query-tile kernels (the forward, dQ): item j's resident tiles (map ra at head h's
+// columns, and map rb's where F::NR_ is 2) and then head h's K and V tiles of map kv (at columns C + h HS and
+// 2C + h HS of qkv) up to the item's last query.
+template <class F>
+__device__ __forceinline__ void fb_produce_queries(FbBlock<F>& k, int items, int BH, int H, int T, const TmaMap* ra,
+                                                   const TmaMap* rb, const TmaMap* kv) {
+    constexpr int HS = F::HS_, BM = F::BM_, BN = F::BN_;
+    fb_walk<F>(items, [&](int j, int item) {
+        const FbItem t(item, BH, H, T, BM, true);
+        const int nkt = t.key_tiles(T, BM, BN);
+        fb_produce<F>(k.bars, k.res, k.ring, j, ra, t.h * HS, rb, t.h * HS, t.r0, kv, (H * HS) + t.h * HS, kv,
+                      2 * (H * HS) + t.h * HS, 0, nkt, t.b, k.g0);
+        k.next_item(nkt);
+    });
+}
 
 #define FB_PLAN int THREADS, int BM, int BN, int NS, int SMEM
 // fwd: how far (log2 units) a tile's max may pass the rows' reference max before it moves (fb_online_softmax)
@@ -425,15 +443,8 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
     FbBlock<F> k(fb_smem, fb_bars);
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
-        if (threadIdx.x < F::CW * 128 + 32) {              // its first warp
-            fb_walk<F>(items, [&](int j, int item) {
-                const FbItem t(item, BH, H, T, BM, true);
-                const int nkt = (min(t.r0 + BM, T) + BN - 1) / BN;     // key tiles up to the item's last query
-                fb_produce<F>(k.bars, k.res, k.ring, j, &map_q, t.h * HS, &map_q, 0, t.r0, &map_kv, (H * HS) + t.h * HS,
-                              &map_kv, 2 * (H * HS) + t.h * HS, 0, nkt, t.b, k.g0);
-                k.next_item(nkt);
-            });
-        }
+        if (threadIdx.x < F::CW * 128 + 32)                // its first warp
+            fb_produce_queries<F>(k, items, BH, H, T, &map_q, &map_q, &map_kv);
         return;
     }
     wg_regs_inc<F::CONSUMER_REGS>();
@@ -443,7 +454,7 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
     fb_walk<F>(items, [&](int j, int item) {
         const FbItem t(item, BH, H, T, BM, true);
         const int q0 = t.r0;
-        const int nkt = (min(q0 + BM, T) + BN - 1) / BN;     // key tiles up to the item's last query
+        const int nkt = t.key_tiles(T, BM, BN);              // key tiles up to the item's last query
         const int wr0 = q0 + 64 * k.wg + 16 * k.w;            // the warp's first query
         const int wg_last = fb_in(q0 + 64 * k.wg, T) ? q0 + 64 * k.wg + 63 : -1;   // -1: rows outside, no tile
         // row g's keep word of keys 2q, 2q + 1, + 8, + 9
@@ -593,15 +604,8 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     FbBlock<F> k(fb_smem, fb_bars);
     if (k.producer) {
         wg_regs_dec<F::PRODUCER_REGS>();
-        if (threadIdx.x < F::CW * 128 + 32) {              // its first warp
-            fb_walk<F>(items, [&](int j, int item) {
-                const FbItem t(item, BH, H, T, BM, true);
-                const int nkt = (min(t.r0 + BM, T) + BN - 1) / BN;
-                fb_produce<F>(k.bars, k.res, k.ring, j, &map_r, t.h * HS, &map_dy, t.h * HS, t.r0, &map_s,
-                              (H * HS) + t.h * HS, &map_s, 2 * (H * HS) + t.h * HS, 0, nkt, t.b, k.g0);
-                k.next_item(nkt);
-            });
-        }
+        if (threadIdx.x < F::CW * 128 + 32)                // its first warp
+            fb_produce_queries<F>(k, items, BH, H, T, &map_r, &map_dy, &map_s);
         return;
     }
     wg_regs_inc<F::CONSUMER_REGS>();
@@ -611,7 +615,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     fb_walk<F>(items, [&](int j, int item) {
         const FbItem t(item, BH, H, T, BM, true);
         const int q0 = t.r0;
-        const int nkt = (min(q0 + BM, T) + BN - 1) / BN;
+        const int nkt = t.key_tiles(T, BM, BN);
         const int wr0 = q0 + 64 * k.wg + 16 * k.w;
         const int wg_last = fb_in(q0 + 64 * k.wg, T) ? q0 + 64 * k.wg + 63 : -1;   // -1: rows outside, no tile
         const u32 rquad = (u32)(t.bh * T + wr0 + k.g) * W + (u32)k.q;
