@@ -273,6 +273,24 @@ struct FbItem {
 };
 // row i of a sequence of T rows (not before row 0, not past T)
 __device__ __forceinline__ bool fb_in(int i, int T) { return (unsigned)i < (unsigned)T; }
+// A query tile's work item (the forward's, dQ's) as a consumer warp sees it: the item's key tiles nkt, the
+// warp's first query wr0, its warpgroup's last query wg_last (-1: its rows are outside the sequence) and
+// tiles (0 .. tiles() - 1: a key tile past the warpgroup's last query has nothing for it), and the thread's
+// row g's keep word of keys 2q, 2q + 1, + 8, + 9 (rquad; W words a row)
+struct FbQueryItem : FbItem {
+    int nkt, wr0, wg_last;
+    u32 rquad;
+    __device__ __forceinline__ FbQueryItem(int item, int BH, int H, int T, int BM, int BN, int wg, int w, int g,
+                                           int q, u32 W)
+        : FbItem(item, BH, H, T, BM, true) {
+        nkt = key_tiles(T, BM, BN);
+        wr0 = r0 + 64 * wg + 16 * w;
+        wg_last = fb_in(r0 + 64 * wg, T) ? r0 + 64 * wg + 63 : -1;   // -1: rows outside, no tile
+        rquad = (u32)(bh * T + wr0 + g) * W + (u32)q;
+    }
+    // (a method, taken where the kernels need it: computed in the constructor it moved their machine code)
+    __device__ __forceinline__ int tiles(int BN) const { return wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1); }
+};
 
 // What every kernel sets up: the aligned base, barriers (the ring's; two full and two empty barriers of
 // the resident tiles' buffers), the thread's place; the producer warpgroup is told apart by `producer`.
@@ -452,20 +470,15 @@ flash_fwd_bf16(bf16* __restrict__ y,                        // [B,T,C]
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 W = gc_att_words(T);
     fb_walk<F>(items, [&](int j, int item) {
-        const FbItem t(item, BH, H, T, BM, true);
-        const int q0 = t.r0;
-        const int nkt = t.key_tiles(T, BM, BN);              // key tiles up to the item's last query
-        const int wr0 = q0 + 64 * k.wg + 16 * k.w;            // the warp's first query
-        const int wg_last = fb_in(q0 + 64 * k.wg, T) ? q0 + 64 * k.wg + 63 : -1;   // -1: rows outside, no tile
-        // row g's keep word of keys 2q, 2q + 1, + 8, + 9
-        const u32 rquad = (u32)(t.bh * T + wr0 + k.g) * W + (u32)k.q;
+        const FbQueryItem t(item, BH, H, T, BM, BN, k.wg, k.w, k.g, k.q, W);
+        const int nkt = t.nkt, wr0 = t.wr0;
         float o[HS / 2], m[2] = {ninf, ninf}, l[2] = {0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < HS / 2; ++i) o[i] = 0.f;
-        const FbFwdRows r{sl2, key, rquad, W, threshold, wr0, wr0 + k.g, k.q};
-        // the warpgroup's tiles are 0 .. nl - 1 (a key tile past its last query has nothing for it); the
-        // others are waited for and released all the same (the ring counts every consumer thread)
-        const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);
+        const FbFwdRows r{sl2, key, t.rquad, W, threshold, wr0, wr0 + k.g, k.q};
+        // the warpgroup's tiles are 0 .. nl - 1; the others are waited for and released all the same (the ring
+        // counts every consumer thread)
+        const int nl = t.tiles(BN);
         const unsigned qa = k.wait_resident(j) + k.wg * 64 * 128;      // the warpgroup's rows of Q
         if constexpr (NS >= 3) {
             // pipelined (a third ring stage): tile it's S = Q K^T is issued before tile it - 1's O += P V, and
@@ -613,12 +626,8 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
     const u32 key = fa_drop_key<DROP>(st, seed, site);
     const u32 W = gc_att_words(T);
     fb_walk<F>(items, [&](int j, int item) {
-        const FbItem t(item, BH, H, T, BM, true);
-        const int q0 = t.r0;
-        const int nkt = t.key_tiles(T, BM, BN);
-        const int wr0 = q0 + 64 * k.wg + 16 * k.w;
-        const int wg_last = fb_in(q0 + 64 * k.wg, T) ? q0 + 64 * k.wg + 63 : -1;   // -1: rows outside, no tile
-        const u32 rquad = (u32)(t.bh * T + wr0 + k.g) * W + (u32)k.q;
+        const FbQueryItem t(item, BH, H, T, BM, BN, k.wg, k.w, k.g, k.q, W);
+        const int nkt = t.nkt, wr0 = t.wr0;
         // D's operands (the row's quarter of dy and y, as stored) and lse are loaded first and D is summed once
         // the first tile's products are done, so that the loads' latency runs under the copies and the products
         float lse2[2], Dr[2];                                  // per row: lse in log2 units, D
@@ -638,7 +647,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
         float dq[HS / 2];
 #pragma unroll
         for (int i = 0; i < HS / 2; ++i) dq[i] = 0.f;
-        const int nl = wg_last < 0 ? 0 : min(nkt, wg_last / BN + 1);   // the warpgroup's tiles (as the forward's)
+        const int nl = t.tiles(BN);                            // the warpgroup's tiles (as the forward's)
         auto make_d = [&]() {                                  // D of the rows, written for dK / dV's kernel
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
@@ -666,7 +675,7 @@ flash_bwd_dq_bf16(bf16* __restrict__ dqkv,                  // [B,T,3C]: the q c
             unsigned ds[BN / 16][4];
             fb_scores_wait<HS, BM, BN>(k, 0, sc, dp, qa, da);   // S = Q K^T, dPd = dO V^T
             make_d();
-            const FbDqRows r{sl2, {lse2[0], lse2[1]}, {Dr[0], Dr[1]}, key, rquad, W, threshold, inv_keep, wr0,
+            const FbDqRows r{sl2, {lse2[0], lse2[1]}, {Dr[0], Dr[1]}, key, t.rquad, W, threshold, inv_keep, wr0,
                              wr0 + k.g, k.q};
             fb_dq_grads<BN, DROP>(sc, dp, 0, r);
             for (int it = 0; it + 1 < nl; ++it) {
