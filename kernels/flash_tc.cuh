@@ -466,6 +466,25 @@ __device__ __forceinline__ void fa_kv_ring(float* sm, const FaBlock<HS>& fb, int
 #define FA_TC_CHECK static_assert(THREADS == FA_THREADS && SMEM == 4 * F::SMEM, \
                                   "the launcher's plan: FA_THREADS threads, the layout's shared memory")
 
+// The layout of the query-tile kernels (the forward: NR = 1 resident tile, Q; dQ: NR = 2, Q and dO): 4 warps
+// x WR = 16 MT query rows, key tiles of BC through a ring of NS K/V stages, the resident tiles' fragments
+// in registers (AREG: staged through ring stages 1..) or the tiles kept in a buffer of their own.
+template <int HS, bool X3_, int MT_, int BC_, int NS_, bool AREG_, int NR> struct FaQueryTc {
+    static constexpr bool X3 = X3_;     // 3xTF32: hi and lo fragments
+    static constexpr int MT = MT_;
+    static constexpr int WR = 16 * MT;
+    static constexpr int BR = 4 * WR;
+    static constexpr int BC = BC_;
+    static constexpr bool AREG = AREG_;
+    static constexpr int NS = NS_;
+    static_assert(FA_TILES_OK, "tiles");
+    static constexpr int LD = HS + 4;
+    static constexpr int STAGE = 2 * BC * LD;                   // K, V
+    static constexpr int QBUF = NR * BR * LD;                   // Q (, dO)
+    static constexpr int QOFF = AREG ? STAGE : NS * STAGE;
+    static constexpr int SMEM = AREG ? (NS * STAGE > STAGE + QBUF ? NS * STAGE : STAGE + QBUF) : NS * STAGE + QBUF;
+};
+
 // ------------------------------------------------------------------------------- TC forward
 
 // 4 warps x WR = 16*MT query rows; key tiles of BC through the K/V ring. The Q tile (scaled by
@@ -473,21 +492,7 @@ __device__ __forceinline__ void fa_kv_ring(float* sm, const FaBlock<HS>& fb, int
 // 3xTF32 at head size 128: Q keeps its own buffer and is split from there per key tile).
 // Online softmax with a lazily moved reference max m per row: p = exp2(s - m) <= 2^FA_RESCALE_LOG2,
 // O and l are rescaled only when some row of the warp outgrows its m by more than that.
-template <int HS, bool X3_, int MT_, int BC_, int NS_, bool AREG_> struct FaFwdTc {
-    static constexpr bool X3 = X3_;     // 3xTF32: hi and lo fragments
-    static constexpr int MT = MT_;
-    static constexpr int WR = 16 * MT;
-    static constexpr int BR = 4 * WR;
-    static constexpr int BC = BC_;
-    static constexpr bool AREG = AREG_;                         // Q's fragments in registers, else Q resident
-    static constexpr int NS = NS_;
-    static_assert(FA_TILES_OK, "tiles");
-    static constexpr int LD = HS + 4;
-    static constexpr int STAGE = 2 * BC * LD;                   // K, V
-    static constexpr int QBUF = BR * LD;
-    static constexpr int QOFF = AREG ? STAGE : NS * STAGE;
-    static constexpr int SMEM = AREG ? (NS * STAGE > STAGE + QBUF ? NS * STAGE : STAGE + QBUF) : NS * STAGE + QBUF;
-};
+template <int HS, bool X3, int MT, int BC, int NS, bool AREG> using FaFwdTc = FaQueryTc<HS, X3, MT, BC, NS, AREG, 1>;
 
 template <int HS, bool DROP, class F>
 __device__ __forceinline__ void fa_fwd_tc_body(FA_ARGS_FWD) {
@@ -635,21 +640,7 @@ __device__ __forceinline__ void fa_fwd_tc_body(FA_ARGS_FWD) {
 
 // 4 warps x WR = 16*MT query rows; key tiles of BC through the K/V ring. Q (scaled by scale*log2 e)
 // and dO are A operands: in registers (AREG; staged through ring stages 1..) or a resident tile.
-template <int HS, bool X3_, int MT_, int BC_, int NS_, bool AREG_> struct FaDqTc {
-    static constexpr bool X3 = X3_;
-    static constexpr int MT = MT_;
-    static constexpr int WR = 16 * MT;
-    static constexpr int BR = 4 * WR;
-    static constexpr int BC = BC_;
-    static constexpr bool AREG = AREG_;                         // Q's and dO's fragments in registers
-    static constexpr int NS = NS_;
-    static_assert(FA_TILES_OK, "tiles");
-    static constexpr int LD = HS + 4;
-    static constexpr int STAGE = 2 * BC * LD;                   // K, V
-    static constexpr int QBUF = 2 * BR * LD;                    // Q, dO
-    static constexpr int QOFF = AREG ? STAGE : NS * STAGE;
-    static constexpr int SMEM = AREG ? (NS * STAGE > STAGE + QBUF ? NS * STAGE : STAGE + QBUF) : NS * STAGE + QBUF;
-};
+template <int HS, bool X3, int MT, int BC, int NS, bool AREG> using FaDqTc = FaQueryTc<HS, X3, MT, BC, NS, AREG, 2>;
 
 template <int HS, bool DROP, class F>
 __device__ __forceinline__ void fa_dq_tc_body(FA_ARGS_BWD) {
