@@ -15,6 +15,19 @@
 // C only (recompute's backward: the GELU output for the weight gradient after it, no separate pass)
 #define GEMM_EPI_DGELU_GELU 5
 
+// The fp32-operand GEMM kernels' arguments (gemm_simt, gemm_tf32, gemm_wgmma: its TF32 form reads A [batch, M, K]
+// and B [batch, N, K] only). Split-K: `splits` partial products of k_chunk columns each, into C's
+// [batch*splits] matrices (the reduction sums them).
+#define GEMM_ARGS_F32                                                                                          \
+    float* C,                        /* C [batch*splits, M, N], row stride ldc, matrix stride sC */           \
+    float* aux,                      /* same layout as C (GELU: pre out; RESID: in, may be C; DGELU: */      \
+                                     /*   pre-activation in, not C) */                                       \
+    const float* __restrict__ A,     /* A [batch, M, K] or [batch, K, M] (TA), row stride lda, stride sA */  \
+    const float* __restrict__ B,     /* B [batch, K, N] or [batch, N, K] (TB), row stride ldb, stride sB */  \
+    const float* __restrict__ bias,  /* bias [N] or null */                                                  \
+    int M, int N, int K, int lda, int ldb, int ldc, long long sA, long long sB, long long sC, float alpha,   \
+    int splits, int k_chunk
+
 // Epilogues that read aux (residual input, saved pre-activation) / that touch aux at all.
 #define GEMM_EPI_READS_AUX(E) ((E) == GEMM_EPI_RESID || (E) == GEMM_EPI_DGELU || (E) == GEMM_EPI_DGELU_GELU)
 #define GEMM_EPI_USES_AUX(E) ((E) == GEMM_EPI_GELU || GEMM_EPI_READS_AUX(E))

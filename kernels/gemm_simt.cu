@@ -50,15 +50,7 @@ __device__ __forceinline__ float4 gemm_ld4(const float* __restrict__ p, bool row
 // blocks per SM asked of the register allocator, are the launcher's (families.py SIMT_BLOCKS_PER_SM).
 template <int BM, int BN, bool TA, bool TB, int EPI, bool HAS_BIAS, bool VEC, int THREADS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemm_simt(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
-          float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C;
-                                           //   DGELU: pre-activation in, not C)
-          const float* __restrict__ A,     // A [batch, M, K] or [batch, K, M] (TA), stride sA
-          const float* __restrict__ B,     // B [batch, K, N] or [batch, N, K] (TB), stride sB
-          const float* __restrict__ bias,  // bias [N] or null
-          int M, int N, int K, int lda, int ldb, int ldc,
-          long long sA, long long sB, long long sC,
-          float alpha, int splits, int k_chunk) {
+gemm_simt(GEMM_ARGS_F32) {
     constexpr int BK = 8;
     constexpr int PAD = 4;
     static_assert(THREADS == (BM / 8) * (BN / 8), "a thread computes an 8x8 tile of the block's");

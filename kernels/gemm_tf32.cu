@@ -190,15 +190,7 @@ __device__ __forceinline__ void tf32_stage_scalar(float* sm, const float* __rest
 template <int BM, int BN, int BK, int WM, int WN, int STAGES, bool TA, bool TB, int EPI, bool HAS_BIAS,
           bool VEC, int THREADS, int SMEM, int MIN_BLOCKS>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemm_tf32(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
-          float* aux,                      // aux: same layout as C (GELU: pre out; RESID: in, may be C;
-                                           //   DGELU: pre-activation in, not C)
-          const float* __restrict__ A,     // A [batch, M, K] or [batch, K, M] (TA), stride sA
-          const float* __restrict__ B,     // B [batch, K, N] or [batch, N, K] (TB), stride sB
-          const float* __restrict__ bias,  // bias [N] or null
-          int M, int N, int K, int lda, int ldb, int ldc,
-          long long sA, long long sB, long long sC,
-          float alpha, int splits, int k_chunk) {
+gemm_tf32(GEMM_ARGS_F32) {
     static_assert(BK == GEMM_TF32_BK, "the layouts assume a 32-wide k tile");
     static_assert(THREADS == WM * WN * 32, "one warp a WTM x WTN warp tile");
     static_assert(SMEM == STAGES * (BM + BN) * BK * 4, "a ring of STAGES k tiles of A and B");

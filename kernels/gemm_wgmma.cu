@@ -405,15 +405,7 @@ struct WgStager {
 
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1)
-gemm_wgmma(float* C,                        // C [batch*splits, M, N], row stride ldc, matrix stride sC
-           float* aux,                      // aux: as in gemm_tf32 (GELU: pre out; RESID: in, may be C;
-                                            //   DGELU: pre-activation in, not C)
-           const float* __restrict__ A,     // A [batch, M, K], row stride lda, stride sA
-           const float* __restrict__ B,     // B [batch, N, K], row stride ldb, stride sB
-           const float* __restrict__ bias,  // bias [N] or null
-           int M, int N, int K, int lda, int ldb, int ldc,
-           long long sA, long long sB, long long sC,
-           float alpha, int splits, int k_chunk) {
+gemm_wgmma(GEMM_ARGS_F32) {
     static_assert(THREADS == BM / 64 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024,
                   "a warpgroup a 64-row slice; STAGES slots of A and B, 1 KB to align them");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
