@@ -26,7 +26,7 @@ from gptcuda.files import atomic_open
 
 __all__ = [
     "Config", "ConfigError", "load_config", "apply_overrides", "save_config",
-    "format_config", "validate", "validate_against_data", "accum_steps", "model_vocab",
+    "format_config", "validate", "validate_against_data", "accum_steps", "model_vocab", "recompute_layers",
     "PRECISIONS", "ATTENTIONS", "BACKENDS", "config_keys", "MODEL_KEYS", "compare_for_resume",
 ]
 
@@ -64,7 +64,7 @@ class Config:
     gemm_tune: str = "auto"  # GEMM plans: auto (measure what the GPU's table lacks, at setup) | table | off
     backend: str = "cuda"  # cuda | reference
     graph: bool = True  # capture the training step in a CUDA graph
-    recompute: bool = False  # recompute the MLP's GELU output in the backward instead of storing it
+    recompute: bool | int = False  # rebuild the MLP's GELU output in the backward, not store it: true (every layer) | false | N (the first N layers)
     device: int = 0  # data parallel: each rank takes LOCAL_RANK instead
     zero: int = 0  # data parallel: 1 shards the Adam state over the ranks (ZeRO-1)
     # recipe
@@ -129,14 +129,15 @@ def config_keys() -> list[tuple[str, str, Any, str]]:
 # field types
 
 _TYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
+BOOL_OR_INT = (bool, int)   # a switch that also takes a count (recompute: true, false or a number of layers)
 
 
-def _field_types() -> dict[str, type]:
+def _field_types() -> dict[str, type | tuple]:
     out = {}
     for f in fields(Config):
         t = f.type
         if isinstance(t, str):  # postponed annotations
-            t = _TYPE_NAMES[t]
+            t = BOOL_OR_INT if t == "bool | int" else _TYPE_NAMES[t]
         out[f.name] = t
     return out
 
@@ -157,6 +158,11 @@ def _type_name(v: Any) -> str:
 def _coerce(key: str, value: Any, where: str) -> Any:
     """Check `value` against the declared type of `key`; ints are widened to floats."""
     t = _FIELD_TYPES[key]
+    if t == BOOL_OR_INT:
+        if not isinstance(value, int):   # bool is an int
+            raise ConfigError(f"config key '{key}' ({where}) expects true, false or an integer, "
+                              f"got {_type_name(value)} {value!r}", key)
+        return value
     bad = ConfigError(
         f"config key '{key}' ({where}) expects {t.__name__}, got {_type_name(value)} {value!r}", key)
     if t is bool:
@@ -359,6 +365,9 @@ def validate(cfg: Config) -> Config:
         raise err("gemm_tune", f"must be one of {'|'.join(GEMM_TUNES)}, got {cfg.gemm_tune!r}")
     if cfg.backend not in BACKENDS:
         raise err("backend", f"must be one of {'|'.join(BACKENDS)}, got {cfg.backend!r}")
+    if not isinstance(cfg.recompute, bool) and not 0 <= cfg.recompute <= cfg.n_layer:
+        raise err("recompute", f"must be true, false or a number of layers in [0, n_layer = {cfg.n_layer}], "
+                               f"got {cfg.recompute}")
     if cfg.zero not in (0, 1):
         raise err("zero", f"must be 0 (every rank keeps the whole Adam state) or 1 (ZeRO-1: sharded), got {cfg.zero}")
     if cfg.min_lr < 0:
@@ -407,6 +416,14 @@ def accum_steps(cfg: Config, world: int = 1) -> int:
             f"config key 'total_batch_tokens' ({cfg.total_batch_tokens}) must be a multiple of batch_size x "
             f"block_size{gpus} = {micro}", "total_batch_tokens")
     return cfg.total_batch_tokens // micro
+
+
+def recompute_layers(cfg: Config) -> int:
+    """How many layers rebuild their GELU output in the backward instead of storing it: the first
+    this many (recompute true: every layer, false: none, an integer: that many)."""
+    if isinstance(cfg.recompute, bool):
+        return cfg.n_layer if cfg.recompute else 0
+    return cfg.recompute
 
 
 def model_vocab(cfg: Config, tokenizer_vocab: int) -> int:

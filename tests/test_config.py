@@ -94,6 +94,9 @@ def test_unknown_key_without_close_match():
     ("--max_iters=", "max_iters"),
     ("--dropout=[0.1]", "dropout"),
     ("--eps=.nan", "eps"),
+    ("--recompute=2.0", "recompute"),
+    ("--recompute=yes", "recompute"),
+    ("--recompute=", "recompute"),
 ])
 def test_bad_type(override, key):
     with pytest.raises(ConfigError) as e:
@@ -113,6 +116,16 @@ def test_bool_from_true_false_only(tmp_path):
     assert c.bias is False and c.checkpoint is False and c.graph is False
     with pytest.raises(ConfigError):
         load_config(write(tmp_path, "bias: no\n"), [])
+
+
+def test_recompute_takes_a_switch_or_a_count(tmp_path):
+    """recompute: true (every layer), false (none) or how many layers, the first ones, rebuild the GELU
+    output; the value is kept as written (a saved config reads back the same)."""
+    from gptcuda.config import recompute_layers
+    for text, value, n in (("true", True, 6), ("false", False, 0), ("0", 0, 0), ("4", 4, 4), ("6", 6, 6)):
+        c = load_config(write(tmp_path, f"recompute: {text}\n"), [])
+        assert c.recompute == value and type(c.recompute) is type(value) and recompute_layers(c) == n
+    assert recompute_layers(load_config(None, ["--recompute=3", "--n_layer=3"])) == 3
 
 
 def test_override_without_equals():
@@ -150,6 +163,8 @@ def test_hyphenated_override_key():
     (["--eps=0"], "eps"),
     (["--weight_decay=-0.1"], "weight_decay"),
     (["--grad_clip=-1"], "grad_clip"),
+    (["--recompute=7"], "recompute"),       # more than n_layer (6)
+    (["--recompute=-1"], "recompute"),
 ])
 def test_bad_values(overrides, key):
     with pytest.raises(ConfigError) as e:

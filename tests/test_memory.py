@@ -166,3 +166,19 @@ def test_plan_bf16_activations():
         assert b16[name].dtype == f32[name].dtype
     assert b16["params_bf16"].numel == t.total and b16["params_bf16"].nbytes == 2 * t.total
     assert "params_bf16" not in [e.name for e in f32.entries]
+
+
+@pytest.mark.parametrize("batch,peak_gib", [(8, 5.12), (16, 8.45)])
+def test_gpt2_config_plans_within_pytorchs_peak(batch, peak_gib):
+    """configs/gpt2_124m.yaml (bf16) plans no more than torch.compile + bf16 autocast's measured peak on the
+    H200 at the same batch (bench/NOTES.md: 5.12 GiB at B8, 8.45 at B16): its recompute count is the
+    fewest rebuilt layers that keep B8 there; one layer fewer would not."""
+    from gptcuda.config import recompute_layers
+    from gptcuda.training.engine import plan_for
+    cfg = load_config("configs/gpt2_124m.yaml", [f"--batch_size={batch}", "--total_batch_tokens=0"])
+    gib = plan_for(cfg, 50304).total_bytes / 2**30
+    assert gib <= peak_gib, gib
+    if batch == 8:
+        fewer = load_config("configs/gpt2_124m.yaml", ["--batch_size=8", "--total_batch_tokens=0",
+                                                       f"--recompute={recompute_layers(cfg) - 1}"])
+        assert plan_for(fewer, 50304).total_bytes / 2**30 > peak_gib

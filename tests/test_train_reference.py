@@ -108,20 +108,26 @@ def test_train_without_gpu_stops_with_one_line(tmp_path):
     assert len(p.stderr.strip().splitlines()) == 1 and "no NVIDIA GPU" in p.stderr, p.stderr
 
 
-def test_recompute_changes_memory_not_results():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_recompute_changes_memory_not_results(precision):
+    """recompute false, 1 (of tiny's 2 layers: the first rebuilds, the second stores) and true: the same
+    losses bit for bit, each rebuilt layer's GELU output (one [B, T, 4C] slice of fc_act) fewer bytes."""
     from gptcuda.data.text import TextDataset
     from gptcuda.training.engine import Engine
     data = TextDataset("data/tinyshakespeare/input.txt")
     hist = {}
-    for rc in (False, True):
+    for rc in ("false", "1", "true"):
         cfg = load_config("configs/tiny.yaml", ["--backend=reference", "--dropout=0.1", "--max_iters=4",
-                                                f"--recompute={str(rc).lower()}"])
+                                                f"--precision={precision}", f"--recompute={rc}"])
         e = Engine(cfg, data.train, data.val, data.vocab_size, programs=("train",))
         for _ in range(4):
             e.train_step()
-        hist[rc] = (e.loss_history(4), e.plan.total_bytes, "fc_act" in e.bufs.acts)
-    assert np.array_equal(hist[False][0], hist[True][0])
-    assert hist[True][1] < hist[False][1] and hist[False][2] and not hist[True][2]
+        fc_act = e.bufs.acts.get("fc_act")
+        hist[rc] = (e.loss_history(4), e.plan.total_bytes, 0 if fc_act is None else fc_act.shape[0])
+    assert np.array_equal(hist["false"][0], hist["1"][0]) and np.array_equal(hist["false"][0], hist["true"][0])
+    assert [hist[rc][2] for rc in ("false", "1", "true")] == [2, 1, 0]
+    layer = cfg.batch_size * cfg.block_size * 4 * cfg.n_embd * (2 if precision == "bf16" else 4)
+    assert hist["false"][1] - hist["1"][1] >= layer and hist["1"][1] - hist["true"][1] >= layer
 
 
 @pytest.mark.parametrize("arch,wgmma_env,over,peak", [

@@ -12,6 +12,7 @@ padded past the tokenizer's n_vocab: the loss masks the padded columns.
 """
 from __future__ import annotations
 
+from gptcuda.config import recompute_layers
 from gptcuda.model import rng
 
 
@@ -25,6 +26,7 @@ class GPT:
         self.n_vocab = n_vocab    # the tokenizer's vocabulary (None: all of V)
         self.accum = accum        # micro-batches per training step
         self.micro = 0            # the micro-batch being recorded
+        self.rebuilt = recompute_layers(cfg)   # layers 0 .. rebuilt-1 rebuild their GELU output in the backward
 
     def site(self, site):
         """The random stream of a dropout site in the micro-batch being recorded."""
@@ -75,9 +77,10 @@ class GPT:
         return None
 
     def fc_act(self, l):
-        """Where layer l's GELU output lives: stored per layer, or (recompute) in the shared dfc
-        buffer during the forward, rebuilt over fc_pre[l] in the backward."""
-        return self.a["dfc"] if self.cfg.recompute else self.a["fc_act"][l]
+        """Where layer l's GELU output lives: stored (fc_act holds the layers from `rebuilt` on), or
+        (recompute, the first `rebuilt` layers) in the shared dfc buffer during the forward, rebuilt
+        over fc_pre[l] in the backward."""
+        return self.a["dfc"] if l < self.rebuilt else self.a["fc_act"][l - self.rebuilt]
 
     def saved(self, l):
         """Layer l's tensors saved by the attention implementation for its backward (plan entries saved_*)."""
@@ -113,7 +116,7 @@ class GPT:
         for l in reversed(range(L)):
             h = f"h{l}."
             # mlp half: res[l+1] = mid + drop(fc_act @ fcproj^T + b); d: its branch's gradient
-            if cfg.recompute:     # dfc: the pre-activation's gradient; fc_pre[l]: rebuilt into the GELU output
+            if l < self.rebuilt:  # dfc: the pre-activation's gradient; fc_pre[l]: rebuilt into the GELU output
                 pre = a["fc_pre"][l]
                 if o.exec.gelu_in_dgelu:
                     o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu_gelu", aux=pre)
@@ -122,7 +125,7 @@ class GPT:
                     o.gelu_fwd(pre, pre)
                 o.matmul(g[h + "fcproj.w"], d, pre, True, False)
             else:
-                o.matmul(g[h + "fcproj.w"], d, a["fc_act"][l], True, False)
+                o.matmul(g[h + "fcproj.w"], d, self.fc_act(l), True, False)
                 o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
             o.matmul(dln, dfc, w[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
             o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False, a_colsum=g.get(h + "fc.b"))

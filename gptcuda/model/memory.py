@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gptcuda.config import recompute_layers
 from gptcuda.model import state
 from gptcuda.model.params import ParamTable
 
@@ -159,8 +160,10 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
     p.add("ln2_rstd", (L, B, T), "f32", "activation")
     p.add("fc_pre", (L, B, T, 4 * C), act, "activation",
           "mlp pre-activation (for GELU backward; with recompute rebuilt into the GELU output there)")
-    if not cfg.recompute:
-        p.add("fc_act", (L, B, T, 4 * C), act, "activation", "mlp GELU output")
+    r = recompute_layers(cfg)           # the first r layers rebuild their GELU output, the rest store it
+    if r < L:
+        p.add("fc_act", (L - r, B, T, 4 * C), act, "activation",
+              "mlp GELU output" + (f" of layers {r}-{L - 1} (recompute rebuilds the first {r})" if r else ""))
     p.add("lnf", (B, T, C), act, "activation", "final layernorm output")
     p.add("lnf_mean", (B, T), "f32", "activation")
     p.add("lnf_rstd", (B, T), "f32", "activation")

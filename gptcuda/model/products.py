@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from gptcuda.config import recompute_layers
 from gptcuda.runtime import execution
 
 
@@ -74,9 +75,11 @@ def products(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
         add("dX head", Ntok, C, V, False, False, count=1)
         add("dW wte", V, C, Ntok, True, False, count=1)
         add("dW fcproj", C, 4 * C, Ntok, True, False, count=L)       # (its bias: the layernorm backward's ds)
-        rebuild = cfg.recompute and ex.gelu_in_dgelu
-        add("dX fcproj +dgelu" + (" +gelu" if rebuild else ""), Ntok, 4 * C, C, False, False,
-            "dgelu_gelu" if rebuild else "dgelu", count=L)
+        rebuilt = recompute_layers(cfg) if ex.gelu_in_dgelu else 0   # else a gelu pass after the dgelu product
+        if rebuilt < L:
+            add("dX fcproj +dgelu", Ntok, 4 * C, C, False, False, "dgelu", count=L - rebuilt)
+        if rebuilt:
+            add("dX fcproj +dgelu +gelu", Ntok, 4 * C, C, False, False, "dgelu_gelu", count=rebuilt)
         add("dX fcproj", Ntok, 4 * C, C, False, False, count=0)          # the unfused form (+ gelu_bwd)
         add("dW fc", 4 * C, C, Ntok, True, False, count=L, colsum=bias)
         add("dX fc", Ntok, C, 4 * C, False, False, count=L)
