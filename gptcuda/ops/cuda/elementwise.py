@@ -91,11 +91,9 @@ SUMS_ALIGN = 64           # floats: every region starts 256-byte aligned
 
 
 def workspace(cfg, ex=None) -> dict:
-    """Bias-gradient partials: [MAX_CHUNKS, max(4C, 3C, V)] floats. (The deferred sums' ring SUMS is
-    planned by layernorm.workspace, which knows both of its users' sizes.)"""
-    C = int(cfg.n_embd)
-    width = max(4 * C, 3 * C, C, int(cfg.vocab_size or 0))
-    return {WORKSPACE: ((MAX_CHUNKS, width), "f32")}
+    """Bias-gradient partials: [MAX_CHUNKS, 4C] floats, the widest bias (fc's; the head has none). (The
+    deferred sums' ring SUMS is planned by layernorm.workspace, which knows both of its users' sizes.)"""
+    return {WORKSPACE: ((MAX_CHUNKS, 4 * int(cfg.n_embd)), "f32")}
 
 
 def _ew_geometry(n: int, vec: int):
