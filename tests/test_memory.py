@@ -104,6 +104,24 @@ def test_plan_refused_when_too_large():
     check_fits(_plan(cfg_small()), 139 * 2**30, cfg_small())      # a small one passes
 
 
+@pytest.mark.parametrize("recompute", ["false", "2"])
+def test_plan_refused_names_the_recompute_count_that_fits(recompute):
+    """A plan that stores GELU outputs and is too large names the fewest layers whose GELU output, rebuilt
+    instead, would make it fit (and that plan does fit); none where even every layer would not do."""
+    cfg = load_config("configs/tiny.yaml", [f"--recompute={recompute}", "--n_layer=6"])
+    p = _plan(cfg)
+    layer = p["fc_act"].nbytes // p["fc_act"].shape[0]
+    free = p.total_bytes - 2 * layer - 1                # three layers more have to rebuild it
+    with pytest.raises(PlanTooLarge) as e:
+        check_fits(p, free, cfg)
+    n = {"false": 0, "2": 2}[recompute] + 3
+    assert f"--recompute={n} (the GELU output rebuilt in {n} of 6 layers" in str(e.value)
+    check_fits(_plan(load_config("configs/tiny.yaml", [f"--recompute={n}", "--n_layer=6"])), free, cfg)
+    with pytest.raises(PlanTooLarge) as e:
+        check_fits(p, p.total_bytes - 7 * layer, cfg)
+    assert "--recompute=" not in str(e.value)
+
+
 def test_duplicate_entry_rejected():
     p = MemoryPlan(param_table(cfg_small(), 65))
     p.add("x", (2,))

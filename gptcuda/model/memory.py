@@ -124,6 +124,14 @@ def check_fits(plan: MemoryPlan, free_bytes: int, cfg, hints: list | None = None
         return
     if hints is None:
         hints = [f"--batch_size={max(1, cfg.batch_size // 2)}", f"--block_size={max(1, cfg.block_size // 2)}"]
+        stored = next((e for e in plan.entries if e.name == "fc_act"), None)
+        if stored is not None:     # the fewest more layers rebuilding their GELU output that make it fit
+            per_layer = stored.nbytes // stored.shape[0]
+            more = -(-(plan.total_bytes - free_bytes) // per_layer)
+            if more <= stored.shape[0]:
+                n = recompute_layers(cfg) + more
+                hints.insert(0, f"--recompute={n} (the GELU output rebuilt in {n} of {cfg.n_layer} layers: "
+                                f"{(plan.total_bytes - more * per_layer) / 2**30:.2f} GiB)")
         if cfg.attention == "unfused":
             hints.insert(0, "--attention=fused (no [B,H,T,T] probabilities saved)")
     raise PlanTooLarge(
