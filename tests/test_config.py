@@ -128,6 +128,15 @@ def test_recompute_takes_a_switch_or_a_count(tmp_path):
     assert recompute_layers(load_config(None, ["--recompute=3", "--n_layer=3"])) == 3
 
 
+def test_resume_compare_tells_recompute_true_from_one():
+    """A checkpoint's recompute true (every layer) against an override of 1 (the first layer) is a change."""
+    from gptcuda.config import compare_for_resume
+    cfg = load_config(None, ["--recompute=1"])
+    saved = {**cfg.to_dict(), "vocab_size": 65}
+    assert compare_for_resume({**saved, "recompute": True}, cfg, 65) == ([], ["recompute True -> 1"])
+    assert compare_for_resume({**saved, "recompute": 1}, cfg, 65) == ([], [])
+
+
 def test_override_without_equals():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["--max_iters"])
