@@ -452,10 +452,9 @@ def compare_for_resume(saved: dict, cfg: Config, vocab: int) -> tuple[list[str],
         if key in _PLACE_KEYS or key == "vocab_multiple" or key not in saved:
             continue
         old, new = saved[key], now[key]
-        if isinstance(old, bool) != isinstance(new, bool):    # recompute: true is not 1
-            pass
-        elif old == new or (isinstance(old, (int, float)) and isinstance(new, (int, float))
-                            and not isinstance(old, bool) and float(old) == float(new)):
+        same_kind = isinstance(old, bool) == isinstance(new, bool)      # recompute: true is not 1
+        if same_kind and (old == new or (isinstance(old, (int, float)) and isinstance(new, (int, float))
+                                         and float(old) == float(new))):
             continue
         text = f"{key} {old!r} -> {new!r}" if isinstance(new, str) else f"{key} {old} -> {new}"
         if key == "vocab_size" and cfg.vocab_size == 0:
