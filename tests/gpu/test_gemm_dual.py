@@ -107,11 +107,12 @@ def test_dual_replayed_in_a_graph(bf16_rt):
     shapes = [(3000, 768, 768, "none"), (200, 128, 256, "none"), (2048, 512, 1536, "dgelu")]
     layers = [_layer(rt, rng, T, K, N, e) for T, K, N, e in shapes]
     ins = [tuple(None if v is None else rt.upload(v, "bf16") for v in lay) for lay in layers]
-    outs = [(rt.empty((T, K), "bf16"), rt.empty((N, K)), rt.empty((N,))) for T, K, N, _ in shapes]
+    outs = [(rt.empty((T, K), "bf16"), rt.empty((N, K))) + ((rt.empty((N,)),) if e == "none" else ())
+            for T, K, N, e in shapes]
 
     def record():
-        for (dy, x, w, pre), (dx, dw, db), (_, _, _, e) in zip(ins, outs, shapes):
-            gemm.matmul_pair(rt, dx, dw, dy, x, w, db=db, epilogue=e, aux=pre)
+        for (dy, x, w, pre), (dx, dw, *db), (_, _, _, e) in zip(ins, outs, shapes):
+            gemm.matmul_pair(rt, dx, dw, dy, x, w, db=db[0] if db else None, epilogue=e, aux=pre)
     record()
     eager = [[_bits(rt, v) for v in o] for o in outs]
     prog = rt.begin("pairs")
@@ -124,7 +125,7 @@ def test_dual_replayed_in_a_graph(bf16_rt):
                 rt.fill(v, 0x7FC00000 if v.dtype == "f32" else 0x7FC07FC0)
         g.launch()
         assert all(np.array_equal(_bits(rt, v), e) for o, eo in zip(outs, eager) for v, e in zip(o, eo))
-    for (dy, x, w, pre), (dx, dw, db), (_, _, _, e) in zip(layers, outs, shapes):
+    for (dy, x, w, pre), (dx, dw, *db) in zip(layers, outs):
         assert rel_err(rt.download(dw), dy.T @ x) <= FP32_TOL
 
 
@@ -154,6 +155,7 @@ def test_pair_plans_at_gpt2():
                 dc.replace(gx, epilogue="dgelu_gelu"), dc.replace(gx, batch=2)):
         assert pair_plan(gw, bad) is None
     assert pair_plan(dc.replace(gw, ta=False), gx) is None
+    assert pair_plan(dc.replace(gw, colsum=True), dc.replace(gx, epilogue="dgelu")) is None
 
 
 def test_dual_time_is_a_list_schedule():

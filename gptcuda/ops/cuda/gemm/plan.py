@@ -161,12 +161,13 @@ def dual_time(gw: Product, gx: Product, tile, splits, k_chunk, sm_count=132) -> 
 
 
 def pair_plan(gw: Product, gx: Product, sm_count=132, max_ws=0) -> Plan | None:
-    """The plan of gemm_wgmma_dual for weight gradient gw (TN, fp32 C, plain, colsum allowed) and input
-    gradient gx (NN, bf16 C, none or dgelu) over the same dY: the tile (DUAL_TILES) and gw's split count
+    """The plan of gemm_wgmma_dual for weight gradient gw (TN, fp32 C, plain; colsum beside a plain gx) and
+    input gradient gx (NN, bf16 C, none or dgelu) over the same dY: the tile (DUAL_TILES) and gw's split count
     (up to PAIR_MAX_SPLITS, partials within max_ws floats) of the least dual_time; None where the pair
     cannot run as one (layouts, epilogues, unaligned operands)."""
     if (gw.layout, gx.layout) != ("TN", "NN") or gw.epilogue != "none" or gw.bias or gx.bias or gx.colsum or \
-            epi_code(gx) not in DUAL_EPIS or gw.batch != 1 or gx.batch != 1 or not (gw.vec and gx.vec):
+            epi_code(gx) not in DUAL_EPIS or gw.batch != 1 or gx.batch != 1 or not (gw.vec and gx.vec) or \
+            gw.colsum and epi_code(gx) != DUAL_EPIS[0]:      # (no variant: the dgelu pair, fcproj's, sums no bias)
         return None
     best = None
     for tile in DUAL_TILES:
