@@ -185,10 +185,9 @@ def matmul_pair(rt, dx, dw, dy, x, w, db=None, epilogue="none", aux=None, ex=Non
     if ex.grad_pairs and ex.gemm_family == "bf16" and dx.dtype == "bf16" and dw.dtype == "f32":
         _check_dtypes("matmul_pair", "bf16", dw, dy, x)
         _check_dtypes("matmul_pair", "bf16", dx, dy, w, aux=aux)
-        gw = Product(Mw, Nw, Kw, True, False, colsum=db is not None, vec=_vec_ok(dy, x, ldaw, ldbw),
-                     label=f"dual dw[{Mw}x{Nw}x{Kw}]")
-        gx = Product(Mx, Nx, Kx, False, False, epilogue, vec=_vec_ok(dy, w, ldax, ldbx),
-                     label=f"dual dx[{Mx}x{Nx}x{Kx}]")
+        label = f"matmul_pair[dW {Mw}x{Nw}x{Kw} + dX {Mx}x{Nx}x{Kx}]"
+        gw = Product(Mw, Nw, Kw, True, False, colsum=db is not None, vec=_vec_ok(dy, x, ldaw, ldbw), label=label)
+        gx = Product(Mx, Nx, Kx, False, False, epilogue, vec=_vec_ok(dy, w, ldax, ldbx), label=label)
         ws = planned(rt, "gemm_splitk")
         room = ws.numel if ws is not None else 0
         p = pair_plan(gw, gx, rt.info.sm_count, room)
@@ -222,7 +221,7 @@ def _launch_dual(rt, p: Plan, gw: Product, gx: Product, dx, dw, dy, x, w, db, au
             *_store_maps(rt, gx, dx, aux, gx.N, 1), _tile_counter(rt)]
     total = cdiv(gw.M, p.tile[0]) * cdiv(gw.N, p.tile[1]) * p.splits + cdiv(gx.M, p.tile[0]) * cdiv(gx.N, p.tile[1])
     rt.launch(fn, (max(1, min(total, rt.info.sm_count)),), (geo.threads,), args, smem=geo.smem,
-              label=f"{gw.label}+{gx.label}" + ("" if whole else f":splitk{p.splits}"))
+              label=gw.label + ("" if whole else f":splitk{p.splits}"))
     if not whole:
         _reduce(rt, p, gw, dw, None, ws, None, gw.N)
     if part is not None:
