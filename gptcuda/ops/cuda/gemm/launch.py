@@ -8,9 +8,9 @@ import weakref
 from gptcuda.ops.backend import check_matmul, rows
 from gptcuda.ops.cuda import cdiv, elementwise, planned
 from gptcuda.runtime import Blob, DeviceView, f32, i32, u64
-from gptcuda.ops.cuda.gemm.families import (BF16_STORE_BOX, EPI_NONE, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS, SIMT_FILE,
-                                            TRANSPOSE_THREADS, TRANSPOSE_TILE, WGMMA_FILE, DUAL_TILES, dual_name, epi_code,
-                                            layout_code, reduce_name, transpose_name)
+from gptcuda.ops.cuda.gemm.families import (BF16_STORE_BOX, DUAL_TILES, EPI_NONE, MAX_GRID_Z, PRODUCTS,
+                                            REDUCE_THREADS, SIMT_FILE, TRANSPOSE_THREADS, TRANSPOSE_TILE, WGMMA_FILE,
+                                            dual_name, epi_code, layout_code, reduce_name, transpose_name)
 from gptcuda.model.products import Product
 from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Plan, make_plan, pair_plan, plan_unfit, split_room
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
@@ -182,7 +182,7 @@ def matmul_pair(rt, dx, dw, dy, x, w, db=None, epilogue="none", aux=None, ex=Non
     check_matmul(dw, True, None, "none", None, db)
     check_matmul(dx, False, None, epilogue, aux, None)
     p = None
-    if ex.grad_pairs and ex.gemm_family == "bf16" and dx.dtype == "bf16" and dw.dtype == "f32":
+    if ex.grad_pairs and dx.dtype == "bf16" and dw.dtype == "f32":       # (grad_pairs: the bf16 family)
         _check_dtypes("matmul_pair", "bf16", dw, dy, x)
         _check_dtypes("matmul_pair", "bf16", dx, dy, w, aux=aux)
         label = f"matmul_pair[dW {Mw}x{Nw}x{Kw} + dX {Mx}x{Nx}x{Kx}]"
@@ -201,7 +201,7 @@ def matmul_pair(rt, dx, dw, dy, x, w, db=None, epilogue="none", aux=None, ex=Non
             raise ValueError("matmul_pair: 'dgelu' reads aux while writing dx: they must not overlap")
     if p is None:
         if plan is not None:
-            raise ValueError(f"matmul_pair: a forced plan needs the bf16 family with grad_pairs, bf16 dx, fp32 dw")
+            raise ValueError("matmul_pair: a forced plan needs the bf16 family with grad_pairs, bf16 dx, fp32 dw")
         matmul(rt, dx, dy, w, False, False, epilogue=epilogue, aux=aux, ex=ex)
         matmul(rt, dw, dy, x, True, False, ex=ex, a_colsum=db)
         return

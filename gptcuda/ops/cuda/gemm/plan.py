@@ -10,8 +10,8 @@ from gptcuda.ops.cuda import cdiv
 from gptcuda.runtime import execution
 from gptcuda.runtime.execution import GEMM_FAMILIES
 from gptcuda.model.products import Product
-from gptcuda.ops.cuda.gemm.families import (DUAL_EPIS, DUAL_TILES, EPI_IO, FAMILIES, MAX_SPLITS, PRODUCTS, SPLIT_ALIGN, WGMMA_FILE, epi_code,
-                                            layout_code)
+from gptcuda.ops.cuda.gemm.families import (DUAL_EPIS, DUAL_TILES, EPI_IO, FAMILIES, MAX_SPLITS, PRODUCTS,
+                                            SPLIT_ALIGN, WGMMA_FILE, epi_code, layout_code)
 
 WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT")   # scratch only the warpgroup-MMA kernels read
 
