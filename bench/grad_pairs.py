@@ -24,7 +24,7 @@ from bench.common import ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402
 from gptcuda.model.products import Product  # noqa: E402
 from gptcuda.ops.cuda import elementwise, gemm  # noqa: E402
-from gptcuda.ops.cuda.gemm.families import DUAL_TILES, FAMILIES  # noqa: E402
+from gptcuda.ops.cuda.gemm.families import DUAL_COLSUM_TILES, DUAL_TILES, FAMILIES  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import dual_time, make_plan, pair_plan  # noqa: E402
 from gptcuda.runtime import Runtime  # noqa: E402
 
@@ -88,7 +88,7 @@ def main(argv=None):
               f"x{t_pair / t_apart:.3f}, bitwise {'yes' if same else 'NO'}", flush=True)
         if args.all:
             cells = []
-            for tile in DUAL_TILES:
+            for tile in DUAL_COLSUM_TILES if has_db else DUAL_TILES:
                 for s in range(1, 5):
                     p = make_plan("bf16", tile, s, T)
                     if p is None or s > 1 and s * N * K > room:

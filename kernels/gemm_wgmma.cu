@@ -1539,7 +1539,8 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma3_ra(WS_ARGS) {
 // them from a counter as they free up: the SMs W leaves free run X's tiles meanwhile. Each tile is
 // computed whole by one block exactly as gemm_wgmma_ws computes it (the same ws_produce / ws_consume),
 // so the results are those of the two launches with the same tiles and splits, bit for bit, whichever
-// block takes a tile. Both products share the tile (BM, BN) and the ring; X's staging boxes follow it.
+// block takes a tile. Both products share the tile (BM, BN: 128 x 192, 128 x 256, 256 x 128 without
+// the column sums) and the ring; X's staging boxes follow it.
 //
 // WsDynWalk: a block's first tile is blockIdx.x, each next one gridDim.x + the old value of the counter
 // tiles[0] (an integer atomic: which block takes a tile changes, never its arithmetic), so a block's
@@ -1602,6 +1603,8 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_dual(DUAL_ARGS) {
                   "as gemm_wgmma_ws with a bf16 C");
     static_assert(BM % 64 == 0 && BN % 64 == 0 && BN <= 256 && STAGES >= 2, "MN-major operands in boxes of 64");
     static_assert(EPI_X == GEMM_EPI_NONE || EPI_X == GEMM_EPI_DGELU, "X: dY W, plain or with the GELU's backward");
+    static_assert(COLSUM == 0 || WG == 2, "the column sums' buffer (1 KB a consumer warpgroup) does not fit beside "
+                                          "four warpgroups' staging boxes and the 256 x 128 ring");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using OPW = Bf16Op<true, true>;
     using OPX = Bf16Op<false, true>;

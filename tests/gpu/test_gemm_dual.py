@@ -16,7 +16,7 @@ import pytest
 
 from gptcuda.model.products import Product
 from gptcuda.ops.cuda import elementwise, gemm
-from gptcuda.ops.cuda.gemm.families import DUAL_TILES, VARIANTS, dual_name
+from gptcuda.ops.cuda.gemm.families import DUAL_COLSUM_TILES, DUAL_TILES, VARIANTS, dual_name
 from gptcuda.ops.cuda.gemm.plan import dual_time, make_plan, pair_plan, split_chunk
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import bf16
@@ -65,8 +65,9 @@ def _bits(rt, v):
 
 
 @gpu
-@pytest.mark.parametrize("tile", DUAL_TILES)
-@pytest.mark.parametrize("epilogue,colsum", [("none", True), ("none", False), ("dgelu", False)])
+@pytest.mark.parametrize("tile,epilogue,colsum", [(t, e, c) for t in DUAL_TILES for e, c in
+                                                  (("none", True), ("none", False), ("dgelu", False))
+                                                  if not c or t in DUAL_COLSUM_TILES])
 @pytest.mark.parametrize("T,K,N,splits", [(1000, 392, 520, 1), (4000, 768, 520, 3), (2048, 256, 1152, 2)])
 def test_dual_is_the_two_products(bf16_rt, tile, epilogue, colsum, T, K, N, splits):
     """The pair's dW, db and dX bit for bit those of matmul with the same tile and split count (gemm_wgmma_ws),
@@ -146,6 +147,8 @@ def test_pair_plans_at_gpt2():
     split; a pair the kernel cannot run gets no plan (NT, a bias on dX, unaligned, batched, dgelu_gelu)."""
     plans = {k: pair_plan(*_products(16384, N, K, e, c), 132, 1 << 30) for k, (N, K, e, c) in GPT2.items()}
     assert all(p is not None and p.tile in DUAL_TILES for p in plans.values())
+    assert plans["fc"].tile in DUAL_COLSUM_TILES and plans["qkv"].tile in DUAL_COLSUM_TILES
+    assert plans["fcproj"].tile == plans["proj"].tile == (256, 128, 4, 0)    # the short dX: four warpgroups
     assert plans["fc"].splits == plans["qkv"].splits == plans["fcproj"].splits == 1
     assert plans["proj"].splits > 1 and plans["proj"].k_chunk % 64 == 0
     assert pair_plan(*_products(16384, 768, 768, "none", False), 132, 0).splits == 1     # no room: unsplit
@@ -176,10 +179,16 @@ def test_dual_time_is_a_list_schedule():
 
 
 def test_dual_variants_are_compiled():
-    """VARIANTS holds every gemm_wgmma_dual the launcher can ask for: both tiles, none with and without
-    the column sums, dgelu without (its pair, fcproj, has no bias sums in the product)."""
+    """VARIANTS holds every gemm_wgmma_dual the launcher can ask for: every tile with none and dgelu, the
+    column sums beside none on the 128-row tiles (fcproj's dgelu pair has no bias sums in the product), and
+    pair_plan never asks for another."""
     names = {n for f, n, _ in VARIANTS if n.startswith("gemm_wgmma_dual")}
-    assert names == {dual_name(t, e, c) for t in DUAL_TILES for e, c in ((0, False), (0, True), (4, False))}
+    assert names == {dual_name(t, e, c) for t in DUAL_TILES for e, c in ((0, False), (0, True), (4, False))
+                     if not c or t in DUAL_COLSUM_TILES}
+    for T in (256, 2048, 16384):
+        for N, K, e, c in GPT2.values():
+            p = pair_plan(*_products(T, N, K, e, c), 132, 1 << 30)
+            assert dual_name(p.tile, 4 if e == "dgelu" else 0, c) in names
 
 
 def test_matmul_pair_launch_on_the_recording_runtime():

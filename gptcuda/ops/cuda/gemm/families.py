@@ -78,9 +78,11 @@ BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout 
 BF16_STAGE_BYTES = 2 * 64 * 32 * 2
 BF16_STORE_BOX = (32, 64, 1)
 # gemm_wgmma_dual (a layer's weight gradient dY^T X, fp32 C, and its input gradient dY W, bf16 C, none or dgelu,
-# in one launch: plan.py pair_plan, launch.py matmul_pair): the tiles, gemm_wgmma_ws's with a bf16 C, and the
-# input gradient's epilogue codes
-DUAL_TILES = ((128, 192, 4, 0), (128, 256, 4, 0))
+# in one launch: plan.py pair_plan, launch.py matmul_pair): the tiles, gemm_wgmma_ws's with a bf16 C, those
+# with the weight gradient's column sums (their reduction buffer, 1 KB a consumer warpgroup, does not fit
+# beside 256 x 128's ring and four staging boxes), and the input gradient's epilogue codes
+DUAL_TILES = ((128, 192, 4, 0), (128, 256, 4, 0), (256, 128, 4, 0))
+DUAL_COLSUM_TILES = DUAL_TILES[:2]
 DUAL_EPIS = (0, 4)      # EPI_NONE, EPI_DGELU
 # A bf16 TN kernel's column sums (the bias gradient) are spread over up to this many column tiles of a row of
 # tiles, each summing every G-th k tile into a row of its own (the kernels' COLSUM; they are shared-memory bound)
@@ -312,7 +314,8 @@ def _variants():
                     for tile, (ta, tb) in itertools.product(fam.tiles, layouts)
                     if ta and fam.serves(tile, EPI_NONE, colsum=True)]
     out += [(WGMMA_FILE, dual_name(t, epi, colsum), {}) for t in DUAL_TILES for epi in DUAL_EPIS
-            for colsum in (False, True) if not (colsum and epi)]     # (dgelu's pair: fcproj, no bias sums)
+            for colsum in (False, True) if not colsum or (not epi and t in DUAL_COLSUM_TILES)]
+    # (dgelu's pair, fcproj's, sums no bias)
     out += [(SIMT_FILE, reduce_name(epi, hb), {}) for epi, hb in EPI_COMBOS]
     out += [(SIMT_FILE, transpose_name(vec, colsum), {}) for colsum in (False, True) for vec in (False, True)]
     return out + [(TF32_FILE, "mma_probe", {}), (TF32_FILE, "tf32_round_probe", {})]

@@ -8,9 +8,9 @@ import weakref
 from gptcuda.ops.backend import check_matmul, rows
 from gptcuda.ops.cuda import cdiv, elementwise, planned
 from gptcuda.runtime import Blob, DeviceView, f32, i32, u64
-from gptcuda.ops.cuda.gemm.families import (BF16_STORE_BOX, DUAL_TILES, EPI_NONE, MAX_GRID_Z, PRODUCTS,
-                                            REDUCE_THREADS, SIMT_FILE, TRANSPOSE_THREADS, TRANSPOSE_TILE, WGMMA_FILE,
-                                            dual_name, epi_code, layout_code, reduce_name, transpose_name)
+from gptcuda.ops.cuda.gemm.families import (BF16_STORE_BOX, DUAL_COLSUM_TILES, DUAL_TILES, EPI_NONE, MAX_GRID_Z,
+                                            PRODUCTS, REDUCE_THREADS, SIMT_FILE, TRANSPOSE_THREADS, TRANSPOSE_TILE,
+                                            WGMMA_FILE, dual_name, epi_code, layout_code, reduce_name, transpose_name)
 from gptcuda.model.products import Product
 from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Plan, make_plan, pair_plan, plan_unfit, split_room
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
@@ -192,7 +192,8 @@ def matmul_pair(rt, dx, dw, dy, x, w, db=None, epilogue="none", aux=None, ex=Non
         room = ws.numel if ws is not None else 0
         p = pair_plan(gw, gx, rt.info.sm_count, room)
         if plan is not None:
-            if p is None or plan.family != "bf16" or plan.tile not in DUAL_TILES or \
+            tiles = DUAL_COLSUM_TILES if gw.colsum else DUAL_TILES
+            if p is None or plan.family != "bf16" or plan.tile not in tiles or \
                     make_plan("bf16", plan.tile, plan.splits, Kw) != plan or plan.splits > 1 and \
                     plan.splits * Mw * Nw > room:
                 raise ValueError(f"matmul_pair: {plan} cannot run this pair (pair_plan: {p})")

@@ -10,7 +10,7 @@ from gptcuda.ops.cuda import cdiv
 from gptcuda.runtime import execution
 from gptcuda.runtime.execution import GEMM_FAMILIES
 from gptcuda.model.products import Product
-from gptcuda.ops.cuda.gemm.families import (DUAL_EPIS, DUAL_TILES, EPI_IO, FAMILIES, MAX_SPLITS, PRODUCTS,
+from gptcuda.ops.cuda.gemm.families import (DUAL_COLSUM_TILES, DUAL_EPIS, DUAL_TILES, EPI_IO, FAMILIES, MAX_SPLITS, PRODUCTS,
                                             SPLIT_ALIGN, WGMMA_FILE, epi_code, layout_code)
 
 WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT")   # scratch only the warpgroup-MMA kernels read
@@ -131,7 +131,8 @@ def estimate_s(p: Plan, g: Product, sm_count=132) -> float:
 
 # gemm_wgmma_dual's tile times, for pair_plan's schedule only: a 128 x 192 k tile of 64 in ~0.455 us (a weight
 # gradient's long tile on the H200, bench/NOTES.md), other tiles in proportion to their area; a tile's
-# epilogue and fill, ~2 us (bf16 C) or ~3 us (fp32 C, twice the bytes)
+# epilogue and fill with two consumer warpgroups, ~2 us (bf16 C) or ~3 us (fp32 C, twice the bytes), half
+# that with four (each stores a quarter of the tile)
 _DUAL_K_TILE_S = 0.455e-6 / (128 * 192)
 _DUAL_EPI_S = {"bf16": 2e-6, "f32": 3e-6}
 PAIR_MAX_SPLITS = 8
@@ -143,11 +144,11 @@ def dual_time(gw: Product, gx: Product, tile, splits, k_chunk, sm_count=132) -> 
     sm_count) blocks, each taking the next tile when it is free (the kernel's counter), the last to finish;
     plus split-K's partials and reduction."""
     bm, bn = tile[:2]
-    k_tile = _DUAL_K_TILE_S * bm * bn
+    k_tile, wgs = _DUAL_K_TILE_S * bm * bn, bm // 64
 
     def tiles(g, n_splits, chunk, out):
         n = cdiv(g.M, bm) * cdiv(g.N, bn)
-        return [(cdiv(min(g.K, chunk * (z + 1)) - chunk * z, 64)) * k_tile + _DUAL_EPI_S[out]
+        return [(cdiv(min(g.K, chunk * (z + 1)) - chunk * z, 64)) * k_tile + _DUAL_EPI_S[out] * 2 / wgs
                 for z in range(n_splits) for _ in range(n)]
     work = tiles(gw, splits, k_chunk, "f32") + tiles(gx, 1, gx.K, "bf16")
     free = [0.0] * min(len(work), sm_count)
@@ -162,7 +163,8 @@ def dual_time(gw: Product, gx: Product, tile, splits, k_chunk, sm_count=132) -> 
 
 def pair_plan(gw: Product, gx: Product, sm_count=132, max_ws=0) -> Plan | None:
     """The plan of gemm_wgmma_dual for weight gradient gw (TN, fp32 C, plain; colsum beside a plain gx) and
-    input gradient gx (NN, bf16 C, none or dgelu) over the same dY: the tile (DUAL_TILES) and gw's split count
+    input gradient gx (NN, bf16 C, none or dgelu) over the same dY: the tile (DUAL_TILES; DUAL_COLSUM_TILES
+    with colsum) and gw's split count
     (up to PAIR_MAX_SPLITS, partials within max_ws floats) of the least dual_time; None where the pair
     cannot run as one (layouts, epilogues, unaligned operands)."""
     if (gw.layout, gx.layout) != ("TN", "NN") or gw.epilogue != "none" or gw.bias or gx.bias or gx.colsum or \
@@ -170,7 +172,7 @@ def pair_plan(gw: Product, gx: Product, sm_count=132, max_ws=0) -> Plan | None:
             gw.colsum and epi_code(gx) != DUAL_EPIS[0]:      # (no variant: the dgelu pair, fcproj's, sums no bias)
         return None
     best = None
-    for tile in DUAL_TILES:
+    for tile in DUAL_COLSUM_TILES if gw.colsum else DUAL_TILES:
         for s in range(1, PAIR_MAX_SPLITS + 1):
             chunk = split_chunk(gw.K, s, 64)
             if chunk is None or s > 1 and s * gw.M * gw.N > max_ws:
