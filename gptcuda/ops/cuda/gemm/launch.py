@@ -8,13 +8,13 @@ import weakref
 from gptcuda.ops.backend import check_matmul, rows
 from gptcuda.ops.cuda import cdiv, elementwise, planned
 from gptcuda.runtime import Blob, DeviceView, f32, i32, u64
-from gptcuda.ops.cuda.gemm.families import (BF16_STORE_BOX, DUAL_COLSUM_TILES, DUAL_TILES, EPI_NONE, MAX_GRID_Z,
-                                            PRODUCTS, REDUCE_THREADS, SIMT_FILE, TRANSPOSE_THREADS, TRANSPOSE_TILE,
-                                            WGMMA_FILE, dual_name, epi_code, layout_code, reduce_name, transpose_name)
-from gptcuda.model.products import Product
-from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Plan, make_plan, pair_plan, plan_unfit, split_room
+from gptcuda.ops.cuda.gemm.families import (BF16_STORE_BOX, EPI_NONE, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS, SIMT_FILE,
+                                            TRANSPOSE_THREADS, TRANSPOSE_TILE, WGMMA_FILE, dual_name, epi_code,
+                                            layout_code, reduce_name, transpose_name)
+from gptcuda.model.products import Pair, Product
+from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Plan, pair_plan, pair_unfit, plan_unfit, split_room
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
-from gptcuda.ops.cuda.gemm.table import tuned_plan
+from gptcuda.ops.cuda.gemm.table import APART, tuned_pair, tuned_plan
 
 
 def _check_dtypes(label, family, out, a, b, bias=None, aux=None):
@@ -173,9 +173,10 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
 def matmul_pair(rt, dx, dw, dy, x, w, db=None, epilogue="none", aux=None, ex=None, plan=None):
     """The two gradients of a linear layer out = x @ w^T from dy, independent of each other: dw = dy^T @ x
     (db: dy's column sums, the bias gradient) and dx = dy @ w (epilogue none, or dgelu over aux: the GELU
-    before the layer). bf16 products with ex.grad_pairs and a pair plan (plan.py pair_plan; `plan` forces
-    one: tests, benchmarks): one launch of gemm_wgmma_dual (dw's split-K reduction and db's sums after it);
-    else matmul twice."""
+    before the layer). bf16 products with ex.grad_pairs that the kernel can pair: the measured table's entry
+    (table.py tuned_pair: a plan, or APART: the two products were faster) else the model's plan (plan.py
+    pair_plan); `plan` forces one (tests, benchmarks). A plan: one launch of gemm_wgmma_dual (dw's split-K
+    reduction and db's sums after it); else matmul twice."""
     ex = rt.exec if ex is None else ex
     Mw, Nw, Kw, ldaw, ldbw = _dims("matmul_pair dw", dw, dy, x, True, False)
     Mx, Nx, Kx, ldax, ldbx = _dims("matmul_pair dx", dx, dy, w, False, False)
@@ -190,14 +191,15 @@ def matmul_pair(rt, dx, dw, dy, x, w, db=None, epilogue="none", aux=None, ex=Non
         gx = Product(Mx, Nx, Kx, False, False, epilogue, vec=_vec_ok(dy, w, ldax, ldbx), label=label)
         ws = planned(rt, "gemm_splitk")
         room = ws.numel if ws is not None else 0
-        p = pair_plan(gw, gx, rt.info.sm_count, room)
+        p = pair_plan(gw, gx, rt.info.sm_count, room)         # the model's (None: no pair)
         if plan is not None:
-            tiles = DUAL_COLSUM_TILES if gw.colsum else DUAL_TILES
-            if p is None or plan.family != "bf16" or plan.tile not in tiles or \
-                    make_plan("bf16", plan.tile, plan.splits, Kw) != plan or plan.splits > 1 and \
-                    plan.splits * Mw * Nw > room:
-                raise ValueError(f"matmul_pair: {plan} cannot run this pair (pair_plan: {p})")
+            why = pair_unfit(plan, gw, gx, room)
+            if why:
+                raise ValueError(f"matmul_pair: {plan}: {why}")
             p = plan
+        elif p is not None:                                  # the measured table's entry: a plan, or apart
+            tuned = tuned_pair(rt, Pair(gw, gx), ex, room)
+            p = None if tuned == APART else tuned or p
         if epilogue == "dgelu" and p is not None and dx.ptr < aux.ptr + aux.nbytes and aux.ptr < dx.ptr + dx.nbytes:
             raise ValueError("matmul_pair: 'dgelu' reads aux while writing dx: they must not overlap")
     if p is None:

@@ -183,6 +183,21 @@ def pair_plan(gw: Product, gx: Product, sm_count=132, max_ws=0) -> Plan | None:
     return None if best is None else best[1]
 
 
+def pair_unfit(p: Plan, gw: Product, gx: Product, max_ws=0) -> str | None:
+    """Why plan p cannot run the pair (gw, gx) as one gemm_wgmma_dual (the pair itself: pair_plan None; a
+    tile the kernel lacks; a split count that K or max_ws floats of partials do not allow), or None."""
+    if pair_plan(gw, gx, max_ws=max_ws) is None:
+        return "the pair cannot run as one launch (layouts, epilogues, alignment)"
+    tiles = DUAL_COLSUM_TILES if gw.colsum else DUAL_TILES
+    if p.family != "bf16" or p.tile not in tiles:
+        return f"gemm_wgmma_dual runs tiles {tiles} (bf16){' with the column sums' if gw.colsum else ''}"
+    if make_plan("bf16", p.tile, p.splits, gw.K) != p or p.splits > PAIR_MAX_SPLITS:
+        return f"split {p.splits} (k_chunk {p.k_chunk}) is not a split of K = {gw.K} within {PAIR_MAX_SPLITS}"
+    if p.splits > 1 and p.splits * gw.M * gw.N > max_ws:
+        return f"{p.splits} x {gw.M} x {gw.N} partials outgrow the split-K workspace ({max_ws} floats)"
+    return None
+
+
 def competing(family, wgmma=False, epi=None) -> list:
     """The base `family` and its partners that run layout `wgmma` (`wgmma_layout`'s), built for epi (None: any)."""
     return [family] + [name for name in FAMILIES[family].partners if wgmma in FAMILIES[name].layouts and
