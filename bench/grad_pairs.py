@@ -4,12 +4,12 @@
 
 Each pair (fc: dX fc and dW fc with fc.b's sums; qkv: likewise with attn.b's; proj: the attention
 projection's; fcproj: dX fcproj with the GELU's backward beside dW fcproj; head, on request: dX head and dW
-wte), replayed in a CUDA graph: apart
-(gemm.matmul twice, the plans the step would use: the measured table's or the cost model's, with the
-split-K reduction and the column sums), and paired (gemm.matmul_pair: pair_plan's tile and split, the
-model's time beside the measured one). --all: every tile and split count of DUAL_TILES x 1..4 too, to set
-the schedule model's constants (plan.py dual_time). Every output of the paired launch is checked bit for
-bit against the apart one of the same tiles first. The SM clock is read before and after.
+wte), replayed in a CUDA graph: apart (gemm.matmul twice, the plans the step would use apart: the measured
+table's or the cost model's, with the split-K reduction and the column sums), and paired (gemm.matmul_pair
+with pair_plan's tile and split, the model's time beside the measured one; the table's entry for the pair,
+if any, is not consulted). --all: every tile and split count 1-4 too, to set the schedule model's constants
+(plan.py dual_time). Every output of the paired launch is checked bit for bit against the apart one of the
+same tiles first. The SM clock is read before and after.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def main(argv=None):
         same = all(np.array_equal(g.view(np.uint8), rt.download(v).view(np.uint8))
                    for g, v in zip(got, (dx, dw) + ((db,) if db is not None else ())))
         t_apart = time_graphed_ms(rt, apart, iters=args.iters, reps=5)
-        t_pair = time_graphed_ms(rt, lambda: paired(None), iters=args.iters, reps=5)
+        t_pair = time_graphed_ms(rt, lambda: paired(chosen), iters=args.iters, reps=5)    # (not the table's entry)
         model = dual_time(gw, gx, chosen.tile, chosen.splits, chosen.k_chunk, sm) * 1e3
         row = {"pair": name, "tokens": T, "apart_ms": t_apart, "paired_ms": t_pair, "bitwise": same,
                "plan": [FAMILIES["bf16"].short(chosen.tile), chosen.splits], "model_ms": model, "all": {}}
