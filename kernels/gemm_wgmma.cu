@@ -1087,9 +1087,9 @@ __device__ __forceinline__ void tma_operand(int lane, unsigned bar, unsigned dst
 // consumers released it (empty), its copies completing on full. BF16 (OP::BK 64): tma_operand's boxes;
 // TF32: tma_load_ra (RA) or tma_load_pair.
 template <int BM, int BN, int STAGES, bool RA, class OP, class WALK = WsStride>
-__device__ __forceinline__ void ws_produce(WALK& walk, unsigned smem0, unsigned full0, unsigned empty0, const TmaMap* mapA,
-                                           const TmaMap* mapB, int K, int splits, int k_chunk, int per_z,
-                                           int tiles_n, int total, int lane) {
+__device__ __forceinline__ void ws_produce(WALK& walk, unsigned smem0, unsigned full0, unsigned empty0,
+                                           const TmaMap* mapA, const TmaMap* mapB, int K, int splits, int k_chunk,
+                                           int per_z, int tiles_n, int total, int lane) {
     constexpr int A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
     int it = walk.it;
     for (int t = walk.first(); t < total; t = walk.next()) {
@@ -1154,8 +1154,8 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
     if constexpr (SPLIT_REGS) wg_regs_inc<CONSUMER_REGS>();
     WsStride walk;
     ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO, CSG>(
-        walk, smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum,
-        mapC, mapX, c_tma, smem0 + STAGES * (BM + BN) * 128);
+        walk, smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total,
+        colsum, mapC, mapX, c_tma, smem0 + STAGES * (BM + BN) * 128);
 }
 
 // DT: the operands' type (0: fp32, read as TF32; 1: bf16, A and B K-major unless MN_A / MN_B); OUT: C's
@@ -1475,7 +1475,8 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
     }
     WsStride walk;
     ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS, true, COLSUM, false, MN_A>(
-        walk, smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
+        walk, smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total,
+        colsum);
 }
 
 // ---------------------------------------------------------------------------------------------
