@@ -7,7 +7,8 @@ projection's; fcproj: dX fcproj with the GELU's backward beside dW fcproj; head,
 wte), replayed in a CUDA graph: apart (gemm.matmul twice, the plans the step would use apart: the measured
 table's or the cost model's, with the split-K reduction and the column sums), and paired (gemm.matmul_pair
 with pair_plan's tile and split, the model's time beside the measured one; the table's entry for the pair,
-if any, is not consulted). --all: every tile and split count 1-4 too, to set the schedule model's constants
+if any, is not consulted). --all: every tile (the ping-pong ones too) and split count 1-4, to set the schedule
+model's constants
 (plan.py dual_time). Every output of the paired launch is checked bit for bit against the apart one of the
 same tiles first. The SM clock is read before and after.
 """
@@ -25,7 +26,7 @@ from bench.common import ClockWatch, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402
 from gptcuda.model.products import Product  # noqa: E402
 from gptcuda.ops.cuda import elementwise, gemm  # noqa: E402
-from gptcuda.ops.cuda.gemm.families import DUAL_COLSUM_TILES, DUAL_TILES, FAMILIES  # noqa: E402
+from gptcuda.ops.cuda.gemm.families import DUAL_PP_TILES, DUAL_TILES, FAMILIES, dual_serves  # noqa: E402
 from gptcuda.ops.cuda.gemm.plan import dual_time, make_plan, pair_plan  # noqa: E402
 from gptcuda.runtime import Runtime  # noqa: E402
 
@@ -90,10 +91,11 @@ def main(argv=None):
               f"x{t_pair / t_apart:.3f}, bitwise {'yes' if same else 'NO'}", flush=True)
         if args.all:
             cells = []
-            for tile in DUAL_COLSUM_TILES if has_db else DUAL_TILES:
+            for tile in DUAL_TILES + DUAL_PP_TILES:
                 for s in range(1, 5):
                     p = make_plan("bf16", tile, s, T)
-                    if p is None or s > 1 and s * N * K > room:
+                    if p is None or not dual_serves(tile, 4 if epi == "dgelu" else 0, has_db) or \
+                            s > 1 and s * N * K > room:
                         continue
                     ms = time_graphed_ms(rt, lambda: paired(p), iters=args.iters, reps=5)
                     m = dual_time(gw, gx, tile, s, p.k_chunk, sm) * 1e3

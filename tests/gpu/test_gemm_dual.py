@@ -16,7 +16,8 @@ import pytest
 
 from gptcuda.model.products import Product
 from gptcuda.ops.cuda import elementwise, gemm
-from gptcuda.ops.cuda.gemm.families import DUAL_COLSUM_TILES, DUAL_TILES, VARIANTS, dual_name
+from gptcuda.ops.cuda.gemm.families import (DUAL_COLSUM_TILES, DUAL_PP_TILES, DUAL_TILES, VARIANTS, dual_name,
+                                             dual_serves)
 from gptcuda.ops.cuda.gemm.plan import dual_time, make_plan, pair_plan, split_chunk
 from gptcuda.ops.reference import ops as ref
 from gptcuda.runtime import bf16
@@ -65,12 +66,13 @@ def _bits(rt, v):
 
 
 @gpu
-@pytest.mark.parametrize("tile,epilogue,colsum", [(t, e, c) for t in DUAL_TILES for e, c in
+@pytest.mark.parametrize("tile,epilogue,colsum", [(t, e, c) for t in DUAL_TILES + DUAL_PP_TILES for e, c in
                                                   (("none", True), ("none", False), ("dgelu", False))
-                                                  if not c or t in DUAL_COLSUM_TILES])
+                                                  if dual_serves(t, 4 if e == "dgelu" else 0, c)])
 @pytest.mark.parametrize("T,K,N,splits", [(1000, 392, 520, 1), (4000, 768, 520, 3), (2048, 256, 1152, 2)])
 def test_dual_is_the_two_products(bf16_rt, tile, epilogue, colsum, T, K, N, splits):
-    """The pair's dW, db and dX bit for bit those of matmul with the same tile and split count (gemm_wgmma_ws),
+    """The pair's dW, db and dX bit for bit those of matmul with the same tile and split count (gemm_wgmma_ws;
+    the ping-pong tiles: gemm_wgmma_pp),
     within the error model of float64, and the same bits when the launch is repeated (the counter at 0
     again). Shapes: T off the 64-row boxes and 128-row tiles, more tiles than SMs (4000 x 768: 32 x 4 of dX
     beside 5 x 4 x 3 of dW at 128 x 192), a wide dW (1152 x 256)."""
@@ -179,12 +181,16 @@ def test_dual_time_is_a_list_schedule():
 
 
 def test_dual_variants_are_compiled():
-    """VARIANTS holds every gemm_wgmma_dual the launcher can ask for: every tile with none and dgelu, the
-    column sums beside none on the 128-row tiles (fcproj's dgelu pair has no bias sums in the product), and
-    pair_plan never asks for another."""
+    """VARIANTS holds every gemm_wgmma_dual the launcher can ask for: every tile with none and dgelu (the wide
+    ping-pong tile: none), the column sums beside none on the tiles of two consumer warpgroups (fcproj's dgelu
+    pair has no bias sums in the product), and pair_plan never asks for another."""
     names = {n for f, n, _ in VARIANTS if n.startswith("gemm_wgmma_dual")}
-    assert names == {dual_name(t, e, c) for t in DUAL_TILES for e, c in ((0, False), (0, True), (4, False))
-                     if not c or t in DUAL_COLSUM_TILES}
+    assert names == {dual_name(t, e, c) for t in DUAL_TILES + DUAL_PP_TILES for e, c in ((0, False), (0, True),
+                                                                                        (4, False))
+                     if (not c or t in DUAL_COLSUM_TILES + DUAL_PP_TILES) and
+                     (t[:2] != (128, 192) or not t[3] or not e)}
+    assert all(dual_serves(t, e, c) == (dual_name(t, e, c) in names) for t in DUAL_TILES + DUAL_PP_TILES
+               for e in (0, 4) for c in (False, True))
     for T in (256, 2048, 16384):
         for N, K, e, c in GPT2.values():
             p = pair_plan(*_products(T, N, K, e, c), 132, 1 << 30)

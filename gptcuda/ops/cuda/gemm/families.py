@@ -84,6 +84,10 @@ BF16_STORE_BOX = (32, 64, 1)
 DUAL_TILES = ((128, 192, 4, 0), (128, 256, 4, 0), (256, 128, 4, 0))
 DUAL_COLSUM_TILES = DUAL_TILES[:2]
 DUAL_EPIS = (0, 4)      # EPI_NONE, EPI_DGELU
+# ... and its ping-pong form's (gemm_wgmma_pp's consumers: PP 1), which the measured table alone picks (the
+# schedule model has no term for an epilogue under the other warpgroup's k loop); 128 x 192 without dgelu
+# (BF16_PP_WIDE's rule), both with the column sums
+DUAL_PP_TILES = ((128, 128, 6, 1), (128, 192, 5, 1))
 # A bf16 TN kernel's column sums (the bias gradient) are spread over up to this many column tiles of a row of
 # tiles, each summing every G-th k tile into a row of its own (the kernels' COLSUM; they are shared-memory bound)
 BF16_COLSUM_GROUPS = 8
@@ -100,10 +104,18 @@ TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256     # gemm_transpose [K, N] -> [N, K
 
 
 def dual_name(t, epi_x, colsum) -> str:
-    """gemm_wgmma_dual's name expression: tile t (DUAL_TILES), the input gradient's epilogue code, colsum
-    (the weight gradient's column sums: their groups, BF16_COLSUM_GROUPS, or 0)."""
+    """gemm_wgmma_dual's name expression: tile t (DUAL_TILES, DUAL_PP_TILES: PP 1), the input gradient's
+    epilogue code, colsum (the weight gradient's column sums: their groups, BF16_COLSUM_GROUPS, or 0)."""
     geo = FAMILIES["bf16"].geometry(t, "bf16")
-    return expression("gemm_wgmma_dual", *t[:3], epi_x, geo.threads, geo.smem, BF16_COLSUM_GROUPS if colsum else 0)
+    return expression("gemm_wgmma_dual", *t[:3], epi_x, geo.threads, geo.smem, BF16_COLSUM_GROUPS if colsum else 0,
+                      *((1,) if t[3] else ()))
+
+
+def dual_serves(t, epi_x, colsum) -> bool:
+    """Whether gemm_wgmma_dual has tile t for the input gradient's epilogue code and the column sums (the
+    dgelu pair, fcproj's, sums no bias; 256 x 128 has no room for the sums, the wide ping-pong tile no dgelu)."""
+    return (t in DUAL_TILES + DUAL_PP_TILES and epi_x in DUAL_EPIS and not (colsum and epi_x) and
+            (not colsum or t in DUAL_COLSUM_TILES + DUAL_PP_TILES) and (t != BF16_PP_WIDE or not epi_x))
 
 
 def reduce_name(epi, has_bias) -> str:
@@ -313,9 +325,8 @@ def _variants():
             out += [(fam.file, fam.kernel(tile, ta, tb, EPI_NONE, False, colsum=True), {})
                     for tile, (ta, tb) in itertools.product(fam.tiles, layouts)
                     if ta and fam.serves(tile, EPI_NONE, colsum=True)]
-    out += [(WGMMA_FILE, dual_name(t, epi, colsum), {}) for t in DUAL_TILES for epi in DUAL_EPIS
-            for colsum in (False, True) if not colsum or (not epi and t in DUAL_COLSUM_TILES)]
-    # (dgelu's pair, fcproj's, sums no bias)
+    out += [(WGMMA_FILE, dual_name(t, epi, colsum), {}) for t in DUAL_TILES + DUAL_PP_TILES for epi in DUAL_EPIS
+            for colsum in (False, True) if dual_serves(t, epi, colsum)]
     out += [(SIMT_FILE, reduce_name(epi, hb), {}) for epi, hb in EPI_COMBOS]
     out += [(SIMT_FILE, transpose_name(vec, colsum), {}) for colsum in (False, True) for vec in (False, True)]
     return out + [(TF32_FILE, "mma_probe", {}), (TF32_FILE, "tf32_round_probe", {})]

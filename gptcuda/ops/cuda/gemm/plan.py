@@ -10,8 +10,8 @@ from gptcuda.ops.cuda import cdiv
 from gptcuda.runtime import execution
 from gptcuda.runtime.execution import GEMM_FAMILIES
 from gptcuda.model.products import Product
-from gptcuda.ops.cuda.gemm.families import (DUAL_COLSUM_TILES, DUAL_EPIS, DUAL_TILES, EPI_IO, FAMILIES, MAX_SPLITS, PRODUCTS,
-                                            SPLIT_ALIGN, WGMMA_FILE, epi_code, layout_code)
+from gptcuda.ops.cuda.gemm.families import (DUAL_EPIS, DUAL_TILES, EPI_IO, FAMILIES, MAX_SPLITS, PRODUCTS,
+                                            SPLIT_ALIGN, WGMMA_FILE, dual_serves, epi_code, layout_code)
 
 WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT")   # scratch only the warpgroup-MMA kernels read
 
@@ -163,8 +163,8 @@ def dual_time(gw: Product, gx: Product, tile, splits, k_chunk, sm_count=132) -> 
 
 def pair_plan(gw: Product, gx: Product, sm_count=132, max_ws=0) -> Plan | None:
     """The plan of gemm_wgmma_dual for weight gradient gw (TN, fp32 C, plain; colsum beside a plain gx) and
-    input gradient gx (NN, bf16 C, none or dgelu) over the same dY: the tile (DUAL_TILES; DUAL_COLSUM_TILES
-    with colsum) and gw's split count
+    input gradient gx (NN, bf16 C, none or dgelu) over the same dY: the tile (of DUAL_TILES that dual_serves;
+    the ping-pong ones only the measured table picks) and gw's split count
     (up to PAIR_MAX_SPLITS, partials within max_ws floats) of the least dual_time; None where the pair
     cannot run as one (layouts, epilogues, unaligned operands)."""
     if (gw.layout, gx.layout) != ("TN", "NN") or gw.epilogue != "none" or gw.bias or gx.bias or gx.colsum or \
@@ -172,7 +172,7 @@ def pair_plan(gw: Product, gx: Product, sm_count=132, max_ws=0) -> Plan | None:
             gw.colsum and epi_code(gx) != DUAL_EPIS[0]:      # (no variant: the dgelu pair, fcproj's, sums no bias)
         return None
     best = None
-    for tile in DUAL_COLSUM_TILES if gw.colsum else DUAL_TILES:
+    for tile in (t for t in DUAL_TILES if dual_serves(t, epi_code(gx), gw.colsum)):
         for s in range(1, PAIR_MAX_SPLITS + 1):
             chunk = split_chunk(gw.K, s, 64)
             if chunk is None or s > 1 and s * gw.M * gw.N > max_ws:
@@ -188,9 +188,9 @@ def pair_unfit(p: Plan, gw: Product, gx: Product, max_ws=0) -> str | None:
     tile the kernel lacks; a split count that K or max_ws floats of partials do not allow), or None."""
     if pair_plan(gw, gx, max_ws=max_ws) is None:
         return "the pair cannot run as one launch (layouts, epilogues, alignment)"
-    tiles = DUAL_COLSUM_TILES if gw.colsum else DUAL_TILES
-    if p.family != "bf16" or p.tile not in tiles:
-        return f"gemm_wgmma_dual runs tiles {tiles} (bf16){' with the column sums' if gw.colsum else ''}"
+    if p.family != "bf16" or not dual_serves(p.tile, epi_code(gx), gw.colsum):
+        return (f"gemm_wgmma_dual has no tile {p.tile} for {gx.epilogue}{' with the column sums' if gw.colsum else ''}"
+                f" (bf16)")
     if make_plan("bf16", p.tile, p.splits, gw.K) != p or p.splits > PAIR_MAX_SPLITS:
         return f"split {p.splits} (k_chunk {p.k_chunk}) is not a split of K = {gw.K} within {PAIR_MAX_SPLITS}"
     if p.splits > 1 and p.splits * gw.M * gw.N > max_ws:

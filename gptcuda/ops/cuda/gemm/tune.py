@@ -24,7 +24,7 @@ from gptcuda.runtime import DeviceView, compiler
 from gptcuda.runtime.profile import (Arena, build_ahead, download_ends, fastest, graph_times_ms, rel_err,
                                      reps_for)
 from gptcuda.ops.cuda.gemm.families import EPI_IO, FAMILIES, epi_code
-from gptcuda.ops.cuda.gemm.families import DUAL_COLSUM_TILES, DUAL_TILES
+from gptcuda.ops.cuda.gemm.families import DUAL_PP_TILES, DUAL_TILES, dual_serves
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched, matmul_pair
 from gptcuda.ops.cuda.gemm.plan import (dual_time, estimate_s, make_plan, pair_plan, plan, plan_label, prune_candidates,
                                         split_room, tune_candidates, wave_candidates, workspace)
@@ -75,15 +75,16 @@ PAIR_SPLITS = 4        # a pair's candidates: every tile with dW split 1 .. PAIR
 
 
 def pair_candidates(pr: Pair, ex, sm_count=132, workspaces=None) -> list:
-    """The candidates of a pair: the model's plan (pair_plan) first, the other tiles and split counts, and APART
+    """The candidates of a pair: the model's plan (pair_plan) first, the other tiles (the ping-pong ones too) and
+    split counts, and APART
     (its two products as their own plans run them); [] where the kernel cannot pair them."""
     room = split_room("f32", (workspaces or {}).get("gemm_splitk", 0))
     model = pair_plan(pr.w, pr.x, sm_count, room)
     if model is None:
         return []
-    others = [p for t in (DUAL_COLSUM_TILES if pr.w.colsum else DUAL_TILES) for s in range(1, PAIR_SPLITS + 1)
-              if (p := make_plan("bf16", t, s, pr.w.K)) is not None and p != model and
-              (s == 1 or s * pr.w.M * pr.w.N <= room)]
+    others = [p for t in DUAL_TILES + DUAL_PP_TILES for s in range(1, PAIR_SPLITS + 1)
+              if dual_serves(t, epi_code(pr.x), pr.w.colsum) and (p := make_plan("bf16", t, s, pr.w.K)) is not None
+              and p != model and (s == 1 or s * pr.w.M * pr.w.N <= room)]
     return [model] + others + [APART]
 
 
