@@ -9,7 +9,10 @@ the config again (an entry already there is replaced), with longer windows, and 
 candidate. The shapes come from the config (model/products.py products): N = batch_size * block_size tokens,
 C, 3C, 4C and the vocabulary V (every matmul of model.py's forward and backward with its
 transposes, epilogue and bias, the eval forward's residual epilogue, the MLP backward both as
-"none" and fused "dgelu", and the unfused attention's batched GEMMs). For each shape:
+"none" and fused "dgelu", and the unfused attention's batched GEMMs); in bf16 then the pairs (products.py
+pairs: a layer's dW and dX as one gemm_wgmma_dual launch), whose candidates are every dual tile and split
+count and APART, the two products by the table's plans, which are saved before the pairs are timed. For
+each shape:
 
   1. candidates: every tile of the precision's kernel family x every split-K count that fits the
      workspace memory.py plans (gemm.workspace(cfg)) (gemm/plan.py tune_candidates); on sm_90 the wgmma
@@ -40,21 +43,27 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gptcuda.runtime import execution  # noqa: E402
-from gptcuda.ops.cuda.gemm.plan import estimate_s, plan_label  # noqa: E402
+from gptcuda.model.products import Pair  # noqa: E402
 from gptcuda.ops.cuda.gemm.table import save_table, table_path  # noqa: E402
-from gptcuda.ops.cuda.gemm.tune import (KEEP, MAX_CANDIDATES, EventTimer, candidates_for, floor_s,  # noqa: E402
-                                        step_ms, table_entries, tune_op, workspace_floats)
-from gptcuda.model.products import products  # noqa: E402
+from gptcuda.ops.cuda.gemm.tune import (KEEP, MAX_CANDIDATES, EventTimer, candidates_for, estimate_ms,  # noqa: E402
+                                        floor_s, label, pair_candidates, step_ms, table_entries, tune_op,
+                                        tuned_ops, workspace_floats)
 
 
 # ---------------------------------------------------------------------------------------
 # printing
 # ---------------------------------------------------------------------------------------
+def _shape(op) -> str:
+    """A product's shape, layout and epilogue; a pair's: its weight gradient's and its input gradient's."""
+    if isinstance(op, Pair):
+        return f"pair: dW {_shape(op.w)}{' +colsum' if op.w.colsum else ''} | dX {_shape(op.x)}"
+    return (f"{op.M}x{op.N}x{op.K}" + (f" batch {op.batch}" if op.batch > 1 else "") +
+            f" {op.layout} {op.epilogue}{'+bias' if op.bias else ''}")
+
+
 def print_result(r, file=sys.stdout):
     op = r["op"]
-    head = (f"{op.label}: {op.M}x{op.N}x{op.K}" + (f" batch {op.batch}" if op.batch > 1 else "") +
-            f" {op.layout} {op.epilogue}{'+bias' if op.bias else ''}"
-            f"  floor {r['floor_ms']:.4f} ms  x{op.count}/step")
+    head = f"{op.label}: {_shape(op)}  floor {r['floor_ms']:.4f} ms  x{op.count}/step"
     print(head, file=file)
     for i, p in enumerate(r["plans"]):
         t = r["times_ms"][i]
@@ -64,12 +73,12 @@ def print_result(r, file=sys.stdout):
         if r["ok"] is not None and not r["ok"][i]:
             mark += " MISMATCH"
         ts = f"{t:9.4f} ms {t / r['floor_ms']:6.2f}x floor" if math.isfinite(t) else f"{'-':>9}    {'':>13}"
-        print(f"    {plan_label(p):<26} model {r['est_ms'][i]:8.4f} ms  {ts}{mark}", file=file)
+        print(f"    {label(p):<26} model {r['est_ms'][i]:8.4f} ms  {ts}{mark}", file=file)
 
 
 def print_summary(results, file=sys.stdout):
     base, tuned = step_ms(results)
-    floor = sum(r["op"].count * r["floor_ms"] for r in results)
+    floor = sum(r["op"].count * r["floor_ms"] for r in results if not isinstance(r["op"], Pair))
     print(f"\nGEMMs of one training step: cost model {base:.3f} ms, tuned {tuned:.3f} ms "
           f"({(1 - tuned / base) * 100 if base else 0:.1f}% less), roofline floor {floor:.3f} ms", file=file)
 
@@ -83,11 +92,14 @@ def vocab_of(cfg) -> int:
     return open_run_data(cfg)[1]
 
 
-def run(cfg, ops, ex, timer, sm_count, workspaces, keep, max_n, out=sys.stdout):
+def run(cfg, ops, ex, timer, sm_count, workspaces, keep, max_n, out=sys.stdout, save=None):
     """Time every op's candidates under execution plan ex with the GEMM workspaces {name: floats}; print
-    each and the step's summary."""
+    each and the step's summary. save(results): called with the products' results before the first pair
+    (a pair's APART candidate runs its products by the table)."""
     results = []
     for op in ops:
+        if save is not None and isinstance(op, Pair) and not any(isinstance(r["op"], Pair) for r in results):
+            save(results)
         r = tune_op(op, ex, timer, sm_count, workspaces, keep, max_n)
         print_result(r, file=out)
         out.flush()
@@ -108,22 +120,27 @@ def main(argv=None):
         return 2
     cfg = load_config(path, overrides)
     vocab = vocab_of(cfg)
-    ops = products(cfg, vocab)
-    if "only" in opts:
-        ops = [o for o in ops if opts["only"] in o.label]
     keep = float(opts.get("keep", KEEP))
     max_n = int(opts.get("max_candidates", MAX_CANDIDATES))
     ex = execution.resolve(cfg, arch="sm_90")         # as on an H200 (GPTCUDA_WGMMA=0: without wgmma)
+    ops = tuned_ops(cfg, vocab, True, ex)             # the products, then the pairs (bf16)
+    if "only" in opts:
+        ops = [o for o in ops if opts["only"] in o.label]
     ws = workspace_floats(cfg, vocab, ex)
-    print(f"{path}: {ex.table_tag}, {len(ops)} GEMM shapes, tokens {cfg.batch_size * cfg.block_size}, "
+    print(f"{path}: {ex.table_tag}, {len(ops)} GEMM shapes and pairs, tokens {cfg.batch_size * cfg.block_size}, "
           f"C {cfg.n_embd}, V {vocab}, split-K workspace {ws.get('gemm_splitk', 0)} floats")
     if "dry_run" in flags:
         for op in ops:
-            heur, plans = candidates_for(op, ex, 132, ws, keep, max_n)   # as on an H200
-            print(f"{op.label}: {op.M}x{op.N}x{op.K} b{op.batch} {op.layout} {op.epilogue}"
-                  f"{'+bias' if op.bias else ''}{' +colsum' if op.colsum else ''} floor {floor_s(op, ex) * 1e3:.4f} ms")
+            if isinstance(op, Pair):
+                plans = pair_candidates(op, ex, 132, ws)
+                print(f"{op.label}: {_shape(op)} floor {floor_s(op, ex) * 1e3:.4f} ms")
+            else:
+                plans = candidates_for(op, ex, 132, ws, keep, max_n)[1]   # as on an H200
+                print(f"{op.label}: {op.M}x{op.N}x{op.K} b{op.batch} {op.layout} {op.epilogue}"
+                      f"{'+bias' if op.bias else ''}{' +colsum' if op.colsum else ''} floor "
+                      f"{floor_s(op, ex) * 1e3:.4f} ms")
             for p in plans:
-                print(f"    {plan_label(p):<26} model {estimate_s(p, op) * 1e3:8.4f} ms")
+                print(f"    {label(p):<26} model {estimate_ms(p, op, ex, 132):8.4f} ms")
         return 0
 
     from bench.common import ClockWatch
@@ -133,8 +150,11 @@ def main(argv=None):
     timer = EventTimer(rt, ws, rounds=int(opts.get("rounds", 7)),
                        target_ms=float(opts.get("target_ms", 0.5)), check="no_check" not in flags)
     watch = ClockWatch(cfg.device)
+    def save(results):
+        if "no_save" not in flags:
+            save_table(rt.info.name, table_entries(results, rt.exec), meta={"config": path, "overrides": overrides})
     try:
-        results = run(cfg, ops, rt.exec, timer, rt.info.sm_count, ws, keep, max_n)
+        results = run(cfg, ops, rt.exec, timer, rt.info.sm_count, ws, keep, max_n, save=save)
     finally:
         timer.close()
     print(watch.stop())

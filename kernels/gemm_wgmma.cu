@@ -636,6 +636,18 @@ gemm_wgmma_tma(float* C,                           // C [batch*splits, M, N], ro
 // consumers. The epilogue is wg_store_tile's.
 // zs: batch * splits (the z extent of the non-persistent kernels' grid).
 //
+// WsStride: the tile walk of a persistent kernel, block b taking tiles b, b + gridDim.x, ... of the
+// list; `it` counts the ring's k tiles over the block's tiles (slot it % STAGES, parity it / STAGES),
+// the same in producer and consumers. ws_produce / ws_consume take the walk (gemm_wgmma_dual's walks
+// its tiles from a counter: WsDynWalk), first() and next() giving tiles of the list, next() past its
+// end (total) once the block has no more.
+struct WsStride {
+    int t = 0, it = 0;
+    __device__ __forceinline__ int first() { return t = blockIdx.x; }
+    __device__ __forceinline__ int next() { return t += gridDim.x; }
+    __device__ __forceinline__ bool more(int total) const { return t + gridDim.x < total; }   // a tile after t
+};
+
 // WsTile: tile t of the order z = batch * splits + split slowest; within a z, n fastest (the blocks of
 // a wave share A's row panels and read B's column panels once each), or m fastest where C is wider
 // than tall (tiles_n * bn > tiles_m * bm, B the larger operand: the head's logits, whose B is the
@@ -897,8 +909,8 @@ template <> struct RaOf<true, false, 3> { using T = RaFragsK; };
 // OP (Tf32Op, Bf16Op: PRODUCTS 1, no RA) the operand type and layouts of the plain product; TO: C's and
 // aux's element type.
 template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int PRODUCTS = 1, bool RA = false, bool CSUM = false,
-          bool TC = false, bool A_MN = true, class OP = Tf32Op, class TO = float, int CSG = 1>
-__device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsigned empty0, TO* C, TO* aux,
+          bool TC = false, bool A_MN = true, class OP = Tf32Op, class TO = float, int CSG = 1, class WALK = WsStride>
+__device__ __forceinline__ void ws_consume(WALK& walk, unsigned smem0, unsigned full0, unsigned empty0, TO* C, TO* aux,
                                            const float* bias, int M, int N, int K, int ldc, long long sC,
                                            float alpha, int splits, int k_chunk, int per_z, int tiles_n,
                                            int total, float* colsum = nullptr, const TmaMap* mapC = nullptr,
@@ -928,8 +940,8 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
     // a bf16 C read-aux epilogue's first box of aux, loaded under the tile's last k tile (wg_aux_box)
     constexpr bool AUX0 = sizeof(TO) == 2 && GEMM_EPI_READS_AUX(EPI) && !RA && PRODUCTS == 1;
     unsigned aux0[4][2];
-    int it = 0, tn = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x, ++tn) {
+    int it = walk.it, tn = 0;
+    for (int t = walk.first(); t < total; t = walk.next(), ++tn) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles<OP::BK>(tl.klen);
         int tj = 0, G = 1;
@@ -1014,6 +1026,7 @@ __device__ __forceinline__ void ws_consume(unsigned smem0, unsigned full0, unsig
                                                                   tl.m0, tl.n0, alpha);
         }
     }
+    walk.it = it;
     if (c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
 }
 
@@ -1074,13 +1087,13 @@ __device__ __forceinline__ void tma_operand(int lane, unsigned bar, unsigned dst
 // tiles and their k tiles in the consumers' order, each k tile into the next slot of the ring once the
 // consumers released it (empty), its copies completing on full. BF16 (OP::BK 64): tma_operand's boxes;
 // TF32: tma_load_ra (RA) or tma_load_pair.
-template <int BM, int BN, int STAGES, bool RA, class OP>
-__device__ __forceinline__ void ws_produce(unsigned smem0, unsigned full0, unsigned empty0, const TmaMap* mapA,
-                                           const TmaMap* mapB, int K, int splits, int k_chunk, int per_z,
-                                           int tiles_n, int total, int lane) {
+template <int BM, int BN, int STAGES, bool RA, class OP, class WALK = WsStride>
+__device__ __forceinline__ void ws_produce(WALK& walk, unsigned smem0, unsigned full0, unsigned empty0,
+                                           const TmaMap* mapA, const TmaMap* mapB, int K, int splits, int k_chunk,
+                                           int per_z, int tiles_n, int total, int lane) {
     constexpr int A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
-    int it = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    int it = walk.it;
+    for (int t = walk.first(); t < total; t = walk.next()) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles<OP::BK>(tl.klen);
         for (int kt = 0; kt < nk; ++kt, ++it) {
@@ -1100,6 +1113,7 @@ __device__ __forceinline__ void ws_produce(unsigned smem0, unsigned full0, unsig
                               tl.batch);
         }
     }
+    walk.it = it;
 }
 
 // The body of gemm_wgmma_ws and of gemm_wgmma_ra with a K-major B (RA: A's k tile as BM / 32 MN-major
@@ -1131,15 +1145,18 @@ __device__ __forceinline__ void ws_gemm(TO* C, TO* aux, const TmaMap* mapA, cons
     constexpr int CONSUMER_REGS = wg_consumer_regs((WG + 1) * 128, WG, 24);
     if (wg == WG) {       // producer
         if constexpr (SPLIT_REGS) wg_regs_dec<24>();
-        if (tid < WG * 128 + 32)
-            ws_produce<BM, BN, STAGES, RA, OP>(smem0, full0, empty0, mapA, mapB, K, splits, k_chunk, per_z, tiles_n,
-                                               total, lane);
+        if (tid < WG * 128 + 32) {
+            WsStride walk;
+            ws_produce<BM, BN, STAGES, RA, OP>(walk, smem0, full0, empty0, mapA, mapB, K, splits, k_chunk, per_z,
+                                               tiles_n, total, lane);
+        }
         return;
     }
     if constexpr (SPLIT_REGS) wg_regs_inc<CONSUMER_REGS>();
+    WsStride walk;
     ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, 1, RA, CSUM, TC, true, OP, TO, CSG>(
-        smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum,
-        mapC, mapX, c_tma, smem0 + STAGES * (BM + BN) * 128);
+        walk, smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total,
+        colsum, mapC, mapX, c_tma, smem0 + STAGES * (BM + BN) * 128);
 }
 
 // DT: the operands' type (0: fp32, read as TF32; 1: bf16, A and B K-major unless MN_A / MN_B); OUT: C's
@@ -1179,52 +1196,30 @@ gemm_wgmma_ws(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
 // warpgroup that read it (empty: 128 arrivals). The producer drops to 40 registers, the consumers
 // rise to 232 (24 and 240 on 128 x 192, 192 accumulators a thread: families.py BF16_PP_WIDE says why
 // that tile has no dgelu kernels). Grid, tile order, split-K, template tail and arguments: gemm_wgmma_ws's.
-template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT, bool MN_A, bool MN_B,
-          int OUT, int COLSUM = 0>
-__global__ void __launch_bounds__(THREADS, 1)
-gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
-    static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(2, OUT),
-                  "two consumer warpgroups and the producer's; STAGES slots, 1 KB to align them, a bf16 C's "
-                  "staging boxes");
-    static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256 && BM * BN <= 128 * 192 && STAGES >= 2,
-                  "MN-major boxes of 64 rows; at most 192 accumulators a thread");
-    static_assert(DT == 1, "BF16 operands (DT as gemm_wgmma_ws's)");
-    static_assert(COLSUM == 0 || (MN_A && EPI == GEMM_EPI_NONE && !HAS_BIAS), "COLSUM as gemm_wgmma_ws's");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using OP = Bf16Op<MN_A, MN_B>;
-    using TO = elem<OUT>;
-    constexpr int R = BM / 64, A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
-    extern __shared__ __align__(1024) unsigned char wg_smem[];
-    __shared__ __align__(8) unsigned long long bars[2 * STAGES];
-    __shared__ __align__(16) float pp_bias[HAS_BIAS ? 4 * BN : 4];   // a pair of buffers a warpgroup
-    const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;
-    const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
-    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wt = tid & 127;
-    const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
-    const int per_z = tiles_n * tiles_m, total = per_z * zs;
-    ws_init_bars(full0, STAGES, 1, 128, 0);
+// The consumer warpgroups of gemm_wgmma_pp (and of gemm_wgmma_dual's ping-pong form): the block's tiles of
+// `walk`, warpgroup wg the ones at even (0) or odd (1) positions j of the block's sequence (turn.j, carried
+// over the products of one launch, as the ring's walk.it and the bias buffers' turn.mine); walk.more(total):
+// whether the block has a tile after this one (the other warpgroup's turn is then passed on).
+struct PpTurn {
+    int j = 0, mine = 0;
+};
 
-    // the register split: 40 / 232, or 24 / 240 where a thread holds more than 128 accumulators (128 x 192)
-    constexpr int PRODUCER_REGS = BM * BN > 128 * 128 ? 24 : 40;
-    constexpr int CONSUMER_REGS = wg_consumer_regs(THREADS, 2, PRODUCER_REGS);
-    if (wg == 2) {        // producer: as gemm_wgmma_ws's
-        wg_regs_dec<PRODUCER_REGS>();
-        if (tid < 2 * 128 + 32)
-            ws_produce<BM, BN, STAGES, false, OP>(smem0, full0, empty0, &mapA, &mapB, K, splits, k_chunk, per_z,
-                                                  tiles_n, total, lane);
-        return;
-    }
-    wg_regs_inc<CONSUMER_REGS>();
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, class OP, class TO, int COLSUM, class WALK>
+__device__ __forceinline__ void pp_consume(WALK& walk, PpTurn& turn, unsigned smem0, unsigned full0, unsigned empty0,
+                                           TO* C, TO* aux, const float* bias, int M, int N, int K, int ldc,
+                                           long long sC, float alpha, int splits, int k_chunk, int per_z, int tiles_n,
+                                           int total, float* colsum, const TmaMap* mapC, const TmaMap* mapX, int c_tma,
+                                           float* pp_bias, float* pp_red, int wg, int wt) {
+    constexpr int R = BM / 64, A_BYTES = BM * 128, STAGE_BYTES = (BM + BN) * 128;
     float acc[R][BN / 2];
     WgBias<BN, 128, HAS_BIAS> tile_bias;
-    __shared__ float pp_red[COLSUM > 0 ? 2 * R * 256 : 1];     // Bf16ColSum's, a warpgroup's R boxes
     Bf16ColSum<R, (BM * BN > 128 * 128 ? 4 : 8)> bsum;     // (4 columns a thread on 128 x 192)
     if constexpr (COLSUM > 0) bsum.init(wt);
     // (aux's first box of a read-aux epilogue loaded just before it, not under the k loop as gemm_wgmma_ws
     // does: beside two tiles' accumulators the registers it would hold through the k loop are not there)
     unsigned aux0[4][2];
-    int it = 0, j = 0, mine = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
+    int it = walk.it, j = turn.j, mine = turn.mine;
+    for (int t = walk.first(); t < total; t = walk.next(), ++j) {
         const WsTile tl(t, per_z, tiles_n, BM, BN, K, splits, k_chunk);
         const int nk = wg_k_tiles<OP::BK>(tl.klen);
         if ((j & 1) != wg) {      // the other warpgroup's tile
@@ -1262,7 +1257,7 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
             wg_wait<1>();             // the group of the k tile before is done: release its slot
             if (kt > 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
         }
-        if (t + gridDim.x < total) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 + (wg ^ 1)) : "memory");
+        if (walk.more(total)) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 + (wg ^ 1)) : "memory");
         wg_wait<0>();
 #pragma unroll
         for (int r = 0; r < R; ++r) wg_fence_acc(acc[r]);
@@ -1274,13 +1269,13 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
         // barrier, 5 + wg, orders the writes before the epilogue's reads and those before the next)
         const float* bias_t = tile_bias.put(pp_bias + (2 * wg + (mine++ & 1)) * BN, bias, tl.n0, wt);
         if constexpr (HAS_BIAS) asm volatile("bar.sync %0, 128;\n" ::"r"(5 + wg) : "memory");
-        if constexpr (OUT == 1) {
+        if constexpr (sizeof(TO) == 2) {
             if (c_tma) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     if constexpr (GEMM_EPI_READS_AUX(EPI)) wg_aux_box(aux0, aux_z, M, N, ldc, tl.m0 + 64 * r, tl.n0, 0);
                     wg_store_tile_tma<BN, EPI, HAS_BIAS>(acc[r], aux_z, bias_t, M, N, ldc, tl.z, tl.m0 + 64 * r, tl.n0,
-                                                         alpha, &mapC, &mapX,
+                                                         alpha, mapC, mapX,
                                                          smem0 + STAGES * STAGE_BYTES + ws_stage_bytes(wg, 1), 11 + wg,
                                                          aux0);
                 }
@@ -1292,7 +1287,56 @@ gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
             wg_store_tile<64, BN, EPI, HAS_BIAS, false, TO>(acc[r], C + tl.z * sC, aux_z, bias_t, M, N, ldc, sC,
                                                             tl.m0 + 64 * r, tl.n0, alpha, 0);
     }
-    if (OUT == 1 && c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before the block ends
+    walk.it = it;
+    turn.j = j;
+    turn.mine = mine;
+    if (sizeof(TO) == 2 && c_tma && wt == 0) tma_store_wait<0, false>();     // every store written before it ends
+}
+
+template <int BM, int BN, int STAGES, int EPI, bool HAS_BIAS, int THREADS, int SMEM, int DT, bool MN_A, bool MN_B,
+          int OUT, int COLSUM = 0>
+__global__ void __launch_bounds__(THREADS, 1)
+gemm_wgmma_pp(elem<OUT>* C, elem<OUT>* aux, WS_ARGS_AB, WS_ARGS_C) {
+    static_assert(THREADS == 3 * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(2, OUT),
+                  "two consumer warpgroups and the producer's; STAGES slots, 1 KB to align them, a bf16 C's "
+                  "staging boxes");
+    static_assert(BM % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256 && BM * BN <= 128 * 192 && STAGES >= 2,
+                  "MN-major boxes of 64 rows; at most 192 accumulators a thread");
+    static_assert(DT == 1, "BF16 operands (DT as gemm_wgmma_ws's)");
+    static_assert(COLSUM == 0 || (MN_A && EPI == GEMM_EPI_NONE && !HAS_BIAS), "COLSUM as gemm_wgmma_ws's");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using OP = Bf16Op<MN_A, MN_B>;
+    using TO = elem<OUT>;
+    constexpr int R = BM / 64;
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    __shared__ __align__(8) unsigned long long bars[2 * STAGES];
+    __shared__ __align__(16) float pp_bias[HAS_BIAS ? 4 * BN : 4];   // a pair of buffers a warpgroup
+    const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;
+    const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wt = tid & 127;
+    const int tiles_n = (N + BN - 1) / BN, tiles_m = (M + BM - 1) / BM;
+    const int per_z = tiles_n * tiles_m, total = per_z * zs;
+    ws_init_bars(full0, STAGES, 1, 128, 0);
+
+    // the register split: 40 / 232, or 24 / 240 where a thread holds more than 128 accumulators (128 x 192)
+    constexpr int PRODUCER_REGS = BM * BN > 128 * 128 ? 24 : 40;
+    constexpr int CONSUMER_REGS = wg_consumer_regs(THREADS, 2, PRODUCER_REGS);
+    if (wg == 2) {        // producer: as gemm_wgmma_ws's
+        wg_regs_dec<PRODUCER_REGS>();
+        if (tid < 2 * 128 + 32) {
+            WsStride walk;
+            ws_produce<BM, BN, STAGES, false, OP>(walk, smem0, full0, empty0, &mapA, &mapB, K, splits, k_chunk, per_z,
+                                                  tiles_n, total, lane);
+        }
+        return;
+    }
+    wg_regs_inc<CONSUMER_REGS>();
+    __shared__ float pp_red[COLSUM > 0 ? 2 * R * 256 : 1];     // Bf16ColSum's, a warpgroup's R boxes
+    WsStride walk;
+    PpTurn turn;
+    pp_consume<BM, BN, STAGES, EPI, HAS_BIAS, OP, TO, COLSUM>(walk, turn, smem0, full0, empty0, C, aux, bias, M, N, K,
+                                                              ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total,
+                                                              colsum, &mapC, &mapX, c_tma, pp_bias, pp_red, wg, wt);
 #else
     __trap();
 #endif
@@ -1455,8 +1499,10 @@ __device__ __forceinline__ void ws_turn_gemm(float* C, float* aux, const TmaMap*
         }
         return;
     }
+    WsStride walk;
     ws_consume<BM, BN, STAGES, EPI, HAS_BIAS, PRODUCTS, true, COLSUM, false, MN_A>(
-        smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total, colsum);
+        walk, smem0, full0, empty0, C, aux, bias, M, N, K, ldc, sC, alpha, splits, k_chunk, per_z, tiles_n, total,
+        colsum);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1505,6 +1551,161 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma3_ra(WS_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     ws_turn_gemm<BM, BN, STAGES, EPI, HAS_BIAS, MN_A, MN_B, 3, COLSUM>(C, aux, &mapA, &mapB, bias, M, N, K, ldc, sC,
                                                                        alpha, splits, k_chunk, zs, colsum);
+#else
+    __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemm_wgmma_dual: two independent bf16 products in one persistent launch, a layer's weight gradient
+// W (dW = dY^T X: A [K, M] and B [K, N] as stored, C fp32, split-K partials or the product itself,
+// COLSUM: A's column sums as gemm_wgmma_ws's) and the input gradient X that reads the same dY (dX = dY
+// W: A [M, K], B [K, N] as stored, C bf16, EPI_X none or dgelu). Alone, W's 64-96 long tiles (K: the
+// tokens) leave a third of the SMs idle or need split-K's partials and reduction, and X's short tiles
+// end in a partial wave. Here one list holds W's tiles (longest first) then X's, and the blocks take
+// them from a counter as they free up: the SMs W leaves free run X's tiles meanwhile. Each tile is
+// computed whole by one block exactly as gemm_wgmma_ws computes it (the same ws_produce / ws_consume),
+// so the results are those of the two launches with the same tiles and splits, bit for bit, whichever
+// block takes a tile. Both products share the tile (BM, BN: 128 x 192, 128 x 256, 256 x 128 without
+// the column sums) and the ring; X's staging boxes follow it.
+//
+// WsDynWalk: a block's first tile is blockIdx.x, each next one gridDim.x + the old value of the counter
+// tiles[0] (an integer atomic: which block takes a tile changes, never its arithmetic), so a block's
+// tiles rise through the list: W's, then X's. The producer's first warp takes them (lane 0, broadcast)
+// and passes each to the consumers through a ring of D ids in shared memory (full: one arrival by lane
+// 0 after its store; empty: one by each consumer thread after its load), the first id past the list
+// too, after which the block stops. Every block makes exactly one fetch past the list, the values of
+// those fetches being total - gridDim.x .. total - 1: the one that returns total - 1 is the launch's
+// last, and resets the counter to 0 for the next launch (the launcher zeroes it once when it is made).
+// `base`: the list index of the product being walked (0 for W, W's tile count for X).
+// more(): whether the block has a tile after this one, in either product (the consumers of the ping-pong
+// form pass the other warpgroup its turn then): the next id read ahead, and kept for next().
+template <int D, bool PRODUCER>
+struct WsDynWalk {
+    int t, it = 0, base = 0, j = 0, ahead = -1;
+    int* ctr;
+    int total, lane;
+    unsigned ids, full0, empty0;
+    __device__ __forceinline__ WsDynWalk(int* ctr_, int total_, unsigned ids_, unsigned bars0, int lane_)
+        : t(blockIdx.x), ctr(ctr_), total(total_), lane(lane_), ids(ids_), full0(bars0), empty0(bars0 + 8 * D) {}
+    __device__ __forceinline__ int first() const { return t - base; }
+    __device__ __forceinline__ int take() {          // the consumers' read of id j
+        const int s = j % D;
+        int id;
+        mbar_wait(full0 + 8 * s, (j / D) & 1);
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(id) : "r"(ids + 4 * s) : "memory");
+        mbar_arrive(empty0 + 8 * s);
+        ++j;
+        return id;
+    }
+    __device__ __forceinline__ bool more(int) {
+        if (ahead < 0) ahead = take();
+        return ahead < total;
+    }
+    __device__ __forceinline__ int next() {
+        if constexpr (PRODUCER) {
+            const int s = j % D;
+            int id = 0;
+            if (lane == 0) {
+                const int c = atomicAdd(ctr, 1);
+                if (c == total - 1) atomicExch(ctr, 0);
+                id = gridDim.x + c;
+            }
+            id = __shfl_sync(0xffffffffu, id, 0);
+            if (j >= D) mbar_wait(empty0 + 8 * s, ((j / D) - 1) & 1);
+            if (lane == 0) {
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ids + 4 * s), "r"(id) : "memory");
+                mbar_arrive(full0 + 8 * s);
+            }
+            t = id;
+            ++j;
+        } else if (ahead >= 0) {
+            t = ahead;
+            ahead = -1;
+        } else {
+            t = take();
+        }
+        return t - base;
+    }
+};
+
+#define DUAL_IDS 4
+// W: C (fp32) [splits, M, N] (the partials where splits > 1), colsum [splits x rows, M] or null; X: C and
+// aux (bf16) [M, N], stored through C's and aux's maps (WS_ARGS_C, c_tma as gemm_wgmma_ws's); tiles: the
+// counter (one int, zero before the first launch).
+#define DUAL_ARGS                                                                                     \
+    float* Cw, const __grid_constant__ TmaMap mapAw, const __grid_constant__ TmaMap mapBw,         \
+    int Mw, int Nw, int Kw, int splits, int k_chunk, float* colsum,                                  \
+    bf16* Cx, bf16* aux, const __grid_constant__ TmaMap mapAx, const __grid_constant__ TmaMap mapBx, \
+    int Mx, int Nx, int Kx, WS_ARGS_C, int* tiles
+
+// PP: the consumers of gemm_wgmma_pp (pp_consume: each warpgroup whole tiles, alternating, one's epilogue
+// under the other's k loop; 128 x 128 and 128 x 192 for X without the GELU's backward) instead of
+// gemm_wgmma_ws's, their turn passed on across the two products.
+template <int BM, int BN, int STAGES, int EPI_X, int THREADS, int SMEM, int COLSUM, int PP = 0>
+__global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_dual(DUAL_ARGS) {
+    constexpr int WG = PP ? 2 : BM / 64;
+    static_assert(THREADS == (WG + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(WG, 1),
+                  "as gemm_wgmma_ws (gemm_wgmma_pp) with a bf16 C");
+    static_assert(BM % 64 == 0 && BN % 64 == 0 && BN <= 256 && STAGES >= 2, "MN-major operands in boxes of 64");
+    static_assert(EPI_X == GEMM_EPI_NONE || EPI_X == GEMM_EPI_DGELU, "X: dY W, plain or with the GELU's backward");
+    static_assert(COLSUM == 0 || WG == 2, "the column sums' buffer (1 KB a consumer warpgroup) does not fit beside "
+                                          "four warpgroups' staging boxes and the 256 x 128 ring");
+    static_assert(!PP || (BM == 128 && BM * BN <= 128 * 192), "gemm_wgmma_pp's tiles");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using OPW = Bf16Op<true, true>;
+    using OPX = Bf16Op<false, true>;
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    __shared__ __align__(8) unsigned long long bars[2 * STAGES + 2 * DUAL_IDS];   // ring, then the ids' full, empty
+    __shared__ int ids[DUAL_IDS];
+    const unsigned smem0 = (smem_u32(wg_smem) + 1023u) & ~1023u;
+    const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES, idbars = full0 + 16 * STAGES;
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+    const int tiles_nw = (Nw + BN - 1) / BN, per_zw = tiles_nw * ((Mw + BM - 1) / BM), total_w = per_zw * splits;
+    const int tiles_nx = (Nx + BN - 1) / BN, total_x = tiles_nx * ((Mx + BM - 1) / BM);
+    if (tid == 0) {       // (ws_init_bars' fence and barrier cover these)
+        for (int s = 0; s < DUAL_IDS; ++s) {
+            mbar_init(idbars + 8 * s, 1);
+            mbar_init(idbars + 8 * (DUAL_IDS + s), WG * 128);
+        }
+    }
+    ws_init_bars(full0, STAGES, 1, PP ? 128 : WG * 128, 0);            // (ping-pong: one warpgroup reads a slot)
+    constexpr int PRODUCER_REGS = PP && BM * BN <= 128 * 128 ? 40 : 24;     // (gemm_wgmma_pp's split)
+    constexpr int CONSUMER_REGS = wg_consumer_regs(THREADS, WG, PRODUCER_REGS);
+    if (wg == WG) {       // producer: W's tiles, then X's
+        wg_regs_dec<PRODUCER_REGS>();
+        if (tid < WG * 128 + 32) {
+            WsDynWalk<DUAL_IDS, true> walk(tiles, total_w + total_x, smem_u32(ids), idbars, lane);
+            ws_produce<BM, BN, STAGES, false, OPW>(walk, smem0, full0, empty0, &mapAw, &mapBw, Kw, splits, k_chunk,
+                                                   per_zw, tiles_nw, total_w, lane);
+            walk.base = total_w;
+            ws_produce<BM, BN, STAGES, false, OPX>(walk, smem0, full0, empty0, &mapAx, &mapBx, Kx, 1, max(Kx, 1),
+                                                   total_x, tiles_nx, total_x, lane);
+        }
+        return;
+    }
+    wg_regs_inc<CONSUMER_REGS>();
+    WsDynWalk<DUAL_IDS, false> walk(tiles, total_w + total_x, smem_u32(ids), idbars, lane);
+    if constexpr (PP) {
+        __shared__ float pp_red[COLSUM > 0 ? 2 * 2 * 256 : 1];
+        __shared__ __align__(16) float pp_bias[4];
+        PpTurn turn;
+        pp_consume<BM, BN, STAGES, GEMM_EPI_NONE, false, OPW, float, COLSUM>(
+            walk, turn, smem0, full0, empty0, Cw, nullptr, nullptr, Mw, Nw, Kw, Nw, (long long)Mw * Nw, 1.f, splits,
+            k_chunk, per_zw, tiles_nw, total_w, colsum, nullptr, nullptr, 0, pp_bias, pp_red, wg, tid & 127);
+        walk.base = total_w;
+        pp_consume<BM, BN, STAGES, EPI_X, false, OPX, bf16, 0>(
+            walk, turn, smem0, full0, empty0, Cx, aux, nullptr, Mx, Nx, Kx, Nx, (long long)Mx * Nx, 1.f, 1, max(Kx, 1),
+            total_x, tiles_nx, total_x, nullptr, &mapC, &mapX, c_tma, pp_bias, pp_red, wg, tid & 127);
+    } else {
+        ws_consume<BM, BN, STAGES, GEMM_EPI_NONE, false, 1, false, (COLSUM > 0), false, true, OPW, float, COLSUM>(
+            walk, smem0, full0, empty0, Cw, nullptr, nullptr, Mw, Nw, Kw, Nw, (long long)Mw * Nw, 1.f, splits,
+            k_chunk, per_zw, tiles_nw, total_w, colsum);
+        walk.base = total_w;
+        ws_consume<BM, BN, STAGES, EPI_X, false, 1, false, false, false, true, OPX, bf16, 1>(
+            walk, smem0, full0, empty0, Cx, aux, nullptr, Mx, Nx, Kx, Nx, (long long)Mx * Nx, 1.f, 1, max(Kx, 1),
+            total_x, tiles_nx, total_x, nullptr, &mapC, &mapX, c_tma, smem0 + STAGES * (BM + BN) * 128);
+    }
 #else
     __trap();
 #endif

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gptcuda.model.products import Product, products
+from gptcuda.model.products import Pair, Product, pairs, products
 from gptcuda.config import ConfigError, load_config
 from gptcuda.ops.cuda.gemm import tune
 from gptcuda.ops.cuda.gemm.families import WGMMA_FILE
@@ -68,7 +68,8 @@ def _precision_cfg(precision):
 def test_measures_what_is_missing_and_saves_it(table_cache, precision):
     cfg, vocab = _precision_cfg(precision)
     rt, timer = FakeRT(cfg), FakeTimer()
-    keys = [table_key(precision, op) for op in products(cfg, vocab)]
+    keys = [table_key(precision, op) for op in products(cfg, vocab) + pairs(cfg, vocab, rt.exec)]
+    assert (len(keys) > len(products(cfg, vocab))) == (precision == "bf16")      # the pairs: bf16's
     s = tune.autotune(rt, cfg, vocab, out=io.StringIO(), timer=timer, build=no_build)
     assert s.measured == len(keys) and s.known == 0 and s.dropped == 0
     assert [table_key(precision, op) for op, _ in timer.ops] == keys
@@ -85,6 +86,53 @@ def test_measures_what_is_missing_and_saves_it(table_cache, precision):
     assert again.ops == [] and s2.measured == 0 and s2.known == len(keys)
     assert table_path(GPU).stat().st_mtime_ns == mtime
     assert str(len(keys)) in s2.format()
+
+
+def test_pairs_are_measured_after_their_products_and_launch_by_their_entries(table_cache):
+    """bf16: a pair is timed after every product, whose winners the table then holds (so its APART candidate
+    runs them), its candidates the model's plan first and APART last; matmul_pair launches the pair's entry:
+    APART the two products, a plan gemm_wgmma_dual with it, none the model's plan."""
+    from gptcuda.ops.cuda import elementwise, gemm
+    from gptcuda.ops.cuda.gemm.families import dual_name
+    from gptcuda.ops.cuda.gemm.plan import pair_plan
+    from gptcuda.ops.cuda.gemm.table import APART
+    cfg, vocab = _precision_cfg("bf16")
+    rt = FakeRT(cfg)
+    seen = []
+
+    class Watch(FakeTimer):
+        def __call__(self, op, plans):
+            if isinstance(op, Pair):
+                have = load_table(GPU, refresh=True)
+                seen.append(all(table_key("bf16", g) in have for g in products(cfg, vocab)))
+                assert plans[0] == pair_plan(op.w, op.x, 132, tune.workspace_floats(cfg, vocab, rt.exec).get("gemm_splitk", 0))
+                assert plans[-1] == APART and len(plans) > 2
+            return super().__call__(op, plans)
+    timer = Watch()
+    tune.autotune(rt, cfg, vocab, out=io.StringIO(), timer=timer, build=no_build)
+    prs = pairs(cfg, vocab, rt.exec)
+    assert seen == [True] * len(prs) and [op for op, _ in timer.ops][-len(prs):] == prs
+    # the launcher and the entries
+    from gptcuda.runtime import DeviceView
+    pr = prs[0]
+    view = lambda i, shape, dtype="f32": DeviceView((i + 1) << 32, shape, dtype, "v")
+    dy, x, w = (view(i, s, "bf16") for i, s in enumerate(((pr.w.K, pr.w.M), (pr.w.K, pr.w.N), (pr.x.K, pr.x.N))))
+    dx, dw = view(3, (pr.x.M, pr.x.N), "bf16"), view(4, (pr.w.M, pr.w.N))
+    aux = view(5, (pr.x.M, pr.x.N), "bf16") if pr.x.epilogue != "none" else None
+    db = view(6, (pr.w.M,)) if pr.w.colsum else None
+    rt.set_workspace({"gemm_splitk": view(7, (1 << 24,)),
+                      elementwise.WORKSPACE: view(8, (elementwise.MAX_CHUNKS * pr.w.M,))})
+    key = table_key("bf16", pr)
+
+    def launched(entry):
+        if entry is not None:
+            save_table(GPU, {key: plan_to_json(entry)})
+        rt.launched.clear()
+        gemm.matmul_pair(rt, dx, dw, dy, x, w, db=db, epilogue=pr.x.epilogue, aux=aux)
+        return [r.fn.name for r in rt.launched if r.fn.name.startswith("gemm_wgmma")]
+    assert load_table(GPU)[key] == APART and not any(n.startswith("gemm_wgmma_dual") for n in launched(None))
+    other = [p for p in tune.pair_candidates(pr, rt.exec, 132, {"gemm_splitk": 1 << 24})[1:-1] if p.splits == 1][0]
+    assert launched(other)[0] == dual_name(other.tile, 4 if pr.x.epilogue == "dgelu" else 0, pr.w.colsum)
 
 
 def test_entries_already_there_are_never_measured_again(table_cache):
@@ -228,6 +276,28 @@ def test_products_are_the_recorded_ones(table_cache, monkeypatch, over):
     assert _looked_up(monkeypatch, cfg, ("forward",)) <= fwd < keys
 
 
+@pytest.mark.parametrize("over", [["--recompute=1"], ["--recompute=false", "--bias=false"], ["--recompute=true"],
+                                  ["--dropout=0.1"]])
+def test_pairs_are_the_recorded_ones(table_cache, monkeypatch, over):
+    """bf16: model/products.py pairs lists exactly the pairs the training program looks up (tuned_pair), each
+    with its launches a step; the evaluation programs look up none."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from gptcuda.ops.cuda.gemm import launch
+    from gptcuda.ops.cuda_backend import CudaBackend
+    cfg = cfg_of("--precision=bf16", *BF16, *over)
+    seen = []
+    real = launch.tuned_pair
+    monkeypatch.setattr(launch, "tuned_pair", lambda rt, pr, ex, *a: seen.append(table_key("bf16", pr)) or
+                        real(rt, pr, ex, *a))
+    Engine(cfg, TOKS, TOKS[:200], 72, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg)), programs=("train",))
+    want = pairs(cfg, 72, execution.resolve(cfg))
+    assert sorted(set(seen)) == sorted(table_key("bf16", pr) for pr in want)
+    assert all(seen.count(table_key("bf16", pr)) == pr.count for pr in want)
+    seen.clear()
+    Engine(cfg, TOKS, TOKS[:200], 72, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg)), programs=("eval",))
+    assert seen == []
+
+
 # ---- when: the Engine -----------------------------------------------------------------------------
 def test_engine_on_a_stand_in_runtime_never_measures(table_cache, monkeypatch):
     pytest.importorskip("cuda.bindings.nvrtc")
@@ -330,8 +400,11 @@ def test_event_timer_frees_its_buffers_and_restores_the_workspaces(table_cache, 
     planned = {"gemm_splitk": fake_view((4,))}                   # the planned one, replaced while timing
     rt.set_workspace(planned)
     s = tune.autotune(rt, cfg, vocab, quiet=True, build=no_build)  # the real EventTimer; every candidate's
-    assert s.measured == len(products(cfg, vocab))       # kernels a listed variant (RecordingRuntime)
-    assert rt.dev.live == set() and rt._graphs == [] and rt._workspace == planned
+    assert s.measured == len(tune.tuned_ops(cfg, vocab, True, rt.exec))   # kernels a listed variant (RecordingRuntime)
+    # (the runtime keeps one buffer: the pairs' tile counter, made once, freed by rt.close)
+    from gptcuda.ops.cuda.gemm import launch
+    kept = {launch._COUNTERS[rt].ptr} if precision == "bf16" else set()
+    assert rt.dev.live == kept and rt._graphs == [] and rt._workspace == planned
     assert rt._recording is None
     # a failure half-way: still nothing left behind
     table_path(rt.info.name).unlink()
@@ -339,7 +412,7 @@ def test_event_timer_frees_its_buffers_and_restores_the_workspaces(table_cache, 
     rt.dev.fail_on = True
     with pytest.raises(RuntimeError, match="went away"):
         tune.autotune(rt, cfg, vocab, quiet=True, build=no_build)
-    assert rt.dev.live == set() and rt._graphs == [] and rt._workspace == planned
+    assert rt.dev.live == kept and rt._graphs == [] and rt._workspace == planned
 
 
 def test_event_timer_checks_part_of_a_large_output():

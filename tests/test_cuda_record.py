@@ -155,8 +155,9 @@ def test_crossentropy_kernel_choice():
                                                     (0.0, True, "1")])
 def test_record_bf16_training_step(dropout, bias, recompute):
     """precision bf16: the step's first launch makes the bf16 working copy of the parameters, every product
-    runs on the bf16 family (gemm_wgmma_ws or gemm_wgmma_pp with DT 1) over bf16 activations, the attention on fp32 copies
-    of qkv and y (accumulate's converting variants), and AdamW updates the fp32 parameters."""
+    runs on the bf16 family (gemm_wgmma_ws or gemm_wgmma_pp with DT 1; a layer's weight and input gradients
+    as one gemm_wgmma_dual) over bf16 activations, the attention on fp32 copies of qkv and y (accumulate's
+    converting variants), and AdamW updates the fp32 parameters."""
     cfg = load_config("configs/tiny.yaml", ["--precision=bf16", "--attention=fused", f"--dropout={dropout}",
                                             f"--bias={str(bias).lower()}", f"--recompute={recompute}",
                                             "--vocab_multiple=8"])
@@ -167,7 +168,8 @@ def test_record_bf16_training_step(dropout, bias, recompute):
     items = [r for r in eng.programs["train"].items if isinstance(r, Launch)]
     assert items[0].fn.name.startswith("to_bf16")
     products = [r.fn.name for r in items if r.fn.name.startswith("gemm")]
-    assert products and all(n.startswith(("gemm_wgmma_ws<", "gemm_wgmma_pp<")) and ",1," in n for n in products
+    assert products and all(n.startswith(("gemm_wgmma_ws<", "gemm_wgmma_pp<")) and ",1," in n or
+                            n.startswith("gemm_wgmma_dual<") for n in products
                             if not n.startswith("gemm_splitk_reduce")), products
     # recompute: the dgelu products rebuild the GELU output in their epilogue (code 5), no gelu pass;
     # an integer: the first that many layers (the backward's last dgelu products), the others store it
@@ -175,6 +177,9 @@ def test_record_bf16_training_step(dropout, bias, recompute):
     rebuilt = {"false": 0, "true": cfg.n_layer, "1": 1}[recompute]
     assert [e for e in epis if e in "45"] == ["4"] * (cfg.n_layer - rebuilt) + ["5"] * rebuilt, epis
     assert not any(r.fn.name.startswith("gelu_fwd") for r in items)
+    # the pairs: fc, the attention projection and qkv in every layer, fcproj where the GELU output is stored
+    # (a rebuilt one is the dgelu product's output, which dW fcproj reads after it)
+    assert sum(n.startswith("gemm_wgmma_dual<") for n in products) == 4 * cfg.n_layer - rebuilt
     assert eng.bufs.acts["qkv"].dtype == eng.bufs.acts["res"].dtype == "bf16"
     assert eng.bufs.acts["ln1_mean"].dtype == eng.bufs.flat_grads.dtype == "f32"
     # AdamW writes the working copy too (adamw_copy sets work_fresh), and the next program's to_bf16 does
@@ -183,6 +188,21 @@ def test_record_bf16_training_step(dropout, bias, recompute):
     assert items[0].slots[-1] == rt.state.ptr and items[0].fn.name.split("<")[0] == "to_bf16"
     evals = [r for r in eng.programs["eval_val"].items if isinstance(r, Launch)]
     assert evals[0].fn.name.startswith("to_bf16")
+
+
+def test_record_bf16_grad_pairs_off(monkeypatch):
+    """GPTCUDA_GRAD_PAIRS=0: a layer's weight and input gradients are two products again (no gemm_wgmma_dual),
+    the input gradient first; the plan says so."""
+    monkeypatch.setenv("GPTCUDA_GRAD_PAIRS", "0")
+    cfg = load_config("configs/tiny.yaml", ["--precision=bf16", "--attention=fused", "--vocab_multiple=8"])
+    rt = RecordingRuntime(cfg)
+    assert not rt.exec.grad_pairs and "GPTCUDA_GRAD_PAIRS=0" in rt.exec.format()
+    eng = Engine(cfg, np.arange(1000, dtype=np.int32) % 65, np.arange(200, dtype=np.int32) % 65, 72,
+                 backend=CudaBackend(cfg, rt=rt), programs=("train",), n_vocab=65)
+    names = [r.fn.name for r in eng.programs["train"].items if isinstance(r, Launch)]
+    assert names and not any(n.startswith("gemm_wgmma_dual") for n in names)
+    monkeypatch.delenv("GPTCUDA_GRAD_PAIRS")
+    assert RecordingRuntime(cfg).exec.grad_pairs
 
 
 def test_record_bf16_flash_walks_at_long_sequences():

@@ -349,7 +349,13 @@ def test_floor():
 def test_dry_run_cli(capsys):
     assert tune.main(["configs/tiny.yaml", "--precision=tf32", "--dry_run"]) == 0
     out = capsys.readouterr().out
-    assert "fwd qkv" in out and "model" in out and "tf32" in out
+    assert "fwd qkv" in out and "model" in out and "tf32" in out and "pair:" not in out
+    # bf16: the pairs after the products, each with the dual tiles' candidates and APART last
+    assert tune.main(["configs/tiny.yaml", "--precision=bf16", "--attention=fused", "--vocab_multiple=8",
+                      "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    pairs_at = out.index("pair: dW")
+    assert "fwd qkv" in out[:pairs_at] and out.count("pair: dW") == out.count("    apart ") >= 3
 
 
 def test_candidates_for_weight_grads_on_wgmma():

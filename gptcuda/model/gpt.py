@@ -124,21 +124,18 @@ class GPT:
                     o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu", aux=pre)
                     o.gelu_fwd(pre, pre)
                 o.matmul(g[h + "fcproj.w"], d, pre, True, False)
-            else:
-                o.matmul(g[h + "fcproj.w"], d, self.fc_act(l), True, False)
-                o.matmul(dfc, d, w[h + "fcproj.w"], False, False, epilogue="dgelu", aux=a["fc_pre"][l])
-            o.matmul(dln, dfc, w[h + "fc.w"], False, False)                       # d ln2 [B,T,C]
-            o.matmul(g[h + "fc.w"], dfc, a["ln2"][l], True, False, a_colsum=g.get(h + "fc.b"))
+            else:           # (the stored GELU output: dW fcproj does not wait for the dgelu product)
+                o.linear_bwd(dfc, g[h + "fcproj.w"], d, self.fc_act(l), w[h + "fcproj.w"], epilogue="dgelu",
+                             aux=a["fc_pre"][l])
+            o.linear_bwd(dln, g[h + "fc.w"], dfc, a["ln2"][l], w[h + "fc.w"], db=g.get(h + "fc.b"))   # d ln2 [B,T,C]
             o.layernorm_bwd(dres, g[h + "ln2.w"], g.get(h + "ln2.b"), dln, a["mid"][l], a["ln2_mean"][l],
                             a["ln2_rstd"][l], p[h + "ln2.w"], self._drop_out(drop, self.site(rng.dropout_site(l, 1))),
                             ds=g.get(h + "proj.b"))
             # attention half: mid = res[l] + drop(atty @ proj^T + b); d: its branch's gradient
-            o.matmul(datty, d, w[h + "proj.w"], False, False)
-            o.matmul(g[h + "proj.w"], d, a["atty"][l], True, False)
+            o.linear_bwd(datty, g[h + "proj.w"], d, a["atty"][l], w[h + "proj.w"])
             o.attention_bwd(dqkv, datty, a["qkv"][l], a["atty"][l], self.saved(l), H, drop,
                             self.site(rng.dropout_site(l, 0)))
-            o.matmul(dln, dqkv, w[h + "attn.w"], False, False)                    # d ln1 [B,T,C]
-            o.matmul(g[h + "attn.w"], dqkv, a["ln1"][l], True, False, a_colsum=g.get(h + "attn.b"))
+            o.linear_bwd(dln, g[h + "attn.w"], dqkv, a["ln1"][l], w[h + "attn.w"], db=g.get(h + "attn.b"))  # d ln1
             below = rng.dropout_site(l - 1, 2) if l > 0 else rng.DROPOUT_EMB   # the branch before res[l]
             o.layernorm_bwd(dres, g[h + "ln1.w"], g.get(h + "ln1.b"), dln, a["res"][l], a["ln1_mean"][l],
                             a["ln1_rstd"][l], p[h + "ln1.w"], self._drop_out(drop, self.site(below)),

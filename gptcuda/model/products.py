@@ -40,6 +40,48 @@ class Product:
         return layout_code(self.ta, self.tb)
 
 
+@dataclass(frozen=True)
+class Pair:
+    """A linear layer's weight gradient w (dY^T X: trans_a, fp32 C) and input gradient x (dY W) over one dY: the
+    op interface's linear_bwd, which the bf16 family runs as one launch where ex.grad_pairs (gemm.matmul_pair;
+    its measured table has an entry per pair: a plan, or the two products apart). count: its launches in a
+    training step."""
+    w: Product
+    x: Product
+    label: str = ""
+    count: int = 1
+
+
+def _vec(M, N, K, ta, tb) -> bool:
+    """Whether dense operands of op(a) [M, K] and op(b) [K, N] have row strides of whole 4-element groups (the
+    products' `vec`; the launchers also check the addresses)."""
+    return all(s % 4 == 0 for s in (M if ta else K, K if tb else N))
+
+
+def pairs(cfg, vocab_size: int, ex=None) -> list:
+    """The linear_bwd pairs gpt.py's backward runs as one launch (ex.grad_pairs; else none), one per distinct
+    pair: fc's, qkv's (with their bias sums where the model has biases), the attention projection's, and
+    fcproj's with the GELU's backward in the layers that store the GELU output."""
+    ex = ex or execution.resolve(cfg)
+    if not ex.grad_pairs:
+        return []
+    Ntok, C, L = cfg.batch_size * cfg.block_size, cfg.n_embd, cfg.n_layer
+    bias = bool(cfg.bias)
+    out = []
+
+    def add(label, N, K, epilogue="none", colsum=False, count=L):      # a layer y[Ntok, N] = x[Ntok, K] @ w[N, K]^T
+        if count:
+            out.append(Pair(Product(N, K, Ntok, True, False, colsum=colsum, vec=_vec(N, K, Ntok, True, False)),
+                            Product(Ntok, K, N, False, False, epilogue, vec=_vec(Ntok, K, N, False, False)),
+                            label, count))
+    rebuilt = recompute_layers(cfg) if ex.gelu_in_dgelu else 0
+    add("fcproj", C, 4 * C, "dgelu", count=L - rebuilt)
+    add("fc", 4 * C, C, colsum=bias)
+    add("attn proj", C, C)
+    add("qkv", 3 * C, C, colsum=bias)
+    return _merged(out)
+
+
 def products(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
     """Every product the model's programs launch for this config, one per distinct product (labels
     joined, counts summed; count 0: evaluation or an alternative form only), vec as dense operands allow.
@@ -54,9 +96,8 @@ def products(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
     ops = []
 
     def add(label, M, N, K, ta, tb, epilogue="none", bias=False, batch=1, count=1, colsum=False):
-        strides = [M if ta else K, K if tb else N] + ([M * K, K * N] if batch > 1 else [])
-        ops.append(Product(M, N, K, ta, tb, epilogue, bias, batch, colsum, all(s % 4 == 0 for s in strides), label,
-                           count))
+        vec = _vec(M, N, K, ta, tb) and (batch == 1 or (M * K % 4 == 0 and K * N % 4 == 0))
+        ops.append(Product(M, N, K, ta, tb, epilogue, bias, batch, colsum, vec, label, count))
 
     # forward (train): the residual branches go through dropout when there is dropout
     resid_epi = "none" if drop else "residual"
@@ -92,10 +133,15 @@ def products(cfg, vocab_size: int, backward: bool = True, ex=None) -> list:
             add("att dP", T, T, hs, False, True, batch=BH, count=L)
             add("att dq", T, hs, T, False, False, batch=BH, count=L)
             add("att dk", T, hs, T, True, False, batch=BH, count=L)
+    return _merged(ops)
+
+
+def _merged(items) -> list:
+    """One per distinct product or pair (label and count aside), labels joined and counts summed, in order."""
     merged = {}
-    for op in ops:
-        same = dataclasses.replace(op, label="", count=0)
+    for it in items:
+        same = dataclasses.replace(it, label="", count=0)
         old = merged.get(same)
-        merged[same] = op if old is None else dataclasses.replace(old, label=old.label + " / " + op.label,
-                                                                  count=old.count + op.count)
+        merged[same] = it if old is None else dataclasses.replace(old, label=old.label + " / " + it.label,
+                                                                  count=old.count + it.count)
     return list(merged.values())

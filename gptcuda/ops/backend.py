@@ -146,6 +146,12 @@ class Ops(Protocol):
         gelu_tanh(aux) (the GELU output rebuilt over its input; exec.gelu_in_dgelu). a_colsum[M] (trans_a only): also
         a_colsum = a.sum(0) of a as stored [K,M], deterministic: a weight gradient's bias gradient."""
 
+    def linear_bwd(self, dx, dw, dy, x, w, db=None, epilogue: str = "none", aux=None) -> None:
+        """The gradients of a linear layer y = x @ w^T + b from dy[M,N]: dw[N,K] = dy^T @ x (matmul
+        trans_a), db[N] (may be None) = dy.sum(0), dx[M,K] = dy @ w with epilogue "none" or "dgelu" over
+        aux (the GELU before the layer: matmul's). The two products are independent (a backend may run
+        them as one launch: exec.grad_pairs)."""
+
     def gelu_fwd(self, out, x) -> None:
         """out = gelu_tanh(x)"""
 

@@ -172,6 +172,9 @@ class CudaBackend:
         gemm.matmul(self.rt, out, a, b, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, ex=self.exec,
                     a_colsum=a_colsum)
 
+    def linear_bwd(self, dx, dw, dy, x, w, db=None, epilogue="none", aux=None):
+        gemm.matmul_pair(self.rt, dx, dw, dy, x, w, db=db, epilogue=epilogue, aux=aux, ex=self.exec)
+
     def gelu_fwd(self, out, x):
         elementwise.gelu_fwd(self.rt, out, x)
 

@@ -43,7 +43,8 @@ The rules, in one place:
 - Derived here too: whether the memory plan holds the warpgroup-MMA scratch (`wgmma_scratch`), the products'
   mode on those kernels (`wgmma_mode`), flash_tc's dK / dV on warpgroup MMA (`dkv_on_wgmma`), where
   recompute's backward rebuilds the GELU output (`gelu_in_dgelu`: the bf16 dgelu product's epilogue, else a
-  gelu pass), the peak rate MFU divides by (`peak_tflops`: of what actually multiplies), the GEMM table's
+  gelu pass), whether a layer's weight and input gradients share a launch (`grad_pairs`: bf16, unless
+  GPTCUDA_GRAD_PAIRS=0), the peak rate MFU divides by (`peak_tflops`: of what actually multiplies), the GEMM table's
   key prefix.
 
 The runtime is built with its plan (Runtime(cfg=...): resolved once, for its device) and passes it to
@@ -57,7 +58,7 @@ import dataclasses
 import os
 
 WGMMA_ARCHS = ("sm_90",)
-ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE")
+ENV_KEYS = ("GPTCUDA_WGMMA", "GPTCUDA_GEMM_TUNE", "GPTCUDA_GRAD_PAIRS")
 GEMM_TUNES = ("auto", "table", "off")
 _TUNE_ENV = {"0": "off", "off": "off", "table": "table", "auto": "auto"}     # GPTCUDA_GEMM_TUNE -> gemm_tune
 # bf16: activations in bf16, products on the BF16 warpgroup-MMA kernel (sm_90), fp32 master parameters,
@@ -146,6 +147,12 @@ class ExecutionPlan:
         that product."""
         return self.gemm_family == "bf16"
 
+    @property
+    def grad_pairs(self) -> bool:
+        """A layer's weight and input gradients, which read the same dY, run as one launch (bf16:
+        gemm_wgmma_dual, gemm/launch.py matmul_pair), unless GPTCUDA_GRAD_PAIRS=0: two products."""
+        return self.gemm_family == "bf16" and dict(self.env).get("GPTCUDA_GRAD_PAIRS", "1").strip() != "0"
+
     def dkv_on_wgmma(self, head_size: int) -> bool:
         """flash_tc's dK / dV backward runs on warpgroup MMA (flash_bwd_dkv_wg) at this head size (a
         runtime's plan without an attention path: where its precision's fused path is flash_tc)."""
@@ -184,7 +191,9 @@ class ExecutionPlan:
             wg = ("on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW with dY through registers "
                   "(wgmma_ra*, X^T or dY^T via gemm_aT)")
         elif self.precision == "bf16":
-            wg = "on: the base family (bf16 activations, fp32 master weights, gradients and statistics)"
+            wg = ("on: the base family (bf16 activations, fp32 master weights, gradients and statistics); "
+                  + ("a layer's dW and dX in one launch (gemm_wgmma_dual)" if self.grad_pairs
+                     else "dW and dX apart (GPTCUDA_GRAD_PAIRS=0)"))
         elif self.fp32_as_3xtf32:
             wg = "on as 3xTF32 (gemm_wgmma.cu): x @ W^T, dY @ W and dW, aligned operands read as stored"
         else:

@@ -220,6 +220,10 @@ class ReferenceBackend:
             matmul_epilogue(_2d(out), r, epilogue, None if aux is None else _2d(aux))
         self._rec(f)
 
+    def linear_bwd(self, dx, dw, dy, x, w, db=None, epilogue="none", aux=None):
+        self.matmul(dx, dy, w, False, False, epilogue=epilogue, aux=aux)
+        self.matmul(dw, dy, x, True, False, a_colsum=db)
+
     def gelu_fwd(self, out, x):
         self._rec(lambda: out.__setitem__(Ellipsis, R.gelu_forward(x)))
 

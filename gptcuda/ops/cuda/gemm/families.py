@@ -77,6 +77,17 @@ BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout 
 # (gemm_wgmma.cu wg_store_tile_tma, ws_stage_bytes), after the ring
 BF16_STAGE_BYTES = 2 * 64 * 32 * 2
 BF16_STORE_BOX = (32, 64, 1)
+# gemm_wgmma_dual (a layer's weight gradient dY^T X, fp32 C, and its input gradient dY W, bf16 C, none or dgelu,
+# in one launch: plan.py pair_plan, launch.py matmul_pair): the tiles, gemm_wgmma_ws's with a bf16 C, those
+# with the weight gradient's column sums (their reduction buffer, 1 KB a consumer warpgroup, does not fit
+# beside 256 x 128's ring and four staging boxes), and the input gradient's epilogue codes
+DUAL_TILES = ((128, 192, 4, 0), (128, 256, 4, 0), (256, 128, 4, 0))
+DUAL_COLSUM_TILES = DUAL_TILES[:2]
+DUAL_EPIS = (0, 4)      # EPI_NONE, EPI_DGELU
+# ... and its ping-pong form's (gemm_wgmma_pp's consumers: PP 1), which the measured table alone picks (the
+# schedule model has no term for an epilogue under the other warpgroup's k loop); 128 x 192 without dgelu
+# (BF16_PP_WIDE's rule), both with the column sums
+DUAL_PP_TILES = ((128, 128, 6, 1), (128, 192, 5, 1))
 # A bf16 TN kernel's column sums (the bias gradient) are spread over up to this many column tiles of a row of
 # tiles, each summing every G-th k tile into a row of its own (the kernels' COLSUM; they are shared-memory bound)
 BF16_COLSUM_GROUPS = 8
@@ -90,6 +101,21 @@ MAX_SPLITS = 32
 MAX_GRID_Z = 65535
 REDUCE_THREADS = 256       # gemm_splitk_reduce's block (grid-stride)
 TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256     # gemm_transpose [K, N] -> [N, K]: a square tile a block
+
+
+def dual_name(t, epi_x, colsum) -> str:
+    """gemm_wgmma_dual's name expression: tile t (DUAL_TILES, DUAL_PP_TILES: PP 1), the input gradient's
+    epilogue code, colsum (the weight gradient's column sums: their groups, BF16_COLSUM_GROUPS, or 0)."""
+    geo = FAMILIES["bf16"].geometry(t, "bf16")
+    return expression("gemm_wgmma_dual", *t[:3], epi_x, geo.threads, geo.smem, BF16_COLSUM_GROUPS if colsum else 0,
+                      *((1,) if t[3] else ()))
+
+
+def dual_serves(t, epi_x, colsum) -> bool:
+    """Whether gemm_wgmma_dual has tile t for the input gradient's epilogue code and the column sums (the
+    dgelu pair, fcproj's, sums no bias; 256 x 128 has no room for the sums, the wide ping-pong tile no dgelu)."""
+    return (t in DUAL_TILES + DUAL_PP_TILES and epi_x in DUAL_EPIS and not (colsum and epi_x) and
+            (not colsum or t in DUAL_COLSUM_TILES + DUAL_PP_TILES) and (t != BF16_PP_WIDE or not epi_x))
 
 
 def reduce_name(epi, has_bias) -> str:
@@ -299,6 +325,8 @@ def _variants():
             out += [(fam.file, fam.kernel(tile, ta, tb, EPI_NONE, False, colsum=True), {})
                     for tile, (ta, tb) in itertools.product(fam.tiles, layouts)
                     if ta and fam.serves(tile, EPI_NONE, colsum=True)]
+    out += [(WGMMA_FILE, dual_name(t, epi, colsum), {}) for t in DUAL_TILES + DUAL_PP_TILES for epi in DUAL_EPIS
+            for colsum in (False, True) if dual_serves(t, epi, colsum)]
     out += [(SIMT_FILE, reduce_name(epi, hb), {}) for epi, hb in EPI_COMBOS]
     out += [(SIMT_FILE, transpose_name(vec, colsum), {}) for colsum in (False, True) for vec in (False, True)]
     return out + [(TF32_FILE, "mma_probe", {}), (TF32_FILE, "tf32_round_probe", {})]

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 from gptcuda.ops.backend import check_matmul, rows
 from gptcuda.ops.cuda import cdiv, elementwise, planned
 from gptcuda.runtime import Blob, DeviceView, f32, i32, u64
 from gptcuda.ops.cuda.gemm.families import (BF16_STORE_BOX, EPI_NONE, MAX_GRID_Z, PRODUCTS, REDUCE_THREADS, SIMT_FILE,
-                                            TRANSPOSE_THREADS, TRANSPOSE_TILE, epi_code, layout_code, reduce_name,
-                                            transpose_name)
-from gptcuda.model.products import Product
-from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Plan, plan_unfit, split_room
+                                            TRANSPOSE_THREADS, TRANSPOSE_TILE, WGMMA_FILE, dual_name, epi_code,
+                                            layout_code, reduce_name, transpose_name)
+from gptcuda.model.products import Pair, Product
+from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Plan, pair_plan, pair_unfit, plan_unfit, split_room
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
-from gptcuda.ops.cuda.gemm.table import tuned_plan
+from gptcuda.ops.cuda.gemm.table import APART, tuned_pair, tuned_plan
 
 
 def _check_dtypes(label, family, out, a, b, bias=None, aux=None):
@@ -65,11 +66,16 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
         tiles = (max(1, min(tiles[0] * tiles[1] * zs, rt.info.sm_count * geo.blocks_per_sm)), 1, 1)
     rt.launch(fn, tiles, (geo.threads,), args, smem=geo.smem, label=g.label if whole else f"{g.label}:splitk{p.splits}")
     if not whole:
-        rM, rN = (g.N, g.M) if fam.swaps else (g.M, g.N)
-        rt.launch(rt.function(SIMT_FILE, reduce_name(epi_code(g), g.bias)),
-                  (max(1, min(cdiv(g.M * g.N, REDUCE_THREADS), rt.info.sm_count * 8)),), (REDUCE_THREADS,),
-                  [out, aux, ws, bias, i32(rM), i32(rN), i32(ldc), i32(p.splits), f32(alpha)],
-                  label=f"{g.label}:reduce")
+        _reduce(rt, p, g, out, aux, ws, bias, ldc, alpha)
+
+
+def _reduce(rt, p: Plan, g: Product, out, aux, ws, bias, ldc, alpha=1.0):
+    """The split-K partials of product g (plan p) in ws, summed in split order into out with g's epilogue."""
+    rM, rN = (g.N, g.M) if p.fam.swaps else (g.M, g.N)
+    rt.launch(rt.function(SIMT_FILE, reduce_name(epi_code(g), g.bias)),
+              (max(1, min(cdiv(g.M * g.N, REDUCE_THREADS), rt.info.sm_count * 8)),), (REDUCE_THREADS,),
+              [out, aux, ws, bias, i32(rM), i32(rN), i32(ldc), i32(p.splits), f32(alpha)],
+              label=f"{g.label}:reduce")
 
 
 _NO_MAP = Blob(bytes(128))
@@ -162,6 +168,82 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
         elementwise.sum_rows(rt, (a_colsum, part), label="bias_grad_reduce")
     elif a_colsum is not None:
         elementwise.bias_grad(rt, a_colsum, a)
+
+
+def matmul_pair(rt, dx, dw, dy, x, w, db=None, epilogue="none", aux=None, ex=None, plan=None):
+    """The two gradients of a linear layer out = x @ w^T from dy, independent of each other: dw = dy^T @ x
+    (db: dy's column sums, the bias gradient) and dx = dy @ w (epilogue none, or dgelu over aux: the GELU
+    before the layer). bf16 products with ex.grad_pairs that the kernel can pair: the measured table's entry
+    (table.py tuned_pair: a plan, or APART: the two products were faster) else the model's plan (plan.py
+    pair_plan); `plan` forces one (tests, benchmarks). A plan: one launch of gemm_wgmma_dual (dw's split-K
+    reduction and db's sums after it); else matmul twice."""
+    ex = rt.exec if ex is None else ex
+    Mw, Nw, Kw, ldaw, ldbw = _dims("matmul_pair dw", dw, dy, x, True, False)
+    Mx, Nx, Kx, ldax, ldbx = _dims("matmul_pair dx", dx, dy, w, False, False)
+    check_matmul(dw, True, None, "none", None, db)
+    check_matmul(dx, False, None, epilogue, aux, None)
+    p = None
+    if ex.grad_pairs and dx.dtype == "bf16" and dw.dtype == "f32":       # (grad_pairs: the bf16 family)
+        _check_dtypes("matmul_pair", "bf16", dw, dy, x)
+        _check_dtypes("matmul_pair", "bf16", dx, dy, w, aux=aux)
+        label = f"matmul_pair[dW {Mw}x{Nw}x{Kw} + dX {Mx}x{Nx}x{Kx}]"
+        gw = Product(Mw, Nw, Kw, True, False, colsum=db is not None, vec=_vec_ok(dy, x, ldaw, ldbw), label=label)
+        gx = Product(Mx, Nx, Kx, False, False, epilogue, vec=_vec_ok(dy, w, ldax, ldbx), label=label)
+        ws = planned(rt, "gemm_splitk")
+        room = ws.numel if ws is not None else 0
+        p = pair_plan(gw, gx, rt.info.sm_count, room)         # the model's (None: no pair)
+        if plan is not None:
+            why = pair_unfit(plan, gw, gx, room)
+            if why:
+                raise ValueError(f"matmul_pair: {plan}: {why}")
+            p = plan
+        elif p is not None:                                  # the measured table's entry: a plan, or apart
+            tuned = tuned_pair(rt, Pair(gw, gx), ex, room)
+            p = None if tuned == APART else tuned or p
+        if epilogue == "dgelu" and p is not None and dx.ptr < aux.ptr + aux.nbytes and aux.ptr < dx.ptr + dx.nbytes:
+            raise ValueError("matmul_pair: 'dgelu' reads aux while writing dx: they must not overlap")
+    if p is None:
+        if plan is not None:
+            raise ValueError("matmul_pair: a forced plan needs the bf16 family with grad_pairs, bf16 dx, fp32 dw")
+        matmul(rt, dx, dy, w, False, False, epilogue=epilogue, aux=aux, ex=ex)
+        matmul(rt, dw, dy, x, True, False, ex=ex, a_colsum=db)
+        return
+    _launch_dual(rt, p, gw, gx, dx, dw, dy, x, w, db, aux, ws)
+
+
+def _launch_dual(rt, p: Plan, gw: Product, gx: Product, dx, dw, dy, x, w, db, aux, ws):
+    """gemm_wgmma_dual by pair plan p (gw split p.splits ways into ws, then reduced), then db's sums."""
+    whole = p.splits == 1
+    part = _partials(rt, p.splits * p.fam.colsum_rows(p.tile, gw.N), gw.M) if db is not None else None
+    geo = p.fam.geometry(p.tile, "bf16")
+    fn = rt.function(WGMMA_FILE, dual_name(p.tile, epi_code(gx), part is not None))
+    px = Plan(p.family, p.tile, 1, max(gx.K, 1))
+    args = [dw if whole else ws, *_operands(rt, p, gw, dy, x, gw.M, gw.N, 0, 0), i32(gw.M), i32(gw.N), i32(gw.K),
+            i32(p.splits), i32(p.k_chunk), part,        # (TN: A [K, M], B [K, N] as stored; NN: A [M, K], B [K, N])
+            dx, aux, *_operands(rt, px, gx, dy, w, gx.K, gx.N, 0, 0), i32(gx.M), i32(gx.N), i32(gx.K),
+            *_store_maps(rt, gx, dx, aux, gx.N, 1), _tile_counter(rt)]
+    total = cdiv(gw.M, p.tile[0]) * cdiv(gw.N, p.tile[1]) * p.splits + cdiv(gx.M, p.tile[0]) * cdiv(gx.N, p.tile[1])
+    rt.launch(fn, (max(1, min(total, rt.info.sm_count)),), (geo.threads,), args, smem=geo.smem,
+              label=gw.label + ("" if whole else f":splitk{p.splits}"))
+    if not whole:
+        _reduce(rt, p, gw, dw, None, ws, None, gw.N)
+    if part is not None:
+        elementwise.sum_rows(rt, (db, part), label="bias_grad_reduce")
+    elif db is not None:
+        elementwise.bias_grad(rt, db, dy)
+
+
+_COUNTERS = weakref.WeakKeyDictionary()       # runtime -> its gemm_wgmma_dual tile counter
+
+
+def _tile_counter(rt) -> DeviceView:
+    """gemm_wgmma_dual's tile counter on this runtime: one int, zeroed once here; each launch leaves it at 0
+    (the kernel's last fetch resets it), so one counter serves every launch of the runtime's stream."""
+    v = _COUNTERS.get(rt)
+    if v is None:
+        v = _COUNTERS[rt] = rt.empty((1,), "i32", poison=False, name="gemm_dual_tiles")
+        rt.fill(v, 0)
+    return v
 
 
 def _transposed(rt, name, x, K, N, label, what, colsum=None):

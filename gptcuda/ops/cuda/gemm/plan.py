@@ -3,14 +3,15 @@
 plan cannot run a product (`plan_unfit`), and the GEMM workspaces a config plans (`workspace`)."""
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from gptcuda.ops.cuda import cdiv
 from gptcuda.runtime import execution
 from gptcuda.runtime.execution import GEMM_FAMILIES
 from gptcuda.model.products import Product
-from gptcuda.ops.cuda.gemm.families import (EPI_IO, FAMILIES, MAX_SPLITS, PRODUCTS, SPLIT_ALIGN, WGMMA_FILE, epi_code,
-                                            layout_code)
+from gptcuda.ops.cuda.gemm.families import (DUAL_EPIS, DUAL_TILES, EPI_IO, FAMILIES, MAX_SPLITS, PRODUCTS,
+                                            SPLIT_ALIGN, WGMMA_FILE, dual_serves, epi_code, layout_code)
 
 WGMMA_WORKSPACES = ("gemm_bT", "gemm_aT")   # scratch only the warpgroup-MMA kernels read
 
@@ -126,6 +127,75 @@ def estimate_s(p: Plan, g: Product, sm_count=132) -> float:
     if g.colsum:        # nearly free from a swapped product's A^T or a kernel that sums A; else A read once more
         t += _LAUNCH_S / 3 + (0.0 if p.fam.swaps or p.fam.colsum else _LAUNCH_S / 3 + 4.0 * g.K * g.M / _BYTES_PER_S)
     return t
+
+
+# gemm_wgmma_dual's tile times, for pair_plan's schedule only: a 128 x 192 k tile of 64 in ~0.455 us (a weight
+# gradient's long tile on the H200, bench/NOTES.md), other tiles in proportion to their area; a tile's
+# epilogue and fill with two consumer warpgroups, ~2 us (bf16 C) or ~3 us (fp32 C, twice the bytes), half
+# that with four (each stores a quarter of the tile)
+_DUAL_K_TILE_S = 0.455e-6 / (128 * 192)
+_DUAL_EPI_S = {"bf16": 2e-6, "f32": 3e-6}
+PAIR_MAX_SPLITS = 8
+
+
+def dual_time(gw: Product, gx: Product, tile, splits, k_chunk, sm_count=132) -> float:
+    """Modelled seconds of gemm_wgmma_dual over weight gradient gw (split `splits` ways, k_chunk a split)
+    and input gradient gx on `tile`: the list (gw's tiles, then gx's) taken in order by min(tiles,
+    sm_count) blocks, each taking the next tile when it is free (the kernel's counter), the last to finish;
+    plus split-K's partials and reduction."""
+    bm, bn = tile[:2]
+    k_tile, wgs = _DUAL_K_TILE_S * bm * bn, bm // 64
+
+    def tiles(g, n_splits, chunk, out):
+        n = cdiv(g.M, bm) * cdiv(g.N, bn)
+        return [(cdiv(min(g.K, chunk * (z + 1)) - chunk * z, 64)) * k_tile + _DUAL_EPI_S[out] * 2 / wgs
+                for z in range(n_splits) for _ in range(n)]
+    work = tiles(gw, splits, k_chunk, "f32") + tiles(gx, 1, gx.K, "bf16")
+    free = [0.0] * min(len(work), sm_count)
+    heapq.heapify(free)
+    for w in work:
+        heapq.heappush(free, heapq.heappop(free) + w)
+    t = max(free)
+    if splits > 1:
+        t += _LAUNCH_S + (2 * splits + 1) * gw.M * gw.N * 4 / _BYTES_PER_S
+    return t
+
+
+def pair_plan(gw: Product, gx: Product, sm_count=132, max_ws=0) -> Plan | None:
+    """The plan of gemm_wgmma_dual for weight gradient gw (TN, fp32 C, plain; colsum beside a plain gx) and
+    input gradient gx (NN, bf16 C, none or dgelu) over the same dY: the tile (of DUAL_TILES that dual_serves;
+    the ping-pong ones only the measured table picks) and gw's split count
+    (up to PAIR_MAX_SPLITS, partials within max_ws floats) of the least dual_time; None where the pair
+    cannot run as one (layouts, epilogues, unaligned operands)."""
+    if (gw.layout, gx.layout) != ("TN", "NN") or gw.epilogue != "none" or gw.bias or gx.bias or gx.colsum or \
+            epi_code(gx) not in DUAL_EPIS or gw.batch != 1 or gx.batch != 1 or not (gw.vec and gx.vec) or \
+            gw.colsum and epi_code(gx) != DUAL_EPIS[0]:      # (no variant: the dgelu pair, fcproj's, sums no bias)
+        return None
+    best = None
+    for tile in (t for t in DUAL_TILES if dual_serves(t, epi_code(gx), gw.colsum)):
+        for s in range(1, PAIR_MAX_SPLITS + 1):
+            chunk = split_chunk(gw.K, s, 64)
+            if chunk is None or s > 1 and s * gw.M * gw.N > max_ws:
+                continue
+            t = dual_time(gw, gx, tile, s, chunk, sm_count)
+            if best is None or t < best[0]:
+                best = (t, Plan("bf16", tile, s, chunk))
+    return None if best is None else best[1]
+
+
+def pair_unfit(p: Plan, gw: Product, gx: Product, max_ws=0) -> str | None:
+    """Why plan p cannot run the pair (gw, gx) as one gemm_wgmma_dual (the pair itself: pair_plan None; a
+    tile the kernel lacks; a split count that K or max_ws floats of partials do not allow), or None."""
+    if pair_plan(gw, gx, max_ws=max_ws) is None:
+        return "the pair cannot run as one launch (layouts, epilogues, alignment)"
+    if p.family != "bf16" or not dual_serves(p.tile, epi_code(gx), gw.colsum):
+        return (f"gemm_wgmma_dual has no tile {p.tile} for {gx.epilogue}{' with the column sums' if gw.colsum else ''}"
+                f" (bf16)")
+    if make_plan("bf16", p.tile, p.splits, gw.K) != p or p.splits > PAIR_MAX_SPLITS:
+        return f"split {p.splits} (k_chunk {p.k_chunk}) is not a split of K = {gw.K} within {PAIR_MAX_SPLITS}"
+    if p.splits > 1 and p.splits * gw.M * gw.N > max_ws:
+        return f"{p.splits} x {gw.M} x {gw.N} partials outgrow the split-K workspace ({max_ws} floats)"
+    return None
 
 
 def competing(family, wgmma=False, epi=None) -> list:

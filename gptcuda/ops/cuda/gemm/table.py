@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 
 from gptcuda.files import atomic_open
-from gptcuda.model.products import Product
+from gptcuda.model.products import Pair, Product
 from gptcuda.runtime import compiler
 from gptcuda.ops.cuda.gemm.families import FAMILIES
-from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, plan_unfit
+from gptcuda.ops.cuda.gemm.plan import Plan, make_plan, pair_unfit, plan_unfit
 
 TUNE_FORMAT = 1
 _tables: dict = {}           # path -> {key: Plan}, each table read once a process
@@ -32,8 +32,14 @@ def source_hash() -> str:
     return hashlib.sha256(b"".join(f"{f}\0{compiler.expand_source(f)}\0".encode() for f in files)).hexdigest()
 
 
-def table_key(tag, g: Product) -> str:
-    """A product's key under an execution plan's table_tag: its layout, epilogue (+bias, +colsum), shape, batch."""
+APART = "apart"      # a pair's entry (model/products.py Pair): its two products launched apart were faster
+
+
+def table_key(tag, g: Product | Pair) -> str:
+    """A product's key under an execution plan's table_tag: its layout, epilogue (+bias, +colsum), shape, batch; a
+    pair's: its weight gradient's key | its input gradient's (the first's K: the pair plan's split)."""
+    if isinstance(g, Pair):
+        return f"{table_key(tag, g.w)}|{table_key(tag, g.x)}"
     return (f"{tag}:{g.layout}:{g.epilogue}{'+bias' if g.bias else ''}{'+colsum' if g.colsum else ''}:"
             f"{g.M}x{g.N}x{g.K}:b{g.batch}")
 
@@ -44,13 +50,18 @@ def table_path(gpu_name: str, src_hash: str | None = None) -> Path:
     return compiler.cache_dir() / "tune" / f"{slug}-{(src_hash or source_hash())[:16]}.json"
 
 
-def plan_to_json(p: Plan) -> dict:
+def plan_to_json(p: Plan | str) -> dict:
+    if p == APART:
+        return {APART: True}
     d = {"family": p.family, "tile": list(p.tile), "splits": p.splits, "k_chunk": p.k_chunk}
     return {**d, "transpose_b": True} if p.transpose_b else d
 
 
-def plan_from_json(d: dict, K: int) -> Plan | None:
-    """The Plan an entry names, rebuilt for reduction length K; None where this tree has no such plan."""
+def plan_from_json(d: dict, K: int) -> Plan | str | None:
+    """The Plan an entry names, rebuilt for reduction length K (a pair's: APART where it says so); None where this
+    tree has no such plan."""
+    if d.get(APART) is True:
+        return APART
     try:
         tile = tuple(int(x) for x in d["tile"])
         p = make_plan(str(d["family"]), tile, int(d["splits"]), int(K), bool(d.get("transpose_b", False)))
@@ -107,3 +118,10 @@ def tuned_plan(rt, g: Product, ex, ws_floats: int, scratch: dict, out="f32") -> 
     (ws_floats of split-K workspace, the scratch {workspace: floats}, C of dtype out) use it, else None."""
     p = load_table(rt.info.name).get(table_key(ex.table_tag, g)) if ex.gemm_table else None   # gemm_tune off: None
     return None if p is None or plan_unfit(p, g, ex.gemm_family, ex.wgmma_mode, ws_floats, scratch, out) else p
+
+
+def tuned_pair(rt, pair: Pair, ex, ws_floats: int) -> Plan | str | None:
+    """The table's entry for a pair under execution plan ex on rt's GPU: APART, or its plan where `pair_unfit`
+    lets this launch (ws_floats of split-K workspace) use it; else None."""
+    p = load_table(rt.info.name).get(table_key(ex.table_tag, pair)) if ex.gemm_table else None
+    return p if p == APART or p is not None and not pair_unfit(p, pair.w, pair.x, ws_floats) else None

@@ -18,22 +18,26 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from gptcuda.model.products import Product, products
+from gptcuda.model.products import Pair, Product, pairs, products
 from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, compiler
 from gptcuda.runtime.profile import (Arena, build_ahead, download_ends, fastest, graph_times_ms, rel_err,
                                      reps_for)
 from gptcuda.ops.cuda.gemm.families import EPI_IO, FAMILIES, epi_code
-from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched
-from gptcuda.ops.cuda.gemm.plan import (estimate_s, plan, plan_label, prune_candidates, split_room, tune_candidates,
-                                        wave_candidates, workspace)
-from gptcuda.ops.cuda.gemm.table import load_table, plan_to_json, save_table, table_key, table_path
+from gptcuda.ops.cuda.gemm.families import DUAL_PP_TILES, DUAL_TILES, dual_serves
+from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched, matmul_pair
+from gptcuda.ops.cuda.gemm.plan import (dual_time, estimate_s, make_plan, pair_plan, plan, plan_label, prune_candidates,
+                                        split_room, tune_candidates, wave_candidates, workspace)
+from gptcuda.ops.cuda.gemm.table import APART, load_table, plan_to_json, save_table, table_key, table_path
 
 PEAK_BYTES = 4.2e12
 
 
-def floor_s(g: Product, ex) -> float:
-    """Roofline floor (s): max(flops / ex's peak, DRAM bytes / PEAK_BYTES), each operand and [M, N] array once."""
+def floor_s(g: Product | Pair, ex) -> float:
+    """Roofline floor (s): max(flops / ex's peak, DRAM bytes / PEAK_BYTES), each operand and [M, N] array once
+    (a pair: its two products')."""
+    if isinstance(g, Pair):
+        return floor_s(g.w, ex) + floor_s(g.x, ex)
     flops = 2.0 * g.M * g.N * g.K * g.batch
     nbytes = 4.0 * g.batch * (g.M * g.K + g.K * g.N + EPI_IO[epi_code(g)] * g.M * g.N)
     return max(flops / (ex.peak_tflops * 1e12), nbytes / PEAK_BYTES)
@@ -67,40 +71,91 @@ def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=KEEP, max
     return heur, kept + [p for p in wave_candidates(cands, g, kept, sm_count) if p not in kept]
 
 
-def tune_op(g: Product, ex, timer, sm_count=132, workspaces=None, keep=KEEP, max_n=MAX_CANDIDATES,
+PAIR_SPLITS = 4        # a pair's candidates: every tile with dW split 1 .. PAIR_SPLITS ways (within the workspace)
+
+
+def pair_candidates(pr: Pair, ex, sm_count=132, workspaces=None) -> list:
+    """The candidates of a pair: the model's plan (pair_plan) first, the other tiles (the ping-pong ones too) and
+    split counts, and APART
+    (its two products as their own plans run them); [] where the kernel cannot pair them."""
+    room = split_room("f32", (workspaces or {}).get("gemm_splitk", 0))
+    model = pair_plan(pr.w, pr.x, sm_count, room)
+    if model is None:
+        return []
+    others = [p for t in DUAL_TILES + DUAL_PP_TILES for s in range(1, PAIR_SPLITS + 1)
+              if dual_serves(t, epi_code(pr.x), pr.w.colsum) and (p := make_plan("bf16", t, s, pr.w.K)) is not None
+              and p != model and (s == 1 or s * pr.w.M * pr.w.N <= room)]
+    return [model] + others + [APART]
+
+
+def estimate_ms(p, g: Product | Pair, ex, sm_count) -> float:
+    """The model's milliseconds of plan p for a product or a pair (APART: its products by their model plans)."""
+    if not isinstance(g, Pair):
+        return estimate_s(p, g, sm_count) * 1e3
+    if p == APART:
+        return sum(estimate_s(plan(h, ex.gemm_family, ex.wgmma_mode, sm_count), h, sm_count) for h in (g.w, g.x)) * 1e3
+    return dual_time(g.w, g.x, p.tile, p.splits, p.k_chunk, sm_count) * 1e3
+
+
+def tune_op(g: Product | Pair, ex, timer, sm_count=132, workspaces=None, keep=KEEP, max_n=MAX_CANDIDATES,
             plans=None) -> dict:
     """Time product g's candidates (`plans`, the cost model's first; default candidates_for's) with
     timer(g, plans) -> (samples per plan [ms lists], ok per plan or None): the plans, their median times,
     which agreed, the winner (profile.fastest: ties go to the cost model's), the floor, the model's times."""
     if plans is None:
-        plans = candidates_for(g, ex, sm_count, workspaces, keep, max_n)[1]
+        plans = (pair_candidates(g, ex, sm_count, workspaces) if isinstance(g, Pair) else
+                 candidates_for(g, ex, sm_count, workspaces, keep, max_n)[1])
     samples, ok = timer(g, plans)
     times, winner = fastest(samples, ok)
     return {"op": g, "plans": plans, "times_ms": times, "ok": ok, "winner": winner,
-            "floor_ms": floor_s(g, ex) * 1e3, "est_ms": [estimate_s(p, g, sm_count) * 1e3 for p in plans]}
+            "floor_ms": floor_s(g, ex) * 1e3, "est_ms": [estimate_ms(p, g, ex, sm_count) for p in plans]}
 
 
 def table_entries(results, ex) -> dict:
     """{key: entry} of the winners (the plan, its time, the cost model's plan and time, the floor)."""
     return {table_key(ex.table_tag, r["op"]): {**plan_to_json(r["plans"][w]), "ms": round(r["times_ms"][w], 5),
                                                "heuristic_ms": round(r["times_ms"][0], 5),
-                                               "heuristic": plan_label(r["plans"][0]),
+                                               "heuristic": label(r["plans"][0]),
                                                "floor_ms": round(r["floor_ms"], 5), "label": r["op"].label}
             for r in results if (w := r["winner"]) is not None}
 
 
+def label(p) -> str:
+    """A plan's (or APART's) name in tables."""
+    return APART if p == APART else plan_label(p)
+
+
 def step_ms(results) -> tuple:
-    """(cost model, winners): the GEMM milliseconds of one training step over these results."""
-    return (sum(r["op"].count * r["times_ms"][0] for r in results if math.isfinite(r["times_ms"][0])),
-            sum(r["op"].count * r["times_ms"][r["winner"]] for r in results if r["winner"] is not None))
+    """(cost model, winners): the GEMM milliseconds of one training step over these results' products (a pair's
+    products are among them: its time would count them twice)."""
+    prods = [r for r in results if not isinstance(r["op"], Pair)]
+    return (sum(r["op"].count * r["times_ms"][0] for r in prods if math.isfinite(r["times_ms"][0])),
+            sum(r["op"].count * r["times_ms"][r["winner"]] for r in prods if r["winner"] is not None))
 
 
 # ---- timing candidates on the GPU --------------------------------------------------------
-OUT, COLSUM = 2, 5           # the views `_views` makes that a launch writes (the others: inputs)
+OUT, COLSUM = 2, 5           # the views `_views` makes that a product's launch writes (the others: inputs)
+PAIR_OUTS = (3, 4, 5)        # ... a pair's: dx, dw, db
 
 
-def _views(g: Product, ex, make) -> tuple:
-    """(a, b, out, bias, aux, a_colsum) of g's launch under ex, each make(index, shape, dtype); None: g has none."""
+def _written(g) -> tuple:
+    return PAIR_OUTS if isinstance(g, Pair) else (OUT, COLSUM)
+
+
+def _outputs(g, vs) -> list:
+    """The views a launch's output is checked by: a product's C, a pair's dx and dw."""
+    return [vs[3], vs[4]] if isinstance(g, Pair) else [vs[OUT]]
+
+
+def _views(g: Product | Pair, ex, make) -> tuple:
+    """(a, b, out, bias, aux, a_colsum) of g's launch under ex, each make(index, shape, dtype); None: g has none.
+    A pair (w: dW = dY^T X, x: dX = dY W): (dy, x, w, dx, dw, db, aux)."""
+    if isinstance(g, Pair):
+        w, x = g.w, g.x
+        specs = (((w.K, w.M), "bf16"), ((w.K, w.N), "bf16"), ((x.K, x.N), "bf16"), ((x.M, x.N), "bf16"),
+                 ((w.M, w.N), "f32"), ((w.M,) if w.colsum else None, "f32"),
+                 ((x.M, x.N) if x.epilogue != "none" else None, "bf16"))
+        return tuple(None if shape is None else make(i, shape, dtype) for i, (shape, dtype) in enumerate(specs))
     fam, out = FAMILIES[ex.gemm_family], _out_dtype(g, ex)
     lead = (g.batch,) if g.batch > 1 else ()
     specs = ((lead + ((g.K, g.M) if g.ta else (g.M, g.K)), fam.dtype),
@@ -110,7 +165,16 @@ def _views(g: Product, ex, make) -> tuple:
     return tuple(None if shape is None else make(i, shape, dtype) for i, (shape, dtype) in enumerate(specs))
 
 
-def _launch(rt, g: Product, p, a, b, out, bias, aux, colsum):
+def _launch(rt, g: Product | Pair, p, *vs):
+    if isinstance(g, Pair):          # APART: the two products by their own plans (the table's, else the model's)
+        dy, x, w, dx, dw, db, aux = vs
+        if p == APART:
+            matmul(rt, dx, dy, w, False, False, epilogue=g.x.epilogue, aux=aux)
+            matmul(rt, dw, dy, x, True, False, a_colsum=db)
+        else:
+            matmul_pair(rt, dx, dw, dy, x, w, db=db, epilogue=g.x.epilogue, aux=aux, plan=p)
+        return
+    a, b, out, bias, aux, colsum = vs
     if g.batch > 1:
         matmul_batched(rt, out, a, b, g.ta, g.tb, plan=p)
     else:
@@ -134,12 +198,13 @@ class EventTimer:
         rt = self.rt
         old = rt.set_workspace({})
         try:
-            vs = _views(g, rt.exec, lambda i, shape, dtype: (self.bufs.empty if i in (OUT, COLSUM) else
+            vs = _views(g, rt.exec, lambda i, shape, dtype: (self.bufs.empty if i in _written(g) else
                                                              self.bufs.noise)(shape, dtype))
             # a colsum product's bias-gradient partials (elementwise.bias_grad's workspace, planned per config)
-            parts = {elementwise.WORKSPACE: self.bufs.empty((elementwise.MAX_CHUNKS * g.M,))} if g.colsum else {}
+            w = g.w if isinstance(g, Pair) else g
+            parts = {elementwise.WORKSPACE: self.bufs.empty((elementwise.MAX_CHUNKS * w.M,))} if w.colsum else {}
             rt.set_workspace({**old, **self.ws, **parts})
-            reps = [reps_for(self.target_ms, estimate_s(p, g, rt.info.sm_count) * 1e3) for p in plans]
+            reps = [reps_for(self.target_ms, estimate_ms(p, g, rt.exec, rt.info.sm_count)) for p in plans]
             samples = graph_times_ms(rt, [functools.partial(_launch, rt, g, p, *vs) for p in plans], reps, self.rounds,
                                      name="tune")
             return samples, self._agree(g, plans, vs) if self.check else None
@@ -148,13 +213,14 @@ class EventTimer:
             self.bufs.free()
 
     def _agree(self, g, plans, vs) -> list:
-        """Whether each plan's output (one eager launch) is the first's within the execution plan's check_tolerance."""
+        """Whether each plan's output (one eager launch; a pair's two) is the first's within the execution plan's
+        check_tolerance."""
         ok, ref = [], None
         for p in plans:
             _launch(self.rt, g, p, *vs)       # (GELU rewrites aux with the same pre-activation)
-            got = download_ends(self.rt, vs[OUT], self.check_floats)
+            got = [download_ends(self.rt, v, self.check_floats) for v in _outputs(g, vs)]
             ref = got if ref is None else ref
-            ok.append(rel_err(got, ref) < self.rt.exec.check_tolerance)
+            ok.append(all(rel_err(a, b) < self.rt.exec.check_tolerance for a, b in zip(got, ref)))
         return ok
 
     def close(self):
@@ -170,7 +236,8 @@ def _prebuild(rt, ops, cands, workspaces, build, bar):
     def fake(i, shape, dtype="f32"):
         return DeviceView((i + 1) << 38, tuple(shape), dtype, "x")
 
-    lend = {**workspaces, elementwise.WORKSPACE: elementwise.MAX_CHUNKS * max(op.M for op in ops)}
+    lend = {**workspaces, elementwise.WORKSPACE: elementwise.MAX_CHUNKS * max((op.w if isinstance(op, Pair) else op).M
+                                                                              for op in ops)}
     old = rt.set_workspace({name: fake(15 + i, (n,)) for i, (name, n) in enumerate(lend.items()) if n})
     try:
         runs = [functools.partial(_launch, rt, op, p, *_views(op, rt.exec, fake)) for op, plans in zip(ops, cands)
@@ -184,10 +251,16 @@ def _prebuild(rt, ops, cands, workspaces, build, bar):
 
 
 # ---- measuring a run's missing shapes ------------------------------------------------------
+def tuned_ops(cfg, vocab, backward, ex) -> list:
+    """What the table holds for a config: its products, then its pairs (which launch their products apart, so
+    those are measured first)."""
+    return products(cfg, vocab, backward, ex) + (pairs(cfg, vocab, ex) if backward else [])
+
+
 def missing_ops(rt, cfg, vocab, backward=True) -> list:
-    """The products of this config the table of rt's GPU lacks under rt's execution plan."""
+    """The products and pairs of this config the table of rt's GPU lacks under rt's execution plan."""
     tag, have = rt.exec.table_tag, load_table(rt.info.name)
-    return [op for op in products(cfg, vocab, backward, rt.exec) if table_key(tag, op) not in have]
+    return [op for op in tuned_ops(cfg, vocab, backward, rt.exec) if table_key(tag, op) not in have]
 
 
 @dataclass
@@ -222,12 +295,13 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     t0 = time.perf_counter()
     name, sm = rt.info.name, rt.info.sm_count
     missing = missing_ops(rt, cfg, vocab, backward)
-    known = len(products(cfg, vocab, backward, ex)) - len(missing)
+    known = len(tuned_ops(cfg, vocab, backward, ex)) - len(missing)
     path = str(table_path(name))
     if not missing:
         return TuneSummary(0, known, time.perf_counter() - t0, 0.0, 0.0, path)
     ws = workspace_floats(cfg, vocab, ex)
-    cands = [candidates_for(op, ex, sm, ws, keep, max_n)[1] for op in missing]
+    cands = [pair_candidates(op, ex, sm, ws) if isinstance(op, Pair) else candidates_for(op, ex, sm, ws, keep, max_n)[1]
+             for op in missing]
     # one progress line: the compiling phase's bar (cleared when done), then the measuring one's
     bar = functools.partial(tqdm, unit="", file=sys.stderr if out is None else out, dynamic_ncols=True, disable=quiet)
     cands, dropped = _prebuild(rt, missing, cands, ws, build, bar) if build is not None else (cands, 0)
@@ -236,7 +310,9 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     try:
         with bar(total=len(missing), desc=f"GEMM table: measuring {ex.table_tag} shapes") as line:
             for op, plans in zip(missing, cands):
-                line.set_postfix_str(op.label, refresh=False)
+                if isinstance(op, Pair) and not any(isinstance(r["op"], Pair) for r in results):
+                    save_table(name, table_entries(results, ex), replace=False)   # (a pair's APART: the products'
+                line.set_postfix_str(op.label, refresh=False)                    # winners)
                 results.append(tune_op(op, ex, timer, sm, plans=plans))
                 line.update()
             base, tuned = step_ms(results)
