@@ -23,8 +23,7 @@ from gptcuda.ops.cuda import elementwise
 from gptcuda.runtime import DeviceView, compiler
 from gptcuda.runtime.profile import (Arena, build_ahead, download_ends, fastest, graph_times_ms, rel_err,
                                      reps_for)
-from gptcuda.ops.cuda.gemm.families import EPI_IO, FAMILIES, epi_code
-from gptcuda.ops.cuda.gemm.families import DUAL_PP_TILES, DUAL_TILES, dual_serves
+from gptcuda.ops.cuda.gemm.families import DUAL_PP_TILES, DUAL_TILES, EPI_IO, FAMILIES, dual_serves, epi_code
 from gptcuda.ops.cuda.gemm.launch import matmul, matmul_batched, matmul_pair
 from gptcuda.ops.cuda.gemm.plan import (dual_time, estimate_s, make_plan, pair_plan, plan, plan_label, prune_candidates,
                                         split_room, tune_candidates, wave_candidates, workspace)
@@ -76,8 +75,8 @@ PAIR_SPLITS = 4        # a pair's candidates: every tile with dW split 1 .. PAIR
 
 def pair_candidates(pr: Pair, ex, sm_count=132, workspaces=None) -> list:
     """The candidates of a pair: the model's plan (pair_plan) first, the other tiles (the ping-pong ones too) and
-    split counts, and APART
-    (its two products as their own plans run them); [] where the kernel cannot pair them."""
+    split counts, and APART (its two products as their own plans run them); [] where the kernel cannot pair
+    them."""
     room = split_room("f32", (workspaces or {}).get("gemm_splitk", 0))
     model = pair_plan(pr.w, pr.x, sm_count, room)
     if model is None:
@@ -99,7 +98,8 @@ def estimate_ms(p, g: Product | Pair, ex, sm_count) -> float:
 
 def tune_op(g: Product | Pair, ex, timer, sm_count=132, workspaces=None, keep=KEEP, max_n=MAX_CANDIDATES,
             plans=None) -> dict:
-    """Time product g's candidates (`plans`, the cost model's first; default candidates_for's) with
+    """Time product (or pair) g's candidates (`plans`, the cost model's first; default candidates_for's or
+    pair_candidates') with
     timer(g, plans) -> (samples per plan [ms lists], ok per plan or None): the plans, their median times,
     which agreed, the winner (profile.fastest: ties go to the cost model's), the floor, the model's times."""
     if plans is None:
