@@ -99,9 +99,9 @@ def estimate_ms(p, g: Product | Pair, ex, sm_count) -> float:
 def tune_op(g: Product | Pair, ex, timer, sm_count=132, workspaces=None, keep=KEEP, max_n=MAX_CANDIDATES,
             plans=None) -> dict:
     """Time product (or pair) g's candidates (`plans`, the cost model's first; default candidates_for's or
-    pair_candidates') with
-    timer(g, plans) -> (samples per plan [ms lists], ok per plan or None): the plans, their median times,
-    which agreed, the winner (profile.fastest: ties go to the cost model's), the floor, the model's times."""
+    pair_candidates') with timer(g, plans) -> (samples per plan [ms lists], ok per plan or None): the plans,
+    their median times, which agreed, the winner (profile.fastest: ties go to the cost model's), the floor,
+    the model's times."""
     if plans is None:
         plans = (pair_candidates(g, ex, sm_count, workspaces) if isinstance(g, Pair) else
                  candidates_for(g, ex, sm_count, workspaces, keep, max_n)[1])
