@@ -12,7 +12,8 @@ from gptcuda.ops.cuda.gemm.families import (BF16_STORE_BOX, EPI_NONE, MAX_GRID_Z
                                             TRANSPOSE_THREADS, TRANSPOSE_TILE, WGMMA_FILE, dual_name, epi_code,
                                             layout_code, reduce_name, transpose_name)
 from gptcuda.model.products import Pair, Product
-from gptcuda.ops.cuda.gemm.plan import WGMMA_WORKSPACES, Plan, pair_plan, pair_unfit, plan_unfit, split_room
+from gptcuda.ops.cuda.gemm.plan import (WGMMA_WORKSPACES, Plan, pair_plan, pair_refusal, pair_unfit, plan_unfit,
+                                        split_room)
 from gptcuda.ops.cuda.gemm.plan import plan as model_plan     # `matmul(..., plan=)` shadows the name inside matmul
 from gptcuda.ops.cuda.gemm.table import APART, tuned_pair, tuned_plan
 
@@ -191,15 +192,14 @@ def matmul_pair(rt, dx, dw, dy, x, w, db=None, epilogue="none", aux=None, ex=Non
         gx = Product(Mx, Nx, Kx, False, False, epilogue, vec=_vec_ok(dy, w, ldax, ldbx), label=label)
         ws = planned(rt, "gemm_splitk")
         room = ws.numel if ws is not None else 0
-        p = pair_plan(gw, gx, rt.info.sm_count, room)         # the model's (None: no pair)
         if plan is not None:
             why = pair_unfit(plan, gw, gx, room)
             if why:
                 raise ValueError(f"matmul_pair: {plan}: {why}")
             p = plan
-        elif p is not None:                                  # the measured table's entry: a plan, or apart
+        elif pair_refusal(gw, gx) is None:      # the measured table's entry (a plan, or apart), else the model's
             tuned = tuned_pair(rt, Pair(gw, gx), ex, room)
-            p = None if tuned == APART else tuned or p
+            p = None if tuned == APART else tuned or pair_plan(gw, gx, rt.info.sm_count, room)
         if epilogue == "dgelu" and p is not None and dx.ptr < aux.ptr + aux.nbytes and aux.ptr < dx.ptr + dx.nbytes:
             raise ValueError("matmul_pair: 'dgelu' reads aux while writing dx: they must not overlap")
     if p is None:

@@ -161,15 +161,21 @@ def dual_time(gw: Product, gx: Product, tile, splits, k_chunk, sm_count=132) -> 
     return t
 
 
-def pair_plan(gw: Product, gx: Product, sm_count=132, max_ws=0) -> Plan | None:
-    """The plan of gemm_wgmma_dual for weight gradient gw (TN, fp32 C, plain; colsum beside a plain gx) and
-    input gradient gx (NN, bf16 C, none or dgelu) over the same dY: the tile (of DUAL_TILES that dual_serves;
-    the ping-pong ones only the measured table picks) and gw's split count
-    (up to PAIR_MAX_SPLITS, partials within max_ws floats) of the least dual_time; None where the pair
-    cannot run as one (layouts, epilogues, unaligned operands)."""
+def pair_refusal(gw: Product, gx: Product) -> str | None:
+    """Why weight gradient gw and input gradient gx cannot run as one gemm_wgmma_dual whatever the plan (gw: TN,
+    fp32 C, plain, colsum beside a plain gx; gx: NN, bf16 C, none or dgelu; one product each, aligned), or None."""
     if (gw.layout, gx.layout) != ("TN", "NN") or gw.epilogue != "none" or gw.bias or gx.bias or gx.colsum or \
             epi_code(gx) not in DUAL_EPIS or gw.batch != 1 or gx.batch != 1 or not (gw.vec and gx.vec) or \
             gw.colsum and epi_code(gx) != DUAL_EPIS[0]:      # (no variant: the dgelu pair, fcproj's, sums no bias)
+        return "the pair cannot run as one launch (layouts, epilogues, alignment)"
+    return None
+
+
+def pair_plan(gw: Product, gx: Product, sm_count=132, max_ws=0) -> Plan | None:
+    """The plan of gemm_wgmma_dual for weight gradient gw and input gradient gx over the same dY: the tile (of
+    DUAL_TILES that dual_serves; the ping-pong ones only the measured table picks) and gw's split count (up to
+    PAIR_MAX_SPLITS, partials within max_ws floats) of the least dual_time; None where pair_refusal says no."""
+    if pair_refusal(gw, gx):
         return None
     best = None
     for tile in (t for t in DUAL_TILES if dual_serves(t, epi_code(gx), gw.colsum)):
@@ -184,10 +190,11 @@ def pair_plan(gw: Product, gx: Product, sm_count=132, max_ws=0) -> Plan | None:
 
 
 def pair_unfit(p: Plan, gw: Product, gx: Product, max_ws=0) -> str | None:
-    """Why plan p cannot run the pair (gw, gx) as one gemm_wgmma_dual (the pair itself: pair_plan None; a
-    tile the kernel lacks; a split count that K or max_ws floats of partials do not allow), or None."""
-    if pair_plan(gw, gx, max_ws=max_ws) is None:
-        return "the pair cannot run as one launch (layouts, epilogues, alignment)"
+    """Why plan p cannot run the pair (gw, gx) as one gemm_wgmma_dual (the pair itself: pair_refusal; a tile
+    the kernel lacks; a split count that K or max_ws floats of partials do not allow), or None."""
+    why = pair_refusal(gw, gx)
+    if why:
+        return why
     if p.family != "bf16" or not dual_serves(p.tile, epi_code(gx), gw.colsum):
         return (f"gemm_wgmma_dual has no tile {p.tile} for {gx.epilogue}{' with the column sums' if gw.colsum else ''}"
                 f" (bf16)")
