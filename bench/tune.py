@@ -46,7 +46,7 @@ from gptcuda.runtime import execution  # noqa: E402
 from gptcuda.model.products import Pair  # noqa: E402
 from gptcuda.ops.cuda.gemm.table import save_table, table_path  # noqa: E402
 from gptcuda.ops.cuda.gemm.tune import (KEEP, MAX_CANDIDATES, EventTimer, candidates_for, estimate_ms,  # noqa: E402
-                                        floor_s, label, pair_candidates, step_ms, table_entries, tune_op,
+                                        first_pair, floor_s, label, op_candidates, step_ms, table_entries, tune_op,
                                         tuned_ops, workspace_floats)
 
 
@@ -98,7 +98,7 @@ def run(cfg, ops, ex, timer, sm_count, workspaces, keep, max_n, out=sys.stdout, 
     (a pair's APART candidate runs its products by the table)."""
     results = []
     for op in ops:
-        if save is not None and isinstance(op, Pair) and not any(isinstance(r["op"], Pair) for r in results):
+        if save is not None and first_pair(op, results):
             save(results)
         r = tune_op(op, ex, timer, sm_count, workspaces, keep, max_n)
         print_result(r, file=out)
@@ -131,11 +131,10 @@ def main(argv=None):
           f"C {cfg.n_embd}, V {vocab}, split-K workspace {ws.get('gemm_splitk', 0)} floats")
     if "dry_run" in flags:
         for op in ops:
+            plans = op_candidates(op, ex, 132, ws, keep, max_n)       # as on an H200
             if isinstance(op, Pair):
-                plans = pair_candidates(op, ex, 132, ws)
                 print(f"{op.label}: {_shape(op)} floor {floor_s(op, ex) * 1e3:.4f} ms")
             else:
-                plans = candidates_for(op, ex, 132, ws, keep, max_n)[1]   # as on an H200
                 print(f"{op.label}: {op.M}x{op.N}x{op.K} b{op.batch} {op.layout} {op.epilogue}"
                       f"{'+bias' if op.bias else ''}{' +colsum' if op.colsum else ''} floor "
                       f"{floor_s(op, ex) * 1e3:.4f} ms")

@@ -87,6 +87,19 @@ def pair_candidates(pr: Pair, ex, sm_count=132, workspaces=None) -> list:
     return [model] + others + [APART]
 
 
+def op_candidates(g: Product | Pair, ex, sm_count=132, workspaces=None, keep=KEEP, max_n=MAX_CANDIDATES) -> list:
+    """The candidates the tuner times for a product (candidates_for's) or a pair (pair_candidates')."""
+    if isinstance(g, Pair):
+        return pair_candidates(g, ex, sm_count, workspaces)
+    return candidates_for(g, ex, sm_count, workspaces, keep, max_n)[1]
+
+
+def first_pair(g, results) -> bool:
+    """g is the first pair after `results`: the products' winners must be saved before it is timed (its APART
+    candidate runs them by the table)."""
+    return isinstance(g, Pair) and not any(isinstance(r["op"], Pair) for r in results)
+
+
 def estimate_ms(p, g: Product | Pair, ex, sm_count) -> float:
     """The model's milliseconds of plan p for a product or a pair (APART: its products by their model plans)."""
     if not isinstance(g, Pair):
@@ -103,8 +116,7 @@ def tune_op(g: Product | Pair, ex, timer, sm_count=132, workspaces=None, keep=KE
     their median times, which agreed, the winner (profile.fastest: ties go to the cost model's), the floor,
     the model's times."""
     if plans is None:
-        plans = (pair_candidates(g, ex, sm_count, workspaces) if isinstance(g, Pair) else
-                 candidates_for(g, ex, sm_count, workspaces, keep, max_n)[1])
+        plans = op_candidates(g, ex, sm_count, workspaces, keep, max_n)
     samples, ok = timer(g, plans)
     times, winner = fastest(samples, ok)
     return {"op": g, "plans": plans, "times_ms": times, "ok": ok, "winner": winner,
@@ -144,7 +156,7 @@ def _written(g) -> tuple:
 
 def _outputs(g, vs) -> list:
     """The views a launch's output is checked by: a product's C, a pair's dx and dw."""
-    return [vs[3], vs[4]] if isinstance(g, Pair) else [vs[OUT]]
+    return [vs[i] for i in PAIR_OUTS[:2]] if isinstance(g, Pair) else [vs[OUT]]
 
 
 def _views(g: Product | Pair, ex, make) -> tuple:
@@ -300,8 +312,7 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     if not missing:
         return TuneSummary(0, known, time.perf_counter() - t0, 0.0, 0.0, path)
     ws = workspace_floats(cfg, vocab, ex)
-    cands = [pair_candidates(op, ex, sm, ws) if isinstance(op, Pair) else candidates_for(op, ex, sm, ws, keep, max_n)[1]
-             for op in missing]
+    cands = [op_candidates(op, ex, sm, ws, keep, max_n) for op in missing]
     # one progress line: the compiling phase's bar (cleared when done), then the measuring one's
     bar = functools.partial(tqdm, unit="", file=sys.stderr if out is None else out, dynamic_ncols=True, disable=quiet)
     cands, dropped = _prebuild(rt, missing, cands, ws, build, bar) if build is not None else (cands, 0)
@@ -310,7 +321,7 @@ def autotune(rt, cfg, vocab, out=None, *, quiet=False, backward=True, timer=None
     try:
         with bar(total=len(missing), desc=f"GEMM table: measuring {ex.table_tag} shapes") as line:
             for op, plans in zip(missing, cands):
-                if isinstance(op, Pair) and not any(isinstance(r["op"], Pair) for r in results):
+                if first_pair(op, results):
                     save_table(name, table_entries(results, ex), replace=False)   # (a pair's APART: the products'
                 line.set_postfix_str(op.label, refresh=False)                    # winners)
                 results.append(tune_op(op, ex, timer, sm, plans=plans))
