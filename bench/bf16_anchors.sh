@@ -13,6 +13,8 @@
 #                                            # SM clock, power and clock event reasons (bench/clock_trace.py)
 #   GROUP=cublas bash bench/bf16_anchors.sh  # our bf16 products (the step's epilogues, and none) beside
 #                                            # cuBLAS's (bench/cublas_bf16.py) at 16384 tokens
+#   GROUP=energy bash bench/bf16_anchors.sh  # GPT-2 B16 bf16: our step's joules by launch label (bench/energy.py),
+#                                            # PyTorch's step's joules and kernels (bench/torch_profile.py)
 #   TORCH_REPEAT=3 (any group): each PyTorch row from three processes in turn
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +75,13 @@ case ${GROUP:-gpt2} in
     mark ours_b16_again_start; ours gpt2_b16_bf16 gpt2_b16_bf16_again; mark ours_b16_again_end
     kill $smi
     python3 bench/clock_trace.py "$OUT/smi.csv" "$OUT/marks.txt"
+    ;;
+  energy)
+    case_args gpt2_b16_bf16 && python3 bench/energy.py $CASE_ARGS > "$OUT/energy_b16.log" 2>&1
+    head -45 "$OUT/energy_b16.log"
+    python3 bench/torch_profile.py --shape 16,1024,12,12,768,50304 --mode bf16c --energy_seconds 3 --top 40 \
+      > "$OUT/torch_energy_b16.log" 2>&1
+    grep -vi warning "$OUT/torch_energy_b16.log" | head -30
     ;;
   cublas)
     python3 bench/cublas_bf16.py --tokens 16384 2>&1 | tail -17

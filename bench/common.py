@@ -3,7 +3,9 @@ device buffers: gptcuda/runtime/profile.py Arena)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import time
 
 from gptcuda.runtime.driver import sm_clock_mhz
 from gptcuda.runtime.profile import paired_times_ms
@@ -36,6 +38,39 @@ class ClockWatch:
     def moved(self) -> bool:
         """Any change counts: a clock that moved during a timed region makes its numbers suspect."""
         return self.before is not None and self.after is not None and self.after != self.before
+
+
+def energy_mj(ordinal: int = 0):
+    """The board's energy counter through NVML (mJ since the driver loaded) when nvidia-ml-py is importable
+    and the board keeps one, else None. Read only."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByIndex(ordinal)))
+    except Exception:
+        return None
+
+
+def energy_per_run(run, sync, seconds: float, read=energy_mj, clock=time.perf_counter) -> dict:
+    """The time and energy of one run() (work it enqueues; sync() waits for it): one run timed alone (after
+    a warm-up run) sizes a batch of at least `seconds` (3 runs or more), enqueued at once between two
+    readings of the energy counter (read(): mJ, or None). {"runs", "ms", "mj", "watts"}: means over the
+    batch, mj and watts None without a counter. A run that keeps the GPU busy for less than its own host
+    time (a launch's ~µs) counts idle time too: give it enough work (bench/energy.py repeats a launch)."""
+    run()
+    sync()
+    t0 = clock()
+    run()
+    sync()
+    runs = max(3, math.ceil(seconds / max(clock() - t0, 1e-6)))
+    e0, t0 = read(), clock()
+    for _ in range(runs):
+        run()
+    sync()
+    wall, e1 = clock() - t0, read()
+    mj = None if e0 is None or e1 is None else (e1 - e0) / runs
+    return {"runs": runs, "ms": 1e3 * wall / runs, "mj": mj,
+            "watts": None if mj is None else mj * runs / 1e3 / wall}
 
 
 def write_results(path, results) -> None:

@@ -1,11 +1,13 @@
 """Where PyTorch's step spends its GPU time: torch.profiler over the reference model's training step
 (the anchor script's GPT and recipe, read from .devcarry/reference/torch_reference.py: torch.compile and
 bf16 autocast with fp32 weights and fused AdamW, as nanoGPT trains), the kernels' times summed by kernel
-and by group, to set beside bench/step.py's phase table of ours (same call, same shape).
+and by group, to set beside bench/step.py's phase table of ours (same call, same shape); with
+--energy_seconds, the step's joules and mean power too (NVML's counter, as bench/energy.py reads ours).
 A side-by-side reference run only: gptcuda never imports torch.
 
     python3 bench/torch_profile.py [--shape B,T,L,H,C,V] [--dropout 0.0] [--mode bf16c|bf16|tf32c]
                                    [--steps 5] [--top 30] [--ref .devcarry/reference/torch_reference.py]
+                                   [--energy_seconds 3]
 """
 from __future__ import annotations
 
@@ -13,7 +15,12 @@ import argparse
 import importlib.util
 import os
 import re
+import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.common import ClockWatch, energy_per_run  # noqa: E402  (NVML, read only)
 
 # the groups of a kernel's name (first match); the rest is "other"
 GROUPS = (("attention", r"flash|fmha|attention|sdpa"), ("gemm", r"gemm|xmma|cutlass|nvjet|sm90_|s\d+gemm"),
@@ -37,6 +44,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--ref", default=".devcarry/reference/torch_reference.py")
+    ap.add_argument("--energy_seconds", type=float, default=0.0,
+                    help="> 0: also the step's joules and mean power over this long (NVML's energy counter)")
     a = ap.parse_args()
     os.environ["DROPOUT"] = str(a.dropout)
     spec = importlib.util.spec_from_file_location("torch_reference", a.ref)
@@ -73,6 +82,11 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"PyTorch {a.mode} B{B} T{T} L{L} H{H} C{C} V{V} dropout {a.dropout}: "
           f"{ev[0].elapsed_time(ev[1]) / 10:.3f} ms/step (mean of 10, unprofiled)")
+    if a.energy_seconds > 0:           # the step's joules, as bench/energy.py reads ours
+        watch = ClockWatch()
+        d = energy_per_run(step, torch.cuda.synchronize, a.energy_seconds)
+        print(f"energy: {d['ms']:.3f} ms/step, " + ("no energy counter" if d["mj"] is None else
+              f"{d['mj'] / 1e3:.3f} J/step, {d['watts']:.0f} W") + f" ({d['runs']} steps; {watch.stop()})")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(a.steps):
             step()

@@ -26,23 +26,36 @@ GROUPS = {"gemm_simt": "GEMM", "gemm_tf32": "GEMM", "attention": "attention", "f
           "encoder": "embedding"}
 
 
-def _replay_medians(rt, record, pairs, iters: int) -> list:
-    """Capture record() (launches, and timing events recorded as graph nodes) from rt's stream into a graph,
-    replay it iters times; the median ms from a to b of each event pair (a, b) in pairs. The graph and the
-    pairs' events are destroyed after."""
+def captured(rt, record):
+    """record() (launches on rt's stream) captured into a graph: (replay(), destroy()) of it."""
     dev = rt.dev
     dev.begin_capture(rt.stream)
     try:
         record()
     finally:
         graph, exe = dev.end_capture(rt.stream)
+    return (lambda: dev.graph_launch(exe, rt.stream)), (lambda: dev.graph_destroy(graph, exe))
+
+
+def launch_label(rec) -> str:
+    """A launch's label (a GEMM's is its shape and role), else its kernel's name; a memset's "memset"."""
+    fn = getattr(rec, "fn", None)
+    return getattr(rec, "label", None) or (fn.name if fn is not None else "memset")
+
+
+def _replay_medians(rt, record, pairs, iters: int) -> list:
+    """Capture record() (launches, and timing events recorded as graph nodes) from rt's stream into a graph,
+    replay it iters times; the median ms from a to b of each event pair (a, b) in pairs. The graph and the
+    pairs' events are destroyed after."""
+    dev = rt.dev
+    replay, destroy = captured(rt, record)
     per = [[] for _ in pairs]
     for _ in range(iters):
-        dev.graph_launch(exe, rt.stream)
+        replay()
         rt.synchronize()
         for t, (a, b) in zip(per, pairs):
             t.append(dev.elapsed_ms(a, b))
-    dev.graph_destroy(graph, exe)
+    destroy()
     for ev in {id(e): e for pair in pairs for e in pair}.values():
         dev.event_destroy(ev)
     return [statistics.median(t) for t in per]
@@ -91,7 +104,7 @@ def _by_label(rows) -> list:
     for rec, ms in rows:
         fn = getattr(rec, "fn", None)
         name = fn.name if fn is not None else "memset"
-        e = labels[getattr(rec, "label", None) or name]
+        e = labels[launch_label(rec)]
         e[0] += ms
         e[1] += 1
         e[2].add(name)
