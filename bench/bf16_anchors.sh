@@ -14,7 +14,8 @@
 #   GROUP=cublas bash bench/bf16_anchors.sh  # our bf16 products (the step's epilogues, and none) beside
 #                                            # cuBLAS's (bench/cublas_bf16.py) at 16384 tokens
 #   GROUP=energy bash bench/bf16_anchors.sh  # GPT-2 B16 bf16: our step's joules by launch label (bench/energy.py),
-#                                            # PyTorch's step's joules and kernels (bench/torch_profile.py)
+#                                            # PyTorch's step's joules and kernels (bench/torch_profile.py), our
+#                                            # products' joules a launch on every tile beside cuBLAS's
 #   TORCH_REPEAT=3 (any group): each PyTorch row from three processes in turn
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,6 +83,8 @@ case ${GROUP:-gpt2} in
     python3 bench/torch_profile.py --shape 16,1024,12,12,768,50304 --mode bf16c --energy_seconds 3 --top 40 \
       > "$OUT/torch_energy_b16.log" 2>&1
     grep -vi warning "$OUT/torch_energy_b16.log" | head -30
+    python3 bench/bf16_gemm.py --speed --bf16-only --tokens 16384 --energy_seconds 0.5 2>&1 | grep -E "^ |clock"
+    python3 bench/cublas_bf16.py --tokens 16384 --energy_seconds 0.5 2>&1 | tail -17
     ;;
   cublas)
     python3 bench/cublas_bf16.py --tokens 16384 2>&1 | tail -17

@@ -2,7 +2,7 @@
 against float64, and their speed beside TF32's, on the GPT-2 124M shapes.
 
     python bench/bf16_gemm.py [--check] [--speed] [--iters 30] [--json out.json] [--ops 'fwd fc,dW head']
-                              [--tiles 256x128s4,128x256s4] [--epi none] [--tokens 16384]
+                              [--tiles 256x128s4,128x256s4] [--epi none] [--tokens 16384] [--energy_seconds 1]
 
 --check: every layout of the op interface (NT: A [M, K] and B [N, K] K-major; NN: B [K, N] as stored,
 MN-major; TN: A [K, M] and B [K, N] as stored) into its C type (bf16; the weight gradients' TN fp32), the
@@ -17,7 +17,9 @@ another count), replayed in a CUDA graph, in TF32 as the training step plans it 
 BF16 (its best tile, every layout as stored), with TFLOP/s, the SM clock read before and after. Each bf16
 tile's time comes with its time a wave of tiles (us: the time over the waves of one tile an SM), which tells
 products of one tile and k loop apart where their operands, not their arithmetic, differ (the head's
-logits read their 77 MB B again for every panel of A until their tiles walked m fastest: bench/NOTES.md).
+logits read their 77 MB B again for every panel of A until their tiles walked m fastest: bench/NOTES.md);
+--energy_seconds: and its joules a launch and mean power (NVML's energy counter, bench/common.energy_graphed),
+beside cuBLAS's (bench/cublas_bf16.py --energy_seconds) where a step runs at the board's power cap.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import ClockWatch, write_results  # noqa: E402
+from bench.common import ClockWatch, energy_graphed, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402
 from gptcuda.ops.cuda import cdiv, gemm  # noqa: E402
 from gptcuda.ops.cuda.gemm.families import BF16_TILES, EPILOGUE_CODES, FAMILIES, layout_code  # noqa: E402
@@ -119,11 +121,14 @@ def gpt2_shapes(tokens=8192, C=768, V=50304):
     return out + [("dX fc proj rc", tokens, 4 * C, C, "NN", "dgelu_gelu", False)]
 
 
-def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None, epi_as=None, tokens=8192) -> list:
+def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None, epi_as=None, tokens=8192,
+          energy_s=0.0) -> list:
     """Each product's best tile (one product, no split; the epilogue of the training step), replayed in a
     CUDA graph: TF32 as the training step runs it (the cost model's plan: B^T first for NN, the register-A
     kernels for TN), BF16 as stored, every tile's time printed (bf16_only: no TF32 column). epi_as ("none",
-    "gelu+bias", ...): every product timed with that epilogue instead of its own (what an epilogue costs)."""
+    "gelu+bias", ...): every product timed with that epilogue instead of its own (what an epilogue costs).
+    energy_s > 0: each bf16 tile's joules a launch and mean power too, replayed for energy_s seconds (NVML's
+    counter: bench/common.energy_graphed)."""
     rows = []
     watch = ClockWatch()
     tf32, bf = rt.exec.with_precision("tf32"), rt.exec
@@ -146,9 +151,14 @@ def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None, epi_as=None, to
                          FAMILIES["bf16"].serves(t, EPILOGUE_CODES[EPILOGUES[epi]])) if dtype == "bf16" else (None,)
             times = []
             for tile in pick:
-                ms = time_graphed_ms(rt, lambda: product(rt, ex, c, a, b, ta, tb, epi, bias, aux, tile=tile),
-                                     iters=iters, reps=5)
+                def run(tile=tile):
+                    product(rt, ex, c, a, b, ta, tb, epi, bias, aux, tile=tile)
+
+                ms = time_graphed_ms(rt, run, iters=iters, reps=5)
                 wave = f" ({wave_us(ms, M, N, tile, rt.info.sm_count):.1f} us)" if tile else ""
+                if energy_s > 0 and tile:
+                    e = energy_graphed(rt, run, ms, energy_s)
+                    wave += " [no energy counter]" if e["mj"] is None else f" [{e['mj']:.2f} mJ {e['watts']:.0f} W]"
                 times.append(f"{FAMILIES['bf16'].short(tile) if tile else 'model'} {ms:.4f}{wave}")
                 if dtype not in best or ms < best[dtype][0]:
                     best[dtype] = (ms, tile or "model")
@@ -175,6 +185,8 @@ def main(argv=None):
     ap.add_argument("--tiles", help="--speed: these bf16 tiles alone (short names, e.g. 128x256s4,256x128s4)")
     ap.add_argument("--epi", help="--speed: every product with this epilogue instead (e.g. none, gelu+bias)")
     ap.add_argument("--tokens", type=int, default=8192, help="--speed: M of the products (8192: B8 T1024)")
+    ap.add_argument("--energy_seconds", type=float, default=0.0,
+                    help="--speed: > 0: each bf16 tile's joules a launch too, replayed this long (NVML's counter)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.tokens < 1:
@@ -193,7 +205,7 @@ def main(argv=None):
         result["check"] = ok
     if args.speed:
         result["speed"] = speed(rt, rng, args.iters, args.bf16_only, args.ops and args.ops.split(","),
-                                args.tiles and args.tiles.split(","), args.epi, args.tokens)
+                                args.tiles and args.tiles.split(","), args.epi, args.tokens, args.energy_seconds)
     if args.json:
         write_results(args.json, result)
     rt.close()

@@ -8,7 +8,9 @@ import statistics
 import time
 
 from gptcuda.runtime.driver import sm_clock_mhz
-from gptcuda.runtime.profile import paired_times_ms
+from gptcuda.runtime.profile import captured, paired_times_ms
+
+REPLAY_MS = 5.0          # energy_graphed repeats a call in one graph until a replay lasts about this long
 
 
 def event_times_ms(rt, fn, iters: int, warmup: int = 3) -> list:
@@ -71,6 +73,34 @@ def energy_per_run(run, sync, seconds: float, read=energy_mj, clock=time.perf_co
     mj = None if e0 is None or e1 is None else (e1 - e0) / runs
     return {"runs": runs, "ms": 1e3 * wall / runs, "mj": mj,
             "watts": None if mj is None else mj * runs / 1e3 / wall}
+
+
+def repeats_for(ms: float) -> int:
+    """How many calls of `ms` go into one graph so that a replay lasts ~REPLAY_MS (1 to 4096)."""
+    return max(1, min(4096, math.ceil(REPLAY_MS / max(ms, 1e-4))))
+
+
+def per_call(d: dict, calls: int) -> dict:
+    """energy_per_run's dict of a run of `calls` calls, as one call's (the mean power unchanged)."""
+    return {"runs": d["runs"], "ms": d["ms"] / calls, "mj": None if d["mj"] is None else d["mj"] / calls,
+            "watts": d["watts"]}
+
+
+def energy_graphed(rt, record_fn, ms: float, seconds: float, **meter) -> dict:
+    """The time and energy of one record_fn() (launches on rt's stream; ms: about its time): repeated in one
+    CUDA graph to a ~REPLAY_MS replay, replayed for at least `seconds` (energy_per_run, given `meter`: its
+    read and clock), as one call's."""
+    reps = repeats_for(ms)
+
+    def record():
+        for _ in range(reps):
+            record_fn()
+
+    replay, destroy = captured(rt, record)
+    try:
+        return per_call(energy_per_run(replay, rt.synchronize, seconds, **meter), reps)
+    finally:
+        destroy()
 
 
 def write_results(path, results) -> None:

@@ -1,7 +1,7 @@
 """cuBLAS's BF16 products on GPT-2 124M's shapes, to set beside bench/bf16_gemm.py --speed (ours, same call):
 how far our products' main loops and epilogues are from the vendor library's on the same GPU.
 
-    python3 bench/cublas_bf16.py [--tokens 16384] [--iters 15] [--ops 'fwd fc,dX fc']
+    python3 bench/cublas_bf16.py [--tokens 16384] [--iters 15] [--ops 'fwd fc,dX fc'] [--energy_seconds 1]
 
 Every product of bench/bf16_gemm.py's gpt2_shapes (the same labels, M, N, K and layouts: NT = A [M, K] and
 B [N, K]; NN = B [K, N]; TN = A [K, M]) through torch (bf16 in, bf16 out, fp32 accumulation: reduced-
@@ -21,11 +21,12 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.bf16_gemm import gpt2_shapes  # noqa: E402  (shapes only: nothing of gptcuda's runs here)
-from bench.common import ClockWatch  # noqa: E402  (NVML, read only)
+from bench.common import ClockWatch, energy_per_run, per_call  # noqa: E402  (NVML, read only)
 
 
-def graph_ms(torch, f, iters: int) -> float:
-    """Median ms of one call of f: ten calls captured in a CUDA graph, each replay timed by events."""
+def graph_ms(torch, f, iters: int, energy_s: float = 0.0):
+    """Median ms of one call of f: ten calls captured in a CUDA graph, each replay timed by events; energy_s
+    > 0: (ms, energy_per_run's dict of one call: the graph replayed for energy_s seconds)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -47,6 +48,8 @@ def graph_ms(torch, f, iters: int) -> float:
         e1.record()
         e1.synchronize()
         times.append(e0.elapsed_time(e1) / 10)
+    if energy_s > 0:
+        return statistics.median(times), per_call(energy_per_run(g.replay, torch.cuda.synchronize, energy_s), 10)
     return statistics.median(times)
 
 
@@ -55,6 +58,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384, help="M of the products (16384: B16 T1024)")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--ops", help="these products alone (comma-separated labels, e.g. 'fwd fc,dW head')")
+    ap.add_argument("--energy_seconds", type=float, default=0.0,
+                    help="> 0: each form's joules a call too, its graph replayed this long (NVML's counter)")
     a = ap.parse_args()
     import torch                                   # here, so that --help works without it
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -80,8 +85,12 @@ def main() -> None:
         flop = 2.0 * M * N * K
         cells = []
         for name, f in forms:
-            ms = graph_ms(torch, f, a.iters)
-            cells.append(f"{name} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s)")
+            if a.energy_seconds > 0:
+                ms, e = graph_ms(torch, f, a.iters, a.energy_seconds)
+                joules = " [no energy counter]" if e["mj"] is None else f" [{e['mj']:.2f} mJ {e['watts']:.0f} W]"
+            else:
+                ms, joules = graph_ms(torch, f, a.iters), ""
+            cells.append(f"{name} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s){joules}")
         print(f"cublas {label:<14} {lay} {M:>6}x{N:<6}x{K:<6} " + ", ".join(cells), flush=True)
     print(watch.stop())
 

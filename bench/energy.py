@@ -17,22 +17,18 @@ a training state after it.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import ClockWatch, energy_mj, energy_per_run  # noqa: E402
+from bench.common import ClockWatch, energy_graphed, energy_mj, energy_per_run  # noqa: E402
 from gptcuda.cli import split_args  # noqa: E402
 from gptcuda.config import load_config  # noqa: E402
-from gptcuda.runtime.profile import captured, launch_label, launch_times  # noqa: E402
+from gptcuda.runtime.profile import launch_label, launch_times  # noqa: E402
 from gptcuda.training.engine import Engine  # noqa: E402
 from gptcuda.training.trainer import open_run_data  # noqa: E402
-
-REPLAY_MS = 5.0          # a label's graph repeats its launches until a replay lasts about this long
-
 
 def label_groups(items) -> dict:
     """{label: [records]} of a program's launches in program order, the stream's ordering records and NCCL's
@@ -44,11 +40,6 @@ def label_groups(items) -> dict:
             continue
         groups.setdefault(launch_label(rec), []).append(rec)
     return groups
-
-
-def repeats_for(ms: float) -> int:
-    """How many times a label's launches (ms a step) go into one graph so that a replay lasts ~REPLAY_MS."""
-    return max(1, min(4096, math.ceil(REPLAY_MS / max(ms, 1e-4))))
 
 
 def energy_table(step: dict, idle_w, rows, top: int = 40) -> str:
@@ -102,20 +93,14 @@ def main(argv):
         ms_of[id(rec)] = ms_of.get(id(rec), 0.0) + ms
     rows = []
     for label, recs in label_groups(prog.items).items():
-        times = repeats_for(sum(ms_of.get(id(r), 0.0) for r in recs))
+        def record(recs=recs):
+            for r in recs:
+                r.run(rt.dev, rt.stream)
 
-        def record(recs=recs, times=times):
-            for _ in range(times):
-                for r in recs:
-                    r.run(rt.dev, rt.stream)
-
-        replay, destroy = captured(rt, record)
-        d = energy_per_run(replay, rt.synchronize, float(opts.get("label_seconds", 1.0)))
-        destroy()
+        d = energy_graphed(rt, record, sum(ms_of.get(id(r), 0.0) for r in recs),
+                           float(opts.get("label_seconds", 1.0)))
         names = {r.fn.name if getattr(r, "fn", None) is not None else "memset" for r in recs}
-        rows.append((label, names, {"runs": d["runs"], "ms": d["ms"] / times,
-                                    "mj": None if d["mj"] is None else d["mj"] / times,
-                                    "watts": d["watts"]}))
+        rows.append((label, names, d))
     print(f"{cfg.precision} B{cfg.batch_size} T{cfg.block_size} L{cfg.n_layer} C{cfg.n_embd} V{V}: "
           f"{len(prog)} launches a step; {clock} (the step's replays)")
     print(energy_table(step, idle_w, rows, int(opts.get("top", 40))))

@@ -73,10 +73,13 @@ def test_label_groups_keep_program_order_and_leave_out_ordering_records():
     assert profile.launch_label(memset) == "memset" and profile.launch_label(a1) == "matmul[16384x768x3072]"
 
 
-def test_repeats_fill_a_replay_within_bounds():
-    assert energy.repeats_for(0.1) == 50                       # 5 ms of a 0.1 ms label
-    assert energy.repeats_for(12.0) == 1
-    assert energy.repeats_for(0.0) == 4096
+def test_repeats_fill_a_replay_within_bounds_and_per_call_divides():
+    assert common.repeats_for(0.1) == 50                       # 5 ms of a 0.1 ms label
+    assert common.repeats_for(12.0) == 1
+    assert common.repeats_for(0.0) == 4096
+    d = common.per_call({"runs": 7, "ms": 5.0, "mj": 3000.0, "watts": 600.0}, 50)
+    assert d == {"runs": 7, "ms": 0.1, "mj": 60.0, "watts": 600.0}
+    assert common.per_call({"runs": 7, "ms": 5.0, "mj": None, "watts": None}, 5)["mj"] is None
 
 
 def test_energy_table_orders_by_joules_and_shares():
@@ -99,3 +102,27 @@ def test_energy_table_orders_by_joules_and_shares():
 def test_help_prints_the_usage(capsys):
     energy.main(["--help"])
     assert "Where a training step's energy goes" in capsys.readouterr().out
+
+
+def test_energy_graphed_repeats_a_call_in_one_graph_and_gives_one_calls_share():
+    b = Board(ms=5.0, watts=700.0)                             # one replay: 10 calls of 0.5 ms
+    log = []
+
+    class Dev:
+        def begin_capture(self, stream):
+            log.append("begin")
+
+        def end_capture(self, stream):
+            log.append("end")
+            return "graph", "exe"
+
+        def graph_launch(self, exe, stream):
+            b.run()
+
+        def graph_destroy(self, graph, exe):
+            log.append("destroy")
+
+    rt = SimpleNamespace(dev=Dev(), stream=None, synchronize=b.sync)
+    d = common.energy_graphed(rt, lambda: log.append("call"), 0.5, 0.5, read=b.read, clock=b.clock)
+    assert log == ["begin"] + ["call"] * 10 + ["end", "destroy"]
+    assert d["ms"] == pytest.approx(0.5) and d["mj"] == pytest.approx(350.0, rel=1e-4) and d["runs"] == 100
