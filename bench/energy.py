@@ -30,6 +30,7 @@ from gptcuda.runtime.profile import launch_label, launch_times  # noqa: E402
 from gptcuda.training.engine import Engine  # noqa: E402
 from gptcuda.training.trainer import open_run_data  # noqa: E402
 
+
 def label_groups(items) -> dict:
     """{label: [records]} of a program's launches in program order, the stream's ordering records and NCCL's
     left out (alone they wait on nothing, or on peers)."""
