@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.common import ClockWatch, energy_graphed, energy_mj, energy_per_run  # noqa: E402
 from gptcuda.cli import split_args  # noqa: E402
 from gptcuda.config import load_config  # noqa: E402
-from gptcuda.runtime.profile import launch_label, launch_times  # noqa: E402
+from gptcuda.runtime.profile import kernel_name, launch_label, launch_times  # noqa: E402
 from gptcuda.training.engine import Engine  # noqa: E402
 from gptcuda.training.trainer import open_run_data  # noqa: E402
 
@@ -100,8 +100,7 @@ def main(argv):
 
         d = energy_graphed(rt, record, sum(ms_of.get(id(r), 0.0) for r in recs),
                            float(opts.get("label_seconds", 1.0)))
-        names = {r.fn.name if getattr(r, "fn", None) is not None else "memset" for r in recs}
-        rows.append((label, names, d))
+        rows.append((label, {kernel_name(r) for r in recs}, d))
     print(f"{cfg.precision} B{cfg.batch_size} T{cfg.block_size} L{cfg.n_layer} C{cfg.n_embd} V{V}: "
           f"{len(prog)} launches a step; {clock} (the step's replays)")
     print(energy_table(step, idle_w, rows, int(opts.get("top", 40))))

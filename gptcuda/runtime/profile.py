@@ -37,10 +37,15 @@ def captured(rt, record):
     return (lambda: dev.graph_launch(exe, rt.stream)), (lambda: dev.graph_destroy(graph, exe))
 
 
-def launch_label(rec) -> str:
-    """A launch's label (a GEMM's is its shape and role), else its kernel's name; a memset's "memset"."""
+def kernel_name(rec) -> str:
+    """A launch's kernel's name; a memset's "memset"."""
     fn = getattr(rec, "fn", None)
-    return getattr(rec, "label", None) or (fn.name if fn is not None else "memset")
+    return fn.name if fn is not None else "memset"
+
+
+def launch_label(rec) -> str:
+    """A launch's label (a GEMM's is its shape and role), else its kernel's name (kernel_name)."""
+    return getattr(rec, "label", None) or kernel_name(rec)
 
 
 def _replay_medians(rt, record, pairs, iters: int) -> list:
@@ -102,12 +107,10 @@ def _by_label(rows) -> list:
     its kernel's name; a memset: "memset"), the most time first."""
     labels = defaultdict(lambda: [0.0, 0, set()])
     for rec, ms in rows:
-        fn = getattr(rec, "fn", None)
-        name = fn.name if fn is not None else "memset"
         e = labels[launch_label(rec)]
         e[0] += ms
         e[1] += 1
-        e[2].add(name)
+        e[2].add(kernel_name(rec))
     return sorted(((lab, ms, n, names) for lab, (ms, n, names) in labels.items()), key=lambda t: -t[1])
 
 
