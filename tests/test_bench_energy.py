@@ -126,3 +126,34 @@ def test_energy_graphed_repeats_a_call_in_one_graph_and_gives_one_calls_share():
     d = common.energy_graphed(rt, lambda: log.append("call"), 0.5, 0.5, read=b.read, clock=b.clock)
     assert log == ["begin"] + ["call"] * 10 + ["end", "destroy"]
     assert d["ms"] == pytest.approx(0.5) and d["mj"] == pytest.approx(350.0, rel=1e-4) and d["runs"] == 100
+
+
+def test_main_measures_the_step_and_each_label(monkeypatch, capsys):
+    """main's glue with the engine, the timing and the counter made here: the step's numbers, one row a label
+    (its launches summed, the stream's records left out), the labels' times passed on to energy_graphed."""
+    recs = [rec("gemm_wgmma.cu", "gemm<1>", "matmul[a]"), rec("stream", "wait"), rec("layernorm.cu", "ln<6>"),
+            rec("gemm_wgmma.cu", "gemm<2>", "matmul[a]")]
+    prog = type("Prog", (), {"items": recs, "__len__": lambda self: len(recs)})()
+    rt = SimpleNamespace(synchronize=lambda: None, dev=None, stream=None)
+    eng = SimpleNamespace(be=SimpleNamespace(rt=rt, capture=lambda p: "graph"), programs={"train": prog}, graphs={},
+                          train_step=lambda: None)
+    monkeypatch.setattr(energy, "open_run_data", lambda cfg: (SimpleNamespace(train=[], val=[], vocab_size=65), 72, 1))
+    monkeypatch.setattr(energy, "Engine", lambda *a, **k: eng)
+    monkeypatch.setattr(energy, "idle_watts", lambda: 70.0)
+    watch = SimpleNamespace(stop=lambda: "SM clock 1980 -> 1650 MHz")
+    monkeypatch.setattr(energy, "ClockWatch", lambda ordinal=0: watch)
+    monkeypatch.setattr(energy, "energy_per_run", lambda run, sync, s: {"runs": 9, "ms": 4.0, "mj": 2800.0,
+                                                                        "watts": 700.0})
+    monkeypatch.setattr(energy, "launch_times", lambda rt, p: [(r, 0.5 + i) for i, r in enumerate(recs)])
+    asked = {}
+
+    def graphed(rt, record, ms, seconds):
+        asked[ms] = seconds
+        return {"runs": 100, "ms": ms, "mj": 600.0 * ms, "watts": 600.0}
+
+    monkeypatch.setattr(energy, "energy_graphed", graphed)
+    energy.main(["configs/tiny.yaml", "--label_seconds=0.25"])
+    out = capsys.readouterr().out
+    assert asked == {0.5 + 3.5: 0.25, 2.5: 0.25}                  # matmul[a]: 0.5 + 3.5 ms; ln<6>: 2.5
+    assert "step:    4.000 ms    2.800 J   700 W  (9 steps)" in out and "SM clock 1980 -> 1650 MHz" in out
+    assert "matmul[a] | gemm<1> gemm<2>" in out and "ln<6> | ln<6>" in out and "wait" not in out
