@@ -369,6 +369,17 @@ def test_check_compile_differs_from_the_runtime_compile_in_optimization_only(tmp
     assert b"-Ofc" in tool_info(cubin) and b"-Ofc" not in tool_info(real.cubin)
 
 
+def test_a_check_compile_leaves_the_process_runtime_compiles_alone():
+    """After a check compile (NVRTC's fast level), a runtime compile of a large kernel in the same process
+    gives the machine code it gave before: check_compile runs NVRTC in a process of its own (in one
+    process, NVRTC 13.5 built the flash kernels of the programs after a fast one differently)."""
+    from gptcuda.ops.cuda import attention
+    (check, cd), (name, d) = [(n, d) for f, n, d in attention.VARIANTS if f == "flash_bf16.cu"][:2]
+    first = compiler.compile_kernel("flash_bf16.cu", [name], d, use_cache=False).cubin
+    compiler.check_compile("flash_bf16.cu", [check], cd)
+    assert compiler.compile_kernel("flash_bf16.cu", [name], d, use_cache=False).cubin == first
+
+
 def test_check_group_gives_each_variant_its_verdict(tmp_path, monkeypatch):
     """A variant that does not compile fails alone, with its own error (file and line); the other
     variants of its program still pass."""

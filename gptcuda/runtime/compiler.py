@@ -339,24 +339,42 @@ def compile_kernel(filename: str, names, defines: dict | None = None, arch: str 
 CHECK_OPTIONS = ("--Ofast-compile=max",)
 
 
-def check_compile(filename: str, names, defines: dict | None = None, arch: str = "sm_90"):
+def check_compile(filename: str, names, defines: dict | None = None, arch: str = "sm_90", isolated: bool = True):
     """Compile variants of one file in ONE NVRTC program with CHECK_OPTIONS: the front end
     instantiates every name expression from the file's source and defines, and NVVM and ptxas build
     each to machine code for the file's target architecture, as compile_kernel does, for a fraction
     of the CPU time. For a machine without a GPU (the CPU suite): the cubin is not the runtime's
     binary (other optimizations) and is never cached. Returns (cubin, lowered, log), ptxas's report
-    in the log; raises CompileError."""
+    in the log; raises CompileError. isolated (the default): NVRTC runs it in a process of its own
+    (_check_process), because after a fast-compile program NVRTC 13.5 builds the larger kernels of the
+    same process's later programs differently (other machine code, more spills), which would put
+    other binaries under a runtime key (tests/test_compiler.py shows it). isolated=False: here, for a
+    process that compiles nothing for the runtime after it (check_in_background's workers)."""
     arch = target_arch(filename, arch)
     options = options_for(arch, defines) + list(CHECK_OPTIONS) + [PTXAS_INFO]
-    return _nvrtc_compile(filename, (KERNEL_DIR / filename).read_text(), list(names), options)
+    args = (filename, (KERNEL_DIR / filename).read_text(), list(names), options)
+    return _check_process().submit(_nvrtc_compile, *args).result() if isolated else _nvrtc_compile(*args)
 
 
-def check_group(filename: str, names, defines=(), arch: str = "sm_90") -> dict:
+_CHECK_POOL = None
+
+
+def _check_process():
+    """The spawned process that runs this process's check compiles (started at the first)."""
+    global _CHECK_POOL
+    if _CHECK_POOL is None:
+        import atexit
+        _CHECK_POOL = compile_pool(1)
+        atexit.register(_CHECK_POOL.shutdown)     # before the interpreter tears its modules down
+    return _CHECK_POOL
+
+
+def check_group(filename: str, names, defines=(), arch: str = "sm_90", isolated: bool = True) -> dict:
     """check_compile of `names` as one program, for a worker process too (defines: a dict or its
     items). Returns {name: (cubin, lowered name, log), or the error text}: a program that does not
     compile is compiled again a name at a time, so that each variant gets its own verdict and error."""
     def one(group):
-        cubin, lowered, log = check_compile(filename, group, dict(defines), arch)
+        cubin, lowered, log = check_compile(filename, group, dict(defines), arch, isolated)
         return {n: (cubin, lowered[n], log) for n in group}
 
     try:
@@ -453,6 +471,8 @@ def build_all(jobs, progress=None) -> set:
 
 def check_in_background(groups, pool):
     """check_compile each group, (filename, names, defines, arch), in `pool` (a compile_pool), in the
-    order given. Returns a future per group whose result is check_group's {name: verdict}."""
-    return [pool.submit(check_group, f, tuple(names), tuple(sorted((d or {}).items())), arch)
+    order given, in its workers' own NVRTC (isolated=False): give the pool no runtime compile after
+    these (build_in_background's jobs before them are taken first). Returns a future per group whose
+    result is check_group's {name: verdict}."""
+    return [pool.submit(check_group, f, tuple(names), tuple(sorted((d or {}).items())), arch, False)
             for f, names, d, arch in groups]
