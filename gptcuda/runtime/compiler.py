@@ -16,7 +16,8 @@ while compiling, so one compiles a kernel and the others wait and read its entry
 `forbid_compiles()` turns any compile (a cache miss) into an error: the training loop runs
 under it, so a kernel variant first needed mid-run cannot stall a step.
 `check_compile` is for tests without a GPU only: many variants in one program at NVRTC's
-fast-compile level, through ptxas to machine code, never cached and never run.
+fast-compile level, through ptxas to machine code, never cached and never run, in a process of
+its own (that level changed the same process's later compiles).
 """
 from __future__ import annotations
 
