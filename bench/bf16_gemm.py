@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import ClockWatch, energy_graphed, write_results  # noqa: E402
+from bench.common import ClockWatch, energy_cell, energy_graphed, write_results  # noqa: E402
 from bench.timing import time_graphed_ms  # noqa: E402
 from gptcuda.ops.cuda import cdiv, gemm  # noqa: E402
 from gptcuda.ops.cuda.gemm.families import BF16_TILES, EPILOGUE_CODES, FAMILIES, layout_code  # noqa: E402
@@ -157,8 +157,7 @@ def speed(rt, rng, iters, bf16_only=False, ops=None, tiles=None, epi_as=None, to
                 ms = time_graphed_ms(rt, run, iters=iters, reps=5)
                 wave = f" ({wave_us(ms, M, N, tile, rt.info.sm_count):.1f} us)" if tile else ""
                 if energy_s > 0 and tile:
-                    e = energy_graphed(rt, run, ms, energy_s)
-                    wave += " [no energy counter]" if e["mj"] is None else f" [{e['mj']:.2f} mJ {e['watts']:.0f} W]"
+                    wave += energy_cell(energy_graphed(rt, run, ms, energy_s))
                 times.append(f"{FAMILIES['bf16'].short(tile) if tile else 'model'} {ms:.4f}{wave}")
                 if dtype not in best or ms < best[dtype][0]:
                     best[dtype] = (ms, tile or "model")

@@ -86,6 +86,11 @@ def per_call(d: dict, calls: int) -> dict:
             "watts": d["watts"]}
 
 
+def energy_cell(d: dict) -> str:
+    """A launch's energy as the GEMM tables print it beside its time: " [mJ W]" (energy_per_run's dict)."""
+    return " [no energy counter]" if d["mj"] is None else f" [{d['mj']:.2f} mJ {d['watts']:.0f} W]"
+
+
 def energy_graphed(rt, record_fn, ms: float, seconds: float, **meter) -> dict:
     """The time and energy of one record_fn() (launches on rt's stream; ms: about its time): repeated in one
     CUDA graph to a ~REPLAY_MS replay, replayed for at least `seconds` (energy_per_run, given `meter`: its

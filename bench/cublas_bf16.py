@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.bf16_gemm import gpt2_shapes  # noqa: E402  (shapes only: nothing of gptcuda's runs here)
-from bench.common import ClockWatch, energy_per_run, per_call  # noqa: E402  (NVML, read only)
+from bench.common import ClockWatch, energy_cell, energy_per_run, per_call  # noqa: E402  (NVML, read only)
 
 
 def graph_ms(torch, f, iters: int, energy_s: float = 0.0):
@@ -87,7 +87,7 @@ def main() -> None:
         for name, f in forms:
             if a.energy_seconds > 0:
                 ms, e = graph_ms(torch, f, a.iters, a.energy_seconds)
-                joules = " [no energy counter]" if e["mj"] is None else f" [{e['mj']:.2f} mJ {e['watts']:.0f} W]"
+                joules = energy_cell(e)
             else:
                 ms, joules = graph_ms(torch, f, a.iters), ""
             cells.append(f"{name} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s){joules}")

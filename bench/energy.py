@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.common import ClockWatch, energy_graphed, energy_mj, energy_per_run  # noqa: E402
 from gptcuda.cli import split_args  # noqa: E402
 from gptcuda.config import load_config  # noqa: E402
-from gptcuda.runtime.profile import kernel_name, launch_label, launch_times  # noqa: E402
+from gptcuda.runtime.profile import kernel_name, launch_label, launch_times, ordering_record  # noqa: E402
 from gptcuda.training.engine import Engine  # noqa: E402
 from gptcuda.training.trainer import open_run_data  # noqa: E402
 
@@ -36,10 +36,8 @@ def label_groups(items) -> dict:
     left out (alone they wait on nothing, or on peers)."""
     groups = {}
     for rec in items:
-        fn = getattr(rec, "fn", None)
-        if fn is not None and fn.file in ("stream", "nccl"):
-            continue
-        groups.setdefault(launch_label(rec), []).append(rec)
+        if not ordering_record(rec):
+            groups.setdefault(launch_label(rec), []).append(rec)
     return groups
 
 

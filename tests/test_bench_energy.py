@@ -80,6 +80,8 @@ def test_repeats_fill_a_replay_within_bounds_and_per_call_divides():
     d = common.per_call({"runs": 7, "ms": 5.0, "mj": 3000.0, "watts": 600.0}, 50)
     assert d == {"runs": 7, "ms": 0.1, "mj": 60.0, "watts": 600.0}
     assert common.per_call({"runs": 7, "ms": 5.0, "mj": None, "watts": None}, 5)["mj"] is None
+    assert common.energy_cell(d) == " [60.00 mJ 600 W]"
+    assert common.energy_cell({"mj": None, "watts": None}) == " [no energy counter]"
 
 
 def test_energy_table_orders_by_joules_and_shares():

@@ -43,6 +43,13 @@ def kernel_name(rec) -> str:
     return fn.name if fn is not None else "memset"
 
 
+def ordering_record(rec) -> bool:
+    """A program record that orders streams or talks to peers (stream waits and events, NCCL), not a kernel
+    or a memset: alone it waits on nothing, or on other ranks."""
+    fn = getattr(rec, "fn", None)
+    return fn is not None and fn.file in ("stream", "nccl")
+
+
 def launch_label(rec) -> str:
     """A launch's label (a GEMM's is its shape and role), else its kernel's name (kernel_name)."""
     return getattr(rec, "label", None) or kernel_name(rec)
@@ -87,7 +94,7 @@ def timeline(rt, prog, iters: int = 3) -> list:
     dev = rt.dev
     base = dev.event()
     marks = {i: (dev.event(), dev.event()) for i, rec in enumerate(prog.items)
-             if getattr(rec, "fn", None) is not None and rec.fn.file not in ("stream", "nccl")}
+             if getattr(rec, "fn", None) is not None and not ordering_record(rec)}
 
     def record():
         dev.record(base, rt.stream, external=True)
