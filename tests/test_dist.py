@@ -514,7 +514,8 @@ def _record_dp(zero, rank=1, world=2, over=(), accum=1):
     group = dist.Group(env, b"u" * 128, comm_factory=lambda: comm)
     group.selftest = False
     toks = (np.arange(3000) % 65).astype(np.int32)
-    eng = Engine(cfg, toks, toks[:300], 65, backend=be, programs=("train",), group=group, accum=accum)
+    V = 72 if cfg.precision == "bf16" else 65                  # (bf16: a vocabulary of whole 16-byte rows)
+    eng = Engine(cfg, toks, toks[:300], V, backend=be, programs=("train",), group=group, accum=accum, n_vocab=65)
     comm.calls.clear()                          # the warm-up's calls
     return eng, rt, comm
 
@@ -632,6 +633,39 @@ def test_recorded_zero1_step(rank):
     assert int(norm[0].slots[1]) == g + 4 * lo
     assert norm[0].grid == (comm.calls[2][3], 1, 1)          # every rank: as many partials as all-reduced
     assert "ZeRO-1" in dp.describe()
+
+
+BF16_GRADS = ("--precision=bf16", "--attention=fused", "--vocab_multiple=8", "--grad_dtype=bf16")
+
+
+@pytest.mark.parametrize("zero,accum", [(0, 1), (0, 2), (1, 1)])
+def test_recorded_step_reduces_bf16_gradients_in_their_dtype(zero, accum):
+    """grad_dtype bf16 on 2 ranks: one micro-batch's bf16 gradients are reduced as bf16 (2-byte offsets), with
+    micro-batches the fp32 sum grad_acc is (the last micro-batch's gradients added into it first); the norm and
+    AdamW read what was reduced; ZeRO-1's shards are of the bf16 region."""
+    from gptcuda.runtime import Launch, StreamCall
+    eng, rt, comm = _record_dp(zero=zero, over=BF16_GRADS, accum=accum)
+    dp, items = eng.dp, eng.programs["train"].items
+    g = eng.bufs.acts["grad_acc"] if accum > 1 else eng.bufs.flat_grads
+    e, dt = (4, "f32") if accum > 1 else (2, "bf16")
+    assert dp.grads.ptr == g.ptr and dp.grads.dtype == dt
+    comm.calls.clear()
+    for r in items:
+        if isinstance(r, StreamCall) and "loss" not in r.label and "norm" not in r.label and "params" not in r.label:
+            r.call(0)
+    grads_calls = [c for c in comm.calls if c[0] in ("all_reduce", "reduce_scatter", "reduce")]
+    assert grads_calls and all(dt in c for c in grads_calls)
+    if zero:
+        sh = dp.shards
+        assert grads_calls[0] == ("reduce_scatter", g.ptr, g.ptr + e * 1 * sh.shard, sh.shard, dt, "avg")
+        lo, hi = sh.owned(1)
+        norm = next(r for r in items if isinstance(r, Launch) and r.label == "grad_norm_partial")
+        assert int(norm.slots[1]) == g.ptr + e * lo
+    else:
+        spans = [(g.ptr + e * a, e_ - a) for b in dp.buckets for a, e_ in b.spans]
+        assert sorted((c[1], c[3]) for c in grads_calls) == sorted(spans)
+    adam = next(r for r in items if isinstance(r, Launch) and r.label == "adamw")
+    assert int(adam.slots[1]) == g.ptr + (e * dp.shards.owned(1)[0] if zero else 0)
 
 
 @pytest.mark.parametrize("how", ["close", "abort"])

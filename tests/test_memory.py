@@ -186,6 +186,26 @@ def test_plan_bf16_activations():
     assert "params_bf16" not in [e.name for e in f32.entries]
 
 
+@pytest.mark.parametrize("total", [4096, 4100, 4104])
+def test_plan_bf16_gradients(total):
+    """grads bf16 (grad_dtype bf16): the gradient region at 2 bytes an element, rounded up to 16 bytes so that
+    Adam's m and v still start on 16-byte boundaries (float4 access); every other region fp32, in order; the
+    micro-batches' sum grad_acc fp32; the plan's summary says so."""
+    cfg = cfg_small()
+    t = dataclasses.replace(param_table(cfg, 64), total=total)
+    saved = {"lse": ((cfg.batch_size, cfg.n_head, cfg.block_size), "f32")}
+    f32 = plan_memory(cfg, t, 64, 2, saved, {}, cfg.max_iters + 1, act="bf16")
+    b16 = plan_memory(cfg, t, 64, 2, saved, {}, cfg.max_iters + 1, act="bf16", grads="bf16")
+    assert [f32.offset_of(r) for r in f32.regions] == [i * 4 * total for i in range(4)]    # (as before: 4 alike)
+    assert b16.bytes_of("grads") == -(-2 * total // 16) * 16 and b16.dtype_of("grads") == "bf16"
+    assert b16.flat_bytes == f32.flat_bytes - 4 * total + b16.bytes_of("grads")
+    assert all(b16.offset_of(r) % 16 == 0 for r in b16.regions)
+    assert b16.offset_of("adam_v") + 4 * total == b16.flat_bytes
+    assert b16["grad_acc"].dtype == "f32" and b16.arena_bytes == f32.arena_bytes
+    line = next(x for x in b16.format().splitlines() if "gradients" in x)
+    assert line.endswith("(bf16)") and "(bf16)" not in f32.format()
+
+
 @pytest.mark.parametrize("batch,peak_gib", [(8, 5.12), (16, 8.45)])
 def test_gpt2_config_plans_within_pytorchs_peak(batch, peak_gib):
     """configs/gpt2_124m.yaml (bf16) plans no more than torch.compile + bf16 autocast's measured peak on the

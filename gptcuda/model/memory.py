@@ -1,8 +1,9 @@
 """The memory plan: every byte the run will use, decided from the config before allocating.
 
 Two device allocations:
-  * the flat buffer  params | grads | Adam m | Adam v  (four regions of the parameter table's size;
-                     generation's plan holds the parameters only)
+  * the flat buffer  params | grads | Adam m | Adam v  (four regions of the parameter table's size,
+                     fp32 but the gradients where grad_dtype is bf16; generation's plan holds the
+                     parameters only)
   * the arena        activations (saved for the backward), backward scratch, op workspaces,
                      the step's batch of token ids, the step state and the loss history
 
@@ -53,14 +54,29 @@ class MemoryPlan:
     entries: list = field(default_factory=list)
     arena_bytes: int = 0
     regions: tuple = REGIONS        # the flat buffer's regions, each the parameter table's size
+    grads: str = "f32"              # the gradients' region's dtype (the others are fp32)
+
+    def dtype_of(self, region: str) -> str:
+        return self.grads if region == "grads" else "f32"
+
+    def bytes_of(self, region: str) -> int:
+        """A region's bytes: the parameter table's elements of its dtype, to a whole 16 (each region starts
+        on a 16-byte boundary: float4 access; fp32 regions are whole already, the table's size being)."""
+        n = self.table.total * ITEMSIZE[self.dtype_of(region)]
+        return (n + 15) // 16 * 16
+
+    def offset_of(self, region: str) -> int:
+        """A region's bytes from the flat buffer's start."""
+        return sum(self.bytes_of(r) for r in self.regions[:self.regions.index(region)])
 
     @property
     def region_bytes(self) -> int:
-        return self.table.total * 4
+        """The parameters' region (fp32)."""
+        return self.bytes_of("params")
 
     @property
     def flat_bytes(self) -> int:
-        return len(self.regions) * self.region_bytes
+        return sum(self.bytes_of(r) for r in self.regions)
 
     @property
     def total_bytes(self) -> int:
@@ -99,8 +115,9 @@ class MemoryPlan:
         rb = self.region_bytes
         lines = ["memory plan",
                  f"  parameters       {gib(rb)}  ({self.table.n_params:,} parameters, {self.table.total:,} slots)"]
-        lines += [f"  {name:<17}{gib(rb)}" for r, name in (("grads", "gradients"), ("adam_m", "adam m"),
-                                                          ("adam_v", "adam v")) if r in self.regions]
+        lines += [f"  {name:<17}{gib(self.bytes_of(r))}" + ("  (bf16)" if self.dtype_of(r) == "bf16" else "")
+                  for r, name in (("grads", "gradients"), ("adam_m", "adam m"), ("adam_v", "adam v"))
+                  if r in self.regions]
         kinds = self.by_kind()
         label = {"activation": "activations", "backward": "backward scratch", "workspace": "op workspace",
                  "data": "batch tokens", "state": "step state"}
@@ -140,18 +157,21 @@ def check_fits(plan: MemoryPlan, free_bytes: int, cfg, hints: list | None = None
 
 
 def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
-                attention_saved: dict, workspaces: dict, history: int, act: str = "f32") -> MemoryPlan:
+                attention_saved: dict, workspaces: dict, history: int, act: str = "f32",
+                grads: str = "f32") -> MemoryPlan:
     """The whole arena for training at cfg.batch_size x cfg.block_size, `accum` micro-batches a step.
 
     attention_saved: per-layer saved tensors of the attention implementation {name: (shape, dtype)}
     workspaces: scratch shared by all layers {name: (shape, dtype)} from the op families
     act: the dtype of the activations and their gradients (ExecutionPlan.act_dtype); bf16 also plans
     the parameters' bf16 working copy the products read. Statistics and losses stay fp32.
+    grads: the gradients' dtype (ExecutionPlan.grad_dtype; bf16 halves their region); the micro-batches'
+    sum (grad_acc) stays fp32.
     The activations serve one micro-batch at a time; only the token ids and the per-token losses
     are kept for every micro-batch of the step.
     """
     B, T, C, L, V, A = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer, vocab_size, accum
-    p = MemoryPlan(table)
+    p = MemoryPlan(table, grads=grads)
     p.add("idx", (A, B, T), "i32", "data", "input tokens of each micro-batch [A, B, T]")
     p.add("targets", (A, B, T), "i32", "data", "target tokens of each micro-batch [A, B, T]")
     p.add("res", (L + 1, B, T, C), act, "activation", "residual stream into each block and out of the last")
