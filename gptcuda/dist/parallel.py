@@ -67,8 +67,9 @@ class DataParallel:
             how = f"ZeRO-1: gradients reduce-scattered, {s.shard:,} parameters of Adam state per rank"
         else:
             big = max(b.numel for b in self.buckets)
-            how = (f"{len(self.buckets)} gradient buckets (<= {self.cap * 4 / 2**20:.1f} MiB, largest "
-                   f"{big * 4 / 2**20:.1f} MiB) all-reduced during the backward")
+            e = self.gsize
+            how = (f"{len(self.buckets)} gradient buckets of {self.grads.dtype} (<= {self.cap * e / 2**20:.1f} MiB, "
+                   f"largest {big * e / 2**20:.1f} MiB) all-reduced during the backward")
         return (f"data parallel: {self.world} ranks over {ver}, global batch {self.world} x "
                 f"{self.cfg.batch_size}; {how}; self-test passed")
 

@@ -179,9 +179,9 @@ class GPT:
         """batch -> A x (forward -> backward) -> clip -> AdamW -> step += 1, with nothing per step baked in.
         Micro-batches before the last add their gradients into grad_acc; the last adds grad_acc into its
         own (so the gradients hold the sum over the step; the loss's grad_scale 1/(A*B*T) makes it the
-        mean), or bf16 gradients its own into grad_acc (final_grads). Data parallel (self.dp): the ranks' mean loss and the gradient buckets are all-reduced on
-        the communication stream, during the last backward when A = 1, after it otherwise; the history
-        gets the mean over ranks."""
+        mean), or bf16 gradients its own into grad_acc (final_grads). Data parallel (self.dp): the ranks'
+        mean loss and the gradient buckets are all-reduced on the communication stream, during the last
+        backward when A = 1, after it otherwise; the history gets the mean over ranks."""
         o, cfg, b, dp, A = self.ops, self.cfg, self.b, self.dp, self.accum
         self._refresh_work()
         o.lr_schedule(cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)

@@ -7,8 +7,9 @@
         = grad_norm_partial (NORM_BLOCKS-bounded partials) then grad_norm_final (gptcuda/dist
         all-reduces the partials of ZeRO-1 shards in between)
     adamw(rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip, work=None)
-        one launch over the flat buffers [P] (grads fp32 or bf16, the rest fp32); clip scale min(1, clip / (state.grad_norm + 1e-6))
-        when grad_clip > 0; decoupled decay on elements < n_decay; bias correction t = step + 1.
+        one launch over the flat buffers [P] (grads fp32 or bf16, the rest fp32); clip scale
+        min(1, clip / (state.grad_norm + 1e-6)) when grad_clip > 0; decoupled decay on elements < n_decay;
+        bias correction t = step + 1.
         work (a bf16 view of P elements: a bf16 model's working copy of the parameters): also
         written, the updated parameters rounded to nearest even (adamw_copy; the fp32 update the same
         bits as without it)
