@@ -197,8 +197,9 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
     p.add("lnf_rstd", (B, T), "f32", "activation")
     p.add("logits", (B, T, V), act, "activation", "logits, turned into their gradient in place")
     p.add("losses", (A, B, T), "f32", "activation", "per-token losses of each micro-batch")
-    p.add("branch", (B, T, C), act, "backward",
-          "a branch output before dropout + residual (forward); its gradient (backward)")
+    if cfg.dropout > 0:        # (without dropout the residual adds are fused into the products' epilogues)
+        p.add("branch", (B, T, C), act, "backward",
+              "a branch output before dropout + residual (forward); its gradient (backward)")
     p.add("dres", (B, T, C), act, "backward", "gradient of the residual stream")
     p.add("dln", (B, T, C), act, "backward", "gradient of a layernorm output, or of the attention output")
     p.add("dqkv", (B, T, 3 * C), act, "backward", "gradient of qkv")
