@@ -36,7 +36,8 @@ import struct
 
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import Blob, DeviceView, RuntimeProtocol, i32
-from gptcuda.ops.cuda import aligned4, cdiv, dropout_args, expression, fp32_only, kernel_types, planned, type_codes
+from gptcuda.ops.cuda import (aligned4, cdiv, dropout_args, expression, fp32_only, kernel_types, optional_code,
+                              planned, type_codes)
 
 FILE = "elementwise.cu"
 THREADS = 256             # the elementwise kernels' block (their last template argument)
@@ -86,7 +87,7 @@ def sum_outputs(label: str, **views):
 
 def sum_rows_name(out: str = "f32") -> str:
     """sum_rows <WARPS, ITEMS[, TO]>: TO, the outputs' element type (fp32's is the default)."""
-    return _name("sum_rows", BG_WARPS, SUM_ITEMS, *(type_codes((out,)) if out != "f32" else ()))
+    return _name("sum_rows", BG_WARPS, SUM_ITEMS, *optional_code(out))
 
 
 SUM_ROWS = sum_rows_name()

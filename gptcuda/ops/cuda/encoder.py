@@ -29,7 +29,7 @@ that no token uses are left bitwise as they were by the sorted path. Two ways (`
 from __future__ import annotations
 
 from gptcuda.runtime import RuntimeProtocol, i32
-from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, sm_count, type_codes
+from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, optional_code, sm_count, type_codes
 
 FILE = "encoder.cu"
 # The kernels' geometry, passed as template arguments (the names below): blocks of the elementwise
@@ -70,8 +70,7 @@ def enc_name(kernel: str, vec: int, codes=None) -> str:
 def bwd_codes(kernel: str, types) -> tuple:
     """A backward kernel's element type codes for (dwte, dwpe, dout) types: (TD,), and TG where the
     gradients are bf16 (encoder_bwd_wte_long writes no gradient)."""
-    td, tg = type_codes((types[2], types[0]))
-    return (td,) if tg == 0 or kernel == "encoder_bwd_wte_long" else (td, tg)
+    return type_codes(types[2:]) + (() if kernel == "encoder_bwd_wte_long" else optional_code(types[0]))
 
 
 def _sort_kernel(e: int) -> tuple:

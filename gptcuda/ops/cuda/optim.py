@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from gptcuda.runtime import RuntimeProtocol, f32, i32, u64
-from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, sm_count, type_codes
+from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, optional_code, sm_count
 
 FILE = "optim.cu"
 NORM_THREADS = 512         # the kernels' blocks: their last template argument
@@ -37,18 +37,13 @@ FINAL_NAME = expression("grad_norm_final", FINAL_THREADS)
 GRAD_TYPES = ("f32", "bf16")     # the gradients' element types the norm and AdamW read (the rest is fp32)
 
 
-def _tg(grads: str) -> tuple:
-    """The gradients' element type as the kernels' last template argument (TG; fp32's is the default)."""
-    return () if grads == "f32" else type_codes((grads,))
-
-
 def norm_name(vec: int, grads: str = "f32") -> str:
-    return expression("grad_norm_partial", vec, NORM_THREADS, *_tg(grads))
+    return expression("grad_norm_partial", vec, NORM_THREADS, *optional_code(grads))
 
 
 def adamw_name(vec: int, copy: bool = False, grads: str = "f32") -> str:
     """adamw <VEC, ADAM_THREADS[, TG]>, or adamw_copy (the bf16 working copy written too); TG: bf16 gradients."""
-    return expression("adamw_copy" if copy else "adamw", vec, ADAM_THREADS, *_tg(grads))
+    return expression("adamw_copy" if copy else "adamw", vec, ADAM_THREADS, *optional_code(grads))
 
 
 def to_bf16_name(vec: int) -> str:

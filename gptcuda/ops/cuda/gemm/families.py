@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gptcuda.model.products import layout_code
-from gptcuda.ops.cuda import DTYPE_CODES, cdiv, expression
+from gptcuda.ops.cuda import DTYPE_CODES, cdiv, expression, optional_code
 
 SIMT_FILE, TF32_FILE, WGMMA_FILE = "gemm_simt.cu", "gemm_tf32.cu", "gemm_wgmma.cu"
 
@@ -125,8 +125,7 @@ def dual_serves(t, epi_x, colsum) -> bool:
 def reduce_name(epi, has_bias, out="f32") -> str:
     """gemm_splitk_reduce <EPI, HAS_BIAS, THREADS[, OUT]>: OUT, C's element type (bf16: the weight gradients a
     model keeps in bf16, epilogue none; fp32's is the default)."""
-    return expression("gemm_splitk_reduce", epi, has_bias, REDUCE_THREADS,
-                      *((DTYPE_CODES[out],) if out != "f32" else ()))
+    return expression("gemm_splitk_reduce", epi, has_bias, REDUCE_THREADS, *optional_code(out))
 
 
 def transpose_name(vec, colsum=False) -> str:
