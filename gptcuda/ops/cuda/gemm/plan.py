@@ -163,7 +163,8 @@ def dual_time(gw: Product, gx: Product, tile, splits, k_chunk, sm_count=132) -> 
 
 def pair_refusal(gw: Product, gx: Product) -> str | None:
     """Why weight gradient gw and input gradient gx cannot run as one gemm_wgmma_dual whatever the plan (gw: TN,
-    fp32 or bf16 C, plain, colsum beside a plain gx; gx: NN, bf16 C, none or dgelu; one product each, aligned), or None."""
+    fp32 or bf16 C, plain, colsum beside a plain gx; gx: NN, bf16 C, none or dgelu; one product each, aligned),
+    or None."""
     if (gw.layout, gx.layout) != ("TN", "NN") or gw.epilogue != "none" or gw.bias or gx.bias or gx.colsum or \
             epi_code(gx) not in DUAL_EPIS or gw.batch != 1 or gx.batch != 1 or not (gw.vec and gx.vec) or \
             gw.colsum and epi_code(gx) != DUAL_EPIS[0]:      # (no variant: the dgelu pair, fcproj's, sums no bias)
