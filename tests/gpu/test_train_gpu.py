@@ -115,8 +115,9 @@ def test_bf16_recompute_trains_bit_for_bit_as_stored():
 
 
 def test_bf16_gradients_are_one_rounding_of_fp32_ones_and_resume_bitwise(tmp_path):
-    """grad_dtype bf16: one step's gradients within one bf16 rounding of the fp32 gradients' (2^-8 of the largest,
-    with room for the plans' other summation orders: 2^-7); 20 steps deterministic, graph equal to eager, the loss
+    """grad_dtype bf16: one step's gradients within bf16 rounding of the fp32 gradients' (one rounding: 2^-8 of the
+    largest; wte's two, the head's product then the embedding's addition: 2^-7; with room for the plans' other
+    summation orders: 3 x 2^-8); 20 steps deterministic, graph equal to eager, the loss
     falling within 0.02 of the fp32 gradients' run over the last steps; with two micro-batches (the fp32 sum)
     likewise; a run resumes bit for bit."""
     base = BF16 + ["--dropout=0.1", "--gemm_tune=off"]
@@ -132,7 +133,7 @@ def test_bf16_gradients_are_one_rounding_of_fp32_ones_and_resume_bitwise(tmp_pat
         assert e.bufs.flat_grads.dtype == {"fp32": "f32", "bf16": "bf16"}[gd]
     for k, g32 in grads[0].items():
         err = np.abs(grads[1][k].astype(np.float64) - g32).max() / max(np.abs(g32).max(), 1e-30)
-        assert err <= 2.0 ** -7, (k, err)
+        assert err <= 3 * 2.0 ** -8, (k, err)
     h = [run_steps(base + ["--grad_dtype=bf16", f"--graph={g}"], 20, vocab=72)[0] for g in ("true", "true", "false")]
     assert np.all(np.isfinite(h[0])) and np.array_equal(h[0], h[1]) and np.array_equal(h[0], h[2])
     assert h[0][-5:].mean() < h[0][:5].mean()
