@@ -7,7 +7,7 @@ import math
 import statistics
 import time
 
-from gptcuda.runtime.driver import sm_clock_mhz
+from gptcuda.runtime.driver import nvml_read, sm_clock_mhz
 from gptcuda.runtime.profile import captured, paired_times_ms
 
 REPLAY_MS = 5.0          # energy_graphed repeats a call in one graph until a replay lasts about this long
@@ -43,14 +43,9 @@ class ClockWatch:
 
 
 def energy_mj(ordinal: int = 0):
-    """The board's energy counter through NVML (mJ since the driver loaded) when nvidia-ml-py is importable
-    and the board keeps one, else None. Read only."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByIndex(ordinal)))
-    except Exception:
-        return None
+    """The board's energy counter through NVML (mJ since the driver loaded; driver.nvml_read) where the board
+    keeps one, else None. Read only."""
+    return nvml_read(lambda nv, h: int(nv.nvmlDeviceGetTotalEnergyConsumption(h)), ordinal)
 
 
 def energy_per_run(run, sync, seconds: float, read=energy_mj, clock=time.perf_counter) -> dict:

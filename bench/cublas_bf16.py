@@ -25,8 +25,8 @@ from bench.common import ClockWatch, energy_cell, energy_per_run, per_call  # no
 
 
 def graph_ms(torch, f, iters: int, energy_s: float = 0.0):
-    """Median ms of one call of f: ten calls captured in a CUDA graph, each replay timed by events; energy_s
-    > 0: (ms, energy_per_run's dict of one call: the graph replayed for energy_s seconds)."""
+    """(median ms of one call of f: ten calls captured in a CUDA graph, each replay timed by events; energy_s
+    > 0: energy_per_run's dict of one call, the graph replayed for energy_s seconds, else None)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -48,9 +48,8 @@ def graph_ms(torch, f, iters: int, energy_s: float = 0.0):
         e1.record()
         e1.synchronize()
         times.append(e0.elapsed_time(e1) / 10)
-    if energy_s > 0:
-        return statistics.median(times), per_call(energy_per_run(g.replay, torch.cuda.synchronize, energy_s), 10)
-    return statistics.median(times)
+    energy = per_call(energy_per_run(g.replay, torch.cuda.synchronize, energy_s), 10) if energy_s > 0 else None
+    return statistics.median(times), energy
 
 
 def main() -> None:
@@ -85,12 +84,8 @@ def main() -> None:
         flop = 2.0 * M * N * K
         cells = []
         for name, f in forms:
-            if a.energy_seconds > 0:
-                ms, e = graph_ms(torch, f, a.iters, a.energy_seconds)
-                joules = energy_cell(e)
-            else:
-                ms, joules = graph_ms(torch, f, a.iters), ""
-            cells.append(f"{name} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s){joules}")
+            ms, e = graph_ms(torch, f, a.iters, a.energy_seconds)
+            cells.append(f"{name} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s){energy_cell(e) if e else ''}")
         print(f"cublas {label:<14} {lay} {M:>6}x{N:<6}x{K:<6} " + ", ".join(cells), flush=True)
     print(watch.stop())
 

@@ -281,15 +281,20 @@ def drives_gpu(rt) -> bool:
     return isinstance(getattr(rt, "dev", None), Device)
 
 
-def sm_clock_mhz(ordinal: int = 0):
-    """The SM clock through NVML when nvidia-ml-py is importable, else None. Read only."""
+def nvml_read(read, ordinal: int = 0):
+    """read(pynvml, the device's handle) through NVML when nvidia-ml-py is importable and the board answers,
+    else None. Read only."""
     try:
         import pynvml
         pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(ordinal)
-        return int(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
+        return read(pynvml, pynvml.nvmlDeviceGetHandleByIndex(ordinal))
     except Exception:
         return None
 
 
-__all__ = ["CudaError", "NoDeviceError", "Device", "DeviceInfo", "call", "drives_gpu", "sm_clock_mhz"]
+def sm_clock_mhz(ordinal: int = 0):
+    """The SM clock through NVML (nvml_read), else None. Read only."""
+    return nvml_read(lambda nv, h: int(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)), ordinal)
+
+
+__all__ = ["CudaError", "NoDeviceError", "Device", "DeviceInfo", "call", "drives_gpu", "nvml_read", "sm_clock_mhz"]
