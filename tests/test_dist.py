@@ -520,26 +520,11 @@ def _record_dp(zero, rank=1, world=2, over=(), accum=1):
     return eng, rt, comm
 
 
-def _ptrs(rec):
-    from gptcuda.ops.cuda import elementwise
-    from gptcuda.runtime import Launch, Memset
-    if isinstance(rec, Launch):
-        ptrs = {int(v) for v in rec.slots if int(v) >= 1 << 32}
-        if rec.fn.name == elementwise.SUM_ROWS:      # its pointers ride in the SumBatch argument
-            for buf, addr in rec.blobs.values():
-                off = addr - buf.ctypes.data
-                data = buf[off:off + 8 * (6 * elementwise.SUM_ITEMS + 1)].tobytes()
-                ptrs |= {p for out, part, *_ in elementwise.unpack_sum_batch(data) for p in (out, part)}
-        return ptrs
-    if isinstance(rec, Memset):
-        return {rec.ptr}
-    return set()
-
-
 @pytest.mark.parametrize("over", [(), ("--precision=tf32", "--attention=fused", "--recompute=true"),
                                   ("--bias=false", "--dropout=0.0")], ids=["fp32", "tf32-fused-recompute", "nobias"])
 def test_recorded_step_allreduces_each_bucket_after_its_last_write_and_before_any_reuse(over):
     from gptcuda.runtime import Launch, StreamCall, StreamFork, StreamJoin
+    from tests.fakes import pointers
     eng, rt, comm = _record_dp(zero=0, over=over)
     dp, items = eng.dp, eng.programs["train"].items
     b = eng.batches                                                   # rank 1 of 2: the world's seed
@@ -564,9 +549,9 @@ def test_recorded_step_allreduces_each_bucket_after_its_last_write_and_before_an
         lo_hi = [(base + 4 * a, base + 4 * e) for a, e in b.spans]
         inside = lambda p: any(lo <= p < hi for lo, hi in lo_hi)
         for i in range(fork + 1, join):                      # nothing touches the bucket in flight
-            assert not any(inside(p) for p in _ptrs(items[i])), (b.index, items[i].label)
+            assert not any(inside(p) for p in pointers(items[i])), (b.index, items[i].label)
         for n in b.names:                                    # ... and each tensor was written before
-            assert any(grads[n].ptr in _ptrs(items[i]) for i in range(fork)), n
+            assert any(grads[n].ptr in pointers(items[i]) for i in range(fork)), n
         comm.calls.clear()
         call.call(0)
         ar = [c for c in comm.calls if c[0] == "all_reduce"]

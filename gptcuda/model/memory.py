@@ -7,6 +7,12 @@ Two device allocations:
   * the arena        activations (saved for the backward), backward scratch, op workspaces,
                      the step's batch of token ids, the step state and the loss history
 
+Backward scratch whose values never meet the logits' (SHARED_WITH_LOGITS) lies inside the logits
+buffer where it fits: the logits are written by the head's product, turned into their gradient in
+place and last read by the head's two backward products, and that scratch is used before the head's
+product (the forward's rebuilt GELU outputs in dfc, the branch before the last layernorm) and after
+its backward products, never between (tests/test_memory_sharing.py checks both backends' programs).
+
 The dataset itself never reaches the GPU: each step's windows are gathered on the host and
 copied into `idx` / `targets` (gptcuda/data/batches.py).
 
@@ -28,6 +34,9 @@ ARENA_ALIGN = 256
 REGIONS = ("params", "grads", "adam_m", "adam_v")     # the flat buffer of training, in order
 ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1, "bf16": 2}
 KINDS = ("activation", "backward", "workspace", "data", "state")
+# the backward scratch placed inside the logits buffer where it fits (first come, first placed); () plans
+# each on its own bytes (tests compare the two)
+SHARED_WITH_LOGITS = ("dfc", "dqkv", "dres", "branch")
 
 
 @dataclass
@@ -38,6 +47,7 @@ class Entry:
     kind: str
     comment: str = ""
     offset: int = 0     # bytes from the arena's start
+    within: str = ""    # the entry whose bytes it shares (its own none), or ""
 
     @property
     def numel(self) -> int:
@@ -82,14 +92,24 @@ class MemoryPlan:
     def total_bytes(self) -> int:
         return self.flat_bytes + self.arena_bytes
 
-    def add(self, name, shape, dtype="f32", kind="activation", comment=""):
+    def add(self, name, shape, dtype="f32", kind="activation", comment="", within=None):
+        """within: an entry of the same dtype whose bytes this one may share (the caller's word that
+        their values are never live at once): placed after what already shares it where it fits there,
+        else on bytes of its own."""
         if kind not in KINDS:
             raise ValueError(kind)
         if any(e.name == name for e in self.entries):
             raise ValueError(f"memory plan: {name} planned twice")
         e = Entry(name, tuple(int(s) for s in shape), dtype, kind, comment, self.arena_bytes)
+        host = self[within] if within else None
+        if host is not None and host.dtype != dtype:
+            raise ValueError(f"memory plan: {name} ({dtype}) inside {within} ({host.dtype})")
+        used = sum(_aligned(x.nbytes) for x in self.entries if within and x.within == within)
+        if host is not None and used + _aligned(e.nbytes) <= _aligned(host.nbytes):
+            e.offset, e.within = host.offset + used, within
+        else:
+            self.arena_bytes += _aligned(e.nbytes)
         self.entries.append(e)
-        self.arena_bytes += (e.nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
         return e
 
     def add_workspaces(self, workspaces: dict):
@@ -98,9 +118,10 @@ class MemoryPlan:
             self.add(name, shape, dtype, "workspace", "op scratch, shared by all layers")
 
     def by_kind(self) -> dict:
+        """Each kind's bytes of the arena (an entry inside another counts none)."""
         out = {k: 0 for k in KINDS}
         for e in self.entries:
-            out[e.kind] += (e.nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+            out[e.kind] += 0 if e.within else _aligned(e.nbytes)
         return out
 
     def __getitem__(self, name) -> Entry:
@@ -125,9 +146,14 @@ class MemoryPlan:
             lines.append(f"  {label[k]:<17}{gib(kinds[k])}")
         if detail:
             for e in self.entries:
-                lines.append(f"    {e.name:<28} {str(list(e.shape)):<22} {e.dtype} {gib(e.nbytes)}  {e.comment}")
+                inside = f" (inside {e.within}: no bytes of its own)" if e.within else ""
+                lines.append(f"    {e.name:<28} {str(list(e.shape)):<22} {e.dtype} {gib(e.nbytes)}  {e.comment}{inside}")
         lines.append(f"  total            {gib(self.total_bytes)}")
         return "\n".join(lines)
+
+
+def _aligned(n: int) -> int:
+    return (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
 
 
 class PlanTooLarge(RuntimeError):
@@ -197,14 +223,18 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
     p.add("lnf_rstd", (B, T), "f32", "activation")
     p.add("logits", (B, T, V), act, "activation", "logits, turned into their gradient in place")
     p.add("losses", (A, B, T), "f32", "activation", "per-token losses of each micro-batch")
+    # the backward scratch: inside the logits where it fits (SHARED_WITH_LOGITS), in that order
+    scratch = {"dfc": ((B, T, 4 * C), "gradient of the mlp activation; with recompute also the forward's GELU "
+                                      "output of the layer at hand"),
+               "dqkv": ((B, T, 3 * C), "gradient of qkv"),
+               "dres": ((B, T, C), "gradient of the residual stream"),
+               "dln": ((B, T, C), "gradient of a layernorm output, or of the attention output")}
     if cfg.dropout > 0:        # (without dropout the residual adds are fused into the products' epilogues)
-        p.add("branch", (B, T, C), act, "backward",
-              "a branch output before dropout + residual (forward); its gradient (backward)")
-    p.add("dres", (B, T, C), act, "backward", "gradient of the residual stream")
-    p.add("dln", (B, T, C), act, "backward", "gradient of a layernorm output, or of the attention output")
-    p.add("dqkv", (B, T, 3 * C), act, "backward", "gradient of qkv")
-    p.add("dfc", (B, T, 4 * C), act, "backward",
-          "gradient of the mlp activation; with recompute also the forward's GELU output of the layer at hand")
+        scratch["branch"] = ((B, T, C), "a branch output before dropout + residual (forward); its gradient (backward)")
+    shared = [n for n in SHARED_WITH_LOGITS if n in scratch]
+    for name in shared + [n for n in scratch if n not in shared]:
+        shape, comment = scratch[name]
+        p.add(name, shape, act, "backward", comment, within="logits" if name in shared else None)
     if act == "bf16":
         p.add("params_bf16", (table.total,), "bf16", "activation",
               "the parameters' bf16 working copy, the products' (written at each program's start)")

@@ -168,3 +168,24 @@ def test_bf16_working_copy_follows_every_parameter_write():
     assert e.state()["work_fresh"] == 0
     e.evaluate()                                   # its program's first launch makes the copy
     assert copy_is_params() and np.array_equal(e.be.download(e.bufs.flat_params), flatten(e.table, named))
+
+
+@pytest.mark.parametrize("over,accum", [
+    (["--precision=bf16", "--attention=fused", "--vocab_multiple=8", "--dropout=0.1", "--recompute=1"], 1),
+    (["--precision=bf16", "--attention=fused", "--vocab_multiple=8", "--recompute=true", "--batch_size=2"], 2),
+    (["--precision=bf16", "--attention=fused", "--vocab_multiple=8", "--grad_dtype=bf16", "--batch_size=2"], 2),
+    (["--precision=tf32", "--attention=fused", "--dropout=0.1", "--recompute=true"], 1)],
+    ids=["bf16-dropout", "bf16-accum", "bf16-grads-accum", "tf32-dropout"])
+def test_scratch_inside_the_logits_changes_no_bit(monkeypatch, over, accum):
+    """The backward's scratch inside the logits buffer (memory.SHARED_WITH_LOGITS) at a vocabulary where it
+    fits: 10 steps give the same losses and parameters, bit for bit, as with every entry on its own bytes."""
+    from gptcuda.model import memory
+    shared_hist, shared = run_steps(over, 10, vocab=1024, accum=accum)
+    inside = {e.name for e in shared.plan.entries if e.within}
+    assert inside >= {"dfc", "dqkv", "dres"}, inside
+    monkeypatch.setattr(memory, "SHARED_WITH_LOGITS", ())
+    apart_hist, apart = run_steps(over, 10, vocab=1024, accum=accum)
+    assert not any(e.within for e in apart.plan.entries)
+    assert np.all(np.isfinite(shared_hist)) and np.array_equal(shared_hist, apart_hist)
+    pa, pb = shared.params(), apart.params()
+    assert all(np.array_equal(pa[k], pb[k]) for k in pa)
