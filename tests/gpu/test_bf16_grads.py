@@ -171,7 +171,7 @@ def test_norm_and_adamw_read_bf16_gradients(bf16_rt, n, shift):
     """grad_norm and AdamW (with and without the working copy) over bf16 gradients: the same bits as over an
     fp32 copy of those values (widening is exact), also 2 bytes off 16-byte alignment (the scalar kernels)."""
     rt, rng = bf16_rt, np.random.default_rng(n + shift)
-    g_h = _r(rng, n) * np.float32(1e-2)
+    g_h = _r(rng, n) * np.float32(2.0 ** -7)        # (a power of two: still bf16-exact)
     p_h, m_h = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32) * 1e-3
     v_h = np.abs(rng.standard_normal(n).astype(np.float32)) * 1e-5
     st = np.zeros(16, np.int32)
