@@ -22,6 +22,11 @@ case_args() {
     gpt2_b8)      gpt2_shards; CASE_ARGS="configs/gpt2_124m_tf32.yaml $gpt2 --batch_size=8" ;;
     gpt2_b8_bf16) gpt2_shards; CASE_ARGS="configs/gpt2_124m.yaml $gpt2 --batch_size=8" ;;
     gpt2_b16_bf16) gpt2_shards; CASE_ARGS="configs/gpt2_124m.yaml $gpt2 --batch_size=16" ;;
+    gpt2_b8_bf16f) gpt2_shards; CASE_ARGS="configs/gpt2_124m.yaml $gpt2 --batch_size=8 --grad_dtype=fp32 --recompute=6" ;;
+    gpt2_b16_bf16f)               # fp32 gradients and 6 layers rebuilding the GELU output (the config before bf16 ones)
+                  gpt2_shards; CASE_ARGS="configs/gpt2_124m.yaml $gpt2 --batch_size=16 --grad_dtype=fp32 --recompute=6" ;;
+    gpt2_b16_bf16f0)              # fp32 gradients, no layer rebuilding it (the recompute's share of the difference)
+                  gpt2_shards; CASE_ARGS="configs/gpt2_124m.yaml $gpt2 --batch_size=16 --grad_dtype=fp32 --recompute=0" ;;
     gpt2_b8_bf16_stored)          # the GELU output kept a layer, not rebuilt in the backward (a larger plan)
                   gpt2_shards; CASE_ARGS="configs/gpt2_124m.yaml $gpt2 --batch_size=8 --recompute=false" ;;
     *) echo "unknown speed case $1"; return 1 ;;

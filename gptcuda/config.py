@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 PRECISIONS = ("fp32", "tf32", "bf16")
+GRAD_DTYPES = ("fp32", "bf16")
 ATTENTIONS = ("unfused", "fused")
 FP32_GEMMS = ("3xtf32", "ffma")
 GEMM_TUNES = ("auto", "table", "off")
@@ -64,6 +65,7 @@ class Config:
     gemm_tune: str = "auto"  # GEMM plans: auto (measure what the GPU's table lacks, at setup) | table | off
     backend: str = "cuda"  # cuda | reference
     graph: bool = True  # capture the training step in a CUDA graph
+    grad_dtype: str = "fp32"  # the parameters' gradients: fp32 | bf16 (precision bf16 only, others keep fp32: written rounded once to bf16, half the bytes; micro-batches still add up in fp32)
     recompute: bool | int = False  # rebuild the MLP's GELU output in the backward, not store it: true (every layer) | false | N (the first N layers)
     device: int = 0  # data parallel: each rank takes LOCAL_RANK instead
     zero: int = 0  # data parallel: 1 shards the Adam state over the ranks (ZeRO-1)
@@ -357,6 +359,8 @@ def validate(cfg: Config) -> Config:
         if (cfg.vocab_size or cfg.vocab_multiple) % 8:
             raise err("vocab_multiple", "precision bf16 needs a vocabulary that is a multiple of 8 (16-byte bf16 "
                                         "rows of the logits): --vocab_multiple=8 (or 128)")
+    if cfg.grad_dtype not in GRAD_DTYPES:
+        raise err("grad_dtype", f"must be one of {'|'.join(GRAD_DTYPES)}, got {cfg.grad_dtype!r}")
     if cfg.fp32_gemm not in FP32_GEMMS:
         raise err("fp32_gemm", f"must be one of {'|'.join(FP32_GEMMS)}, got {cfg.fp32_gemm!r}")
     if cfg.attention not in ATTENTIONS:

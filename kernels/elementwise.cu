@@ -182,13 +182,14 @@ bias_grad_partial(float* __restrict__ partials,        // partials [chunks, N]
 #define SR_BATCH 16      // rows a warp loads at once (a layernorm's 512 partial rows: 4 batches of a warp's 64)
 template <int ITEMS>
 struct SumBatch {
-    unsigned long long out[ITEMS];       // float* out_i [cols_i]  (=)
+    unsigned long long out[ITEMS];       // elem<TO>* out_i [cols_i]  (=)
     unsigned long long in[ITEMS];        // const float* in_i [rows_i, ld_i]
     long long rows[ITEMS], cols[ITEMS], ld[ITEMS];
     long long first[ITEMS + 1];          // first block of each item; first[n] = the grid
 };
 
-template <int WARPS, int ITEMS>
+// TO: the outputs' element type (0 fp32; 1 bf16, the fp32 sum rounded once: bf16 gradients), every item's.
+template <int WARPS, int ITEMS, int TO = 0>
 __global__ void __launch_bounds__(WARPS * 32) sum_rows(const __grid_constant__ SumBatch<ITEMS> b) {
     __shared__ float red[WARPS][32];
     int i = 0;
@@ -219,6 +220,6 @@ __global__ void __launch_bounds__(WARPS * 32) sum_rows(const __grid_constant__ S
         float t = red[0][lane];
 #pragma unroll
         for (int k = 1; k < WARPS; ++k) t += red[k][lane];
-        reinterpret_cast<float*>(b.out[i])[col] = t;
+        val_st(reinterpret_cast<elem<TO>*>(b.out[i]) + col, t);
     }
 }

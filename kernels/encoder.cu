@@ -107,9 +107,10 @@ encoder_fwd(elem<TO>* __restrict__ out,        // out  [N, C]   (N = B*T)
 // Warp w takes the token chunks w, w + WARPS, w + 2*WARPS, ... (32 tokens a chunk, in
 // increasing order) and accumulates the matching rows of its 32*VEC columns in registers;
 // the warps' sums are then added in warp order. Fixed order everywhere: bitwise reproducible.
-template <int VEC, int WARPS, int TD>
+// TG (all three dwte / dwpe kernels): the gradients' element type (0 fp32; 1 bf16, the fp32 sum rounded once).
+template <int VEC, int WARPS, int TD, int TG = 0>
 __global__ void __launch_bounds__(WARPS * 32)
-encoder_bwd_wte(float* __restrict__ dwte,            // dwte [V, C]   (+=)
+encoder_bwd_wte(elem<TG>* __restrict__ dwte,         // dwte [V, C]   (+=)
                 const elem<TD>* __restrict__ dout,   // dout [N, C]
                 const int* __restrict__ idx,      // idx  [N]
                 int N, int C) {
@@ -163,8 +164,8 @@ encoder_bwd_wte(float* __restrict__ dwte,            // dwte [V, C]   (+=)
             float s = red[0][k];
 #pragma unroll
             for (int w = 1; w < WARPS; ++w) s += red[w][k];
-            float* d = dwte + (long long)v * C + col;
-            *d = *d + s;
+            elem<TG>* d = dwte + (long long)v * C + col;
+            val_st(d, val_ld(d) + s);
         }
     }
 }
@@ -417,9 +418,9 @@ encoder_bwd_wte_long(const elem<TD>* __restrict__ dout,   // dout [N, C]
 // workspace, taken grid-stride by the warps. Lane l owns columns tile*32*VEC + l*VEC .. +VEC; the
 // run's positions (at most ENC_LONG = 32: one a lane) and enc_sum_rows adds their rows. A long run
 // adds its pieces instead, in chunk order, ENC_SEG_UNROLL of them loaded together.
-template <int VEC, int WARPS, int TD>
+template <int VEC, int WARPS, int TD, int TG = 0>
 __global__ void __launch_bounds__(WARPS * 32)
-encoder_bwd_wte_seg(float* __restrict__ dwte,            // dwte [V, C]   (+=, rows of present ids)
+encoder_bwd_wte_seg(elem<TG>* __restrict__ dwte,         // dwte [V, C]   (+=, rows of present ids)
                     const elem<TD>* __restrict__ dout,   // dout [N, C]
                     int* __restrict__ ws,                // encoder_bwd_sort's output, encoder_bwd_wte_long's pieces
                     int N, int C, int tiles) {
@@ -434,7 +435,7 @@ encoder_bwd_wte_seg(float* __restrict__ dwte,            // dwte [V, C]   (+=, r
         const bool active = c < C;               // VEC == 4 implies C % 4 == 0: all or nothing
         const int s0 = r.seg_start[u], s1 = r.seg_start[u + 1];
         const int v = r.seg_id[u];
-        float* d = dwte + (long long)v * C + c;
+        elem<TG>* d = dwte + (long long)v * C + c;
         float dv[VEC];
         if (active) enc_load<VEC>(dv, d);                        // in flight during the sum
         float acc[VEC];
@@ -457,9 +458,9 @@ encoder_bwd_wte_seg(float* __restrict__ dwte,            // dwte [V, C]   (+=, r
 }
 
 // One thread per VEC columns of one position t of dwpe; sums the batch in order b = 0..B-1.
-template <int VEC, int THREADS, int TD>
+template <int VEC, int THREADS, int TD, int TG = 0>
 __global__ void __launch_bounds__(THREADS)
-encoder_bwd_wpe(float* __restrict__ dwpe,            // dwpe [Tmax, C]  (=)
+encoder_bwd_wpe(elem<TG>* __restrict__ dwpe,         // dwpe [Tmax, C]  (=)
                 const elem<TD>* __restrict__ dout,   // dout [B, T, C]
                 int B, int T, int Tmax, int C) {
     const int CV = C / VEC;

@@ -201,16 +201,18 @@ gemm_simt(GEMM_ARGS_F32) {
 // summed in increasing s for every element. C, aux: [M, N] with row stride ldc. Where N is a multiple
 // of 4 (and ws 16-byte aligned) a thread takes 4 consecutive elements of a row: one 16-byte load a
 // split, gemm_store4's epilogue and stores (16-byte where C, aux and the bias allow); else one element.
-template <int EPI, bool HAS_BIAS, int THREADS>
+// OUT: C's and aux's element type (0 fp32; 1 bf16: the sum rounded once where stored, gemm_store4_once's
+// bf16 epilogue: the weight gradients of a bf16 model that keeps its gradients in bf16).
+template <int EPI, bool HAS_BIAS, int THREADS, int OUT = 0>
 __global__ void __launch_bounds__(THREADS)
-gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
-                   float* aux,                      // aux [M, N] (row stride ldc) or null
+gemm_splitk_reduce(elem<OUT>* C,                    // C [M, N] (row stride ldc)
+                   elem<OUT>* aux,                  // aux [M, N] (row stride ldc) or null
                    const float* __restrict__ ws,    // ws [splits, M, N] (contiguous)
                    const float* __restrict__ bias,  // bias [N] or null
                    int M, int N, int ldc, int splits, float alpha) {
     const long long total = (long long)M * N;
     if ((N & 3) == 0 && (reinterpret_cast<unsigned long long>(ws) & 15) == 0) {
-        const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS>(C, aux, bias, ldc, 0);
+        const bool vec = gemm_epi_vec_ok<EPI, HAS_BIAS, elem<OUT>>(C, aux, bias, ldc, 0);
         const float4* w4 = reinterpret_cast<const float4*>(ws);
         for (long long i4 = (long long)blockIdx.x * blockDim.x + threadIdx.x; i4 < (total >> 2);
              i4 += (long long)gridDim.x * blockDim.x) {
@@ -230,7 +232,11 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
             const int N4 = N >> 2;              // a row's groups; 32-bit division where i4 fits
             const int m = i4 < 0x7fffffffLL ? (int)((unsigned)i4 / (unsigned)N4) : (int)(i4 / N4);
             const int n = (int)(i4 - (long long)m * N4) << 2;
-            gemm_store4<EPI, HAS_BIAS>(C, aux, bias, m, n, M, N, ldc, alpha, vec, v);
+            if constexpr (OUT == 0)
+                gemm_store4<EPI, HAS_BIAS>(C, aux, bias, m, n, M, N, ldc, alpha, vec, v);
+            else
+                gemm_store4_once<EPI, HAS_BIAS, bf16>(C, aux, bias, m, n, M, N, ldc, alpha, vec && m < M && n + 3 < N,
+                                                      v);
         }
         return;
     }
@@ -242,10 +248,14 @@ gemm_splitk_reduce(float* C,                        // C [M, N] (row stride ldc)
         const long long off = (long long)m * ldc + n;
         float b = 0.f, res = 0.f, pre;
         if constexpr (HAS_BIAS) b = __ldg(bias + n);
-        if constexpr (GEMM_EPI_READS_AUX(EPI)) res = aux[off];
-        float o = gemm_epi_value<EPI, HAS_BIAS>(s, alpha, b, res, &pre);
-        if constexpr (EPI == GEMM_EPI_GELU) aux[off] = pre;
-        C[off] = o;
+        if constexpr (GEMM_EPI_READS_AUX(EPI)) res = val_ld(aux + off);
+        float o;
+        if constexpr (OUT == 0)
+            o = gemm_epi_value<EPI, HAS_BIAS>(s, alpha, b, res, &pre);
+        else
+            o = gemm_epi_value_bf16<EPI, HAS_BIAS>(s, alpha, b, res, &pre);
+        if constexpr (EPI == GEMM_EPI_GELU) val_st(aux + off, pre);
+        val_st(C + off, o);
     }
 }
 

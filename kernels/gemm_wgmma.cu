@@ -1630,19 +1630,21 @@ struct WsDynWalk {
 };
 
 #define DUAL_IDS 4
-// W: C (fp32) [splits, M, N] (the partials where splits > 1), colsum [splits x rows, M] or null; X: C and
+// W: C (fp32, or bf16 where OUT_W: unsplit only) [splits, M, N] (the partials where splits > 1), colsum
+// [splits x rows, M] or null; X: C and
 // aux (bf16) [M, N], stored through C's and aux's maps (WS_ARGS_C, c_tma as gemm_wgmma_ws's); tiles: the
 // counter (one int, zero before the first launch).
 #define DUAL_ARGS                                                                                     \
-    float* Cw, const __grid_constant__ TmaMap mapAw, const __grid_constant__ TmaMap mapBw,         \
+    elem<OUT_W>* Cw, const __grid_constant__ TmaMap mapAw, const __grid_constant__ TmaMap mapBw,   \
     int Mw, int Nw, int Kw, int splits, int k_chunk, float* colsum,                                  \
     bf16* Cx, bf16* aux, const __grid_constant__ TmaMap mapAx, const __grid_constant__ TmaMap mapBx, \
     int Mx, int Nx, int Kx, WS_ARGS_C, int* tiles
 
 // PP: the consumers of gemm_wgmma_pp (pp_consume: each warpgroup whole tiles, alternating, one's epilogue
 // under the other's k loop; 128 x 128 and 128 x 192 for X without the GELU's backward) instead of
-// gemm_wgmma_ws's, their turn passed on across the two products.
-template <int BM, int BN, int STAGES, int EPI_X, int THREADS, int SMEM, int COLSUM, int PP = 0>
+// gemm_wgmma_ws's, their turn passed on across the two products. OUT_W: W's C element type (0 fp32; 1 bf16,
+// the launcher's choice for an unsplit W only: split partials are fp32, reduced by gemm_splitk_reduce).
+template <int BM, int BN, int STAGES, int EPI_X, int THREADS, int SMEM, int COLSUM, int PP = 0, int OUT_W = 0>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_dual(DUAL_ARGS) {
     constexpr int WG = PP ? 2 : BM / 64;
     static_assert(THREADS == (WG + 1) * 128 && SMEM == STAGES * (BM + BN) * 128 + 1024 + ws_stage_bytes(WG, 1),
@@ -1690,7 +1692,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_dual(DUAL_ARGS) {
         __shared__ float pp_red[COLSUM > 0 ? 2 * 2 * 256 : 1];
         __shared__ __align__(16) float pp_bias[4];
         PpTurn turn;
-        pp_consume<BM, BN, STAGES, GEMM_EPI_NONE, false, OPW, float, COLSUM>(
+        pp_consume<BM, BN, STAGES, GEMM_EPI_NONE, false, OPW, elem<OUT_W>, COLSUM>(
             walk, turn, smem0, full0, empty0, Cw, nullptr, nullptr, Mw, Nw, Kw, Nw, (long long)Mw * Nw, 1.f, splits,
             k_chunk, per_zw, tiles_nw, total_w, colsum, nullptr, nullptr, 0, pp_bias, pp_red, wg, tid & 127);
         walk.base = total_w;
@@ -1698,7 +1700,8 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_dual(DUAL_ARGS) {
             walk, turn, smem0, full0, empty0, Cx, aux, nullptr, Mx, Nx, Kx, Nx, (long long)Mx * Nx, 1.f, 1, max(Kx, 1),
             total_x, tiles_nx, total_x, nullptr, &mapC, &mapX, c_tma, pp_bias, pp_red, wg, tid & 127);
     } else {
-        ws_consume<BM, BN, STAGES, GEMM_EPI_NONE, false, 1, false, (COLSUM > 0), false, true, OPW, float, COLSUM>(
+        ws_consume<BM, BN, STAGES, GEMM_EPI_NONE, false, 1, false, (COLSUM > 0), false, true, OPW, elem<OUT_W>,
+                   COLSUM>(
             walk, smem0, full0, empty0, Cw, nullptr, nullptr, Mw, Nw, Kw, Nw, (long long)Mw * Nw, 1.f, splits,
             k_chunk, per_zw, tiles_nw, total_w, colsum);
         walk.base = total_w;

@@ -3,10 +3,11 @@
 //   lr_schedule          st->lr = nanoGPT warmup + cosine schedule at st->step (float64 math)
 //   step_advance         st->step += 1
 //   eval_advance         st->eval_draws += 1
-//   grad_norm_partial<VEC>  per-block sums of squares (double) -> partials[G]
+//   grad_norm_partial<VEC[, TG]>  per-block sums of squares (double) -> partials[G] (TG 1: bf16 gradients)
 //   grad_norm_final      st->grad_norm = sqrt(sum of partials in a fixed order)
-//   adamw<VEC>           one pass of PyTorch AdamW over the flat buffers, gradient clipping by
-//                        st->grad_norm, decoupled weight decay on the first n_decay elements
+//   adamw<VEC[, TG]>     one pass of PyTorch AdamW over the flat buffers, gradient clipping by
+//                        st->grad_norm, decoupled weight decay on the first n_decay elements (TG 1:
+//                        bf16 gradients, the rest fp32)
 //   adamw_copy<VEC>      adamw, and the updated parameters rounded to bf16 into their working copy
 //                        (a bf16 model's products read it; the fp32 update is adamw's, bit for bit);
 //                        st->work_fresh = 1
@@ -41,11 +42,12 @@ __global__ void __launch_bounds__(1) step_advance(StepState* st) { st->step += 1
 __global__ void __launch_bounds__(1) eval_advance(StepState* st) { st->eval_draws += 1; }
 
 // grid G, block 512. Thread (b, t) takes the vectors b*512 + t + k*G*512 in order; the block
-// sum is a fixed butterfly + warp-order sum; partial b goes to partials[b].
-template <int VEC, int NORM_THREADS>
+// sum is a fixed butterfly + warp-order sum; partial b goes to partials[b]. TG: the gradients' element
+// type (0 fp32, 1 bf16: the values they hold, squared in fp32 as fp32's).
+template <int VEC, int NORM_THREADS, int TG = 0>
 __global__ void __launch_bounds__(NORM_THREADS)
-grad_norm_partial(double* __restrict__ partials,   // partials [G]
-                  const float* __restrict__ g,     // g        [n]
+grad_norm_partial(double* __restrict__ partials,     // partials [G]
+                  const elem<TG>* __restrict__ g,    // g        [n]
                   int n) {
     __shared__ double red[NORM_THREADS / 32];
     const long long gt = (long long)blockIdx.x * NORM_THREADS + threadIdx.x;
@@ -53,23 +55,22 @@ grad_norm_partial(double* __restrict__ partials,   // partials [G]
     float acc = 0.f;
     if constexpr (VEC == 4) {
         const long long nv = n / 4;
-        const float4* g4 = reinterpret_cast<const float4*>(g);
 #pragma unroll 4
         for (long long i = gt; i < nv; i += stride) {
-            const float4 v = g4[i];
+            const float4 v = val_ldf4(g + 4 * i);
             acc = fmaf(v.x, v.x, acc);
             acc = fmaf(v.y, v.y, acc);
             acc = fmaf(v.z, v.z, acc);
             acc = fmaf(v.w, v.w, acc);
         }
         if (gt < n - nv * 4) {
-            const float v = g[nv * 4 + gt];
+            const float v = val_ld(g + nv * 4 + gt);
             acc = fmaf(v, v, acc);
         }
     } else {
 #pragma unroll 4
         for (long long i = gt; i < n; i += stride) {
-            const float v = g[i];
+            const float v = val_ld(g + i);
             acc = fmaf(v, v, acc);
         }
     }
@@ -118,10 +119,11 @@ __device__ __forceinline__ void adam_one(float& p, float g, float& m, float& v, 
 }
 
 // adamw's and adamw_copy's body. Grid-stride over vectors: thread gt takes vectors gt, gt + stride, ...;
-// element e decays iff e < n_decay. COPY: work[e] = the updated params[e] rounded to bf16.
-template <int VEC, int ADAM_THREADS, bool COPY>
+// element e decays iff e < n_decay. COPY: work[e] = the updated params[e] rounded to bf16. TG: the gradients'
+// element type (bf16: widened exactly, the update then as fp32's).
+template <int VEC, int ADAM_THREADS, bool COPY, int TG>
 __device__ __forceinline__ void
-adamw_run(float* __restrict__ params, const float* __restrict__ grads, float* __restrict__ m, float* __restrict__ v,
+adamw_run(float* __restrict__ params, const elem<TG>* __restrict__ grads, float* __restrict__ m, float* __restrict__ v,
           bf16* __restrict__ work, int n, int n_decay, float beta1, float beta2, float eps, float weight_decay,
           float grad_clip, const StepState* st) {
     AdamCoef c;
@@ -142,12 +144,11 @@ adamw_run(float* __restrict__ params, const float* __restrict__ grads, float* __
     if constexpr (VEC == 4) {
         const long long nv = n / 4;
         float4* p4 = reinterpret_cast<float4*>(params);
-        const float4* g4 = reinterpret_cast<const float4*>(grads);
         float4* m4 = reinterpret_cast<float4*>(m);
         float4* v4 = reinterpret_cast<float4*>(v);
         for (long long i = gt; i < nv; i += stride) {
             float4 p = p4[i], mm = m4[i], vv = v4[i];
-            const float4 g = g4[i];
+            const float4 g = val_ldf4(grads + 4 * i);
             const long long e = i * 4;
             adam_one(p.x, g.x, mm.x, vv.x, e + 0 < n_decay, c);
             adam_one(p.y, g.y, mm.y, vv.y, e + 1 < n_decay, c);
@@ -158,12 +159,12 @@ adamw_run(float* __restrict__ params, const float* __restrict__ grads, float* __
         }
         if (gt < n - nv * 4) {
             const long long e = nv * 4 + gt;
-            adam_one(params[e], grads[e], m[e], v[e], e < n_decay, c);
+            adam_one(params[e], val_ld(grads + e), m[e], v[e], e < n_decay, c);
             if constexpr (COPY) val_st(work + e, params[e]);
         }
     } else {
         for (long long e = gt; e < n; e += stride) {
-            adam_one(params[e], grads[e], m[e], v[e], e < n_decay, c);
+            adam_one(params[e], val_ld(grads + e), m[e], v[e], e < n_decay, c);
             if constexpr (COPY) val_st(work + e, params[e]);
         }
     }
@@ -171,27 +172,27 @@ adamw_run(float* __restrict__ params, const float* __restrict__ grads, float* __
 
 #define ADAMW_ARGS                                                                              \
     float* __restrict__ params,        /* params [n] */                                         \
-    const float* __restrict__ grads,   /* grads  [n] */                                         \
+    const elem<TG>* __restrict__ grads, /* grads [n] */                                         \
     float* __restrict__ m,             /* m      [n] */                                         \
     float* __restrict__ v              /* v      [n] */
 #define ADAMW_ARGS_TAIL                                                                         \
     int n, int n_decay, float beta1, float beta2, float eps, float weight_decay, float grad_clip, \
     const StepState* st
 
-template <int VEC, int ADAM_THREADS>
+template <int VEC, int ADAM_THREADS, int TG = 0>
 __global__ void __launch_bounds__(ADAM_THREADS) adamw(ADAMW_ARGS, ADAMW_ARGS_TAIL) {
-    adamw_run<VEC, ADAM_THREADS, false>(params, grads, m, v, nullptr, n, n_decay, beta1, beta2, eps, weight_decay,
-                                        grad_clip, st);
+    adamw_run<VEC, ADAM_THREADS, false, TG>(params, grads, m, v, nullptr, n, n_decay, beta1, beta2, eps,
+                                            weight_decay, grad_clip, st);
 }
 
-template <int VEC, int ADAM_THREADS>
+template <int VEC, int ADAM_THREADS, int TG = 0>
 __global__ void __launch_bounds__(ADAM_THREADS)
 adamw_copy(ADAMW_ARGS,
            bf16* __restrict__ work,   /* work [n]: the bf16 working copy of params */
            int n, int n_decay, float beta1, float beta2, float eps, float weight_decay, float grad_clip,
            StepState* st) {
-    adamw_run<VEC, ADAM_THREADS, true>(params, grads, m, v, work, n, n_decay, beta1, beta2, eps, weight_decay,
-                                       grad_clip, st);
+    adamw_run<VEC, ADAM_THREADS, true, TG>(params, grads, m, v, work, n, n_decay, beta1, beta2, eps, weight_decay,
+                                           grad_clip, st);
     // the kernels after this one (stream order) see the copy and the flag together; every thread has read
     // st above, and no thread reads work_fresh here
     if (blockIdx.x == 0 && threadIdx.x == 0) st->work_fresh = 1;

@@ -5,8 +5,9 @@
     FakeGemmRT("tf32", ws=1 << 20)        # tests/conftest.py: a launcher alone, its workspaces lent
 
 FakeDev hands out fake device addresses (4 KB aligned, never reused) and does nothing else: no memory
-behind them, downloads read zeros, tensor maps are 128 zero bytes (their arguments checked as
-cuTensorMapEncodeTiled checks them). Everything above the device is the real Runtime's (argument
+behind them, downloads read zeros, tensor maps are 128 bytes holding the tensor's address (their
+arguments checked as cuTensorMapEncodeTiled checks them; `pointers(rec)`: every address a launch
+passes). Everything above the device is the real Runtime's (argument
 packing, the shared-memory limit, workspaces, programs), but for what RecordingRuntime overrides: every
 kernel asked for must be a listed variant (a launcher's VARIANTS, all compiled by
 tests/test_compiler.py) and gets the parameter sizes its source declares (the check a real runtime
@@ -97,7 +98,25 @@ class FakeDev:
         # stride not 16-byte aligned
         assert len(dims) == len(box) == len(strides_bytes) + 1 and all(int(b) <= 256 for b in box), (dims, box)
         assert ptr % 16 == 0 and all(int(s) % 16 == 0 for s in strides_bytes), (ptr, strides_bytes)
-        return bytes(128)
+        return int(ptr).to_bytes(8, "little") + bytes(120)      # (the tensor's address, for `pointers`)
+
+
+def pointers(rec) -> set:
+    """The device addresses a recorded launch or memset passes: its pointer arguments, the tensors of its
+    tensor maps (FakeDev's), the outputs and partials of a SumBatch."""
+    from gptcuda.runtime import Launch, Memset
+    if isinstance(rec, Memset):
+        return {rec.ptr}
+    if not isinstance(rec, Launch):
+        return set()
+    ptrs = {int(v) for v in rec.slots if int(v) >= 1 << 32}
+    for i, (buf, addr) in rec.blobs.items():
+        data = buf[addr - buf.ctypes.data:][:rec.fn.params[i]].tobytes()
+        if len(data) == 128:
+            ptrs.add(int.from_bytes(data[:8], "little"))
+        else:
+            ptrs |= {p for out, part, *_ in elementwise.unpack_sum_batch(data) for p in (out, part)}
+    return ptrs
 
 
 # SumBatch<ITEMS>: ITEMS out and in pointers, rows, cols and ld, then ITEMS + 1 first blocks (8 bytes each)

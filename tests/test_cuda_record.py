@@ -253,3 +253,54 @@ def test_record_bf16_step_on_flash_bf16(dropout):
     qkv, y = rt.empty((2, 16, 384)), rt.empty((2, 16, 128))
     with pytest.raises(TypeError, match="bf16 flash kernels take bf16"):
         attn.attention_fwd(rt, y, qkv, saved, 2, 0.0, 0, eng.exec)
+
+
+@pytest.mark.parametrize("accum,grad_pairs", [(1, "1"), (1, "0"), (2, "1")])
+def test_record_bf16_gradients(monkeypatch, accum, grad_pairs):
+    """grad_dtype bf16: the gradient region is bf16 (half the bytes) and every writer of it is a bf16 variant:
+    the weight gradients' products (a bf16 C: gemm_wgmma_ws / _pp OUT 1, gemm_wgmma_dual OUT_W 1, or fp32 split-K
+    partials and gemm_splitk_reduce OUT 1), the row sums (layernorm and bias gradients: sum_rows TO 1), the
+    embedding's (encoder TG 1); the norm and AdamW read bf16 (TG 1). With micro-batches the last one's
+    gradients are added into the fp32 grad_acc, which the norm and AdamW read."""
+    monkeypatch.setenv("GPTCUDA_GRAD_PAIRS", grad_pairs)
+    n_tok = 4 * 16
+    cfg = load_config("configs/tiny.yaml", ["--precision=bf16", "--attention=fused", "--vocab_multiple=8",
+                                            "--grad_dtype=bf16", "--batch_size=4", "--block_size=16",
+                                            f"--total_batch_tokens={accum * n_tok}"])
+    rt = RecordingRuntime(cfg)
+    assert rt.exec.grads_bf16 and "bf16 gradients" in rt.exec.format()
+    eng = Engine(cfg, np.arange(1000, dtype=np.int32) % 65, np.arange(200, dtype=np.int32) % 65, 72,
+                 backend=CudaBackend(cfg, rt=rt), programs=("train",), n_vocab=65, accum=accum)
+    g = eng.bufs.flat_grads
+    assert g.dtype == "bf16" and eng.plan.bytes_of("grads") == 2 * eng.table.total
+    assert eng.bufs.flat_m.ptr == g.ptr + eng.plan.bytes_of("grads") and eng.bufs.flat_m.ptr % 16 == 0
+    assert all(v.dtype == "bf16" for v in eng.bufs.grads.values())
+    items = [r for r in eng.programs["train"].items if isinstance(r, Launch)]
+    names = [r.fn.name for r in items]
+    lo, hi = g.ptr, g.ptr + g.nbytes
+
+    def targs(name):                 # a name expression's template arguments
+        return [a.strip() for a in name.split("<", 1)[1].rstrip(">").split(",")]
+
+    def bf16_variant(name):          # the C / output element type argument of each kernel that writes gradients
+        a = targs(name)
+        if name.startswith(("gemm_wgmma_ws<", "gemm_wgmma_pp<")):
+            return a[10] == "1"                       # OUT (after DT, MN_A, MN_B)
+        return a[-1] == "1"                           # OUT_W, OUT, TO, TG: the last
+
+    # every launch whose first argument (its output) lies in the gradient region is a bf16 variant
+    writers = [r.fn.name for r in items if isinstance(r.slots[0], (int, np.integer)) and lo <= int(r.slots[0]) < hi]
+    assert any(n.startswith(("gemm_wgmma", "gemm_splitk")) for n in writers) and all(map(bf16_variant, writers)), \
+        writers
+    sums = [n for n in names if n.startswith("sum_rows")]      # (their outputs ride in the SumBatch argument)
+    assert sums and all(targs(n)[-1] == "1" for n in sums), sums
+    assert any(n.startswith("encoder_bwd_wpe<") and targs(n)[-2:] == ["1", "1"] for n in names)
+    final = eng.bufs.acts["grad_acc"] if accum > 1 else g
+    norm = [r for r in items if r.fn.name.startswith("grad_norm_partial")]
+    adam = [r for r in items if r.fn.name.startswith("adamw")]
+    assert len(norm) == len(adam) == 1 and int(norm[0].slots[1]) == int(adam[0].slots[1]) == final.ptr
+    assert (len(targs(norm[0].fn.name)) == 3) == (len(targs(adam[0].fn.name)) == 3) == (accum == 1)  # TG 1
+    if accum > 1:                # each micro-batch's bf16 gradients added into the fp32 sum, the last one's too
+        accs = [r for r in items if r.fn.name.startswith("accumulate") and int(r.slots[1]) == g.ptr]
+        assert [(int(a.slots[0]), int(a.slots[1])) for a in accs] == [(final.ptr, g.ptr)] * accum
+        assert all(targs(a.fn.name)[-2:] == ["0", "1"] for a in accs)

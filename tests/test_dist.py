@@ -514,31 +514,17 @@ def _record_dp(zero, rank=1, world=2, over=(), accum=1):
     group = dist.Group(env, b"u" * 128, comm_factory=lambda: comm)
     group.selftest = False
     toks = (np.arange(3000) % 65).astype(np.int32)
-    eng = Engine(cfg, toks, toks[:300], 65, backend=be, programs=("train",), group=group, accum=accum)
+    V = 72 if cfg.precision == "bf16" else 65                  # (bf16: a vocabulary of whole 16-byte rows)
+    eng = Engine(cfg, toks, toks[:300], V, backend=be, programs=("train",), group=group, accum=accum, n_vocab=65)
     comm.calls.clear()                          # the warm-up's calls
     return eng, rt, comm
-
-
-def _ptrs(rec):
-    from gptcuda.ops.cuda import elementwise
-    from gptcuda.runtime import Launch, Memset
-    if isinstance(rec, Launch):
-        ptrs = {int(v) for v in rec.slots if int(v) >= 1 << 32}
-        if rec.fn.name == elementwise.SUM_ROWS:      # its pointers ride in the SumBatch argument
-            for buf, addr in rec.blobs.values():
-                off = addr - buf.ctypes.data
-                data = buf[off:off + 8 * (6 * elementwise.SUM_ITEMS + 1)].tobytes()
-                ptrs |= {p for out, part, *_ in elementwise.unpack_sum_batch(data) for p in (out, part)}
-        return ptrs
-    if isinstance(rec, Memset):
-        return {rec.ptr}
-    return set()
 
 
 @pytest.mark.parametrize("over", [(), ("--precision=tf32", "--attention=fused", "--recompute=true"),
                                   ("--bias=false", "--dropout=0.0")], ids=["fp32", "tf32-fused-recompute", "nobias"])
 def test_recorded_step_allreduces_each_bucket_after_its_last_write_and_before_any_reuse(over):
     from gptcuda.runtime import Launch, StreamCall, StreamFork, StreamJoin
+    from tests.fakes import pointers
     eng, rt, comm = _record_dp(zero=0, over=over)
     dp, items = eng.dp, eng.programs["train"].items
     b = eng.batches                                                   # rank 1 of 2: the world's seed
@@ -563,9 +549,9 @@ def test_recorded_step_allreduces_each_bucket_after_its_last_write_and_before_an
         lo_hi = [(base + 4 * a, base + 4 * e) for a, e in b.spans]
         inside = lambda p: any(lo <= p < hi for lo, hi in lo_hi)
         for i in range(fork + 1, join):                      # nothing touches the bucket in flight
-            assert not any(inside(p) for p in _ptrs(items[i])), (b.index, items[i].label)
+            assert not any(inside(p) for p in pointers(items[i])), (b.index, items[i].label)
         for n in b.names:                                    # ... and each tensor was written before
-            assert any(grads[n].ptr in _ptrs(items[i]) for i in range(fork)), n
+            assert any(grads[n].ptr in pointers(items[i]) for i in range(fork)), n
         comm.calls.clear()
         call.call(0)
         ar = [c for c in comm.calls if c[0] == "all_reduce"]
@@ -632,6 +618,39 @@ def test_recorded_zero1_step(rank):
     assert int(norm[0].slots[1]) == g + 4 * lo
     assert norm[0].grid == (comm.calls[2][3], 1, 1)          # every rank: as many partials as all-reduced
     assert "ZeRO-1" in dp.describe()
+
+
+BF16_GRADS = ("--precision=bf16", "--attention=fused", "--vocab_multiple=8", "--grad_dtype=bf16")
+
+
+@pytest.mark.parametrize("zero,accum", [(0, 1), (0, 2), (1, 1)])
+def test_recorded_step_reduces_bf16_gradients_in_their_dtype(zero, accum):
+    """grad_dtype bf16 on 2 ranks: one micro-batch's bf16 gradients are reduced as bf16 (2-byte offsets), with
+    micro-batches the fp32 sum grad_acc is (the last micro-batch's gradients added into it first); the norm and
+    AdamW read what was reduced; ZeRO-1's shards are of the bf16 region."""
+    from gptcuda.runtime import Launch, StreamCall
+    eng, rt, comm = _record_dp(zero=zero, over=BF16_GRADS, accum=accum)
+    dp, items = eng.dp, eng.programs["train"].items
+    g = eng.bufs.acts["grad_acc"] if accum > 1 else eng.bufs.flat_grads
+    e, dt = (4, "f32") if accum > 1 else (2, "bf16")
+    assert dp.grads.ptr == g.ptr and dp.grads.dtype == dt
+    comm.calls.clear()
+    for r in items:
+        if isinstance(r, StreamCall) and "loss" not in r.label and "norm" not in r.label and "params" not in r.label:
+            r.call(0)
+    grads_calls = [c for c in comm.calls if c[0] in ("all_reduce", "reduce_scatter", "reduce")]
+    assert grads_calls and all(dt in c for c in grads_calls)
+    if zero:
+        sh = dp.shards
+        assert grads_calls[0] == ("reduce_scatter", g.ptr, g.ptr + e * 1 * sh.shard, sh.shard, dt, "avg")
+        lo, hi = sh.owned(1)
+        norm = next(r for r in items if isinstance(r, Launch) and r.label == "grad_norm_partial")
+        assert int(norm.slots[1]) == g.ptr + e * lo
+    else:
+        spans = [(g.ptr + e * a, e_ - a) for b in dp.buckets for a, e_ in b.spans]
+        assert sorted((c[1], c[3]) for c in grads_calls) == sorted(spans)
+    adam = next(r for r in items if isinstance(r, Launch) and r.label == "adamw")
+    assert int(adam.slots[1]) == g.ptr + (e * dp.shards.owned(1)[0] if zero else 0)
 
 
 @pytest.mark.parametrize("how", ["close", "abort"])

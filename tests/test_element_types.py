@@ -228,11 +228,11 @@ def test_layernorm_refuses_types_without_a_kernel(rt):
             ln.layernorm_bwd, rt, xb, dw, None, outb, x, mean, rstd, w, (x, 0.1, 3))
     refused(r"layernorm_bwd: no kernel for dout bf16, x f32, dx f32, dropped f32 \(.*bf16 f32 f32 bf16\)",
             ln.layernorm_bwd, rt, x, dw, None, outb, x, mean, rstd, w, (x, 0.1, 3))
-    refused("layernorm_bwd: dw must be f32", ln.layernorm_bwd, rt, xb, view(rt, (C,), B), None, outb, xb, mean,
-            rstd, w)
+    refused("layernorm_bwd: dw must be f32 or bf16 .a gradient., got i32", ln.layernorm_bwd, rt, xb,
+            view(rt, (C,), "i32"), None, outb, xb, mean, rstd, w)
     refused("layernorm_bwd: ds .* needs db", ln.layernorm_bwd, rt, xb, dw, None, outb, xb, mean, rstd, w, None, dw)
-    refused("layernorm_bwd: ds must be f32", ln.layernorm_bwd, rt, xb, dw, dw, outb, xb, mean, rstd, w, None,
-            view(rt, (C,), B))
+    refused("layernorm_bwd: ds must be f32 or bf16", ln.layernorm_bwd, rt, xb, dw, dw, outb, xb, mean, rstd, w, None,
+            view(rt, (C,), "i32"))
     assert not launched(rt)
 
 
@@ -320,7 +320,9 @@ def test_elementwise_refuses_types_without_a_kernel(rt):
     refused("dropout_bwd: no kernel for out bf16, x f32", ew.dropout_bwd, rt, b, f, 0.1, 3)
     refused("residual_dropout: no kernel for out bf16, resid f32, x bf16", ew.residual_dropout, rt, b, f, b, 0.1, 3)
     refused("accumulate: no kernel for dst i32, src bf16", ew.accumulate, rt, view(rt, (64,), "i32"), b, False)
-    refused("bias_grad: db must be f32", ew.bias_grad, rt, b, view(rt, (2, 64), B))
+    refused(r"bias_grad: db must be f32 or bf16 \(a gradient\), got i32", ew.bias_grad, rt, view(rt, (64,), "i32"),
+            view(rt, (2, 64), B))
+    refused("sum_rows: out must be f32 or bf16", ew.sum_rows, rt, (view(rt, (64,), "i32"), view(rt, (2, 64))))
     refused("sum_rows: partials must be f32", ew.sum_rows, rt, (f, view(rt, (2, 64), B)))
     assert not launched(rt)
 

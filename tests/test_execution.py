@@ -150,6 +150,26 @@ def test_bf16_plan_and_config_rules():
             cfg_of("--precision=bf16", *over)
 
 
+def test_grad_dtype_rules():
+    """grad_dtype bf16 gives bf16 gradients at precision bf16 only (another precision keeps fp32 ones: a bf16
+    run sampled or evaluated --precision=fp32 just works); the plan and its summary say which; an unknown value
+    is one line naming the key; a runtime's plan asked for bf16 gradients at another precision is refused."""
+    from gptcuda.config import ConfigError
+    bf = ("--precision=bf16", "--attention=fused", "--vocab_multiple=8")
+    p = execution.resolve(cfg_of(*bf, "--grad_dtype=bf16"), env={})
+    assert p.grads_bf16 and p.grad_dtype == "bf16" and "bf16 gradients" in p.format()
+    assert p.to_dict()["grad_dtype"] == "bf16"
+    q = execution.resolve(cfg_of(*bf), env={})
+    assert not q.grads_bf16 and "fp32 gradients" in q.format()
+    for prec in ("tf32", "fp32"):
+        assert execution.resolve(cfg_of(f"--precision={prec}", "--grad_dtype=bf16"), env={}).grad_dtype == "f32"
+    assert execution.resolve(cfg_of(*bf, "--grad_dtype=bf16"), env={}, precision="tf32").grad_dtype == "f32"
+    with pytest.raises(ConfigError, match="grad_dtype.*fp32|bf16"):
+        cfg_of("--grad_dtype=fp16")
+    with pytest.raises(ValueError, match="grad_dtype 'bf16'"):
+        execution.resolve(precision="tf32", grad_dtype="bf16", env={})
+
+
 def test_bf16_attention_path_by_head_size():
     """precision bf16 at head sizes 64 and 128 runs flash_bf16 with no fp32 copies of the attention's
     tensors in the memory plan; at other head sizes the tf32 kernels on copies (attention_f32)."""

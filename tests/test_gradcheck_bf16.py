@@ -70,7 +70,9 @@ class Bf16Sim(ReferenceBackend):
     made from the pre-activation as stored (gemm_epilogue.cuh); attention's P and dS are rounded as the
     A operands of its second products (`att`: "bf16", the bf16 flash kernel's; "tf32", flash_tc's on the
     fp32 copies today, with its tf32(Q * scale * log2 e) too), and its backward's D = rowsum(dO * O)
-    reads the stored O. Statistics, softmax, losses and sums stay float64 (fp32 on the GPU)."""
+    reads the stored O. Statistics, softmax, losses and sums stay float64 (fp32 on the GPU). grad_dtype bf16:
+    the gradient region is rounded after every op too (each writer's sum rounded once where stored; wte's
+    again after the embedding's addition)."""
 
     def __init__(self, cfg, V, att="bf16", seed=None, rounding=True):
         super().__init__(cfg, seed)
@@ -81,9 +83,15 @@ class Bf16Sim(ReferenceBackend):
         self.att_round = (to_bf16 if att == "bf16" else to_tf32) if rounding else np.asarray
         self.stored = []
 
+    def allocate(self, plan, table):
+        bufs = super().allocate(plan, table)
+        if getattr(self.cfg, "grad_dtype", "fp32") == "bf16":
+            self.stored.append(bufs.flat_grads)
+        return bufs
+
     def allocate_arena(self, plan):
         acts = super().allocate_arena(plan)
-        self.stored = [acts[n] for n in sorted(self.names) if n in acts]
+        self.stored = [acts[n] for n in sorted(self.names) if n in acts] + self.stored
         missing = {"res", "mid", "ln1", "qkv", "atty", "ln2", "fc_pre", "lnf", "logits", "dres", "dln", "dqkv",
                    "dfc"} - self.names
         assert not missing, f"the memory plan no longer holds {missing} in bf16: revisit the simulation"
@@ -240,6 +248,7 @@ def test_bf16_model_values_in_the_docstring():
         m = gc.bf16_error_model(cfg_of(f"--n_layer={L}", f"--dropout={drop}"), V72)
         assert m["beta"] == pytest.approx(beta, abs=6e-5) and m["beta_one"] == pytest.approx(beta_one, abs=6e-5)
     assert gc.bf16_error_model(cfg_of("--n_layer=2", "--dropout=0"), V72)["chain"] == 25
+    assert gc.bf16_error_model(cfg_of("--n_layer=2", "--dropout=0", "--grad_dtype=bf16"), V72)["chain"] == 26
 
 
 def test_tf32_model_unchanged():
@@ -298,18 +307,30 @@ def test_simulation_stores_bf16_and_moves_the_gradient():
     assert max(v[0] for v in errs.values()) > 1e-4          # along u too
 
 
+def test_simulation_rounds_bf16_gradients():
+    """grad_dtype bf16: the simulated gradients hold bf16 values, and they are not the fp32 gradients' values
+    (the rounding happened where they were written)."""
+    cfg = cfg_of("--n_layer=2", "--n_embd=96", "--n_head=3", "--block_size=23", "--batch_size=3")
+    _, g32 = grads(cfg, True)
+    _, g16 = grads(dataclasses.replace(cfg, grad_dtype="bf16"), True)
+    for k, g in g16.items():
+        assert np.array_equal(g, to_bf16(g)), k
+    assert any(not np.array_equal(g16[k], g32[k]) for k in g32)
+
+
 def _cases():
     return [pytest.param(c, id=f"L{c['n_layer']}-C{c['n_embd']}-H{c['n_head']}-T{c['block_size']}-B{c['batch_size']}"
                          f"-p{c['dropout']}") for c in BF16_CASES]
 
 
+@pytest.mark.parametrize("grad_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", _cases())
-def test_model_bounds_the_simulation(case):
+def test_model_bounds_the_simulation(case, grad_dtype):
     """At the GPU test's shapes: the simulated bf16 gradient errs along u by at most beta / 2, on the
     COORDS_BF16 largest entries by at most beta_one / 2, and in rms (relative to the tensor's) by at most
     the model's 1 sigma, in every tensor; with the bf16 flash kernel's roundings and with flash_tc's
-    (TF32, today's)."""
-    cfg = case_cfg(case)
+    (TF32, today's); with fp32 gradients and with bf16 ones (grad_dtype: one rounding more)."""
+    cfg = dataclasses.replace(case_cfg(case), grad_dtype=grad_dtype)
     m = gc.bf16_error_model(cfg, V72)
     _, exact = grads(cfg, False)
     for att in ("bf16", "tf32"):

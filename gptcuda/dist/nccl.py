@@ -10,9 +10,9 @@ from gptcuda.dist.env import DistError
 
 UID_BYTES = 128             # sizeof(ncclUniqueId)
 
-DTYPES = {"f32": 7, "f64": 8, "i32": 2}       # ncclFloat32, ncclFloat64, ncclInt32
+DTYPES = {"f32": 7, "f64": 8, "i32": 2, "bf16": 9}       # ncclFloat32, ncclFloat64, ncclInt32, ncclBfloat16
 OPS = {"sum": 0, "avg": 4}                    # ncclSum, ncclAvg
-ITEMSIZE = {"f32": 4, "f64": 8, "i32": 4}
+ITEMSIZE = {"f32": 4, "f64": 8, "i32": 4, "bf16": 2}
 
 _nccl = None
 

@@ -24,10 +24,14 @@ class DataParallel:
     Eagerly: warmup() before graph capture, host_mean() for evaluation losses,
     gather_optimizer_state() before a checkpoint (ZeRO-1), comm_times() after a timed step."""
 
-    def __init__(self, group: Group, backend, bufs, table, cfg):
+    def __init__(self, group: Group, backend, bufs, table, cfg, grads=None):
         if getattr(backend, "name", "") != "cuda":
             raise DistError(f"data-parallel training needs the cuda backend, not {cfg.backend!r}")
         self.group, self.rt, self.bufs, self.table, self.cfg = group, backend.rt, bufs, table, cfg
+        # the step's whole gradient (GPT.final_grads: the gradient region, fp32 or bf16, or the fp32 grad_acc),
+        # reduced over the ranks in its own dtype
+        self.grads = bufs.flat_grads if grads is None else grads
+        self.gsize = self.grads.itemsize
         self.rank, self.world = group.rank, group.world_size
         self.zero = int(cfg.zero)
         rt = self.rt
@@ -63,8 +67,9 @@ class DataParallel:
             how = f"ZeRO-1: gradients reduce-scattered, {s.shard:,} parameters of Adam state per rank"
         else:
             big = max(b.numel for b in self.buckets)
-            how = (f"{len(self.buckets)} gradient buckets (<= {self.cap * 4 / 2**20:.1f} MiB, largest "
-                   f"{big * 4 / 2**20:.1f} MiB) all-reduced during the backward")
+            e = self.gsize
+            how = (f"{len(self.buckets)} gradient buckets of {self.grads.dtype} (<= {self.cap * e / 2**20:.1f} MiB, "
+                   f"largest {big * e / 2**20:.1f} MiB) all-reduced during the backward")
         return (f"data parallel: {self.world} ranks over {ver}, global batch {self.world} x "
                 f"{self.cfg.batch_size}; {how}; self-test passed")
 
@@ -99,18 +104,18 @@ class DataParallel:
         if not ready:
             return
         self._fork(f"fork grads@{point}")
-        base, comm = self.bufs.flat_grads.ptr, self.comm
+        base, comm, e_, dt = self.grads.ptr, self.comm, self.gsize, self.grads.dtype
         for b in ready:
             def run(s, spans=b.spans):
                 if len(spans) > 1:
                     comm.group_start()
                 try:
                     for a, e in spans:
-                        comm.all_reduce(base + 4 * a, base + 4 * a, e - a, "f32", "avg", s)
+                        comm.all_reduce(base + e_ * a, base + e_ * a, e - a, dt, "avg", s)
                 finally:
                     if len(spans) > 1:
                         comm.group_end()
-            self._call(run, f"allreduce bucket {b.index}", 4 * b.numel)
+            self._call(run, f"allreduce bucket {b.index}", e_ * b.numel)
 
     def record_join(self):
         from gptcuda.runtime import StreamJoin
@@ -120,30 +125,30 @@ class DataParallel:
 
     def _sub(self, region, a, b):
         from gptcuda.runtime import DeviceView
-        return DeviceView(region.ptr + 4 * a, (b - a,), "f32", f"{region.name}[{a}:{b}]")
+        return DeviceView(region.ptr + region.itemsize * a, (b - a,), region.dtype, f"{region.name}[{a}:{b}]")
 
     def record_update(self, o):
         """Gradient norm of the reduced gradients, clipping and AdamW (backend op `o`)."""
-        cfg, b = self.cfg, self.bufs
+        cfg, b, grads = self.cfg, self.bufs, self.grads
         if not self.zero:
-            o.grad_norm(b.flat_grads)
-            o.adamw(b.flat_params, b.flat_grads, b.flat_m, b.flat_v, self.table.n_decay, cfg.beta1, cfg.beta2,
+            o.grad_norm(grads)
+            o.adamw(b.flat_params, grads, b.flat_m, b.flat_v, self.table.n_decay, cfg.beta1, cfg.beta2,
                     cfg.eps, cfg.weight_decay, cfg.grad_clip)
             return
         sh, r, W, comm = self.shards, self.rank, self.world, self.comm
-        g, p = b.flat_grads.ptr, b.flat_params.ptr
+        g, p, e, dt = grads.ptr, b.flat_params.ptr, self.gsize, grads.dtype
         if sh.shard:
-            self._call(lambda s: comm.reduce_scatter(g, g + 4 * r * sh.shard, sh.shard, "f32", "avg", s),
-                       "reduce-scatter grads", 4 * sh.even, side=False)
+            self._call(lambda s: comm.reduce_scatter(g, g + e * r * sh.shard, sh.shard, dt, "avg", s),
+                       "reduce-scatter grads", e * sh.even, side=False)
         if sh.tail:
-            gt = g + 4 * sh.even
-            self._call(lambda s: comm.reduce(gt, gt, sh.tail, "f32", "avg", W - 1, s), "reduce grads tail",
-                       4 * sh.tail, side=False)
+            gt = g + e * sh.even
+            self._call(lambda s: comm.reduce(gt, gt, sh.tail, dt, "avg", W - 1, s), "reduce grads tail",
+                       e * sh.tail, side=False)
         lo, hi = sh.owned(r)
-        self._record_norm(self._sub(b.flat_grads, lo, hi), max(sh.owned(q)[1] - sh.owned(q)[0] for q in range(W)))
+        self._record_norm(self._sub(grads, lo, hi), max(sh.owned(q)[1] - sh.owned(q)[0] for q in range(W)))
         if hi > lo:
             n_decay = min(max(self.table.n_decay - lo, 0), hi - lo)
-            o.adamw(*(self._sub(v, lo, hi) for v in (b.flat_params, b.flat_grads, b.flat_m, b.flat_v)), n_decay,
+            o.adamw(*(self._sub(v, lo, hi) for v in (b.flat_params, grads, b.flat_m, b.flat_v)), n_decay,
                     cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip)
         if sh.shard:
             self._call(lambda s: comm.all_gather(p + 4 * r * sh.shard, p, sh.shard, "f32", s),

@@ -179,9 +179,9 @@ class GPT:
         """batch -> A x (forward -> backward) -> clip -> AdamW -> step += 1, with nothing per step baked in.
         Micro-batches before the last add their gradients into grad_acc; the last adds grad_acc into its
         own (so the gradients hold the sum over the step; the loss's grad_scale 1/(A*B*T) makes it the
-        mean). Data parallel (self.dp): the ranks' mean loss and the gradient buckets are all-reduced on
-        the communication stream, during the last backward when A = 1, after it otherwise; the history
-        gets the mean over ranks."""
+        mean), or bf16 gradients its own into grad_acc (final_grads). Data parallel (self.dp): the ranks'
+        mean loss and the gradient buckets are all-reduced on the communication stream, during the last
+        backward when A = 1, after it otherwise; the history gets the mean over ranks."""
         o, cfg, b, dp, A = self.ops, self.cfg, self.b, self.dp, self.accum
         self._refresh_work()
         o.lr_schedule(cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
@@ -195,13 +195,14 @@ class GPT:
                 self.backward()
                 o.accumulate(acc, b.flat_grads, first=k == 0)
                 continue
+            final = self.final_grads()
             if dp is None:
                 o.loss_reduce(self.a["losses"], self.a["history"])
                 self.backward()
                 if A > 1:
-                    o.accumulate(b.flat_grads, acc, first=False)
-                o.grad_norm(b.flat_grads)
-                o.adamw(b.flat_params, b.flat_grads, b.flat_m, b.flat_v, self.table.n_decay, cfg.beta1,
+                    self._add_last(acc)
+                o.grad_norm(final)
+                o.adamw(b.flat_params, final, b.flat_m, b.flat_v, self.table.n_decay, cfg.beta1,
                         cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip, work=self.a.get("params_bf16"))
             else:
                 o.loss_reduce(self.a["losses"], None)                 # this rank's mean
@@ -212,7 +213,7 @@ class GPT:
                 finally:
                     self.on_grads_ready = None
                 if A > 1:
-                    o.accumulate(b.flat_grads, acc, first=False)
+                    self._add_last(acc)
                     for point in self._points():                    # every bucket is ready now
                         dp.record_grads_ready(point)
                 dp.record_join()
@@ -220,6 +221,21 @@ class GPT:
                 dp.record_update(o)
         self.micro = 0
         o.step_advance()
+
+    def final_grads(self):
+        """The step's whole gradient, which the norm, AdamW and the ranks' reduction read: the gradient
+        region, or with micro-batches and bf16 gradients the fp32 sum grad_acc (the last micro-batch's added
+        into it: the sum stays fp32)."""
+        b, acc = self.b, self.a.get("grad_acc")
+        return acc if acc is not None and self.accum > 1 and str(b.flat_grads.dtype) == "bf16" else b.flat_grads
+
+    def _add_last(self, acc):
+        """The last micro-batch's gradients and grad_acc's sum into final_grads(): fp32 gradients take the sum
+        (gradients += grad_acc, as before), bf16 ones are added to it (grad_acc += gradients)."""
+        if self.final_grads() is acc:
+            self.ops.accumulate(acc, self.b.flat_grads, first=False)
+        else:
+            self.ops.accumulate(self.b.flat_grads, acc, first=False)
 
     def record_eval_batch(self, split: str):
         """One evaluation batch (already in idx[0] / targets[0]): forward without dropout, mean loss

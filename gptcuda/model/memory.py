@@ -1,10 +1,17 @@
 """The memory plan: every byte the run will use, decided from the config before allocating.
 
 Two device allocations:
-  * the flat buffer  params | grads | Adam m | Adam v  (four regions of the parameter table's size;
-                     generation's plan holds the parameters only)
+  * the flat buffer  params | grads | Adam m | Adam v  (four regions of the parameter table's size,
+                     fp32 but the gradients where grad_dtype is bf16; generation's plan holds the
+                     parameters only)
   * the arena        activations (saved for the backward), backward scratch, op workspaces,
                      the step's batch of token ids, the step state and the loss history
+
+Backward scratch whose values never meet the logits' (SHARED_WITH_LOGITS) lies inside the logits
+buffer where it fits: the logits are written by the head's product, turned into their gradient in
+place and last read by the head's two backward products, and that scratch is used before the head's
+product (the forward's rebuilt GELU outputs in dfc, the branch before the last layernorm) and after
+its backward products, never between (tests/test_memory_sharing.py checks both backends' programs).
 
 The dataset itself never reaches the GPU: each step's windows are gathered on the host and
 copied into `idx` / `targets` (gptcuda/data/batches.py).
@@ -27,6 +34,9 @@ ARENA_ALIGN = 256
 REGIONS = ("params", "grads", "adam_m", "adam_v")     # the flat buffer of training, in order
 ITEMSIZE = {"f32": 4, "i32": 4, "u8": 1, "bf16": 2}
 KINDS = ("activation", "backward", "workspace", "data", "state")
+# the backward scratch placed inside the logits buffer where it fits (first come, first placed); () plans
+# each on its own bytes (tests compare the two)
+SHARED_WITH_LOGITS = ("dfc", "dqkv", "dres", "branch")
 
 
 @dataclass
@@ -37,6 +47,7 @@ class Entry:
     kind: str
     comment: str = ""
     offset: int = 0     # bytes from the arena's start
+    within: str = ""    # the entry whose bytes it shares (its own none), or ""
 
     @property
     def numel(self) -> int:
@@ -53,27 +64,52 @@ class MemoryPlan:
     entries: list = field(default_factory=list)
     arena_bytes: int = 0
     regions: tuple = REGIONS        # the flat buffer's regions, each the parameter table's size
+    grads: str = "f32"              # the gradients' region's dtype (the others are fp32)
+
+    def dtype_of(self, region: str) -> str:
+        return self.grads if region == "grads" else "f32"
+
+    def bytes_of(self, region: str) -> int:
+        """A region's bytes: the parameter table's elements of its dtype, to a whole 16 (each region starts
+        on a 16-byte boundary: float4 access; fp32 regions are whole already, the table's size being)."""
+        n = self.table.total * ITEMSIZE[self.dtype_of(region)]
+        return (n + 15) // 16 * 16
+
+    def offset_of(self, region: str) -> int:
+        """A region's bytes from the flat buffer's start."""
+        return sum(self.bytes_of(r) for r in self.regions[:self.regions.index(region)])
 
     @property
     def region_bytes(self) -> int:
-        return self.table.total * 4
+        """The parameters' region (fp32)."""
+        return self.bytes_of("params")
 
     @property
     def flat_bytes(self) -> int:
-        return len(self.regions) * self.region_bytes
+        return sum(self.bytes_of(r) for r in self.regions)
 
     @property
     def total_bytes(self) -> int:
         return self.flat_bytes + self.arena_bytes
 
-    def add(self, name, shape, dtype="f32", kind="activation", comment=""):
+    def add(self, name, shape, dtype="f32", kind="activation", comment="", within=None):
+        """within: an entry of the same dtype whose bytes this one may share (the caller's word that
+        their values are never live at once): placed after what already shares it where it fits there,
+        else on bytes of its own."""
         if kind not in KINDS:
             raise ValueError(kind)
         if any(e.name == name for e in self.entries):
             raise ValueError(f"memory plan: {name} planned twice")
         e = Entry(name, tuple(int(s) for s in shape), dtype, kind, comment, self.arena_bytes)
+        host = self[within] if within else None
+        if host is not None and host.dtype != dtype:
+            raise ValueError(f"memory plan: {name} ({dtype}) inside {within} ({host.dtype})")
+        used = sum(_aligned(x.nbytes) for x in self.entries if within and x.within == within)
+        if host is not None and used + _aligned(e.nbytes) <= _aligned(host.nbytes):
+            e.offset, e.within = host.offset + used, within
+        else:
+            self.arena_bytes += _aligned(e.nbytes)
         self.entries.append(e)
-        self.arena_bytes += (e.nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
         return e
 
     def add_workspaces(self, workspaces: dict):
@@ -82,9 +118,10 @@ class MemoryPlan:
             self.add(name, shape, dtype, "workspace", "op scratch, shared by all layers")
 
     def by_kind(self) -> dict:
+        """Each kind's bytes of the arena (an entry inside another counts none)."""
         out = {k: 0 for k in KINDS}
         for e in self.entries:
-            out[e.kind] += (e.nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+            out[e.kind] += 0 if e.within else _aligned(e.nbytes)
         return out
 
     def __getitem__(self, name) -> Entry:
@@ -99,8 +136,9 @@ class MemoryPlan:
         rb = self.region_bytes
         lines = ["memory plan",
                  f"  parameters       {gib(rb)}  ({self.table.n_params:,} parameters, {self.table.total:,} slots)"]
-        lines += [f"  {name:<17}{gib(rb)}" for r, name in (("grads", "gradients"), ("adam_m", "adam m"),
-                                                          ("adam_v", "adam v")) if r in self.regions]
+        lines += [f"  {name:<17}{gib(self.bytes_of(r))}" + ("  (bf16)" if self.dtype_of(r) == "bf16" else "")
+                  for r, name in (("grads", "gradients"), ("adam_m", "adam m"), ("adam_v", "adam v"))
+                  if r in self.regions]
         kinds = self.by_kind()
         label = {"activation": "activations", "backward": "backward scratch", "workspace": "op workspace",
                  "data": "batch tokens", "state": "step state"}
@@ -108,9 +146,14 @@ class MemoryPlan:
             lines.append(f"  {label[k]:<17}{gib(kinds[k])}")
         if detail:
             for e in self.entries:
-                lines.append(f"    {e.name:<28} {str(list(e.shape)):<22} {e.dtype} {gib(e.nbytes)}  {e.comment}")
+                inside = f" (inside {e.within}: no bytes of its own)" if e.within else ""
+                lines.append(f"    {e.name:<28} {str(list(e.shape)):<22} {e.dtype} {gib(e.nbytes)}  {e.comment}{inside}")
         lines.append(f"  total            {gib(self.total_bytes)}")
         return "\n".join(lines)
+
+
+def _aligned(n: int) -> int:
+    return (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
 
 
 class PlanTooLarge(RuntimeError):
@@ -140,18 +183,21 @@ def check_fits(plan: MemoryPlan, free_bytes: int, cfg, hints: list | None = None
 
 
 def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
-                attention_saved: dict, workspaces: dict, history: int, act: str = "f32") -> MemoryPlan:
+                attention_saved: dict, workspaces: dict, history: int, act: str = "f32",
+                grads: str = "f32") -> MemoryPlan:
     """The whole arena for training at cfg.batch_size x cfg.block_size, `accum` micro-batches a step.
 
     attention_saved: per-layer saved tensors of the attention implementation {name: (shape, dtype)}
     workspaces: scratch shared by all layers {name: (shape, dtype)} from the op families
     act: the dtype of the activations and their gradients (ExecutionPlan.act_dtype); bf16 also plans
     the parameters' bf16 working copy the products read. Statistics and losses stay fp32.
+    grads: the gradients' dtype (ExecutionPlan.grad_dtype; bf16 halves their region); the micro-batches'
+    sum (grad_acc) stays fp32.
     The activations serve one micro-batch at a time; only the token ids and the per-token losses
     are kept for every micro-batch of the step.
     """
     B, T, C, L, V, A = cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer, vocab_size, accum
-    p = MemoryPlan(table)
+    p = MemoryPlan(table, grads=grads)
     p.add("idx", (A, B, T), "i32", "data", "input tokens of each micro-batch [A, B, T]")
     p.add("targets", (A, B, T), "i32", "data", "target tokens of each micro-batch [A, B, T]")
     p.add("res", (L + 1, B, T, C), act, "activation", "residual stream into each block and out of the last")
@@ -177,14 +223,18 @@ def plan_memory(cfg, table: ParamTable, vocab_size: int, accum: int,
     p.add("lnf_rstd", (B, T), "f32", "activation")
     p.add("logits", (B, T, V), act, "activation", "logits, turned into their gradient in place")
     p.add("losses", (A, B, T), "f32", "activation", "per-token losses of each micro-batch")
+    # the backward scratch: inside the logits where it fits (SHARED_WITH_LOGITS), in that order
+    scratch = {"dfc": ((B, T, 4 * C), "gradient of the mlp activation; with recompute also the forward's GELU "
+                                      "output of the layer at hand"),
+               "dqkv": ((B, T, 3 * C), "gradient of qkv"),
+               "dres": ((B, T, C), "gradient of the residual stream"),
+               "dln": ((B, T, C), "gradient of a layernorm output, or of the attention output")}
     if cfg.dropout > 0:        # (without dropout the residual adds are fused into the products' epilogues)
-        p.add("branch", (B, T, C), act, "backward",
-              "a branch output before dropout + residual (forward); its gradient (backward)")
-    p.add("dres", (B, T, C), act, "backward", "gradient of the residual stream")
-    p.add("dln", (B, T, C), act, "backward", "gradient of a layernorm output, or of the attention output")
-    p.add("dqkv", (B, T, 3 * C), act, "backward", "gradient of qkv")
-    p.add("dfc", (B, T, 4 * C), act, "backward",
-          "gradient of the mlp activation; with recompute also the forward's GELU output of the layer at hand")
+        scratch["branch"] = ((B, T, C), "a branch output before dropout + residual (forward); its gradient (backward)")
+    shared = [n for n in SHARED_WITH_LOGITS if n in scratch]
+    for name in shared + [n for n in scratch if n not in shared]:
+        shape, comment = scratch[name]
+        p.add(name, shape, act, "backward", comment, within="logits" if name in shared else None)
     if act == "bf16":
         p.add("params_bf16", (table.total,), "bf16", "activation",
               "the parameters' bf16 working copy, the products' (written at each program's start)")

@@ -63,13 +63,12 @@ class CudaBackend:
 
     def allocate(self, plan, table) -> Buffers:
         rt = self.rt
-        region = plan.region_bytes
         flat = rt.alloc(plan.flat_bytes)
-        regions = {n: DeviceView(flat + i * region, (table.total,), "f32", n) for i, n in enumerate(plan.regions)}
+        regions = {n: DeviceView(flat + plan.offset_of(n), (table.total,), plan.dtype_of(n), n) for n in plan.regions}
         for r in regions.values():
             rt.fill(r, 0)
 
-        def named(region_view):          # (fp32 regions, or the bf16 working copy)
+        def named(region_view):          # (a region, or the bf16 working copy: each view of its dtype)
             e = region_view.itemsize
             return {s.name: DeviceView(region_view.ptr + e * s.offset, s.shape, region_view.dtype, s.name)
                     for s in table}

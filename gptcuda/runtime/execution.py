@@ -16,8 +16,9 @@ The rules, in one place:
   consumers' registers, B in shared memory); fp32_gemm ffma keeps every fp32 product on SIMT. bf16
   (sm_90 only) has one family: the persistent TMA kernel with bf16 operands, every layout read as
   stored, C bf16 or (weight gradients) fp32; its activations and their gradients are bf16
-  (`act_dtype`), parameters, gradients, statistics and losses fp32, the products reading a bf16
-  working copy of the parameters.
+  (`act_dtype`), parameters, statistics and losses fp32, the products reading a bf16 working copy of
+  the parameters; the parameters' gradients fp32, or bf16 with the config's grad_dtype bf16
+  (`grads_bf16`: the weight gradients' products and every other writer round to bf16 once).
   Within what may run, a product's kernel, tile and split-K come from the measured table of this GPU
   and these kernel sources (<compile cache>/tune/, gemm/table.py), else from the cost model
   (gptcuda/ops/cuda/gemm/plan.py `plan`), which also sizes the scratch in the memory plan (gemm/plan.py
@@ -85,6 +86,7 @@ class ExecutionPlan:
     gemm_tune: str            # the measured GEMM table: auto (measure what it lacks) | table | off
     attention: str | None     # unfused | flash | flash_tc | flash_3x (None: a runtime not built from a config)
     env: tuple = ()           # (name, value) of each environment variable read
+    grad_dtype: str = "f32"   # the parameters' gradients (the config's grad_dtype): f32, or bf16 (precision bf16)
 
     @property
     def gemm_table(self) -> bool:
@@ -116,8 +118,15 @@ class ExecutionPlan:
     @property
     def act_dtype(self) -> str:
         """The dtype of the activations and their gradients the memory plan holds: bf16 for precision
-        bf16 (the statistics, losses, parameters and their gradients stay fp32), else fp32."""
+        bf16 (the statistics, losses and parameters stay fp32; their gradients are grad_dtype's), else fp32."""
         return "bf16" if self.precision == "bf16" else "f32"
+
+    @property
+    def grads_bf16(self) -> bool:
+        """The parameters' gradients are bf16 (grad_dtype bf16): every writer rounds its fp32 sum once, the
+        weight gradients' products store a bf16 C (their split-K reduction too), the norm and AdamW read
+        bf16; micro-batches add into the fp32 grad_acc, which the norm and AdamW then read."""
+        return self.grad_dtype == "bf16"
 
     @property
     def table_tag(self) -> str:
@@ -191,7 +200,8 @@ class ExecutionPlan:
             wg = ("on (gemm_wgmma.cu): x @ W^T direct, dY @ W via gemm_bT, dW with dY through registers "
                   "(wgmma_ra*, X^T or dY^T via gemm_aT)")
         elif self.precision == "bf16":
-            wg = ("on: the base family (bf16 activations, fp32 master weights, gradients and statistics); "
+            wg = ("on: the base family (bf16 activations, fp32 master weights and statistics, "
+                  + ("bf16 gradients); " if self.grads_bf16 else "fp32 gradients); ")
                   + ("a layer's dW and dX in one launch (gemm_wgmma_dual)" if self.grad_pairs
                      else "dW and dX apart (GPTCUDA_GRAD_PAIRS=0)"))
         elif self.fp32_as_3xtf32:
@@ -243,7 +253,7 @@ def _kind(path):
 
 
 def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, fp32_gemm=None,
-            attention=None, gemm_tune=None) -> ExecutionPlan:
+            attention=None, gemm_tune=None, grad_dtype=None) -> ExecutionPlan:
     """The plan for cfg (or for the keyword settings of a runtime built without one: gemm_tune
     "table", as nothing measures for it) on a device of `arch`, with the environment `env` (default
     os.environ)."""
@@ -251,12 +261,16 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     if cfg is not None:
         if cfg.backend == "reference":
             return ExecutionPlan("cpu", "float64", "", "", False, "off", None)
+        # (the config's grad_dtype bf16 counts at precision bf16 only: sample.py --precision fp32 on such a run)
+        grad_dtype = grad_dtype or ("bf16" if getattr(cfg, "grad_dtype", "fp32") == "bf16" and
+                                    (precision or cfg.precision) == "bf16" else "f32")
         precision = precision or cfg.precision
         fp32_gemm = fp32_gemm or cfg.fp32_gemm
         attention = attention or cfg.attention
         gemm_tune = gemm_tune or cfg.gemm_tune
     precision = precision or "fp32"
     fp32_gemm = fp32_gemm or "3xtf32"
+    grad_dtype = grad_dtype or "f32"
     # the environment overrides the config (GPTCUDA_GEMM_TUNE=0 has always meant: no table)
     gemm_tune = _TUNE_ENV.get(env.get("GPTCUDA_GEMM_TUNE", "").strip().lower()) or gemm_tune or "table"
     if precision not in PRECISIONS:
@@ -270,8 +284,10 @@ def resolve(cfg=None, arch: str | None = "sm_90", env=None, *, precision=None, f
     if precision == "bf16" and not wgmma and arch != "cpu":
         raise ValueError(f"precision bf16 runs on the warpgroup-MMA kernels: an sm_90 device (this one: {arch}) "
                          f"with GPTCUDA_WGMMA unset or 1")
+    if grad_dtype not in ("f32", "bf16") or (grad_dtype == "bf16" and precision != "bf16"):
+        raise ValueError(f"grad_dtype {grad_dtype!r}: f32, or bf16 with precision bf16 (got {precision!r})")
     plan = ExecutionPlan(arch or "?", precision, fp32_gemm, GEMM_FAMILIES[precision], wgmma, gemm_tune, None,
-                         read)
+                         read, grad_dtype)
     if attention is not None:
         if precision == "bf16" and attention == "unfused":
             raise ValueError("precision bf16 runs fused attention only (attention: fused)")

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from gptcuda.runtime import compiler, driver, execution
+from gptcuda.runtime import bf16, compiler, driver, execution
 from gptcuda.model.checkpoint import CheckpointError
 from gptcuda.data.batches import Batches
 from gptcuda.model.memory import check_fits, plan_memory
@@ -48,9 +48,10 @@ def plan_for(cfg, vocab_size: int, backend=None, accum: int = 1):
     cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     be = backend or backend_class(cfg)
     ex = backend.exec if backend is not None else None
-    act = (ex or execution.resolve(cfg)).act_dtype
+    ex = ex or execution.resolve(cfg)
     return plan_memory(cfg, param_table(cfg, vocab_size), vocab_size, accum,
-                       be.attention_saved(cfg, ex), workspaces_for(cfg, backend), cfg.max_iters + 1, act)
+                       be.attention_saved(cfg, ex), workspaces_for(cfg, backend), cfg.max_iters + 1, ex.act_dtype,
+                       ex.grad_dtype)
 
 
 def workspaces_for(cfg, backend=None) -> dict:
@@ -112,7 +113,8 @@ class Engine:
         self.dp = None
         if group is not None:
             from gptcuda.dist import DataParallel
-            self.dp = self.model.dp = DataParallel(group, backend, self.bufs, self.table, cfg)
+            self.dp = self.model.dp = DataParallel(group, backend, self.bufs, self.table, cfg,
+                                                   grads=self.model.final_grads())
         t = time.perf_counter()
         m = self.model
         recorders = {
@@ -222,7 +224,9 @@ class Engine:
         return unflatten(self.table, self.be.download(self.bufs.flat_params))
 
     def grads(self) -> dict:
-        return unflatten(self.table, self.be.download(self.bufs.flat_grads))
+        """name -> the parameters' gradients as the last backward left them (bf16 ones widened to fp32)."""
+        g = self.be.download(self.bufs.flat_grads)
+        return unflatten(self.table, bf16.values(g) if self.plan.dtype_of("grads") == "bf16" else g)
 
     def set_params(self, named: dict):
         self.be.upload(self.bufs.flat_params, flatten(self.table, named))

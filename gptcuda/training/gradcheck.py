@@ -181,6 +181,7 @@ def bf16_chain(cfg) -> dict:
         "loss gradient (dlogits, dlnf)": 2,
         "residual gradient (dres at each layernorm backward; the branch gradient)": 2 * L + d,
         "layer 0 attention backward (datty, dS, dqkv)": 3,
+        "the gradient stored (grad_dtype bf16)": int(getattr(cfg, "grad_dtype", "fp32") == "bf16"),
     }
 
 
@@ -226,9 +227,9 @@ def error_model(cfg, mode: str, vocab_size: int | None = None) -> dict:
 
 def fd_config(cfg):
     """The config of the engine that takes the finite differences: None for the engine itself
-    (reference, fp32); for tf32 and bf16 the same model at precision fp32."""
+    (reference, fp32); for tf32 and bf16 the same model at precision fp32 (fp32 gradients)."""
     if check_mode(cfg) in ON_FP32:
-        return dataclasses.replace(cfg, precision="fp32")
+        return dataclasses.replace(cfg, precision="fp32", grad_dtype="fp32")
     return None
 
 

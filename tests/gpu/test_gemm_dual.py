@@ -183,12 +183,13 @@ def test_dual_time_is_a_list_schedule():
 def test_dual_variants_are_compiled():
     """VARIANTS holds every gemm_wgmma_dual the launcher can ask for: every tile with none and dgelu (the wide
     ping-pong tile: none), the column sums beside none on the tiles of two consumer warpgroups (fcproj's dgelu
-    pair has no bias sums in the product), and pair_plan never asks for another."""
+    pair has no bias sums in the product), each with an fp32 and a bf16 weight gradient (bf16 gradients), and
+    pair_plan never asks for another."""
     names = {n for f, n, _ in VARIANTS if n.startswith("gemm_wgmma_dual")}
-    assert names == {dual_name(t, e, c) for t in DUAL_TILES + DUAL_PP_TILES for e, c in ((0, False), (0, True),
-                                                                                        (4, False))
+    assert names == {dual_name(t, e, c, w) for t in DUAL_TILES + DUAL_PP_TILES for e, c in ((0, False), (0, True),
+                                                                                           (4, False))
                      if (not c or t in DUAL_COLSUM_TILES + DUAL_PP_TILES) and
-                     (t[:2] != (128, 192) or not t[3] or not e)}
+                     (t[:2] != (128, 192) or not t[3] or not e) for w in ("f32", "bf16")}
     assert all(dual_serves(t, e, c) == (dual_name(t, e, c) in names) for t in DUAL_TILES + DUAL_PP_TILES
                for e in (0, 4) for c in (False, True))
     for T in (256, 2048, 16384):

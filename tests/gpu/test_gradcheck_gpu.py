@@ -91,6 +91,15 @@ def test_bf16_gradcheck_passes(case):
     assert "BF16 error model" in lines[1] and lines[-1] == "gradcheck PASSED"
 
 
+@pytest.mark.parametrize("case", BF16_CASES[:2], ids=[_id(c) for c in BF16_CASES[:2]])
+def test_bf16_gradcheck_passes_with_bf16_gradients(case):
+    """grad_dtype bf16: the stored gradients one rounding more (the error model counts it), gradcheck passes."""
+    lines = []
+    ok = run_gradcheck(config(dict(case, grad_dtype="bf16"), "bf16"), log=lines.append)
+    print("\n".join(lines))
+    assert ok and lines[-1] == "gradcheck PASSED", "\n".join(lines)
+
+
 BREAK_CASE = dict(n_layer=2, n_embd=96, n_head=3, block_size=23, batch_size=3, dropout=0.1)
 UPSTREAM_PREFIXES = ("wte", "wpe", "h0.", "h1.")
 BF16_BREAK_CASE = dict(BREAK_CASE, attention="fused")

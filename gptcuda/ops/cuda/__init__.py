@@ -51,6 +51,12 @@ def element_types(label: str, kernels, **views) -> tuple:
     return type_codes(got)
 
 
+def optional_code(dtype: str) -> tuple:
+    """The trailing template argument of an element type whose default is fp32 (a kernel's `int TG = 0`):
+    () for fp32 (the name a kernel had before the argument), (its code,) otherwise."""
+    return () if dtype == "f32" else (DTYPE_CODES[dtype],)
+
+
 def type_codes(dtypes) -> tuple:
     """The kernel template arguments of these element types (DTYPE_CODES)."""
     return tuple(DTYPE_CODES[d] for d in dtypes)

@@ -14,7 +14,8 @@
 
 Element types (the views' dtypes pick the kernel: the *_TYPES tables below; another combination is
 a ValueError): fp32, or every tensor bf16; residual_dropout also adds a bf16 branch into an fp32
-residual stream; bias_grad sums a bf16 or fp32 dout into the fp32 db. Values are computed in fp32 and
+residual stream; bias_grad sums a bf16 or fp32 dout into db, fp32 or (bf16 gradients) bf16, as sum_rows
+writes its outputs from fp32 partials. Values are computed in fp32 and
 rounded once where stored in bf16. An output may alias an input of its own element type only.
 
 keep(e) is element e of the flat mask rng.dropout_mask draws from the stream
@@ -35,7 +36,8 @@ import struct
 
 from gptcuda.ops.backend import rows
 from gptcuda.runtime import Blob, DeviceView, RuntimeProtocol, i32
-from gptcuda.ops.cuda import aligned4, cdiv, dropout_args, expression, fp32_only, kernel_types, planned, type_codes
+from gptcuda.ops.cuda import (aligned4, cdiv, dropout_args, expression, fp32_only, kernel_types, optional_code,
+                              planned, type_codes)
 
 FILE = "elementwise.cu"
 THREADS = 256             # the elementwise kernels' block (their last template argument)
@@ -72,7 +74,23 @@ def bias_grad_name(vec: int, dtype: str = "f32") -> str:
     return _name("bias_grad_partial", vec, BG_WARPS, *type_codes((dtype,)))
 
 
-SUM_ROWS = _name("sum_rows", BG_WARPS, SUM_ITEMS)
+SUM_TYPES = ("f32", "bf16")     # sum_rows' outputs (the partials are fp32): fp32 or bf16 gradients
+
+
+def sum_outputs(label: str, **views):
+    """A ValueError of one line where a view given (None: none) is not a dtype sum_rows writes (SUM_TYPES):
+    the parameters' gradients that come from row sums, fp32 or bf16."""
+    for k, v in views.items():
+        if v is not None and v.dtype not in SUM_TYPES:
+            raise ValueError(f"{label}: {k} must be {' or '.join(SUM_TYPES)} (a gradient), got {v.dtype}")
+
+
+def sum_rows_name(out: str = "f32") -> str:
+    """sum_rows <WARPS, ITEMS[, TO]>: TO, the outputs' element type (fp32's is the default)."""
+    return _name("sum_rows", BG_WARPS, SUM_ITEMS, *optional_code(out))
+
+
+SUM_ROWS = sum_rows_name()
 
 _TF = (True, False)
 _VEC = (4, 1)
@@ -84,7 +102,7 @@ VARIANTS = (
     + [(FILE, ew_name("dropout_apply", v, True, d, types=t), {}) for t in RESIDUAL_TYPES for v in _VEC for d in _TF]
     + [(FILE, bias_grad_name(v, *t), {}) for t in BIAS_GRAD_TYPES for v in _VEC]
     + [(FILE, ew_name("accumulate", v, f, types=t), {}) for t in ACCUMULATE_TYPES for v in _VEC for f in _TF]
-    + [(FILE, SUM_ROWS, {})]
+    + [(FILE, sum_rows_name(t), {}) for t in SUM_TYPES]
 )
 SUMS = "sum_partials"     # the deferred sums' partials: a ring of one backward point's (layernorm.workspace)
 SUMS_ALIGN = 64           # floats: every region starts 256-byte aligned
@@ -171,7 +189,7 @@ def bias_grad(rt: RuntimeProtocol, db, dout):
     M = rows(dout.shape)
     if db.numel != N:
         raise ValueError(f"bias_grad: db {db.shape} does not match dout {dout.shape}")
-    fp32_only("bias_grad", db=db)
+    sum_outputs("bias_grad", db=db)
     (dtype,) = kernel_types("bias_grad", BIAS_GRAD_TYPES, dout=dout)
     rpc = max(MIN_CHUNK_ROWS, cdiv(M, MAX_CHUNKS))
     chunks = cdiv(M, rpc)
@@ -240,7 +258,8 @@ def sum_rows(rt: RuntimeProtocol, *sums, label="sum_rows"):
         nrows, width = (int(d) for d in parts.shape)
         cols = int(s[2]) if len(s) > 2 else width
         ld = int(s[3]) if len(s) > 3 else width
-        fp32_only(label, out=out, partials=parts)
+        fp32_only(label, partials=parts)
+        sum_outputs(label, out=out)
         if out.numel != cols or cols > ld:
             raise ValueError(f"{label}: out {out.shape} does not match {cols} columns of partials {parts.shape}")
         item = (out, parts, nrows, cols, ld)
@@ -253,9 +272,18 @@ def sum_rows(rt: RuntimeProtocol, *sums, label="sum_rows"):
 
 
 def _sum_launch(rt: RuntimeProtocol, items, label="sum_rows"):
-    """One sum_rows launch over up to SUM_ITEMS (out, parts, rows, cols, ld)."""
-    data, grid = sum_batch(items)
-    rt.launch(rt.function(FILE, SUM_ROWS), (grid,), (BG_WARPS * 32,), [Blob(data)], label=label)
+    """sum_rows launches over up to SUM_ITEMS (out, parts, rows, cols, ld): one, or one a run of items whose
+    outputs share an element type."""
+    runs = []
+    for it in items:
+        if runs and it[0].dtype == runs[-1][0][0].dtype:
+            runs[-1].append(it)
+        else:
+            runs.append([it])
+    for run in runs:
+        data, grid = sum_batch(run)
+        rt.launch(rt.function(FILE, sum_rows_name(run[0][0].dtype)), (grid,), (BG_WARPS * 32,), [Blob(data)],
+                  label=label)
 
 
 def sum_batch(items) -> tuple:

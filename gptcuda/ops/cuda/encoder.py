@@ -5,7 +5,8 @@
 
 Element types (the views' dtypes pick the kernel, FWD_TYPES / BWD_TYPES; another combination is a
 ValueError): fp32 throughout, or a bf16 model's: wte and wpe its bf16 working copy, out bf16 or fp32;
-dout bf16 (or fp32) into the fp32 dwte, dwpe. The sums are fp32; a bf16 out is rounded once.
+dout bf16 (or fp32) into the fp32 dwte, dwpe, or (bf16 gradients) bf16 dout into bf16 dwte, dwpe. The
+sums are fp32; a bf16 out is rounded once (dwte's rows: their old value plus the sum, rounded).
 
 The backward is deterministic without float atomics: each (v, column) of dwte is read, added to
 and written once, with a summation order fixed by idx alone (see the kernel file). dwte's rows
@@ -28,7 +29,7 @@ that no token uses are left bitwise as they were by the sorted path. Two ways (`
 from __future__ import annotations
 
 from gptcuda.runtime import RuntimeProtocol, i32
-from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, sm_count, type_codes
+from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, optional_code, sm_count, type_codes
 
 FILE = "encoder.cu"
 # The kernels' geometry, passed as template arguments (the names below): blocks of the elementwise
@@ -54,15 +55,22 @@ _BLOCK = {"encoder_fwd": THREADS, "encoder_bwd_wte": BWD_WARPS, "encoder_bwd_wte
 # backward: fp32, and a bf16 model's (its working copy read; the embedding's output, and so its
 # gradient, bf16 or fp32 as the model keeps that tensor)
 FWD_TYPES = (("f32", "f32", "f32"), ("bf16", "bf16", "bf16"), ("bf16", "bf16", "f32"))
-BWD_TYPES = (("f32", "f32", "f32"), ("f32", "f32", "bf16"))
+BWD_TYPES = (("f32", "f32", "f32"), ("f32", "f32", "bf16"), ("bf16", "bf16", "bf16"))    # (bf16 gradients)
 
 
 def enc_name(kernel: str, vec: int, codes=None) -> str:
-    """encoder_fwd <VEC, THREADS, TW, TO>, encoder_bwd_wpe <VEC, THREADS, TD>, encoder_bwd_wte / _long / _seg
-    <VEC, WARPS, TD>: codes the element types' (DTYPE_CODES: (TW, TO) or (TD,)), fp32 unless given."""
+    """encoder_fwd <VEC, THREADS, TW, TO>, encoder_bwd_wpe <VEC, THREADS, TD[, TG]>, encoder_bwd_wte / _seg
+    <VEC, WARPS, TD[, TG]>, encoder_bwd_wte_long <VEC, WARPS, TD>: codes the element types' (DTYPE_CODES:
+    (TW, TO), or (TD,) and (TD, TG) where the gradients are bf16), fp32 unless given."""
     if codes is None:
         codes = (0, 0) if kernel == "encoder_fwd" else (0,)
     return expression(kernel, vec, _BLOCK[kernel], *codes)
+
+
+def bwd_codes(kernel: str, types) -> tuple:
+    """A backward kernel's element type codes for (dwte, dwpe, dout) types: (TD,), and TG where the
+    gradients are bf16 (encoder_bwd_wte_long writes no gradient)."""
+    return type_codes(types[2:]) + (() if kernel == "encoder_bwd_wte_long" else optional_code(types[0]))
 
 
 def _sort_kernel(e: int) -> tuple:
@@ -77,8 +85,8 @@ def _pad(i: int) -> int:
 
 
 VARIANTS = ([(FILE, enc_name("encoder_fwd", vec, type_codes(t[1:])), {}) for t in FWD_TYPES for vec in (4, 1)]
-            + [(FILE, enc_name(k, vec, type_codes(t[2:])), {}) for k in _BLOCK if k != "encoder_fwd"
-               for t in BWD_TYPES for vec in (4, 1)]
+            + [(FILE, n, {}) for n in dict.fromkeys(enc_name(k, vec, bwd_codes(k, t)) for k in _BLOCK
+                                                     if k != "encoder_fwd" for t in BWD_TYPES for vec in (4, 1))]
             + [(FILE, _sort_kernel(e)[0], {}) for e in SORT_KEYS])
 
 
@@ -169,7 +177,8 @@ def encoder_bwd(rt: RuntimeProtocol, dwte, dwpe, dout, idx, *, method=None):
         raise ValueError(f"encoder_bwd: widths differ: dout {dout.shape}, dwte {dwte.shape}, dwpe {dwpe.shape}")
     if T > Tmax:
         raise ValueError(f"encoder_bwd: sequence length {T} exceeds wpe rows {Tmax}")
-    *_, td = element_types("encoder_bwd", BWD_TYPES, dwte=dwte, dwpe=dwpe, dout=dout)
+    element_types("encoder_bwd", BWD_TYPES, dwte=dwte, dwpe=dwpe, dout=dout)
+    types = (dwte.dtype, dwpe.dtype, dout.dtype)
     N = B * T
     vec = 4 if C % 4 == 0 and aligned4(dwte, dout) else 1
     tiles = cdiv(C, 32 * vec)
@@ -185,18 +194,18 @@ def encoder_bwd(rt: RuntimeProtocol, dwte, dwpe, dout, idx, *, method=None):
 
         def run_kernel(kernel, items, args):     # a few blocks an SM, their warps striding over `items`
             grid = max(1, min(SEG_BLOCKS_PER_SM * sm_count(rt), cdiv(items, SEG_WARPS)))
-            rt.launch(rt.function(FILE, enc_name(kernel, vec, (td,))), (grid,), (SEG_WARPS * 32,),
+            rt.launch(rt.function(FILE, enc_name(kernel, vec, bwd_codes(kernel, types))), (grid,), (SEG_WARPS * 32,),
                       args + [i32(N), i32(C), i32(tiles)], label=kernel)
         run_kernel("encoder_bwd_wte_long", cdiv(N, 32) * tiles, [dout, ws])      # (chunk, tile) items
         run_kernel("encoder_bwd_wte_seg", N * tiles, [dwte, dout, ws])           # (run, tile) items
     elif method == "scan":
-        fn = rt.function(FILE, enc_name("encoder_bwd_wte", vec, (td,)))
+        fn = rt.function(FILE, enc_name("encoder_bwd_wte", vec, bwd_codes("encoder_bwd_wte", types)))
         rt.launch(fn, (V, tiles), (BWD_WARPS * 32,),
                   [dwte, dout, idx, i32(N), i32(C)], label="encoder_bwd_wte")
     else:
         raise ValueError(f"encoder_bwd: method {method!r} is not 'scan' or 'sort'")
     vec = 4 if C % 4 == 0 and aligned4(dwpe, dout) else 1
-    fn = rt.function(FILE, enc_name("encoder_bwd_wpe", vec, (td,)))
+    fn = rt.function(FILE, enc_name("encoder_bwd_wpe", vec, bwd_codes("encoder_bwd_wpe", types)))
     total = Tmax * (C // vec)
     rt.launch(fn, (cdiv(total, THREADS),), (THREADS,),
               [dwpe, dout, i32(B), i32(T), i32(Tmax), i32(C)], label="encoder_bwd_wpe")

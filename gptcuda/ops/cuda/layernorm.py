@@ -158,7 +158,8 @@ def layernorm_bwd(rt: RuntimeProtocol, dx, dw, db, dout, x, mean, rstd, w, drop=
         raise ValueError(f"layernorm_bwd: shapes dx {dx.shape}, dout {dout.shape}, x {x.shape}, dw {dw.shape}")
     if ds is not None and (db is None or ds.numel != C):
         raise ValueError(f"layernorm_bwd: ds {ds.shape} needs db and {C} elements")
-    fp32_only("layernorm_bwd", dw=dw, db=db, mean=mean, rstd=rstd, w=w, ds=ds)
+    fp32_only("layernorm_bwd", mean=mean, rstd=rstd, w=w)
+    elementwise.sum_outputs("layernorm_bwd", dw=dw, db=db, ds=ds)      # (sum_rows' outputs: fp32 or bf16 gradients)
     types = kernel_types("layernorm_bwd", BWD_TYPES, dout=dout, x=x, dx=dx,
                          dropped=drop[0] if drop is not None else None)
     if "layernorm" in faults.broken and types not in BROKEN_TYPES:

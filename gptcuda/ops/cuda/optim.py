@@ -3,12 +3,13 @@
     lr_schedule(rt, learning_rate, min_lr, warmup_iters, lr_decay_iters)   state.lr = lr_at(state.step)
     step_advance(rt)                                                      state.step += 1
     eval_advance(rt)                                                      state.eval_draws += 1
-    grad_norm(rt, grads[P])                       state.grad_norm = ||grads||_2 (deterministic)
+    grad_norm(rt, grads[P])                       state.grad_norm = ||grads||_2 (deterministic; fp32 or bf16 grads)
         = grad_norm_partial (NORM_BLOCKS-bounded partials) then grad_norm_final (gptcuda/dist
         all-reduces the partials of ZeRO-1 shards in between)
     adamw(rt, params, grads, m, v, n_decay, beta1, beta2, eps, weight_decay, grad_clip, work=None)
-        one launch over the flat buffers [P]; clip scale min(1, clip / (state.grad_norm + 1e-6))
-        when grad_clip > 0; decoupled decay on elements < n_decay; bias correction t = step + 1.
+        one launch over the flat buffers [P] (grads fp32 or bf16, the rest fp32); clip scale
+        min(1, clip / (state.grad_norm + 1e-6)) when grad_clip > 0; decoupled decay on elements < n_decay;
+        bias correction t = step + 1.
         work (a bf16 view of P elements: a bf16 model's working copy of the parameters): also
         written, the updated parameters rounded to nearest even (adamw_copy; the fp32 update the same
         bits as without it)
@@ -22,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from gptcuda.runtime import RuntimeProtocol, f32, i32, u64
-from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, sm_count
+from gptcuda.ops.cuda import aligned4, cdiv, element_types, expression, optional_code, sm_count
 
 FILE = "optim.cu"
 NORM_THREADS = 512         # the kernels' blocks: their last template argument
@@ -33,15 +34,16 @@ ADAM_BLOCKS_PER_SM = 8
 WORKSPACE = "optim_partials"
 
 FINAL_NAME = expression("grad_norm_final", FINAL_THREADS)
+GRAD_TYPES = ("f32", "bf16")     # the gradients' element types the norm and AdamW read (the rest is fp32)
 
 
-def norm_name(vec: int) -> str:
-    return expression("grad_norm_partial", vec, NORM_THREADS)
+def norm_name(vec: int, grads: str = "f32") -> str:
+    return expression("grad_norm_partial", vec, NORM_THREADS, *optional_code(grads))
 
 
-def adamw_name(vec: int, copy: bool = False) -> str:
-    """adamw <VEC, ADAM_THREADS>, or adamw_copy (the bf16 working copy written too)."""
-    return expression("adamw_copy" if copy else "adamw", vec, ADAM_THREADS)
+def adamw_name(vec: int, copy: bool = False, grads: str = "f32") -> str:
+    """adamw <VEC, ADAM_THREADS[, TG]>, or adamw_copy (the bf16 working copy written too); TG: bf16 gradients."""
+    return expression("adamw_copy" if copy else "adamw", vec, ADAM_THREADS, *optional_code(grads))
 
 
 def to_bf16_name(vec: int) -> str:
@@ -50,8 +52,8 @@ def to_bf16_name(vec: int) -> str:
 
 VARIANTS = (
     [(FILE, n, {}) for n in ("lr_schedule", "step_advance", "eval_advance", FINAL_NAME)]
-    + [(FILE, norm_name(v), {}) for v in (4, 1)]
-    + [(FILE, adamw_name(v, c), {}) for c in (False, True) for v in (4, 1)]
+    + [(FILE, norm_name(v, g), {}) for g in GRAD_TYPES for v in (4, 1)]
+    + [(FILE, adamw_name(v, c, g), {}) for g in GRAD_TYPES for c in (False, True) for v in (4, 1)]
     + [(FILE, to_bf16_name(v), {}) for v in (4, 1)]
 )
 
@@ -108,9 +110,10 @@ def grad_norm_partial(rt: RuntimeProtocol, grads, blocks: int | None = None):
     part = rt.workspace(WORKSPACE)
     if part.numel < 2 * NORM_BLOCKS or part.ptr % 8:
         raise ValueError(f"workspace {WORKSPACE} {part.shape} must hold {NORM_BLOCKS} doubles (8-byte aligned)")
+    element_types("grad_norm", tuple((g,) for g in GRAD_TYPES), grads=grads)
     vec = 4 if aligned4(grads) else 1
     G = norm_blocks(n, vec) if blocks is None else int(blocks)
-    rt.launch(rt.function(FILE, norm_name(vec)), (G,), (NORM_THREADS,),
+    rt.launch(rt.function(FILE, norm_name(vec, grads.dtype)), (G,), (NORM_THREADS,),
               [part, grads, i32(n)], label="grad_norm_partial")
     return part, G
 
@@ -122,8 +125,9 @@ def grad_norm_final(rt: RuntimeProtocol, part, blocks: int):
               label="grad_norm_final")
 
 
-# The element types there are AdamW kernels for: (params, grads, m, v), and the same with the working copy
-ADAM_TYPES = (("f32",) * 4, ("f32",) * 4 + ("bf16",))
+# The element types there are AdamW kernels for: (params, grads, m, v), and the same with the working copy;
+# each with fp32 or bf16 gradients
+ADAM_TYPES = tuple(("f32", g, "f32", "f32") + w for g in GRAD_TYPES for w in ((), ("bf16",)))
 
 
 def _grid(rt: RuntimeProtocol, n: int, vec: int) -> int:
@@ -147,7 +151,7 @@ def adamw(rt: RuntimeProtocol, params, grads, m, v, n_decay, beta1, beta2, eps, 
     element_types("adamw", ADAM_TYPES, params=params, grads=grads, m=m, v=v, **copy)
     vec = 4 if aligned4(params, grads, m, v, work) else 1
     tail = [i32(n), i32(n_decay), f32(beta1), f32(beta2), f32(eps), f32(weight_decay), f32(grad_clip), st]
-    rt.launch(rt.function(FILE, adamw_name(vec, work is not None)), (_grid(rt, n, vec),), (ADAM_THREADS,),
+    rt.launch(rt.function(FILE, adamw_name(vec, work is not None, grads.dtype)), (_grid(rt, n, vec),), (ADAM_THREADS,),
               [params, grads, m, v, *copy.values(), *tail], label="adamw")
 
 

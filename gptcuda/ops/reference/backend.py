@@ -12,7 +12,7 @@ import numpy as np
 from gptcuda import faults
 from gptcuda.model import rng, state
 from gptcuda.ops.backend import Buffers, Program, check_matmul, rows
-from gptcuda.model.memory import unpack_gen_opts
+from gptcuda.model.memory import ITEMSIZE, unpack_gen_opts
 from gptcuda.model.params import unflatten
 from gptcuda.ops.reference import ops as R
 from gptcuda.runtime import execution
@@ -74,8 +74,18 @@ class ReferenceBackend:
         return Buffers.of(regions, lambda flat: unflatten(table, flat), self.allocate_arena(plan))
 
     def allocate_arena(self, plan) -> dict:
-        return {e.name: (np.full(e.shape, np.nan, dtype=np.float64) if e.dtype == "f32"
-                         else np.zeros(e.shape, dtype=np.int64)) for e in plan.entries}
+        """An array an entry; one inside another (Entry.within) a view of its elements there, as on
+        the device, so that a plan sharing bytes between values live at once shows here too."""
+        acts = {}
+        for e in plan.entries:
+            if e.within:
+                host = plan[e.within]
+                at = (e.offset - host.offset) // ITEMSIZE[e.dtype]
+                acts[e.name] = acts[e.within].reshape(-1)[at:at + e.numel].reshape(e.shape)
+            else:
+                acts[e.name] = (np.full(e.shape, np.nan, dtype=np.float64) if e.dtype == "f32"
+                                else np.zeros(e.shape, dtype=np.int64))
+        return acts
 
     def upload(self, view, arr):
         view[...] = np.asarray(arr).reshape(view.shape)

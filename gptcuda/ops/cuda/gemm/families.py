@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from gptcuda.model.products import layout_code
-from gptcuda.ops.cuda import DTYPE_CODES, cdiv, expression
+from gptcuda.ops.cuda import DTYPE_CODES, cdiv, expression, optional_code
 
 SIMT_FILE, TF32_FILE, WGMMA_FILE = "gemm_simt.cu", "gemm_tf32.cu", "gemm_wgmma.cu"
 
@@ -52,6 +52,7 @@ TF32_TILES = {(256, 128, 32, 4, 2, 3): 1.0, (128, 128, 32, 2, 2, 3): 0.9, (128, 
 TF32_PLAN_TILES = tuple(TF32_TILES)[:4]
 TF32_FALLBACK_TILES = ((64, 64, 32, 2, 2, 4),)
 SMEM_PER_SM = 228 * 1024       # H100/H200
+SMEM_PER_BLOCK = 227 * 1024    # a block's shared memory at most (dynamic and static)
 # Warpgroup MMA (BM, BN, STAGES, LOADER), A [M, K] and B [N, K] K-major, BM / 64 warpgroups computing; LOADER
 # 0: cp.async (gemm_wgmma), 1: TMA (gemm_wgmma_tma), 2: TMA by a producer warpgroup, persistent (gemm_wgmma_ws).
 WGMMA_TILES = {(128, 128, 3, 0): 1.35, (128, 192, 4, 0): 1.5, (128, 256, 4, 0): 1.5, (256, 128, 4, 0): 1.5,
@@ -72,7 +73,8 @@ BF16_TILES = {(128, 256, 4, 0): 3.3, (256, 128, 4, 0): 3.2, (128, 192, 4, 0): 3.
 # (16384 tokens: dgelu 0.1705 against 0.1552 ms, dgelu_gelu 0.1955 against 0.1756; bench/NOTES.md). Its
 # column sums take 4 columns a thread (Bf16ColSum's W), which fits.
 BF16_PP_WIDE = (128, 192, 5, 1)
-BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32",)}   # layout -> C's dtypes
+BF16_OUTS = {"NT": ("bf16", "f32"), "NN": ("bf16",), "TN": ("f32", "bf16")}   # layout -> C's dtypes (TN bf16:
+# the weight gradients of a model that keeps its gradients in bf16, grad_dtype bf16)
 # A bf16 C is stored through shared memory by the copy engine: two boxes of 64 x 32 bf16 a consumer warpgroup
 # (gemm_wgmma.cu wg_store_tile_tma, ws_stage_bytes), after the ring
 BF16_STAGE_BYTES = 2 * 64 * 32 * 2
@@ -103,12 +105,14 @@ REDUCE_THREADS = 256       # gemm_splitk_reduce's block (grid-stride)
 TRANSPOSE_TILE, TRANSPOSE_THREADS = 64, 256     # gemm_transpose [K, N] -> [N, K]: a square tile a block
 
 
-def dual_name(t, epi_x, colsum) -> str:
+def dual_name(t, epi_x, colsum, w_out="f32") -> str:
     """gemm_wgmma_dual's name expression: tile t (DUAL_TILES, DUAL_PP_TILES: PP 1), the input gradient's
-    epilogue code, colsum (the weight gradient's column sums: their groups, BF16_COLSUM_GROUPS, or 0)."""
+    epilogue code, colsum (the weight gradient's column sums: their groups, BF16_COLSUM_GROUPS, or 0), w_out the
+    weight gradient's C (fp32, the partials of a split one too; bf16: an unsplit one, bf16 gradients)."""
     geo = FAMILIES["bf16"].geometry(t, "bf16")
+    tail = (t[3], DTYPE_CODES[w_out]) if w_out != "f32" else (1,) if t[3] else ()
     return expression("gemm_wgmma_dual", *t[:3], epi_x, geo.threads, geo.smem, BF16_COLSUM_GROUPS if colsum else 0,
-                      *((1,) if t[3] else ()))
+                      *tail)
 
 
 def dual_serves(t, epi_x, colsum) -> bool:
@@ -118,8 +122,10 @@ def dual_serves(t, epi_x, colsum) -> bool:
             (not colsum or t in DUAL_COLSUM_TILES + DUAL_PP_TILES) and (t != BF16_PP_WIDE or not epi_x))
 
 
-def reduce_name(epi, has_bias) -> str:
-    return expression("gemm_splitk_reduce", epi, has_bias, REDUCE_THREADS)
+def reduce_name(epi, has_bias, out="f32") -> str:
+    """gemm_splitk_reduce <EPI, HAS_BIAS, THREADS[, OUT]>: OUT, C's element type (bf16: the weight gradients a
+    model keeps in bf16, epilogue none; fp32's is the default)."""
+    return expression("gemm_splitk_reduce", epi, has_bias, REDUCE_THREADS, *optional_code(out))
 
 
 def transpose_name(vec, colsum=False) -> str:
@@ -189,8 +195,9 @@ class Family:
         a bias), aligned operands (vec), C's dtype (out), the variant that also sums A (colsum)."""
         raise NotImplementedError
 
-    def serves(self, t, epi, colsum=False) -> bool:
-        """Whether tile t has kernels for epilogue code epi (colsum: the variant that also sums A)."""
+    def serves(self, t, epi, colsum=False, out="f32") -> bool:
+        """Whether tile t has kernels for epilogue code epi (colsum: the variant that also sums A) into a C of
+        dtype out."""
         return True
 
     def colsum_rows(self, t, N) -> int:
@@ -280,8 +287,12 @@ class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 
     def short(self, t):
         return f"{t[0]}x{t[1]}s{t[2]}" + ("pp" if t[3] else "")
 
-    def serves(self, t, epi, colsum=False):
-        return t != BF16_PP_WIDE or epi not in (EPI_DGELU, EPI_DGELU_GELU)
+    def serves(self, t, epi, colsum=False, out="f32"):
+        # a bf16 C's staging boxes and the column sums' buffer (1 KB a consumer warpgroup, static) beside the
+        # ring: 256 x 128's do not fit a block's shared memory
+        sums = 1024 * (2 if t[3] else t[0] // 64) if colsum else 0
+        return ((t != BF16_PP_WIDE or epi not in (EPI_DGELU, EPI_DGELU_GELU))
+                and self.geometry(t, out).smem + sums <= SMEM_PER_BLOCK)
 
     def kernel(self, t, ta, tb, epi, hb, vec=True, out="f32", colsum=False):
         geo = self.geometry(t, out)
@@ -322,12 +333,13 @@ def _variants():
                 out += [(fam.file, fam.kernel(tile, ta, tb, epi, hb, vec, o), {}) for o in fam.out_dtypes(ta, tb)]
         if fam.colsum:            # the plain product that also sums A, in each layout its kernel reads A [K, M]
             layouts = dict.fromkeys(fam.kernel_layout(code) for code in fam.layouts)
-            out += [(fam.file, fam.kernel(tile, ta, tb, EPI_NONE, False, colsum=True), {})
+            out += [(fam.file, fam.kernel(tile, ta, tb, EPI_NONE, False, out=o, colsum=True), {})
                     for tile, (ta, tb) in itertools.product(fam.tiles, layouts)
-                    if ta and fam.serves(tile, EPI_NONE, colsum=True)]
-    out += [(WGMMA_FILE, dual_name(t, epi, colsum), {}) for t in DUAL_TILES + DUAL_PP_TILES for epi in DUAL_EPIS
-            for colsum in (False, True) if dual_serves(t, epi, colsum)]
+                    for o in fam.out_dtypes(ta, tb) if ta and fam.serves(tile, EPI_NONE, True, o)]
+    out += [(WGMMA_FILE, dual_name(t, epi, colsum, w), {}) for t in DUAL_TILES + DUAL_PP_TILES for epi in DUAL_EPIS
+            for colsum in (False, True) if dual_serves(t, epi, colsum) for w in ("f32", "bf16")]
     out += [(SIMT_FILE, reduce_name(epi, hb), {}) for epi, hb in EPI_COMBOS]
+    out += [(SIMT_FILE, reduce_name(EPI_NONE, False, "bf16"), {})]     # (bf16 weight gradients)
     out += [(SIMT_FILE, transpose_name(vec, colsum), {}) for colsum in (False, True) for vec in (False, True)]
     return out + [(TF32_FILE, "mma_probe", {}), (TF32_FILE, "tf32_round_probe", {})]
 

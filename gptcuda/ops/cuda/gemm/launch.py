@@ -33,6 +33,11 @@ def _check_dtypes(label, family, out, a, b, bias=None, aux=None):
                         f"products write f32 or bf16, aux of out's type")
 
 
+def _grad_out(trans_a, out) -> str:
+    """Product.out of a product into view out: "bf16" for a weight gradient (trans_a) into a bf16 C."""
+    return "bf16" if trans_a and out.dtype == "bf16" else ""
+
+
 def _vec_ok(a, b, lda, ldb, sA=0, sB=0):
     """16-byte loads of A and B: aligned bases, row and batch strides (split k_chunks keep the alignment)."""
     per = 16 // a.itemsize
@@ -73,7 +78,7 @@ def _launch_gemm(rt, p: Plan, g: Product, out, a, b, bias=None, aux=None, colsum
 def _reduce(rt, p: Plan, g: Product, out, aux, ws, bias, ldc, alpha=1.0):
     """The split-K partials of product g (plan p) in ws, summed in split order into out with g's epilogue."""
     rM, rN = (g.N, g.M) if p.fam.swaps else (g.M, g.N)
-    rt.launch(rt.function(SIMT_FILE, reduce_name(epi_code(g), g.bias)),
+    rt.launch(rt.function(SIMT_FILE, reduce_name(epi_code(g), g.bias, out.dtype)),
               (max(1, min(cdiv(g.M * g.N, REDUCE_THREADS), rt.info.sm_count * 8)),), (REDUCE_THREADS,),
               [out, aux, ws, bias, i32(rM), i32(rN), i32(ldc), i32(p.splits), f32(alpha)],
               label=f"{g.label}:reduce")
@@ -116,7 +121,7 @@ def _plan(rt, g: Product, forced, ex, out_dtype) -> tuple:
     """(plan, split-K workspace view) of product g under execution plan ex: `forced`, else the measured
     table's, else the cost model's; refused with `plan_unfit`'s reason where it cannot run."""
     ws = planned(rt, "gemm_splitk")
-    cap = split_room(out_dtype, ws.numel) if ws is not None and g.batch == 1 else 0
+    cap = split_room(out_dtype, ws.numel, g) if ws is not None and g.batch == 1 else 0
     scratch = {name: v.numel for name in WGMMA_WORKSPACES if (v := planned(rt, name)) is not None}   # absent: 0
     p = forced or tuned_plan(rt, g, ex, cap, scratch, out_dtype) or \
         model_plan(g, ex.gemm_family, ex.wgmma_mode, rt.info.sm_count, cap, scratch)
@@ -152,7 +157,7 @@ def matmul(rt, out, a, b, trans_a=False, trans_b=False, bias=None, epilogue="non
     ex = rt.exec if ex is None else ex
     _check_dtypes("matmul", ex.gemm_family, out, a, b, bias, aux)
     g = Product(M, N, K, trans_a, trans_b, epilogue, bias is not None, colsum=a_colsum is not None,
-             vec=_vec_ok(a, b, lda, ldb), label=f"matmul[{M}x{N}x{K}]")
+                vec=_vec_ok(a, b, lda, ldb), label=f"matmul[{M}x{N}x{K}]", out=_grad_out(trans_a, out))
     p, ws = _plan(rt, g, plan, ex, out.dtype)
     if p.fam.swaps:           # out^T = b^T a: a^T first into the family's scratch (with a's column sums)
         part = None if a_colsum is None else _partials(rt, cdiv(K, TRANSPOSE_TILE), M)
@@ -184,11 +189,12 @@ def matmul_pair(rt, dx, dw, dy, x, w, db=None, epilogue="none", aux=None, ex=Non
     check_matmul(dw, True, None, "none", None, db)
     check_matmul(dx, False, None, epilogue, aux, None)
     p = None
-    if ex.grad_pairs and dx.dtype == "bf16" and dw.dtype == "f32":       # (grad_pairs: the bf16 family)
+    if ex.grad_pairs and dx.dtype == "bf16" and dw.dtype in ("f32", "bf16"):       # (grad_pairs: the bf16 family)
         _check_dtypes("matmul_pair", "bf16", dw, dy, x)
         _check_dtypes("matmul_pair", "bf16", dx, dy, w, aux=aux)
         label = f"matmul_pair[dW {Mw}x{Nw}x{Kw} + dX {Mx}x{Nx}x{Kx}]"
-        gw = Product(Mw, Nw, Kw, True, False, colsum=db is not None, vec=_vec_ok(dy, x, ldaw, ldbw), label=label)
+        gw = Product(Mw, Nw, Kw, True, False, colsum=db is not None, vec=_vec_ok(dy, x, ldaw, ldbw), label=label,
+                     out=_grad_out(True, dw))
         gx = Product(Mx, Nx, Kx, False, False, epilogue, vec=_vec_ok(dy, w, ldax, ldbx), label=label)
         ws = planned(rt, "gemm_splitk")
         room = ws.numel if ws is not None else 0
@@ -204,7 +210,8 @@ def matmul_pair(rt, dx, dw, dy, x, w, db=None, epilogue="none", aux=None, ex=Non
             raise ValueError("matmul_pair: 'dgelu' reads aux while writing dx: they must not overlap")
     if p is None:
         if plan is not None:
-            raise ValueError("matmul_pair: a forced plan needs the bf16 family with grad_pairs, bf16 dx, fp32 dw")
+            raise ValueError("matmul_pair: a forced plan needs the bf16 family with grad_pairs, bf16 dx, fp32 or bf16 "
+                             "dw")
         matmul(rt, dx, dy, w, False, False, epilogue=epilogue, aux=aux, ex=ex)
         matmul(rt, dw, dy, x, True, False, ex=ex, a_colsum=db)
         return
@@ -216,7 +223,7 @@ def _launch_dual(rt, p: Plan, gw: Product, gx: Product, dx, dw, dy, x, w, db, au
     whole = p.splits == 1
     part = _partials(rt, p.splits * p.fam.colsum_rows(p.tile, gw.N), gw.M) if db is not None else None
     geo = p.fam.geometry(p.tile, "bf16")
-    fn = rt.function(WGMMA_FILE, dual_name(p.tile, epi_code(gx), part is not None))
+    fn = rt.function(WGMMA_FILE, dual_name(p.tile, epi_code(gx), part is not None, dw.dtype if whole else "f32"))
     px = Plan(p.family, p.tile, 1, max(gx.K, 1))
     args = [dw if whole else ws, *_operands(rt, p, gw, dy, x, gw.M, gw.N, 0, 0), i32(gw.M), i32(gw.N), i32(gw.K),
             i32(p.splits), i32(p.k_chunk), part,        # (TN: A [K, M], B [K, N] as stored; NN: A [M, K], B [K, N])

@@ -163,7 +163,8 @@ def dual_time(gw: Product, gx: Product, tile, splits, k_chunk, sm_count=132) -> 
 
 def pair_refusal(gw: Product, gx: Product) -> str | None:
     """Why weight gradient gw and input gradient gx cannot run as one gemm_wgmma_dual whatever the plan (gw: TN,
-    fp32 C, plain, colsum beside a plain gx; gx: NN, bf16 C, none or dgelu; one product each, aligned), or None."""
+    fp32 or bf16 C, plain, colsum beside a plain gx; gx: NN, bf16 C, none or dgelu; one product each, aligned),
+    or None."""
     if (gw.layout, gx.layout) != ("TN", "NN") or gw.epilogue != "none" or gw.bias or gx.bias or gx.colsum or \
             epi_code(gx) not in DUAL_EPIS or gw.batch != 1 or gx.batch != 1 or not (gw.vec and gx.vec) or \
             gw.colsum and epi_code(gx) != DUAL_EPIS[0]:      # (no variant: the dgelu pair, fcproj's, sums no bias)
@@ -211,9 +212,11 @@ def competing(family, wgmma=False, epi=None) -> list:
                        (epi is None or any(c[2] == epi for c in FAMILIES[name].combos()))]
 
 
-def split_room(out_dtype: str, floats: int) -> int:
-    """Workspace floats for split-K partials into a C of out_dtype: the reduction writes fp32 (bf16: 0)."""
-    return floats if out_dtype == "f32" else 0
+def split_room(out_dtype: str, floats: int, g: Product | None = None) -> int:
+    """Workspace floats for split-K partials into a C of out_dtype: the reduction writes fp32, and a bf16 C of a
+    plain weight gradient (g: trans_a, no epilogue or bias: bf16 gradients); other bf16 Cs split none (0)."""
+    plain_dw = g is not None and g.ta and g.epilogue == "none" and not g.bias and g.batch == 1
+    return floats if out_dtype == "f32" or plain_dw else 0
 
 
 def _plans(g: Product, family, mode, max_ws, scratch, tiles_of, splits_of):
@@ -223,7 +226,7 @@ def _plans(g: Product, family, mode, max_ws, scratch, tiles_of, splits_of):
     for name in competing(family, wg, epi_code(g)):
         fam = FAMILIES[name]
         for tile in tiles_of(fam):
-            if not fam.serves(tile, epi_code(g), g.colsum):
+            if not fam.serves(tile, epi_code(g), g.colsum, g.out or "f32"):
                 continue
             for s in splits_of(fam, tile):
                 chunk = split_chunk(g.K, s, fam.k_align)
@@ -320,7 +323,7 @@ def plan_unfit(p: Plan, g: Product, family, mode=None, ws_floats=None, scratch=N
         return (f"the {p.family} kernels are not compiled for {layout_code(ta, tb)} with epilogue code {epi_code(g)}"
                 f"{' and a bias' if g.bias else ''} into {out} (the op interface's products: gemm.PRODUCTS; bf16: "
                 f"gemm.BF16_OUTS)")
-    if not fam.serves(p.tile, epi_code(g), g.colsum):
+    if not fam.serves(p.tile, epi_code(g), g.colsum, out if p.splits == 1 else "f32"):
         return (f"the {p.family} tile {fam.short(p.tile)} has no kernel for epilogue code {epi_code(g)}"
                 f"{' with the column sums' if g.colsum else ''}")
     if p.splits > 1 and g.batch != 1:

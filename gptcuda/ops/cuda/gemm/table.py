@@ -36,12 +36,13 @@ APART = "apart"      # a pair's entry (model/products.py Pair): its two products
 
 
 def table_key(tag, g: Product | Pair) -> str:
-    """A product's key under an execution plan's table_tag: its layout, epilogue (+bias, +colsum), shape, batch; a
+    """A product's key under an execution plan's table_tag: its layout, epilogue (+bias, +colsum; >bf16: a C of
+    that dtype, Product.out), shape, batch; a
     pair's: its weight gradient's key | its input gradient's (the first's K: the pair plan's split)."""
     if isinstance(g, Pair):
         return f"{table_key(tag, g.w)}|{table_key(tag, g.x)}"
-    return (f"{tag}:{g.layout}:{g.epilogue}{'+bias' if g.bias else ''}{'+colsum' if g.colsum else ''}:"
-            f"{g.M}x{g.N}x{g.K}:b{g.batch}")
+    return (f"{tag}:{g.layout}:{g.epilogue}{'+bias' if g.bias else ''}{'+colsum' if g.colsum else ''}"
+            f"{'>' + g.out if g.out else ''}:{g.M}x{g.N}x{g.K}:b{g.batch}")
 
 
 def table_path(gpu_name: str, src_hash: str | None = None) -> Path:

@@ -49,8 +49,9 @@ def workspace_floats(cfg, vocab, ex=None) -> dict:
 
 
 def _out_dtype(g: Product, ex) -> str:
-    """The (first) dtype of C that ex's base family writes for g's layout."""
-    return (FAMILIES[ex.gemm_family].out_dtypes(g.ta, g.tb) or ("f32",))[0]
+    """The dtype of C of product g: its own (Product.out), else the first that ex's base family writes for g's
+    layout."""
+    return g.out or (FAMILIES[ex.gemm_family].out_dtypes(g.ta, g.tb) or ("f32",))[0]
 
 
 # the measured candidates of a product: the cost model's ranking only prunes. (It ranks the 128x128 ping-pong
@@ -63,7 +64,7 @@ def candidates_for(g: Product, ex, sm_count=132, workspaces=None, keep=KEEP, max
     """(cost-model plan, pruned candidate plans with it first) of product g under execution plan ex, within
     workspaces {name: floats} (workspace_floats): the modelled time within `keep` x the best, at most max_n."""
     workspaces = workspaces or {}
-    ws = split_room(_out_dtype(g, ex), workspaces.get("gemm_splitk", 0))
+    ws = split_room(_out_dtype(g, ex), workspaces.get("gemm_splitk", 0), g)
     heur = plan(g, ex.gemm_family, ex.wgmma_mode, sm_count, ws, workspaces)
     cands = tune_candidates(g, ex.gemm_family, ex.wgmma_mode, ws, workspaces)
     kept = [heur] + [p for p in prune_candidates(cands, g, sm_count, keep, max_n) if p != heur]
@@ -165,7 +166,7 @@ def _views(g: Product | Pair, ex, make) -> tuple:
     if isinstance(g, Pair):
         w, x = g.w, g.x
         specs = (((w.K, w.M), "bf16"), ((w.K, w.N), "bf16"), ((x.K, x.N), "bf16"), ((x.M, x.N), "bf16"),
-                 ((w.M, w.N), "f32"), ((w.M,) if w.colsum else None, "f32"),
+                 ((w.M, w.N), w.out or "f32"), ((w.M,) if w.colsum else None, w.out or "f32"),
                  ((x.M, x.N) if x.epilogue != "none" else None, "bf16"))
         return tuple(None if shape is None else make(i, shape, dtype) for i, (shape, dtype) in enumerate(specs))
     fam, out = FAMILIES[ex.gemm_family], _out_dtype(g, ex)
@@ -173,7 +174,7 @@ def _views(g: Product | Pair, ex, make) -> tuple:
     specs = ((lead + ((g.K, g.M) if g.ta else (g.M, g.K)), fam.dtype),
              (lead + ((g.N, g.K) if g.tb else (g.K, g.N)), fam.dtype), (lead + (g.M, g.N), out),
              ((g.N,) if g.bias else None, "f32"), ((g.M, g.N) if g.epilogue != "none" else None, out),
-             ((g.M,) if g.colsum else None, "f32"))
+             ((g.M,) if g.colsum else None, g.out or "f32"))
     return tuple(None if shape is None else make(i, shape, dtype) for i, (shape, dtype) in enumerate(specs))
 
 
