@@ -76,7 +76,14 @@ def test_engine_views_do_not_overlap(rt):
     toks = np.random.default_rng(0).integers(0, 65, 4000).astype(np.int32)
     eng = Engine(cfg, toks, toks[:500], 65, backend=None, programs=())
     spans = []
-    for v in list(eng.bufs.params.values()) + list(eng.bufs.grads.values()) + list(eng.bufs.acts.values()):
+    inside = {e.name: e.within for e in eng.plan.entries if e.within}    # (the backward's scratch in the logits)
+    assert inside == {"dres": "logits"}, inside                          # (C 64 fits in 65 columns; dfc does not)
+    acts = eng.bufs.acts
+    for name, host in inside.items():
+        v, h = acts[name], acts[host]
+        assert h.ptr <= v.ptr and v.ptr + v.nbytes <= h.ptr + h.nbytes and v.ptr % 16 == 0, name
+    for v in list(eng.bufs.params.values()) + list(eng.bufs.grads.values()) + \
+            [v for k, v in acts.items() if k not in inside]:
         spans.append((v.ptr, v.ptr + v.nbytes, v.name))
         assert v.ptr % 16 == 0, v.name
     spans.sort()
