@@ -634,7 +634,6 @@ def test_recorded_step_reduces_bf16_gradients_in_their_dtype(zero, accum):
     g = eng.bufs.acts["grad_acc"] if accum > 1 else eng.bufs.flat_grads
     e, dt = (4, "f32") if accum > 1 else (2, "bf16")
     assert dp.grads.ptr == g.ptr and dp.grads.dtype == dt
-    assert dp.cap == 16 * 1024 * 4 // e                     # a bucket is the MiB asked (16K fp32 elements' bytes)
     comm.calls.clear()
     for r in items:
         if isinstance(r, StreamCall) and "loss" not in r.label and "norm" not in r.label and "params" not in r.label:

@@ -384,16 +384,3 @@ def test_candidates_for_weight_grads_on_wgmma():
     # and the dry run lists them (as on an H200)
     assert tune.main(["configs/gpt2_124m_t1024.yaml", "--precision=tf32", f"--vocab_size={V}", "--dry_run",
                       "--only=dW"]) == 0
-
-
-def test_bf16_gradients_split_on_tiles_whose_bf16_c_does_not_fit():
-    """A bf16 weight gradient with its column sums (grad_dtype bf16): 256 x 128 has no bf16 C beside the sums
-    (its staging boxes exceed a block's shared memory), so it runs only split, its partials fp32 as any split's."""
-    wide = (256, 128, 4, 0)
-    dw_fc = Product(3072, 768, 8192, True, False, colsum=True, out="bf16")
-    plans = tune_candidates(dw_fc, "bf16", max_ws=1 << 25)
-    on_wide = [p.splits for p in plans if p.tile == wide]
-    assert on_wide and 1 not in on_wide and all(s > 1 for s in on_wide)
-    fp32 = [p.splits for p in tune_candidates(Product(3072, 768, 8192, True, False, colsum=True), "bf16",
-                                              max_ws=1 << 25) if p.tile == wide]
-    assert 1 in fp32 and sorted(set(fp32) - {1}) == sorted(set(on_wide))

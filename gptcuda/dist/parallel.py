@@ -42,7 +42,7 @@ class DataParallel:
         group.before_close.append(rt.destroy_graphs)
         self.side = rt.side_stream()
         self.timing = bool(group.comm_timing)
-        self.cap = max(int(group.bucket_mb * 2 ** 20) // self.gsize, 1)     # elements a bucket (the MiB asked)
+        self.cap = max(int(group.bucket_mb * 2 ** 20) // 4, 1)
         self.buckets = [] if self.zero else plan_buckets(table, self.cap)
         self._by_point = defaultdict(list)
         for b in self.buckets:

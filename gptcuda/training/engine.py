@@ -224,11 +224,9 @@ class Engine:
         return unflatten(self.table, self.be.download(self.bufs.flat_params))
 
     def grads(self) -> dict:
-        """name -> the parameters' gradients as the last step or backward left them, what the norm and AdamW
-        read (GPT.final_grads: with micro-batches and bf16 gradients the fp32 sum; bf16 ones widened)."""
-        view = self.model.final_grads()
-        g = self.be.download(view)
-        return unflatten(self.table, bf16.values(g) if str(getattr(view, "dtype", "")) == "bf16" else g)
+        """name -> the parameters' gradients as the last backward left them (bf16 ones widened to fp32)."""
+        g = self.be.download(self.bufs.flat_grads)
+        return unflatten(self.table, bf16.values(g) if self.plan.dtype_of("grads") == "bf16" else g)
 
     def set_params(self, named: dict):
         self.be.upload(self.bufs.flat_params, flatten(self.table, named))

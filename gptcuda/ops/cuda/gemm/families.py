@@ -288,9 +288,9 @@ class Bf16(Family):               # (BM, BN, STAGES, PP): gemm_wgmma_ws<..., DT 
         return f"{t[0]}x{t[1]}s{t[2]}" + ("pp" if t[3] else "")
 
     def serves(self, t, epi, colsum=False, out="f32"):
-        # a bf16 C's staging boxes and the column sums' buffer (static: ws_red 1 KB a consumer warpgroup, pp_red
-        # 2 KB a 64-row box of the tile) beside the ring: 256 x 128's do not fit a block's shared memory
-        sums = (2048 if t[3] else 1024) * (t[0] // 64) if colsum else 0
+        # a bf16 C's staging boxes and the column sums' buffer (1 KB a consumer warpgroup, static) beside the
+        # ring: 256 x 128's do not fit a block's shared memory
+        sums = 1024 * (2 if t[3] else t[0] // 64) if colsum else 0
         return ((t != BF16_PP_WIDE or epi not in (EPI_DGELU, EPI_DGELU_GELU))
                 and self.geometry(t, out).smem + sums <= SMEM_PER_BLOCK)
 

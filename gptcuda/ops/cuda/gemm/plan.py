@@ -226,9 +226,9 @@ def _plans(g: Product, family, mode, max_ws, scratch, tiles_of, splits_of):
     for name in competing(family, wg, epi_code(g)):
         fam = FAMILIES[name]
         for tile in tiles_of(fam):
-            for s in splits_of(fam, tile):       # (split partials are fp32 whatever C's dtype: _launch_gemm)
-                if not fam.serves(tile, epi_code(g), g.colsum, g.out or "f32" if s == 1 else "f32"):
-                    continue
+            if not fam.serves(tile, epi_code(g), g.colsum, g.out or "f32"):
+                continue
+            for s in splits_of(fam, tile):
                 chunk = split_chunk(g.K, s, fam.k_align)
                 if chunk is None or s > 1 and (g.batch != 1 or s > MAX_SPLITS or s * g.M * g.N > max_ws):
                     continue
