@@ -18,7 +18,7 @@ from gptcuda.config import load_config
 from gptcuda.model import memory
 from gptcuda.model.memory import ARENA_ALIGN, plan_memory
 from gptcuda.model.params import param_table
-from gptcuda.training.engine import Engine
+from gptcuda.training.engine import Engine, plan_for
 
 TOKS = (np.arange(4000) * 7 % 65).astype(np.int32)
 
@@ -118,8 +118,7 @@ def _recorded(over, V, accum=1):
     from tests.fakes import RecordingRuntime
 
     cfg = load_config("configs/tiny.yaml", ["--max_iters=3", "--vocab_multiple=8", *over])
-    shared = [e.name for e in Engine(cfg, TOKS, TOKS[:400], V, backend=CudaBackend(cfg, rt=RecordingRuntime(cfg)),
-                                     programs=(), n_vocab=65, accum=accum).plan.entries if e.within]
+    shared = [e.name for e in plan_for(cfg, V, accum=accum).entries if e.within]
     keep, memory.SHARED_WITH_LOGITS = memory.SHARED_WITH_LOGITS, ()
     try:
         rt = RecordingRuntime(cfg)

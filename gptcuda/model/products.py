@@ -46,10 +46,9 @@ class Product:
 @dataclass(frozen=True)
 class Pair:
     """A linear layer's weight gradient w (dY^T X: trans_a, fp32 C, or bf16: w.out) and input gradient x (dY W) over
-    one dY: the
-    op interface's linear_bwd, which the bf16 family runs as one launch where ex.grad_pairs (gemm.matmul_pair;
-    its measured table has an entry per pair: a plan, or the two products apart). count: its launches in a
-    training step."""
+    one dY: the op interface's linear_bwd, which the bf16 family runs as one launch where ex.grad_pairs
+    (gemm.matmul_pair; its measured table has an entry per pair: a plan, or the two products apart). count: its
+    launches in a training step."""
     w: Product
     x: Product
     label: str = ""

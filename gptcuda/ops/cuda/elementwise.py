@@ -32,6 +32,7 @@ ring. Each column is summed in the same order either way: the values are the sam
 """
 from __future__ import annotations
 
+import itertools
 import struct
 
 from gptcuda.ops.backend import rows
@@ -274,16 +275,9 @@ def sum_rows(rt: RuntimeProtocol, *sums, label="sum_rows"):
 def _sum_launch(rt: RuntimeProtocol, items, label="sum_rows"):
     """sum_rows launches over up to SUM_ITEMS (out, parts, rows, cols, ld): one, or one a run of items whose
     outputs share an element type."""
-    runs = []
-    for it in items:
-        if runs and it[0].dtype == runs[-1][0][0].dtype:
-            runs[-1].append(it)
-        else:
-            runs.append([it])
-    for run in runs:
-        data, grid = sum_batch(run)
-        rt.launch(rt.function(FILE, sum_rows_name(run[0][0].dtype)), (grid,), (BG_WARPS * 32,), [Blob(data)],
-                  label=label)
+    for dtype, run in itertools.groupby(items, key=lambda it: it[0].dtype):
+        data, grid = sum_batch(list(run))
+        rt.launch(rt.function(FILE, sum_rows_name(dtype)), (grid,), (BG_WARPS * 32,), [Blob(data)], label=label)
 
 
 def sum_batch(items) -> tuple:
